@@ -1,0 +1,150 @@
+# dilocod build.  Out-of-tree objects in $(BUILD); sanitizer variants get their own dir.
+#   make                      build/libdiloco.a build/diloco (and build/dilocod once server/ has a main)
+#   make check                install deps + venv, build, C unit tests (plain and ASan/UBSan), pytest
+#   make SANITIZE=address,undefined check   the same suite on instrumented binaries
+#   make fuzz FUZZ_SECONDS=60 libFuzzer on the safetensors header parser
+#   make deps                 install missing Debian packages (no-op when all present)
+
+SHELL       := /bin/bash
+CC          ?= cc
+SANITIZE    ?=
+PKGS        := libuv libcurl libcjson libcrypto
+LLHTTP_SRC  := /usr/share/llhttp
+LLHTTP_INC  := /usr/share/include/llhttp
+
+ifeq ($(SANITIZE),)
+BUILD       ?= build
+SANFLAGS    :=
+else
+BUILD       ?= build-$(subst $(comma),-,$(SANITIZE))
+SANFLAGS    := -fsanitize=$(SANITIZE) -fno-omit-frame-pointer -fno-sanitize-recover=all
+endif
+comma := ,
+
+WARN        := -Wall -Wextra -Wshadow -Wstrict-prototypes -Werror
+CFLAGS      ?= -O2 -g
+ALL_CFLAGS  := -std=c11 -D_GNU_SOURCE $(CFLAGS) $(WARN) $(SANFLAGS) -MMD -MP -Icommon \
+               $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
+LDLIBS      := $(shell pkg-config --libs $(PKGS) 2>/dev/null) -lm
+LDFLAGS     += $(SANFLAGS)
+
+COMMON_SRC  := $(wildcard common/*.c)
+CLIENT_SRC  := $(wildcard client/*.c)
+SERVER_SRC  := $(wildcard server/*.c)
+UNIT_SRC    := $(wildcard tests/unit/test-*.c)
+
+COMMON_OBJ  := $(COMMON_SRC:%.c=$(BUILD)/%.o)
+CLIENT_OBJ  := $(CLIENT_SRC:%.c=$(BUILD)/%.o)
+SERVER_OBJ  := $(SERVER_SRC:%.c=$(BUILD)/%.o)
+UNIT_OBJ    := $(UNIT_SRC:%.c=$(BUILD)/%.o) $(BUILD)/tests/unit/runner.o
+
+BINS        := $(BUILD)/diloco $(BUILD)/tests/st-write $(BUILD)/tests/unit-tests
+ifneq ($(SERVER_SRC),)
+BINS        += $(BUILD)/dilocod
+endif
+
+VENV        := .venv
+PY          := $(VENV)/bin/python
+DEB_PKGS    := build-essential pkg-config libuv1-dev libcurl4-openssl-dev libcjson-dev node-llhttp libssl-dev \
+               python3-venv python3-torch python3-numpy clang libclang-rt-14-dev curl
+PY_PKGS     := safetensors huggingface_hub pytest requests
+
+.PHONY: all deps venv check unit test-integration fuzz fuzz-regress bench clean distclean
+
+all: $(BUILD)/libdiloco.a $(BINS)
+
+$(BUILD)/%.o: %.c
+	@mkdir -p $(@D)
+	$(CC) $(ALL_CFLAGS) -c $< -o $@
+
+$(BUILD)/libdiloco.a: $(COMMON_OBJ)
+	@mkdir -p $(@D)
+	rm -f $@ && ar rcs $@ $^
+
+$(BUILD)/diloco: $(CLIENT_OBJ) $(BUILD)/libdiloco.a
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/tests/st-write: $(BUILD)/tests/tools/st-write.o $(BUILD)/libdiloco.a
+	@mkdir -p $(@D)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/tests/unit-tests: $(UNIT_OBJ) $(BUILD)/libdiloco.a
+	@mkdir -p $(@D)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+# llhttp ships as C sources in Debian 12 (no shared library): compile them in, without our -Werror.
+LLHTTP_OBJ  := $(BUILD)/llhttp/llhttp.o $(BUILD)/llhttp/api.o $(BUILD)/llhttp/http.o
+$(BUILD)/llhttp/%.o: $(LLHTTP_SRC)/%.c
+	@mkdir -p $(@D)
+	$(CC) -std=c11 $(CFLAGS) $(SANFLAGS) -I$(LLHTTP_INC) -c $< -o $@
+
+$(BUILD)/dilocod: $(SERVER_OBJ) $(LLHTTP_OBJ) $(BUILD)/libdiloco.a
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+$(SERVER_OBJ): ALL_CFLAGS += -I$(LLHTTP_INC)
+
+# ---- dependencies -------------------------------------------------------------------------------
+deps:
+	@missing=""; for p in $(DEB_PKGS); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "deps: installing$$missing"; \
+	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	else echo "deps: all Debian packages present"; fi
+
+venv: $(VENV)/.stamp
+$(VENV)/.stamp: Makefile
+	@test -x $(PY) || /usr/bin/python3 -m venv --system-site-packages $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check $(PY_PKGS)
+	$(PY) -c 'import safetensors, huggingface_hub, pytest, numpy, torch'
+	touch $@
+
+# ---- tests --------------------------------------------------------------------------------------
+unit: $(BUILD)/tests/unit-tests
+	$(BUILD)/tests/unit-tests
+
+test-integration: all venv
+	DILOCO_BUILD=$(abspath $(BUILD)) $(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
+
+check: deps
+	$(MAKE) venv
+	$(MAKE) all
+	$(MAKE) unit
+ifeq ($(SANITIZE),)
+	$(MAKE) SANITIZE=address,undefined unit
+endif
+	$(MAKE) fuzz-regress
+	$(MAKE) test-integration
+
+# ---- fuzzing (clang + libFuzzer) -----------------------------------------------------------------
+FUZZ_SECONDS ?= 60
+FUZZ_BUILD   := build-fuzz
+FUZZ_FLAGS   := -std=c11 -D_GNU_SOURCE -O1 -g -Icommon $(shell pkg-config --cflags libcjson) \
+                -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all
+FUZZ_TARGETS := $(FUZZ_BUILD)/fuzz-header
+
+$(FUZZ_BUILD)/fuzz-%: tests/fuzz/fuzz-%.c $(COMMON_SRC) $(wildcard common/*.h)
+	@mkdir -p $(@D)
+	clang $(FUZZ_FLAGS) -o $@ $< $(COMMON_SRC) $(shell pkg-config --libs libcjson libcrypto) -lm
+
+# Replays the committed corpus: a regression test, part of `make check`.
+fuzz-regress: $(FUZZ_TARGETS)
+	@for t in $(FUZZ_TARGETS); do n=$${t##*/fuzz-}; \
+	  $$t -runs=0 tests/fuzz/corpus/$$n 2>&1 | tail -1 || exit 1; done
+
+fuzz: $(FUZZ_TARGETS)
+	@for t in $(FUZZ_TARGETS); do n=$${t##*/fuzz-}; mkdir -p $(FUZZ_BUILD)/corpus-$$n; \
+	  $$t -max_total_time=$(FUZZ_SECONDS) -max_len=65536 $(FUZZ_BUILD)/corpus-$$n tests/fuzz/corpus/$$n || exit 1; done
+
+bench: all venv
+	$(PY) tests/bench/run.py
+
+clean:
+	rm -rf build build-* 
+
+distclean: clean
+	rm -rf $(VENV)
+
+-include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

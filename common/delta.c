@@ -1,0 +1,539 @@
+#include "delta.h"
+#include "convert.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Elements per chunk of streaming passes: 256 Ki elements keeps every buffer at 2 MiB or less. */
+#define CHUNK_ELEMS (256u * 1024u)
+
+int delta_valid_node_id(const char *s, size_t len)
+{
+    if (len == 0 || len > DELTA_NODE_ID_MAX)
+        return 0;
+    if ((len == 1 && s[0] == '.') || (len == 2 && s[0] == '.' && s[1] == '.'))
+        return 0;
+    for (size_t i = 0; i < len; i++) {
+        char c = s[i];
+        if (!((c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '.' ||
+              c == '_' || c == '-'))
+            return 0;
+    }
+    return 1;
+}
+
+int delta_parse_int(const char *s, size_t len, uint64_t *out)
+{
+    uint64_t v = 0;
+
+    if (len == 0 || len > 16 || (len > 1 && s[0] == '0'))
+        return -1;
+    for (size_t i = 0; i < len; i++) {
+        if (s[i] < '0' || s[i] > '9')
+            return -1;
+        v = v * 10 + (uint64_t)(s[i] - '0');   /* 16 digits cannot overflow 64 bits */
+    }
+    if (v > DELTA_INT_MAX)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+int delta_parse_path(const char *path, char node_id[DELTA_NODE_ID_MAX + 1], uint64_t *local_step,
+                     dl_error *err)
+{
+    static const char prefix[] = "nodes/", fprefix[] = "delta_", suffix[] = ".safetensors";
+    size_t len = strlen(path);
+    const char *id, *slash, *file;
+    size_t id_len, file_len;
+
+    if (len < sizeof(prefix) - 1 || memcmp(path, prefix, sizeof(prefix) - 1) != 0)
+        goto bad;
+    id = path + sizeof(prefix) - 1;
+    slash = strchr(id, '/');
+    if (slash == NULL)
+        goto bad;
+    id_len = (size_t)(slash - id);
+    if (!delta_valid_node_id(id, id_len))
+        return dl_fail(err, DL_E_INVALID_PATH, NULL, 0,
+                       "invalid node id in delta path (allowed: [A-Za-z0-9._-]{1,64}, not . or ..)");
+    file = slash + 1;
+    file_len = strlen(file);
+    if (strchr(file, '/') != NULL || file_len < sizeof(fprefix) - 1 + sizeof(suffix) - 1 ||
+        memcmp(file, fprefix, sizeof(fprefix) - 1) != 0 ||
+        memcmp(file + file_len - (sizeof(suffix) - 1), suffix, sizeof(suffix) - 1) != 0)
+        goto bad;
+    if (delta_parse_int(file + sizeof(fprefix) - 1,
+                        file_len - (sizeof(fprefix) - 1) - (sizeof(suffix) - 1), local_step) != 0)
+        return dl_fail(err, DL_E_INVALID_PATH, NULL, 0,
+                       "invalid local step in delta path (a decimal integer without sign or leading zeros)");
+    memcpy(node_id, id, id_len);
+    node_id[id_len] = '\0';
+    return 0;
+bad:
+    return dl_fail(err, DL_E_INVALID_PATH, NULL, 0,
+                   "not a delta path: expected nodes/<node_id>/delta_<local_step>.safetensors");
+}
+
+int delta_floating_state(const st_header *h, const st_tensor ***out, size_t *n, dl_error *err)
+{
+    const st_tensor **v = malloc((h->ntensors ? h->ntensors : 1) * sizeof(*v));
+    size_t k = 0;
+
+    if (v == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    for (size_t i = 0; i < h->ntensors; i++) {
+        const st_tensor *t = &h->tensors[h->by_name[i]];
+        if (st_dtype_is_floating(t->dtype))
+            v[k++] = t;
+    }
+    *out = v;
+    *n = k;
+    return 0;
+}
+
+static int same_shape(const st_tensor *a, const st_tensor *b)
+{
+    return a->ndim == b->ndim && (a->ndim == 0 || memcmp(a->shape, b->shape, a->ndim * sizeof(uint64_t)) == 0);
+}
+
+static void shape_str(char *out, size_t size, const st_tensor *t)
+{
+    size_t o = 0;
+    int w;
+
+    out[0] = '\0';
+    for (size_t i = 0; i <= t->ndim; i++) {
+        if (i == t->ndim)
+            w = snprintf(out + o, size - o, "]");
+        else
+            w = snprintf(out + o, size - o, "%s%llu", i ? ", " : "[", (unsigned long long)t->shape[i]);
+        if (w < 0 || (size_t)w >= size - o)
+            return;                     /* truncated: good enough for a message */
+        o += (size_t)w;
+    }
+    if (t->ndim == 0)
+        snprintf(out, size, "[]");
+}
+
+static int shape_mismatch(dl_error *err, const st_tensor *want, const st_tensor *got, const char *what)
+{
+    char a[128], b[128];
+    shape_str(a, sizeof(a), want);
+    shape_str(b, sizeof(b), got);
+    return dl_fail(err, DL_E_SHAPE_MISMATCH, got->name, got->name_len, "%s has shape %s, expected %s",
+                   what, b, a);
+}
+
+static int check_metadata(const st_header *delta, delta_info *info, dl_error *err)
+{
+    static const char *const required[] = {"algorithm", "base_outer_step", "local_step", "node_id"};
+    const char *v;
+    size_t len;
+
+    for (size_t i = 0; i < sizeof(required) / sizeof(required[0]); i++) {
+        if (st_header_meta(delta, required[i], NULL) == NULL)
+            return dl_fail(err, DL_E_METADATA_MISSING, NULL, 0, "delta metadata lacks \"%s\"", required[i]);
+    }
+    v = st_header_meta(delta, "algorithm", &len);
+    if (len != strlen(DELTA_ALGORITHM) || memcmp(v, DELTA_ALGORITHM, len) != 0)
+        return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "delta metadata algorithm is \"%.64s\", expected \"%s\"",
+                       v, DELTA_ALGORITHM);
+    v = st_header_meta(delta, "base_outer_step", &len);
+    if (delta_parse_int(v, len, &info->base_outer_step) != 0)
+        return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
+                       "delta metadata base_outer_step \"%.32s\" is not a canonical non-negative integer", v);
+    v = st_header_meta(delta, "local_step", &len);
+    if (delta_parse_int(v, len, &info->local_step) != 0)
+        return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
+                       "delta metadata local_step \"%.32s\" is not a canonical non-negative integer", v);
+    v = st_header_meta(delta, "node_id", &len);
+    if (!delta_valid_node_id(v, len))
+        return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
+                       "delta metadata node_id \"%.64s\" is not a valid node id ([A-Za-z0-9._-]{1,64})", v);
+    memcpy(info->node_id, v, len);
+    info->node_id[len] = '\0';
+    return 0;
+}
+
+int delta_check_header(const st_header *delta, const st_header *global, const char *path,
+                       delta_info *info, dl_error *err)
+{
+    delta_info local;
+    const st_tensor **want = NULL;
+    size_t nwant, k = 0;
+    int rc;
+
+    if (info == NULL)
+        info = &local;
+    if ((rc = check_metadata(delta, info, err)) != 0)
+        return rc;
+    if (path != NULL) {
+        char id[DELTA_NODE_ID_MAX + 1];
+        uint64_t step;
+        if ((rc = delta_parse_path(path, id, &step, err)) != 0)
+            return rc;
+        if (strcmp(id, info->node_id) != 0)
+            return dl_fail(err, DL_E_PATH_MISMATCH, NULL, 0,
+                           "delta metadata node_id \"%s\" does not match the path's node id \"%s\"",
+                           info->node_id, id);
+        if (step != info->local_step)
+            return dl_fail(err, DL_E_PATH_MISMATCH, NULL, 0,
+                           "delta metadata local_step %llu does not match the path's step %llu",
+                           (unsigned long long)info->local_step, (unsigned long long)step);
+    }
+    if ((rc = delta_floating_state(global, &want, &nwant, err)) != 0)
+        return rc;
+    /* Both lists are in name order: walk them together to name the first missing or extra key. */
+    for (size_t i = 0; i < delta->ntensors || k < nwant;) {
+        const st_tensor *d = i < delta->ntensors ? &delta->tensors[delta->by_name[i]] : NULL;
+        const st_tensor *g = k < nwant ? want[k] : NULL;
+        int c;
+        if (d == NULL)
+            c = 1;
+        else if (g == NULL)
+            c = -1;
+        else {
+            size_t m = d->name_len < g->name_len ? d->name_len : g->name_len;
+            c = memcmp(d->name, g->name, m);
+            if (c == 0)
+                c = (d->name_len > g->name_len) - (d->name_len < g->name_len);
+        }
+        if (c < 0) {
+            rc = dl_fail(err, DL_E_KEY_MISMATCH, d->name, d->name_len,
+                         st_header_find(global, d->name, d->name_len) != NULL
+                             ? "delta carries a non-floating key of the global model"
+                             : "delta carries a key the global model does not have");
+            goto out;
+        }
+        if (c > 0) {
+            rc = dl_fail(err, DL_E_KEY_MISMATCH, g->name, g->name_len, "delta lacks a floating key of the global model");
+            goto out;
+        }
+        if (!same_shape(g, d)) {
+            rc = shape_mismatch(err, g, d, "delta tensor");
+            goto out;
+        }
+        st_dtype expect = delta_dtype_for(g->dtype);
+        int ok = expect == ST_C64 ? d->dtype == ST_C64
+                                  : (d->dtype == ST_F32 || d->dtype == ST_F16 || d->dtype == ST_BF16);
+        if (!ok) {
+            rc = dl_fail(err, DL_E_DTYPE_MISMATCH, d->name, d->name_len,
+                         "delta tensor has dtype %s, expected %s for a %s weight", st_dtype_name(d->dtype),
+                         expect == ST_C64 ? "C64" : "F32 (or F16/BF16)", st_dtype_name(g->dtype));
+            goto out;
+        }
+        i++;
+        k++;
+    }
+out:
+    free(want);
+    return rc;
+}
+
+int64_t delta_find_non_finite(st_dtype dt, const void *data, size_t nelem)
+{
+    if (dt == ST_F32 || dt == ST_C64) {
+        const uint32_t *u = data;
+        size_t lanes = nelem * cv_lanes(dt);
+        for (size_t i = 0; i < lanes; i++) {
+            if ((u[i] & 0x7f800000u) == 0x7f800000u)
+                return (int64_t)(i / cv_lanes(dt));
+        }
+    } else if (dt == ST_F16 || dt == ST_BF16) {
+        const uint16_t *h = data;
+        uint16_t mask = dt == ST_F16 ? 0x7c00u : 0x7f80u;
+        for (size_t i = 0; i < nelem; i++) {
+            if ((h[i] & mask) == mask)
+                return (int64_t)i;
+        }
+    }
+    return -1;
+}
+
+int delta_validate(const st_file *delta, const st_header *global, const char *path, delta_info *info,
+                   dl_error *err)
+{
+    unsigned char *buf;
+    int rc;
+
+    if ((rc = delta_check_header(delta->h, global, path, info, err)) != 0)
+        return rc;
+    buf = malloc((size_t)CHUNK_ELEMS * 8);
+    if (buf == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    for (size_t i = 0; i < delta->h->ntensors && rc == 0; i++) {
+        const st_tensor *t = &delta->h->tensors[i];
+        size_t esize = st_dtype_bits(t->dtype) / 8;
+        for (uint64_t e = 0; e < t->nelem; e += CHUNK_ELEMS) {
+            size_t n = (size_t)(t->nelem - e < CHUNK_ELEMS ? t->nelem - e : CHUNK_ELEMS);
+            int64_t bad;
+            if ((rc = st_read(delta, t, e * esize, buf, n * esize, err)) != 0)
+                break;
+            if ((bad = delta_find_non_finite(t->dtype, buf, n)) >= 0) {
+                rc = dl_fail(err, DL_E_NON_FINITE, t->name, t->name_len,
+                             "delta tensor holds a non-finite value (NaN or Inf) at element %llu",
+                             (unsigned long long)(e + (uint64_t)bad));
+                break;
+            }
+        }
+    }
+    free(buf);
+    return rc;
+}
+
+/* Reads n elements of t starting at element e and decodes them into out (F32 lanes). */
+static int read_f32(const st_file *f, const st_tensor *t, uint64_t e, size_t n, void *raw, float *out,
+                    dl_error *err)
+{
+    size_t esize = st_dtype_bits(t->dtype) / 8;
+    int rc;
+
+    if ((rc = st_read(f, t, e * esize, raw, n * esize, err)) != 0)
+        return rc;
+    if (cv_decode(t->dtype, raw, out, n) != 0)
+        return dl_fail(err, DL_E_UNSUPPORTED_DTYPE, t->name, t->name_len,
+                       "arithmetic on %s tensors is not supported", st_dtype_name(t->dtype));
+    return 0;
+}
+
+typedef struct chunk_bufs {
+    unsigned char *raw;
+    float *a, *b;
+} chunk_bufs;
+
+static int bufs_alloc(chunk_bufs *c, dl_error *err)
+{
+    c->raw = malloc((size_t)CHUNK_ELEMS * 8);
+    c->a = malloc((size_t)CHUNK_ELEMS * 2 * sizeof(float));
+    c->b = malloc((size_t)CHUNK_ELEMS * 2 * sizeof(float));
+    if (c->raw == NULL || c->a == NULL || c->b == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    return 0;
+}
+
+static void bufs_free(chunk_bufs *c)
+{
+    free(c->raw);
+    free(c->a);
+    free(c->b);
+}
+
+int delta_compute(const char *baseline, const char *current, const char *out, const char *node_id,
+                  uint64_t base_outer_step, uint64_t local_step, dl_error *err)
+{
+    st_file *fb = NULL, *fc = NULL;
+    const st_tensor **keys = NULL;
+    st_spec *specs = NULL;
+    st_writer *w = NULL;
+    chunk_bufs cb = {0};
+    size_t nkeys = 0;
+    char bstep[24], lstep[24];
+    int rc;
+
+    if (!delta_valid_node_id(node_id, strlen(node_id)))
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "invalid node id \"%.64s\"", node_id);
+    if (base_outer_step > DELTA_INT_MAX || local_step > DELTA_INT_MAX)
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "step out of range");
+    if ((rc = st_open(baseline, &fb, err)) != 0 || (rc = st_open(current, &fc, err)) != 0)
+        goto out;
+    /* exact key-set and shape equality over the whole state */
+    if (fb->h->ntensors != fc->h->ntensors) {
+        rc = dl_fail(err, DL_E_KEY_MISMATCH, NULL, 0, "baseline has %zu tensors, current has %zu",
+                     fb->h->ntensors, fc->h->ntensors);
+        goto out;
+    }
+    for (size_t i = 0; i < fb->h->ntensors; i++) {
+        const st_tensor *b = &fb->h->tensors[fb->h->by_name[i]];
+        const st_tensor *c = st_header_find(fc->h, b->name, b->name_len);
+        if (c == NULL) {
+            rc = dl_fail(err, DL_E_KEY_MISMATCH, b->name, b->name_len, "current model lacks this key");
+            goto out;
+        }
+        if (!same_shape(b, c)) {
+            rc = shape_mismatch(err, b, c, "current tensor");
+            goto out;
+        }
+        if (st_dtype_is_floating(b->dtype) != st_dtype_is_floating(c->dtype) ||
+            (b->dtype == ST_C64) != (c->dtype == ST_C64)) {
+            rc = dl_fail(err, DL_E_DTYPE_MISMATCH, b->name, b->name_len, "baseline is %s, current is %s",
+                         st_dtype_name(b->dtype), st_dtype_name(c->dtype));
+            goto out;
+        }
+    }
+    if ((rc = delta_floating_state(fb->h, &keys, &nkeys, err)) != 0)
+        goto out;
+    specs = calloc(nkeys ? nkeys : 1, sizeof(*specs));
+    if (specs == NULL) {
+        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < nkeys; i++)
+        specs[i] = (st_spec){keys[i]->name, keys[i]->name_len, delta_dtype_for(keys[i]->dtype),
+                             keys[i]->ndim, keys[i]->shape};
+    snprintf(bstep, sizeof(bstep), "%llu", (unsigned long long)base_outer_step);
+    snprintf(lstep, sizeof(lstep), "%llu", (unsigned long long)local_step);
+    st_kv meta[] = {{"algorithm", DELTA_ALGORITHM}, {"base_outer_step", bstep}, {"local_step", lstep},
+                    {"node_id", node_id}};
+    if ((rc = bufs_alloc(&cb, err)) != 0 ||
+        (rc = st_writer_open(out, specs, nkeys, meta, 4, &w, err)) != 0)
+        goto out;
+    for (size_t i = 0; i < nkeys; i++) {
+        const st_tensor *b = keys[i];
+        const st_tensor *c = st_header_find(fc->h, b->name, b->name_len);
+        size_t lanes = cv_lanes(b->dtype);
+        for (uint64_t e = 0; e < b->nelem; e += CHUNK_ELEMS) {
+            size_t n = (size_t)(b->nelem - e < CHUNK_ELEMS ? b->nelem - e : CHUNK_ELEMS);
+            if ((rc = read_f32(fb, b, e, n, cb.raw, cb.a, err)) != 0 ||
+                (rc = read_f32(fc, c, e, n, cb.raw, cb.b, err)) != 0)
+                goto out;
+            for (size_t j = 0; j < n * lanes; j++)
+                cb.a[j] -= cb.b[j];
+            if ((rc = st_writer_write(w, i, e * lanes * 4, cb.a, n * lanes * 4, err)) != 0)
+                goto out;
+        }
+    }
+    rc = st_writer_commit(w, err);
+    w = NULL;
+out:
+    st_writer_abort(w);
+    bufs_free(&cb);
+    free(specs);
+    free(keys);
+    st_close(fb);
+    st_close(fc);
+    return rc;
+}
+
+int delta_average(const char *const *paths, size_t n, const char *out, dl_error *err)
+{
+    st_file **f = NULL;
+    st_spec *specs = NULL;
+    const st_header *ref;
+    st_writer *w = NULL;
+    chunk_bufs cb = {0};
+    int rc = 0;
+
+    if (n == 0)
+        return dl_fail(err, DL_E_EMPTY_INPUT, NULL, 0, "cannot average an empty list of deltas");
+    f = calloc(n, sizeof(*f));
+    if (f == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        if ((rc = st_open(paths[i], &f[i], err)) != 0)
+            goto out;
+    }
+    ref = f[0]->h;
+    for (size_t i = 0; i < ref->ntensors; i++) {
+        const st_tensor *t = &ref->tensors[i];
+        if (t->dtype != ST_F32 && t->dtype != ST_F16 && t->dtype != ST_BF16 && t->dtype != ST_C64) {
+            rc = dl_fail(err, DL_E_DTYPE_MISMATCH, t->name, t->name_len,
+                         "%s: delta tensors must be F32, F16, BF16 or C64, not %s", paths[0], st_dtype_name(t->dtype));
+            goto out;
+        }
+    }
+    for (size_t k = 1; k < n; k++) {
+        const st_header *h = f[k]->h;
+        if (h->ntensors != ref->ntensors) {
+            rc = dl_fail(err, DL_E_KEY_MISMATCH, NULL, 0, "%s has %zu tensors, %s has %zu", paths[k],
+                         h->ntensors, paths[0], ref->ntensors);
+            goto out;
+        }
+        for (size_t i = 0; i < ref->ntensors; i++) {
+            const st_tensor *r = &ref->tensors[i];
+            const st_tensor *t = st_header_find(h, r->name, r->name_len);
+            if (t == NULL) {
+                rc = dl_fail(err, DL_E_KEY_MISMATCH, r->name, r->name_len, "%s lacks this key", paths[k]);
+                goto out;
+            }
+            if (!same_shape(r, t)) {
+                rc = shape_mismatch(err, r, t, paths[k]);
+                goto out;
+            }
+            if ((r->dtype == ST_C64) != (t->dtype == ST_C64) ||
+                (t->dtype != ST_F32 && t->dtype != ST_F16 && t->dtype != ST_BF16 && t->dtype != ST_C64)) {
+                rc = dl_fail(err, DL_E_DTYPE_MISMATCH, t->name, t->name_len, "%s has dtype %s, %s has %s",
+                             paths[k], st_dtype_name(t->dtype), paths[0], st_dtype_name(r->dtype));
+                goto out;
+            }
+        }
+    }
+    specs = calloc(ref->ntensors ? ref->ntensors : 1, sizeof(*specs));
+    if (specs == NULL) {
+        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < ref->ntensors; i++) {
+        const st_tensor *t = &ref->tensors[i];
+        specs[i] = (st_spec){t->name, t->name_len, delta_dtype_for(t->dtype), t->ndim, t->shape};
+    }
+    if ((rc = bufs_alloc(&cb, err)) != 0 ||
+        (rc = st_writer_open(out, specs, ref->ntensors, NULL, 0, &w, err)) != 0)
+        goto out;
+    const float count = (float)n;
+    for (size_t i = 0; i < ref->ntensors; i++) {
+        const st_tensor *r = &ref->tensors[i];
+        size_t lanes = cv_lanes(r->dtype);
+        for (uint64_t e = 0; e < r->nelem; e += CHUNK_ELEMS) {
+            size_t m = (size_t)(r->nelem - e < CHUNK_ELEMS ? r->nelem - e : CHUNK_ELEMS);
+            if ((rc = read_f32(f[0], r, e, m, cb.raw, cb.a, err)) != 0)
+                goto out;
+            for (size_t k = 1; k < n; k++) {
+                const st_tensor *t = st_header_find(f[k]->h, r->name, r->name_len);
+                if ((rc = read_f32(f[k], t, e, m, cb.raw, cb.b, err)) != 0)
+                    goto out;
+                for (size_t j = 0; j < m * lanes; j++)
+                    cb.a[j] += cb.b[j];
+            }
+            for (size_t j = 0; j < m * lanes; j++)
+                cb.a[j] /= count;
+            if ((rc = st_writer_write(w, i, e * lanes * 4, cb.a, m * lanes * 4, err)) != 0)
+                goto out;
+        }
+    }
+    rc = st_writer_commit(w, err);
+    w = NULL;
+out:
+    st_writer_abort(w);
+    bufs_free(&cb);
+    free(specs);
+    for (size_t i = 0; i < n; i++)
+        st_close(f[i]);
+    free(f);
+    return rc;
+}
+
+cJSON *delta_metadata_json(const st_header *h)
+{
+    cJSON *decoded = cJSON_CreateObject(), *raw = cJSON_CreateObject();
+    int all_json = 1;
+
+    if (decoded == NULL || raw == NULL)
+        goto fail;
+    for (size_t i = 0; i < h->nmeta; i++) {
+        const st_meta *m = &h->meta[i];
+        cJSON *s = cJSON_CreateString(m->value);
+        if (s == NULL || !cJSON_AddItemToObject(raw, m->key, s))
+            goto fail;
+        if (all_json) {
+            cJSON *v = cJSON_ParseWithOpts(m->value, NULL, 1);
+            if (v == NULL)
+                all_json = 0;
+            else if (!cJSON_AddItemToObject(decoded, m->key, v)) {
+                cJSON_Delete(v);
+                goto fail;
+            }
+        }
+    }
+    if (all_json) {
+        cJSON_Delete(raw);
+        return decoded;
+    }
+    cJSON_Delete(decoded);
+    return raw;
+fail:
+    cJSON_Delete(decoded);
+    cJSON_Delete(raw);
+    return NULL;
+}
