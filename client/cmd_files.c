@@ -1,0 +1,380 @@
+/* diloco inspect / verify / delta / average: commands on local files. */
+#include <getopt.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cJSON.h>
+#include <openssl/evp.h>
+
+#include "cli.h"
+#include "delta.h"
+#include "safetensors.h"
+
+static int want_help(int argc, char **argv, const char *text)
+{
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            fputs(text, stdout);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static int usage_error(const char *text, const char *fmt, const char *arg)
+{
+    fprintf(stderr, "diloco: ");
+    fprintf(stderr, fmt, arg);
+    fprintf(stderr, "\n%s", text);
+    return EXIT_USAGE;
+}
+
+/* sha256 of a tensor's bytes, streamed in 1 MiB reads. */
+static int tensor_sha256(const st_file *f, const st_tensor *t, char hex[65], dl_error *err)
+{
+    static const char digits[] = "0123456789abcdef";
+    enum { BUF = 1 << 20 };
+    unsigned char md[32];
+    unsigned mdlen = 0;
+    unsigned char *buf = malloc(BUF);
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    uint64_t size = st_tensor_bytes(t);
+    int rc = 0;
+
+    if (buf == NULL || ctx == NULL || EVP_DigestInit_ex(ctx, EVP_sha256(), NULL) != 1) {
+        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "cannot set up sha256");
+        goto out;
+    }
+    for (uint64_t off = 0; off < size; off += BUF) {
+        size_t n = (size_t)(size - off < BUF ? size - off : BUF);
+        if ((rc = st_read(f, t, off, buf, n, err)) != 0)
+            goto out;
+        if (EVP_DigestUpdate(ctx, buf, n) != 1) {
+            rc = dl_fail(err, DL_E_IO, NULL, 0, "sha256 update failed");
+            goto out;
+        }
+    }
+    if (EVP_DigestFinal_ex(ctx, md, &mdlen) != 1 || mdlen != 32) {
+        rc = dl_fail(err, DL_E_IO, NULL, 0, "sha256 final failed");
+        goto out;
+    }
+    for (int i = 0; i < 32; i++) {
+        hex[2 * i] = digits[md[i] >> 4];
+        hex[2 * i + 1] = digits[md[i] & 15];
+    }
+    hex[64] = '\0';
+out:
+    EVP_MD_CTX_free(ctx);
+    free(buf);
+    return rc;
+}
+
+static void shape_text(char *out, size_t size, const st_tensor *t)
+{
+    size_t o = 0;
+    int w = snprintf(out, size, "[");
+    o = (size_t)w;
+    for (size_t i = 0; i < t->ndim && o < size; i++) {
+        w = snprintf(out + o, size - o, "%s%" PRIu64, i ? ", " : "", t->shape[i]);
+        if (w < 0 || (size_t)w >= size - o)
+            return;
+        o += (size_t)w;
+    }
+    if (o < size)
+        snprintf(out + o, size - o, "]");
+}
+
+static cJSON *inspect_json(const st_file *f, int hash, dl_error *err)
+{
+    cJSON *root = cJSON_CreateObject(), *tensors, *meta;
+    uint64_t params = 0;
+
+    if (root == NULL)
+        goto oom;
+    cJSON_AddStringToObject(root, "file", f->path);
+    cJSON_AddNumberToObject(root, "file_size", (double)f->file_size);
+    cJSON_AddNumberToObject(root, "header_size", (double)f->h->header_len);
+    cJSON_AddNumberToObject(root, "data_offset", (double)f->data_start);
+    if (f->h->has_metadata) {
+        meta = cJSON_AddObjectToObject(root, "metadata");
+        for (size_t i = 0; meta && i < f->h->nmeta; i++)
+            cJSON_AddStringToObject(meta, f->h->meta[i].key, f->h->meta[i].value);
+    } else {
+        cJSON_AddNullToObject(root, "metadata");
+    }
+    tensors = cJSON_AddArrayToObject(root, "tensors");
+    if (tensors == NULL)
+        goto oom;
+    for (size_t i = 0; i < f->h->ntensors; i++) {
+        const st_tensor *t = &f->h->tensors[i];
+        cJSON *o = cJSON_CreateObject(), *shape, *offs;
+        if (o == NULL || !cJSON_AddItemToArray(tensors, o))
+            goto oom;
+        cJSON_AddStringToObject(o, "name", t->name);
+        cJSON_AddStringToObject(o, "dtype", st_dtype_name(t->dtype));
+        shape = cJSON_AddArrayToObject(o, "shape");
+        for (size_t d = 0; shape && d < t->ndim; d++)
+            cJSON_AddItemToArray(shape, cJSON_CreateNumber((double)t->shape[d]));
+        offs = cJSON_AddArrayToObject(o, "data_offsets");
+        if (offs) {
+            cJSON_AddItemToArray(offs, cJSON_CreateNumber((double)t->begin));
+            cJSON_AddItemToArray(offs, cJSON_CreateNumber((double)t->end));
+        }
+        cJSON_AddNumberToObject(o, "bytes", (double)st_tensor_bytes(t));
+        if (hash) {
+            char hex[65];
+            if (tensor_sha256(f, t, hex, err) != 0) {
+                cJSON_Delete(root);
+                return NULL;
+            }
+            cJSON_AddStringToObject(o, "sha256", hex);
+        }
+        params += t->nelem;
+    }
+    cJSON_AddNumberToObject(root, "tensor_count", (double)f->h->ntensors);
+    cJSON_AddNumberToObject(root, "total_bytes", (double)f->h->data_len);
+    cJSON_AddNumberToObject(root, "total_parameters", (double)params);
+    return root;
+oom:
+    cJSON_Delete(root);
+    dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    return NULL;
+}
+
+static void inspect_text(const st_file *f)
+{
+    uint64_t params = 0;
+
+    printf("file:     %s (%" PRIu64 " bytes)\n", f->path, f->file_size);
+    printf("header:   %" PRIu64 " bytes, data at offset %" PRIu64 "\n", f->h->header_len, f->data_start);
+    if (!f->h->has_metadata)
+        printf("metadata: none\n");
+    for (size_t i = 0; i < f->h->nmeta; i++) {
+        char k[256], v[512];
+        dl_printable(k, sizeof(k), f->h->meta[i].key, f->h->meta[i].key_len);
+        dl_printable(v, sizeof(v), f->h->meta[i].value, f->h->meta[i].value_len);
+        printf("%s%s = %s\n", i == 0 ? "metadata: " : "          ", k, v);
+    }
+    printf("%-40s %-11s %-20s %14s  %s\n", "tensor", "dtype", "shape", "bytes", "data offsets");
+    for (size_t i = 0; i < f->h->ntensors; i++) {
+        const st_tensor *t = &f->h->tensors[i];
+        char name[256], shape[128];
+        dl_printable(name, sizeof(name), t->name, t->name_len);
+        shape_text(shape, sizeof(shape), t);
+        printf("%-40s %-11s %-20s %14" PRIu64 "  [%" PRIu64 ", %" PRIu64 "]\n", name, st_dtype_name(t->dtype),
+               shape, st_tensor_bytes(t), t->begin, t->end);
+        params += t->nelem;
+    }
+    printf("total:    %zu tensors, %" PRIu64 " parameters, %" PRIu64 " data bytes\n", f->h->ntensors, params,
+           f->h->data_len);
+}
+
+static const char inspect_help[] =
+    "usage: diloco inspect FILE [--json] [--hash]\n"
+    "  Validates FILE as strictly as the safetensors reference (and stricter: duplicate keys) and shows\n"
+    "  its header size, metadata, and each tensor's dtype, shape, bytes and data offsets; totals.\n"
+    "  --json   machine-readable output (on error: {\"error\":{\"code\",\"message\",\"tensor\"}})\n"
+    "  --hash   add the sha256 of each tensor's bytes (reads the whole file)\n";
+
+int cmd_inspect(int argc, char **argv)
+{
+    static const struct option opts[] = {{"json", no_argument, NULL, 'j'}, {"hash", no_argument, NULL, 'H'},
+                                         {NULL, 0, NULL, 0}};
+    int json = 0, hash = 0, c, rc;
+    st_file *f;
+    dl_error err;
+
+    if (want_help(argc, argv, inspect_help))
+        return EXIT_OK;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        if (c == 'j') json = 1;
+        else if (c == 'H') hash = 1;
+        else return usage_error(inspect_help, "%s", "bad option");
+    }
+    if (optind != argc - 1)
+        return usage_error(inspect_help, "%s", "inspect takes exactly one FILE");
+    dl_error_clear(&err);
+    if ((rc = st_open(argv[optind], &f, &err)) != 0) {
+        if (json)
+            cli_print_error_json(&err);
+        return cli_report(argv[optind], &err);
+    }
+    if (json || hash) {
+        cJSON *root = inspect_json(f, hash, &err);
+        char *text = root ? cJSON_PrintUnformatted(root) : NULL;
+        cJSON_Delete(root);
+        if (text == NULL) {
+            st_close(f);
+            if (json)
+                cli_print_error_json(&err);
+            return cli_report(argv[optind], &err);
+        }
+        if (json) {
+            printf("%s\n", text);
+        } else {
+            inspect_text(f);
+        }
+        cJSON_free(text);
+        if (!json && hash) {
+            for (size_t i = 0; i < f->h->ntensors; i++) {
+                char hex[65], name[256];
+                if (tensor_sha256(f, &f->h->tensors[i], hex, &err) != 0)
+                    break;
+                dl_printable(name, sizeof(name), f->h->tensors[i].name, f->h->tensors[i].name_len);
+                printf("sha256 %s  %s\n", hex, name);
+            }
+        }
+    } else {
+        inspect_text(f);
+    }
+    st_close(f);
+    return EXIT_OK;
+}
+
+static const char verify_help[] =
+    "usage: diloco verify DELTA [--against GLOBAL] [--path nodes/ID/delta_N.safetensors] [--json]\n"
+    "  Checks a delta as dilocod does: the container, the metadata (algorithm, base_outer_step,\n"
+    "  local_step, node_id), dtypes (F32, F16, BF16; C64 for complex keys), finite values; with\n"
+    "  --against, the key set and shapes against the global model's floating tensors; with --path,\n"
+    "  that the metadata agrees with the Hub path.  Exit 0 when valid, 1 with the error code otherwise.\n";
+
+/* Without a global, check the delta against itself: its own keys are the expected key set. */
+int cmd_verify(int argc, char **argv)
+{
+    static const struct option opts[] = {{"against", required_argument, NULL, 'a'},
+                                         {"path", required_argument, NULL, 'p'},
+                                         {"json", no_argument, NULL, 'j'},
+                                         {NULL, 0, NULL, 0}};
+    const char *against = NULL, *path = NULL;
+    int json = 0, c, rc;
+    st_file *delta = NULL, *global = NULL;
+    delta_info info;
+    dl_error err;
+    const char *what;
+
+    if (want_help(argc, argv, verify_help))
+        return EXIT_OK;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        if (c == 'a') against = optarg;
+        else if (c == 'p') path = optarg;
+        else if (c == 'j') json = 1;
+        else return usage_error(verify_help, "%s", "bad option");
+    }
+    if (optind != argc - 1)
+        return usage_error(verify_help, "%s", "verify takes exactly one DELTA");
+    dl_error_clear(&err);
+    what = argv[optind];
+    if ((rc = st_open(argv[optind], &delta, &err)) == 0) {
+        if (against != NULL && (rc = st_open(against, &global, &err)) != 0)
+            what = against;
+    }
+    if (rc == 0)
+        rc = delta_validate(delta, global ? global->h : delta->h, path, &info, &err);
+    if (rc != 0) {
+        if (json) {
+            cJSON *root = cJSON_CreateObject(), *e = cli_error_object(&err);
+            if (root != NULL && e != NULL && cJSON_AddFalseToObject(root, "valid") &&
+                cJSON_AddItemToObject(root, "error", e))
+                e = NULL;
+            cJSON_Delete(e);
+            cli_print_json(root);
+        }
+        st_close(delta);
+        st_close(global);
+        return cli_report(what, &err);
+    }
+    if (json) {
+        cJSON *root = cJSON_CreateObject();
+        cJSON_AddTrueToObject(root, "valid");
+        cJSON_AddStringToObject(root, "node_id", info.node_id);
+        cJSON_AddNumberToObject(root, "base_outer_step", (double)info.base_outer_step);
+        cJSON_AddNumberToObject(root, "local_step", (double)info.local_step);
+        cli_print_json(root);
+    }
+    else
+        printf("%s: valid delta from node %s, base_outer_step %" PRIu64 ", local_step %" PRIu64 "\n",
+               argv[optind], info.node_id, info.base_outer_step, info.local_step);
+    st_close(delta);
+    st_close(global);
+    return EXIT_OK;
+}
+
+static const char delta_help[] =
+    "usage: diloco delta --baseline A --current B --node-id ID --base-step S --local-step N -o OUT\n"
+    "  Writes float32(A) - float32(B) for every floating tensor (F16, BF16, F32, F64, F8 formats;\n"
+    "  C64 as complex pairs) with the reference's metadata; integer and bool buffers are omitted.\n"
+    "  A and B must have exactly the same keys and shapes.  OUT is replaced atomically.\n";
+
+static int parse_step(const char *s, uint64_t *out)
+{
+    return delta_parse_int(s, strlen(s), out);
+}
+
+int cmd_delta(int argc, char **argv)
+{
+    static const struct option opts[] = {{"baseline", required_argument, NULL, 'b'},
+                                         {"current", required_argument, NULL, 'c'},
+                                         {"node-id", required_argument, NULL, 'n'},
+                                         {"base-step", required_argument, NULL, 's'},
+                                         {"local-step", required_argument, NULL, 'l'},
+                                         {"output", required_argument, NULL, 'o'},
+                                         {NULL, 0, NULL, 0}};
+    const char *baseline = NULL, *current = NULL, *node = NULL, *out = NULL, *bs = NULL, *ls = NULL;
+    uint64_t base_step, local_step;
+    dl_error err;
+    int c;
+
+    if (want_help(argc, argv, delta_help))
+        return EXIT_OK;
+    while ((c = getopt_long(argc, argv, "o:", opts, NULL)) != -1) {
+        switch (c) {
+        case 'b': baseline = optarg; break;
+        case 'c': current = optarg; break;
+        case 'n': node = optarg; break;
+        case 's': bs = optarg; break;
+        case 'l': ls = optarg; break;
+        case 'o': out = optarg; break;
+        default: return usage_error(delta_help, "%s", "bad option");
+        }
+    }
+    if (!baseline || !current || !node || !bs || !ls || !out || optind != argc)
+        return usage_error(delta_help, "%s", "delta needs --baseline --current --node-id --base-step --local-step -o");
+    if (!delta_valid_node_id(node, strlen(node)))
+        return usage_error(delta_help, "invalid --node-id '%s' (allowed: [A-Za-z0-9._-]{1,64})", node);
+    if (parse_step(bs, &base_step) != 0)
+        return usage_error(delta_help, "invalid --base-step '%s'", bs);
+    if (parse_step(ls, &local_step) != 0)
+        return usage_error(delta_help, "invalid --local-step '%s'", ls);
+    dl_error_clear(&err);
+    if (delta_compute(baseline, current, out, node, base_step, local_step, &err) != 0)
+        return cli_report(out, &err);
+    return EXIT_OK;
+}
+
+static const char average_help[] =
+    "usage: diloco average -o OUT D1 [D2 ...]\n"
+    "  Plain FP32 average of deltas (accumulated in the given order, divided by their count), written\n"
+    "  to OUT.  A debugging aid: dilocod averages in ascending node id order and applies the outer step.\n";
+
+int cmd_average(int argc, char **argv)
+{
+    static const struct option opts[] = {{"output", required_argument, NULL, 'o'}, {NULL, 0, NULL, 0}};
+    const char *out = NULL;
+    dl_error err;
+    int c;
+
+    if (want_help(argc, argv, average_help))
+        return EXIT_OK;
+    while ((c = getopt_long(argc, argv, "o:", opts, NULL)) != -1) {
+        if (c == 'o') out = optarg;
+        else return usage_error(average_help, "%s", "bad option");
+    }
+    if (out == NULL || optind >= argc)
+        return usage_error(average_help, "%s", "average needs -o OUT and at least one delta");
+    dl_error_clear(&err);
+    if (delta_average((const char *const *)argv + optind, (size_t)(argc - optind), out, &err) != 0)
+        return cli_report(out, &err);
+    return EXIT_OK;
+}

@@ -1,0 +1,114 @@
+/* diloco: the client tool of dilocod. */
+#include <stdio.h>
+#include <string.h>
+
+#include <cJSON.h>
+
+#include "cli.h"
+
+#ifndef DILOCO_VERSION
+#define DILOCO_VERSION "0.1.0"
+#endif
+
+static const struct {
+    const char *name;
+    int (*fn)(int, char **);
+    const char *summary;
+} commands[] = {
+    {"inspect", cmd_inspect, "show a safetensors file's header, metadata and tensors"},
+    {"verify", cmd_verify, "check a delta file strictly (optionally against a global model and a path)"},
+    {"delta", cmd_delta, "write the pseudo-gradient (baseline - current) of two model files"},
+    {"average", cmd_average, "FP32 average of delta files (a debugging aid)"},
+};
+
+static void usage(FILE *out)
+{
+    fprintf(out, "usage: diloco <command> [options]\n\ncommands:\n");
+    for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
+        fprintf(out, "  %-9s %s\n", commands[i].name, commands[i].summary);
+    fprintf(out, "\n'diloco <command> --help' describes a command.\n"
+                 "exit codes: 0 ok, 1 invalid input (rejected file), 2 usage error, 3 I/O error\n");
+}
+
+int cli_exit_code(dl_code code)
+{
+    switch (code) {
+    case DL_E_IO:
+    case DL_E_NO_MEMORY:
+        return EXIT_IO;
+    case DL_E_INVALID_ARGUMENT:
+        return EXIT_USAGE;
+    default:
+        return EXIT_INVALID;
+    }
+}
+
+int cli_report(const char *what, const dl_error *err)
+{
+    if (err->tensor[0] != '\0')
+        fprintf(stderr, "diloco: %s: %s: %s (tensor \"%s\")\n", what, dl_error_name(err->code), err->message,
+                err->tensor);
+    else
+        fprintf(stderr, "diloco: %s: %s: %s\n", what, dl_error_name(err->code), err->message);
+    return cli_exit_code(err->code);
+}
+
+cJSON *cli_error_object(const dl_error *err)
+{
+    cJSON *e = cJSON_CreateObject();
+
+    if (e == NULL || !cJSON_AddStringToObject(e, "code", dl_error_name(err->code)) ||
+        !cJSON_AddStringToObject(e, "message", err->message) ||
+        (err->tensor[0] != '\0' && !cJSON_AddStringToObject(e, "tensor", err->tensor))) {
+        cJSON_Delete(e);
+        return NULL;
+    }
+    return e;
+}
+
+void cli_print_json(cJSON *root)
+{
+    char *text = root ? cJSON_PrintUnformatted(root) : NULL;
+
+    if (text != NULL)
+        printf("%s\n", text);
+    else
+        fprintf(stderr, "diloco: out of memory printing JSON\n");
+    cJSON_free(text);
+    cJSON_Delete(root);
+}
+
+void cli_print_error_json(const dl_error *err)
+{
+    cJSON *root = cJSON_CreateObject(), *e = cli_error_object(err);
+
+    if (root == NULL || e == NULL || !cJSON_AddItemToObject(root, "error", e)) {
+        cJSON_Delete(e);
+        cJSON_Delete(root);
+        root = NULL;
+    }
+    cli_print_json(root);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        usage(stderr);
+        return EXIT_USAGE;
+    }
+    if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
+        usage(stdout);
+        return EXIT_OK;
+    }
+    if (strcmp(argv[1], "--version") == 0) {
+        printf("diloco %s\n", DILOCO_VERSION);
+        return EXIT_OK;
+    }
+    for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++) {
+        if (strcmp(argv[1], commands[i].name) == 0)
+            return commands[i].fn(argc - 1, argv + 1);
+    }
+    fprintf(stderr, "diloco: unknown command '%s'\n", argv[1]);
+    usage(stderr);
+    return EXIT_USAGE;
+}
