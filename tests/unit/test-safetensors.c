@@ -1,0 +1,358 @@
+#include "test.h"
+
+#include <fcntl.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "safetensors.h"
+
+/* Builds 8-byte LE length + json + data bytes into a malloc'd buffer. */
+static char *make_file(const char *json, size_t data_len, size_t *total)
+{
+    size_t n = strlen(json);
+    char *buf = calloc(1, 8 + n + data_len + 1);
+    for (int i = 0; i < 8; i++)
+        buf[i] = (char)(((uint64_t)n >> (8 * i)) & 0xff);
+    memcpy(buf + 8, json, n);
+    *total = 8 + n + data_len;
+    return buf;
+}
+
+/* Parses json as the header of a file with data_len data bytes; returns 0 or the error code. */
+static int parse_code(const char *json, size_t data_len)
+{
+    st_header *h = NULL;
+    dl_error err;
+    int rc = st_header_parse(json, strlen(json), 8 + strlen(json) + data_len, &h, &err);
+    st_header_free(h);
+    return rc == 0 ? 0 : (int)err.code;
+}
+
+TEST(header_valid_basic)
+{
+    const char *j = "{\"__metadata__\":{\"k\":\"v\"},\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+                    "\"a\":{\"dtype\":\"I64\",\"shape\":[],\"data_offsets\":[8,16]}}";
+    st_header *h;
+    dl_error err;
+    CHECK_EQ(st_header_parse(j, strlen(j), 8 + strlen(j) + 16, &h, &err), 0);
+    CHECK_EQ(h->ntensors, 2);
+    CHECK_STR(h->tensors[0].name, "b");        /* offset order */
+    CHECK_STR(h->tensors[1].name, "a");
+    CHECK_EQ(h->tensors[1].nelem, 1);
+    CHECK(st_header_find(h, "a", 1) == &h->tensors[1]);
+    CHECK(st_header_find(h, "c", 1) == NULL);
+    CHECK_STR(st_header_meta(h, "k", NULL), "v");
+    CHECK_EQ(h->data_len, 16);
+    st_header_free(h);
+}
+
+TEST(header_error_codes)
+{
+    static const struct { const char *json; size_t data; dl_code code; } cases[] = {
+        {"", 0, DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"[]", 0, DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{", 0, DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{}x", 0, DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{}", 1, DL_E_METADATA_INCOMPLETE_BUFFER},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},}", 4, DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{\"a\":{\"dtype\":\"F33\",\"shape\":[1],\"data_offsets\":[0,4]}}", 4, DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{\"a\":{\"dtype\":\"f32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 4, DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{\"a\":{\"shape\":[1],\"data_offsets\":[0,4]}}", 4, DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{\"a\":{\"dtype\":\"F32\",\"data_offsets\":[0,4]}}", 4, DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1]}}", 4, DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[-1],\"data_offsets\":[0,4]}}", 4, DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1.0],\"data_offsets\":[0,4]}}", 4, DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1e0],\"data_offsets\":[0,4]}}", 4, DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[-0],\"data_offsets\":[0,0]}}", 0, DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[18446744073709551616],\"data_offsets\":[0,4]}}", 4,
+         DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4,4]}}", 4, DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[1,5]}}", 5, DL_E_INVALID_OFFSET},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,0]}}", 4, DL_E_INVALID_OFFSET},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+         "\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[2,6]}}", 6, DL_E_INVALID_OFFSET},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,4]}}", 4, DL_E_TENSOR_INVALID_INFO},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[4294967296,4294967296],\"data_offsets\":[0,4]}}", 4,
+         DL_E_VALIDATION_OVERFLOW},
+        {"{\"a\":{\"dtype\":\"F64\",\"shape\":[2305843009213693952],\"data_offsets\":[0,4]}}", 4,
+         DL_E_VALIDATION_OVERFLOW},
+        {"{\"a\":{\"dtype\":\"F4\",\"shape\":[3],\"data_offsets\":[0,2]}}", 2, DL_E_MISALIGNED_SLICE},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+         "\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}", 8, DL_E_DUPLICATE_KEY},
+        {"{\"a\":{\"dtype\":\"F32\",\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 4, DL_E_DUPLICATE_KEY},
+        {"{\"__metadata__\":{\"k\":\"1\",\"k\":\"2\"}}", 0, DL_E_DUPLICATE_KEY},
+        {"{\"__metadata__\":{},\"__metadata__\":{}}", 0, DL_E_DUPLICATE_KEY},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4],\"x\":{\"y\":1,\"y\":2}}}", 4,
+         DL_E_DUPLICATE_KEY},
+        {"{\"__metadata__\":{\"k\":1}}", 0, DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{\"__metadata__\":[]}", 0, DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{\"\\ud800\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[0,4]}}", 4, DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{\"a\tb\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[0,4]}}", 4, DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"\xef\xbb\xbf{}", 0, DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{\"\xc0\xaf\":1}", 0, DL_E_INVALID_HEADER},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 3, DL_E_METADATA_INCOMPLETE_BUFFER},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        int got = parse_code(cases[i].json, cases[i].data);
+        if (got != (int)cases[i].code)
+            fprintf(stderr, "  case %zu: %s\n", i, cases[i].json);
+        CHECK_EQ(got, cases[i].code);
+    }
+}
+
+TEST(header_whitespace_and_unknown_fields_accepted)
+{
+    CHECK_EQ(parse_code(" \t\r\n{} \n", 0), 0);
+    CHECK_EQ(parse_code("{\"a\":{\"dtype\":\"BOOL\",\"shape\":[],\"data_offsets\":[0,1],\"extra\":[1,{\"z\":null},true]}}", 1), 0);
+    CHECK_EQ(parse_code("{\"__metadata__\":null}", 0), 0);
+    CHECK_EQ(parse_code("{\"e\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]},"
+                        "\"f\":{\"dtype\":\"F32\",\"shape\":[0,5],\"data_offsets\":[0,0]}}", 0), 0);
+}
+
+TEST(header_depth_limit)
+{
+    /* the tensor entry is at depth 2; the unknown field adds levels */
+    char json[2048];
+    for (int extra = 126; extra <= 127; extra++) {
+        size_t o = (size_t)snprintf(json, sizeof(json), "{\"a\":{\"dtype\":\"U8\",\"shape\":[],\"data_offsets\":[0,1],\"x\":");
+        for (int i = 0; i < extra; i++)
+            json[o++] = '[';
+        for (int i = 0; i < extra; i++)
+            json[o++] = ']';
+        o += (size_t)snprintf(json + o, sizeof(json) - o, "}}");
+        CHECK_EQ(parse_code(json, 1), extra == 126 ? 0 : DL_E_INVALID_HEADER_DESERIALIZATION);
+    }
+}
+
+TEST(header_name_with_nul_and_escapes)
+{
+    const char *j = "{\"a\\u0000b\":{\"dtype\":\"U8\",\"shape\":[],\"data_offsets\":[0,1]},"
+                    "\"\\ud83d\\ude00\\\"\\\\\":{\"dtype\":\"U8\",\"shape\":[],\"data_offsets\":[1,2]}}";
+    st_header *h;
+    dl_error err;
+    CHECK_EQ(st_header_parse(j, strlen(j), 8 + strlen(j) + 2, &h, &err), 0);
+    CHECK(st_header_find(h, "a\0b", 3) != NULL);
+    CHECK(st_header_find(h, "a", 1) == NULL);
+    CHECK(st_header_find(h, "\xf0\x9f\x98\x80\"\\", 6) != NULL);
+    st_header_free(h);
+}
+
+TEST(header_final_sum_checked)
+{
+    /* Eight U8 tensors of 2^61 - 1 bytes (the most whose bit count fits 64 bits) end at 2^64 - 8:
+     * every per-tensor check passes and data_end + 8 + N wraps in unchecked arithmetic. */
+    char json[2048];
+    size_t o = 0;
+    const uint64_t chunk = (1ULL << 61) - 1;
+
+    json[o++] = '{';
+    for (int i = 0; i < 8; i++) {
+        uint64_t begin = (uint64_t)i * chunk, end = begin + chunk;
+        o += (size_t)snprintf(json + o, sizeof(json) - o,
+                              "%s\"t%d\":{\"dtype\":\"U8\",\"shape\":[%llu],\"data_offsets\":[%llu,%llu]}",
+                              i ? "," : "", i, (unsigned long long)(end - begin), (unsigned long long)begin,
+                              (unsigned long long)end);
+    }
+    snprintf(json + o, sizeof(json) - o, "}");
+    CHECK_EQ(parse_code(json, 0), DL_E_METADATA_INCOMPLETE_BUFFER);
+}
+
+TEST(prefix_parser_incremental)
+{
+    const char *j = "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}";
+    size_t total, need = 0;
+    char *file = make_file(j, 4, &total);
+    st_header *h = NULL;
+    dl_error err;
+    CHECK_EQ(st_header_parse_prefix(file, 3, total, &need, &h, &err), 0);
+    CHECK(h == NULL);
+    CHECK_EQ(need, 8);
+    CHECK_EQ(st_header_parse_prefix(file, 20, total, &need, &h, &err), 0);
+    CHECK(h == NULL);
+    CHECK_EQ(need, 8 + strlen(j));
+    CHECK_EQ(st_header_parse_prefix(file, need, total, &need, &h, &err), 0);
+    CHECK(h != NULL);
+    st_header_free(h);
+    /* a header longer than the announced file is refused before it arrives */
+    CHECK(st_header_parse_prefix(file, 8, 20, &need, &h, &err) < 0);
+    CHECK_EQ(err.code, DL_E_INVALID_HEADER_LENGTH);
+    file[7] = 0x10;
+    CHECK(st_header_parse_prefix(file, 8, total, &need, &h, &err) < 0);
+    CHECK_EQ(err.code, DL_E_HEADER_TOO_LARGE);
+    CHECK(st_header_parse_prefix(file, 3, 7, &need, &h, &err) < 0);
+    CHECK_EQ(err.code, DL_E_HEADER_TOO_SMALL);
+    free(file);
+}
+
+static void write_bytes(const char *path, const void *buf, size_t n)
+{
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+        if (write(fd, buf, n) != (ssize_t)n)
+            perror("write");
+        close(fd);
+    }
+}
+
+TEST(open_file_errors)
+{
+    st_file *f;
+    dl_error err;
+    size_t total;
+    char *file;
+
+    write_bytes(test_path("short"), "1234567", 7);
+    CHECK(st_open(test_path("short"), &f, &err) < 0);
+    CHECK_EQ(err.code, DL_E_HEADER_TOO_SMALL);
+    file = make_file("{}", 0, &total);
+    file[0] = 100;
+    write_bytes(test_path("len"), file, total);
+    CHECK(st_open(test_path("len"), &f, &err) < 0);
+    CHECK_EQ(err.code, DL_E_INVALID_HEADER_LENGTH);
+    free(file);
+    CHECK(st_open(test_path("missing"), &f, &err) < 0);
+    CHECK_EQ(err.code, DL_E_IO);
+    CHECK(st_open(test_dir(), &f, &err) < 0);
+    CHECK_EQ(err.code, DL_E_IO);
+}
+
+static const char *read_all(const char *path, size_t *len)
+{
+    static char buf[1 << 16];
+    int fd = open(path, O_RDONLY);
+    ssize_t n = fd >= 0 ? read(fd, buf, sizeof(buf)) : -1;
+    if (fd >= 0)
+        close(fd);
+    *len = n > 0 ? (size_t)n : 0;
+    return buf;
+}
+
+TEST(writer_empty_state)
+{
+    size_t len;
+    const char *b;
+    dl_error err;
+    CHECK_EQ(st_save(test_path("e"), NULL, NULL, 0, NULL, 0, &err), 0);
+    b = read_all(test_path("e"), &len);
+    CHECK_EQ(len, 16);
+    CHECK_MEM(b, "\x08\0\0\0\0\0\0\0{}      ", 16);
+}
+
+TEST(writer_order_escaping_padding)
+{
+    uint64_t s2[] = {2}, s0[] = {0};
+    float f[2] = {1, 2};
+    int64_t i64 = 7;
+    uint16_t h = 0x3c00;
+    st_spec specs[] = {
+        {"b", 1, ST_F32, 1, s2},
+        {"a\"\\\n\x01/\x7f", 7, ST_F32, 0, NULL},
+        {"z", 1, ST_I64, 0, NULL},
+        {"e", 1, ST_F16, 1, s0},
+        {"h", 1, ST_F16, 0, NULL},
+    };
+    const void *data[] = {f, f, &i64, NULL, &h};
+    st_kv meta[] = {{"format", "pt"}};
+    const char *want = "{\"__metadata__\":{\"format\":\"pt\"},"
+                       "\"z\":{\"dtype\":\"I64\",\"shape\":[],\"data_offsets\":[0,8]},"
+                       "\"a\\\"\\\\\\n\\u0001/\x7f\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[8,12]},"
+                       "\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[12,20]},"
+                       "\"e\":{\"dtype\":\"F16\",\"shape\":[0],\"data_offsets\":[20,20]},"
+                       "\"h\":{\"dtype\":\"F16\",\"shape\":[],\"data_offsets\":[20,22]}}";
+    size_t len, n;
+    const char *b;
+    dl_error err;
+    st_file *fl;
+
+    CHECK_EQ(st_save(test_path("o"), specs, data, 5, meta, 1, &err), 0);
+    b = read_all(test_path("o"), &len);
+    n = (size_t)(unsigned char)b[0] | ((size_t)(unsigned char)b[1] << 8);
+    CHECK_EQ((8 + n) % 8, 0);
+    CHECK_MEM(b + 8, want, strlen(want));
+    for (size_t i = strlen(want); i < n; i++)
+        CHECK_EQ(b[8 + i], ' ');
+    CHECK_EQ(len, 8 + n + 22);
+    CHECK_EQ(st_open(test_path("o"), &fl, &err), 0);
+    CHECK_EQ(fl->h->ntensors, 5);
+    CHECK_STR(st_header_meta(fl->h, "format", NULL), "pt");
+    float back[2];
+    CHECK_EQ(st_read(fl, st_header_find(fl->h, "b", 1), 0, back, 8, &err), 0);
+    CHECK(back[0] == 1 && back[1] == 2);
+    CHECK(st_read(fl, st_header_find(fl->h, "b", 1), 4, back, 8, &err) < 0);
+    st_close(fl);
+}
+
+TEST(writer_refuses_bad_specs)
+{
+    st_spec meta_name[] = {{"__metadata__", 12, ST_F32, 0, NULL}};
+    st_spec dup[] = {{"x", 1, ST_F32, 0, NULL}, {"y", 1, ST_I8, 0, NULL}, {"x", 1, ST_I64, 0, NULL}};
+    st_spec bad_utf8[] = {{"\xff", 1, ST_F32, 0, NULL}};
+    uint64_t three[] = {3};
+    st_spec misaligned[] = {{"f4", 2, ST_F4, 1, three}};
+    char *json;
+    size_t len;
+    uint64_t offs[6], dlen;
+    dl_error err;
+    struct stat sb;
+
+    CHECK(st_header_build(meta_name, 1, NULL, 0, &json, &len, offs, &dlen, &err) < 0);
+    CHECK_EQ(err.code, DL_E_INVALID_ARGUMENT);
+    CHECK(st_header_build(dup, 3, NULL, 0, &json, &len, offs, &dlen, &err) < 0);
+    CHECK_EQ(err.code, DL_E_INVALID_ARGUMENT);
+    CHECK(st_header_build(bad_utf8, 1, NULL, 0, &json, &len, offs, &dlen, &err) < 0);
+    CHECK(st_header_build(misaligned, 1, NULL, 0, &json, &len, offs, &dlen, &err) < 0);
+    CHECK_EQ(err.code, DL_E_MISALIGNED_SLICE);
+    /* a refused write leaves nothing behind */
+    CHECK(st_save(test_path("x"), dup, NULL, 3, NULL, 0, &err) < 0);
+    CHECK(stat(test_path("x"), &sb) != 0);
+}
+
+TEST(writer_streaming_pwrite_any_order_and_abort)
+{
+    uint64_t shape[] = {1000};
+    st_spec specs[] = {{"p", 1, ST_F32, 1, shape}, {"q", 1, ST_F32, 1, shape}};
+    static float a[1000], b[1000];
+    st_writer *w;
+    st_file *f;
+    dl_error err;
+    struct stat sb;
+
+    for (int i = 0; i < 1000; i++) {
+        a[i] = (float)i;
+        b[i] = -(float)i;
+    }
+    CHECK_EQ(st_writer_open(test_path("s"), specs, 2, NULL, 0, &w, &err), 0);
+    CHECK(stat(test_path("s"), &sb) != 0);          /* nothing at the target until commit */
+    CHECK_EQ(st_writer_write(w, 1, 2000, b + 500, 2000, &err), 0);
+    CHECK_EQ(st_writer_write(w, 0, 0, a, 4000, &err), 0);
+    CHECK_EQ(st_writer_write(w, 1, 0, b, 2000, &err), 0);
+    CHECK(st_writer_write(w, 1, 3000, b, 2000, &err) < 0);
+    CHECK_EQ(st_writer_commit(w, &err), 0);
+    CHECK_EQ(st_open(test_path("s"), &f, &err), 0);
+    static float back[1000];
+    CHECK_EQ(st_read(f, st_header_find(f->h, "q", 1), 0, back, 4000, &err), 0);
+    CHECK_MEM(back, b, 4000);
+    st_close(f);
+
+    CHECK_EQ(st_writer_open(test_path("t"), specs, 2, NULL, 0, &w, &err), 0);
+    st_writer_abort(w);
+    CHECK(stat(test_path("t"), &sb) != 0);
+    /* only the two files of this test: no temporary file left */
+    CHECK_EQ(system("test $(ls -A /tmp/diloco-unit-* 2>/dev/null | grep -c tmp) -eq 0"), 0);
+}
+
+TEST(dtype_table)
+{
+    st_dtype d;
+    CHECK_EQ(ST_DTYPE_COUNT, 22);
+    for (int i = 0; i < ST_DTYPE_COUNT; i++) {
+        const char *name = st_dtype_name((st_dtype)i);
+        CHECK_EQ(st_dtype_parse(name, strlen(name), &d), 0);
+        CHECK_EQ(d, i);
+    }
+    CHECK(st_dtype_is_floating(ST_C64) && st_dtype_is_floating(ST_F8_E8M0) && st_dtype_is_floating(ST_F4));
+    CHECK(!st_dtype_is_floating(ST_BOOL) && !st_dtype_is_floating(ST_U64) && !st_dtype_is_floating(ST_I8));
+    CHECK_EQ(st_dtype_bits(ST_F6_E3M2), 6);
+    CHECK(st_dtype_parse("BF16 ", 5, &d) != 0);
+}
