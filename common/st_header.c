@@ -362,6 +362,8 @@ static int jstrs_push(jp *p, jstr **v, size_t *n, size_t *cap, jstr *s)
  * to, named in the error; keys are freed by the caller. */
 static int check_unique(jp *p, jstr *keys, size_t n, const char *where, const st_tensor *owner)
 {
+    if (n < 2)
+        return 0;
     qsort(keys, n, sizeof(*keys), jstr_cmp);
     for (size_t i = 1; i < n; i++) {
         if (jstr_cmp(&keys[i - 1], &keys[i]) == 0) {
@@ -771,7 +773,8 @@ static int validate(st_header *h, dl_error *err)
         }
     }
     /* Order of equal ranges does not matter: equal ranges are empty tensors (else an overlap). */
-    qsort(h->tensors, h->ntensors, sizeof(*h->tensors), by_offset_cmp);
+    if (h->ntensors > 1)                /* qsort's base must not be NULL, even for 0 elements */
+        qsort(h->tensors, h->ntensors, sizeof(*h->tensors), by_offset_cmp);
     /* by_name indices were taken before the offset sort: rebuild them. */
     for (size_t i = 0; i < h->ntensors; i++)
         h->by_name[i] = i;

@@ -1,0 +1,190 @@
+#include "test.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+#include "delta.h"
+
+TEST(node_ids)
+{
+    CHECK(delta_valid_node_id("worker-1", 8));
+    CHECK(delta_valid_node_id("a.b_c-D9", 8));
+    CHECK(delta_valid_node_id("...", 3));
+    CHECK(!delta_valid_node_id(".", 1));
+    CHECK(!delta_valid_node_id("..", 2));
+    CHECK(!delta_valid_node_id("", 0));
+    CHECK(!delta_valid_node_id("a b", 3));
+    CHECK(!delta_valid_node_id("a/b", 3));
+    CHECK(!delta_valid_node_id("a\0b", 3));
+    char id[66];
+    memset(id, 'x', 65);
+    CHECK(delta_valid_node_id(id, 64));
+    CHECK(!delta_valid_node_id(id, 65));
+}
+
+TEST(canonical_integers)
+{
+    uint64_t v;
+    CHECK(delta_parse_int("0", 1, &v) == 0 && v == 0);
+    CHECK(delta_parse_int("500", 3, &v) == 0 && v == 500);
+    CHECK(delta_parse_int("9007199254740991", 16, &v) == 0 && v == DELTA_INT_MAX);
+    CHECK(delta_parse_int("9007199254740992", 16, &v) != 0);
+    CHECK(delta_parse_int("05", 2, &v) != 0);
+    CHECK(delta_parse_int("+5", 2, &v) != 0);
+    CHECK(delta_parse_int("-1", 2, &v) != 0);
+    CHECK(delta_parse_int(" 5", 2, &v) != 0);
+    CHECK(delta_parse_int("5_0", 3, &v) != 0);
+    CHECK(delta_parse_int("", 0, &v) != 0);
+    CHECK(delta_parse_int("99999999999999999999", 20, &v) != 0);
+}
+
+TEST(delta_paths)
+{
+    static const struct { const char *path; int ok; const char *id; uint64_t step; } cases[] = {
+        {"nodes/worker-1/delta_500.safetensors", 1, "worker-1", 500},
+        {"nodes/m/delta_0.safetensors", 1, "m", 0},
+        {"nodes/worker-1/delta_500.safetensors.tmp", 0, NULL, 0},
+        {"nodes/worker-1/x/delta_500.safetensors", 0, NULL, 0},
+        {"/nodes/worker-1/delta_500.safetensors", 0, NULL, 0},
+        {"nodes//delta_500.safetensors", 0, NULL, 0},
+        {"nodes/../delta_500.safetensors", 0, NULL, 0},
+        {"nodes/./delta_500.safetensors", 0, NULL, 0},
+        {"nodes/w/delta_.safetensors", 0, NULL, 0},
+        {"nodes/w/delta_+5.safetensors", 0, NULL, 0},
+        {"nodes/w/delta_05.safetensors", 0, NULL, 0},
+        {"nodes/w/delta_-1.safetensors", 0, NULL, 0},
+        {"nodes/w/Delta_5.safetensors", 0, NULL, 0},
+        {"nodes/w/delta_5", 0, NULL, 0},
+        {"global/latest.safetensors", 0, NULL, 0},
+        {"nodes/w", 0, NULL, 0},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        char id[DELTA_NODE_ID_MAX + 1];
+        uint64_t step = 99;
+        dl_error err;
+        int rc = delta_parse_path(cases[i].path, id, &step, &err);
+        if ((rc == 0) != cases[i].ok)
+            fprintf(stderr, "  path %s\n", cases[i].path);
+        CHECK_EQ(rc == 0, cases[i].ok);
+        if (cases[i].ok) {
+            CHECK_STR(id, cases[i].id);
+            CHECK_EQ(step, cases[i].step);
+        } else {
+            CHECK_EQ(err.code, DL_E_INVALID_PATH);
+        }
+    }
+}
+
+static st_header *header(const char *json, size_t data_len)
+{
+    st_header *h = NULL;
+    dl_error err;
+    if (st_header_parse(json, strlen(json), 8 + strlen(json) + data_len, &h, &err) != 0)
+        fprintf(stderr, "  bad test header: %s\n", err.message);
+    return h;
+}
+
+#define GLOBAL "{\"w\":{\"dtype\":\"BF16\",\"shape\":[2],\"data_offsets\":[0,4]}," \
+               "\"z\":{\"dtype\":\"C64\",\"shape\":[],\"data_offsets\":[4,12]}," \
+               "\"n\":{\"dtype\":\"I64\",\"shape\":[],\"data_offsets\":[12,20]}}"
+#define META(b, l, id) "\"__metadata__\":{\"algorithm\":\"dumb_diloco\",\"base_outer_step\":\"" b \
+                       "\",\"local_step\":\"" l "\",\"node_id\":\"" id "\"}"
+#define W(dt, n, b, e) "\"w\":{\"dtype\":\"" dt "\",\"shape\":[" n "],\"data_offsets\":[" b "," e "]}"
+#define Z(dt) "\"z\":{\"dtype\":\"" dt "\",\"shape\":[],\"data_offsets\":[8,16]}"
+
+static int check_code(const char *delta_json, size_t data_len, const char *path)
+{
+    st_header *g = header(GLOBAL, 20), *d = header(delta_json, data_len);
+    dl_error err;
+    delta_info info;
+    int rc;
+    if (g == NULL || d == NULL) {
+        st_header_free(g);
+        st_header_free(d);
+        return -1;
+    }
+    rc = delta_check_header(d, g, path, &info, &err);
+    st_header_free(g);
+    st_header_free(d);
+    return rc == 0 ? 0 : (int)err.code;
+}
+
+TEST(check_header_codes)
+{
+    const char *p = "nodes/w1/delta_5.safetensors";
+    CHECK_EQ(check_code("{" META("3", "5", "w1") "," W("F32", "2", "0", "8") "," Z("C64") "}", 16, p), 0);
+    CHECK_EQ(check_code("{" META("3", "5", "w1") "," W("F16", "2", "0", "4") ","
+                        "\"z\":{\"dtype\":\"C64\",\"shape\":[],\"data_offsets\":[4,12]}}", 12, NULL), 0);
+    /* key set */
+    CHECK_EQ(check_code("{" META("3", "5", "w1") "," W("F32", "2", "0", "8") "}", 8, p), DL_E_KEY_MISMATCH);
+    CHECK_EQ(check_code("{" META("3", "5", "w1") "," W("F32", "2", "0", "8") "," Z("C64") ","
+                        "\"n\":{\"dtype\":\"I64\",\"shape\":[],\"data_offsets\":[16,24]}}", 24, p),
+             DL_E_KEY_MISMATCH);
+    CHECK_EQ(check_code("{" META("3", "5", "w1") "," W("F32", "2", "0", "8") "," Z("C64") ","
+                        "\"q\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[16,20]}}", 20, p),
+             DL_E_KEY_MISMATCH);
+    /* shape and dtype */
+    CHECK_EQ(check_code("{" META("3", "5", "w1") "," W("F32", "1,2", "0", "8") "," Z("C64") "}", 16, p),
+             DL_E_SHAPE_MISMATCH);
+    CHECK_EQ(check_code("{" META("3", "5", "w1") "," W("F64", "1", "0", "8") "," Z("C64") "}", 16, p),
+             DL_E_SHAPE_MISMATCH);
+    CHECK_EQ(check_code("{" META("3", "5", "w1") "," W("I32", "2", "0", "8") "," Z("C64") "}", 16, p),
+             DL_E_DTYPE_MISMATCH);
+    CHECK_EQ(check_code("{" META("3", "5", "w1") "," W("F32", "2", "0", "8") "," Z("F64") "}", 16, p),
+             DL_E_DTYPE_MISMATCH);
+    /* metadata */
+    CHECK_EQ(check_code("{" W("F32", "2", "0", "8") "," Z("C64") "}", 16, p), DL_E_METADATA_MISSING);
+    CHECK_EQ(check_code("{" META("03", "5", "w1") "," W("F32", "2", "0", "8") "," Z("C64") "}", 16, p),
+             DL_E_METADATA_INVALID);
+    CHECK_EQ(check_code("{" META("3", "5", "w 1") "," W("F32", "2", "0", "8") "," Z("C64") "}", 16, NULL),
+             DL_E_METADATA_INVALID);
+    CHECK_EQ(check_code("{\"__metadata__\":{\"algorithm\":\"other\",\"base_outer_step\":\"1\",\"local_step\":\"5\","
+                        "\"node_id\":\"w1\"}," W("F32", "2", "0", "8") "," Z("C64") "}", 16, p),
+             DL_E_METADATA_INVALID);
+    /* path */
+    CHECK_EQ(check_code("{" META("3", "6", "w1") "," W("F32", "2", "0", "8") "," Z("C64") "}", 16, p),
+             DL_E_PATH_MISMATCH);
+    CHECK_EQ(check_code("{" META("3", "5", "w2") "," W("F32", "2", "0", "8") "," Z("C64") "}", 16, p),
+             DL_E_PATH_MISMATCH);
+    CHECK_EQ(check_code("{" META("3", "5", "w1") "," W("F32", "2", "0", "8") "," Z("C64") "}", 16, "nodes/w1/x"),
+             DL_E_INVALID_PATH);
+}
+
+TEST(non_finite_scan)
+{
+    float f[4] = {1, 2, NAN, 3};
+    uint16_t h[3] = {0x3c00, 0x7c00, 0};
+    uint16_t b[3] = {0x3f80, 0x0000, 0xff80};
+    CHECK_EQ(delta_find_non_finite(ST_F32, f, 4), 2);
+    CHECK_EQ(delta_find_non_finite(ST_F32, f, 2), -1);
+    CHECK_EQ(delta_find_non_finite(ST_C64, f, 2), 1);
+    CHECK_EQ(delta_find_non_finite(ST_F16, h, 3), 1);
+    CHECK_EQ(delta_find_non_finite(ST_BF16, b, 3), 2);
+    f[2] = -INFINITY;
+    CHECK_EQ(delta_find_non_finite(ST_F32, f, 4), 2);
+}
+
+TEST(metadata_json_all_or_nothing)
+{
+    st_header *h = header("{\"__metadata__\":{\"a\":\"1\",\"b\":\"[1,2]\",\"c\":\"\\\"s\\\"\"}}", 0);
+    cJSON *j = delta_metadata_json(h);
+    CHECK(j != NULL);
+    CHECK(cJSON_IsNumber(cJSON_GetObjectItem(j, "a")));
+    CHECK(cJSON_IsArray(cJSON_GetObjectItem(j, "b")));
+    CHECK_STR(cJSON_GetStringValue(cJSON_GetObjectItem(j, "c")), "s");
+    cJSON_Delete(j);
+    st_header_free(h);
+    h = header("{\"__metadata__\":{\"a\":\"1\",\"b\":\"worker-1\"}}", 0);
+    j = delta_metadata_json(h);
+    CHECK_STR(cJSON_GetStringValue(cJSON_GetObjectItem(j, "a")), "1");
+    CHECK_STR(cJSON_GetStringValue(cJSON_GetObjectItem(j, "b")), "worker-1");
+    cJSON_Delete(j);
+    st_header_free(h);
+}
+
+TEST(average_empty_refused)
+{
+    dl_error err;
+    CHECK(delta_average(NULL, 0, test_path("o"), &err) < 0);
+    CHECK_EQ(err.code, DL_E_EMPTY_INPUT);
+}
