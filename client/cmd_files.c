@@ -11,6 +11,7 @@
 #include "cli.h"
 #include "delta.h"
 #include "safetensors.h"
+#include "strbuf.h"
 
 static int want_help(int argc, char **argv, const char *text)
 {
@@ -86,61 +87,117 @@ static void shape_text(char *out, size_t size, const st_tensor *t)
         snprintf(out + o, size - o, "]");
 }
 
+/* cJSON stores numbers as doubles and strings as C strings: 64-bit sizes and names holding NUL would
+ * be altered.  These build raw JSON values instead. */
+static cJSON *json_u64(uint64_t v)
+{
+    char text[24];
+    snprintf(text, sizeof(text), "%" PRIu64, v);
+    return cJSON_CreateRaw(text);
+}
+
+static cJSON *json_bytes(const char *s, size_t n)
+{
+    sbuf b = {0};
+    char *text;
+    cJSON *item;
+
+    sb_json_string(&b, s, n);
+    if ((text = sb_take(&b)) == NULL)
+        return NULL;
+    item = cJSON_CreateRaw(text);
+    free(text);
+    return item;
+}
+
+static cJSON *json_metadata(const st_header *h)
+{
+    sbuf b = {0};
+    char *text;
+    cJSON *item;
+
+    if (!h->has_metadata)
+        return cJSON_CreateNull();
+    sb_add(&b, "{", 1);
+    for (size_t i = 0; i < h->nmeta; i++) {
+        if (i > 0)
+            sb_add(&b, ",", 1);
+        sb_json_string(&b, h->meta[i].key, h->meta[i].key_len);
+        sb_add(&b, ":", 1);
+        sb_json_string(&b, h->meta[i].value, h->meta[i].value_len);
+    }
+    sb_add(&b, "}", 1);
+    if ((text = sb_take(&b)) == NULL)
+        return NULL;
+    item = cJSON_CreateRaw(text);
+    free(text);
+    return item;
+}
+
+/* Adds item to obj under key; frees item and returns 0 if either is NULL or the add fails. */
+static int add(cJSON *obj, const char *key, cJSON *item)
+{
+    if (obj == NULL || item == NULL || !cJSON_AddItemToObject(obj, key, item)) {
+        cJSON_Delete(item);
+        return 0;
+    }
+    return 1;
+}
+
+static cJSON *u64_array(const uint64_t *v, size_t n)
+{
+    cJSON *a = cJSON_CreateArray();
+
+    for (size_t i = 0; a != NULL && i < n; i++) {
+        cJSON *x = json_u64(v[i]);
+        if (x == NULL || !cJSON_AddItemToArray(a, x)) {
+            cJSON_Delete(x);
+            cJSON_Delete(a);
+            return NULL;
+        }
+    }
+    return a;
+}
+
 static cJSON *inspect_json(const st_file *f, int hash, dl_error *err)
 {
-    cJSON *root = cJSON_CreateObject(), *tensors, *meta;
+    cJSON *root = cJSON_CreateObject(), *tensors = cJSON_CreateArray();
     uint64_t params = 0;
+    int ok;
 
-    if (root == NULL)
-        goto oom;
-    cJSON_AddStringToObject(root, "file", f->path);
-    cJSON_AddNumberToObject(root, "file_size", (double)f->file_size);
-    cJSON_AddNumberToObject(root, "header_size", (double)f->h->header_len);
-    cJSON_AddNumberToObject(root, "data_offset", (double)f->data_start);
-    if (f->h->has_metadata) {
-        meta = cJSON_AddObjectToObject(root, "metadata");
-        for (size_t i = 0; meta && i < f->h->nmeta; i++)
-            cJSON_AddStringToObject(meta, f->h->meta[i].key, f->h->meta[i].value);
-    } else {
-        cJSON_AddNullToObject(root, "metadata");
-    }
-    tensors = cJSON_AddArrayToObject(root, "tensors");
-    if (tensors == NULL)
-        goto oom;
-    for (size_t i = 0; i < f->h->ntensors; i++) {
+    ok = add(root, "file", cJSON_CreateString(f->path)) && add(root, "file_size", json_u64(f->file_size)) &&
+         add(root, "header_size", json_u64(f->h->header_len)) && add(root, "data_offset", json_u64(f->data_start)) &&
+         add(root, "metadata", json_metadata(f->h));
+    if (ok)
+        ok = add(root, "tensors", tensors);     /* filled below: the array stays valid inside root */
+    else
+        cJSON_Delete(tensors);
+    for (size_t i = 0; ok && i < f->h->ntensors; i++) {
         const st_tensor *t = &f->h->tensors[i];
-        cJSON *o = cJSON_CreateObject(), *shape, *offs;
-        if (o == NULL || !cJSON_AddItemToArray(tensors, o))
-            goto oom;
-        cJSON_AddStringToObject(o, "name", t->name);
-        cJSON_AddStringToObject(o, "dtype", st_dtype_name(t->dtype));
-        shape = cJSON_AddArrayToObject(o, "shape");
-        for (size_t d = 0; shape && d < t->ndim; d++)
-            cJSON_AddItemToArray(shape, cJSON_CreateNumber((double)t->shape[d]));
-        offs = cJSON_AddArrayToObject(o, "data_offsets");
-        if (offs) {
-            cJSON_AddItemToArray(offs, cJSON_CreateNumber((double)t->begin));
-            cJSON_AddItemToArray(offs, cJSON_CreateNumber((double)t->end));
-        }
-        cJSON_AddNumberToObject(o, "bytes", (double)st_tensor_bytes(t));
-        if (hash) {
+        uint64_t offs[2] = {t->begin, t->end};
+        cJSON *o = cJSON_CreateObject();
+        ok = o != NULL && cJSON_AddItemToArray(tensors, o) && add(o, "name", json_bytes(t->name, t->name_len)) &&
+             add(o, "dtype", cJSON_CreateString(st_dtype_name(t->dtype))) &&
+             add(o, "shape", u64_array(t->shape, t->ndim)) && add(o, "data_offsets", u64_array(offs, 2)) &&
+             add(o, "bytes", json_u64(st_tensor_bytes(t)));
+        if (ok && hash) {
             char hex[65];
             if (tensor_sha256(f, t, hex, err) != 0) {
                 cJSON_Delete(root);
                 return NULL;
             }
-            cJSON_AddStringToObject(o, "sha256", hex);
+            ok = add(o, "sha256", cJSON_CreateString(hex));
         }
-        params += t->nelem;
+        params += t->nelem;     /* cannot overflow: the data size bounds the element count */
     }
-    cJSON_AddNumberToObject(root, "tensor_count", (double)f->h->ntensors);
-    cJSON_AddNumberToObject(root, "total_bytes", (double)f->h->data_len);
-    cJSON_AddNumberToObject(root, "total_parameters", (double)params);
+    ok = ok && add(root, "tensor_count", json_u64(f->h->ntensors)) &&
+         add(root, "total_bytes", json_u64(f->h->data_len)) && add(root, "total_parameters", json_u64(params));
+    if (!ok) {
+        cJSON_Delete(root);
+        dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        return NULL;
+    }
     return root;
-oom:
-    cJSON_Delete(root);
-    dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-    return NULL;
 }
 
 static void inspect_text(const st_file *f)
@@ -289,8 +346,8 @@ int cmd_verify(int argc, char **argv)
         cJSON *root = cJSON_CreateObject();
         cJSON_AddTrueToObject(root, "valid");
         cJSON_AddStringToObject(root, "node_id", info.node_id);
-        cJSON_AddNumberToObject(root, "base_outer_step", (double)info.base_outer_step);
-        cJSON_AddNumberToObject(root, "local_step", (double)info.local_step);
+        add(root, "base_outer_step", json_u64(info.base_outer_step));
+        add(root, "local_step", json_u64(info.local_step));
         cli_print_json(root);
     }
     else

@@ -18,7 +18,7 @@
 #endif
 
 #define ST_MAX_HEADER_SIZE 100000000ULL   /* the reference's MAX_HEADER_SIZE */
-#define ST_MAX_JSON_DEPTH 128             /* serde_json's recursion limit */
+#define ST_MAX_JSON_DEPTH 128             /* serde_json's recursion budget: 127 levels nest */
 
 /* Enum order is the reference's Dtype order: the writer sorts by it (descending). */
 typedef enum st_dtype {

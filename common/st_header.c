@@ -6,6 +6,7 @@
  * by a small recursive-descent parser that mirrors serde_json on the reference's schema. */
 #include "safetensors.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -294,7 +295,26 @@ static int jp_number(jp *p, uint64_t *u64)
         while (p->pos < p->n && p->s[p->pos] >= '0' && p->s[p->pos] <= '9')
             p->pos++;
     }
-    if (u64 != NULL) {
+    if (u64 == NULL) {
+        /* serde_json reads every number, even an ignored one, as an integer or an f64, and refuses
+         * one whose magnitude overflows f64 (1e400, a 310-digit integer). */
+        size_t len = p->pos - start;
+        char small[64], *text = len < sizeof(small) ? small : malloc(len + 1);
+        double d;
+        if (text == NULL)
+            return dl_fail(p->err, DL_E_NO_MEMORY, NULL, 0, "out of memory parsing header");
+        memcpy(text, p->s + start, len);
+        text[len] = '\0';
+        d = strtod(text, NULL);
+        if (text != small)
+            free(text);
+        if (isinf(d)) {
+            p->pos = start;
+            return jp_fail(p, "number out of range");
+        }
+        return 0;
+    }
+    {
         if (neg || frac) {
             p->pos = start;
             return jp_fail(p, "expected a non-negative integer");
@@ -320,7 +340,8 @@ static int jp_literal(jp *p, const char *lit)
 
 static int jp_enter(jp *p)
 {
-    if (++p->depth > ST_MAX_JSON_DEPTH)
+    /* serde_json starts with 128 levels to spend and fails when none is left: 127 levels nest. */
+    if (++p->depth >= ST_MAX_JSON_DEPTH)
         return jp_fail(p, "recursion limit exceeded");
     return 0;
 }
