@@ -128,6 +128,8 @@ TEST(f32_to_bf16_random_and_ties)
     CHECK_HEX(out[N], 0x7f80);
     CHECK_HEX(out[N + 2], 0x8000);
     CHECK((out[N + 3] & 0x7f80) == 0x7f80 && (out[N + 3] & 0x7f) != 0);
+    free(in);
+    free(out);
 }
 
 TEST(bf16_f64_widening_exact)
