@@ -8,6 +8,9 @@
 
 #include "safetensors.h"
 
+/* Tests set this to exercise the portable code where the CPU has a faster path (F16C). */
+extern int cv_force_portable;
+
 /* Exact widening conversions (every value is representable). */
 void cv_f16_to_f32(const uint16_t *restrict in, float *restrict out, size_t n);
 void cv_bf16_to_f32(const uint16_t *restrict in, float *restrict out, size_t n);

@@ -12,7 +12,20 @@ static float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static float ref_h2f(uint16_t h) { _Float16 x; memcpy(&x, &h, 2); return (float)x; }
 static uint16_t ref_f2h(float f) { _Float16 x = (_Float16)f; uint16_t h; memcpy(&h, &x, 2); return h; }
 
+static void f16_to_f32_exhaustive_body(void);
 TEST(f16_to_f32_exhaustive)
+{
+    cv_force_portable = 0;
+    f16_to_f32_exhaustive_body();
+}
+
+TEST(f16_to_f32_exhaustive_portable)
+{
+    cv_force_portable = 1;
+    f16_to_f32_exhaustive_body();
+}
+
+static void f16_to_f32_exhaustive_body(void)
 {
     static uint16_t in[65536];
     static float out[65536];
@@ -29,7 +42,20 @@ TEST(f16_to_f32_exhaustive)
 }
 
 /* Every f16 value, the midpoints between neighbours (ties) and one f32 ulp either side of them. */
+static void f32_to_f16_rounding_boundaries_body(void);
 TEST(f32_to_f16_rounding_boundaries)
+{
+    cv_force_portable = 0;
+    f32_to_f16_rounding_boundaries_body();
+}
+
+TEST(f32_to_f16_rounding_boundaries_portable)
+{
+    cv_force_portable = 1;
+    f32_to_f16_rounding_boundaries_body();
+}
+
+static void f32_to_f16_rounding_boundaries_body(void)
 {
     enum { N = 65536 * 5 };
     float *in = malloc(N * sizeof(float));
@@ -72,7 +98,20 @@ static uint32_t rng(void)
     return rng_state;
 }
 
+static void f32_to_f16_random_body(void);
 TEST(f32_to_f16_random)
+{
+    cv_force_portable = 0;
+    f32_to_f16_random_body();
+}
+
+TEST(f32_to_f16_random_portable)
+{
+    cv_force_portable = 1;
+    f32_to_f16_random_body();
+}
+
+static void f32_to_f16_random_body(void)
 {
     enum { N = 1 << 20 };
     float *in = malloc(N * sizeof(float));
