@@ -1,0 +1,423 @@
+#include "outer.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "convert.h"
+#include "delta.h"
+
+static int fail_locked(outer_pass *p, const dl_error *e)
+{
+    pthread_mutex_lock(&p->lock);
+    if (p->rc == 0) {
+        p->err = *e;
+        p->rc = -(int)e->code;
+    }
+    pthread_mutex_unlock(&p->lock);
+    atomic_store(&p->abort, 1);
+    return -(int)e->code;
+}
+
+static int delta_dtype_ok(st_dtype global, st_dtype d)
+{
+    if (global == ST_C64)
+        return d == ST_C64;
+    return d == ST_F32 || d == ST_F16 || d == ST_BF16;
+}
+
+static int same_shape(const st_tensor *a, const st_tensor *b)
+{
+    return a->ndim == b->ndim && (a->ndim == 0 || memcmp(a->shape, b->shape, a->ndim * sizeof(uint64_t)) == 0);
+}
+
+/* Matches every delta (and the momentum file) against the global's floating tensors. */
+static int bind_tensors(outer_pass *p, dl_error *err)
+{
+    const st_header *g = p->global->h;
+    size_t nfloat = 0;
+
+    p->delta_t = calloc(g->ntensors * p->ndeltas + 1, sizeof(*p->delta_t));
+    p->mom_t = calloc(g->ntensors + 1, sizeof(*p->mom_t));
+    p->mom_spec = calloc(g->ntensors + 1, sizeof(*p->mom_spec));
+    if (p->delta_t == NULL || p->mom_t == NULL || p->mom_spec == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    for (size_t ti = 0; ti < g->ntensors; ti++) {
+        const st_tensor *t = &g->tensors[ti];
+        if (!st_dtype_is_floating(t->dtype))
+            continue;
+        if (!cv_can_decode(t->dtype) || !cv_can_encode(t->dtype))
+            return dl_fail(err, DL_E_UNSUPPORTED_DTYPE, t->name, t->name_len,
+                           "outer updates of %s weights are not supported (F16, BF16, F32, F64, C64 are)",
+                           st_dtype_name(t->dtype));
+        p->mom_spec[ti] = nfloat++;
+        for (size_t k = 0; k < p->ndeltas; k++) {
+            const st_tensor *d = st_header_find(p->deltas[k]->h, t->name, t->name_len);
+            if (d == NULL)
+                return dl_fail(err, DL_E_KEY_MISMATCH, t->name, t->name_len, "%s lacks this key", p->delta_paths[k]);
+            if (!same_shape(t, d) || !delta_dtype_ok(t->dtype, d->dtype))
+                return dl_fail(err, DL_E_SHAPE_MISMATCH, t->name, t->name_len,
+                               "%s: tensor does not match the global model", p->delta_paths[k]);
+            p->delta_t[ti * p->ndeltas + k] = d;
+        }
+        if (p->momentum != NULL) {
+            const st_tensor *m = st_header_find(p->momentum->h, t->name, t->name_len);
+            if (m == NULL || !same_shape(t, m) || m->dtype != delta_dtype_for(t->dtype))
+                return dl_fail(err, DL_E_KEY_MISMATCH, t->name, t->name_len,
+                               "momentum file %s does not match the global model", p->momentum_path);
+            p->mom_t[ti] = m;
+        }
+    }
+    for (size_t k = 0; k < p->ndeltas; k++) {
+        if (p->deltas[k]->h->ntensors != nfloat)
+            return dl_fail(err, DL_E_KEY_MISMATCH, NULL, 0, "%s has %zu tensors, the global model %zu floating ones",
+                           p->delta_paths[k], p->deltas[k]->h->ntensors, nfloat);
+    }
+    if (p->momentum != NULL && p->momentum->h->ntensors != nfloat)
+        return dl_fail(err, DL_E_KEY_MISMATCH, NULL, 0, "momentum file %s has %zu tensors, expected %zu",
+                       p->momentum_path, p->momentum->h->ntensors, nfloat);
+    return 0;
+}
+
+static int open_writers(outer_pass *p, dl_error *err)
+{
+    const st_header *g = p->global->h;
+    st_spec *specs = calloc(g->ntensors + 1, sizeof(*specs));
+    size_t nm = 0;
+    int rc;
+
+    if (specs == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    for (size_t ti = 0; ti < g->ntensors; ti++) {
+        const st_tensor *t = &g->tensors[ti];
+        specs[ti] = (st_spec){t->name, t->name_len, t->dtype, t->ndim, t->shape};
+    }
+    rc = st_writer_open(p->out_global_path, specs, g->ntensors, NULL, 0, &p->w_global, err);
+    if (rc == 0 && p->params.momentum != 0.0f) {
+        for (size_t ti = 0; ti < g->ntensors; ti++) {
+            const st_tensor *t = &g->tensors[ti];
+            if (st_dtype_is_floating(t->dtype))
+                specs[nm++] = (st_spec){t->name, t->name_len, delta_dtype_for(t->dtype), t->ndim, t->shape};
+        }
+        rc = st_writer_open(p->out_momentum_path, specs, nm, p->momentum_meta, p->momentum_nmeta, &p->w_momentum,
+                            err);
+    }
+    free(specs);
+    return rc;
+}
+
+static void plan_items(outer_pass *p)
+{
+    const st_header *g = p->global->h;
+    /* Per element of a chunk, at most: 8 raw bytes in, (ndeltas + 3) F32 buffers of 2 lanes, 8 raw out. */
+    uint64_t per_elem = 16 + 8 * ((uint64_t)p->ndeltas + 3);
+    uint64_t ce = p->budget_bytes / per_elem;
+    size_t n = 0;
+
+    ce = ce < 4096 ? 4096 : ce - ce % 64;
+    p->chunk_elems = ce;
+    for (size_t ti = 0; ti < g->ntensors; ti++)
+        n += (size_t)((g->tensors[ti].nelem + ce - 1) / ce);
+    p->items = calloc(n + 1, sizeof(*p->items));
+    if (p->items == NULL)
+        return;
+    p->bytes_total = 0;
+    for (size_t ti = 0; ti < g->ntensors; ti++) {
+        const st_tensor *t = &g->tensors[ti];
+        for (uint64_t b = 0; b < t->nelem; b += ce)
+            p->items[p->nitems++] = (outer_item){ti, b, b + ce < t->nelem ? b + ce : t->nelem};
+        uint64_t gb = st_tensor_bytes(t);
+        p->bytes_total += 2 * gb;      /* global read + written */
+        if (st_dtype_is_floating(t->dtype)) {
+            uint64_t mb = t->nelem * cv_lanes(t->dtype) * 4;
+            for (size_t k = 0; k < p->ndeltas; k++)
+                p->bytes_total += st_tensor_bytes(p->delta_t[ti * p->ndeltas + k]);
+            if (p->mom_t[ti] != NULL)
+                p->bytes_total += mb;
+            if (p->w_momentum != NULL)
+                p->bytes_total += mb;
+        }
+    }
+}
+
+static int prepare(outer_pass *p, dl_error *err);
+
+int outer_prepare(outer_pass *p, dl_error *err)
+{
+    int rc;
+
+    pthread_mutex_init(&p->lock, NULL);
+    atomic_init(&p->next_item, 0);
+    atomic_init(&p->abort, 0);
+    atomic_init(&p->bytes_done, 0);
+    p->rc = 0;
+    /* a failed prepare must make outer_finish discard whatever writer it opened */
+    if ((rc = prepare(p, err)) != 0) {
+        p->rc = rc;
+        if (err != NULL)
+            p->err = *err;
+    }
+    return rc;
+}
+
+static int prepare(outer_pass *p, dl_error *err)
+{
+    int rc;
+
+    if (p->ndeltas == 0)
+        return dl_fail(err, DL_E_EMPTY_INPUT, NULL, 0, "an outer step needs at least one delta");
+    p->stats = calloc(p->ndeltas, sizeof(*p->stats));
+    p->deltas = calloc(p->ndeltas, sizeof(*p->deltas));
+    if (p->stats == NULL || p->deltas == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    if ((rc = st_open(p->global_path, &p->global, err)) != 0)
+        return rc;
+    if (p->momentum_path != NULL && p->params.momentum != 0.0f &&
+        (rc = st_open(p->momentum_path, &p->momentum, err)) != 0)
+        return rc;
+    for (size_t k = 0; k < p->ndeltas; k++) {
+        if ((rc = st_open(p->delta_paths[k], &p->deltas[k], err)) != 0)
+            return rc;
+    }
+    if ((rc = bind_tensors(p, err)) != 0 || (rc = open_writers(p, err)) != 0)
+        return rc;
+    plan_items(p);
+    if (p->items == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    return 0;
+}
+
+/* Per-thread buffers. */
+typedef struct outer_bufs {
+    unsigned char *raw;         /* 8 bytes per element */
+    float *param, *buf, *g;     /* 2 lanes per element */
+    float *d;                   /* ndeltas x 2 lanes per element */
+    outer_node_stats *stats;
+    double mean_sumsq;
+} outer_bufs;
+
+static int read_decoded(const st_file *f, const st_tensor *t, uint64_t e0, size_t n, unsigned char *raw, float *out,
+                        dl_error *err)
+{
+    size_t esize = st_dtype_bits(t->dtype) / 8;
+    int rc;
+
+    if (t->dtype == ST_F32 || t->dtype == ST_C64)       /* already F32 lanes: read in place */
+        return st_read(f, t, e0 * esize, out, n * esize, err);
+    if ((rc = st_read(f, t, e0 * esize, raw, n * esize, err)) != 0)
+        return rc;
+    if (cv_decode(t->dtype, raw, out, n) != 0)
+        return dl_fail(err, DL_E_UNSUPPORTED_DTYPE, t->name, t->name_len, "cannot decode %s", st_dtype_name(t->dtype));
+    return 0;
+}
+
+/* Sum of x[i]*y[i] in double over 8 independent lanes (so the compiler can vectorise it without
+ * reassociating a single sum). */
+static double dot_f64(const float *x, const float *y, size_t m)
+{
+    double s[8] = {0};
+    size_t i = 0;
+    for (; i + 8 <= m; i += 8)
+        for (int k = 0; k < 8; k++)
+            s[k] += (double)x[i + k] * (double)y[i + k];
+    for (; i < m; i++)
+        s[0] += (double)x[i] * (double)y[i];
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+static int process_floating(outer_pass *p, const outer_item *it, outer_bufs *b, dl_error *err)
+{
+    const st_tensor *t = &p->global->h->tensors[it->tensor];
+    const size_t n = (size_t)(it->end - it->begin), lanes = cv_lanes(t->dtype), m = n * lanes;
+    const size_t stride = (size_t)p->chunk_elems * 2;
+    const float count = (float)p->ndeltas, lr = p->params.lr, mu = p->params.momentum;
+    const st_tensor *mt = p->mom_t[it->tensor];
+    float *restrict g = b->g, *restrict param = b->param, *restrict buf = b->buf;
+    uint64_t bytes = 0;
+    int rc;
+
+    if ((rc = read_decoded(p->global, t, it->begin, n, b->raw, param, err)) != 0)
+        return rc;
+    bytes += n * (st_dtype_bits(t->dtype) / 8);
+    for (size_t k = 0; k < p->ndeltas; k++) {
+        const st_tensor *dt = p->delta_t[it->tensor * p->ndeltas + k];
+        if ((rc = read_decoded(p->deltas[k], dt, it->begin, n, b->raw, b->d + k * stride, err)) != 0)
+            return rc;
+        bytes += n * (st_dtype_bits(dt->dtype) / 8);
+    }
+    /* mean: F32 accumulation in node order, then one division (as the reference) */
+    memcpy(g, b->d, m * sizeof(float));
+    for (size_t k = 1; k < p->ndeltas; k++) {
+        const float *restrict dk = b->d + k * stride;
+        for (size_t j = 0; j < m; j++)
+            g[j] += dk[j];
+    }
+    for (size_t j = 0; j < m; j++)
+        g[j] /= count;
+    for (size_t k = 0; k < p->ndeltas; k++) {
+        const float *dk = b->d + k * stride;
+        b->stats[k].sumsq += dot_f64(dk, dk, m);
+        b->stats[k].dot += dot_f64(dk, g, m);
+    }
+    b->mean_sumsq += dot_f64(g, g, m);
+    /* torch.optim.SGD: buf = mu*buf + g (first step: buf = g); d = g + mu*buf (nesterov) or buf;
+     * param = param - lr*d.  Each product is rounded before the sum, as torch's separate kernels do. */
+    if (mu != 0.0f) {
+        if (mt != NULL) {
+            if ((rc = st_read(p->momentum, mt, it->begin * lanes * 4, buf, m * 4, err)) != 0)
+                return rc;
+            bytes += m * 4;
+            for (size_t j = 0; j < m; j++) {
+                float scaled = mu * buf[j];
+                buf[j] = scaled + g[j];
+            }
+        } else {
+            memcpy(buf, g, m * sizeof(float));
+        }
+        if (p->params.nesterov) {
+            for (size_t j = 0; j < m; j++) {
+                float scaled = mu * buf[j];
+                float d = g[j] + scaled;
+                float step = lr * d;
+                param[j] = param[j] - step;
+            }
+        } else {
+            for (size_t j = 0; j < m; j++) {
+                float step = lr * buf[j];
+                param[j] = param[j] - step;
+            }
+        }
+        if ((rc = st_writer_write(p->w_momentum, p->mom_spec[it->tensor], it->begin * lanes * 4, buf, m * 4,
+                                  err)) != 0)
+            return rc;
+        bytes += m * 4;
+    } else {
+        for (size_t j = 0; j < m; j++) {
+            float step = lr * g[j];
+            param[j] = param[j] - step;
+        }
+    }
+    size_t esize = st_dtype_bits(t->dtype) / 8;
+    const void *out = param;
+    if (t->dtype != ST_F32 && t->dtype != ST_C64) {
+        cv_encode(t->dtype, param, b->raw, n);
+        out = b->raw;
+    }
+    if ((rc = st_writer_write(p->w_global, it->tensor, it->begin * esize, out, n * esize, err)) != 0)
+        return rc;
+    bytes += n * esize;
+    atomic_fetch_add(&p->bytes_done, bytes);
+    return 0;
+}
+
+static int process_copy(outer_pass *p, const outer_item *it, outer_bufs *b, dl_error *err)
+{
+    const st_tensor *t = &p->global->h->tensors[it->tensor];
+    size_t esize = st_dtype_bits(t->dtype) / 8;
+    size_t len = (size_t)(it->end - it->begin) * esize;
+    int rc;
+
+    if ((rc = st_read(p->global, t, it->begin * esize, b->raw, len, err)) != 0 ||
+        (rc = st_writer_write(p->w_global, it->tensor, it->begin * esize, b->raw, len, err)) != 0)
+        return rc;
+    atomic_fetch_add(&p->bytes_done, 2 * (uint64_t)len);
+    return 0;
+}
+
+int outer_run(outer_pass *p)
+{
+    outer_bufs b = {0};
+    size_t ce = (size_t)p->chunk_elems;
+    dl_error err;
+    int rc = 0;
+
+    dl_error_clear(&err);
+    b.raw = malloc(ce * 8);
+    b.param = malloc(ce * 2 * sizeof(float));
+    b.buf = malloc(ce * 2 * sizeof(float));
+    b.g = malloc(ce * 2 * sizeof(float));
+    b.d = malloc(ce * 2 * sizeof(float) * p->ndeltas);
+    b.stats = calloc(p->ndeltas, sizeof(*b.stats));
+    if (!b.raw || !b.param || !b.buf || !b.g || !b.d || !b.stats) {
+        dl_fail(&err, DL_E_NO_MEMORY, NULL, 0, "out of memory for aggregation buffers");
+        rc = fail_locked(p, &err);
+        goto out;
+    }
+    while (!atomic_load(&p->abort)) {
+        size_t i = atomic_fetch_add(&p->next_item, 1);
+        if (i >= p->nitems)
+            break;
+        const outer_item *it = &p->items[i];
+        if (st_dtype_is_floating(p->global->h->tensors[it->tensor].dtype))
+            rc = process_floating(p, it, &b, &err);
+        else
+            rc = process_copy(p, it, &b, &err);
+        if (rc != 0) {
+            fail_locked(p, &err);
+            goto out;
+        }
+    }
+    pthread_mutex_lock(&p->lock);
+    for (size_t k = 0; k < p->ndeltas; k++) {
+        p->stats[k].sumsq += b.stats[k].sumsq;
+        p->stats[k].dot += b.stats[k].dot;
+    }
+    p->mean_sumsq += b.mean_sumsq;
+    rc = p->rc;
+    pthread_mutex_unlock(&p->lock);
+out:
+    free(b.raw);
+    free(b.param);
+    free(b.buf);
+    free(b.g);
+    free(b.d);
+    free(b.stats);
+    return rc;
+}
+
+void outer_abort(outer_pass *p)
+{
+    atomic_store(&p->abort, 1);
+}
+
+int outer_finish(outer_pass *p, dl_error *err)
+{
+    int rc = p->rc;
+
+    if (rc == 0 && atomic_load(&p->abort))
+        rc = dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "outer step abandoned");
+    else if (rc != 0 && err != NULL)
+        *err = p->err;
+    if (rc == 0 && p->w_global != NULL) {
+        rc = st_writer_commit(p->w_global, err);
+        p->w_global = NULL;
+    }
+    if (rc == 0 && p->w_momentum != NULL) {
+        rc = st_writer_commit(p->w_momentum, err);
+        p->w_momentum = NULL;
+    }
+    st_writer_abort(p->w_global);
+    st_writer_abort(p->w_momentum);
+    p->w_global = p->w_momentum = NULL;
+    st_close(p->global);
+    st_close(p->momentum);
+    for (size_t k = 0; p->deltas != NULL && k < p->ndeltas; k++)
+        st_close(p->deltas[k]);
+    free(p->deltas);
+    free(p->delta_t);
+    free(p->mom_t);
+    free(p->mom_spec);
+    free(p->items);
+    p->global = p->momentum = NULL;
+    p->deltas = NULL;
+    p->delta_t = p->mom_t = NULL;
+    p->mom_spec = NULL;
+    p->items = NULL;
+    pthread_mutex_destroy(&p->lock);
+    return rc;
+}
+
+void outer_free(outer_pass *p)
+{
+    free(p->stats);
+    p->stats = NULL;
+}

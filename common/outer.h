@@ -1,0 +1,84 @@
+/* outer: one outer step as a streaming, chunked pass over the flat parameter space.
+ *
+ * For every floating tensor of the global model, chunk by chunk: read the chunk of every delta (in
+ * ascending node id order), accumulate in F32, divide by the count, compute per-node statistics,
+ * apply the outer optimizer (exactly torch.optim.SGD, nesterov or not, dampening 0, weight decay 0)
+ * and write the new parameters (rounded to the global's dtype) and momentum at precomputed offsets.
+ * Non-floating tensors are copied unchanged.  Memory is a fixed budget per thread, whatever the model
+ * size and node count.  Several threads may call outer_run() on the same pass at once: work items
+ * are handed out through an atomic counter.  No libuv here: the server schedules the calls. */
+#ifndef OUTER_H
+#define OUTER_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "dl_error.h"
+#include "safetensors.h"
+
+typedef struct outer_params {
+    int nesterov;
+    float lr;
+    float momentum;             /* 0: plain SGD, no momentum buffers */
+} outer_params;
+
+typedef struct outer_node_stats {
+    double sumsq;               /* sum of squares of the node's delta */
+    double dot;                 /* dot product of the node's delta with the mean */
+} outer_node_stats;
+
+typedef struct outer_item {
+    size_t tensor;              /* index into the global header's tensors */
+    uint64_t begin, end;        /* element range */
+} outer_item;
+
+typedef struct outer_pass {
+    /* inputs, set by the caller before outer_prepare */
+    const char *global_path;
+    const char *momentum_path;  /* NULL: no momentum yet (first step, or adopted model) */
+    const char *const *delta_paths;     /* in aggregation order (ascending node id) */
+    size_t ndeltas;
+    const char *out_global_path;
+    const char *out_momentum_path;      /* NULL when params.momentum == 0 */
+    const st_kv *momentum_meta;         /* metadata for the momentum file */
+    size_t momentum_nmeta;
+    outer_params params;
+    size_t budget_bytes;        /* per thread */
+
+    /* state */
+    st_file *global, *momentum, **deltas;
+    const st_tensor **delta_t;  /* [item tensor][node]: the delta tensor for each global tensor */
+    const st_tensor **mom_t;    /* [tensor]: momentum tensor or NULL */
+    size_t *mom_spec;           /* [tensor]: index into the momentum writer's specs */
+    st_writer *w_global, *w_momentum;
+    outer_item *items;
+    size_t nitems;
+    uint64_t chunk_elems;
+    atomic_size_t next_item;
+    atomic_int abort;
+    atomic_uint_fast64_t bytes_done;    /* bytes read + written so far (progress) */
+    uint64_t bytes_total;
+    pthread_mutex_t lock;       /* guards err and stats merges */
+    int rc;
+    dl_error err;
+    outer_node_stats *stats;    /* [ndeltas] */
+    double mean_sumsq;
+} outer_pass;
+
+/* Opens inputs, checks that every delta matches the global's floating keys and shapes, plans the
+ * work items and opens the writers (reserving the output space: a full disk fails here).  Whatever
+ * it returns, outer_finish must follow (it releases what was opened). */
+int outer_prepare(outer_pass *p, dl_error *err);
+/* Processes work items until none is left, an error occurs or outer_abort() was called.  Call from
+ * any number of threads.  Returns 0 or the pass's first error. */
+int outer_run(outer_pass *p);
+/* Commits the output files (fsync, rename, fsync of the directory) if every item succeeded, else
+ * removes them.  Frees everything but the stats and the error.  */
+int outer_finish(outer_pass *p, dl_error *err);
+void outer_abort(outer_pass *p);
+/* Releases what outer_finish left (stats). */
+void outer_free(outer_pass *p);
+
+#endif

@@ -1,0 +1,46 @@
+/* config: dilocod's options, from config/dilocod.conf-style files and command-line flags.
+ * Every option has a flag (--round-timeout) and a file key (round_timeout); flags override the file. */
+#ifndef CONFIG_H
+#define CONFIG_H
+
+#include <stddef.h>
+#include <stdio.h>
+
+#include "delta.h"
+#include "dl_log.h"
+
+#define CONFIG_MAX_NODES 4096
+
+typedef enum config_optimizer { OPT_NESTEROV_SGD, OPT_SGD } config_optimizer;
+
+typedef struct config {
+    char *config_file;
+    char *state_root;
+    char *id;
+    char *hub;                  /* "none", "file:///abs/dir", "hf://ns/repo[@rev]" */
+    char *init_model;
+    unsigned expected_nodes;    /* 0: not set (rounds close by timeout only) */
+    char **nodes;               /* allow-list of node ids (sets expected_nodes) */
+    size_t nnodes;
+    unsigned min_nodes;
+    double round_timeout;       /* seconds since the first accepted delta; 0 = none */
+    config_optimizer optimizer;
+    double lr;
+    double momentum;
+    unsigned threads;
+    double poll_interval;       /* seconds */
+    dl_log_level log_level;
+    int log_json;
+    unsigned agg_memory_mib;    /* aggregation buffers per worker thread */
+    double retry_interval;      /* seconds before retrying a failed commit or publish */
+} config;
+
+/* Defaults, then the file named by --config (if any), then the flags.  On a bad value prints a
+ * message naming the option to stderr and returns 2; --help / --version / --check-config print and
+ * return 1 (the caller exits 0); 0 means run. */
+int config_load(config *c, int argc, char **argv);
+void config_print(const config *c, FILE *out);
+void config_free(config *c);
+const char *config_optimizer_name(config_optimizer o);
+
+#endif

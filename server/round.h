@@ -1,0 +1,71 @@
+/* round: membership of the current outer round.  Pure state, no I/O, so it is unit-tested directly.
+ *
+ * A delta belongs to round s iff its base_outer_step == s; one delta per node, a higher local_step
+ * replaces a lower one until the round closes; stale (< s) and future (> s) deltas are refused and
+ * counted.  The round closes when every expected node delivered, or when round_timeout has passed
+ * since the first accepted delta and at least min_nodes are present. */
+#ifndef ROUND_H
+#define ROUND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "delta.h"
+
+typedef struct round_entry {
+    char node_id[DELTA_NODE_ID_MAX + 1];
+    uint64_t local_step;
+    uint64_t size;
+    double received_at;         /* seconds, caller's clock */
+    char *path;                 /* the validated copy in the cache (owned) */
+} round_entry;
+
+typedef enum round_verdict {
+    ROUND_ACCEPTED,             /* first delta of this node in the round */
+    ROUND_REPLACED,             /* a higher local_step replaced the node's delta */
+    ROUND_NOT_NEWER,            /* the node already delivered this or a higher local_step */
+    ROUND_STALE,                /* base_outer_step < current step, or the round already closed */
+    ROUND_FUTURE,               /* base_outer_step > current step */
+    ROUND_UNKNOWN_NODE,         /* not in the --nodes allow-list */
+    ROUND_FULL,                 /* expected_nodes distinct nodes already delivered */
+} round_verdict;
+
+typedef enum round_close_reason { ROUND_OPEN = 0, ROUND_ALL_NODES, ROUND_TIMEOUT } round_close_reason;
+
+typedef struct round_counters {
+    uint64_t accepted, replaced, not_newer, stale, future, unknown_node, full, rejected;
+} round_counters;
+
+typedef struct round {
+    uint64_t step;
+    round_entry *entries;       /* sorted by node_id (ascending bytes): the aggregation order */
+    size_t n, cap;
+    double first_at;            /* when the first delta was accepted; < 0 when none */
+    int closed;
+    /* rules */
+    unsigned expected_nodes;    /* 0: no count (close by timeout) */
+    char **allow;               /* borrowed allow-list, may be NULL */
+    size_t nallow;
+    unsigned min_nodes;
+    double timeout;             /* 0: none */
+    round_counters counters;    /* since the process started, across rounds */
+} round;
+
+void round_init(round *r, uint64_t step, unsigned expected_nodes, char **allow, size_t nallow, unsigned min_nodes,
+                double timeout);
+/* Offers a validated delta.  On ROUND_ACCEPTED/ROUND_REPLACED the round takes ownership of path
+ * (and *replaced_path receives the path it drops, for the caller to delete; else NULL). */
+round_verdict round_offer(round *r, const delta_info *info, char *path, uint64_t size, double now,
+                          char **replaced_path);
+const char *round_verdict_name(round_verdict v);
+/* Whether the round should close now; fills *reason. */
+int round_should_close(const round *r, double now, round_close_reason *reason);
+/* Seconds until the timeout rule could close the round (<0: no deadline yet or none). */
+double round_deadline(const round *r);
+const char *round_close_reason_name(round_close_reason r);
+const round_entry *round_find(const round *r, const char *node_id);
+/* Frees the entries (not the allow-list), then starts round step with the same rules and counters. */
+void round_reset(round *r, uint64_t step);
+void round_free(round *r);
+
+#endif

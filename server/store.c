@@ -1,0 +1,359 @@
+#include "store.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cJSON.h>
+
+#include "fsutil.h"
+#include "strbuf.h"
+
+static char *path_fmt(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static char *path_fmt(const char *fmt, ...)
+{
+    va_list ap;
+    char *out = NULL;
+
+    va_start(ap, fmt);
+    if (vasprintf(&out, fmt, ap) < 0)
+        out = NULL;
+    va_end(ap);
+    return out;
+}
+
+char *store_global_path(const store *s, uint64_t step)
+{
+    return path_fmt("%s/global/latest-%" PRIu64 ".safetensors", s->dir, step);
+}
+
+char *store_momentum_path(const store *s, uint64_t step)
+{
+    return path_fmt("%s/outer_state-%" PRIu64 ".safetensors", s->dir, step);
+}
+
+char *store_cache_dir(const store *s, uint64_t step)
+{
+    return path_fmt("%s/cache/deltas/s%" PRIu64, s->dir, step);
+}
+
+char *store_incoming_dir(const store *s)
+{
+    return path_fmt("%s/cache/incoming", s->dir);
+}
+
+static char *read_small_file(const char *path, size_t max, dl_error *err)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    struct stat sb;
+    char *buf;
+
+    if (fd < 0) {
+        dl_fail_errno(err, errno, "cannot open %s", path);
+        return NULL;
+    }
+    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode) || (uint64_t)sb.st_size > max) {
+        close(fd);
+        dl_fail(err, DL_E_IO, NULL, 0, "%s is not a regular file of at most %zu bytes", path, max);
+        return NULL;
+    }
+    buf = malloc((size_t)sb.st_size + 1);
+    if (buf == NULL || fsu_pread_all(fd, buf, (size_t)sb.st_size, 0) != 0) {
+        free(buf);
+        close(fd);
+        dl_fail(err, DL_E_IO, NULL, 0, "cannot read %s", path);
+        return NULL;
+    }
+    buf[sb.st_size] = '\0';
+    close(fd);
+    return buf;
+}
+
+/* The metadata file is ours, but a damaged or hand-edited one must not crash us: validate it. */
+static int load_metadata(store *s, const char *path, dl_error *err)
+{
+    char *text = read_small_file(path, 1 << 20, err);
+    cJSON *root, *step, *g, *m, *b;
+    int rc = 0;
+
+    if (text == NULL)
+        return -DL_E_IO;
+    root = cJSON_Parse(text);
+    free(text);
+    step = cJSON_GetObjectItemCaseSensitive(root, "outer_step");
+    g = cJSON_GetObjectItemCaseSensitive(root, "global_file");
+    m = cJSON_GetObjectItemCaseSensitive(root, "outer_state_file");
+    b = cJSON_GetObjectItemCaseSensitive(root, "bootstrap");
+    if (!cJSON_IsNumber(step) || step->valuedouble < 0 || step->valuedouble > 9007199254740991.0 ||
+        step->valuedouble != (double)(uint64_t)step->valuedouble || !cJSON_IsString(g) ||
+        (m != NULL && !cJSON_IsString(m) && !cJSON_IsNull(m))) {
+        rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s is damaged (outer_step, global_file)", path);
+        goto out;
+    }
+    s->step = (uint64_t)step->valuedouble;
+    s->global_path = store_global_path(s, s->step);
+    /* the recorded names must be the ones this step implies: never follow a path from the file */
+    char expect[64];
+    snprintf(expect, sizeof(expect), "global/latest-%" PRIu64 ".safetensors", s->step);
+    if (strcmp(g->valuestring, expect) != 0) {
+        rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s names %s for step %" PRIu64 ", expected %s", path,
+                     g->valuestring, s->step, expect);
+        goto out;
+    }
+    if (cJSON_IsString(m)) {
+        snprintf(expect, sizeof(expect), "outer_state-%" PRIu64 ".safetensors", s->step);
+        if (strcmp(m->valuestring, expect) != 0) {
+            rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s names %s for step %" PRIu64 ", expected %s", path,
+                         m->valuestring, s->step, expect);
+            goto out;
+        }
+        s->momentum_path = store_momentum_path(s, s->step);
+    }
+    s->bootstrap = cJSON_IsTrue(b);
+    s->committed = 1;
+    if (access(s->global_path, R_OK) != 0 || (s->momentum_path && access(s->momentum_path, R_OK) != 0))
+        rc = dl_fail(err, DL_E_IO, NULL, 0, "committed step %" PRIu64 " is missing its files (%s)", s->step,
+                     s->global_path);
+out:
+    cJSON_Delete(root);
+    return rc;
+}
+
+int store_open(store *s, const char *state_root, const char *id, dl_error *err)
+{
+    char *meta = NULL, *sub = NULL;
+    int rc;
+
+    memset(s, 0, sizeof(*s));
+    s->dir = path_fmt("%s/%s", state_root, id);
+    if (s->dir == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    static const char *const subdirs[] = {"global", "cache/deltas", "cache/incoming"};
+    for (size_t i = 0; i < 3; i++) {
+        sub = path_fmt("%s/%s", s->dir, subdirs[i]);
+        if (sub == NULL)
+            return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        rc = fsu_mkdirs(sub, err);
+        free(sub);
+        if (rc != 0)
+            return rc;
+    }
+    meta = path_fmt("%s/outer_metadata.json", s->dir);
+    if (meta == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    rc = access(meta, F_OK) == 0 ? load_metadata(s, meta, err) : 0;
+    free(meta);
+    return rc;
+}
+
+static void iso_now(char *out, size_t size)
+{
+    time_t t = time(NULL);
+    struct tm tm;
+    gmtime_r(&t, &tm);
+    strftime(out, size, "%Y-%m-%dT%H:%M:%S+00:00", &tm);
+}
+
+int store_commit(store *s, const store_commit_info *info, dl_error *err)
+{
+    sbuf b = {0};
+    char when[40], num[128], *meta, *text;
+    int rc;
+
+    iso_now(when, sizeof(when));
+    sb_str(&b, "{\n  \"format\": 1,\n  \"outer_step\": ");
+    sb_u64(&b, info->step);
+    sb_str(&b, ",\n  \"global_file\": ");
+    snprintf(num, sizeof(num), "global/latest-%" PRIu64 ".safetensors", info->step);
+    sb_json_string(&b, num, strlen(num));
+    sb_str(&b, ",\n  \"outer_state_file\": ");
+    if (info->momentum_path != NULL) {
+        snprintf(num, sizeof(num), "outer_state-%" PRIu64 ".safetensors", info->step);
+        sb_json_string(&b, num, strlen(num));
+    } else {
+        sb_str(&b, "null");
+    }
+    sb_str(&b, ",\n  \"optimizer\": ");
+    sb_json_string(&b, info->optimizer, strlen(info->optimizer));
+    snprintf(num, sizeof(num), ",\n  \"lr\": %.17g,\n  \"momentum\": %.17g", info->lr, info->momentum);
+    sb_str(&b, num);
+    sb_str(&b, ",\n  \"bootstrap\": ");
+    sb_str(&b, info->bootstrap ? "true" : "false");
+    sb_str(&b, ",\n  \"origin\": ");
+    sb_json_string(&b, info->origin, strlen(info->origin));
+    sb_str(&b, ",\n  \"updated_at\": ");
+    sb_json_string(&b, when, strlen(when));
+    sb_str(&b, "\n}\n");
+    size_t len = b.len;
+    if ((text = sb_take(&b)) == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    meta = path_fmt("%s/outer_metadata.json", s->dir);
+    if (meta == NULL) {
+        free(text);
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    }
+    rc = fsu_write_atomic(meta, text, len, err);
+    free(meta);
+    free(text);
+    if (rc != 0)
+        return rc;
+    free(s->global_path);
+    free(s->momentum_path);
+    s->global_path = strdup(info->global_path);
+    s->momentum_path = info->momentum_path ? strdup(info->momentum_path) : NULL;
+    s->step = info->step;
+    s->bootstrap = info->bootstrap;
+    s->committed = 1;
+    return 0;
+}
+
+/* rm -r of a directory tree we own (never follows symlinks). */
+static int remove_tree(const char *path)
+{
+    DIR *d = opendir(path);
+    struct dirent *e;
+    int rc = 0;
+
+    if (d == NULL)
+        return errno == ENOENT ? 0 : -errno;
+    while ((e = readdir(d)) != NULL) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
+            continue;
+        char *child = path_fmt("%s/%s", path, e->d_name);
+        struct stat sb;
+        if (child == NULL) {
+            rc = -ENOMEM;
+            break;
+        }
+        if (lstat(child, &sb) == 0 && S_ISDIR(sb.st_mode))
+            rc = remove_tree(child);
+        else if (unlink(child) != 0 && errno != ENOENT)
+            rc = -errno;
+        free(child);
+    }
+    closedir(d);
+    if (rmdir(path) != 0 && errno != ENOENT)
+        rc = -errno;
+    return rc;
+}
+
+/* Parses "<prefix><digits><suffix>"; returns 0 and the number, or -1. */
+static int match_step(const char *name, const char *prefix, const char *suffix, uint64_t *step)
+{
+    size_t pl = strlen(prefix), sl = strlen(suffix), nl = strlen(name);
+    uint64_t v = 0;
+
+    if (nl <= pl + sl || strncmp(name, prefix, pl) != 0 || strcmp(name + nl - sl, suffix) != 0)
+        return -1;
+    for (size_t i = pl; i < nl - sl; i++) {
+        if (name[i] < '0' || name[i] > '9' || v > UINT64_MAX / 10)
+            return -1;
+        v = v * 10 + (uint64_t)(name[i] - '0');
+    }
+    *step = v;
+    return 0;
+}
+
+static int is_temp(const char *name)
+{
+    return name[0] == '.' && strstr(name, ".tmp-") != NULL;
+}
+
+/* Removes entries of dir for which keep() says no. */
+static int sweep(const char *dir, const store *s, int (*keep)(const store *, const char *))
+{
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    int rc = 0;
+
+    if (d == NULL)
+        return errno == ENOENT ? 0 : -errno;
+    while ((e = readdir(d)) != NULL) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0 || keep(s, e->d_name))
+            continue;
+        char *child = path_fmt("%s/%s", dir, e->d_name);
+        if (child == NULL) {
+            rc = -ENOMEM;
+            break;
+        }
+        struct stat sb;
+        if (lstat(child, &sb) == 0 && S_ISDIR(sb.st_mode))
+            rc = remove_tree(child);
+        else if (unlink(child) != 0 && errno != ENOENT)
+            rc = -errno;
+        free(child);
+    }
+    closedir(d);
+    return rc;
+}
+
+static int keep_global(const store *s, const char *name)
+{
+    uint64_t step;
+    if (match_step(name, "latest-", ".safetensors", &step) == 0)
+        return s->committed && step == s->step;
+    return !is_temp(name);      /* leave foreign files alone */
+}
+
+static int keep_top(const store *s, const char *name)
+{
+    uint64_t step;
+    if (match_step(name, "outer_state-", ".safetensors", &step) == 0)
+        return s->committed && step == s->step && s->momentum_path != NULL;
+    return !is_temp(name);
+}
+
+static int keep_cache(const store *s, const char *name)
+{
+    uint64_t step;
+    if (match_step(name, "s", "", &step) == 0)
+        return !s->committed || step >= s->step;
+    return !is_temp(name);
+}
+
+static int keep_nothing(const store *s, const char *name)
+{
+    (void)s;
+    (void)name;
+    return 0;
+}
+
+int store_cleanup(const store *s, dl_error *err)
+{
+    char *g = path_fmt("%s/global", s->dir), *c = path_fmt("%s/cache/deltas", s->dir);
+    char *in = store_incoming_dir(s);
+    int rc = 0;
+
+    if (g == NULL || c == NULL || in == NULL)
+        rc = -ENOMEM;
+    if (rc == 0)
+        rc = sweep(g, s, keep_global);
+    if (rc == 0)
+        rc = sweep(s->dir, s, keep_top);
+    if (rc == 0)
+        rc = sweep(c, s, keep_cache);
+    if (rc == 0)
+        rc = sweep(in, s, keep_nothing);
+    free(g);
+    free(c);
+    free(in);
+    if (rc != 0)
+        return dl_fail_errno(err, -rc, "cleaning up %s", s->dir);
+    return 0;
+}
+
+void store_free(store *s)
+{
+    free(s->dir);
+    free(s->global_path);
+    free(s->momentum_path);
+    memset(s, 0, sizeof(*s));
+}

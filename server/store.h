@@ -1,0 +1,54 @@
+/* store: the local state tree under <state_root>/<id>/ and its commit protocol.
+ *
+ *   global/latest-<step>.safetensors     the global model of each committed step (only the current one kept)
+ *   outer_state-<step>.safetensors       momentum buffers of that step (F32; absent for momentum 0)
+ *   outer_metadata.json                  THE commit point: names the current step and its files
+ *   cache/deltas/s<step>/<node>/delta_<local_step>.safetensors   validated deltas of the open round
+ *   cache/incoming/                      deltas being received or copied (temporary)
+ *
+ * A step is committed by atomically replacing outer_metadata.json (temp, fsync, rename, fsync of the
+ * directory) after its global and momentum files are durable; the files carry the step in their
+ * names, so a crash at any moment leaves exactly one committed step and at most some leftovers, which
+ * store_cleanup() removes.  All functions do blocking I/O: call them from the thread pool (or before
+ * the loop runs). */
+#ifndef STORE_H
+#define STORE_H
+
+#include <stdint.h>
+
+#include "dl_error.h"
+
+typedef struct store {
+    char *dir;                  /* <state_root>/<id> */
+    int committed;              /* a step is committed */
+    uint64_t step;
+    char *global_path;          /* absolute paths of the committed step's files */
+    char *momentum_path;        /* NULL: no momentum (fresh or momentum 0) */
+    int bootstrap;              /* the committed step is a bootstrap / adopted model */
+} store;
+
+typedef struct store_commit_info {
+    uint64_t step;
+    const char *global_path;    /* must be store_global_path(step) */
+    const char *momentum_path;  /* store_momentum_path(step) or NULL */
+    const char *optimizer;
+    double lr, momentum;
+    int bootstrap;
+    const char *origin;         /* "round", "init_model", "adopted" */
+} store_commit_info;
+
+/* Creates the tree and loads the committed step (if any). */
+int store_open(store *s, const char *state_root, const char *id, dl_error *err);
+/* Writes outer_metadata.json atomically: from this moment info->step is the committed step. */
+int store_commit(store *s, const store_commit_info *info, dl_error *err);
+/* Removes files no committed step refers to: older or uncommitted globals and momentum files,
+ * temporary files, incoming files, and cached deltas of rounds before the committed step. */
+int store_cleanup(const store *s, dl_error *err);
+/* malloc'd absolute paths */
+char *store_global_path(const store *s, uint64_t step);
+char *store_momentum_path(const store *s, uint64_t step);
+char *store_cache_dir(const store *s, uint64_t step);       /* cache/deltas/s<step> */
+char *store_incoming_dir(const store *s);
+void store_free(store *s);
+
+#endif
