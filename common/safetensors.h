@@ -66,6 +66,10 @@ typedef struct st_header {
 /* Parses and validates the N header bytes of a file of total length file_len (8 + N + data).
  * On success *out is a new header (st_header_free).  Stops at the first violation with its code. */
 int st_header_parse(const char *json, size_t n, uint64_t file_len, st_header **out, dl_error *err);
+/* All of the above but the final size check: for a file still being written or received. */
+int st_header_parse_unsized(const char *json, size_t n, st_header **out, dl_error *err);
+/* 8 + N + data length: the exact size of the file this header describes (-1 on overflow). */
+int st_header_file_len(const st_header *h, uint64_t *len);
 /* The same checks for a prefix of a file: validates the 8-byte length and the header when they are
  * complete.  Returns 0 with *out == NULL while more bytes are needed (need tells how many in total),
  * a header when complete, or an error.  Used by streaming uploads to refuse a bad file early. */

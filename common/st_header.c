@@ -843,12 +843,11 @@ void st_header_free(st_header *h)
     free(h);
 }
 
-int st_header_parse(const char *json, size_t n, uint64_t file_len, st_header **out, dl_error *err)
+int st_header_parse_unsized(const char *json, size_t n, st_header **out, dl_error *err)
 {
     st_header *h;
     jp p = {(const unsigned char *)json, n, 0, 0, err};
     size_t bad;
-    uint64_t total;
     int rc;
 
     *out = NULL;
@@ -861,20 +860,41 @@ int st_header_parse(const char *json, size_t n, uint64_t file_len, st_header **o
     if (h == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory parsing header");
     h->header_len = n;
-    if ((rc = jp_header(&p, h)) != 0 || (rc = validate(h, err)) != 0)
-        goto fail;
-    if (__builtin_add_overflow(h->data_len, (uint64_t)8, &total) ||
-        __builtin_add_overflow(total, (uint64_t)n, &total) || total != file_len) {
-        rc = dl_fail(err, DL_E_METADATA_INCOMPLETE_BUFFER, NULL, 0,
-                     "incomplete metadata, file not fully covered: header and tensors need 8 + %zu + %llu bytes, the file has %llu",
-                     n, (unsigned long long)h->data_len, (unsigned long long)file_len);
-        goto fail;
+    if ((rc = jp_header(&p, h)) != 0 || (rc = validate(h, err)) != 0) {
+        st_header_free(h);
+        return rc;
     }
     *out = h;
     return 0;
-fail:
-    st_header_free(h);
-    return rc;
+}
+
+int st_header_file_len(const st_header *h, uint64_t *len)
+{
+    uint64_t total;
+    if (__builtin_add_overflow(h->data_len, (uint64_t)8, &total) ||
+        __builtin_add_overflow(total, h->header_len, &total))
+        return -1;
+    *len = total;
+    return 0;
+}
+
+int st_header_parse(const char *json, size_t n, uint64_t file_len, st_header **out, dl_error *err)
+{
+    st_header *h;
+    uint64_t total;
+    int rc;
+
+    if ((rc = st_header_parse_unsized(json, n, &h, err)) != 0)
+        return rc;
+    if (st_header_file_len(h, &total) != 0 || total != file_len) {
+        rc = dl_fail(err, DL_E_METADATA_INCOMPLETE_BUFFER, NULL, 0,
+                     "incomplete metadata, file not fully covered: header and tensors need 8 + %zu + %llu bytes, the file has %llu",
+                     n, (unsigned long long)h->data_len, (unsigned long long)file_len);
+        st_header_free(h);
+        return rc;
+    }
+    *out = h;
+    return 0;
 }
 
 static uint64_t le64(const unsigned char *b)

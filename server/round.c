@@ -3,7 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-void round_init(round *r, uint64_t step, unsigned expected_nodes, char **allow, size_t nallow, unsigned min_nodes,
+void round_init(round_state *r, uint64_t step, unsigned expected_nodes, char **allow, size_t nallow, unsigned min_nodes,
                 double timeout)
 {
     memset(r, 0, sizeof(*r));
@@ -16,7 +16,7 @@ void round_init(round *r, uint64_t step, unsigned expected_nodes, char **allow, 
     r->timeout = timeout;
 }
 
-static void entries_free(round *r)
+static void entries_free(round_state *r)
 {
     for (size_t i = 0; i < r->n; i++)
         free(r->entries[i].path);
@@ -25,7 +25,7 @@ static void entries_free(round *r)
     r->n = r->cap = 0;
 }
 
-void round_reset(round *r, uint64_t step)
+void round_reset(round_state *r, uint64_t step)
 {
     entries_free(r);
     r->step = step;
@@ -33,13 +33,13 @@ void round_reset(round *r, uint64_t step)
     r->closed = 0;
 }
 
-void round_free(round *r)
+void round_free(round_state *r)
 {
     entries_free(r);
 }
 
 /* Index of node_id in the sorted entries, or -(insertion point) - 1. */
-static long find_index(const round *r, const char *node_id)
+static long find_index(const round_state *r, const char *node_id)
 {
     size_t lo = 0, hi = r->n;
     while (lo < hi) {
@@ -55,13 +55,13 @@ static long find_index(const round *r, const char *node_id)
     return -(long)lo - 1;
 }
 
-const round_entry *round_find(const round *r, const char *node_id)
+const round_entry *round_find(const round_state *r, const char *node_id)
 {
     long i = find_index(r, node_id);
     return i >= 0 ? &r->entries[i] : NULL;
 }
 
-static int allowed(const round *r, const char *node_id)
+static int allowed(const round_state *r, const char *node_id)
 {
     if (r->nallow == 0)
         return 1;
@@ -72,7 +72,7 @@ static int allowed(const round *r, const char *node_id)
     return 0;
 }
 
-round_verdict round_offer(round *r, const delta_info *info, char *path, uint64_t size, double now,
+round_verdict round_offer(round_state *r, const delta_info *info, char *path, uint64_t size, double now,
                           char **replaced_path)
 {
     long i;
@@ -135,7 +135,7 @@ round_verdict round_offer(round *r, const delta_info *info, char *path, uint64_t
     return ROUND_ACCEPTED;
 }
 
-int round_should_close(const round *r, double now, round_close_reason *reason)
+int round_should_close(const round_state *r, double now, round_close_reason *reason)
 {
     *reason = ROUND_OPEN;
     if (r->closed || r->n == 0)
@@ -151,7 +151,7 @@ int round_should_close(const round *r, double now, round_close_reason *reason)
     return 0;
 }
 
-double round_deadline(const round *r)
+double round_deadline(const round_state *r)
 {
     if (r->timeout <= 0 || r->first_at < 0)
         return -1;

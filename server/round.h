@@ -36,7 +36,7 @@ typedef struct round_counters {
     uint64_t accepted, replaced, not_newer, stale, future, unknown_node, full, rejected;
 } round_counters;
 
-typedef struct round {
+typedef struct round_state {
     uint64_t step;
     round_entry *entries;       /* sorted by node_id (ascending bytes): the aggregation order */
     size_t n, cap;
@@ -49,23 +49,23 @@ typedef struct round {
     unsigned min_nodes;
     double timeout;             /* 0: none */
     round_counters counters;    /* since the process started, across rounds */
-} round;
+} round_state;
 
-void round_init(round *r, uint64_t step, unsigned expected_nodes, char **allow, size_t nallow, unsigned min_nodes,
+void round_init(round_state *r, uint64_t step, unsigned expected_nodes, char **allow, size_t nallow, unsigned min_nodes,
                 double timeout);
 /* Offers a validated delta.  On ROUND_ACCEPTED/ROUND_REPLACED the round takes ownership of path
  * (and *replaced_path receives the path it drops, for the caller to delete; else NULL). */
-round_verdict round_offer(round *r, const delta_info *info, char *path, uint64_t size, double now,
+round_verdict round_offer(round_state *r, const delta_info *info, char *path, uint64_t size, double now,
                           char **replaced_path);
 const char *round_verdict_name(round_verdict v);
 /* Whether the round should close now; fills *reason. */
-int round_should_close(const round *r, double now, round_close_reason *reason);
+int round_should_close(const round_state *r, double now, round_close_reason *reason);
 /* Seconds until the timeout rule could close the round (<0: no deadline yet or none). */
-double round_deadline(const round *r);
+double round_deadline(const round_state *r);
 const char *round_close_reason_name(round_close_reason r);
-const round_entry *round_find(const round *r, const char *node_id);
+const round_entry *round_find(const round_state *r, const char *node_id);
 /* Frees the entries (not the allow-list), then starts round step with the same rules and counters. */
-void round_reset(round *r, uint64_t step);
-void round_free(round *r);
+void round_reset(round_state *r, uint64_t step);
+void round_free(round_state *r);
 
 #endif

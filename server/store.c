@@ -295,20 +295,22 @@ static int sweep(const char *dir, const store *s, int (*keep)(const store *, con
     return rc;
 }
 
+/* At startup nothing runs: everything but the committed step goes.  After a commit an aggregation
+ * of the next step may already be writing its files: only older steps go. */
 static int keep_global(const store *s, const char *name)
 {
     uint64_t step;
     if (match_step(name, "latest-", ".safetensors", &step) == 0)
-        return s->committed && step == s->step;
-    return !is_temp(name);      /* leave foreign files alone */
+        return s->committed && (s->startup ? step == s->step : step >= s->step);
+    return !(s->startup && is_temp(name));      /* leave foreign files alone */
 }
 
 static int keep_top(const store *s, const char *name)
 {
     uint64_t step;
     if (match_step(name, "outer_state-", ".safetensors", &step) == 0)
-        return s->committed && step == s->step && s->momentum_path != NULL;
-    return !is_temp(name);
+        return s->committed && (s->startup ? step == s->step && s->momentum_path != NULL : step >= s->step);
+    return !(s->startup && is_temp(name));
 }
 
 static int keep_cache(const store *s, const char *name)
@@ -316,7 +318,7 @@ static int keep_cache(const store *s, const char *name)
     uint64_t step;
     if (match_step(name, "s", "", &step) == 0)
         return !s->committed || step >= s->step;
-    return !is_temp(name);
+    return !(s->startup && is_temp(name));
 }
 
 static int keep_nothing(const store *s, const char *name)
@@ -326,12 +328,15 @@ static int keep_nothing(const store *s, const char *name)
     return 0;
 }
 
-int store_cleanup(const store *s, dl_error *err)
+int store_cleanup(const store *st, int at_startup, dl_error *err)
 {
+    store view = *st;
+    const store *s = &view;
     char *g = path_fmt("%s/global", s->dir), *c = path_fmt("%s/cache/deltas", s->dir);
     char *in = store_incoming_dir(s);
     int rc = 0;
 
+    view.startup = at_startup;
     if (g == NULL || c == NULL || in == NULL)
         rc = -ENOMEM;
     if (rc == 0)
@@ -340,7 +345,7 @@ int store_cleanup(const store *s, dl_error *err)
         rc = sweep(s->dir, s, keep_top);
     if (rc == 0)
         rc = sweep(c, s, keep_cache);
-    if (rc == 0)
+    if (rc == 0 && at_startup)
         rc = sweep(in, s, keep_nothing);
     free(g);
     free(c);

@@ -25,6 +25,7 @@ typedef struct store {
     char *global_path;          /* absolute paths of the committed step's files */
     char *momentum_path;        /* NULL: no momentum (fresh or momentum 0) */
     int bootstrap;              /* the committed step is a bootstrap / adopted model */
+    int startup;                /* private to store_cleanup */
 } store;
 
 typedef struct store_commit_info {
@@ -41,9 +42,9 @@ typedef struct store_commit_info {
 int store_open(store *s, const char *state_root, const char *id, dl_error *err);
 /* Writes outer_metadata.json atomically: from this moment info->step is the committed step. */
 int store_commit(store *s, const store_commit_info *info, dl_error *err);
-/* Removes files no committed step refers to: older or uncommitted globals and momentum files,
- * temporary files, incoming files, and cached deltas of rounds before the committed step. */
-int store_cleanup(const store *s, dl_error *err);
+/* Removes files of steps before the committed one (globals, momentum, cached deltas).  At startup
+ * (nothing else running) also uncommitted step files, temporary files and incoming copies. */
+int store_cleanup(const store *s, int at_startup, dl_error *err);
 /* malloc'd absolute paths */
 char *store_global_path(const store *s, uint64_t step);
 char *store_momentum_path(const store *s, uint64_t step);

@@ -1,0 +1,62 @@
+#include "stepcount.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cJSON.h>
+
+#include "delta.h"
+#include "strbuf.h"
+
+char *stepcount_build(uint64_t outer_step, const char *optimizer, int bootstrap, const char *updated_at)
+{
+    sbuf b = {0};
+    char when[40];
+
+    if (updated_at == NULL) {
+        time_t t = time(NULL);
+        struct tm tm;
+        gmtime_r(&t, &tm);
+        strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%S+00:00", &tm);
+        updated_at = when;
+    }
+    sb_str(&b, "{\n  \"algorithm\": \"" DELTA_ALGORITHM "\",\n  \"model_file\": \"global/latest.safetensors\",\n"
+               "  \"optimizer\": ");
+    sb_json_string(&b, optimizer, strlen(optimizer));
+    sb_str(&b, ",\n  \"outer_step\": ");
+    sb_u64(&b, outer_step);
+    sb_str(&b, ",\n  \"updated_at\": ");
+    sb_json_string(&b, updated_at, strlen(updated_at));
+    if (bootstrap)
+        sb_str(&b, ",\n  \"bootstrap\": \"true\"");
+    sb_str(&b, "\n}\n");
+    return sb_take(&b);
+}
+
+int stepcount_parse(const char *text, size_t len, uint64_t *outer_step, int *bootstrap, dl_error *err)
+{
+    cJSON *root = cJSON_ParseWithLength(text, len), *step, *boot;
+    int rc = 0;
+
+    if (!cJSON_IsObject(root)) {
+        rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "step_count.json is not a JSON object");
+        goto out;
+    }
+    step = cJSON_GetObjectItemCaseSensitive(root, "outer_step");
+    /* cJSON keeps numbers as doubles: integers up to 2^53 are exact, which DELTA_INT_MAX respects */
+    if (!cJSON_IsNumber(step) || !(step->valuedouble >= 0) || step->valuedouble > (double)DELTA_INT_MAX ||
+        floor(step->valuedouble) != step->valuedouble) {
+        rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "step_count.json: outer_step is not a non-negative integer");
+        goto out;
+    }
+    *outer_step = (uint64_t)step->valuedouble;
+    boot = cJSON_GetObjectItemCaseSensitive(root, "bootstrap");
+    if (bootstrap != NULL)
+        *bootstrap = (cJSON_IsString(boot) && strcmp(boot->valuestring, "true") == 0) || cJSON_IsTrue(boot);
+out:
+    cJSON_Delete(root);
+    return rc;
+}

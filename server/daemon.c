@@ -1,0 +1,1131 @@
+#include "daemon.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <uv.h>
+
+#include "delta.h"
+#include "dl_log.h"
+#include "fsutil.h"
+#include "hub_file.h"
+#include "intake.h"
+#include "outer.h"
+#include "round.h"
+#include "safetensors.h"
+#include "seen.h"
+#include "store.h"
+
+#define container_of(ptr, type, member) ((type *)((char *)(ptr) - offsetof(type, member)))
+
+#define MAX_INTAKE_IN_FLIGHT 2
+#define MAX_RETRY_SECONDS 60.0
+#define PROGRESS_SECONDS 2.0
+
+typedef enum dstate { S_WAITING_GLOBAL, S_COLLECTING, S_AGGREGATING, S_RETRY_WAIT } dstate;
+
+static const char *state_name(dstate s)
+{
+    switch (s) {
+    case S_WAITING_GLOBAL: return "waiting_for_global";
+    case S_COLLECTING: return "collecting";
+    case S_AGGREGATING: return "aggregating";
+    case S_RETRY_WAIT: return "retry_wait";
+    }
+    return "?";
+}
+
+typedef struct node_stat {
+    char node_id[DELTA_NODE_ID_MAX + 1];
+    uint64_t local_step;
+    double norm, cosine;
+} node_stat;
+
+typedef struct dilocod {
+    uv_loop_t loop;
+    config *cfg;
+    store st;
+    dstate state;
+    int stopping;
+    int exit_code;
+    char *hub_root;             /* file:// directory, NULL for none */
+
+    uv_signal_t sigint, sigterm;
+    uv_timer_t poll_timer, round_timer, retry_timer, progress_timer;
+    uv_fs_event_t nodes_watch;
+    int nodes_watch_active;
+
+    st_header *model;           /* structure of the global model (same for every step) */
+    round_state rnd;
+    seen_map seen;
+
+    /* intake */
+    intake_req **queue;
+    size_t nqueue, cap_queue;
+    int intake_in_flight;
+    int scan_in_flight, scan_again;
+
+    /* aggregation */
+    outer_pass *pass;
+    char **pass_paths;
+    node_stat *pass_nodes;
+    size_t pass_n;
+    int pass_jobs;              /* run jobs still out */
+    double pass_started;
+    double retry_delay;
+    uint64_t pass_last_bytes;
+    double pass_last_time;
+
+    /* publish */
+    int64_t published_step;     /* -1: nothing published by us or unknown */
+    int publish_in_flight;
+    int cleanup_in_flight;
+    int adopt_in_flight;
+    uv_timer_t publish_timer;
+    int jobs_in_flight;         /* every uv_work_t out, for shutdown */
+} dilocod;
+
+static double now_s(dilocod *d)
+{
+    return (double)uv_now(&d->loop) / 1000.0;
+}
+
+static void maybe_finish_shutdown(dilocod *d);
+static void schedule_scan(dilocod *d);
+static void dispatch_intake(dilocod *d);
+static void maybe_close_round(dilocod *d);
+static void maybe_publish(dilocod *d);
+static void start_aggregation(dilocod *d);
+
+/* ---- small pool jobs -------------------------------------------------------------------------- */
+
+typedef struct job job;
+typedef void (*job_fn)(job *);
+struct job {
+    uv_work_t req;
+    dilocod *d;
+    job_fn work, done;
+    int rc;
+    dl_error err;
+    void *arg;
+    uint64_t u;
+    int flag;
+};
+
+static void job_work_cb(uv_work_t *req)
+{
+    job *j = container_of(req, job, req);
+    j->work(j);
+}
+
+static void job_after_cb(uv_work_t *req, int status)
+{
+    job *j = container_of(req, job, req);
+    dilocod *d = j->d;
+    if (status == UV_ECANCELED) {
+        j->rc = -DL_E_IO;
+        dl_fail(&j->err, DL_E_IO, NULL, 0, "cancelled");
+    }
+    d->jobs_in_flight--;
+    j->done(j);
+    free(j);
+    maybe_finish_shutdown(d);
+}
+
+static int queue_job(dilocod *d, job_fn work, job_fn done, void *arg, uint64_t u, int flag)
+{
+    job *j = calloc(1, sizeof(*j));
+    int rc;
+
+    if (j == NULL)
+        return UV_ENOMEM;
+    j->d = d;
+    j->work = work;
+    j->done = done;
+    j->arg = arg;
+    j->u = u;
+    j->flag = flag;
+    dl_error_clear(&j->err);
+    if ((rc = uv_queue_work(&d->loop, &j->req, job_work_cb, job_after_cb)) != 0) {
+        free(j);
+        return rc;
+    }
+    d->jobs_in_flight++;
+    return 0;
+}
+
+static void log_error(const char *component, const char *msg, const dl_error *e)
+{
+    char m[600], t[300];
+    dl_log(DL_LOG_ERROR, component, msg, "code=%s error=%s%s%s", dl_error_name(e->code),
+           dl_log_q(m, sizeof(m), e->message), e->tensor[0] ? " tensor=" : "",
+           e->tensor[0] ? dl_log_q(t, sizeof(t), e->tensor) : "");
+}
+
+/* ---- scanning the file:// hub ---------------------------------------------------------------- */
+
+typedef struct scan_result {
+    hub_candidate *c;
+    size_t n;
+    int published_present;
+    uint64_t published_step;
+} scan_result;
+
+static void scan_work(job *j)
+{
+    scan_result *r = j->arg;
+    j->rc = hubfile_scan(j->d->hub_root, &r->c, &r->n, &j->err);
+    if (j->rc == 0)
+        j->rc = hubfile_read_published(j->d->hub_root, &r->published_present, &r->published_step, &j->err);
+}
+
+static void start_adopt(dilocod *d, uint64_t step);
+
+static void enqueue_intake(dilocod *d, const char *abs, const char *rel, int in_cache)
+{
+    intake_req *r = calloc(1, sizeof(*r));
+
+    if (r == NULL || (r->src_path = strdup(abs)) == NULL || (rel && (r->rel_path = strdup(rel)) == NULL) ||
+        (r->state_dir = strdup(d->st.dir)) == NULL) {
+        if (r)
+            intake_req_free(r);
+        dl_log(DL_LOG_ERROR, "intake", "out of memory", "path=%s", abs);
+        return;
+    }
+    r->in_cache = in_cache;
+    if (d->nqueue == d->cap_queue) {
+        size_t nc = d->cap_queue ? d->cap_queue * 2 : 16;
+        intake_req **nq = realloc(d->queue, nc * sizeof(*nq));
+        if (nq == NULL) {
+            intake_req_free(r);
+            dl_log(DL_LOG_ERROR, "intake", "out of memory", "path=%s", abs);
+            return;
+        }
+        d->queue = nq;
+        d->cap_queue = nc;
+    }
+    d->queue[d->nqueue++] = r;
+}
+
+/* Settle time: a file that keeps failing as incomplete without changing for this long is rejected. */
+static double settle_seconds(const dilocod *d)
+{
+    double s = 2 * d->cfg->poll_interval;
+    return s < 2.0 ? 2.0 : s;
+}
+
+static void consider_candidate(dilocod *d, const hub_candidate *c)
+{
+    int created;
+    seen_entry *e = seen_get(&d->seen, c->rel, &created);
+
+    if (e == NULL)
+        return;
+    int same = !created && e->size == c->size && e->mtime_ns == c->mtime_ns && e->ino == c->ino;
+    if (same) {
+        if (e->state == SEEN_INCOMPLETE && now_s(d) - e->since >= settle_seconds(d)) {
+            /* stopped changing: one last attempt decides (INCOMPLETE again means truncated for good) */
+            e->state = SEEN_PENDING;
+            e->since = -1;
+            enqueue_intake(d, c->abs, c->rel, 0);
+        }
+        return;
+    }
+    if (!created && e->state == SEEN_PENDING)
+        return;                 /* in flight: its result will be compared with the new version */
+    e->size = c->size;
+    e->mtime_ns = c->mtime_ns;
+    e->ino = c->ino;
+    e->state = SEEN_PENDING;
+    e->since = now_s(d);
+    dl_log(DL_LOG_DEBUG, "hub", "delta seen", "path=%s bytes=%" PRIu64, c->rel, c->size);
+    enqueue_intake(d, c->abs, c->rel, 0);
+}
+
+static void scan_done(job *j)
+{
+    dilocod *d = j->d;
+    scan_result *r = j->arg;
+
+    d->scan_in_flight = 0;
+    if (j->rc != 0) {
+        log_error("hub", "scan failed", &j->err);
+    } else if (!d->stopping) {
+        if (d->state == S_WAITING_GLOBAL) {
+            if (r->published_present)
+                start_adopt(d, r->published_step);
+        } else {
+            for (size_t i = 0; i < r->n; i++)
+                consider_candidate(d, &r->c[i]);
+            dispatch_intake(d);
+        }
+    }
+    hub_candidates_free(r->c, r->n);
+    free(r);
+    if (d->scan_again && !d->stopping) {
+        d->scan_again = 0;
+        schedule_scan(d);
+    }
+}
+
+static void schedule_scan(dilocod *d)
+{
+    scan_result *r;
+
+    if (d->hub_root == NULL || d->stopping)
+        return;
+    if (d->scan_in_flight) {
+        d->scan_again = 1;
+        return;
+    }
+    if ((r = calloc(1, sizeof(*r))) == NULL)
+        return;
+    if (queue_job(d, scan_work, scan_done, r, 0, 0) != 0) {
+        free(r);
+        return;
+    }
+    d->scan_in_flight = 1;
+}
+
+static void poll_cb(uv_timer_t *t)
+{
+    schedule_scan(container_of(t, dilocod, poll_timer));
+}
+
+static void nodes_event_cb(uv_fs_event_t *h, const char *filename, int events, int status)
+{
+    dilocod *d = container_of(h, dilocod, nodes_watch);
+    (void)filename;
+    (void)events;
+    (void)status;
+    schedule_scan(d);
+}
+
+/* ---- intake ---------------------------------------------------------------------------------- */
+
+static void intake_work(job *j)
+{
+    intake_run(j->arg);
+}
+
+static void unlink_cb(uv_fs_t *req)
+{
+    uv_fs_req_cleanup(req);
+    free(req);
+}
+
+/* Deletes a file without blocking the loop (libuv runs the unlink on its pool). */
+static void unlink_async(dilocod *d, const char *path)
+{
+    uv_fs_t *req = malloc(sizeof(*req));
+    if (req == NULL || uv_fs_unlink(&d->loop, req, path, unlink_cb) != 0)
+        free(req);
+}
+
+static void round_timer_cb(uv_timer_t *t);
+
+static void arm_round_timer(dilocod *d)
+{
+    double deadline = round_deadline(&d->rnd), wait;
+
+    if (deadline < 0 || d->stopping)
+        return;
+    wait = deadline - now_s(d);
+    uv_timer_start(&d->round_timer, round_timer_cb, wait > 0 ? (uint64_t)(wait * 1000) + 1 : 0, 0);
+}
+
+static void offer(dilocod *d, intake_req *r)
+{
+    char *replaced = NULL;
+    round_verdict v = round_offer(&d->rnd, &r->info, r->cache_path, r->size, now_s(d), &replaced);
+    int first = d->rnd.n == 1 && v == ROUND_ACCEPTED;
+
+    if (v == ROUND_ACCEPTED || v == ROUND_REPLACED) {
+        dl_log(DL_LOG_INFO, "round", v == ROUND_ACCEPTED ? "delta accepted" : "delta replaced",
+               "step=%" PRIu64 " node=%s local_step=%" PRIu64 " bytes=%" PRIu64 " nodes=%zu expected=%u",
+               d->rnd.step, r->info.node_id, r->info.local_step, r->size, d->rnd.n, d->cfg->expected_nodes);
+        r->cache_path = NULL;   /* owned by the round now */
+        if (replaced != NULL) {
+            unlink_async(d, replaced);
+            free(replaced);
+        }
+        if (first && d->rnd.timeout > 0)
+            arm_round_timer(d);
+        maybe_close_round(d);
+        return;
+    }
+    dl_log(v == ROUND_NOT_NEWER ? DL_LOG_INFO : DL_LOG_WARN, "round", "delta refused",
+           "step=%" PRIu64 " node=%s local_step=%" PRIu64 " base_outer_step=%" PRIu64 " reason=%s", d->rnd.step,
+           r->info.node_id, r->info.local_step, r->info.base_outer_step, round_verdict_name(v));
+    unlink_async(d, r->cache_path);     /* refused: its cached copy has no use */
+}
+
+static void intake_done(job *j)
+{
+    dilocod *d = j->d;
+    intake_req *r = j->arg;
+    seen_entry *e = r->rel_path ? seen_find(&d->seen, r->rel_path) : NULL;
+    char m[600], t[300];
+    int changed = e != NULL && (e->size != r->size || e->mtime_ns != r->mtime_ns || e->ino != r->ino);
+
+    d->intake_in_flight--;
+    switch (r->status) {
+    case INTAKE_OK:
+        if (e)
+            e->state = SEEN_DONE;
+        /* when stopping, the cached copy stays: the restart offers it again */
+        if (!d->stopping)
+            offer(d, r);
+        break;
+    case INTAKE_STALE:
+    case INTAKE_FUTURE:
+        if (e)
+            e->state = SEEN_DONE;
+        d->rnd.counters.stale += r->status == INTAKE_STALE;
+        d->rnd.counters.future += r->status == INTAKE_FUTURE;
+        dl_log(r->status == INTAKE_STALE ? DL_LOG_INFO : DL_LOG_WARN, "intake", "delta refused",
+               "path=%s node=%s base_outer_step=%" PRIu64 " step=%" PRIu64 " reason=%s",
+               r->rel_path ? r->rel_path : r->src_path, r->info.node_id, r->info.base_outer_step, d->rnd.step,
+               intake_status_name(r->status));
+        if (r->in_cache)
+            unlink_async(d, r->src_path);
+        break;
+    case INTAKE_DUPLICATE:
+        if (e)
+            e->state = SEEN_DONE;
+        dl_log(DL_LOG_DEBUG, "intake", "delta already taken in", "path=%s", r->rel_path ? r->rel_path : r->src_path);
+        break;
+    case INTAKE_INCOMPLETE:
+        if (e != NULL && e->since < 0) {
+            /* the settled retry: the file stopped changing and is still short */
+            e->state = SEEN_REJECTED;
+            d->rnd.counters.rejected++;
+            dl_log(DL_LOG_WARN, "intake", "delta rejected", "path=%s code=%s error=%s", r->rel_path,
+                   dl_error_name(r->err.code), dl_log_q(m, sizeof(m), "incomplete file stopped changing"));
+        } else if (e != NULL) {
+            e->state = SEEN_INCOMPLETE;
+            e->size = r->size;
+            e->mtime_ns = r->mtime_ns;
+            e->ino = r->ino;
+            if (changed)
+                e->since = now_s(d);
+            dl_log(DL_LOG_DEBUG, "intake", "delta incomplete, will retry", "path=%s bytes=%" PRIu64, r->rel_path,
+                   r->size);
+        }
+        break;
+    case INTAKE_INVALID:
+        if (e)
+            e->state = SEEN_REJECTED;
+        d->rnd.counters.rejected++;
+        dl_log(DL_LOG_WARN, "intake", "delta rejected", "path=%s code=%s error=%s%s%s",
+               r->rel_path ? r->rel_path : r->src_path, dl_error_name(r->err.code),
+               dl_log_q(m, sizeof(m), r->err.message), r->err.tensor[0] ? " tensor=" : "",
+               r->err.tensor[0] ? dl_log_q(t, sizeof(t), r->err.tensor) : "");
+        if (r->in_cache)
+            unlink_async(d, r->src_path);
+        break;
+    case INTAKE_IO:
+        if (e)
+            e->state = SEEN_INCOMPLETE;     /* our failure: try again at the next scan */
+        if (e)
+            e->size = UINT64_MAX;
+        log_error("intake", "cannot take in a delta", &r->err);
+        break;
+    }
+    intake_req_free(r);
+    dispatch_intake(d);
+}
+
+static void dispatch_intake(dilocod *d)
+{
+    while (!d->stopping && d->intake_in_flight < MAX_INTAKE_IN_FLIGHT && d->nqueue > 0 &&
+           d->state != S_WAITING_GLOBAL) {
+        intake_req *r = d->queue[0];
+        memmove(d->queue, d->queue + 1, (d->nqueue - 1) * sizeof(*d->queue));
+        d->nqueue--;
+        r->global = d->model;
+        r->step = d->rnd.step;
+        if (queue_job(d, intake_work, intake_done, r, 0, 0) != 0) {
+            intake_req_free(r);
+            continue;
+        }
+        d->intake_in_flight++;
+    }
+}
+
+/* ---- rounds and aggregation ------------------------------------------------------------------ */
+
+static void round_timer_cb(uv_timer_t *t)
+{
+    maybe_close_round(container_of(t, dilocod, round_timer));
+}
+
+static void maybe_close_round(dilocod *d)
+{
+    round_close_reason why;
+
+    if (d->state != S_COLLECTING || d->stopping || !round_should_close(&d->rnd, now_s(d), &why))
+        return;
+    d->rnd.closed = 1;
+    uv_timer_stop(&d->round_timer);
+    dl_log(DL_LOG_INFO, "round", "closed", "step=%" PRIu64 " nodes=%zu expected=%u reason=%s", d->rnd.step, d->rnd.n,
+           d->cfg->expected_nodes, round_close_reason_name(why));
+    d->retry_delay = d->cfg->retry_interval;
+    start_aggregation(d);
+}
+
+static void pass_release(dilocod *d)
+{
+    if (d->pass != NULL) {
+        outer_free(d->pass);
+        free((void *)d->pass->out_global_path);
+        free((void *)d->pass->out_momentum_path);
+        free(d->pass);
+        d->pass = NULL;
+    }
+    free(d->pass_paths);
+    d->pass_paths = NULL;
+    free(d->pass_nodes);
+    d->pass_nodes = NULL;
+}
+
+static void retry_cb(uv_timer_t *t)
+{
+    dilocod *d = container_of(t, dilocod, retry_timer);
+    if (!d->stopping && d->state == S_RETRY_WAIT)
+        start_aggregation(d);
+}
+
+static void aggregation_failed(dilocod *d, const dl_error *err)
+{
+    uv_timer_stop(&d->progress_timer);
+    pass_release(d);
+    log_error("aggregate", "outer step failed, not committed", err);
+    if (d->stopping)
+        return;
+    d->state = S_RETRY_WAIT;
+    dl_log(DL_LOG_WARN, "aggregate", "will retry", "step=%" PRIu64 " in_seconds=%.1f", d->rnd.step, d->retry_delay);
+    uv_timer_start(&d->retry_timer, retry_cb, (uint64_t)(d->retry_delay * 1000), 0);
+    d->retry_delay = fmin(d->retry_delay * 2, MAX_RETRY_SECONDS);
+}
+
+static void commit_work(job *j)
+{
+    dilocod *d = j->d;
+    store_commit_info info = {
+        .step = d->rnd.step + 1,
+        .global_path = d->pass->out_global_path,
+        .momentum_path = d->pass->out_momentum_path,
+        .optimizer = config_optimizer_name(d->cfg->optimizer),
+        .lr = d->cfg->lr,
+        .momentum = d->cfg->momentum,
+        .bootstrap = 0,
+        .origin = "round",
+    };
+    j->rc = store_commit(&d->st, &info, &j->err);
+}
+
+static void cleanup_work(job *j)
+{
+    j->rc = store_cleanup(&j->d->st, 0, &j->err);
+}
+
+static void cleanup_done(job *j)
+{
+    j->d->cleanup_in_flight = 0;
+    if (j->rc != 0)
+        log_error("store", "cleanup failed", &j->err);
+}
+
+static void schedule_cleanup(dilocod *d)
+{
+    if (d->cleanup_in_flight || d->publish_in_flight)
+        return;
+    if (queue_job(d, cleanup_work, cleanup_done, NULL, 0, 0) == 0)
+        d->cleanup_in_flight = 1;
+}
+
+static void log_round_stats(dilocod *d, double seconds)
+{
+    outer_pass *p = d->pass;
+    double mean_norm = sqrt(p->mean_sumsq);
+
+    dl_log(DL_LOG_INFO, "aggregate", "done",
+           "step=%" PRIu64 " nodes=%zu seconds=%.3f gbps=%.2f bytes=%" PRIu64 " mean_norm=%.6g", d->rnd.step + 1,
+           p->ndeltas, seconds, seconds > 0 ? (double)p->bytes_total / seconds / 1e9 : 0.0, p->bytes_total, mean_norm);
+    for (size_t k = 0; k < p->ndeltas; k++) {
+        double norm = sqrt(p->stats[k].sumsq);
+        double cosv = norm > 0 && mean_norm > 0 ? p->stats[k].dot / (norm * mean_norm) : 0.0;
+        d->pass_nodes[k].norm = norm;
+        d->pass_nodes[k].cosine = cosv;
+        dl_log(DL_LOG_INFO, "aggregate", "node statistics",
+               "step=%" PRIu64 " node=%s local_step=%" PRIu64 " norm=%.6g cosine=%.6f", d->rnd.step + 1,
+               d->pass_nodes[k].node_id, d->pass_nodes[k].local_step, norm, cosv);
+    }
+}
+
+static void commit_done(job *j)
+{
+    dilocod *d = j->d;
+
+    if (j->rc != 0) {
+        aggregation_failed(d, &j->err);
+        return;
+    }
+    double seconds = now_s(d) - d->pass_started;
+    uv_timer_stop(&d->progress_timer);
+    log_round_stats(d, seconds);
+    dl_log(DL_LOG_INFO, "store", "committed", "step=%" PRIu64 " global=%s", d->st.step, d->st.global_path);
+    pass_release(d);
+    round_reset(&d->rnd, d->st.step);
+    dl_log(DL_LOG_INFO, "round", "opened", "step=%" PRIu64 " expected=%u min_nodes=%u", d->rnd.step,
+           d->cfg->expected_nodes, d->cfg->min_nodes);
+    d->state = S_COLLECTING;
+    if (d->stopping)
+        return;
+    maybe_publish(d);
+    schedule_cleanup(d);
+    schedule_scan(d);
+    dispatch_intake(d);
+}
+
+static void finish_work(job *j)
+{
+    j->rc = outer_finish(j->d->pass, &j->err);
+}
+
+static void finish_done(job *j)
+{
+    dilocod *d = j->d;
+
+    if (j->rc != 0) {
+        aggregation_failed(d, &j->err);
+        return;
+    }
+    /* the step's files are durable: the commit point is one atomic rename away */
+    if (queue_job(d, commit_work, commit_done, NULL, 0, 0) != 0) {
+        dl_error e;
+        dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot queue the commit");
+        aggregation_failed(d, &e);
+    }
+}
+
+static void run_work(job *j)
+{
+    outer_run(j->d->pass);
+}
+
+static void run_done(job *j)
+{
+    dilocod *d = j->d;
+
+    if (--d->pass_jobs > 0)
+        return;
+    if (queue_job(d, finish_work, finish_done, NULL, 0, 0) != 0) {
+        /* cannot even queue: finish inline would block; leave files for startup cleanup */
+        dl_error e;
+        dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot queue the finish job");
+        aggregation_failed(d, &e);
+    }
+}
+
+static void prepare_work(job *j)
+{
+    j->rc = outer_prepare(j->d->pass, &j->err);
+}
+
+static void prepare_done(job *j)
+{
+    dilocod *d = j->d;
+
+    if (j->rc != 0 || d->stopping) {
+        if (j->rc == 0)
+            outer_abort(d->pass);
+        /* outer_finish releases what prepare opened; it blocks on close/unlink only */
+        if (queue_job(d, finish_work, finish_done, NULL, 0, 0) != 0)
+            aggregation_failed(d, &j->err);
+        return;
+    }
+    d->pass_jobs = 0;
+    for (unsigned i = 0; i < d->cfg->threads; i++) {
+        if (queue_job(d, run_work, run_done, NULL, 0, 0) == 0)
+            d->pass_jobs++;
+    }
+    if (d->pass_jobs == 0) {
+        outer_abort(d->pass);
+        if (queue_job(d, finish_work, finish_done, NULL, 0, 0) != 0)
+            aggregation_failed(d, &j->err);
+    }
+}
+
+static void progress_cb(uv_timer_t *t)
+{
+    dilocod *d = container_of(t, dilocod, progress_timer);
+    if (d->pass == NULL || d->pass->bytes_total == 0)
+        return;
+    uint64_t done = atomic_load(&d->pass->bytes_done);
+    double now = now_s(d);
+    double rate = now > d->pass_last_time ? (double)(done - d->pass_last_bytes) / (now - d->pass_last_time) : 0;
+    d->pass_last_bytes = done;
+    d->pass_last_time = now;
+    dl_log(DL_LOG_INFO, "aggregate", "progress", "step=%" PRIu64 " percent=%.1f gbps=%.2f", d->rnd.step + 1,
+           100.0 * (double)done / (double)d->pass->bytes_total, rate / 1e9);
+}
+
+static void start_aggregation(dilocod *d)
+{
+    outer_pass *p = calloc(1, sizeof(*p));
+    size_t n = d->rnd.n;
+    static st_kv meta[4];
+    static char step_text[24];
+    dl_error e;
+
+    d->pass_paths = calloc(n, sizeof(*d->pass_paths));
+    d->pass_nodes = calloc(n, sizeof(*d->pass_nodes));
+    if (p == NULL || d->pass_paths == NULL || d->pass_nodes == NULL) {
+        free(p);
+        dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        aggregation_failed(d, &e);
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        d->pass_paths[i] = d->rnd.entries[i].path;
+        memcpy(d->pass_nodes[i].node_id, d->rnd.entries[i].node_id, sizeof(d->pass_nodes[i].node_id));
+        d->pass_nodes[i].local_step = d->rnd.entries[i].local_step;
+    }
+    snprintf(step_text, sizeof(step_text), "%" PRIu64, d->rnd.step + 1);
+    meta[0] = (st_kv){"optimizer", config_optimizer_name(d->cfg->optimizer)};
+    meta[1] = (st_kv){"outer_step", step_text};
+    p->global_path = d->st.global_path;
+    p->momentum_path = d->st.momentum_path;
+    p->delta_paths = (const char *const *)d->pass_paths;
+    p->ndeltas = n;
+    p->out_global_path = store_global_path(&d->st, d->rnd.step + 1);
+    p->out_momentum_path = d->cfg->momentum != 0 ? store_momentum_path(&d->st, d->rnd.step + 1) : NULL;
+    p->momentum_meta = meta;
+    p->momentum_nmeta = 2;
+    p->params.nesterov = d->cfg->optimizer == OPT_NESTEROV_SGD;
+    p->params.lr = (float)d->cfg->lr;
+    p->params.momentum = (float)d->cfg->momentum;
+    p->budget_bytes = (size_t)d->cfg->agg_memory_mib << 20;
+    d->pass = p;
+    d->pass_n = n;
+    d->state = S_AGGREGATING;
+    d->pass_started = now_s(d);
+    d->pass_last_bytes = 0;
+    d->pass_last_time = d->pass_started;
+    if (p->out_global_path == NULL || (d->cfg->momentum != 0 && p->out_momentum_path == NULL) ||
+        queue_job(d, prepare_work, prepare_done, NULL, 0, 0) != 0) {
+        dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot start the aggregation");
+        aggregation_failed(d, &e);
+        return;
+    }
+    uv_timer_start(&d->progress_timer, progress_cb, (uint64_t)(PROGRESS_SECONDS * 1000),
+                   (uint64_t)(PROGRESS_SECONDS * 1000));
+    dl_log(DL_LOG_INFO, "aggregate", "started", "step=%" PRIu64 " nodes=%zu threads=%u", d->rnd.step + 1, n,
+           d->cfg->threads);
+}
+
+/* ---- publishing ------------------------------------------------------------------------------ */
+
+typedef struct publish_args {
+    char *src;
+    uint64_t step;
+    int bootstrap;
+} publish_args;
+
+static void publish_work(job *j)
+{
+    publish_args *a = j->arg;
+    j->rc = hubfile_publish(j->d->hub_root, a->src, a->step, config_optimizer_name(j->d->cfg->optimizer),
+                            a->bootstrap, &j->err);
+}
+
+static void publish_retry_cb(uv_timer_t *t)
+{
+    maybe_publish(container_of(t, dilocod, publish_timer));
+}
+
+static void publish_done(job *j)
+{
+    dilocod *d = j->d;
+    publish_args *a = j->arg;
+
+    d->publish_in_flight = 0;
+    if (j->rc == 0) {
+        d->published_step = (int64_t)a->step;
+        dl_log(DL_LOG_INFO, "hub", "published", "step=%" PRIu64 " hub=%s%s", a->step, d->cfg->hub,
+               a->bootstrap ? " bootstrap=true" : "");
+    } else {
+        log_error("hub", "publish failed, will retry", &j->err);
+        if (!d->stopping)
+            uv_timer_start(&d->publish_timer, publish_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
+    }
+    free(a->src);
+    free(a);
+    if (!d->stopping && j->rc == 0) {
+        maybe_publish(d);       /* a newer step may have been committed meanwhile */
+        schedule_cleanup(d);
+    }
+}
+
+static void maybe_publish(dilocod *d)
+{
+    publish_args *a;
+
+    if (d->hub_root == NULL || d->publish_in_flight || d->stopping || !d->st.committed ||
+        d->published_step == (int64_t)d->st.step)
+        return;
+    a = calloc(1, sizeof(*a));
+    if (a == NULL || (a->src = strdup(d->st.global_path)) == NULL) {
+        free(a);
+        return;
+    }
+    a->step = d->st.step;
+    a->bootstrap = d->st.bootstrap && d->st.step == 0;
+    if (queue_job(d, publish_work, publish_done, a, 0, 0) != 0) {
+        free(a->src);
+        free(a);
+        return;
+    }
+    d->publish_in_flight = 1;
+}
+
+/* ---- adopting a published global (file:// hub with no local state) --------------------------- */
+
+static int open_model(dilocod *d, const char *path, dl_error *err)
+{
+    st_file *f;
+    int rc = st_open(path, &f, err);
+
+    if (rc != 0)
+        return rc;
+    st_header_free(d->model);
+    d->model = f->h;
+    f->h = NULL;
+    st_close(f);
+    return 0;
+}
+
+static int adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap, const char *origin, dl_error *err)
+{
+    char *dst = store_global_path(&d->st, step);
+    store_commit_info info = {
+        .step = step,
+        .optimizer = config_optimizer_name(d->cfg->optimizer),
+        .lr = d->cfg->lr,
+        .momentum = d->cfg->momentum,
+        .bootstrap = bootstrap,
+        .origin = origin,
+    };
+    int rc;
+
+    if (dst == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    info.global_path = dst;
+    /* validate first: a damaged model must not become our state */
+    if ((rc = open_model(d, src, err)) == 0 && (rc = hubfile_copy(src, dst, err)) == 0)
+        rc = store_commit(&d->st, &info, err);
+    free(dst);
+    return rc;
+}
+
+static void adopt_work(job *j)
+{
+    char *src = hubfile_global_path(j->d->hub_root);
+    if (src == NULL) {
+        j->rc = dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        return;
+    }
+    j->rc = adopt_sync(j->d, src, j->u, 0, "adopted", &j->err);
+    free(src);
+}
+
+static void collecting_start(dilocod *d);
+
+static void adopt_done(job *j)
+{
+    dilocod *d = j->d;
+
+    d->adopt_in_flight = 0;
+    if (j->rc != 0) {
+        log_error("store", "cannot adopt the published global, will retry", &j->err);
+        return;                 /* still waiting: the next scan tries again */
+    }
+    d->published_step = (int64_t)d->st.step;
+    dl_log(DL_LOG_WARN, "store", "adopted the published global",
+           "step=%" PRIu64 " momentum=fresh note=%s", d->st.step, "momentum buffers start from zero");
+    collecting_start(d);
+}
+
+static void start_adopt(dilocod *d, uint64_t step)
+{
+    if (d->adopt_in_flight || d->stopping)
+        return;
+    if (queue_job(d, adopt_work, adopt_done, NULL, step, 0) == 0)
+        d->adopt_in_flight = 1;
+}
+
+/* ---- startup and shutdown -------------------------------------------------------------------- */
+
+static void requeue_cache(dilocod *d)
+{
+    char *dir = store_cache_dir(&d->st, d->st.step);
+    uv_fs_t req;
+    uv_dirent_t ent;
+
+    if (dir == NULL)
+        return;
+    /* Runs when collecting starts (startup, or right after adopting a global, when the cache of the
+     * new step is empty): a synchronous scandir of one small directory. */
+    if (uv_fs_scandir(&d->loop, &req, dir, 0, NULL) >= 0) {
+        while (uv_fs_scandir_next(&req, &ent) != UV_EOF) {
+            if (!delta_valid_node_id(ent.name, strlen(ent.name)))
+                continue;
+            char *sub = NULL;
+            uv_fs_t sreq;
+            uv_dirent_t f;
+            if (asprintf(&sub, "%s/%s", dir, ent.name) < 0)
+                continue;
+            if (uv_fs_scandir(&d->loop, &sreq, sub, 0, NULL) >= 0) {
+                while (uv_fs_scandir_next(&sreq, &f) != UV_EOF) {
+                    char *abs = NULL;
+                    if (strncmp(f.name, "delta_", 6) != 0 || asprintf(&abs, "%s/%s", sub, f.name) < 0)
+                        continue;
+                    enqueue_intake(d, abs, NULL, 1);
+                    free(abs);
+                }
+            }
+            uv_fs_req_cleanup(&sreq);
+            free(sub);
+        }
+    }
+    uv_fs_req_cleanup(&req);
+    free(dir);
+}
+
+static void collecting_start(dilocod *d)
+{
+    dl_error err;
+
+    if (d->model == NULL && open_model(d, d->st.global_path, &err) != 0) {
+        log_error("store", "cannot open the committed global", &err);
+        d->exit_code = 1;
+        uv_stop(&d->loop);
+        return;
+    }
+    round_init(&d->rnd, d->st.step, d->cfg->expected_nodes, d->cfg->nodes, d->cfg->nnodes, d->cfg->min_nodes,
+               d->cfg->round_timeout);
+    d->state = S_COLLECTING;
+    dl_log(DL_LOG_INFO, "round", "opened", "step=%" PRIu64 " expected=%u min_nodes=%u tensors=%zu", d->rnd.step,
+           d->cfg->expected_nodes, d->cfg->min_nodes, d->model->ntensors);
+    requeue_cache(d);
+    dispatch_intake(d);
+    maybe_publish(d);
+    schedule_scan(d);
+}
+
+static void close_cb(uv_handle_t *h)
+{
+    (void)h;
+}
+
+static void close_walk_cb(uv_handle_t *h, void *arg)
+{
+    (void)arg;
+    if (!uv_is_closing(h))
+        uv_close(h, close_cb);
+}
+
+static void maybe_finish_shutdown(dilocod *d)
+{
+    if (!d->stopping || d->jobs_in_flight > 0)
+        return;
+    uv_walk(&d->loop, close_walk_cb, NULL);
+}
+
+static void signal_cb(uv_signal_t *s, int signum)
+{
+    dilocod *d = s->data;
+
+    if (d->stopping) {
+        dl_log(DL_LOG_WARN, "main", "second signal: exiting now", "signal=%d", signum);
+        _exit(1);
+    }
+    d->stopping = 1;
+    dl_log(DL_LOG_INFO, "main", "shutting down", "signal=%s state=%s jobs=%d", signum == SIGINT ? "SIGINT" : "SIGTERM",
+           state_name(d->state), d->jobs_in_flight);
+    uv_timer_stop(&d->poll_timer);
+    uv_timer_stop(&d->round_timer);
+    uv_timer_stop(&d->retry_timer);
+    uv_timer_stop(&d->publish_timer);
+    if (d->pass != NULL && d->state == S_AGGREGATING)
+        outer_abort(d->pass);       /* unfinished: abandoned without a trace (temporary files removed) */
+    maybe_finish_shutdown(d);
+}
+
+static int startup(dilocod *d, dl_error *err)
+{
+    int rc, present = 0;
+    uint64_t published = 0;
+
+    if ((rc = store_open(&d->st, d->cfg->state_root, d->cfg->id, err)) != 0)
+        return rc;
+    if (d->st.committed && (rc = store_cleanup(&d->st, 1, err)) != 0)
+        return rc;
+    if (d->hub_root != NULL) {
+        char *nodes = NULL, *global = NULL;
+        if (asprintf(&nodes, "%s/nodes", d->hub_root) < 0 || asprintf(&global, "%s/global", d->hub_root) < 0 ||
+            fsu_mkdirs(nodes, err) != 0 || fsu_mkdirs(global, err) != 0) {
+            free(nodes);
+            free(global);
+            return dl_fail(err, DL_E_IO, NULL, 0, "cannot create %s/{nodes,global}: %s", d->hub_root, err->message);
+        }
+        free(nodes);
+        free(global);
+        if ((rc = hubfile_read_published(d->hub_root, &present, &published, err)) != 0) {
+            log_error("hub", "ignoring the published step file", err);
+            present = 0;
+        }
+    }
+    if (d->st.committed) {
+        dl_log(DL_LOG_INFO, "store", "resuming", "step=%" PRIu64 " dir=%s", d->st.step, d->st.dir);
+        if (d->cfg->init_model != NULL)
+            dl_log(DL_LOG_INFO, "store", "state exists, --init-model ignored", "init_model=%s", d->cfg->init_model);
+        if (present && published == d->st.step)
+            d->published_step = (int64_t)published;
+        else if (present && published > d->st.step)
+            dl_log(DL_LOG_WARN, "hub", "the hub holds a newer step than our state; ours will be published over it",
+                   "hub_step=%" PRIu64 " step=%" PRIu64, published, d->st.step);
+        return 0;
+    }
+    if (present) {
+        char *src = hubfile_global_path(d->hub_root);
+        rc = src ? adopt_sync(d, src, published, 0, "adopted", err) : -DL_E_NO_MEMORY;
+        free(src);
+        if (rc != 0)
+            return rc;
+        d->published_step = (int64_t)published;
+        dl_log(DL_LOG_WARN, "store", "adopted the published global", "step=%" PRIu64 " momentum=fresh", published);
+        return 0;
+    }
+    if (d->cfg->init_model != NULL) {
+        if ((rc = adopt_sync(d, d->cfg->init_model, 0, 1, "init_model", err)) != 0)
+            return rc;
+        dl_log(DL_LOG_INFO, "store", "bootstrapped", "step=0 init_model=%s tensors=%zu", d->cfg->init_model,
+               d->model->ntensors);
+        return 0;
+    }
+    if (d->hub_root == NULL)
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0,
+                       "no state in %s and no --init-model: nothing to start from", d->st.dir);
+    d->state = S_WAITING_GLOBAL;
+    dl_log(DL_LOG_WARN, "store", "no state, no --init-model, no published global: waiting for one", "hub=%s",
+           d->cfg->hub);
+    return 0;
+}
+
+static int init_handles(dilocod *d)
+{
+    int rc;
+
+    if ((rc = uv_loop_init(&d->loop)) != 0)
+        return rc;
+    uv_signal_init(&d->loop, &d->sigint);
+    uv_signal_init(&d->loop, &d->sigterm);
+    d->sigint.data = d->sigterm.data = d;
+    uv_timer_init(&d->loop, &d->poll_timer);
+    uv_timer_init(&d->loop, &d->round_timer);
+    uv_timer_init(&d->loop, &d->retry_timer);
+    uv_timer_init(&d->loop, &d->progress_timer);
+    uv_timer_init(&d->loop, &d->publish_timer);
+    uv_signal_start(&d->sigint, signal_cb, SIGINT);
+    uv_signal_start(&d->sigterm, signal_cb, SIGTERM);
+    return 0;
+}
+
+static void start_watching(dilocod *d)
+{
+    char *nodes = NULL;
+
+    if (d->hub_root == NULL)
+        return;
+    uv_timer_start(&d->poll_timer, poll_cb, 0, (uint64_t)(d->cfg->poll_interval * 1000));
+    /* inotify on nodes/ makes a new node directory visible at once; files inside are caught by the
+     * periodic scan (poll_interval), so nothing is ever missed even where inotify does not work */
+    if (asprintf(&nodes, "%s/nodes", d->hub_root) < 0)
+        return;
+    if (uv_fs_event_init(&d->loop, &d->nodes_watch) == 0) {
+        if (uv_fs_event_start(&d->nodes_watch, nodes_event_cb, nodes, UV_FS_EVENT_RECURSIVE) != 0 &&
+            uv_fs_event_start(&d->nodes_watch, nodes_event_cb, nodes, 0) != 0)
+            uv_close((uv_handle_t *)&d->nodes_watch, NULL);
+    }
+    free(nodes);
+}
+
+int daemon_run(config *cfg)
+{
+    dilocod *d = calloc(1, sizeof(*d));
+    dl_error err;
+    int rc;
+    char threads[16];
+
+    if (d == NULL)
+        return 1;
+    d->cfg = cfg;
+    d->published_step = -1;
+    d->state = S_COLLECTING;            /* startup() switches to S_WAITING_GLOBAL when it must */
+    d->retry_delay = cfg->retry_interval;
+    /* the pool size is read once, at the first uv_queue_work: set it before anything queues */
+    snprintf(threads, sizeof(threads), "%u", cfg->threads + MAX_INTAKE_IN_FLIGHT + 2);
+    setenv("UV_THREADPOOL_SIZE", threads, 1);
+    if (strncmp(cfg->hub, "file://", 7) == 0)
+        d->hub_root = strdup(cfg->hub + 7);
+    if ((rc = init_handles(d)) != 0) {
+        fprintf(stderr, "dilocod: cannot start the event loop: %s\n", uv_strerror(rc));
+        free(d);
+        return 1;
+    }
+    dl_error_clear(&err);
+    dl_log(DL_LOG_INFO, "main", "starting", "id=%s state_root=%s hub=%s optimizer=%s lr=%g momentum=%g threads=%u",
+           cfg->id, cfg->state_root, cfg->hub, config_optimizer_name(cfg->optimizer), cfg->lr, cfg->momentum,
+           cfg->threads);
+    if ((rc = startup(d, &err)) != 0) {
+        log_error("main", "cannot start", &err);
+        d->exit_code = 1;
+        d->stopping = 1;
+        maybe_finish_shutdown(d);
+    } else {
+        start_watching(d);
+        if (d->state != S_WAITING_GLOBAL)
+            collecting_start(d);
+    }
+    uv_run(&d->loop, UV_RUN_DEFAULT);
+    /* uv_stop (fatal error) may leave handles open: close them and run the loop dry */
+    d->stopping = 1;
+    uv_walk(&d->loop, close_walk_cb, NULL);
+    uv_run(&d->loop, UV_RUN_DEFAULT);
+    rc = uv_loop_close(&d->loop);
+    if (rc != 0) {
+        dl_log(DL_LOG_ERROR, "main", "event loop did not close cleanly", "error=%s", uv_strerror(rc));
+        d->exit_code = d->exit_code ? d->exit_code : 1;
+    }
+    dl_log(DL_LOG_INFO, "main", "stopped", "step=%" PRIu64 " exit_code=%d", d->st.step, d->exit_code);
+    int code = d->exit_code;
+    for (size_t i = 0; i < d->nqueue; i++)
+        intake_req_free(d->queue[i]);
+    free(d->queue);
+    pass_release(d);
+    round_free(&d->rnd);
+    seen_free(&d->seen);
+    st_header_free(d->model);
+    store_free(&d->st);
+    free(d->hub_root);
+    free(d);
+    return code;
+}

@@ -1,0 +1,34 @@
+/* hub_file: the file:// transport, a directory laid out like the Hub repo (a shared filesystem).
+ *   nodes/<node_id>/delta_<local_step>.safetensors   written by workers
+ *   global/latest.safetensors, global/step_count.json published here (temp + rename, step file last)
+ * Blocking functions: the daemon runs them on the thread pool. */
+#ifndef HUB_FILE_H
+#define HUB_FILE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "dl_error.h"
+
+typedef struct hub_candidate {
+    char *rel;                  /* nodes/<id>/delta_<n>.safetensors (strictly parsed) */
+    char *abs;
+    uint64_t size;
+    int64_t mtime_ns;
+    uint64_t ino;
+} hub_candidate;
+
+/* Lists every file under root/nodes whose path is a valid delta path. */
+int hubfile_scan(const char *root, hub_candidate **out, size_t *n, dl_error *err);
+void hub_candidates_free(hub_candidate *c, size_t n);
+/* The published step, if root/global/step_count.json and latest.safetensors exist (*present = 0 if not). */
+int hubfile_read_published(const char *root, int *present, uint64_t *step, dl_error *err);
+/* Path of the published global (malloc'd). */
+char *hubfile_global_path(const char *root);
+/* Copies src to root/global/latest.safetensors, then writes step_count.json, each atomically. */
+int hubfile_publish(const char *root, const char *src, uint64_t step, const char *optimizer, int bootstrap,
+                    dl_error *err);
+/* Copies a file to dst atomically (temp in dst's directory, fsync, rename, fsync of the directory). */
+int hubfile_copy(const char *src, const char *dst, dl_error *err);
+
+#endif

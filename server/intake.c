@@ -1,0 +1,275 @@
+#include "intake.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "fsutil.h"
+
+#define COPY_CHUNK (4u << 20)
+
+const char *intake_status_name(intake_status s)
+{
+    switch (s) {
+    case INTAKE_OK: return "ok";
+    case INTAKE_STALE: return "stale";
+    case INTAKE_FUTURE: return "future";
+    case INTAKE_DUPLICATE: return "duplicate";
+    case INTAKE_INCOMPLETE: return "incomplete";
+    case INTAKE_INVALID: return "invalid";
+    case INTAKE_IO: return "io_error";
+    }
+    return "?";
+}
+
+char *intake_cache_path(const char *state_dir, const delta_info *info)
+{
+    char *p = NULL;
+    if (asprintf(&p, "%s/cache/deltas/s%" PRIu64 "/%s/delta_%" PRIu64 ".safetensors", state_dir,
+                 info->base_outer_step, info->node_id, info->local_step) < 0)
+        return NULL;
+    return p;
+}
+
+void intake_req_free(intake_req *r)
+{
+    free(r->src_path);
+    free(r->rel_path);
+    free(r->state_dir);
+    free(r->cache_path);
+    free(r);
+}
+
+static int64_t mtime_ns(const struct stat *sb)
+{
+    return (int64_t)sb->st_mtim.tv_sec * 1000000000 + sb->st_mtim.tv_nsec;
+}
+
+static intake_status io_fail(intake_req *r, int e, const char *what)
+{
+    dl_fail_errno(&r->err, e, "%s", what);
+    return INTAKE_IO;
+}
+
+/* Streams the data section from src to dst (both at data_start) tensor by tensor, checking finite
+ * values.  Returns INTAKE_OK or the failure. */
+static intake_status copy_checked(intake_req *r, int src, int dst, const st_header *h, uint64_t data_start)
+{
+    unsigned char *buf = malloc(COPY_CHUNK);
+    intake_status st = INTAKE_OK;
+
+    if (buf == NULL)
+        return io_fail(r, ENOMEM, "out of memory for the copy buffer");
+    for (size_t i = 0; i < h->ntensors && st == INTAKE_OK; i++) {
+        const st_tensor *t = &h->tensors[i];
+        size_t esize = st_dtype_bits(t->dtype) / 8;       /* deltas are F32/F16/BF16/C64: whole bytes */
+        uint64_t per = COPY_CHUNK / esize;
+        for (uint64_t e = 0; e < t->nelem; e += per) {
+            size_t n = (size_t)(t->nelem - e < per ? t->nelem - e : per);
+            uint64_t off = data_start + t->begin + e * esize;
+            int rc = fsu_pread_all(src, buf, n * esize, off);
+            if (rc == -ENODATA) {
+                st = INTAKE_INCOMPLETE;         /* it shrank: being rewritten */
+                dl_fail(&r->err, DL_E_METADATA_INCOMPLETE_BUFFER, NULL, 0, "file shrank while being read");
+                break;
+            }
+            if (rc != 0) {
+                st = io_fail(r, -rc, "reading the delta");
+                break;
+            }
+            int64_t bad = delta_find_non_finite(t->dtype, buf, n);
+            if (bad >= 0) {
+                dl_fail(&r->err, DL_E_NON_FINITE, t->name, t->name_len,
+                        "delta tensor holds a non-finite value (NaN or Inf) at element %" PRIu64, e + (uint64_t)bad);
+                st = INTAKE_INVALID;
+                break;
+            }
+            if ((rc = fsu_pwrite_all(dst, buf, n * esize, off)) != 0) {
+                st = io_fail(r, -rc, "writing the cache copy");
+                break;
+            }
+        }
+    }
+    free(buf);
+    return st;
+}
+
+/* Links the finished temporary file into the cache under its final name (never replacing one). */
+static intake_status publish_to_cache(intake_req *r, const char *tmp)
+{
+    char *dir;
+    int rc;
+
+    r->cache_path = intake_cache_path(r->state_dir, &r->info);
+    if (r->cache_path == NULL)
+        return io_fail(r, ENOMEM, "out of memory");
+    dir = strdup(r->cache_path);
+    if (dir == NULL)
+        return io_fail(r, ENOMEM, "out of memory");
+    *strrchr(dir, '/') = '\0';
+    rc = fsu_mkdirs(dir, &r->err);
+    free(dir);
+    if (rc != 0)
+        return INTAKE_IO;
+    if (link(tmp, r->cache_path) != 0) {
+        int e = errno;
+        free(r->cache_path);
+        r->cache_path = NULL;
+        if (e == EEXIST)
+            return INTAKE_DUPLICATE;
+        return io_fail(r, e, "linking the delta into the cache");
+    }
+    if (fsu_fsync_parent(r->cache_path, &r->err) != 0)
+        return INTAKE_IO;
+    return INTAKE_OK;
+}
+
+static intake_status intake(intake_req *r)
+{
+    struct stat before, after;
+    unsigned char prefix[8];
+    char *json = NULL, *tmp = NULL;
+    st_header *h = NULL;
+    uint64_t n, want;
+    int src = -1, dst = -1, rc;
+    intake_status st;
+
+    src = open(r->src_path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (src < 0) {
+        int e = errno;
+        if (e == ENOENT) {
+            dl_fail(&r->err, DL_E_IO, NULL, 0, "the file disappeared");
+            st = INTAKE_INCOMPLETE;
+        } else {
+            st = io_fail(r, e, "opening the delta");
+        }
+        goto out;
+    }
+    if (fstat(src, &before) != 0 || !S_ISREG(before.st_mode)) {
+        dl_fail(&r->err, DL_E_IO, NULL, 0, "not a regular file");
+        st = INTAKE_INVALID;
+        goto out;
+    }
+    r->size = (uint64_t)before.st_size;
+    r->mtime_ns = mtime_ns(&before);
+    r->ino = (uint64_t)before.st_ino;
+    if (r->size < 8 || fsu_pread_all(src, prefix, 8, 0) != 0) {
+        dl_fail(&r->err, DL_E_HEADER_TOO_SMALL, NULL, 0, "file too small: %" PRIu64 " bytes", r->size);
+        st = INTAKE_INCOMPLETE;
+        goto out;
+    }
+    n = 0;
+    for (int i = 7; i >= 0; i--)
+        n = (n << 8) | prefix[i];
+    if (n > ST_MAX_HEADER_SIZE) {
+        dl_fail(&r->err, DL_E_HEADER_TOO_LARGE, NULL, 0, "header too large: %" PRIu64 " bytes", n);
+        st = INTAKE_INVALID;
+        goto out;
+    }
+    if (8 + n > r->size) {
+        dl_fail(&r->err, DL_E_INVALID_HEADER_LENGTH, NULL, 0, "header of %" PRIu64 " bytes not complete yet", n);
+        st = INTAKE_INCOMPLETE;
+        goto out;
+    }
+    json = malloc(n ? n : 1);
+    if (json == NULL || fsu_pread_all(src, json, n, 8) != 0) {
+        st = io_fail(r, json ? EIO : ENOMEM, "reading the header");
+        goto out;
+    }
+    if (st_header_parse_unsized(json, n, &h, &r->err) != 0) {
+        st = INTAKE_INVALID;
+        goto out;
+    }
+    if (st_header_file_len(h, &want) != 0 || want != r->size) {
+        dl_fail(&r->err, DL_E_METADATA_INCOMPLETE_BUFFER, NULL, 0,
+                "incomplete metadata, file not fully covered: the header describes %" PRIu64 " bytes, the file has %" PRIu64,
+                want, r->size);
+        /* shorter: still being written; longer: malformed */
+        st = want > r->size ? INTAKE_INCOMPLETE : INTAKE_INVALID;
+        goto out;
+    }
+    if (delta_check_header(h, r->global, r->rel_path, &r->info, &r->err) != 0) {
+        st = INTAKE_INVALID;
+        goto out;
+    }
+    if (r->info.base_outer_step < r->step) {
+        st = INTAKE_STALE;
+        goto out;
+    }
+    if (r->info.base_outer_step > r->step) {
+        st = INTAKE_FUTURE;
+        goto out;
+    }
+    if (r->in_cache) {          /* validated when it entered the cache: the header check suffices */
+        r->cache_path = strdup(r->src_path);
+        st = r->cache_path ? INTAKE_OK : io_fail(r, ENOMEM, "out of memory");
+        goto out;
+    }
+    {
+        char *exists = intake_cache_path(r->state_dir, &r->info);
+        int dup = exists != NULL && access(exists, F_OK) == 0;
+        free(exists);
+        if (dup) {
+            st = INTAKE_DUPLICATE;
+            goto out;
+        }
+    }
+    if (asprintf(&tmp, "%s/cache/incoming/delta", r->state_dir) < 0) {
+        tmp = NULL;
+        st = io_fail(r, ENOMEM, "out of memory");
+        goto out;
+    }
+    {
+        char *t = NULL;
+        rc = fsu_tmp_create(tmp, &t, &dst, &r->err);
+        free(tmp);
+        tmp = t;
+        if (rc != 0) {
+            st = INTAKE_IO;
+            goto out;
+        }
+    }
+    if ((rc = posix_fallocate(dst, 0, (off_t)r->size)) != 0 && rc != EOPNOTSUPP && rc != EINVAL) {
+        st = io_fail(r, rc, "reserving space for the cache copy");
+        goto out;
+    }
+    if ((rc = fsu_pwrite_all(dst, prefix, 8, 0)) != 0 || (rc = fsu_pwrite_all(dst, json, n, 8)) != 0) {
+        st = io_fail(r, -rc, "writing the cache copy");
+        goto out;
+    }
+    if ((st = copy_checked(r, src, dst, h, 8 + n)) != INTAKE_OK)
+        goto out;
+    if (fstat(src, &after) != 0 || after.st_size != before.st_size || mtime_ns(&after) != r->mtime_ns) {
+        dl_fail(&r->err, DL_E_IO, NULL, 0, "the file changed while it was read");
+        st = INTAKE_INCOMPLETE;
+        goto out;
+    }
+    if (fsync(dst) != 0) {
+        st = io_fail(r, errno, "fsync of the cache copy");
+        goto out;
+    }
+    st = publish_to_cache(r, tmp);
+out:
+    if (dst >= 0)
+        close(dst);
+    if (tmp != NULL) {
+        unlink(tmp);            /* linked into the cache or abandoned: the temporary name goes */
+        free(tmp);
+    }
+    if (src >= 0)
+        close(src);
+    free(json);
+    st_header_free(h);
+    return st;
+}
+
+void intake_run(intake_req *r)
+{
+    dl_error_clear(&r->err);
+    r->status = intake(r);
+}

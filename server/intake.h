@@ -1,0 +1,50 @@
+/* intake: turns a delta file found by a transport into a validated copy in the cache, reading it
+ * once: the header is checked first (staleness, metadata, path, keys, shapes, dtypes) so a stale or
+ * wrong delta costs only its header; then the data is streamed into a temporary file with the
+ * finite-value check on the way, fsynced, and linked into cache/deltas/s<step>/<node>/.
+ * A file that is still being written (shorter than its header says, or changing during the copy)
+ * is reported INCOMPLETE for the caller to retry.  Blocking: runs on the thread pool. */
+#ifndef INTAKE_H
+#define INTAKE_H
+
+#include <stdint.h>
+
+#include "delta.h"
+#include "dl_error.h"
+#include "safetensors.h"
+
+typedef enum intake_status {
+    INTAKE_OK,              /* cache_path holds the validated delta */
+    INTAKE_STALE,           /* base_outer_step < step (info filled) */
+    INTAKE_FUTURE,          /* base_outer_step > step (info filled) */
+    INTAKE_DUPLICATE,       /* this node's delta of this local step is already in the cache */
+    INTAKE_INCOMPLETE,      /* still being written: retry later */
+    INTAKE_INVALID,         /* rejected: err says why */
+    INTAKE_IO,              /* our side failed (disk full, ...): err says why; retry later */
+} intake_status;
+
+typedef struct intake_req {
+    /* in */
+    char *src_path;             /* the file to take in */
+    char *rel_path;             /* its Hub path nodes/<id>/delta_<n>.safetensors, or NULL */
+    const st_header *global;    /* the global model's header (read-only, shared) */
+    uint64_t step;              /* current outer step */
+    char *state_dir;            /* <state_root>/<id> */
+    int in_cache;               /* src is already our validated cache copy (restart): check header only */
+    /* out */
+    intake_status status;
+    dl_error err;
+    delta_info info;
+    char *cache_path;
+    uint64_t size;
+    int64_t mtime_ns;
+    uint64_t ino;
+} intake_req;
+
+void intake_run(intake_req *r);
+const char *intake_status_name(intake_status s);
+void intake_req_free(intake_req *r);
+/* Cache path of a delta: <state_dir>/cache/deltas/s<base>/<node>/delta_<local>.safetensors */
+char *intake_cache_path(const char *state_dir, const delta_info *info);
+
+#endif

@@ -1,0 +1,75 @@
+#include "seen.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static uint64_t hash(const char *s)
+{
+    uint64_t h = 1469598103934665603ULL;     /* FNV-1a */
+    for (; *s; s++)
+        h = (h ^ (unsigned char)*s) * 1099511628211ULL;
+    return h;
+}
+
+static seen_entry *probe(const seen_map *m, const char *key)
+{
+    size_t i = (size_t)hash(key) & (m->cap - 1);
+    for (;;) {
+        seen_entry *e = &m->slots[i];
+        if (e->key == NULL || strcmp(e->key, key) == 0)
+            return e;
+        i = (i + 1) & (m->cap - 1);
+    }
+}
+
+static int grow(seen_map *m)
+{
+    size_t ncap = m->cap ? m->cap * 2 : 64;
+    seen_map n = {calloc(ncap, sizeof(seen_entry)), ncap, 0};
+
+    if (n.slots == NULL)
+        return -1;
+    for (size_t i = 0; i < m->cap; i++) {
+        if (m->slots[i].key != NULL) {
+            *probe(&n, m->slots[i].key) = m->slots[i];
+            n.count++;
+        }
+    }
+    free(m->slots);
+    *m = n;
+    return 0;
+}
+
+seen_entry *seen_find(const seen_map *m, const char *key)
+{
+    if (m->cap == 0)
+        return NULL;
+    seen_entry *e = probe(m, key);
+    return e->key ? e : NULL;
+}
+
+seen_entry *seen_get(seen_map *m, const char *key, int *created)
+{
+    seen_entry *e;
+
+    *created = 0;
+    if ((m->count + 1) * 2 > m->cap && grow(m) != 0)
+        return NULL;
+    e = probe(m, key);
+    if (e->key == NULL) {
+        memset(e, 0, sizeof(*e));
+        if ((e->key = strdup(key)) == NULL)
+            return NULL;
+        m->count++;
+        *created = 1;
+    }
+    return e;
+}
+
+void seen_free(seen_map *m)
+{
+    for (size_t i = 0; i < m->cap; i++)
+        free(m->slots[i].key);
+    free(m->slots);
+    memset(m, 0, sizeof(*m));
+}

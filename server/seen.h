@@ -1,0 +1,35 @@
+/* seen: what the daemon knows of each delta file a transport lists (keyed by its Hub path), so a
+ * file is taken in once per version, a bad one is reported once, and a growing one is retried. */
+#ifndef SEEN_H
+#define SEEN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum seen_state {
+    SEEN_PENDING,       /* queued or being taken in */
+    SEEN_DONE,          /* accepted, stale, duplicate, ...: nothing more to do for this version */
+    SEEN_REJECTED,      /* invalid: reported once */
+    SEEN_INCOMPLETE,    /* being written: retried while it changes */
+} seen_state;
+
+typedef struct seen_entry {
+    char *key;
+    uint64_t size;
+    int64_t mtime_ns;
+    uint64_t ino;
+    seen_state state;
+    double since;       /* when this version was first seen */
+} seen_entry;
+
+typedef struct seen_map {
+    seen_entry *slots;
+    size_t cap, count;
+} seen_map;
+
+/* Finds key, or inserts it (state SEEN_PENDING, identity zero).  NULL on allocation failure. */
+seen_entry *seen_get(seen_map *m, const char *key, int *created);
+seen_entry *seen_find(const seen_map *m, const char *key);
+void seen_free(seen_map *m);
+
+#endif
