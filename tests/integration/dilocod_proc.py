@@ -1,0 +1,204 @@
+"""Helpers for tests that run the real dilocod: a process wrapper, a worker that writes deltas the way
+the Python reference does (safetensors save_file with the reference metadata), and a torch oracle of
+the outer step (torch.optim.SGD on F32 copies of the weights, rounded back to each weight's dtype)."""
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.numpy import save_file, load_file
+
+from conftest import BUILD
+
+FLOAT_KINDS = ("f", "c")
+
+
+def torch_dtype_name(t):
+    return str(t.dtype).replace("torch.", "")
+
+
+class Dilocod:
+    """A dilocod process with a file:// hub.  Logs go to <tmp>/dilocod-N.log."""
+
+    def __init__(self, tmp: Path, hub: Path, *args, state_root=None, env=None):
+        self.tmp = Path(tmp)
+        self.hub = Path(hub)
+        self.state_root = Path(state_root) if state_root else self.tmp / "state"
+        self.args = list(args)
+        self.env = env
+        self.proc = None
+        self.logs = []
+
+    @property
+    def state_dir(self) -> Path:
+        return self.state_root / "aggregator"
+
+    def start(self, *extra):
+        n = len(self.logs)
+        log = self.tmp / f"dilocod-{n}.log"
+        self.logs.append(log)
+        cmd = [str(BUILD / "dilocod"), "--state-root", str(self.state_root), "--hub", f"file://{self.hub}",
+               "--poll-interval", "0.05", "--log-level", "debug", *self.args, *extra]
+        env = dict(os.environ, **(self.env or {}))
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "wb"), env=env)
+        return self
+
+    def log_text(self) -> str:
+        return "".join(p.read_text(errors="replace") for p in self.logs if p.exists())
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, sig=signal.SIGTERM, timeout=60) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout=timeout)
+        self.proc = None
+        return rc
+
+    def kill9(self):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+            self.proc = None
+
+    def published_step(self):
+        try:
+            return json.loads((self.hub / "global" / "step_count.json").read_text())["outer_step"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def wait_step(self, step, timeout=60):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            s = self.published_step()
+            if s is not None and s >= step:
+                return s
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"dilocod exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}")
+            time.sleep(0.02)
+        raise AssertionError(f"step {step} not published within {timeout}s (at {self.published_step()}):\n"
+                             f"{self.log_text()[-4000:]}")
+
+    def wait_log(self, needle, timeout=30, count=1):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.log_text().count(needle) >= count:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"{needle!r} not logged {count}x within {timeout}s:\n{self.log_text()[-4000:]}")
+
+    def committed_step(self):
+        try:
+            return json.loads((self.state_dir / "outer_metadata.json").read_text())["outer_step"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def global_state(self):
+        return load_file(str(self.hub / "global" / "latest.safetensors"))
+
+
+def write_model(path: Path, state: dict):
+    """Saves a {name: torch tensor} model with safetensors.torch (BF16 needs torch)."""
+    from safetensors.torch import save_file as torch_save
+    torch_save({k: v.contiguous() for k, v in state.items()}, str(path))
+
+
+def load_torch(path: Path) -> dict:
+    from safetensors.torch import load_file as torch_load
+    return torch_load(str(path))
+
+
+def delta_metadata(node_id, base_step, local_step):
+    return {"algorithm": "dumb_diloco", "base_outer_step": str(base_step), "local_step": str(local_step),
+            "node_id": node_id}
+
+
+def write_delta(hub: Path, node_id: str, base_step: int, local_step: int, tensors: dict, metadata=None,
+                atomic=True) -> Path:
+    """Writes nodes/<id>/delta_<local>.safetensors with numpy tensors, the reference's metadata, and
+    (by default) temp file + rename so dilocod never sees a partial file."""
+    d = Path(hub) / "nodes" / node_id
+    d.mkdir(parents=True, exist_ok=True)
+    final = d / f"delta_{local_step}.safetensors"
+    meta = metadata if metadata is not None else delta_metadata(node_id, base_step, local_step)
+    if atomic:
+        tmp = d / f".delta_{local_step}.tmp"
+        save_file(tensors, str(tmp), metadata=meta)
+        os.rename(tmp, final)
+    else:
+        save_file(tensors, str(final), metadata=meta)
+    return final
+
+
+class Oracle:
+    """The outer step as torch does it: FP32 mean of the deltas in ascending node id order,
+    torch.optim.SGD (nesterov or not) on F32 copies of the floating weights, results rounded to
+    each weight's dtype; non-floating state carried unchanged."""
+
+    def __init__(self, init_state: dict, lr=0.7, momentum=0.9, nesterov=True):
+        self.state = {k: v.clone() for k, v in init_state.items()}
+        self.floating = [k for k, v in init_state.items() if v.is_floating_point() or v.is_complex()]
+        self.params = {k: torch.nn.Parameter(self._f32(init_state[k])) for k in self.floating}
+        self.opt = torch.optim.SGD(list(self.params.values()), lr=lr, momentum=momentum,
+                                   nesterov=nesterov and momentum > 0)
+
+    @staticmethod
+    def _f32(t):
+        return t.to(torch.complex64) if t.is_complex() else t.to(torch.float32)
+
+    def step(self, deltas_by_node: dict):
+        order = sorted(deltas_by_node)
+        n = len(order)
+        for k in self.floating:
+            acc = torch.tensor(deltas_by_node[order[0]][k]).clone()
+            for node in order[1:]:
+                acc += torch.tensor(deltas_by_node[node][k])
+            self.params[k].grad = acc / n
+            with torch.no_grad():
+                self.params[k].copy_(self._f32(self.state[k]))
+        self.opt.step()
+        for k in self.floating:
+            self.state[k] = self.params[k].detach().to(self.state[k].dtype).clone()
+        return self.state
+
+
+def random_deltas(rng: np.random.Generator, model: dict, scale=0.01) -> dict:
+    """One node's delta for a torch model: F32 (complex64 for complex weights), floating keys only."""
+    out = {}
+    for k, v in model.items():
+        if v.is_complex():
+            re = rng.standard_normal(tuple(v.shape)).astype(np.float32) * scale
+            im = rng.standard_normal(tuple(v.shape)).astype(np.float32) * scale
+            out[k] = np.asarray(re + 1j * im, dtype=np.complex64)
+        elif v.is_floating_point():
+            out[k] = np.asarray(rng.standard_normal(tuple(v.shape)) * scale, dtype=np.float32)
+    return out
+
+
+def assert_state_close(got: dict, want: dict, rtol=1e-5, atol=1e-6, ulps=None):
+    """Equal key sets, dtypes and shapes; non-floating values identical; floating values within
+    float32 tolerance of the oracle (torch may fuse multiply-adds where dilocod rounds twice)."""
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    for k in want:
+        g, w = got[k], want[k]
+        assert g.dtype == w.dtype, (k, g.dtype, w.dtype)
+        assert tuple(g.shape) == tuple(w.shape), (k, g.shape, w.shape)
+        if not (w.is_floating_point() or w.is_complex()):
+            assert torch.equal(g, w), k
+            continue
+        gf = g.to(torch.complex128) if w.is_complex() else g.to(torch.float64)
+        wf = w.to(torch.complex128) if w.is_complex() else w.to(torch.float64)
+        if w.dtype in (torch.float16, torch.bfloat16):
+            # one rounding step of the storage dtype: compare in units of its epsilon
+            eps = torch.finfo(w.dtype).eps
+            tol = eps * wf.abs().clamp(min=torch.finfo(w.dtype).tiny) * 1.01
+            assert ((gf - wf).abs() <= tol).all(), (k, (gf - wf).abs().max().item())
+        else:
+            assert torch.allclose(gf, wf, rtol=rtol, atol=atol), (k, (gf - wf).abs().max().item())
