@@ -1,0 +1,102 @@
+#include "test.h"
+
+#include <stdlib.h>
+
+#include "../../server/round.c"
+
+static delta_info info(const char *node, uint64_t base, uint64_t local)
+{
+    delta_info i;
+    memset(&i, 0, sizeof(i));
+    snprintf(i.node_id, sizeof(i.node_id), "%s", node);
+    i.base_outer_step = base;
+    i.local_step = local;
+    return i;
+}
+
+static round_verdict offer(round_state *r, const char *node, uint64_t base, uint64_t local, double now)
+{
+    char *replaced = NULL;
+    delta_info i = info(node, base, local);
+    char path[128];
+    snprintf(path, sizeof(path), "cache/%s/%llu", node, (unsigned long long)local);
+    char *p = strdup(path);
+    round_verdict v = round_offer(r, &i, p, 100, now, &replaced);
+    if (v != ROUND_ACCEPTED && v != ROUND_REPLACED)
+        free(p);
+    free(replaced);
+    return v;
+}
+
+TEST(round_orders_nodes_and_closes_when_all_arrived)
+{
+    round_state r;
+    round_close_reason why;
+    round_init(&r, 5, 3, NULL, 0, 1, 0);
+    CHECK_EQ(offer(&r, "w2", 5, 10, 1.0), ROUND_ACCEPTED);
+    CHECK_EQ(offer(&r, "w10", 5, 10, 2.0), ROUND_ACCEPTED);
+    CHECK(!round_should_close(&r, 3.0, &why));
+    CHECK_EQ(offer(&r, "w1", 5, 10, 3.0), ROUND_ACCEPTED);
+    CHECK(round_should_close(&r, 3.0, &why));
+    CHECK_EQ(why, ROUND_ALL_NODES);
+    CHECK_STR(r.entries[0].node_id, "w1");     /* bytewise ascending: the aggregation order */
+    CHECK_STR(r.entries[1].node_id, "w10");
+    CHECK_STR(r.entries[2].node_id, "w2");
+    CHECK(r.first_at == 1.0);
+    round_free(&r);
+}
+
+TEST(round_stale_future_replace_not_newer)
+{
+    round_state r;
+    round_init(&r, 5, 2, NULL, 0, 1, 0);
+    CHECK_EQ(offer(&r, "a", 4, 10, 0), ROUND_STALE);
+    CHECK_EQ(offer(&r, "a", 6, 10, 0), ROUND_FUTURE);
+    CHECK_EQ(offer(&r, "a", 5, 10, 0), ROUND_ACCEPTED);
+    CHECK_EQ(offer(&r, "a", 5, 10, 0), ROUND_NOT_NEWER);
+    CHECK_EQ(offer(&r, "a", 5, 9, 0), ROUND_NOT_NEWER);
+    CHECK_EQ(offer(&r, "a", 5, 11, 0), ROUND_REPLACED);
+    CHECK_EQ(round_find(&r, "a")->local_step, 11);
+    CHECK_STR(round_find(&r, "a")->path, "cache/a/11");
+    CHECK_EQ(r.n, 1);
+    CHECK_EQ(r.counters.stale, 1);
+    CHECK_EQ(r.counters.future, 1);
+    CHECK_EQ(r.counters.not_newer, 2);
+    CHECK_EQ(r.counters.replaced, 1);
+    r.closed = 1;
+    CHECK_EQ(offer(&r, "b", 5, 1, 0), ROUND_STALE);   /* late for a closed round */
+    round_reset(&r, 6);
+    CHECK_EQ(r.n, 0);
+    CHECK_EQ(offer(&r, "b", 6, 1, 0), ROUND_ACCEPTED);
+    CHECK_EQ(r.counters.stale, 2);                      /* counters survive rounds */
+    round_free(&r);
+}
+
+TEST(round_timeout_and_min_nodes)
+{
+    round_state r;
+    round_close_reason why;
+    round_init(&r, 0, 4, NULL, 0, 2, 10.0);
+    CHECK(round_deadline(&r) < 0);
+    CHECK_EQ(offer(&r, "a", 0, 1, 100.0), ROUND_ACCEPTED);
+    CHECK(round_deadline(&r) == 110.0);
+    CHECK(!round_should_close(&r, 200.0, &why));        /* past the deadline but below min_nodes */
+    CHECK_EQ(offer(&r, "b", 0, 1, 201.0), ROUND_ACCEPTED);
+    CHECK(round_should_close(&r, 201.0, &why));
+    CHECK_EQ(why, ROUND_TIMEOUT);
+    round_free(&r);
+}
+
+TEST(round_allow_list_and_full)
+{
+    round_state r;
+    char *allow[] = {"x", "y"};
+    round_init(&r, 0, 2, allow, 2, 1, 0);
+    CHECK_EQ(offer(&r, "z", 0, 1, 0), ROUND_UNKNOWN_NODE);
+    CHECK_EQ(offer(&r, "x", 0, 1, 0), ROUND_ACCEPTED);
+    round_free(&r);
+    round_init(&r, 0, 1, NULL, 0, 1, 0);
+    CHECK_EQ(offer(&r, "x", 0, 1, 0), ROUND_ACCEPTED);
+    CHECK_EQ(offer(&r, "y", 0, 1, 0), ROUND_FULL);
+    round_free(&r);
+}
