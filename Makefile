@@ -144,13 +144,20 @@ fuzz: $(FUZZ_TARGETS)
 	  $$t -max_total_time=$(FUZZ_SECONDS) -max_len=65536 $(FUZZ_BUILD)/corpus-$$n tests/fuzz/corpus/$$n || exit 1; done
 
 # Benchmarks are reports, not tests: each prints ratios measured side by side in one run.
-BENCH_BINS  := $(BUILD)/tests/bench-convert
+BENCH_BINS  := $(BUILD)/tests/bench-convert $(BUILD)/tests/bench-outer $(BUILD)/tests/stream
+BENCH_MODEL_MIB ?= 1024
+BENCH_NODES ?= 2 8
 $(BUILD)/tests/bench-%: $(BUILD)/tests/bench/bench-%.o $(BUILD)/libdiloco.a
 	@mkdir -p $(@D)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
-bench: all $(BENCH_BINS)
+$(BUILD)/tests/stream: tests/bench/stream.c
+	@mkdir -p $(@D)
+	$(CC) -O2 -pthread -o $@ $<
+
+bench: all venv $(BENCH_BINS)
 	$(BUILD)/tests/bench-convert 256
+	$(PY) tests/bench/bench_aggregate.py $(BUILD) $(BENCH_MODEL_MIB) $(BENCH_NODES)
 
 clean:
 	rm -rf build build-* 

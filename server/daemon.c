@@ -607,6 +607,8 @@ static void finish_done(job *j)
         aggregation_failed(d, &j->err);
         return;
     }
+    dl_log(DL_LOG_DEBUG, "aggregate", "files durable", "step=%" PRIu64 " seconds=%.3f", d->rnd.step + 1,
+           now_s(d) - d->pass_started);
     /* the step's files are durable: the commit point is one atomic rename away */
     if (queue_job(d, commit_work, commit_done, NULL, 0, 0) != 0) {
         dl_error e;
@@ -626,6 +628,8 @@ static void run_done(job *j)
 
     if (--d->pass_jobs > 0)
         return;
+    dl_log(DL_LOG_DEBUG, "aggregate", "computed", "step=%" PRIu64 " seconds=%.3f", d->rnd.step + 1,
+           now_s(d) - d->pass_started);
     if (queue_job(d, finish_work, finish_done, NULL, 0, 0) != 0) {
         /* cannot even queue: finish inline would block; leave files for startup cleanup */
         dl_error e;
@@ -651,6 +655,8 @@ static void prepare_done(job *j)
             aggregation_failed(d, &j->err);
         return;
     }
+    dl_log(DL_LOG_DEBUG, "aggregate", "prepared", "step=%" PRIu64 " seconds=%.3f items=%zu chunk_elems=%" PRIu64,
+           d->rnd.step + 1, now_s(d) - d->pass_started, d->pass->nitems, d->pass->chunk_elems);
     d->pass_jobs = 0;
     for (unsigned i = 0; i < d->cfg->threads; i++) {
         if (queue_job(d, run_work, run_done, NULL, 0, 0) == 0)

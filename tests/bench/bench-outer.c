@@ -1,0 +1,65 @@
+/* One outer step over existing files, timed by phase: bench-outer THREADS GLOBAL OUT_DIR DELTA...
+ * (a profiling aid for the aggregation kernel; make bench runs the end-to-end comparison). */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "outer.h"
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void *run(void *p)
+{
+    outer_run(p);
+    return NULL;
+}
+
+int main(int argc, char **argv)
+{
+    outer_pass p = {0};
+    dl_error err;
+    char out[4096], mom[4096];
+    pthread_t th[64];
+
+    if (argc < 5) {
+        fprintf(stderr, "usage: bench-outer THREADS GLOBAL OUT_DIR DELTA...\n");
+        return 2;
+    }
+    int threads = atoi(argv[1]);
+    snprintf(out, sizeof(out), "%s/out.safetensors", argv[3]);
+    snprintf(mom, sizeof(mom), "%s/mom.safetensors", argv[3]);
+    p.global_path = argv[2];
+    p.delta_paths = (const char *const *)argv + 4;
+    p.ndeltas = (size_t)(argc - 4);
+    p.out_global_path = out;
+    p.out_momentum_path = mom;
+    p.params = (outer_params){1, 0.7f, 0.9f};
+    p.budget_bytes = getenv("BUDGET_MIB") ? (size_t)atoi(getenv("BUDGET_MIB")) << 20 : 16 << 20;
+    double t0 = now();
+    if (outer_prepare(&p, &err) != 0) {
+        fprintf(stderr, "prepare: %s\n", err.message);
+        return 1;
+    }
+    double t1 = now();
+    for (int i = 0; i < threads; i++)
+        pthread_create(&th[i], NULL, run, &p);
+    for (int i = 0; i < threads; i++)
+        pthread_join(th[i], NULL);
+    double t2 = now();
+    uint64_t total = p.bytes_total;
+    if (outer_finish(&p, &err) != 0) {
+        fprintf(stderr, "finish: %s\n", err.message);
+        return 1;
+    }
+    double t3 = now();
+    printf("prepare %.3f s, compute %.3f s (%.2f GB/s), finish %.3f s; total %.2f GB/s\n", t1 - t0, t2 - t1,
+           (double)total / (t2 - t1) / 1e9, t3 - t2, (double)total / (t3 - t0) / 1e9);
+    outer_free(&p);
+    return 0;
+}
