@@ -92,6 +92,8 @@ static int open_writers(outer_pass *p, dl_error *err)
         specs[ti] = (st_spec){t->name, t->name_len, t->dtype, t->ndim, t->shape};
     }
     rc = st_writer_open(p->out_global_path, specs, g->ntensors, NULL, 0, &p->w_global, err);
+    if (rc == 0)
+        st_writer_set_writeback(p->w_global, 1);
     if (rc == 0 && p->params.momentum != 0.0f) {
         for (size_t ti = 0; ti < g->ntensors; ti++) {
             const st_tensor *t = &g->tensors[ti];
@@ -100,6 +102,8 @@ static int open_writers(outer_pass *p, dl_error *err)
         }
         rc = st_writer_open(p->out_momentum_path, specs, nm, p->momentum_meta, p->momentum_nmeta, &p->w_momentum,
                             err);
+        if (rc == 0)
+            st_writer_set_writeback(p->w_momentum, 1);
     }
     free(specs);
     return rc;
@@ -210,18 +214,32 @@ static int read_decoded(const st_file *f, const st_tensor *t, uint64_t e0, size_
     return 0;
 }
 
-/* Sum of x[i]*y[i] in double over 8 independent lanes (so the compiler can vectorise it without
- * reassociating a single sum). */
-static double dot_f64(const float *x, const float *y, size_t m)
+/* Sums in double over 8 independent lanes, so the compiler vectorises them without reassociating a
+ * single sum; an AVX2 clone is picked at load time where the CPU has it. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KERNEL_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define KERNEL_CLONES
+#endif
+
+/* *ss += sum x[i]^2 and *dot += sum x[i]*y[i], reading x once. */
+KERNEL_CLONES static void sumsq_dot(const float *restrict x, const float *restrict y, size_t m, double *ss, double *dot)
 {
-    double s[8] = {0};
+    double a[8] = {0}, b[8] = {0};
     size_t i = 0;
-    for (; i + 8 <= m; i += 8)
-        for (int k = 0; k < 8; k++)
-            s[k] += (double)x[i + k] * (double)y[i + k];
-    for (; i < m; i++)
-        s[0] += (double)x[i] * (double)y[i];
-    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    for (; i + 8 <= m; i += 8) {
+        for (int k = 0; k < 8; k++) {
+            double xv = (double)x[i + k];
+            a[k] += xv * xv;
+            b[k] += xv * (double)y[i + k];
+        }
+    }
+    for (; i < m; i++) {
+        a[0] += (double)x[i] * (double)x[i];
+        b[0] += (double)x[i] * (double)y[i];
+    }
+    *ss += ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    *dot += ((b[0] + b[1]) + (b[2] + b[3])) + ((b[4] + b[5]) + (b[6] + b[7]));
 }
 
 static int process_floating(outer_pass *p, const outer_item *it, outer_bufs *b, dl_error *err)
@@ -253,12 +271,10 @@ static int process_floating(outer_pass *p, const outer_item *it, outer_bufs *b, 
     }
     for (size_t j = 0; j < m; j++)
         g[j] /= count;
-    for (size_t k = 0; k < p->ndeltas; k++) {
-        const float *dk = b->d + k * stride;
-        b->stats[k].sumsq += dot_f64(dk, dk, m);
-        b->stats[k].dot += dot_f64(dk, g, m);
-    }
-    b->mean_sumsq += dot_f64(g, g, m);
+    for (size_t k = 0; k < p->ndeltas; k++)
+        sumsq_dot(b->d + k * stride, g, m, &b->stats[k].sumsq, &b->stats[k].dot);
+    double unused = 0;
+    sumsq_dot(g, g, m, &b->mean_sumsq, &unused);
     /* torch.optim.SGD: buf = mu*buf + g (first step: buf = g); d = g + mu*buf (nesterov) or buf;
      * param = param - lr*d.  Each product is rounded before the sum, as torch's separate kernels do. */
     if (mu != 0.0f) {

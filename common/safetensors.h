@@ -129,6 +129,9 @@ int st_writer_open(const char *path, const st_spec *specs, size_t n, const st_kv
                    st_writer **out, dl_error *err);
 int st_writer_write(st_writer *w, size_t spec_index, uint64_t off, const void *buf, size_t len,
                     dl_error *err);
+/* Starts writeback of each range right after it is written (large outputs: the final fsync then
+ * waits for little). */
+void st_writer_set_writeback(st_writer *w, int on);
 /* Absolute file offset of the first byte of spec i's data. */
 uint64_t st_writer_data_offset(const st_writer *w, size_t spec_index);
 int st_writer_commit(st_writer *w, dl_error *err);

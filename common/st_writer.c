@@ -189,7 +189,13 @@ struct st_writer {
     size_t n;
     uint64_t data_start;
     uint64_t *offsets;      /* 2 per spec, relative to the data section */
+    int writeback;          /* start writeback of every range as soon as it is written */
 };
+
+void st_writer_set_writeback(st_writer *w, int on)
+{
+    w->writeback = on;
+}
 
 int st_writer_open(const char *path, const st_spec *specs, size_t n, const st_kv *meta, size_t nmeta,
                    st_writer **out, dl_error *err)
@@ -268,8 +274,13 @@ int st_writer_write(st_writer *w, size_t spec_index, uint64_t off, const void *b
         return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0,
                        "write of %zu bytes at %llu is outside tensor %zu (%llu bytes)", len,
                        (unsigned long long)off, spec_index, (unsigned long long)size);
-    if ((rc = fsu_pwrite_all(w->fd, buf, len, st_writer_data_offset(w, spec_index) + off)) != 0)
+    uint64_t at = st_writer_data_offset(w, spec_index) + off;
+    if ((rc = fsu_pwrite_all(w->fd, buf, len, at)) != 0)
         return dl_fail_errno(err, -rc, "cannot write %s", w->tmp_path);
+    /* Asynchronous: the disk works while we compute, so the final fsync has little left to do.
+     * A failure here is only a lost hint; fsync reports real I/O errors. */
+    if (w->writeback)
+        (void)sync_file_range(w->fd, (off64_t)at, (off64_t)len, SYNC_FILE_RANGE_WRITE);
     return 0;
 }
 
