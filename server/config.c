@@ -50,7 +50,14 @@ const char *config_optimizer_name(config_optimizer o)
 static int bad(const char *origin, const char *key, const char *fmt, ...)
 {
     va_list ap;
-    fprintf(stderr, "dilocod: %s%s: ", origin, key);
+    char name[64];
+    /* name a flag as it is typed (--min-nodes), a file key as it is written (min_nodes) */
+    snprintf(name, sizeof(name), "%s", key);
+    if (strcmp(origin, "--") == 0)
+        for (char *p = name; *p; p++)
+            if (*p == '_')
+                *p = '-';
+    fprintf(stderr, "dilocod: %s%s: ", origin, name);
     va_start(ap, fmt);
     vfprintf(stderr, fmt, ap);
     va_end(ap);

@@ -5,6 +5,7 @@ Commit protocol under test (server/store.c): the step's global/latest-<s>.safete
 outer_state-<s>.safetensors are written to temporary files, fsynced and renamed, then
 outer_metadata.json is atomically replaced (the commit point); startup removes every leftover.
 """
+import filecmp
 import json
 import os
 import random
@@ -98,11 +99,27 @@ def check_committed(state_dir: Path, diloco_bin) -> int:
     return s
 
 
+def assert_close(got: dict, want: dict, rtol=1e-5, atol=1e-6):
+    """assert_state_close's check for big F32 tensors without its float64 copies (several times faster on
+    64 MiB); everything else goes to assert_state_close."""
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    for k in want:
+        g, w = got[k], want[k]
+        if w.dtype != torch.float32 or g.dtype != torch.float32 or g.shape != w.shape:
+            assert_state_close({k: g}, {k: w}, rtol=rtol, atol=atol)
+            continue
+        if torch.equal(g, w):
+            continue
+        excess = (g - w).abs_().sub_(w.abs().mul_(rtol))
+        worst = float(excess.max())
+        assert worst <= atol, (k, float((g - w).abs().max()))
+
+
 def check_step_content(state_dir: Path, s: int, states: dict, moms: dict):
     """The committed global and momentum equal the oracle's for exactly step s."""
-    assert_state_close(load_torch(state_dir / f"global/latest-{s}.safetensors"), states[s])
+    assert_close(load_torch(state_dir / f"global/latest-{s}.safetensors"), states[s])
     if s > 0:
-        assert_state_close(load_torch(state_dir / f"outer_state-{s}.safetensors"), moms[s])
+        assert_close(load_torch(state_dir / f"outer_state-{s}.safetensors"), moms[s])
 
 
 TMP_RE = re.compile(r"\.tmp-(\d+)-\d+$")
@@ -162,8 +179,8 @@ def test_kill9_torture_during_aggregation_and_commit(tmp_path, diloco_bin):
 
     def prepare_round(r):
         """Oracle of round r (base step r -> r + 1); returns the deltas to write."""
-        deltas = {n: {k: rng.standard_normal(shp, dtype=np.float32) * np.float32(0.01) for k, shp in shapes.items()}
-                  for n in nodes}
+        deltas = {n: {k: (rng.random(shp, dtype=np.float32) - np.float32(0.5)) * np.float32(0.02)
+                      for k, shp in shapes.items()} for n in nodes}
         oracle.step(deltas)
         states[r + 1], moms[r + 1] = snapshot(oracle)
         for old in [s for s in states if s < r]:
@@ -199,7 +216,7 @@ def test_kill9_torture_during_aggregation_and_commit(tmp_path, diloco_bin):
             check_step_content(d.state_dir, r + 1, states, moms)
         print(f"\ncalibration: delta written -> committed {t_commit * 1000:.0f} ms, "
               f"aggregation+commit {t_agg * 1000:.0f} ms")
-        uniform_max = 1.3 * t_commit
+        uniform_max = 1.1 * t_commit
 
         for i in range(kills):
             r = calib_rounds + i
@@ -249,12 +266,14 @@ def test_kill9_torture_during_aggregation_and_commit(tmp_path, diloco_bin):
             d.wait_step(r + 1, timeout=120)
             wait_until(lambda: d.committed_step() == r + 1, 60, f"commit of step {r + 1}", d)
             assert d.published_step() == r + 1
-            check_step_content(d.state_dir, r + 1, states, moms)
-            assert_state_close(load_torch(hub / "global/latest.safetensors"), states[r + 1])
+            if s == r:          # redone: the new step equals the oracle (not lost, not applied twice)
+                check_step_content(d.state_dir, r + 1, states, moms)
+            assert filecmp.cmp(hub / "global/latest.safetensors", d.state_dir / f"global/latest-{r + 1}.safetensors",
+                               shallow=False), "the published global is not the committed one"
 
         final = calib_rounds + kills
         assert d.committed_step() == final and d.published_step() == final
-        assert_state_close(load_torch(hub / "global/latest.safetensors"), states[final])
+        assert_close(load_torch(hub / "global/latest.safetensors"), states[final])
         assert d.stop() == 0
         d.start("--expected-nodes", "1000")
         wait_current_log(d, f"round: opened step={final} ")

@@ -1,0 +1,44 @@
+/* delta_stream: validates a delta while its bytes arrive (an HTTP upload), so a bad file is refused
+ * from its first bytes: the 8-byte length, then the header (metadata, path, key set, shapes, dtypes
+ * checked against the global model as soon as it is complete), then every value checked finite as
+ * it streams by.  Pure: no I/O; the caller writes the bytes wherever it keeps them. */
+#ifndef DELTA_STREAM_H
+#define DELTA_STREAM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "delta.h"
+#include "dl_error.h"
+#include "safetensors.h"
+
+typedef struct delta_stream {
+    /* set by the caller before the first feed */
+    const st_header *global;
+    const char *path;           /* the Hub path the metadata must agree with, or NULL */
+    uint64_t max_header;        /* cap on N (bytes of header JSON held in memory) */
+    uint64_t declared_len;      /* Content-Length, or 0 when unknown (chunked) */
+    /* state */
+    unsigned char prefix[8];
+    uint64_t n;
+    char *hbuf;
+    st_header *h;               /* the parsed header once complete */
+    delta_info info;
+    uint64_t file_len;          /* 8 + N + data, known with the header */
+    uint64_t pos;               /* bytes fed so far */
+    size_t tensor;              /* data section: current tensor (offset order) */
+    unsigned char carry[8];     /* bytes of an element split between two feeds */
+    size_t carry_len;
+} delta_stream;
+
+enum { DELTA_STREAM_MORE = 0, DELTA_STREAM_HEADER = 1 };
+
+/* Feeds bytes.  Returns DELTA_STREAM_HEADER exactly once, on the feed that completed the header (the
+ * info and header are then available), DELTA_STREAM_MORE otherwise, or a negative code: the stream
+ * is invalid (err says why and names the tensor). */
+int delta_stream_feed(delta_stream *s, const char *p, size_t n, dl_error *err);
+/* After the last byte: the file must be exactly as long as its header says. */
+int delta_stream_finish(delta_stream *s, dl_error *err);
+void delta_stream_free(delta_stream *s);
+
+#endif
