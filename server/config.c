@@ -40,6 +40,15 @@ static const opt options[] = {
     {"log_format", T_LOGFORMAT, OFF(log_json), 0, 0, "FMT      text | json"},
     {"agg_memory_mib", T_UINT, OFF(agg_memory_mib), 1, 65536, "MIB   aggregation buffer budget per thread"},
     {"retry_interval", T_DOUBLE, OFF(retry_interval), 0.01, 86400, "SECONDS  wait before retrying a failed commit or publish"},
+    {"listen", T_STR, OFF(listen), 0, 0, "HOST:PORT     HTTP API address (port 0: any free port); none disables it"},
+    {"token_file", T_STR, OFF(token_file), 0, 0, "FILE      upload tokens, lines 'node_id token' ('*' = any node); without it uploads are loopback-only"},
+    {"max_header_bytes", T_UINT, OFF(max_header_bytes), 256, 1 << 24, "N   HTTP request head size limit (431 beyond)"},
+    {"max_headers", T_UINT, OFF(max_headers), 4, 10000, "N        HTTP header count limit (431 beyond)"},
+    {"max_body_mib", T_UINT, OFF(max_body_mib), 0, 1 << 22, "MIB     upload size limit (413 beyond); 0 = the expected delta size + the header cap"},
+    {"max_delta_header_mib", T_UINT, OFF(max_delta_header_mib), 1, 95, "MIB  cap on an uploaded delta's safetensors header"},
+    {"header_timeout", T_DOUBLE, OFF(header_timeout), 0.01, 3600, "SECONDS  to receive a request head (slowloris)"},
+    {"idle_timeout", T_DOUBLE, OFF(idle_timeout), 0.01, 86400, "SECONDS  without progress on a connection (idle, stalled body or download)"},
+    {"max_connections", T_UINT, OFF(max_connections), 1, 1000000, "N    open HTTP connections at most"},
 };
 
 const char *config_optimizer_name(config_optimizer o)
@@ -278,6 +287,44 @@ static void set_defaults(config *c)
     c->log_level = DL_LOG_INFO;
     c->agg_memory_mib = 16;
     c->retry_interval = 5.0;
+    c->listen = strdup("127.0.0.1:8470");
+    c->max_header_bytes = 16384;
+    c->max_headers = 100;
+    c->max_delta_header_mib = 16;
+    c->header_timeout = 10;
+    c->idle_timeout = 60;
+    c->max_connections = 1024;
+}
+
+/* HOST:PORT, [v6]:PORT or none. */
+static int parse_listen(config *c)
+{
+    const char *v = c->listen, *colon;
+    char *end;
+    long port;
+
+    free(c->listen_host);
+    c->listen_host = NULL;
+    if (strcmp(v, "none") == 0)
+        return 0;
+    if (v[0] == '[') {
+        const char *close = strchr(v, ']');
+        if (close == NULL || close[1] != ':')
+            return bad("--", "listen", "'%s' is not HOST:PORT, [V6ADDR]:PORT or none", v);
+        c->listen_host = strndup(v + 1, (size_t)(close - v - 1));
+        colon = close + 1;
+    } else {
+        colon = strrchr(v, ':');
+        if (colon == NULL || colon == v)
+            return bad("--", "listen", "'%s' is not HOST:PORT, [V6ADDR]:PORT or none", v);
+        c->listen_host = strndup(v, (size_t)(colon - v));
+    }
+    errno = 0;
+    port = strtol(colon + 1, &end, 10);
+    if (colon[1] == '\0' || *end != '\0' || errno != 0 || port < 0 || port > 65535)
+        return bad("--", "listen", "'%s': the port must be 0..65535", v);
+    c->listen_port = (int)port;
+    return c->listen_host ? 0 : bad("--", "listen", "out of memory");
 }
 
 static int validate(config *c)
@@ -308,7 +355,11 @@ static int validate(config *c)
         c->momentum = c->optimizer == OPT_NESTEROV_SGD ? 0.9 : 0.0;
     if (c->momentum >= 1)
         return bad("--", "momentum", "%g must be below 1", c->momentum);
-    return 0;
+    if (c->listen == NULL)
+        return bad("", "config", "out of memory");
+    if (c->token_file != NULL && access(c->token_file, R_OK) != 0)
+        return bad("--", "token-file", "cannot read %s: %s", c->token_file, strerror(errno));
+    return parse_listen(c);
 }
 
 int config_load(config *c, int argc, char **argv)
@@ -399,6 +450,10 @@ void config_print(const config *c, FILE *out)
                  "retry_interval = %g\n",
             c->threads, c->poll_interval, dl_log_level_name(c->log_level), c->log_json ? "json" : "text",
             c->agg_memory_mib, c->retry_interval);
+    fprintf(out, "listen = %s\ntoken_file = %s\nmax_header_bytes = %u\nmax_headers = %u\nmax_body_mib = %u\n"
+                 "max_delta_header_mib = %u\nheader_timeout = %g\nidle_timeout = %g\nmax_connections = %u\n",
+            c->listen, c->token_file ? c->token_file : "", c->max_header_bytes, c->max_headers, c->max_body_mib,
+            c->max_delta_header_mib, c->header_timeout, c->idle_timeout, c->max_connections);
 }
 
 void config_free(config *c)
@@ -408,5 +463,8 @@ void config_free(config *c)
     free(c->id);
     free(c->hub);
     free(c->init_model);
+    free(c->listen);
+    free(c->listen_host);
+    free(c->token_file);
     free_nodes(c);
 }

@@ -33,6 +33,18 @@ typedef struct config {
     int log_json;
     unsigned agg_memory_mib;    /* aggregation buffers per worker thread */
     double retry_interval;      /* seconds before retrying a failed commit or publish */
+    /* HTTP */
+    char *listen;               /* "HOST:PORT" or "none" */
+    char *listen_host;          /* parsed from listen */
+    int listen_port;
+    char *token_file;
+    unsigned max_header_bytes;
+    unsigned max_headers;
+    unsigned max_body_mib;      /* 0: the expected delta size plus the header cap */
+    unsigned max_delta_header_mib;
+    double header_timeout;
+    double idle_timeout;
+    unsigned max_connections;
 } config;
 
 /* Defaults, then the file named by --config (if any), then the flags.  On a bad value prints a

@@ -1,6 +1,9 @@
 #include "daemon.h"
+#include "daemon_internal.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -21,15 +24,11 @@
 #include "seen.h"
 #include "store.h"
 
-#define container_of(ptr, type, member) ((type *)((char *)(ptr) - offsetof(type, member)))
-
 #define MAX_INTAKE_IN_FLIGHT 2
 #define MAX_RETRY_SECONDS 60.0
 #define PROGRESS_SECONDS 2.0
 
-typedef enum dstate { S_WAITING_GLOBAL, S_COLLECTING, S_AGGREGATING, S_RETRY_WAIT } dstate;
-
-static const char *state_name(dstate s)
+const char *daemon__state_name(dstate s)
 {
     switch (s) {
     case S_WAITING_GLOBAL: return "waiting_for_global";
@@ -39,56 +38,6 @@ static const char *state_name(dstate s)
     }
     return "?";
 }
-
-typedef struct node_stat {
-    char node_id[DELTA_NODE_ID_MAX + 1];
-    uint64_t local_step;
-    double norm, cosine;
-} node_stat;
-
-typedef struct dilocod {
-    uv_loop_t loop;
-    config *cfg;
-    store st;
-    dstate state;
-    int stopping;
-    int exit_code;
-    char *hub_root;             /* file:// directory, NULL for none */
-
-    uv_signal_t sigint, sigterm;
-    uv_timer_t poll_timer, round_timer, retry_timer, progress_timer;
-    uv_fs_event_t nodes_watch;
-    int nodes_watch_active;
-
-    st_header *model;           /* structure of the global model (same for every step) */
-    round_state rnd;
-    seen_map seen;
-
-    /* intake */
-    intake_req **queue;
-    size_t nqueue, cap_queue;
-    int intake_in_flight;
-    int scan_in_flight, scan_again;
-
-    /* aggregation */
-    outer_pass *pass;
-    char **pass_paths;
-    node_stat *pass_nodes;
-    size_t pass_n;
-    int pass_jobs;              /* run jobs still out */
-    double pass_started;
-    double retry_delay;
-    uint64_t pass_last_bytes;
-    double pass_last_time;
-
-    /* publish */
-    int64_t published_step;     /* -1: nothing published by us or unknown */
-    int publish_in_flight;
-    int cleanup_in_flight;
-    int adopt_in_flight;
-    uv_timer_t publish_timer;
-    int jobs_in_flight;         /* every uv_work_t out, for shutdown */
-} dilocod;
 
 static double now_s(dilocod *d)
 {
@@ -104,18 +53,7 @@ static void start_aggregation(dilocod *d);
 
 /* ---- small pool jobs -------------------------------------------------------------------------- */
 
-typedef struct job job;
-typedef void (*job_fn)(job *);
-struct job {
-    uv_work_t req;
-    dilocod *d;
-    job_fn work, done;
-    int rc;
-    dl_error err;
-    void *arg;
-    uint64_t u;
-    int flag;
-};
+typedef daemon_job job;
 
 static void job_work_cb(uv_work_t *req)
 {
@@ -137,7 +75,7 @@ static void job_after_cb(uv_work_t *req, int status)
     maybe_finish_shutdown(d);
 }
 
-static int queue_job(dilocod *d, job_fn work, job_fn done, void *arg, uint64_t u, int flag)
+int daemon__queue(dilocod *d, daemon_job_fn work, daemon_job_fn done, void *arg, uint64_t u, int flag)
 {
     job *j = calloc(1, sizeof(*j));
     int rc;
@@ -285,7 +223,7 @@ static void schedule_scan(dilocod *d)
     }
     if ((r = calloc(1, sizeof(*r))) == NULL)
         return;
-    if (queue_job(d, scan_work, scan_done, r, 0, 0) != 0) {
+    if (daemon__queue(d, scan_work, scan_done, r, 0, 0) != 0) {
         free(r);
         return;
     }
@@ -339,17 +277,58 @@ static void arm_round_timer(dilocod *d)
     uv_timer_start(&d->round_timer, round_timer_cb, wait > 0 ? (uint64_t)(wait * 1000) + 1 : 0, 0);
 }
 
-static void offer(dilocod *d, intake_req *r)
+static void count_refusal(dilocod *d, round_verdict v)
+{
+    switch (v) {
+    case ROUND_STALE: d->m.refused_stale++; break;
+    case ROUND_FUTURE: d->m.refused_future++; break;
+    case ROUND_NOT_NEWER: d->m.refused_not_newer++; break;
+    case ROUND_UNKNOWN_NODE: d->m.refused_unknown_node++; break;
+    case ROUND_FULL: d->m.refused_full++; break;
+    default: break;
+    }
+}
+
+round_verdict daemon__peek(dilocod *d, const delta_info *info)
+{
+    const round_state *r = &d->rnd;
+    const round_entry *e;
+
+    if (d->state == S_WAITING_GLOBAL)
+        return ROUND_FUTURE;
+    if (info->base_outer_step < r->step || (info->base_outer_step == r->step && r->closed))
+        return ROUND_STALE;
+    if (info->base_outer_step > r->step)
+        return ROUND_FUTURE;
+    if (r->nallow > 0) {
+        int ok = 0;
+        for (size_t i = 0; i < r->nallow; i++)
+            ok |= strcmp(r->allow[i], info->node_id) == 0;
+        if (!ok)
+            return ROUND_UNKNOWN_NODE;
+    }
+    e = round_find(r, info->node_id);
+    if (e != NULL)
+        return info->local_step <= e->local_step ? ROUND_NOT_NEWER : ROUND_REPLACED;
+    if (r->expected_nodes != 0 && r->n >= r->expected_nodes)
+        return ROUND_FULL;
+    return ROUND_ACCEPTED;
+}
+
+round_verdict daemon__offer(dilocod *d, const delta_info *info, char *cache_path, uint64_t size)
 {
     char *replaced = NULL;
-    round_verdict v = round_offer(&d->rnd, &r->info, r->cache_path, r->size, now_s(d), &replaced);
+    round_verdict v = round_offer(&d->rnd, info, cache_path, size, now_s(d), &replaced);
     int first = d->rnd.n == 1 && v == ROUND_ACCEPTED;
 
     if (v == ROUND_ACCEPTED || v == ROUND_REPLACED) {
         dl_log(DL_LOG_INFO, "round", v == ROUND_ACCEPTED ? "delta accepted" : "delta replaced",
                "step=%" PRIu64 " node=%s local_step=%" PRIu64 " bytes=%" PRIu64 " nodes=%zu expected=%u",
-               d->rnd.step, r->info.node_id, r->info.local_step, r->size, d->rnd.n, d->cfg->expected_nodes);
-        r->cache_path = NULL;   /* owned by the round now */
+               d->rnd.step, info->node_id, info->local_step, size, d->rnd.n, d->cfg->expected_nodes);
+        if (v == ROUND_ACCEPTED)
+            d->m.deltas_accepted++;
+        else
+            d->m.deltas_replaced++;
         if (replaced != NULL) {
             unlink_async(d, replaced);
             free(replaced);
@@ -357,12 +336,27 @@ static void offer(dilocod *d, intake_req *r)
         if (first && d->rnd.timeout > 0)
             arm_round_timer(d);
         maybe_close_round(d);
-        return;
+        return v;
     }
+    count_refusal(d, v);
     dl_log(v == ROUND_NOT_NEWER ? DL_LOG_INFO : DL_LOG_WARN, "round", "delta refused",
            "step=%" PRIu64 " node=%s local_step=%" PRIu64 " base_outer_step=%" PRIu64 " reason=%s", d->rnd.step,
-           r->info.node_id, r->info.local_step, r->info.base_outer_step, round_verdict_name(v));
-    unlink_async(d, r->cache_path);     /* refused: its cached copy has no use */
+           info->node_id, info->local_step, info->base_outer_step, round_verdict_name(v));
+    unlink_async(d, cache_path);        /* refused: its cached copy has no use */
+    free(cache_path);
+    return v;
+}
+
+void daemon__rejected(dilocod *d, const char *what, const dl_error *err)
+{
+    char m[600], t[300];
+
+    if ((unsigned)err->code < DL_E__COUNT)
+        d->m.rejected[err->code]++;
+    d->rnd.counters.rejected++;
+    dl_log(DL_LOG_WARN, "intake", "delta rejected", "path=%s code=%s error=%s%s%s", what, dl_error_name(err->code),
+           dl_log_q(m, sizeof(m), err->message), err->tensor[0] ? " tensor=" : "",
+           err->tensor[0] ? dl_log_q(t, sizeof(t), err->tensor) : "");
 }
 
 static void intake_done(job *j)
@@ -370,7 +364,6 @@ static void intake_done(job *j)
     dilocod *d = j->d;
     intake_req *r = j->arg;
     seen_entry *e = r->rel_path ? seen_find(&d->seen, r->rel_path) : NULL;
-    char m[600], t[300];
     int changed = e != NULL && (e->size != r->size || e->mtime_ns != r->mtime_ns || e->ino != r->ino);
 
     d->intake_in_flight--;
@@ -379,8 +372,10 @@ static void intake_done(job *j)
         if (e)
             e->state = SEEN_DONE;
         /* when stopping, the cached copy stays: the restart offers it again */
-        if (!d->stopping)
-            offer(d, r);
+        if (!d->stopping) {
+            daemon__offer(d, &r->info, r->cache_path, r->size);
+            r->cache_path = NULL;
+        }
         break;
     case INTAKE_STALE:
     case INTAKE_FUTURE:
@@ -388,6 +383,8 @@ static void intake_done(job *j)
             e->state = SEEN_DONE;
         d->rnd.counters.stale += r->status == INTAKE_STALE;
         d->rnd.counters.future += r->status == INTAKE_FUTURE;
+        d->m.refused_stale += r->status == INTAKE_STALE;
+        d->m.refused_future += r->status == INTAKE_FUTURE;
         dl_log(r->status == INTAKE_STALE ? DL_LOG_INFO : DL_LOG_WARN, "intake", "delta refused",
                "path=%s node=%s base_outer_step=%" PRIu64 " step=%" PRIu64 " reason=%s",
                r->rel_path ? r->rel_path : r->src_path, r->info.node_id, r->info.base_outer_step, d->rnd.step,
@@ -404,9 +401,7 @@ static void intake_done(job *j)
         if (e != NULL && e->since < 0) {
             /* the settled retry: the file stopped changing and is still short */
             e->state = SEEN_REJECTED;
-            d->rnd.counters.rejected++;
-            dl_log(DL_LOG_WARN, "intake", "delta rejected", "path=%s code=%s error=%s", r->rel_path,
-                   dl_error_name(r->err.code), dl_log_q(m, sizeof(m), "incomplete file stopped changing"));
+            daemon__rejected(d, r->rel_path, &r->err);
         } else if (e != NULL) {
             e->state = SEEN_INCOMPLETE;
             e->size = r->size;
@@ -421,11 +416,7 @@ static void intake_done(job *j)
     case INTAKE_INVALID:
         if (e)
             e->state = SEEN_REJECTED;
-        d->rnd.counters.rejected++;
-        dl_log(DL_LOG_WARN, "intake", "delta rejected", "path=%s code=%s error=%s%s%s",
-               r->rel_path ? r->rel_path : r->src_path, dl_error_name(r->err.code),
-               dl_log_q(m, sizeof(m), r->err.message), r->err.tensor[0] ? " tensor=" : "",
-               r->err.tensor[0] ? dl_log_q(t, sizeof(t), r->err.tensor) : "");
+        daemon__rejected(d, r->rel_path ? r->rel_path : r->src_path, &r->err);
         if (r->in_cache)
             unlink_async(d, r->src_path);
         break;
@@ -450,7 +441,7 @@ static void dispatch_intake(dilocod *d)
         d->nqueue--;
         r->global = d->model;
         r->step = d->rnd.step;
-        if (queue_job(d, intake_work, intake_done, r, 0, 0) != 0) {
+        if (daemon__queue(d, intake_work, intake_done, r, 0, 0) != 0) {
             intake_req_free(r);
             continue;
         }
@@ -475,6 +466,7 @@ static void maybe_close_round(dilocod *d)
     uv_timer_stop(&d->round_timer);
     dl_log(DL_LOG_INFO, "round", "closed", "step=%" PRIu64 " nodes=%zu expected=%u reason=%s", d->rnd.step, d->rnd.n,
            d->cfg->expected_nodes, round_close_reason_name(why));
+    snprintf(d->pass_reason, sizeof(d->pass_reason), "%s", round_close_reason_name(why));
     d->retry_delay = d->cfg->retry_interval;
     start_aggregation(d);
 }
@@ -528,6 +520,60 @@ static void commit_work(job *j)
         .origin = "round",
     };
     j->rc = store_commit(&d->st, &info, &j->err);
+    /* opened here, off the loop: downloads of the new global start from this descriptor */
+    j->flag = j->rc == 0 ? open(info.global_path, O_RDONLY | O_CLOEXEC) : -1;
+}
+
+/* Adopts fd as the descriptor served for GET /global/latest.safetensors. */
+static void set_global_fd(dilocod *d, int fd)
+{
+    struct stat sb;
+
+    if (d->global_fd >= 0)
+        close(d->global_fd);
+    d->global_fd = fd;
+    d->global_size = 0;
+    d->global_etag[0] = '\0';
+    if (fd >= 0 && fstat(fd, &sb) == 0) {
+        d->global_size = (uint64_t)sb.st_size;
+        snprintf(d->global_etag, sizeof(d->global_etag), "\"s%" PRIu64 "-%" PRIx64 "-%" PRIx64 "\"", d->st.step,
+                 (uint64_t)sb.st_ino, (uint64_t)sb.st_size);
+    }
+}
+
+static void record_round(dilocod *d, double seconds)
+{
+    round_record *r;
+    outer_pass *p = d->pass;
+
+    if (d->history_n == HISTORY_MAX) {
+        r = &d->history[d->history_head];
+        free(r->nodes);
+        d->history_head = (d->history_head + 1) % HISTORY_MAX;
+        d->history_n--;
+    }
+    r = &d->history[(d->history_head + d->history_n) % HISTORY_MAX];
+    memset(r, 0, sizeof(*r));
+    r->step = d->rnd.step;
+    snprintf(r->reason, sizeof(r->reason), "%s", d->pass_reason);
+    r->seconds = seconds;
+    r->bytes = p->bytes_total;
+    r->gbps = seconds > 0 ? (double)p->bytes_total / seconds / 1e9 : 0;
+    r->mean_norm = sqrt(p->mean_sumsq);
+    r->closed_at = time(NULL);
+    r->nodes = malloc(d->pass_n * sizeof(*r->nodes));
+    if (r->nodes != NULL) {
+        memcpy(r->nodes, d->pass_nodes, d->pass_n * sizeof(*r->nodes));
+        r->n = d->pass_n;
+    }
+    d->history_n++;
+    d->m.rounds++;
+    d->m.agg_seconds_sum += seconds;
+    d->m.agg_count++;
+    static const double bounds[AGG_BUCKETS] = {0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300};
+    for (int i = 0; i < AGG_BUCKETS; i++)
+        d->m.agg_buckets[i] += seconds <= bounds[i];
+    api_history_persist(d, r);
 }
 
 static void cleanup_work(job *j)
@@ -546,7 +592,7 @@ static void schedule_cleanup(dilocod *d)
 {
     if (d->cleanup_in_flight || d->publish_in_flight)
         return;
-    if (queue_job(d, cleanup_work, cleanup_done, NULL, 0, 0) == 0)
+    if (daemon__queue(d, cleanup_work, cleanup_done, NULL, 0, 0) == 0)
         d->cleanup_in_flight = 1;
 }
 
@@ -580,6 +626,9 @@ static void commit_done(job *j)
     double seconds = now_s(d) - d->pass_started;
     uv_timer_stop(&d->progress_timer);
     log_round_stats(d, seconds);
+    record_round(d, seconds);
+    set_global_fd(d, j->flag);
+    d->committed_at = time(NULL);
     dl_log(DL_LOG_INFO, "store", "committed", "step=%" PRIu64 " global=%s", d->st.step, d->st.global_path);
     pass_release(d);
     round_reset(&d->rnd, d->st.step);
@@ -610,7 +659,7 @@ static void finish_done(job *j)
     dl_log(DL_LOG_DEBUG, "aggregate", "files durable", "step=%" PRIu64 " seconds=%.3f", d->rnd.step + 1,
            now_s(d) - d->pass_started);
     /* the step's files are durable: the commit point is one atomic rename away */
-    if (queue_job(d, commit_work, commit_done, NULL, 0, 0) != 0) {
+    if (daemon__queue(d, commit_work, commit_done, NULL, 0, 0) != 0) {
         dl_error e;
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot queue the commit");
         aggregation_failed(d, &e);
@@ -630,7 +679,7 @@ static void run_done(job *j)
         return;
     dl_log(DL_LOG_DEBUG, "aggregate", "computed", "step=%" PRIu64 " seconds=%.3f", d->rnd.step + 1,
            now_s(d) - d->pass_started);
-    if (queue_job(d, finish_work, finish_done, NULL, 0, 0) != 0) {
+    if (daemon__queue(d, finish_work, finish_done, NULL, 0, 0) != 0) {
         /* cannot even queue: finish inline would block; leave files for startup cleanup */
         dl_error e;
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot queue the finish job");
@@ -651,7 +700,7 @@ static void prepare_done(job *j)
         if (j->rc == 0)
             outer_abort(d->pass);
         /* outer_finish releases what prepare opened; it blocks on close/unlink only */
-        if (queue_job(d, finish_work, finish_done, NULL, 0, 0) != 0)
+        if (daemon__queue(d, finish_work, finish_done, NULL, 0, 0) != 0)
             aggregation_failed(d, &j->err);
         return;
     }
@@ -659,12 +708,12 @@ static void prepare_done(job *j)
            d->rnd.step + 1, now_s(d) - d->pass_started, d->pass->nitems, d->pass->chunk_elems);
     d->pass_jobs = 0;
     for (unsigned i = 0; i < d->cfg->threads; i++) {
-        if (queue_job(d, run_work, run_done, NULL, 0, 0) == 0)
+        if (daemon__queue(d, run_work, run_done, NULL, 0, 0) == 0)
             d->pass_jobs++;
     }
     if (d->pass_jobs == 0) {
         outer_abort(d->pass);
-        if (queue_job(d, finish_work, finish_done, NULL, 0, 0) != 0)
+        if (daemon__queue(d, finish_work, finish_done, NULL, 0, 0) != 0)
             aggregation_failed(d, &j->err);
     }
 }
@@ -703,6 +752,7 @@ static void start_aggregation(dilocod *d)
         d->pass_paths[i] = d->rnd.entries[i].path;
         memcpy(d->pass_nodes[i].node_id, d->rnd.entries[i].node_id, sizeof(d->pass_nodes[i].node_id));
         d->pass_nodes[i].local_step = d->rnd.entries[i].local_step;
+        d->pass_nodes[i].bytes = d->rnd.entries[i].size;
     }
     snprintf(step_text, sizeof(step_text), "%" PRIu64, d->rnd.step + 1);
     meta[0] = (st_kv){"optimizer", config_optimizer_name(d->cfg->optimizer)};
@@ -726,7 +776,7 @@ static void start_aggregation(dilocod *d)
     d->pass_last_bytes = 0;
     d->pass_last_time = d->pass_started;
     if (p->out_global_path == NULL || (d->cfg->momentum != 0 && p->out_momentum_path == NULL) ||
-        queue_job(d, prepare_work, prepare_done, NULL, 0, 0) != 0) {
+        daemon__queue(d, prepare_work, prepare_done, NULL, 0, 0) != 0) {
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot start the aggregation");
         aggregation_failed(d, &e);
         return;
@@ -794,7 +844,7 @@ static void maybe_publish(dilocod *d)
     }
     a->step = d->st.step;
     a->bootstrap = d->st.bootstrap && d->st.step == 0;
-    if (queue_job(d, publish_work, publish_done, a, 0, 0) != 0) {
+    if (daemon__queue(d, publish_work, publish_done, a, 0, 0) != 0) {
         free(a->src);
         free(a);
         return;
@@ -873,7 +923,7 @@ static void start_adopt(dilocod *d, uint64_t step)
 {
     if (d->adopt_in_flight || d->stopping)
         return;
-    if (queue_job(d, adopt_work, adopt_done, NULL, step, 0) == 0)
+    if (daemon__queue(d, adopt_work, adopt_done, NULL, step, 0) == 0)
         d->adopt_in_flight = 1;
 }
 
@@ -915,6 +965,19 @@ static void requeue_cache(dilocod *d)
     free(dir);
 }
 
+/* Sizes the /status model section and the default upload limit report. */
+static void model_facts(dilocod *d)
+{
+    d->model_params = d->model_bytes = d->delta_bytes = 0;
+    for (size_t i = 0; i < d->model->ntensors; i++) {
+        const st_tensor *t = &d->model->tensors[i];
+        d->model_params += t->nelem;
+        d->model_bytes += st_tensor_bytes(t);
+        if (st_dtype_is_floating(t->dtype))
+            d->delta_bytes += t->nelem * (t->dtype == ST_C64 ? 8 : 4);
+    }
+}
+
 static void collecting_start(dilocod *d)
 {
     dl_error err;
@@ -928,6 +991,12 @@ static void collecting_start(dilocod *d)
     round_init(&d->rnd, d->st.step, d->cfg->expected_nodes, d->cfg->nodes, d->cfg->nnodes, d->cfg->min_nodes,
                d->cfg->round_timeout);
     d->state = S_COLLECTING;
+    model_facts(d);
+    /* startup (or adoption): one open of the committed global for downloads */
+    set_global_fd(d, open(d->st.global_path, O_RDONLY | O_CLOEXEC));
+    struct stat sb;
+    if (d->global_fd >= 0 && fstat(d->global_fd, &sb) == 0)
+        d->committed_at = sb.st_mtime;      /* the step's file was written when it was committed */
     dl_log(DL_LOG_INFO, "round", "opened", "step=%" PRIu64 " expected=%u min_nodes=%u tensors=%zu", d->rnd.step,
            d->cfg->expected_nodes, d->cfg->min_nodes, d->model->ntensors);
     requeue_cache(d);
@@ -950,9 +1019,16 @@ static void close_walk_cb(uv_handle_t *h, void *arg)
 
 static void maybe_finish_shutdown(dilocod *d)
 {
-    if (!d->stopping || d->jobs_in_flight > 0)
+    if (!d->stopping || d->jobs_in_flight > 0 || d->http != NULL)
         return;
     uv_walk(&d->loop, close_walk_cb, NULL);
+}
+
+static void http_stopped(void *app)
+{
+    dilocod *d = app;
+    d->http = NULL;
+    maybe_finish_shutdown(d);
 }
 
 static void signal_cb(uv_signal_t *s, int signum)
@@ -965,14 +1041,57 @@ static void signal_cb(uv_signal_t *s, int signum)
     }
     d->stopping = 1;
     dl_log(DL_LOG_INFO, "main", "shutting down", "signal=%s state=%s jobs=%d", signum == SIGINT ? "SIGINT" : "SIGTERM",
-           state_name(d->state), d->jobs_in_flight);
+           daemon__state_name(d->state), d->jobs_in_flight);
     uv_timer_stop(&d->poll_timer);
     uv_timer_stop(&d->round_timer);
     uv_timer_stop(&d->retry_timer);
     uv_timer_stop(&d->publish_timer);
     if (d->pass != NULL && d->state == S_AGGREGATING)
         outer_abort(d->pass);       /* unfinished: abandoned without a trace (temporary files removed) */
+    if (d->http != NULL)
+        http_server_stop(d->http, http_stopped);    /* uploads in progress are dropped, nothing kept */
     maybe_finish_shutdown(d);
+}
+
+static void sighup_cb(uv_signal_t *s, int signum)
+{
+    dilocod *d = s->data;
+    dl_error err;
+    (void)signum;
+    if (d->cfg->token_file == NULL) {
+        dl_log(DL_LOG_INFO, "main", "SIGHUP: no token file to reload", "%s", "");
+        return;
+    }
+    /* a small file of our own: read on the loop thread, between events */
+    if (auth_load(&d->auth, d->cfg->token_file, &err) != 0)
+        log_error("auth", "token file not reloaded, the previous tokens stay in force", &err);
+    else
+        dl_log(DL_LOG_INFO, "auth", "tokens reloaded", "file=%s entries=%zu", d->cfg->token_file, d->auth.n);
+}
+
+static int start_http(dilocod *d, dl_error *err)
+{
+    http_limits lim = {
+        .max_url = 8192,
+        .max_header_bytes = d->cfg->max_header_bytes,
+        .max_headers = d->cfg->max_headers,
+        .header_timeout = d->cfg->header_timeout,
+        .idle_timeout = d->cfg->idle_timeout,
+        .max_conns = d->cfg->max_connections,
+    };
+    int rc;
+
+    if (d->cfg->listen_host == NULL)
+        return 0;
+    if (d->cfg->token_file != NULL && auth_load(&d->auth, d->cfg->token_file, err) != 0)
+        return -DL_E_INVALID_ARGUMENT;
+    rc = http_server_start(&d->http, &d->loop, d->cfg->listen_host, d->cfg->listen_port, &lim, api_on_request, d);
+    if (rc != 0)
+        return dl_fail(err, DL_E_IO, NULL, 0, "cannot listen on %s: %s", d->cfg->listen, strerror(-rc));
+    d->http_port = http_server_port(d->http);
+    dl_log(DL_LOG_INFO, "http", "listening", "addr=%s port=%d auth=%s", d->cfg->listen, d->http_port,
+           d->cfg->token_file ? "tokens" : "loopback-only");
+    return 0;
 }
 
 static int startup(dilocod *d, dl_error *err)
@@ -984,6 +1103,7 @@ static int startup(dilocod *d, dl_error *err)
         return rc;
     if (d->st.committed && (rc = store_cleanup(&d->st, 1, err)) != 0)
         return rc;
+    api_history_load(d);
     if (d->hub_root != NULL) {
         char *nodes = NULL, *global = NULL;
         if (asprintf(&nodes, "%s/nodes", d->hub_root) < 0 || asprintf(&global, "%s/global", d->hub_root) < 0 ||
@@ -1050,8 +1170,11 @@ static int init_handles(dilocod *d)
     uv_timer_init(&d->loop, &d->retry_timer);
     uv_timer_init(&d->loop, &d->progress_timer);
     uv_timer_init(&d->loop, &d->publish_timer);
+    uv_signal_init(&d->loop, &d->sighup);
+    d->sighup.data = d;
     uv_signal_start(&d->sigint, signal_cb, SIGINT);
     uv_signal_start(&d->sigterm, signal_cb, SIGTERM);
+    uv_signal_start(&d->sighup, sighup_cb, SIGHUP);
     return 0;
 }
 
@@ -1084,6 +1207,8 @@ int daemon_run(config *cfg)
     if (d == NULL)
         return 1;
     d->cfg = cfg;
+    d->global_fd = -1;
+    d->started_at = time(NULL);
     d->published_step = -1;
     d->state = S_COLLECTING;            /* startup() switches to S_WAITING_GLOBAL when it must */
     d->retry_delay = cfg->retry_interval;
@@ -1101,7 +1226,7 @@ int daemon_run(config *cfg)
     dl_log(DL_LOG_INFO, "main", "starting", "id=%s state_root=%s hub=%s optimizer=%s lr=%g momentum=%g threads=%u",
            cfg->id, cfg->state_root, cfg->hub, config_optimizer_name(cfg->optimizer), cfg->lr, cfg->momentum,
            cfg->threads);
-    if ((rc = startup(d, &err)) != 0) {
+    if ((rc = startup(d, &err)) != 0 || (rc = start_http(d, &err)) != 0) {
         log_error("main", "cannot start", &err);
         d->exit_code = 1;
         d->stopping = 1;
@@ -1131,6 +1256,11 @@ int daemon_run(config *cfg)
     seen_free(&d->seen);
     st_header_free(d->model);
     store_free(&d->st);
+    auth_free(&d->auth);
+    if (d->global_fd >= 0)
+        close(d->global_fd);
+    for (size_t i = 0; i < d->history_n; i++)
+        free(d->history[(d->history_head + i) % HISTORY_MAX].nodes);
     free(d->hub_root);
     free(d);
     return code;

@@ -614,6 +614,7 @@ static int on_body(llhttp_t *p, const char *at, size_t len)
     c->body_received += len;
     rc = c->body->data(c, at, len, c->body_ctx);
     if (rc < 0) {
+        c->body_done = 1;       /* the consumer gave up and released itself: never call it again */
         c->close_after = 1;
         if (!c->responded)
             http_respond_error(c, 400, "bad_request", "request body refused", NULL);

@@ -99,33 +99,40 @@ static intake_status copy_checked(intake_req *r, int src, int dst, const st_head
     return st;
 }
 
-/* Links the finished temporary file into the cache under its final name (never replacing one). */
-static intake_status publish_to_cache(intake_req *r, const char *tmp)
+intake_status intake_link_into_cache(const char *state_dir, const delta_info *info, const char *tmp,
+                                     char **cache_path, dl_error *err)
 {
-    char *dir;
+    char *dir, *path;
     int rc;
 
-    r->cache_path = intake_cache_path(r->state_dir, &r->info);
-    if (r->cache_path == NULL)
-        return io_fail(r, ENOMEM, "out of memory");
-    dir = strdup(r->cache_path);
-    if (dir == NULL)
-        return io_fail(r, ENOMEM, "out of memory");
-    *strrchr(dir, '/') = '\0';
-    rc = fsu_mkdirs(dir, &r->err);
-    free(dir);
-    if (rc != 0)
+    *cache_path = NULL;
+    path = intake_cache_path(state_dir, info);
+    if (path == NULL || (dir = strdup(path)) == NULL) {
+        free(path);
+        dl_fail_errno(err, ENOMEM, "out of memory");
         return INTAKE_IO;
-    if (link(tmp, r->cache_path) != 0) {
+    }
+    *strrchr(dir, '/') = '\0';
+    rc = fsu_mkdirs(dir, err);
+    free(dir);
+    if (rc != 0) {
+        free(path);
+        return INTAKE_IO;
+    }
+    if (link(tmp, path) != 0) {
         int e = errno;
-        free(r->cache_path);
-        r->cache_path = NULL;
+        free(path);
         if (e == EEXIST)
             return INTAKE_DUPLICATE;
-        return io_fail(r, e, "linking the delta into the cache");
-    }
-    if (fsu_fsync_parent(r->cache_path, &r->err) != 0)
+        dl_fail_errno(err, e, "linking the delta into the cache");
         return INTAKE_IO;
+    }
+    if (fsu_fsync_parent(path, err) != 0) {
+        unlink(path);
+        free(path);
+        return INTAKE_IO;
+    }
+    *cache_path = path;
     return INTAKE_OK;
 }
 
@@ -253,7 +260,7 @@ static intake_status intake(intake_req *r)
         st = io_fail(r, errno, "fsync of the cache copy");
         goto out;
     }
-    st = publish_to_cache(r, tmp);
+    st = intake_link_into_cache(r->state_dir, &r->info, tmp, &r->cache_path, &r->err);
 out:
     if (dst >= 0)
         close(dst);

@@ -44,6 +44,10 @@ typedef struct intake_req {
 void intake_run(intake_req *r);
 const char *intake_status_name(intake_status s);
 void intake_req_free(intake_req *r);
+/* Links a finished, fsynced temporary file into the cache under the delta's final name (never
+ * replacing one: INTAKE_DUPLICATE then).  The caller removes tmp afterwards. */
+intake_status intake_link_into_cache(const char *state_dir, const delta_info *info, const char *tmp,
+                                     char **cache_path, dl_error *err);
 /* Cache path of a delta: <state_dir>/cache/deltas/s<base>/<node>/delta_<local>.safetensors */
 char *intake_cache_path(const char *state_dir, const delta_info *info);
 

@@ -1,0 +1,643 @@
+/* api: the HTTP routes of dilocod (DESIGN.md, HTTP API).  Every error is JSON:
+ * {"error":{"code":...,"message":...,"tensor"?:...}}. */
+#include <errno.h>
+#include <stdarg.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cJSON.h>
+
+#include "daemon_internal.h"
+#include "dl_log.h"
+#include "fsutil.h"
+#include "stepcount.h"
+#include "strbuf.h"
+
+#ifndef DILOCOD_VERSION
+#define DILOCOD_VERSION "0.1.0"
+#endif
+
+enum route { R_STATUS, R_HEALTHZ, R_METRICS, R_ROUNDS, R_GLOBAL, R_STEPFILE, R_UPLOAD, R_OTHER, R_COUNT };
+static const char *const route_names[R_COUNT] = {"status", "healthz", "metrics", "rounds", "global", "step_count",
+                                                  "upload", "other"};
+
+static void count(dilocod *d, enum route r, int status)
+{
+    int cls = status / 100 - 1;
+    if (cls < 0 || cls > 4)
+        cls = 5;
+    d->m.http[r][cls]++;
+}
+
+void api_count_upload(dilocod *d, int status)
+{
+    count(d, R_UPLOAD, status);
+}
+
+static void iso_time(char *out, size_t size, time_t t)
+{
+    struct tm tm;
+    if (t == 0) {
+        snprintf(out, size, "null");
+        return;
+    }
+    gmtime_r(&t, &tm);
+    strftime(out, size, "\"%Y-%m-%dT%H:%M:%S+00:00\"", &tm);
+}
+
+static void sb_fmt(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sb_fmt(sbuf *b, const char *fmt, ...)
+{
+    char tmp[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(tmp, sizeof(tmp), fmt, ap);
+    va_end(ap);
+    if (n > 0)
+        sb_add(b, tmp, (size_t)n < sizeof(tmp) ? (size_t)n : sizeof(tmp) - 1);
+}
+
+/* JSON numbers for doubles: finite values only (JSON has no NaN). */
+static void sb_num(sbuf *b, double v)
+{
+    if (isfinite(v))
+        sb_fmt(b, "%.9g", v);
+    else
+        sb_str(b, "null");
+}
+
+/* ---- round records ----------------------------------------------------------------------------- */
+
+static void round_json(sbuf *b, const round_record *r)
+{
+    char when[48];
+    iso_time(when, sizeof(when), r->closed_at);
+    sb_fmt(b, "{\"step\":%" PRIu64 ",\"outer_step\":%" PRIu64 ",\"reason\":", r->step, r->step + 1);
+    sb_json_string(b, r->reason, strlen(r->reason));
+    sb_fmt(b, ",\"closed_at\":%s,\"seconds\":", when);
+    sb_num(b, r->seconds);
+    sb_str(b, ",\"gbps\":");
+    sb_num(b, r->gbps);
+    sb_fmt(b, ",\"bytes\":%" PRIu64 ",\"mean_norm\":", r->bytes);
+    sb_num(b, r->mean_norm);
+    sb_str(b, ",\"nodes\":[");
+    for (size_t i = 0; i < r->n; i++) {
+        const node_stat *n = &r->nodes[i];
+        sb_fmt(b, "%s{\"node_id\":\"%s\",\"local_step\":%" PRIu64 ",\"bytes\":%" PRIu64 ",\"norm\":", i ? "," : "",
+               n->node_id, n->local_step, n->bytes);
+        sb_num(b, n->norm);
+        sb_str(b, ",\"cosine\":");
+        sb_num(b, n->cosine);
+        sb_str(b, "}");
+    }
+    sb_str(b, "]}");
+}
+
+static void history_write_work(daemon_job *j)
+{
+    char *line = j->arg, *path = NULL;
+    int fd;
+
+    if (asprintf(&path, "%s/rounds.jsonl", j->d->st.dir) < 0)
+        return;
+    fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+        size_t len = strlen(line);
+        if (write(fd, line, len) != (ssize_t)len)
+            j->rc = -DL_E_IO;
+        close(fd);
+    }
+    free(path);
+}
+
+static void history_write_done(daemon_job *j)
+{
+    free(j->arg);
+    if (j->rc != 0)
+        dl_log(DL_LOG_WARN, "store", "could not append to rounds.jsonl (history only)", "%s", "");
+}
+
+void api_history_persist(dilocod *d, const round_record *r)
+{
+    sbuf b = {0};
+    char *line;
+
+    round_json(&b, r);
+    sb_add(&b, "\n", 1);
+    if ((line = sb_take(&b)) == NULL)
+        return;
+    if (daemon__queue(d, history_write_work, history_write_done, line, 0, 0) != 0)
+        free(line);
+}
+
+static int record_from_json(round_record *r, const cJSON *o)
+{
+    const cJSON *nodes = cJSON_GetObjectItemCaseSensitive(o, "nodes"), *n;
+    const cJSON *step = cJSON_GetObjectItemCaseSensitive(o, "step");
+    const cJSON *reason = cJSON_GetObjectItemCaseSensitive(o, "reason");
+    struct tm tm = {0};
+    const cJSON *closed = cJSON_GetObjectItemCaseSensitive(o, "closed_at");
+
+    if (!cJSON_IsNumber(step) || !cJSON_IsArray(nodes) || step->valuedouble < 0)
+        return -1;
+    memset(r, 0, sizeof(*r));
+    r->step = (uint64_t)step->valuedouble;
+    snprintf(r->reason, sizeof(r->reason), "%s", cJSON_IsString(reason) ? reason->valuestring : "");
+    r->seconds = cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(o, "seconds"));
+    r->gbps = cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(o, "gbps"));
+    r->bytes = (uint64_t)fmax(0, cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(o, "bytes")));
+    r->mean_norm = cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(o, "mean_norm"));
+    if (cJSON_IsString(closed) && strptime(closed->valuestring, "%Y-%m-%dT%H:%M:%S", &tm) != NULL)
+        r->closed_at = timegm(&tm);
+    int count = cJSON_GetArraySize(nodes);
+    r->nodes = calloc((size_t)count + 1, sizeof(*r->nodes));
+    if (r->nodes == NULL)
+        return -1;
+    cJSON_ArrayForEach(n, nodes) {
+        const cJSON *id = cJSON_GetObjectItemCaseSensitive(n, "node_id");
+        node_stat *s = &r->nodes[r->n];
+        if (!cJSON_IsString(id) || !delta_valid_node_id(id->valuestring, strlen(id->valuestring)))
+            continue;
+        snprintf(s->node_id, sizeof(s->node_id), "%s", id->valuestring);
+        s->local_step = (uint64_t)fmax(0, cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(n, "local_step")));
+        s->bytes = (uint64_t)fmax(0, cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(n, "bytes")));
+        s->norm = cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(n, "norm"));
+        s->cosine = cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(n, "cosine"));
+        r->n++;
+    }
+    return 0;
+}
+
+/* Startup only (before the loop serves): the last HISTORY_MAX lines of rounds.jsonl.  Damaged lines
+ * (a crash in the middle of an append) are skipped: the history is informational. */
+void api_history_load(dilocod *d)
+{
+    char *path = NULL, *line = NULL;
+    size_t cap = 0;
+    FILE *f;
+
+    if (asprintf(&path, "%s/rounds.jsonl", d->st.dir) < 0)
+        return;
+    f = fopen(path, "r");
+    free(path);
+    if (f == NULL)
+        return;
+    while (getline(&line, &cap, f) > 0) {
+        cJSON *o = cJSON_Parse(line);
+        round_record r;
+        if (o != NULL && record_from_json(&r, o) == 0 && (!d->st.committed || r.step < d->st.step)) {
+            if (d->history_n == HISTORY_MAX) {
+                free(d->history[d->history_head].nodes);
+                d->history_head = (d->history_head + 1) % HISTORY_MAX;
+                d->history_n--;
+            }
+            d->history[(d->history_head + d->history_n) % HISTORY_MAX] = r;
+            d->history_n++;
+        }
+        cJSON_Delete(o);
+    }
+    free(line);
+    fclose(f);
+}
+
+/* ---- GET /status, /rounds, /metrics, /healthz ------------------------------------------------ */
+
+static void status_json(dilocod *d, sbuf *b)
+{
+    char t1[48], t2[48], t3[48];
+    time_t now = time(NULL);
+    const round_state *r = &d->rnd;
+
+    sb_fmt(b, "{\"version\":\"%s\",\"uptime_seconds\":%ld,\"algorithm\":\"%s\",\"outer_step\":", DILOCOD_VERSION,
+           (long)(now - d->started_at), DELTA_ALGORITHM);
+    if (d->st.committed)
+        sb_fmt(b, "%" PRIu64, d->st.step);
+    else
+        sb_str(b, "null");
+    sb_fmt(b, ",\"state\":\"%s\"", d->stopping ? "stopping" : daemon__state_name(d->state));
+    /* the open round */
+    sb_fmt(b, ",\"round\":{\"step\":%" PRIu64 ",\"expected\":%u,\"min_nodes\":%u,\"timeout_seconds\":", r->step,
+           d->cfg->expected_nodes, d->cfg->min_nodes);
+    sb_num(b, d->cfg->round_timeout);
+    double deadline = round_deadline(r);
+    if (deadline >= 0) {
+        time_t wall = now + (time_t)ceil(deadline - daemon__now(d));
+        iso_time(t1, sizeof(t1), wall);
+        sb_fmt(b, ",\"deadline\":%s", t1);
+    } else {
+        sb_str(b, ",\"deadline\":null");
+    }
+    sb_fmt(b, ",\"closed\":%s,\"received\":[", r->closed ? "true" : "false");
+    for (size_t i = 0; i < r->n; i++) {
+        const round_entry *e = &r->entries[i];
+        sb_fmt(b, "%s{\"node_id\":\"%s\",\"local_step\":%" PRIu64 ",\"bytes\":%" PRIu64 ",\"age_seconds\":", i ? "," : "",
+               e->node_id, e->local_step, e->size);
+        sb_num(b, daemon__now(d) - e->received_at);
+        sb_str(b, "}");
+    }
+    sb_str(b, "],\"missing\":[");
+    for (size_t i = 0, k = 0; i < d->cfg->nnodes; i++) {
+        if (round_find(r, d->cfg->nodes[i]) == NULL)
+            sb_fmt(b, "%s\"%s\"", k++ ? "," : "", d->cfg->nodes[i]);
+    }
+    sb_str(b, "]}");
+    /* the aggregation in progress */
+    if (d->pass != NULL && d->pass->bytes_total > 0) {
+        uint64_t done = atomic_load(&d->pass->bytes_done);
+        sb_str(b, ",\"aggregation\":{\"percent\":");
+        sb_num(b, 100.0 * (double)done / (double)d->pass->bytes_total);
+        sb_str(b, ",\"seconds\":");
+        sb_num(b, daemon__now(d) - d->pass_started);
+        sb_fmt(b, ",\"nodes\":%zu}", d->pass_n);
+    } else {
+        sb_str(b, ",\"aggregation\":null");
+    }
+    sb_str(b, ",\"last_round\":");
+    if (d->history_n > 0)
+        round_json(b, &d->history[(d->history_head + d->history_n - 1) % HISTORY_MAX]);
+    else
+        sb_str(b, "null");
+    sb_fmt(b, ",\"optimizer\":{\"name\":\"%s\",\"lr\":", config_optimizer_name(d->cfg->optimizer));
+    sb_num(b, d->cfg->lr);
+    sb_str(b, ",\"momentum\":");
+    sb_num(b, d->cfg->momentum);
+    sb_str(b, "},\"model\":");
+    if (d->model != NULL)
+        sb_fmt(b, "{\"tensors\":%zu,\"parameters\":%" PRIu64 ",\"bytes\":%" PRIu64 ",\"delta_bytes\":%" PRIu64 "}",
+               d->model->ntensors, d->model_params, d->model_bytes, d->delta_bytes);
+    else
+        sb_str(b, "null");
+    iso_time(t1, sizeof(t1), d->last_poll);
+    iso_time(t2, sizeof(t2), d->last_publish);
+    iso_time(t3, sizeof(t3), d->committed_at);
+    sb_fmt(b, ",\"hub\":{\"kind\":\"%s\",\"url\":", d->hub_root ? "file" : "none");
+    sb_json_string(b, d->cfg->hub, strlen(d->cfg->hub));
+    sb_fmt(b, ",\"last_poll\":%s,\"last_publish\":%s,\"published_step\":", t1, t2);
+    if (d->published_step >= 0)
+        sb_fmt(b, "%" PRId64, d->published_step);
+    else
+        sb_str(b, "null");
+    sb_fmt(b, ",\"publish_pending\":%s,\"errors\":%" PRIu64 ",\"last_error\":",
+           d->hub_root && d->st.committed && d->published_step != (int64_t)d->st.step ? "true" : "false",
+           d->m.publish_errors);
+    if (d->last_hub_error[0])
+        sb_json_string(b, d->last_hub_error, strlen(d->last_hub_error));
+    else
+        sb_str(b, "null");
+    sb_fmt(b, "},\"committed_at\":%s", t3);
+    sb_fmt(b, ",\"counters\":{\"accepted\":%" PRIu64 ",\"replaced\":%" PRIu64 ",\"stale\":%" PRIu64
+              ",\"future\":%" PRIu64 ",\"not_newer\":%" PRIu64 ",\"unknown_node\":%" PRIu64 ",\"rejected\":%" PRIu64
+              ",\"rounds\":%" PRIu64 "}",
+           d->m.deltas_accepted, d->m.deltas_replaced, d->m.refused_stale, d->m.refused_future, d->m.refused_not_newer,
+           d->m.refused_unknown_node, d->rnd.counters.rejected, d->m.rounds);
+    sb_fmt(b, ",\"uploads_in_progress\":%d}\n", d->uploads_in_flight);
+}
+
+static void rounds_json(dilocod *d, sbuf *b)
+{
+    sb_str(b, "{\"rounds\":[");
+    for (size_t i = 0; i < d->history_n; i++) {
+        if (i > 0)
+            sb_add(b, ",", 1);
+        round_json(b, &d->history[(d->history_head + i) % HISTORY_MAX]);
+    }
+    sb_str(b, "]}\n");
+}
+
+static void metric(sbuf *b, const char *name, const char *type, const char *help)
+{
+    sb_fmt(b, "# HELP dilocod_%s %s\n# TYPE dilocod_%s %s\n", name, help, name, type);
+}
+
+static void metrics_text(dilocod *d, sbuf *b)
+{
+    static const char *const classes[6] = {"1xx", "2xx", "3xx", "4xx", "5xx", "other"};
+    static const double bounds[AGG_BUCKETS] = {0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300};
+    const http_stats *hs = d->http ? http_server_stats(d->http) : NULL;
+
+    metric(b, "outer_step", "gauge", "The committed outer step.");
+    sb_fmt(b, "dilocod_outer_step %" PRIu64 "\n", d->st.step);
+    metric(b, "published_step", "gauge", "The last step published to the hub (-1: none).");
+    sb_fmt(b, "dilocod_published_step %" PRId64 "\n", d->published_step);
+    metric(b, "rounds_total", "counter", "Rounds aggregated and committed since start.");
+    sb_fmt(b, "dilocod_rounds_total %" PRIu64 "\n", d->m.rounds);
+    metric(b, "round_nodes", "gauge", "Nodes that delivered a delta to the open round.");
+    sb_fmt(b, "dilocod_round_nodes %zu\n", d->rnd.n);
+    metric(b, "round_expected_nodes", "gauge", "Nodes a round waits for (0: closes by timeout).");
+    sb_fmt(b, "dilocod_round_expected_nodes %u\n", d->cfg->expected_nodes);
+    metric(b, "deltas_accepted_total", "counter", "Deltas accepted into a round (first of their node).");
+    sb_fmt(b, "dilocod_deltas_accepted_total %" PRIu64 "\n", d->m.deltas_accepted);
+    metric(b, "deltas_replaced_total", "counter", "Deltas that replaced an older one of the same node.");
+    sb_fmt(b, "dilocod_deltas_replaced_total %" PRIu64 "\n", d->m.deltas_replaced);
+    metric(b, "deltas_rejected_total", "counter", "Invalid deltas, by error code.");
+    for (int c = 1; c < DL_E__COUNT; c++) {
+        if (d->m.rejected[c] > 0)
+            sb_fmt(b, "dilocod_deltas_rejected_total{code=\"%s\"} %" PRIu64 "\n", dl_error_name((dl_code)c),
+                   d->m.rejected[c]);
+    }
+    metric(b, "deltas_refused_total", "counter", "Valid deltas the round could not take, by reason.");
+    sb_fmt(b,
+           "dilocod_deltas_refused_total{reason=\"stale\"} %" PRIu64 "\n"
+           "dilocod_deltas_refused_total{reason=\"future\"} %" PRIu64 "\n"
+           "dilocod_deltas_refused_total{reason=\"not_newer\"} %" PRIu64 "\n"
+           "dilocod_deltas_refused_total{reason=\"unknown_node\"} %" PRIu64 "\n"
+           "dilocod_deltas_refused_total{reason=\"round_full\"} %" PRIu64 "\n",
+           d->m.refused_stale, d->m.refused_future, d->m.refused_not_newer, d->m.refused_unknown_node,
+           d->m.refused_full);
+    metric(b, "upload_bytes_total", "counter", "Delta bytes received by HTTP uploads.");
+    sb_fmt(b, "dilocod_upload_bytes_total %" PRIu64 "\n", d->m.upload_bytes);
+    metric(b, "uploads_in_progress", "gauge", "HTTP uploads being received.");
+    sb_fmt(b, "dilocod_uploads_in_progress %d\n", d->uploads_in_flight);
+    metric(b, "aggregation_seconds", "histogram", "Duration of a round's aggregation, inputs to durable commit.");
+    for (int i = 0; i < AGG_BUCKETS; i++)
+        sb_fmt(b, "dilocod_aggregation_seconds_bucket{le=\"%g\"} %" PRIu64 "\n", bounds[i], d->m.agg_buckets[i]);
+    sb_fmt(b, "dilocod_aggregation_seconds_bucket{le=\"+Inf\"} %" PRIu64 "\n", d->m.agg_count);
+    sb_fmt(b, "dilocod_aggregation_seconds_sum %.6f\ndilocod_aggregation_seconds_count %" PRIu64 "\n",
+           d->m.agg_seconds_sum, d->m.agg_count);
+    metric(b, "publish_errors_total", "counter", "Failed publish attempts (retried).");
+    sb_fmt(b, "dilocod_publish_errors_total %" PRIu64 "\n", d->m.publish_errors);
+    metric(b, "http_requests_total", "counter", "HTTP requests by route and status class.");
+    for (int r = 0; r < R_COUNT; r++)
+        for (int c = 0; c < 6; c++)
+            if (d->m.http[r][c] > 0)
+                sb_fmt(b, "dilocod_http_requests_total{route=\"%s\",code=\"%s\"} %" PRIu64 "\n", route_names[r],
+                       classes[c], d->m.http[r][c]);
+    if (hs != NULL) {
+        metric(b, "http_connections", "gauge", "Open HTTP connections.");
+        sb_fmt(b, "dilocod_http_connections %" PRIu64 "\n", hs->connections_open);
+        metric(b, "http_connections_total", "counter", "HTTP connections accepted.");
+        sb_fmt(b, "dilocod_http_connections_total %" PRIu64 "\n", hs->connections_total);
+        metric(b, "http_connections_rejected_total", "counter", "Connections refused at the connection limit.");
+        sb_fmt(b, "dilocod_http_connections_rejected_total %" PRIu64 "\n", hs->rejected_conns);
+        metric(b, "http_timeouts_total", "counter", "Connections closed for a timeout (slow head, stalled transfer).");
+        sb_fmt(b, "dilocod_http_timeouts_total %" PRIu64 "\n", hs->timeouts);
+        metric(b, "http_received_bytes_total", "counter", "Bytes read from HTTP clients.");
+        sb_fmt(b, "dilocod_http_received_bytes_total %" PRIu64 "\n", hs->bytes_received);
+        metric(b, "http_sent_bytes_total", "counter", "Bytes sent to HTTP clients.");
+        sb_fmt(b, "dilocod_http_sent_bytes_total %" PRIu64 "\n", hs->bytes_sent);
+    }
+}
+
+static void respond_sbuf(dilocod *d, http_conn *c, enum route r, int status, const char *type, sbuf *b)
+{
+    size_t len = b->len;
+    char *text = sb_take(b);
+    if (text == NULL) {
+        count(d, r, 500);
+        http_respond_error(c, 500, "out_of_memory", "out of memory", NULL);
+        return;
+    }
+    count(d, r, status);
+    http_respond(c, status, type, "Cache-Control: no-store\r\n", text, len);
+    free(text);
+}
+
+/* ---- the global model ------------------------------------------------------------------------ */
+
+/* "bytes=a-b" | "bytes=a-" | "bytes=-n" (one range).  1: range set; 0: ignore the header (absent,
+ * malformed or several ranges: the whole file is sent, as RFC 9110 allows); -1: unsatisfiable. */
+static int parse_range(const char *h, uint64_t size, uint64_t *from, uint64_t *len)
+{
+    const char *p;
+    char *end;
+    uint64_t a, b;
+
+    if (h == NULL || strncasecmp(h, "bytes=", 6) != 0 || strchr(h, ',') != NULL)
+        return 0;
+    p = h + 6;
+    while (*p == ' ')
+        p++;
+    if (*p == '-') {
+        errno = 0;
+        b = strtoull(p + 1, &end, 10);
+        if (p[1] < '0' || p[1] > '9' || errno != 0 || (*end != '\0' && *end != ' '))
+            return 0;
+        if (b == 0 || size == 0)
+            return -1;
+        if (b > size)
+            b = size;
+        *from = size - b;
+        *len = b;
+        return 1;
+    }
+    if (*p < '0' || *p > '9')
+        return 0;
+    errno = 0;
+    a = strtoull(p, &end, 10);
+    if (errno != 0 || *end != '-')
+        return 0;
+    p = end + 1;
+    if (*p == '\0' || *p == ' ') {
+        b = size ? size - 1 : 0;
+    } else {
+        if (*p < '0' || *p > '9')
+            return 0;
+        b = strtoull(p, &end, 10);
+        if (errno != 0 || (*end != '\0' && *end != ' ') || b < a)
+            return 0;
+    }
+    if (a >= size)
+        return -1;
+    if (b >= size)
+        b = size - 1;
+    *from = a;
+    *len = b - a + 1;
+    return 1;
+}
+
+/* If-None-Match: "*" or a list of (possibly weak, W/"...") tags; ours is unique per committed file. */
+static int etag_matches(const char *inm, const char *etag)
+{
+    if (inm == NULL || etag[0] == '\0')
+        return 0;
+    return strcmp(inm, "*") == 0 || strstr(inm, etag) != NULL;
+}
+
+static void serve_global(dilocod *d, http_conn *c, http_request *req)
+{
+    char extra[256];
+    uint64_t from = 0, len;
+    int fd, r;
+
+    if (d->global_fd < 0) {
+        count(d, R_GLOBAL, 503);
+        http_respond_error(c, 503, "no_global", "no global model yet", NULL);
+        return;
+    }
+    if (etag_matches(http_header_get(req, "if-none-match"), d->global_etag)) {
+        snprintf(extra, sizeof(extra), "ETag: %s\r\nX-Outer-Step: %" PRIu64 "\r\n", d->global_etag, d->st.step);
+        count(d, R_GLOBAL, 304);
+        http_respond(c, 304, NULL, extra, NULL, 0);
+        return;
+    }
+    len = d->global_size;
+    r = parse_range(http_header_get(req, "range"), d->global_size, &from, &len);
+    if (r < 0) {
+        snprintf(extra, sizeof(extra), "Content-Range: bytes */%" PRIu64 "\r\n", d->global_size);
+        static const char body[] =
+            "{\"error\":{\"code\":\"range_not_satisfiable\",\"message\":\"range outside the file\"}}\n";
+        count(d, R_GLOBAL, 416);
+        http_respond(c, 416, "application/json", extra, body, sizeof(body) - 1);
+        return;
+    }
+    /* each response sends from its own descriptor: the next commit replaces d->global_fd */
+    fd = dup(d->global_fd);
+    if (fd < 0) {
+        count(d, R_GLOBAL, 503);
+        http_respond_error(c, 503, "io_error", "cannot open the global model", NULL);
+        return;
+    }
+    if (r == 1)
+        snprintf(extra, sizeof(extra),
+                 "ETag: %s\r\nAccept-Ranges: bytes\r\nX-Outer-Step: %" PRIu64 "\r\nContent-Range: bytes %" PRIu64
+                 "-%" PRIu64 "/%" PRIu64 "\r\n",
+                 d->global_etag, d->st.step, from, from + len - 1, d->global_size);
+    else
+        snprintf(extra, sizeof(extra), "ETag: %s\r\nAccept-Ranges: bytes\r\nX-Outer-Step: %" PRIu64 "\r\n",
+                 d->global_etag, d->st.step);
+    count(d, R_GLOBAL, r == 1 ? 206 : 200);
+    http_respond_file(c, r == 1 ? 206 : 200, "application/octet-stream", extra, fd, from, len);
+}
+
+static void serve_stepfile(dilocod *d, http_conn *c)
+{
+    char when[48], *text;
+    struct tm tm;
+    time_t t = d->committed_at;
+
+    if (!d->st.committed) {
+        count(d, R_STEPFILE, 503);
+        http_respond_error(c, 503, "no_global", "no global model yet", NULL);
+        return;
+    }
+    gmtime_r(&t, &tm);
+    strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%S+00:00", &tm);
+    text = stepcount_build(d->st.step, config_optimizer_name(d->cfg->optimizer), d->st.bootstrap && d->st.step == 0,
+                           when);
+    if (text == NULL) {
+        count(d, R_STEPFILE, 500);
+        http_respond_error(c, 500, "out_of_memory", "out of memory", NULL);
+        return;
+    }
+    count(d, R_STEPFILE, 200);
+    http_respond(c, 200, "application/json", "Cache-Control: no-cache\r\n", text, strlen(text));
+    free(text);
+}
+
+/* ---- routing ----------------------------------------------------------------------------------- */
+
+static int method_is(const http_request *r, const char *m)
+{
+    return strcmp(r->method_name, m) == 0;
+}
+
+static void not_allowed(dilocod *d, http_conn *c, enum route r, const char *allow)
+{
+    char extra[64], msg[96];
+    snprintf(extra, sizeof(extra), "Allow: %s\r\n", allow);
+    snprintf(msg, sizeof(msg), "{\"error\":{\"code\":\"method_not_allowed\",\"message\":\"allowed: %s\"}}\n", allow);
+    count(d, r, 405);
+    http_respond(c, 405, "application/json", extra, msg, strlen(msg));
+}
+
+/* /nodes/{id}/delta_{n}.safetensors -> id, "n"; /nodes/{id}/deltas -> id, NULL.  0 or -1. */
+static int parse_node_path(const char *path, char *id, size_t id_size, char *step, size_t step_size, int *is_put)
+{
+    const char *p = path + 7, *slash;      /* after "/nodes/" */
+    size_t il;
+
+    slash = strchr(p, '/');
+    if (slash == NULL)
+        return -1;
+    il = (size_t)(slash - p);
+    if (il >= id_size || !delta_valid_node_id(p, il))
+        return -1;
+    memcpy(id, p, il);
+    id[il] = '\0';
+    p = slash + 1;
+    if (strcmp(p, "deltas") == 0) {
+        *is_put = 0;
+        return 0;
+    }
+    size_t pl = strlen(p);
+    if (pl < 6 + 12 + 1 || strncmp(p, "delta_", 6) != 0 || strcmp(p + pl - 12, ".safetensors") != 0)
+        return -1;
+    size_t sl = pl - 6 - 12;
+    if (sl >= step_size)
+        return -1;
+    memcpy(step, p + 6, sl);
+    step[sl] = '\0';
+    *is_put = 1;
+    return 0;
+}
+
+void api_on_request(http_conn *c, http_request *req, void *app)
+{
+    dilocod *d = app;
+    const char *path = req->path;
+    int get = method_is(req, "GET") || method_is(req, "HEAD");
+    sbuf b = {0};
+
+    if (strcmp(path, "/status") == 0) {
+        if (!get)
+            return not_allowed(d, c, R_STATUS, "GET, HEAD");
+        status_json(d, &b);
+        return respond_sbuf(d, c, R_STATUS, 200, "application/json", &b);
+    }
+    if (strcmp(path, "/healthz") == 0) {
+        if (!get)
+            return not_allowed(d, c, R_HEALTHZ, "GET, HEAD");
+        sb_fmt(&b, "{\"status\":\"ok\",\"state\":\"%s\"}\n", d->stopping ? "stopping" : daemon__state_name(d->state));
+        return respond_sbuf(d, c, R_HEALTHZ, 200, "application/json", &b);
+    }
+    if (strcmp(path, "/metrics") == 0) {
+        if (!get)
+            return not_allowed(d, c, R_METRICS, "GET, HEAD");
+        metrics_text(d, &b);
+        return respond_sbuf(d, c, R_METRICS, 200, "text/plain; version=0.0.4; charset=utf-8", &b);
+    }
+    if (strcmp(path, "/rounds") == 0) {
+        if (!get)
+            return not_allowed(d, c, R_ROUNDS, "GET, HEAD");
+        rounds_json(d, &b);
+        return respond_sbuf(d, c, R_ROUNDS, 200, "application/json", &b);
+    }
+    if (strcmp(path, "/global/latest.safetensors") == 0) {
+        if (!get)
+            return not_allowed(d, c, R_GLOBAL, "GET, HEAD");
+        return serve_global(d, c, req);
+    }
+    if (strcmp(path, "/global/step_count.json") == 0) {
+        if (!get)
+            return not_allowed(d, c, R_STEPFILE, "GET, HEAD");
+        return serve_stepfile(d, c);
+    }
+    if (strncmp(path, "/nodes/", 7) == 0) {
+        char id[DELTA_NODE_ID_MAX + 1], step[32];
+        int is_put;
+        if (parse_node_path(path, id, sizeof(id), step, sizeof(step), &is_put) != 0) {
+            count(d, R_UPLOAD, 404);
+            http_respond_error(c, 404, "not_found",
+                               "upload paths are /nodes/{node_id}/delta_{local_step}.safetensors (PUT) and "
+                               "/nodes/{node_id}/deltas (POST)",
+                               NULL);
+            return;
+        }
+        if (is_put && !method_is(req, "PUT"))
+            return not_allowed(d, c, R_UPLOAD, "PUT");
+        if (!is_put && !method_is(req, "POST"))
+            return not_allowed(d, c, R_UPLOAD, "POST");
+        upload_start(d, c, req, id, is_put ? step : NULL);
+        return;
+    }
+    count(d, R_OTHER, 404);
+    http_respond_error(c, 404, "not_found", "no such resource", NULL);
+}

@@ -1,0 +1,161 @@
+/* The daemon's state, shared by the files of the server that act on it (daemon.c: the pipeline;
+ * api.c: the HTTP routes; upload.c: HTTP uploads).  Everything here runs on the loop thread. */
+#ifndef DAEMON_INTERNAL_H
+#define DAEMON_INTERNAL_H
+
+#include <stdint.h>
+#include <time.h>
+
+#include <uv.h>
+
+#include "auth.h"
+#include "config.h"
+#include "delta.h"
+#include "http.h"
+#include "intake.h"
+#include "outer.h"
+#include "round.h"
+#include "safetensors.h"
+#include "seen.h"
+#include "store.h"
+
+#define container_of(ptr, type, member) ((type *)((char *)(ptr) - offsetof(type, member)))
+
+typedef enum dstate { S_WAITING_GLOBAL, S_COLLECTING, S_AGGREGATING, S_RETRY_WAIT } dstate;
+
+typedef struct node_stat {
+    char node_id[DELTA_NODE_ID_MAX + 1];
+    uint64_t local_step;
+    uint64_t bytes;
+    double norm, cosine;
+} node_stat;
+
+/* One closed and committed round, for /rounds, /status and the dashboard. */
+typedef struct round_record {
+    uint64_t step;              /* the step the round was based on; it produced step + 1 */
+    char reason[16];
+    double seconds;             /* aggregation: inputs opened .. files durable and committed */
+    double gbps;
+    uint64_t bytes;
+    double mean_norm;
+    time_t closed_at;
+    size_t n;
+    node_stat *nodes;
+} round_record;
+
+#define HISTORY_MAX 200
+#define AGG_BUCKETS 12
+
+typedef struct metrics {
+    uint64_t deltas_accepted, deltas_replaced;
+    uint64_t rejected[DL_E__COUNT];         /* by error code */
+    uint64_t refused_stale, refused_future, refused_not_newer, refused_unknown_node, refused_full;
+    uint64_t upload_bytes;
+    uint64_t rounds;
+    double agg_seconds_sum;
+    uint64_t agg_count;
+    uint64_t agg_buckets[AGG_BUCKETS];      /* cumulative counts for the histogram bounds */
+    uint64_t http[8][6];                    /* [route][status class 1xx..5xx, other] */
+    uint64_t publish_errors;
+} metrics;
+
+typedef struct dilocod {
+    uv_loop_t loop;
+    config *cfg;
+    store st;
+    dstate state;
+    int stopping;
+    int exit_code;
+    char *hub_root;             /* file:// directory, NULL for none */
+    time_t started_at;
+
+    uv_signal_t sigint, sigterm, sighup;
+    uv_timer_t poll_timer, round_timer, retry_timer, progress_timer, publish_timer;
+    uv_fs_event_t nodes_watch;
+
+    st_header *model;           /* structure of the global model (same for every step) */
+    uint64_t model_params, model_bytes, delta_bytes;
+    round_state rnd;
+    double round_opened_at;     /* wall clock */
+    seen_map seen;
+
+    /* intake */
+    intake_req **queue;
+    size_t nqueue, cap_queue;
+    int intake_in_flight;
+    int scan_in_flight, scan_again;
+
+    /* aggregation */
+    outer_pass *pass;
+    char **pass_paths;
+    node_stat *pass_nodes;
+    size_t pass_n;
+    int pass_jobs;              /* run jobs still out */
+    double pass_started;
+    double retry_delay;
+    uint64_t pass_last_bytes;
+    double pass_last_time;
+    char pass_reason[16];
+
+    /* publish */
+    int64_t published_step;     /* -1: nothing published by us or unknown */
+    int publish_in_flight;
+    int cleanup_in_flight;
+    int adopt_in_flight;
+    int jobs_in_flight;         /* every uv_work_t out, for shutdown */
+    time_t last_poll, last_publish, committed_at;
+    char last_hub_error[256];
+
+    /* HTTP */
+    http_server *http;
+    int http_port;
+    auth_table auth;
+    int uploads_in_flight;
+    int global_fd;              /* the committed global, kept open for downloads */
+    uint64_t global_size;
+    char global_etag[80];
+
+    round_record history[HISTORY_MAX];
+    size_t history_n, history_head;     /* ring: oldest at head */
+    metrics m;
+} dilocod;
+
+static inline double daemon__now(dilocod *d)
+{
+    return (double)uv_now(&d->loop) / 1000.0;
+}
+
+const char *daemon__state_name(dstate s);
+/* Offers a validated delta (its cache copy) to the round, logs, and closes the round if it is
+ * complete.  Takes ownership of cache_path on ROUND_ACCEPTED/ROUND_REPLACED, else deletes the file. */
+round_verdict daemon__offer(dilocod *d, const delta_info *info, char *cache_path, uint64_t size);
+/* What round_offer would answer for a delta of info now (without offering it). */
+round_verdict daemon__peek(dilocod *d, const delta_info *info);
+/* Counts and logs a rejected delta. */
+void daemon__rejected(dilocod *d, const char *what, const dl_error *err);
+/* Runs fn on the thread pool, then done on the loop (the daemon waits for it at shutdown). */
+typedef struct daemon_job daemon_job;
+typedef void (*daemon_job_fn)(daemon_job *);
+struct daemon_job {
+    uv_work_t req;
+    dilocod *d;
+    daemon_job_fn work, done;
+    int rc;
+    dl_error err;
+    void *arg;
+    uint64_t u;
+    int flag;
+};
+int daemon__queue(dilocod *d, daemon_job_fn work, daemon_job_fn done, void *arg, uint64_t u, int flag);
+
+/* api.c */
+void api_on_request(http_conn *c, http_request *req, void *app);
+/* Appends r to <state>/rounds.jsonl (on the pool) and loads the file's last rounds at startup. */
+void api_history_persist(dilocod *d, const round_record *r);
+void api_history_load(dilocod *d);
+/* Counts an upload's response in the HTTP metrics. */
+void api_count_upload(dilocod *d, int status);
+/* upload.c */
+void upload_start(dilocod *d, http_conn *c, http_request *req, const char *node_id, const char *path_step);
+
+#endif
