@@ -12,6 +12,8 @@ enum {
     EXIT_INVALID = 1,   /* the input is invalid (a rejected file or delta) */
     EXIT_USAGE = 2,     /* bad command line */
     EXIT_IO = 3,        /* I/O or system error */
+    EXIT_NETWORK = 4,   /* the server could not be reached or kept failing (after retries) */
+    EXIT_TIMEOUT = 5,   /* diloco wait: the step was not reached in time */
 };
 
 /* Prints "diloco: <what>: <code>: <message> (tensor <t>)" to stderr and returns the exit code that
@@ -30,5 +32,9 @@ int cmd_inspect(int argc, char **argv);
 int cmd_verify(int argc, char **argv);
 int cmd_delta(int argc, char **argv);
 int cmd_average(int argc, char **argv);
+int cmd_push(int argc, char **argv);
+int cmd_pull(int argc, char **argv);
+int cmd_status(int argc, char **argv);
+int cmd_wait(int argc, char **argv);
 
 #endif

@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include <cJSON.h>
+#include <curl/curl.h>
 
 #include "cli.h"
 
@@ -19,6 +20,10 @@ static const struct {
     {"verify", cmd_verify, "check a delta file strictly (optionally against a global model and a path)"},
     {"delta", cmd_delta, "write the pseudo-gradient (baseline - current) of two model files"},
     {"average", cmd_average, "FP32 average of delta files (a debugging aid)"},
+    {"push", cmd_push, "upload a delta to dilocod (node id and step from its metadata)"},
+    {"pull", cmd_pull, "download the global model and its step file when they changed"},
+    {"status", cmd_status, "show dilocod's round and the last rounds"},
+    {"wait", cmd_wait, "block until dilocod reaches an outer step"},
 };
 
 static void usage(FILE *out)
@@ -27,7 +32,8 @@ static void usage(FILE *out)
     for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
         fprintf(out, "  %-9s %s\n", commands[i].name, commands[i].summary);
     fprintf(out, "\n'diloco <command> --help' describes a command.\n"
-                 "exit codes: 0 ok, 1 invalid input (rejected file), 2 usage error, 3 I/O error\n");
+                 "exit codes: 0 ok, 1 invalid input or refused by the server, 2 usage error, 3 I/O error,\n"
+                 "            4 network or server error (after retries), 5 timeout (wait)\n");
 }
 
 int cli_exit_code(dl_code code)
@@ -105,8 +111,15 @@ int main(int argc, char **argv)
         return EXIT_OK;
     }
     for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++) {
-        if (strcmp(argv[1], commands[i].name) == 0)
-            return commands[i].fn(argc - 1, argv + 1);
+        if (strcmp(argv[1], commands[i].name) == 0) {
+            if (curl_global_init(CURL_GLOBAL_DEFAULT) != 0) {
+                fprintf(stderr, "diloco: cannot initialise libcurl\n");
+                return EXIT_IO;
+            }
+            int rc = commands[i].fn(argc - 1, argv + 1);
+            curl_global_cleanup();
+            return rc;
+        }
     }
     fprintf(stderr, "diloco: unknown command '%s'\n", argv[1]);
     usage(stderr);

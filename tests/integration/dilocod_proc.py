@@ -3,6 +3,7 @@ the Python reference does (safetensors save_file with the reference metadata), a
 the outer step (torch.optim.SGD on F32 copies of the weights, rounded back to each weight's dtype)."""
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -24,9 +25,9 @@ def torch_dtype_name(t):
 class Dilocod:
     """A dilocod process with a file:// hub.  Logs go to <tmp>/dilocod-N.log."""
 
-    def __init__(self, tmp: Path, hub: Path, *args, state_root=None, env=None):
+    def __init__(self, tmp: Path, hub, *args, state_root=None, env=None):
         self.tmp = Path(tmp)
-        self.hub = Path(hub)
+        self.hub = Path(hub) if hub is not None else None
         self.state_root = Path(state_root) if state_root else self.tmp / "state"
         self.args = list(args)
         self.env = env
@@ -41,11 +42,31 @@ class Dilocod:
         n = len(self.logs)
         log = self.tmp / f"dilocod-{n}.log"
         self.logs.append(log)
-        cmd = [str(BUILD / "dilocod"), "--state-root", str(self.state_root), "--hub", f"file://{self.hub}",
+        hub = ["--hub", f"file://{self.hub}"] if self.hub is not None else ["--hub", "none"]
+        listen = [] if any(str(a).startswith("--listen") for a in (*self.args, *extra)) else ["--listen", "127.0.0.1:0"]
+        cmd = [str(BUILD / "dilocod"), "--state-root", str(self.state_root), *hub, *listen,
                "--poll-interval", "0.05", "--log-level", "debug", *self.args, *extra]
         env = dict(os.environ, **(self.env or {}))
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "wb"), env=env)
         return self
+
+    @property
+    def port(self) -> int:
+        """The HTTP port (the helper listens on 127.0.0.1:0 unless told otherwise)."""
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            m = re.findall(r"http: listening addr=\S+ port=(\d+)", self.logs[-1].read_text(errors="replace")
+                           if self.logs and self.logs[-1].exists() else "")
+            if m:
+                return int(m[-1])
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"dilocod exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}")
+            time.sleep(0.02)
+        raise AssertionError("dilocod did not report its HTTP port")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def log_text(self) -> str:
         return "".join(p.read_text(errors="replace") for p in self.logs if p.exists())

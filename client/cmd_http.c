@@ -1,0 +1,662 @@
+/* diloco push / pull / status / wait: the worker's side of dilocod's HTTP API (libcurl). */
+#include <errno.h>
+#include <fcntl.h>
+#include <strings.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cJSON.h>
+#include <curl/curl.h>
+
+#include "cli.h"
+#include "delta.h"
+#include "fsutil.h"
+#include "safetensors.h"
+#include "stepcount.h"
+#include "strbuf.h"
+
+#define MAX_RESPONSE (16u << 20)
+#define AUTH_HEADER_MAX 320
+
+typedef struct response {
+    long status;
+    sbuf body;
+    char etag[128];
+    uint64_t outer_step;
+    int has_outer_step;
+    FILE *sink;                 /* body goes here instead of memory when set */
+} response;
+
+static size_t on_body(char *p, size_t size, size_t n, void *arg)
+{
+    response *r = arg;
+    size_t len = size * n;
+    if (r->sink != NULL)
+        return fwrite(p, 1, len, r->sink);
+    if (r->body.len + len > MAX_RESPONSE)
+        return 0;               /* a server answer this large is not one of ours: abort the transfer */
+    sb_add(&r->body, p, len);
+    return r->body.oom ? 0 : len;
+}
+
+static size_t on_header(char *p, size_t size, size_t n, void *arg)
+{
+    response *r = arg;
+    size_t len = size * n;
+    char line[256];
+    if (len >= sizeof(line))
+        return len;
+    memcpy(line, p, len);
+    line[len] = '\0';
+    line[strcspn(line, "\r\n")] = '\0';
+    if (strncasecmp(line, "ETag:", 5) == 0) {
+        const char *v = line + 5;
+        while (*v == ' ')
+            v++;
+        snprintf(r->etag, sizeof(r->etag), "%.*s", (int)sizeof(r->etag) - 1, v);
+    } else if (strncasecmp(line, "X-Outer-Step:", 13) == 0) {
+        char *end;
+        errno = 0;
+        unsigned long long s = strtoull(line + 13, &end, 10);
+        if (errno == 0 && end != line + 13) {
+            r->outer_step = s;
+            r->has_outer_step = 1;
+        }
+    }
+    return len;
+}
+
+typedef struct client_opts {
+    const char *server;
+    double timeout;
+    int retries;
+    const char *token;
+} client_opts;
+
+static char *url_of(const client_opts *o, const char *path)
+{
+    char *u = NULL;
+    size_t l = strlen(o->server);
+    while (l > 0 && o->server[l - 1] == '/')
+        l--;
+    if (asprintf(&u, "%.*s%s", (int)l, o->server, path) < 0)
+        return NULL;
+    return u;
+}
+
+static CURL *easy(const client_opts *o, const char *url, response *r, struct curl_slist **hdrs)
+{
+    CURL *c = curl_easy_init();
+    if (c == NULL)
+        return NULL;
+    curl_easy_setopt(c, CURLOPT_URL, url);
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_body);
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, r);
+    curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, on_header);
+    curl_easy_setopt(c, CURLOPT_HEADERDATA, r);
+    curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, 10000L);
+    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
+    curl_easy_setopt(c, CURLOPT_USERAGENT, "diloco/0.1.0");
+    if (o->timeout > 0)
+        curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, (long)(o->timeout * 1000));
+    /* a stalled transfer (below 1 byte/s for 60 s) is a network failure, retried */
+    curl_easy_setopt(c, CURLOPT_LOW_SPEED_LIMIT, 1L);
+    curl_easy_setopt(c, CURLOPT_LOW_SPEED_TIME, 60L);
+    if (o->token != NULL) {
+        char auth[AUTH_HEADER_MAX];
+        snprintf(auth, sizeof(auth), "Authorization: Bearer %s", o->token);
+        *hdrs = curl_slist_append(*hdrs, auth);
+    }
+    if (*hdrs != NULL)
+        curl_easy_setopt(c, CURLOPT_HTTPHEADER, *hdrs);
+    return c;
+}
+
+static void sleep_s(double s)
+{
+    struct timespec ts = {(time_t)s, (long)((s - floor(s)) * 1e9)};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+        ;
+}
+
+/* Backoff with jitter: 0.5, 1, 2, 4 ... seconds (capped at 30), +-25%. */
+static double backoff(int attempt)
+{
+    double base = fmin(0.5 * pow(2, attempt), 30.0);
+    return base * (0.75 + 0.5 * ((double)rand() / RAND_MAX));
+}
+
+static void print_server_error(const char *what, const response *r)
+{
+    cJSON *j = cJSON_ParseWithLength(r->body.p ? r->body.p : "", r->body.len);
+    const cJSON *e = cJSON_GetObjectItemCaseSensitive(j, "error");
+    const char *code = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "code"));
+    const char *msg = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "message"));
+    const char *tensor = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "tensor"));
+    if (code != NULL)
+        fprintf(stderr, "diloco: %s: HTTP %ld %s: %s%s%s%s\n", what, r->status, code, msg ? msg : "",
+                tensor ? " (tensor \"" : "", tensor ? tensor : "", tensor ? "\")" : "");
+    else
+        fprintf(stderr, "diloco: %s: HTTP %ld\n", what, r->status);
+    cJSON_Delete(j);
+}
+
+/* GET path into r (memory), retrying connection errors and 5xx.  Returns 0 when an HTTP answer
+ * (any status) arrived, else EXIT_NETWORK with a message printed. */
+static int get(const client_opts *o, const char *path, response *r, const char *if_none_match, FILE *sink)
+{
+    char *url = url_of(o, path);
+    int rc = EXIT_NETWORK;
+
+    if (url == NULL)
+        return EXIT_IO;
+    for (int attempt = 0;; attempt++) {
+        struct curl_slist *h = NULL;
+        char inm[192];
+        free(r->body.p);
+        memset(&r->body, 0, sizeof(r->body));
+        r->etag[0] = '\0';
+        r->has_outer_step = 0;
+        r->sink = sink;
+        if (sink != NULL && (fflush(sink) != 0 || ftruncate(fileno(sink), 0) != 0 || fseek(sink, 0, SEEK_SET) != 0)) {
+            rc = EXIT_IO;
+            break;
+        }
+        if (if_none_match != NULL && if_none_match[0]) {
+            snprintf(inm, sizeof(inm), "If-None-Match: %s", if_none_match);
+            h = curl_slist_append(h, inm);
+        }
+        CURL *c = easy(o, url, r, &h);
+        CURLcode cc = c ? curl_easy_perform(c) : CURLE_OUT_OF_MEMORY;
+        if (c)
+            curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &r->status);
+        curl_easy_cleanup(c);
+        curl_slist_free_all(h);
+        if (cc == CURLE_OK && r->status < 500) {
+            rc = 0;
+            break;
+        }
+        if (attempt >= o->retries) {
+            if (cc != CURLE_OK)
+                fprintf(stderr, "diloco: GET %s: %s\n", url, curl_easy_strerror(cc));
+            else
+                print_server_error(url, r);
+            break;
+        }
+        sleep_s(backoff(attempt));
+    }
+    free(url);
+    return rc;
+}
+
+static void opts_defaults(client_opts *o)
+{
+    memset(o, 0, sizeof(*o));
+    o->retries = 5;
+    o->server = getenv("DILOCO_SERVER");
+}
+
+/* ---- push -------------------------------------------------------------------------------------- */
+
+/* Token for node from a token file (lines "node_id token", "*" for any node). */
+static char *token_for(const char *path, const char *node)
+{
+    FILE *f = fopen(path, "r");
+    char line[1024], *found = NULL;
+
+    if (f == NULL) {
+        fprintf(stderr, "diloco: cannot open token file %s: %s\n", path, strerror(errno));
+        return NULL;
+    }
+    while (fgets(line, sizeof(line), f) != NULL) {
+        char *save = NULL, *id = strtok_r(line, " \t\r\n", &save), *tok = strtok_r(NULL, " \t\r\n", &save);
+        if (id == NULL || id[0] == '#' || tok == NULL)
+            continue;
+        if (strcmp(id, node) == 0 || (strcmp(id, "*") == 0 && found == NULL)) {
+            free(found);
+            found = strdup(tok);
+            if (strcmp(id, node) == 0)
+                break;
+        }
+    }
+    fclose(f);
+    if (found == NULL)
+        fprintf(stderr, "diloco: %s has no token for node %s\n", path, node);
+    return found;
+}
+
+static const char push_help[] =
+    "usage: diloco push --server URL [--token-file F] [--retries N] [--timeout S] DELTA\n"
+    "  Uploads DELTA to PUT /nodes/<node_id>/delta_<local_step>.safetensors, node id and step read from\n"
+    "  the file's metadata (checked first: a file the server would refuse is not sent).  Streams the\n"
+    "  file; retries connection errors and 5xx answers with backoff (never a 4xx); prints the answer.\n"
+    "  --server defaults to $DILOCO_SERVER; the token to $DILOCO_TOKEN when no token file is given.\n"
+    "  exit: 0 accepted, 1 refused by the server or an invalid file, 2 usage, 3 I/O, 4 network/server\n";
+
+int cmd_push(int argc, char **argv)
+{
+    static const struct option opts[] = {{"server", required_argument, NULL, 's'},
+                                         {"token-file", required_argument, NULL, 't'},
+                                         {"retries", required_argument, NULL, 'r'},
+                                         {"timeout", required_argument, NULL, 'T'},
+                                         {"help", no_argument, NULL, 'h'},
+                                         {NULL, 0, NULL, 0}};
+    client_opts o;
+    const char *token_file = NULL, *path;
+    char *token = NULL, *url = NULL, upath[200];
+    st_file *f = NULL;
+    delta_info info;
+    dl_error err;
+    int c, rc = EXIT_NETWORK;
+
+    opts_defaults(&o);
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (c) {
+        case 's': o.server = optarg; break;
+        case 't': token_file = optarg; break;
+        case 'r': o.retries = atoi(optarg); break;
+        case 'T': o.timeout = atof(optarg); break;
+        case 'h': fputs(push_help, stdout); return EXIT_OK;
+        default: fputs(push_help, stderr); return EXIT_USAGE;
+        }
+    }
+    if (o.server == NULL || optind != argc - 1 || o.retries < 0 || o.retries > 100) {
+        fputs(push_help, stderr);
+        return EXIT_USAGE;
+    }
+    path = argv[optind];
+    dl_error_clear(&err);
+    /* the delta's own header names it: check it as the server will, before sending a byte */
+    if (st_open(path, &f, &err) != 0 || delta_check_header(f->h, f->h, NULL, &info, &err) != 0) {
+        st_close(f);
+        return cli_report(path, &err);
+    }
+    uint64_t size = f->file_size;
+    st_close(f);
+    if (token_file != NULL) {
+        if ((token = token_for(token_file, info.node_id)) == NULL)
+            return EXIT_USAGE;
+        o.token = token;
+    } else {
+        o.token = getenv("DILOCO_TOKEN");
+    }
+    snprintf(upath, sizeof(upath), "/nodes/%s/delta_%" PRIu64 ".safetensors", info.node_id, info.local_step);
+    if ((url = url_of(&o, upath)) == NULL) {
+        free(token);
+        return EXIT_IO;
+    }
+    for (int attempt = 0;; attempt++) {
+        response r = {0};
+        struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/octet-stream");
+        FILE *in = fopen(path, "rb");
+        if (in == NULL) {
+            fprintf(stderr, "diloco: cannot open %s: %s\n", path, strerror(errno));
+            curl_slist_free_all(h);
+            rc = EXIT_IO;
+            break;
+        }
+        CURL *e = easy(&o, url, &r, &h);
+        CURLcode cc = CURLE_OUT_OF_MEMORY;
+        if (e != NULL) {
+            curl_easy_setopt(e, CURLOPT_UPLOAD, 1L);
+            curl_easy_setopt(e, CURLOPT_READDATA, in);
+            curl_easy_setopt(e, CURLOPT_INFILESIZE_LARGE, (curl_off_t)size);
+            cc = curl_easy_perform(e);
+            curl_easy_getinfo(e, CURLINFO_RESPONSE_CODE, &r.status);
+        }
+        curl_easy_cleanup(e);
+        curl_slist_free_all(h);
+        fclose(in);
+        if (cc == CURLE_OK && r.status >= 200 && r.status < 300) {
+            fwrite(r.body.p ? r.body.p : "", 1, r.body.len, stdout);
+            free(r.body.p);
+            rc = EXIT_OK;
+            break;
+        }
+        if (cc == CURLE_OK && r.status >= 400 && r.status < 500) {
+            fwrite(r.body.p ? r.body.p : "", 1, r.body.len, stdout);
+            print_server_error(url, &r);
+            free(r.body.p);
+            rc = EXIT_INVALID;
+            break;
+        }
+        if (attempt >= o.retries) {
+            if (cc != CURLE_OK)
+                fprintf(stderr, "diloco: PUT %s: %s\n", url, curl_easy_strerror(cc));
+            else
+                print_server_error(url, &r);
+            free(r.body.p);
+            rc = EXIT_NETWORK;
+            break;
+        }
+        free(r.body.p);
+        double wait = backoff(attempt);
+        fprintf(stderr, "diloco: PUT %s: %s, retrying in %.1f s\n", url,
+                cc != CURLE_OK ? curl_easy_strerror(cc) : "server error", wait);
+        sleep_s(wait);
+    }
+    free(url);
+    free(token);
+    return rc;
+}
+
+/* ---- pull -------------------------------------------------------------------------------------- */
+
+static char *join(const char *dir, const char *name)
+{
+    char *p = NULL;
+    if (asprintf(&p, "%s/%s", dir, name) < 0)
+        return NULL;
+    return p;
+}
+
+static const char pull_help[] =
+    "usage: diloco pull --server URL -o DIR [--retries N] [--timeout S]\n"
+    "  Downloads global/latest.safetensors and global/step_count.json into DIR when they changed\n"
+    "  (If-None-Match with the ETag kept in DIR/.latest.etag), verifies the model, and replaces both\n"
+    "  files atomically (the model first).  Prints the step.  exit: 0 ok, 1 the server sent an invalid\n"
+    "  file or refused, 2 usage, 3 I/O, 4 network/server\n";
+
+int cmd_pull(int argc, char **argv)
+{
+    static const struct option opts[] = {{"server", required_argument, NULL, 's'},
+                                         {"output", required_argument, NULL, 'o'},
+                                         {"retries", required_argument, NULL, 'r'},
+                                         {"timeout", required_argument, NULL, 'T'},
+                                         {"help", no_argument, NULL, 'h'},
+                                         {NULL, 0, NULL, 0}};
+    client_opts o;
+    const char *dir = NULL;
+    char *model = NULL, *stepfile = NULL, *etagfile = NULL, *tmp = NULL;
+    char etag[128] = "";
+    response r = {0}, s = {0};
+    dl_error err;
+    int c, rc, fd = -1;
+    FILE *sink = NULL;
+
+    opts_defaults(&o);
+    while ((c = getopt_long(argc, argv, "o:", opts, NULL)) != -1) {
+        switch (c) {
+        case 's': o.server = optarg; break;
+        case 'o': dir = optarg; break;
+        case 'r': o.retries = atoi(optarg); break;
+        case 'T': o.timeout = atof(optarg); break;
+        case 'h': fputs(pull_help, stdout); return EXIT_OK;
+        default: fputs(pull_help, stderr); return EXIT_USAGE;
+        }
+    }
+    if (o.server == NULL || dir == NULL || optind != argc) {
+        fputs(pull_help, stderr);
+        return EXIT_USAGE;
+    }
+    dl_error_clear(&err);
+    model = join(dir, "latest.safetensors");
+    stepfile = join(dir, "step_count.json");
+    etagfile = join(dir, ".latest.etag");
+    if (!model || !stepfile || !etagfile || fsu_mkdirs(dir, &err) != 0) {
+        rc = cli_report(dir, &err);
+        goto out;
+    }
+    if (access(model, R_OK) == 0) {
+        FILE *ef = fopen(etagfile, "r");
+        if (ef != NULL) {
+            if (fgets(etag, sizeof(etag), ef) == NULL)
+                etag[0] = '\0';
+            etag[strcspn(etag, "\r\n")] = '\0';
+            fclose(ef);
+        }
+    }
+    if (fsu_tmp_create(model, &tmp, &fd, &err) != 0 || (sink = fdopen(fd, "wb")) == NULL) {
+        if (err.code == DL_OK)
+            dl_fail_errno(&err, errno, "cannot write to %s", tmp ? tmp : dir);
+        rc = cli_report(model, &err);
+        goto out;
+    }
+    fd = -1;
+    if ((rc = get(&o, "/global/latest.safetensors", &r, etag, sink)) != 0)
+        goto out;
+    if (r.status == 304) {
+        printf("step %" PRIu64 " (unchanged)\n", r.outer_step);
+        rc = EXIT_OK;
+        goto out;
+    }
+    if (r.status != 200) {
+        print_server_error("GET /global/latest.safetensors", &r);
+        rc = EXIT_INVALID;
+        goto out;
+    }
+    if (fflush(sink) != 0 || fsync(fileno(sink)) != 0) {
+        dl_fail_errno(&err, errno, "writing %s", tmp);
+        rc = cli_report(tmp, &err);
+        goto out;
+    }
+    {
+        st_file *check;
+        if (st_open(tmp, &check, &err) != 0) {
+            rc = cli_report("downloaded global", &err);
+            goto out;
+        }
+        st_close(check);
+    }
+    if ((rc = get(&o, "/global/step_count.json", &s, NULL, NULL)) != 0)
+        goto out;
+    uint64_t step;
+    if (s.status != 200 || stepcount_parse(s.body.p ? s.body.p : "", s.body.len, &step, NULL, &err) != 0) {
+        fprintf(stderr, "diloco: the server's step_count.json is missing or invalid (HTTP %ld)\n", s.status);
+        rc = EXIT_INVALID;
+        goto out;
+    }
+    if (r.has_outer_step && step != r.outer_step) {
+        /* a commit happened between the two requests: the next pull fetches the newer pair */
+        fprintf(stderr, "diloco: the server moved from step %" PRIu64 " to %" PRIu64 " during the pull; retry\n",
+                r.outer_step, step);
+        rc = EXIT_NETWORK;
+        goto out;
+    }
+    fclose(sink);
+    sink = NULL;
+    if (rename(tmp, model) != 0 || fsu_fsync_parent(model, &err) != 0 ||
+        fsu_write_atomic(stepfile, s.body.p, s.body.len, &err) != 0 ||
+        fsu_write_atomic(etagfile, r.etag, strlen(r.etag), &err) != 0) {
+        if (err.code == DL_OK)
+            dl_fail_errno(&err, errno, "replacing %s", model);
+        rc = cli_report(dir, &err);
+        goto out;
+    }
+    free(tmp);
+    tmp = NULL;
+    printf("step %" PRIu64 " downloaded\n", step);
+    rc = EXIT_OK;
+out:
+    if (sink != NULL)
+        fclose(sink);
+    if (fd >= 0)
+        close(fd);
+    if (tmp != NULL) {
+        unlink(tmp);
+        free(tmp);
+    }
+    free(model);
+    free(stepfile);
+    free(etagfile);
+    free(r.body.p);
+    free(s.body.p);
+    return rc;
+}
+
+/* ---- status / wait ----------------------------------------------------------------------------- */
+
+static cJSON *fetch_status(const client_opts *o, int *rc)
+{
+    response r = {0};
+    cJSON *j = NULL;
+
+    *rc = get(o, "/status", &r, NULL, NULL);
+    if (*rc == 0 && r.status == 200)
+        j = cJSON_ParseWithLength(r.body.p ? r.body.p : "", r.body.len);
+    if (*rc == 0 && j == NULL) {
+        fprintf(stderr, "diloco: /status answered HTTP %ld without a JSON status\n", r.status);
+        *rc = EXIT_NETWORK;
+    }
+    free(r.body.p);
+    return j;
+}
+
+static double num(const cJSON *o, const char *k)
+{
+    return cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(o, k));
+}
+
+static const char *str(const cJSON *o, const char *k)
+{
+    const char *s = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(o, k));
+    return s ? s : "-";
+}
+
+static void print_status(const cJSON *j)
+{
+    const cJSON *round = cJSON_GetObjectItemCaseSensitive(j, "round");
+    const cJSON *last = cJSON_GetObjectItemCaseSensitive(j, "last_round");
+    const cJSON *opt = cJSON_GetObjectItemCaseSensitive(j, "optimizer");
+    const cJSON *hub = cJSON_GetObjectItemCaseSensitive(j, "hub");
+    const cJSON *agg = cJSON_GetObjectItemCaseSensitive(j, "aggregation");
+    const cJSON *recv = cJSON_GetObjectItemCaseSensitive(round, "received"), *e;
+
+    printf("dilocod %s, up %.0f s, %s\n", str(j, "version"), num(j, "uptime_seconds"), str(j, "state"));
+    printf("outer step: %.0f   optimizer: %s lr=%g momentum=%g\n", num(j, "outer_step"), str(opt, "name"),
+           num(opt, "lr"), num(opt, "momentum"));
+    printf("round %.0f: %d of %.0f nodes delivered (min %.0f)", num(round, "step"), cJSON_GetArraySize(recv),
+           num(round, "expected"), num(round, "min_nodes"));
+    if (cJSON_IsString(cJSON_GetObjectItemCaseSensitive(round, "deadline")))
+        printf(", deadline %s", str(round, "deadline"));
+    printf("\n");
+    cJSON_ArrayForEach(e, recv)
+        printf("  %-24s local_step %-10.0f %12.0f bytes\n", str(e, "node_id"), num(e, "local_step"), num(e, "bytes"));
+    if (cJSON_IsObject(agg))
+        printf("aggregating: %.1f%% after %.1f s\n", num(agg, "percent"), num(agg, "seconds"));
+    if (cJSON_IsObject(last)) {
+        const cJSON *nodes = cJSON_GetObjectItemCaseSensitive(last, "nodes");
+        printf("last round: step %.0f -> %.0f, %d nodes, %.3f s (%.2f GB/s), closed by %s\n", num(last, "step"),
+               num(last, "outer_step"), cJSON_GetArraySize(nodes), num(last, "seconds"), num(last, "gbps"),
+               str(last, "reason"));
+        cJSON_ArrayForEach(e, nodes)
+            printf("  %-24s norm %-12.6g cosine to mean %.4f\n", str(e, "node_id"), num(e, "norm"), num(e, "cosine"));
+    }
+    printf("hub: %s", str(hub, "kind"));
+    if (cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(hub, "published_step")))
+        printf(", published step %.0f", num(hub, "published_step"));
+    if (cJSON_IsString(cJSON_GetObjectItemCaseSensitive(hub, "last_error")))
+        printf(", last error: %s", str(hub, "last_error"));
+    printf("\n");
+}
+
+static const char status_help[] =
+    "usage: diloco status --server URL [--json]\n"
+    "  A readable summary of dilocod's state: the step, the open round (which nodes delivered), the\n"
+    "  last round (time, per-node norm and cosine to the mean), the hub.  --json prints /status as is.\n";
+
+int cmd_status(int argc, char **argv)
+{
+    static const struct option opts[] = {{"server", required_argument, NULL, 's'},
+                                         {"json", no_argument, NULL, 'j'},
+                                         {"retries", required_argument, NULL, 'r'},
+                                         {"help", no_argument, NULL, 'h'},
+                                         {NULL, 0, NULL, 0}};
+    client_opts o;
+    int c, json = 0, rc;
+    cJSON *j;
+
+    opts_defaults(&o);
+    o.retries = 2;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (c) {
+        case 's': o.server = optarg; break;
+        case 'j': json = 1; break;
+        case 'r': o.retries = atoi(optarg); break;
+        case 'h': fputs(status_help, stdout); return EXIT_OK;
+        default: fputs(status_help, stderr); return EXIT_USAGE;
+        }
+    }
+    if (o.server == NULL || optind != argc) {
+        fputs(status_help, stderr);
+        return EXIT_USAGE;
+    }
+    if ((j = fetch_status(&o, &rc)) == NULL)
+        return rc;
+    if (json) {
+        char *t = cJSON_PrintUnformatted(j);
+        printf("%s\n", t ? t : "null");
+        cJSON_free(t);
+    } else {
+        print_status(j);
+    }
+    cJSON_Delete(j);
+    return EXIT_OK;
+}
+
+static const char wait_help[] =
+    "usage: diloco wait --server URL --step N [--timeout S] [--interval S]\n"
+    "  Blocks until dilocod's outer_step >= N (for worker scripts).  Server errors and restarts are\n"
+    "  waited out.  exit: 0 reached, 2 usage, 5 timeout\n";
+
+int cmd_wait(int argc, char **argv)
+{
+    static const struct option opts[] = {{"server", required_argument, NULL, 's'},
+                                         {"step", required_argument, NULL, 'n'},
+                                         {"timeout", required_argument, NULL, 'T'},
+                                         {"interval", required_argument, NULL, 'i'},
+                                         {"help", no_argument, NULL, 'h'},
+                                         {NULL, 0, NULL, 0}};
+    client_opts o;
+    const char *step_s = NULL;
+    uint64_t want;
+    double timeout = 0, interval = 0.5;
+    struct timespec t0, t1;
+    int c;
+
+    opts_defaults(&o);
+    o.retries = 0;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (c) {
+        case 's': o.server = optarg; break;
+        case 'n': step_s = optarg; break;
+        case 'T': timeout = atof(optarg); break;
+        case 'i': interval = atof(optarg); break;
+        case 'h': fputs(wait_help, stdout); return EXIT_OK;
+        default: fputs(wait_help, stderr); return EXIT_USAGE;
+        }
+    }
+    if (o.server == NULL || step_s == NULL || optind != argc || delta_parse_int(step_s, strlen(step_s), &want) != 0 ||
+        !(interval > 0) || timeout < 0) {
+        fputs(wait_help, stderr);
+        return EXIT_USAGE;
+    }
+    o.timeout = 10;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        int rc;
+        cJSON *j = fetch_status(&o, &rc);
+        const cJSON *s = cJSON_GetObjectItemCaseSensitive(j, "outer_step");
+        if (cJSON_IsNumber(s) && s->valuedouble >= (double)want) {
+            printf("step %.0f\n", s->valuedouble);
+            cJSON_Delete(j);
+            return EXIT_OK;
+        }
+        cJSON_Delete(j);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        double elapsed = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+        if (timeout > 0 && elapsed >= timeout) {
+            fprintf(stderr, "diloco: step %" PRIu64 " not reached within %g s\n", want, timeout);
+            return EXIT_TIMEOUT;
+        }
+        sleep_s(timeout > 0 ? fmin(interval, timeout - elapsed) : interval);
+    }
+}
