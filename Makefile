@@ -128,11 +128,18 @@ FUZZ_SECONDS ?= 60
 FUZZ_BUILD   := build-fuzz
 FUZZ_FLAGS   := -std=c11 -D_GNU_SOURCE -O1 -g -Icommon $(shell pkg-config --cflags libcjson) \
                 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all
-FUZZ_TARGETS := $(FUZZ_BUILD)/fuzz-header
+FUZZ_TARGETS := $(FUZZ_BUILD)/fuzz-header $(FUZZ_BUILD)/fuzz-request
+FUZZ_SERVER  := $(filter-out server/main.c,$(SERVER_SRC))
 
-$(FUZZ_BUILD)/fuzz-%: tests/fuzz/fuzz-%.c $(COMMON_SRC) $(wildcard common/*.h)
+$(FUZZ_BUILD)/fuzz-header: tests/fuzz/fuzz-header.c $(COMMON_SRC) $(wildcard common/*.h)
 	@mkdir -p $(@D)
 	clang $(FUZZ_FLAGS) -o $@ $< $(COMMON_SRC) $(shell pkg-config --libs libcjson libcrypto) -lm
+
+# The request path links the server (without main) and llhttp's C sources.
+$(FUZZ_BUILD)/fuzz-request: tests/fuzz/fuzz-request.c $(COMMON_SRC) $(FUZZ_SERVER) $(wildcard common/*.h server/*.h)
+	@mkdir -p $(@D)
+	clang $(FUZZ_FLAGS) -Iserver -I$(LLHTTP_INC) $(shell pkg-config --cflags $(PKGS)) -o $@ $< $(COMMON_SRC) \
+	  $(FUZZ_SERVER) $(LLHTTP_SRC)/llhttp.c $(LLHTTP_SRC)/api.c $(LLHTTP_SRC)/http.c $(LDLIBS)
 
 # Replays the committed corpus: a regression test, part of `make check`.
 fuzz-regress: $(FUZZ_TARGETS)

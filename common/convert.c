@@ -52,6 +52,7 @@ static void f32_to_f16_portable(const float *restrict in, uint16_t *restrict out
  * even, NaN stays NaN): about twice the portable bit-twiddling.  Chosen at run time, so the binary
  * still runs on CPUs without F16C; the unit tests compare both paths with gcc's _Float16. */
 #if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define HAVE_F16C_PATH 1
 
@@ -79,8 +80,14 @@ static int have_f16c(void)
     static _Atomic int cached = -1;     /* every thread computes the same value */
     int v = atomic_load_explicit(&cached, memory_order_relaxed);
     if (v < 0) {
-        __builtin_cpu_init();
-        v = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+        /* CPUID.1:ECX: F16C (bit 29), AVX (28), OSXSAVE (27); and the OS must save YMM state */
+        unsigned a, b, c, d;
+        v = 0;
+        if (__get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29)) && (c & (1u << 28)) && (c & (1u << 27))) {
+            unsigned lo, hi;
+            __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+            v = (lo & 6u) == 6u;
+        }
         atomic_store_explicit(&cached, v, memory_order_relaxed);
     }
     return v;

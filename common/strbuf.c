@@ -31,6 +31,8 @@ void sb_grow(sbuf *b, size_t extra)
 
 void sb_add(sbuf *b, const char *s, size_t n)
 {
+    if (n == 0)
+        return;                 /* memcpy to a NULL buffer is undefined even for 0 bytes */
     sb_grow(b, n);
     if (b->oom)
         return;

@@ -1114,6 +1114,8 @@ static int startup(dilocod *d, dl_error *err)
         }
         free(nodes);
         free(global);
+        if (hubfile_cleanup_temps(d->hub_root, err) != 0)
+            log_error("hub", "cannot remove temporary files of an interrupted publish", err);
         if ((rc = hubfile_read_published(d->hub_root, &present, &published, err)) != 0) {
             log_error("hub", "ignoring the published step file", err);
             present = 0;

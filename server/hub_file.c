@@ -234,3 +234,31 @@ out:
     free(text);
     return rc;
 }
+
+int hubfile_cleanup_temps(const char *root, dl_error *err)
+{
+    char *dir = NULL;
+    DIR *d;
+    struct dirent *e;
+    int rc = 0;
+
+    if (asprintf(&dir, "%s/global", root) < 0)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    d = opendir(dir);
+    if (d == NULL) {
+        int e0 = errno;
+        free(dir);
+        return e0 == ENOENT ? 0 : dl_fail_errno(err, e0, "cannot list %s/global", root);
+    }
+    while ((e = readdir(d)) != NULL) {
+        /* our temporary names only (fsu_tmp_create): what a publish cut short left behind */
+        if (strncmp(e->d_name, ".latest.safetensors.tmp-", 24) != 0 &&
+            strncmp(e->d_name, ".step_count.json.tmp-", 21) != 0)
+            continue;
+        if (unlinkat(dirfd(d), e->d_name, 0) != 0 && errno != ENOENT)
+            rc = dl_fail_errno(err, errno, "cannot remove %s/%s", dir, e->d_name);
+    }
+    closedir(d);
+    free(dir);
+    return rc;
+}

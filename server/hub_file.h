@@ -28,6 +28,8 @@ char *hubfile_global_path(const char *root);
 /* Copies src to root/global/latest.safetensors, then writes step_count.json, each atomically. */
 int hubfile_publish(const char *root, const char *src, uint64_t step, const char *optimizer, int bootstrap,
                     dl_error *err);
+/* Removes temporary files a publish cut short (a crash) left in root/global (startup only). */
+int hubfile_cleanup_temps(const char *root, dl_error *err);
 /* Copies a file to dst atomically (temp in dst's directory, fsync, rename, fsync of the directory). */
 int hubfile_copy(const char *src, const char *dst, dl_error *err);
 

@@ -314,6 +314,9 @@ def test_kill9_torture_during_aggregation_and_commit(tmp_path, diloco_bin):
     assert len(records) == kills >= 20
     assert phases.count("aggregating") + phases.count("committing") >= 3, records
     assert outcomes.count("old") >= 1 and outcomes.count("new") >= 1, records
+    # informational (not an acceptance criterion): temporaries a kill during publishing left in the hub
+    hub_tmp = sorted(p.name for p in (hub / "global").iterdir() if ".tmp-" in p.name)
+    print(f"hub/global temporaries left by kills during publishing: {hub_tmp}")
     shutil.rmtree(hub, ignore_errors=True)
     shutil.rmtree(d.state_root, ignore_errors=True)
 
