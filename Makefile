@@ -38,6 +38,7 @@ CLIENT_OBJ  := $(CLIENT_SRC:%.c=$(BUILD)/%.o)
 SERVER_OBJ  := $(SERVER_SRC:%.c=$(BUILD)/%.o)
 UNIT_OBJ    := $(UNIT_SRC:%.c=$(BUILD)/%.o) $(BUILD)/tests/unit/runner.o
 
+LLHTTP_OBJ  := $(BUILD)/llhttp/llhttp.o $(BUILD)/llhttp/api.o $(BUILD)/llhttp/http.o
 BINS        := $(BUILD)/diloco $(BUILD)/tests/st-write $(BUILD)/tests/unit-tests
 ifneq ($(SERVER_SRC),)
 BINS        += $(BUILD)/dilocod
@@ -68,12 +69,12 @@ $(BUILD)/tests/st-write: $(BUILD)/tests/tools/st-write.o $(BUILD)/libdiloco.a
 	@mkdir -p $(@D)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
-$(BUILD)/tests/unit-tests: $(UNIT_OBJ) $(BUILD)/libdiloco.a
+$(UNIT_OBJ): ALL_CFLAGS += -Iserver -I$(LLHTTP_INC)
+$(BUILD)/tests/unit-tests: $(UNIT_OBJ) $(LLHTTP_OBJ) $(BUILD)/libdiloco.a
 	@mkdir -p $(@D)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
 # llhttp ships as C sources in Debian 12 (no shared library): compile them in, without our -Werror.
-LLHTTP_OBJ  := $(BUILD)/llhttp/llhttp.o $(BUILD)/llhttp/api.o $(BUILD)/llhttp/http.o
 $(BUILD)/llhttp/%.o: $(LLHTTP_SRC)/%.c
 	@mkdir -p $(@D)
 	$(CC) -std=c11 $(CFLAGS) $(SANFLAGS) -I$(LLHTTP_INC) -c $< -o $@

@@ -141,7 +141,7 @@ def assert_serving(d: Dilocod, when=""):
     """dilocod is alive and answers /healthz (else: its exit code and the end of its log)."""
     try:
         ok = get(url_of(d), "/healthz", timeout=10).status_code == 200
-    except requests.ConnectionError as e:
+    except requests.ConnectionError:
         ok = False
         try:
             d.proc.wait(timeout=5)
