@@ -216,7 +216,8 @@ static int read_decoded(const st_file *f, const st_tensor *t, uint64_t e0, size_
 
 /* Sums in double over 8 independent lanes, so the compiler vectorises them without reassociating a
  * single sum; an AVX2 clone is picked at load time where the CPU has it. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+/* (Not under ThreadSanitizer: the ifunc resolver runs before its runtime is up.) */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
 #define KERNEL_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define KERNEL_CLONES
