@@ -299,7 +299,11 @@ static void conn_flush(http_conn *c)
         return;
     }
     if (c->out_head == NULL && c->close_after && (c->message_done || c->responded)) {
-        conn_close(c);
+        /* Never from inside llhttp_execute: the callback that answered (a body consumer refusing
+         * an upload, say) is still running and must not see its connection, or itself, freed.
+         * conn_process closes once execute has returned. */
+        if (!c->in_execute)
+            conn_close(c);
         return;
     }
     conn_update_poll(c);
@@ -705,6 +709,10 @@ static void conn_process(http_conn *c)
     }
     if (c->closing)
         return;
+    if (c->close_after && c->out_head == NULL && (c->message_done || c->responded)) {
+        conn_close(c);          /* deferred by conn_flush while the parser was running */
+        return;
+    }
     if (c->rpos == c->rlen) {
         c->rpos = c->rlen = 0;
     } else if (c->rpos > 0) {

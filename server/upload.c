@@ -92,6 +92,7 @@ static void upload_discard(upload *u)
 static void reject(upload *u, int status, const char *code, const char *msg, const char *tensor)
 {
     char m[600], t[300];
+    u->failed = 1;              /* refused: an abort reported while answering must not free u */
     api_count_upload(u->d, status);
     if (http_conn_alive(u->c))
         http_respond_error(u->c, status, code, msg, tensor);
