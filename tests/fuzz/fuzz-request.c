@@ -76,8 +76,24 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     http_conn *c = http_conn_fake(D->http, on_output, NULL);
     if (c == NULL)
         return 0;
-    http_conn_feed(c, (const char *)data, size);
-    http_conn_fake_eof(c);
+    /* Feed up to each end of a request head, then let the file operations it started (an upload's
+     * open, writes) complete before the next bytes: the orders a real network produces. */
+    const char *p = (const char *)data, *end = p + size;
+    http_conn_ref(c);
+    while (p < end && http_conn_alive(c)) {
+        const char *cut = memmem(p, (size_t)(end - p), "\r\n\r\n", 4);
+        size_t n = cut ? (size_t)(cut + 4 - p) : (size_t)(end - p);
+        http_conn_feed(c, p, n);
+        p += n;
+        while (D->loop.active_reqs.count > 0) {
+            uv_run(&D->loop, UV_RUN_NOWAIT);
+            if (D->loop.active_reqs.count > 0)
+                uv_sleep(0);
+        }
+    }
+    if (http_conn_alive(c))
+        http_conn_fake_eof(c);
+    http_conn_unref(c);
     uv_run(&D->loop, UV_RUN_DEFAULT);
     /* keep rounds open and small: what one input accepted does not carry into the next */
     round_reset(&D->rnd, 0);
