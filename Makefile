@@ -50,7 +50,7 @@ DEB_PKGS    := build-essential pkg-config libuv1-dev libcurl4-openssl-dev libcjs
                python3-venv python3-torch python3-numpy clang libclang-rt-14-dev curl
 PY_PKGS     := safetensors huggingface_hub pytest requests
 
-.PHONY: all deps venv check unit test-integration fuzz fuzz-regress bench clean distclean
+.PHONY: all deps venv check unit test-integration fuzz fuzz-regress bench bench-deps clean distclean
 
 all: $(BUILD)/libdiloco.a $(BINS)
 
@@ -163,9 +163,22 @@ $(BUILD)/tests/stream: tests/bench/stream.c
 	@mkdir -p $(@D)
 	$(CC) -O2 -pthread -o $@ $<
 
-bench: all venv $(BENCH_BINS)
+# bench_http.py runs nginx and wrk (Debian packages) next to dilocod.
+BENCH_DEB_PKGS := nginx wrk
+bench-deps:
+	@missing=""; for p in $(BENCH_DEB_PKGS); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "bench-deps: installing$$missing"; \
+	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	else echo "bench-deps: nginx and wrk present"; fi
+
+bench: all venv bench-deps $(BENCH_BINS)
 	$(BUILD)/tests/bench-convert 256
 	$(PY) tests/bench/bench_aggregate.py $(BUILD) $(BENCH_MODEL_MIB) $(BENCH_NODES)
+	$(PY) tests/bench/bench_http.py $(BUILD)
 
 clean:
 	rm -rf build build-* 

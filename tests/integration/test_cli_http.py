@@ -1,0 +1,143 @@
+"""The diloco CLI as the worker's HTTP client: a training over HTTP where every worker uses only
+`diloco pull`, `diloco delta`, `diloco push`, `diloco wait`; plus retries, exit codes and `status`."""
+import json
+import socket
+import subprocess
+import threading
+import time
+
+import numpy as np
+import torch
+
+from conftest import run
+from dilocod_proc import Dilocod, Oracle, assert_state_close, load_torch, write_model
+
+TOKENS = "w0 token-for-worker-0000\nw1 token-for-worker-1111\nw2 token-for-worker-2222\n"
+
+
+def model():
+    g = torch.Generator().manual_seed(3)
+    return {"layer.weight": torch.randn(16, 8, generator=g), "layer.bias": torch.randn(8, generator=g),
+            "emb": torch.randn(10, 4, generator=g).to(torch.bfloat16), "count": torch.tensor([3])}
+
+
+def worker(diloco_bin, tmp, url, node, rounds, results, seed):
+    """pull -> 'train' (perturb) -> delta -> push -> wait, with nothing but the CLI."""
+    from safetensors.torch import save_file
+    rng = torch.Generator().manual_seed(seed)
+    d = tmp / node
+    d.mkdir()
+    for r in range(rounds):
+        run([diloco_bin, "pull", "--server", url, "-o", d / "global"], check=0)
+        step = json.loads((d / "global" / "step_count.json").read_text())["outer_step"]
+        assert step == r, (node, step, r)
+        base = load_torch(d / "global" / "latest.safetensors")
+        trained = {k: (v + 0.01 * torch.randn(v.shape, generator=rng).to(v.dtype)) if v.is_floating_point() else v
+                   for k, v in base.items()}
+        save_file(trained, str(d / "trained.safetensors"))
+        out = d / f"delta_{r}.safetensors"
+        run([diloco_bin, "delta", "--baseline", d / "global" / "latest.safetensors", "--current",
+             d / "trained.safetensors", "--node-id", node, "--base-step", str(r), "--local-step", str(100 * (r + 1)),
+             "-o", out], check=0)
+        p = run([diloco_bin, "push", "--server", url, "--token-file", tmp / "tokens", out], check=0)
+        answer = json.loads(p.stdout)
+        assert answer["result"] == "accepted" and answer["node_id"] == node, answer
+        results.setdefault(r, {})[node] = out
+        run([diloco_bin, "wait", "--server", url, "--step", str(r + 1), "--timeout", "60"], check=0)
+
+
+def test_training_with_the_cli_only(tmp_path, diloco_bin):
+    m = model()
+    write_model(tmp_path / "init.safetensors", m)
+    (tmp_path / "tokens").write_text(TOKENS)
+    d = Dilocod(tmp_path, None, "--init-model", tmp_path / "init.safetensors", "--expected-nodes", "3",
+                "--token-file", tmp_path / "tokens").start()
+    results, errors = {}, []
+    try:
+        url = d.url
+
+        def guarded(node, seed):
+            try:
+                worker(diloco_bin, tmp_path, url, node, 3, results, seed)
+            except BaseException as e:   # surfaced below
+                errors.append(e)
+        threads = [threading.Thread(target=guarded, args=(f"w{i}", i)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        # the oracle from the very deltas the CLI computed and pushed
+        from safetensors.numpy import load_file
+        oracle = Oracle(m)
+        for r in range(3):
+            oracle.step({n: load_file(str(p)) for n, p in results[r].items()})
+        got = subprocess.run(["curl", "-sf", f"{url}/global/latest.safetensors", "-o",
+                              str(tmp_path / "final.safetensors")], check=True)
+        assert got.returncode == 0
+        assert_state_close(load_torch(tmp_path / "final.safetensors"), oracle.state)
+        text = run([diloco_bin, "status", "--server", url], check=0).stdout
+        assert "outer step: 3" in text and "last round: step 2 -> 3, 3 nodes" in text, text
+        js = json.loads(run([diloco_bin, "status", "--server", url, "--json"], check=0).stdout)
+        assert js["outer_step"] == 3 and len(js["last_round"]["nodes"]) == 3
+        # the worker last pulled step 2: one pull fetches step 3, the next is a no-op (304)
+        p = run([diloco_bin, "pull", "--server", url, "-o", tmp_path / "w0" / "global"], check=0)
+        assert p.stdout.strip() == "step 3 downloaded", p.stdout
+        p = run([diloco_bin, "pull", "--server", url, "-o", tmp_path / "w0" / "global"], check=0)
+        assert p.stdout.strip() == "step 3 (unchanged)", p.stdout
+        assert (tmp_path / "w0" / "global" / "latest.safetensors").read_bytes() == \
+            (tmp_path / "final.safetensors").read_bytes()
+    finally:
+        assert d.stop() == 0
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_push_exit_codes_and_retries(tmp_path, diloco_bin):
+    m = model()
+    write_model(tmp_path / "init.safetensors", m)
+    # a valid delta for step 0
+    from safetensors.torch import save_file
+    save_file({k: v + 0.5 if v.is_floating_point() else v for k, v in m.items()}, str(tmp_path / "cur.safetensors"))
+    delta = tmp_path / "d.safetensors"
+    run([diloco_bin, "delta", "--baseline", tmp_path / "init.safetensors", "--current", tmp_path / "cur.safetensors",
+         "--node-id", "w0", "--base-step", "0", "--local-step", "1", "-o", delta], check=0)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    # nobody listens: connection errors are retried, then exit 4
+    t0 = time.time()
+    p = run([diloco_bin, "push", "--server", url, "--retries", "2", delta])
+    assert p.returncode == 4 and "retrying" in p.stderr, (p.returncode, p.stderr)
+    assert time.time() - t0 >= 0.5
+    # the server comes up while push is retrying: the upload succeeds
+    d = Dilocod(tmp_path, None, "--init-model", tmp_path / "init.safetensors", "--expected-nodes", "2",
+                "--listen", f"127.0.0.1:{port}")
+    pusher = subprocess.Popen([str(diloco_bin), "push", "--server", url, "--retries", "8", str(delta)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    d.start()
+    try:
+        out, err = pusher.communicate(timeout=120)
+        assert pusher.returncode == 0, (out, err)
+        assert json.loads(out)["result"] == "accepted"
+        # a 4xx is never retried: the same delta again is not newer -> exit 1 at once
+        t0 = time.time()
+        p = run([diloco_bin, "push", "--server", url, "--retries", "5", delta])
+        assert p.returncode == 1 and "not_newer" in p.stdout and time.time() - t0 < 5, (p.returncode, p.stdout)
+        # an invalid file is refused locally, before any request
+        (tmp_path / "junk.safetensors").write_bytes(b"\x04\x00\x00\x00\x00\x00\x00\x00{}  ")
+        p = run([diloco_bin, "push", "--server", url, tmp_path / "junk.safetensors"])
+        assert p.returncode == 1, p.stderr
+        # usage errors
+        assert subprocess.run([str(diloco_bin), "push", str(delta)], env={"PATH": "/usr/bin"}).returncode == 2
+        assert run([diloco_bin, "wait", "--server", url, "--step", "x"]).returncode == 2
+        p = run([diloco_bin, "wait", "--server", url, "--step", "1", "--timeout", "0.5"])
+        assert p.returncode == 5, p
+    finally:
+        assert d.stop() == 0
