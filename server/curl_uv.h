@@ -1,0 +1,84 @@
+/* curl_uv: libcurl's multi interface driven by the libuv loop (curl's multi-uv pattern):
+ * CURLMOPT_SOCKETFUNCTION -> one uv_poll_t per socket, CURLMOPT_TIMERFUNCTION -> a uv_timer_t,
+ * curl_multi_socket_action on events, completed transfers drained with curl_multi_info_read.
+ * Connections are reused across transfers (one multi handle).  File bodies and file sinks never
+ * touch the disk from the loop thread: reads and writes go through uv_fs_read/uv_fs_write and the
+ * transfer is paused (CURL_READFUNC_PAUSE / CURL_WRITEFUNC_PAUSE) until they complete. */
+#ifndef CURL_UV_H
+#define CURL_UV_H
+
+#include <stdint.h>
+
+#include <curl/curl.h>
+#include <uv.h>
+
+#include "strbuf.h"
+
+typedef struct cuv cuv;
+typedef struct cuv_xfer cuv_xfer;
+typedef void (*cuv_done_cb)(cuv_xfer *x, void *arg);
+
+struct cuv_xfer {
+    /* results, valid in the done callback */
+    CURLcode result;
+    long status;
+    sbuf body;                  /* the response body (memory transfers; capped) */
+    char etag[160];
+    char location[1024];
+    char link_next[2048];       /* Link: <...>; rel="next" */
+    char repo_commit[64];       /* X-Repo-Commit */
+    char error_code[64];        /* X-Error-Code */
+    double retry_after;         /* Retry-After or RateLimit t= (seconds), -1 when absent */
+    uint64_t written;           /* bytes written to the file sink */
+    int io_error;               /* errno of a failed sink write / source read, else 0 */
+    /* private */
+    cuv *owner;
+    CURL *easy;
+    struct curl_slist *headers;
+    cuv_done_cb cb;
+    void *arg;
+    char *send;                 /* memory request body */
+    size_t send_len, send_off;
+    uv_file src_fd;             /* file request body (-1: none) */
+    uint64_t src_off, src_left;
+    char *rbuf;
+    size_t rbuf_len, rbuf_off;
+    int reading, src_eof, paused_read;
+    uv_fs_t rreq;
+    uv_file sink_fd;            /* file response body (-1: memory) */
+    uint64_t sink_off;
+    char *fill, *wbuf;
+    size_t fill_len, wlen;
+    int writing, paused_write, finished;
+    uv_fs_t wreq;
+    uv_buf_t iov;
+    size_t body_cap;
+};
+
+cuv *cuv_new(uv_loop_t *loop);
+/* Closes the integration (cancel every transfer first): stops watching curl's sockets, closes its
+ * cached connections, and frees itself once its handles are closed; then done(arg). */
+void cuv_close(cuv *c, void (*done)(void *), void *arg);
+uv_loop_t *cuv_loop(cuv *c);
+
+/* A transfer: method "GET", "HEAD", "POST", "PUT". */
+cuv_xfer *cuv_xfer_new(cuv *c, const char *method, const char *url);
+void cuv_xfer_header(cuv_xfer *x, const char *line);
+/* Authorization: Bearer, sent to the URL's host only (libcurl drops it on a redirect elsewhere). */
+void cuv_xfer_bearer(cuv_xfer *x, const char *token);
+void cuv_xfer_follow(cuv_xfer *x, int on);
+/* Request body: a copy of data, or len bytes of fd from off (fd stays the caller's). */
+int cuv_xfer_body(cuv_xfer *x, const void *data, size_t len);
+void cuv_xfer_body_file(cuv_xfer *x, uv_file fd, uint64_t off, uint64_t len);
+/* Response body to fd at off (the caller's fd), instead of memory. */
+void cuv_xfer_sink_file(cuv_xfer *x, uv_file fd, uint64_t off);
+void cuv_xfer_body_cap(cuv_xfer *x, size_t cap);
+void cuv_xfer_timeout(cuv_xfer *x, double connect_s, double low_speed_s);
+/* Starts it; cb runs on the loop when it is complete (and its file writes are on disk). */
+int cuv_start(cuv_xfer *x, cuv_done_cb cb, void *arg);
+/* Aborts a started transfer: its callback runs with CURLE_ABORTED_BY_CALLBACK (at once, or when
+ * its pending file operation completes). */
+void cuv_xfer_cancel(cuv_xfer *x);
+void cuv_xfer_free(cuv_xfer *x);
+
+#endif
