@@ -1,0 +1,1696 @@
+#include "hub_hf.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cJSON.h>
+#include <openssl/evp.h>
+
+#include "curl_uv.h"
+#include "delta.h"
+#include "dl_log.h"
+#include "fsutil.h"
+#include "seen.h"
+#include "stepcount.h"
+#include "strbuf.h"
+
+#define PEEK_BYTES 65536
+#define MAX_ATTEMPTS_DOWNLOAD 6
+#define MAX_BACKOFF 60.0
+
+/* ---- requests with retries ------------------------------------------------------------------- */
+
+typedef struct hf_req hf_req;
+typedef void (*hf_req_cb)(hf_hub *h, hf_req *r, int ok);
+
+struct hf_req {
+    hf_hub *h;
+    char method[8];
+    char *url;
+    char **headers;
+    size_t nheaders;
+    char *body;
+    size_t body_len;
+    int src_fd;                 /* file body */
+    uint64_t src_off, src_len;
+    int sink_fd;                /* file sink */
+    uint64_t sink_off;
+    int auth, follow, api;      /* send the token; follow redirects; count as an API call */
+    int retry_forever;          /* publishing never gives up on transient errors */
+    int max_attempts;
+    int attempt;
+    uv_timer_t timer;
+    int timer_open;
+    cuv_xfer *x;                /* the last attempt (valid in the callback) */
+    hf_req_cb cb;
+    void *arg;
+    hf_req *next, *prev;        /* in flight, for hf_close */
+};
+
+typedef struct candidate {
+    char *rel;
+    char *oid;
+    uint64_t size;
+    int lfs;
+    char *part;                 /* download path */
+    uint64_t have;
+    int attempts;
+    struct candidate *next;
+} candidate;
+
+typedef struct pub_state {
+    int active;
+    uint64_t step;
+    char *path;
+    char optimizer[32];
+    int bootstrap;
+    int fd;
+    uint64_t size;
+    char sha256[65];
+    char sample_b64[700];
+    char *stepfile;
+    int lfs_mode;               /* global goes through LFS */
+    char parent[48];
+    cJSON *batch;               /* the LFS batch answer */
+    char **part_etags;
+    size_t nparts, part_next;
+    uint64_t chunk;
+    double backoff;
+} pub_state;
+
+struct hf_hub {
+    uv_loop_t *loop;
+    cuv *curl;
+    hf_callbacks cb;
+    void *app;
+    char *endpoint, *repo, *rev, *token, *state_dir, *seen_path;
+    double poll_interval;
+    unsigned max_downloads;
+    uv_timer_t poll_timer;
+    int closing;
+    hf_status st;
+    uint64_t step;
+    int waiting;
+    int polling;                /* a poll cycle is running */
+    seen_map seen;              /* "path\toid" -> SEEN_DONE; in-flight ones SEEN_PENDING */
+    candidate *queue, *retry;   /* to peek/download; failed ones waiting for the next poll */
+    unsigned active_downloads;
+    hf_req *inflight;
+    int seen_fd;
+    int64_t published_known;    /* the Hub's step_count.json outer_step, -1 unknown */
+    int global_download;        /* adoption download in progress */
+    pub_state pub;
+    void (*close_done)(void *);
+    void *close_arg;
+    int handles;
+};
+
+static void req_free(hf_req *r)
+{
+    free(r->url);
+    for (size_t i = 0; i < r->nheaders; i++)
+        free(r->headers[i]);
+    free(r->headers);
+    free(r->body);
+    cuv_xfer_free(r->x);
+    free(r);
+}
+
+static void req_unlink(hf_hub *h, hf_req *r)
+{
+    if (r->prev)
+        r->prev->next = r->next;
+    else if (h->inflight == r)
+        h->inflight = r->next;
+    if (r->next)
+        r->next->prev = r->prev;
+    r->next = r->prev = NULL;
+}
+
+static void timer_closed(uv_handle_t *t)
+{
+    hf_req *r = t->data;
+    req_free(r);
+}
+
+/* Ends r: unlinks it and frees it once its timer (if any) is closed. */
+static void req_end(hf_hub *h, hf_req *r)
+{
+    req_unlink(h, r);
+    if (r->timer_open) {
+        uv_timer_stop(&r->timer);
+        uv_close((uv_handle_t *)&r->timer, timer_closed);
+    } else {
+        req_free(r);
+    }
+}
+
+static hf_req *req_new(hf_hub *h, const char *method, const char *url)
+{
+    hf_req *r = calloc(1, sizeof(*r));
+    if (r == NULL || (r->url = strdup(url)) == NULL) {
+        free(r);
+        return NULL;
+    }
+    r->h = h;
+    snprintf(r->method, sizeof(r->method), "%s", method);
+    r->src_fd = r->sink_fd = -1;
+    r->max_attempts = 5;
+    r->api = 1;
+    r->auth = 1;
+    return r;
+}
+
+static void req_header(hf_req *r, const char *line)
+{
+    char **nh = realloc(r->headers, (r->nheaders + 1) * sizeof(*nh));
+    if (nh == NULL)
+        return;
+    r->headers = nh;
+    if ((r->headers[r->nheaders] = strdup(line)) != NULL)
+        r->nheaders++;
+}
+
+static void req_body(hf_req *r, const char *data, size_t len)
+{
+    free(r->body);
+    r->body = malloc(len ? len : 1);
+    if (r->body != NULL) {
+        memcpy(r->body, data, len);
+        r->body_len = len;
+    }
+}
+
+static void set_error(hf_hub *h, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void set_error(hf_hub *h, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(h->st.last_error, sizeof(h->st.last_error), fmt, ap);
+    va_end(ap);
+    h->st.errors++;
+    char q[400];
+    dl_log(DL_LOG_WARN, "hub", "hub request failed", "error=%s", dl_log_q(q, sizeof(q), h->st.last_error));
+}
+
+static void req_send(hf_req *r);
+
+static void req_retry_cb(uv_timer_t *t)
+{
+    req_send(t->data);
+}
+
+static double jittered(double base)
+{
+    return base * (0.75 + 0.5 * ((double)rand() / RAND_MAX));
+}
+
+static void req_done(cuv_xfer *x, void *arg)
+{
+    hf_req *r = arg;
+    hf_hub *h = r->h;
+    int transient;
+
+    if (x->result == CURLE_ABORTED_BY_CALLBACK || h->closing) {
+        r->cb(h, r, 0);
+        return;
+    }
+    transient = x->result != CURLE_OK || x->status == 429 || x->status >= 500 || x->status == 408;
+    if (x->result == CURLE_OK && !transient) {
+        r->cb(h, r, x->status >= 200 && x->status < 400);
+        return;
+    }
+    r->attempt++;
+    if (x->result != CURLE_OK)
+        set_error(h, "%s %s: %s", r->method, r->url, curl_easy_strerror(x->result));
+    else
+        set_error(h, "%s %s: HTTP %ld%s%s", r->method, r->url, x->status, x->error_code[0] ? " " : "",
+                  x->error_code);
+    if (!r->retry_forever && r->attempt >= r->max_attempts) {
+        r->cb(h, r, 0);
+        return;
+    }
+    /* 429: the server says when; else exponential backoff with jitter */
+    double wait = x->retry_after >= 0 ? x->retry_after + 0.1 : jittered(fmin(0.5 * pow(2, r->attempt - 1), MAX_BACKOFF));
+    if (!r->timer_open) {
+        uv_timer_init(h->loop, &r->timer);
+        r->timer.data = r;
+        r->timer_open = 1;
+    }
+    /* a sink restarts where the data stopped (Range resume is the caller's business: it rebuilds) */
+    if (r->sink_fd >= 0)
+        r->sink_off += x->written;
+    uv_timer_start(&r->timer, req_retry_cb, (uint64_t)(wait * 1000), 0);
+}
+
+static void req_send(hf_req *r)
+{
+    hf_hub *h = r->h;
+    cuv_xfer *x;
+
+    cuv_xfer_free(r->x);
+    r->x = NULL;
+    if (h->closing) {
+        r->cb(h, r, 0);
+        return;
+    }
+    x = cuv_xfer_new(h->curl, r->method, r->url);
+    if (x == NULL) {
+        r->cb(h, r, 0);
+        return;
+    }
+    r->x = x;
+    for (size_t i = 0; i < r->nheaders; i++)
+        cuv_xfer_header(x, r->headers[i]);
+    if (r->auth)
+        cuv_xfer_bearer(x, h->token);
+    cuv_xfer_follow(x, r->follow);
+    if (r->body != NULL)
+        cuv_xfer_body(x, r->body, r->body_len);
+    else if (r->src_fd >= 0)
+        cuv_xfer_body_file(x, r->src_fd, r->src_off, r->src_len);
+    else if (strcmp(r->method, "POST") == 0)
+        cuv_xfer_body(x, "", 0);
+    if (r->sink_fd >= 0)
+        cuv_xfer_sink_file(x, r->sink_fd, r->sink_off);
+    if (r->api)
+        h->st.api_calls++;
+    else
+        h->st.resolver_calls++;
+    if (cuv_start(x, req_done, r) != 0) {
+        r->cb(h, r, 0);
+        return;
+    }
+}
+
+static void req_go(hf_hub *h, hf_req *r, hf_req_cb cb, void *arg)
+{
+    r->cb = cb;
+    r->arg = arg;
+    r->next = h->inflight;
+    if (h->inflight)
+        h->inflight->prev = r;
+    h->inflight = r;
+    req_send(r);
+}
+
+/* ---- URLs -------------------------------------------------------------------------------------- */
+
+/* quote(s, safe=""): everything but unreserved characters percent-encoded. */
+static void url_quote(sbuf *b, const char *s)
+{
+    static const char hex[] = "0123456789ABCDEF";
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if ((c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-' || c == '_' ||
+            c == '.' || c == '~') {
+            sb_add(b, (const char *)&c, 1);
+        } else {
+            char e[3] = {'%', hex[c >> 4], hex[c & 15]};
+            sb_add(b, e, 3);
+        }
+    }
+}
+
+static char *api_url(hf_hub *h, const char *what, const char *path, const char *query)
+{
+    sbuf b = {0};
+    sb_str(&b, h->endpoint);
+    sb_str(&b, "/api/models/");
+    sb_str(&b, h->repo);
+    sb_str(&b, "/");
+    sb_str(&b, what);
+    sb_str(&b, "/");
+    url_quote(&b, h->rev);
+    if (path != NULL) {
+        sb_str(&b, "/");
+        url_quote(&b, path);
+    }
+    if (query != NULL)
+        sb_str(&b, query);
+    return sb_take(&b);
+}
+
+static char *resolve_url(hf_hub *h, const char *path)
+{
+    sbuf b = {0};
+    sb_str(&b, h->endpoint);
+    sb_str(&b, "/");
+    sb_str(&b, h->repo);
+    sb_str(&b, "/resolve/");
+    url_quote(&b, h->rev);
+    sb_str(&b, "/");
+    /* path segments keep their slashes */
+    for (const char *p = path; *p;) {
+        const char *slash = strchr(p, '/');
+        size_t n = slash ? (size_t)(slash - p) : strlen(p);
+        char seg[256];
+        snprintf(seg, sizeof(seg), "%.*s", (int)n, p);
+        url_quote(&b, seg);
+        if (!slash)
+            break;
+        sb_str(&b, "/");
+        p = slash + 1;
+    }
+    return sb_take(&b);
+}
+
+/* ---- seen (path, oid) ------------------------------------------------------------------------ */
+
+static char *seen_key(const char *rel, const char *oid)
+{
+    char *k = NULL;
+    if (asprintf(&k, "%s\t%s", rel, oid) < 0)
+        return NULL;
+    return k;
+}
+
+static void seen_load(hf_hub *h)
+{
+    FILE *f = fopen(h->seen_path, "r");
+    char line[512];
+    int created;
+
+    if (f == NULL)
+        return;
+    while (fgets(line, sizeof(line), f) != NULL) {
+        line[strcspn(line, "\n")] = '\0';
+        if (strchr(line, '\t') == NULL)
+            continue;
+        seen_entry *e = seen_get(&h->seen, line, &created);
+        if (e)
+            e->state = SEEN_DONE;
+    }
+    fclose(f);
+}
+
+static void seen_append_cb(uv_fs_t *req)
+{
+    free(req->data);
+    uv_fs_req_cleanup(req);
+    free(req);
+}
+
+static void seen_persist(hf_hub *h, const char *key)
+{
+    uv_fs_t *req;
+    char *line = NULL;
+
+    if (h->seen_fd < 0 || asprintf(&line, "%s\n", key) < 0)
+        return;
+    req = malloc(sizeof(*req));
+    if (req == NULL) {
+        free(line);
+        return;
+    }
+    req->data = line;
+    uv_buf_t buf = uv_buf_init(line, (unsigned)strlen(line));
+    if (uv_fs_write(h->loop, req, h->seen_fd, &buf, 1, -1, seen_append_cb) != 0) {
+        free(line);
+        free(req);
+    }
+}
+
+static void mark_seen(hf_hub *h, const char *rel, const char *oid)
+{
+    char *k = seen_key(rel, oid);
+    int created;
+    seen_entry *e = k ? seen_get(&h->seen, k, &created) : NULL;
+    if (e != NULL && e->state != SEEN_DONE) {
+        e->state = SEEN_DONE;
+        seen_persist(h, k);
+    }
+    free(k);
+}
+
+void hf_mark_done(hf_hub *h, const char *rel)
+{
+    /* the daemon knows the path; the oid is the pending entry's */
+    for (size_t i = 0; i < h->seen.cap; i++) {
+        seen_entry *e = &h->seen.slots[i];
+        size_t rl = strlen(rel);
+        if (e->key && e->state == SEEN_PENDING && strncmp(e->key, rel, rl) == 0 && e->key[rl] == '\t') {
+            e->state = SEEN_DONE;
+            seen_persist(h, e->key);
+        }
+    }
+}
+
+/* ---- downloads ------------------------------------------------------------------------------- */
+
+static void candidate_free(candidate *c)
+{
+    free(c->rel);
+    free(c->oid);
+    free(c->part);
+    free(c);
+}
+
+static void pump_downloads(hf_hub *h);
+
+typedef struct verify_job {
+    uv_work_t w;
+    hf_hub *h;
+    candidate *c;
+    int ok;
+    char why[160];
+} verify_job;
+
+/* sha256 of the content (LFS) or the git blob sha1 ("blob <size>\0" + content). */
+static int hash_file(const char *path, int git_sha1, uint64_t size, char *hex, size_t hexlen)
+{
+    static const char digits[] = "0123456789abcdef";
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    unsigned char md[EVP_MAX_MD_SIZE], *buf = malloc(1 << 20);
+    unsigned mdlen = 0;
+    int fd = open(path, O_RDONLY | O_CLOEXEC), rc = -1;
+
+    if (ctx == NULL || buf == NULL || fd < 0 || EVP_DigestInit_ex(ctx, git_sha1 ? EVP_sha1() : EVP_sha256(), NULL) != 1)
+        goto out;
+    if (git_sha1) {
+        char head[48];
+        int n = snprintf(head, sizeof(head), "blob %" PRIu64, size);
+        EVP_DigestUpdate(ctx, head, (size_t)n + 1);     /* with the NUL */
+    }
+    for (;;) {
+        ssize_t r = read(fd, buf, 1 << 20);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0)
+            goto out;
+        if (r == 0)
+            break;
+        EVP_DigestUpdate(ctx, buf, (size_t)r);
+    }
+    if (EVP_DigestFinal_ex(ctx, md, &mdlen) != 1 || hexlen < 2 * mdlen + 1)
+        goto out;
+    for (unsigned i = 0; i < mdlen; i++) {
+        hex[2 * i] = digits[md[i] >> 4];
+        hex[2 * i + 1] = digits[md[i] & 15];
+    }
+    hex[2 * mdlen] = '\0';
+    rc = 0;
+out:
+    if (fd >= 0)
+        close(fd);
+    free(buf);
+    EVP_MD_CTX_free(ctx);
+    return rc;
+}
+
+static void verify_work(uv_work_t *w)
+{
+    verify_job *j = w->data;
+    candidate *c = j->c;
+    struct stat sb;
+    char hex[130];
+
+    if (stat(c->part, &sb) != 0 || (uint64_t)sb.st_size != c->size) {
+        snprintf(j->why, sizeof(j->why), "size %lld, the listing says %" PRIu64, (long long)sb.st_size, c->size);
+        return;
+    }
+    if (hash_file(c->part, !c->lfs, c->size, hex, sizeof(hex)) != 0) {
+        snprintf(j->why, sizeof(j->why), "cannot hash the download");
+        return;
+    }
+    if (strcmp(hex, c->oid) != 0) {
+        snprintf(j->why, sizeof(j->why), "%s %s, the listing says %s", c->lfs ? "sha256" : "git sha1", hex, c->oid);
+        return;
+    }
+    j->ok = 1;
+}
+
+static void verify_after(uv_work_t *w, int status)
+{
+    verify_job *j = w->data;
+    hf_hub *h = j->h;
+    candidate *c = j->c;
+    char q[300];
+
+    h->handles--;
+    h->active_downloads--;
+    if (status == 0 && j->ok && !h->closing) {
+        h->st.downloads++;
+        dl_log(DL_LOG_DEBUG, "hub", "delta downloaded", "path=%s bytes=%" PRIu64 " oid=%s", c->rel, c->size, c->oid);
+        h->cb.delta_ready(h->app, c->rel, c->part);
+        candidate_free(c);
+    } else {
+        if (status == 0 && !h->closing) {
+            dl_log(DL_LOG_WARN, "hub", "download does not match the listing, discarded", "path=%s reason=%s", c->rel,
+                   dl_log_q(q, sizeof(q), j->why));
+            h->st.errors++;
+            snprintf(h->st.last_error, sizeof(h->st.last_error), "%s: %s", c->rel, j->why);
+        }
+        unlink(c->part);
+        c->have = 0;
+        if (++c->attempts < MAX_ATTEMPTS_DOWNLOAD && !h->closing) {
+            c->next = h->retry;     /* the next poll tries it again */
+            h->retry = c;
+        } else {
+            char *k = seen_key(c->rel, c->oid);
+            seen_entry *e = k ? seen_find(&h->seen, k) : NULL;
+            if (e)
+                e->state = SEEN_REJECTED;   /* given up for this run: a restart tries again */
+            free(k);
+            candidate_free(c);
+        }
+    }
+    free(j);
+    pump_downloads(h);
+}
+
+static void download_done(hf_hub *h, hf_req *r, int ok)
+{
+    candidate *c = r->arg;
+    cuv_xfer *x = r->x;
+    int range_ignored = x != NULL && c->have > 0 && x->status == 200;
+    int fd = r->sink_fd;
+
+    req_end(h, r);
+    close(fd);
+    if (!ok || range_ignored || h->closing) {
+        h->active_downloads--;
+        if (range_ignored || (x != NULL && x->status == 416))
+            unlink(c->part);    /* start over: the server would not resume */
+        if (!h->closing && ++c->attempts < MAX_ATTEMPTS_DOWNLOAD) {
+            c->next = h->retry;
+            h->retry = c;
+        } else {
+            candidate_free(c);
+        }
+        pump_downloads(h);
+        return;
+    }
+    verify_job *j = calloc(1, sizeof(*j));
+    if (j == NULL) {
+        h->active_downloads--;
+        candidate_free(c);
+        return;
+    }
+    j->h = h;
+    j->c = c;
+    j->w.data = j;
+    h->handles++;
+    if (uv_queue_work(h->loop, &j->w, verify_work, verify_after) != 0) {
+        h->handles--;
+        h->active_downloads--;
+        free(j);
+        candidate_free(c);
+    }
+}
+
+static void start_download(hf_hub *h, candidate *c)
+{
+    char *url = resolve_url(h, c->rel);
+    struct stat sb;
+    int fd;
+    hf_req *r;
+
+    if (c->part == NULL && asprintf(&c->part, "%s/cache/incoming/hf-%s.part", h->state_dir, c->oid) < 0)
+        c->part = NULL;
+    /* a small open of our own cache file; the data goes through uv_fs_write */
+    fd = c->part ? open(c->part, O_WRONLY | O_CREAT | O_CLOEXEC, 0644) : -1;
+    if (url == NULL || fd < 0 || fstat(fd, &sb) != 0 || (r = req_new(h, "GET", url)) == NULL) {
+        free(url);
+        if (fd >= 0)
+            close(fd);
+        candidate_free(c);
+        return;
+    }
+    free(url);
+    c->have = (uint64_t)sb.st_size;
+    if (c->have > c->size) {
+        c->have = 0;
+        if (ftruncate(fd, 0) != 0) {
+            close(fd);
+            candidate_free(c);
+            return;
+        }
+    }
+    if (c->have > 0) {
+        char range[64];
+        snprintf(range, sizeof(range), "Range: bytes=%" PRIu64 "-", c->have);
+        req_header(r, range);
+    }
+    r->sink_fd = fd;
+    r->sink_off = c->have;
+    r->follow = 1;
+    r->api = 0;
+    r->max_attempts = 1;        /* resume is driven here, with a fresh Range each time */
+    h->active_downloads++;
+    req_go(h, r, download_done, c);
+}
+
+/* ---- peeking at a delta's header ------------------------------------------------------------- */
+
+static void peek_done(hf_hub *h, hf_req *r, int ok)
+{
+    candidate *c = r->arg;
+    cuv_xfer *x = r->x;
+    int decided = 0;
+
+    h->active_downloads--;
+    if (ok && x != NULL && x->body.len >= 8) {
+        const unsigned char *b = (const unsigned char *)x->body.p;
+        uint64_t n = 0;
+        for (int i = 7; i >= 0; i--)
+            n = (n << 8) | b[i];
+        st_header *hd = NULL;
+        if (8 + n <= x->body.len && n <= ST_MAX_HEADER_SIZE &&
+            st_header_parse_unsized(x->body.p + 8, (size_t)n, &hd, NULL) == 0) {
+            size_t vl;
+            const char *v = st_header_meta(hd, "base_outer_step", &vl);
+            uint64_t base;
+            if (v != NULL && delta_parse_int(v, vl, &base) == 0) {
+                if (base < h->step) {
+                    dl_log(DL_LOG_DEBUG, "hub", "stale delta not downloaded", "path=%s base_outer_step=%" PRIu64,
+                           c->rel, base);
+                    mark_seen(h, c->rel, c->oid);
+                    decided = 1;
+                } else if (base > h->step) {
+                    /* not ours yet (or never): look again at a later poll */
+                    char *k = seen_key(c->rel, c->oid);
+                    seen_entry *e = k ? seen_find(&h->seen, k) : NULL;
+                    if (e)
+                        e->state = SEEN_INCOMPLETE;
+                    free(k);
+                    decided = 1;
+                }
+            }
+            st_header_free(hd);
+        }
+    }
+    req_end(h, r);
+    if (decided) {
+        candidate_free(c);
+    } else {
+        /* current step, or a header we could not read: the full download and intake decide */
+        c->next = h->queue;
+        h->queue = c;
+        c->attempts = -100;     /* marks "peeked" */
+    }
+    pump_downloads(h);
+}
+
+static void start_peek(hf_hub *h, candidate *c)
+{
+    char *url = resolve_url(h, c->rel);
+    hf_req *r = url ? req_new(h, "GET", url) : NULL;
+    free(url);
+    if (r == NULL) {
+        candidate_free(c);
+        return;
+    }
+    char range[48];
+    snprintf(range, sizeof(range), "Range: bytes=0-%u", PEEK_BYTES - 1);
+    req_header(r, range);
+    r->follow = 1;
+    r->api = 0;
+    r->max_attempts = 2;
+    h->active_downloads++;
+    req_go(h, r, peek_done, c);
+}
+
+static void pump_downloads(hf_hub *h)
+{
+    while (!h->closing && h->queue != NULL && h->active_downloads < h->max_downloads) {
+        candidate *c = h->queue;
+        h->queue = c->next;
+        c->next = NULL;
+        if (c->attempts == -100) {
+            c->attempts = 0;
+            start_download(h, c);
+        } else {
+            start_peek(h, c);
+        }
+    }
+}
+
+/* ---- polling ----------------------------------------------------------------------------------- */
+
+static void consider_entry(hf_hub *h, const cJSON *e)
+{
+    const char *type = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "type"));
+    const char *path = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "path"));
+    const char *oid = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "oid"));
+    const cJSON *lfs = cJSON_GetObjectItemCaseSensitive(e, "lfs");
+    const cJSON *size = cJSON_GetObjectItemCaseSensitive(e, "size");
+    char id[DELTA_NODE_ID_MAX + 1];
+    uint64_t step;
+    int created;
+
+    if (type == NULL || strcmp(type, "file") != 0 || path == NULL || oid == NULL || !cJSON_IsNumber(size) ||
+        size->valuedouble < 0 || delta_parse_path(path, id, &step, NULL) != 0)
+        return;
+    if (cJSON_IsObject(lfs)) {
+        const char *loid = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(lfs, "oid"));
+        if (loid == NULL || strlen(loid) != 64)
+            return;
+        oid = loid;
+    } else if (strlen(oid) != 40) {
+        return;
+    }
+    for (const char *p = oid; *p; p++)
+        if (!((*p >= '0' && *p <= '9') || (*p >= 'a' && *p <= 'f')))
+            return;             /* hostile: the oid names a file in our cache */
+    char *k = seen_key(path, oid);
+    seen_entry *se = k ? seen_get(&h->seen, k, &created) : NULL;
+    free(k);
+    if (se == NULL || (!created && se->state != SEEN_INCOMPLETE))
+        return;                 /* done, rejected for this run, or in flight */
+    se->state = SEEN_PENDING;
+    candidate *c = calloc(1, sizeof(*c));
+    if (c == NULL || (c->rel = strdup(path)) == NULL || (c->oid = strdup(oid)) == NULL) {
+        if (c)
+            candidate_free(c);
+        return;
+    }
+    c->size = (uint64_t)size->valuedouble;
+    c->lfs = cJSON_IsObject(lfs);
+    c->next = h->queue;
+    h->queue = c;
+}
+
+static void list_page(hf_hub *h, const char *url);
+
+static void list_done(hf_hub *h, hf_req *r, int ok)
+{
+    cuv_xfer *x = r->x;
+    char next[2048] = "";
+
+    if (ok && x != NULL && x->status == 200) {
+        cJSON *arr = cJSON_ParseWithLength(x->body.p ? x->body.p : "", x->body.len), *e;
+        if (cJSON_IsArray(arr)) {
+            cJSON_ArrayForEach(e, arr)
+                consider_entry(h, e);
+        } else {
+            set_error(h, "tree listing is not a JSON array");
+        }
+        cJSON_Delete(arr);
+        /* follow the Link only to our own endpoint (a hostile server could point anywhere) */
+        if (x->link_next[0] && strncmp(x->link_next, h->endpoint, strlen(h->endpoint)) == 0)
+            snprintf(next, sizeof(next), "%s", x->link_next);
+    } else if (x != NULL && x->status == 404) {
+        /* no nodes/ directory yet: no worker has uploaded */
+    }
+    req_end(h, r);
+    if (next[0] && !h->closing) {
+        list_page(h, next);
+        return;
+    }
+    h->polling = 0;
+    pump_downloads(h);
+}
+
+static void list_page(hf_hub *h, const char *url)
+{
+    hf_req *r = req_new(h, "GET", url);
+    if (r == NULL) {
+        h->polling = 0;
+        return;
+    }
+    req_go(h, r, list_done, NULL);
+}
+
+static void adopt_download(hf_hub *h);
+
+static void stepfile_done(hf_hub *h, hf_req *r, int ok)
+{
+    cuv_xfer *x = r->x;
+    uint64_t step;
+    int list = r->arg != NULL;
+
+    if (ok && x != NULL && x->status == 200 &&
+        stepcount_parse(x->body.p ? x->body.p : "", x->body.len, &step, NULL, NULL) == 0) {
+        if (h->published_known != (int64_t)step) {
+            h->published_known = (int64_t)step;
+            h->cb.published_seen(h->app, step);
+        }
+    }
+    req_end(h, r);
+    if (h->waiting && h->published_known >= 0 && !h->global_download) {
+        adopt_download(h);
+        h->polling = 0;
+        return;
+    }
+    if (list && !h->closing && !h->waiting) {
+        char *url = api_url(h, "tree", "nodes", "?recursive=true&expand=false");
+        if (url != NULL) {
+            list_page(h, url);
+            free(url);
+            return;
+        }
+    }
+    h->polling = 0;
+    pump_downloads(h);
+}
+
+static void fetch_stepfile(hf_hub *h, int then_list)
+{
+    char *url = resolve_url(h, "global/step_count.json");
+    hf_req *r = url ? req_new(h, "GET", url) : NULL;
+    free(url);
+    if (r == NULL) {
+        h->polling = 0;
+        return;
+    }
+    r->follow = 1;
+    r->api = 0;
+    r->max_attempts = 2;
+    req_go(h, r, stepfile_done, then_list ? (void *)1 : NULL);
+}
+
+static void revision_done(hf_hub *h, hf_req *r, int ok)
+{
+    cuv_xfer *x = r->x;
+    int moved = 0;
+
+    h->st.last_poll = time(NULL);
+    if (ok && x != NULL && x->status == 200) {
+        cJSON *j = cJSON_ParseWithLength(x->body.p ? x->body.p : "", x->body.len);
+        const char *sha = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(j, "sha"));
+        if (sha != NULL && strlen(sha) < sizeof(h->st.head)) {
+            moved = strcmp(sha, h->st.head) != 0;
+            snprintf(h->st.head, sizeof(h->st.head), "%s", sha);
+        }
+        cJSON_Delete(j);
+    } else if (x != NULL && x->status != 0) {
+        set_error(h, "revision: HTTP %ld %s", x->status, x->error_code);
+    }
+    req_end(h, r);
+    if (moved && !h->closing) {
+        dl_log(DL_LOG_DEBUG, "hub", "revision moved", "sha=%s", h->st.head);
+        fetch_stepfile(h, 1);
+        return;
+    }
+    /* failed downloads wait for a poll; the head has not moved, so retry them now */
+    while (h->retry != NULL) {
+        candidate *c = h->retry;
+        h->retry = c->next;
+        c->next = h->queue;
+        h->queue = c;
+    }
+    h->polling = 0;
+    pump_downloads(h);
+}
+
+static void poll_cb(uv_timer_t *t)
+{
+    hf_hub *h = t->data;
+    hf_req *r;
+    char *url;
+
+    if (h->polling || h->closing)
+        return;
+    url = api_url(h, "revision", NULL, NULL);
+    r = url ? req_new(h, "GET", url) : NULL;
+    free(url);
+    if (r == NULL)
+        return;
+    r->max_attempts = 1;        /* the next poll is the retry */
+    h->polling = 1;
+    req_go(h, r, revision_done, NULL);
+}
+
+/* ---- adoption: download the Hub's global ----------------------------------------------------- */
+
+typedef struct adopt_ctx {
+    uint64_t step;
+    char *path;
+} adopt_ctx;
+
+static void adopt_done(hf_hub *h, hf_req *r, int ok)
+{
+    adopt_ctx *a = r->arg;
+    int fd = r->sink_fd;
+    cuv_xfer *x = r->x;
+
+    ok = ok && x != NULL && x->status == 200;
+    req_end(h, r);
+    close(fd);
+    h->global_download = 0;
+    if (ok && !h->closing) {
+        h->cb.global_ready(h->app, a->step, a->path);   /* the daemon validates it before adopting */
+    } else {
+        unlink(a->path);
+    }
+    free(a->path);
+    free(a);
+}
+
+static void adopt_download(hf_hub *h)
+{
+    adopt_ctx *a = calloc(1, sizeof(*a));
+    char *url = resolve_url(h, "global/latest.safetensors");
+    hf_req *r = url ? req_new(h, "GET", url) : NULL;
+    int fd = -1;
+
+    free(url);
+    if (a == NULL || r == NULL || asprintf(&a->path, "%s/cache/incoming/hf-global-%" PRId64 ".safetensors",
+                                           h->state_dir, h->published_known) < 0 ||
+        (fd = open(a->path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)) < 0) {
+        if (r)
+            req_free(r);
+        if (a)
+            free(a->path);
+        free(a);
+        return;
+    }
+    a->step = (uint64_t)h->published_known;
+    r->sink_fd = fd;
+    r->follow = 1;
+    r->api = 0;
+    h->global_download = 1;
+    req_go(h, r, adopt_done, a);
+}
+
+/* ---- publishing -------------------------------------------------------------------------------- */
+
+static void pub_finish(hf_hub *h, int ok);
+static void pub_revision(hf_hub *h);
+
+static void b64(sbuf *out, const unsigned char *p, size_t n)
+{
+    static const char tbl[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    for (size_t i = 0; i < n; i += 3) {
+        unsigned v = (unsigned)p[i] << 16 | (i + 1 < n ? (unsigned)p[i + 1] << 8 : 0) | (i + 2 < n ? p[i + 2] : 0);
+        char q[4] = {tbl[(v >> 18) & 63], tbl[(v >> 12) & 63], i + 1 < n ? tbl[(v >> 6) & 63] : '=',
+                     i + 2 < n ? tbl[v & 63] : '='};
+        sb_add(out, q, 4);
+    }
+}
+
+typedef struct hash_job {
+    uv_work_t w;
+    hf_hub *h;
+    int ok;
+} hash_job;
+
+static void pub_hash_work(uv_work_t *w)
+{
+    hash_job *j = w->data;
+    pub_state *p = &j->h->pub;
+    struct stat sb;
+    unsigned char sample[512];
+    sbuf s = {0};
+
+    if (stat(p->path, &sb) != 0 || hash_file(p->path, 0, 0, p->sha256, sizeof(p->sha256)) != 0)
+        return;
+    p->size = (uint64_t)sb.st_size;
+    int fd = open(p->path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return;
+    ssize_t n = read(fd, sample, sizeof(sample));
+    close(fd);
+    if (n < 0)
+        return;
+    b64(&s, sample, (size_t)n);
+    char *t = sb_take(&s);
+    if (t == NULL)
+        return;
+    snprintf(p->sample_b64, sizeof(p->sample_b64), "%s", t);
+    free(t);
+    j->ok = 1;
+}
+
+static void pub_commit(hf_hub *h);
+
+static void commit_done(hf_hub *h, hf_req *r, int ok)
+{
+    cuv_xfer *x = r->x;
+    long status = x ? x->status : 0;
+    req_end(h, r);
+    if (ok && status == 200) {
+        pub_finish(h, 1);
+        return;
+    }
+    if (status == 412 && !h->closing) {
+        dl_log(DL_LOG_INFO, "hub", "parent commit moved, committing again on the new head", "step=%" PRIu64,
+               h->pub.step);
+        pub_revision(h);        /* re-read the head, then commit again (the LFS object is stored) */
+        return;
+    }
+    set_error(h, "commit of step %" PRIu64 ": HTTP %ld", h->pub.step, status);
+    pub_finish(h, 0);
+}
+
+static void pub_commit(hf_hub *h)
+{
+    pub_state *p = &h->pub;
+    sbuf b = {0};
+    char line[512];
+    char *url = api_url(h, "commit", NULL, NULL), *body;
+    hf_req *r = url ? req_new(h, "POST", url) : NULL;
+
+    free(url);
+    if (r == NULL) {
+        pub_finish(h, 0);
+        return;
+    }
+    snprintf(line, sizeof(line),
+             "{\"key\":\"header\",\"value\":{\"summary\":\"dilocod: outer step %" PRIu64
+             "\",\"description\":\"\",\"parentCommit\":\"%s\"}}\n",
+             p->step, p->parent);
+    sb_str(&b, line);
+    if (p->lfs_mode) {
+        snprintf(line, sizeof(line),
+                 "{\"key\":\"lfsFile\",\"value\":{\"path\":\"global/latest.safetensors\",\"algo\":\"sha256\","
+                 "\"oid\":\"%s\",\"size\":%" PRIu64 "}}\n",
+                 p->sha256, p->size);
+        sb_str(&b, line);
+    }
+    sb_str(&b, "{\"key\":\"file\",\"value\":{\"content\":\"");
+    b64(&b, (const unsigned char *)p->stepfile, strlen(p->stepfile));
+    sb_str(&b, "\",\"path\":\"global/step_count.json\",\"encoding\":\"base64\"}}\n");
+    size_t len = b.len;
+    if ((body = sb_take(&b)) == NULL) {
+        req_free(r);
+        pub_finish(h, 0);
+        return;
+    }
+    req_body(r, body, len);
+    free(body);
+    req_header(r, "Content-Type: application/x-ndjson");
+    r->retry_forever = 1;
+    req_go(h, r, commit_done, NULL);
+}
+
+static void verify_lfs_done(hf_hub *h, hf_req *r, int ok)
+{
+    req_end(h, r);
+    if (!ok) {
+        set_error(h, "LFS verify of step %" PRIu64 " failed", h->pub.step);
+        pub_finish(h, 0);
+        return;
+    }
+    pub_commit(h);
+}
+
+/* After the object's bytes are up: the verify action if any, then the commit. */
+static void pub_after_upload(hf_hub *h)
+{
+    const cJSON *obj = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(h->pub.batch, "objects"), 0);
+    const cJSON *verify = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(obj, "actions"), "verify");
+    const char *href = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(verify, "href"));
+
+    if (href == NULL) {
+        pub_commit(h);
+        return;
+    }
+    hf_req *r = req_new(h, "POST", href);
+    char body[200];
+    if (r == NULL) {
+        pub_finish(h, 0);
+        return;
+    }
+    snprintf(body, sizeof(body), "{\"oid\":\"%s\",\"size\":%" PRIu64 "}", h->pub.sha256, h->pub.size);
+    req_body(r, body, strlen(body));
+    req_header(r, "Content-Type: application/vnd.git-lfs+json");
+    req_header(r, "Accept: application/vnd.git-lfs+json");
+    r->retry_forever = 1;
+    req_go(h, r, verify_lfs_done, NULL);
+}
+
+static void basic_put_done(hf_hub *h, hf_req *r, int ok)
+{
+    req_end(h, r);
+    if (!ok) {
+        set_error(h, "LFS upload of step %" PRIu64 " failed", h->pub.step);
+        pub_finish(h, 0);
+        return;
+    }
+    pub_after_upload(h);
+}
+
+static void add_action_headers(hf_req *r, const cJSON *action)
+{
+    const cJSON *hdr = cJSON_GetObjectItemCaseSensitive(action, "header"), *e;
+    cJSON_ArrayForEach(e, hdr) {
+        if (cJSON_IsString(e) && e->string && strcasecmp(e->string, "chunk_size") != 0 &&
+            strspn(e->string, "0123456789") != strlen(e->string)) {
+            char line[1024];
+            snprintf(line, sizeof(line), "%s: %s", e->string, e->valuestring);
+            if (strpbrk(line, "\r\n") == NULL)
+                req_header(r, line);
+        }
+    }
+}
+
+static void multipart_next(hf_hub *h);
+
+static void part_done(hf_hub *h, hf_req *r, int ok)
+{
+    pub_state *p = &h->pub;
+    cuv_xfer *x = r->x;
+    if (ok && x != NULL && x->etag[0]) {
+        free(p->part_etags[p->part_next]);
+        p->part_etags[p->part_next] = strdup(x->etag);
+        p->part_next++;
+        req_end(h, r);
+        multipart_next(h);
+        return;
+    }
+    req_end(h, r);
+    set_error(h, "LFS multipart upload of step %" PRIu64 " failed at part %zu", p->step, p->part_next + 1);
+    pub_finish(h, 0);
+}
+
+static void complete_done(hf_hub *h, hf_req *r, int ok)
+{
+    req_end(h, r);
+    if (!ok) {
+        set_error(h, "LFS multipart completion of step %" PRIu64 " failed", h->pub.step);
+        pub_finish(h, 0);
+        return;
+    }
+    pub_after_upload(h);
+}
+
+static void multipart_next(hf_hub *h)
+{
+    pub_state *p = &h->pub;
+    const cJSON *obj = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(p->batch, "objects"), 0);
+    const cJSON *upload = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(obj, "actions"), "upload");
+    const cJSON *hdr = cJSON_GetObjectItemCaseSensitive(upload, "header");
+
+    if (p->part_next < p->nparts) {
+        char key[24];
+        snprintf(key, sizeof(key), "%05zu", p->part_next + 1);
+        const char *href = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(hdr, key));
+        hf_req *r = href ? req_new(h, "PUT", href) : NULL;
+        if (r == NULL) {
+            set_error(h, "LFS multipart answer lacks part %s", key);
+            pub_finish(h, 0);
+            return;
+        }
+        uint64_t off = p->part_next * p->chunk;
+        r->src_fd = p->fd;
+        r->src_off = off;
+        r->src_len = off + p->chunk <= p->size ? p->chunk : p->size - off;
+        r->auth = 0;            /* pre-signed storage URLs: never our token */
+        r->api = 0;
+        r->retry_forever = 1;
+        req_go(h, r, part_done, NULL);
+        return;
+    }
+    /* completion: {"oid":..., "parts":[{"partNumber":1,"etag":"..."}]} */
+    const char *href = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(upload, "href"));
+    sbuf b = {0};
+    char *body;
+    hf_req *r = href ? req_new(h, "POST", href) : NULL;
+    if (r == NULL) {
+        pub_finish(h, 0);
+        return;
+    }
+    sb_str(&b, "{\"oid\":\"");
+    sb_str(&b, p->sha256);
+    sb_str(&b, "\",\"parts\":[");
+    for (size_t i = 0; i < p->nparts; i++) {
+        char part[64];
+        snprintf(part, sizeof(part), "%s{\"partNumber\":%zu,\"etag\":", i ? "," : "", i + 1);
+        sb_str(&b, part);
+        sb_json_string(&b, p->part_etags[i] ? p->part_etags[i] : "", p->part_etags[i] ? strlen(p->part_etags[i]) : 0);
+        sb_str(&b, "}");
+    }
+    sb_str(&b, "]}");
+    size_t len = b.len;
+    if ((body = sb_take(&b)) == NULL) {
+        req_free(r);
+        pub_finish(h, 0);
+        return;
+    }
+    req_body(r, body, len);
+    free(body);
+    req_header(r, "Content-Type: application/vnd.git-lfs+json");
+    r->auth = 0;
+    r->retry_forever = 1;
+    req_go(h, r, complete_done, NULL);
+}
+
+static void batch_done(hf_hub *h, hf_req *r, int ok)
+{
+    pub_state *p = &h->pub;
+    cuv_xfer *x = r->x;
+    cJSON *j = ok && x ? cJSON_ParseWithLength(x->body.p ? x->body.p : "", x->body.len) : NULL;
+    req_end(h, r);
+    const cJSON *obj = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(j, "objects"), 0);
+    if (obj == NULL || cJSON_GetObjectItemCaseSensitive(obj, "error") != NULL) {
+        set_error(h, "LFS batch for step %" PRIu64 " refused", p->step);
+        cJSON_Delete(j);
+        pub_finish(h, 0);
+        return;
+    }
+    cJSON_Delete(p->batch);
+    p->batch = j;
+    const cJSON *actions = cJSON_GetObjectItemCaseSensitive(obj, "actions");
+    const cJSON *upload = cJSON_GetObjectItemCaseSensitive(actions, "upload");
+    if (upload == NULL) {
+        pub_after_upload(h);    /* already stored */
+        return;
+    }
+    const char *transfer = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(j, "transfer"));
+    const cJSON *hdr = cJSON_GetObjectItemCaseSensitive(upload, "header");
+    const char *chunk = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(hdr, "chunk_size"));
+    if (transfer != NULL && strcmp(transfer, "multipart") == 0 && chunk != NULL) {
+        char *end;
+        unsigned long long cs = strtoull(chunk, &end, 10);
+        if (*end != '\0' || cs == 0 || cs > p->size + 1) {
+            set_error(h, "LFS multipart chunk_size \"%s\" is not usable", chunk);
+            pub_finish(h, 0);
+            return;
+        }
+        p->chunk = cs;
+        p->nparts = (size_t)((p->size + cs - 1) / cs);
+        p->part_next = 0;
+        p->part_etags = calloc(p->nparts + 1, sizeof(char *));
+        if (p->part_etags == NULL) {
+            pub_finish(h, 0);
+            return;
+        }
+        multipart_next(h);
+        return;
+    }
+    const char *href = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(upload, "href"));
+    hf_req *pr = href ? req_new(h, "PUT", href) : NULL;
+    if (pr == NULL) {
+        pub_finish(h, 0);
+        return;
+    }
+    add_action_headers(pr, upload);
+    pr->src_fd = p->fd;
+    pr->src_off = 0;
+    pr->src_len = p->size;
+    pr->auth = 0;
+    pr->api = 0;
+    pr->retry_forever = 1;
+    req_go(h, pr, basic_put_done, NULL);
+}
+
+static void preupload_done(hf_hub *h, hf_req *r, int ok)
+{
+    pub_state *p = &h->pub;
+    cuv_xfer *x = r->x;
+    cJSON *j = ok && x ? cJSON_ParseWithLength(x->body.p ? x->body.p : "", x->body.len) : NULL, *f;
+    req_end(h, r);
+    if (j == NULL) {
+        set_error(h, "preupload for step %" PRIu64 " failed", p->step);
+        pub_finish(h, 0);
+        return;
+    }
+    p->lfs_mode = 1;
+    cJSON_ArrayForEach(f, cJSON_GetObjectItemCaseSensitive(j, "files")) {
+        const char *path = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(f, "path"));
+        const char *mode = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(f, "uploadMode"));
+        if (path && mode && strcmp(path, "global/latest.safetensors") == 0)
+            p->lfs_mode = strcmp(mode, "lfs") == 0;
+    }
+    cJSON_Delete(j);
+    if (!p->lfs_mode) {
+        /* a regular file would travel inline, base64 in the commit: only sane for small models */
+        set_error(h, "the Hub wants global/latest.safetensors as a regular file: not supported, use LFS");
+        pub_finish(h, 0);
+        return;
+    }
+    sbuf b = {0};
+    char head[512], *body, *url = NULL;
+    snprintf(head, sizeof(head),
+             "{\"operation\":\"upload\",\"transfers\":[\"basic\",\"multipart\"],\"objects\":[{\"oid\":\"%s\",\"size\":%" PRIu64
+             "}],\"hash_algo\":\"sha256\",\"ref\":{\"name\":",
+             p->sha256, p->size);
+    sb_str(&b, head);
+    sb_json_string(&b, h->rev, strlen(h->rev));
+    sb_str(&b, "}}");
+    size_t len = b.len;
+    body = sb_take(&b);
+    if (body == NULL || asprintf(&url, "%s/%s.git/info/lfs/objects/batch", h->endpoint, h->repo) < 0) {
+        free(body);
+        pub_finish(h, 0);
+        return;
+    }
+    hf_req *br = req_new(h, "POST", url);
+    free(url);
+    if (br == NULL) {
+        free(body);
+        pub_finish(h, 0);
+        return;
+    }
+    req_body(br, body, len);
+    free(body);
+    req_header(br, "Content-Type: application/vnd.git-lfs+json");
+    req_header(br, "Accept: application/vnd.git-lfs+json");
+    br->retry_forever = 1;
+    req_go(h, br, batch_done, NULL);
+}
+
+static void pub_preupload(hf_hub *h)
+{
+    pub_state *p = &h->pub;
+    char *url = api_url(h, "preupload", NULL, NULL);
+    hf_req *r = url ? req_new(h, "POST", url) : NULL;
+    sbuf b = {0}, s = {0};
+    char part[256], *body, *ssample;
+
+    free(url);
+    if (r == NULL) {
+        pub_finish(h, 0);
+        return;
+    }
+    b64(&s, (const unsigned char *)p->stepfile, strlen(p->stepfile) < 512 ? strlen(p->stepfile) : 512);
+    ssample = sb_take(&s);
+    sb_str(&b, "{\"files\":[{\"path\":\"global/latest.safetensors\",\"sample\":\"");
+    sb_str(&b, p->sample_b64);
+    snprintf(part, sizeof(part), "\",\"size\":%" PRIu64 "},{\"path\":\"global/step_count.json\",\"sample\":\"", p->size);
+    sb_str(&b, part);
+    sb_str(&b, ssample ? ssample : "");
+    snprintf(part, sizeof(part), "\",\"size\":%zu}]}", strlen(p->stepfile));
+    sb_str(&b, part);
+    free(ssample);
+    size_t len = b.len;
+    if ((body = sb_take(&b)) == NULL) {
+        req_free(r);
+        pub_finish(h, 0);
+        return;
+    }
+    req_body(r, body, len);
+    free(body);
+    req_header(r, "Content-Type: application/json");
+    r->retry_forever = 1;
+    req_go(h, r, preupload_done, NULL);
+}
+
+static void pub_revision_done(hf_hub *h, hf_req *r, int ok)
+{
+    cuv_xfer *x = r->x;
+    const char *sha = NULL;
+    cJSON *j = ok && x ? cJSON_ParseWithLength(x->body.p ? x->body.p : "", x->body.len) : NULL;
+    sha = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(j, "sha"));
+    if (sha != NULL && strlen(sha) < sizeof(h->pub.parent))
+        snprintf(h->pub.parent, sizeof(h->pub.parent), "%s", sha);
+    cJSON_Delete(j);
+    req_end(h, r);
+    if (sha == NULL) {
+        set_error(h, "cannot read the head before publishing step %" PRIu64, h->pub.step);
+        pub_finish(h, 0);
+        return;
+    }
+    if (h->pub.batch == NULL)
+        pub_preupload(h);       /* first time: upload the object */
+    else
+        pub_commit(h);          /* after a 412: the object is stored, commit again */
+}
+
+static void pub_revision(hf_hub *h)
+{
+    char *url = api_url(h, "revision", NULL, NULL);
+    hf_req *r = url ? req_new(h, "GET", url) : NULL;
+    free(url);
+    if (r == NULL) {
+        pub_finish(h, 0);
+        return;
+    }
+    r->retry_forever = 1;
+    req_go(h, r, pub_revision_done, NULL);
+}
+
+/* Before committing: is this step's step_count.json already on the Hub (a publish completed just
+ * before a crash)?  Then committing again would publish the step twice. */
+static void pub_check_done(hf_hub *h, hf_req *r, int ok)
+{
+    cuv_xfer *x = r->x;
+    uint64_t step;
+    int already = ok && x != NULL && x->status == 200 &&
+                  stepcount_parse(x->body.p ? x->body.p : "", x->body.len, &step, NULL, NULL) == 0 &&
+                  step == h->pub.step;
+    int missing = x != NULL && (x->status == 200 || x->status == 404);
+    req_end(h, r);
+    if (already) {
+        dl_log(DL_LOG_INFO, "hub", "step already on the Hub, not committed again", "step=%" PRIu64, h->pub.step);
+        pub_finish(h, 1);
+        return;
+    }
+    if (!missing) {
+        set_error(h, "cannot read the Hub's step_count.json before publishing");
+        pub_finish(h, 0);
+        return;
+    }
+    pub_revision(h);
+}
+
+static void pub_hash_after(uv_work_t *w, int status)
+{
+    hash_job *j = w->data;
+    hf_hub *h = j->h;
+    int ok = status == 0 && j->ok;
+    free(j);
+    h->handles--;
+    if (!ok || h->closing) {
+        set_error(h, "cannot read the global of step %" PRIu64, h->pub.step);
+        pub_finish(h, 0);
+        return;
+    }
+    char *url = resolve_url(h, "global/step_count.json");
+    hf_req *r = url ? req_new(h, "GET", url) : NULL;
+    free(url);
+    if (r == NULL) {
+        pub_finish(h, 0);
+        return;
+    }
+    r->follow = 1;
+    r->api = 0;
+    r->retry_forever = 1;
+    req_go(h, r, pub_check_done, NULL);
+}
+
+static void pub_finish(hf_hub *h, int ok)
+{
+    pub_state *p = &h->pub;
+    uint64_t step = p->step;
+
+    if (p->fd >= 0)
+        close(p->fd);
+    p->fd = -1;
+    free(p->path);
+    free(p->stepfile);
+    cJSON_Delete(p->batch);
+    for (size_t i = 0; p->part_etags && i < p->nparts; i++)
+        free(p->part_etags[i]);
+    free(p->part_etags);
+    memset(p, 0, sizeof(*p));
+    p->fd = -1;
+    h->st.publishing = 0;
+    if (ok) {
+        h->st.last_publish = time(NULL);
+        h->published_known = (int64_t)step;
+    }
+    if (!h->closing)
+        h->cb.publish_done(h->app, step, ok);
+}
+
+void hf_publish(hf_hub *h, uint64_t step, const char *global_path, const char *optimizer, int bootstrap)
+{
+    pub_state *p = &h->pub;
+    hash_job *j;
+
+    if (p->active || h->closing)
+        return;
+    memset(p, 0, sizeof(*p));
+    p->active = 1;
+    p->step = step;
+    p->bootstrap = bootstrap;
+    snprintf(p->optimizer, sizeof(p->optimizer), "%s", optimizer);
+    p->path = strdup(global_path);
+    p->stepfile = stepcount_build(step, optimizer, bootstrap, NULL);
+    /* the descriptor keeps the step's file readable even if a later cleanup unlinks it */
+    p->fd = p->path ? open(p->path, O_RDONLY | O_CLOEXEC) : -1;
+    h->st.publishing = 1;
+    j = calloc(1, sizeof(*j));
+    if (p->path == NULL || p->stepfile == NULL || p->fd < 0 || j == NULL) {
+        free(j);
+        pub_finish(h, 0);
+        return;
+    }
+    j->h = h;
+    j->w.data = j;
+    h->handles++;
+    if (uv_queue_work(h->loop, &j->w, pub_hash_work, pub_hash_after) != 0) {
+        h->handles--;
+        free(j);
+        pub_finish(h, 0);
+    }
+}
+
+/* ---- lifecycle --------------------------------------------------------------------------------- */
+
+int hf_parse_url(const char *url, char **repo, char **rev)
+{
+    const char *p = url + 5, *at, *slash;
+    *repo = *rev = NULL;
+    if (strncmp(url, "hf://", 5) != 0)
+        return -1;
+    at = strchr(p, '@');
+    size_t rl = at ? (size_t)(at - p) : strlen(p);
+    slash = memchr(p, '/', rl);
+    if (slash == NULL || slash == p || (size_t)(slash - p) + 1 >= rl || memchr(slash + 1, '/', rl - (size_t)(slash - p) - 1))
+        return -1;
+    /* namespaces and repo names: [A-Za-z0-9._-] (the Hub's own rule is narrower) */
+    for (size_t i = 0; i < rl; i++) {
+        char c = p[i];
+        if (!(c == '/' || c == '.' || c == '_' || c == '-' || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+              (c >= '0' && c <= '9')))
+            return -1;
+    }
+    if (at != NULL && (at[1] == '\0' || strpbrk(at + 1, " \t\r\n") != NULL))
+        return -1;
+    *repo = strndup(p, rl);
+    *rev = strdup(at ? at + 1 : "main");
+    if (*repo == NULL || *rev == NULL) {
+        free(*repo);
+        free(*rev);
+        return -1;
+    }
+    return 0;
+}
+
+hf_hub *hf_open(uv_loop_t *loop, const hf_config *cfg, const hf_callbacks *cb, void *app)
+{
+    hf_hub *h = calloc(1, sizeof(*h));
+    if (h == NULL)
+        return NULL;
+    h->loop = loop;
+    h->cb = *cb;
+    h->app = app;
+    h->endpoint = strdup(cfg->endpoint);
+    h->repo = strdup(cfg->repo);
+    h->rev = strdup(cfg->revision);
+    h->token = cfg->token ? strdup(cfg->token) : NULL;
+    h->state_dir = strdup(cfg->state_dir);
+    h->poll_interval = cfg->poll_interval;
+    h->max_downloads = cfg->max_downloads ? cfg->max_downloads : 2;
+    h->published_known = -1;
+    h->pub.fd = -1;
+    size_t el = h->endpoint ? strlen(h->endpoint) : 0;
+    while (el > 0 && h->endpoint[el - 1] == '/')
+        h->endpoint[--el] = '\0';
+    if (h->endpoint == NULL || h->repo == NULL || h->rev == NULL || h->state_dir == NULL ||
+        asprintf(&h->seen_path, "%s/hub_seen.tsv", h->state_dir) < 0 || (h->curl = cuv_new(loop)) == NULL) {
+        free(h->endpoint);
+        free(h->repo);
+        free(h->rev);
+        free(h->token);
+        free(h->state_dir);
+        free(h);
+        return NULL;
+    }
+    seen_load(h);
+    h->seen_fd = open(h->seen_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    uv_timer_init(loop, &h->poll_timer);
+    h->poll_timer.data = h;
+    h->handles = 1;
+    return h;
+}
+
+void hf_set_step(hf_hub *h, uint64_t step, int waiting)
+{
+    h->step = step;
+    h->waiting = waiting;
+    /* deltas parked as "future" are worth a new look now */
+    for (size_t i = 0; i < h->seen.cap; i++)
+        if (h->seen.slots[i].key && h->seen.slots[i].state == SEEN_INCOMPLETE)
+            h->st.head[0] = '\0';       /* forces the next poll to list again */
+}
+
+void hf_start(hf_hub *h)
+{
+    uv_timer_start(&h->poll_timer, poll_cb, 0, (uint64_t)(h->poll_interval * 1000));
+}
+
+const hf_status *hf_get_status(const hf_hub *h)
+{
+    return &h->st;
+}
+
+static void hub_free(hf_hub *h)
+{
+    void (*done)(void *) = h->close_done;
+    void *arg = h->close_arg;
+    while (h->queue) {
+        candidate *c = h->queue;
+        h->queue = c->next;
+        candidate_free(c);
+    }
+    while (h->retry) {
+        candidate *c = h->retry;
+        h->retry = c->next;
+        candidate_free(c);
+    }
+    if (h->seen_fd >= 0)
+        close(h->seen_fd);
+    seen_free(&h->seen);
+    free(h->endpoint);
+    free(h->repo);
+    free(h->rev);
+    if (h->token)
+        memset(h->token, 0, strlen(h->token));
+    free(h->token);
+    free(h->state_dir);
+    free(h->seen_path);
+    free(h);
+    if (done)
+        done(arg);
+}
+
+static void curl_closed(void *arg)
+{
+    hf_hub *h = arg;
+    if (--h->handles == 0)
+        hub_free(h);
+}
+
+static void poll_timer_closed(uv_handle_t *t)
+{
+    hf_hub *h = t->data;
+    /* every request has ended (cancelled ones call back at once or after their file op) */
+    cuv_close(h->curl, curl_closed, h);
+}
+
+static void close_when_idle(uv_timer_t *t);
+
+void hf_close(hf_hub *h, void (*done)(void *), void *arg)
+{
+    h->closing = 1;
+    h->close_done = done;
+    h->close_arg = arg;
+    uv_timer_stop(&h->poll_timer);
+    for (hf_req *r = h->inflight, *n; r; r = n) {
+        n = r->next;
+        if (r->timer_open)
+            uv_timer_stop(&r->timer);
+        if (r->x != NULL)
+            cuv_xfer_cancel(r->x);      /* its callback ends the request */
+        else
+            r->cb(h, r, 0);
+    }
+    if (h->pub.active && h->inflight == NULL && h->handles == 1)
+        pub_finish(h, 0);
+    uv_timer_start(&h->poll_timer, close_when_idle, 10, 10);
+}
+
+/* Waits for cancelled requests and pool jobs (hash, verify) to come back, then closes. */
+static void close_when_idle(uv_timer_t *t)
+{
+    hf_hub *h = t->data;
+    if (h->inflight != NULL || h->handles > 1)
+        return;
+    if (h->pub.active)
+        pub_finish(h, 0);
+    uv_timer_stop(t);
+    uv_close((uv_handle_t *)t, poll_timer_closed);
+}
