@@ -1,4 +1,5 @@
 #include "config.h"
+#include "hub_hf.h"
 
 #include <errno.h>
 #include <math.h>
@@ -49,6 +50,9 @@ static const opt options[] = {
     {"header_timeout", T_DOUBLE, OFF(header_timeout), 0.01, 3600, "SECONDS  to receive a request head (slowloris)"},
     {"idle_timeout", T_DOUBLE, OFF(idle_timeout), 0.01, 86400, "SECONDS  without progress on a connection (idle, stalled body or download)"},
     {"max_connections", T_UINT, OFF(max_connections), 1, 1000000, "N    open HTTP connections at most"},
+    {"hub_endpoint", T_STR, OFF(hub_endpoint), 0, 0, "URL     Hub endpoint for hf:// (default $HF_ENDPOINT or https://huggingface.co)"},
+    {"hub_token_file", T_STR, OFF(hub_token_file), 0, 0, "FILE  file holding the Hub token (default $HF_TOKEN)"},
+    {"max_downloads", T_UINT, OFF(max_downloads), 1, 64, "N      parallel delta downloads from the Hub"},
 };
 
 const char *config_optimizer_name(config_optimizer o)
@@ -294,6 +298,43 @@ static void set_defaults(config *c)
     c->header_timeout = 10;
     c->idle_timeout = 60;
     c->max_connections = 1024;
+    c->max_downloads = 2;
+}
+
+/* hf://ns/repo[@rev], the endpoint and the token (never printed, never logged). */
+static int load_hf(config *c)
+{
+    const char *env;
+
+    free(c->hf_repo);
+    free(c->hf_rev);
+    if (hf_parse_url(c->hub, &c->hf_repo, &c->hf_rev) != 0)
+        return bad("--", "hub", "'%s' is not hf://namespace/repo[@revision]", c->hub);
+    if (c->hub_endpoint == NULL) {
+        env = getenv("HF_ENDPOINT");
+        c->hub_endpoint = strdup(env && *env ? env : "https://huggingface.co");
+    }
+    if (strncmp(c->hub_endpoint, "https://", 8) != 0 && strncmp(c->hub_endpoint, "http://", 7) != 0)
+        return bad("--", "hub-endpoint", "'%s' is not an http(s) URL", c->hub_endpoint);
+    free(c->hub_token);
+    c->hub_token = NULL;
+    if (c->hub_token_file != NULL) {
+        FILE *f = fopen(c->hub_token_file, "r");
+        char line[512];
+        if (f == NULL)
+            return bad("--", "hub-token-file", "cannot read %s: %s", c->hub_token_file, strerror(errno));
+        if (fgets(line, sizeof(line), f) == NULL)
+            line[0] = '\0';
+        fclose(f);
+        line[strcspn(line, "\r\n")] = '\0';
+        if (line[0] == '\0' || strpbrk(line, " \t") != NULL)
+            return bad("--", "hub-token-file", "%s does not hold a token on its first line", c->hub_token_file);
+        c->hub_token = strdup(line);
+        memset(line, 0, sizeof(line));
+    } else if ((env = getenv("HF_TOKEN")) != NULL && *env) {
+        c->hub_token = strdup(env);
+    }
+    return 0;
 }
 
 /* HOST:PORT, [v6]:PORT or none. */
@@ -337,8 +378,11 @@ static int validate(config *c)
         return bad("--", "id", "'%s' is not a valid id ([A-Za-z0-9._-]{1,64}, not . or ..)", c->id);
     if (strcmp(c->hub, "none") != 0 && strncmp(c->hub, "file:///", 8) != 0 && strncmp(c->hub, "hf://", 5) != 0)
         return bad("--", "hub", "'%s' is not file:///abs/dir, hf://ns/repo[@rev] or none", c->hub);
-    if (strncmp(c->hub, "hf://", 5) == 0)
-        return bad("--", "hub", "hf:// is not available in this build yet; use file:///dir or none");
+    if (strncmp(c->hub, "hf://", 5) == 0) {
+        int rc = load_hf(c);
+        if (rc != 0)
+            return rc;
+    }
     if (strcmp(c->hub, "file:///") == 0)
         return bad("--", "hub", "file:// needs a directory other than /");
     if (c->nnodes > 0) {
@@ -454,6 +498,9 @@ void config_print(const config *c, FILE *out)
                  "max_delta_header_mib = %u\nheader_timeout = %g\nidle_timeout = %g\nmax_connections = %u\n",
             c->listen, c->token_file ? c->token_file : "", c->max_header_bytes, c->max_headers, c->max_body_mib,
             c->max_delta_header_mib, c->header_timeout, c->idle_timeout, c->max_connections);
+    fprintf(out, "hub_endpoint = %s\nhub_token_file = %s\nmax_downloads = %u\n# hub token: %s\n",
+            c->hub_endpoint ? c->hub_endpoint : "", c->hub_token_file ? c->hub_token_file : "", c->max_downloads,
+            c->hub_token ? "set" : "not set");
 }
 
 void config_free(config *c)
@@ -466,5 +513,12 @@ void config_free(config *c)
     free(c->listen);
     free(c->listen_host);
     free(c->token_file);
+    free(c->hub_endpoint);
+    free(c->hub_token_file);
+    if (c->hub_token)
+        memset(c->hub_token, 0, strlen(c->hub_token));
+    free(c->hub_token);
+    free(c->hf_repo);
+    free(c->hf_rev);
     free_nodes(c);
 }

@@ -45,6 +45,12 @@ typedef struct config {
     double header_timeout;
     double idle_timeout;
     unsigned max_connections;
+    /* hf:// */
+    char *hub_endpoint;         /* default: $HF_ENDPOINT or https://huggingface.co */
+    char *hub_token_file;       /* default: $HF_TOKEN */
+    unsigned max_downloads;
+    char *hub_token;            /* loaded, never printed */
+    char *hf_repo, *hf_rev;     /* parsed from hub */
 } config;
 
 /* Defaults, then the file named by --config (if any), then the flags.  On a bad value prints a

@@ -107,6 +107,7 @@ struct hf_hub {
     int seen_fd;
     int64_t published_known;    /* the Hub's step_count.json outer_step, -1 unknown */
     int global_download;        /* adoption download in progress */
+    int told_none;              /* published_seen(-1) was reported */
     pub_state pub;
     void (*close_done)(void *);
     void *close_arg;
@@ -832,8 +833,11 @@ static void stepfile_done(hf_hub *h, hf_req *r, int ok)
         stepcount_parse(x->body.p ? x->body.p : "", x->body.len, &step, NULL, NULL) == 0) {
         if (h->published_known != (int64_t)step) {
             h->published_known = (int64_t)step;
-            h->cb.published_seen(h->app, step);
+            h->cb.published_seen(h->app, (int64_t)step);
         }
+    } else if (x != NULL && x->status == 404 && !h->told_none) {
+        h->told_none = 1;
+        h->cb.published_seen(h->app, -1);      /* no global on the Hub yet */
     }
     req_end(h, r);
     if (h->waiting && h->published_known >= 0 && !h->global_download) {

@@ -27,8 +27,9 @@ typedef struct hf_hub hf_hub;
 typedef struct hf_callbacks {
     /* A verified download of a current delta: the daemon takes it in (and removes local_path). */
     void (*delta_ready)(void *app, const char *rel, const char *local_path);
-    /* The Hub's published step (from global/step_count.json), when first known or changed. */
-    void (*published_seen)(void *app, uint64_t step);
+    /* The Hub's published step (from global/step_count.json) when first known or changed; -1 once
+     * when the Hub has no step file at all. */
+    void (*published_seen)(void *app, int64_t step);
     /* A downloaded, verified copy of the Hub's global at step (for adoption); the daemon owns the file. */
     void (*global_ready)(void *app, uint64_t step, const char *local_path);
     /* A publish finished: ok, or gave up this attempt (it is retried by the next hf_publish). */
