@@ -275,18 +275,31 @@ static void status_json(dilocod *d, sbuf *b)
                d->model->ntensors, d->model_params, d->model_bytes, d->delta_bytes);
     else
         sb_str(b, "null");
-    iso_time(t1, sizeof(t1), d->last_poll);
+    const hf_status *hs = d->hf ? hf_get_status(d->hf) : NULL;
+    iso_time(t1, sizeof(t1), hs ? hs->last_poll : d->last_poll);
     iso_time(t2, sizeof(t2), d->last_publish);
     iso_time(t3, sizeof(t3), d->committed_at);
-    sb_fmt(b, ",\"hub\":{\"kind\":\"%s\",\"url\":", d->hub_root ? "file" : "none");
+    sb_fmt(b, ",\"hub\":{\"kind\":\"%s\",\"url\":", d->hf ? "hf" : d->hub_root ? "file" : "none");
     sb_json_string(b, d->cfg->hub, strlen(d->cfg->hub));
+    if (hs != NULL) {
+        sb_str(b, ",\"endpoint\":");
+        sb_json_string(b, d->cfg->hub_endpoint, strlen(d->cfg->hub_endpoint));
+        sb_fmt(b, ",\"head\":\"%s\",\"api_calls\":%" PRIu64 ",\"resolver_calls\":%" PRIu64 ",\"downloads\":%" PRIu64
+                  ",\"publishing\":%s,\"transport_errors\":%" PRIu64 ",\"last_transport_error\":",
+               hs->head, hs->api_calls, hs->resolver_calls, hs->downloads, hs->publishing ? "true" : "false",
+               hs->errors);
+        if (hs->last_error[0])
+            sb_json_string(b, hs->last_error, strlen(hs->last_error));
+        else
+            sb_str(b, "null");
+    }
     sb_fmt(b, ",\"last_poll\":%s,\"last_publish\":%s,\"published_step\":", t1, t2);
     if (d->published_step >= 0)
         sb_fmt(b, "%" PRId64, d->published_step);
     else
         sb_str(b, "null");
     sb_fmt(b, ",\"publish_pending\":%s,\"errors\":%" PRIu64 ",\"last_error\":",
-           d->hub_root && d->st.committed && d->published_step != (int64_t)d->st.step ? "true" : "false",
+           (d->hub_root || d->hf) && d->st.committed && d->published_step != (int64_t)d->st.step ? "true" : "false",
            d->m.publish_errors);
     if (d->last_hub_error[0])
         sb_json_string(b, d->last_hub_error, strlen(d->last_hub_error));

@@ -50,6 +50,7 @@ static void dispatch_intake(dilocod *d);
 static void maybe_close_round(dilocod *d);
 static void maybe_publish(dilocod *d);
 static void start_aggregation(dilocod *d);
+static void collecting_start(dilocod *d);
 
 /* ---- small pool jobs -------------------------------------------------------------------------- */
 
@@ -124,7 +125,7 @@ static void scan_work(job *j)
 
 static void start_adopt(dilocod *d, uint64_t step);
 
-static void enqueue_intake(dilocod *d, const char *abs, const char *rel, int in_cache)
+static void enqueue_intake(dilocod *d, const char *abs, const char *rel, int in_cache, int remove_src)
 {
     intake_req *r = calloc(1, sizeof(*r));
 
@@ -136,6 +137,7 @@ static void enqueue_intake(dilocod *d, const char *abs, const char *rel, int in_
         return;
     }
     r->in_cache = in_cache;
+    r->remove_src = remove_src;
     if (d->nqueue == d->cap_queue) {
         size_t nc = d->cap_queue ? d->cap_queue * 2 : 16;
         intake_req **nq = realloc(d->queue, nc * sizeof(*nq));
@@ -170,7 +172,7 @@ static void consider_candidate(dilocod *d, const hub_candidate *c)
             /* stopped changing: one last attempt decides (INCOMPLETE again means truncated for good) */
             e->state = SEEN_PENDING;
             e->since = -1;
-            enqueue_intake(d, c->abs, c->rel, 0);
+            enqueue_intake(d, c->abs, c->rel, 0, 0);
         }
         return;
     }
@@ -182,7 +184,7 @@ static void consider_candidate(dilocod *d, const hub_candidate *c)
     e->state = SEEN_PENDING;
     e->since = now_s(d);
     dl_log(DL_LOG_DEBUG, "hub", "delta seen", "path=%s bytes=%" PRIu64, c->rel, c->size);
-    enqueue_intake(d, c->abs, c->rel, 0);
+    enqueue_intake(d, c->abs, c->rel, 0, 0);
 }
 
 static void scan_done(job *j)
@@ -428,6 +430,11 @@ static void intake_done(job *j)
         log_error("intake", "cannot take in a delta", &r->err);
         break;
     }
+    if (r->remove_src) {
+        unlink_async(d, r->src_path);       /* a Hub download: its validated copy is in the cache */
+        if (d->hf != NULL && r->rel_path != NULL && r->status != INTAKE_IO)
+            hf_mark_done(d->hf, r->rel_path);
+    }
     intake_req_free(r);
     dispatch_intake(d);
 }
@@ -632,6 +639,8 @@ static void commit_done(job *j)
     dl_log(DL_LOG_INFO, "store", "committed", "step=%" PRIu64 " global=%s", d->st.step, d->st.global_path);
     pass_release(d);
     round_reset(&d->rnd, d->st.step);
+    if (d->hf != NULL)
+        hf_set_step(d->hf, d->st.step, 0);
     dl_log(DL_LOG_INFO, "round", "opened", "step=%" PRIu64 " expected=%u min_nodes=%u", d->rnd.step,
            d->cfg->expected_nodes, d->cfg->min_nodes);
     d->state = S_COLLECTING;
@@ -834,6 +843,13 @@ static void maybe_publish(dilocod *d)
 {
     publish_args *a;
 
+    if (d->hf != NULL && !d->publish_in_flight && !d->stopping && d->st.committed &&
+        d->published_step != (int64_t)d->st.step && d->published_known) {
+        d->publish_in_flight = 1;
+        hf_publish(d->hf, d->st.step, d->st.global_path, config_optimizer_name(d->cfg->optimizer),
+                   d->st.bootstrap && d->st.step == 0);
+        return;
+    }
     if (d->hub_root == NULL || d->publish_in_flight || d->stopping || !d->st.committed ||
         d->published_step == (int64_t)d->st.step)
         return;
@@ -902,7 +918,6 @@ static void adopt_work(job *j)
     free(src);
 }
 
-static void collecting_start(dilocod *d);
 
 static void adopt_done(job *j)
 {
@@ -925,6 +940,141 @@ static void start_adopt(dilocod *d, uint64_t step)
         return;
     if (daemon__queue(d, adopt_work, adopt_done, NULL, step, 0) == 0)
         d->adopt_in_flight = 1;
+}
+
+
+/* ---- the hf:// transport ------------------------------------------------------------------- */
+
+static void hf_delta_ready(void *app, const char *rel, const char *local_path)
+{
+    dilocod *d = app;
+    dl_log(DL_LOG_DEBUG, "hub", "delta seen", "path=%s", rel);
+    enqueue_intake(d, local_path, rel, 0, 1);
+    dispatch_intake(d);
+}
+
+typedef struct hf_adopt_args {
+    char *path;
+    uint64_t step;
+    int bootstrap;
+} hf_adopt_args;
+
+static void hf_adopt_work(job *j)
+{
+    hf_adopt_args *a = j->arg;
+    j->rc = adopt_sync(j->d, a->path, a->step, a->bootstrap, a->bootstrap ? "init_model" : "adopted", &j->err);
+}
+
+static void hf_adopt_done(job *j)
+{
+    dilocod *d = j->d;
+    hf_adopt_args *a = j->arg;
+
+    d->bootstrap_in_flight = 0;
+    if (!a->bootstrap)
+        unlink_async(d, a->path);
+    if (j->rc != 0) {
+        log_error("store", a->bootstrap ? "cannot bootstrap from --init-model" : "cannot adopt the Hub's global",
+                  &j->err);
+        if (a->bootstrap) {
+            d->exit_code = 1;
+            raise(SIGTERM);
+        }
+    } else if (!d->stopping) {
+        if (a->bootstrap) {
+            dl_log(DL_LOG_INFO, "store", "bootstrapped", "step=0 init_model=%s tensors=%zu", a->path,
+                   d->model->ntensors);
+        } else {
+            d->published_step = (int64_t)a->step;
+            dl_log(DL_LOG_WARN, "store", "adopted the published global", "step=%" PRIu64 " momentum=fresh", a->step);
+        }
+        collecting_start(d);
+    }
+    free(a->path);
+    free(a);
+}
+
+static void hf_start_adopt(dilocod *d, const char *path, uint64_t step, int bootstrap)
+{
+    hf_adopt_args *a = calloc(1, sizeof(*a));
+    if (d->bootstrap_in_flight || d->stopping || a == NULL || (a->path = strdup(path)) == NULL) {
+        free(a);
+        return;
+    }
+    a->step = step;
+    a->bootstrap = bootstrap;
+    if (daemon__queue(d, hf_adopt_work, hf_adopt_done, a, 0, 0) == 0)
+        d->bootstrap_in_flight = 1;
+    else {
+        free(a->path);
+        free(a);
+    }
+}
+
+static void hf_published_seen(void *app, int64_t step)
+{
+    dilocod *d = app;
+
+    d->published_known = 1;
+    if (d->state == S_WAITING_GLOBAL) {
+        if (step < 0 && d->cfg->init_model != NULL)
+            hf_start_adopt(d, d->cfg->init_model, 0, 1);    /* nothing on the Hub: our model is step 0 */
+        else if (step < 0)
+            dl_log(DL_LOG_WARN, "store", "no state, no --init-model, nothing on the Hub: waiting for a global",
+                   "hub=%s", d->cfg->hub);
+        return;                 /* with a global on the Hub, hub_hf downloads it: hf_global_ready */
+    }
+    if (step >= 0 && (uint64_t)step == d->st.step) {
+        d->published_step = step;
+    } else if (step > (int64_t)d->st.step) {
+        dl_log(DL_LOG_WARN, "hub", "the Hub holds a newer step than our state; ours will be published over it",
+               "hub_step=%" PRId64 " step=%" PRIu64, step, d->st.step);
+    }
+    maybe_publish(d);
+}
+
+static void hf_global_ready(void *app, uint64_t step, const char *local_path)
+{
+    dilocod *d = app;
+    if (d->state != S_WAITING_GLOBAL) {
+        unlink_async(d, local_path);
+        return;
+    }
+    hf_start_adopt(d, local_path, step, 0);
+}
+
+static void hf_publish_done(void *app, uint64_t step, int ok)
+{
+    dilocod *d = app;
+
+    d->publish_in_flight = 0;
+    if (ok) {
+        d->published_step = (int64_t)step;
+        d->last_publish = time(NULL);
+        dl_log(DL_LOG_INFO, "hub", "published", "step=%" PRIu64 " hub=%s%s", step, d->cfg->hub,
+               d->st.bootstrap && step == 0 ? " bootstrap=true" : "");
+    } else {
+        d->m.publish_errors++;
+        const hf_status *hs = hf_get_status(d->hf);
+        snprintf(d->last_hub_error, sizeof(d->last_hub_error), "%s", hs->last_error);
+        dl_log(DL_LOG_ERROR, "hub", "publish failed, will retry", "step=%" PRIu64, step);
+        if (!d->stopping)
+            uv_timer_start(&d->publish_timer, publish_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
+        return;
+    }
+    if (!d->stopping) {
+        maybe_publish(d);
+        schedule_cleanup(d);
+    }
+}
+
+static const hf_callbacks hf_cbs = {hf_delta_ready, hf_published_seen, hf_global_ready, hf_publish_done};
+
+static void hf_closed(void *app)
+{
+    dilocod *d = app;
+    d->hf = NULL;
+    maybe_finish_shutdown(d);
 }
 
 /* ---- startup and shutdown -------------------------------------------------------------------- */
@@ -953,7 +1103,7 @@ static void requeue_cache(dilocod *d)
                     char *abs = NULL;
                     if (strncmp(f.name, "delta_", 6) != 0 || asprintf(&abs, "%s/%s", sub, f.name) < 0)
                         continue;
-                    enqueue_intake(d, abs, NULL, 1);
+                    enqueue_intake(d, abs, NULL, 1, 0);
                     free(abs);
                 }
             }
@@ -991,6 +1141,8 @@ static void collecting_start(dilocod *d)
     round_init(&d->rnd, d->st.step, d->cfg->expected_nodes, d->cfg->nodes, d->cfg->nnodes, d->cfg->min_nodes,
                d->cfg->round_timeout);
     d->state = S_COLLECTING;
+    if (d->hf != NULL)
+        hf_set_step(d->hf, d->st.step, 0);
     model_facts(d);
     /* startup (or adoption): one open of the committed global for downloads */
     set_global_fd(d, open(d->st.global_path, O_RDONLY | O_CLOEXEC));
@@ -1019,7 +1171,7 @@ static void close_walk_cb(uv_handle_t *h, void *arg)
 
 static void maybe_finish_shutdown(dilocod *d)
 {
-    if (!d->stopping || d->jobs_in_flight > 0 || d->http != NULL)
+    if (!d->stopping || d->jobs_in_flight > 0 || d->http != NULL || d->hf != NULL)
         return;
     uv_walk(&d->loop, close_walk_cb, NULL);
 }
@@ -1050,6 +1202,8 @@ static void signal_cb(uv_signal_t *s, int signum)
         outer_abort(d->pass);       /* unfinished: abandoned without a trace (temporary files removed) */
     if (d->http != NULL)
         http_server_stop(d->http, http_stopped);    /* uploads in progress are dropped, nothing kept */
+    if (d->hf != NULL)
+        hf_close(d->hf, hf_closed, d);              /* downloads resume from their .part next time */
     maybe_finish_shutdown(d);
 }
 
@@ -1132,6 +1286,11 @@ static int startup(dilocod *d, dl_error *err)
                    "hub_step=%" PRIu64 " step=%" PRIu64, published, d->st.step);
         return 0;
     }
+    if (d->hf != NULL) {
+        /* the first poll tells whether the Hub holds a global (adopt it) or not (bootstrap) */
+        d->state = S_WAITING_GLOBAL;
+        return 0;
+    }
     if (present) {
         char *src = hubfile_global_path(d->hub_root);
         rc = src ? adopt_sync(d, src, published, 0, "adopted", err) : -DL_E_NO_MEMORY;
@@ -1184,6 +1343,11 @@ static void start_watching(dilocod *d)
 {
     char *nodes = NULL;
 
+    if (d->hf != NULL) {
+        hf_set_step(d->hf, d->st.step, d->state == S_WAITING_GLOBAL);
+        hf_start(d->hf);
+        return;
+    }
     if (d->hub_root == NULL)
         return;
     uv_timer_start(&d->poll_timer, poll_cb, 0, (uint64_t)(d->cfg->poll_interval * 1000));
@@ -1219,10 +1383,28 @@ int daemon_run(config *cfg)
     setenv("UV_THREADPOOL_SIZE", threads, 1);
     if (strncmp(cfg->hub, "file://", 7) == 0)
         d->hub_root = strdup(cfg->hub + 7);
+    /* none and file://: known at startup; hf://: after the first poll */
+    d->published_known = strncmp(cfg->hub, "hf://", 5) != 0;
     if ((rc = init_handles(d)) != 0) {
         fprintf(stderr, "dilocod: cannot start the event loop: %s\n", uv_strerror(rc));
         free(d);
         return 1;
+    }
+    if (strncmp(cfg->hub, "hf://", 5) == 0) {
+        char *dir = NULL;
+        if (asprintf(&dir, "%s/%s", cfg->state_root, cfg->id) < 0 || fsu_mkdirs(dir, &err) != 0) {
+            fprintf(stderr, "dilocod: cannot create %s\n", dir ? dir : cfg->state_root);
+            free(dir);
+            return 1;
+        }
+        hf_config hc = {cfg->hub_endpoint, cfg->hf_repo, cfg->hf_rev, cfg->hub_token, dir, cfg->poll_interval,
+                        cfg->max_downloads};
+        d->hf = hf_open(&d->loop, &hc, &hf_cbs, d);
+        free(dir);
+        if (d->hf == NULL) {
+            fprintf(stderr, "dilocod: cannot set up the Hub transport\n");
+            return 1;
+        }
     }
     dl_error_clear(&err);
     dl_log(DL_LOG_INFO, "main", "starting", "id=%s state_root=%s hub=%s optimizer=%s lr=%g momentum=%g threads=%u",

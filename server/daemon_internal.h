@@ -12,6 +12,7 @@
 #include "config.h"
 #include "delta.h"
 #include "http.h"
+#include "hub_hf.h"
 #include "intake.h"
 #include "outer.h"
 #include "round.h"
@@ -105,6 +106,10 @@ typedef struct dilocod {
     int jobs_in_flight;         /* every uv_work_t out, for shutdown */
     time_t last_poll, last_publish, committed_at;
     char last_hub_error[256];
+
+    hf_hub *hf;                 /* hf:// transport, NULL otherwise */
+    int bootstrap_in_flight;
+    int published_known;        /* the hub's published step has been read (hf://: after the first poll) */
 
     /* HTTP */
     http_server *http;

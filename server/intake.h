@@ -31,6 +31,7 @@ typedef struct intake_req {
     uint64_t step;              /* current outer step */
     char *state_dir;            /* <state_root>/<id> */
     int in_cache;               /* src is already our validated cache copy (restart): check header only */
+    int remove_src;             /* src is a download of ours: the daemon removes it afterwards */
     /* out */
     intake_status status;
     dl_error err;

@@ -321,11 +321,12 @@ static int keep_cache(const store *s, const char *name)
     return !(s->startup && is_temp(name));
 }
 
-static int keep_nothing(const store *s, const char *name)
+/* cache/incoming: partial Hub downloads (hf-<oid>.part) resume after a restart; the rest goes. */
+static int keep_incoming(const store *s, const char *name)
 {
+    size_t n = strlen(name);
     (void)s;
-    (void)name;
-    return 0;
+    return strncmp(name, "hf-", 3) == 0 && n > 8 && strcmp(name + n - 5, ".part") == 0;
 }
 
 int store_cleanup(const store *st, int at_startup, dl_error *err)
@@ -346,7 +347,7 @@ int store_cleanup(const store *st, int at_startup, dl_error *err)
     if (rc == 0)
         rc = sweep(c, s, keep_cache);
     if (rc == 0 && at_startup)
-        rc = sweep(in, s, keep_nothing);
+        rc = sweep(in, s, keep_incoming);
     free(g);
     free(c);
     free(in);
