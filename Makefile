@@ -86,7 +86,7 @@ $(SERVER_OBJ): ALL_CFLAGS += -I$(LLHTTP_INC)
 
 # Tensor kernels: gcc 12's -O2 cost model vectorises almost nothing, and the selects in the f16 loops
 # are only if-converted when float operations may be speculated (we never read FP exception flags).
-KERNEL_OBJ  := $(BUILD)/common/convert.o $(BUILD)/common/outer.o
+KERNEL_OBJ  := $(BUILD)/common/convert.o $(BUILD)/common/outer.o $(BUILD)/common/delta.o
 $(KERNEL_OBJ): ALL_CFLAGS += -ftree-vectorize -fvect-cost-model=dynamic -fno-trapping-math
 
 # ---- dependencies -------------------------------------------------------------------------------

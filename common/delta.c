@@ -232,21 +232,47 @@ out:
     return rc;
 }
 
+/* Whether any of n lanes has an all-ones exponent: a branch-free OR the compiler vectorises. */
+static int any_special32(const uint32_t *u, size_t n)
+{
+    uint32_t acc = 0;
+    for (size_t i = 0; i < n; i++)
+        acc |= (uint32_t)((u[i] & 0x7f800000u) == 0x7f800000u);
+    return acc != 0;
+}
+
+static int any_special16(const uint16_t *h, size_t n, uint16_t mask)
+{
+    uint32_t acc = 0;
+    for (size_t i = 0; i < n; i++)
+        acc |= (uint32_t)((h[i] & mask) == mask);
+    return acc != 0;
+}
+
 int64_t delta_find_non_finite(st_dtype dt, const void *data, size_t nelem)
 {
+    enum { BLOCK = 4096 };
     if (dt == ST_F32 || dt == ST_C64) {
         const uint32_t *u = data;
         size_t lanes = nelem * cv_lanes(dt);
-        for (size_t i = 0; i < lanes; i++) {
-            if ((u[i] & 0x7f800000u) == 0x7f800000u)
-                return (int64_t)(i / cv_lanes(dt));
+        for (size_t b = 0; b < lanes; b += BLOCK) {
+            size_t n = lanes - b < BLOCK ? lanes - b : BLOCK;
+            if (!any_special32(u + b, n))
+                continue;
+            for (size_t i = b; i < b + n; i++)      /* rare: find the element to name it */
+                if ((u[i] & 0x7f800000u) == 0x7f800000u)
+                    return (int64_t)(i / cv_lanes(dt));
         }
     } else if (dt == ST_F16 || dt == ST_BF16) {
         const uint16_t *h = data;
         uint16_t mask = dt == ST_F16 ? 0x7c00u : 0x7f80u;
-        for (size_t i = 0; i < nelem; i++) {
-            if ((h[i] & mask) == mask)
-                return (int64_t)i;
+        for (size_t b = 0; b < nelem; b += BLOCK) {
+            size_t n = nelem - b < BLOCK ? nelem - b : BLOCK;
+            if (!any_special16(h + b, n, mask))
+                continue;
+            for (size_t i = b; i < b + n; i++)
+                if ((h[i] & mask) == mask)
+                    return (int64_t)i;
         }
     }
     return -1;

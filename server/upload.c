@@ -36,6 +36,8 @@ typedef struct upload {
     size_t fill_len, fill_cap, wlen;
     uint64_t file_off;
     int opening, writing, ended, aborted, failed, finalizing;
+    int writeback;              /* writeback jobs in flight */
+    uint64_t wb_done;           /* bytes handed to writeback so far */
     uv_buf_t wiov;
 } upload;
 
@@ -62,6 +64,8 @@ static int status_for(dl_code code)
     }
 }
 
+static void upload_discard(upload *u);
+
 static void upload_free(upload *u)
 {
     http_conn *c = u->c;
@@ -78,7 +82,7 @@ static void upload_free(upload *u)
 static void upload_discard(upload *u)
 {
     u->failed = 1;
-    if (u->opening || u->writing || u->finalizing)
+    if (u->opening || u->writing || u->finalizing || u->writeback)
         return;                 /* the completion callback comes back here */
     if (u->fd >= 0) {
         close(u->fd);           /* a close of a regular file does not wait on the disk */
@@ -114,6 +118,38 @@ static void reject_err(upload *u, const dl_error *err)
 static void start_write(upload *u);
 static void finalize(upload *u);
 
+#define WRITEBACK_BYTES (8u << 20)
+
+/* Starts the disk on what is written so far (the final fsync then waits for little), off the loop:
+ * sync_file_range may wait for a congested device queue. */
+static void writeback_work(daemon_job *j)
+{
+    upload *u = j->arg;
+    /* the range travels in the job (u->file_off belongs to the loop thread) */
+    (void)sync_file_range(u->fd, (off64_t)j->u, (off64_t)j->flag, SYNC_FILE_RANGE_WRITE);
+}
+
+static void writeback_done(daemon_job *j)
+{
+    upload *u = j->arg;
+    u->writeback--;
+    if (u->failed)
+        upload_discard(u);
+}
+
+static void maybe_writeback(upload *u)
+{
+    uint64_t len = u->file_off - u->wb_done;
+    if (u->writeback || len < WRITEBACK_BYTES)
+        return;
+    if (len > (1u << 30))
+        len = 1u << 30;
+    if (daemon__queue(u->d, writeback_work, writeback_done, u, u->wb_done, (int)len) == 0) {
+        u->writeback++;
+        u->wb_done += len;
+    }
+}
+
 static void write_cb(uv_fs_t *req)
 {
     upload *u = req->data;
@@ -135,6 +171,7 @@ static void write_cb(uv_fs_t *req)
     }
     u->file_off += u->wlen;
     u->wlen = 0;
+    maybe_writeback(u);
     if (u->fill_len >= FLUSH_BYTES || (u->ended && u->fill_len > 0)) {
         start_write(u);
         return;
