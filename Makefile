@@ -47,7 +47,8 @@ endif
 VENV        := .venv
 PY          := $(VENV)/bin/python
 DEB_PKGS    := build-essential pkg-config libuv1-dev libcurl4-openssl-dev libcjson-dev node-llhttp libssl-dev \
-               python3-venv python3-torch python3-numpy clang libclang-rt-14-dev curl
+               python3-venv python3-torch python3-numpy clang libclang-rt-14-dev curl \
+               chromium systemd nginx iproute2
 PY_PKGS     := safetensors huggingface_hub pytest requests
 
 .PHONY: all deps venv check unit test-integration fuzz fuzz-regress bench bench-deps clean distclean
@@ -79,7 +80,21 @@ $(BUILD)/llhttp/%.o: $(LLHTTP_SRC)/%.c
 	@mkdir -p $(@D)
 	$(CC) -std=c11 $(CFLAGS) $(SANFLAGS) -I$(LLHTTP_INC) -c $< -o $@
 
-$(BUILD)/dilocod: $(SERVER_OBJ) $(LLHTTP_OBJ) $(BUILD)/libdiloco.a
+# The dashboard page is compiled into the binary (no files to install, no CDN): a byte array made
+# with od and sed, so the build needs nothing beyond coreutils.
+$(BUILD)/gen/dashboard.c: server/dashboard.html
+	@mkdir -p $(@D)
+	{ echo '/* generated from server/dashboard.html by the Makefile */'; \
+	  echo '#include <stddef.h>'; \
+	  echo 'const unsigned char dashboard_html[] = {'; \
+	  od -An -v -tx1 $< | sed -e 's/ \([0-9a-f][0-9a-f]\)/0x\1,/g'; \
+	  echo '};'; \
+	  echo 'const size_t dashboard_html_len = sizeof(dashboard_html);'; } > $@.tmp && mv $@.tmp $@
+
+$(BUILD)/gen/dashboard.o: $(BUILD)/gen/dashboard.c
+	$(CC) -std=c11 $(CFLAGS) $(SANFLAGS) -c $< -o $@
+
+$(BUILD)/dilocod: $(SERVER_OBJ) $(LLHTTP_OBJ) $(BUILD)/gen/dashboard.o $(BUILD)/libdiloco.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
 $(SERVER_OBJ): ALL_CFLAGS += -I$(LLHTTP_INC)
@@ -140,7 +155,9 @@ $(FUZZ_BUILD)/fuzz-header: tests/fuzz/fuzz-header.c $(COMMON_SRC) $(wildcard com
 $(FUZZ_BUILD)/fuzz-request: tests/fuzz/fuzz-request.c $(COMMON_SRC) $(FUZZ_SERVER) $(wildcard common/*.h server/*.h)
 	@mkdir -p $(@D)
 	clang $(FUZZ_FLAGS) -Iserver -I$(LLHTTP_INC) $(shell pkg-config --cflags $(PKGS)) -o $@ $< $(COMMON_SRC) \
-	  $(FUZZ_SERVER) $(LLHTTP_SRC)/llhttp.c $(LLHTTP_SRC)/api.c $(LLHTTP_SRC)/http.c $(LDLIBS)
+	  $(FUZZ_SERVER) $(BUILD)/gen/dashboard.c $(LLHTTP_SRC)/llhttp.c $(LLHTTP_SRC)/api.c $(LLHTTP_SRC)/http.c $(LDLIBS)
+
+$(FUZZ_BUILD)/fuzz-request: $(BUILD)/gen/dashboard.c
 
 # Replays the committed corpus: a regression test, part of `make check`.
 fuzz-regress: $(FUZZ_TARGETS)
@@ -179,6 +196,38 @@ bench: all venv bench-deps $(BENCH_BINS)
 	$(BUILD)/tests/bench-convert 256
 	$(PY) tests/bench/bench_aggregate.py $(BUILD) $(BENCH_MODEL_MIB) $(BENCH_NODES)
 	$(PY) tests/bench/bench_http.py $(BUILD)
+
+# ---- install (PREFIX, DESTDIR) ------------------------------------------------------------------
+PREFIX      ?= /usr/local
+BINDIR      ?= $(PREFIX)/bin
+SBINDIR     ?= $(PREFIX)/sbin
+MANDIR      ?= $(PREFIX)/share/man
+SYSCONFDIR  ?= /etc
+UNITDIR     ?= /lib/systemd/system
+DOCDIR      ?= $(PREFIX)/share/doc/dilocod
+
+install: all
+	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(SBINDIR) $(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(MANDIR)/man8 \
+	  $(DESTDIR)$(SYSCONFDIR)/dilocod $(DESTDIR)$(UNITDIR) $(DESTDIR)$(DOCDIR)
+	install -m 0755 $(BUILD)/dilocod $(DESTDIR)$(SBINDIR)/dilocod
+	install -m 0755 $(BUILD)/diloco $(DESTDIR)$(BINDIR)/diloco
+	install -m 0644 config/dilocod.conf $(DESTDIR)$(SYSCONFDIR)/dilocod/dilocod.conf
+	sed -e 's|@SBINDIR@|$(SBINDIR)|g' -e 's|@SYSCONFDIR@|$(SYSCONFDIR)|g' deploy/dilocod.service \
+	  > $(DESTDIR)$(UNITDIR)/dilocod.service && chmod 0644 $(DESTDIR)$(UNITDIR)/dilocod.service
+	install -m 0644 deploy/dilocod.8 $(DESTDIR)$(MANDIR)/man8/dilocod.8
+	install -m 0644 deploy/diloco.1 $(DESTDIR)$(MANDIR)/man1/diloco.1
+	install -m 0644 README.md deploy/nginx-tls.conf $(DESTDIR)$(DOCDIR)/
+
+# ---- demo: a real training through dilocod, with PyTorch workers --------------------------------
+DEMO_ROUNDS  ?= 8
+DEMO_WORKERS ?= 3
+DEMO_PORT    ?= 8470
+DEMO_DIR     ?= demo
+demo: deps
+	$(MAKE) venv
+	$(MAKE) all
+	$(PY) client/examples/demo.py --build $(BUILD) --rounds $(DEMO_ROUNDS) --workers $(DEMO_WORKERS) \
+	  --port $(DEMO_PORT) --dir $(DEMO_DIR)
 
 clean:
 	rm -rf build build-* 

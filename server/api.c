@@ -25,9 +25,13 @@
 #define DILOCOD_VERSION "0.1.0"
 #endif
 
-enum route { R_STATUS, R_HEALTHZ, R_METRICS, R_ROUNDS, R_GLOBAL, R_STEPFILE, R_UPLOAD, R_OTHER, R_COUNT };
+enum route { R_STATUS, R_HEALTHZ, R_METRICS, R_ROUNDS, R_GLOBAL, R_STEPFILE, R_UPLOAD, R_DASHBOARD, R_OTHER, R_COUNT };
 static const char *const route_names[R_COUNT] = {"status", "healthz", "metrics", "rounds", "global", "step_count",
-                                                  "upload", "other"};
+                                                  "upload", "dashboard", "other"};
+
+/* server/dashboard.html, compiled in by the Makefile */
+extern const unsigned char dashboard_html[];
+extern const size_t dashboard_html_len;
 
 static void count(dilocod *d, enum route r, int status)
 {
@@ -599,6 +603,18 @@ void api_on_request(http_conn *c, http_request *req, void *app)
     int get = method_is(req, "GET") || method_is(req, "HEAD");
     sbuf b = {0};
 
+    if (strcmp(path, "/") == 0 || strcmp(path, "/index.html") == 0) {
+        if (!get)
+            return not_allowed(d, c, R_DASHBOARD, "GET, HEAD");
+        count(d, R_DASHBOARD, 200);
+        /* self-contained: the page talks to this server only */
+        http_respond(c, 200, "text/html; charset=utf-8",
+                     "Cache-Control: no-cache\r\nX-Content-Type-Options: nosniff\r\n"
+                     "Content-Security-Policy: default-src 'self'; style-src 'self' 'unsafe-inline'; "
+                     "script-src 'self' 'unsafe-inline'; img-src 'self' data:\r\n",
+                     (const char *)dashboard_html, dashboard_html_len);
+        return;
+    }
     if (strcmp(path, "/status") == 0) {
         if (!get)
             return not_allowed(d, c, R_STATUS, "GET, HEAD");

@@ -56,7 +56,7 @@ typedef struct metrics {
     double agg_seconds_sum;
     uint64_t agg_count;
     uint64_t agg_buckets[AGG_BUCKETS];      /* cumulative counts for the histogram bounds */
-    uint64_t http[8][6];                    /* [route][status class 1xx..5xx, other] */
+    uint64_t http[10][6];                   /* [route][status class 1xx..5xx, other] */
     uint64_t publish_errors;
 } metrics;
 
