@@ -57,3 +57,27 @@ def test_rounds_match_torch_oracle(tmp_path):
         assert d.stop() == 0
     log = d.log_text()
     assert "reason=all_nodes" in log and "stopped step=4" in log, log[-2000:]
+
+
+def test_json_logs_one_object_per_line(tmp_path):
+    """--log-format json: every line is a JSON object with ts, level, component, msg and the event's
+    fields, also for messages holding quotes, spaces and backslashes."""
+    model = mixed_model(2)
+    write_model(tmp_path / "init.safetensors", model)
+    d = Dilocod(tmp_path, tmp_path / "hub", "--init-model", str(tmp_path / "init.safetensors"),
+                "--expected-nodes", "2", "--log-format", "json").start()
+    try:
+        d.wait_step(0)
+        bad = tmp_path / "hub" / "nodes" / "w1"
+        bad.mkdir(parents=True)
+        (bad / "delta_1.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\\\\b\": \"c d\"}  ")
+        d.wait_log("delta rejected")
+    finally:
+        assert d.stop() == 0
+    lines = d.log_text().splitlines()
+    objs = [json.loads(line) for line in lines]
+    assert all({"ts", "level", "component", "msg"} <= o.keys() for o in objs), objs[:3]
+    rejected = [o for o in objs if o["msg"] == "delta rejected"]
+    assert len(rejected) == 1 and rejected[0]["path"] == "nodes/w1/delta_1.safetensors", rejected
+    assert rejected[0]["code"].startswith("invalid_header") and " " in rejected[0]["error"], rejected
+    assert any(o["msg"] == "stopped" and o["exit_code"] == "0" for o in objs)
