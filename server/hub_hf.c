@@ -108,6 +108,7 @@ struct hf_hub {
     int64_t published_known;    /* the Hub's step_count.json outer_step, -1 unknown */
     int global_download;        /* adoption download in progress */
     int told_none;              /* published_seen(-1) was reported */
+    uint64_t poll_resume_ms;    /* after a 429: no poll before this loop time */
     pub_state pub;
     void (*close_done)(void *);
     void *close_arg;
@@ -794,6 +795,7 @@ static void list_done(hf_hub *h, hf_req *r, int ok)
                 consider_entry(h, e);
         } else {
             set_error(h, "tree listing is not a JSON array");
+            h->st.head[0] = '\0';     /* list again at the next poll, even if the head does not move */
         }
         cJSON_Delete(arr);
         /* follow the Link only to our own endpoint (a hostile server could point anywhere) */
@@ -801,6 +803,8 @@ static void list_done(hf_hub *h, hf_req *r, int ok)
             snprintf(next, sizeof(next), "%s", x->link_next);
     } else if (x != NULL && x->status == 404) {
         /* no nodes/ directory yet: no worker has uploaded */
+    } else {
+        h->st.head[0] = '\0';         /* a failed page: list again at the next poll */
     }
     req_end(h, r);
     if (next[0] && !h->closing) {
@@ -835,9 +839,13 @@ static void stepfile_done(hf_hub *h, hf_req *r, int ok)
             h->published_known = (int64_t)step;
             h->cb.published_seen(h->app, (int64_t)step);
         }
-    } else if (x != NULL && x->status == 404 && !h->told_none) {
-        h->told_none = 1;
-        h->cb.published_seen(h->app, -1);      /* no global on the Hub yet */
+    } else if (x != NULL && x->status == 404) {
+        if (!h->told_none) {
+            h->told_none = 1;
+            h->cb.published_seen(h->app, -1);  /* no global on the Hub yet */
+        }
+    } else {
+        h->st.head[0] = '\0';         /* unreadable: look again at the next poll */
     }
     req_end(h, r);
     if (h->waiting && h->published_known >= 0 && !h->global_download) {
@@ -889,6 +897,8 @@ static void revision_done(hf_hub *h, hf_req *r, int ok)
     } else if (x != NULL && x->status != 0) {
         set_error(h, "revision: HTTP %ld %s", x->status, x->error_code);
     }
+    if (x != NULL && x->retry_after >= 0)      /* rate limited: the server says when to come back */
+        h->poll_resume_ms = uv_now(h->loop) + (uint64_t)(x->retry_after * 1000);
     req_end(h, r);
     if (moved && !h->closing) {
         dl_log(DL_LOG_DEBUG, "hub", "revision moved", "sha=%s", h->st.head);
@@ -912,7 +922,7 @@ static void poll_cb(uv_timer_t *t)
     hf_req *r;
     char *url;
 
-    if (h->polling || h->closing)
+    if (h->polling || h->closing || uv_now(h->loop) < h->poll_resume_ms)
         return;
     url = api_url(h, "revision", NULL, NULL);
     r = url ? req_new(h, "GET", url) : NULL;
@@ -1026,6 +1036,7 @@ static void pub_hash_work(uv_work_t *w)
 }
 
 static void pub_commit(hf_hub *h);
+static void pub_check(hf_hub *h);
 
 static void commit_done(hf_hub *h, hf_req *r, int ok)
 {
@@ -1037,9 +1048,12 @@ static void commit_done(hf_hub *h, hf_req *r, int ok)
         return;
     }
     if (status == 412 && !h->closing) {
-        dl_log(DL_LOG_INFO, "hub", "parent commit moved, committing again on the new head", "step=%" PRIu64,
-               h->pub.step);
-        pub_revision(h);        /* re-read the head, then commit again (the LFS object is stored) */
+        /* Either someone else committed, or our own commit went through and its answer was lost
+         * (then the retry found the head moved).  The Hub's step file tells which: only in the
+         * first case do we commit again, on the new head. */
+        dl_log(DL_LOG_INFO, "hub", "parent commit moved, checking the Hub before committing again",
+               "step=%" PRIu64, h->pub.step);
+        pub_check(h);
         return;
     }
     set_error(h, "commit of step %" PRIu64 ": HTTP %ld", h->pub.step, status);
@@ -1448,6 +1462,21 @@ static void pub_check_done(hf_hub *h, hf_req *r, int ok)
     pub_revision(h);
 }
 
+static void pub_check(hf_hub *h)
+{
+    char *url = resolve_url(h, "global/step_count.json");
+    hf_req *r = url ? req_new(h, "GET", url) : NULL;
+    free(url);
+    if (r == NULL) {
+        pub_finish(h, 0);
+        return;
+    }
+    r->follow = 1;
+    r->api = 0;
+    r->retry_forever = 1;
+    req_go(h, r, pub_check_done, NULL);
+}
+
 static void pub_hash_after(uv_work_t *w, int status)
 {
     hash_job *j = w->data;
@@ -1460,17 +1489,7 @@ static void pub_hash_after(uv_work_t *w, int status)
         pub_finish(h, 0);
         return;
     }
-    char *url = resolve_url(h, "global/step_count.json");
-    hf_req *r = url ? req_new(h, "GET", url) : NULL;
-    free(url);
-    if (r == NULL) {
-        pub_finish(h, 0);
-        return;
-    }
-    r->follow = 1;
-    r->api = 0;
-    r->retry_forever = 1;
-    req_go(h, r, pub_check_done, NULL);
+    pub_check(h);
 }
 
 static void pub_finish(hf_hub *h, int ok)

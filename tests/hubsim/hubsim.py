@@ -389,17 +389,22 @@ class Store:
         os.replace(sp, dst)
         return True, "ok"
 
-    def ingest_stream(self, chunks, expected_oid):
+    def ingest_stream(self, chunks, expected_oid, md5_out=None):
         """Writes chunks to a temp file; if the sha256 equals expected_oid the file becomes the stored
-        object, else it is kept in staging (verify then reports the mismatch).  Returns (sha256, size)."""
+        object, else it is kept in staging (verify then reports the mismatch).  Returns (sha256, size) and
+        appends the md5 (the S3-style ETag) to `md5_out` when given."""
         tmp = self._tmp()
         h = hashlib.sha256()
+        md5 = hashlib.md5()
         n = 0
         with open(tmp, "wb") as f:
             for chunk in chunks:
                 h.update(chunk)
+                md5.update(chunk)
                 n += len(chunk)
                 f.write(chunk)
+        if md5_out is not None:
+            md5_out.append(md5.hexdigest())
         digest = h.hexdigest()
         if digest == expected_oid:
             dst = self.lfs_path(digest)
@@ -599,10 +604,11 @@ class Faults:
 class Stats:
     def __init__(self):
         self.lock = threading.Lock()
+        self.seq = 0  # request sequence numbers keep growing across resets (GET /_sim/requests?since=)
         self.reset()
 
     def reset(self):
-        with getattr(self, "lock", threading.Lock()):
+        with self.lock:
             self.total = 0
             self.categories = collections.Counter()
             self.routes = collections.Counter()
@@ -614,7 +620,6 @@ class Stats:
             self.commits = 0
             self.rate_limited = 0
             self.log = collections.deque(maxlen=5000)
-            self.seq = getattr(self, "seq", 0)
 
     def begin(self, entry):
         with self.lock:
@@ -895,6 +900,8 @@ class Handler(BaseHTTPRequestHandler):
         self._drain()
         head = self.command == "HEAD"
         headers = dict(headers or {})
+        for k, v in self._rl_headers.items():
+            headers.setdefault(k, v)
         length = len(body)
         fault = None
         if not head and length > 0 and self._req is not None:
@@ -933,8 +940,8 @@ class Handler(BaseHTTPRequestHandler):
                 if bps:
                     step = max(1, int(bps / 20))
                     for i in range(0, len(chunk), step):
-                        self.wfile.write(chunk[i:i + step])
                         time.sleep(len(chunk[i:i + step]) / bps)
+                        self.wfile.write(chunk[i:i + step])
                 else:
                     self.wfile.write(chunk)
             if drop:
@@ -1342,7 +1349,8 @@ class Handler(BaseHTTPRequestHandler):
             c = parent
         return found
 
-    def _paginate(self, items, commit_id, page_size):
+    def _cursor(self, commit_id):
+        """(commit id, offset) from ?cursor= (which pins the commit listed), else (commit_id, 0)."""
         offset = 0
         cur = self.qd.get("cursor", [None])[0]
         if cur:
@@ -1374,7 +1382,7 @@ class Handler(BaseHTTPRequestHandler):
                 ps = max(1, min(ps, int(self.qd["limit"][0])))
             except ValueError:
                 raise HubError(400, "invalid limit")
-        cid, offset = self._paginate(None, commit["id"], ps)
+        cid, offset = self._cursor(commit["id"])
         if cid != commit["id"]:
             commit = self.sim.store.load_commit(repo, cid)
             if commit is None:
@@ -1386,7 +1394,7 @@ class Handler(BaseHTTPRequestHandler):
             for e in page:
                 if e["path"] in lc:
                     e["lastCommit"] = lc[e["path"]]
-        headers = dict(self._rl_headers)
+        headers = {}
         if offset + ps < len(entries):
             headers["Link"] = self._link_next(commit["id"], offset + ps)
         self.respond_json(200, page, headers)
@@ -1519,7 +1527,9 @@ class Handler(BaseHTTPRequestHandler):
             parent_commit = header.get("parentCommit")
             if parent_commit:
                 pc = str(parent_commit).lower()
-                if not (HEX_RE.match(pc) and head_id.startswith(pc)):
+                if not HEX_RE.match(pc):
+                    raise HubError(400, f"invalid parentCommit {parent_commit!r}")
+                if not head_id.startswith(pc):
                     raise HubError(412, f"A commit has happened since. Please refresh and try again. "
                                         f"(parentCommit {pc} is not the head {head_id} of {branch})")
             head = store.load_commit(repo, head_id)
@@ -1600,7 +1610,7 @@ class Handler(BaseHTTPRequestHandler):
         repo = self._repo(rtype, rid)
         commit = self._commit_at(repo, rev)
         ps = int(self.sim.cfg["commits_page_size"])
-        cid, offset = self._paginate(None, commit["id"], ps)
+        cid, offset = self._cursor(commit["id"])
         store = self.sim.store
         c = store.load_commit(repo, cid)
         if c is None:
@@ -1617,7 +1627,7 @@ class Handler(BaseHTTPRequestHandler):
             if formatted:
                 item["formatted"] = {"title": c["title"], "message": c["message"]}
             page.append(item)
-        headers = dict(self._rl_headers)
+        headers = {}
         if offset + ps < len(chain):
             headers["Link"] = self._link_next(cid, offset + ps)
         self.respond_json(200, page, headers)
@@ -1667,12 +1677,10 @@ class Handler(BaseHTTPRequestHandler):
             body = f"Found. Redirecting to {loc}".encode()
             hdrs = dict(rc, **{"Location": loc, "X-Linked-Etag": f'"{oid}"', "X-Linked-Size": str(e["size"]),
                                "ETag": f'"{e["blob"]}"', "Accept-Ranges": "bytes"})
-            hdrs.update(self._rl_headers)
             return self.respond(302, body, hdrs, "text/plain; charset=utf-8")
         src = self.sim.store.blob_path(e["blob"])
         hdrs = dict(rc, **{"ETag": f'"{e["blob"]}"', "Accept-Ranges": "bytes",
                            "Content-Disposition": self._disposition(path)})
-        hdrs.update(self._rl_headers)
         self._serve_file(src, e["size"], hdrs)
 
     @staticmethod
@@ -1772,8 +1780,9 @@ class Handler(BaseHTTPRequestHandler):
         oid = oid.lower()
         if not SHA256_RE.match(oid):
             raise HubError(400, "invalid oid")
-        digest, n = self.sim.store.ingest_stream(self.iter_body(), oid)
-        self.respond(200, b"", {"ETag": f'"{hashlib.md5(digest.encode()).hexdigest()}"'}, None)
+        md5 = []
+        self.sim.store.ingest_stream(self.iter_body(), oid, md5)
+        self.respond(200, b"", {"ETag": f'"{md5[0]}"'}, None)
 
     def h_lfs_part(self, oid, upload_id, part):
         udir = os.path.join(self.sim.store.root, "uploads", upload_id)

@@ -516,14 +516,24 @@ def test_fault_429_rate_limit(hub, api):
     assert hub.stats()["rate_limited"] == 1
 
 
-def test_fault_connection_dropped_mid_body_client_resumes(hub, seeded, tmp_path):
+def test_fault_connection_dropped_mid_body_client_resumes(hub, api, seeded, tmp_path):
     name = "nodes/w1/delta.safetensors"
     hub.reset_stats()
     hub.fault(kind="drop", route="cdn", after_bytes=10_000)
-    assert download(hub, seeded["repo_id"], name, tmp_path).read_bytes() == seeded["files"][name]
+    assert download(hub, seeded["repo_id"], name, tmp_path / "a").read_bytes() == seeded["files"][name]
     cdn = [r for r in hub.requests() if r["route"] == "cdn"]
     assert [r["fault"] for r in cdn] == ["drop", None]
-    assert cdn[1]["status"] == 206 and re.fullmatch(r"bytes=\d+-", cdn[1]["range"])  # resumed with Range
+    # the client writes 10 MiB chunks: after a drop this early it has nothing to resume from and starts over
+    assert (cdn[1]["status"], cdn[1]["range"]) == (200, None)
+
+    # past the first 10 MiB chunk it resumes with `Range: bytes=N-` and the CDN answers 206
+    big = os.urandom(11 * MiB)
+    api.upload_file(path_or_fileobj=big, path_in_repo="big/resume.bin", repo_id=seeded["repo_id"])
+    hub.reset_stats()
+    hub.fault(kind="drop", route="cdn", after_bytes=10 * MiB + 300_000)
+    assert download(hub, seeded["repo_id"], "big/resume.bin", tmp_path / "b").read_bytes() == big
+    cdn = [r for r in hub.requests() if r["route"] == "cdn"]
+    assert [(r["fault"], r["status"], r["range"]) for r in cdn] == [("drop", 200, None), (None, 206, f"bytes={10 * MiB}-")]
 
 
 def test_fault_truncated_body_with_matching_content_length(hub, seeded, tmp_path):
@@ -564,6 +574,13 @@ def test_fault_slow_responses(hub, api, seeded, tmp_path):
     got = download(hub, seeded["repo_id"], name, tmp_path, etag_timeout=0.5)
     assert got.read_bytes() == seeded["files"][name]
     assert hub.stats()["routes"]["HEAD /{repo}/resolve/{rev}/{path}"] == 2
+
+    # a slow body: 50 kB at 250 kB/s
+    name = "global/latest.safetensors"
+    hub.fault(kind="throttle", route="cdn", bytes_per_sec=250_000)
+    t0 = time.monotonic()
+    assert download(hub, seeded["repo_id"], name, tmp_path / "t").read_bytes() == seeded["files"][name]
+    assert time.monotonic() - t0 >= 0.18
 
 
 def test_fault_412_on_next_commit(hub, api):
