@@ -197,6 +197,35 @@ static int get(const client_opts *o, const char *path, response *r, const char *
     return rc;
 }
 
+/* Strict numbers for options: a bad value is a usage error, never a silent 0. */
+static int parse_count(const char *s, int max, int *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (*s < '0' || *s > '9' || *end != '\0' || errno != 0 || v < 0 || v > max)
+        return -1;
+    *out = (int)v;
+    return 0;
+}
+
+static int parse_seconds(const char *s, double *out)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (end == s || *end != '\0' || errno != 0 || !(v >= 0) || v > 1e7)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static int bad_value(const char *opt, const char *v, const char *help)
+{
+    fprintf(stderr, "diloco: invalid value '%s' for %s\n%s", v, opt, help);
+    return EXIT_USAGE;
+}
+
 static void opts_defaults(client_opts *o)
 {
     memset(o, 0, sizeof(*o));
@@ -258,12 +287,12 @@ int cmd_push(int argc, char **argv)
     int c, rc = EXIT_NETWORK;
 
     opts_defaults(&o);
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
         switch (c) {
         case 's': o.server = optarg; break;
         case 't': token_file = optarg; break;
-        case 'r': o.retries = atoi(optarg); break;
-        case 'T': o.timeout = atof(optarg); break;
+        case 'r': if (parse_count(optarg, 100, &o.retries) != 0) return bad_value("--retries", optarg, push_help); break;
+        case 'T': if (parse_seconds(optarg, &o.timeout) != 0) return bad_value("--timeout", optarg, push_help); break;
         case 'h': fputs(push_help, stdout); return EXIT_OK;
         default: fputs(push_help, stderr); return EXIT_USAGE;
         }
@@ -383,12 +412,12 @@ int cmd_pull(int argc, char **argv)
     FILE *sink = NULL;
 
     opts_defaults(&o);
-    while ((c = getopt_long(argc, argv, "o:", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, "ho:", opts, NULL)) != -1) {
         switch (c) {
         case 's': o.server = optarg; break;
         case 'o': dir = optarg; break;
-        case 'r': o.retries = atoi(optarg); break;
-        case 'T': o.timeout = atof(optarg); break;
+        case 'r': if (parse_count(optarg, 100, &o.retries) != 0) return bad_value("--retries", optarg, pull_help); break;
+        case 'T': if (parse_seconds(optarg, &o.timeout) != 0) return bad_value("--timeout", optarg, pull_help); break;
         case 'h': fputs(pull_help, stdout); return EXIT_OK;
         default: fputs(pull_help, stderr); return EXIT_USAGE;
         }
@@ -559,9 +588,10 @@ static void print_status(const cJSON *j)
 }
 
 static const char status_help[] =
-    "usage: diloco status --server URL [--json]\n"
+    "usage: diloco status --server URL [--json] [--retries N]\n"
     "  A readable summary of dilocod's state: the step, the open round (which nodes delivered), the\n"
-    "  last round (time, per-node norm and cosine to the mean), the hub.  --json prints /status as is.\n";
+    "  last round (time, per-node norm and cosine to the mean), the hub.  --json prints /status as is.\n"
+    "  --retries N: retries of connection errors and 5xx answers (default 2)\n";
 
 int cmd_status(int argc, char **argv)
 {
@@ -576,11 +606,11 @@ int cmd_status(int argc, char **argv)
 
     opts_defaults(&o);
     o.retries = 2;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
         switch (c) {
         case 's': o.server = optarg; break;
         case 'j': json = 1; break;
-        case 'r': o.retries = atoi(optarg); break;
+        case 'r': if (parse_count(optarg, 100, &o.retries) != 0) return bad_value("--retries", optarg, status_help); break;
         case 'h': fputs(status_help, stdout); return EXIT_OK;
         default: fputs(status_help, stderr); return EXIT_USAGE;
         }
@@ -624,12 +654,12 @@ int cmd_wait(int argc, char **argv)
 
     opts_defaults(&o);
     o.retries = 0;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
         switch (c) {
         case 's': o.server = optarg; break;
         case 'n': step_s = optarg; break;
-        case 'T': timeout = atof(optarg); break;
-        case 'i': interval = atof(optarg); break;
+        case 'T': if (parse_seconds(optarg, &timeout) != 0) return bad_value("--timeout", optarg, wait_help); break;
+        case 'i': if (parse_seconds(optarg, &interval) != 0) return bad_value("--interval", optarg, wait_help); break;
         case 'h': fputs(wait_help, stdout); return EXIT_OK;
         default: fputs(wait_help, stderr); return EXIT_USAGE;
         }

@@ -25,6 +25,8 @@
 #define READ_BUF 65536
 #define OUT_HIGH_WATER (1u << 20)       /* stop reading requests while this much output waits */
 #define SENDFILE_CHUNK (8u << 20)
+#define LINGER_MS 2000
+#define LINGER_MAX_BYTES (256u << 20)
 
 typedef struct out_item {
     struct out_item *next;
@@ -80,12 +82,15 @@ struct http_conn {
     size_t out_bytes;
     int peer_loopback;
     char peer[64];
+    int lingering;              /* answered early: discarding the unread body before closing */
+    uint64_t linger_bytes;
     /* fake connections */
     http_output_cb fake_out;
     void *fake_arg;
 };
 
 static void conn_close(http_conn *c);
+static void conn_finish(http_conn *c);
 static void conn_flush(http_conn *c);
 static void conn_process(http_conn *c);
 static void conn_update_poll(http_conn *c);
@@ -216,7 +221,7 @@ static void idle_timeout_cb(uv_timer_t *t);
 
 static void touch(http_conn *c)
 {
-    if (!c->closing)
+    if (!c->closing && !c->lingering)
         uv_timer_start(&c->idle_timer, idle_timeout_cb, (uint64_t)(c->srv->lim.idle_timeout * 1000), 0);
 }
 
@@ -303,7 +308,7 @@ static void conn_flush(http_conn *c)
          * an upload, say) is still running and must not see its connection, or itself, freed.
          * conn_process closes once execute has returned. */
         if (!c->in_execute)
-            conn_close(c);
+            conn_finish(c);
         return;
     }
     conn_update_poll(c);
@@ -710,7 +715,7 @@ static void conn_process(http_conn *c)
     if (c->closing)
         return;
     if (c->close_after && c->out_head == NULL && (c->message_done || c->responded)) {
-        conn_close(c);          /* deferred by conn_flush while the parser was running */
+        conn_finish(c);         /* deferred by conn_flush while the parser was running */
         return;
     }
     if (c->rpos == c->rlen) {
@@ -725,6 +730,8 @@ static void conn_process(http_conn *c)
 
 static int want_read(const http_conn *c)
 {
+    if (c->lingering)
+        return !c->closing;
     return !c->closing && !c->paused && !c->body_stop && !c->close_after && c->rlen < READ_BUF &&
            c->out_bytes < OUT_HIGH_WATER && !c->srv->stopping;
 }
@@ -748,6 +755,40 @@ static void conn_update_poll(http_conn *c)
         uv_poll_stop(&c->poll);
     else
         uv_poll_start(&c->poll, ev, poll_cb);
+}
+
+static void linger_timeout_cb(uv_timer_t *t)
+{
+    conn_close(container_of(t, http_conn, idle_timer));
+}
+
+/* The answer is out and the connection must close.  If the peer may still be sending a body we
+ * refused, a plain close() would make the kernel reset the connection and a proxy in front would
+ * report 502 instead of our answer: close our side for writing, read and discard for a bounded
+ * time and amount, then close (a lingering close, as nginx and Apache do). */
+static void conn_finish(http_conn *c)
+{
+    if (c->closing || c->lingering)
+        return;                 /* already closing, or already draining */
+    if (c->fake_out || !c->head_done || c->message_done) {
+        conn_close(c);
+        return;
+    }
+    if (shutdown(c->fd, SHUT_WR) != 0) {
+        conn_close(c);
+        return;
+    }
+    c->lingering = 1;
+    c->paused = 0;
+    c->body_stop = 0;
+    if (c->body != NULL && !c->body_done) {
+        c->body_done = 1;
+        c->body->abort(c, c->body_ctx);
+    }
+    uv_timer_stop(&c->head_timer);
+    uv_timer_start(&c->idle_timer, linger_timeout_cb, LINGER_MS, 0);
+    c->rlen = c->rpos = 0;
+    conn_update_poll(c);
 }
 
 static void on_eof(http_conn *c)
@@ -777,6 +818,14 @@ static void read_some(http_conn *c)
             return;
         }
         c->srv->stats.bytes_received += (uint64_t)r;
+        if (c->lingering) {
+            c->linger_bytes += (uint64_t)r;
+            if (c->linger_bytes > LINGER_MAX_BYTES) {
+                conn_close(c);
+                return;
+            }
+            continue;           /* discarded: only the peer's seeing our answer matters now */
+        }
         c->rlen += (size_t)r;
         touch(c);
         conn_process(c);

@@ -469,6 +469,14 @@ static const http_body_ops upload_ops = {on_data, on_end, on_abort};
 static int authorize(dilocod *d, http_conn *c, http_request *req, const char *node_id)
 {
     if (d->cfg->token_file == NULL) {
+        /* behind a reverse proxy on this host every peer is loopback: a forwarded request is not */
+        if (http_header_get(req, "x-forwarded-for") != NULL || http_header_get(req, "forwarded") != NULL) {
+            http_respond_error(c, 403, "forbidden",
+                               "uploads through a proxy need a token file (--token-file): the loopback rule "
+                               "cannot tell the proxy's clients apart",
+                               NULL);
+            return -1;
+        }
         if (!req->loopback) {
             http_respond_error(c, 403, "forbidden",
                                "uploads from other hosts need a token file (--token-file); only loopback peers may upload without one",
