@@ -297,8 +297,13 @@ static size_t body_cb(char *p, size_t size, size_t n, void *arg)
 {
     cuv_xfer *x = arg;
     size_t len = size * n;
+    long status = 0;
 
-    if (x->sink_fd < 0) {
+    /* only a successful answer's body is the file: an error page must never land in it (a resume
+     * would then continue after the error text) */
+    if (x->sink_fd >= 0)
+        curl_easy_getinfo(x->easy, CURLINFO_RESPONSE_CODE, &status);
+    if (x->sink_fd < 0 || status < 200 || status > 299) {
         if (x->body.len + len > x->body_cap)
             return 0;           /* larger than any answer we expect: fail the transfer */
         sb_add(&x->body, p, len);

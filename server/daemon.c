@@ -979,6 +979,8 @@ static void hf_adopt_done(job *j)
         if (a->bootstrap) {
             d->exit_code = 1;
             raise(SIGTERM);
+        } else if (!d->stopping) {
+            hf_set_step(d->hf, 0, 1);       /* the next poll downloads the Hub's global again */
         }
     } else if (!d->stopping) {
         if (a->bootstrap) {

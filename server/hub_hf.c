@@ -63,6 +63,8 @@ typedef struct candidate {
     char *part;                 /* download path */
     uint64_t have;
     int attempts;
+    int is_global;              /* the Hub's global, for adoption (verified like a delta) */
+    uint64_t step;
     struct candidate *next;
 } candidate;
 
@@ -542,7 +544,12 @@ static void verify_after(uv_work_t *w, int status)
     if (status == 0 && j->ok && !h->closing) {
         h->st.downloads++;
         dl_log(DL_LOG_DEBUG, "hub", "delta downloaded", "path=%s bytes=%" PRIu64 " oid=%s", c->rel, c->size, c->oid);
-        h->cb.delta_ready(h->app, c->rel, c->part);
+        if (c->is_global) {
+            h->global_download = 0;
+            h->cb.global_ready(h->app, c->step, c->part);
+        } else {
+            h->cb.delta_ready(h->app, c->rel, c->part);
+        }
         candidate_free(c);
     } else {
         if (status == 0 && !h->closing) {
@@ -562,6 +569,8 @@ static void verify_after(uv_work_t *w, int status)
             if (e)
                 e->state = SEEN_REJECTED;   /* given up for this run: a restart tries again */
             free(k);
+            if (c->is_global)
+                h->global_download = 0;     /* the next poll starts the adoption over */
             candidate_free(c);
         }
     }
@@ -586,6 +595,8 @@ static void download_done(hf_hub *h, hf_req *r, int ok)
             c->next = h->retry;
             h->retry = c;
         } else {
+            if (c->is_global)
+                h->global_download = 0;
             candidate_free(c);
         }
         pump_downloads(h);
@@ -727,8 +738,9 @@ static void pump_downloads(hf_hub *h)
         candidate *c = h->queue;
         h->queue = c->next;
         c->next = NULL;
-        if (c->attempts == -100) {
-            c->attempts = 0;
+        if (c->attempts == -100 || c->is_global) {
+            if (c->attempts == -100)
+                c->attempts = 0;
             start_download(h, c);
         } else {
             start_peek(h, c);
@@ -936,54 +948,61 @@ static void poll_cb(uv_timer_t *t)
 
 /* ---- adoption: download the Hub's global ----------------------------------------------------- */
 
-typedef struct adopt_ctx {
-    uint64_t step;
-    char *path;
-} adopt_ctx;
-
-static void adopt_done(hf_hub *h, hf_req *r, int ok)
+/* The Hub's global/ listing gives the model's size and oid, so the adoption download is verified
+ * like a delta's (a truncated or corrupted copy must never become our state). */
+static void global_list_done(hf_hub *h, hf_req *r, int ok)
 {
-    adopt_ctx *a = r->arg;
-    int fd = r->sink_fd;
     cuv_xfer *x = r->x;
+    candidate *c = NULL;
+    cJSON *arr = ok && x && x->status == 200 ? cJSON_ParseWithLength(x->body.p ? x->body.p : "", x->body.len) : NULL, *e;
 
-    ok = ok && x != NULL && x->status == 200;
-    req_end(h, r);
-    close(fd);
-    h->global_download = 0;
-    if (ok && !h->closing) {
-        h->cb.global_ready(h->app, a->step, a->path);   /* the daemon validates it before adopting */
-    } else {
-        unlink(a->path);
+    cJSON_ArrayForEach(e, arr) {
+        const char *path = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "path"));
+        const char *oid = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "oid"));
+        const cJSON *lfs = cJSON_GetObjectItemCaseSensitive(e, "lfs");
+        const cJSON *size = cJSON_GetObjectItemCaseSensitive(e, "size");
+        if (path == NULL || strcmp(path, "global/latest.safetensors") != 0 || !cJSON_IsNumber(size) || oid == NULL)
+            continue;
+        if (cJSON_IsObject(lfs))
+            oid = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(lfs, "oid"));
+        if (oid == NULL || strspn(oid, "0123456789abcdef") != strlen(oid) ||
+            strlen(oid) != (cJSON_IsObject(lfs) ? 64u : 40u))
+            break;
+        c = calloc(1, sizeof(*c));
+        if (c == NULL || (c->rel = strdup(path)) == NULL || (c->oid = strdup(oid)) == NULL) {
+            if (c)
+                candidate_free(c);
+            c = NULL;
+            break;
+        }
+        c->size = (uint64_t)size->valuedouble;
+        c->lfs = cJSON_IsObject(lfs);
+        c->is_global = 1;
+        c->step = (uint64_t)h->published_known;
+        break;
     }
-    free(a->path);
-    free(a);
+    cJSON_Delete(arr);
+    req_end(h, r);
+    if (c == NULL) {
+        set_error(h, "the Hub's global/ listing has no usable latest.safetensors");
+        h->global_download = 0;
+        h->st.head[0] = '\0';
+        return;
+    }
+    c->next = h->queue;
+    h->queue = c;
+    pump_downloads(h);
 }
 
 static void adopt_download(hf_hub *h)
 {
-    adopt_ctx *a = calloc(1, sizeof(*a));
-    char *url = resolve_url(h, "global/latest.safetensors");
+    char *url = api_url(h, "tree", "global", "?recursive=false&expand=false");
     hf_req *r = url ? req_new(h, "GET", url) : NULL;
-    int fd = -1;
-
     free(url);
-    if (a == NULL || r == NULL || asprintf(&a->path, "%s/cache/incoming/hf-global-%" PRId64 ".safetensors",
-                                           h->state_dir, h->published_known) < 0 ||
-        (fd = open(a->path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)) < 0) {
-        if (r)
-            req_free(r);
-        if (a)
-            free(a->path);
-        free(a);
+    if (r == NULL)
         return;
-    }
-    a->step = (uint64_t)h->published_known;
-    r->sink_fd = fd;
-    r->follow = 1;
-    r->api = 0;
     h->global_download = 1;
-    req_go(h, r, adopt_done, a);
+    req_go(h, r, global_list_done, NULL);
 }
 
 /* ---- publishing -------------------------------------------------------------------------------- */
@@ -1060,12 +1079,34 @@ static void commit_done(hf_hub *h, hf_req *r, int ok)
     pub_finish(h, 0);
 }
 
+/* Sends a publishing request whose body is b (consumed): retried until it succeeds or fails for
+ * good; an allocation failure ends this publish attempt. */
+static void pub_send(hf_hub *h, hf_req *r, sbuf *b, const char *content_type, hf_req_cb cb)
+{
+    size_t len = b->len;
+    char *body = sb_take(b), line[96];
+
+    if (body == NULL) {
+        req_free(r);
+        pub_finish(h, 0);
+        return;
+    }
+    req_body(r, body, len);
+    free(body);
+    snprintf(line, sizeof(line), "Content-Type: %s", content_type);
+    req_header(r, line);
+    if (strstr(content_type, "git-lfs") != NULL)
+        req_header(r, "Accept: application/vnd.git-lfs+json");
+    r->retry_forever = 1;
+    req_go(h, r, cb, NULL);
+}
+
 static void pub_commit(hf_hub *h)
 {
     pub_state *p = &h->pub;
     sbuf b = {0};
     char line[512];
-    char *url = api_url(h, "commit", NULL, NULL), *body;
+    char *url = api_url(h, "commit", NULL, NULL);
     hf_req *r = url ? req_new(h, "POST", url) : NULL;
 
     free(url);
@@ -1088,17 +1129,7 @@ static void pub_commit(hf_hub *h)
     sb_str(&b, "{\"key\":\"file\",\"value\":{\"content\":\"");
     b64(&b, (const unsigned char *)p->stepfile, strlen(p->stepfile));
     sb_str(&b, "\",\"path\":\"global/step_count.json\",\"encoding\":\"base64\"}}\n");
-    size_t len = b.len;
-    if ((body = sb_take(&b)) == NULL) {
-        req_free(r);
-        pub_finish(h, 0);
-        return;
-    }
-    req_body(r, body, len);
-    free(body);
-    req_header(r, "Content-Type: application/x-ndjson");
-    r->retry_forever = 1;
-    req_go(h, r, commit_done, NULL);
+    pub_send(h, r, &b, "application/x-ndjson", commit_done);
 }
 
 static void verify_lfs_done(hf_hub *h, hf_req *r, int ok)
@@ -1222,7 +1253,6 @@ static void multipart_next(hf_hub *h)
     /* completion: {"oid":..., "parts":[{"partNumber":1,"etag":"..."}]} */
     const char *href = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(upload, "href"));
     sbuf b = {0};
-    char *body;
     hf_req *r = href ? req_new(h, "POST", href) : NULL;
     if (r == NULL) {
         pub_finish(h, 0);
@@ -1239,18 +1269,8 @@ static void multipart_next(hf_hub *h)
         sb_str(&b, "}");
     }
     sb_str(&b, "]}");
-    size_t len = b.len;
-    if ((body = sb_take(&b)) == NULL) {
-        req_free(r);
-        pub_finish(h, 0);
-        return;
-    }
-    req_body(r, body, len);
-    free(body);
-    req_header(r, "Content-Type: application/vnd.git-lfs+json");
     r->auth = 0;
-    r->retry_forever = 1;
-    req_go(h, r, complete_done, NULL);
+    pub_send(h, r, &b, "application/vnd.git-lfs+json", complete_done);
 }
 
 static void batch_done(hf_hub *h, hf_req *r, int ok)
@@ -1374,7 +1394,7 @@ static void pub_preupload(hf_hub *h)
     char *url = api_url(h, "preupload", NULL, NULL);
     hf_req *r = url ? req_new(h, "POST", url) : NULL;
     sbuf b = {0}, s = {0};
-    char part[256], *body, *ssample;
+    char part[256], *ssample;
 
     free(url);
     if (r == NULL) {
@@ -1391,17 +1411,7 @@ static void pub_preupload(hf_hub *h)
     snprintf(part, sizeof(part), "\",\"size\":%zu}]}", strlen(p->stepfile));
     sb_str(&b, part);
     free(ssample);
-    size_t len = b.len;
-    if ((body = sb_take(&b)) == NULL) {
-        req_free(r);
-        pub_finish(h, 0);
-        return;
-    }
-    req_body(r, body, len);
-    free(body);
-    req_header(r, "Content-Type: application/json");
-    r->retry_forever = 1;
-    req_go(h, r, preupload_done, NULL);
+    pub_send(h, r, &b, "application/json", preupload_done);
 }
 
 static void pub_revision_done(hf_hub *h, hf_req *r, int ok)
@@ -1624,6 +1634,8 @@ void hf_set_step(hf_hub *h, uint64_t step, int waiting)
 {
     h->step = step;
     h->waiting = waiting;
+    if (waiting)
+        h->st.head[0] = '\0';         /* read the step file again at the next poll */
     /* deltas parked as "future" are worth a new look now */
     for (size_t i = 0; i < h->seen.cap; i++)
         if (h->seen.slots[i].key && h->seen.slots[i].state == SEEN_INCOMPLETE)
