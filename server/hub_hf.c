@@ -581,15 +581,15 @@ static void verify_after(uv_work_t *w, int status)
 static void download_done(hf_hub *h, hf_req *r, int ok)
 {
     candidate *c = r->arg;
-    cuv_xfer *x = r->x;
-    int range_ignored = x != NULL && c->have > 0 && x->status == 200;
+    long status = r->x != NULL ? r->x->status : 0;
+    int range_ignored = c->have > 0 && status == 200;
     int fd = r->sink_fd;
 
-    req_end(h, r);
+    req_end(h, r);              /* frees r and its transfer: only the copies above from here on */
     close(fd);
     if (!ok || range_ignored || h->closing) {
         h->active_downloads--;
-        if (range_ignored || (x != NULL && x->status == 416))
+        if (range_ignored || status == 416)
             unlink(c->part);    /* start over: the server would not resume */
         if (!h->closing && ++c->attempts < MAX_ATTEMPTS_DOWNLOAD) {
             c->next = h->retry;
