@@ -680,6 +680,21 @@ static void run_work(job *j)
     outer_run(j->d->pass);
 }
 
+/* Ends the pass on the pool (commit, or release of what was opened).  If the pool cannot take the
+ * job, the pass is abandoned here: with abort set, outer_finish only closes and unlinks (no fsync),
+ * so no temporary file or descriptor outlives the attempt. */
+static void queue_finish(dilocod *d)
+{
+    dl_error e;
+
+    if (daemon__queue(d, finish_work, finish_done, NULL, 0, 0) == 0)
+        return;
+    outer_abort(d->pass);
+    outer_finish(d->pass, &e);
+    dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot queue the end of the outer step");
+    aggregation_failed(d, &e);
+}
+
 static void run_done(job *j)
 {
     dilocod *d = j->d;
@@ -688,12 +703,7 @@ static void run_done(job *j)
         return;
     dl_log(DL_LOG_DEBUG, "aggregate", "computed", "step=%" PRIu64 " seconds=%.3f", d->rnd.step + 1,
            now_s(d) - d->pass_started);
-    if (daemon__queue(d, finish_work, finish_done, NULL, 0, 0) != 0) {
-        /* cannot even queue: finish inline would block; leave files for startup cleanup */
-        dl_error e;
-        dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot queue the finish job");
-        aggregation_failed(d, &e);
-    }
+    queue_finish(d);
 }
 
 static void prepare_work(job *j)
@@ -708,9 +718,7 @@ static void prepare_done(job *j)
     if (j->rc != 0 || d->stopping) {
         if (j->rc == 0)
             outer_abort(d->pass);
-        /* outer_finish releases what prepare opened; it blocks on close/unlink only */
-        if (daemon__queue(d, finish_work, finish_done, NULL, 0, 0) != 0)
-            aggregation_failed(d, &j->err);
+        queue_finish(d);        /* releases what prepare opened */
         return;
     }
     dl_log(DL_LOG_DEBUG, "aggregate", "prepared", "step=%" PRIu64 " seconds=%.3f items=%zu chunk_elems=%" PRIu64,
@@ -722,8 +730,7 @@ static void prepare_done(job *j)
     }
     if (d->pass_jobs == 0) {
         outer_abort(d->pass);
-        if (daemon__queue(d, finish_work, finish_done, NULL, 0, 0) != 0)
-            aggregation_failed(d, &j->err);
+        queue_finish(d);
     }
 }
 
