@@ -176,3 +176,235 @@ int fsu_mkdirs(const char *dir, dl_error *err)
     free(p);
     return rc;
 }
+
+/* ---- reading a tree that other people write ---------------------------------------------------- */
+
+/* One path component: a name that cannot climb out of its directory or cross into another. */
+static int plain_name(const char *name)
+{
+    return name[0] != '\0' && strchr(name, '/') == NULL && strcmp(name, ".") != 0 && strcmp(name, "..") != 0;
+}
+
+/* The errno that names a non-regular type (see fsutil.h). */
+static int kind_errno(mode_t mode)
+{
+    if (S_ISLNK(mode))
+        return -ELOOP;
+    if (S_ISDIR(mode))
+        return -EISDIR;
+    return -EINVAL;
+}
+
+const char *fsu_kind_name(mode_t mode)
+{
+    switch (mode & S_IFMT) {
+    case S_IFREG: return "a regular file";
+    case S_IFDIR: return "a directory";
+    case S_IFLNK: return "a symbolic link";
+    case S_IFIFO: return "a FIFO";
+    case S_IFSOCK: return "a socket";
+    case S_IFCHR: return "a character device";
+    case S_IFBLK: return "a block device";
+    }
+    return "not a file";
+}
+
+int fsu_open_dir_at(int dirfd, const char *name, int *fd)
+{
+    struct stat sb;
+    int f;
+
+    *fd = -1;
+    if (!plain_name(name))
+        return -EINVAL;
+    /* O_DIRECTORY is checked before any open side effect (a FIFO is refused, not waited on) */
+    f = openat(dirfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (f < 0) {
+        int e = errno;
+        /* name the reason the same way whatever the kernel said for a link with O_DIRECTORY */
+        if ((e == ENOTDIR || e == ELOOP) && fstatat(dirfd, name, &sb, AT_SYMLINK_NOFOLLOW) == 0)
+            return S_ISLNK(sb.st_mode) ? -ELOOP : -ENOTDIR;
+        return -e;
+    }
+    *fd = f;
+    return 0;
+}
+
+int fsu_open_file_at(int dirfd, const char *name, int *fd, struct stat *sb)
+{
+    int f;
+
+    *fd = -1;
+    memset(sb, 0, sizeof(*sb));
+    if (!plain_name(name))
+        return -EINVAL;
+    if (fstatat(dirfd, name, sb, AT_SYMLINK_NOFOLLOW) != 0)
+        return -errno;
+    if (!S_ISREG(sb->st_mode))
+        return kind_errno(sb->st_mode);
+    /* swapped for something else since the fstatat: O_NOFOLLOW refuses a link, O_NONBLOCK keeps a
+     * FIFO from blocking the open, and the fstat below refuses it */
+    f = openat(dirfd, name, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_NOCTTY | O_CLOEXEC);
+    if (f < 0) {
+        int e = errno;
+        if (e == ELOOP)
+            sb->st_mode = S_IFLNK;
+        return -e;
+    }
+    if (fstat(f, sb) != 0) {
+        int e = errno;
+        close(f);
+        return -e;
+    }
+    if (!S_ISREG(sb->st_mode)) {
+        close(f);
+        return kind_errno(sb->st_mode);
+    }
+    *fd = f;
+    return 0;
+}
+
+int fsu_open_path_at(int dirfd, const char *rel, int *fd, struct stat *sb)
+{
+    char name[256];
+    const char *p = rel;
+    int cur = dirfd, rc;
+
+    *fd = -1;
+    memset(sb, 0, sizeof(*sb));
+    for (;;) {
+        const char *slash = strchr(p, '/');
+        if (slash == NULL)
+            break;
+        size_t len = (size_t)(slash - p);
+        if (len == 0 || len >= sizeof(name)) {
+            rc = len == 0 ? -EINVAL : -ENAMETOOLONG;
+            goto out;
+        }
+        memcpy(name, p, len);
+        name[len] = '\0';
+        int next;
+        if ((rc = fsu_open_dir_at(cur, name, &next)) != 0) {
+            if (rc == -ELOOP)
+                sb->st_mode = S_IFLNK;
+            goto out;
+        }
+        if (cur != dirfd)
+            close(cur);
+        cur = next;
+        p = slash + 1;
+    }
+    rc = fsu_open_file_at(cur, p, fd, sb);
+out:
+    if (cur != dirfd)
+        close(cur);
+    return rc;
+}
+
+int fsu_read_small_at(int dirfd, const char *name, char *buf, size_t cap, size_t *len, struct stat *sb)
+{
+    size_t got = 0;
+    int fd, rc;
+
+    *len = 0;
+    if ((rc = fsu_open_file_at(dirfd, name, &fd, sb)) != 0)
+        return rc;
+    if ((uint64_t)sb->st_size > cap) {
+        close(fd);
+        return -EFBIG;
+    }
+    /* read to EOF but never more than cap + 1 bytes: a file growing under us is refused, not
+     * followed without end */
+    while (got <= cap) {
+        ssize_t r = read(fd, buf + got, cap + 1 - got);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0) {
+            rc = -errno;
+            close(fd);
+            return rc;
+        }
+        if (r == 0)
+            break;
+        got += (size_t)r;
+    }
+    close(fd);
+    if (got > cap)
+        return -EFBIG;
+    buf[got] = '\0';
+    *len = got;
+    return 0;
+}
+
+int fsu_tmp_create_at(int dirfd, const char *name, char **tmp_name, int *fd)
+{
+    size_t cap = strlen(name) + 64;
+    char *t;
+
+    *fd = -1;
+    *tmp_name = NULL;
+    if (!plain_name(name))
+        return -EINVAL;
+    if ((t = malloc(cap)) == NULL)
+        return -ENOMEM;
+    for (int attempt = 0; attempt < 100; attempt++) {
+        snprintf(t, cap, ".%s.tmp-%ld-%u", name, (long)getpid(), atomic_fetch_add(&tmp_counter, 1));
+        /* O_EXCL: a link planted under this name is never written through */
+        int f = openat(dirfd, t, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+        if (f >= 0) {
+            *fd = f;
+            *tmp_name = t;
+            return 0;
+        }
+        if (errno != EEXIST) {
+            int e = errno;
+            free(t);
+            return -e;
+        }
+    }
+    free(t);
+    return -EEXIST;
+}
+
+int fsu_commit_tmp_at(int dirfd, int fd, const char *tmp_name, const char *name)
+{
+    int e;
+
+    if (fsync(fd) != 0) {
+        e = errno;
+        close(fd);
+        goto fail;
+    }
+    if (close(fd) != 0) {
+        e = errno;
+        goto fail;
+    }
+    /* renameat replaces whatever entry holds name (a link, a FIFO) and never follows it */
+    if (renameat(dirfd, tmp_name, dirfd, name) != 0) {
+        e = errno;
+        goto fail;
+    }
+    if (fsync(dirfd) != 0 && errno != EINVAL)
+        return -errno;
+    return 0;
+fail:
+    unlinkat(dirfd, tmp_name, 0);
+    return -e;
+}
+
+int fsu_write_atomic_at(int dirfd, const char *name, const void *buf, size_t len)
+{
+    char *tmp;
+    int fd, rc;
+
+    if ((rc = fsu_tmp_create_at(dirfd, name, &tmp, &fd)) != 0)
+        return rc;
+    if ((rc = fsu_pwrite_all(fd, buf, len, 0)) != 0) {
+        close(fd);
+        unlinkat(dirfd, tmp, 0);
+    } else {
+        rc = fsu_commit_tmp_at(dirfd, fd, tmp, name);
+    }
+    free(tmp);
+    return rc;
+}

@@ -5,6 +5,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <sys/stat.h>
+
 #include "dl_error.h"
 
 /* Creates a new temporary file in the directory of path (".<base>.tmp-<pid>-<n>"), mode 0644.
@@ -22,5 +24,36 @@ int fsu_mkdirs(const char *dir, dl_error *err);
 /* pwrite/pread the whole range, retrying on EINTR and short transfers; short read at EOF is an error. */
 int fsu_pwrite_all(int fd, const void *buf, size_t len, uint64_t off);
 int fsu_pread_all(int fd, void *buf, size_t len, uint64_t off);
+
+/* ---- reading a tree that other people write -------------------------------------------------
+ * Everything below a trusted directory descriptor is reached with openat, one component at a
+ * time, never following a symbolic link (O_NOFOLLOW covers only the last component of a path, so
+ * a path string is never handed to open()), and never opening anything but a directory or a
+ * regular file: a FIFO would block open() or read() for good, a device may act on open.
+ * All of them return 0 or a negative errno. */
+
+/* Opens the directory name under dirfd.  -ELOOP if it is a symbolic link, -ENOTDIR if it is
+ * anything else that is not a directory. */
+int fsu_open_dir_at(int dirfd, const char *name, int *fd);
+/* Opens the regular file name under dirfd read-only (O_NONBLOCK|O_NOFOLLOW|O_CLOEXEC); *sb is its
+ * fstat.  The type is checked before the open (so a device or a FIFO is never opened) and after it
+ * (the entry may be swapped in between).  -ELOOP for a symbolic link, -EISDIR for a directory,
+ * -EINVAL for any other non-regular file; then sb->st_mode holds what was found (fsu_kind_name). */
+int fsu_open_file_at(int dirfd, const char *name, int *fd, struct stat *sb);
+/* fsu_open_file_at for a relative path "a/b/file": every directory component through
+ * fsu_open_dir_at.  Empty, "." and ".." components are refused with -EINVAL (sb->st_mode 0). */
+int fsu_open_path_at(int dirfd, const char *rel, int *fd, struct stat *sb);
+/* Reads the whole regular file name under dirfd into buf (cap bytes at most, NUL-terminated, so
+ * buf holds cap + 1).  -EFBIG if the file holds more than cap bytes, also if it grows while read. */
+int fsu_read_small_at(int dirfd, const char *name, char *buf, size_t cap, size_t *len, struct stat *sb);
+/* "a FIFO", "a symbolic link", ... for a log message about a refused entry. */
+const char *fsu_kind_name(mode_t mode);
+
+/* Atomic replacement inside a directory descriptor: a new temporary ".<name>.tmp-<pid>-<n>"
+ * (O_EXCL, so never through a planted link), then fsync, renameat over name, fsync of the
+ * directory.  *tmp_name is malloc'd.  fsu_commit_tmp_at closes fd and removes tmp on failure. */
+int fsu_tmp_create_at(int dirfd, const char *name, char **tmp_name, int *fd);
+int fsu_commit_tmp_at(int dirfd, int fd, const char *tmp_name, const char *name);
+int fsu_write_atomic_at(int dirfd, const char *name, const void *buf, size_t len);
 
 #endif
