@@ -396,6 +396,12 @@ static void metrics_text(dilocod *d, sbuf *b)
         sb_fmt(b, "dilocod_http_connections_rejected_total %" PRIu64 "\n", hs->rejected_conns);
         metric(b, "http_timeouts_total", "counter", "Connections closed for a timeout (slow head, stalled transfer).");
         sb_fmt(b, "dilocod_http_timeouts_total %" PRIu64 "\n", hs->timeouts);
+        metric(b, "http_evicted_idle_total", "counter",
+               "Idle connections closed at the connection limit to make room for a new one.");
+        sb_fmt(b, "dilocod_http_evicted_idle_total %" PRIu64 "\n", hs->evicted_idle);
+        metric(b, "http_accept_errors_total", "counter",
+               "accept() failures for want of descriptors or memory (the listener backed off).");
+        sb_fmt(b, "dilocod_http_accept_errors_total %" PRIu64 "\n", hs->accept_errors);
         metric(b, "http_received_bytes_total", "counter", "Bytes read from HTTP clients.");
         sb_fmt(b, "dilocod_http_received_bytes_total %" PRIu64 "\n", hs->bytes_received);
         metric(b, "http_sent_bytes_total", "counter", "Bytes sent to HTTP clients.");
@@ -480,48 +486,43 @@ static int etag_matches(const char *inm, const char *etag)
 
 static void serve_global(dilocod *d, http_conn *c, http_request *req)
 {
+    const served_global *g = daemon__global(d);
     char extra[256];
     uint64_t from = 0, len;
-    int fd, r;
+    int r;
 
-    if (d->global_fd < 0) {
+    if (g->file == NULL) {
         count(d, R_GLOBAL, 503);
         http_respond_error(c, 503, "no_global", "no global model yet", NULL);
         return;
     }
-    if (etag_matches(http_header_get(req, "if-none-match"), d->global_etag)) {
-        snprintf(extra, sizeof(extra), "ETag: %s\r\nX-Outer-Step: %" PRIu64 "\r\n", d->global_etag, d->st.step);
+    if (etag_matches(http_header_get(req, "if-none-match"), g->etag)) {
+        snprintf(extra, sizeof(extra), "ETag: %s\r\nX-Outer-Step: %" PRIu64 "\r\n", g->etag, g->step);
         count(d, R_GLOBAL, 304);
         http_respond(c, 304, NULL, extra, NULL, 0);
         return;
     }
-    len = d->global_size;
-    r = parse_range(http_header_get(req, "range"), d->global_size, &from, &len);
+    len = g->size;
+    r = parse_range(http_header_get(req, "range"), g->size, &from, &len);
     if (r < 0) {
-        snprintf(extra, sizeof(extra), "Content-Range: bytes */%" PRIu64 "\r\n", d->global_size);
+        snprintf(extra, sizeof(extra), "Content-Range: bytes */%" PRIu64 "\r\n", g->size);
         static const char body[] =
             "{\"error\":{\"code\":\"range_not_satisfiable\",\"message\":\"range outside the file\"}}\n";
         count(d, R_GLOBAL, 416);
         http_respond(c, 416, "application/json", extra, body, sizeof(body) - 1);
         return;
     }
-    /* each response sends from its own descriptor: the next commit replaces d->global_fd */
-    fd = dup(d->global_fd);
-    if (fd < 0) {
-        count(d, R_GLOBAL, 503);
-        http_respond_error(c, 503, "io_error", "cannot open the global model", NULL);
-        return;
-    }
     if (r == 1)
         snprintf(extra, sizeof(extra),
                  "ETag: %s\r\nAccept-Ranges: bytes\r\nX-Outer-Step: %" PRIu64 "\r\nContent-Range: bytes %" PRIu64
                  "-%" PRIu64 "/%" PRIu64 "\r\n",
-                 d->global_etag, d->st.step, from, from + len - 1, d->global_size);
+                 g->etag, g->step, from, from + len - 1, g->size);
     else
-        snprintf(extra, sizeof(extra), "ETag: %s\r\nAccept-Ranges: bytes\r\nX-Outer-Step: %" PRIu64 "\r\n",
-                 d->global_etag, d->st.step);
+        snprintf(extra, sizeof(extra), "ETag: %s\r\nAccept-Ranges: bytes\r\nX-Outer-Step: %" PRIu64 "\r\n", g->etag,
+                 g->step);
     count(d, R_GLOBAL, r == 1 ? 206 : 200);
-    http_respond_file(c, r == 1 ? 206 : 200, "application/octet-stream", extra, fd, from, len);
+    /* the response holds its own reference: a commit that replaces d->global does not cut it short */
+    http_respond_file(c, r == 1 ? 206 : 200, "application/octet-stream", extra, g->file, from, len);
 }
 
 static void serve_stepfile(dilocod *d, http_conn *c)
@@ -608,7 +609,7 @@ void api_on_request(http_conn *c, http_request *req, void *app)
             return not_allowed(d, c, R_DASHBOARD, "GET, HEAD");
         count(d, R_DASHBOARD, 200);
         /* self-contained: the page talks to this server only */
-        http_respond(c, 200, "text/html; charset=utf-8",
+        http_respond_static(c, 200, "text/html; charset=utf-8",
                      "Cache-Control: no-cache\r\nX-Content-Type-Options: nosniff\r\n"
                      "Content-Security-Policy: default-src 'self'; style-src 'self' 'unsafe-inline'; "
                      "script-src 'self' 'unsafe-inline'; img-src 'self' data:\r\n",

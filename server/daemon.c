@@ -513,6 +513,13 @@ static void aggregation_failed(dilocod *d, const dl_error *err)
     d->retry_delay = fmin(d->retry_delay * 2, MAX_RETRY_SECONDS);
 }
 
+/* A descriptor for serving path, or a negative errno. */
+static int open_for_download(const char *path)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    return fd >= 0 ? fd : -errno;
+}
+
 static void commit_work(job *j)
 {
     dilocod *d = j->d;
@@ -528,24 +535,46 @@ static void commit_work(job *j)
     };
     j->rc = store_commit(&d->st, &info, &j->err);
     /* opened here, off the loop: downloads of the new global start from this descriptor */
-    j->flag = j->rc == 0 ? open(info.global_path, O_RDONLY | O_CLOEXEC) : -1;
+    j->flag = j->rc == 0 ? open_for_download(info.global_path) : -EINVAL;
 }
 
-/* Adopts fd as the descriptor served for GET /global/latest.safetensors. */
-static void set_global_fd(dilocod *d, int fd)
+/* Serves fd (the committed global of step) for GET /global/latest.safetensors.  A negative errno
+ * in fd (the open failed: EMFILE, say) keeps the previous file served, a consistent older step
+ * rather than a 503, and daemon__global() tries again. */
+static void set_served_global(dilocod *d, int fd, uint64_t step)
 {
     struct stat sb;
+    http_file *f;
 
-    if (d->global_fd >= 0)
-        close(d->global_fd);
-    d->global_fd = fd;
-    d->global_size = 0;
-    d->global_etag[0] = '\0';
-    if (fd >= 0 && fstat(fd, &sb) == 0) {
-        d->global_size = (uint64_t)sb.st_size;
-        snprintf(d->global_etag, sizeof(d->global_etag), "\"s%" PRIu64 "-%" PRIx64 "-%" PRIx64 "\"", d->st.step,
-                 (uint64_t)sb.st_ino, (uint64_t)sb.st_size);
+    if (fd < 0 || fstat(fd, &sb) != 0) {
+        int e = fd < 0 ? -fd : errno;
+        if (fd >= 0)
+            close(fd);
+        if (!d->global_stale)
+            dl_log(DL_LOG_WARN, "http", "cannot open the committed global for downloads, will retry",
+                   "step=%" PRIu64 " serving=%s error=%s", step, d->global.file ? "previous step" : "nothing",
+                   strerror(e));
+        d->global_stale = 1;
+        return;
     }
+    if ((f = http_file_new(fd)) == NULL) {
+        d->global_stale = 1;
+        return;
+    }
+    http_file_unref(d->global.file);
+    d->global.file = f;
+    d->global.step = step;
+    d->global.size = (uint64_t)sb.st_size;
+    snprintf(d->global.etag, sizeof(d->global.etag), "\"s%" PRIu64 "-%" PRIx64 "-%" PRIx64 "\"", step,
+             (uint64_t)sb.st_ino, (uint64_t)sb.st_size);
+    d->global_stale = 0;
+}
+
+const served_global *daemon__global(dilocod *d)
+{
+    if (d->global_stale && d->st.committed)
+        set_served_global(d, open_for_download(d->st.global_path), d->st.step);
+    return &d->global;
 }
 
 static void record_round(dilocod *d, double seconds)
@@ -634,7 +663,7 @@ static void commit_done(job *j)
     uv_timer_stop(&d->progress_timer);
     log_round_stats(d, seconds);
     record_round(d, seconds);
-    set_global_fd(d, j->flag);
+    set_served_global(d, j->flag, d->st.step);
     d->committed_at = time(NULL);
     dl_log(DL_LOG_INFO, "store", "committed", "step=%" PRIu64 " global=%s", d->st.step, d->st.global_path);
     pass_release(d);
@@ -1154,9 +1183,9 @@ static void collecting_start(dilocod *d)
         hf_set_step(d->hf, d->st.step, 0);
     model_facts(d);
     /* startup (or adoption): one open of the committed global for downloads */
-    set_global_fd(d, open(d->st.global_path, O_RDONLY | O_CLOEXEC));
+    set_served_global(d, open_for_download(d->st.global_path), d->st.step);
     struct stat sb;
-    if (d->global_fd >= 0 && fstat(d->global_fd, &sb) == 0)
+    if (d->global.file != NULL && stat(d->st.global_path, &sb) == 0)
         d->committed_at = sb.st_mtime;      /* the step's file was written when it was committed */
     dl_log(DL_LOG_INFO, "round", "opened", "step=%" PRIu64 " expected=%u min_nodes=%u tensors=%zu", d->rnd.step,
            d->cfg->expected_nodes, d->cfg->min_nodes, d->model->ntensors);
@@ -1382,7 +1411,6 @@ int daemon_run(config *cfg)
     if (d == NULL)
         return 1;
     d->cfg = cfg;
-    d->global_fd = -1;
     d->started_at = time(NULL);
     d->published_step = -1;
     d->state = S_COLLECTING;            /* startup() switches to S_WAITING_GLOBAL when it must */
@@ -1450,8 +1478,7 @@ int daemon_run(config *cfg)
     st_header_free(d->model);
     store_free(&d->st);
     auth_free(&d->auth);
-    if (d->global_fd >= 0)
-        close(d->global_fd);
+    http_file_unref(d->global.file);
     for (size_t i = 0; i < d->history_n; i++)
         free(d->history[(d->history_head + i) % HISTORY_MAX].nodes);
     free(d->hub_root);

@@ -60,6 +60,15 @@ typedef struct metrics {
     uint64_t publish_errors;
 } metrics;
 
+/* The global model as downloads see it: one open file and the facts of the same commit, replaced
+ * as a whole, so a response's X-Outer-Step, ETag and body always come from one published file.
+ * Responses in flight keep their own reference on the file. */
+typedef struct served_global {
+    http_file *file;            /* NULL: nothing to serve yet */
+    uint64_t step, size;
+    char etag[80];
+} served_global;
+
 typedef struct dilocod {
     uv_loop_t loop;
     config *cfg;
@@ -116,9 +125,8 @@ typedef struct dilocod {
     int http_port;
     auth_table auth;
     int uploads_in_flight;
-    int global_fd;              /* the committed global, kept open for downloads */
-    uint64_t global_size;
-    char global_etag[80];
+    served_global global;       /* what GET /global/latest.safetensors sends (read it with daemon__global) */
+    int global_stale;           /* the committed global could not be opened yet: an older one is served */
 
     round_record history[HISTORY_MAX];
     size_t history_n, history_head;     /* ring: oldest at head */
@@ -131,6 +139,8 @@ static inline double daemon__now(dilocod *d)
 }
 
 const char *daemon__state_name(dstate s);
+/* The global that downloads send now (retries opening a newly committed one that failed to open). */
+const served_global *daemon__global(dilocod *d);
 /* Offers a validated delta (its cache copy) to the round, logs, and closes the round if it is
  * complete.  Takes ownership of cache_path on ROUND_ACCEPTED/ROUND_REPLACED, else deletes the file. */
 round_verdict daemon__offer(dilocod *d, const delta_info *info, char *cache_path, uint64_t size);

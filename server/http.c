@@ -23,23 +23,37 @@
 #define container_of(ptr, type, member) ((type *)((char *)(ptr) - offsetof(type, member)))
 
 #define READ_BUF 65536
-#define OUT_HIGH_WATER (1u << 20)       /* stop reading requests while this much output waits */
+/* A connection's queued output (buffers, and files at their remaining length): at the high mark
+ * its parser pauses after the current request, so pipelined requests wait in the read buffer and
+ * then in the peer's socket; it resumes at the low mark.  A peer that never reads therefore holds
+ * at most READ_BUF + OUT_HIGH_WATER + one response of our memory, and one file reference. */
+#define OUT_HIGH_WATER (256u << 10)
+#define OUT_LOW_WATER (64u << 10)
 #define SENDFILE_CHUNK (8u << 20)
+#define ACCEPT_BACKOFF_MS 250           /* listener pause when accept fails for want of resources */
 #define LINGER_MS 2000
 #define LINGER_MAX_BYTES (256u << 20)
+
+struct http_file {
+    int fd;
+    unsigned refs;
+};
 
 typedef struct out_item {
     struct out_item *next;
     char *data;                 /* a buffer item ... */
     size_t len, off;
-    int fd;                     /* ... or a file range (fd >= 0) */
+    int borrowed;               /* data is static: not freed */
+    http_file *file;            /* ... or a file range */
     uint64_t foff, fleft;
 } out_item;
 
 struct http_server {
     uv_loop_t *loop;
     uv_poll_t listen_poll;
+    uv_timer_t accept_timer;    /* resumes accepting after a backoff */
     int listen_fd;
+    int reserve_fd;             /* spent on EMFILE to accept and close what waits (libuv's trick) */
     int port;
     int listening;
     http_limits lim;
@@ -65,6 +79,9 @@ struct http_conn {
     char *rbuf;
     size_t rlen, rpos;
     int paused;                 /* parser paused at message complete until the response is queued */
+    int out_paused;             /* parser paused at message complete until the output drains */
+    int has_poll;               /* the uv_poll_t was initialised (closed with the connection) */
+    uint64_t last_active;       /* loop time of the last progress (eviction picks the oldest idle) */
     int in_execute;
     int closing, close_after;
     /* current request */
@@ -156,7 +173,16 @@ static void out_push(http_conn *c, out_item *it)
     else
         c->out_head = it;
     c->out_tail = it;
-    c->out_bytes += it->fd >= 0 ? 0 : it->len;
+    c->out_bytes += it->file ? (size_t)it->fleft : it->len;
+}
+
+static void out_item_free(out_item *it)
+{
+    if (it->file)
+        http_file_unref(it->file);
+    if (!it->borrowed)
+        free(it->data);
+    free(it);
 }
 
 static void out_free_all(http_conn *c)
@@ -164,10 +190,7 @@ static void out_free_all(http_conn *c)
     out_item *it = c->out_head;
     while (it) {
         out_item *n = it->next;
-        if (it->fd >= 0)
-            close(it->fd);
-        free(it->data);
-        free(it);
+        out_item_free(it);
         it = n;
     }
     c->out_head = c->out_tail = NULL;
@@ -183,9 +206,45 @@ static int out_buffer(http_conn *c, char *data, size_t len)
     }
     it->data = data;
     it->len = len;
-    it->fd = -1;
     out_push(c, it);
     return 0;
+}
+
+static int out_static(http_conn *c, const char *data, size_t len)
+{
+    out_item *it = calloc(1, sizeof(*it));
+    if (it == NULL)
+        return -1;
+    it->data = (char *)data;
+    it->len = len;
+    it->borrowed = 1;
+    out_push(c, it);
+    return 0;
+}
+
+http_file *http_file_new(int fd)
+{
+    http_file *f = malloc(sizeof(*f));
+    if (f == NULL) {
+        close(fd);
+        return NULL;
+    }
+    f->fd = fd;
+    f->refs = 1;
+    return f;
+}
+
+void http_file_ref(http_file *f)
+{
+    f->refs++;
+}
+
+void http_file_unref(http_file *f)
+{
+    if (f != NULL && --f->refs == 0) {
+        close(f->fd);
+        free(f);
+    }
 }
 
 /* Fake connections hand their output to a callback, files included (read with pread). */
@@ -193,25 +252,22 @@ static void fake_flush(http_conn *c)
 {
     while (c->out_head) {
         out_item *it = c->out_head;
-        if (it->fd >= 0) {
+        if (it->file) {
             char buf[65536];
             while (it->fleft > 0) {
                 size_t n = it->fleft < sizeof(buf) ? (size_t)it->fleft : sizeof(buf);
-                ssize_t r = pread(it->fd, buf, n, (off_t)it->foff);
+                ssize_t r = pread(it->file->fd, buf, n, (off_t)it->foff);
                 if (r <= 0)
                     break;
                 c->fake_out(buf, (size_t)r, c->fake_arg);
                 it->foff += (uint64_t)r;
                 it->fleft -= (uint64_t)r;
             }
-            close(it->fd);
         } else {
             c->fake_out(it->data + it->off, it->len - it->off, c->fake_arg);
-            c->out_bytes -= it->len;
         }
         c->out_head = it->next;
-        free(it->data);
-        free(it);
+        out_item_free(it);
     }
     c->out_tail = NULL;
     c->out_bytes = 0;
@@ -221,6 +277,7 @@ static void idle_timeout_cb(uv_timer_t *t);
 
 static void touch(http_conn *c)
 {
+    c->last_active = uv_now(c->srv->loop);
     if (!c->closing && !c->lingering)
         uv_timer_start(&c->idle_timer, idle_timeout_cb, (uint64_t)(c->srv->lim.idle_timeout * 1000), 0);
 }
@@ -230,29 +287,29 @@ static int write_some(http_conn *c)
 {
     while (c->out_head) {
         out_item *it = c->out_head;
-        if (it->fd >= 0) {
+        if (it->file) {
             if (it->fleft > 0) {
                 off_t off = (off_t)it->foff;
                 size_t n = it->fleft < SENDFILE_CHUNK ? (size_t)it->fleft : SENDFILE_CHUNK;
-                ssize_t w = sendfile(c->fd, it->fd, &off, n);
+                ssize_t w = sendfile(c->fd, it->file->fd, &off, n);
                 if (w < 0) {
                     if (errno == EAGAIN || errno == EINTR)
                         return 0;
-                    return -1;
+                    return -1;  /* EPIPE, ECONNRESET...: the peer is gone */
                 }
                 if (w == 0)
                     return -1;  /* the file shrank under us */
                 it->foff += (uint64_t)w;
                 it->fleft -= (uint64_t)w;
+                c->out_bytes -= (size_t)w;
                 c->srv->stats.bytes_sent += (uint64_t)w;
                 touch(c);
                 continue;
             }
-            close(it->fd);
         } else {
             struct iovec iov[16];
             int n = 0;
-            for (out_item *j = it; j && j->fd < 0 && n < 16; j = j->next) {
+            for (out_item *j = it; j && !j->file && n < 16; j = j->next) {
                 iov[n].iov_base = j->data + j->off;
                 iov[n].iov_len = j->len - j->off;
                 n++;
@@ -265,19 +322,19 @@ static int write_some(http_conn *c)
             }
             c->srv->stats.bytes_sent += (uint64_t)w;
             touch(c);
-            while (w > 0 && c->out_head && c->out_head->fd < 0) {
+            while (w > 0 && c->out_head && !c->out_head->file) {
                 out_item *h = c->out_head;
                 size_t left = h->len - h->off;
                 if ((size_t)w < left) {
                     h->off += (size_t)w;
+                    c->out_bytes -= (size_t)w;
                     w = 0;
                     break;
                 }
                 w -= (ssize_t)left;
-                c->out_bytes -= h->len;
+                c->out_bytes -= left;
                 c->out_head = h->next;
-                free(h->data);
-                free(h);
+                out_item_free(h);
             }
             if (c->out_head == NULL)
                 c->out_tail = NULL;
@@ -286,8 +343,7 @@ static int write_some(http_conn *c)
         c->out_head = it->next;
         if (c->out_head == NULL)
             c->out_tail = NULL;
-        free(it->data);
-        free(it);
+        out_item_free(it);
     }
     return 0;
 }
@@ -309,6 +365,13 @@ static void conn_flush(http_conn *c)
          * conn_process closes once execute has returned. */
         if (!c->in_execute)
             conn_finish(c);
+        return;
+    }
+    if (c->out_paused && c->out_bytes <= OUT_LOW_WATER && !c->in_execute && !c->closing) {
+        /* drained: the pipelined requests waiting in the read buffer go on */
+        c->out_paused = 0;
+        llhttp_resume(&c->parser);
+        conn_process(c);
         return;
     }
     conn_update_poll(c);
@@ -399,6 +462,23 @@ void http_respond(http_conn *c, int status, const char *content_type, const char
     after_response(c);
 }
 
+void http_respond_static(http_conn *c, int status, const char *content_type, const char *extra_headers,
+                         const char *body, size_t len)
+{
+    size_t hlen;
+    char *head;
+
+    if (c->closing || c->responded)
+        return;
+    head = response_head(c, status, content_type, extra_headers, len, &hlen);
+    if (head == NULL || out_buffer(c, head, hlen) != 0 ||
+        (body != NULL && len > 0 && !c->req.head_only && out_static(c, body, len) != 0)) {
+        conn_close(c);
+        return;
+    }
+    after_response(c);
+}
+
 void http_respond_error(http_conn *c, int status, const char *code, const char *message, const char *tensor)
 {
     sbuf b = {0};
@@ -423,30 +503,27 @@ void http_respond_error(http_conn *c, int status, const char *code, const char *
     free(text);
 }
 
-void http_respond_file(http_conn *c, int status, const char *content_type, const char *extra_headers, int fd,
+void http_respond_file(http_conn *c, int status, const char *content_type, const char *extra_headers, http_file *f,
                        uint64_t off, uint64_t len)
 {
     size_t hlen;
     char *head;
     out_item *it;
 
-    if (c->closing || c->responded) {
-        close(fd);
+    if (c->closing || c->responded)
         return;
-    }
     head = response_head(c, status, content_type, extra_headers, len, &hlen);
     if (head == NULL || out_buffer(c, head, hlen) != 0) {
-        close(fd);
         conn_close(c);
         return;
     }
-    if (c->req.head_only || len == 0) {
-        close(fd);
-    } else if ((it = calloc(1, sizeof(*it))) == NULL) {
-        close(fd);
-        c->close_after = 1;
-    } else {
-        it->fd = fd;
+    if (!c->req.head_only && len > 0) {
+        if ((it = calloc(1, sizeof(*it))) == NULL) {
+            conn_close(c);      /* the head promised a body that cannot follow */
+            return;
+        }
+        http_file_ref(f);
+        it->file = f;
         it->foff = off;
         it->fleft = len;
         out_push(c, it);
@@ -651,6 +728,10 @@ static int on_message_complete(llhttp_t *p)
         uv_timer_stop(&c->idle_timer);
         return HPE_PAUSED;
     }
+    if (c->out_bytes >= OUT_HIGH_WATER && !c->close_after) {
+        c->out_paused = 1;      /* the peer is not reading fast enough: the next request waits */
+        return HPE_PAUSED;
+    }
     return 0;
 }
 
@@ -686,7 +767,7 @@ static void parse_error(http_conn *c, llhttp_errno_t err)
 
 static void conn_process(http_conn *c)
 {
-    while (!c->closing && !c->paused && c->rpos < c->rlen && !c->close_after) {
+    while (!c->closing && !c->paused && !c->out_paused && c->rpos < c->rlen && !c->close_after) {
         const char *start = c->rbuf + c->rpos;
         c->in_execute = 1;
         llhttp_errno_t err = llhttp_execute(&c->parser, start, c->rlen - c->rpos);
@@ -695,7 +776,7 @@ static void conn_process(http_conn *c)
             c->rpos = c->rlen;
         } else if (err == HPE_PAUSED) {
             c->rpos += (size_t)(llhttp_get_error_pos(&c->parser) - start);
-            if (c->responded && !c->closing) {      /* answered during the pause's own callback */
+            if (c->paused && c->responded && !c->closing) {     /* answered during the pause's own callback */
                 c->paused = 0;
                 llhttp_resume(&c->parser);
             }
@@ -732,7 +813,7 @@ static int want_read(const http_conn *c)
 {
     if (c->lingering)
         return !c->closing;
-    return !c->closing && !c->paused && !c->body_stop && !c->close_after && c->rlen < READ_BUF &&
+    return !c->closing && !c->paused && !c->out_paused && !c->body_stop && !c->close_after && c->rlen < READ_BUF &&
            c->out_bytes < OUT_HIGH_WATER && !c->srv->stopping;
 }
 
@@ -942,8 +1023,9 @@ static void conn_close(http_conn *c)
     uv_timer_stop(&c->idle_timer);
     uv_close((uv_handle_t *)&c->head_timer, handle_closed);
     uv_close((uv_handle_t *)&c->idle_timer, handle_closed);
-    if (!c->fake_out) {
+    if (c->has_poll)
         uv_close((uv_handle_t *)&c->poll, handle_closed);
+    if (c->fd >= 0) {
         close(c->fd);
         c->fd = -1;
     }
@@ -979,6 +1061,17 @@ void http_accept_body(http_conn *c, const http_body_ops *ops, void *ctx)
 {
     c->body = ops;
     c->body_ctx = ctx;
+}
+
+void http_body_detach(http_conn *c, void *ctx)
+{
+    if (c->body == NULL || c->body_ctx != ctx)
+        return;
+    if (!c->body_done)
+        c->close_after = 1;     /* what is left of the body must not be parsed as requests */
+    c->body = NULL;
+    c->body_ctx = NULL;
+    c->body_done = 1;
 }
 
 static http_conn *conn_new(http_server *s, int fd)
@@ -1029,19 +1122,80 @@ static int is_loopback(const struct sockaddr_storage *ss)
     return 0;
 }
 
+/* At max_conns, a new connection takes the place of the least recently active connection that
+ * is between requests (sent nothing yet, or idle keep-alive) with nothing left to send, as nginx
+ * reuses keep-alive connections: a crowd of silent sockets cannot lock real clients out. */
+static int evict_idle(http_server *s)
+{
+    http_conn *victim = NULL;
+
+    for (http_conn *c = s->conns; c; c = c->next) {
+        if (c->closing || c->lingering || c->in_request || c->paused || c->out_paused || c->out_head != NULL ||
+            c->rlen > 0 || c->fake_out)
+            continue;
+        if (victim == NULL || c->last_active < victim->last_active)
+            victim = c;
+    }
+    if (victim == NULL)
+        return -1;
+    s->stats.evicted_idle++;
+    conn_close(victim);
+    return 0;
+}
+
+static void accept_cb(uv_poll_t *h, int status, int events);
+static void listen_closed(uv_handle_t *h);
+
+static void accept_resume_cb(uv_timer_t *t)
+{
+    http_server *s = container_of(t, http_server, accept_timer);
+    if (!s->stopping && s->listening)
+        uv_poll_start(&s->listen_poll, UV_READABLE, accept_cb);
+}
+
+/* accept failed for want of descriptors or memory: the pending connection stays queued and the
+ * listener would wake at once, forever (a spinning core).  Spend the reserve descriptor to accept
+ * and close what waits, so those clients see a close rather than a hang, and pause the listener
+ * briefly so the loop serves the connections it has. */
+static void accept_backoff(http_server *s)
+{
+    s->stats.accept_errors++;
+    if (s->reserve_fd >= 0) {
+        close(s->reserve_fd);
+        s->reserve_fd = -1;
+        for (;;) {
+            int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+            if (fd < 0)
+                break;
+            s->stats.rejected_conns++;
+            close(fd);
+        }
+        s->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    }
+    uv_poll_stop(&s->listen_poll);
+    uv_timer_start(&s->accept_timer, accept_resume_cb, ACCEPT_BACKOFF_MS, 0);
+}
+
 static void accept_cb(uv_poll_t *h, int status, int events)
 {
     http_server *s = container_of(h, http_server, listen_poll);
     (void)events;
     if (status < 0 || s->stopping)
         return;
+    if (s->reserve_fd < 0)
+        s->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     for (int i = 0; i < 64; i++) {
         struct sockaddr_storage ss;
         socklen_t sl = sizeof(ss);
         int fd = accept4(s->listen_fd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0)
+        if (fd < 0) {
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
+                accept_backoff(s);
+            else if (errno == ECONNABORTED || errno == EINTR || errno == EPROTO)
+                continue;       /* that one connection is gone; others may wait */
             return;
-        if (s->nconns >= s->lim.max_conns) {
+        }
+        if (s->nconns >= s->lim.max_conns && evict_idle(s) != 0) {
             s->stats.rejected_conns++;
             close(fd);
             continue;
@@ -1059,10 +1213,16 @@ static void accept_cb(uv_poll_t *h, int status, int events)
         else if (ss.ss_family == AF_INET6)
             inet_ntop(AF_INET6, &((struct sockaddr_in6 *)&ss)->sin6_addr, addr, sizeof(addr));
         conn_peer(c, is_loopback(&ss), addr);
-        uv_poll_init(s->loop, &c->poll, fd);
+        if (uv_poll_init(s->loop, &c->poll, fd) != 0) {
+            conn_close(c);      /* closes fd; the poll handle was never made */
+            continue;
+        }
         c->poll.data = c;
+        c->has_poll = 1;
         c->handles++;
         touch(c);
+        /* the head deadline runs from accept: a connection that never sends a byte is a slowloris too */
+        uv_timer_start(&c->head_timer, head_timeout_cb, (uint64_t)(s->lim.header_timeout * 1000), 0);
         conn_update_poll(c);
     }
 }
@@ -1101,9 +1261,16 @@ int http_server_start(http_server **out, uv_loop_t *loop, const char *host, int 
     s->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
                                              : ((struct sockaddr_in *)&ss)->sin_port);
     s->listen_fd = fd;
-    uv_poll_init(loop, &s->listen_poll, fd);
+    s->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    uv_timer_init(loop, &s->accept_timer);     /* cannot fail */
+    s->listen_poll.data = s->accept_timer.data = s;
+    if ((rc = uv_poll_init(loop, &s->listen_poll, fd)) != 0) {
+        s->listening = 1;       /* listen_closed closes the descriptors and frees s */
+        uv_close((uv_handle_t *)&s->accept_timer, listen_closed);
+        return rc;
+    }
     uv_poll_start(&s->listen_poll, UV_READABLE, accept_cb);
-    s->listening = 1;
+    s->listening = 2;           /* handles to close: the listen poll and the accept timer */
     *out = s;
     return 0;
 }
@@ -1119,6 +1286,7 @@ int http_server_fake(http_server **out, uv_loop_t *loop, const http_limits *lim,
     s->on_request = on_request;
     s->app = app;
     s->listen_fd = -1;
+    s->reserve_fd = -1;
     *out = s;
     return 0;
 }
@@ -1135,9 +1303,12 @@ const http_stats *http_server_stats(const http_server *s)
 
 static void listen_closed(uv_handle_t *h)
 {
-    http_server *s = container_of((uv_poll_t *)h, http_server, listen_poll);
+    http_server *s = h->data;
+    if (--s->listening > 0)
+        return;
     close(s->listen_fd);
-    s->listening = 0;
+    if (s->reserve_fd >= 0)
+        close(s->reserve_fd);
     if (s->nconns == 0) {
         void (*done)(void *) = s->done;
         void *app = s->app;
@@ -1163,7 +1334,9 @@ void http_server_stop(http_server *s, void (*done)(void *app))
     }
     if (s->listening) {
         uv_poll_stop(&s->listen_poll);
+        uv_timer_stop(&s->accept_timer);
         uv_close((uv_handle_t *)&s->listen_poll, listen_closed);
+        uv_close((uv_handle_t *)&s->accept_timer, listen_closed);
     } else if (s->nconns == 0) {
         void *app = s->app;
         free(s);

@@ -8,6 +8,14 @@
  * timers per connection close slow or idle peers: a request-head deadline (slowloris) and an
  * inactivity timer (idle keep-alive, stalled body, stalled download).
  *
+ * Nothing a peer does may exhaust the process: a connection's parser pauses while its queued output
+ * (files counted at their remaining length) is over a cap, so pipelined requests wait in the read
+ * buffer and then in the socket; the request-head deadline runs from accept, so silent connections
+ * go; at max_conns the least recently active idle keep-alive connection makes room for a new one; on
+ * EMFILE/ENFILE the listener drains its queue with a reserve descriptor and backs off.  The
+ * process must ignore SIGPIPE (sendfile and writev have no MSG_NOSIGNAL): a peer that hangs up is an
+ * EPIPE/ECONNRESET that closes its connection.
+ *
  * The application sees requests through on_request and answers with http_respond*() or takes the
  * body with http_accept_body().  For tests and fuzzing, a connection can also be fed bytes without
  * a socket (http_conn_feed) with its output captured. */
@@ -72,7 +80,17 @@ typedef struct http_body_ops {
 typedef struct http_stats {
     uint64_t connections_total, connections_open, requests_total, bytes_received, bytes_sent,
         timeouts, rejected_conns, parse_errors;
+    uint64_t evicted_idle;      /* idle keep-alive connections closed to make room at max_conns */
+    uint64_t accept_errors;     /* accept(2) failures (EMFILE, ENFILE, ENOBUFS...): the listener backed off */
 } http_stats;
+
+/* A read-only file shared by every response that sends it: one descriptor however many downloads
+ * are in flight (a dup per response let pipelined requests exhaust RLIMIT_NOFILE). */
+typedef struct http_file http_file;
+/* Takes ownership of fd (closed with the last reference); NULL (fd closed) when out of memory. */
+http_file *http_file_new(int fd);
+void http_file_ref(http_file *f);
+void http_file_unref(http_file *f);
 
 /* Listens on host:port (port 0 picks one; see http_server_port).  Returns 0 or a negative errno. */
 int http_server_start(http_server **out, uv_loop_t *loop, const char *host, int port, const http_limits *lim,
@@ -89,13 +107,19 @@ void http_respond(http_conn *c, int status, const char *content_type, const char
                   size_t len);
 /* {"error":{"code":...,"message":...,"tensor":...}} */
 void http_respond_error(http_conn *c, int status, const char *code, const char *message, const char *tensor);
-/* Sends len bytes of fd from offset off with sendfile; takes ownership of fd (closed when done).
- * total_len is the size announced as Content-Length (= len), or with status 206 the Content-Range
- * is in extra_headers. */
-void http_respond_file(http_conn *c, int status, const char *content_type, const char *extra_headers, int fd,
+/* Like http_respond, for a body that outlives the connection (static data): it is not copied. */
+void http_respond_static(http_conn *c, int status, const char *content_type, const char *extra_headers,
+                         const char *body, size_t len);
+/* Sends len bytes of f from offset off with sendfile; takes a reference of its own on f.  len is
+ * the Content-Length; with status 206 the Content-Range is in extra_headers. */
+void http_respond_file(http_conn *c, int status, const char *content_type, const char *extra_headers, http_file *f,
                        uint64_t off, uint64_t len);
 /* Takes the request body. */
 void http_accept_body(http_conn *c, const http_body_ops *ops, void *ctx);
+/* The body consumer ctx lets go of the connection (it is about to be freed, for example after an
+ * asynchronous disk error): no callback of it runs again.  An unread rest of the body is never
+ * parsed as requests (the connection closes after its response). */
+void http_body_detach(http_conn *c, void *ctx);
 /* Reads again after a body consumer returned 1. */
 void http_resume(http_conn *c);
 /* The request the connection is processing (NULL between requests). */

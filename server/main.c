@@ -1,14 +1,33 @@
 /* dilocod: the DiLoCo outer-loop aggregator. */
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "config.h"
 #include "daemon.h"
 
+/* A peer that hangs up while we write must cost its connection, not the process: sendfile(2) and
+ * writev(2) have no MSG_NOSIGNAL, so SIGPIPE is ignored process-wide and writes fail with EPIPE. */
+static int ignore_sigpipe(void)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = SIG_IGN;
+    sigemptyset(&sa.sa_mask);
+    return sigaction(SIGPIPE, &sa, NULL);
+}
+
 int main(int argc, char **argv)
 {
     config cfg;
-    int rc = config_load(&cfg, argc, argv);
+    int rc;
+
+    if (ignore_sigpipe() != 0) {
+        perror("dilocod: cannot ignore SIGPIPE");
+        return 1;
+    }
+    rc = config_load(&cfg, argc, argv);
 
     if (rc != 0) {
         config_free(&cfg);

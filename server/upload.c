@@ -69,6 +69,9 @@ static void upload_discard(upload *u);
 static void upload_free(upload *u)
 {
     http_conn *c = u->c;
+    /* a disk error can end the upload while the connection still reads its body: the connection
+     * must never call back into a freed upload */
+    http_body_detach(c, u);
     delta_stream_free(&u->ds);
     free(u->tmp_path);
     free(u->fill);
