@@ -10,7 +10,19 @@
 #define container_of(ptr, type, member) ((type *)((char *)(ptr) - offsetof(type, member)))
 
 #define IO_BUF (1u << 20)
-#define DEFAULT_BODY_CAP (64u << 20)
+/* Response headers: the Hub sends about 20 lines; curl itself caps one line at 100 KiB. */
+#define MAX_HEADER_LINES 200
+#define MAX_HEADER_BYTES (256u << 10)
+/* A file sink's announced size is refused above its cap, but never below this floor: a redirect's
+ * or an error page's small body must not fail the transfer when the remaining file is tiny (the
+ * write callback enforces the exact cap on the file's bytes). */
+#define MAXFILESIZE_FLOOR (64u << 10)
+/* Slower than LOW_SPEED_BYTES per second for LOW_SPEED_SECONDS: the peer is gone or hostile. */
+#define LOW_SPEED_BYTES 1024L
+#define LOW_SPEED_SECONDS 30L
+#define CONNECT_TIMEOUT_MS 15000L
+/* Transfers with no file on either side are small JSON exchanges: a few seconds normally. */
+#define MEMORY_TRANSFER_TIMEOUT_MS 120000L
 
 typedef struct sock_ctx sock_ctx;
 
@@ -182,10 +194,17 @@ static size_t header_cb(char *p, size_t size, size_t n, void *arg)
     size_t len = size * n;
     const char *colon = memchr(p, ':', len);
 
+    x->header_bytes += len;
+    if (x->header_bytes > MAX_HEADER_BYTES || ++x->nheaders > MAX_HEADER_LINES) {
+        x->too_big = 1;
+        return 0;               /* fails the transfer (CURLE_WRITE_ERROR) */
+    }
     if (len > 5 && strncmp(p, "HTTP/", 5) == 0) {
         /* a new response (after a redirect or 100): forget the previous one's headers */
-        x->etag[0] = x->location[0] = x->link_next[0] = x->error_code[0] = '\0';
+        x->etag[0] = x->location[0] = x->link_next[0] = x->error_code[0] = x->content_type[0] = '\0';
+        x->link_bad = 0;
         x->retry_after = -1;
+        x->nheaders = 1;
         return len;
     }
     if (colon == NULL)
@@ -202,6 +221,8 @@ static size_t header_cb(char *p, size_t size, size_t n, void *arg)
         copy_value(x->repo_commit, sizeof(x->repo_commit), v, vl);
     } else if (nl == 12 && strncasecmp(p, "x-error-code", 12) == 0) {
         copy_value(x->error_code, sizeof(x->error_code), v, vl);
+    } else if (nl == 12 && strncasecmp(p, "content-type", 12) == 0) {
+        copy_value(x->content_type, sizeof(x->content_type), v, vl);
     } else if (nl == 11 && strncasecmp(p, "retry-after", 11) == 0) {
         copy_value(tmp, sizeof(tmp), v, vl);
         char *end;
@@ -230,7 +251,11 @@ static size_t header_cb(char *p, size_t size, size_t n, void *arg)
             const char *comma = strchr(gt, ',');
             if (next != NULL && (comma == NULL || next < comma)) {
                 *gt = '\0';
-                snprintf(x->link_next, sizeof(x->link_next), "%s", lt + 1);
+                /* a cut URL would be another URL: refuse it instead */
+                if ((size_t)snprintf(x->link_next, sizeof(x->link_next), "%s", lt + 1) >= sizeof(x->link_next)) {
+                    x->link_next[0] = '\0';
+                    x->link_bad = 1;
+                }
                 break;
             }
         }
@@ -304,13 +329,21 @@ static size_t body_cb(char *p, size_t size, size_t n, void *arg)
     if (x->sink_fd >= 0)
         curl_easy_getinfo(x->easy, CURLINFO_RESPONSE_CODE, &status);
     if (x->sink_fd < 0 || status < 200 || status > 299) {
-        if (x->body.len + len > x->body_cap)
+        if (len > x->body_cap || x->body.len > x->body_cap - len) {
+            x->too_big = 1;
             return 0;           /* larger than any answer we expect: fail the transfer */
+        }
         sb_add(&x->body, p, len);
         return x->body.oom ? 0 : len;
     }
     if (x->io_error != 0)
         return 0;
+    /* the listed size is all the file may be: one byte more and the transfer is over (the bytes
+     * before it are on their way to the disk, never beyond the cap) */
+    if (x->sink_capped && (len > x->sink_max || x->sink_end > x->sink_max - len)) {
+        x->too_big = 1;
+        return 0;
+    }
     if (x->fill_len + len > IO_BUF) {
         if (x->writing) {
             x->paused_write = 1;
@@ -320,6 +353,7 @@ static size_t body_cb(char *p, size_t size, size_t n, void *arg)
     }
     memcpy(x->fill + x->fill_len, p, len);
     x->fill_len += len;
+    x->sink_end += len;
     if (x->fill_len >= IO_BUF && !x->writing)
         start_write(x);
     return len;
@@ -407,7 +441,7 @@ cuv_xfer *cuv_xfer_new(cuv *c, const char *method, const char *url)
     x->src_fd = -1;
     x->sink_fd = -1;
     x->retry_after = -1;
-    x->body_cap = DEFAULT_BODY_CAP;
+    x->body_cap = CUV_DEFAULT_BODY_CAP;
     CURL *e = x->easy;
     curl_easy_setopt(e, CURLOPT_URL, url);
     curl_easy_setopt(e, CURLOPT_PRIVATE, x);
@@ -419,9 +453,13 @@ cuv_xfer *cuv_xfer_new(cuv *c, const char *method, const char *url)
     curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, body_cb);
     curl_easy_setopt(e, CURLOPT_WRITEDATA, x);
     curl_easy_setopt(e, CURLOPT_USERAGENT, "dilocod/0.1.0");
-    curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS, 15000L);
-    curl_easy_setopt(e, CURLOPT_LOW_SPEED_LIMIT, 1L);
-    curl_easy_setopt(e, CURLOPT_LOW_SPEED_TIME, 60L);
+    curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS, CONNECT_TIMEOUT_MS);
+    /* 1 byte/s would let a trickling server hold a transfer (and the poll behind it) for ever */
+    curl_easy_setopt(e, CURLOPT_LOW_SPEED_LIMIT, LOW_SPEED_BYTES);
+    curl_easy_setopt(e, CURLOPT_LOW_SPEED_TIME, LOW_SPEED_SECONDS);
+    /* credentials go to the URL's own scheme, host and port only, never along a redirect */
+    curl_easy_setopt(e, CURLOPT_UNRESTRICTED_AUTH, 0L);
+    curl_easy_setopt(e, CURLOPT_MAXREDIRS, 5L);
     if (strcmp(method, "HEAD") == 0)
         curl_easy_setopt(e, CURLOPT_NOBODY, 1L);
     else if (strcmp(method, "POST") == 0)
@@ -442,7 +480,9 @@ void cuv_xfer_bearer(cuv_xfer *x, const char *token)
 {
     if (token == NULL || token[0] == '\0')
         return;
-    /* libcurl sends HTTP auth only to the original host unless CURLOPT_UNRESTRICTED_AUTH is set */
+    /* libcurl (>= 7.83) sends HTTP auth only to the original scheme, host and port unless
+     * CURLOPT_UNRESTRICTED_AUTH is set (it is off, see cuv_xfer_new): a resolve's 302 to the LFS CDN
+     * carries no token */
     curl_easy_setopt(x->easy, CURLOPT_HTTPAUTH, (long)CURLAUTH_BEARER);
     curl_easy_setopt(x->easy, CURLOPT_XOAUTH2_BEARER, token);
 }
@@ -450,7 +490,6 @@ void cuv_xfer_bearer(cuv_xfer *x, const char *token)
 void cuv_xfer_follow(cuv_xfer *x, int on)
 {
     curl_easy_setopt(x->easy, CURLOPT_FOLLOWLOCATION, on ? 1L : 0L);
-    curl_easy_setopt(x->easy, CURLOPT_MAXREDIRS, 5L);
 }
 
 int cuv_xfer_body(cuv_xfer *x, const void *data, size_t len)
@@ -492,10 +531,10 @@ void cuv_xfer_body_cap(cuv_xfer *x, size_t cap)
     x->body_cap = cap;
 }
 
-void cuv_xfer_timeout(cuv_xfer *x, double connect_s, double low_speed_s)
+void cuv_xfer_sink_max(cuv_xfer *x, uint64_t max)
 {
-    curl_easy_setopt(x->easy, CURLOPT_CONNECTTIMEOUT_MS, (long)(connect_s * 1000));
-    curl_easy_setopt(x->easy, CURLOPT_LOW_SPEED_TIME, (long)ceil(low_speed_s));
+    x->sink_max = max;
+    x->sink_capped = 1;
 }
 
 int cuv_start(cuv_xfer *x, cuv_done_cb cb, void *arg)
@@ -504,6 +543,18 @@ int cuv_start(cuv_xfer *x, cuv_done_cb cb, void *arg)
         return -1;
     x->cb = cb;
     x->arg = arg;
+    x->sink_end = x->sink_off;
+    if (x->sink_fd >= 0 && x->sink_capped) {
+        /* refused at the headers when the answer announces more than the file may still take */
+        uint64_t left = x->sink_max > x->sink_off ? x->sink_max - x->sink_off : 0;
+        if (left < MAXFILESIZE_FLOOR)
+            left = MAXFILESIZE_FLOOR;
+        if (left > (uint64_t)INT64_MAX)
+            left = (uint64_t)INT64_MAX;
+        curl_easy_setopt(x->easy, CURLOPT_MAXFILESIZE_LARGE, (curl_off_t)left);
+    }
+    if (x->sink_fd < 0 && x->src_fd < 0)
+        curl_easy_setopt(x->easy, CURLOPT_TIMEOUT_MS, MEMORY_TRANSFER_TIMEOUT_MS);
     if (x->headers != NULL)
         curl_easy_setopt(x->easy, CURLOPT_HTTPHEADER, x->headers);
     if (x->owner->closing || curl_multi_add_handle(x->owner->multi, x->easy) != CURLM_OK)
@@ -530,6 +581,8 @@ static void finish(cuv_xfer *x)
 {
     if (x->io_error != 0 && x->result == CURLE_OK)
         x->result = CURLE_WRITE_ERROR;
+    if (x->result == CURLE_FILESIZE_EXCEEDED)
+        x->too_big = 1;
     x->cb(x, x->arg);
 }
 

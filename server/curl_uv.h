@@ -3,7 +3,12 @@
  * curl_multi_socket_action on events, completed transfers drained with curl_multi_info_read.
  * Connections are reused across transfers (one multi handle).  File bodies and file sinks never
  * touch the disk from the loop thread: reads and writes go through uv_fs_read/uv_fs_write and the
- * transfer is paused (CURL_READFUNC_PAUSE / CURL_WRITEFUNC_PAUSE) until they complete. */
+ * transfer is paused (CURL_READFUNC_PAUSE / CURL_WRITEFUNC_PAUSE) until they complete.
+ *
+ * The peer is not trusted: every transfer has a connect timeout and a low-speed limit (a server
+ * that goes silent or trickles is cut off), transfers without a file on either side also have a
+ * total deadline, memory bodies and response headers are capped, a file sink can be capped, and
+ * Authorization never follows a redirect to another host, port or scheme. */
 #ifndef CURL_UV_H
 #define CURL_UV_H
 
@@ -28,9 +33,12 @@ struct cuv_xfer {
     char link_next[2048];       /* Link: <...>; rel="next" */
     char repo_commit[64];       /* X-Repo-Commit */
     char error_code[64];        /* X-Error-Code */
+    char content_type[128];     /* Content-Type of the last response */
     double retry_after;         /* Retry-After or RateLimit t= (seconds), -1 when absent */
     uint64_t written;           /* bytes written to the file sink */
     int io_error;               /* errno of a failed sink write / source read, else 0 */
+    int too_big;                /* aborted: the answer outgrew its cap (body, file or headers) */
+    int link_bad;               /* a Link rel="next" was present but unusable (too long) */
     /* private */
     cuv *owner;
     CURL *easy;
@@ -47,6 +55,11 @@ struct cuv_xfer {
     uv_fs_t rreq;
     uv_file sink_fd;            /* file response body (-1: memory) */
     uint64_t sink_off;
+    uint64_t sink_end;          /* file offset after the last byte accepted from curl */
+    uint64_t sink_max;          /* the file may not grow past this, when sink_capped */
+    int sink_capped;
+    unsigned nheaders;          /* header lines of the current response */
+    size_t header_bytes;        /* header bytes of the whole transfer (redirects included) */
     char *fill, *wbuf;
     size_t fill_len, wlen;
     int writing, paused_write, finished;
@@ -72,8 +85,13 @@ int cuv_xfer_body(cuv_xfer *x, const void *data, size_t len);
 void cuv_xfer_body_file(cuv_xfer *x, uv_file fd, uint64_t off, uint64_t len);
 /* Response body to fd at off (the caller's fd), instead of memory. */
 void cuv_xfer_sink_file(cuv_xfer *x, uv_file fd, uint64_t off);
+/* The file sink may hold at most max bytes (from offset 0): an answer that announces more is
+ * refused before its body, one that streams more is aborted at the first byte too many; either way
+ * too_big is set.  A Hub that lists a size and then streams more must not fill the disk. */
+void cuv_xfer_sink_max(cuv_xfer *x, uint64_t max);
+/* Memory bodies (and non-2xx bodies of file transfers) are capped: CUV_DEFAULT_BODY_CAP unless set. */
+#define CUV_DEFAULT_BODY_CAP (4u << 20)
 void cuv_xfer_body_cap(cuv_xfer *x, size_t cap);
-void cuv_xfer_timeout(cuv_xfer *x, double connect_s, double low_speed_s);
 /* Starts it; cb runs on the loop when it is complete (and its file writes are on disk). */
 int cuv_start(cuv_xfer *x, cuv_done_cb cb, void *arg);
 /* Aborts a started transfer: its callback runs with CURLE_ABORTED_BY_CALLBACK (at once, or when

@@ -1435,7 +1435,7 @@ int daemon_run(config *cfg)
             return 1;
         }
         hf_config hc = {cfg->hub_endpoint, cfg->hf_repo, cfg->hf_rev, cfg->hub_token, dir, cfg->poll_interval,
-                        cfg->max_downloads};
+                        cfg->max_downloads, (uint64_t)cfg->max_delta_header_mib << 20};
         d->hf = hf_open(&d->loop, &hc, &hf_cbs, d);
         free(dir);
         if (d->hf == NULL) {

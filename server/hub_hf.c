@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -22,9 +23,21 @@
 #include "stepcount.h"
 #include "strbuf.h"
 
+/* The header peek reads this much; a header that fits is parsed on the loop thread (a 64 KiB parse
+ * is well under a millisecond), a larger one is left to the intake, which runs on the pool. */
 #define PEEK_BYTES 65536
 #define MAX_ATTEMPTS_DOWNLOAD 6
 #define MAX_BACKOFF 60.0
+/* step_count.json is about 100 bytes */
+#define STEPFILE_BODY_CAP (64u << 10)
+/* One listing: 1,000 pages of 1,000 entries is a million files, far beyond a DiLoCo repo; a Hub
+ * whose Link never ends is cut there.  New delta paths taken from one listing are capped too, so a
+ * Hub listing millions of fake deltas cannot fill memory with candidates: the rest wait for the
+ * next listing. */
+#define MAX_LIST_PAGES 1000
+#define MAX_NEW_PER_LISTING 4096
+/* 2^53: every integer below it is exact in a double */
+#define JSON_MAX_EXACT 9007199254740992.0
 
 /* ---- requests with retries ------------------------------------------------------------------- */
 
@@ -43,6 +56,9 @@ struct hf_req {
     uint64_t src_off, src_len;
     int sink_fd;                /* file sink */
     uint64_t sink_off;
+    uint64_t sink_max;          /* the sink's file may not grow past this (the listed size) */
+    int sink_capped;
+    size_t body_cap;            /* memory answer cap (0: curl_uv's default) */
     int auth, follow, api;      /* send the token; follow redirects; count as an API call */
     int retry_forever;          /* publishing never gives up on transient errors */
     int max_attempts;
@@ -63,6 +79,8 @@ typedef struct candidate {
     char *part;                 /* download path */
     uint64_t have;
     int attempts;
+    uint64_t not_before;        /* loop time (ms) before which a failed one is not tried again */
+    int peeked;                 /* its header was looked at: download it */
     int is_global;              /* the Hub's global, for adoption (verified like a delta) */
     uint64_t step;
     struct candidate *next;
@@ -96,6 +114,10 @@ struct hf_hub {
     char *endpoint, *repo, *rev, *token, *state_dir, *seen_path;
     double poll_interval;
     unsigned max_downloads;
+    uint64_t max_header;        /* a delta's header cap */
+    unsigned list_pages;        /* pages of the current listing */
+    unsigned list_new;          /* new candidates taken from the current listing */
+    int list_cut;               /* ... and some left for the next listing */
     uv_timer_t poll_timer;
     int closing;
     hf_status st;
@@ -227,6 +249,12 @@ static void req_done(cuv_xfer *x, void *arg)
         r->cb(h, r, 0);
         return;
     }
+    if (x->too_big) {
+        /* asking again gets the same oversized answer: a failure, not a transient error */
+        set_error(h, "%s %s: the answer is larger than allowed, abandoned", r->method, r->url);
+        r->cb(h, r, 0);
+        return;
+    }
     transient = x->result != CURLE_OK || x->status == 429 || x->status >= 500 || x->status == 408;
     if (x->result == CURLE_OK && !transient) {
         r->cb(h, r, x->status >= 200 && x->status < 400);
@@ -285,6 +313,10 @@ static void req_send(hf_req *r)
         cuv_xfer_body(x, "", 0);
     if (r->sink_fd >= 0)
         cuv_xfer_sink_file(x, r->sink_fd, r->sink_off);
+    if (r->sink_capped)
+        cuv_xfer_sink_max(x, r->sink_max);
+    if (r->body_cap > 0)
+        cuv_xfer_body_cap(x, r->body_cap);
     if (r->api)
         h->st.api_calls++;
     else
@@ -365,6 +397,66 @@ static char *resolve_url(hf_hub *h, const char *path)
         p = slash + 1;
     }
     return sb_take(&b);
+}
+
+/* Whether url is on the endpoint: the same scheme, host and port (default ports filled in), no user
+ * information, and a path under the endpoint's own path.  Only such URLs may carry the token: a
+ * prefix comparison of the strings would let "http://ep:80@evil/" or "https://huggingface.co.evil/"
+ * through. */
+static int url_on_endpoint(const char *endpoint, const char *url)
+{
+    CURLU *e = curl_url(), *u = curl_url();
+    char *es = NULL, *eh = NULL, *ep = NULL, *epath = NULL, *us = NULL, *uh = NULL, *up = NULL, *upath = NULL;
+    char *userinfo = NULL;
+    int ok = 0;
+
+    if (e == NULL || u == NULL || curl_url_set(e, CURLUPART_URL, endpoint, 0) != CURLUE_OK ||
+        curl_url_set(u, CURLUPART_URL, url, 0) != CURLUE_OK)
+        goto out;
+    if (curl_url_get(u, CURLUPART_USER, &userinfo, 0) == CURLUE_OK ||
+        curl_url_get(u, CURLUPART_PASSWORD, &userinfo, 0) == CURLUE_OK ||
+        curl_url_get(u, CURLUPART_OPTIONS, &userinfo, 0) == CURLUE_OK)
+        goto out;
+    if (curl_url_get(e, CURLUPART_SCHEME, &es, 0) != CURLUE_OK || curl_url_get(u, CURLUPART_SCHEME, &us, 0) != CURLUE_OK ||
+        curl_url_get(e, CURLUPART_HOST, &eh, 0) != CURLUE_OK || curl_url_get(u, CURLUPART_HOST, &uh, 0) != CURLUE_OK ||
+        curl_url_get(e, CURLUPART_PORT, &ep, CURLU_DEFAULT_PORT) != CURLUE_OK ||
+        curl_url_get(u, CURLUPART_PORT, &up, CURLU_DEFAULT_PORT) != CURLUE_OK ||
+        curl_url_get(e, CURLUPART_PATH, &epath, 0) != CURLUE_OK || curl_url_get(u, CURLUPART_PATH, &upath, 0) != CURLUE_OK)
+        goto out;
+    if (strcasecmp(es, us) != 0 || strcasecmp(eh, uh) != 0 || strcmp(ep, up) != 0)
+        goto out;
+    /* the path: "/" or "/prefix" (trailing slashes ignored) must lead the URL's path */
+    size_t pl = strlen(epath);
+    while (pl > 0 && epath[pl - 1] == '/')
+        pl--;
+    ok = strncmp(upath, epath, pl) == 0 && upath[pl] == '/';
+out:
+    curl_free(userinfo);
+    curl_free(es);
+    curl_free(eh);
+    curl_free(ep);
+    curl_free(epath);
+    curl_free(us);
+    curl_free(uh);
+    curl_free(up);
+    curl_free(upath);
+    curl_url_cleanup(e);
+    curl_url_cleanup(u);
+    return ok;
+}
+
+/* A size from the Hub's JSON: an exact non-negative integer below 2^53, where doubles are exact.
+ * Anything else (1e30, -1, 1.5, a string) is refused before the conversion, which would be
+ * undefined for values out of uint64_t's range. */
+static int json_size(const cJSON *v, uint64_t *out)
+{
+    if (!cJSON_IsNumber(v))
+        return -EINVAL;
+    double d = v->valuedouble;
+    if (!isfinite(d) || d < 0 || d >= JSON_MAX_EXACT || floor(d) != d)
+        return -EINVAL;
+    *out = (uint64_t)d;
+    return 0;
 }
 
 /* ---- seen (path, oid) ------------------------------------------------------------------------ */
@@ -459,6 +551,17 @@ static void candidate_free(candidate *c)
 }
 
 static void pump_downloads(hf_hub *h);
+
+/* A failed download waits for a later poll, longer after each failure (1, 2, 4 ... 60 s with
+ * jitter): a Hub that keeps failing is not hammered at the poll interval. */
+static void retry_later(hf_hub *h, candidate *c)
+{
+    int k = c->attempts > 1 ? c->attempts - 1 : 0;
+    double wait = jittered(fmin(ldexp(1.0, k < 16 ? k : 16), MAX_BACKOFF));
+    c->not_before = uv_now(h->loop) + (uint64_t)(wait * 1000);
+    c->next = h->retry;
+    h->retry = c;
+}
 
 typedef struct verify_job {
     uv_work_t w;
@@ -561,8 +664,7 @@ static void verify_after(uv_work_t *w, int status)
         unlink(c->part);
         c->have = 0;
         if (++c->attempts < MAX_ATTEMPTS_DOWNLOAD && !h->closing) {
-            c->next = h->retry;     /* the next poll tries it again */
-            h->retry = c;
+            retry_later(h, c);      /* a later poll tries it again */
         } else {
             char *k = seen_key(c->rel, c->oid);
             seen_entry *e = k ? seen_find(&h->seen, k) : NULL;
@@ -583,17 +685,23 @@ static void download_done(hf_hub *h, hf_req *r, int ok)
     candidate *c = r->arg;
     long status = r->x != NULL ? r->x->status : 0;
     int range_ignored = c->have > 0 && status == 200;
+    int too_big = r->x != NULL && r->x->too_big;
     int fd = r->sink_fd;
 
     req_end(h, r);              /* frees r and its transfer: only the copies above from here on */
     close(fd);
+    if (too_big && !h->closing) {
+        dl_log(DL_LOG_WARN, "hub", "download larger than the listing, discarded", "path=%s listed=%" PRIu64, c->rel,
+               c->size);
+        snprintf(h->st.last_error, sizeof(h->st.last_error), "%s: the Hub sent more than the listed %" PRIu64 " bytes",
+                 c->rel, c->size);
+    }
     if (!ok || range_ignored || h->closing) {
         h->active_downloads--;
-        if (range_ignored || status == 416)
-            unlink(c->part);    /* start over: the server would not resume */
+        if (range_ignored || status == 416 || too_big)
+            unlink(c->part);    /* start over: the server would not resume, or sent garbage */
         if (!h->closing && ++c->attempts < MAX_ATTEMPTS_DOWNLOAD) {
-            c->next = h->retry;
-            h->retry = c;
+            retry_later(h, c);
         } else {
             if (c->is_global)
                 h->global_download = 0;
@@ -655,6 +763,8 @@ static void start_download(hf_hub *h, candidate *c)
     }
     r->sink_fd = fd;
     r->sink_off = c->have;
+    r->sink_max = c->size;      /* the listing's size is all the file may be */
+    r->sink_capped = 1;
     r->follow = 1;
     r->api = 0;
     r->max_attempts = 1;        /* resume is driven here, with a fresh Range each time */
@@ -673,12 +783,38 @@ static void peek_done(hf_hub *h, hf_req *r, int ok)
     h->active_downloads--;
     if (ok && x != NULL && x->body.len >= 8) {
         const unsigned char *b = (const unsigned char *)x->body.p;
-        uint64_t n = 0;
+        uint64_t n = 0, want = 0;
         for (int i = 7; i >= 0; i--)
             n = (n << 8) | b[i];
         st_header *hd = NULL;
-        if (8 + n <= x->body.len && n <= ST_MAX_HEADER_SIZE &&
-            st_header_parse_unsized(x->body.p + 8, (size_t)n, &hd, NULL) == 0) {
+        const char *why = NULL;
+        char whybuf[160];
+        if (n > h->max_header) {
+            snprintf(whybuf, sizeof(whybuf), "header of %" PRIu64 " bytes, the cap is %" PRIu64, n, h->max_header);
+            why = whybuf;
+        } else if (c->size < 8 || n > c->size - 8) {
+            snprintf(whybuf, sizeof(whybuf), "header of %" PRIu64 " bytes in a file of %" PRIu64, n, c->size);
+            why = whybuf;
+        } else if (8 + n <= x->body.len && st_header_parse_unsized(x->body.p + 8, (size_t)n, &hd, NULL) == 0 &&
+                   (st_header_file_len(hd, &want) != 0 || want != c->size)) {
+            snprintf(whybuf, sizeof(whybuf), "the header describes a file of %" PRIu64 " bytes, the listing says %" PRIu64,
+                     want, c->size);
+            why = whybuf;
+        }
+        if (why != NULL) {
+            /* never downloaded: refused for this run (a restart with another cap looks again) */
+            char q[200];
+            dl_log(DL_LOG_WARN, "hub", "delta refused before download", "path=%s reason=%s", c->rel,
+                   dl_log_q(q, sizeof(q), why));
+            h->st.errors++;
+            snprintf(h->st.last_error, sizeof(h->st.last_error), "%s: %s", c->rel, why);
+            char *k = seen_key(c->rel, c->oid);
+            seen_entry *e = k ? seen_find(&h->seen, k) : NULL;
+            if (e)
+                e->state = SEEN_REJECTED;
+            free(k);
+            decided = 1;
+        } else if (hd != NULL) {
             size_t vl;
             const char *v = st_header_meta(hd, "base_outer_step", &vl);
             uint64_t base;
@@ -698,8 +834,8 @@ static void peek_done(hf_hub *h, hf_req *r, int ok)
                     decided = 1;
                 }
             }
-            st_header_free(hd);
         }
+        st_header_free(hd);
     }
     req_end(h, r);
     if (decided) {
@@ -708,7 +844,7 @@ static void peek_done(hf_hub *h, hf_req *r, int ok)
         /* current step, or a header we could not read: the full download and intake decide */
         c->next = h->queue;
         h->queue = c;
-        c->attempts = -100;     /* marks "peeked" */
+        c->peeked = 1;          /* a retry after a failed download goes straight to the download */
     }
     pump_downloads(h);
 }
@@ -722,9 +858,13 @@ static void start_peek(hf_hub *h, candidate *c)
         candidate_free(c);
         return;
     }
+    /* never more than the listing says the file has; a server that ignores the Range and sends more
+     * fails the peek, and the (capped) download and the intake decide */
+    uint64_t want = c->size < PEEK_BYTES ? c->size : PEEK_BYTES;
     char range[48];
-    snprintf(range, sizeof(range), "Range: bytes=0-%u", PEEK_BYTES - 1);
+    snprintf(range, sizeof(range), "Range: bytes=0-%" PRIu64, want > 0 ? want - 1 : 0);
     req_header(r, range);
+    r->body_cap = (size_t)(want > 0 ? want : 1);
     r->follow = 1;
     r->api = 0;
     r->max_attempts = 2;
@@ -738,9 +878,7 @@ static void pump_downloads(hf_hub *h)
         candidate *c = h->queue;
         h->queue = c->next;
         c->next = NULL;
-        if (c->attempts == -100 || c->is_global) {
-            if (c->attempts == -100)
-                c->attempts = 0;
+        if (c->peeked || c->is_global) {
             start_download(h, c);
         } else {
             start_peek(h, c);
@@ -750,7 +888,8 @@ static void pump_downloads(hf_hub *h)
 
 /* ---- polling ----------------------------------------------------------------------------------- */
 
-static void consider_entry(hf_hub *h, const cJSON *e)
+/* Takes a listed delta as a candidate.  -EINVAL when a delta path comes with an unusable size. */
+static int consider_entry(hf_hub *h, const cJSON *e)
 {
     const char *type = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "type"));
     const char *path = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "path"));
@@ -758,39 +897,56 @@ static void consider_entry(hf_hub *h, const cJSON *e)
     const cJSON *lfs = cJSON_GetObjectItemCaseSensitive(e, "lfs");
     const cJSON *size = cJSON_GetObjectItemCaseSensitive(e, "size");
     char id[DELTA_NODE_ID_MAX + 1];
-    uint64_t step;
+    uint64_t step, nbytes, lfs_bytes;
     int created;
 
-    if (type == NULL || strcmp(type, "file") != 0 || path == NULL || oid == NULL || !cJSON_IsNumber(size) ||
-        size->valuedouble < 0 || delta_parse_path(path, id, &step, NULL) != 0)
-        return;
+    if (type == NULL || strcmp(type, "file") != 0 || path == NULL || delta_parse_path(path, id, &step, NULL) != 0)
+        return 0;
+    if (oid == NULL || json_size(size, &nbytes) != 0)
+        return -EINVAL;
     if (cJSON_IsObject(lfs)) {
         const char *loid = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(lfs, "oid"));
+        const cJSON *lsize = cJSON_GetObjectItemCaseSensitive(lfs, "size");
         if (loid == NULL || strlen(loid) != 64)
-            return;
+            return -EINVAL;
+        if (lsize != NULL && (json_size(lsize, &lfs_bytes) != 0 || lfs_bytes != nbytes))
+            return -EINVAL;     /* two sizes for one file: which one would we cap the download at? */
         oid = loid;
     } else if (strlen(oid) != 40) {
-        return;
+        return -EINVAL;
     }
     for (const char *p = oid; *p; p++)
         if (!((*p >= '0' && *p <= '9') || (*p >= 'a' && *p <= 'f')))
-            return;             /* hostile: the oid names a file in our cache */
+            return -EINVAL;     /* hostile: the oid names a file in our cache */
     char *k = seen_key(path, oid);
-    seen_entry *se = k ? seen_get(&h->seen, k, &created) : NULL;
+    seen_entry *se = k ? seen_find(&h->seen, k) : NULL;
+    if (k == NULL || (se != NULL && se->state != SEEN_INCOMPLETE)) {
+        free(k);
+        return 0;               /* done, rejected for this run, or in flight */
+    }
+    if (h->list_new >= MAX_NEW_PER_LISTING) {
+        h->list_cut = 1;        /* not remembered: the next listing offers it again */
+        free(k);
+        return 0;
+    }
+    if (se == NULL)
+        se = seen_get(&h->seen, k, &created);
     free(k);
-    if (se == NULL || (!created && se->state != SEEN_INCOMPLETE))
-        return;                 /* done, rejected for this run, or in flight */
+    if (se == NULL)
+        return 0;
+    h->list_new++;
     se->state = SEEN_PENDING;
     candidate *c = calloc(1, sizeof(*c));
     if (c == NULL || (c->rel = strdup(path)) == NULL || (c->oid = strdup(oid)) == NULL) {
         if (c)
             candidate_free(c);
-        return;
+        return 0;
     }
-    c->size = (uint64_t)size->valuedouble;
+    c->size = nbytes;
     c->lfs = cJSON_IsObject(lfs);
     c->next = h->queue;
     h->queue = c;
+    return 0;
 }
 
 static void list_page(hf_hub *h, const char *url);
@@ -800,19 +956,40 @@ static void list_done(hf_hub *h, hf_req *r, int ok)
     cuv_xfer *x = r->x;
     char next[2048] = "";
 
-    if (ok && x != NULL && x->status == 200) {
+    if (ok && x != NULL && x->status == 200 && strcasestr(x->content_type, "json") == NULL) {
+        set_error(h, "tree listing: Content-Type \"%s\" is not JSON", x->content_type);
+        h->st.head[0] = '\0';
+    } else if (ok && x != NULL && x->status == 200) {
         cJSON *arr = cJSON_ParseWithLength(x->body.p ? x->body.p : "", x->body.len), *e;
         if (cJSON_IsArray(arr)) {
+            unsigned bad = 0;
             cJSON_ArrayForEach(e, arr)
-                consider_entry(h, e);
+                bad += consider_entry(h, e) != 0;
+            if (bad > 0) {
+                /* a broken entry is skipped, not remembered: list again until the Hub mends it */
+                set_error(h, "tree listing: %u delta entries with an unusable size or oid ignored", bad);
+                h->st.head[0] = '\0';
+            }
         } else {
             set_error(h, "tree listing is not a JSON array");
             h->st.head[0] = '\0';     /* list again at the next poll, even if the head does not move */
         }
         cJSON_Delete(arr);
-        /* follow the Link only to our own endpoint (a hostile server could point anywhere) */
-        if (x->link_next[0] && strncmp(x->link_next, h->endpoint, strlen(h->endpoint)) == 0)
+        /* The next page gets our token: it must be on the endpoint (a hostile or intercepted answer
+         * could point anywhere).  A refused or endless Link is an incomplete listing: list again. */
+        if (x->link_bad || (x->link_next[0] && !url_on_endpoint(h->endpoint, x->link_next))) {
+            char q[300];
+            set_error(h, "tree listing: the next page %s is not on the endpoint, not followed",
+                      dl_log_q(q, sizeof(q), x->link_bad ? "(too long)" : x->link_next));
+            h->st.head[0] = '\0';
+        } else if (x->link_next[0] && ++h->list_pages >= MAX_LIST_PAGES) {
+            set_error(h, "tree listing: more than %d pages, cut", MAX_LIST_PAGES);
+            h->st.head[0] = '\0';
+        } else if (x->link_next[0]) {
             snprintf(next, sizeof(next), "%s", x->link_next);
+        }
+        if (h->list_cut)
+            h->st.head[0] = '\0';     /* the rest at the next poll */
     } else if (x != NULL && x->status == 404) {
         /* no nodes/ directory yet: no worker has uploaded */
     } else {
@@ -867,6 +1044,9 @@ static void stepfile_done(hf_hub *h, hf_req *r, int ok)
     }
     if (list && !h->closing && !h->waiting) {
         char *url = api_url(h, "tree", "nodes", "?recursive=true&expand=false");
+        h->list_pages = 0;
+        h->list_new = 0;
+        h->list_cut = 0;
         if (url != NULL) {
             list_page(h, url);
             free(url);
@@ -889,6 +1069,7 @@ static void fetch_stepfile(hf_hub *h, int then_list)
     r->follow = 1;
     r->api = 0;
     r->max_attempts = 2;
+    r->body_cap = STEPFILE_BODY_CAP;
     req_go(h, r, stepfile_done, then_list ? (void *)1 : NULL);
 }
 
@@ -917,10 +1098,14 @@ static void revision_done(hf_hub *h, hf_req *r, int ok)
         fetch_stepfile(h, 1);
         return;
     }
-    /* failed downloads wait for a poll; the head has not moved, so retry them now */
-    while (h->retry != NULL) {
-        candidate *c = h->retry;
-        h->retry = c->next;
+    /* failed downloads wait for a poll; the head has not moved, so retry those whose wait is over */
+    for (candidate **pp = &h->retry; *pp != NULL;) {
+        candidate *c = *pp;
+        if (c->not_before > uv_now(h->loop)) {
+            pp = &c->next;
+            continue;
+        }
+        *pp = c->next;
         c->next = h->queue;
         h->queue = c;
     }
@@ -961,8 +1146,11 @@ static void global_list_done(hf_hub *h, hf_req *r, int ok)
         const char *oid = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "oid"));
         const cJSON *lfs = cJSON_GetObjectItemCaseSensitive(e, "lfs");
         const cJSON *size = cJSON_GetObjectItemCaseSensitive(e, "size");
-        if (path == NULL || strcmp(path, "global/latest.safetensors") != 0 || !cJSON_IsNumber(size) || oid == NULL)
+        uint64_t nbytes;
+        if (path == NULL || strcmp(path, "global/latest.safetensors") != 0 || oid == NULL)
             continue;
+        if (json_size(size, &nbytes) != 0)
+            break;
         if (cJSON_IsObject(lfs))
             oid = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(lfs, "oid"));
         if (oid == NULL || strspn(oid, "0123456789abcdef") != strlen(oid) ||
@@ -975,7 +1163,7 @@ static void global_list_done(hf_hub *h, hf_req *r, int ok)
             c = NULL;
             break;
         }
-        c->size = (uint64_t)size->valuedouble;
+        c->size = nbytes;
         c->lfs = cJSON_IsObject(lfs);
         c->is_global = 1;
         c->step = (uint64_t)h->published_known;
@@ -1162,6 +1350,8 @@ static void pub_after_upload(hf_hub *h)
     }
     snprintf(body, sizeof(body), "{\"oid\":\"%s\",\"size\":%" PRIu64 "}", h->pub.sha256, h->pub.size);
     req_body(r, body, strlen(body));
+    /* the verify URL comes from the batch answer: the token goes along only to the endpoint */
+    r->auth = url_on_endpoint(h->endpoint, href);
     req_header(r, "Content-Type: application/vnd.git-lfs+json");
     req_header(r, "Accept: application/vnd.git-lfs+json");
     r->retry_forever = 1;
@@ -1484,6 +1674,7 @@ static void pub_check(hf_hub *h)
     r->follow = 1;
     r->api = 0;
     r->retry_forever = 1;
+    r->body_cap = STEPFILE_BODY_CAP;
     req_go(h, r, pub_check_done, NULL);
 }
 
@@ -1607,6 +1798,8 @@ hf_hub *hf_open(uv_loop_t *loop, const hf_config *cfg, const hf_callbacks *cb, v
     h->state_dir = strdup(cfg->state_dir);
     h->poll_interval = cfg->poll_interval;
     h->max_downloads = cfg->max_downloads ? cfg->max_downloads : 2;
+    h->max_header = cfg->max_header_bytes && cfg->max_header_bytes < ST_MAX_HEADER_SIZE ? cfg->max_header_bytes
+                                                                                       : ST_MAX_HEADER_SIZE;
     h->published_known = -1;
     h->pub.fd = -1;
     size_t el = h->endpoint ? strlen(h->endpoint) : 0;

@@ -13,7 +13,13 @@
  * the server says) and global/step_count.json (inline), with parentCommit; 412 re-reads the head and
  * retries the commit, 429 waits for Retry-After / RateLimit t, 5xx and network errors retry with
  * exponential backoff and jitter.  A step whose step_count.json is already on the Hub is not
- * committed again (a restart in the middle of a publish). */
+ * committed again (a restart in the middle of a publish).
+ *
+ * Every answer is treated as hostile: the token goes only to the endpoint's scheme, host and port
+ * (Link pages, LFS verify URLs and redirects elsewhere get none), sizes in listings must be exact
+ * integers, a download may not grow past its listed size, a delta's header must fit the header cap
+ * and describe exactly the listed size before the delta is downloaded, and JSON answers are capped
+ * in size. */
 #ifndef HUB_HF_H
 #define HUB_HF_H
 
@@ -44,6 +50,7 @@ typedef struct hf_config {
     const char *state_dir;      /* for cache/incoming and hub_seen.tsv */
     double poll_interval;
     unsigned max_downloads;
+    uint64_t max_header_bytes;  /* cap on a delta's safetensors header (0: the format's own cap) */
 } hf_config;
 
 typedef struct hf_status {

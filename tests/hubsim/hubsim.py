@@ -96,6 +96,7 @@ CONTROL API (never counted, never faulted, never authenticated)
 FAULT RULES (JSON object; all keys optional except what defines the kind)
     kind        "status" (default when "status" is given) | "delay" (default when only "delay" is given)
                 | "drop" | "truncate" | "corrupt" | "throttle" | "commit_412" (= status 412 on the next commit)
+                | hostile Hub: "headers" | "oversize" | "endless" | "listing_size" (below)
     count       how many times it fires (default 1; -1 or null = until removed)
     skip        let this many matching requests through first (default 0)
     method      "GET", "HEAD", ... ; path_regex: re.search on the raw path?query ;
@@ -113,6 +114,15 @@ FAULT RULES (JSON object; all keys optional except what defines the kind)
     oid         corrupt: only for a URL containing this sha256 (default: any GET with a body); the first
                 64 bytes of the served body are XOR-ed with 0xFF (same length, wrong sha256)
     bytes_per_sec  throttle: send the body at this rate
+    headers     headers: these response headers replace (or add to) the real answer's, e.g.
+                {"Link": "<http://evil:1/x>; rel=\"next\""} on a tree page (any response, HEAD too)
+    extra       oversize: after the real body, this many more filler bytes (default 200 MiB) ...
+    announce    ... announced in Content-Length (true, default) or close-delimited with no length (false)
+    max_bytes   endless: instead of the real body, a never-ending JSON array of fake file entries,
+                close-delimited, until the client leaves or max_bytes (default 1 GiB) went out
+    size / raw_size  listing_size: file entries of a tree page (those whose path matches entry_regex, if
+                given) list this size instead of the real one; raw_size is literal JSON text ("1e30",
+                "-1", "1.5", "NaN", "18446744073709551616"), size any JSON value; lfs.size follows
 Request-phase rules (status, delay) are checked before auth; body-phase rules (drop, truncate, corrupt,
 throttle) apply only to responses that have a body (never to HEAD) and are consumed only then.
 """
@@ -488,7 +498,9 @@ class Store:
 
 class Faults:
     REQUEST_KINDS = ("status", "delay")
-    BODY_KINDS = ("drop", "truncate", "corrupt", "throttle")
+    BODY_KINDS = ("drop", "truncate", "corrupt", "throttle", "oversize", "endless")
+    HEADER_KINDS = ("headers",)
+    LISTING_KINDS = ("listing_size",)
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -513,8 +525,16 @@ class Faults:
             r.setdefault("route", "commit")
             r.setdefault("method", "POST")
             r.setdefault("message", "A commit has happened since. Please refresh and try again.")
-        if kind not in self.REQUEST_KINDS + self.BODY_KINDS:
+        if kind not in self.REQUEST_KINDS + self.BODY_KINDS + self.HEADER_KINDS + self.LISTING_KINDS:
             raise ValueError(f"unknown fault kind {kind!r}")
+        if kind == "headers" and not (isinstance(r.get("headers"), dict) and r["headers"]):
+            raise ValueError("a headers fault needs a non-empty headers object")
+        if kind == "oversize" and not (isinstance(r.get("extra", 0), int) and r.get("extra", 0) >= 0):
+            raise ValueError("extra must be a non-negative integer")
+        if kind == "listing_size" and "size" not in r and not isinstance(r.get("raw_size"), str):
+            raise ValueError("listing_size needs size or raw_size")
+        if r.get("entry_regex") is not None:
+            re.compile(r["entry_regex"])
         r["kind"] = kind
         if kind == "status":
             st = r.get("status")
@@ -594,11 +614,23 @@ class Faults:
         return delays, status_rule
 
     def body_phase(self, req):
+        return self.take(self.BODY_KINDS, req)
+
+    def take(self, kinds, req):
+        """The first matching rule of one of kinds that fires (consumed), or None."""
+        rules = self.take_all(kinds, req, first=True)
+        return rules[0] if rules else None
+
+    def take_all(self, kinds, req, first=False):
+        """Every matching rule of one of kinds that fires (each consumed once), in install order."""
+        out = []
         with self.lock:
             for r in list(self.rules):
-                if r["kind"] in self.BODY_KINDS and self._matches(r, req) and self._fire(r):
-                    return dict(r)
-        return None
+                if r["kind"] in kinds and self._matches(r, req) and self._fire(r):
+                    out.append(dict(r))
+                    if first:
+                        break
+        return out
 
 
 class Stats:
@@ -904,6 +936,11 @@ class Handler(BaseHTTPRequestHandler):
             headers.setdefault(k, v)
         length = len(body)
         fault = None
+        if self._req is not None:
+            hfault = self.sim.faults.take(Faults.HEADER_KINDS, self._req)
+            if hfault:
+                self.sim.stats.fault(self._entry, hfault["kind"])
+                headers.update(hfault["headers"])
         if not head and length > 0 and self._req is not None:
             fault = self.sim.faults.body_phase(self._req)
             if fault:
@@ -911,17 +948,26 @@ class Handler(BaseHTTPRequestHandler):
         send_len = length
         if fault and fault["kind"] == "truncate":
             send_len = max(0, min(length - 1, int(fault.get("bytes", length // 2))))
+        extra = int(fault.get("extra", 200 * MiB)) if fault and fault["kind"] == "oversize" else 0
+        endless = fault is not None and fault["kind"] == "endless"
+        # a body that outgrows any length we could announce ends with the connection
+        close_delimited = endless or (extra > 0 and not fault.get("announce", True))
+        if close_delimited:
+            self.close_connection = True
         self.send_response(status)
         if content_type and "Content-Type" not in headers:
             headers["Content-Type"] = content_type
         for k, v in headers.items():
             self.send_header(k, str(v))
-        self.send_header("Content-Length", str(send_len))
+        if not close_delimited:
+            self.send_header("Content-Length", str(send_len + extra))
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
         if self._entry is not None:
             self.sim.stats.status(self._entry, status)
+        if endless:
+            return self._send_endless(int(fault.get("max_bytes", 1024 * MiB)))
         if head or send_len == 0:
             return
         limit = send_len
@@ -951,8 +997,28 @@ class Handler(BaseHTTPRequestHandler):
                     self.connection.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+            if extra:
+                filler = b"\0" * (256 * 1024)
+                while extra > 0:
+                    n = min(extra, len(filler))
+                    self.wfile.write(filler[:n])
+                    extra -= n
         except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
             self.close_connection = True
+
+    def _send_endless(self, max_bytes):
+        """A JSON array that never closes: fake but well-formed file entries, as fast as the client reads."""
+        entry = b'{"type":"file","oid":"' + b"0" * 40 + b'","size":1,"path":"nodes/evil/delta_1.safetensors"},'
+        chunk = entry * max(1, (256 * 1024) // len(entry))
+        sent = 0
+        try:
+            self.wfile.write(b"[")
+            while sent < max_bytes:
+                self.wfile.write(chunk)
+                sent += len(chunk)
+        except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, socket.timeout):
+            pass
+        self.close_connection = True
 
     def respond_json(self, status, obj, headers=None, content_type="application/json"):
         self.respond(status, json.dumps(obj).encode(), headers, content_type)
@@ -1397,7 +1463,25 @@ class Handler(BaseHTTPRequestHandler):
         headers = {}
         if offset + ps < len(entries):
             headers["Link"] = self._link_next(commit["id"], offset + ps)
-        self.respond_json(200, page, headers)
+        faults = self.sim.faults.take_all(Faults.LISTING_KINDS, self._req) if self._req is not None else []
+        if not faults:
+            return self.respond_json(200, page, headers)
+        raw = {}
+        for i, fault in enumerate(faults):
+            self.sim.stats.fault(self._entry, fault["kind"])
+            sentinel = -987654321987654 - i  # stands for raw_size in the dumped text
+            value = sentinel if "raw_size" in fault else fault["size"]
+            if "raw_size" in fault:
+                raw[str(sentinel)] = fault["raw_size"]
+            for e in page:
+                if e["type"] == "file" and (not fault.get("entry_regex") or re.search(fault["entry_regex"], e["path"])):
+                    e["size"] = value
+                    if "lfs" in e:
+                        e["lfs"]["size"] = value
+        text = json.dumps(page)
+        for k, v in raw.items():
+            text = text.replace(k, v)
+        self.respond(200, text.encode(), headers)
 
     def h_paths_info(self, rtype, rid, rev):
         repo = self._repo(rtype, rid)
