@@ -127,8 +127,12 @@ int delta_stream_feed(delta_stream *s, const char *data, size_t n, dl_error *err
                                    s->declared_len);
                 if ((s->hbuf = malloc(s->n ? (size_t)s->n : 1)) == NULL)
                     return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory for the header");
-                if (s->n == 0 && (rc = header_complete(s, err)) != 0)
-                    return rc;
+                if (s->n == 0) {
+                    if (s->defer_header)
+                        return DELTA_STREAM_HEADER_READY;
+                    if ((rc = header_complete(s, err)) != 0)
+                        return rc;
+                }
             }
             continue;
         }
@@ -140,6 +144,9 @@ int delta_stream_feed(delta_stream *s, const char *data, size_t n, dl_error *err
             p += k;
             n -= k;
             if (s->pos == 8 + s->n) {
+                if (s->defer_header)
+                    return n == 0 ? DELTA_STREAM_HEADER_READY
+                                  : dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "fed past a deferred header");
                 if ((rc = header_complete(s, err)) != 0)
                     return rc;
                 header_now = 1;
@@ -154,6 +161,28 @@ int delta_stream_feed(delta_stream *s, const char *data, size_t n, dl_error *err
         n = 0;
     }
     return header_now ? DELTA_STREAM_HEADER : DELTA_STREAM_MORE;
+}
+
+size_t delta_stream_room(const delta_stream *s, size_t n)
+{
+    uint64_t end;
+
+    if (s->h != NULL)
+        return n;
+    if (s->pos < 8)
+        end = 8;
+    else if (s->hbuf != NULL && s->pos < 8 + s->n)
+        end = 8 + s->n;
+    else
+        return 0;               /* the header bytes are in, waiting for delta_stream_parse_header */
+    return end - s->pos < n ? (size_t)(end - s->pos) : n;
+}
+
+int delta_stream_parse_header(delta_stream *s, dl_error *err)
+{
+    if (s->h != NULL || s->hbuf == NULL || s->pos != 8 + s->n)
+        return dl_fail(err, DL_E_INVALID_HEADER_LENGTH, NULL, 0, "the header is not complete");
+    return header_complete(s, err);
 }
 
 int delta_stream_finish(delta_stream *s, dl_error *err)

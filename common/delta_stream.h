@@ -18,6 +18,7 @@ typedef struct delta_stream {
     const char *path;           /* the Hub path the metadata must agree with, or NULL */
     uint64_t max_header;        /* cap on N (bytes of header JSON held in memory) */
     uint64_t declared_len;      /* Content-Length, or 0 when unknown (chunked) */
+    int defer_header;           /* the caller parses the header itself (delta_stream_parse_header) */
     /* state */
     unsigned char prefix[8];
     uint64_t n;
@@ -31,12 +32,19 @@ typedef struct delta_stream {
     size_t carry_len;
 } delta_stream;
 
-enum { DELTA_STREAM_MORE = 0, DELTA_STREAM_HEADER = 1 };
+enum { DELTA_STREAM_MORE = 0, DELTA_STREAM_HEADER = 1, DELTA_STREAM_HEADER_READY = 2 };
 
 /* Feeds bytes.  Returns DELTA_STREAM_HEADER exactly once, on the feed that completed the header (the
  * info and header are then available), DELTA_STREAM_MORE otherwise, or a negative code: the stream
  * is invalid (err says why and names the tensor). */
 int delta_stream_feed(delta_stream *s, const char *p, size_t n, dl_error *err);
+/* With defer_header set (a caller on an event loop, which must not spend a 16 MiB header's parse
+ * there): feed at most delta_stream_room(s, n) bytes at a time.  The feed that completes the header
+ * bytes returns DELTA_STREAM_HEADER_READY without parsing them; delta_stream_parse_header() then
+ * parses and checks them (on any thread: it touches only s and reads s->global) and returns 0 or
+ * a negative code, after which the data section is fed as usual.  Room is 0 in between. */
+size_t delta_stream_room(const delta_stream *s, size_t n);
+int delta_stream_parse_header(delta_stream *s, dl_error *err);
 /* After the last byte: the file must be exactly as long as its header says. */
 int delta_stream_finish(delta_stream *s, dl_error *err);
 void delta_stream_free(delta_stream *s);

@@ -717,6 +717,7 @@ static int on_message_complete(llhttp_t *p)
 
     c->message_done = 1;
     c->in_request = 0;
+    c->body_stop = 0;           /* the body is all in: a consumer's "stop reading" has nothing left to hold */
     if (c->body != NULL && !c->body_done) {
         c->body_done = 1;
         c->body->end(c, c->body_ctx);

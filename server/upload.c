@@ -3,7 +3,9 @@
  * The body streams through a delta_stream (the header is checked against the global model and the
  * round as soon as it is complete, every value checked finite on the way) into a temporary file in
  * cache/incoming, written with uv_fs_write from two alternating 1 MiB buffers: while a write is in
- * flight and the other buffer is full, the connection stops reading.  Complete and valid, the file
+ * flight and the other buffer is full, the connection stops reading.  The header (up to
+ * max_delta_header_mib) is parsed on the thread pool, not on the loop, with the connection's reads
+ * stopped meanwhile; bytes of the body that arrived with it wait in `pending`.  Complete and valid, the file
  * is fsynced and linked into the cache on the thread pool, then offered to the round.  A refused,
  * failed or aborted upload leaves nothing behind. */
 #include <errno.h>
@@ -36,6 +38,9 @@ typedef struct upload {
     size_t fill_len, fill_cap, wlen;
     uint64_t file_off;
     int opening, writing, ended, aborted, failed, finalizing;
+    int parsing;                /* the header's parse job is out (the job owns u->ds meanwhile) */
+    int end_seen;               /* the body's last byte arrived (ended: and it passed the checks) */
+    sbuf pending;               /* body bytes that arrived after the header, fed once it is parsed */
     int writeback;              /* writeback jobs in flight */
     uint64_t wb_done;           /* bytes handed to writeback so far */
     uv_buf_t wiov;
@@ -73,6 +78,7 @@ static void upload_free(upload *u)
      * must never call back into a freed upload */
     http_body_detach(c, u);
     delta_stream_free(&u->ds);
+    free(u->pending.p);
     free(u->tmp_path);
     free(u->fill);
     free(u->wbuf);
@@ -85,7 +91,7 @@ static void upload_free(upload *u)
 static void upload_discard(upload *u)
 {
     u->failed = 1;
-    if (u->opening || u->writing || u->finalizing || u->writeback)
+    if (u->opening || u->writing || u->finalizing || u->writeback || u->parsing)
         return;                 /* the completion callback comes back here */
     if (u->fd >= 0) {
         close(u->fd);           /* a close of a regular file does not wait on the disk */
@@ -118,7 +124,7 @@ static void reject_err(upload *u, const dl_error *err)
     reject(u, status, dl_error_name(err->code), err->message, err->tensor);
 }
 
-static void start_write(upload *u);
+static int start_write(upload *u);
 static void finalize(upload *u);
 
 #define WRITEBACK_BYTES (8u << 20)
@@ -183,10 +189,12 @@ static void write_cb(uv_fs_t *req)
         finalize(u);
         return;
     }
-    http_resume(u->c);
+    if (!u->parsing)
+        http_resume(u->c);
 }
 
-static void start_write(upload *u)
+/* Returns 0, or -1 when the upload failed and was discarded (u may be gone). */
+static int start_write(upload *u)
 {
     char *t = u->wbuf;
     int rc;
@@ -205,7 +213,9 @@ static void start_write(upload *u)
         dl_fail_errno(&e, -rc, "writing the upload");
         reject_err(u, &e);
         upload_discard(u);
+        return -1;
     }
+    return 0;
 }
 
 static void open_cb(uv_fs_t *req)
@@ -232,7 +242,7 @@ static void open_cb(uv_fs_t *req)
         start_write(u);
     else if (u->ended)
         finalize(u);
-    else
+    else if (!u->parsing)
         http_resume(u->c);
 }
 
@@ -306,38 +316,114 @@ static int header_verdict(upload *u)
     return -1;
 }
 
+static void header_parsed(daemon_job *j);
+static void end_of_body(upload *u);
+
+static void header_parse_work(daemon_job *j)
+{
+    upload *u = j->arg;
+    j->rc = delta_stream_parse_header(&u->ds, &j->err);
+}
+
+/* Feeds body bytes to the validator, stopping at the end of the header bytes to parse them on the
+ * pool.  Returns 0, or -1 when the upload was refused (and discarded). */
+static int validate(upload *u, const char *p, size_t n)
+{
+    dl_error err;
+
+    while (n > 0) {
+        size_t k = delta_stream_room(&u->ds, n);
+        int rc = delta_stream_feed(&u->ds, p, k, &err);
+        if (rc < 0) {
+            reject_err(u, &err);
+            upload_discard(u);
+            return -1;
+        }
+        p += k;
+        n -= k;
+        if (rc == DELTA_STREAM_HEADER_READY) {
+            if (n > 0)
+                sb_add(&u->pending, p, n);
+            if (u->pending.oom || daemon__queue(u->d, header_parse_work, header_parsed, u, 0, 0) != 0) {
+                reject(u, 500, "out_of_memory", "cannot queue the header's parse", NULL);
+                upload_discard(u);
+                return -1;
+            }
+            u->parsing = 1;
+            return 0;
+        }
+    }
+    return 0;
+}
+
+/* Decides what the connection does next: 0 go on reading, 1 stop until http_resume. */
+static int read_verdict(upload *u)
+{
+    if (u->parsing)
+        return 1;               /* until the header is parsed */
+    if (u->fill_len < FLUSH_BYTES)
+        return 0;
+    if (!u->writing && !u->opening)
+        return start_write(u) != 0 ? -1 : 1;
+    return 1;                   /* both buffers busy: stop reading until the disk catches up */
+}
+
+static void header_parsed(daemon_job *j)
+{
+    upload *u = j->arg;
+    char *rest;
+    size_t rest_len;
+
+    u->parsing = 0;
+    if (u->failed || u->aborted) {
+        upload_discard(u);
+        return;
+    }
+    if (j->rc != 0) {
+        reject_err(u, &j->err);
+        upload_discard(u);
+        return;
+    }
+    if (header_verdict(u) != 0) {
+        upload_discard(u);
+        return;
+    }
+    /* what came with the header, and after it, is checked now */
+    rest = u->pending.p;
+    rest_len = u->pending.len;
+    memset(&u->pending, 0, sizeof(u->pending));
+    int rc = validate(u, rest, rest_len);
+    free(rest);
+    if (rc != 0)
+        return;
+    if (u->end_seen) {
+        end_of_body(u);
+        return;
+    }
+    if (read_verdict(u) == 0)
+        http_resume(u->c);
+}
+
 static int on_data(http_conn *c, const char *p, size_t n, void *ctx)
 {
     upload *u = ctx;
-    dl_error err;
-    int rc;
 
     (void)c;
     if (u->failed)
         return -1;
     u->d->m.upload_bytes += n;
-    rc = delta_stream_feed(&u->ds, p, n, &err);
-    if (rc < 0) {
-        reject_err(u, &err);
-        upload_discard(u);
+    if (u->parsing) {
+        /* the rest of the read buffer, parsed by llhttp after we asked to stop: it waits */
+        sb_add(&u->pending, p, n);
+    } else if (validate(u, p, n) != 0) {
         return -1;
     }
-    if (rc == DELTA_STREAM_HEADER && header_verdict(u) != 0) {
-        upload_discard(u);
-        return -1;
-    }
-    if (buffer_append(u, p, n) != 0) {
+    if (u->pending.oom || buffer_append(u, p, n) != 0) {
         reject(u, 500, "out_of_memory", "out of memory buffering the upload", NULL);
         upload_discard(u);
         return -1;
     }
-    if (u->fill_len < FLUSH_BYTES)
-        return 0;
-    if (!u->writing && !u->opening) {
-        start_write(u);
-        return u->failed ? -1 : 1;
-    }
-    return 1;                   /* both buffers busy: stop reading until the disk catches up */
+    return read_verdict(u);
 }
 
 typedef struct finalize_args {
@@ -433,26 +519,34 @@ static void finalize(upload *u)
     }
 }
 
-static void on_end(http_conn *c, void *ctx)
+static void end_of_body(upload *u)
 {
-    upload *u = ctx;
     dl_error err;
 
-    (void)c;
-    if (u->failed)
-        return;
     if (delta_stream_finish(&u->ds, &err) != 0) {
         reject_err(u, &err);
         upload_discard(u);
         return;
     }
-    u->ended = 1;
+    u->ended = 1;               /* open_cb and write_cb now finish the file */
     if (u->opening || u->writing)
         return;                 /* their callbacks continue */
     if (u->fill_len > 0)
         start_write(u);
     else
         finalize(u);
+}
+
+static void on_end(http_conn *c, void *ctx)
+{
+    upload *u = ctx;
+
+    (void)c;
+    if (u->failed)
+        return;
+    u->end_seen = 1;
+    if (!u->parsing)            /* else header_parsed finishes */
+        end_of_body(u);
 }
 
 static void on_abort(http_conn *c, void *ctx)
@@ -464,7 +558,7 @@ static void on_abort(http_conn *c, void *ctx)
     u->aborted = 1;
     dl_log(DL_LOG_INFO, "http", "upload aborted", "node=%s received=%" PRIu64, u->node_id, u->ds.pos);
     if (!u->finalizing)
-        upload_discard(u);
+        upload_discard(u);      /* waits for a header parse or a disk operation in flight */
 }
 
 static const http_body_ops upload_ops = {on_data, on_end, on_abort};
@@ -559,6 +653,7 @@ void upload_start(dilocod *d, http_conn *c, http_request *req, const char *node_
     u->ds.path = u->by_path ? u->rel : NULL;
     u->ds.max_header = (uint64_t)d->cfg->max_delta_header_mib << 20;
     u->ds.declared_len = req->has_length ? req->content_length : 0;
+    u->ds.defer_header = 1;
     if (req->has_length && req->content_length == 0) {
         free(u->fill);
         free(u->wbuf);

@@ -120,3 +120,52 @@ TEST(stream_refuses_early_and_checks_lengths)
     st_header_free(gh);
     free(f);
 }
+
+/* The event loop's way: feed only what delta_stream_room allows, parse the header "elsewhere" when
+ * asked, then go on; valid in any piece sizes, and a bad value after the header is still found. */
+static int feed_deferred(const char *f, size_t len, size_t piece, int *parses)
+{
+    st_header *g = global_header();
+    delta_stream s = {.global = g, .path = "nodes/n1/delta_7.safetensors", .max_header = 1 << 20,
+                      .declared_len = len, .defer_header = 1};
+    dl_error err;
+    int rc = 0;
+    *parses = 0;
+    for (size_t o = 0; o < len && rc >= 0;) {
+        size_t n = len - o < piece ? len - o : piece;
+        size_t k = delta_stream_room(&s, n);
+        if (k == 0) {
+            rc = -1;            /* no room although the header is parsed: reported as code -1 */
+            err.code = (dl_code)-1;
+            break;
+        }
+        rc = delta_stream_feed(&s, f + o, k, &err);
+        o += k;
+        if (rc == DELTA_STREAM_HEADER_READY) {
+            if (delta_stream_room(&s, 100) != 0)
+                (*parses) += 100;   /* room before the parse would let data pass unchecked */
+            (*parses)++;
+            rc = delta_stream_parse_header(&s, &err);
+        }
+    }
+    if (rc == 0)
+        rc = delta_stream_finish(&s, &err);
+    delta_stream_free(&s);
+    st_header_free(g);
+    return rc < 0 ? (int)err.code : 0;
+}
+
+TEST(stream_deferred_header_parse_in_any_pieces)
+{
+    size_t len;
+    char *f = delta_file(0, -1, &len);
+    int parses;
+    for (size_t piece = 1; piece <= len; piece += (piece < 16 ? 1 : 37)) {
+        CHECK_EQ(feed_deferred(f, len, piece, &parses), 0);
+        CHECK_EQ(parses, 1);
+    }
+    free(f);
+    f = delta_file(NAN, 9, &len);
+    CHECK_EQ(feed_deferred(f, len, 7, &parses), (int)DL_E_NON_FINITE);
+    free(f);
+}
