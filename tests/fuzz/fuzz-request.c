@@ -43,7 +43,6 @@ static void setup(void)
     dl_log_set_level(DL_LOG_ERROR);
     D = calloc(1, sizeof(*D));
     D->cfg = &CFG;
-    D->global_fd = -1;
     if (uv_loop_init(&D->loop) != 0 || store_open(&D->st, dir, "aggregator", &err) != 0)
         abort();
     snprintf(global, sizeof(global), "%s/aggregator/global/latest-0.safetensors", dir);
@@ -56,9 +55,11 @@ static void setup(void)
     D->model = f->h;
     f->h = NULL;
     st_close(f);
-    D->global_fd = open(global, O_RDONLY);
-    D->global_size = 256;
-    snprintf(D->global_etag, sizeof(D->global_etag), "\"s0-fuzz\"");
+    int gfd = open(global, O_RDONLY);
+    if (gfd < 0 || (D->global.file = http_file_new(gfd)) == NULL)
+        abort();
+    D->global.size = 256;
+    snprintf(D->global.etag, sizeof(D->global.etag), "\"s0-fuzz\"");
     D->delta_bytes = 24;
     D->state = S_COLLECTING;
     D->st.committed = 1;
