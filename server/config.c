@@ -46,7 +46,8 @@ static const opt options[] = {
     {"max_header_bytes", T_UINT, OFF(max_header_bytes), 256, 1 << 24, "N   HTTP request head size limit (431 beyond)"},
     {"max_headers", T_UINT, OFF(max_headers), 4, 10000, "N        HTTP header count limit (431 beyond)"},
     {"max_body_mib", T_UINT, OFF(max_body_mib), 0, 1 << 22, "MIB     upload size limit (413 beyond); 0 = the expected delta size + the header cap"},
-    {"max_delta_header_mib", T_UINT, OFF(max_delta_header_mib), 1, 95, "MIB  cap on an uploaded delta's safetensors header"},
+    {"max_delta_header_mib", T_UINT, OFF(max_delta_header_mib), 1, 95, "MIB  cap on a delta's safetensors header (uploads, file:// and hf://)"},
+    {"max_uploads", T_UINT, OFF(max_uploads), 1, 65536, "N        delta uploads in progress at most (503 + Retry-After beyond)"},
     {"header_timeout", T_DOUBLE, OFF(header_timeout), 0.01, 3600, "SECONDS  to receive a request head (slowloris)"},
     {"idle_timeout", T_DOUBLE, OFF(idle_timeout), 0.01, 86400, "SECONDS  without progress on a connection (idle, stalled body or download)"},
     {"max_connections", T_UINT, OFF(max_connections), 1, 1000000, "N    open HTTP connections at most"},
@@ -298,6 +299,7 @@ static void set_defaults(config *c)
     c->header_timeout = 10;
     c->idle_timeout = 60;
     c->max_connections = 1024;
+    c->max_uploads = 32;
     c->max_downloads = 2;
 }
 
@@ -495,9 +497,10 @@ void config_print(const config *c, FILE *out)
             c->threads, c->poll_interval, dl_log_level_name(c->log_level), c->log_json ? "json" : "text",
             c->agg_memory_mib, c->retry_interval);
     fprintf(out, "listen = %s\ntoken_file = %s\nmax_header_bytes = %u\nmax_headers = %u\nmax_body_mib = %u\n"
-                 "max_delta_header_mib = %u\nheader_timeout = %g\nidle_timeout = %g\nmax_connections = %u\n",
+                 "max_delta_header_mib = %u\nmax_uploads = %u\nheader_timeout = %g\nidle_timeout = %g\n"
+                 "max_connections = %u\n",
             c->listen, c->token_file ? c->token_file : "", c->max_header_bytes, c->max_headers, c->max_body_mib,
-            c->max_delta_header_mib, c->header_timeout, c->idle_timeout, c->max_connections);
+            c->max_delta_header_mib, c->max_uploads, c->header_timeout, c->idle_timeout, c->max_connections);
     fprintf(out, "hub_endpoint = %s\nhub_token_file = %s\nmax_downloads = %u\n# hub token: %s\n",
             c->hub_endpoint ? c->hub_endpoint : "", c->hub_token_file ? c->hub_token_file : "", c->max_downloads,
             c->hub_token ? "set" : "not set");

@@ -45,6 +45,7 @@ typedef struct config {
     double header_timeout;
     double idle_timeout;
     unsigned max_connections;
+    unsigned max_uploads;       /* uploads in progress at once (each holds ~2 MiB of buffers + its header) */
     /* hf:// */
     char *hub_endpoint;         /* default: $HF_ENDPOINT or https://huggingface.co */
     char *hub_token_file;       /* default: $HF_TOKEN */

@@ -611,6 +611,13 @@ void upload_start(dilocod *d, http_conn *c, http_request *req, const char *node_
 
     if (authorize(d, c, req, node_id) != 0)
         return;
+    if (d->uploads_in_flight >= (int)d->cfg->max_uploads) {
+        /* each upload holds two 1 MiB buffers and up to max_delta_header_mib of header: bounded */
+        static const char body[] = "{\"error\":{\"code\":\"busy\",\"message\":\"too many uploads in progress; retry shortly\"}}\n";
+        api_count_upload(d, 503);
+        http_respond(c, 503, "application/json", "Retry-After: 1\r\n", body, sizeof(body) - 1);
+        return;
+    }
     if (d->state == S_WAITING_GLOBAL || d->model == NULL) {
         http_respond_error(c, 503, "no_global", "no global model yet: nothing to upload deltas against", NULL);
         return;

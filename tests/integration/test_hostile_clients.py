@@ -413,3 +413,37 @@ def test_upload_with_a_large_header_does_not_stall_the_loop(daemons):
     assert r.status_code == 201, r.text
     base.check(rss_slack_kib=RSS_SLACK_KIB + 200 * 1024)
     assert d.stop() == 0
+
+
+def test_uploads_in_progress_are_capped(daemons):
+    """--max-uploads 2: two uploads that stall half way hold their slots; a third is told 503 busy
+    with Retry-After (diloco push retries it) and succeeds once a slot is free."""
+    model = small_model(9)
+    d = daemons(model, "--expected-nodes", "3", "--max-uploads", "2", "--idle-timeout", "30")
+    base = Baseline(d)
+    rng = np.random.default_rng(9)
+
+    def blob(node):
+        tensors = {k: rng.standard_normal(tuple(v.shape)).astype(np.float32) * 0.01
+                   for k, v in model.items() if v.is_floating_point()}
+        return delta_blob(node, 0, 1, tensors)
+    stalled = []
+    for node in ("node-a", "node-b"):
+        b = blob(node)
+        s = socket.create_connection(("127.0.0.1", d.port))
+        s.sendall(request_head("PUT", f"/nodes/{node}/delta_1.safetensors", [("Content-Length", str(len(b)))])
+                  + b[:len(b) // 2])
+        stalled.append(s)
+    wait_for(lambda: status(d.url)["uploads_in_progress"] == 2, 10, "two uploads in progress")
+    third = blob("node-c")
+    r = session().put(d.url + "/nodes/node-c/delta_1.safetensors", data=third, timeout=30)
+    assert r.status_code == 503 and r.headers.get("Retry-After") == "1", (r.status_code, r.headers, r.text)
+    assert r.json()["error"]["code"] == "busy"
+    reset_close(stalled.pop())
+    wait_for(lambda: status(d.url)["uploads_in_progress"] == 1, 10, "one upload in progress")
+    r = session().put(d.url + "/nodes/node-c/delta_1.safetensors", data=third, timeout=30)
+    assert r.status_code == 201, r.text
+    for s in stalled:
+        reset_close(s)
+    base.check()
+    assert d.stop() == 0
