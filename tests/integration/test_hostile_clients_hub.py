@@ -44,8 +44,8 @@ from test_daemon_hf import (DELTA_CDN, REV, STEPFILE, TOKEN, TREE, FaultRun, HfD
 
 MiB = 1024 * 1024
 FD_SLACK = 16           # descriptors over the baseline (curl's connections, a download, the pool's files)
-RSS_SLACK_MIB = 48      # the biggest capped answer is 4 MiB; a download is streamed to disk
-ASAN_RSS_SLACK_MIB = 192
+RSS_SLACK_MIB = 32      # the biggest capped answer is 4 MiB; a download is streamed to disk
+ASAN_RSS_SLACK_MIB = 96
 RESOLVE_MAIN = r"^/org/model/resolve/main/"
 
 
