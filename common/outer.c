@@ -1,5 +1,6 @@
 #include "outer.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -243,6 +244,95 @@ KERNEL_CLONES static void sumsq_dot(const float *restrict x, const float *restri
     *dot += ((b[0] + b[1]) + (b[2] + b[3])) + ((b[4] + b[5]) + (b[6] + b[7]));
 }
 
+/* The outer optimizer's elementwise loops, one per torch operation that fuses.
+ *
+ * torch.optim.SGD (dampening 0, no weight decay) runs, per parameter:
+ *     buf.mul_(mu).add_(g)           two ops, two roundings: buf = (mu*buf) + g   (first step: buf = g)
+ *     d = g.add(buf, alpha=mu)       one op:  d = fma(mu, buf, g)                 (nesterov; else d = buf)
+ *     param.add_(d, alpha=-lr)       one op:  param = fma(-lr, d, param)
+ * add(x, alpha=a) is a single kernel computing self + a*x, and torch's AVX2 and AVX-512 kernels (the ones
+ * it runs on every x86-64 CPU with AVX2 and FMA) round that once: the vector body uses fmadd and its
+ * scalar tail is contracted by the compiler.  So the two add-with-alpha steps are fmaf() here, and the
+ * momentum update is a separate multiply and add.  The kernel objects are built with -ffp-contract=off
+ * so that the compiler fuses nothing else: fusing buf's update, or not fusing the others, is a one-ulp
+ * difference from torch in a few percent of the elements, and it grows over rounds.
+ *
+ * fmaf() is exact on every CPU (glibc computes it in software without FMA, much slower), so the result
+ * does not depend on the machine.  On x86-64 the loops are compiled a second time for AVX2+FMA, where
+ * fmaf is one vfmadd and the loops vectorise, and that copy is chosen at run time (not by target_clones,
+ * whose ifunc resolvers ThreadSanitizer cannot run). */
+int outer_force_portable;
+
+static inline __attribute__((always_inline)) void sgd_axpy_body(float *restrict param, const float *restrict x,
+                                                                 float alpha, size_t m)
+{
+    for (size_t j = 0; j < m; j++)
+        param[j] = fmaf(alpha, x[j], param[j]);
+}
+
+static inline __attribute__((always_inline)) void sgd_nesterov_body(float *restrict param, const float *restrict buf,
+                                                                     const float *restrict g, float mu, float alpha,
+                                                                     size_t m)
+{
+    for (size_t j = 0; j < m; j++)
+        param[j] = fmaf(alpha, fmaf(mu, buf[j], g[j]), param[j]);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HAVE_FMA_PATH 1
+
+__attribute__((target("avx2,fma"))) static void sgd_axpy_fma(float *restrict param, const float *restrict x,
+                                                              float alpha, size_t m)
+{
+    sgd_axpy_body(param, x, alpha, m);
+}
+
+__attribute__((target("avx2,fma"))) static void sgd_nesterov_fma(float *restrict param, const float *restrict buf,
+                                                                  const float *restrict g, float mu, float alpha,
+                                                                  size_t m)
+{
+    sgd_nesterov_body(param, buf, g, mu, alpha, m);
+}
+
+static int have_fma(void)
+{
+    static _Atomic int cached = -1;     /* every thread computes the same value */
+    int v = atomic_load_explicit(&cached, memory_order_relaxed);
+    if (v < 0) {
+        /* libgcc reports AVX2 and FMA only when the OS also saves the YMM registers */
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        atomic_store_explicit(&cached, v, memory_order_relaxed);
+    }
+    return v;
+}
+#endif
+
+/* param = fma(alpha, x, param): torch's param.add_(x, alpha=alpha) */
+static void sgd_axpy(float *restrict param, const float *restrict x, float alpha, size_t m)
+{
+#ifdef HAVE_FMA_PATH
+    if (!outer_force_portable && have_fma()) {
+        sgd_axpy_fma(param, x, alpha, m);
+        return;
+    }
+#endif
+    sgd_axpy_body(param, x, alpha, m);
+}
+
+/* param = fma(alpha, fma(mu, buf, g), param): torch's d = g.add(buf, alpha=mu); param.add_(d, alpha=alpha) */
+static void sgd_nesterov(float *restrict param, const float *restrict buf, const float *restrict g, float mu,
+                         float alpha, size_t m)
+{
+#ifdef HAVE_FMA_PATH
+    if (!outer_force_portable && have_fma()) {
+        sgd_nesterov_fma(param, buf, g, mu, alpha, m);
+        return;
+    }
+#endif
+    sgd_nesterov_body(param, buf, g, mu, alpha, m);
+}
+
 static int process_floating(outer_pass *p, const outer_item *it, outer_bufs *b, dl_error *err)
 {
     const st_tensor *t = &p->global->h->tensors[it->tensor];
@@ -263,8 +353,11 @@ static int process_floating(outer_pass *p, const outer_item *it, outer_bufs *b, 
             return rc;
         bytes += n * (st_dtype_bits(dt->dtype) / 8);
     }
-    /* mean: F32 accumulation in node order, then one division (as the reference) */
-    memcpy(g, b->d, m * sizeof(float));
+    /* mean: sum(deltas) / len(deltas) in torch, F32, in node order.  Python's sum() starts from the
+     * integer 0, and 0 + -0.0 is +0.0: the first term is added to +0, not copied.  The division is a
+     * true division (torch divides by the count; a reciprocal multiply would differ). */
+    for (size_t j = 0; j < m; j++)
+        g[j] = 0.0f + b->d[j];
     for (size_t k = 1; k < p->ndeltas; k++) {
         const float *restrict dk = b->d + k * stride;
         for (size_t j = 0; j < m; j++)
@@ -276,42 +369,27 @@ static int process_floating(outer_pass *p, const outer_item *it, outer_bufs *b, 
         sumsq_dot(b->d + k * stride, g, m, &b->stats[k].sumsq, &b->stats[k].dot);
     double unused = 0;
     sumsq_dot(g, g, m, &b->mean_sumsq, &unused);
-    /* torch.optim.SGD: buf = mu*buf + g (first step: buf = g); d = g + mu*buf (nesterov) or buf;
-     * param = param - lr*d.  Each product is rounded before the sum, as torch's separate kernels do. */
+    /* torch.optim.SGD, as described above the sgd_* loops */
     if (mu != 0.0f) {
         if (mt != NULL) {
             if ((rc = st_read(p->momentum, mt, it->begin * lanes * 4, buf, m * 4, err)) != 0)
                 return rc;
             bytes += m * 4;
-            for (size_t j = 0; j < m; j++) {
-                float scaled = mu * buf[j];
-                buf[j] = scaled + g[j];
-            }
+            for (size_t j = 0; j < m; j++)
+                buf[j] = mu * buf[j] + g[j];        /* mul_ then add_: not fused */
         } else {
             memcpy(buf, g, m * sizeof(float));
         }
-        if (p->params.nesterov) {
-            for (size_t j = 0; j < m; j++) {
-                float scaled = mu * buf[j];
-                float d = g[j] + scaled;
-                float step = lr * d;
-                param[j] = param[j] - step;
-            }
-        } else {
-            for (size_t j = 0; j < m; j++) {
-                float step = lr * buf[j];
-                param[j] = param[j] - step;
-            }
-        }
+        if (p->params.nesterov)
+            sgd_nesterov(param, buf, g, mu, -lr, m);
+        else
+            sgd_axpy(param, buf, -lr, m);
         if ((rc = st_writer_write(p->w_momentum, p->mom_spec[it->tensor], it->begin * lanes * 4, buf, m * 4,
                                   err)) != 0)
             return rc;
         bytes += m * 4;
     } else {
-        for (size_t j = 0; j < m; j++) {
-            float step = lr * g[j];
-            param[j] = param[j] - step;
-        }
+        sgd_axpy(param, g, -lr, m);
     }
     size_t esize = st_dtype_bits(t->dtype) / 8;
     const void *out = param;

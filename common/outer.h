@@ -18,6 +18,9 @@
 #include "dl_error.h"
 #include "safetensors.h"
 
+/* Tests set this to run the portable fmaf() loops where the CPU has AVX2 and FMA (same bits, slower). */
+extern int outer_force_portable;
+
 typedef struct outer_params {
     int nesterov;
     float lr;

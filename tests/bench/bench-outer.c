@@ -1,5 +1,9 @@
 /* One outer step over existing files, timed by phase: bench-outer THREADS GLOBAL OUT_DIR DELTA...
- * (a profiling aid for the aggregation kernel; make bench runs the end-to-end comparison). */
+ * (a profiling aid for the aggregation kernel; make bench runs the end-to-end comparison).
+ * Nesterov SGD, lr 0.7, momentum 0.9.  MOMENTUM=FILE reads that momentum file (a later step: the
+ * momentum update and both fused multiply-adds run), else it is a first step (buf = mean).
+ * BUDGET_MIB sets the per-thread chunk budget (16 MiB).  PORTABLE=1 runs the portable fmaf() loops
+ * (what a CPU without AVX2+FMA runs) where this one has the AVX2+FMA copies. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -40,6 +44,8 @@ int main(int argc, char **argv)
     p.out_global_path = out;
     p.out_momentum_path = mom;
     p.params = (outer_params){1, 0.7f, 0.9f};
+    p.momentum_path = getenv("MOMENTUM");
+    outer_force_portable = getenv("PORTABLE") != NULL && atoi(getenv("PORTABLE")) != 0;
     p.budget_bytes = getenv("BUDGET_MIB") ? (size_t)atoi(getenv("BUDGET_MIB")) << 20 : 16 << 20;
     double t0 = now();
     if (outer_prepare(&p, &err) != 0) {

@@ -1,6 +1,7 @@
 """Helpers for tests that run the real dilocod: a process wrapper, a worker that writes deltas the way
 the Python reference does (safetensors save_file with the reference metadata), and a torch oracle of
-the outer step (torch.optim.SGD on F32 copies of the weights, rounded back to each weight's dtype)."""
+the outer step (sum(deltas) / len(deltas) and torch.optim.SGD on F32 copies of the weights, rounded back
+to each weight's dtype)."""
 import json
 import os
 import re
@@ -159,9 +160,14 @@ def write_delta(hub: Path, node_id: str, base_step: int, local_step: int, tensor
 
 
 class Oracle:
-    """The outer step as torch does it: FP32 mean of the deltas in ascending node id order,
-    torch.optim.SGD (nesterov or not) on F32 copies of the floating weights, results rounded to
-    each weight's dtype; non-floating state carried unchanged."""
+    """The outer step computed by torch itself, as the reference runs it: the mean is
+    sum(deltas) / len(deltas) over F32 tensors in ascending node id order (F16/BF16 deltas upcast
+    first), then torch.optim.SGD (nesterov or not, momentum or not) steps F32 copies of the floating
+    weights, reloaded each round from the stored (rounded) weights as dilocod reloads the published
+    global, and the results are rounded to each weight's dtype; non-floating state is carried unchanged.
+    The momentum buffers live in the optimizer, in F32, across rounds.  Complex weights are stepped as
+    pairs of F32 (torch.view_as_real), which is dilocod's contract for C64 (torch's complex kernels
+    round their multiply and divide differently)."""
 
     def __init__(self, init_state: dict, lr=0.7, momentum=0.9, nesterov=True):
         self.state = {k: v.clone() for k, v in init_state.items()}
@@ -172,22 +178,39 @@ class Oracle:
 
     @staticmethod
     def _f32(t):
-        return t.to(torch.complex64) if t.is_complex() else t.to(torch.float32)
+        if not isinstance(t, torch.Tensor):
+            t = torch.tensor(np.asarray(t))        # a copy; keeps 0-d arrays 0-d
+        if t.is_complex():
+            return torch.view_as_real(t.to(torch.complex64)).clone()
+        return t.to(torch.float32)
+
+    def mean(self, deltas_by_node: dict, key):
+        """torch's sum(...) / len(...) in ascending node id order (sum starts from the integer 0)."""
+        order = sorted(deltas_by_node)
+        return sum(self._f32(deltas_by_node[node][key]) for node in order) / len(order)
 
     def step(self, deltas_by_node: dict):
-        order = sorted(deltas_by_node)
-        n = len(order)
         for k in self.floating:
-            acc = torch.tensor(deltas_by_node[order[0]][k]).clone()
-            for node in order[1:]:
-                acc += torch.tensor(deltas_by_node[node][k])
-            self.params[k].grad = acc / n
+            self.params[k].grad = self.mean(deltas_by_node, k)
             with torch.no_grad():
                 self.params[k].copy_(self._f32(self.state[k]))
         self.opt.step()
         for k in self.floating:
-            self.state[k] = self.params[k].detach().to(self.state[k].dtype).clone()
+            p = self.params[k].detach()
+            if self.state[k].is_complex():
+                self.state[k] = torch.view_as_complex(p.contiguous()).to(self.state[k].dtype).clone()
+            else:
+                self.state[k] = p.to(self.state[k].dtype).clone()
         return self.state
+
+    def momentum(self) -> dict:
+        """The optimizer's momentum buffers by key (F32; complex keys as F32 pairs), or {} before any."""
+        out = {}
+        for k in self.floating:
+            buf = self.opt.state.get(self.params[k], {}).get("momentum_buffer")
+            if buf is not None:
+                out[k] = buf.clone()
+        return out
 
 
 def random_deltas(rng: np.random.Generator, model: dict, scale=0.01) -> dict:
@@ -203,9 +226,28 @@ def random_deltas(rng: np.random.Generator, model: dict, scale=0.01) -> dict:
     return out
 
 
+def assert_state_equal(got: dict, want: dict):
+    """Equal key sets, dtypes and shapes, and every tensor's bytes identical (what dilocod promises
+    against Oracle on a CPU where torch runs its AVX2/AVX-512 kernels)."""
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    for k in want:
+        g, w = got[k], want[k]
+        assert g.dtype == w.dtype, (k, g.dtype, w.dtype)
+        assert tuple(g.shape) == tuple(w.shape), (k, g.shape, w.shape)
+        gb = g.contiguous().view(torch.uint8) if g.dim() else g.reshape(1).view(torch.uint8)
+        wb = w.contiguous().view(torch.uint8) if w.dim() else w.reshape(1).view(torch.uint8)
+        if not torch.equal(gb, wb):
+            gf = torch.view_as_real(g) if g.is_complex() else g
+            wf = torch.view_as_real(w) if w.is_complex() else w
+            ne = (gf != wf) | (torch.signbit(gf) != torch.signbit(wf)) if gf.is_floating_point() else gf != wf
+            raise AssertionError(f"{k}: {int(ne.sum())} of {ne.numel()} elements differ from torch, "
+                                 f"max |diff| {(gf.double() - wf.double()).abs().max().item()}")
+
+
 def assert_state_close(got: dict, want: dict, rtol=1e-5, atol=1e-6, ulps=None):
     """Equal key sets, dtypes and shapes; non-floating values identical; floating values within
-    float32 tolerance of the oracle (torch may fuse multiply-adds where dilocod rounds twice)."""
+    float32 tolerance of the oracle.  dilocod matches Oracle bit for bit (assert_state_equal); this
+    looser check is for comparisons that do not need that."""
     assert sorted(got) == sorted(want), (sorted(got), sorted(want))
     for k in want:
         g, w = got[k], want[k]

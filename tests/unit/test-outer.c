@@ -3,11 +3,13 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "convert.h"
 #include "outer.h"
 
-/* A model of one F32 weight "w" (n elements), one BF16 weight "h" (n), a C64 "z" (3) and an I64 "k". */
+/* Files: a global with an F32 weight "w" (n elements), a BF16 weight "h" (n), a C64 "z" (3) and an
+ * I64 "k"; three F32 deltas. */
 enum { N = 10007 };
 
 static uint32_t bits(float f)
@@ -22,6 +24,13 @@ static uint16_t h0[N];
 static float z0[6], dz[3][6];
 static int64_t k0[2] = {41, -7};
 
+/* Elements where the weight and every delta are -0.0: the sign of the result shows whether the mean
+ * starts from +0 as Python's sum() does (see zero_sign_checks). */
+static int neg_zero_elem(int i)
+{
+    return i % 1000 == 5;
+}
+
 static void make_files(void)
 {
     uint64_t sn[] = {N}, s3[] = {3}, s2[] = {2};
@@ -33,6 +42,8 @@ static void make_files(void)
             seed = seed * 1664525u + 1013904223u;
             dlt[k][i] = (float)((int)(seed >> 8) % 2000 - 1000) / 50021.0f;
         }
+        if (neg_zero_elem(i))
+            w0[i] = dlt[0][i] = dlt[1][i] = dlt[2][i] = -0.0f;
     }
     cv_f32_to_bf16(w0, h0, N);
     for (int i = 0; i < 6; i++) {
@@ -54,12 +65,54 @@ static void make_files(void)
     }
 }
 
+/* ---- what torch computes, one operation at a time ----------------------------------------------
+ * Each torch op rounds once.  volatile keeps the compiler from fusing a multiply into the add that
+ * follows it (that fusion is what these tests exist to catch); fmaf() is libm's exact fused op. */
+static float t_mul(float a, float b)
+{
+    volatile float r = a * b;
+    return r;
+}
+
+static float t_add(float a, float b)
+{
+    volatile float r = a + b;
+    return r;
+}
+
+/* sum([a, b, c]) / 3: Python's sum starts from the integer 0 */
+static float t_mean3(float a, float b, float c)
+{
+    volatile float r = t_add(t_add(t_add(0.0f, a), b), c) / 3.0f;
+    return r;
+}
+
+/* One torch.optim.SGD step of one element; *buf is the momentum buffer (have_buf: not the first step).
+ * *unfused gets what rounding every product separately would give (to show the test can tell). */
+static float t_sgd(outer_params pr, float w, float g, float *buf, int have_buf, float *unfused)
+{
+    float d;
+    if (pr.momentum != 0.0f) {
+        *buf = have_buf ? t_add(t_mul(pr.momentum, *buf), g) : g;     /* buf.mul_(mu).add_(g) */
+        d = pr.nesterov ? fmaf(pr.momentum, *buf, g) : *buf;            /* g.add(buf, alpha=mu) */
+        float d2 = pr.nesterov ? t_add(g, t_mul(pr.momentum, *buf)) : *buf;
+        *unfused = t_add(w, t_mul(-pr.lr, d2));
+    } else {
+        d = g;
+        *unfused = t_add(w, t_mul(-pr.lr, g));
+    }
+    return fmaf(-pr.lr, d, w);                                          /* param.add_(d, alpha=-lr) */
+}
+
+static const outer_params NESTEROV = {1, 0.7f, 0.9f}, HEAVY_BALL = {0, 0.7f, 0.9f}, PLAIN = {0, 0.7f, 0.0f};
+
 typedef struct run_cfg {
     size_t budget;
     int threads;
     const char *out;
     const char *mom_in;
     const char *mom_out;
+    outer_params params;
 } run_cfg;
 
 static void *run_thread(void *p)
@@ -92,7 +145,7 @@ static int run_pass(const run_cfg *c, outer_pass *p)
     p->ndeltas = 3;
     p->out_global_path = out;
     p->out_momentum_path = mo;
-    p->params = (outer_params){1, 0.7f, 0.9f};
+    p->params = c->params;
     p->budget_bytes = c->budget;
     if (outer_prepare(p, &err) != 0) {
         fprintf(stderr, "  prepare: %s\n", err.message);
@@ -117,12 +170,82 @@ static int same_file(const char *a, const char *b)
     return system(cmd) == 0;
 }
 
-TEST(outer_matches_naive_nesterov_and_is_chunking_independent)
+static int read_tensor(const char *name, const char *key, void *out, size_t len)
+{
+    st_file *f;
+    dl_error err;
+    int rc = st_open(test_path(name), &f, &err);
+    if (rc == 0) {
+        const st_tensor *t = st_header_find(f->h, key, strlen(key));
+        rc = t == NULL ? -1 : st_read(f, t, 0, out, len, &err);
+        st_close(f);
+    }
+    if (rc != 0)
+        fprintf(stderr, "  %s/%s: %s\n", name, key, err.message);
+    return rc;
+}
+
+/* Checks "out" (and "mom_out") of a pass against t_sgd, from momentum "mom_in" (NULL: first step).
+ * Returns 0, or -1 after reporting the first difference. */
+static int check_against_torch(const run_cfg *c, int *fused_mattered)
+{
+    static float w1[N], mom_in[N], mom_out[N], hmom_in[N], hmom_out[N];
+    static uint16_t h1[N];
+    float z1[6], zmom_in[6] = {0}, zmom_out[6];
+    int64_t k1[2];
+    int have = c->mom_in != NULL, mom = c->params.momentum != 0.0f;
+
+    if (read_tensor(c->out, "w", w1, sizeof(w1)) || read_tensor(c->out, "h", h1, sizeof(h1)) ||
+        read_tensor(c->out, "z", z1, sizeof(z1)) || read_tensor(c->out, "k", k1, sizeof(k1)))
+        return -1;
+    if (have && (read_tensor(c->mom_in, "w", mom_in, sizeof(mom_in)) ||
+                 read_tensor(c->mom_in, "h", hmom_in, sizeof(hmom_in)) ||
+                 read_tensor(c->mom_in, "z", zmom_in, sizeof(zmom_in))))
+        return -1;
+    if (mom && (read_tensor(c->mom_out, "w", mom_out, sizeof(mom_out)) ||
+                read_tensor(c->mom_out, "h", hmom_out, sizeof(hmom_out)) ||
+                read_tensor(c->mom_out, "z", zmom_out, sizeof(zmom_out))))
+        return -1;
+    if (k1[0] != 41 || k1[1] != -7) {
+        fprintf(stderr, "  integer tensor changed\n");
+        return -1;
+    }
+    for (int i = 0; i < N; i++) {
+        float unfused, buf = mom_in[i];
+        float want = t_sgd(c->params, w0[i], t_mean3(dlt[0][i], dlt[1][i], dlt[2][i]), &buf, have, &unfused);
+        *fused_mattered += bits(want) != bits(unfused);
+        if (bits(w1[i]) != bits(want) || (mom && bits(mom_out[i]) != bits(buf))) {
+            fprintf(stderr, "  w[%d]: got 0x%x (momentum 0x%x), torch 0x%x (momentum 0x%x)\n", i, bits(w1[i]),
+                    mom ? bits(mom_out[i]) : 0, bits(want), bits(buf));
+            return -1;
+        }
+        float hf, hbuf = hmom_in[i];
+        uint16_t hb;
+        cv_bf16_to_f32(&h0[i], &hf, 1);
+        float hw = t_sgd(c->params, hf, t_mean3(dlt[1][i], dlt[2][i], dlt[0][i]), &hbuf, have, &unfused);
+        cv_f32_to_bf16(&hw, &hb, 1);
+        if (h1[i] != hb || (mom && bits(hmom_out[i]) != bits(hbuf))) {
+            fprintf(stderr, "  h[%d]: got 0x%x, torch 0x%x\n", i, h1[i], hb);
+            return -1;
+        }
+    }
+    for (int i = 0; i < 6; i++) {       /* C64: both parts, each as an F32 parameter */
+        float unfused, buf = zmom_in[i];
+        float want = t_sgd(c->params, z0[i], t_mean3(dz[0][i], dz[1][i], dz[2][i]), &buf, have, &unfused);
+        if (bits(z1[i]) != bits(want) || (mom && bits(zmom_out[i]) != bits(buf))) {
+            fprintf(stderr, "  z[%d]: got 0x%x, torch 0x%x\n", i, bits(z1[i]), bits(want));
+            return -1;
+        }
+    }
+    return 0;
+}
+
+TEST(outer_first_step_is_torch_sgd_and_chunking_independent)
 {
     outer_pass p;
     make_files();
-    run_cfg big = {64 << 20, 1, "out1", NULL, "mom1"};
-    run_cfg tiny = {1, 2, "out2", NULL, "mom2"};        /* 4096-element chunks, two threads */
+    run_cfg big = {64 << 20, 1, "out1", NULL, "mom1", NESTEROV};
+    run_cfg tiny = {1, 2, "out2", NULL, "mom2", NESTEROV};      /* 4096-element chunks, two threads */
     CHECK_EQ(run_pass(&big, &p), 0);
     outer_free(&p);
     CHECK_EQ(run_pass(&tiny, &p), 0);
@@ -142,72 +265,102 @@ TEST(outer_matches_naive_nesterov_and_is_chunking_independent)
     snprintf(a, sizeof(a), "%s", test_path("mom1"));
     snprintf(b, sizeof(b), "%s", test_path("mom2"));
     CHECK(same_file(a, b));
-
-    /* first step by hand, in the same float operations torch performs */
-    st_file *f;
-    dl_error err;
-    CHECK_EQ(st_open(test_path("out1"), &f, &err), 0);
-    static float w1[N];
-    static uint16_t h1[N];
-    float z1[6];
-    int64_t k1[2];
-    CHECK_EQ(st_read(f, st_header_find(f->h, "w", 1), 0, w1, sizeof(w1), &err), 0);
-    CHECK_EQ(st_read(f, st_header_find(f->h, "h", 1), 0, h1, sizeof(h1), &err), 0);
-    CHECK_EQ(st_read(f, st_header_find(f->h, "z", 1), 0, z1, sizeof(z1), &err), 0);
-    CHECK_EQ(st_read(f, st_header_find(f->h, "k", 1), 0, k1, sizeof(k1), &err), 0);
-    st_close(f);
-    CHECK(k1[0] == 41 && k1[1] == -7);
-    for (int i = 0; i < N; i++) {
-        float g = dlt[0][i];
-        g += dlt[1][i];
-        g += dlt[2][i];
-        g /= 3.0f;
-        float buf = g, scaled = 0.9f * buf, d = g + scaled, step = 0.7f * d;
-        float want = w0[i] - step;
-        CHECK_HEX(bits(w1[i]), bits(want));
-        float hg = dlt[1][i];
-        hg += dlt[2][i];
-        hg += dlt[0][i];
-        hg /= 3.0f;
-        float hf;
-        cv_bf16_to_f32(&h0[i], &hf, 1);
-        float hs = 0.9f * hg, hd = hg + hs, hstep = 0.7f * hd, hw = hf - hstep;
-        uint16_t hb;
-        cv_f32_to_bf16(&hw, &hb, 1);
-        CHECK_HEX(h1[i], hb);
-    }
-    for (int i = 0; i < 6; i++) {
-        float g = dz[0][i];
-        g += dz[1][i];
-        g += dz[2][i];
-        g /= 3.0f;
-        float scaled = 0.9f * g, d = g + scaled, step = 0.7f * d, want = z0[i] - step;
-        CHECK_HEX(bits(z1[i]), bits(want));   /* both complex parts updated */
-    }
+    int fused = 0;
+    CHECK_EQ(check_against_torch(&big, &fused), 0);
+    CHECK(fused > N / 100);    /* else this data could not tell fused from separately rounded steps */
 }
 
 TEST(outer_second_step_uses_momentum_file)
 {
     outer_pass p;
     make_files();
-    run_cfg first = {64 << 20, 1, "out1", NULL, "mom1"};
+    run_cfg first = {64 << 20, 1, "out1", NULL, "mom1", NESTEROV};
     CHECK_EQ(run_pass(&first, &p), 0);
     outer_free(&p);
-    run_cfg second = {64 << 20, 1, "out2", "mom1", "mom2"};
+    run_cfg second = {64 << 20, 1, "out2", "mom1", "mom2", NESTEROV};
     CHECK_EQ(run_pass(&second, &p), 0);
     outer_free(&p);
-    st_file *f;
-    dl_error err;
-    static float m1[N], m2[N];
-    CHECK_EQ(st_open(test_path("mom1"), &f, &err), 0);
-    CHECK_EQ(st_read(f, st_header_find(f->h, "w", 1), 0, m1, sizeof(m1), &err), 0);
-    st_close(f);
-    CHECK_EQ(st_open(test_path("mom2"), &f, &err), 0);
-    CHECK_EQ(st_read(f, st_header_find(f->h, "w", 1), 0, m2, sizeof(m2), &err), 0);
-    st_close(f);
+    int fused = 0;
+    CHECK_EQ(check_against_torch(&second, &fused), 0);
+    CHECK(fused > N / 100);
+}
+
+TEST(outer_heavy_ball_and_plain_sgd_are_torch_sgd)
+{
+    outer_pass p;
+    make_files();
+    int fused = 0;
+    run_cfg first = {1 << 20, 2, "out1", NULL, "mom1", HEAVY_BALL};
+    CHECK_EQ(run_pass(&first, &p), 0);
+    outer_free(&p);
+    CHECK_EQ(check_against_torch(&first, &fused), 0);
+    run_cfg second = {1 << 20, 2, "out2", "mom1", "mom2", HEAVY_BALL};
+    CHECK_EQ(run_pass(&second, &p), 0);
+    outer_free(&p);
+    CHECK_EQ(check_against_torch(&second, &fused), 0);
+    run_cfg plain = {1 << 20, 2, "out3", NULL, "mom3", PLAIN};
+    CHECK_EQ(run_pass(&plain, &p), 0);
+    outer_free(&p);
+    CHECK_EQ(check_against_torch(&plain, &fused), 0);
+    CHECK(fused > N / 100);
+    CHECK(access(test_path("mom3"), F_OK) != 0);       /* no momentum without momentum */
+}
+
+/* The AVX2+FMA loops and the portable fmaf() loops give the same bits (where the CPU has FMA, this
+ * compares two implementations; elsewhere it runs the portable one twice). */
+TEST(outer_fma_and_portable_paths_agree)
+{
+    outer_pass p;
+    make_files();
+    static const outer_params all[] = {NESTEROV, HEAVY_BALL, PLAIN};
+    for (int k = 0; k < 3; k++) {
+        char a[512], b[512];
+        outer_force_portable = 0;
+        run_cfg fast = {1 << 20, 2, "out1", NULL, "mom1", all[k]};
+        CHECK_EQ(run_pass(&fast, &p), 0);
+        outer_free(&p);
+        run_cfg fast2 = {1 << 20, 2, "out2", "mom1", "mom2", all[k]};
+        CHECK_EQ(run_pass(&fast2, &p), 0);
+        outer_free(&p);
+        outer_force_portable = 1;
+        run_cfg port = {1 << 20, 2, "out3", NULL, "mom3", all[k]};
+        CHECK_EQ(run_pass(&port, &p), 0);
+        outer_free(&p);
+        run_cfg port2 = {1 << 20, 2, "out4", "mom3", "mom4", all[k]};
+        CHECK_EQ(run_pass(&port2, &p), 0);
+        outer_free(&p);
+        outer_force_portable = 0;
+        snprintf(a, sizeof(a), "%s", test_path("out2"));
+        snprintf(b, sizeof(b), "%s", test_path("out4"));
+        CHECK(same_file(a, b));
+        if (all[k].momentum != 0.0f) {
+            snprintf(a, sizeof(a), "%s", test_path("mom2"));
+            snprintf(b, sizeof(b), "%s", test_path("mom4"));
+            CHECK(same_file(a, b));
+        }
+        int fused = 0;
+        CHECK_EQ(check_against_torch(&port2, &fused), 0);
+    }
+}
+
+/* A weight of -0.0 whose deltas are all -0.0: torch's mean is 0 + -0.0 + ... = +0.0, so buf = +0,
+ * d = +0 and param = fma(-lr, +0, -0) = -0.  Copying the first delta into the sum would give
+ * buf = -0 and param = +0. */
+TEST(outer_mean_starts_from_positive_zero)
+{
+    outer_pass p;
+    make_files();
+    run_cfg c = {1 << 20, 1, "out1", NULL, "mom1", NESTEROV};
+    CHECK_EQ(run_pass(&c, &p), 0);
+    outer_free(&p);
+    static float w1[N], m1[N];
+    CHECK_EQ(read_tensor("out1", "w", w1, sizeof(w1)), 0);
+    CHECK_EQ(read_tensor("mom1", "w", m1, sizeof(m1)), 0);
     for (int i = 0; i < N; i++) {
-        float scaled = 0.9f * m1[i], want = scaled + m1[i];     /* same deltas: g == first buffer */
-        CHECK_HEX(bits(m2[i]), bits(want));
+        if (neg_zero_elem(i)) {
+            CHECK_HEX(bits(m1[i]), 0x00000000u);
+            CHECK_HEX(bits(w1[i]), 0x80000000u);
+        }
     }
 }
 
@@ -221,7 +374,7 @@ TEST(outer_mismatched_delta_refused_and_nothing_left)
     const void *bd[] = {x, dlt[0], dz[0]};
     dl_error err;
     CHECK_EQ(st_save(test_path("d1"), bad, bd, 3, NULL, 0, &err), 0);
-    run_cfg c = {1 << 20, 1, "out", NULL, "mom"};
+    run_cfg c = {1 << 20, 1, "out", NULL, "mom", NESTEROV};
     CHECK(run_pass(&c, &p) != 0);
     CHECK_EQ(p.err.code, DL_E_SHAPE_MISMATCH);
     outer_free(&p);
