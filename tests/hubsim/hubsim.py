@@ -96,7 +96,7 @@ CONTROL API (never counted, never faulted, never authenticated)
 FAULT RULES (JSON object; all keys optional except what defines the kind)
     kind        "status" (default when "status" is given) | "delay" (default when only "delay" is given)
                 | "drop" | "truncate" | "corrupt" | "throttle" | "commit_412" (= status 412 on the next commit)
-                | hostile Hub: "headers" | "oversize" | "endless" | "listing_size" (below)
+                | hostile Hub: "headers" | "oversize" | "endless" | "listing_size" | "lfs_href" (below)
     count       how many times it fires (default 1; -1 or null = until removed)
     skip        let this many matching requests through first (default 0)
     method      "GET", "HEAD", ... ; path_regex: re.search on the raw path?query ;
@@ -123,6 +123,8 @@ FAULT RULES (JSON object; all keys optional except what defines the kind)
     size / raw_size  listing_size: file entries of a tree page (those whose path matches entry_regex, if
                 given) list this size instead of the real one; raw_size is literal JSON text ("1e30",
                 "-1", "1.5", "NaN", "18446744073709551616"), size any JSON value; lfs.size follows
+    action, href  lfs_href: an LFS batch answer's "verify" (or "upload") action of each object points to
+                href instead (a hostile Hub sending the client elsewhere)
 Request-phase rules (status, delay) are checked before auth; body-phase rules (drop, truncate, corrupt,
 throttle) apply only to responses that have a body (never to HEAD) and are consumed only then.
 """
@@ -501,6 +503,7 @@ class Faults:
     BODY_KINDS = ("drop", "truncate", "corrupt", "throttle", "oversize", "endless")
     HEADER_KINDS = ("headers",)
     LISTING_KINDS = ("listing_size",)
+    BATCH_KINDS = ("lfs_href",)
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -525,7 +528,7 @@ class Faults:
             r.setdefault("route", "commit")
             r.setdefault("method", "POST")
             r.setdefault("message", "A commit has happened since. Please refresh and try again.")
-        if kind not in self.REQUEST_KINDS + self.BODY_KINDS + self.HEADER_KINDS + self.LISTING_KINDS:
+        if kind not in self.REQUEST_KINDS + self.BODY_KINDS + self.HEADER_KINDS + self.LISTING_KINDS + self.BATCH_KINDS:
             raise ValueError(f"unknown fault kind {kind!r}")
         if kind == "headers" and not (isinstance(r.get("headers"), dict) and r["headers"]):
             raise ValueError("a headers fault needs a non-empty headers object")
@@ -533,6 +536,8 @@ class Faults:
             raise ValueError("extra must be a non-negative integer")
         if kind == "listing_size" and "size" not in r and not isinstance(r.get("raw_size"), str):
             raise ValueError("listing_size needs size or raw_size")
+        if kind == "lfs_href" and not (isinstance(r.get("href"), str) and r.get("action", "verify") in ("verify", "upload")):
+            raise ValueError("lfs_href needs an href string and action verify or upload")
         if r.get("entry_regex") is not None:
             re.compile(r["entry_regex"])
         r["kind"] = kind
@@ -1857,6 +1862,13 @@ class Handler(BaseHTTPRequestHandler):
                                               "expires_in": 86400},
                                    "verify": verify}
             objects.append(item)
+        fault = self.sim.faults.take(Faults.BATCH_KINDS, self._req) if self._req is not None else None
+        if fault is not None:
+            self.sim.stats.fault(self._entry, fault["kind"])
+            for item in objects:
+                action = (item.get("actions") or {}).get(fault.get("action", "verify"))
+                if action is not None:
+                    action["href"] = fault["href"]
         self.respond_json(200, {"transfer": chosen, "objects": objects, "hash_algo": "sha256"},
                           content_type="application/vnd.git-lfs+json")
 

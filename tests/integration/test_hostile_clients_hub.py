@@ -9,6 +9,7 @@ dilocod's requests are told from the workers').  One test per attack:
     receive none, and so never the token;
   * a resolve answered with a redirect to another port or host: curl follows it (the LFS CDN case),
     the second server must see the requests but never the token;
+  * an LFS batch answer whose verify URL is on another port: called, but without the token;
   * a file download that streams 200 MiB past the listed size, with the length announced or not;
   * a listing that lies about a delta's size (the header's implied size must match it);
   * listing sizes that are not exact integers (1e30, -1, 1.5, 2^64, NaN, a string);
@@ -300,6 +301,28 @@ def test_redirect_elsewhere_carries_no_token(tmp_path, procs, elsewhere):
     assert elsewhere.with_token() == [], f"the token followed a redirect: {elsewhere.with_token()}"
     hosts = {r["host"].split(":")[0] for r in elsewhere.requests}
     assert hosts == {"localhost", "127.0.0.1"}, elsewhere.requests
+    g.check(state_slack=run.state_slack(2))
+    run.check()
+    assert run.d.stop() == 0
+
+
+def test_lfs_verify_url_elsewhere_gets_no_token(tmp_path, procs, elsewhere):
+    """dilocod's LFS batch answer names a verify URL on another port: the verify call goes there (the
+    protocol says to call it) but without the token; the unverified object then fails the commit, and
+    the next publish attempt, on an honest answer, completes."""
+    run = Run(tmp_path, procs)
+    prepared = run.prepare()
+    g = run.guard(prepared)
+    href = f"http://localhost:{elsewhere.port}/org/model.git/info/lfs/objects/verify"
+    # skip=W: the workers' own uploads make one batch call each first
+    rule = run.fault(kind="lfs_href", route="lfs_batch", action="verify", href=href, skip=run.W, count=1)
+    with g:
+        run.upload(prepared)
+        wait_fired(run, [rule["id"]], "the hostile batch answer served")
+        run.finish(prepared, timeout=90)
+    posts = [r for r in elsewhere.requests if r["method"] == "POST"]
+    assert posts, ("the verify call did not happen", elsewhere.requests)
+    assert elsewhere.with_token() == [], f"the token went to the verify URL: {elsewhere.with_token()}"
     g.check(state_slack=run.state_slack(2))
     run.check()
     assert run.d.stop() == 0
