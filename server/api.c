@@ -78,140 +78,6 @@ static void sb_num(sbuf *b, double v)
         sb_str(b, "null");
 }
 
-/* ---- round records ----------------------------------------------------------------------------- */
-
-static void round_json(sbuf *b, const round_record *r)
-{
-    char when[48];
-    iso_time(when, sizeof(when), r->closed_at);
-    sb_fmt(b, "{\"step\":%" PRIu64 ",\"outer_step\":%" PRIu64 ",\"reason\":", r->step, r->step + 1);
-    sb_json_string(b, r->reason, strlen(r->reason));
-    sb_fmt(b, ",\"closed_at\":%s,\"seconds\":", when);
-    sb_num(b, r->seconds);
-    sb_str(b, ",\"gbps\":");
-    sb_num(b, r->gbps);
-    sb_fmt(b, ",\"bytes\":%" PRIu64 ",\"mean_norm\":", r->bytes);
-    sb_num(b, r->mean_norm);
-    sb_str(b, ",\"nodes\":[");
-    for (size_t i = 0; i < r->n; i++) {
-        const node_stat *n = &r->nodes[i];
-        sb_fmt(b, "%s{\"node_id\":\"%s\",\"local_step\":%" PRIu64 ",\"bytes\":%" PRIu64 ",\"norm\":", i ? "," : "",
-               n->node_id, n->local_step, n->bytes);
-        sb_num(b, n->norm);
-        sb_str(b, ",\"cosine\":");
-        sb_num(b, n->cosine);
-        sb_str(b, "}");
-    }
-    sb_str(b, "]}");
-}
-
-static void history_write_work(daemon_job *j)
-{
-    char *line = j->arg, *path = NULL;
-    int fd;
-
-    if (asprintf(&path, "%s/rounds.jsonl", j->d->st.dir) < 0)
-        return;
-    fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-    if (fd >= 0) {
-        size_t len = strlen(line);
-        if (write(fd, line, len) != (ssize_t)len)
-            j->rc = -DL_E_IO;
-        close(fd);
-    }
-    free(path);
-}
-
-static void history_write_done(daemon_job *j)
-{
-    free(j->arg);
-    if (j->rc != 0)
-        dl_log(DL_LOG_WARN, "store", "could not append to rounds.jsonl (history only)", "%s", "");
-}
-
-void api_history_persist(dilocod *d, const round_record *r)
-{
-    sbuf b = {0};
-    char *line;
-
-    round_json(&b, r);
-    sb_add(&b, "\n", 1);
-    if ((line = sb_take(&b)) == NULL)
-        return;
-    if (daemon__queue(d, history_write_work, history_write_done, line, 0, 0) != 0)
-        free(line);
-}
-
-static int record_from_json(round_record *r, const cJSON *o)
-{
-    const cJSON *nodes = cJSON_GetObjectItemCaseSensitive(o, "nodes"), *n;
-    const cJSON *step = cJSON_GetObjectItemCaseSensitive(o, "step");
-    const cJSON *reason = cJSON_GetObjectItemCaseSensitive(o, "reason");
-    struct tm tm = {0};
-    const cJSON *closed = cJSON_GetObjectItemCaseSensitive(o, "closed_at");
-
-    if (!cJSON_IsNumber(step) || !cJSON_IsArray(nodes) || step->valuedouble < 0)
-        return -1;
-    memset(r, 0, sizeof(*r));
-    r->step = (uint64_t)step->valuedouble;
-    snprintf(r->reason, sizeof(r->reason), "%s", cJSON_IsString(reason) ? reason->valuestring : "");
-    r->seconds = cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(o, "seconds"));
-    r->gbps = cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(o, "gbps"));
-    r->bytes = (uint64_t)fmax(0, cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(o, "bytes")));
-    r->mean_norm = cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(o, "mean_norm"));
-    if (cJSON_IsString(closed) && strptime(closed->valuestring, "%Y-%m-%dT%H:%M:%S", &tm) != NULL)
-        r->closed_at = timegm(&tm);
-    int count = cJSON_GetArraySize(nodes);
-    r->nodes = calloc((size_t)count + 1, sizeof(*r->nodes));
-    if (r->nodes == NULL)
-        return -1;
-    cJSON_ArrayForEach(n, nodes) {
-        const cJSON *id = cJSON_GetObjectItemCaseSensitive(n, "node_id");
-        node_stat *s = &r->nodes[r->n];
-        if (!cJSON_IsString(id) || !delta_valid_node_id(id->valuestring, strlen(id->valuestring)))
-            continue;
-        snprintf(s->node_id, sizeof(s->node_id), "%s", id->valuestring);
-        s->local_step = (uint64_t)fmax(0, cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(n, "local_step")));
-        s->bytes = (uint64_t)fmax(0, cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(n, "bytes")));
-        s->norm = cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(n, "norm"));
-        s->cosine = cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(n, "cosine"));
-        r->n++;
-    }
-    return 0;
-}
-
-/* Startup only (before the loop serves): the last HISTORY_MAX lines of rounds.jsonl.  Damaged lines
- * (a crash in the middle of an append) are skipped: the history is informational. */
-void api_history_load(dilocod *d)
-{
-    char *path = NULL, *line = NULL;
-    size_t cap = 0;
-    FILE *f;
-
-    if (asprintf(&path, "%s/rounds.jsonl", d->st.dir) < 0)
-        return;
-    f = fopen(path, "r");
-    free(path);
-    if (f == NULL)
-        return;
-    while (getline(&line, &cap, f) > 0) {
-        cJSON *o = cJSON_Parse(line);
-        round_record r;
-        if (o != NULL && record_from_json(&r, o) == 0 && (!d->st.committed || r.step < d->st.step)) {
-            if (d->history_n == HISTORY_MAX) {
-                free(d->history[d->history_head].nodes);
-                d->history_head = (d->history_head + 1) % HISTORY_MAX;
-                d->history_n--;
-            }
-            d->history[(d->history_head + d->history_n) % HISTORY_MAX] = r;
-            d->history_n++;
-        }
-        cJSON_Delete(o);
-    }
-    free(line);
-    fclose(f);
-}
-
 /* ---- GET /status, /rounds, /metrics, /healthz ------------------------------------------------ */
 
 static void status_json(dilocod *d, sbuf *b)
@@ -265,8 +131,8 @@ static void status_json(dilocod *d, sbuf *b)
         sb_str(b, ",\"aggregation\":null");
     }
     sb_str(b, ",\"last_round\":");
-    if (d->history_n > 0)
-        round_json(b, &d->history[(d->history_head + d->history_n - 1) % HISTORY_MAX]);
+    if (history_last(&d->history) != NULL)
+        history_record_json(b, history_last(&d->history));
     else
         sb_str(b, "null");
     sb_fmt(b, ",\"optimizer\":{\"name\":\"%s\",\"lr\":", config_optimizer_name(d->cfg->optimizer));
@@ -321,10 +187,10 @@ static void status_json(dilocod *d, sbuf *b)
 static void rounds_json(dilocod *d, sbuf *b)
 {
     sb_str(b, "{\"rounds\":[");
-    for (size_t i = 0; i < d->history_n; i++) {
+    for (size_t i = 0; i < history_count(&d->history); i++) {
         if (i > 0)
             sb_add(b, ",", 1);
-        round_json(b, &d->history[(d->history_head + i) % HISTORY_MAX]);
+        history_record_json(b, history_get(&d->history, i));
     }
     sb_str(b, "]}\n");
 }

@@ -299,7 +299,7 @@ static void set_defaults(config *c)
     c->header_timeout = 10;
     c->idle_timeout = 60;
     c->max_connections = 1024;
-    c->max_uploads = 32;
+    c->max_uploads = 64;
     c->max_downloads = 2;
 }
 

@@ -491,6 +491,9 @@ static void pass_release(dilocod *d)
     d->pass_paths = NULL;
     free(d->pass_nodes);
     d->pass_nodes = NULL;
+    free(d->pending_round);
+    d->pending_round = NULL;
+    history_record_free(&d->pending_record);
 }
 
 static void retry_cb(uv_timer_t *t)
@@ -532,8 +535,30 @@ static void commit_work(job *j)
         .momentum = d->cfg->momentum,
         .bootstrap = 0,
         .origin = "round",
+        .round_json = d->pending_round,
     };
+    dl_error herr;
+
+    /* a record whose append failed last time goes first: rounds.jsonl stays in step order */
+    if (d->unappended != NULL && history_append(d->st.dir, d->unappended, &herr) == 0) {
+        free(d->unappended);
+        d->unappended = NULL;
+    }
     j->rc = store_commit(&d->st, &info, &j->err);
+    /* The record is committed with the step (outer_metadata.json); appending it to rounds.jsonl here,
+     * in the same job, keeps the file in commit order.  A kill between the two is replayed at
+     * startup (history_load); a failed append is retried before the next commit. */
+    if (j->rc == 0 && d->unappended == NULL && history_append(d->st.dir, d->pending_round, &herr) != 0) {
+        d->unappended = strdup(d->pending_round);
+        j->u = 1;
+    } else if (j->rc == 0 && d->unappended != NULL) {
+        char *both = NULL;
+        if (asprintf(&both, "%s%s", d->unappended, d->pending_round) >= 0) {
+            free(d->unappended);
+            d->unappended = both;
+        }
+        j->u = 1;
+    }
     /* opened here, off the loop: downloads of the new global start from this descriptor */
     j->flag = j->rc == 0 ? open_for_download(info.global_path) : -EINVAL;
 }
@@ -577,39 +602,54 @@ const served_global *daemon__global(dilocod *d)
     return &d->global;
 }
 
-static void record_round(dilocod *d, double seconds)
+/* The closing round's record, built before its commit (the commit makes it durable with the step):
+ * per-node norms and cosines against the mean delta, and the aggregation's time so far.  One JSON
+ * line, ready for outer_metadata.json and rounds.jsonl. */
+static int prepare_round_record(dilocod *d, double seconds)
 {
-    round_record *r;
     outer_pass *p = d->pass;
+    round_record *r = &d->pending_record;
+    double mean_norm = sqrt(p->mean_sumsq);
+    sbuf b = {0};
 
-    if (d->history_n == HISTORY_MAX) {
-        r = &d->history[d->history_head];
-        free(r->nodes);
-        d->history_head = (d->history_head + 1) % HISTORY_MAX;
-        d->history_n--;
+    for (size_t k = 0; k < p->ndeltas; k++) {
+        double norm = sqrt(p->stats[k].sumsq);
+        d->pass_nodes[k].norm = norm;
+        d->pass_nodes[k].cosine = norm > 0 && mean_norm > 0 ? p->stats[k].dot / (norm * mean_norm) : 0.0;
     }
-    r = &d->history[(d->history_head + d->history_n) % HISTORY_MAX];
+    history_record_free(r);
     memset(r, 0, sizeof(*r));
     r->step = d->rnd.step;
     snprintf(r->reason, sizeof(r->reason), "%s", d->pass_reason);
     r->seconds = seconds;
     r->bytes = p->bytes_total;
     r->gbps = seconds > 0 ? (double)p->bytes_total / seconds / 1e9 : 0;
-    r->mean_norm = sqrt(p->mean_sumsq);
+    r->mean_norm = mean_norm;
     r->closed_at = time(NULL);
-    r->nodes = malloc(d->pass_n * sizeof(*r->nodes));
-    if (r->nodes != NULL) {
+    if (d->pass_n > 0 && (r->nodes = malloc(d->pass_n * sizeof(*r->nodes))) == NULL)
+        return -ENOMEM;
+    if (d->pass_n > 0)
         memcpy(r->nodes, d->pass_nodes, d->pass_n * sizeof(*r->nodes));
-        r->n = d->pass_n;
-    }
-    d->history_n++;
+    r->n = d->pass_n;
+    history_record_json(&b, r);
+    sb_add(&b, "\n", 1);
+    free(d->pending_round);
+    d->pending_round = sb_take(&b);
+    return d->pending_round != NULL ? 0 : -ENOMEM;
+}
+
+/* The round is committed: its record joins the in-memory history and the metrics. */
+static void record_round(dilocod *d)
+{
+    double seconds = d->pending_record.seconds;
+
+    history_push(&d->history, &d->pending_record);
     d->m.rounds++;
     d->m.agg_seconds_sum += seconds;
     d->m.agg_count++;
     static const double bounds[AGG_BUCKETS] = {0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300};
     for (int i = 0; i < AGG_BUCKETS; i++)
         d->m.agg_buckets[i] += seconds <= bounds[i];
-    api_history_persist(d, r);
 }
 
 static void cleanup_work(job *j)
@@ -632,23 +672,17 @@ static void schedule_cleanup(dilocod *d)
         d->cleanup_in_flight = 1;
 }
 
-static void log_round_stats(dilocod *d, double seconds)
+static void log_round_stats(dilocod *d)
 {
-    outer_pass *p = d->pass;
-    double mean_norm = sqrt(p->mean_sumsq);
+    const round_record *r = &d->pending_record;
 
     dl_log(DL_LOG_INFO, "aggregate", "done",
            "step=%" PRIu64 " nodes=%zu seconds=%.3f gbps=%.2f bytes=%" PRIu64 " mean_norm=%.6g", d->rnd.step + 1,
-           p->ndeltas, seconds, seconds > 0 ? (double)p->bytes_total / seconds / 1e9 : 0.0, p->bytes_total, mean_norm);
-    for (size_t k = 0; k < p->ndeltas; k++) {
-        double norm = sqrt(p->stats[k].sumsq);
-        double cosv = norm > 0 && mean_norm > 0 ? p->stats[k].dot / (norm * mean_norm) : 0.0;
-        d->pass_nodes[k].norm = norm;
-        d->pass_nodes[k].cosine = cosv;
+           r->n, r->seconds, r->gbps, r->bytes, r->mean_norm);
+    for (size_t k = 0; k < r->n; k++)
         dl_log(DL_LOG_INFO, "aggregate", "node statistics",
                "step=%" PRIu64 " node=%s local_step=%" PRIu64 " norm=%.6g cosine=%.6f", d->rnd.step + 1,
-               d->pass_nodes[k].node_id, d->pass_nodes[k].local_step, norm, cosv);
-    }
+               r->nodes[k].node_id, r->nodes[k].local_step, r->nodes[k].norm, r->nodes[k].cosine);
 }
 
 static void commit_done(job *j)
@@ -659,10 +693,12 @@ static void commit_done(job *j)
         aggregation_failed(d, &j->err);
         return;
     }
-    double seconds = now_s(d) - d->pass_started;
     uv_timer_stop(&d->progress_timer);
-    log_round_stats(d, seconds);
-    record_round(d, seconds);
+    if (j->u)
+        dl_log(DL_LOG_ERROR, "store", "could not append the round to rounds.jsonl; retried at the next commit",
+               "step=%" PRIu64, d->st.step);
+    log_round_stats(d);
+    record_round(d);
     set_served_global(d, j->flag, d->st.step);
     d->committed_at = time(NULL);
     dl_log(DL_LOG_INFO, "store", "committed", "step=%" PRIu64 " global=%s", d->st.step, d->st.global_path);
@@ -696,6 +732,12 @@ static void finish_done(job *j)
     }
     dl_log(DL_LOG_DEBUG, "aggregate", "files durable", "step=%" PRIu64 " seconds=%.3f", d->rnd.step + 1,
            now_s(d) - d->pass_started);
+    if (prepare_round_record(d, now_s(d) - d->pass_started) != 0) {
+        dl_error e;
+        dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory for the round's record");
+        aggregation_failed(d, &e);
+        return;
+    }
     /* the step's files are durable: the commit point is one atomic rename away */
     if (daemon__queue(d, commit_work, commit_done, NULL, 0, 0) != 0) {
         dl_error e;
@@ -1295,7 +1337,9 @@ static int startup(dilocod *d, dl_error *err)
         return rc;
     if (d->st.committed && (rc = store_cleanup(&d->st, 1, err)) != 0)
         return rc;
-    api_history_load(d);
+    if ((rc = history_load(&d->history, d->st.dir, d->st.committed ? d->st.step : UINT64_MAX, d->st.round_json,
+                           err)) != 0)
+        return rc;
     if (d->hub_root != NULL) {
         char *nodes = NULL, *global = NULL;
         if (asprintf(&nodes, "%s/nodes", d->hub_root) < 0 || asprintf(&global, "%s/global", d->hub_root) < 0 ||
@@ -1479,8 +1523,10 @@ int daemon_run(config *cfg)
     store_free(&d->st);
     auth_free(&d->auth);
     http_file_unref(d->global.file);
-    for (size_t i = 0; i < d->history_n; i++)
-        free(d->history[(d->history_head + i) % HISTORY_MAX].nodes);
+    history_free(&d->history);
+    history_record_free(&d->pending_record);
+    free(d->pending_round);
+    free(d->unappended);
     free(d->hub_root);
     free(d);
     return code;

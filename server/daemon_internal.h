@@ -11,6 +11,7 @@
 #include "auth.h"
 #include "config.h"
 #include "delta.h"
+#include "history.h"
 #include "http.h"
 #include "hub_hf.h"
 #include "intake.h"
@@ -24,27 +25,6 @@
 
 typedef enum dstate { S_WAITING_GLOBAL, S_COLLECTING, S_AGGREGATING, S_RETRY_WAIT } dstate;
 
-typedef struct node_stat {
-    char node_id[DELTA_NODE_ID_MAX + 1];
-    uint64_t local_step;
-    uint64_t bytes;
-    double norm, cosine;
-} node_stat;
-
-/* One closed and committed round, for /rounds, /status and the dashboard. */
-typedef struct round_record {
-    uint64_t step;              /* the step the round was based on; it produced step + 1 */
-    char reason[16];
-    double seconds;             /* aggregation: inputs opened .. files durable and committed */
-    double gbps;
-    uint64_t bytes;
-    double mean_norm;
-    time_t closed_at;
-    size_t n;
-    node_stat *nodes;
-} round_record;
-
-#define HISTORY_MAX 200
 #define AGG_BUCKETS 12
 
 typedef struct metrics {
@@ -128,8 +108,10 @@ typedef struct dilocod {
     served_global global;       /* what GET /global/latest.safetensors sends (read it with daemon__global) */
     int global_stale;           /* the committed global could not be opened yet: an older one is served */
 
-    round_record history[HISTORY_MAX];
-    size_t history_n, history_head;     /* ring: oldest at head */
+    history history;            /* committed rounds (the last HISTORY_MAX) */
+    char *pending_round;        /* the closing round's record, committed with its step (a JSON line) */
+    round_record pending_record;
+    char *unappended;           /* records committed but not yet in rounds.jsonl (commit jobs only) */
     metrics m;
 } dilocod;
 
@@ -165,9 +147,6 @@ int daemon__queue(dilocod *d, daemon_job_fn work, daemon_job_fn done, void *arg,
 
 /* api.c */
 void api_on_request(http_conn *c, http_request *req, void *app);
-/* Appends r to <state>/rounds.jsonl (on the pool) and loads the file's last rounds at startup. */
-void api_history_persist(dilocod *d, const round_record *r);
-void api_history_load(dilocod *d);
 /* Counts an upload's response in the HTTP metrics. */
 void api_count_upload(dilocod *d, int status);
 /* upload.c */

@@ -81,7 +81,7 @@ static char *read_small_file(const char *path, size_t max, dl_error *err)
 static int load_metadata(store *s, const char *path, dl_error *err)
 {
     char *text = read_small_file(path, 1 << 20, err);
-    cJSON *root, *step, *g, *m, *b;
+    cJSON *root, *step, *g, *m, *b, *round;
     int rc = 0;
 
     if (text == NULL)
@@ -118,6 +118,9 @@ static int load_metadata(store *s, const char *path, dl_error *err)
         s->momentum_path = store_momentum_path(s, s->step);
     }
     s->bootstrap = cJSON_IsTrue(b);
+    round = cJSON_GetObjectItemCaseSensitive(root, "round");
+    if (cJSON_IsObject(round))
+        s->round_json = cJSON_PrintUnformatted(round);     /* NULL on OOM: history only */
     s->committed = 1;
     if (access(s->global_path, R_OK) != 0 || (s->momentum_path && access(s->momentum_path, R_OK) != 0))
         rc = dl_fail(err, DL_E_IO, NULL, 0, "committed step %" PRIu64 " is missing its files (%s)", s->step,
@@ -191,6 +194,10 @@ int store_commit(store *s, const store_commit_info *info, dl_error *err)
     sb_json_string(&b, info->origin, strlen(info->origin));
     sb_str(&b, ",\n  \"updated_at\": ");
     sb_json_string(&b, when, strlen(when));
+    if (info->round_json != NULL) {
+        sb_str(&b, ",\n  \"round\": ");
+        sb_add(&b, info->round_json, strcspn(info->round_json, "\n"));
+    }
     sb_str(&b, "\n}\n");
     size_t len = b.len;
     if ((text = sb_take(&b)) == NULL)
@@ -207,8 +214,10 @@ int store_commit(store *s, const store_commit_info *info, dl_error *err)
         return rc;
     free(s->global_path);
     free(s->momentum_path);
+    free(s->round_json);
     s->global_path = strdup(info->global_path);
     s->momentum_path = info->momentum_path ? strdup(info->momentum_path) : NULL;
+    s->round_json = info->round_json ? strdup(info->round_json) : NULL;
     s->step = info->step;
     s->bootstrap = info->bootstrap;
     s->committed = 1;
@@ -361,5 +370,6 @@ void store_free(store *s)
     free(s->dir);
     free(s->global_path);
     free(s->momentum_path);
+    free(s->round_json);
     memset(s, 0, sizeof(*s));
 }

@@ -2,7 +2,9 @@
  *
  *   global/latest-<step>.safetensors     the global model of each committed step (only the current one kept)
  *   outer_state-<step>.safetensors       momentum buffers of that step (F32; absent for momentum 0)
- *   outer_metadata.json                  THE commit point: names the current step and its files
+ *   outer_metadata.json                  THE commit point: names the current step and its files, and
+ *                                        holds the record of the round that produced it
+ *   rounds.jsonl                         one record per committed round (history.h)
  *   cache/deltas/s<step>/<node>/delta_<local_step>.safetensors   validated deltas of the open round
  *   cache/incoming/                      deltas being received or copied (temporary)
  *
@@ -25,6 +27,7 @@ typedef struct store {
     char *global_path;          /* absolute paths of the committed step's files */
     char *momentum_path;        /* NULL: no momentum (fresh or momentum 0) */
     int bootstrap;              /* the committed step is a bootstrap / adopted model */
+    char *round_json;           /* the committed round's record (history.h), NULL for a bootstrap / adoption */
     int startup;                /* private to store_cleanup */
 } store;
 
@@ -36,6 +39,7 @@ typedef struct store_commit_info {
     double lr, momentum;
     int bootstrap;
     const char *origin;         /* "round", "init_model", "adopted" */
+    const char *round_json;     /* the round's record (one JSON object), committed with the step; or NULL */
 } store_commit_info;
 
 /* Creates the tree and loads the committed step (if any). */

@@ -1,0 +1,298 @@
+#include "history.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cJSON.h>
+
+#define HISTORY_FILE "rounds.jsonl"
+#define MAX_NODES_PER_RECORD 65536
+
+/* ---- one record as JSON ------------------------------------------------------------------------ */
+
+static void add_num(sbuf *b, double v)
+{
+    char tmp[40];
+    if (!isfinite(v)) {
+        sb_str(b, "null");      /* JSON has no NaN */
+        return;
+    }
+    snprintf(tmp, sizeof(tmp), "%.9g", v);
+    sb_str(b, tmp);
+}
+
+static void add_u64(sbuf *b, const char *key, uint64_t v)
+{
+    sb_str(b, key);
+    sb_u64(b, v);
+}
+
+static void add_time(sbuf *b, time_t t)
+{
+    char when[48];
+    struct tm tm;
+    if (t == 0 || gmtime_r(&t, &tm) == NULL) {
+        sb_str(b, "null");
+        return;
+    }
+    strftime(when, sizeof(when), "\"%Y-%m-%dT%H:%M:%S+00:00\"", &tm);
+    sb_str(b, when);
+}
+
+void history_record_json(sbuf *b, const round_record *r)
+{
+    add_u64(b, "{\"step\":", r->step);
+    add_u64(b, ",\"outer_step\":", r->step + 1);
+    sb_str(b, ",\"reason\":");
+    sb_json_string(b, r->reason, strlen(r->reason));
+    sb_str(b, ",\"closed_at\":");
+    add_time(b, r->closed_at);
+    sb_str(b, ",\"seconds\":");
+    add_num(b, r->seconds);
+    sb_str(b, ",\"gbps\":");
+    add_num(b, r->gbps);
+    add_u64(b, ",\"bytes\":", r->bytes);
+    sb_str(b, ",\"mean_norm\":");
+    add_num(b, r->mean_norm);
+    sb_str(b, ",\"nodes\":[");
+    for (size_t i = 0; i < r->n; i++) {
+        const node_stat *n = &r->nodes[i];
+        sb_str(b, i ? ",{\"node_id\":" : "{\"node_id\":");
+        sb_json_string(b, n->node_id, strlen(n->node_id));
+        add_u64(b, ",\"local_step\":", n->local_step);
+        add_u64(b, ",\"bytes\":", n->bytes);
+        sb_str(b, ",\"norm\":");
+        add_num(b, n->norm);
+        sb_str(b, ",\"cosine\":");
+        add_num(b, n->cosine);
+        sb_str(b, "}");
+    }
+    sb_str(b, "]}");
+}
+
+/* A JSON number that must be an exact non-negative integer (below 2^53, where doubles are exact). */
+static int get_count(const cJSON *o, const char *key, uint64_t *out)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+    if (!cJSON_IsNumber(v) || !(v->valuedouble >= 0) || v->valuedouble > 9007199254740991.0 ||
+        v->valuedouble != floor(v->valuedouble))
+        return -1;
+    *out = (uint64_t)v->valuedouble;
+    return 0;
+}
+
+static double get_double(const cJSON *o, const char *key)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+    return cJSON_IsNumber(v) ? v->valuedouble : NAN;
+}
+
+int history_record_parse(round_record *r, const char *json)
+{
+    cJSON *o = cJSON_Parse(json);
+    const cJSON *nodes, *reason, *closed, *n;
+    struct tm tm;
+    int count, rc = -1;
+
+    memset(r, 0, sizeof(*r));
+    if (!cJSON_IsObject(o) || get_count(o, "step", &r->step) != 0)
+        goto out;
+    nodes = cJSON_GetObjectItemCaseSensitive(o, "nodes");
+    if (!cJSON_IsArray(nodes) || (count = cJSON_GetArraySize(nodes)) > MAX_NODES_PER_RECORD)
+        goto out;
+    reason = cJSON_GetObjectItemCaseSensitive(o, "reason");
+    snprintf(r->reason, sizeof(r->reason), "%s", cJSON_IsString(reason) ? reason->valuestring : "");
+    r->seconds = get_double(o, "seconds");
+    r->gbps = get_double(o, "gbps");
+    r->mean_norm = get_double(o, "mean_norm");
+    if (get_count(o, "bytes", &r->bytes) != 0)
+        r->bytes = 0;
+    closed = cJSON_GetObjectItemCaseSensitive(o, "closed_at");
+    memset(&tm, 0, sizeof(tm));
+    if (cJSON_IsString(closed) && strptime(closed->valuestring, "%Y-%m-%dT%H:%M:%S", &tm) != NULL)
+        r->closed_at = timegm(&tm);
+    if ((r->nodes = calloc((size_t)count + 1, sizeof(*r->nodes))) == NULL)
+        goto out;
+    cJSON_ArrayForEach(n, nodes) {
+        const cJSON *id = cJSON_GetObjectItemCaseSensitive(n, "node_id");
+        node_stat *s = &r->nodes[r->n];
+        if (!cJSON_IsString(id) || !delta_valid_node_id(id->valuestring, strlen(id->valuestring)))
+            continue;
+        snprintf(s->node_id, sizeof(s->node_id), "%s", id->valuestring);
+        if (get_count(n, "local_step", &s->local_step) != 0)
+            s->local_step = 0;
+        if (get_count(n, "bytes", &s->bytes) != 0)
+            s->bytes = 0;
+        s->norm = get_double(n, "norm");
+        s->cosine = get_double(n, "cosine");
+        r->n++;
+    }
+    rc = 0;
+out:
+    cJSON_Delete(o);
+    if (rc != 0)
+        history_record_free(r);
+    return rc;
+}
+
+void history_record_free(round_record *r)
+{
+    free(r->nodes);
+    r->nodes = NULL;
+    r->n = 0;
+}
+
+/* ---- the ring ---------------------------------------------------------------------------------- */
+
+void history_push(history *h, round_record *r)
+{
+    if (h->n == HISTORY_MAX) {
+        history_record_free(&h->rec[h->head]);
+        h->head = (h->head + 1) % HISTORY_MAX;
+        h->n--;
+    }
+    h->rec[(h->head + h->n) % HISTORY_MAX] = *r;
+    h->n++;
+    r->nodes = NULL;
+    r->n = 0;
+}
+
+size_t history_count(const history *h)
+{
+    return h->n;
+}
+
+const round_record *history_get(const history *h, size_t i)
+{
+    return i < h->n ? &h->rec[(h->head + i) % HISTORY_MAX] : NULL;
+}
+
+const round_record *history_last(const history *h)
+{
+    return h->n ? history_get(h, h->n - 1) : NULL;
+}
+
+void history_free(history *h)
+{
+    for (size_t i = 0; i < h->n; i++)
+        history_record_free(&h->rec[(h->head + i) % HISTORY_MAX]);
+    memset(h, 0, sizeof(*h));
+}
+
+/* ---- rounds.jsonl ------------------------------------------------------------------------------ */
+
+static char *history_path(const char *state_dir)
+{
+    char *p = NULL;
+    return asprintf(&p, "%s/" HISTORY_FILE, state_dir) < 0 ? NULL : p;
+}
+
+int history_append(const char *state_dir, const char *lines, dl_error *err)
+{
+    char *path = history_path(state_dir), *buf = NULL;
+    size_t len = strlen(lines), n;
+    int fd = -1, rc = 0;
+
+    if (path == NULL || (buf = malloc(len + 1)) == NULL) {
+        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        goto out;
+    }
+    memcpy(buf, lines, len);
+    n = len;
+    if (n == 0 || buf[n - 1] != '\n')
+        buf[n++] = '\n';
+    /* one write(2) of the whole text: a kill cannot leave half of it (a power loss can; load trims it) */
+    errno = 0;
+    if ((fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644)) < 0 ||
+        write(fd, buf, n) != (ssize_t)n || fdatasync(fd) != 0)
+        rc = dl_fail_errno(err, errno ? errno : EIO, "appending to %s", path);
+out:
+    if (fd >= 0)
+        close(fd);
+    free(buf);
+    free(path);
+    return rc;
+}
+
+/* A torn last line (no newline: a power loss in the middle of an append) would glue the next record
+ * to it and lose both: cut it off before anything is appended. */
+static int trim_torn_tail(const char *path, FILE *f, dl_error *err)
+{
+    struct stat sb;
+    char c;
+    off_t end;
+
+    if (fstat(fileno(f), &sb) != 0)
+        return dl_fail_errno(err, errno, "stat %s", path);
+    end = sb.st_size;
+    while (end > 0) {
+        if (pread(fileno(f), &c, 1, end - 1) != 1)
+            return dl_fail_errno(err, errno ? errno : EIO, "reading %s", path);
+        if (c == '\n')
+            break;
+        end--;
+    }
+    if (end != sb.st_size && truncate(path, end) != 0)
+        return dl_fail_errno(err, errno, "trimming the torn last line of %s", path);
+    return 0;
+}
+
+int history_load(history *h, const char *state_dir, uint64_t committed_step, const char *committed_round_json,
+                 dl_error *err)
+{
+    char *path = history_path(state_dir), *line = NULL;
+    size_t cap = 0;
+    FILE *f = NULL;
+    int rc = 0, have_committed = 0;
+    round_record r;
+
+    if (path == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    f = fopen(path, "re");
+    if (f == NULL && errno != ENOENT) {
+        rc = dl_fail_errno(err, errno, "opening %s", path);
+        goto out;
+    }
+    if (f != NULL && (rc = trim_torn_tail(path, f, err)) != 0)
+        goto out;
+    while (f != NULL && getline(&line, &cap, f) > 0) {
+        const round_record *last = history_last(h);
+        /* damaged lines are skipped; a step at or past the committed one was never committed (a
+         * state restored from an older backup); a repeated step was appended twice: keep the first */
+        if (history_record_parse(&r, line) != 0)
+            continue;
+        if ((committed_step != UINT64_MAX && r.step >= committed_step) || (last != NULL && r.step <= last->step)) {
+            history_record_free(&r);
+            continue;
+        }
+        if (committed_step != UINT64_MAX && r.step + 1 == committed_step)
+            have_committed = 1;
+        history_push(h, &r);
+    }
+    if (committed_round_json != NULL && !have_committed && history_record_parse(&r, committed_round_json) == 0) {
+        const round_record *last = history_last(h);
+        if (r.step + 1 == committed_step && (last == NULL || r.step > last->step)) {
+            /* committed, but the append after the commit did not happen: replay it */
+            if ((rc = history_append(state_dir, committed_round_json, err)) != 0) {
+                history_record_free(&r);
+                goto out;
+            }
+            history_push(h, &r);
+        } else {
+            history_record_free(&r);
+        }
+    }
+out:
+    if (f != NULL)
+        fclose(f);
+    free(line);
+    free(path);
+    return rc;
+}

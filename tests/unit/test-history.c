@@ -1,0 +1,125 @@
+#include "test.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+/* unit-tests links no server objects yet: the module under test is included (as test-round.c does) */
+#include "../../server/history.c"
+
+static char *record_line(uint64_t step, const char *node, double norm)
+{
+    node_stat n = {.local_step = 10 * step + 1, .bytes = 4096, .norm = norm, .cosine = 0.5};
+    round_record r = {.step = step, .seconds = 0.25, .gbps = 1.5, .bytes = 8192, .mean_norm = norm,
+                      .closed_at = 1764460800, .n = 1, .nodes = &n};
+    sbuf b = {0};
+    snprintf(n.node_id, sizeof(n.node_id), "%s", node);
+    snprintf(r.reason, sizeof(r.reason), "all_nodes");
+    history_record_json(&b, &r);
+    return sb_take(&b);
+}
+
+static void write_file(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    fputs(text, f);
+    fclose(f);
+}
+
+static char *read_file(const char *path)
+{
+    static char buf[65536];
+    FILE *f = fopen(path, "r");
+    size_t n = f ? fread(buf, 1, sizeof(buf) - 1, f) : 0;
+    if (f)
+        fclose(f);
+    buf[n] = '\0';
+    return buf;
+}
+
+TEST(history_record_round_trips_through_json)
+{
+    char *line = record_line(7, "w-1", 0.125);
+    round_record r;
+    CHECK_EQ(history_record_parse(&r, line), 0);
+    CHECK_EQ(r.step, (uint64_t)7);
+    CHECK_STR(r.reason, "all_nodes");
+    CHECK_EQ(r.n, (size_t)1);
+    CHECK_STR(r.nodes[0].node_id, "w-1");
+    CHECK_EQ(r.nodes[0].local_step, (uint64_t)71);
+    CHECK(r.nodes[0].norm == 0.125 && r.mean_norm == 0.125 && r.seconds == 0.25);
+    CHECK_EQ((long)r.closed_at, 1764460800L);
+    history_record_free(&r);
+    CHECK(history_record_parse(&r, "{\"step\":-1,\"nodes\":[]}") != 0);
+    CHECK(history_record_parse(&r, "{\"step\":1.5,\"nodes\":[]}") != 0);
+    CHECK(history_record_parse(&r, "[1]") != 0);
+    free(line);
+}
+
+TEST(history_ring_keeps_the_last_records)
+{
+    history h = {0};
+    for (uint64_t s = 0; s < HISTORY_MAX + 5; s++) {
+        round_record r = {.step = s};
+        r.nodes = calloc(1, sizeof(*r.nodes));
+        r.n = 1;
+        history_push(&h, &r);
+        CHECK(r.nodes == NULL);
+    }
+    CHECK_EQ(history_count(&h), (size_t)HISTORY_MAX);
+    CHECK_EQ(history_get(&h, 0)->step, (uint64_t)5);
+    CHECK_EQ(history_last(&h)->step, (uint64_t)HISTORY_MAX + 4);
+    CHECK(history_get(&h, HISTORY_MAX) == NULL);
+    history_free(&h);
+}
+
+/* A kill between the commit and the append: the committed record is replayed, once. */
+TEST(history_load_replays_the_committed_round_once)
+{
+    char *r0 = record_line(0, "a", 1), *r1 = record_line(1, "a", 2), *r2 = record_line(2, "a", 3);
+    char text[8192];
+    history h = {0};
+    dl_error err;
+
+    snprintf(text, sizeof(text), "%s\n%s\n", r0, r1);
+    write_file(test_path("rounds.jsonl"), text);
+    /* committed step 3 was produced by the round based on step 2, missing from the file */
+    CHECK_EQ(history_load(&h, test_dir(), 3, r2, &err), 0);
+    CHECK_EQ(history_count(&h), (size_t)3);
+    CHECK_EQ(history_last(&h)->step, (uint64_t)2);
+    history_free(&h);
+    /* a second start finds it in the file: no duplicate */
+    CHECK_EQ(history_load(&h, test_dir(), 3, r2, &err), 0);
+    CHECK_EQ(history_count(&h), (size_t)3);
+    history_free(&h);
+    snprintf(text, sizeof(text), "%s\n%s\n%s\n", r0, r1, r2);
+    CHECK_STR(read_file(test_path("rounds.jsonl")), text);
+    free(r0);
+    free(r1);
+    free(r2);
+}
+
+TEST(history_load_trims_a_torn_line_and_drops_duplicates_and_uncommitted_steps)
+{
+    char *r0 = record_line(0, "a", 1), *r1 = record_line(1, "a", 2), *r5 = record_line(5, "a", 3);
+    char text[8192];
+    history h = {0};
+    dl_error err;
+
+    /* r1 twice, a record past the committed step, and a torn tail */
+    snprintf(text, sizeof(text), "%s\n%s\n%s\nnot json\n%s\n{\"step\":2,\"no", r0, r1, r1, r5);
+    write_file(test_path("rounds.jsonl"), text);
+    CHECK_EQ(history_load(&h, test_dir(), 2, NULL, &err), 0);
+    CHECK_EQ(history_count(&h), (size_t)2);
+    CHECK_EQ(history_get(&h, 0)->step, (uint64_t)0);
+    CHECK_EQ(history_get(&h, 1)->step, (uint64_t)1);
+    history_free(&h);
+    /* the torn tail is gone, so the next append starts a line of its own */
+    CHECK_EQ(history_append(test_dir(), "{\"step\":2,\"nodes\":[]}", &err), 0);
+    const char *now = read_file(test_path("rounds.jsonl"));
+    size_t len = strlen(now);
+    CHECK(len > 0 && now[len - 1] == '\n');
+    CHECK(strstr(now, "{\"step\":2,\"no\n") == NULL && strstr(now, "\n{\"step\":2,\"nodes\":[]}\n") != NULL);
+    free(r0);
+    free(r1);
+    free(r5);
+}
