@@ -51,7 +51,7 @@ DEB_PKGS    := build-essential pkg-config libuv1-dev libcurl4-openssl-dev libcjs
                chromium systemd nginx iproute2
 PY_PKGS     := safetensors huggingface_hub pytest requests
 
-.PHONY: all deps venv check unit test-integration fuzz fuzz-regress bench bench-deps clean distclean
+.PHONY: all deps venv check unit test-integration fuzz fuzz-regress bench bench-deps soak clean distclean
 
 all: $(BUILD)/libdiloco.a $(BINS)
 
@@ -198,6 +198,13 @@ bench: all venv bench-deps $(BENCH_BINS)
 	$(BUILD)/tests/bench-convert 256
 	$(PY) tests/bench/bench_aggregate.py $(BUILD) $(BENCH_MODEL_MIB) $(BENCH_NODES)
 	$(PY) tests/bench/bench_http.py $(BUILD)
+
+# Soak: 1,000 rounds over HTTP and file:// with the chaos client beside them (tests/integration/test_soak.py);
+# prints the descriptor, RSS and state-size curves (CSV under pytest's tmp dir).
+SOAK_ROUNDS ?= 1000
+soak: all venv
+	SOAK_ROUNDS=$(SOAK_ROUNDS) SOAK_PACE=$${SOAK_PACE:-0.15} CHAOS_SECONDS=$${CHAOS_SECONDS:-7200} \
+	  DILOCO_BUILD=$(abspath $(BUILD)) $(PY) -m pytest -q -s tests/integration/test_soak.py $(PYTEST_ARGS)
 
 # ---- install (PREFIX, DESTDIR) ------------------------------------------------------------------
 PREFIX      ?= /usr/local
