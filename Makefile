@@ -49,7 +49,7 @@ PY          := $(VENV)/bin/python
 DEB_PKGS    := build-essential pkg-config libuv1-dev libcurl4-openssl-dev libcjson-dev node-llhttp libssl-dev \
                python3-venv python3-torch python3-numpy clang libclang-rt-14-dev curl \
                chromium systemd nginx iproute2
-PY_PKGS     := safetensors huggingface_hub pytest requests
+PY_PKGS     := safetensors huggingface_hub pytest requests prometheus_client
 
 .PHONY: all deps venv check unit test-integration fuzz fuzz-regress bench bench-deps soak clean distclean
 
@@ -121,7 +121,7 @@ venv: $(VENV)/.stamp
 $(VENV)/.stamp: Makefile
 	@test -x $(PY) || /usr/bin/python3 -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(PY_PKGS)
-	$(PY) -c 'import safetensors, huggingface_hub, pytest, numpy, torch'
+	$(PY) -c 'import safetensors, huggingface_hub, pytest, numpy, torch, prometheus_client'
 	touch $@
 
 # ---- tests --------------------------------------------------------------------------------------

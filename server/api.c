@@ -25,25 +25,15 @@
 #define DILOCOD_VERSION "0.1.0"
 #endif
 
-enum route { R_STATUS, R_HEALTHZ, R_METRICS, R_ROUNDS, R_GLOBAL, R_STEPFILE, R_UPLOAD, R_DASHBOARD, R_OTHER, R_COUNT };
-static const char *const route_names[R_COUNT] = {"status", "healthz", "metrics", "rounds", "global", "step_count",
-                                                  "upload", "dashboard", "other"};
 
 /* server/dashboard.html, compiled in by the Makefile */
 extern const unsigned char dashboard_html[];
 extern const size_t dashboard_html_len;
 
-static void count(dilocod *d, enum route r, int status)
+void api_count_response(int route, int status, void *app)
 {
-    int cls = status / 100 - 1;
-    if (cls < 0 || cls > 4)
-        cls = 5;
-    d->m.http[r][cls]++;
-}
-
-void api_count_upload(dilocod *d, int status)
-{
-    count(d, R_UPLOAD, status);
+    dilocod *d = app;
+    stats_http_response(&d->m, route, status);
 }
 
 static void iso_time(char *out, size_t size, time_t t)
@@ -179,8 +169,9 @@ static void status_json(dilocod *d, sbuf *b)
     sb_fmt(b, ",\"counters\":{\"accepted\":%" PRIu64 ",\"replaced\":%" PRIu64 ",\"stale\":%" PRIu64
               ",\"future\":%" PRIu64 ",\"not_newer\":%" PRIu64 ",\"unknown_node\":%" PRIu64 ",\"rejected\":%" PRIu64
               ",\"rounds\":%" PRIu64 "}",
-           d->m.deltas_accepted, d->m.deltas_replaced, d->m.refused_stale, d->m.refused_future, d->m.refused_not_newer,
-           d->m.refused_unknown_node, d->rnd.counters.rejected, d->m.rounds);
+           d->m.deltas_accepted, d->m.deltas_replaced, d->m.refused[REFUSED_STALE], d->m.refused[REFUSED_FUTURE],
+           d->m.refused[REFUSED_NOT_NEWER], d->m.refused[REFUSED_UNKNOWN_NODE], stats_rejected_total(&d->m),
+           d->m.rounds);
     sb_fmt(b, ",\"uploads_in_progress\":%d}\n", d->uploads_in_flight);
 }
 
@@ -202,8 +193,6 @@ static void metric(sbuf *b, const char *name, const char *type, const char *help
 
 static void metrics_text(dilocod *d, sbuf *b)
 {
-    static const char *const classes[6] = {"1xx", "2xx", "3xx", "4xx", "5xx", "other"};
-    static const double bounds[AGG_BUCKETS] = {0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300};
     const http_stats *hs = d->http ? http_server_stats(d->http) : NULL;
 
     metric(b, "outer_step", "gauge", "The committed outer step.");
@@ -220,42 +209,44 @@ static void metrics_text(dilocod *d, sbuf *b)
     sb_fmt(b, "dilocod_deltas_accepted_total %" PRIu64 "\n", d->m.deltas_accepted);
     metric(b, "deltas_replaced_total", "counter", "Deltas that replaced an older one of the same node.");
     sb_fmt(b, "dilocod_deltas_replaced_total %" PRIu64 "\n", d->m.deltas_replaced);
-    metric(b, "deltas_rejected_total", "counter", "Invalid deltas, by error code.");
-    for (int c = 1; c < DL_E__COUNT; c++) {
-        if (d->m.rejected[c] > 0)
-            sb_fmt(b, "dilocod_deltas_rejected_total{code=\"%s\"} %" PRIu64 "\n", dl_error_name((dl_code)c),
-                   d->m.rejected[c]);
-    }
+    metric(b, "deltas_rejected_total", "counter", "Invalid deltas (uploads, file:// and the Hub alike), by error code.");
+    for (int c = 1; c < DL_E__COUNT; c++)
+        sb_fmt(b, "dilocod_deltas_rejected_total{code=\"%s\"} %" PRIu64 "\n", dl_error_name((dl_code)c),
+               d->m.rejected[c]);
     metric(b, "deltas_refused_total", "counter", "Valid deltas the round could not take, by reason.");
-    sb_fmt(b,
-           "dilocod_deltas_refused_total{reason=\"stale\"} %" PRIu64 "\n"
-           "dilocod_deltas_refused_total{reason=\"future\"} %" PRIu64 "\n"
-           "dilocod_deltas_refused_total{reason=\"not_newer\"} %" PRIu64 "\n"
-           "dilocod_deltas_refused_total{reason=\"unknown_node\"} %" PRIu64 "\n"
-           "dilocod_deltas_refused_total{reason=\"round_full\"} %" PRIu64 "\n",
-           d->m.refused_stale, d->m.refused_future, d->m.refused_not_newer, d->m.refused_unknown_node,
-           d->m.refused_full);
+    for (int r = 0; r < REFUSED__COUNT; r++)
+        sb_fmt(b, "dilocod_deltas_refused_total{reason=\"%s\"} %" PRIu64 "\n", stats_refusal_names[r],
+               d->m.refused[r]);
     metric(b, "upload_bytes_total", "counter", "Delta bytes received by HTTP uploads.");
     sb_fmt(b, "dilocod_upload_bytes_total %" PRIu64 "\n", d->m.upload_bytes);
     metric(b, "uploads_in_progress", "gauge", "HTTP uploads being received.");
     sb_fmt(b, "dilocod_uploads_in_progress %d\n", d->uploads_in_flight);
     metric(b, "aggregation_seconds", "histogram", "Duration of a round's aggregation, inputs to durable commit.");
-    for (int i = 0; i < AGG_BUCKETS; i++)
-        sb_fmt(b, "dilocod_aggregation_seconds_bucket{le=\"%g\"} %" PRIu64 "\n", bounds[i], d->m.agg_buckets[i]);
+    for (int i = 0; i < STATS_AGG_BUCKETS; i++)
+        sb_fmt(b, "dilocod_aggregation_seconds_bucket{le=\"%g\"} %" PRIu64 "\n", stats_agg_bounds[i],
+               d->m.agg_buckets[i]);
     sb_fmt(b, "dilocod_aggregation_seconds_bucket{le=\"+Inf\"} %" PRIu64 "\n", d->m.agg_count);
     sb_fmt(b, "dilocod_aggregation_seconds_sum %.6f\ndilocod_aggregation_seconds_count %" PRIu64 "\n",
            d->m.agg_seconds_sum, d->m.agg_count);
     metric(b, "publish_errors_total", "counter", "Failed publish attempts (retried).");
     sb_fmt(b, "dilocod_publish_errors_total %" PRIu64 "\n", d->m.publish_errors);
-    metric(b, "http_requests_total", "counter", "HTTP requests by route and status class.");
-    for (int r = 0; r < R_COUNT; r++)
-        for (int c = 0; c < 6; c++)
-            if (d->m.http[r][c] > 0)
-                sb_fmt(b, "dilocod_http_requests_total{route=\"%s\",code=\"%s\"} %" PRIu64 "\n", route_names[r],
-                       classes[c], d->m.http[r][c]);
+    metric(b, "http_requests_total", "counter", "HTTP responses by route and status code.");
+    for (int r = 0; r < ROUTE__COUNT; r++)
+        for (int c = 0; c < STATS_HTTP_CODES; c++)
+            if (d->m.http[r][c] > 0 || (c == 0 && r != ROUTE_OTHER)) {
+                char code[16];
+                if (c == STATS_HTTP_CODES - 1 || stats_http_codes[c] == 0)
+                    snprintf(code, sizeof(code), "other");
+                else
+                    snprintf(code, sizeof(code), "%d", stats_http_codes[c]);
+                sb_fmt(b, "dilocod_http_requests_total{route=\"%s\",code=\"%s\"} %" PRIu64 "\n",
+                       stats_route_names[r], code, d->m.http[r][c]);
+            }
     if (hs != NULL) {
-        metric(b, "http_connections", "gauge", "Open HTTP connections.");
-        sb_fmt(b, "dilocod_http_connections %" PRIu64 "\n", hs->connections_open);
+        /* not dilocod_http_connections: a gauge of that name collides with the counter
+         * dilocod_http_connections_total in one family (prometheus_client, OpenMetrics) */
+        metric(b, "http_open_connections", "gauge", "Open HTTP connections.");
+        sb_fmt(b, "dilocod_http_open_connections %" PRIu64 "\n", hs->connections_open);
         metric(b, "http_connections_total", "counter", "HTTP connections accepted.");
         sb_fmt(b, "dilocod_http_connections_total %" PRIu64 "\n", hs->connections_total);
         metric(b, "http_connections_rejected_total", "counter", "Connections refused at the connection limit.");
@@ -275,16 +266,14 @@ static void metrics_text(dilocod *d, sbuf *b)
     }
 }
 
-static void respond_sbuf(dilocod *d, http_conn *c, enum route r, int status, const char *type, sbuf *b)
+static void respond_sbuf(http_conn *c, int status, const char *type, sbuf *b)
 {
     size_t len = b->len;
     char *text = sb_take(b);
     if (text == NULL) {
-        count(d, r, 500);
         http_respond_error(c, 500, "out_of_memory", "out of memory", NULL);
         return;
     }
-    count(d, r, status);
     http_respond(c, status, type, "Cache-Control: no-store\r\n", text, len);
     free(text);
 }
@@ -358,13 +347,11 @@ static void serve_global(dilocod *d, http_conn *c, http_request *req)
     int r;
 
     if (g->file == NULL) {
-        count(d, R_GLOBAL, 503);
         http_respond_error(c, 503, "no_global", "no global model yet", NULL);
         return;
     }
     if (etag_matches(http_header_get(req, "if-none-match"), g->etag)) {
         snprintf(extra, sizeof(extra), "ETag: %s\r\nX-Outer-Step: %" PRIu64 "\r\n", g->etag, g->step);
-        count(d, R_GLOBAL, 304);
         http_respond(c, 304, NULL, extra, NULL, 0);
         return;
     }
@@ -374,7 +361,6 @@ static void serve_global(dilocod *d, http_conn *c, http_request *req)
         snprintf(extra, sizeof(extra), "Content-Range: bytes */%" PRIu64 "\r\n", g->size);
         static const char body[] =
             "{\"error\":{\"code\":\"range_not_satisfiable\",\"message\":\"range outside the file\"}}\n";
-        count(d, R_GLOBAL, 416);
         http_respond(c, 416, "application/json", extra, body, sizeof(body) - 1);
         return;
     }
@@ -386,7 +372,6 @@ static void serve_global(dilocod *d, http_conn *c, http_request *req)
     else
         snprintf(extra, sizeof(extra), "ETag: %s\r\nAccept-Ranges: bytes\r\nX-Outer-Step: %" PRIu64 "\r\n", g->etag,
                  g->step);
-    count(d, R_GLOBAL, r == 1 ? 206 : 200);
     /* the response holds its own reference: a commit that replaces d->global does not cut it short */
     http_respond_file(c, r == 1 ? 206 : 200, "application/octet-stream", extra, g->file, from, len);
 }
@@ -398,7 +383,6 @@ static void serve_stepfile(dilocod *d, http_conn *c)
     time_t t = d->committed_at;
 
     if (!d->st.committed) {
-        count(d, R_STEPFILE, 503);
         http_respond_error(c, 503, "no_global", "no global model yet", NULL);
         return;
     }
@@ -407,11 +391,9 @@ static void serve_stepfile(dilocod *d, http_conn *c)
     text = stepcount_build(d->st.step, config_optimizer_name(d->cfg->optimizer), d->st.bootstrap && d->st.step == 0,
                            when);
     if (text == NULL) {
-        count(d, R_STEPFILE, 500);
         http_respond_error(c, 500, "out_of_memory", "out of memory", NULL);
         return;
     }
-    count(d, R_STEPFILE, 200);
     http_respond(c, 200, "application/json", "Cache-Control: no-cache\r\n", text, strlen(text));
     free(text);
 }
@@ -423,21 +405,23 @@ static int method_is(const http_request *r, const char *m)
     return strcmp(r->method_name, m) == 0;
 }
 
-static void not_allowed(dilocod *d, http_conn *c, enum route r, const char *allow)
+static void not_allowed(http_conn *c, const char *allow)
 {
     char extra[64], msg[96];
     snprintf(extra, sizeof(extra), "Allow: %s\r\n", allow);
     snprintf(msg, sizeof(msg), "{\"error\":{\"code\":\"method_not_allowed\",\"message\":\"allowed: %s\"}}\n", allow);
-    count(d, r, 405);
     http_respond(c, 405, "application/json", extra, msg, strlen(msg));
 }
 
 /* /nodes/{id}/delta_{n}.safetensors -> id, "n"; /nodes/{id}/deltas -> id, NULL.  0 or -1. */
-static int parse_node_path(const char *path, char *id, size_t id_size, char *step, size_t step_size, int *is_put)
+int api_parse_node_path(const char *path, char *id, size_t id_size, char *step, size_t step_size, int *is_put)
 {
-    const char *p = path + 7, *slash;      /* after "/nodes/" */
+    const char *p, *slash;
     size_t il;
 
+    if (strncmp(path, "/nodes/", 7) != 0)
+        return -1;
+    p = path + 7;
     slash = strchr(p, '/');
     if (slash == NULL)
         return -1;
@@ -463,77 +447,124 @@ static int parse_node_path(const char *path, char *id, size_t id_size, char *ste
     return 0;
 }
 
+/* ---- handlers (one per route) ------------------------------------------------------------------ */
+
+static void get_dashboard(dilocod *d, http_conn *c, http_request *req)
+{
+    (void)d;
+    (void)req;
+    /* self-contained: the page talks to this server only */
+    http_respond_static(c, 200, "text/html; charset=utf-8",
+                        "Cache-Control: no-cache\r\nX-Content-Type-Options: nosniff\r\n"
+                        "Content-Security-Policy: default-src 'self'; style-src 'self' 'unsafe-inline'; "
+                        "script-src 'self' 'unsafe-inline'; img-src 'self' data:\r\n",
+                        (const char *)dashboard_html, dashboard_html_len);
+}
+
+static void get_status(dilocod *d, http_conn *c, http_request *req)
+{
+    sbuf b = {0};
+    (void)req;
+    status_json(d, &b);
+    respond_sbuf(c, 200, "application/json", &b);
+}
+
+static void get_healthz(dilocod *d, http_conn *c, http_request *req)
+{
+    sbuf b = {0};
+    (void)req;
+    sb_fmt(&b, "{\"status\":\"ok\",\"state\":\"%s\"}\n", d->stopping ? "stopping" : daemon__state_name(d->state));
+    respond_sbuf(c, 200, "application/json", &b);
+}
+
+static void get_metrics(dilocod *d, http_conn *c, http_request *req)
+{
+    sbuf b = {0};
+    (void)req;
+    metrics_text(d, &b);
+    respond_sbuf(c, 200, "text/plain; version=0.0.4; charset=utf-8", &b);
+}
+
+static void get_rounds(dilocod *d, http_conn *c, http_request *req)
+{
+    sbuf b = {0};
+    (void)req;
+    rounds_json(d, &b);
+    respond_sbuf(c, 200, "application/json", &b);
+}
+
+static void get_stepfile(dilocod *d, http_conn *c, http_request *req)
+{
+    (void)req;
+    serve_stepfile(d, c);
+}
+
+static void put_delta(dilocod *d, http_conn *c, http_request *req)
+{
+    char id[DELTA_NODE_ID_MAX + 1], step[32];
+    int is_put;
+
+    if (api_parse_node_path(req->path, id, sizeof(id), step, sizeof(step), &is_put) != 0) {
+        http_respond_error(c, 404, "not_found",
+                           "upload paths are /nodes/{node_id}/delta_{local_step}.safetensors (PUT) and "
+                           "/nodes/{node_id}/deltas (POST)",
+                           NULL);
+        return;
+    }
+    if (is_put && !method_is(req, "PUT"))
+        return not_allowed(c, "PUT");
+    if (!is_put && !method_is(req, "POST"))
+        return not_allowed(c, "POST");
+    upload_start(d, c, req, id, is_put ? step : NULL);
+}
+
+/* ---- the route table --------------------------------------------------------------------------- */
+
+typedef void (*route_handler)(dilocod *d, http_conn *c, http_request *req);
+
+typedef struct route {
+    const char *path;           /* exact path, or a prefix when it ends with '/' (and is not "/") */
+    stats_route id;             /* what /metrics counts it as */
+    int read_only;              /* GET and HEAD only (else the handler checks methods itself) */
+    route_handler handler;
+} route;
+
+static const route routes[] = {
+    {"/", ROUTE_DASHBOARD, 1, get_dashboard},
+    {"/index.html", ROUTE_DASHBOARD, 1, get_dashboard},
+    {"/status", ROUTE_STATUS, 1, get_status},
+    {"/healthz", ROUTE_HEALTHZ, 1, get_healthz},
+    {"/metrics", ROUTE_METRICS, 1, get_metrics},
+    {"/rounds", ROUTE_ROUNDS, 1, get_rounds},
+    {"/global/latest.safetensors", ROUTE_GLOBAL, 1, serve_global},
+    {"/global/step_count.json", ROUTE_STEPFILE, 1, get_stepfile},
+    {"/nodes/", ROUTE_UPLOAD, 0, put_delta},
+};
+
+static const route *route_find(const char *path)
+{
+    for (size_t i = 0; i < sizeof(routes) / sizeof(routes[0]); i++) {
+        const route *r = &routes[i];
+        size_t n = strlen(r->path);
+        int prefix = n > 1 && r->path[n - 1] == '/';
+        if (prefix ? strncmp(path, r->path, n) == 0 : strcmp(path, r->path) == 0)
+            return r;
+    }
+    return NULL;
+}
+
 void api_on_request(http_conn *c, http_request *req, void *app)
 {
     dilocod *d = app;
-    const char *path = req->path;
-    int get = method_is(req, "GET") || method_is(req, "HEAD");
-    sbuf b = {0};
+    const route *r = route_find(req->path);
 
-    if (strcmp(path, "/") == 0 || strcmp(path, "/index.html") == 0) {
-        if (!get)
-            return not_allowed(d, c, R_DASHBOARD, "GET, HEAD");
-        count(d, R_DASHBOARD, 200);
-        /* self-contained: the page talks to this server only */
-        http_respond_static(c, 200, "text/html; charset=utf-8",
-                     "Cache-Control: no-cache\r\nX-Content-Type-Options: nosniff\r\n"
-                     "Content-Security-Policy: default-src 'self'; style-src 'self' 'unsafe-inline'; "
-                     "script-src 'self' 'unsafe-inline'; img-src 'self' data:\r\n",
-                     (const char *)dashboard_html, dashboard_html_len);
+    if (r == NULL) {
+        http_conn_set_route(c, ROUTE_OTHER);
+        http_respond_error(c, 404, "not_found", "no such resource", NULL);
         return;
     }
-    if (strcmp(path, "/status") == 0) {
-        if (!get)
-            return not_allowed(d, c, R_STATUS, "GET, HEAD");
-        status_json(d, &b);
-        return respond_sbuf(d, c, R_STATUS, 200, "application/json", &b);
-    }
-    if (strcmp(path, "/healthz") == 0) {
-        if (!get)
-            return not_allowed(d, c, R_HEALTHZ, "GET, HEAD");
-        sb_fmt(&b, "{\"status\":\"ok\",\"state\":\"%s\"}\n", d->stopping ? "stopping" : daemon__state_name(d->state));
-        return respond_sbuf(d, c, R_HEALTHZ, 200, "application/json", &b);
-    }
-    if (strcmp(path, "/metrics") == 0) {
-        if (!get)
-            return not_allowed(d, c, R_METRICS, "GET, HEAD");
-        metrics_text(d, &b);
-        return respond_sbuf(d, c, R_METRICS, 200, "text/plain; version=0.0.4; charset=utf-8", &b);
-    }
-    if (strcmp(path, "/rounds") == 0) {
-        if (!get)
-            return not_allowed(d, c, R_ROUNDS, "GET, HEAD");
-        rounds_json(d, &b);
-        return respond_sbuf(d, c, R_ROUNDS, 200, "application/json", &b);
-    }
-    if (strcmp(path, "/global/latest.safetensors") == 0) {
-        if (!get)
-            return not_allowed(d, c, R_GLOBAL, "GET, HEAD");
-        return serve_global(d, c, req);
-    }
-    if (strcmp(path, "/global/step_count.json") == 0) {
-        if (!get)
-            return not_allowed(d, c, R_STEPFILE, "GET, HEAD");
-        return serve_stepfile(d, c);
-    }
-    if (strncmp(path, "/nodes/", 7) == 0) {
-        char id[DELTA_NODE_ID_MAX + 1], step[32];
-        int is_put;
-        if (parse_node_path(path, id, sizeof(id), step, sizeof(step), &is_put) != 0) {
-            count(d, R_UPLOAD, 404);
-            http_respond_error(c, 404, "not_found",
-                               "upload paths are /nodes/{node_id}/delta_{local_step}.safetensors (PUT) and "
-                               "/nodes/{node_id}/deltas (POST)",
-                               NULL);
-            return;
-        }
-        if (is_put && !method_is(req, "PUT"))
-            return not_allowed(d, c, R_UPLOAD, "PUT");
-        if (!is_put && !method_is(req, "POST"))
-            return not_allowed(d, c, R_UPLOAD, "POST");
-        upload_start(d, c, req, id, is_put ? step : NULL);
-        return;
-    }
-    count(d, R_OTHER, 404);
-    http_respond_error(c, 404, "not_found", "no such resource", NULL);
+    http_conn_set_route(c, r->id);
+    if (r->read_only && !method_is(req, "GET") && !method_is(req, "HEAD"))
+        return not_allowed(c, "GET, HEAD");
+    r->handler(d, c, req);
 }

@@ -281,14 +281,7 @@ static void arm_round_timer(dilocod *d)
 
 static void count_refusal(dilocod *d, round_verdict v)
 {
-    switch (v) {
-    case ROUND_STALE: d->m.refused_stale++; break;
-    case ROUND_FUTURE: d->m.refused_future++; break;
-    case ROUND_NOT_NEWER: d->m.refused_not_newer++; break;
-    case ROUND_UNKNOWN_NODE: d->m.refused_unknown_node++; break;
-    case ROUND_FULL: d->m.refused_full++; break;
-    default: break;
-    }
+    stats_delta_refused(&d->m, v);
 }
 
 round_verdict daemon__peek(dilocod *d, const delta_info *info)
@@ -327,10 +320,7 @@ round_verdict daemon__offer(dilocod *d, const delta_info *info, char *cache_path
         dl_log(DL_LOG_INFO, "round", v == ROUND_ACCEPTED ? "delta accepted" : "delta replaced",
                "step=%" PRIu64 " node=%s local_step=%" PRIu64 " bytes=%" PRIu64 " nodes=%zu expected=%u",
                d->rnd.step, info->node_id, info->local_step, size, d->rnd.n, d->cfg->expected_nodes);
-        if (v == ROUND_ACCEPTED)
-            d->m.deltas_accepted++;
-        else
-            d->m.deltas_replaced++;
+        stats_delta_taken(&d->m, v);
         if (replaced != NULL) {
             unlink_async(d, replaced);
             free(replaced);
@@ -353,8 +343,7 @@ void daemon__rejected(dilocod *d, const char *what, const dl_error *err)
 {
     char m[600], t[300];
 
-    if ((unsigned)err->code < DL_E__COUNT)
-        d->m.rejected[err->code]++;
+    stats_delta_rejected(&d->m, err->code);
     d->rnd.counters.rejected++;
     dl_log(DL_LOG_WARN, "intake", "delta rejected", "path=%s code=%s error=%s%s%s", what, dl_error_name(err->code),
            dl_log_q(m, sizeof(m), err->message), err->tensor[0] ? " tensor=" : "",
@@ -385,8 +374,7 @@ static void intake_done(job *j)
             e->state = SEEN_DONE;
         d->rnd.counters.stale += r->status == INTAKE_STALE;
         d->rnd.counters.future += r->status == INTAKE_FUTURE;
-        d->m.refused_stale += r->status == INTAKE_STALE;
-        d->m.refused_future += r->status == INTAKE_FUTURE;
+        stats_delta_refused(&d->m, r->status == INTAKE_STALE ? ROUND_STALE : ROUND_FUTURE);
         dl_log(r->status == INTAKE_STALE ? DL_LOG_INFO : DL_LOG_WARN, "intake", "delta refused",
                "path=%s node=%s base_outer_step=%" PRIu64 " step=%" PRIu64 " reason=%s",
                r->rel_path ? r->rel_path : r->src_path, r->info.node_id, r->info.base_outer_step, d->rnd.step,
@@ -644,12 +632,7 @@ static void record_round(dilocod *d)
     double seconds = d->pending_record.seconds;
 
     history_push(&d->history, &d->pending_record);
-    d->m.rounds++;
-    d->m.agg_seconds_sum += seconds;
-    d->m.agg_count++;
-    static const double bounds[AGG_BUCKETS] = {0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300};
-    for (int i = 0; i < AGG_BUCKETS; i++)
-        d->m.agg_buckets[i] += seconds <= bounds[i];
+    stats_round_committed(&d->m, seconds);
 }
 
 static void cleanup_work(job *j)
@@ -1322,6 +1305,7 @@ static int start_http(dilocod *d, dl_error *err)
     rc = http_server_start(&d->http, &d->loop, d->cfg->listen_host, d->cfg->listen_port, &lim, api_on_request, d);
     if (rc != 0)
         return dl_fail(err, DL_E_IO, NULL, 0, "cannot listen on %s: %s", d->cfg->listen, strerror(-rc));
+    http_server_on_response(d->http, api_count_response);
     d->http_port = http_server_port(d->http);
     dl_log(DL_LOG_INFO, "http", "listening", "addr=%s port=%d auth=%s", d->cfg->listen, d->http_port,
            d->cfg->token_file ? "tokens" : "loopback-only");

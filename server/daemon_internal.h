@@ -19,26 +19,14 @@
 #include "round.h"
 #include "safetensors.h"
 #include "seen.h"
+#include "stats.h"
 #include "store.h"
 
 #define container_of(ptr, type, member) ((type *)((char *)(ptr) - offsetof(type, member)))
 
 typedef enum dstate { S_WAITING_GLOBAL, S_COLLECTING, S_AGGREGATING, S_RETRY_WAIT } dstate;
 
-#define AGG_BUCKETS 12
 
-typedef struct metrics {
-    uint64_t deltas_accepted, deltas_replaced;
-    uint64_t rejected[DL_E__COUNT];         /* by error code */
-    uint64_t refused_stale, refused_future, refused_not_newer, refused_unknown_node, refused_full;
-    uint64_t upload_bytes;
-    uint64_t rounds;
-    double agg_seconds_sum;
-    uint64_t agg_count;
-    uint64_t agg_buckets[AGG_BUCKETS];      /* cumulative counts for the histogram bounds */
-    uint64_t http[10][6];                   /* [route][status class 1xx..5xx, other] */
-    uint64_t publish_errors;
-} metrics;
 
 /* The global model as downloads see it: one open file and the facts of the same commit, replaced
  * as a whole, so a response's X-Outer-Step, ETag and body always come from one published file.
@@ -112,7 +100,7 @@ typedef struct dilocod {
     char *pending_round;        /* the closing round's record, committed with its step (a JSON line) */
     round_record pending_record;
     char *unappended;           /* records committed but not yet in rounds.jsonl (commit jobs only) */
-    metrics m;
+    stats m;                    /* every counter (stats.h) */
 } dilocod;
 
 static inline double daemon__now(dilocod *d)
@@ -147,8 +135,10 @@ int daemon__queue(dilocod *d, daemon_job_fn work, daemon_job_fn done, void *arg,
 
 /* api.c */
 void api_on_request(http_conn *c, http_request *req, void *app);
-/* Counts an upload's response in the HTTP metrics. */
-void api_count_upload(dilocod *d, int status);
+/* http_server_on_response: counts every response by route and status (app is the dilocod). */
+void api_count_response(int route, int status, void *app);
+/* /nodes/{id}/delta_{n}.safetensors -> id, "n"; /nodes/{id}/deltas -> id, NULL (is_put 0).  0 or -1. */
+int api_parse_node_path(const char *path, char *id, size_t id_size, char *step, size_t step_size, int *is_put);
 /* upload.c */
 void upload_start(dilocod *d, http_conn *c, http_request *req, const char *node_id, const char *path_step);
 

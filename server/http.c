@@ -58,6 +58,7 @@ struct http_server {
     int listening;
     http_limits lim;
     http_request_cb on_request;
+    http_response_cb on_response;
     void *app;
     http_conn *conns;
     unsigned nconns;
@@ -81,6 +82,7 @@ struct http_conn {
     int paused;                 /* parser paused at message complete until the response is queued */
     int out_paused;             /* parser paused at message complete until the output drains */
     int has_poll;               /* the uv_poll_t was initialised (closed with the connection) */
+    int route;                  /* the application's tag of the current request (-1: none) */
     uint64_t last_active;       /* loop time of the last progress (eviction picks the oldest idle) */
     int in_execute;
     int closing, close_after;
@@ -411,6 +413,8 @@ static char *response_head(http_conn *c, int status, const char *content_type, c
 
     if (c->body != NULL && !c->body_done)
         c->close_after = 1;
+    if (c->srv->on_response != NULL)
+        c->srv->on_response(c->route, status, c->srv->app);
     n = snprintf(line, sizeof(line), "HTTP/1.1 %d %s\r\n", status, http_reason(status));
     sb_add(&b, line, (size_t)n);
     if (content_type != NULL) {
@@ -558,6 +562,7 @@ static int on_message_begin(llhttp_t *p)
     c->body_ctx = NULL;
     c->body_stop = c->body_done = 0;
     c->body_received = 0;
+    c->route = -1;
     c->req.loopback = c->peer_loopback;
     memcpy(c->req.peer, c->peer, sizeof(c->req.peer));
     c->srv->stats.requests_total++;
@@ -1084,6 +1089,7 @@ static http_conn *conn_new(http_server *s, int fd)
     }
     c->srv = s;
     c->fd = fd;
+    c->route = -1;
     llhttp_init(&c->parser, HTTP_REQUEST, &parser_settings);
     c->parser.data = c;
     uv_timer_init(s->loop, &c->head_timer);
@@ -1300,6 +1306,16 @@ int http_server_port(const http_server *s)
 const http_stats *http_server_stats(const http_server *s)
 {
     return &s->stats;
+}
+
+void http_server_on_response(http_server *s, http_response_cb cb)
+{
+    s->on_response = cb;
+}
+
+void http_conn_set_route(http_conn *c, int route)
+{
+    c->route = route;
 }
 
 static void listen_closed(uv_handle_t *h)

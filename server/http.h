@@ -100,6 +100,12 @@ int http_server_port(const http_server *s);
  * once every connection is closed and then calls done(app) (may be NULL). */
 void http_server_stop(http_server *s, void (*done)(void *app));
 const http_stats *http_server_stats(const http_server *s);
+/* Called for every response the server sends, with the route the application tagged the request
+ * with (http_conn_set_route; -1 when untagged, e.g. a malformed head) and the status: the one place
+ * responses are counted, the engine's own 400/408/413/414/417/431 included. */
+typedef void (*http_response_cb)(int route, int status, void *app);
+void http_server_on_response(http_server *s, http_response_cb cb);
+void http_conn_set_route(http_conn *c, int route);
 
 /* ---- answering --------------------------------------------------------------------------------- */
 /* extra_headers: zero or more complete "Name: value\r\n" lines.  The body is copied. */

@@ -106,7 +106,6 @@ static void reject(upload *u, int status, const char *code, const char *msg, con
 {
     char m[600], t[300];
     u->failed = 1;              /* refused: an abort reported while answering must not free u */
-    api_count_upload(u->d, status);
     if (http_conn_alive(u->c))
         http_respond_error(u->c, status, code, msg, tensor);
     dl_log(status >= 500 ? DL_LOG_ERROR : DL_LOG_WARN, "http", "upload refused",
@@ -119,8 +118,8 @@ static void reject_err(upload *u, const dl_error *err)
     int status = status_for(err->code);
     if (err->code == DL_E_IO && err->sys_errno == ENOSPC)
         status = 507;
-    if (status != 500 && status != 507 && (unsigned)err->code < DL_E__COUNT)
-        u->d->m.rejected[err->code]++;
+    if (status != 500 && status != 507)
+        stats_delta_rejected(&u->d->m, err->code);
     reject(u, status, dl_error_name(err->code), err->message, err->tensor);
 }
 
@@ -274,7 +273,7 @@ static int header_verdict(upload *u)
             char msg[200];
             snprintf(msg, sizeof(msg), "delta metadata node_id \"%s\" does not match the URL's node id \"%s\"",
                      info->node_id, u->node_id);
-            u->d->m.rejected[DL_E_PATH_MISMATCH]++;
+            stats_delta_rejected(&u->d->m, DL_E_PATH_MISMATCH);
             reject(u, 422, "path_mismatch", msg, NULL);
             return -1;
         }
@@ -290,28 +289,24 @@ static int header_verdict(upload *u)
         snprintf(msg, sizeof(msg), "base_outer_step %" PRIu64 " is stale: the round for step %" PRIu64 " is %s",
                  info->base_outer_step, u->d->rnd.step,
                  info->base_outer_step == u->d->rnd.step ? "closed" : "open");
-        u->d->m.refused_stale++;
         break;
     case ROUND_FUTURE:
         snprintf(msg, sizeof(msg), "base_outer_step %" PRIu64 " is ahead of the current step %" PRIu64,
                  info->base_outer_step, u->d->rnd.step);
-        u->d->m.refused_future++;
         break;
     case ROUND_NOT_NEWER:
         snprintf(msg, sizeof(msg), "node %s already delivered local_step %" PRIu64 " or later in this round",
                  info->node_id, round_find(&u->d->rnd, info->node_id)->local_step);
-        u->d->m.refused_not_newer++;
         break;
     case ROUND_UNKNOWN_NODE:
         snprintf(msg, sizeof(msg), "node %s is not in the allow-list", info->node_id);
         status = 403;
-        u->d->m.refused_unknown_node++;
         break;
     default:
         snprintf(msg, sizeof(msg), "the round already has its %u nodes", u->d->cfg->expected_nodes);
-        u->d->m.refused_full++;
         break;
     }
+    stats_delta_refused(&u->d->m, v);
     reject(u, status, round_verdict_name(v), msg, NULL);
     return -1;
 }
@@ -469,7 +464,6 @@ static void respond_created(upload *u, round_verdict v, uint64_t size)
         http_respond_error(u->c, 500, "out_of_memory", "out of memory", NULL);
         return;
     }
-    api_count_upload(d, 201);
     http_respond(u->c, 201, "application/json", NULL, text, len);
     free(text);
 }
@@ -614,7 +608,6 @@ void upload_start(dilocod *d, http_conn *c, http_request *req, const char *node_
     if (d->uploads_in_flight >= (int)d->cfg->max_uploads) {
         /* each upload holds two 1 MiB buffers and up to max_delta_header_mib of header: bounded */
         static const char body[] = "{\"error\":{\"code\":\"busy\",\"message\":\"too many uploads in progress; retry shortly\"}}\n";
-        api_count_upload(d, 503);
         http_respond(c, 503, "application/json", "Retry-After: 1\r\n", body, sizeof(body) - 1);
         return;
     }

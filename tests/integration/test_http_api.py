@@ -1108,9 +1108,26 @@ def test_metrics_status_and_rounds_documents(daemons):
     assert types["dilocod_deltas_rejected_total"] == "counter"
     assert val("dilocod_deltas_accepted_total") == 2 and val("dilocod_rounds_total") == 1
     assert types["dilocod_http_requests_total"] == "counter"
-    assert val("dilocod_http_requests_total", route="upload", code="2xx") == 2
-    assert val("dilocod_http_requests_total", route="upload", code="4xx") == 1
-    assert val("dilocod_http_requests_total", route="status", code="2xx") >= 3
+    # exact status codes, as Prometheus users expect
+    assert val("dilocod_http_requests_total", route="upload", code="201") == 2
+    assert val("dilocod_http_requests_total", route="upload", code="422") == 1
+    assert val("dilocod_http_requests_total", route="status", code="200") >= 3
+    # one count of rejections everywhere: /status agrees with /metrics
+    rejected = sum(v for (name, _), v in samples.items() if name == "dilocod_deltas_rejected_total")
+    assert rejected == status(url)["counters"]["rejected"] == 1, (rejected, status(url)["counters"])
+    # prometheus_client reads it, and registers every family without a duplicate
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.registry import CollectorRegistry
+
+    class Replay:
+        def __init__(self, text):
+            self.families = list(text_string_to_metric_families(text))
+
+        def collect(self):
+            return self.families
+    names = [f.name for f in Replay(r.text).families]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    CollectorRegistry().register(Replay(r.text))
     assert types["dilocod_aggregation_seconds"] == "histogram"
     buckets = sorted(((float(dict(k[1])["le"]), v) for k, v in samples.items()
                       if k[0] == "dilocod_aggregation_seconds_bucket"), key=lambda x: x[0])
@@ -1118,4 +1135,29 @@ def test_metrics_status_and_rounds_documents(daemons):
     assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:])), buckets
     assert val("dilocod_aggregation_seconds_count") == 1
     assert 0 < val("dilocod_aggregation_seconds_sum") < 60
+    assert d.stop() == 0
+
+
+def test_every_response_is_counted_by_route_and_exact_code(daemons, tmp_path):
+    """401 and 403 from auth, the engine's own 431 and 404s: each counted once under its exact code."""
+    tokens = tmp_path / "tokens"
+    write_token_file(tokens, TOKENS)
+    d = daemons(small_model(30), "--expected-nodes", "2", "--token-file", str(tokens), "--max-header-bytes", "1024")
+    url = d.url
+    blob = delta_blob("node-a", 0, 1, {"layer.weight": np.zeros((32, 16), np.float32)})
+    assert put(url, "node-a", 1, blob).status_code == 401
+    assert put(url, "node-a", 1, blob, headers=auth("node-b")).status_code == 403
+    with session() as s:
+        assert s.get(url + "/status", headers={"X-Big": "x" * 2000}, timeout=10).status_code == 431
+        assert s.get(url + "/nope", timeout=10).status_code == 404
+        assert s.post(url + "/status", timeout=10).status_code == 405
+    samples, _ = parse_prometheus(get(url, "/metrics").text)
+
+    def val(**labels):
+        return samples.get(("dilocod_http_requests_total", frozenset(labels.items())), 0)
+    assert val(route="upload", code="401") == 1
+    assert val(route="upload", code="403") == 1
+    assert val(route="other", code="431") == 1
+    assert val(route="other", code="404") == 1
+    assert val(route="status", code="405") == 1
     assert d.stop() == 0
