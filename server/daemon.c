@@ -511,9 +511,10 @@ static int open_for_download(const char *path)
     return fd >= 0 ? fd : -errno;
 }
 
-static void commit_work(job *j)
+/* What the closing round commits: the same on the pool (which writes it) and on the loop (which
+ * records it in d->st once it is durable). */
+static store_commit_info round_commit_info(const dilocod *d)
 {
-    dilocod *d = j->d;
     store_commit_info info = {
         .step = d->rnd.step + 1,
         .global_path = d->pass->out_global_path,
@@ -525,6 +526,13 @@ static void commit_work(job *j)
         .origin = "round",
         .round_json = d->pending_round,
     };
+    return info;
+}
+
+static void commit_work(job *j)
+{
+    dilocod *d = j->d;
+    store_commit_info info = round_commit_info(d);
     dl_error herr;
 
     /* a record whose append failed last time goes first: rounds.jsonl stays in step order */
@@ -532,7 +540,9 @@ static void commit_work(job *j)
         free(d->unappended);
         d->unappended = NULL;
     }
-    j->rc = store_commit(&d->st, &info, &j->err);
+    /* d->st belongs to the loop (/status, /metrics, step_count.json read it): the pool writes the
+     * commit point only, and commit_done records it in d->st as it swaps the served global */
+    j->rc = store_commit_write(&d->st, &info, &j->err);
     /* The record is committed with the step (outer_metadata.json); appending it to rounds.jsonl here,
      * in the same job, keeps the file in commit order.  A kill between the two is replayed at
      * startup (history_load); a failed append is retried before the next commit. */
@@ -680,6 +690,14 @@ static void commit_done(job *j)
     if (j->u)
         dl_log(DL_LOG_ERROR, "store", "could not append the round to rounds.jsonl; retried at the next commit",
                "step=%" PRIu64, d->st.step);
+    store_commit_info info = round_commit_info(d);
+    if (store_commit_apply(&d->st, &info) != 0) {
+        /* durable on disk, unknown in memory: a restart reads it back; stop rather than serve a lie */
+        dl_log(DL_LOG_ERROR, "store", "out of memory recording the commit; restarting is safe", "step=%" PRIu64,
+               info.step);
+        d->exit_code = 1;
+        raise(SIGTERM);
+    }
     log_round_stats(d);
     record_round(d);
     set_served_global(d, j->flag, d->st.step);

@@ -165,7 +165,7 @@ static void iso_now(char *out, size_t size)
     strftime(out, size, "%Y-%m-%dT%H:%M:%S+00:00", &tm);
 }
 
-int store_commit(store *s, const store_commit_info *info, dl_error *err)
+int store_commit_write(const store *s, const store_commit_info *info, dl_error *err)
 {
     sbuf b = {0};
     char when[40], num[128], *meta, *text;
@@ -210,18 +210,39 @@ int store_commit(store *s, const store_commit_info *info, dl_error *err)
     rc = fsu_write_atomic(meta, text, len, err);
     free(meta);
     free(text);
-    if (rc != 0)
-        return rc;
+    return rc;
+}
+
+int store_commit_apply(store *s, const store_commit_info *info)
+{
+    char *g = strdup(info->global_path);
+    char *m = info->momentum_path ? strdup(info->momentum_path) : NULL;
+    char *r = info->round_json ? strdup(info->round_json) : NULL;
+
+    if (g == NULL || (info->momentum_path && m == NULL) || (info->round_json && r == NULL)) {
+        free(g);
+        free(m);
+        free(r);
+        return -ENOMEM;
+    }
     free(s->global_path);
     free(s->momentum_path);
     free(s->round_json);
-    s->global_path = strdup(info->global_path);
-    s->momentum_path = info->momentum_path ? strdup(info->momentum_path) : NULL;
-    s->round_json = info->round_json ? strdup(info->round_json) : NULL;
+    s->global_path = g;
+    s->momentum_path = m;
+    s->round_json = r;
     s->step = info->step;
     s->bootstrap = info->bootstrap;
     s->committed = 1;
     return 0;
+}
+
+int store_commit(store *s, const store_commit_info *info, dl_error *err)
+{
+    int rc = store_commit_write(s, info, err);
+    if (rc == 0 && store_commit_apply(s, info) != 0)
+        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    return rc;
 }
 
 /* rm -r of a directory tree we own (never follows symlinks). */

@@ -44,7 +44,12 @@ typedef struct store_commit_info {
 
 /* Creates the tree and loads the committed step (if any). */
 int store_open(store *s, const char *state_root, const char *id, dl_error *err);
-/* Writes outer_metadata.json atomically: from this moment info->step is the committed step. */
+/* Writes outer_metadata.json atomically: from this moment info->step is the committed step on disk.
+ * Reads only s->dir, so a pool thread may call it while the loop reads s. */
+int store_commit_write(const store *s, const store_commit_info *info, dl_error *err);
+/* Records a written commit in s (on the thread that owns s).  0 or -ENOMEM. */
+int store_commit_apply(store *s, const store_commit_info *info);
+/* Both, for a caller that owns s alone (startup). */
 int store_commit(store *s, const store_commit_info *info, dl_error *err);
 /* Removes files of steps before the committed one (globals, momentum, cached deltas).  At startup
  * (nothing else running) also uncommitted step files, temporary files and incoming copies. */
