@@ -199,8 +199,9 @@ class Worker(threading.Thread):
                 self.outcomes[r] = code
                 return
             if status == 409 and code == "future":
-                # the step file can name the new step a moment before its round opens (it is read from the
-                # store, which the commit job updates before the loop opens the round): try again shortly
+                # the step file named this round's step, yet the daemon says its round is not open: a server
+                # contradicting itself (the step file ran ahead of the round before 7beee4e).  A worker would
+                # try again shortly; the test counts it and fails at the end.
                 self.counts["future"] += 1
                 time.sleep(0.01)
                 continue
@@ -571,6 +572,8 @@ def test_kill9_torture_keeps_weights_momentum_and_history(tmp_path, diloco_bin):
         print(f"total {time.time() - t_start:.1f} s")
 
     problems = list(ctl.history_problems) + torch_problems
+    problems += [f"{w.node}: {w.counts['future']} uploads refused as 'future' after step_count.json named their round"
+                 for w in workers if w.counts["future"]]
     if final_served != list(range(ROUNDS)):
         problems.append(f"the end: GET /rounds holds steps {final_served}, want 0..{ROUNDS - 1} once each")
     if final_file != list(range(ROUNDS)):
