@@ -295,7 +295,7 @@ class Chaos:
     """Run with run() (blocking) or start()/join().  Everything random comes from `seed`."""
 
     def __init__(self, url, seconds=60.0, seed=1, threads=16, ghost=None, victims=(), max_flood=250,
-                 log=None):
+                 log=None, actions=None):
         u = urlparse(url)
         self.addr = (u.hostname or "127.0.0.1", u.port or 80)
         self.seconds = float(seconds)
@@ -306,6 +306,10 @@ class Chaos:
         self.max_flood = max_flood
         self.flood_budget = threading.Semaphore(max_flood)
         self.log = log
+        self.actions = [(a, w) for a, w in self.ACTIONS if actions is None or a in actions]
+        unknown = set(actions or ()) - {a for a, _ in self.ACTIONS}
+        if unknown or not self.actions:
+            raise ValueError(f"unknown or no actions: {sorted(unknown)}")
         self.stats = Stats()
         self.deadline = None
         self.stop_event = threading.Event()
@@ -1040,8 +1044,8 @@ class Chaos:
     # ---- running -----------------------------------------------------------------------------------
     def _worker(self, i):
         rng = random.Random(self.seed * 1_000_003 + i)
-        names = [a for a, _ in self.ACTIONS]
-        weights = [w for _, w in self.ACTIONS]
+        names = [a for a, _ in self.actions]
+        weights = [w for _, w in self.actions]
         while time.monotonic() < self.deadline and not self.stop_event.is_set():
             action = rng.choices(names, weights)[0]
             with self.stats.lock:
@@ -1122,10 +1126,13 @@ def main(argv=None):
     ap.add_argument("--victims", default="w0", help="node ids of the real workers (uploads for them are forged)")
     ap.add_argument("--max-flood", type=int, default=250)
     ap.add_argument("--stats", help="write the statistics as JSON to this file")
+    ap.add_argument("--actions", help="comma-separated subset of the misbehaviours (default: all): " +
+                    ",".join(a for a, _ in Chaos.ACTIONS))
     a = ap.parse_args(argv)
     node, _, token = a.ghost.partition(":")
     ch = Chaos(a.url, a.seconds, a.seed, a.threads, (node, token or None), a.victims.split(","), a.max_flood,
-               log=lambda m: print(m, file=sys.stderr, flush=True))
+               log=lambda m: print(m, file=sys.stderr, flush=True),
+               actions=a.actions.split(",") if a.actions else None)
     signal.signal(signal.SIGTERM, lambda *_: ch.stop())      # stop early, still report
     stats = ch.run()
     print(summary(stats), flush=True)

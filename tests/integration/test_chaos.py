@@ -14,7 +14,8 @@ Asserted, with these bounds:
     baseline + RSS_SLACK_BUSY_MIB;
   - once chaos stops: descriptors back within FD_SLACK of the baseline (within 15 s), RSS within
     RSS_SLACK_MIB, no ASan/UBSan report in the log, and SIGTERM exits 0.
-Also run against ASan: DILOCO_BUILD=$PWD/build-address-undefined (or any sanitizer build dir)."""
+Also run against ASan: DILOCO_BUILD=$PWD/build-address-undefined (or any sanitizer build dir).
+CHAOS_SEED picks another seed; CHAOS_ACTIONS=a,b,... limits the chaos to some misbehaviours (bisecting)."""
 import json
 import os
 import signal
@@ -291,7 +292,8 @@ class ChaosProcess:
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "chaos.py"), "--url", url, "--seconds", str(seconds), "--seed", str(seed),
              "--threads", str(threads), "--ghost", f"ghost:{TOKENS['ghost']}", "--victims", ",".join(victims),
-             "--stats", str(self.stats_path)],
+             "--stats", str(self.stats_path),
+             *(["--actions", os.environ["CHAOS_ACTIONS"]] if os.environ.get("CHAOS_ACTIONS") else [])],
             stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT)
 
     def running(self):
