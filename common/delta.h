@@ -1,4 +1,4 @@
-/* delta: the reference's pseudo-gradient rules (spec/wire-format.txt), made strict.
+/* delta: the reference's pseudo-gradient rules (README.md, "Semantics"), made strict.
  *
  * A delta is `float32(baseline) - float32(current)` for the floating keys of a model, stored as F32
  * (C64 keys as complex F32 pairs; F16/BF16 deltas are accepted and upcast exactly), with string

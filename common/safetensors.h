@@ -1,7 +1,8 @@
 /* safetensors: a strict reader and a byte-compatible, streaming, atomic writer.
  *
  * The reader validates exactly as the reference implementation (huggingface/safetensors, tensor.rs)
- * and is stricter where ../shared/reference/safetensors-rules.md says: duplicate keys at any level are
+ * and is stricter in three ways (tested against the reference in tests/integration/test_malformed.py):
+ * duplicate keys at any level are
  * rejected, every size is computed with checked arithmetic, JSON nesting is capped at 128 levels.
  * The writer produces the reference's bytes for the same tensors and at most one metadata key. */
 #ifndef SAFETENSORS_H

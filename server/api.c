@@ -1,4 +1,4 @@
-/* api: the HTTP routes of dilocod (DESIGN.md, HTTP API).  Every error is JSON:
+/* api: the HTTP routes of dilocod (README.md, HTTP API).  Every error is JSON:
  * {"error":{"code":...,"message":...,"tensor"?:...}}. */
 #include <errno.h>
 #include <stdarg.h>
@@ -21,9 +21,6 @@
 #include "stepcount.h"
 #include "strbuf.h"
 
-#ifndef DILOCOD_VERSION
-#define DILOCOD_VERSION "0.1.0"
-#endif
 
 
 /* server/dashboard.html, compiled in by the Makefile */

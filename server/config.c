@@ -8,9 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#ifndef DILOCOD_VERSION
-#define DILOCOD_VERSION "0.1.0"
-#endif
+#include "util.h"
 
 typedef enum opt_type { T_STR, T_UINT, T_DOUBLE, T_OPTIMIZER, T_NODES, T_LOGLEVEL, T_LOGFORMAT } opt_type;
 

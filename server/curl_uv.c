@@ -7,7 +7,7 @@
 #include <string.h>
 #include <strings.h>
 
-#define container_of(ptr, type, member) ((type *)((char *)(ptr) - offsetof(type, member)))
+#include "util.h"
 
 #define IO_BUF (1u << 20)
 /* Response headers: the Hub sends about 20 lines; curl itself caps one line at 100 KiB. */

@@ -20,7 +20,7 @@
 
 #include "strbuf.h"
 
-#define container_of(ptr, type, member) ((type *)((char *)(ptr) - offsetof(type, member)))
+#include "util.h"
 
 #define READ_BUF 65536
 /* A connection's queued output (buffers, and files at their remaining length): at the high mark

@@ -1,5 +1,6 @@
 /* hub_hf: the hf:// transport, a Hugging Face Hub repo spoken to over its HTTP API
- * (../shared/reference/hub-protocol.md) with libcurl multi inside the libuv loop.
+ * (its protocol is summarised in README.md, "Through a Hugging Face Hub repo") with libcurl multi
+ * inside the libuv loop.
  *
  * Polling: the revision sha every poll interval; the nodes/ tree (all pages, following Link) only
  * when the sha moved.  A new delta path (strict parse_delta_path) is first peeked at with a Range

@@ -2,7 +2,7 @@
 
 #include <stddef.h>
 
-#define COUNT_OF(a) (sizeof(a) / sizeof((a)[0]))
+#include "util.h"
 
 const char *const stats_route_names[ROUTE__COUNT] = {
     [ROUTE_STATUS] = "status",     [ROUTE_HEALTHZ] = "healthz", [ROUTE_METRICS] = "metrics",

@@ -1,4 +1,4 @@
-"""dilocod's HTTP API end to end (DESIGN.md, HTTP API): a whole training over HTTP only, every error
+"""dilocod's HTTP API end to end (README.md, HTTP API): a whole training over HTTP only, every error
 code of the upload routes, auth (tokens, SIGHUP reload, loopback-only rule), HTTP limits, protocol
 details (pipelining, chunked bodies, disconnects, ETag/Range/HEAD, slowloris, many concurrent
 uploads, SIGTERM mid-upload), bounded memory for a 1 GiB upload, and the /metrics, /status and

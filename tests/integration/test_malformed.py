@@ -9,7 +9,7 @@ twice: by our CLI and by the real reference (`safetensors.safe_open`, PyPI 0.8.0
 * valid edge cases are accepted by both, with the same tensors (names, dtypes, shapes) and metadata;
 * a few hundred seeded random mutations of a valid file never crash us and keep the properties above.
 
-The rules are ../shared/reference/safetensors-rules.md (checked against the reference's tensor.rs).
+The rules are the reference implementation's (huggingface/safetensors, tensor.rs), checked against it here.
 """
 import hashlib
 import json

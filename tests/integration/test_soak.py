@@ -146,10 +146,18 @@ def test_soak_http_and_files_with_chaos(tmp_path):
     model_bytes, delta_bytes = st0["model"]["bytes"], st0["model"]["delta_bytes"]
     bound = state_bound_kib(model_bytes, delta_bytes, len(NODES))
 
+    def anon_kib(p):
+        """RssAnon: the heap and stacks, without the library pages a new code path touches once."""
+        for line in Path(f"/proc/{p}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+        return 0
+
     def sample(rnd, t0):
         socks, other = fd_kinds(pid)
         samples.append({"round": rnd, "seconds": round(time.monotonic() - t0, 3), "fds": socks + other,
                         "socket_fds": socks, "other_fds": other, "rss_kib": rss_kib(pid),
+                        "anon_kib": anon_kib(pid),
                         "state_kib": du_kib(d.state_root), "hub_kib": du_kib(hub),
                         "cpu_s": round(cpu_seconds(pid), 2)})
 
@@ -233,7 +241,7 @@ def test_soak_http_and_files_with_chaos(tmp_path):
         rows = {}
         for i, smp in enumerate(samples):
             smp["cpu_ms_round"] = round(1000 * (smp["cpu_s"] - samples[i - 1]["cpu_s"]), 1) if i else 0.0
-        for key in ("fds", "other_fds", "rss_kib", "state_kib", "hub_kib", "cpu_ms_round"):
+        for key in ("fds", "other_fds", "rss_kib", "anon_kib", "state_kib", "hub_kib", "cpu_ms_round"):
             a, b = mean([s[key] for s in first]), mean([s[key] for s in last])
             rows[key] = (a, b, (b - a) / max(1, last[-1]["round"] - first[-1]["round"]),
                          slope([s["round"] for s in post], [s[key] for s in post]),
