@@ -36,6 +36,8 @@ UNIT_SRC    := $(wildcard tests/unit/test-*.c)
 COMMON_OBJ  := $(COMMON_SRC:%.c=$(BUILD)/%.o)
 CLIENT_OBJ  := $(CLIENT_SRC:%.c=$(BUILD)/%.o)
 SERVER_OBJ  := $(SERVER_SRC:%.c=$(BUILD)/%.o)
+# the server minus main(): a static library that dilocod, the unit tests and the fuzzers link
+SERVER_LIB_OBJ := $(filter-out $(BUILD)/server/main.o,$(SERVER_OBJ))
 UNIT_OBJ    := $(UNIT_SRC:%.c=$(BUILD)/%.o) $(BUILD)/tests/unit/runner.o
 
 LLHTTP_OBJ  := $(BUILD)/llhttp/llhttp.o $(BUILD)/llhttp/api.o $(BUILD)/llhttp/http.o
@@ -53,13 +55,17 @@ PY_PKGS     := safetensors huggingface_hub pytest requests prometheus_client
 
 .PHONY: all deps venv check unit test-integration fuzz fuzz-regress bench bench-deps soak clean distclean
 
-all: $(BUILD)/libdiloco.a $(BINS)
+all: $(BUILD)/libdiloco.a $(BUILD)/libdilocod.a $(BINS)
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(@D)
 	$(CC) $(ALL_CFLAGS) -c $< -o $@
 
 $(BUILD)/libdiloco.a: $(COMMON_OBJ)
+	@mkdir -p $(@D)
+	rm -f $@ && ar rcs $@ $^
+
+$(BUILD)/libdilocod.a: $(SERVER_LIB_OBJ) $(LLHTTP_OBJ) $(BUILD)/gen/dashboard.o
 	@mkdir -p $(@D)
 	rm -f $@ && ar rcs $@ $^
 
@@ -71,7 +77,7 @@ $(BUILD)/tests/st-write: $(BUILD)/tests/tools/st-write.o $(BUILD)/libdiloco.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
 $(UNIT_OBJ): ALL_CFLAGS += -Iserver -I$(LLHTTP_INC)
-$(BUILD)/tests/unit-tests: $(UNIT_OBJ) $(LLHTTP_OBJ) $(BUILD)/libdiloco.a
+$(BUILD)/tests/unit-tests: $(UNIT_OBJ) $(BUILD)/libdilocod.a $(BUILD)/libdiloco.a
 	@mkdir -p $(@D)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
@@ -94,7 +100,7 @@ $(BUILD)/gen/dashboard.c: server/dashboard.html
 $(BUILD)/gen/dashboard.o: $(BUILD)/gen/dashboard.c
 	$(CC) -std=c11 $(CFLAGS) $(SANFLAGS) -c $< -o $@
 
-$(BUILD)/dilocod: $(SERVER_OBJ) $(LLHTTP_OBJ) $(BUILD)/gen/dashboard.o $(BUILD)/libdiloco.a
+$(BUILD)/dilocod: $(BUILD)/server/main.o $(BUILD)/libdilocod.a $(BUILD)/libdiloco.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
 $(SERVER_OBJ): ALL_CFLAGS += -I$(LLHTTP_INC)

@@ -279,7 +279,7 @@ static void respond_sbuf(http_conn *c, int status, const char *type, sbuf *b)
 
 /* "bytes=a-b" | "bytes=a-" | "bytes=-n" (one range).  1: range set; 0: ignore the header (absent,
  * malformed or several ranges: the whole file is sent, as RFC 9110 allows); -1: unsatisfiable. */
-static int parse_range(const char *h, uint64_t size, uint64_t *from, uint64_t *len)
+int api_parse_range(const char *h, uint64_t size, uint64_t *from, uint64_t *len)
 {
     const char *p;
     char *end;
@@ -353,7 +353,7 @@ static void serve_global(dilocod *d, http_conn *c, http_request *req)
         return;
     }
     len = g->size;
-    r = parse_range(http_header_get(req, "range"), g->size, &from, &len);
+    r = api_parse_range(http_header_get(req, "range"), g->size, &from, &len);
     if (r < 0) {
         snprintf(extra, sizeof(extra), "Content-Range: bytes */%" PRIu64 "\r\n", g->size);
         static const char body[] =

@@ -139,6 +139,10 @@ void api_on_request(http_conn *c, http_request *req, void *app);
 void api_count_response(int route, int status, void *app);
 /* /nodes/{id}/delta_{n}.safetensors -> id, "n"; /nodes/{id}/deltas -> id, NULL (is_put 0).  0 or -1. */
 int api_parse_node_path(const char *path, char *id, size_t id_size, char *step, size_t step_size, int *is_put);
+/* Range: "bytes=a-b" | "bytes=a-" | "bytes=-n" (one range) of a file of size bytes.  1: *from, *len
+ * set; 0: ignore the header (absent, malformed or several ranges: the whole file, as RFC 9110
+ * allows); -1: unsatisfiable (416). */
+int api_parse_range(const char *h, uint64_t size, uint64_t *from, uint64_t *len);
 /* upload.c */
 void upload_start(dilocod *d, http_conn *c, http_request *req, const char *node_id, const char *path_step);
 

@@ -2,7 +2,7 @@
 
 #include <stdlib.h>
 
-#include "../../server/auth.c"
+#include "auth.h"
 
 static int write_file(const char *path, const char *text)
 {

@@ -2,9 +2,9 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
-/* unit-tests links no server objects yet: the module under test is included (as test-round.c does) */
-#include "../../server/history.c"
+#include "history.h"
 
 static char *record_line(uint64_t step, const char *node, double norm)
 {

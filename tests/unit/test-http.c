@@ -2,7 +2,8 @@
 
 #include <stdlib.h>
 
-#include "../../server/http.c"
+#include "http.h"
+#include "strbuf.h"
 
 /* A tiny application: GET answers with the path; PUT counts the body and answers with its size. */
 typedef struct app {

@@ -2,7 +2,7 @@
 
 #include <stdlib.h>
 
-#include "../../server/round.c"
+#include "round.h"
 
 static delta_info info(const char *node, uint64_t base, uint64_t local)
 {

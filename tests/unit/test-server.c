@@ -1,0 +1,161 @@
+/* Server modules without a socket or a loop: the API's path and Range parsing, the stats module,
+ * the seen map and the store's commit protocol. */
+#include "test.h"
+
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "daemon_internal.h"
+#include "seen.h"
+#include "stats.h"
+#include "store.h"
+
+TEST(api_node_paths)
+{
+    char id[DELTA_NODE_ID_MAX + 1], step[32];
+    int is_put = -1;
+
+    CHECK_EQ(api_parse_node_path("/nodes/w-1/delta_42.safetensors", id, sizeof(id), step, sizeof(step), &is_put), 0);
+    CHECK_STR(id, "w-1");
+    CHECK_STR(step, "42");
+    CHECK_EQ(is_put, 1);
+    CHECK_EQ(api_parse_node_path("/nodes/w.2/deltas", id, sizeof(id), step, sizeof(step), &is_put), 0);
+    CHECK_STR(id, "w.2");
+    CHECK_EQ(is_put, 0);
+    /* the step is checked later (canonical integer); the shape of the path here */
+    static const char *const bad[] = {
+        "/nodes/", "/nodes/w1", "/nodes/w1/", "/nodes//delta_1.safetensors", "/nodes/w 1/delta_1.safetensors",
+        "/nodes/../delta_1.safetensors", "/nodes/w1/delta_.safetensors", "/nodes/w1/delta_1.safetensor",
+        "/nodes/w1/x/delta_1.safetensors", "/node/w1/deltas", "/nodes/w1/deltas/",
+        "/nodes/aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa/deltas",
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+        CHECK_EQ(api_parse_node_path(bad[i], id, sizeof(id), step, sizeof(step), &is_put), -1);
+}
+
+TEST(api_ranges)
+{
+    uint64_t from = 0, len = 0;
+
+    CHECK_EQ(api_parse_range(NULL, 100, &from, &len), 0);
+    CHECK_EQ(api_parse_range("bytes=0-9", 100, &from, &len), 1);
+    CHECK(from == 0 && len == 10);
+    CHECK_EQ(api_parse_range("bytes=90-", 100, &from, &len), 1);
+    CHECK(from == 90 && len == 10);
+    CHECK_EQ(api_parse_range("bytes=-5", 100, &from, &len), 1);
+    CHECK(from == 95 && len == 5);
+    CHECK_EQ(api_parse_range("bytes=-500", 100, &from, &len), 1);     /* clamped to the file */
+    CHECK(from == 0 && len == 100);
+    CHECK_EQ(api_parse_range("bytes=50-5000", 100, &from, &len), 1);
+    CHECK(from == 50 && len == 50);
+    CHECK_EQ(api_parse_range("bytes=100-", 100, &from, &len), -1);
+    CHECK_EQ(api_parse_range("bytes=-0", 100, &from, &len), -1);
+    CHECK_EQ(api_parse_range("bytes=0-0", 0, &from, &len), -1);
+    /* malformed or several ranges: the whole file */
+    static const char *const ignored[] = {"bytes=9-1", "bytes=0-1,5-6", "items=0-1", "bytes=a-b", "bytes=--1",
+                                          "bytes=18446744073709551616-", "bytes=1-18446744073709551616", "bytes="};
+    for (size_t i = 0; i < sizeof(ignored) / sizeof(ignored[0]); i++)
+        CHECK_EQ(api_parse_range(ignored[i], 100, &from, &len), 0);
+}
+
+TEST(stats_counts_in_one_place)
+{
+    stats s = {0};
+
+    stats_http_response(&s, ROUTE_UPLOAD, 201);
+    stats_http_response(&s, ROUTE_UPLOAD, 403);
+    stats_http_response(&s, -1, 431);             /* before routing: "other" */
+    stats_http_response(&s, ROUTE_STATUS, 299);   /* a status not in the table: "other" code */
+    CHECK_EQ(s.http[ROUTE_UPLOAD][1], (uint64_t)1);            /* 201 */
+    CHECK_EQ(s.http[ROUTE_UPLOAD][7], (uint64_t)1);            /* 403 */
+    CHECK_EQ(stats_http_codes[1], 201);
+    CHECK_EQ(stats_http_codes[7], 403);
+    CHECK_EQ(s.http[ROUTE_OTHER][18], (uint64_t)1);
+    CHECK_EQ(stats_http_codes[18], 431);
+    CHECK_EQ(s.http[ROUTE_STATUS][STATS_HTTP_CODES - 1], (uint64_t)1);
+    stats_delta_rejected(&s, DL_E_NON_FINITE);
+    stats_delta_rejected(&s, DL_E_SHAPE_MISMATCH);
+    stats_delta_rejected(&s, (dl_code)9999);      /* out of range: ignored, never out of bounds */
+    CHECK_EQ(stats_rejected_total(&s), (uint64_t)2);
+    CHECK_EQ(stats_delta_refused(&s, ROUND_STALE), REFUSED_STALE);
+    CHECK_EQ(stats_delta_refused(&s, ROUND_ACCEPTED), REFUSED__COUNT);
+    CHECK_EQ(s.refused[REFUSED_STALE], (uint64_t)1);
+    stats_delta_taken(&s, ROUND_ACCEPTED);
+    stats_delta_taken(&s, ROUND_REPLACED);
+    CHECK(s.deltas_accepted == 1 && s.deltas_replaced == 1);
+    stats_round_committed(&s, 0.3);
+    CHECK_EQ(s.agg_buckets[3], (uint64_t)0);      /* le 0.25 */
+    CHECK_EQ(s.agg_buckets[4], (uint64_t)1);      /* le 0.5 */
+    CHECK_EQ(s.agg_count, (uint64_t)1);
+}
+
+TEST(seen_map_finds_and_grows)
+{
+    seen_map m = {0};
+    char key[64];
+    int created;
+
+    for (int i = 0; i < 5000; i++) {
+        snprintf(key, sizeof(key), "nodes/w%d/delta_%d.safetensors", i % 7, i);
+        seen_entry *e = seen_get(&m, key, &created);
+        CHECK(e != NULL && created == 1);
+        e->size = (uint64_t)i;
+    }
+    for (int i = 0; i < 5000; i += 37) {
+        snprintf(key, sizeof(key), "nodes/w%d/delta_%d.safetensors", i % 7, i);
+        seen_entry *e = seen_find(&m, key);
+        CHECK(e != NULL && e->size == (uint64_t)i);
+        CHECK(seen_get(&m, key, &created) == e && created == 0);
+    }
+    CHECK(seen_find(&m, "nodes/w1/delta_999999.safetensors") == NULL);
+    seen_free(&m);
+}
+
+static void touch_file(const char *path)
+{
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+        if (write(fd, "x", 1) != 1)
+            perror(path);
+        close(fd);
+    }
+}
+
+/* Write on one side, apply on the other, and a fresh open reads the same commit back. */
+TEST(store_commit_write_apply_and_reopen)
+{
+    store s = {0}, again = {0};
+    dl_error err;
+
+    CHECK_EQ(store_open(&s, test_dir(), "agg", &err), 0);
+    CHECK_EQ(s.committed, 0);
+    char *g = store_global_path(&s, 3), *m = store_momentum_path(&s, 3);
+    touch_file(g);
+    touch_file(m);
+    store_commit_info info = {.step = 3, .global_path = g, .momentum_path = m, .optimizer = "nesterov_sgd",
+                              .lr = 0.7, .momentum = 0.9, .origin = "round",
+                              .round_json = "{\"step\":2,\"nodes\":[]}\n"};
+    CHECK_EQ(store_commit_write(&s, &info, &err), 0);
+    CHECK_EQ(s.committed, 0);                     /* written, not yet recorded in memory */
+    CHECK_EQ(store_commit_apply(&s, &info), 0);
+    CHECK(s.committed && s.step == 3);
+    CHECK_STR(s.global_path, g);
+    CHECK_EQ(store_open(&again, test_dir(), "agg", &err), 0);
+    CHECK(again.committed && again.step == 3 && again.momentum_path != NULL);
+    CHECK_STR(again.round_json, "{\"step\":2,\"nodes\":[]}");
+    store_free(&again);
+    /* a metadata file that names another step's file is refused */
+    char meta[512];
+    snprintf(meta, sizeof(meta), "%s/agg/outer_metadata.json", test_dir());
+    FILE *f = fopen(meta, "w");
+    fputs("{\"outer_step\":3,\"global_file\":\"global/latest-2.safetensors\"}", f);
+    fclose(f);
+    CHECK(store_open(&again, test_dir(), "agg", &err) != 0);
+    store_free(&again);
+    store_free(&s);
+    free(g);
+    free(m);
+}
