@@ -113,19 +113,21 @@ typedef struct scan_result {
     size_t n;
     int published_present;
     uint64_t published_step;
+    int published_rc;           /* a junk step file must not stop the intake of deltas */
+    dl_error published_err;
 } scan_result;
 
 static void scan_work(job *j)
 {
     scan_result *r = j->arg;
     j->rc = hubfile_scan(j->d->hub_root, &r->c, &r->n, &j->err);
-    if (j->rc == 0)
-        j->rc = hubfile_read_published(j->d->hub_root, &r->published_present, &r->published_step, &j->err);
+    r->published_rc = hubfile_read_published(j->d->hub_root, &r->published_present, &r->published_step,
+                                             &r->published_err);
 }
 
 static void start_adopt(dilocod *d, uint64_t step);
 
-static void enqueue_intake(dilocod *d, const char *abs, const char *rel, int in_cache, int remove_src)
+static intake_req *enqueue_intake(dilocod *d, const char *abs, const char *rel, int in_cache, int remove_src)
 {
     intake_req *r = calloc(1, sizeof(*r));
 
@@ -134,22 +136,66 @@ static void enqueue_intake(dilocod *d, const char *abs, const char *rel, int in_
         if (r)
             intake_req_free(r);
         dl_log(DL_LOG_ERROR, "intake", "out of memory", "path=%s", abs);
-        return;
+        return NULL;
     }
     r->in_cache = in_cache;
     r->remove_src = remove_src;
+    /* one header cap whatever brought the delta in (an upload, the shared tree, the Hub) */
+    r->max_header = (uint64_t)d->cfg->max_delta_header_mib << 20;
     if (d->nqueue == d->cap_queue) {
         size_t nc = d->cap_queue ? d->cap_queue * 2 : 16;
         intake_req **nq = realloc(d->queue, nc * sizeof(*nq));
         if (nq == NULL) {
             intake_req_free(r);
             dl_log(DL_LOG_ERROR, "intake", "out of memory", "path=%s", abs);
-            return;
+            return NULL;
         }
         d->queue = nq;
         d->cap_queue = nc;
     }
     d->queue[d->nqueue++] = r;
+    return r;
+}
+
+/* A delta of the file:// tree: intake reaches it from the hub root, never through a link. */
+static void enqueue_hub_intake(dilocod *d, const hub_candidate *c)
+{
+    intake_req *r = enqueue_intake(d, c->abs, c->rel, 0, 0);
+
+    if (r != NULL && (r->hub_root = strdup(d->hub_root)) == NULL) {
+        d->queue[--d->nqueue] = NULL;
+        intake_req_free(r);
+        dl_log(DL_LOG_ERROR, "intake", "out of memory", "path=%s", c->rel);
+    }
+}
+
+static uint64_t text_hash(const char *s)
+{
+    uint64_t h = 1469598103934665603ULL;        /* FNV-1a */
+    for (; *s; s++)
+        h = (h ^ (unsigned char)*s) * 1099511628211ULL;
+    return h;
+}
+
+/* Junk a writer planted in the tree (a link, a FIFO, an unreadable step file) is logged once per
+ * version of the entry and reason, not at every poll: the seen map keeps one entry per path. */
+static void report_refused(dilocod *d, const char *path, const char *reason, uint64_t size, int64_t mtime_ns,
+                           uint64_t ino)
+{
+    int created;
+    seen_entry *e = seen_get(&d->seen, path, &created);
+    char q[600];
+
+    if (e == NULL || (!created && e->state == SEEN_PENDING))
+        return;                 /* in flight: its intake result comes first, the next scan reports */
+    if (!created && e->state == SEEN_REJECTED && e->size == size && e->mtime_ns == mtime_ns && e->ino == ino)
+        return;
+    e->size = size;
+    e->mtime_ns = mtime_ns;
+    e->ino = ino;
+    e->state = SEEN_REJECTED;
+    e->since = now_s(d);
+    dl_log(DL_LOG_WARN, "hub", "entry refused", "path=%s reason=%s", path, dl_log_q(q, sizeof(q), reason));
 }
 
 /* Settle time: a file that keeps failing as incomplete without changing for this long is rejected. */
@@ -172,7 +218,7 @@ static void consider_candidate(dilocod *d, const hub_candidate *c)
             /* stopped changing: one last attempt decides (INCOMPLETE again means truncated for good) */
             e->state = SEEN_PENDING;
             e->since = -1;
-            enqueue_intake(d, c->abs, c->rel, 0, 0);
+            enqueue_hub_intake(d, c);
         }
         return;
     }
@@ -184,7 +230,7 @@ static void consider_candidate(dilocod *d, const hub_candidate *c)
     e->state = SEEN_PENDING;
     e->since = now_s(d);
     dl_log(DL_LOG_DEBUG, "hub", "delta seen", "path=%s bytes=%" PRIu64, c->rel, c->size);
-    enqueue_intake(d, c->abs, c->rel, 0, 0);
+    enqueue_hub_intake(d, c);
 }
 
 static void scan_done(job *j)
@@ -193,15 +239,26 @@ static void scan_done(job *j)
     scan_result *r = j->arg;
 
     d->scan_in_flight = 0;
-    if (j->rc != 0) {
+    if (j->rc != 0)
         log_error("hub", "scan failed", &j->err);
-    } else if (!d->stopping) {
+    if (r->published_rc != 0) {
+        report_refused(d, "global", r->published_err.message, text_hash(r->published_err.message), 0, 0);
+    } else {
+        seen_entry *g = seen_find(&d->seen, "global");
+        if (g != NULL)
+            g->state = SEEN_DONE;       /* readable again: a new problem is reported again */
+    }
+    for (size_t i = 0; i < r->n; i++)
+        if (r->c[i].refused != NULL)
+            report_refused(d, r->c[i].rel, r->c[i].refused, r->c[i].size, r->c[i].mtime_ns, r->c[i].ino);
+    if (!d->stopping) {
         if (d->state == S_WAITING_GLOBAL) {
             if (r->published_present)
                 start_adopt(d, r->published_step);
         } else {
             for (size_t i = 0; i < r->n; i++)
-                consider_candidate(d, &r->c[i]);
+                if (r->c[i].refused == NULL)
+                    consider_candidate(d, &r->c[i]);
             dispatch_intake(d);
         }
     }
@@ -979,8 +1036,16 @@ static int adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap,
     if (dst == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     info.global_path = dst;
-    /* validate first: a damaged model must not become our state */
-    if ((rc = open_model(d, src, err)) == 0 && (rc = hubfile_copy(src, dst, err)) == 0)
+    if (src == NULL) {
+        /* the file:// hub's global (src NULL) is another writer's file: copied through descriptors that
+         * never leave the tree, then our copy is what gets validated */
+        if ((rc = hubfile_copy_global(d->hub_root, dst, err)) == 0 && (rc = open_model(d, dst, err)) != 0)
+            unlink(dst);
+    } else if ((rc = open_model(d, src, err)) == 0) {
+        /* validate first: a damaged model must not become our state */
+        rc = hubfile_copy(src, dst, err);
+    }
+    if (rc == 0)
         rc = store_commit(&d->st, &info, err);
     free(dst);
     return rc;
@@ -988,13 +1053,7 @@ static int adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap,
 
 static void adopt_work(job *j)
 {
-    char *src = hubfile_global_path(j->d->hub_root);
-    if (src == NULL) {
-        j->rc = dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-        return;
-    }
-    j->rc = adopt_sync(j->d, src, j->u, 0, "adopted", &j->err);
-    free(src);
+    j->rc = adopt_sync(j->d, NULL, j->u, 0, "adopted", &j->err);
 }
 
 
@@ -1376,10 +1435,7 @@ static int startup(dilocod *d, dl_error *err)
         return 0;
     }
     if (present) {
-        char *src = hubfile_global_path(d->hub_root);
-        rc = src ? adopt_sync(d, src, published, 0, "adopted", err) : -DL_E_NO_MEMORY;
-        free(src);
-        if (rc != 0)
+        if ((rc = adopt_sync(d, NULL, published, 0, "adopted", err)) != 0)
             return rc;
         d->published_step = (int64_t)published;
         dl_log(DL_LOG_WARN, "store", "adopted the published global", "step=%" PRIu64 " momentum=fresh", published);

@@ -1,7 +1,9 @@
 /* hub_file: the file:// transport, a directory laid out like the Hub repo (a shared filesystem).
  *   nodes/<node_id>/delta_<local_step>.safetensors   written by workers
  *   global/latest.safetensors, global/step_count.json published here (temp + rename, step file last)
- * Blocking functions: the daemon runs them on the thread pool. */
+ * The tree is written by other people: below the root nothing is reached through a symbolic link
+ * and nothing but directories and regular files is opened (a FIFO would block, a link may lead out
+ * of the tree).  Blocking functions: the daemon runs them on the thread pool. */
 #ifndef HUB_FILE_H
 #define HUB_FILE_H
 
@@ -11,14 +13,16 @@
 #include "dl_error.h"
 
 typedef struct hub_candidate {
-    char *rel;                  /* nodes/<id>/delta_<n>.safetensors (strictly parsed) */
+    char *rel;                  /* nodes/<id>/delta_<n>.safetensors (strictly parsed), or the refused entry */
     char *abs;
-    uint64_t size;
+    uint64_t size;              /* identity of this version (lstat) */
     int64_t mtime_ns;
     uint64_t ino;
+    char *refused;              /* non-NULL: junk in the tree (a link, a FIFO, ...), never read: why */
 } hub_candidate;
 
-/* Lists every file under root/nodes whose path is a valid delta path. */
+/* Lists the delta files under root/nodes (per node directory the newest few by local step), and
+ * the entries it refused to read (a node directory that is a link, a delta that is a FIFO, ...). */
 int hubfile_scan(const char *root, hub_candidate **out, size_t *n, dl_error *err);
 void hub_candidates_free(hub_candidate *c, size_t n);
 /* The published step, if root/global/step_count.json and latest.safetensors exist (*present = 0 if not). */
@@ -30,7 +34,10 @@ int hubfile_publish(const char *root, const char *src, uint64_t step, const char
                     dl_error *err);
 /* Removes temporary files a publish cut short (a crash) left in root/global (startup only). */
 int hubfile_cleanup_temps(const char *root, dl_error *err);
-/* Copies a file to dst atomically (temp in dst's directory, fsync, rename, fsync of the directory). */
+/* Copies root/global/latest.safetensors (reached without links, a regular file whose header
+ * parses) to dst atomically; fails if it changed during the copy.  The caller validates dst. */
+int hubfile_copy_global(const char *root, const char *dst, dl_error *err);
+/* Copies a file (a trusted path: the operator's init model) to dst atomically (temp in dst's directory, fsync, rename, fsync of the directory). */
 int hubfile_copy(const char *src, const char *dst, dl_error *err);
 
 #endif

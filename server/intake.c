@@ -40,6 +40,7 @@ void intake_req_free(intake_req *r)
 {
     free(r->src_path);
     free(r->rel_path);
+    free(r->hub_root);
     free(r->state_dir);
     free(r->cache_path);
     free(r);
@@ -136,6 +137,43 @@ intake_status intake_link_into_cache(const char *state_dir, const delta_info *in
     return INTAKE_OK;
 }
 
+static uint64_t max_header(const intake_req *r)
+{
+    return r->max_header != 0 && r->max_header < ST_MAX_HEADER_SIZE ? r->max_header : ST_MAX_HEADER_SIZE;
+}
+
+/* Opens the source as a regular file, never blocking on a FIFO; a delta of the shared tree only
+ * through directories of that tree (no link at any level).  0 or a negative errno; on a refused
+ * type sb->st_mode says what was there. */
+static int open_source(const intake_req *r, int *fd, struct stat *sb)
+{
+    int rootfd, rc;
+
+    *fd = -1;
+    memset(sb, 0, sizeof(*sb));
+    if (r->hub_root != NULL && r->rel_path != NULL) {
+        if ((rootfd = open(r->hub_root, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0)
+            return -errno;
+        rc = fsu_open_path_at(rootfd, r->rel_path, fd, sb);
+        close(rootfd);
+        return rc;
+    }
+    /* our own files (a download, the cache): the same checks cost nothing */
+    if ((*fd = open(r->src_path, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)) < 0) {
+        rc = -errno;
+        if (rc == -ELOOP)
+            sb->st_mode = S_IFLNK;
+        return rc;
+    }
+    rc = fstat(*fd, sb) != 0 ? -errno : S_ISREG(sb->st_mode) ? 0 : -EINVAL;
+    if (rc != 0) {
+        close(*fd);
+        *fd = -1;
+        return rc;
+    }
+    return 0;
+}
+
 static intake_status intake(intake_req *r)
 {
     struct stat before, after;
@@ -146,20 +184,23 @@ static intake_status intake(intake_req *r)
     int src = -1, dst = -1, rc;
     intake_status st;
 
-    src = open(r->src_path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-    if (src < 0) {
-        int e = errno;
-        if (e == ENOENT) {
+    if ((rc = open_source(r, &src, &before)) != 0) {
+        if (rc == -ENOENT) {
             dl_fail(&r->err, DL_E_IO, NULL, 0, "the file disappeared");
             st = INTAKE_INCOMPLETE;
+        } else if (rc == -EAGAIN) {
+            dl_fail(&r->err, DL_E_IO, NULL, 0, "the file is busy (leased by its writer)");
+            st = INTAKE_INCOMPLETE;
+        } else if (rc == -ELOOP || rc == -EISDIR || rc == -ENOTDIR || rc == -EINVAL) {
+            /* never read: a link may lead out of the tree, a FIFO would block the reader */
+            dl_fail(&r->err, DL_E_IO, NULL, 0, "%s: only regular files reached without symbolic links are read",
+                    rc == -ELOOP     ? "a symbolic link (the file or a directory above it)"
+                    : rc == -ENOTDIR ? "a directory on its path is not a directory"
+                                     : fsu_kind_name(before.st_mode));
+            st = INTAKE_INVALID;
         } else {
-            st = io_fail(r, e, "opening the delta");
+            st = io_fail(r, -rc, "opening the delta");
         }
-        goto out;
-    }
-    if (fstat(src, &before) != 0 || !S_ISREG(before.st_mode)) {
-        dl_fail(&r->err, DL_E_IO, NULL, 0, "not a regular file");
-        st = INTAKE_INVALID;
         goto out;
     }
     r->size = (uint64_t)before.st_size;
@@ -173,8 +214,9 @@ static intake_status intake(intake_req *r)
     n = 0;
     for (int i = 7; i >= 0; i--)
         n = (n << 8) | prefix[i];
-    if (n > ST_MAX_HEADER_SIZE) {
-        dl_fail(&r->err, DL_E_HEADER_TOO_LARGE, NULL, 0, "header too large: %" PRIu64 " bytes", n);
+    if (n > max_header(r)) {
+        dl_fail(&r->err, DL_E_HEADER_TOO_LARGE, NULL, 0, "header too large: %" PRIu64 " bytes, the cap is %" PRIu64
+                " (max_delta_header_mib)", n, max_header(r));
         st = INTAKE_INVALID;
         goto out;
     }

@@ -25,8 +25,11 @@ typedef enum intake_status {
 
 typedef struct intake_req {
     /* in */
-    char *src_path;             /* the file to take in */
+    char *src_path;             /* the file to take in (named in messages) */
     char *rel_path;             /* its Hub path nodes/<id>/delta_<n>.safetensors, or NULL */
+    char *hub_root;             /* non-NULL: src is rel_path in this shared tree, which others write: it is
+                                   reached from the root without links and must be a regular file */
+    uint64_t max_header;        /* cap on the safetensors header in bytes (0: the format's own cap) */
     const st_header *global;    /* the global model's header (read-only, shared) */
     uint64_t step;              /* current outer step */
     char *state_dir;            /* <state_root>/<id> */
