@@ -284,14 +284,6 @@ out:
     return 0;
 }
 
-char *hubfile_global_path(const char *root)
-{
-    char *p = NULL;
-    if (asprintf(&p, "%s/global/latest.safetensors", root) < 0)
-        return NULL;
-    return p;
-}
-
 /* Opens root/global as a directory of the tree, never through a link: *fd = -1 if it is missing. */
 static int open_global_dir(const char *root, int rootfd, int *fd, dl_error *err)
 {

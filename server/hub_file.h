@@ -27,8 +27,6 @@ int hubfile_scan(const char *root, hub_candidate **out, size_t *n, dl_error *err
 void hub_candidates_free(hub_candidate *c, size_t n);
 /* The published step, if root/global/step_count.json and latest.safetensors exist (*present = 0 if not). */
 int hubfile_read_published(const char *root, int *present, uint64_t *step, dl_error *err);
-/* Path of the published global (malloc'd). */
-char *hubfile_global_path(const char *root);
 /* Copies src to root/global/latest.safetensors, then writes step_count.json, each atomically. */
 int hubfile_publish(const char *root, const char *src, uint64_t step, const char *optimizer, int bootstrap,
                     dl_error *err);
