@@ -188,6 +188,7 @@ static void report_refused(dilocod *d, const char *path, const char *reason, uin
 
     if (e == NULL || (!created && e->state == SEEN_PENDING))
         return;                 /* in flight: its intake result comes first, the next scan reports */
+    e->listed = d->scan_gen;
     if (!created && e->state == SEEN_REJECTED && e->size == size && e->mtime_ns == mtime_ns && e->ino == ino)
         return;
     e->size = size;
@@ -212,6 +213,7 @@ static void consider_candidate(dilocod *d, const hub_candidate *c)
 
     if (e == NULL)
         return;
+    e->listed = d->scan_gen;
     int same = !created && e->size == c->size && e->mtime_ns == c->mtime_ns && e->ino == c->ino;
     if (same) {
         if (e->state == SEEN_INCOMPLETE && now_s(d) - e->since >= settle_seconds(d)) {
@@ -233,12 +235,20 @@ static void consider_candidate(dilocod *d, const hub_candidate *c)
     enqueue_hub_intake(d, c);
 }
 
+/* Kept: what this scan listed, and what is still being taken in. */
+static int still_listed(const seen_entry *e, void *arg)
+{
+    const dilocod *d = arg;
+    return e->listed == d->scan_gen || e->state == SEEN_PENDING || strcmp(e->key, "global") == 0;
+}
+
 static void scan_done(job *j)
 {
     dilocod *d = j->d;
     scan_result *r = j->arg;
 
     d->scan_in_flight = 0;
+    d->scan_gen++;
     if (j->rc != 0)
         log_error("hub", "scan failed", &j->err);
     if (r->published_rc != 0) {
@@ -261,6 +271,10 @@ static void scan_done(job *j)
                     consider_candidate(d, &r->c[i]);
             dispatch_intake(d);
         }
+        /* a complete listing: files no longer listed (consumed and removed, or older than the
+         * newest a node directory is scanned for) are forgotten */
+        if (j->rc == 0 && seen_prune(&d->seen, still_listed, d) != 0)
+            dl_log(DL_LOG_WARN, "hub", "out of memory pruning the seen files", "count=%zu", d->seen.count);
     }
     hub_candidates_free(r->c, r->n);
     free(r);

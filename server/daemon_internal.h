@@ -62,6 +62,7 @@ typedef struct dilocod {
     size_t nqueue, cap_queue;
     int intake_in_flight;
     int scan_in_flight, scan_again;
+    uint64_t scan_gen;          /* scans completed (seen entries are stamped with the last listing) */
 
     /* aggregation */
     outer_pass *pass;

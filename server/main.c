@@ -1,4 +1,5 @@
 /* dilocod: the DiLoCo outer-loop aggregator. */
+#include <malloc.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,6 +24,11 @@ int main(int argc, char **argv)
     config cfg;
     int rc;
 
+    /* Buffers of 256 KiB and more (an upload's two 1 MiB buffers, aggregation buffers) are mapped
+     * and unmapped on their own.  glibc's default raises this threshold to the size of the largest
+     * block freed, after which such buffers come from the heap, whose freed pages stay resident:
+     * under churn (uploads that start and fail) the RSS of a long-running daemon crept upwards. */
+    mallopt(M_MMAP_THRESHOLD, 256 * 1024);
     if (ignore_sigpipe() != 0) {
         perror("dilocod: cannot ignore SIGPIPE");
         return 1;

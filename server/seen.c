@@ -66,6 +66,36 @@ seen_entry *seen_get(seen_map *m, const char *key, int *created)
     return e;
 }
 
+int seen_prune(seen_map *m, int (*keep)(const seen_entry *e, void *arg), void *arg)
+{
+    size_t kept = 0, ncap = 64;
+
+    for (size_t i = 0; i < m->cap; i++)
+        kept += m->slots[i].key != NULL && keep(&m->slots[i], arg);
+    if (kept == m->count)
+        return 0;
+    while (ncap < 2 * (kept + 1))
+        ncap *= 2;
+    /* open addressing cannot delete in place: the survivors go into a fresh table */
+    seen_map n = {calloc(ncap, sizeof(seen_entry)), ncap, 0};
+    if (n.slots == NULL)
+        return -1;
+    for (size_t i = 0; i < m->cap; i++) {
+        seen_entry *e = &m->slots[i];
+        if (e->key == NULL)
+            continue;
+        if (keep(e, arg)) {
+            *probe(&n, e->key) = *e;
+            n.count++;
+        } else {
+            free(e->key);
+        }
+    }
+    free(m->slots);
+    *m = n;
+    return 0;
+}
+
 void seen_free(seen_map *m)
 {
     for (size_t i = 0; i < m->cap; i++)

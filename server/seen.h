@@ -20,6 +20,7 @@ typedef struct seen_entry {
     uint64_t ino;
     seen_state state;
     double since;       /* when this version was first seen */
+    uint64_t listed;    /* the last scan that listed it (seen_prune) */
 } seen_entry;
 
 typedef struct seen_map {
@@ -30,6 +31,10 @@ typedef struct seen_map {
 /* Finds key, or inserts it (state SEEN_PENDING, identity zero).  NULL on allocation failure. */
 seen_entry *seen_get(seen_map *m, const char *key, int *created);
 seen_entry *seen_find(const seen_map *m, const char *key);
+/* Removes the entries keep() says no to (a file no longer listed is forgotten: the map follows the
+ * tree instead of growing with every file it ever held).  0, or -1 when out of memory (nothing
+ * removed). */
+int seen_prune(seen_map *m, int (*keep)(const seen_entry *e, void *arg), void *arg);
 void seen_free(seen_map *m);
 
 #endif

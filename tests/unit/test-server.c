@@ -159,3 +159,33 @@ TEST(store_commit_write_apply_and_reopen)
     free(g);
     free(m);
 }
+
+static int keep_even(const seen_entry *e, void *arg)
+{
+    (void)arg;
+    return e->size % 2 == 0;
+}
+
+TEST(seen_prune_forgets_what_is_no_longer_listed)
+{
+    seen_map m = {0};
+    char key[64];
+    int created;
+
+    for (int i = 0; i < 1000; i++) {
+        snprintf(key, sizeof(key), "nodes/w/delta_%d.safetensors", i);
+        seen_get(&m, key, &created)->size = (uint64_t)i;
+    }
+    CHECK_EQ(seen_prune(&m, keep_even, NULL), 0);
+    CHECK_EQ(m.count, (size_t)500);
+    CHECK(m.cap <= 2048);
+    for (int i = 0; i < 1000; i++) {
+        snprintf(key, sizeof(key), "nodes/w/delta_%d.safetensors", i);
+        seen_entry *e = seen_find(&m, key);
+        CHECK((e != NULL) == (i % 2 == 0));
+    }
+    /* the table still takes new keys after a prune */
+    CHECK(seen_get(&m, "nodes/x/delta_1.safetensors", &created) != NULL && created);
+    CHECK_EQ(m.count, (size_t)501);
+    seen_free(&m);
+}
