@@ -42,9 +42,16 @@ def main():
     a = ap.parse_args()
 
     root = Path(a.dir).resolve()
+    marker = root / ".dilocod-demo"
     if root.exists():
-        shutil.rmtree(root)           # every demo starts from step 0
+        # every demo starts from step 0, but only a directory an earlier demo made and marked is
+        # removed: DEMO_DIR pointing at anything else (a home directory, a real run) is refused
+        if root.is_symlink() or not root.is_dir() or (any(root.iterdir()) and not marker.is_file()):
+            raise SystemExit(f"demo: {root} exists and was not made by the demo (no {marker.name} in it); "
+                             f"refusing to delete it: choose another DEMO_DIR or remove it yourself")
+        shutil.rmtree(root)
     (root / "hub").mkdir(parents=True)
+    marker.write_text("made by client/examples/demo.py; `make demo` may delete this directory\n")
     init = root / "init.safetensors"
     from safetensors.torch import save_file
     save_file(torch_worker.init_state(), str(init))
