@@ -458,36 +458,9 @@ static void get_dashboard(dilocod *d, http_conn *c, http_request *req)
                         (const char *)dashboard_html, dashboard_html_len);
 }
 
-static void get_status(dilocod *d, http_conn *c, http_request *req)
+static void healthz_json(dilocod *d, sbuf *b)
 {
-    sbuf b = {0};
-    (void)req;
-    status_json(d, &b);
-    respond_sbuf(c, 200, "application/json", &b);
-}
-
-static void get_healthz(dilocod *d, http_conn *c, http_request *req)
-{
-    sbuf b = {0};
-    (void)req;
-    sb_fmt(&b, "{\"status\":\"ok\",\"state\":\"%s\"}\n", d->stopping ? "stopping" : daemon__state_name(d->state));
-    respond_sbuf(c, 200, "application/json", &b);
-}
-
-static void get_metrics(dilocod *d, http_conn *c, http_request *req)
-{
-    sbuf b = {0};
-    (void)req;
-    metrics_text(d, &b);
-    respond_sbuf(c, 200, "text/plain; version=0.0.4; charset=utf-8", &b);
-}
-
-static void get_rounds(dilocod *d, http_conn *c, http_request *req)
-{
-    sbuf b = {0};
-    (void)req;
-    rounds_json(d, &b);
-    respond_sbuf(c, 200, "application/json", &b);
+    sb_fmt(b, "{\"status\":\"ok\",\"state\":\"%s\"}\n", d->stopping ? "stopping" : daemon__state_name(d->state));
 }
 
 static void get_stepfile(dilocod *d, http_conn *c, http_request *req)
@@ -518,25 +491,32 @@ static void put_delta(dilocod *d, http_conn *c, http_request *req)
 /* ---- the route table --------------------------------------------------------------------------- */
 
 typedef void (*route_handler)(dilocod *d, http_conn *c, http_request *req);
+typedef void (*document_builder)(dilocod *d, sbuf *b);
 
+/* A row: the path, how it is counted, and either a handler or a document built fresh per request
+ * (sent 200, Cache-Control: no-store). */
 typedef struct route {
     const char *path;           /* exact path, or a prefix when it ends with '/' (and is not "/") */
     stats_route id;             /* what /metrics counts it as */
     int read_only;              /* GET and HEAD only (else the handler checks methods itself) */
     route_handler handler;
+    document_builder document;
+    const char *type;           /* the document's Content-Type */
 } route;
 
+#define JSON "application/json"
 static const route routes[] = {
-    {"/", ROUTE_DASHBOARD, 1, get_dashboard},
-    {"/index.html", ROUTE_DASHBOARD, 1, get_dashboard},
-    {"/status", ROUTE_STATUS, 1, get_status},
-    {"/healthz", ROUTE_HEALTHZ, 1, get_healthz},
-    {"/metrics", ROUTE_METRICS, 1, get_metrics},
-    {"/rounds", ROUTE_ROUNDS, 1, get_rounds},
-    {"/global/latest.safetensors", ROUTE_GLOBAL, 1, serve_global},
-    {"/global/step_count.json", ROUTE_STEPFILE, 1, get_stepfile},
-    {"/nodes/", ROUTE_UPLOAD, 0, put_delta},
+    {"/", ROUTE_DASHBOARD, 1, get_dashboard, NULL, NULL},
+    {"/index.html", ROUTE_DASHBOARD, 1, get_dashboard, NULL, NULL},
+    {"/status", ROUTE_STATUS, 1, NULL, status_json, JSON},
+    {"/healthz", ROUTE_HEALTHZ, 1, NULL, healthz_json, JSON},
+    {"/metrics", ROUTE_METRICS, 1, NULL, metrics_text, "text/plain; version=0.0.4; charset=utf-8"},
+    {"/rounds", ROUTE_ROUNDS, 1, NULL, rounds_json, JSON},
+    {"/global/latest.safetensors", ROUTE_GLOBAL, 1, serve_global, NULL, NULL},
+    {"/global/step_count.json", ROUTE_STEPFILE, 1, get_stepfile, NULL, NULL},
+    {"/nodes/", ROUTE_UPLOAD, 0, put_delta, NULL, NULL},
 };
+#undef JSON
 
 static const route *route_find(const char *path)
 {
@@ -563,5 +543,11 @@ void api_on_request(http_conn *c, http_request *req, void *app)
     http_conn_set_route(c, r->id);
     if (r->read_only && !method_is(req, "GET") && !method_is(req, "HEAD"))
         return not_allowed(c, "GET, HEAD");
+    if (r->document != NULL) {
+        sbuf b = {0};
+        r->document(d, &b);
+        respond_sbuf(c, 200, r->type, &b);
+        return;
+    }
     r->handler(d, c, req);
 }
