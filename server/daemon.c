@@ -249,8 +249,12 @@ static void scan_done(job *j)
 
     d->scan_in_flight = 0;
     d->scan_gen++;
-    if (j->rc != 0)
+    if (j->rc != 0) {
         log_error("hub", "scan failed", &j->err);
+        snprintf(d->last_hub_error, sizeof(d->last_hub_error), "scan: %.240s", j->err.message);
+    } else {
+        d->last_poll = time(NULL);
+    }
     if (r->published_rc != 0) {
         report_refused(d, "global", r->published_err.message, text_hash(r->published_err.message), 0, 0);
     } else {
@@ -966,27 +970,41 @@ static void publish_retry_cb(uv_timer_t *t)
     maybe_publish(container_of(t, dilocod, publish_timer));
 }
 
-static void publish_done(job *j)
+/* Every transport's publish ends here: the same state, counters, logs and retry for file:// and
+ * hf:// (error: why it failed, NULL on success). */
+static void publish_finished(dilocod *d, uint64_t step, int bootstrap, const char *error)
 {
-    dilocod *d = j->d;
-    publish_args *a = j->arg;
+    char q[600];
 
     d->publish_in_flight = 0;
-    if (j->rc == 0) {
-        d->published_step = (int64_t)a->step;
-        dl_log(DL_LOG_INFO, "hub", "published", "step=%" PRIu64 " hub=%s%s", a->step, d->cfg->hub,
-               a->bootstrap ? " bootstrap=true" : "");
-    } else {
-        log_error("hub", "publish failed, will retry", &j->err);
+    if (error != NULL) {
+        d->m.publish_errors++;
+        snprintf(d->last_hub_error, sizeof(d->last_hub_error), "%s", error);
+        dl_log(DL_LOG_ERROR, "hub", "publish failed, will retry", "step=%" PRIu64 " error=%s", step,
+               dl_log_q(q, sizeof(q), error));
         if (!d->stopping)
             uv_timer_start(&d->publish_timer, publish_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
+        return;
     }
-    free(a->src);
-    free(a);
-    if (!d->stopping && j->rc == 0) {
+    d->published_step = (int64_t)step;
+    d->last_publish = time(NULL);
+    dl_log(DL_LOG_INFO, "hub", "published", "step=%" PRIu64 " hub=%s%s", step, d->cfg->hub,
+           bootstrap ? " bootstrap=true" : "");
+    if (!d->stopping) {
         maybe_publish(d);       /* a newer step may have been committed meanwhile */
         schedule_cleanup(d);
     }
+}
+
+static void publish_done(job *j)
+{
+    publish_args *a = j->arg;
+    uint64_t step = a->step;
+    int bootstrap = a->bootstrap;
+
+    free(a->src);
+    free(a);
+    publish_finished(j->d, step, bootstrap, j->rc == 0 ? NULL : j->err.message);
 }
 
 static void maybe_publish(dilocod *d)
@@ -1200,26 +1218,10 @@ static void hf_global_ready(void *app, uint64_t step, const char *local_path)
 static void hf_publish_done(void *app, uint64_t step, int ok)
 {
     dilocod *d = app;
+    const hf_status *hs = hf_get_status(d->hf);
 
-    d->publish_in_flight = 0;
-    if (ok) {
-        d->published_step = (int64_t)step;
-        d->last_publish = time(NULL);
-        dl_log(DL_LOG_INFO, "hub", "published", "step=%" PRIu64 " hub=%s%s", step, d->cfg->hub,
-               d->st.bootstrap && step == 0 ? " bootstrap=true" : "");
-    } else {
-        d->m.publish_errors++;
-        const hf_status *hs = hf_get_status(d->hf);
-        snprintf(d->last_hub_error, sizeof(d->last_hub_error), "%s", hs->last_error);
-        dl_log(DL_LOG_ERROR, "hub", "publish failed, will retry", "step=%" PRIu64, step);
-        if (!d->stopping)
-            uv_timer_start(&d->publish_timer, publish_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
-        return;
-    }
-    if (!d->stopping) {
-        maybe_publish(d);
-        schedule_cleanup(d);
-    }
+    publish_finished(d, step, d->st.bootstrap && step == 0,
+                     ok ? NULL : hs->last_error[0] ? hs->last_error : "the Hub commit failed");
 }
 
 static const hf_callbacks hf_cbs = {hf_delta_ready, hf_published_seen, hf_global_ready, hf_publish_done};

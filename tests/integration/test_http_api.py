@@ -1161,3 +1161,35 @@ def test_every_response_is_counted_by_route_and_exact_code(daemons, tmp_path):
     assert val(route="other", code="404") == 1
     assert val(route="status", code="405") == 1
     assert d.stop() == 0
+
+
+def test_file_hub_status_fields_and_publish_errors(daemons, tmp_path):
+    """file:// fills hub.last_poll, last_publish and published_step, and a failed publish counts in
+    hub.errors and dilocod_publish_errors_total like hf://'s (one publish completion for both)."""
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    model = small_model(31)
+    d = daemons(model, "--expected-nodes", "1", hub=hub)
+    url = d.url
+    st = wait_status(url, lambda s: s["hub"]["published_step"] == 0 and s["hub"]["last_poll"] is not None,
+                     30, "bootstrap published and a poll done")
+    assert st["hub"]["kind"] == "file" and st["hub"]["last_publish"] is not None and st["hub"]["errors"] == 0, st
+    # global/ becomes a link out of the tree: the next publish is refused and retried
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (hub / "global").rename(tmp_path / "global.saved")
+    (hub / "global").symlink_to(outside)
+    rng = np.random.default_rng(31)
+    tensors = {k: (rng.standard_normal(tuple(v.shape)) * 0.01).astype(np.float32)
+               for k, v in model.items() if v.is_floating_point()}
+    assert put(url, "node-a", 1, delta_blob("node-a", 0, 1, tensors)).status_code == 201
+    st = wait_status(url, lambda s: s["outer_step"] == 1 and s["hub"]["errors"] >= 1, 30, "a failed publish")
+    assert st["hub"]["publish_pending"] is True and st["hub"]["last_error"], st["hub"]
+    samples, _ = parse_prometheus(get(url, "/metrics").text)
+    assert samples[("dilocod_publish_errors_total", frozenset())] >= 1
+    assert list(outside.iterdir()) == []
+    (hub / "global").unlink()
+    (tmp_path / "global.saved").rename(hub / "global")
+    st = wait_status(url, lambda s: s["hub"]["published_step"] == 1, 30, "published after the retry")
+    assert st["hub"]["publish_pending"] is False, st["hub"]
+    assert d.stop() == 0
