@@ -227,6 +227,21 @@ static void metrics_text(dilocod *d, sbuf *b)
            d->m.agg_seconds_sum, d->m.agg_count);
     metric(b, "publish_errors_total", "counter", "Failed publish attempts (retried).");
     sb_fmt(b, "dilocod_publish_errors_total %" PRIu64 "\n", d->m.publish_errors);
+    /* the transport: the same families whatever the hub (zeros where a transport has no such thing) */
+    const hf_status *hfs = d->hf ? hf_get_status(d->hf) : NULL;
+    time_t polled = hfs ? hfs->last_poll : d->last_poll;
+    metric(b, "hub_last_poll_timestamp_seconds", "gauge", "When the hub was last listed (Unix time; 0: never).");
+    sb_fmt(b, "dilocod_hub_last_poll_timestamp_seconds %lld\n", (long long)polled);
+    metric(b, "hub_last_publish_timestamp_seconds", "gauge", "When a step was last published (Unix time; 0: never).");
+    sb_fmt(b, "dilocod_hub_last_publish_timestamp_seconds %lld\n", (long long)d->last_publish);
+    metric(b, "hub_api_calls_total", "counter", "Hub API requests (hf://).");
+    sb_fmt(b, "dilocod_hub_api_calls_total %" PRIu64 "\n", hfs ? hfs->api_calls : 0);
+    metric(b, "hub_resolver_calls_total", "counter", "Hub file requests through the resolver (hf://).");
+    sb_fmt(b, "dilocod_hub_resolver_calls_total %" PRIu64 "\n", hfs ? hfs->resolver_calls : 0);
+    metric(b, "hub_downloads_total", "counter", "Delta files downloaded from the Hub (hf://).");
+    sb_fmt(b, "dilocod_hub_downloads_total %" PRIu64 "\n", hfs ? hfs->downloads : 0);
+    metric(b, "hub_transport_errors_total", "counter", "Failed Hub requests, retried (hf://).");
+    sb_fmt(b, "dilocod_hub_transport_errors_total %" PRIu64 "\n", hfs ? hfs->errors : 0);
     metric(b, "http_requests_total", "counter", "HTTP responses by route and status code.");
     for (int r = 0; r < ROUTE__COUNT; r++)
         for (int c = 0; c < STATS_HTTP_CODES; c++)

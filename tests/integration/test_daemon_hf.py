@@ -744,6 +744,15 @@ def test_api_call_budget_default_poll_interval(tmp_path, procs):
     print(report)
     assert step >= 3, report                    # rounds really ran during the window
     assert per5 < 1000, report
+    # /metrics carries the transport's counters, the same numbers /status shows
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(d.url + "/metrics", timeout=10) as r:
+        fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    calls = fams["dilocod_hub_api_calls"].samples[0].value
+    assert 0 < calls <= d.status()["hub"]["api_calls"], (calls, d.status()["hub"])
+    assert fams["dilocod_hub_last_poll_timestamp_seconds"].samples[0].value > t0 - 60
+    assert fams["dilocod_hub_last_publish_timestamp_seconds"].samples[0].value > t0 - 60
     assert dilocod_steps_in_history(api) == list(range(step + 1))
     assert_state_close(workers.global_state(), oracle.state)
     assert d.stop() == 0
