@@ -31,14 +31,16 @@ typedef struct response {
     char etag[128];
     uint64_t outer_step;
     int has_outer_step;
-    FILE *sink;                 /* body goes here instead of memory when set */
+    FILE *sink;                 /* a 2xx body goes here instead of memory when set */
+    long head_status;           /* from the status line, while the body arrives */
 } response;
 
 static size_t on_body(char *p, size_t size, size_t n, void *arg)
 {
     response *r = arg;
     size_t len = size * n;
-    if (r->sink != NULL)
+    /* an error answer ({"error":{...}}) is kept in memory, so its code can be shown, not saved as the model */
+    if (r->sink != NULL && r->head_status >= 200 && r->head_status < 300)
         return fwrite(p, 1, len, r->sink);
     if (r->body.len + len > MAX_RESPONSE)
         return 0;               /* a server answer this large is not one of ours: abort the transfer */
@@ -56,7 +58,10 @@ static size_t on_header(char *p, size_t size, size_t n, void *arg)
     memcpy(line, p, len);
     line[len] = '\0';
     line[strcspn(line, "\r\n")] = '\0';
-    if (strncasecmp(line, "ETag:", 5) == 0) {
+    if (strncmp(line, "HTTP/", 5) == 0) {
+        const char *sp = strchr(line, ' ');
+        r->head_status = sp ? strtol(sp + 1, NULL, 10) : 0;   /* every response of a redirect chain */
+    } else if (strncasecmp(line, "ETag:", 5) == 0) {
         const char *v = line + 5;
         while (*v == ' ')
             v++;
@@ -149,6 +154,24 @@ static void print_server_error(const char *what, const response *r)
     cJSON_Delete(j);
 }
 
+/* One line for a failed attempt: "HTTP 503 no_global: no global model yet" or curl's error text. */
+static void describe_failure(CURLcode cc, const response *r, char *out, size_t size)
+{
+    if (cc != CURLE_OK) {
+        snprintf(out, size, "%s", curl_easy_strerror(cc));
+        return;
+    }
+    cJSON *j = cJSON_ParseWithLength(r->body.p ? r->body.p : "", r->body.len);
+    const cJSON *e = cJSON_GetObjectItemCaseSensitive(j, "error");
+    const char *code = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "code"));
+    const char *msg = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "message"));
+    if (code != NULL)
+        snprintf(out, size, "HTTP %ld %.64s: %.160s", r->status, code, msg ? msg : "");
+    else
+        snprintf(out, size, "HTTP %ld", r->status);
+    cJSON_Delete(j);
+}
+
 /* GET path into r (memory), retrying connection errors and 5xx.  Returns 0 when an HTTP answer
  * (any status) arrived, else EXIT_NETWORK with a message printed. */
 static int get(const client_opts *o, const char *path, response *r, const char *if_none_match, FILE *sink)
@@ -165,6 +188,7 @@ static int get(const client_opts *o, const char *path, response *r, const char *
         memset(&r->body, 0, sizeof(r->body));
         r->etag[0] = '\0';
         r->has_outer_step = 0;
+        r->head_status = 0;
         r->sink = sink;
         if (sink != NULL && (fflush(sink) != 0 || ftruncate(fileno(sink), 0) != 0 || fseek(sink, 0, SEEK_SET) != 0)) {
             rc = EXIT_IO;
@@ -191,7 +215,13 @@ static int get(const client_opts *o, const char *path, response *r, const char *
                 print_server_error(url, r);
             break;
         }
-        sleep_s(backoff(attempt));
+        /* say why we wait, as push does: the server's code (no_global...) or the network error */
+        double wait = backoff(attempt);
+        char why[300];
+        describe_failure(cc, r, why, sizeof(why));
+        fprintf(stderr, "diloco: GET %s: %s, retrying in %.1f s (%d of %d)\n", url, why, wait, attempt + 1,
+                o->retries);
+        sleep_s(wait);
     }
     free(url);
     return rc;

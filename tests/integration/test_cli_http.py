@@ -141,3 +141,24 @@ def test_push_exit_codes_and_retries(tmp_path, diloco_bin):
         assert p.returncode == 5, p
     finally:
         assert d.stop() == 0
+
+
+def test_pull_before_any_global_says_why_while_it_waits(tmp_path, diloco_bin):
+    """No global yet: each retry of `diloco pull` prints the server's code and reason, the last
+    message keeps them too, and nothing is saved as the model."""
+    hub = tmp_path / "emptyhub"
+    hub.mkdir()
+    d = Dilocod(tmp_path, hub, "--expected-nodes", "1").start()
+    try:
+        url = f"http://127.0.0.1:{d.port}"
+        p = run([diloco_bin, "pull", "--server", url, "-o", tmp_path / "out", "--retries", "2"], check=4)
+        retries = [l for l in p.stderr.splitlines() if "retrying in" in l]
+        assert len(retries) == 2, p.stderr
+        assert all("HTTP 503 no_global: no global model yet" in l for l in retries), p.stderr
+        last = p.stderr.strip().splitlines()[-1]
+        assert "503" in last and "no_global" in last and "no global model yet" in last, p.stderr
+        assert not (tmp_path / "out" / "latest.safetensors").exists()
+        assert d.stop() == 0
+    finally:
+        if d.alive():
+            d.kill9()
