@@ -527,6 +527,16 @@ static void mark_seen(hf_hub *h, const char *rel, const char *oid)
     free(k);
 }
 
+/* The state of a listed (path, oid) for this run only (not persisted: a restart looks again). */
+static void set_seen_state(hf_hub *h, const char *rel, const char *oid, seen_state state)
+{
+    char *k = seen_key(rel, oid);
+    seen_entry *e = k ? seen_find(&h->seen, k) : NULL;
+    if (e != NULL)
+        e->state = state;
+    free(k);
+}
+
 void hf_mark_done(hf_hub *h, const char *rel)
 {
     /* the daemon knows the path; the oid is the pending entry's */
@@ -666,11 +676,7 @@ static void verify_after(uv_work_t *w, int status)
         if (++c->attempts < MAX_ATTEMPTS_DOWNLOAD && !h->closing) {
             retry_later(h, c);      /* a later poll tries it again */
         } else {
-            char *k = seen_key(c->rel, c->oid);
-            seen_entry *e = k ? seen_find(&h->seen, k) : NULL;
-            if (e)
-                e->state = SEEN_REJECTED;   /* given up for this run: a restart tries again */
-            free(k);
+            set_seen_state(h, c->rel, c->oid, SEEN_REJECTED);     /* given up for this run */
             if (c->is_global)
                 h->global_download = 0;     /* the next poll starts the adoption over */
             candidate_free(c);
@@ -808,11 +814,7 @@ static void peek_done(hf_hub *h, hf_req *r, int ok)
                    dl_log_q(q, sizeof(q), why));
             h->st.errors++;
             snprintf(h->st.last_error, sizeof(h->st.last_error), "%s: %s", c->rel, why);
-            char *k = seen_key(c->rel, c->oid);
-            seen_entry *e = k ? seen_find(&h->seen, k) : NULL;
-            if (e)
-                e->state = SEEN_REJECTED;
-            free(k);
+            set_seen_state(h, c->rel, c->oid, SEEN_REJECTED);
             decided = 1;
         } else if (hd != NULL) {
             size_t vl;
@@ -826,11 +828,7 @@ static void peek_done(hf_hub *h, hf_req *r, int ok)
                     decided = 1;
                 } else if (base > h->step) {
                     /* not ours yet (or never): look again at a later poll */
-                    char *k = seen_key(c->rel, c->oid);
-                    seen_entry *e = k ? seen_find(&h->seen, k) : NULL;
-                    if (e)
-                        e->state = SEEN_INCOMPLETE;
-                    free(k);
+                    set_seen_state(h, c->rel, c->oid, SEEN_INCOMPLETE);
                     decided = 1;
                 }
             }

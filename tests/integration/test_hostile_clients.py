@@ -17,24 +17,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import requests
 import torch
 
+import hostile
 from dilocod_proc import delta_metadata
+from hostile import SANITIZED, open_fds, served_quickly
 from test_http_api import (Raw, daemons, delta_blob, get, request_head, session, small_model,  # noqa: F401
-                           status, vm_kib, wait_for)
+                           status, wait_for)
 
-SANITIZED = "-" in Path(os.environ.get("DILOCO_BUILD", "build")).name   # build-address-undefined
 FD_SLACK = 16                   # descriptors a quiet daemon may open on its own (log, timers, a pool job)
 RSS_SLACK_KIB = (96 if SANITIZED else 48) * 1024
-
-
-def open_fds(pid) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def rss_kib(pid) -> int:
-    return vm_kib(pid, "VmRSS")
 
 
 def cpu_seconds(pid) -> float:
@@ -42,42 +34,9 @@ def cpu_seconds(pid) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def served_quickly(d, within=2.0):
-    """A brand-new client gets /healthz answered within `within` seconds (retrying connects)."""
-    deadline = time.monotonic() + within
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            with session() as s:
-                r = s.get(d.url + "/healthz", timeout=max(0.2, deadline - time.monotonic()))
-            if r.status_code == 200:
-                return True
-            last = r.status_code
-        except requests.RequestException as e:
-            last = e
-        time.sleep(0.05)
-    raise AssertionError(f"a new client was not served within {within}s (last: {last!r}); "
-                         f"alive={d.alive()} exit={d.proc.poll()}\n{d.log_text()[-3000:]}")
-
-
-class Baseline:
-    """fds and RSS of the daemon before an attack; check() asserts the bounds after it."""
-
+class Baseline(hostile.Baseline):
     def __init__(self, d):
-        self.d = d
-        self.fds = open_fds(d.proc.pid)
-        self.rss = rss_kib(d.proc.pid)
-
-    def check(self, fd_slack=FD_SLACK, rss_slack_kib=RSS_SLACK_KIB, settle=10.0):
-        assert self.d.alive(), f"dilocod died (exit {self.d.proc.poll()}):\n{self.d.log_text()[-4000:]}"
-        served_quickly(self.d)
-        pid = self.d.proc.pid
-        # descriptors of connections the attacker closed go as the daemon notices: allow it a moment
-        wait_for(lambda: open_fds(pid) <= self.fds + fd_slack, settle,
-                 f"open descriptors back within {fd_slack} of the baseline {self.fds}")
-        rss = rss_kib(pid)
-        assert rss <= self.rss + rss_slack_kib, f"RSS {rss} KiB, baseline {self.rss} KiB (+{rss_slack_kib} allowed)"
-        return open_fds(pid), rss
+        super().__init__(d, FD_SLACK, RSS_SLACK_KIB)
 
 
 def big_model(mib=16):
@@ -173,7 +132,7 @@ def test_pipelined_small_requests_keep_memory_bounded(daemons):
         send_some(s, blob * 4, 1.0)
         socks.append(s)
     time.sleep(0.5)
-    rss = rss_kib(d.proc.pid)
+    rss = hostile.proc_kib(d.proc.pid)
     # per connection: a 64 KiB read buffer and at most 256 KiB of queued output plus one response
     assert rss <= base.rss + 10 * 1024 + RSS_SLACK_KIB // 2, f"RSS {rss} KiB (baseline {base.rss})"
     served_quickly(d)

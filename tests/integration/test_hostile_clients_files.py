@@ -17,14 +17,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-import requests
 import torch
 from safetensors.numpy import save_file
 
+import hostile
+from hostile import SANITIZED, proc_kib, served_quickly, wait_for
 from dilocod_proc import (Dilocod, Oracle, assert_state_close, delta_metadata, load_torch, random_deltas,
                           write_delta, write_model)
 
-SANITIZED = "-" in Path(os.environ.get("DILOCO_BUILD", "build")).name   # build-address-undefined
 FD_SLACK = 8                    # a pool job (scan, intake, publish) may hold a few while we look
 RSS_SLACK_KIB = (96 if SANITIZED else 32) * 1024
 NODES = ("a", "b")
@@ -37,66 +37,9 @@ def small_model(seed=0):
     return {"layer.weight": torch.randn(64, 32, generator=g), "layer.bias": torch.randn(32, generator=g)}
 
 
-def proc_kib(pid, field):
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise AssertionError(f"{field} not in /proc/{pid}/status")
-
-
-def open_fds(pid):
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def wait_for(pred, timeout, what):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not reached within {timeout}s")
-
-
-def served_quickly(d, within=2.0):
-    """A brand-new client gets /healthz and /status answered within `within` seconds."""
-    deadline = time.monotonic() + within
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            with requests.Session() as s:
-                s.trust_env = False
-                h = s.get(d.url + "/healthz", timeout=max(0.2, deadline - time.monotonic()))
-                st = s.get(d.url + "/status", timeout=max(0.2, deadline - time.monotonic()))
-            if h.status_code == 200 and st.status_code == 200:
-                return st.json()
-            last = (h.status_code, st.status_code)
-        except requests.RequestException as e:
-            last = e
-        time.sleep(0.05)
-    raise AssertionError(f"a new client was not served within {within}s (last: {last!r}); alive={d.alive()}\n"
-                         f"{d.log_text()[-3000:]}")
-
-
-class Baseline:
-    """Descriptors and RSS before an attack; check() asserts the daemon is alive, serves, and stays
-    within the bounds.  Returns (fds, rss KiB) for the record."""
-
+class Baseline(hostile.Baseline):
     def __init__(self, d):
-        self.d = d
-        self.fds = open_fds(d.proc.pid)
-        self.rss = proc_kib(d.proc.pid, "VmRSS")
-
-    def check(self):
-        d = self.d
-        assert d.alive(), f"dilocod died (exit {d.proc.poll()}):\n{d.log_text()[-4000:]}"
-        served_quickly(d)
-        pid = d.proc.pid
-        wait_for(lambda: open_fds(pid) <= self.fds + FD_SLACK, 10,
-                 f"open descriptors within {FD_SLACK} of the baseline {self.fds} (now {open_fds(pid)})")
-        rss = proc_kib(pid, "VmRSS")
-        assert rss <= self.rss + RSS_SLACK_KIB, f"RSS {rss} KiB, baseline {self.rss} KiB (+{RSS_SLACK_KIB} allowed)"
-        print(f"fds {self.fds} -> {open_fds(pid)}, VmRSS {self.rss} -> {rss} KiB")
-        return open_fds(pid), rss
+        super().__init__(d, FD_SLACK, RSS_SLACK_KIB)
 
 
 class Run:
