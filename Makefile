@@ -30,7 +30,9 @@ LDFLAGS     += $(SANFLAGS)
 
 COMMON_SRC  := $(wildcard common/*.c)
 CLIENT_SRC  := $(wildcard client/*.c)
-SERVER_SRC  := $(wildcard server/*.c)
+SERVER_SRC  := $(wildcard server/*.c server/*/*.c)
+# server/ is layered (server/README.md): one -I per layer, and `make lint-layers` keeps the include rules
+SERVER_INC  := -Iserver -Iserver/core -Iserver/net -Iserver/hub -Iserver/api
 UNIT_SRC    := $(wildcard tests/unit/test-*.c)
 
 COMMON_OBJ  := $(COMMON_SRC:%.c=$(BUILD)/%.o)
@@ -53,7 +55,7 @@ DEB_PKGS    := build-essential pkg-config libuv1-dev libcurl4-openssl-dev libcjs
                chromium systemd nginx iproute2
 PY_PKGS     := safetensors huggingface_hub pytest requests prometheus_client
 
-.PHONY: all deps venv check unit test-integration fuzz fuzz-regress bench bench-deps soak clean distclean
+.PHONY: all deps venv check lint-layers unit test-integration fuzz fuzz-regress bench bench-deps soak clean distclean
 
 all: $(BUILD)/libdiloco.a $(BUILD)/libdilocod.a $(BINS)
 
@@ -76,7 +78,7 @@ $(BUILD)/tests/st-write: $(BUILD)/tests/tools/st-write.o $(BUILD)/libdiloco.a
 	@mkdir -p $(@D)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
-$(UNIT_OBJ): ALL_CFLAGS += -Iserver -I$(LLHTTP_INC)
+$(UNIT_OBJ): ALL_CFLAGS += $(SERVER_INC) -I$(LLHTTP_INC)
 $(BUILD)/tests/unit-tests: $(UNIT_OBJ) $(BUILD)/libdilocod.a $(BUILD)/libdiloco.a
 	@mkdir -p $(@D)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
@@ -88,9 +90,9 @@ $(BUILD)/llhttp/%.o: $(LLHTTP_SRC)/%.c
 
 # The dashboard page is compiled into the binary (no files to install, no CDN): a byte array made
 # with od and sed, so the build needs nothing beyond coreutils.
-$(BUILD)/gen/dashboard.c: server/dashboard.html
+$(BUILD)/gen/dashboard.c: server/api/dashboard.html
 	@mkdir -p $(@D)
-	{ echo '/* generated from server/dashboard.html by the Makefile */'; \
+	{ echo '/* generated from server/api/dashboard.html by the Makefile */'; \
 	  echo '#include <stddef.h>'; \
 	  echo 'const unsigned char dashboard_html[] = {'; \
 	  od -An -v -tx1 $< | sed -e 's/ \([0-9a-f][0-9a-f]\)/0x\1,/g'; \
@@ -103,7 +105,7 @@ $(BUILD)/gen/dashboard.o: $(BUILD)/gen/dashboard.c
 $(BUILD)/dilocod: $(BUILD)/server/main.o $(BUILD)/libdilocod.a $(BUILD)/libdiloco.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
-$(SERVER_OBJ): ALL_CFLAGS += -I$(LLHTTP_INC)
+$(SERVER_OBJ): ALL_CFLAGS += $(SERVER_INC) -I$(LLHTTP_INC)
 
 # Tensor kernels: gcc 12's -O2 cost model vectorises almost nothing, and the selects in the f16 loops
 # are only if-converted when float operations may be speculated (we never read FP exception flags).
@@ -131,6 +133,10 @@ $(VENV)/.stamp: Makefile
 	touch $@
 
 # ---- tests --------------------------------------------------------------------------------------
+# server/'s layers include only what they may (server/README.md, Layers)
+lint-layers:
+	@bash tests/tools/lint-layers.sh
+
 unit: $(BUILD)/tests/unit-tests
 	$(BUILD)/tests/unit-tests
 
@@ -138,6 +144,7 @@ test-integration: all venv
 	DILOCO_BUILD=$(abspath $(BUILD)) $(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
 
 check: deps
+	$(MAKE) lint-layers
 	$(MAKE) venv
 	$(MAKE) all
 	$(MAKE) unit
@@ -160,9 +167,9 @@ $(FUZZ_BUILD)/fuzz-header: tests/fuzz/fuzz-header.c $(COMMON_SRC) $(wildcard com
 	clang $(FUZZ_FLAGS) -o $@ $< $(COMMON_SRC) $(shell pkg-config --libs libcjson libcrypto) -lm
 
 # The request path links the server (without main) and llhttp's C sources.
-$(FUZZ_BUILD)/fuzz-request: tests/fuzz/fuzz-request.c $(COMMON_SRC) $(FUZZ_SERVER) $(wildcard common/*.h server/*.h)
+$(FUZZ_BUILD)/fuzz-request: tests/fuzz/fuzz-request.c $(COMMON_SRC) $(FUZZ_SERVER) $(wildcard common/*.h server/*.h server/*/*.h)
 	@mkdir -p $(@D)
-	clang $(FUZZ_FLAGS) -Iserver -I$(LLHTTP_INC) $(shell pkg-config --cflags $(PKGS)) -o $@ $< $(COMMON_SRC) \
+	clang $(FUZZ_FLAGS) $(SERVER_INC) -I$(LLHTTP_INC) $(shell pkg-config --cflags $(PKGS)) -o $@ $< $(COMMON_SRC) \
 	  $(FUZZ_SERVER) $(BUILD)/gen/dashboard.c $(LLHTTP_SRC)/llhttp.c $(LLHTTP_SRC)/api.c $(LLHTTP_SRC)/http.c $(LDLIBS)
 
 $(FUZZ_BUILD)/fuzz-request: $(BUILD)/gen/dashboard.c

@@ -1,7 +1,7 @@
 """dilocod durability: kill -9 at random moments of aggregation and commit, a full disk during the outer
 step, and bounded memory while aggregating a large model.
 
-Commit protocol under test (server/store.c): the step's global/latest-<s>.safetensors and
+Commit protocol under test (server/core/store.c): the step's global/latest-<s>.safetensors and
 outer_state-<s>.safetensors are written to temporary files, fsynced and renamed, then
 outer_metadata.json is atomically replaced (the commit point); startup removes every leftover.
 """

@@ -1,4 +1,4 @@
-"""The dashboard (GET /, server/dashboard.html compiled into dilocod) in a real headless Chromium.
+"""The dashboard (GET /, server/api/dashboard.html compiled into dilocod) in a real headless Chromium.
 
 dilocod runs with --hub none, a small model, --expected-nodes 2 (with --nodes node-a,node-b, so the page
 also has a `missing` list to show, and --round-timeout 600, so it has a deadline to count down; rounds
@@ -218,8 +218,8 @@ def test_dashboard_in_headless_chromium(tmp_path):
         assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/html"), r.headers
         assert "default-src 'self'" in r.headers["Content-Security-Policy"], r.headers
         assert len(r.content) < 40_000, len(r.content)
-        assert r.content == (Path(__file__).resolve().parents[2] / "server" / "dashboard.html").read_bytes(), \
-            "dilocod serves another page than server/dashboard.html: rebuild (make)"
+        assert r.content == (Path(__file__).resolve().parents[2] / "server" / "api" / "dashboard.html").read_bytes(), \
+            "dilocod serves another page than server/api/dashboard.html: rebuild (make)"
         check_self_contained(r.text)
 
         # three full rounds over HTTP

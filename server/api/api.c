@@ -23,7 +23,7 @@
 
 
 
-/* server/dashboard.html, compiled in by the Makefile */
+/* server/api/dashboard.html, compiled in by the Makefile */
 extern const unsigned char dashboard_html[];
 extern const size_t dashboard_html_len;
 

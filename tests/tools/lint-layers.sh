@@ -1,0 +1,53 @@
+#!/bin/bash
+# make lint-layers: server/'s include rules (server/README.md, "Layers").
+#   core  the round, intake, store, seen, history, stats: knows only common/ and core/
+#   net   the HTTP engine and libcurl on libuv: knows common/, core/ and net/
+#   hub   the transports: knows common/, core/, net/ and hub/
+#   api   the HTTP routes, and server/ itself (daemon, config, main): may know everything
+# A lower layer that includes a higher one fails the build with the file, line and header.
+set -u
+cd "$(dirname "$0")/../.."
+
+allowed() {     # layer of the includer -> layers it may include
+    case "$1" in
+    core) echo "common core" ;;
+    net)  echo "common core net" ;;
+    hub)  echo "common core net hub" ;;
+    *)    echo "common core net hub api top" ;;
+    esac
+}
+
+layer_of_header() {     # a quoted include's name -> the layer its file lives in ("" if not ours)
+    local h=$1
+    if [ -e "common/$h" ]; then echo common; return; fi
+    for l in core net hub api; do
+        if [ -e "server/$l/$h" ]; then echo "$l"; return; fi
+    done
+    if [ -e "server/$h" ]; then echo top; return; fi
+    echo ""
+}
+
+bad=0
+checked=0
+for f in server/*.[ch] server/*/*.[ch]; do
+    dir=${f#server/}
+    case "$dir" in */*) layer=${dir%%/*} ;; *) layer=top ;; esac
+    ok=" $(allowed "$layer") "
+    while IFS=: read -r line inc; do
+        name=$(sed -E 's/.*#[[:space:]]*include[[:space:]]*"([^"]+)".*/\1/' <<<"$inc")
+        hl=$(layer_of_header "$name")
+        checked=$((checked + 1))
+        if [ -z "$hl" ]; then
+            echo "$f:$line: includes \"$name\", which is not a header of common/ or server/" >&2
+            bad=1
+        elif [[ "$ok" != *" $hl "* ]]; then
+            echo "$f:$line: the $layer layer includes \"$name\" of the $hl layer (allowed: $(allowed "$layer"))" >&2
+            bad=1
+        fi
+    done < <(grep -n '^[[:space:]]*#[[:space:]]*include[[:space:]]*"' "$f")
+done
+if [ "$bad" != 0 ]; then
+    echo "lint-layers: FAILED (see server/README.md, Layers)" >&2
+    exit 1
+fi
+echo "lint-layers: $checked includes checked, every layer includes only what it may"
