@@ -1,0 +1,146 @@
+/* hub: the transport interface.  A transport is where deltas come from and where the global goes:
+ * a shared directory (file://), a Hugging Face Hub repo (hf://), and the next one (s3://).  Every
+ * transport implements all of it, asynchronously on the daemon's loop, with the same callbacks, so
+ * the daemon has no branch on which transport it talks to.
+ *
+ * Adding a transport: one file (hub_<scheme>.c) that defines a `const hub_ops hub_<scheme>_ops`,
+ * plus one row in the scheme table of hub.c.
+ *
+ * The contract, for every transport:
+ *   - open() prepares what must exist (a directory tree, a state subdirectory) and fails with a
+ *     message if it cannot: startup fails before anything else is touched.
+ *   - start() begins polling.  The first poll reports published_seen(): the step the transport
+ *     holds (from global/step_count.json), or -1 when it holds none.  Later polls report it again
+ *     only when it changes.
+ *   - Each delta file found is handed over once per version with delta_ready().  The daemon takes it
+ *     in and answers with hub_mark_done() and the outcome; a transport never hands over the same
+ *     version again after HUB_TAKEN or HUB_INVALID.
+ *   - While set_step(..., waiting_for_global = 1), the transport does not hand over deltas; when it
+ *     holds a global it copies it into state_dir and reports global_ready() (the daemon owns the copy).
+ *   - publish() writes global/latest.safetensors, then global/step_count.json (last, so a reader never
+ *     sees a step whose model is not there), and reports publish_done() exactly once per call.
+ *   - close() cancels what is in flight; done(arg) runs once every handle and job is finished.
+ * Everything runs on the loop thread; blocking file work goes to the libuv pool inside the transport. */
+#ifndef HUB_H
+#define HUB_H
+
+#include <stdint.h>
+#include <time.h>
+
+#include <uv.h>
+
+#include "dl_error.h"
+
+typedef struct hub_ops hub_ops;
+
+/* Every transport's handle starts with this (the transport's own struct embeds it first). */
+typedef struct hub {
+    const hub_ops *ops;
+} hub;
+
+/* A delta file a transport hands to the daemon. */
+typedef struct hub_delta {
+    const char *rel;            /* nodes/<id>/delta_<n>.safetensors, as the transport lists it */
+    const char *path;           /* where intake reads it */
+    const char *root;           /* non-NULL: path is a file of this shared tree, which others write: intake
+                                   reaches it from the root without following links (file://) */
+    int owned;                  /* 1: a local copy (a download) that the daemon removes after intake */
+} hub_delta;
+
+/* What became of a delta the transport handed over (hub_mark_done). */
+typedef enum hub_outcome {
+    HUB_TAKEN,                  /* decided for good: accepted, replaced, stale, future, duplicate, refused */
+    HUB_INVALID,                /* refused by validation (the daemon counted and logged it) */
+    HUB_INCOMPLETE,             /* shorter than its header says: it may still be being written */
+    HUB_RETRY,                  /* our own failure (disk full, ...): hand it over again later */
+} hub_outcome;
+
+/* The version of a file that intake read (for transports that see files change in place). */
+typedef struct hub_version {
+    uint64_t size;
+    int64_t mtime_ns;
+    uint64_t ino;
+} hub_version;
+
+typedef struct hub_callbacks {
+    void (*delta_ready)(void *app, const hub_delta *delta);
+    /* The transport's published step when first known or changed; -1 when it holds none. */
+    void (*published_seen)(void *app, int64_t step);
+    /* A verified local copy of the transport's global at step, in state_dir (the daemon owns it). */
+    void (*global_ready)(void *app, uint64_t step, const char *local_path);
+    /* A publish() finished: error is NULL on success, else why this attempt failed. */
+    void (*publish_done)(void *app, uint64_t step, const char *error);
+} hub_callbacks;
+
+typedef struct hub_config {
+    const char *url;            /* file:///abs/dir, hf://ns/repo[@rev], ... (hub_find accepted it) */
+    const char *state_dir;      /* <state_root>/<id>: the transport's own files (downloads, lists) */
+    const char *endpoint;       /* the server for network transports (hf://: the Hub's endpoint) */
+    const char *token;          /* credentials, may be NULL */
+    double poll_interval;       /* seconds */
+    unsigned max_downloads;     /* parallel downloads */
+    uint64_t max_header_bytes;  /* cap on a delta's safetensors header (0: the format's own cap) */
+} hub_config;
+
+/* Requests a transport made to its server, by route and status code (for /metrics). */
+#define HUB_MAX_CALL_ROWS 48
+typedef struct hub_call_count {
+    const char *route;          /* a static name: "revision", "tree", "commit", ... */
+    int code;                   /* HTTP status, or 0 when no answer came (network error) */
+    uint64_t count;
+} hub_call_count;
+
+typedef struct hub_status {
+    time_t last_poll, last_publish;     /* 0: never */
+    char head[48];                      /* the revision last seen, if the transport has one */
+    char last_error[256];
+    uint64_t errors, api_calls, resolver_calls, downloads, download_bytes;
+    int publishing;
+    time_t rate_reset_at;               /* when the server's rate budget resets, if it said (0: unknown) */
+    hub_call_count calls[HUB_MAX_CALL_ROWS];
+    unsigned ncalls;
+} hub_status;
+
+struct hub_ops {
+    const char *scheme;         /* "file://" */
+    const char *kind;           /* "file", as /status names it */
+    /* Checks a URL of this scheme (config time, nothing touched).  0 or -DL_E_INVALID_ARGUMENT. */
+    int (*check_url)(const char *url, dl_error *err);
+    int (*open)(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_callbacks *cb, void *app,
+                dl_error *err);
+    void (*start)(hub *h);
+    void (*set_step)(hub *h, uint64_t step, int waiting_for_global);
+    void (*publish)(hub *h, uint64_t step, const char *global_path, const char *optimizer, int bootstrap);
+    /* Returns 1 when an HUB_INCOMPLETE outcome is final (the file stopped changing and is still
+     * short: the daemon rejects it), else 0. */
+    int (*mark_done)(hub *h, const char *rel, hub_outcome outcome, const hub_version *version);
+    const hub_status *(*status)(const hub *h);
+    void (*close)(hub *h, void (*done)(void *arg), void *arg);
+};
+
+/* The scheme table: the transport for url, or NULL ("none" has no transport). */
+const hub_ops *hub_find(const char *url);
+/* Checks a --hub value: "none" or a URL of a known scheme.  0 or -DL_E_INVALID_ARGUMENT with why. */
+int hub_check_url(const char *url, dl_error *err);
+
+int hub_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_callbacks *cb, void *app, dl_error *err);
+
+static inline void hub_start(hub *h) { h->ops->start(h); }
+static inline void hub_set_step(hub *h, uint64_t step, int waiting) { h->ops->set_step(h, step, waiting); }
+static inline void hub_publish(hub *h, uint64_t step, const char *global_path, const char *optimizer, int bootstrap)
+{
+    h->ops->publish(h, step, global_path, optimizer, bootstrap);
+}
+static inline int hub_mark_done(hub *h, const char *rel, hub_outcome o, const hub_version *v)
+{
+    return h->ops->mark_done(h, rel, o, v);
+}
+static inline const hub_status *hub_get_status(const hub *h) { return h->ops->status(h); }
+static inline const char *hub_kind(const hub *h) { return h->ops->kind; }
+static inline void hub_close(hub *h, void (*done)(void *), void *arg) { h->ops->close(h, done, arg); }
+
+/* For transports: counts a request by route and code in st->calls (the table is small and fixed;
+ * a row past its end is counted under the last row). */
+void hub_count_call(hub_status *st, const char *route, int code);
+
+#endif
