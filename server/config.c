@@ -1,16 +1,23 @@
 #include "config.h"
+#include "auth.h"
 #include "hub_hf.h"
+#include "safetensors.h"
 
 #include <errno.h>
 #include <math.h>
+#include <netdb.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "util.h"
 
-typedef enum opt_type { T_STR, T_UINT, T_DOUBLE, T_OPTIMIZER, T_NODES, T_LOGLEVEL, T_LOGFORMAT } opt_type;
+/* T_STR must not be empty; T_OPTSTR may be unset, and an empty value unsets it (a flag can so
+ * cancel a file's path: --token-file '') */
+typedef enum opt_type { T_STR, T_OPTSTR, T_UINT, T_DOUBLE, T_OPTIMIZER, T_NODES, T_LOGLEVEL, T_LOGFORMAT } opt_type;
 
 typedef struct opt {
     const char *key;            /* file key; the flag is "--" + key with '_' -> '-' */
@@ -25,7 +32,7 @@ static const opt options[] = {
     {"state_root", T_STR, OFF(state_root), 0, 0, "DIR       local state (one subdirectory per aggregator id)"},
     {"id", T_STR, OFF(id), 0, 0, "NAME              aggregator id: state lives in <state_root>/<id>/"},
     {"hub", T_STR, OFF(hub), 0, 0, "URL              file:///abs/dir | hf://ns/repo[@rev] | none"},
-    {"init_model", T_STR, OFF(init_model), 0, 0, "FILE      initial model, published as step 0 when there is no state and no global"},
+    {"init_model", T_OPTSTR, OFF(init_model), 0, 0, "FILE      initial model, published as step 0 when there is no state and no global"},
     {"expected_nodes", T_UINT, OFF(expected_nodes), 0, CONFIG_MAX_NODES, "N     a round closes when N distinct nodes delivered"},
     {"nodes", T_NODES, OFF(nodes), 0, 0, "ID,ID,...      allow-list of node ids (sets expected_nodes)"},
     {"min_nodes", T_UINT, OFF(min_nodes), 1, CONFIG_MAX_NODES, "N          after round_timeout, close with at least N nodes"},
@@ -40,7 +47,7 @@ static const opt options[] = {
     {"agg_memory_mib", T_UINT, OFF(agg_memory_mib), 1, 65536, "MIB   aggregation buffer budget per thread"},
     {"retry_interval", T_DOUBLE, OFF(retry_interval), 0.01, 86400, "SECONDS  wait before retrying a failed commit or publish"},
     {"listen", T_STR, OFF(listen), 0, 0, "HOST:PORT     HTTP API address (port 0: any free port); none disables it"},
-    {"token_file", T_STR, OFF(token_file), 0, 0, "FILE      upload tokens, lines 'node_id token' ('*' = any node); without it uploads are loopback-only"},
+    {"token_file", T_OPTSTR, OFF(token_file), 0, 0, "FILE      upload tokens, lines 'node_id token' ('*' = any node); without it uploads are loopback-only"},
     {"max_header_bytes", T_UINT, OFF(max_header_bytes), 256, 1 << 24, "N   HTTP request head size limit (431 beyond)"},
     {"max_headers", T_UINT, OFF(max_headers), 4, 10000, "N        HTTP header count limit (431 beyond)"},
     {"max_body_mib", T_UINT, OFF(max_body_mib), 0, 1 << 22, "MIB     upload size limit (413 beyond); 0 = the expected delta size + the header cap"},
@@ -49,8 +56,8 @@ static const opt options[] = {
     {"header_timeout", T_DOUBLE, OFF(header_timeout), 0.01, 3600, "SECONDS  to receive a request head (slowloris)"},
     {"idle_timeout", T_DOUBLE, OFF(idle_timeout), 0.01, 86400, "SECONDS  without progress on a connection (idle, stalled body or download)"},
     {"max_connections", T_UINT, OFF(max_connections), 1, 1000000, "N    open HTTP connections at most"},
-    {"hub_endpoint", T_STR, OFF(hub_endpoint), 0, 0, "URL     Hub endpoint for hf:// (default $HF_ENDPOINT or https://huggingface.co)"},
-    {"hub_token_file", T_STR, OFF(hub_token_file), 0, 0, "FILE  file holding the Hub token (default $HF_TOKEN)"},
+    {"hub_endpoint", T_OPTSTR, OFF(hub_endpoint), 0, 0, "URL     Hub endpoint for hf:// (default $HF_ENDPOINT or https://huggingface.co)"},
+    {"hub_token_file", T_OPTSTR, OFF(hub_token_file), 0, 0, "FILE  file holding the Hub token (default $HF_TOKEN)"},
     {"max_downloads", T_UINT, OFF(max_downloads), 1, 64, "N      parallel delta downloads from the Hub"},
 };
 
@@ -75,6 +82,51 @@ static int bad(const char *origin, const char *key, const char *fmt, ...)
     va_end(ap);
     fprintf(stderr, "\n");
     return 2;
+}
+
+static size_t option_index(const char *key)
+{
+    for (size_t i = 0; i < COUNT_OF(options); i++)
+        if (strcmp(options[i].key, key) == 0)
+            return i;
+    return COUNT_OF(options);
+}
+
+/* A check after all sources were read: names the line that set the option, or its flag. */
+static int bad_opt(const config *c, const char *key, const char *fmt, ...)
+{
+    size_t i = option_index(key);
+    const char *where = c->origin != NULL && i < COUNT_OF(options) ? c->origin[i] : NULL;
+    char name[64];
+    va_list ap;
+
+    snprintf(name, sizeof(name), "%s", key);
+    if (where != NULL) {
+        fprintf(stderr, "dilocod: %s: %s: ", where, name);
+    } else {
+        for (char *p = name; *p; p++)
+            if (*p == '_')
+                *p = '-';
+        fprintf(stderr, "dilocod: --%s: ", name);
+    }
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "\n");
+    return 2;
+}
+
+/* where: "FILE:LINE" for a file line, NULL for a flag (which overrides whatever the file said). */
+static int set_origin(config *c, const opt *o, const char *where)
+{
+    size_t i = (size_t)(o - options);
+    char *copy = NULL;
+
+    if (where != NULL && (copy = strdup(where)) == NULL)
+        return bad("", o->key, "out of memory");
+    free(c->origin[i]);
+    c->origin[i] = copy;
+    return 0;
 }
 
 static void free_nodes(config *c)
@@ -126,7 +178,18 @@ static int set_option(config *c, const opt *o, const char *v, const char *origin
     void *field = (char *)c + o->offset;
     char *end;
 
+    /* values end up in paths, log lines and the printed configuration: no control characters */
+    for (const char *p = v; *p; p++)
+        if ((unsigned char)*p < 0x20 || *p == 0x7f)
+            return bad(origin, o->key, "the value contains a control character (byte 0x%02x)", (unsigned char)*p);
     switch (o->type) {
+    case T_OPTSTR:
+        if (*v == '\0') {
+            free(*(char **)field);
+            *(char **)field = NULL;
+            return 0;
+        }
+        /* fall through */
     case T_STR: {
         char **s = field;
         char *copy = strdup(v);
@@ -213,10 +276,53 @@ static char *trim(char *s)
     return s;
 }
 
+/* The value after '=', in place: "double quoted" (escapes \\ and \"), 'single quoted' (verbatim) or
+ * bare.  A '#' at the start of a bare value or after a blank starts a comment, so a bare value may hold
+ * '#' (hf://org/repo#x is not cut) and a quoted one anything.  NULL with *why on a malformed value. */
+static char *parse_value(char *s, const char **why)
+{
+    char *w, *r;
+
+    while (*s == ' ' || *s == '\t')
+        s++;
+    if (*s != '"' && *s != '\'') {
+        for (r = s; *r; r++) {
+            if (*r == '#' && (r == s || r[-1] == ' ' || r[-1] == '\t')) {
+                *r = '\0';
+                break;
+            }
+        }
+        return trim(s);
+    }
+    char quote = *s;
+    for (w = r = s + 1; *r != quote; r++) {
+        if (*r == '\0') {
+            *why = "the quoted value has no closing quote";
+            return NULL;
+        }
+        if (quote == '"' && *r == '\\') {
+            r++;
+            if (*r != '\\' && *r != '"') {
+                *why = "unknown escape in a double-quoted value (the escapes are \\\\ and \\\")";
+                return NULL;
+            }
+        }
+        *w++ = *r;
+    }
+    *w = '\0';                  /* w < r: the closing quote at r is never overwritten */
+    for (r++; *r == ' ' || *r == '\t'; r++)
+        ;
+    if (*r != '\0' && *r != '#') {
+        *why = "text after the closing quote (a comment starts with #)";
+        return NULL;
+    }
+    return s + 1;
+}
+
 static int load_file(config *c, const char *path)
 {
     FILE *f = fopen(path, "r");
-    char line[8192], origin[600];
+    char line[8192], origin[616], where[600];
     int lineno = 0, rc = 0;
 
     if (f == NULL) {
@@ -243,14 +349,20 @@ static int load_file(config *c, const char *path)
         }
         *eq = '\0';
         key = trim(s);
-        val = trim(eq + 1);
-        snprintf(origin, sizeof(origin), "%s:%d: ", path, lineno);
+        snprintf(where, sizeof(where), "%s:%d", path, lineno);
+        snprintf(origin, sizeof(origin), "%s: ", where);
         if ((o = find_key(key, strlen(key))) == NULL) {
             fprintf(stderr, "dilocod: %sunknown option '%s'\n", origin, key);
             rc = 2;
             break;
         }
-        rc = set_option(c, o, val, origin);
+        const char *why = NULL;
+        if ((val = parse_value(eq + 1, &why)) == NULL) {
+            rc = bad(origin, o->key, "%s", why);
+            break;
+        }
+        if ((rc = set_option(c, o, val, origin)) == 0)
+            rc = set_origin(c, o, where);
     }
     fclose(f);
     return rc;
@@ -268,7 +380,7 @@ static void usage(FILE *out)
             flag[k] = options[i].key[k] == '_' ? '-' : options[i].key[k];
         fprintf(out, "  --%s %s\n", flag, options[i].help);
     }
-    fprintf(out, "  --config FILE          read options from FILE first (key = value, # comments)\n"
+    fprintf(out, "  --config FILE          read options from FILE first (key = value, # comments, \"quoted\" values)\n"
                  "  --check-config         validate, print the effective configuration and exit\n"
                  "  --help, --version\n");
 }
@@ -276,6 +388,7 @@ static void usage(FILE *out)
 static void set_defaults(config *c)
 {
     memset(c, 0, sizeof(*c));
+    c->origin = calloc(COUNT_OF(options), sizeof(*c->origin));
     c->state_root = strdup("/var/lib/dilocod");
     c->id = strdup("aggregator");
     c->hub = strdup("none");
@@ -301,6 +414,21 @@ static void set_defaults(config *c)
     c->max_downloads = 2;
 }
 
+/* A file an option names is opened by its reader without O_NONBLOCK: a FIFO or a device there would
+ * hold the start (or --check-config) forever, so only a regular file gets that far. */
+static int check_regular_file(const config *c, const char *key, const char *path)
+{
+    struct stat sb;
+
+    if (stat(path, &sb) != 0)
+        return bad_opt(c, key, "cannot read %s: %s", path, strerror(errno));
+    if (!S_ISREG(sb.st_mode))
+        return bad_opt(c, key, "%s is not a regular file", path);
+    if (access(path, R_OK) != 0)
+        return bad_opt(c, key, "cannot read %s: %s", path, strerror(errno));
+    return 0;
+}
+
 /* hf://ns/repo[@rev], the endpoint and the token (never printed, never logged). */
 static int load_hf(config *c)
 {
@@ -309,26 +437,29 @@ static int load_hf(config *c)
     free(c->hf_repo);
     free(c->hf_rev);
     if (hf_parse_url(c->hub, &c->hf_repo, &c->hf_rev) != 0)
-        return bad("--", "hub", "'%s' is not hf://namespace/repo[@revision]", c->hub);
+        return bad_opt(c, "hub", "'%s' is not hf://namespace/repo[@revision]", c->hub);
     if (c->hub_endpoint == NULL) {
         env = getenv("HF_ENDPOINT");
         c->hub_endpoint = strdup(env && *env ? env : "https://huggingface.co");
     }
     if (strncmp(c->hub_endpoint, "https://", 8) != 0 && strncmp(c->hub_endpoint, "http://", 7) != 0)
-        return bad("--", "hub-endpoint", "'%s' is not an http(s) URL", c->hub_endpoint);
+        return bad_opt(c, "hub_endpoint", "'%s' is not an http(s) URL", c->hub_endpoint);
     free(c->hub_token);
     c->hub_token = NULL;
     if (c->hub_token_file != NULL) {
-        FILE *f = fopen(c->hub_token_file, "r");
+        FILE *f;
         char line[512];
-        if (f == NULL)
-            return bad("--", "hub-token-file", "cannot read %s: %s", c->hub_token_file, strerror(errno));
+        int rc = check_regular_file(c, "hub_token_file", c->hub_token_file);
+        if (rc != 0)
+            return rc;
+        if ((f = fopen(c->hub_token_file, "r")) == NULL)
+            return bad_opt(c, "hub_token_file", "cannot read %s: %s", c->hub_token_file, strerror(errno));
         if (fgets(line, sizeof(line), f) == NULL)
             line[0] = '\0';
         fclose(f);
         line[strcspn(line, "\r\n")] = '\0';
         if (line[0] == '\0' || strpbrk(line, " \t") != NULL)
-            return bad("--", "hub-token-file", "%s does not hold a token on its first line", c->hub_token_file);
+            return bad_opt(c, "hub_token_file", "%s does not hold a token on its first line", c->hub_token_file);
         c->hub_token = strdup(line);
         memset(line, 0, sizeof(line));
     } else if ((env = getenv("HF_TOKEN")) != NULL && *env) {
@@ -351,59 +482,169 @@ static int parse_listen(config *c)
     if (v[0] == '[') {
         const char *close = strchr(v, ']');
         if (close == NULL || close[1] != ':')
-            return bad("--", "listen", "'%s' is not HOST:PORT, [V6ADDR]:PORT or none", v);
+            return bad_opt(c, "listen", "'%s' is not HOST:PORT, [V6ADDR]:PORT or none", v);
         c->listen_host = strndup(v + 1, (size_t)(close - v - 1));
         colon = close + 1;
     } else {
         colon = strrchr(v, ':');
         if (colon == NULL || colon == v)
-            return bad("--", "listen", "'%s' is not HOST:PORT, [V6ADDR]:PORT or none", v);
+            return bad_opt(c, "listen", "'%s' is not HOST:PORT, [V6ADDR]:PORT or none", v);
         c->listen_host = strndup(v, (size_t)(colon - v));
     }
     errno = 0;
     port = strtol(colon + 1, &end, 10);
     if (colon[1] == '\0' || *end != '\0' || errno != 0 || port < 0 || port > 65535)
-        return bad("--", "listen", "'%s': the port must be 0..65535", v);
+        return bad_opt(c, "listen", "'%s': the port must be 0..65535", v);
     c->listen_port = (int)port;
-    return c->listen_host ? 0 : bad("--", "listen", "out of memory");
+    return c->listen_host ? 0 : bad_opt(c, "listen", "out of memory");
+}
+
+/* The address must resolve as the HTTP engine resolves it and belong to this machine.  Bound with
+ * port 0, so a running dilocod that holds the real port (a reload, an ExecStartPre) does not fail
+ * the check; a port that is busy or privileged is still only found out by the start. */
+static int check_listen(const config *c)
+{
+    struct addrinfo hints = {0}, *res = NULL;
+    int rc, fd, e;
+
+    if (c->listen_host == NULL)
+        return 0;
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+    if ((rc = getaddrinfo(c->listen_host, "0", &hints, &res)) != 0)
+        return bad_opt(c, "listen", "'%s': cannot resolve the host: %s", c->listen,
+                       rc == EAI_SYSTEM ? strerror(errno) : gai_strerror(rc));
+    fd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    e = fd < 0 ? errno : (bind(fd, res->ai_addr, res->ai_addrlen) != 0 ? errno : 0);
+    if (fd >= 0)
+        close(fd);
+    freeaddrinfo(res);
+    if (e == EADDRNOTAVAIL)
+        return bad_opt(c, "listen", "'%s': %s is not an address of this machine", c->listen, c->listen_host);
+    if (e != 0)
+        return bad_opt(c, "listen", "'%s': cannot bind: %s", c->listen, strerror(e));
+    return 0;
+}
+
+/* Loaded as the start loads it (short tokens, bad node ids, an empty file are refused), then dropped:
+ * the daemon loads its own table. */
+static int check_token_file(const config *c)
+{
+    auth_table t = {0};
+    dl_error err;
+    int rc;
+
+    if (c->token_file == NULL)
+        return 0;
+    if ((rc = check_regular_file(c, "token_file", c->token_file)) != 0)
+        return rc;
+    dl_error_clear(&err);
+    if (auth_load(&t, c->token_file, &err) != 0)
+        return bad_opt(c, "token_file", "%s", err.message);
+    auth_free(&t);
+    return 0;
+}
+
+/* The start creates the directories below path: every part of it that exists must be a directory.
+ * Writability is left to the start, which may run as another user (systemd's DynamicUser). */
+static int check_dir_path(const config *c, const char *key, const char *path)
+{
+    char *p = strdup(path), *slash;
+    struct stat sb;
+    int rc = 0;
+
+    if (p == NULL)
+        return bad("", key, "out of memory");
+    for (;;) {
+        if (stat(p, &sb) == 0) {
+            if (!S_ISDIR(sb.st_mode))
+                rc = bad_opt(c, key, "%s: %s is not a directory", path, p);
+            break;
+        }
+        if (errno == ENOTDIR) {
+            rc = bad_opt(c, key, "%s: a part of the path is not a directory", path);
+            break;
+        }
+        if (errno != ENOENT) {
+            rc = bad_opt(c, key, "%s: %s", strcmp(p, path) == 0 ? path : p, strerror(errno));
+            break;
+        }
+        if ((slash = strrchr(p, '/')) == NULL || slash == p)
+            break;              /* a relative first part, or /: nothing above it to check */
+        *slash = '\0';
+    }
+    free(p);
+    return rc;
+}
+
+/* Startup uses the init model only when <state_root>/<id> holds no committed step: then it must be a
+ * safetensors file, read as the bootstrap reads it (header parsed, sizes checked; data not read). */
+static int check_init_model(const config *c)
+{
+    char *meta = NULL;
+    st_file *f = NULL;
+    dl_error err;
+    int rc, committed;
+
+    if (c->init_model == NULL)
+        return 0;
+    if (asprintf(&meta, "%s/%s/outer_metadata.json", c->state_root, c->id) < 0)
+        return bad("", "init_model", "out of memory");
+    committed = access(meta, F_OK) == 0;
+    free(meta);
+    if (committed)
+        return 0;
+    if ((rc = check_regular_file(c, "init_model", c->init_model)) != 0)
+        return rc;
+    dl_error_clear(&err);
+    if (st_open(c->init_model, &f, &err) != 0)
+        return bad_opt(c, "init_model", "%s is not a usable safetensors file: %s: %s", c->init_model,
+                       dl_error_name(err.code), err.message);
+    st_close(f);
+    return 0;
 }
 
 static int validate(config *c)
 {
-    if (c->state_root == NULL || c->id == NULL || c->hub == NULL)
+    int rc;
+
+    if (c->origin == NULL || c->state_root == NULL || c->id == NULL || c->hub == NULL)
         return bad("", "config", "out of memory");
     if (c->state_root[0] == '\0')
-        return bad("--", "state-root", "must not be empty");
+        return bad_opt(c, "state_root", "must not be empty");
     if (!delta_valid_node_id(c->id, strlen(c->id)))
-        return bad("--", "id", "'%s' is not a valid id ([A-Za-z0-9._-]{1,64}, not . or ..)", c->id);
+        return bad_opt(c, "id", "'%s' is not a valid id ([A-Za-z0-9._-]{1,64}, not . or ..)", c->id);
     if (strcmp(c->hub, "none") != 0 && strncmp(c->hub, "file:///", 8) != 0 && strncmp(c->hub, "hf://", 5) != 0)
-        return bad("--", "hub", "'%s' is not file:///abs/dir, hf://ns/repo[@rev] or none", c->hub);
-    if (strncmp(c->hub, "hf://", 5) == 0) {
-        int rc = load_hf(c);
-        if (rc != 0)
-            return rc;
-    }
+        return bad_opt(c, "hub", "'%s' is not file:///abs/dir, hf://ns/repo[@rev] or none", c->hub);
+    if (strncmp(c->hub, "hf://", 5) == 0 && (rc = load_hf(c)) != 0)
+        return rc;
     if (strcmp(c->hub, "file:///") == 0)
-        return bad("--", "hub", "file:// needs a directory other than /");
+        return bad_opt(c, "hub", "file:// needs a directory other than /");
     if (c->nnodes > 0) {
         if (c->expected_nodes != 0 && c->expected_nodes != c->nnodes)
-            return bad("--", "expected-nodes", "%u disagrees with the %zu ids given by --nodes", c->expected_nodes,
+            return bad_opt(c, "expected_nodes", "%u disagrees with the %zu ids given by --nodes", c->expected_nodes,
                        c->nnodes);
         c->expected_nodes = (unsigned)c->nnodes;
     }
     if (c->expected_nodes == 0 && c->round_timeout == 0)
-        return bad("--", "expected-nodes", "rounds would never close: give --expected-nodes/--nodes or --round-timeout");
+        return bad_opt(c, "expected_nodes", "rounds would never close: give --expected-nodes/--nodes or --round-timeout");
     if (c->expected_nodes != 0 && c->min_nodes > c->expected_nodes)
-        return bad("--", "min-nodes", "%u is more than the %u expected nodes", c->min_nodes, c->expected_nodes);
+        return bad_opt(c, "min_nodes", "%u is more than the %u expected nodes", c->min_nodes, c->expected_nodes);
     if (c->momentum < 0)
         c->momentum = c->optimizer == OPT_NESTEROV_SGD ? 0.9 : 0.0;
     if (c->momentum >= 1)
-        return bad("--", "momentum", "%g must be below 1", c->momentum);
+        return bad_opt(c, "momentum", "%g must be below 1", c->momentum);
     if (c->listen == NULL)
         return bad("", "config", "out of memory");
-    if (c->token_file != NULL && access(c->token_file, R_OK) != 0)
-        return bad("--", "token-file", "cannot read %s: %s", c->token_file, strerror(errno));
-    return parse_listen(c);
+    if ((rc = parse_listen(c)) != 0 || (rc = check_listen(c)) != 0 || (rc = check_token_file(c)) != 0)
+        return rc;
+    if ((rc = check_dir_path(c, "state_root", c->state_root)) != 0)
+        return rc;
+    if (strncmp(c->hub, "file://", 7) == 0 && (rc = check_dir_path(c, "hub", c->hub + 7)) != 0)
+        return rc;
+    /* last: the most expensive check, and the one a test of any other option should not trip over */
+    return check_init_model(c);
 }
 
 int config_load(config *c, int argc, char **argv)
@@ -465,9 +706,8 @@ int config_load(config *c, int argc, char **argv)
             fprintf(stderr, "dilocod: unknown option '--%s' (see --help)\n", name);
             return 2;
         }
-        if ((rc = set_option(c, o, val, "--")) != 0) {
+        if ((rc = set_option(c, o, val, "--")) != 0 || (rc = set_origin(c, o, NULL)) != 0)
             return rc;
-        }
     }
     if ((rc = validate(c)) != 0)
         return rc;
@@ -478,30 +718,92 @@ int config_load(config *c, int argc, char **argv)
     return 0;
 }
 
+/* A value the file reader would read back as something else is printed double-quoted: empty, with
+ * blanks at either end, opening with a quote, or holding a '#' that would start a comment. */
+static int needs_quotes(const char *v)
+{
+    size_t n = strlen(v);
+
+    if (n == 0 || v[0] == '"' || v[0] == '\'' || v[0] == ' ' || v[n - 1] == ' ')
+        return 1;
+    for (size_t i = 0; i < n; i++)
+        if (v[i] == '#' && (i == 0 || v[i - 1] == ' '))
+            return 1;
+    return 0;
+}
+
+/* The shortest decimal that reads back as the same double (0.7, not 0.69999999999999996). */
+static void print_double(FILE *out, const char *key, double x)
+{
+    char buf[40];
+
+    for (int prec = 6; prec <= 17; prec++) {
+        snprintf(buf, sizeof(buf), "%.*g", prec, x);
+        if (strtod(buf, NULL) == x)
+            break;
+    }
+    fprintf(out, "%s = %s\n", key, buf);
+}
+
+/* Unset options become comments, so the output is a config file that reads back to the same settings. */
+static void print_str(FILE *out, const char *key, const char *v, const char *unset)
+{
+    if (v == NULL) {
+        fprintf(out, "# %s: not set%s\n", key, unset);
+        return;
+    }
+    if (!needs_quotes(v)) {
+        fprintf(out, "%s = %s\n", key, v);
+        return;
+    }
+    fprintf(out, "%s = \"", key);
+    for (const char *p = v; *p; p++) {
+        if (*p == '"' || *p == '\\')
+            fputc('\\', out);
+        fputc(*p, out);
+    }
+    fputs("\"\n", out);
+}
+
 void config_print(const config *c, FILE *out)
 {
-    fprintf(out, "# dilocod effective configuration\n");
+    fprintf(out, "# dilocod effective configuration (a config file: dilocod --config FILE reads it back)\n");
     if (c->config_file)
         fprintf(out, "# read from %s, then overridden by flags\n", c->config_file);
-    fprintf(out, "state_root = %s\nid = %s\nhub = %s\ninit_model = %s\n", c->state_root, c->id, c->hub,
-            c->init_model ? c->init_model : "");
-    fprintf(out, "expected_nodes = %u\nnodes = ", c->expected_nodes);
-    for (size_t i = 0; i < c->nnodes; i++)
-        fprintf(out, "%s%s", i ? "," : "", c->nodes[i]);
-    fprintf(out, "\nmin_nodes = %u\nround_timeout = %g\noptimizer = %s\nlr = %.9g\nmomentum = %.9g\n", c->min_nodes,
-            c->round_timeout, config_optimizer_name(c->optimizer), c->lr, c->momentum);
-    fprintf(out, "threads = %u\npoll_interval = %g\nlog_level = %s\nlog_format = %s\nagg_memory_mib = %u\n"
-                 "retry_interval = %g\n",
-            c->threads, c->poll_interval, dl_log_level_name(c->log_level), c->log_json ? "json" : "text",
-            c->agg_memory_mib, c->retry_interval);
-    fprintf(out, "listen = %s\ntoken_file = %s\nmax_header_bytes = %u\nmax_headers = %u\nmax_body_mib = %u\n"
-                 "max_delta_header_mib = %u\nmax_uploads = %u\nheader_timeout = %g\nidle_timeout = %g\n"
-                 "max_connections = %u\n",
-            c->listen, c->token_file ? c->token_file : "", c->max_header_bytes, c->max_headers, c->max_body_mib,
-            c->max_delta_header_mib, c->max_uploads, c->header_timeout, c->idle_timeout, c->max_connections);
-    fprintf(out, "hub_endpoint = %s\nhub_token_file = %s\nmax_downloads = %u\n# hub token: %s\n",
-            c->hub_endpoint ? c->hub_endpoint : "", c->hub_token_file ? c->hub_token_file : "", c->max_downloads,
-            c->hub_token ? "set" : "not set");
+    print_str(out, "state_root", c->state_root, "");
+    print_str(out, "id", c->id, "");
+    print_str(out, "hub", c->hub, "");
+    print_str(out, "init_model", c->init_model, " (no model to bootstrap from)");
+    fprintf(out, "expected_nodes = %u\n", c->expected_nodes);
+    if (c->nnodes == 0) {
+        fprintf(out, "# nodes: not set (any node id may deliver)\n");
+    } else {
+        fprintf(out, "nodes = ");
+        for (size_t i = 0; i < c->nnodes; i++)
+            fprintf(out, "%s%s", i ? "," : "", c->nodes[i]);
+        fprintf(out, "\n");
+    }
+    fprintf(out, "min_nodes = %u\n", c->min_nodes);
+    print_double(out, "round_timeout", c->round_timeout);
+    fprintf(out, "optimizer = %s\n", config_optimizer_name(c->optimizer));
+    print_double(out, "lr", c->lr);
+    print_double(out, "momentum", c->momentum);
+    fprintf(out, "threads = %u\n", c->threads);
+    print_double(out, "poll_interval", c->poll_interval);
+    fprintf(out, "log_level = %s\nlog_format = %s\nagg_memory_mib = %u\n", dl_log_level_name(c->log_level),
+            c->log_json ? "json" : "text", c->agg_memory_mib);
+    print_double(out, "retry_interval", c->retry_interval);
+    print_str(out, "listen", c->listen, "");
+    print_str(out, "token_file", c->token_file, " (uploads from loopback peers only)");
+    fprintf(out, "max_header_bytes = %u\nmax_headers = %u\nmax_body_mib = %u\nmax_delta_header_mib = %u\n"
+                 "max_uploads = %u\n",
+            c->max_header_bytes, c->max_headers, c->max_body_mib, c->max_delta_header_mib, c->max_uploads);
+    print_double(out, "header_timeout", c->header_timeout);
+    print_double(out, "idle_timeout", c->idle_timeout);
+    fprintf(out, "max_connections = %u\n", c->max_connections);
+    print_str(out, "hub_endpoint", c->hub_endpoint, " (hf:// only)");
+    print_str(out, "hub_token_file", c->hub_token_file, c->hub_token ? " (the token is from $HF_TOKEN)" : "");
+    fprintf(out, "max_downloads = %u\n# hub token: %s\n", c->max_downloads, c->hub_token ? "set" : "not set");
 }
 
 void config_free(config *c)
@@ -522,4 +824,9 @@ void config_free(config *c)
     free(c->hf_repo);
     free(c->hf_rev);
     free_nodes(c);
+    if (c->origin != NULL)
+        for (size_t i = 0; i < COUNT_OF(options); i++)
+            free(c->origin[i]);
+    free(c->origin);
+    c->origin = NULL;
 }

@@ -52,11 +52,16 @@ typedef struct config {
     unsigned max_downloads;
     char *hub_token;            /* loaded, never printed */
     char *hf_repo, *hf_rev;     /* parsed from hub */
+    /* per option of the table in config.c: "FILE:LINE" of the file line that set it, NULL when a flag
+     * or the default did, so a check that fails late still points at the line to fix */
+    char **origin;
 } config;
 
-/* Defaults, then the file named by --config (if any), then the flags.  On a bad value prints a
- * message naming the option to stderr and returns 2; --help / --version / --check-config print and
- * return 1 (the caller exits 0); 0 means run. */
+/* Defaults, then the file named by --config (if any), then the flags, then every check a start would
+ * make that reads nothing but the configuration and the files it names (the init model's header, the
+ * token file, the listen address, the shapes of the state and hub paths); nothing is created.  On a bad
+ * value prints a message naming the option (and FILE:LINE when a file set it) to stderr and returns 2;
+ * --help / --version / --check-config print and return 1 (the caller exits 0); 0 means run. */
 int config_load(config *c, int argc, char **argv);
 void config_print(const config *c, FILE *out);
 void config_free(config *c);
