@@ -80,6 +80,12 @@ typedef struct hub_config {
     double poll_interval;       /* seconds */
     unsigned max_downloads;     /* parallel downloads */
     uint64_t max_header_bytes;  /* cap on a delta's safetensors header (0: the format's own cap) */
+    /* s3:// (hub_s3.c); endpoint NULL there means AWS's https://s3.<region>.amazonaws.com */
+    const char *region;         /* SigV4 region, NULL: us-east-1 */
+    int addressing;             /* s3_addressing (hub_s3.h): 0 auto, 1 path-style, 2 virtual-host */
+    uint64_t part_size;         /* multipart upload above this, in parts of this size (0: 64 MiB) */
+    const char *credentials_file; /* AWS credentials file ([default] aws_access_key_id, aws_secret_access_key);
+                                     NULL: $AWS_ACCESS_KEY_ID and $AWS_SECRET_ACCESS_KEY */
 } hub_config;
 
 /* Requests a transport made to its server, by route and status code (for /metrics). */

@@ -1,0 +1,81 @@
+/* hub_s3: the s3:// transport, an S3 bucket (AWS S3, R2, MinIO, SeaweedFS) holding the same tree as
+ * file:// and hf:// under a prefix: s3://bucket/prefix/nodes/<id>/delta_<n>.safetensors,
+ * .../global/latest.safetensors, .../global/step_count.json.  The transport itself is
+ * `hub_s3_ops` (hub.h); this header declares the pieces that are tested on their own: the URL, the
+ * request URLs and their SigV4-canonical query strings, and the parsers of the server's XML answers.
+ *
+ * Every XML answer is hostile: parsed with expat (a DOCTYPE is refused outright, so no entity is
+ * ever expanded), element nesting, text per element, objects per page and key lengths are capped. */
+#ifndef HUB_S3_H
+#define HUB_S3_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "dl_error.h"
+#include "strbuf.h"
+
+/* S3's own key limit; longer keys in a listing are a hostile answer. */
+#define S3_MAX_KEY 1024
+/* ListObjectsV2 answers at most 1000 keys per page (max-keys); more is a hostile answer. */
+#define S3_MAX_KEYS_PER_PAGE 1000
+/* A part of a multipart upload: S3 takes 1..10,000 parts of 5 MiB..5 GiB (the last may be smaller). */
+#define S3_MIN_PART_SIZE (5ull << 20)
+#define S3_MAX_PART_SIZE (5ull << 30)
+#define S3_MAX_PARTS 10000
+
+typedef enum s3_addressing {
+    S3_ADDRESSING_AUTO = 0,     /* virtual-host on *.amazonaws.com endpoints, path-style elsewhere */
+    S3_ADDRESSING_PATH,         /* http://endpoint/bucket/key */
+    S3_ADDRESSING_VIRTUAL,      /* http://bucket.endpoint/key */
+} s3_addressing;
+
+/* s3://bucket[/prefix]: bucket by S3's naming rules (3-63 of [a-z0-9.-], starting and ending with a
+ * letter or digit), prefix without empty, "." or ".." segments and without a trailing slash.  bucket
+ * and prefix are malloc'd (prefix "" when absent).  0 or -DL_E_INVALID_ARGUMENT with why. */
+int s3_parse_url(const char *url, char **bucket, char **prefix, dl_error *err);
+
+/* Percent-encodes s as SigV4 canonicalises it (RFC 3986 unreserved characters A-Z a-z 0-9 - . _ ~
+ * kept, every other byte %XX in upper case); '/' is kept only when keep_slash (object paths). */
+void s3_uri_encode(sbuf *b, const char *s, int keep_slash);
+
+/* The URL of an object (key NULL: the bucket itself) with an optional query that must already be
+ * canonical (s3_list_query).  malloc'd, NULL when out of memory. */
+char *s3_url(const char *endpoint, const char *bucket, int virtual_host, const char *key, const char *query);
+
+/* The ListObjectsV2 query for keys under prefix, after continuation token (may be NULL), in SigV4's
+ * canonical form: parameters sorted by name, names and values encoded by s3_uri_encode (so
+ * "nodes/" is sent as "nodes%2F": libcurl signs the query as it is written).  malloc'd. */
+char *s3_list_query(const char *prefix, const char *token, unsigned max_keys);
+
+typedef struct s3_object {
+    char *key;
+    uint64_t size;
+    char etag[80];              /* without the quotes */
+} s3_object;
+
+typedef struct s3_listing {
+    s3_object *objs;
+    size_t n;
+    int truncated;              /* IsTruncated: another page follows */
+    char *next_token;           /* NextContinuationToken (malloc'd), NULL when absent */
+} s3_listing;
+
+/* Parses a ListObjectsV2 answer (ListBucketResult).  An entry with an unusable key, size or ETag is
+ * an error for the whole page (the server is not one we can trust then), as is a truncated page
+ * without a continuation token.  0 or -DL_E_INVALID_ARGUMENT with why. */
+int s3_parse_listing(const char *xml, size_t len, s3_listing *out, dl_error *err);
+void s3_listing_free(s3_listing *l);
+
+/* The Code and Message of an <Error> answer (each "" when absent; code and msg are always
+ * NUL-terminated).  1 if the body is an S3 error document, else 0. */
+int s3_parse_error(const char *xml, size_t len, char *code, size_t code_size, char *msg, size_t msg_size);
+
+/* InitiateMultipartUploadResult's UploadId (malloc'd).  0 or -DL_E_INVALID_ARGUMENT. */
+int s3_parse_upload_id(const char *xml, size_t len, char **upload_id, dl_error *err);
+
+/* An ETag as S3 sends it: quoted (or not) printable ASCII without spaces or quotes inside, at most
+ * 64 characters.  Copies it without the quotes.  0 or -1. */
+int s3_clean_etag(const char *in, size_t len, char *out, size_t out_size);
+
+#endif
