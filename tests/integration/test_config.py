@@ -1,0 +1,310 @@
+"""dilocod's configuration: the config file syntax (quoted values, inline comments), --check-config
+checking what a start checks (the init model, the token file, the listen address, the state and hub
+paths) with the option name and FILE:LINE, the printed configuration read back as a config file, and a
+failed start leaving nothing on disk.  Runs the real dilocod; model files are written with the
+safetensors package."""
+import os
+import re
+import socket
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import requests
+from safetensors.numpy import save_file
+
+from conftest import BUILD, ROOT, run
+from dilocod_proc import Dilocod
+
+TOKEN = "0123456789abcdef0123"
+
+
+def dilocod(*args, env=None, check=None):
+    return run([BUILD / "dilocod", *args], check=check, env=dict(os.environ, **(env or {})))
+
+
+def model(path):
+    save_file({"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, dtype=np.float32)}, str(path))
+    return path
+
+
+def settings(printed):
+    """The key = value lines of a printed configuration (comments dropped)."""
+    return [ln for ln in printed.splitlines() if ln and not ln.startswith("#")]
+
+
+def assert_fails(p, *needles):
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    assert p.stdout == "", p.stdout
+    for n in needles:
+        assert re.search(n, p.stderr), (n, p.stderr)
+
+
+# ---- the printed configuration is a config file --------------------------------------------------
+
+ROUND_TRIPS = [
+    ["--expected-nodes", "2"],
+    ["--nodes", "w1,w2,w3", "--optimizer", "sgd", "--lr", "0.1", "--round-timeout", "2.5", "--min-nodes", "2",
+     "--log-format", "json", "--log-level", "debug", "--listen", "none", "--threads", "3"],
+    ["--round-timeout", "30", "--hub", "hf://org/model@main", "--hub-endpoint", "http://127.0.0.1:9"],
+    ["--expected-nodes", "2", "--listen", "[::1]:0", "--max-body-mib", "7", "--header-timeout", "0.25"],
+]
+
+
+@pytest.mark.parametrize("args", ROUND_TRIPS, ids=range(len(ROUND_TRIPS)))
+def test_printed_configuration_reads_back(tmp_path, args):
+    """--check-config's output fed back through --check-config --config gives the same settings."""
+    odd = tmp_path / "state dir #1"                     # a blank and a '#': printed quoted
+    p = dilocod("--state-root", odd, "--init-model", model(tmp_path / "init.safetensors"),
+                "--token-file", tokens(tmp_path), *args, "--check-config", env={"HF_TOKEN": "hf_secret_for_test"},
+                check=0)
+    first = p.stdout
+    assert not re.search(r"^\w+ =\s*$", first, re.M), f"an empty value does not read back:\n{first}"
+    assert "hf_secret_for_test" not in first, first
+    assert re.search(r'^state_root = "' + re.escape(str(odd)) + '"$', first, re.M), first
+    conf = tmp_path / "printed.conf"
+    conf.write_text(first)
+    p = dilocod("--config", conf, "--check-config", env={"HF_TOKEN": "hf_secret_for_test"}, check=0)
+    assert settings(p.stdout) == settings(first), (first, p.stdout)
+    assert f"# read from {conf}" in p.stdout
+
+
+def test_unset_options_print_as_comments(tmp_path):
+    out = dilocod("--expected-nodes", "2", "--check-config", check=0).stdout
+    for key in ("init_model", "token_file", "nodes", "hub_endpoint", "hub_token_file"):
+        assert re.search(rf"^# {key}: not set", out, re.M), (key, out)
+        assert not re.search(rf"^{key} =", out, re.M), (key, out)
+    # shortest exact decimals, not 0.69999999999999996
+    assert re.search(r"^lr = 0\.7$", out, re.M) and re.search(r"^momentum = 0\.9$", out, re.M), out
+
+
+def test_shipped_config_file_reads_back(tmp_path):
+    p = dilocod("--config", ROOT / "config/dilocod.conf", "--expected-nodes", "2", "--state-root",
+                tmp_path / "s", "--check-config", check=0)
+    conf = tmp_path / "again.conf"
+    conf.write_text(p.stdout)
+    q = dilocod("--config", conf, "--check-config", check=0)
+    assert settings(q.stdout) == settings(p.stdout)
+
+
+# ---- syntax ---------------------------------------------------------------------------------------
+
+def test_quoted_values_and_inline_comments(tmp_path):
+    hub = tmp_path / "hub #a"
+    conf = tmp_path / "d.conf"
+    conf.write_text(
+        'listen = "127.0.0.1:0"          # the API, quoted\n'
+        "expected_nodes = 3 # three workers\n"
+        "id = 'agg-1'\t# single quotes: verbatim\n"
+        f'hub = "file://{hub}"\n'
+        "lr = 0.5 #a comment after a blank\n"
+        f'init_model = "{tmp_path}/in\\"it.safetensors"\n'
+        "nodes = a, b ,c   # blanks around ids are dropped\n")
+    model(tmp_path / 'in"it.safetensors')
+    p = dilocod("--config", conf, "--state-root", tmp_path / "s", "--check-config", check=0)
+    out = p.stdout
+    assert re.search(r"^listen = 127\.0\.0\.1:0$", out, re.M), out
+    assert re.search(r"^expected_nodes = 3$", out, re.M), out
+    assert re.search(r"^id = agg-1$", out, re.M), out
+    assert re.search(r"^lr = 0\.5$", out, re.M), out
+    assert re.search(r"^nodes = a,b,c$", out, re.M), out
+    assert re.search(r'^hub = "file://' + re.escape(str(hub)) + '"$', out, re.M), out
+    assert re.search(r'^init_model = ' + re.escape(f"{tmp_path}/in\"it.safetensors") + "$", out, re.M), out
+
+
+def test_hash_inside_a_bare_value_is_kept(tmp_path):
+    conf = tmp_path / "d.conf"
+    conf.write_text(f"expected_nodes = 2\nstate_root = {tmp_path}/a#b  # but this is a comment\n")
+    out = dilocod("--config", conf, "--check-config", check=0).stdout
+    assert re.search(r"^state_root = " + re.escape(f"{tmp_path}/a#b") + "$", out, re.M), out
+
+
+def test_quoted_listen_serves_there(tmp_path):
+    """The issue's example: a quoted listen value is the address dilocod really listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    conf = tmp_path / "d.conf"
+    conf.write_text(f'listen = "127.0.0.1:{port}"   # quoted, with a comment\nexpected_nodes = 2\n')
+    log = tmp_path / "dilocod.log"
+    proc = subprocess.Popen([str(BUILD / "dilocod"), "--config", str(conf), "--state-root", str(tmp_path / "s"),
+                             "--init-model", str(model(tmp_path / "init.safetensors"))],
+                            stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
+    try:
+        deadline = time.time() + 60
+        while f"port={port}" not in log.read_text():
+            assert proc.poll() is None and time.time() < deadline, log.read_text()
+            time.sleep(0.05)
+        r = requests.get(f"http://127.0.0.1:{port}/healthz", timeout=10)
+        assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0, log.read_text()
+
+
+@pytest.mark.parametrize("line, needle", [
+    ('listen = "127.0.0.1:8470\n', "no closing quote"),
+    ("listen = '127.0.0.1:8470\n", "no closing quote"),
+    ('listen = "127.0.0.1:8470" 8471\n', "text after the closing quote"),
+    ('state_root = "/tmp/a\\qb"\n', "unknown escape"),
+    ("listen = 127.0.0.1:99999\n", "port must be"),
+    ('min_nodes = "x"\n', "not an integer"),
+])
+def test_syntax_errors_name_file_line_and_option(tmp_path, line, needle):
+    conf = tmp_path / "d.conf"
+    conf.write_text("# a comment line\nexpected_nodes = 2\n" + line)
+    key = line.split("=")[0].strip()
+    assert_fails(dilocod("--config", conf, "--check-config"), re.escape(f"{conf}:3: {key}:"), needle)
+
+
+def test_control_characters_refused(tmp_path):
+    assert_fails(dilocod("--expected-nodes", "2", "--state-root", "/tmp/a\tb", "--check-config"),
+                 "state-root", "control character")
+
+
+def test_empty_value_unsets_an_optional_path(tmp_path):
+    """A flag with an empty value cancels the file's token file; a required option may not be empty."""
+    conf = tmp_path / "d.conf"
+    conf.write_text(f"expected_nodes = 2\ntoken_file = {tmp_path}/missing\n")
+    assert_fails(dilocod("--config", conf, "--check-config"), re.escape(f"{conf}:2: token_file:"))
+    out = dilocod("--config", conf, "--token-file", "", "--check-config", check=0).stdout
+    assert re.search(r"^# token_file: not set", out, re.M), out
+    assert_fails(dilocod("--expected-nodes", "2", "--state-root", "", "--check-config"), "state-root",
+                 "must not be empty")
+
+
+# ---- what a start would refuse, --check-config refuses ---------------------------------------------
+
+def tokens(tmp_path, text=f"w1 {TOKEN}\n* {TOKEN}x\n"):
+    path = tmp_path / "tokens"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("w1 short\n", "token must be 16 to 256"),
+    (f"../x {TOKEN}\n", "invalid node id"),
+    (f"w1 {TOKEN} extra\n", "expected 'node_id token'"),
+    ("# only a comment\n", "holds no token"),
+])
+def test_token_file_refused_as_auth_load_refuses_it(tmp_path, text, needle):
+    conf = tmp_path / "d.conf"
+    conf.write_text(f"expected_nodes = 2\n\ntoken_file = {tokens(tmp_path, text)}\n")
+    assert_fails(dilocod("--config", conf, "--state-root", tmp_path / "s", "--check-config"),
+                 re.escape(f"{conf}:3: token_file:"), needle)
+    # and the start refuses it the same way, before creating any state
+    assert_fails(dilocod("--config", conf, "--state-root", tmp_path / "s", "--init-model",
+                         model(tmp_path / "init.safetensors")), "token_file", needle)
+    assert not (tmp_path / "s").exists()
+
+
+def bad_models(tmp_path):
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"PK\x03\x04 this is a zip archive, not safetensors" * 10)
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(model(tmp_path / "whole.safetensors").read_bytes()[:-5])
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    return [(tmp_path / "missing.safetensors", "No such file"), (junk, "not a usable safetensors file"),
+            (truncated, "metadata_incomplete_buffer"), (tmp_path, "not a regular file"),
+            (fifo, "not a regular file")]
+
+
+def test_init_model_must_be_a_safetensors_file(tmp_path):
+    conf = tmp_path / "d.conf"
+    for path, needle in bad_models(tmp_path):
+        conf.write_text(f"expected_nodes = 2\ninit_model = {path}\n")
+        # a FIFO would block a reader: the run's timeout fails the test if it is opened
+        assert_fails(dilocod("--config", conf, "--state-root", tmp_path / "s", "--check-config"),
+                     re.escape(f"{conf}:2: init_model:"), needle)
+        assert_fails(dilocod("--state-root", tmp_path / "s", "--expected-nodes", "2", "--init-model", path,
+                             "--check-config"), "--init-model", needle)
+    assert not (tmp_path / "s").exists()
+    good = dilocod("--state-root", tmp_path / "s", "--expected-nodes", "2", "--init-model",
+                   model(tmp_path / "init.safetensors"), "--check-config", check=0)
+    assert f"init_model = {tmp_path}/init.safetensors" in good.stdout
+
+
+def test_failed_start_leaves_nothing_on_disk(tmp_path):
+    """A bad init model, token file or listen address stops the start before any directory is made."""
+    state, hub = tmp_path / "state", tmp_path / "hub"
+    init = model(tmp_path / "init.safetensors")
+    base = ["--state-root", state, "--hub", f"file://{hub}", "--expected-nodes", "2", "--listen", "127.0.0.1:0"]
+    for extra, needle in [(["--init-model", tmp_path / "missing.safetensors"], "init-model"),
+                          (["--init-model", init, "--token-file", tokens(tmp_path, "w1 short\n")], "token-file"),
+                          (["--init-model", init, "--listen", "192.0.2.1:8470"], "not an address of this machine")]:
+        assert_fails(dilocod(*base, *extra), needle)
+        assert not state.exists() and not hub.exists(), extra
+
+
+def test_init_model_is_not_checked_once_state_exists(tmp_path):
+    """Startup ignores the init model when a step is committed; so does the check (a deleted init
+    model must not stop a restart)."""
+    init = model(tmp_path / "init.safetensors")
+    d = Dilocod(tmp_path, None, "--init-model", init, "--expected-nodes", "2").start()
+    try:
+        deadline = time.time() + 60
+        while not (d.state_dir / "outer_metadata.json").exists():
+            assert time.time() < deadline and d.alive(), d.log_text()
+            time.sleep(0.05)
+    finally:
+        assert d.stop() == 0
+    init.unlink()
+    dilocod("--state-root", d.state_root, "--expected-nodes", "2", "--init-model", init, "--check-config", check=0)
+    d2 = Dilocod(tmp_path, None, "--init-model", init, "--expected-nodes", "2").start()
+    try:
+        assert requests.get(f"{d2.url}/healthz", timeout=10).status_code == 200
+    finally:
+        assert d2.stop() == 0
+
+
+def test_listen_address_checked(tmp_path):
+    conf = tmp_path / "d.conf"
+    conf.write_text("expected_nodes = 2\nlisten = 192.0.2.1:8470\n")
+    assert_fails(dilocod("--config", conf, "--check-config"), re.escape(f"{conf}:2: listen:"),
+                 "not an address of this machine")
+    # the port itself is not taken by the check: it passes while something listens there
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        dilocod("--expected-nodes", "2", "--listen", f"127.0.0.1:{s.getsockname()[1]}", "--check-config", check=0)
+
+
+def test_state_and_hub_paths_under_a_file(tmp_path):
+    f = tmp_path / "plain"
+    f.write_text("x")
+    assert_fails(dilocod("--expected-nodes", "2", "--state-root", f / "state", "--check-config"),
+                 "--state-root", "not a directory")
+    assert_fails(dilocod("--expected-nodes", "2", "--state-root", tmp_path / "s", "--hub", f"file://{f}",
+                         "--check-config"), "--hub", "not a directory")
+    conf = tmp_path / "d.conf"
+    conf.write_text(f"expected_nodes = 2\nstate_root = {f}\n")
+    assert_fails(dilocod("--config", conf, "--check-config"), re.escape(f"{conf}:2: state_root:"),
+                 "not a directory")
+
+
+def test_check_config_creates_nothing(tmp_path):
+    dilocod("--state-root", tmp_path / "s", "--hub", f"file://{tmp_path}/hub", "--expected-nodes", "2",
+            "--init-model", model(tmp_path / "init.safetensors"), "--token-file", tokens(tmp_path),
+            "--check-config", check=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["init.safetensors", "tokens"]
+
+
+def test_flag_overrides_file_and_names_the_flag(tmp_path):
+    """An error on a value a flag replaced names the flag, not the file line it overrode."""
+    conf = tmp_path / "d.conf"
+    conf.write_text("expected_nodes = 2\nmin_nodes = 1\n")
+    p = dilocod("--config", conf, "--min-nodes", "5", "--check-config")
+    assert_fails(p, "--min-nodes")
+    assert f"{conf}:2" not in p.stderr, p.stderr
+    conf.write_text("expected_nodes = 2\nmin_nodes = 5\n")
+    assert_fails(dilocod("--config", conf, "--check-config"), re.escape(f"{conf}:2: min_nodes:"))
+
+
+def test_fifo_token_file_refused_unopened(tmp_path):
+    fifo = tmp_path / "tokfifo"
+    os.mkfifo(fifo)
+    p = subprocess.run([str(BUILD / "dilocod"), "--expected-nodes", "2", "--token-file", str(fifo),
+                        "--check-config"], capture_output=True, text=True, timeout=30)
+    assert_fails(p, "--token-file", "not a regular file")
