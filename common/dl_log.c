@@ -46,9 +46,51 @@ int dl_log_enabled(dl_log_level l)
     return (int)l <= atomic_load(&log_level);
 }
 
+/* Whether a bare value reads as a JSON number: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?, the
+ * whole of [s, s+len).  "nan", "inf", "007", "1." and "0x10" do not. */
+static int is_json_number(const char *s, size_t len)
+{
+    size_t i = 0;
+
+    if (i < len && s[i] == '-')
+        i++;
+    if (i >= len || s[i] < '0' || s[i] > '9')
+        return 0;
+    if (s[i] == '0')
+        i++;
+    else
+        while (i < len && s[i] >= '0' && s[i] <= '9')
+            i++;
+    if (i < len && s[i] == '.') {
+        size_t d = ++i;
+        while (i < len && s[i] >= '0' && s[i] <= '9')
+            i++;
+        if (i == d)
+            return 0;
+    }
+    if (i < len && (s[i] == 'e' || s[i] == 'E')) {
+        i++;
+        if (i < len && (s[i] == '+' || s[i] == '-'))
+            i++;
+        size_t d = i;
+        while (i < len && s[i] >= '0' && s[i] <= '9')
+            i++;
+        if (i == d)
+            return 0;
+    }
+    return i == len;
+}
+
+static int is_json_bool(const char *s, size_t len)
+{
+    return (len == 4 && memcmp(s, "true", 4) == 0) || (len == 5 && memcmp(s, "false", 5) == 0);
+}
+
 const char *dl_log_q(char *buf, unsigned size, const char *s)
 {
-    int plain = s[0] != '\0';
+    /* a string that would read as a number or a boolean is quoted too, so the JSON log keeps it a
+     * string (a node id "42" stays "42") */
+    int plain = s[0] != '\0' && !is_json_number(s, strlen(s)) && !is_json_bool(s, strlen(s));
     size_t o = 0;
 
     for (const char *p = s; *p; p++) {
@@ -91,8 +133,9 @@ static void timestamp(char *out, size_t size)
              tm.tm_hour, tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000);
 }
 
-/* Converts "k=v k2=\"a b\"" into JSON members ,"k":"v","k2":"a b".  Values stay strings: a log
- * reader should not have to guess types. */
+/* Converts "k=1 k2=\"a b\" k3=true k4=x" into JSON members ,"k":1,"k2":"a b","k3":true,"k4":"x".
+ * A bare value that is a JSON number or true/false is written as one (what a printf %d, %g or a
+ * literal true produced); a quoted value (dl_log_q) and every other bare value stay strings. */
 static void fields_to_json(sbuf *b, const char *f)
 {
     while (*f) {
@@ -133,7 +176,10 @@ static void fields_to_json(sbuf *b, const char *f)
         } else {
             const char *end = strchr(f, ' ');
             size_t len = end ? (size_t)(end - f) : strlen(f);
-            sb_json_string(b, f, len);
+            if (is_json_number(f, len) || is_json_bool(f, len))
+                sb_add(b, f, len);
+            else
+                sb_json_string(b, f, len);
             f += len;
         }
     }

@@ -14,12 +14,14 @@ void dl_log_set_json(int json);
 int dl_log_enabled(dl_log_level l);
 
 /* fields is a printf format producing "key=value key=value"; a value holding spaces, quotes or
- * control characters must be written with dl_log_q().  Example:
+ * control characters must be written with dl_log_q(), and so must any string that may look like a
+ * number or a boolean (a node id, a file name): in JSON a bare number or true/false becomes a JSON
+ * number or boolean, everything else a string.  Example:
  *   dl_log(DL_LOG_INFO, "round", "closed", "step=%llu nodes=%zu reason=%s", step, n, reason); */
 void dl_log(dl_log_level l, const char *component, const char *msg, const char *fields, ...)
     __attribute__((format(printf, 4, 5)));
 
-/* Quotes s for a field value when needed ("a b" -> "\"a b\""), into buf; returns buf. */
+/* Quotes s for a field value when needed ("a b" -> "\"a b\"", "42" -> "\"42\""), into buf; returns buf. */
 const char *dl_log_q(char *buf, unsigned size, const char *s);
 
 #endif
