@@ -1,0 +1,1760 @@
+/* hub_s3: the s3:// transport (hub_s3.h), on libcurl multi inside the libuv loop (curl_uv), every
+ * request signed with libcurl's SigV4.
+ *
+ * Polling: every poll interval, global/step_count.json (a GET); then, while the daemon is not
+ * waiting for a global, ListObjectsV2 of <prefix>/nodes/ (every page, by continuation token).  Of
+ * each node directory only the delta with the highest local step matters (a worker's later delta
+ * replaces its earlier ones in a round, and is never based on an older step), so at most one
+ * download per node per poll.  A (key, ETag) pair is handed over once: the pairs handled are
+ * remembered in <state>/s3_seen.tsv, also across restarts.
+ *
+ * Downloads: ranged GETs into <state>/cache/incoming, with If-Match on the listed ETag (an object
+ * replaced in the middle is never stitched from two versions), capped at the listed size and
+ * resumed with Range after a failure or a restart; then verified (the size, and the MD5 when the
+ * ETag is a single-part upload's) and handed over with delta_ready (owned).
+ *
+ * Publishing: first a claim, PUT <prefix>/global/steps/<step>.claim with If-None-Match: * (the
+ * server refuses the second writer with 412): of several aggregators on one bucket exactly one
+ * publishes each step; the others report publish_done with why, and adopt the winner's step from
+ * its step_count.json at the next poll.  A claim of our own (a restart in the middle of a publish)
+ * is recognised by the instance id in <state>/s3_instance.  Then global/latest.safetensors, one PUT
+ * up to the part size and a multipart upload above it (S3 refuses single PUTs over 5 GB), then
+ * global/step_count.json, last.
+ *
+ * Answers are hostile: XML through expat with caps (s3_api.c), sizes exact below 2^53, a download
+ * may not grow past its listed size, memory answers are capped, pages and new entries per listing
+ * are capped, and every request has curl_uv's connect and low-speed limits. */
+#include "hub.h"
+#include "hub_s3.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cJSON.h>
+#include <openssl/evp.h>
+#include <openssl/rand.h>
+
+#include "curl_uv.h"
+#include "curl_uv_aws.h"
+#include "delta.h"
+#include "dl_log.h"
+#include "fsutil.h"
+#include "safetensors.h"
+#include "seen.h"
+#include "stepcount.h"
+#include "strbuf.h"
+
+#define DEFAULT_PART_SIZE (64ull << 20)
+#define MAX_ATTEMPTS_DOWNLOAD 6
+#define MAX_BACKOFF 60.0
+#define STEPFILE_CAP (64u << 10)
+#define CLAIM_CAP (4u << 10)
+#define XML_CAP (4u << 20)
+#define MAX_LIST_PAGES 1000
+#define MAX_NODES_PER_LISTING 8192
+#define CREDENTIALS_FILE_CAP (64u << 10)
+#define EMPTY_SHA256 "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+
+typedef struct s3_hub s3_hub;
+typedef struct s3_req s3_req;
+typedef void (*s3_req_cb)(s3_hub *h, s3_req *r, int ok);
+
+/* ---- requests with retries ------------------------------------------------------------------- */
+
+struct s3_req {
+    s3_hub *h;
+    char method[8];
+    char *url;
+    char *what;                 /* the key (or "list <prefix>") for messages */
+    const char *route;          /* static, for /metrics */
+    struct curl_slist *headers;
+    char *body;                 /* memory body */
+    size_t body_len;
+    int has_body;
+    int src_fd;                 /* file body */
+    uint64_t src_off, src_len;
+    int sink_fd;                /* file answer */
+    uint64_t sink_off, sink_max;
+    size_t body_cap;
+    int max_attempts, attempt;
+    uv_timer_t timer;
+    int timer_open;
+    cuv_xfer *x;
+    s3_req_cb cb;
+    void *arg;
+    s3_req *next, *prev;
+};
+
+typedef struct candidate {
+    char *rel;                  /* nodes/<id>/delta_<n>.safetensors, or global/latest.safetensors */
+    char *key;
+    char etag[80];
+    uint64_t size;
+    char *part;
+    int attempts;
+    uint64_t not_before;        /* loop ms */
+    int is_global;
+    uint64_t step;              /* is_global: the step the step file named */
+    struct candidate *next;
+} candidate;
+
+typedef struct pub_state {
+    int active;
+    uint64_t step;
+    char optimizer[32];
+    int bootstrap;
+    int fd;
+    uint64_t size;
+    char *stepfile;
+    char *upload_id;
+    char **etags;
+    uint64_t part_size;
+    unsigned nparts, next_part;
+} pub_state;
+
+/* One page-walk of the nodes/ listing: the best delta of each node so far. */
+typedef struct best_entry {
+    char node[DELTA_NODE_ID_MAX + 1];
+    uint64_t local_step;
+    char *key;
+    char etag[80];
+    uint64_t size;
+} best_entry;
+
+struct s3_hub {
+    hub base;                   /* first: the transport interface's handle */
+    uv_loop_t *loop;
+    cuv *curl;
+    hub_callbacks cb;
+    void *app;
+    char *endpoint, *bucket, *prefix, *region, *key_id, *secret, *state_dir, *seen_path;
+    char instance[33];          /* this state root's id in claims */
+    int virtual_host;
+    uint64_t part_size;
+    double poll_interval;
+    unsigned max_downloads;
+    uint64_t max_header;
+    uv_timer_t poll_timer;
+    int closing, polling;
+    hub_status st;
+    uint64_t step;
+    int waiting;
+    seen_map seen;
+    int seen_fd;
+    candidate *queue, *retry;
+    unsigned active_downloads;
+    int global_download;
+    int64_t published_known;    /* -2: nothing reported yet */
+    best_entry *best;
+    size_t nbest;
+    unsigned list_pages;
+    s3_req *inflight;
+    pub_state pub;
+    void (*close_done)(void *);
+    void *close_arg;
+    int handles;                /* poll timer + pool jobs + pending appends */
+};
+
+static void set_error(s3_hub *h, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void set_error(s3_hub *h, const char *fmt, ...)
+{
+    char msg[sizeof(h->st.last_error)], q[400];
+    va_list ap;
+
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    h->st.errors++;
+    /* a failure that repeats at every poll (wrong credentials) is logged when it starts, not each time */
+    if (strcmp(msg, h->st.last_error) != 0)
+        dl_log(DL_LOG_ERROR, "hub", "s3 request failed", "error=%s", dl_log_q(q, sizeof(q), msg));
+    memcpy(h->st.last_error, msg, sizeof(msg));
+}
+
+/* "HTTP 403 InvalidAccessKeyId: The AWS Access Key Id you provided does not exist in our records." */
+static void describe_answer(const cuv_xfer *x, char *out, size_t size)
+{
+    char code[64], msg[160];
+
+    if (x->result != CURLE_OK) {
+        snprintf(out, size, "%s", curl_easy_strerror(x->result));
+        return;
+    }
+    if (s3_parse_error(x->body.p, x->body.len, code, sizeof(code), msg, sizeof(msg)) && code[0])
+        snprintf(out, size, "HTTP %ld %s%s%s", x->status, code, msg[0] ? ": " : "", msg);
+    else
+        snprintf(out, size, "HTTP %ld", x->status);
+}
+
+static void req_free(s3_req *r)
+{
+    free(r->url);
+    free(r->what);
+    curl_slist_free_all(r->headers);
+    free(r->body);
+    cuv_xfer_free(r->x);
+    free(r);
+}
+
+static void req_unlink(s3_hub *h, s3_req *r)
+{
+    if (r->prev)
+        r->prev->next = r->next;
+    else if (h->inflight == r)
+        h->inflight = r->next;
+    if (r->next)
+        r->next->prev = r->prev;
+    r->next = r->prev = NULL;
+}
+
+static void req_timer_closed(uv_handle_t *t)
+{
+    req_free(t->data);
+}
+
+static void req_end(s3_hub *h, s3_req *r)
+{
+    req_unlink(h, r);
+    if (r->timer_open) {
+        uv_timer_stop(&r->timer);
+        uv_close((uv_handle_t *)&r->timer, req_timer_closed);
+    } else {
+        req_free(r);
+    }
+}
+
+/* key NULL: the bucket; query canonical (s3_list_query, or hand-sorted below). */
+static s3_req *req_new(s3_hub *h, const char *method, const char *key, const char *query, const char *route)
+{
+    s3_req *r = calloc(1, sizeof(*r));
+    if (r == NULL)
+        return NULL;
+    r->url = s3_url(h->endpoint, h->bucket, h->virtual_host, key, query);
+    r->what = strdup(key ? key : "(bucket)");
+    if (r->url == NULL || r->what == NULL) {
+        req_free(r);
+        return NULL;
+    }
+    r->h = h;
+    snprintf(r->method, sizeof(r->method), "%s", method);
+    r->route = route;
+    r->src_fd = r->sink_fd = -1;
+    r->max_attempts = 5;
+    return r;
+}
+
+static void req_header(s3_req *r, const char *line)
+{
+    struct curl_slist *n = curl_slist_append(r->headers, line);
+    if (n != NULL)
+        r->headers = n;
+}
+
+static int req_body(s3_req *r, const char *data, size_t len)
+{
+    free(r->body);
+    if ((r->body = malloc(len ? len : 1)) == NULL)
+        return -1;
+    memcpy(r->body, data, len);
+    r->body_len = len;
+    r->has_body = 1;
+    return 0;
+}
+
+static int sha256_hex(const void *data, size_t len, char hex[65])
+{
+    static const char digits[] = "0123456789abcdef";
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned mdlen = 0;
+
+    if (EVP_Digest(data, len, md, &mdlen, EVP_sha256(), NULL) != 1 || mdlen != 32)
+        return -1;
+    for (unsigned i = 0; i < 32; i++) {
+        hex[2 * i] = digits[md[i] >> 4];
+        hex[2 * i + 1] = digits[md[i] & 15];
+    }
+    hex[64] = '\0';
+    return 0;
+}
+
+static void req_send(s3_req *r);
+
+static void req_retry_cb(uv_timer_t *t)
+{
+    req_send(t->data);
+}
+
+static double jittered(double base)
+{
+    return base * (0.75 + 0.5 * ((double)rand() / RAND_MAX));
+}
+
+static void req_done(cuv_xfer *x, void *arg)
+{
+    s3_req *r = arg;
+    s3_hub *h = r->h;
+    char why[256];
+
+    if (x->result == CURLE_ABORTED_BY_CALLBACK || h->closing) {
+        r->cb(h, r, 0);
+        return;
+    }
+    hub_count_call(&h->st, r->route, x->result == CURLE_OK ? (int)x->status : 0);
+    if (x->too_big) {
+        set_error(h, "%s %s: the answer is larger than allowed, abandoned", r->method, r->what);
+        r->cb(h, r, 0);
+        return;
+    }
+    int transient = x->result != CURLE_OK || x->status >= 500 || x->status == 429 || x->status == 408;
+    if (!transient) {
+        r->cb(h, r, x->status >= 200 && x->status < 300);
+        return;
+    }
+    r->attempt++;
+    describe_answer(x, why, sizeof(why));
+    set_error(h, "%s %s: %s", r->method, r->what, why);
+    if (r->attempt >= r->max_attempts) {
+        r->cb(h, r, 0);
+        return;
+    }
+    /* 503 SlowDown and network errors: exponential backoff with jitter (or the server's Retry-After) */
+    double wait = x->retry_after >= 0 ? x->retry_after + 0.1 : jittered(fmin(0.5 * pow(2, r->attempt - 1), MAX_BACKOFF));
+    if (!r->timer_open) {
+        uv_timer_init(h->loop, &r->timer);
+        r->timer.data = r;
+        r->timer_open = 1;
+    }
+    uv_timer_start(&r->timer, req_retry_cb, (uint64_t)(wait * 1000), 0);
+}
+
+static void req_send(s3_req *r)
+{
+    s3_hub *h = r->h;
+    char hex[65], line[128];
+    cuv_xfer *x;
+
+    cuv_xfer_free(r->x);
+    r->x = NULL;
+    if (h->closing || (x = cuv_xfer_new(h->curl, r->method, r->url)) == NULL) {
+        r->cb(h, r, 0);
+        return;
+    }
+    r->x = x;
+    for (struct curl_slist *l = r->headers; l; l = l->next)
+        cuv_xfer_header(x, l->data);
+    /* the payload hash SigV4 signs: libcurl takes it from this header (it could not hash a body it
+     * reads through a callback); a file body is sent unsigned, as the AWS SDKs do over TLS */
+    if (r->has_body) {
+        if (sha256_hex(r->body, r->body_len, hex) != 0) {
+            r->cb(h, r, 0);
+            return;
+        }
+        snprintf(line, sizeof(line), "x-amz-content-sha256: %s", hex);
+        cuv_xfer_header(x, line);
+        cuv_xfer_body(x, r->body, r->body_len);
+    } else if (r->src_fd >= 0) {
+        cuv_xfer_header(x, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
+        cuv_xfer_body_file(x, r->src_fd, r->src_off, r->src_len);
+    } else {
+        cuv_xfer_header(x, "x-amz-content-sha256: " EMPTY_SHA256);
+        if (strcmp(r->method, "POST") == 0)
+            cuv_xfer_body(x, "", 0);
+    }
+    if (strcmp(r->method, "DELETE") == 0)
+        cuv_xfer_method(x, "DELETE");
+    cuv_xfer_aws_sigv4(x, h->region, h->key_id, h->secret);
+    if (r->sink_fd >= 0) {
+        cuv_xfer_sink_file(x, r->sink_fd, r->sink_off);
+        cuv_xfer_sink_max(x, r->sink_max);
+    }
+    cuv_xfer_body_cap(x, r->body_cap ? r->body_cap : XML_CAP);
+    h->st.api_calls++;
+    if (cuv_start(x, req_done, r) != 0)
+        r->cb(h, r, 0);
+}
+
+static void req_go(s3_hub *h, s3_req *r, s3_req_cb cb, void *arg)
+{
+    r->cb = cb;
+    r->arg = arg;
+    r->next = h->inflight;
+    if (h->inflight)
+        h->inflight->prev = r;
+    h->inflight = r;
+    req_send(r);
+}
+
+/* <prefix>/<rel>, or rel when there is no prefix.  malloc'd. */
+static char *full_key(const s3_hub *h, const char *rel)
+{
+    char *k = NULL;
+    if (asprintf(&k, "%s%s%s", h->prefix, h->prefix[0] ? "/" : "", rel) < 0)
+        return NULL;
+    return k;
+}
+
+/* ---- the seen list ----------------------------------------------------------------------------- */
+
+static char *seen_key(const char *rel, const char *etag)
+{
+    char *k = NULL;
+    if (asprintf(&k, "%s\t%s", rel, etag) < 0)
+        return NULL;
+    return k;
+}
+
+static void seen_load(s3_hub *h)
+{
+    FILE *f = fopen(h->seen_path, "r");
+    char line[1200];
+    int created;
+
+    if (f == NULL)
+        return;
+    while (fgets(line, sizeof(line), f) != NULL) {
+        line[strcspn(line, "\n")] = '\0';
+        if (strchr(line, '\t') == NULL)
+            continue;
+        seen_entry *e = seen_get(&h->seen, line, &created);
+        if (e)
+            e->state = SEEN_DONE;
+    }
+    fclose(f);
+}
+
+static void seen_append_done(uv_fs_t *req)
+{
+    s3_hub *h = ((void **)req->data)[0];
+    free(((void **)req->data)[1]);
+    free(req->data);
+    uv_fs_req_cleanup(req);
+    free(req);
+    h->handles--;
+}
+
+static void seen_persist(s3_hub *h, const char *key)
+{
+    uv_fs_t *req = malloc(sizeof(*req));
+    void **ctx = malloc(2 * sizeof(void *));
+    char *line = NULL;
+
+    if (req == NULL || ctx == NULL || h->seen_fd < 0 || asprintf(&line, "%s\n", key) < 0) {
+        free(req);
+        free(ctx);
+        return;
+    }
+    ctx[0] = h;
+    ctx[1] = line;
+    req->data = ctx;
+    uv_buf_t buf = uv_buf_init(line, (unsigned)strlen(line));
+    h->handles++;
+    if (uv_fs_write(h->loop, req, h->seen_fd, &buf, 1, -1, seen_append_done) != 0) {
+        h->handles--;
+        free(line);
+        free(ctx);
+        free(req);
+    }
+}
+
+static void set_seen_state(s3_hub *h, const char *rel, const char *etag, seen_state state)
+{
+    char *k = seen_key(rel, etag);
+    seen_entry *e = k ? seen_find(&h->seen, k) : NULL;
+    if (e != NULL)
+        e->state = state;
+    free(k);
+}
+
+/* Whatever the daemon decided, a handed-over (key, ETag) is not downloaded again; a download is
+ * verified against the listing, so one that intake finds short is final. */
+static int s3_mark_done(hub *base, const char *rel, hub_outcome outcome, const hub_version *v)
+{
+    s3_hub *h = (s3_hub *)base;
+    size_t rl = strlen(rel);
+
+    (void)v;
+    if (outcome == HUB_RETRY)
+        return 0;
+    for (size_t i = 0; i < h->seen.cap; i++) {
+        seen_entry *e = &h->seen.slots[i];
+        if (e->key && e->state == SEEN_PENDING && strncmp(e->key, rel, rl) == 0 && e->key[rl] == '\t') {
+            e->state = SEEN_DONE;
+            seen_persist(h, e->key);
+        }
+    }
+    return outcome == HUB_INCOMPLETE;
+}
+
+/* ---- downloads --------------------------------------------------------------------------------- */
+
+static void candidate_free(candidate *c)
+{
+    if (c == NULL)
+        return;
+    free(c->rel);
+    free(c->key);
+    free(c->part);
+    free(c);
+}
+
+static void pump_downloads(s3_hub *h);
+
+static void retry_later(s3_hub *h, candidate *c)
+{
+    int k = c->attempts > 1 ? c->attempts - 1 : 0;
+    double wait = jittered(fmin(ldexp(1.0, k < 16 ? k : 16), MAX_BACKOFF));
+    c->not_before = uv_now(h->loop) + (uint64_t)(wait * 1000);
+    c->next = h->retry;
+    h->retry = c;
+}
+
+/* A candidate is done with for this run (given up, or its object changed): forget it. */
+static void candidate_drop(s3_hub *h, candidate *c, seen_state state)
+{
+    if (c->is_global)
+        h->global_download = 0;
+    else
+        set_seen_state(h, c->rel, c->etag, state);
+    candidate_free(c);
+}
+
+typedef struct verify_job {
+    uv_work_t w;
+    s3_hub *h;
+    candidate *c;
+    int ok;
+    char why[200];
+} verify_job;
+
+/* A single-part upload's ETag is the MD5 of the object (32 hex digits); a multipart one's is not
+ * ("<md5 of md5s>-<parts>"), and neither is an SSE-KMS object's: those are checked by size and by
+ * If-Match on the ETag while downloading. */
+static int etag_is_md5(const char *etag)
+{
+    size_t n = strlen(etag);
+    if (n != 32)
+        return 0;
+    for (size_t i = 0; i < n; i++)
+        if (!((etag[i] >= '0' && etag[i] <= '9') || (etag[i] >= 'a' && etag[i] <= 'f')))
+            return 0;
+    return 1;
+}
+
+static void verify_work(uv_work_t *w)
+{
+    static const char digits[] = "0123456789abcdef";
+    verify_job *j = w->data;
+    candidate *c = j->c;
+    struct stat sb;
+    int fd = open(c->part, O_RDONLY | O_CLOEXEC);
+
+    if (fd < 0 || fstat(fd, &sb) != 0) {
+        snprintf(j->why, sizeof(j->why), "cannot read the download: %s", strerror(errno));
+        goto out;
+    }
+    if ((uint64_t)sb.st_size != c->size) {
+        snprintf(j->why, sizeof(j->why), "%lld bytes, the listing says %" PRIu64, (long long)sb.st_size, c->size);
+        goto out;
+    }
+    if (etag_is_md5(c->etag)) {
+        EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+        unsigned char md[EVP_MAX_MD_SIZE], *buf = malloc(1 << 20);
+        unsigned mdlen = 0;
+        int bad = ctx == NULL || buf == NULL || EVP_DigestInit_ex(ctx, EVP_md5(), NULL) != 1;
+        for (ssize_t r; !bad && (r = read(fd, buf, 1 << 20)) != 0;) {
+            if (r < 0 && errno == EINTR)
+                continue;
+            bad = r < 0 || EVP_DigestUpdate(ctx, buf, (size_t)r) != 1;
+        }
+        bad = bad || EVP_DigestFinal_ex(ctx, md, &mdlen) != 1 || mdlen != 16;
+        char hex[33] = "";
+        for (unsigned i = 0; !bad && i < 16; i++) {
+            hex[2 * i] = digits[md[i] >> 4];
+            hex[2 * i + 1] = digits[md[i] & 15];
+        }
+        EVP_MD_CTX_free(ctx);
+        free(buf);
+        if (bad) {
+            snprintf(j->why, sizeof(j->why), "cannot hash the download");
+            goto out;
+        }
+        if (strcmp(hex, c->etag) != 0) {
+            snprintf(j->why, sizeof(j->why), "MD5 %s, the ETag says %s", hex, c->etag);
+            goto out;
+        }
+    }
+    j->ok = 1;
+out:
+    if (fd >= 0)
+        close(fd);
+}
+
+static void fetch_stepfile(s3_hub *h);
+
+static void verify_after(uv_work_t *w, int status)
+{
+    verify_job *j = w->data;
+    s3_hub *h = j->h;
+    candidate *c = j->c;
+    char q[300];
+
+    h->handles--;
+    h->active_downloads--;
+    if (status == 0 && j->ok && !h->closing) {
+        h->st.downloads++;
+        h->st.download_bytes += c->size;
+        dl_log(DL_LOG_DEBUG, "hub", "s3 object downloaded", "key=%s bytes=%" PRIu64 " etag=%s", c->key, c->size,
+               c->etag);
+        if (c->is_global) {
+            h->global_download = 0;
+            h->cb.global_ready(h->app, c->step, c->part);
+        } else {
+            hub_delta d = {.rel = c->rel, .path = c->part, .root = NULL, .owned = 1};
+            h->cb.delta_ready(h->app, &d);
+        }
+        candidate_free(c);
+    } else {
+        if (status == 0 && !h->closing) {
+            dl_log(DL_LOG_WARN, "hub", "download does not match the listing, discarded", "key=%s reason=%s", c->key,
+                   dl_log_q(q, sizeof(q), j->why));
+            set_error(h, "%s: %s", c->key, j->why);
+        }
+        unlink(c->part);
+        if (++c->attempts < MAX_ATTEMPTS_DOWNLOAD && !h->closing)
+            retry_later(h, c);
+        else
+            candidate_drop(h, c, SEEN_REJECTED);
+    }
+    free(j);
+    pump_downloads(h);
+}
+
+static void download_done(s3_hub *h, s3_req *r, int ok)
+{
+    candidate *c = r->arg;
+    long status = r->x ? r->x->status : 0;
+    int range_ignored = r->sink_off > 0 && status == 200;
+    int too_big = r->x && r->x->too_big;
+    int fd = r->sink_fd;
+    char why[256] = "";
+
+    if (!ok && r->x && !h->closing)
+        describe_answer(r->x, why, sizeof(why));
+    req_end(h, r);
+    close(fd);
+    if (status == 412 && !h->closing) {
+        /* replaced since the listing: the next listing shows the new version */
+        dl_log(DL_LOG_INFO, "hub", "s3 object changed while downloading", "key=%s", c->key);
+        unlink(c->part);
+        h->active_downloads--;
+        candidate_drop(h, c, SEEN_DONE);
+        pump_downloads(h);
+        return;
+    }
+    if (!ok || range_ignored || h->closing) {
+        h->active_downloads--;
+        if (!h->closing && why[0])
+            set_error(h, "GET %s: %s", c->key, why);
+        if (range_ignored || status == 416 || too_big)
+            unlink(c->part);    /* start over: the server would not resume, or sent too much */
+        if (!h->closing && ++c->attempts < MAX_ATTEMPTS_DOWNLOAD)
+            retry_later(h, c);
+        else
+            candidate_drop(h, c, SEEN_REJECTED);
+        pump_downloads(h);
+        return;
+    }
+    verify_job *j = calloc(1, sizeof(*j));
+    if (j == NULL) {
+        h->active_downloads--;
+        candidate_drop(h, c, SEEN_REJECTED);
+        return;
+    }
+    j->h = h;
+    j->c = c;
+    j->w.data = j;
+    h->handles++;
+    if (uv_queue_work(h->loop, &j->w, verify_work, verify_after) != 0) {
+        h->handles--;
+        h->active_downloads--;
+        free(j);
+        candidate_drop(h, c, SEEN_REJECTED);
+    }
+}
+
+/* The part file's name: the key's path and the ETag, in characters any file system takes. */
+static char *part_path(const s3_hub *h, const candidate *c)
+{
+    sbuf b = {0};
+    sb_str(&b, h->state_dir);
+    sb_str(&b, "/cache/incoming/s3-");
+    for (const char *s = c->rel; *s; s++)
+        sb_add(&b, (*s >= 'a' && *s <= 'z') || (*s >= 'A' && *s <= 'Z') || (*s >= '0' && *s <= '9') || *s == '-' ||
+                           *s == '.' || *s == '_' ? s : "_", 1);
+    sb_str(&b, "-");
+    for (const char *s = c->etag; *s; s++)
+        sb_add(&b, (*s >= 'a' && *s <= 'z') || (*s >= 'A' && *s <= 'Z') || (*s >= '0' && *s <= '9') || *s == '-' ? s
+                                                                                                             : "_", 1);
+    sb_str(&b, ".part");
+    return sb_take(&b);
+}
+
+static void start_download(s3_hub *h, candidate *c)
+{
+    struct stat sb;
+    char line[160];
+    s3_req *r;
+    int fd;
+
+    if (c->part == NULL)
+        c->part = part_path(h, c);
+    /* a small open of our own cache file; the data goes through uv_fs_write */
+    fd = c->part ? open(c->part, O_WRONLY | O_CREAT | O_CLOEXEC, 0644) : -1;
+    if (fd < 0 || fstat(fd, &sb) != 0 || (r = req_new(h, "GET", c->key, NULL, "download")) == NULL) {
+        if (fd >= 0)
+            close(fd);
+        set_error(h, "cannot open %s: %s", c->part ? c->part : "a download file", strerror(errno));
+        candidate_drop(h, c, SEEN_REJECTED);
+        return;
+    }
+    uint64_t have = (uint64_t)sb.st_size;
+    if (have > c->size) {
+        have = 0;
+        if (ftruncate(fd, 0) != 0) {
+            close(fd);
+            req_free(r);
+            candidate_drop(h, c, SEEN_REJECTED);
+            return;
+        }
+    }
+    if (have == c->size && have > 0) {
+        /* complete before a restart: ask for the last byte only, to confirm the ETag still holds */
+        have = c->size - 1;
+    }
+    if (have > 0) {
+        snprintf(line, sizeof(line), "Range: bytes=%" PRIu64 "-", have);
+        req_header(r, line);
+    }
+    snprintf(line, sizeof(line), "If-Match: \"%s\"", c->etag);
+    req_header(r, line);
+    r->sink_fd = fd;
+    r->sink_off = have;
+    r->sink_max = c->size;
+    r->max_attempts = 1;        /* resume is driven from here, with a fresh Range each time */
+    h->active_downloads++;
+    req_go(h, r, download_done, c);
+}
+
+static void pump_downloads(s3_hub *h)
+{
+    uint64_t now = uv_now(h->loop);
+    if (h->closing)
+        return;
+    while (h->active_downloads < h->max_downloads && h->queue != NULL) {
+        candidate *c = h->queue;
+        h->queue = c->next;
+        c->next = NULL;
+        if (c->not_before > now) {
+            c->next = h->retry;
+            h->retry = c;
+            continue;
+        }
+        start_download(h, c);
+    }
+}
+
+static candidate *candidate_new(s3_hub *h, const char *rel, const char *key, const char *etag, uint64_t size)
+{
+    candidate *c = calloc(1, sizeof(*c));
+    (void)h;
+    if (c == NULL || (c->rel = strdup(rel)) == NULL || (c->key = strdup(key)) == NULL) {
+        candidate_free(c);
+        return NULL;
+    }
+    snprintf(c->etag, sizeof(c->etag), "%s", etag);
+    c->size = size;
+    return c;
+}
+
+static void enqueue(s3_hub *h, candidate *c)
+{
+    candidate **t = &h->queue;
+    while (*t)
+        t = &(*t)->next;
+    *t = c;
+}
+
+/* ---- polling ----------------------------------------------------------------------------------- */
+
+static void poll_finish(s3_hub *h)
+{
+    h->polling = 0;
+    h->st.last_poll = time(NULL);
+    /* failed downloads whose wait is over go back into the queue */
+    for (candidate **p = &h->retry; *p;) {
+        candidate *c = *p;
+        if (c->not_before <= uv_now(h->loop)) {
+            *p = c->next;
+            c->next = NULL;
+            enqueue(h, c);
+        } else {
+            p = &c->next;
+        }
+    }
+    pump_downloads(h);
+}
+
+static void best_reset(s3_hub *h)
+{
+    for (size_t i = 0; i < h->nbest; i++)
+        free(h->best[i].key);
+    free(h->best);
+    h->best = NULL;
+    h->nbest = 0;
+    h->list_pages = 0;
+}
+
+/* Keeps obj if it is the highest local step of its node seen in this listing. */
+static void consider_object(s3_hub *h, const s3_object *o, const char *rel)
+{
+    char node[DELTA_NODE_ID_MAX + 1];
+    uint64_t local_step;
+    size_t i;
+
+    if (delta_parse_path(rel, node, &local_step, NULL) != 0)
+        return;                 /* not a delta's name: nothing of ours (temporary names, other files) */
+    for (i = 0; i < h->nbest; i++)
+        if (strcmp(h->best[i].node, node) == 0)
+            break;
+    if (i == h->nbest) {
+        if (h->nbest == MAX_NODES_PER_LISTING)
+            return;
+        best_entry *nb = realloc(h->best, (h->nbest + 1) * sizeof(*nb));
+        if (nb == NULL)
+            return;
+        h->best = nb;
+        memset(&h->best[i], 0, sizeof(h->best[i]));
+        snprintf(h->best[i].node, sizeof(h->best[i].node), "%s", node);
+        h->nbest++;
+    } else if (local_step <= h->best[i].local_step) {
+        return;
+    }
+    char *k = strdup(o->key);
+    if (k == NULL)
+        return;
+    free(h->best[i].key);
+    h->best[i].key = k;
+    h->best[i].local_step = local_step;
+    h->best[i].size = o->size;
+    snprintf(h->best[i].etag, sizeof(h->best[i].etag), "%s", o->etag);
+}
+
+/* After the last page: each node's newest delta, unless it was handled already. */
+static void listing_complete(s3_hub *h)
+{
+    size_t plen = h->prefix[0] ? strlen(h->prefix) + 1 : 0;
+    for (size_t i = 0; i < h->nbest; i++) {
+        best_entry *b = &h->best[i];
+        const char *rel = b->key + plen;
+        char *k = seen_key(rel, b->etag);
+        int created = 0;
+        seen_entry *e = k ? seen_get(&h->seen, k, &created) : NULL;
+        free(k);
+        if (e == NULL || !created)
+            continue;           /* pending, done or given up */
+        e->state = SEEN_PENDING;
+        candidate *c = candidate_new(h, rel, b->key, b->etag, b->size);
+        if (c == NULL) {
+            set_seen_state(h, rel, b->etag, SEEN_REJECTED);
+            continue;
+        }
+        enqueue(h, c);
+    }
+    best_reset(h);
+    poll_finish(h);
+}
+
+static void list_page(s3_hub *h, const char *token);
+
+static void list_done(s3_hub *h, s3_req *r, int ok)
+{
+    s3_listing l;
+    dl_error err = {0};
+    char why[256];
+    size_t plen = h->prefix[0] ? strlen(h->prefix) + 1 : 0;
+
+    if (!ok || h->closing) {
+        if (!h->closing && r->x) {
+            describe_answer(r->x, why, sizeof(why));
+            set_error(h, "listing s3://%s/%s: %s", h->bucket, r->what, why);
+        }
+        req_end(h, r);
+        best_reset(h);
+        if (!h->closing)
+            poll_finish(h);
+        return;
+    }
+    if (s3_parse_listing(r->x->body.p, r->x->body.len, &l, &err) != 0) {
+        set_error(h, "listing s3://%s/%s: %s", h->bucket, r->what, err.message);
+        req_end(h, r);
+        best_reset(h);
+        poll_finish(h);
+        return;
+    }
+    req_end(h, r);
+    for (size_t i = 0; i < l.n; i++) {
+        /* the server answers for the prefix we asked; anything else is not ours to read */
+        if (strncmp(l.objs[i].key, h->prefix, plen ? plen - 1 : 0) != 0 || (plen && l.objs[i].key[plen - 1] != '/'))
+            continue;
+        consider_object(h, &l.objs[i], l.objs[i].key + plen);
+    }
+    if (l.truncated && ++h->list_pages < MAX_LIST_PAGES) {
+        list_page(h, l.next_token);
+    } else {
+        if (l.truncated)
+            set_error(h, "listing s3://%s/%s/nodes/: more than %d pages, the rest at the next poll", h->bucket,
+                      h->prefix, MAX_LIST_PAGES);
+        listing_complete(h);
+    }
+    s3_listing_free(&l);
+}
+
+static void list_page(s3_hub *h, const char *token)
+{
+    char *prefix = full_key(h, "nodes/");
+    char *query = prefix ? s3_list_query(prefix, token, S3_MAX_KEYS_PER_PAGE) : NULL;
+    s3_req *r = query ? req_new(h, "GET", NULL, query, "list") : NULL;
+
+    if (r != NULL) {
+        free(r->what);
+        r->what = prefix;
+        prefix = NULL;
+    }
+    free(prefix);
+    free(query);
+    if (r == NULL) {
+        best_reset(h);
+        poll_finish(h);
+        return;
+    }
+    req_go(h, r, list_done, NULL);
+}
+
+/* ---- adoption: the bucket's global ------------------------------------------------------------- */
+
+static void global_list_done(s3_hub *h, s3_req *r, int ok)
+{
+    s3_listing l;
+    dl_error err = {0};
+    char *want = full_key(h, "global/latest.safetensors");
+    uint64_t step = (uint64_t)(uintptr_t)r->arg;
+
+    if (!ok || h->closing || want == NULL || s3_parse_listing(r->x->body.p, r->x->body.len, &l, &err) != 0) {
+        if (!h->closing && ok)
+            set_error(h, "listing the global: %s", err.message[0] ? err.message : "out of memory");
+        req_end(h, r);
+        free(want);
+        h->global_download = 0;
+        if (!h->closing)
+            poll_finish(h);
+        return;
+    }
+    req_end(h, r);
+    for (size_t i = 0; i < l.n; i++) {
+        if (strcmp(l.objs[i].key, want) != 0)
+            continue;
+        candidate *c = candidate_new(h, "global/latest.safetensors", want, l.objs[i].etag, l.objs[i].size);
+        if (c != NULL) {
+            c->is_global = 1;
+            c->step = step;
+            enqueue(h, c);
+        }
+        break;
+    }
+    s3_listing_free(&l);
+    free(want);
+    h->global_download = 0;
+    for (candidate *c = h->queue; c; c = c->next)
+        h->global_download |= c->is_global;
+    poll_finish(h);
+}
+
+static void adopt_global(s3_hub *h, uint64_t step)
+{
+    char *key = full_key(h, "global/latest.safetensors");
+    char *query = key ? s3_list_query(key, NULL, 1) : NULL;
+    s3_req *r = query ? req_new(h, "GET", NULL, query, "list") : NULL;
+
+    free(key);
+    free(query);
+    if (r == NULL) {
+        poll_finish(h);
+        return;
+    }
+    h->global_download = 1;
+    req_go(h, r, global_list_done, (void *)(uintptr_t)step);
+}
+
+/* ---- the step file ----------------------------------------------------------------------------- */
+
+static void report_step(s3_hub *h, int64_t step)
+{
+    if (step == h->published_known)
+        return;
+    h->published_known = step;
+    h->cb.published_seen(h->app, step);
+}
+
+static void stepfile_done(s3_hub *h, s3_req *r, int ok)
+{
+    long status = r->x ? r->x->status : 0;
+    uint64_t step = 0;
+    int bootstrap = 0, have = 0;
+    dl_error err = {0};
+    char why[256];
+
+    if (h->closing) {
+        req_end(h, r);
+        return;
+    }
+    if (ok && stepcount_parse(r->x->body.p, r->x->body.len, &step, &bootstrap, &err) == 0) {
+        have = 1;
+    } else if (status == 404) {
+        report_step(h, -1);
+    } else {
+        if (ok)
+            set_error(h, "%s: %s", r->what, err.message);
+        else if (r->x) {
+            describe_answer(r->x, why, sizeof(why));
+            set_error(h, "GET %s: %s", r->what, why);
+        }
+        req_end(h, r);
+        poll_finish(h);
+        return;
+    }
+    req_end(h, r);
+    if (have)
+        report_step(h, (int64_t)step);
+    if (h->waiting) {
+        if (have && !h->global_download)
+            adopt_global(h, step);
+        else
+            poll_finish(h);
+        return;
+    }
+    list_page(h, NULL);
+}
+
+static void fetch_stepfile(s3_hub *h)
+{
+    char *key = full_key(h, "global/step_count.json");
+    s3_req *r = key ? req_new(h, "GET", key, NULL, "step_count") : NULL;
+
+    free(key);
+    if (r == NULL) {
+        poll_finish(h);
+        return;
+    }
+    r->body_cap = STEPFILE_CAP;
+    r->max_attempts = 3;
+    req_go(h, r, stepfile_done, NULL);
+}
+
+static void poll_cb(uv_timer_t *t)
+{
+    s3_hub *h = t->data;
+    if (h->polling || h->closing)
+        return;
+    h->polling = 1;
+    fetch_stepfile(h);
+}
+
+/* ---- publishing -------------------------------------------------------------------------------- */
+
+static void pub_finish(s3_hub *h, const char *error)
+{
+    pub_state *p = &h->pub;
+    uint64_t step = p->step;
+
+    if (p->fd >= 0)
+        close(p->fd);
+    free(p->stepfile);
+    free(p->upload_id);
+    for (unsigned i = 0; p->etags && i < p->nparts; i++)
+        free(p->etags[i]);
+    free(p->etags);
+    memset(p, 0, sizeof(*p));
+    p->fd = -1;
+    h->st.publishing = 0;
+    if (error == NULL) {
+        h->st.last_publish = time(NULL);
+        h->published_known = (int64_t)step;
+        dl_log(DL_LOG_INFO, "hub", "published", "step=%" PRIu64 " bucket=%s", step, h->bucket);
+    }
+    if (!h->closing)
+        h->cb.publish_done(h->app, step, error);
+}
+
+/* The request failed: why, in the status and for publish_done. */
+static void pub_fail(s3_hub *h, s3_req *r, const char *doing)
+{
+    char why[256] = "out of memory";
+    if (r != NULL && r->x != NULL)
+        describe_answer(r->x, why, sizeof(why));
+    if (!h->closing)
+        set_error(h, "publishing step %" PRIu64 ": %s: %s", h->pub.step, doing, why);
+    if (r != NULL)
+        req_end(h, r);
+    pub_finish(h, h->st.last_error);
+}
+
+static void pub_stepfile_done(s3_hub *h, s3_req *r, int ok)
+{
+    if (!ok || h->closing) {
+        pub_fail(h, r, "PUT global/step_count.json");
+        return;
+    }
+    req_end(h, r);
+    pub_finish(h, NULL);
+}
+
+/* Last: a reader never sees a step whose model is not there. */
+static void pub_stepfile(s3_hub *h)
+{
+    char *key = full_key(h, "global/step_count.json");
+    s3_req *r = key ? req_new(h, "PUT", key, NULL, "put_step_count") : NULL;
+
+    free(key);
+    if (r == NULL || req_body(r, h->pub.stepfile, strlen(h->pub.stepfile)) != 0) {
+        if (r)
+            req_free(r);
+        pub_fail(h, NULL, "PUT global/step_count.json");
+        return;
+    }
+    req_header(r, "Content-Type: application/json");
+    req_go(h, r, pub_stepfile_done, NULL);
+}
+
+static void pub_single_done(s3_hub *h, s3_req *r, int ok)
+{
+    if (!ok || h->closing) {
+        pub_fail(h, r, "PUT global/latest.safetensors");
+        return;
+    }
+    req_end(h, r);
+    pub_stepfile(h);
+}
+
+/* uploadId=<id> (+ partNumber first when given: SigV4 sorts by name).  malloc'd. */
+static char *upload_query(const char *upload_id, unsigned part)
+{
+    sbuf b = {0};
+    if (part > 0) {
+        sb_str(&b, "partNumber=");
+        sb_u64(&b, part);
+        sb_str(&b, "&");
+    }
+    sb_str(&b, "uploadId=");
+    s3_uri_encode(&b, upload_id, 0);
+    return sb_take(&b);
+}
+
+static void abort_done(s3_hub *h, s3_req *r, int ok)
+{
+    (void)ok;
+    req_end(h, r);
+}
+
+/* A failed multipart upload is aborted (its parts would be stored, and billed, until then). */
+static void pub_abort_upload(s3_hub *h)
+{
+    char *key = full_key(h, "global/latest.safetensors");
+    char *q = key && h->pub.upload_id ? upload_query(h->pub.upload_id, 0) : NULL;
+    s3_req *r = q ? req_new(h, "DELETE", key, q, "abort_upload") : NULL;
+    free(key);
+    free(q);
+    if (r != NULL && !h->closing) {
+        r->max_attempts = 2;
+        req_go(h, r, abort_done, NULL);
+    } else if (r != NULL) {
+        req_free(r);
+    }
+}
+
+static void pub_complete_done(s3_hub *h, s3_req *r, int ok)
+{
+    char code[64], msg[160];
+
+    /* CompleteMultipartUpload can fail after a 200: the error is then in the body */
+    if (ok && !h->closing && s3_parse_error(r->x->body.p, r->x->body.len, code, sizeof(code), msg, sizeof(msg)))
+        ok = 0;
+    if (!ok || h->closing) {
+        pub_abort_upload(h);
+        pub_fail(h, r, "completing the multipart upload of global/latest.safetensors");
+        return;
+    }
+    req_end(h, r);
+    pub_stepfile(h);
+}
+
+static void pub_complete(s3_hub *h)
+{
+    pub_state *p = &h->pub;
+    sbuf b = {0};
+    char *key = full_key(h, "global/latest.safetensors");
+    char *q = upload_query(p->upload_id, 0);
+    s3_req *r = key && q ? req_new(h, "POST", key, q, "complete_upload") : NULL;
+
+    sb_str(&b, "<CompleteMultipartUpload xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\">");
+    for (unsigned i = 0; i < p->nparts; i++) {
+        sb_str(&b, "<Part><PartNumber>");
+        sb_u64(&b, i + 1);
+        sb_str(&b, "</PartNumber><ETag>\"");
+        sb_str(&b, p->etags[i]);   /* s3_clean_etag: printable, no quotes, no '<' is possible? checked below */
+        sb_str(&b, "\"</ETag></Part>");
+    }
+    sb_str(&b, "</CompleteMultipartUpload>");
+    char *xml = sb_take(&b);
+    free(key);
+    free(q);
+    if (r == NULL || xml == NULL || req_body(r, xml, strlen(xml)) != 0) {
+        free(xml);
+        if (r)
+            req_free(r);
+        pub_abort_upload(h);
+        pub_fail(h, NULL, "completing the multipart upload");
+        return;
+    }
+    free(xml);
+    req_header(r, "Content-Type: application/xml");
+    req_go(h, r, pub_complete_done, NULL);
+}
+
+static void pub_next_part(s3_hub *h);
+
+static void pub_part_done(s3_hub *h, s3_req *r, int ok)
+{
+    pub_state *p = &h->pub;
+    char etag[80];
+
+    if (!ok || h->closing || s3_clean_etag(r->x->etag, strlen(r->x->etag), etag, sizeof(etag)) != 0 ||
+        strpbrk(etag, "<>&") != NULL || (p->etags[p->next_part] = strdup(etag)) == NULL) {
+        char doing[64];
+        if (ok && !h->closing)
+            set_error(h, "publishing step %" PRIu64 ": part %u: no usable ETag in the answer", p->step,
+                      p->next_part + 1);
+        snprintf(doing, sizeof(doing), "PUT part %u of global/latest.safetensors", p->next_part + 1);
+        pub_abort_upload(h);
+        pub_fail(h, r, doing);
+        return;
+    }
+    req_end(h, r);
+    p->next_part++;
+    pub_next_part(h);
+}
+
+static void pub_next_part(s3_hub *h)
+{
+    pub_state *p = &h->pub;
+    if (p->next_part == p->nparts) {
+        pub_complete(h);
+        return;
+    }
+    uint64_t off = (uint64_t)p->next_part * p->part_size;
+    uint64_t len = p->size - off < p->part_size ? p->size - off : p->part_size;
+    char *key = full_key(h, "global/latest.safetensors");
+    char *q = upload_query(p->upload_id, p->next_part + 1);
+    s3_req *r = key && q ? req_new(h, "PUT", key, q, "upload_part") : NULL;
+    free(key);
+    free(q);
+    if (r == NULL) {
+        pub_abort_upload(h);
+        pub_fail(h, NULL, "uploading a part");
+        return;
+    }
+    r->src_fd = p->fd;
+    r->src_off = off;
+    r->src_len = len;
+    req_go(h, r, pub_part_done, NULL);
+}
+
+static void pub_initiate_done(s3_hub *h, s3_req *r, int ok)
+{
+    pub_state *p = &h->pub;
+    dl_error err = {0};
+
+    if (!ok || h->closing) {
+        pub_fail(h, r, "starting the multipart upload of global/latest.safetensors");
+        return;
+    }
+    if (s3_parse_upload_id(r->x->body.p, r->x->body.len, &p->upload_id, &err) != 0) {
+        set_error(h, "publishing step %" PRIu64 ": %s", p->step, err.message);
+        req_end(h, r);
+        pub_finish(h, h->st.last_error);
+        return;
+    }
+    req_end(h, r);
+    if ((p->etags = calloc(p->nparts, sizeof(*p->etags))) == NULL) {
+        pub_abort_upload(h);
+        pub_fail(h, NULL, "multipart upload");
+        return;
+    }
+    pub_next_part(h);
+}
+
+static void pub_upload(s3_hub *h)
+{
+    pub_state *p = &h->pub;
+    char *key = full_key(h, "global/latest.safetensors");
+    s3_req *r;
+
+    if (key == NULL) {
+        pub_fail(h, NULL, "PUT global/latest.safetensors");
+        return;
+    }
+    if (p->size <= h->part_size) {
+        r = req_new(h, "PUT", key, NULL, "put_global");
+        free(key);
+        if (r == NULL) {
+            pub_fail(h, NULL, "PUT global/latest.safetensors");
+            return;
+        }
+        r->src_fd = p->fd;
+        r->src_off = 0;
+        r->src_len = p->size;
+        req_header(r, "Content-Type: application/octet-stream");
+        req_go(h, r, pub_single_done, NULL);
+        return;
+    }
+    /* parts of part_size; S3 takes at most 10,000, so a larger file gets larger parts */
+    p->part_size = h->part_size;
+    if ((p->size + p->part_size - 1) / p->part_size > S3_MAX_PARTS)
+        p->part_size = ((p->size + S3_MAX_PARTS - 1) / S3_MAX_PARTS + (1u << 20) - 1) & ~(uint64_t)((1u << 20) - 1);
+    p->nparts = (unsigned)((p->size + p->part_size - 1) / p->part_size);
+    r = req_new(h, "POST", key, "uploads=", "create_upload");
+    free(key);
+    if (r == NULL) {
+        pub_fail(h, NULL, "starting the multipart upload");
+        return;
+    }
+    req_header(r, "Content-Type: application/octet-stream");
+    req_go(h, r, pub_initiate_done, NULL);
+}
+
+static void pub_claim_read_done(s3_hub *h, s3_req *r, int ok)
+{
+    pub_state *p = &h->pub;
+    cJSON *j = ok && !h->closing ? cJSON_ParseWithLength(r->x->body.p, r->x->body.len) : NULL;
+    const cJSON *inst = cJSON_GetObjectItemCaseSensitive(j, "instance");
+    char msg[256];
+
+    if (!ok || h->closing) {
+        cJSON_Delete(j);
+        pub_fail(h, r, "reading the claim of the step");
+        return;
+    }
+    req_end(h, r);
+    if (cJSON_IsString(inst) && strcmp(inst->valuestring, h->instance) == 0) {
+        cJSON_Delete(j);
+        /* ours: a publish that a stop or a crash interrupted; the uploads are idempotent */
+        dl_log(DL_LOG_INFO, "hub", "resuming our own claimed publish", "step=%" PRIu64, p->step);
+        pub_upload(h);
+        return;
+    }
+    snprintf(msg, sizeof(msg), "step %" PRIu64 " was claimed by another aggregator (instance %.40s): it publishes it",
+             p->step, cJSON_IsString(inst) ? inst->valuestring : "unknown");
+    cJSON_Delete(j);
+    dl_log(DL_LOG_WARN, "hub", "publish lost to another aggregator", "step=%" PRIu64, p->step);
+    memcpy(h->st.last_error, msg, sizeof(msg) < sizeof(h->st.last_error) ? sizeof(msg) : sizeof(h->st.last_error));
+    h->st.last_error[sizeof(h->st.last_error) - 1] = '\0';
+    /* the next poll reports the bucket's step again, even unchanged: the winner's step is adopted */
+    h->published_known = -2;
+    pub_finish(h, msg);
+}
+
+static void pub_claim_done(s3_hub *h, s3_req *r, int ok)
+{
+    long status = r->x ? r->x->status : 0;
+    char *key;
+
+    if (status == 412 && !h->closing) {
+        /* the claim exists: ours (before a restart) or another aggregator's */
+        req_end(h, r);
+        char rel[64];
+        snprintf(rel, sizeof(rel), "global/steps/%" PRIu64 ".claim", h->pub.step);
+        key = full_key(h, rel);
+        r = key ? req_new(h, "GET", key, NULL, "read_claim") : NULL;
+        free(key);
+        if (r == NULL) {
+            pub_fail(h, NULL, "reading the claim");
+            return;
+        }
+        r->body_cap = CLAIM_CAP;
+        req_go(h, r, pub_claim_read_done, NULL);
+        return;
+    }
+    if (!ok || h->closing) {
+        pub_fail(h, r, "claiming the step");
+        return;
+    }
+    req_end(h, r);
+    pub_upload(h);
+}
+
+/* If-None-Match: * makes the PUT conditional on the key not existing: of two aggregators that
+ * claim one step, the server lets exactly one write it. */
+static void pub_claim(s3_hub *h)
+{
+    char rel[64], body[160];
+    snprintf(rel, sizeof(rel), "global/steps/%" PRIu64 ".claim", h->pub.step);
+    char *key = full_key(h, rel);
+    s3_req *r = key ? req_new(h, "PUT", key, NULL, "claim") : NULL;
+    int n = snprintf(body, sizeof(body), "{\"outer_step\": %" PRIu64 ", \"instance\": \"%s\"}\n", h->pub.step,
+                     h->instance);
+
+    free(key);
+    if (r == NULL || req_body(r, body, (size_t)n) != 0) {
+        if (r)
+            req_free(r);
+        pub_fail(h, NULL, "claiming the step");
+        return;
+    }
+    req_header(r, "If-None-Match: *");
+    req_header(r, "Content-Type: application/json");
+    req_go(h, r, pub_claim_done, NULL);
+}
+
+static void s3_publish(hub *base, uint64_t step, const char *global_path, const char *optimizer, int bootstrap)
+{
+    s3_hub *h = (s3_hub *)base;
+    pub_state *p = &h->pub;
+    struct stat sb;
+
+    if (p->active || h->closing)
+        return;
+    memset(p, 0, sizeof(*p));
+    p->active = 1;
+    p->step = step;
+    p->bootstrap = bootstrap;
+    snprintf(p->optimizer, sizeof(p->optimizer), "%s", optimizer);
+    p->stepfile = stepcount_build(step, optimizer, bootstrap, NULL);
+    /* the descriptor keeps the step's file readable even if a later cleanup unlinks it */
+    p->fd = open(global_path, O_RDONLY | O_CLOEXEC);
+    h->st.publishing = 1;
+    if (p->stepfile == NULL || p->fd < 0 || fstat(p->fd, &sb) != 0) {
+        set_error(h, "publishing step %" PRIu64 ": cannot read %s: %s", step, global_path, strerror(errno));
+        pub_finish(h, h->st.last_error);
+        return;
+    }
+    p->size = (uint64_t)sb.st_size;
+    pub_claim(h);
+}
+
+/* ---- lifecycle --------------------------------------------------------------------------------- */
+
+static int s3_check_url(const char *url, dl_error *err)
+{
+    char *bucket, *prefix;
+    int rc = s3_parse_url(url, &bucket, &prefix, err);
+    free(bucket);
+    free(prefix);
+    return rc;
+}
+
+static char *trim(char *s)
+{
+    while (*s == ' ' || *s == '\t')
+        s++;
+    size_t n = strlen(s);
+    while (n > 0 && (s[n - 1] == ' ' || s[n - 1] == '\t' || s[n - 1] == '\r' || s[n - 1] == '\n'))
+        s[--n] = '\0';
+    return s;
+}
+
+/* The AWS shared credentials format: aws_access_key_id and aws_secret_access_key of [default] (or
+ * before any section). */
+static int load_credentials_file(s3_hub *h, const char *path, dl_error *err)
+{
+    FILE *f = fopen(path, "r");
+    char line[1024];
+    int in_default = 1, lines = 0;
+
+    if (f == NULL)
+        return dl_fail(err, DL_E_IO, NULL, 0, "cannot read the S3 credentials file %s: %s", path, strerror(errno));
+    while (fgets(line, sizeof(line), f) != NULL && ++lines < 4096) {
+        char *s = trim(line);
+        if (*s == '#' || *s == ';' || *s == '\0')
+            continue;
+        if (*s == '[') {
+            in_default = strcmp(s, "[default]") == 0;
+            continue;
+        }
+        char *eq = strchr(s, '=');
+        if (!in_default || eq == NULL)
+            continue;
+        *eq = '\0';
+        char *k = trim(s), *v = trim(eq + 1);
+        char **dst = strcmp(k, "aws_access_key_id") == 0       ? &h->key_id
+                     : strcmp(k, "aws_secret_access_key") == 0 ? &h->secret
+                                                               : NULL;
+        if (dst != NULL && *v) {
+            free(*dst);
+            *dst = strdup(v);
+        }
+    }
+    fclose(f);
+    if (h->key_id == NULL || h->secret == NULL)
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0,
+                       "the S3 credentials file %s has no aws_access_key_id and aws_secret_access_key under [default]",
+                       path);
+    return 0;
+}
+
+/* This state root's id in claims, made once: a restart recognises its own claim. */
+static int load_instance(s3_hub *h, dl_error *err)
+{
+    char *path = NULL, buf[64];
+    size_t len = 0;
+    int rc = 0;
+
+    if (asprintf(&path, "%s/s3_instance", h->state_dir) < 0)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    FILE *f = fopen(path, "r");
+    if (f != NULL) {
+        len = fread(buf, 1, sizeof(buf) - 1, f);
+        fclose(f);
+        buf[len] = '\0';
+        char *s = trim(buf);
+        if (strlen(s) == 32 && strspn(s, "0123456789abcdef") == 32) {
+            memcpy(h->instance, s, 33);
+            free(path);
+            return 0;
+        }
+    }
+    unsigned char r[16];
+    if (RAND_bytes(r, sizeof(r)) != 1) {
+        free(path);
+        return dl_fail(err, DL_E_IO, NULL, 0, "no random bytes for the instance id");
+    }
+    for (int i = 0; i < 16; i++)
+        snprintf(h->instance + 2 * i, 3, "%02x", r[i]);
+    char line[34];
+    snprintf(line, sizeof(line), "%s\n", h->instance);
+    rc = fsu_write_atomic(path, line, 33, err);
+    free(path);
+    return rc;
+}
+
+static void s3_free(s3_hub *h)
+{
+    while (h->queue) {
+        candidate *c = h->queue;
+        h->queue = c->next;
+        candidate_free(c);
+    }
+    while (h->retry) {
+        candidate *c = h->retry;
+        h->retry = c->next;
+        candidate_free(c);
+    }
+    best_reset(h);
+    if (h->seen_fd >= 0)
+        close(h->seen_fd);
+    seen_free(&h->seen);
+    free(h->endpoint);
+    free(h->bucket);
+    free(h->prefix);
+    free(h->region);
+    free(h->key_id);
+    if (h->secret)
+        memset(h->secret, 0, strlen(h->secret));
+    free(h->secret);
+    free(h->state_dir);
+    free(h->seen_path);
+    free(h);
+}
+
+static int s3_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_callbacks *cb, void *app,
+                   dl_error *err)
+{
+    extern const hub_ops hub_s3_ops;
+    s3_hub *h;
+    int rc;
+    char *incoming = NULL;
+
+    *out = NULL;
+    if ((h = calloc(1, sizeof(*h))) == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    h->seen_fd = -1;
+    h->pub.fd = -1;
+    if ((rc = s3_parse_url(cfg->url, &h->bucket, &h->prefix, err)) != 0)
+        goto fail;
+    h->region = strdup(cfg->region && cfg->region[0] ? cfg->region : "us-east-1");
+    if (h->region == NULL)
+        goto oom;
+    if (cfg->endpoint != NULL && cfg->endpoint[0])
+        h->endpoint = strdup(cfg->endpoint);
+    else if (asprintf(&h->endpoint, "https://s3.%s.amazonaws.com", h->region) < 0)
+        h->endpoint = NULL;
+    if (h->endpoint == NULL)
+        goto oom;
+    if (strncmp(h->endpoint, "https://", 8) != 0 && strncmp(h->endpoint, "http://", 7) != 0) {
+        rc = dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "the S3 endpoint '%.200s' is not an http(s) URL",
+                     h->endpoint);
+        goto fail;
+    }
+    h->virtual_host = cfg->addressing == S3_ADDRESSING_VIRTUAL ||
+                      (cfg->addressing == S3_ADDRESSING_AUTO && strstr(h->endpoint, ".amazonaws.com") != NULL);
+    /* a bucket name with dots breaks TLS on virtual hosts (the certificate is *.s3...) */
+    if (h->virtual_host && strchr(h->bucket, '.') != NULL && strncmp(h->endpoint, "https://", 8) == 0) {
+        rc = dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0,
+                     "bucket '%s' has dots: use path-style addressing for it over https", h->bucket);
+        goto fail;
+    }
+    h->part_size = cfg->part_size ? cfg->part_size : DEFAULT_PART_SIZE;
+    if (h->part_size < S3_MIN_PART_SIZE || h->part_size > S3_MAX_PART_SIZE) {
+        rc = dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "the S3 part size must be 5 MiB to 5 GiB");
+        goto fail;
+    }
+    if (cfg->credentials_file != NULL) {
+        if ((rc = load_credentials_file(h, cfg->credentials_file, err)) != 0)
+            goto fail;
+    } else {
+        const char *k = getenv("AWS_ACCESS_KEY_ID"), *s = getenv("AWS_SECRET_ACCESS_KEY");
+        if (k == NULL || !*k || s == NULL || !*s) {
+            rc = dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0,
+                         "s3:// needs credentials: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or a credentials file");
+            goto fail;
+        }
+        h->key_id = strdup(k);
+        h->secret = strdup(s);
+        if (h->key_id == NULL || h->secret == NULL)
+            goto oom;
+    }
+    if ((h->state_dir = strdup(cfg->state_dir)) == NULL || asprintf(&incoming, "%s/cache/incoming", cfg->state_dir) < 0)
+        goto oom;
+    if ((rc = fsu_mkdirs(incoming, err)) != 0 || (rc = load_instance(h, err)) != 0)
+        goto fail;
+    free(incoming);
+    incoming = NULL;
+    if (asprintf(&h->seen_path, "%s/s3_seen.tsv", h->state_dir) < 0) {
+        h->seen_path = NULL;
+        goto oom;
+    }
+    if ((h->curl = cuv_new(loop)) == NULL)
+        goto oom;
+    h->base.ops = &hub_s3_ops;
+    h->loop = loop;
+    h->cb = *cb;
+    h->app = app;
+    h->poll_interval = cfg->poll_interval > 0 ? cfg->poll_interval : 5;
+    h->max_downloads = cfg->max_downloads ? cfg->max_downloads : 2;
+    h->max_header = cfg->max_header_bytes && cfg->max_header_bytes < ST_MAX_HEADER_SIZE ? cfg->max_header_bytes
+                                                                                       : ST_MAX_HEADER_SIZE;
+    h->published_known = -2;
+    seen_load(h);
+    h->seen_fd = open(h->seen_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    uv_timer_init(loop, &h->poll_timer);
+    h->poll_timer.data = h;
+    h->handles = 1;
+    snprintf(h->st.head, sizeof(h->st.head), "%s", "");
+    dl_log(DL_LOG_INFO, "hub", "s3 transport", "bucket=%s prefix=%s endpoint=%s region=%s addressing=%s part_mib=%" PRIu64,
+           h->bucket, h->prefix[0] ? h->prefix : "\"\"", h->endpoint, h->region, h->virtual_host ? "virtual" : "path",
+           h->part_size >> 20);
+    *out = &h->base;
+    return 0;
+oom:
+    rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "cannot set up the S3 transport: out of memory");
+fail:
+    free(incoming);
+    s3_free(h);
+    return rc;
+}
+
+static void s3_start(hub *base)
+{
+    s3_hub *h = (s3_hub *)base;
+    uv_timer_start(&h->poll_timer, poll_cb, 0, (uint64_t)(h->poll_interval * 1000));
+}
+
+static void s3_set_step(hub *base, uint64_t step, int waiting)
+{
+    s3_hub *h = (s3_hub *)base;
+    h->step = step;
+    h->waiting = waiting;
+}
+
+static const hub_status *s3_get_status(const hub *base)
+{
+    return &((const s3_hub *)base)->st;
+}
+
+static void curl_closed(void *arg)
+{
+    s3_hub *h = arg;
+    void (*done)(void *) = h->close_done;
+    void *darg = h->close_arg;
+    s3_free(h);
+    if (done)
+        done(darg);
+}
+
+static void poll_timer_closed(uv_handle_t *t)
+{
+    s3_hub *h = t->data;
+    cuv_close(h->curl, curl_closed, h);
+}
+
+static void close_when_idle(uv_timer_t *t)
+{
+    s3_hub *h = t->data;
+    if (h->inflight != NULL || h->handles > 1)
+        return;
+    if (h->pub.active)
+        pub_finish(h, "stopped");
+    uv_timer_stop(t);
+    uv_close((uv_handle_t *)t, poll_timer_closed);
+}
+
+static void s3_close(hub *base, void (*done)(void *), void *arg)
+{
+    s3_hub *h = (s3_hub *)base;
+
+    h->closing = 1;
+    h->close_done = done;
+    h->close_arg = arg;
+    uv_timer_stop(&h->poll_timer);
+    for (s3_req *r = h->inflight, *n; r; r = n) {
+        n = r->next;
+        if (r->timer_open)
+            uv_timer_stop(&r->timer);
+        if (r->x != NULL && !r->x->finished)
+            cuv_xfer_cancel(r->x);      /* its callback ends the request */
+        else
+            r->cb(h, r, 0);
+    }
+    /* cancelled requests and pool jobs come back before the handles close */
+    uv_timer_start(&h->poll_timer, close_when_idle, 10, 10);
+}
+
+const hub_ops hub_s3_ops = {
+    .scheme = "s3://",
+    .kind = "s3",
+    .check_url = s3_check_url,
+    .open = s3_open,
+    .start = s3_start,
+    .set_step = s3_set_step,
+    .publish = s3_publish,
+    .mark_done = s3_mark_done,
+    .status = s3_get_status,
+    .close = s3_close,
+};
