@@ -3,10 +3,12 @@
  * Nesterov SGD, lr 0.7, momentum 0.9.  MOMENTUM=FILE reads that momentum file (a later step: the
  * momentum update and both fused multiply-adds run), else it is a first step (buf = mean).
  * BUDGET_MIB sets the per-thread chunk budget (16 MiB).  PORTABLE=1 runs the portable fmaf() loops
- * (what a CPU without AVX2+FMA runs) where this one has the AVX2+FMA copies. */
+ * (what a CPU without AVX2+FMA runs) where this one has the AVX2+FMA copies.  Prints the peak RSS (VmHWM) at the end. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 
 #include "outer.h"
@@ -16,6 +18,33 @@ static double now(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* CPU seconds (user + system) of every thread so far: on a shared machine the pass's CPU cost varies
+ * less than its wall time. */
+static double cpu_s(void)
+{
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru) != 0)
+        return -1;
+    return (double)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) + (double)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) * 1e-6;
+}
+
+/* Peak resident set in MiB (VmHWM): mapped page-cache pages count while they are mapped. */
+static double peak_rss_mib(void)
+{
+    char line[256];
+    double kb = -1;
+    FILE *f = fopen("/proc/self/status", "r");
+
+    if (f == NULL)
+        return -1;
+    while (fgets(line, sizeof(line), f) != NULL) {
+        if (strncmp(line, "VmHWM:", 6) == 0)
+            kb = atof(line + 6);
+    }
+    fclose(f);
+    return kb / 1024;
 }
 
 static void *run(void *p)
@@ -52,20 +81,21 @@ int main(int argc, char **argv)
         fprintf(stderr, "prepare: %s\n", err.message);
         return 1;
     }
-    double t1 = now();
+    double t1 = now(), c1 = cpu_s();
     for (int i = 0; i < threads; i++)
         pthread_create(&th[i], NULL, run, &p);
     for (int i = 0; i < threads; i++)
         pthread_join(th[i], NULL);
-    double t2 = now();
+    double t2 = now(), c2 = cpu_s();
     uint64_t total = p.bytes_total;
     if (outer_finish(&p, &err) != 0) {
         fprintf(stderr, "finish: %s\n", err.message);
         return 1;
     }
     double t3 = now();
-    printf("prepare %.3f s, compute %.3f s (%.2f GB/s), finish %.3f s; total %.2f GB/s\n", t1 - t0, t2 - t1,
-           (double)total / (t2 - t1) / 1e9, t3 - t2, (double)total / (t3 - t0) / 1e9);
+    printf("prepare %.3f s, compute %.3f s (%.2f GB/s; %.3f CPU s), finish %.3f s; total %.2f GB/s; peak RSS %.0f MiB\n",
+           t1 - t0, t2 - t1, (double)total / (t2 - t1) / 1e9, c2 - c1, t3 - t2, (double)total / (t3 - t0) / 1e9,
+           peak_rss_mib());
     outer_free(&p);
     return 0;
 }
