@@ -55,6 +55,9 @@ int s3_parse_url(const char *url, char **bucket, char **prefix, dl_error *err)
             return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "'%.200s': bad character in the bucket name", url);
     const char *p = slash ? slash + 1 : "";
     size_t pl = strlen(p);
+    if (slash != NULL && pl == 0)
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "'%.200s': no trailing / (s3://bucket or s3://bucket/prefix)",
+                       url);
     if (pl > 512)
         return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "'%.200s': the prefix is longer than 512 bytes", url);
     for (const char *seg = p; pl > 0;) {
