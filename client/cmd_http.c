@@ -256,6 +256,17 @@ static int bad_value(const char *opt, const char *v, const char *help)
     return EXIT_USAGE;
 }
 
+/* Names what a command line lacks before the usage text, so a missing option is not a puzzle. */
+static void usage_missing(int no_server, const char *missing, const char *unexpected)
+{
+    if (no_server)
+        fprintf(stderr, "diloco: no server: give --server URL or set DILOCO_SERVER\n");
+    if (missing != NULL)
+        fprintf(stderr, "diloco: missing %s\n", missing);
+    if (unexpected != NULL)
+        fprintf(stderr, "diloco: unexpected argument '%s'\n", unexpected);
+}
+
 static void opts_defaults(client_opts *o)
 {
     memset(o, 0, sizeof(*o));
@@ -290,6 +301,20 @@ static char *token_for(const char *path, const char *node)
     if (found == NULL)
         fprintf(stderr, "diloco: %s has no token for node %s\n", path, node);
     return found;
+}
+
+/* The delta was checked against itself (the global lives on the server), so the rules' message
+ * "expected F32 for a F64 weight" would name the delta's own dtype as the global's: say what a
+ * delta may hold instead, and leave the global's dtype to the server's answer. */
+static void reword_dtype_refusal(const st_header *h, dl_error *err)
+{
+    const st_tensor *t = st_header_find(h, err->tensor, strlen(err->tensor));
+    if (t == NULL)
+        return;     /* a name with escapes in err->tensor: keep the rules' message */
+    snprintf(err->message, sizeof(err->message),
+             "delta tensor has dtype %s; a delta tensor is F32, F16 or BF16 (C64 for a complex weight), "
+             "whatever the dtype of the global's weight",
+             st_dtype_name(t->dtype));
 }
 
 static const char push_help[] =
@@ -328,6 +353,8 @@ int cmd_push(int argc, char **argv)
         }
     }
     if (o.server == NULL || optind != argc - 1 || o.retries < 0 || o.retries > 100) {
+        usage_missing(o.server == NULL, optind >= argc ? "DELTA (the delta file to upload)" : NULL,
+                      argc - optind > 1 ? argv[optind + 1] : NULL);
         fputs(push_help, stderr);
         return EXIT_USAGE;
     }
@@ -335,6 +362,8 @@ int cmd_push(int argc, char **argv)
     dl_error_clear(&err);
     /* the delta's own header names it: check it as the server will, before sending a byte */
     if (st_open(path, &f, &err) != 0 || delta_check_header(f->h, f->h, NULL, &info, &err) != 0) {
+        if (err.code == DL_E_DTYPE_MISMATCH)
+            reword_dtype_refusal(f->h, &err);
         st_close(f);
         return cli_report(path, &err);
     }
@@ -396,10 +425,11 @@ int cmd_push(int argc, char **argv)
             rc = EXIT_NETWORK;
             break;
         }
-        free(r.body.p);
         double wait = backoff(attempt);
-        fprintf(stderr, "diloco: PUT %s: %s, retrying in %.1f s\n", url,
-                cc != CURLE_OK ? curl_easy_strerror(cc) : "server error", wait);
+        char why[300];
+        describe_failure(cc, &r, why, sizeof(why));
+        free(r.body.p);
+        fprintf(stderr, "diloco: PUT %s: %s, retrying in %.1f s (%d of %d)\n", url, why, wait, attempt + 1, o.retries);
         sleep_s(wait);
     }
     free(url);
@@ -453,6 +483,8 @@ int cmd_pull(int argc, char **argv)
         }
     }
     if (o.server == NULL || dir == NULL || optind != argc) {
+        usage_missing(o.server == NULL, dir == NULL ? "-o DIR (the directory to download the model into)" : NULL,
+                      optind < argc ? argv[optind] : NULL);
         fputs(pull_help, stderr);
         return EXIT_USAGE;
     }
@@ -574,10 +606,80 @@ static double num(const cJSON *o, const char *k)
     return cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(o, k));
 }
 
+static int has_num(const cJSON *o, const char *k)
+{
+    return cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(o, k));
+}
+
 static const char *str(const cJSON *o, const char *k)
 {
     const char *s = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(o, k));
     return s ? s : "-";
+}
+
+/* A number for a person: "-" when the server sent none (null, absent), never "-nan". */
+static const char *num_text(const cJSON *o, const char *k, const char *fmt, char *buf, size_t size)
+{
+    if (!has_num(o, k))
+        return "-";
+    snprintf(buf, size, fmt, num(o, k));
+    return buf;
+}
+
+/* The daemon's state in words (the same words as the dashboard); an unknown name is shown as sent. */
+static const char *state_words(const char *state)
+{
+    static const char *const words[][2] = {
+        {"waiting_for_global", "waiting for a global model"},
+        {"collecting", "collecting deltas"},
+        {"aggregating", "aggregating the round"},
+        {"retry_wait", "aggregation failed, waiting to retry"},
+        {"stopping", "stopping"},
+    };
+    for (size_t i = 0; i < sizeof(words) / sizeof(words[0]); i++) {
+        if (strcmp(state, words[i][0]) == 0)
+            return words[i][1];
+    }
+    return state;
+}
+
+/* No global model yet: say so, and how one comes (it depends on the hub), instead of a step. */
+static void print_no_global(const cJSON *hub)
+{
+    const char *kind = str(hub, "kind");
+    printf("outer step: none: no global model yet, waiting for one (");
+    if (strcmp(kind, "none") == 0)
+        printf("restart dilocod with --init-model FILE to bootstrap one");
+    else
+        printf("bootstrap with --init-model, or publish global/latest.safetensors to %s", str(hub, "url"));
+    printf(")\n");
+}
+
+static void print_round(const cJSON *round)
+{
+    const cJSON *recv = cJSON_GetObjectItemCaseSensitive(round, "received"), *e;
+    char a[32], b[32], c[32];
+
+    printf("round %s (-> step ", num_text(round, "step", "%.0f", a, sizeof(a)));
+    if (has_num(round, "step"))
+        printf("%.0f", num(round, "step") + 1);
+    else
+        printf("-");
+    printf("): %d of %s nodes delivered (min %s)", cJSON_GetArraySize(recv),
+           num_text(round, "expected", "%.0f", b, sizeof(b)), num_text(round, "min_nodes", "%.0f", c, sizeof(c)));
+    if (cJSON_IsString(cJSON_GetObjectItemCaseSensitive(round, "deadline")))
+        printf(", deadline %s", str(round, "deadline"));
+    printf("\n");
+    cJSON_ArrayForEach(e, recv)
+        printf("  %-24s local_step %-10s %12s bytes\n", str(e, "node_id"), num_text(e, "local_step", "%.0f", a, sizeof(a)),
+               num_text(e, "bytes", "%.0f", b, sizeof(b)));
+    const cJSON *missing = cJSON_GetObjectItemCaseSensitive(round, "missing");
+    if (cJSON_GetArraySize(missing) > 0) {
+        printf("  missing:");
+        cJSON_ArrayForEach(e, missing)
+            printf(" %s", cJSON_IsString(e) ? e->valuestring : "?");
+        printf("\n");
+    }
 }
 
 static void print_status(const cJSON *j)
@@ -586,32 +688,43 @@ static void print_status(const cJSON *j)
     const cJSON *last = cJSON_GetObjectItemCaseSensitive(j, "last_round");
     const cJSON *opt = cJSON_GetObjectItemCaseSensitive(j, "optimizer");
     const cJSON *hub = cJSON_GetObjectItemCaseSensitive(j, "hub");
-    const cJSON *agg = cJSON_GetObjectItemCaseSensitive(j, "aggregation");
-    const cJSON *recv = cJSON_GetObjectItemCaseSensitive(round, "received"), *e;
+    const cJSON *agg = cJSON_GetObjectItemCaseSensitive(j, "aggregation"), *e;
+    /* "nothing yet" is outer_step null: no round is open then, whatever else the server sends */
+    int have_global = has_num(j, "outer_step");
+    char a[32], b[32], c[32], d[32];
 
-    printf("dilocod %s, up %.0f s, %s\n", str(j, "version"), num(j, "uptime_seconds"), str(j, "state"));
-    printf("outer step: %.0f   optimizer: %s lr=%g momentum=%g\n", num(j, "outer_step"), str(opt, "name"),
-           num(opt, "lr"), num(opt, "momentum"));
-    printf("round %.0f: %d of %.0f nodes delivered (min %.0f)", num(round, "step"), cJSON_GetArraySize(recv),
-           num(round, "expected"), num(round, "min_nodes"));
-    if (cJSON_IsString(cJSON_GetObjectItemCaseSensitive(round, "deadline")))
-        printf(", deadline %s", str(round, "deadline"));
-    printf("\n");
-    cJSON_ArrayForEach(e, recv)
-        printf("  %-24s local_step %-10.0f %12.0f bytes\n", str(e, "node_id"), num(e, "local_step"), num(e, "bytes"));
+    printf("dilocod %s, up %s s, %s\n", str(j, "version"), num_text(j, "uptime_seconds", "%.0f", a, sizeof(a)),
+           state_words(str(j, "state")));
+    if (have_global)
+        printf("outer step: %.0f\n", num(j, "outer_step"));
+    else
+        print_no_global(hub);
+    printf("optimizer: %s lr=%s momentum=%s\n", str(opt, "name"), num_text(opt, "lr", "%g", a, sizeof(a)),
+           num_text(opt, "momentum", "%g", b, sizeof(b)));
+    if (have_global && cJSON_IsObject(round))
+        print_round(round);
+    else
+        printf("round: none open until there is a global model\n");
     if (cJSON_IsObject(agg))
-        printf("aggregating: %.1f%% after %.1f s\n", num(agg, "percent"), num(agg, "seconds"));
+        printf("aggregating: %s%% after %s s\n", num_text(agg, "percent", "%.1f", a, sizeof(a)),
+               num_text(agg, "seconds", "%.1f", b, sizeof(b)));
     if (cJSON_IsObject(last)) {
         const cJSON *nodes = cJSON_GetObjectItemCaseSensitive(last, "nodes");
-        printf("last round: step %.0f -> %.0f, %d nodes, %.3f s (%.2f GB/s), closed by %s\n", num(last, "step"),
-               num(last, "outer_step"), cJSON_GetArraySize(nodes), num(last, "seconds"), num(last, "gbps"),
-               str(last, "reason"));
+        printf("last round: step %s -> %s, %d nodes, %s s (%s GB/s), closed by %s\n",
+               num_text(last, "step", "%.0f", a, sizeof(a)), num_text(last, "outer_step", "%.0f", b, sizeof(b)),
+               cJSON_GetArraySize(nodes), num_text(last, "seconds", "%.3f", c, sizeof(c)),
+               num_text(last, "gbps", "%.2f", d, sizeof(d)), str(last, "reason"));
         cJSON_ArrayForEach(e, nodes)
-            printf("  %-24s norm %-12.6g cosine to mean %.4f\n", str(e, "node_id"), num(e, "norm"), num(e, "cosine"));
+            printf("  %-24s norm %-12s cosine to mean %s\n", str(e, "node_id"), num_text(e, "norm", "%.6g", a, sizeof(a)),
+                   num_text(e, "cosine", "%.4f", b, sizeof(b)));
+    } else {
+        printf("last round: none closed yet\n");
     }
     printf("hub: %s", str(hub, "kind"));
-    if (cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(hub, "published_step")))
+    if (has_num(hub, "published_step"))
         printf(", published step %.0f", num(hub, "published_step"));
+    else if (strcmp(str(hub, "kind"), "none") != 0)
+        printf(", nothing published yet");
     if (cJSON_IsString(cJSON_GetObjectItemCaseSensitive(hub, "last_error")))
         printf(", last error: %s", str(hub, "last_error"));
     printf("\n");
@@ -646,6 +759,7 @@ int cmd_status(int argc, char **argv)
         }
     }
     if (o.server == NULL || optind != argc) {
+        usage_missing(o.server == NULL, NULL, optind < argc ? argv[optind] : NULL);
         fputs(status_help, stderr);
         return EXIT_USAGE;
     }
@@ -696,6 +810,10 @@ int cmd_wait(int argc, char **argv)
     }
     if (o.server == NULL || step_s == NULL || optind != argc || delta_parse_int(step_s, strlen(step_s), &want) != 0 ||
         !(interval > 0) || timeout < 0) {
+        usage_missing(o.server == NULL, step_s == NULL ? "--step N (the outer step to wait for)" : NULL,
+                      optind < argc ? argv[optind] : NULL);
+        if (step_s != NULL && delta_parse_int(step_s, strlen(step_s), &want) != 0)
+            fprintf(stderr, "diloco: invalid value '%s' for --step\n", step_s);
         fputs(wait_help, stderr);
         return EXIT_USAGE;
     }

@@ -905,6 +905,54 @@ static uint64_t le64(const unsigned char *b)
     return v;
 }
 
+/* What a file starts with when its first 8 bytes are not a header length: a signature we know, or
+ * text (8 printable ASCII bytes; a real length below the 100 MB cap has its high bytes zero, so text
+ * never is one).  NULL when the bytes say nothing. */
+static const char *foreign_kind(const unsigned char *b)
+{
+    static const struct { const char *magic; size_t len; const char *what; } sigs[] = {
+        {"PK\x03\x04", 4, "a ZIP archive (a torch.save checkpoint is one)"},
+        {"\x1f\x8b", 2, "gzip data"},
+        {"\x93NUMPY", 6, "a NumPy .npy array"},
+        {"GGUF", 4, "a GGUF model"},
+        {"\x89HDF\r\n\x1a\n", 8, "an HDF5 file"},
+        {"\x89PNG", 4, "a PNG image"},
+    };
+    for (size_t i = 0; i < sizeof(sigs) / sizeof(sigs[0]); i++) {
+        if (memcmp(b, sigs[i].magic, sigs[i].len) == 0)
+            return sigs[i].what;
+    }
+    if (b[0] == 0x80 && b[1] >= 2 && b[1] <= 5)
+        return "a Python pickle";
+    for (int i = 0; i < 8; i++) {
+        if (!(b[i] >= 0x20 && b[i] < 0x7f) && b[i] != '\t' && b[i] != '\n' && b[i] != '\r')
+            return NULL;
+    }
+    return "text";
+}
+
+/* The 8-byte prefix cannot be a header length (too large, or beyond the file): say "not a
+ * safetensors file", with what the file looks like, instead of a 19-digit length.  The code stays
+ * the reference's (header_too_large / invalid_header_length). */
+static int bad_prefix(dl_error *err, dl_code code, const unsigned char *b, uint64_t n, uint64_t file_len)
+{
+    const char *kind = foreign_kind(b);
+    char shown[48];
+
+    if (kind != NULL && strcmp(kind, "text") == 0) {
+        dl_printable(shown, sizeof(shown), (const char *)b, 8);
+        return dl_fail(err, code, NULL, 0, "not a safetensors file: it starts with text (\"%s\") where the "
+                       "8-byte header length belongs", shown);
+    }
+    if (kind != NULL)
+        return dl_fail(err, code, NULL, 0, "not a safetensors file: it starts like %s", kind);
+    if (code == DL_E_HEADER_TOO_LARGE)
+        return dl_fail(err, code, NULL, 0, "not a safetensors file: its first 8 bytes give a header length of "
+                       "%llu bytes, over the %llu-byte limit", (unsigned long long)n, ST_MAX_HEADER_SIZE);
+    return dl_fail(err, code, NULL, 0, "not a safetensors file, or a truncated one: its first 8 bytes give a "
+                   "header of %llu bytes, the file has %llu", (unsigned long long)n, (unsigned long long)file_len);
+}
+
 int st_header_parse_prefix(const char *buf, size_t avail, uint64_t file_len, size_t *need,
                            st_header **out, dl_error *err)
 {
@@ -920,12 +968,9 @@ int st_header_parse_prefix(const char *buf, size_t avail, uint64_t file_len, siz
     }
     n = le64((const unsigned char *)buf);
     if (n > ST_MAX_HEADER_SIZE)
-        return dl_fail(err, DL_E_HEADER_TOO_LARGE, NULL, 0, "header too large: %llu bytes (max %llu)",
-                       (unsigned long long)n, ST_MAX_HEADER_SIZE);
+        return bad_prefix(err, DL_E_HEADER_TOO_LARGE, (const unsigned char *)buf, n, file_len);
     if (n + 8 > file_len)
-        return dl_fail(err, DL_E_INVALID_HEADER_LENGTH, NULL, 0,
-                       "invalid header length: header of %llu bytes does not fit in a file of %llu bytes",
-                       (unsigned long long)n, (unsigned long long)file_len);
+        return bad_prefix(err, DL_E_INVALID_HEADER_LENGTH, (const unsigned char *)buf, n, file_len);
     if (avail < n + 8) {
         *need = (size_t)(n + 8);
         return 0;
