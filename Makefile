@@ -185,8 +185,8 @@ fuzz: $(FUZZ_TARGETS)
 
 # Benchmarks are reports, not tests: each prints ratios measured side by side in one run.
 BENCH_BINS  := $(BUILD)/tests/bench-convert $(BUILD)/tests/bench-outer $(BUILD)/tests/stream
-BENCH_MODEL_MIB ?= 1024
-BENCH_NODES ?= 2 8
+# bench_round.py: model sizes in MiB (8 deltas each); BENCH_ROUNDS=3 fresh rounds per figure (environment).
+BENCH_SIZES ?= 1024 256
 $(BUILD)/tests/bench-%: $(BUILD)/tests/bench/bench-%.o $(BUILD)/libdiloco.a
 	@mkdir -p $(@D)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
@@ -209,7 +209,7 @@ bench-deps:
 
 bench: all venv bench-deps $(BENCH_BINS)
 	$(BUILD)/tests/bench-convert 256
-	$(PY) tests/bench/bench_aggregate.py $(BUILD) $(BENCH_MODEL_MIB) $(BENCH_NODES)
+	$(PY) tests/bench/bench_round.py $(BUILD) $(BENCH_SIZES)
 	$(PY) tests/bench/bench_http.py $(BUILD)
 
 # Soak: 1,000 rounds over HTTP and file:// with the chaos client beside them (tests/integration/test_soak.py);

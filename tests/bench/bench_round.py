@@ -1,0 +1,422 @@
+"""Round benchmark: dilocod next to the Python reference round on the same files, over file:// and HTTP,
+measured side by side in one run (the machine is shared and noisy: compare the ratios, not the absolute
+numbers).  A report, not a test: it asserts nothing.
+
+For each model size (MiB of F32, in 8 tensors) it writes an initial model and 8 deltas (nodes w0..w7,
+base_outer_step 0), then, each measurement a median over BENCH_ROUNDS fresh rounds (a new dilocod on a new
+state root and a new tree every time; a replacing upload is never counted as a round):
+
+  reference   the Python reference round: load_file each delta, FP32 mean, torch.optim.SGD Nesterov step,
+              save_file of the new global and torch.save of the momentum (its own clock, after the imports);
+              peak RSS from getrusage.
+  file:// critical path   7 deltas accepted, then the 8th is renamed into nodes/w7/ (a directory that
+              already exists, as in every round but the first) -> global/step_count.json names step 1
+              (dilocod's log: "hub published step=1").
+  file:// catch-up        all 8 deltas present when dilocod starts -> step 1 published (same log line).
+  HTTP critical path      7 deltas uploaded, then the 8th: its 201 -> step 1 served (the log line
+              "store committed step=1" is written as GET /global and /status switch to the new step; checked
+              with /status).
+  HTTP round              8 concurrent uploads from their start -> step 1 served.
+  pass        dilocod's outer pass inside the daemon (log: "aggregate started" -> "aggregate computed"), and
+              bench-outer (the same pass alone, inputs from the page cache, outputs written and fsynced on
+              the same disk) with its bandwidth counted as bytes read + written, next to the STREAM triad.
+  peak RSS    VmHWM of every dilocod run (the largest is shown), ru_maxrss of the reference.
+
+dilocod runs with its defaults (poll_interval 5 s, threads = CPUs, 16 MiB per thread), JSON logs at debug
+level, so timestamps (CLOCK_REALTIME, milliseconds) are compared with this process's time.time().
+The page cache is warm for both: every run reads the same files.
+
+Usage: bench_round.py BUILD_DIR [MODEL_MIB ...]   (default 1024 256)
+env: BENCH_ROUNDS=3 fresh rounds per figure, BENCH_TMP=/var/tmp, BENCH_KEEP=1 keeps the files,
+     BENCH_ONLY=file,http,reference to run a subset.
+"""
+import datetime
+import http.client
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+BUILD = Path(sys.argv[1] if len(sys.argv) > 1 else "build").resolve()
+SIZES = [int(x) for x in sys.argv[2:]] or [1024, 256]
+NODES = 8
+TENSORS = 8
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
+ONLY = set(os.environ.get("BENCH_ONLY", "file,http,reference").split(","))
+TIMEOUT = 1800
+
+REFERENCE = r'''
+import sys, time, torch, resource
+from safetensors.torch import load_file, save_file
+glob, out, mom_out, *deltas = sys.argv[1:]
+t0 = time.time()
+params = {k: torch.nn.Parameter(v) for k, v in load_file(glob).items()}
+opt = torch.optim.SGD(list(params.values()), lr=0.7, momentum=0.9, nesterov=True)
+avg = None
+for path in deltas:
+    d = load_file(path)
+    if avg is None:
+        avg = {k: v.float().clone() for k, v in d.items()}
+    else:
+        for k, v in d.items():
+            avg[k] += v.float()
+    del d
+for k in avg:
+    params[k].grad = avg[k] / len(deltas)
+opt.step()
+save_file({k: p.detach() for k, p in params.items()}, out)
+torch.save({k: opt.state[p]["momentum_buffer"] for k, p in params.items()}, mom_out)
+print(time.time() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+'''
+
+
+# ---- data ---------------------------------------------------------------------------------------
+
+def write_model(path, mib, rng):
+    from safetensors.numpy import save_file
+    n = mib * (1 << 20) // 4 // TENSORS
+    block = rng.standard_normal(1 << 20).astype(np.float32)
+    save_file({f"layer{i}.weight": np.resize(np.roll(block, i), n) for i in range(TENSORS)}, str(path))
+
+
+def write_delta(path, mib, rng, node):
+    from safetensors.numpy import save_file
+    n = mib * (1 << 20) // 4 // TENSORS
+    block = (rng.standard_normal(1 << 20) * 0.01).astype(np.float32)
+    meta = {"algorithm": "dumb_diloco", "base_outer_step": "0", "local_step": "100", "node_id": f"w{node}"}
+    save_file({f"layer{i}.weight": np.resize(np.roll(block, i + node), n) for i in range(TENSORS)}, str(path),
+              metadata=meta)
+
+
+def make_data(directory, mib):
+    rng = np.random.default_rng(mib)
+    init = directory / "init.safetensors"
+    write_model(init, mib, rng)
+    deltas = []
+    for k in range(NODES):
+        p = directory / f"delta_w{k}.safetensors"
+        write_delta(p, mib, rng, k)
+        deltas.append(p)
+    return init, deltas
+
+
+# ---- the machine --------------------------------------------------------------------------------
+
+def stream_triad():
+    out = subprocess.run([str(BUILD / "tests" / "stream")], capture_output=True, text=True, check=True).stdout
+    return float(out.split()[1])
+
+
+def fdatasync_gbps(directory, mib=512):
+    """Buffered write + fdatasync of MIB MiB: what any durable write of that much data costs here."""
+    path = Path(directory) / "disk-probe"
+    block = os.urandom(1 << 20)
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for _ in range(mib):
+            os.write(fd, block)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    dt = time.perf_counter() - t0
+    path.unlink()
+    return mib * (1 << 20) / dt / 1e9
+
+
+# ---- dilocod ------------------------------------------------------------------------------------
+
+def log_time(ts):
+    return datetime.datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+
+
+class Dilocod:
+    """One dilocod on a fresh state root; its JSON log is parsed as it grows."""
+
+    def __init__(self, tmp, init, hub, listen="none"):
+        self.log = tmp / "dilocod.log"
+        self.proc = subprocess.Popen(
+            [str(BUILD / "dilocod"), "--state-root", str(tmp / "state"), "--hub", hub, "--init-model", str(init),
+             "--expected-nodes", str(NODES), "--listen", listen, "--log-level", "debug", "--log-format", "json"],
+            stdout=subprocess.DEVNULL, stderr=open(self.log, "wb"))
+        self.port = None
+
+    def records(self):
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+    def find(self, component, msg, **fields):
+        for r in self.records():
+            if r.get("component") == component and r.get("msg") == msg and \
+                    all(str(r.get(k)) == str(v) for k, v in fields.items()):
+                return r
+        return None
+
+    def count(self, component, msg):
+        return sum(1 for r in self.records() if r.get("component") == component and r.get("msg") == msg)
+
+    def wait(self, what, cond, timeout=TIMEOUT):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            got = cond()
+            if got:
+                return got
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dilocod exited ({self.proc.returncode}) waiting for {what}:\n"
+                                   f"{self.log.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.01)
+        raise RuntimeError(f"dilocod: no {what} within {timeout} s:\n{self.log.read_text(errors='replace')[-3000:]}")
+
+    def wait_port(self):
+        r = self.wait("listening", lambda: self.find("http", "listening"))
+        self.port = int(r["port"])
+        return self.port
+
+    def hwm_mib(self):
+        text = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return int(re.search(r"VmHWM:\s+(\d+) kB", text).group(1)) / 1024
+
+    def pass_seconds(self, step):
+        a = self.find("aggregate", "started", step=step)
+        c = self.find("aggregate", "computed", step=step)
+        return log_time(c["ts"]) - log_time(a["ts"]) if a and c else float("nan")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+
+
+def published(d):
+    """file://: the moment step_count.json names step 1 (logged right after its rename)."""
+    return d.find("hub", "published", step=1)
+
+
+def served(d):
+    """HTTP: the moment GET /global and /status switch to step 1 (logged as the commit is applied)."""
+    return d.find("store", "committed", step=1)
+
+
+def status_step(port):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        c.request("GET", "/status")
+        return json.loads(c.getresponse().read())["outer_step"]
+    finally:
+        c.close()
+
+
+def link_delta(src, hub, k, via_rename):
+    node = hub / "nodes" / f"w{k}"
+    node.mkdir(parents=True, exist_ok=True)
+    target = node / "delta_100.safetensors"
+    if not via_rename:
+        os.link(src, target)
+        return None
+    staging = hub / f".incoming-w{k}"
+    os.link(src, staging)
+    os.rename(staging, target)
+    return time.time()
+
+
+def file_round(tmp, init, deltas, catch_up):
+    """One fresh file:// round: (seconds to published, pass seconds, VmHWM MiB)."""
+    hub = tmp / "hub"
+    hub.mkdir()
+    for k in range(NODES):
+        (hub / "nodes" / f"w{k}").mkdir(parents=True)
+    last = NODES if catch_up else NODES - 1
+    for k in range(last):
+        link_delta(deltas[k], hub, k, False)
+    t_start = time.time()
+    d = Dilocod(tmp, init, f"file://{hub}")
+    try:
+        if not catch_up:
+            d.wait("7 accepted deltas", lambda: d.count("round", "delta accepted") >= NODES - 1)
+            t_start = link_delta(deltas[-1], hub, NODES - 1, True)
+        r = d.wait("step 1 published", lambda: published(d))
+        if json.loads((hub / "global" / "step_count.json").read_text())["outer_step"] != 1:
+            raise RuntimeError("step_count.json does not name step 1")
+        return log_time(r["ts"]) - t_start, d.pass_seconds(1), d.hwm_mib()
+    finally:
+        d.stop()
+
+
+def put(port, k, path):
+    """PUT of one delta; returns (status, time.time() when the answer arrived)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600, blocksize=1 << 20)
+    try:
+        with open(path, "rb") as f:
+            c.request("PUT", f"/nodes/w{k}/delta_100.safetensors", body=f,
+                      headers={"Content-Length": str(path.stat().st_size),
+                               "Content-Type": "application/octet-stream"})
+            r = c.getresponse()
+            body = r.read()
+            t = time.time()
+        if r.status != 201:
+            raise RuntimeError(f"upload w{k}: {r.status} {body[:300]!r}")
+        return t
+    finally:
+        c.close()
+
+
+def http_round(tmp, init, deltas, concurrent):
+    """One fresh HTTP round: (seconds to served, pass seconds, VmHWM MiB)."""
+    d = Dilocod(tmp, init, "none", listen="127.0.0.1:0")
+    try:
+        port = d.wait_port()
+        d.wait("bootstrap", lambda: d.find("store", "committed", step=0) or d.find("round", "opened", step=0))
+        if concurrent:
+            errors = []
+
+            def one(k):
+                try:
+                    put(port, k, deltas[k])
+                except Exception as e:     # reported below, after every thread ended
+                    errors.append(f"w{k}: {e}")
+            threads = [threading.Thread(target=one, args=(k,)) for k in range(NODES)]
+            t_start = time.time()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errors:
+                raise RuntimeError("; ".join(errors))
+        else:
+            for k in range(NODES - 1):
+                put(port, k, deltas[k])
+            t_start = put(port, NODES - 1, deltas[-1])
+        r = d.wait("step 1 served", lambda: served(d))
+        if status_step(port) != 1:
+            raise RuntimeError("/status does not report step 1")
+        return log_time(r["ts"]) - t_start, d.pass_seconds(1), d.hwm_mib()
+    finally:
+        d.stop()
+
+
+def bench_outer(tmp, init, deltas):
+    """The pass alone: (compute seconds, bytes read + written per second)."""
+    out = tmp / "outer"
+    out.mkdir()
+    p = subprocess.run([str(BUILD / "tests" / "bench-outer"), str(os.cpu_count()), str(init), str(out),
+                        *map(str, deltas)], capture_output=True, text=True, check=True)
+    m = re.search(r"compute ([\d.]+) s \(([\d.]+) GB/s", p.stdout)
+    shutil.rmtree(out)
+    return float(m.group(1)), float(m.group(2))
+
+
+def reference_round(tmp, init, deltas):
+    p = subprocess.run([sys.executable, "-c", REFERENCE, str(init), str(tmp / "ref.safetensors"),
+                        str(tmp / "ref_state.pt"), *map(str, deltas)], capture_output=True, text=True, check=True)
+    secs, rss_kb = p.stdout.split()
+    (tmp / "ref.safetensors").unlink()
+    (tmp / "ref_state.pt").unlink()
+    return float(secs), int(rss_kb) / 1024
+
+
+# ---- the report ---------------------------------------------------------------------------------
+
+def fresh(base, name):
+    return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=base))
+
+
+def median_of(fn, base, name):
+    """Median of ROUNDS fresh runs of fn(tmp) -> tuple; returns (medians, samples)."""
+    samples = []
+    for _ in range(ROUNDS):
+        tmp = fresh(base, name)
+        try:
+            samples.append(fn(tmp))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tuple(statistics.median(col) for col in zip(*samples)), samples
+
+
+def fmt_samples(samples, i=0):
+    return ", ".join(f"{s[i]:.2f}" for s in samples)
+
+
+def run_size(base, mib, triad):
+    data = fresh(base, f"data-{mib}")
+    try:
+        t0 = time.time()
+        init, deltas = make_data(data, mib)
+        os.sync()
+        print(f"== {NODES} x {mib} MiB F32 deltas ({TENSORS} tensors), files written in {time.time() - t0:.0f} s; "
+              f"medians of {ROUNDS} fresh rounds")
+        rows = {}
+        if "reference" in ONLY:
+            (ref_s, ref_rss), s = median_of(lambda t: reference_round(t, init, deltas), base, "ref")
+            rows["reference"] = (ref_s, ref_rss)
+            print(f"  Python reference round      {ref_s:7.2f} s   peak RSS {ref_rss:7.0f} MiB   ({fmt_samples(s)})")
+        ref_s = rows.get("reference", (float("nan"),))[0]
+        hwm = []
+        if "file" in ONLY:
+            for label, catch_up in (("file:// critical path", False), ("file:// catch-up", True)):
+                (sec, pas, rss), s = median_of(lambda t: file_round(t, init, deltas, catch_up), base, "file")
+                hwm += [x[2] for x in s]
+                print(f"  {label:27s} {sec:7.2f} s   {ref_s / sec:5.2f}x the reference   "
+                      f"(pass {pas:.2f} s; {fmt_samples(s)})")
+                rows[label] = (sec, pas)
+        if "http" in ONLY:
+            for label, concurrent in (("HTTP critical path", False), ("HTTP round (8 concurrent)", True)):
+                (sec, pas, rss), s = median_of(lambda t: http_round(t, init, deltas, concurrent), base, "http")
+                hwm += [x[2] for x in s]
+                print(f"  {label:27s} {sec:7.2f} s   {ref_s / sec:5.2f}x the reference   "
+                      f"(pass {pas:.2f} s; {fmt_samples(s)})")
+                rows[label] = (sec, pas)
+        passes = [v[1] for k, v in rows.items() if k != "reference"]
+        if passes:
+            p = statistics.median(passes)
+            print(f"  dilocod pass (in the daemon) {p:6.2f} s   {ref_s / p:5.2f}x the reference round")
+        (sec, gbps), s = median_of(lambda t: bench_outer(t, init, deltas), base, "outer")
+        print(f"  pass alone (bench-outer)    {sec:7.2f} s   {ref_s / sec:5.2f}x the reference   {gbps:.2f} GB/s "
+              f"read + written = {gbps / triad:.0%} of STREAM triad ({fmt_samples(s)})")
+        if hwm:
+            print(f"  dilocod peak RSS (VmHWM)    {max(hwm):7.0f} MiB (largest of {len(hwm)} runs)")
+        print()
+    finally:
+        if os.environ.get("BENCH_KEEP"):
+            print("kept", data)
+        else:
+            shutil.rmtree(data, ignore_errors=True)
+
+
+def main():
+    for f in ("dilocod", "tests/stream", "tests/bench-outer"):
+        if not (BUILD / f).exists():
+            sys.exit(f"bench_round: {BUILD / f} is missing: run make bench")
+    base = Path(tempfile.mkdtemp(prefix="dilocod-roundbench-", dir=os.environ.get("BENCH_TMP", "/var/tmp")))
+    try:
+        triad = stream_triad()
+        print(f"dilocod round benchmark, side by side in one run (a shared machine: compare the ratios)")
+        print(f"machine: {os.cpu_count()} CPUs, STREAM triad {triad:.2f} GB/s; disk {base.parent}: write + "
+              f"fdatasync {fdatasync_gbps(base):.2f} GB/s")
+        print("targets (issue 12): critical path >= 5x the reference at 1 GiB, >= 3x at 256 MiB; catch-up >= 3x "
+              "and >= 2x; pass >= 50% of triad; peak RSS <= 256 MiB\n")
+        for mib in SIZES:
+            run_size(base, mib, triad)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
