@@ -52,7 +52,7 @@ VENV        := .venv
 PY          := $(VENV)/bin/python
 DEB_PKGS    := build-essential pkg-config libuv1-dev libcurl4-openssl-dev libcjson-dev node-llhttp libssl-dev \
                python3-venv python3-torch python3-numpy clang libclang-rt-14-dev curl \
-               chromium systemd nginx iproute2 libexpat1-dev
+               chromium systemd nginx iproute2 libexpat1-dev podman runc debootstrap
 PY_PKGS     := safetensors huggingface_hub pytest requests prometheus_client boto3
 
 .PHONY: all deps venv check lint-layers unit test-integration fuzz fuzz-regress bench bench-deps soak clean distclean
