@@ -10,7 +10,7 @@
 # base; delete the directory to force a fresh one. A debian:bookworm-slim image this script did not
 # make (one pulled from a registry) is used as it is and never replaced.
 #
-# Needs root (debootstrap), debootstrap, podman and tar. CONTAINERS_CONF, if set, is passed on to
+# Needs debootstrap (run as root, or through sudo), podman, tar and flock. CONTAINERS_CONF, if set, is passed on to
 # podman like any other variable.
 set -euo pipefail
 
@@ -57,6 +57,12 @@ KEY="$SUITE-minbase-$(printf '%s\n%s\n%s\n' "$MIRROR" "$UPDATES" "$SECURITY" | s
 CACHE="${DILOCOD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dilocod}"
 TARBALL="$CACHE/$KEY.tar"
 
+mkdir -p "$CACHE"
+# One maker at a time (make check and its sanitizer run may both get here): the others wait, then
+# find the image or the tarball made.
+exec 9> "$CACHE/.container-base.lock"
+flock 9 || die "cannot lock $CACHE/.container-base.lock"
+
 # Already there? Ours with the same key, or someone else's: either way nothing to do.
 if podman image exists "$IMAGE"; then
     have=$(podman image inspect --format "{{ index .Labels \"$LABEL\" }}" "$IMAGE")
@@ -68,33 +74,34 @@ if podman image exists "$IMAGE"; then
 fi
 
 if [ ! -s "$TARBALL" ]; then
-    [ "$(id -u)" = 0 ] || die "debootstrap needs root (run as root, or with sudo)"
     command -v debootstrap >/dev/null || die "debootstrap is not installed (apt-get install debootstrap)"
-    mkdir -p "$CACHE"
+    # debootstrap makes device nodes and root-owned files: root, or sudo as `make deps` uses it
+    SUDO=; [ "$(id -u)" = 0 ] || SUDO=sudo
     root=$(mktemp -d "$CACHE/root.XXXXXX")
     # shellcheck disable=SC2064  # expand $root now: it is the directory to remove
-    trap "rm -rf '$root' '$TARBALL.tmp'" EXIT
+    trap "$SUDO rm -rf '$root' '$root.tar' '$root.log'" EXIT
     echo "container-base: debootstrap --variant=minbase $SUITE from $MIRROR (once; cached as $TARBALL)"
     start=$SECONDS
-    debootstrap --variant=minbase "$SUITE" "$root" "$MIRROR" > "$root.log" 2>&1 \
-        || { tail -n 20 "$root.log" >&2; rm -f "$root.log"; die "debootstrap failed (log above)"; }
-    rm -f "$root.log"
+    $SUDO debootstrap --variant=minbase "$SUITE" "$root" "$MIRROR" > "$root.log" 2>&1 \
+        || { tail -n 20 "$root.log" >&2; die "debootstrap failed (log above)"; }
 
     # apt inside the image must reach the same mirror the same way apt does here: the same sources
-    # (with the updates and security suites when this machine has them) and the Acquire options the mirror needs
-    # (a snapshot mirror's Release files are past Valid-Until; a proxy).
+    # (with the updates and security suites when this machine has them) and the Acquire options the
+    # mirror needs (a snapshot mirror's Release files are past Valid-Until; a proxy).
     {
         echo "deb $MIRROR $SUITE main"
         [ -z "$UPDATES" ] || echo "deb $UPDATES $SUITE-updates main"
         [ -z "$SECURITY" ] || echo "deb $SECURITY $SUITE-security main"
-    } > "$root/etc/apt/sources.list"
-    apt-config dump | grep -E '^Acquire::(Check-Valid-Until|Check-Date|https?::Proxy) ' \
-        > "$root/etc/apt/apt.conf.d/99mirror" || true
+    } | $SUDO tee "$root/etc/apt/sources.list" > /dev/null
+    apt-config dump | { grep -E '^Acquire::(Check-Valid-Until|Check-Date|https?::Proxy) ' || true; } \
+        | $SUDO tee "$root/etc/apt/apt.conf.d/99mirror" > /dev/null
     # what the official slim images drop as well: the package cache and the lists
-    rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
+    $SUDO sh -c "rm -rf '$root'/var/cache/apt/archives/*.deb '$root'/var/lib/apt/lists/*"
 
-    tar --numeric-owner --xattrs -C "$root" -cf "$TARBALL.tmp" . || die "tar of the base root failed"
-    mv "$TARBALL.tmp" "$TARBALL"
+    # written beside the final name and renamed: a tarball in the cache is always complete
+    $SUDO tar --numeric-owner --xattrs -C "$root" -cf "$root.tar" . || die "tar of the base root failed"
+    $SUDO chown "$(id -u):$(id -g)" "$root.tar"
+    mv "$root.tar" "$TARBALL"
     echo "container-base: debootstrap and tarball took $((SECONDS - start)) s"
 fi
 
