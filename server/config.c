@@ -578,21 +578,30 @@ static int check_dir_path(const config *c, const char *key, const char *path)
     return rc;
 }
 
+static int state_committed(const config *c)
+{
+    char *meta = NULL;
+    int committed;
+
+    if (asprintf(&meta, "%s/%s/outer_metadata.json", c->state_root, c->id) < 0)
+        return -1;
+    committed = access(meta, F_OK) == 0;
+    free(meta);
+    return committed;
+}
+
 /* Startup uses the init model only when <state_root>/<id> holds no committed step: then it must be a
  * safetensors file, read as the bootstrap reads it (header parsed, sizes checked; data not read). */
 static int check_init_model(const config *c)
 {
-    char *meta = NULL;
     st_file *f = NULL;
     dl_error err;
     int rc, committed;
 
     if (c->init_model == NULL)
         return 0;
-    if (asprintf(&meta, "%s/%s/outer_metadata.json", c->state_root, c->id) < 0)
+    if ((committed = state_committed(c)) < 0)
         return bad("", "init_model", "out of memory");
-    committed = access(meta, F_OK) == 0;
-    free(meta);
     if (committed)
         return 0;
     if ((rc = check_regular_file(c, "init_model", c->init_model)) != 0)
@@ -712,6 +721,10 @@ int config_load(config *c, int argc, char **argv)
     if ((rc = validate(c)) != 0)
         return rc;
     if (check) {
+        /* not an error: the same file is fine once a step is committed (or restored from a backup) */
+        if (strcmp(c->hub, "none") == 0 && c->init_model == NULL && state_committed(c) == 0)
+            fprintf(stderr, "dilocod: note: %s/%s holds no committed step and there is no init_model: with "
+                            "hub = none a start now has nothing to start from (exit 1)\n", c->state_root, c->id);
         config_print(c, stdout);
         return 1;
     }

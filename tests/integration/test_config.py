@@ -308,3 +308,13 @@ def test_fifo_token_file_refused_unopened(tmp_path):
     p = subprocess.run([str(BUILD / "dilocod"), "--expected-nodes", "2", "--token-file", str(fifo),
                         "--check-config"], capture_output=True, text=True, timeout=30)
     assert_fails(p, "--token-file", "not a regular file")
+
+
+def test_nothing_to_start_from_is_noted(tmp_path):
+    """hub none, no init model, no committed state: valid as a file (a backup may be restored into the
+    state root), but --check-config says that a start now would have nothing to start from."""
+    p = dilocod("--expected-nodes", "2", "--state-root", tmp_path / "s", "--check-config", check=0)
+    assert "nothing to start from" in p.stderr, p.stderr
+    p = dilocod("--expected-nodes", "2", "--state-root", tmp_path / "s", "--init-model",
+                model(tmp_path / "init.safetensors"), "--check-config", check=0)
+    assert p.stderr == "", p.stderr
