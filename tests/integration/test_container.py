@@ -166,9 +166,11 @@ def test_container_round_health_nonroot_sigterm_resume(image, tmp_path, diloco_b
     m = model()
     write_model(tmp_path / "init.safetensors", m)
     (tmp_path / "tokens").write_text(TOKENS)
-    # read by the container's unprivileged user through the read-only mounts (safetensors writes 0600)
+    # read by the container's unprivileged user through the read-only mounts, as the Dockerfile's
+    # header says to: the model made readable (safetensors writes 0600), the tokens the daemon's alone
     os.chmod(tmp_path / "init.safetensors", 0o644)
-    os.chmod(tmp_path / "tokens", 0o644)
+    os.chown(tmp_path / "tokens", DILOCOD_UID, DILOCOD_UID)
+    os.chmod(tmp_path / "tokens", 0o400)
     volume = f"dilocod-test-state-{os.getpid()}"
     names = [f"dilocod-test-{os.getpid()}-{i}" for i in range(2)]
     podman("volume", "create", volume)
