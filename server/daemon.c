@@ -16,12 +16,12 @@
 #include "delta.h"
 #include "dl_log.h"
 #include "fsutil.h"
-#include "hub_file.h"
+#include "hub.h"
+#include "hub_file.h"          /* hubfile_copy: --init-model, a trusted file, copied into the state */
 #include "intake.h"
 #include "outer.h"
 #include "round.h"
 #include "safetensors.h"
-#include "seen.h"
 #include "store.h"
 
 #define MAX_INTAKE_IN_FLIGHT 2
@@ -45,7 +45,6 @@ static double now_s(dilocod *d)
 }
 
 static void maybe_finish_shutdown(dilocod *d);
-static void schedule_scan(dilocod *d);
 static void dispatch_intake(dilocod *d);
 static void maybe_close_round(dilocod *d);
 static void maybe_publish(dilocod *d);
@@ -106,220 +105,7 @@ static void log_error(const char *component, const char *msg, const dl_error *e)
            e->tensor[0] ? dl_log_q(t, sizeof(t), e->tensor) : "");
 }
 
-/* ---- scanning the file:// hub ---------------------------------------------------------------- */
-
-typedef struct scan_result {
-    hub_candidate *c;
-    size_t n;
-    int published_present;
-    uint64_t published_step;
-    int published_rc;           /* a junk step file must not stop the intake of deltas */
-    dl_error published_err;
-} scan_result;
-
-static void scan_work(job *j)
-{
-    scan_result *r = j->arg;
-    j->rc = hubfile_scan(j->d->hub_root, &r->c, &r->n, &j->err);
-    r->published_rc = hubfile_read_published(j->d->hub_root, &r->published_present, &r->published_step,
-                                             &r->published_err);
-}
-
-static void start_adopt(dilocod *d, uint64_t step);
-
-static intake_req *enqueue_intake(dilocod *d, const char *abs, const char *rel, int in_cache, int remove_src)
-{
-    intake_req *r = calloc(1, sizeof(*r));
-
-    if (r == NULL || (r->src_path = strdup(abs)) == NULL || (rel && (r->rel_path = strdup(rel)) == NULL) ||
-        (r->state_dir = strdup(d->st.dir)) == NULL) {
-        if (r)
-            intake_req_free(r);
-        dl_log(DL_LOG_ERROR, "intake", "out of memory", "path=%s", abs);
-        return NULL;
-    }
-    r->in_cache = in_cache;
-    r->remove_src = remove_src;
-    /* one header cap whatever brought the delta in (an upload, the shared tree, the Hub) */
-    r->max_header = (uint64_t)d->cfg->max_delta_header_mib << 20;
-    if (d->nqueue == d->cap_queue) {
-        size_t nc = d->cap_queue ? d->cap_queue * 2 : 16;
-        intake_req **nq = realloc(d->queue, nc * sizeof(*nq));
-        if (nq == NULL) {
-            intake_req_free(r);
-            dl_log(DL_LOG_ERROR, "intake", "out of memory", "path=%s", abs);
-            return NULL;
-        }
-        d->queue = nq;
-        d->cap_queue = nc;
-    }
-    d->queue[d->nqueue++] = r;
-    return r;
-}
-
-/* A delta of the file:// tree: intake reaches it from the hub root, never through a link. */
-static void enqueue_hub_intake(dilocod *d, const hub_candidate *c)
-{
-    intake_req *r = enqueue_intake(d, c->abs, c->rel, 0, 0);
-
-    if (r != NULL && (r->hub_root = strdup(d->hub_root)) == NULL) {
-        d->queue[--d->nqueue] = NULL;
-        intake_req_free(r);
-        dl_log(DL_LOG_ERROR, "intake", "out of memory", "path=%s", c->rel);
-    }
-}
-
-static uint64_t text_hash(const char *s)
-{
-    uint64_t h = 1469598103934665603ULL;        /* FNV-1a */
-    for (; *s; s++)
-        h = (h ^ (unsigned char)*s) * 1099511628211ULL;
-    return h;
-}
-
-/* Junk a writer planted in the tree (a link, a FIFO, an unreadable step file) is logged once per
- * version of the entry and reason, not at every poll: the seen map keeps one entry per path. */
-static void report_refused(dilocod *d, const char *path, const char *reason, uint64_t size, int64_t mtime_ns,
-                           uint64_t ino)
-{
-    int created;
-    seen_entry *e = seen_get(&d->seen, path, &created);
-    char q[600];
-
-    if (e == NULL || (!created && e->state == SEEN_PENDING))
-        return;                 /* in flight: its intake result comes first, the next scan reports */
-    e->listed = d->scan_gen;
-    if (!created && e->state == SEEN_REJECTED && e->size == size && e->mtime_ns == mtime_ns && e->ino == ino)
-        return;
-    e->size = size;
-    e->mtime_ns = mtime_ns;
-    e->ino = ino;
-    e->state = SEEN_REJECTED;
-    e->since = now_s(d);
-    dl_log(DL_LOG_WARN, "hub", "entry refused", "path=%s reason=%s", path, dl_log_q(q, sizeof(q), reason));
-}
-
-/* Settle time: a file that keeps failing as incomplete without changing for this long is rejected. */
-static double settle_seconds(const dilocod *d)
-{
-    double s = 2 * d->cfg->poll_interval;
-    return s < 2.0 ? 2.0 : s;
-}
-
-static void consider_candidate(dilocod *d, const hub_candidate *c)
-{
-    int created;
-    seen_entry *e = seen_get(&d->seen, c->rel, &created);
-
-    if (e == NULL)
-        return;
-    e->listed = d->scan_gen;
-    int same = !created && e->size == c->size && e->mtime_ns == c->mtime_ns && e->ino == c->ino;
-    if (same) {
-        if (e->state == SEEN_INCOMPLETE && now_s(d) - e->since >= settle_seconds(d)) {
-            /* stopped changing: one last attempt decides (INCOMPLETE again means truncated for good) */
-            e->state = SEEN_PENDING;
-            e->since = -1;
-            enqueue_hub_intake(d, c);
-        }
-        return;
-    }
-    if (!created && e->state == SEEN_PENDING)
-        return;                 /* in flight: its result will be compared with the new version */
-    e->size = c->size;
-    e->mtime_ns = c->mtime_ns;
-    e->ino = c->ino;
-    e->state = SEEN_PENDING;
-    e->since = now_s(d);
-    dl_log(DL_LOG_DEBUG, "hub", "delta seen", "path=%s bytes=%" PRIu64, c->rel, c->size);
-    enqueue_hub_intake(d, c);
-}
-
-/* Kept: what this scan listed, and what is still being taken in. */
-static int still_listed(const seen_entry *e, void *arg)
-{
-    const dilocod *d = arg;
-    return e->listed == d->scan_gen || e->state == SEEN_PENDING || strcmp(e->key, "global") == 0;
-}
-
-static void scan_done(job *j)
-{
-    dilocod *d = j->d;
-    scan_result *r = j->arg;
-
-    d->scan_in_flight = 0;
-    d->scan_gen++;
-    if (j->rc != 0) {
-        log_error("hub", "scan failed", &j->err);
-        snprintf(d->last_hub_error, sizeof(d->last_hub_error), "scan: %.240s", j->err.message);
-    } else {
-        d->last_poll = time(NULL);
-    }
-    if (r->published_rc != 0) {
-        report_refused(d, "global", r->published_err.message, text_hash(r->published_err.message), 0, 0);
-    } else {
-        seen_entry *g = seen_find(&d->seen, "global");
-        if (g != NULL)
-            g->state = SEEN_DONE;       /* readable again: a new problem is reported again */
-    }
-    for (size_t i = 0; i < r->n; i++)
-        if (r->c[i].refused != NULL)
-            report_refused(d, r->c[i].rel, r->c[i].refused, r->c[i].size, r->c[i].mtime_ns, r->c[i].ino);
-    if (!d->stopping) {
-        if (d->state == S_WAITING_GLOBAL) {
-            if (r->published_present)
-                start_adopt(d, r->published_step);
-        } else {
-            for (size_t i = 0; i < r->n; i++)
-                if (r->c[i].refused == NULL)
-                    consider_candidate(d, &r->c[i]);
-            dispatch_intake(d);
-        }
-        /* a complete listing: files no longer listed (consumed and removed, or older than the
-         * newest a node directory is scanned for) are forgotten */
-        if (j->rc == 0 && seen_prune(&d->seen, still_listed, d) != 0)
-            dl_log(DL_LOG_WARN, "hub", "out of memory pruning the seen files", "count=%zu", d->seen.count);
-    }
-    hub_candidates_free(r->c, r->n);
-    free(r);
-    if (d->scan_again && !d->stopping) {
-        d->scan_again = 0;
-        schedule_scan(d);
-    }
-}
-
-static void schedule_scan(dilocod *d)
-{
-    scan_result *r;
-
-    if (d->hub_root == NULL || d->stopping)
-        return;
-    if (d->scan_in_flight) {
-        d->scan_again = 1;
-        return;
-    }
-    if ((r = calloc(1, sizeof(*r))) == NULL)
-        return;
-    if (daemon__queue(d, scan_work, scan_done, r, 0, 0) != 0) {
-        free(r);
-        return;
-    }
-    d->scan_in_flight = 1;
-}
-
-static void poll_cb(uv_timer_t *t)
-{
-    schedule_scan(container_of(t, dilocod, poll_timer));
-}
-
-static void nodes_event_cb(uv_fs_event_t *h, const char *filename, int events, int status)
-{
-    dilocod *d = container_of(h, dilocod, nodes_watch);
-    (void)filename;
-    (void)events;
-    (void)status;
-    schedule_scan(d);
-}
+/* ---- deltas from the transport ---------------------------------------------------------------- */
 
 /* ---- intake ---------------------------------------------------------------------------------- */
 
@@ -340,6 +126,58 @@ static void unlink_async(dilocod *d, const char *path)
     uv_fs_t *req = malloc(sizeof(*req));
     if (req == NULL || uv_fs_unlink(&d->loop, req, path, unlink_cb) != 0)
         free(req);
+}
+
+
+static intake_req *enqueue_intake(dilocod *d, const char *path, const char *rel, int in_cache, int remove_src)
+{
+    intake_req *r = calloc(1, sizeof(*r));
+
+    if (r == NULL || (r->src_path = strdup(path)) == NULL || (rel && (r->rel_path = strdup(rel)) == NULL) ||
+        (r->state_dir = strdup(d->st.dir)) == NULL) {
+        if (r)
+            intake_req_free(r);
+        dl_log(DL_LOG_ERROR, "intake", "out of memory", "path=%s", path);
+        return NULL;
+    }
+    r->in_cache = in_cache;
+    r->remove_src = remove_src;
+    /* one header cap whatever brought the delta in (an upload, the shared tree, the Hub) */
+    r->max_header = (uint64_t)d->cfg->max_delta_header_mib << 20;
+    if (d->nqueue == d->cap_queue) {
+        size_t nc = d->cap_queue ? d->cap_queue * 2 : 16;
+        intake_req **nq = realloc(d->queue, nc * sizeof(*nq));
+        if (nq == NULL) {
+            intake_req_free(r);
+            dl_log(DL_LOG_ERROR, "intake", "out of memory", "path=%s", path);
+            return NULL;
+        }
+        d->queue = nq;
+        d->cap_queue = nc;
+    }
+    d->queue[d->nqueue++] = r;
+    return r;
+}
+
+/* A delta the transport found: queued for intake.  A file of a shared tree (root set) is reached
+ * from the root, never through a link; a download (owned) is removed after intake. */
+static void on_delta_ready(void *app, const hub_delta *hd)
+{
+    dilocod *d = app;
+    intake_req *r = enqueue_intake(d, hd->path, hd->rel, 0, hd->owned);
+
+    if (r != NULL && hd->root != NULL && (r->hub_root = strdup(hd->root)) == NULL) {
+        d->queue[--d->nqueue] = NULL;
+        intake_req_free(r);
+        r = NULL;
+    }
+    if (r == NULL) {
+        if (hd->owned)
+            unlink_async(d, hd->path);
+        hub_mark_done(d->hub, hd->rel, HUB_RETRY, NULL);
+        return;
+    }
+    dispatch_intake(d);
 }
 
 static void round_timer_cb(uv_timer_t *t);
@@ -425,18 +263,30 @@ void daemon__rejected(dilocod *d, const char *what, const dl_error *err)
            err->tensor[0] ? dl_log_q(t, sizeof(t), err->tensor) : "");
 }
 
+/* What the transport learns of a delta it handed over. */
+static hub_outcome hub_outcome_of(intake_status s)
+{
+    switch (s) {
+    case INTAKE_INVALID: return HUB_INVALID;
+    case INTAKE_INCOMPLETE: return HUB_INCOMPLETE;
+    case INTAKE_IO: return HUB_RETRY;
+    default: return HUB_TAKEN;
+    }
+}
+
 static void intake_done(job *j)
 {
     dilocod *d = j->d;
     intake_req *r = j->arg;
-    seen_entry *e = r->rel_path ? seen_find(&d->seen, r->rel_path) : NULL;
-    int changed = e != NULL && (e->size != r->size || e->mtime_ns != r->mtime_ns || e->ino != r->ino);
+    const char *name = r->rel_path ? r->rel_path : r->src_path;
+    hub_version v = {r->size, r->mtime_ns, r->ino};
+    /* a transport's file: it learns the outcome (and says whether a short file is short for good) */
+    int final = r->rel_path != NULL && d->hub != NULL ? hub_mark_done(d->hub, r->rel_path, hub_outcome_of(r->status), &v)
+                                                      : 1;
 
     d->intake_in_flight--;
     switch (r->status) {
     case INTAKE_OK:
-        if (e)
-            e->state = SEEN_DONE;
         /* when stopping, the cached copy stays: the restart offers it again */
         if (!d->stopping) {
             daemon__offer(d, &r->info, r->cache_path, r->size);
@@ -445,59 +295,35 @@ static void intake_done(job *j)
         break;
     case INTAKE_STALE:
     case INTAKE_FUTURE:
-        if (e)
-            e->state = SEEN_DONE;
         d->rnd.counters.stale += r->status == INTAKE_STALE;
         d->rnd.counters.future += r->status == INTAKE_FUTURE;
         stats_delta_refused(&d->m, r->status == INTAKE_STALE ? ROUND_STALE : ROUND_FUTURE);
         dl_log(r->status == INTAKE_STALE ? DL_LOG_INFO : DL_LOG_WARN, "intake", "delta refused",
-               "path=%s node=%s base_outer_step=%" PRIu64 " step=%" PRIu64 " reason=%s",
-               r->rel_path ? r->rel_path : r->src_path, r->info.node_id, r->info.base_outer_step, d->rnd.step,
-               intake_status_name(r->status));
+               "path=%s node=%s base_outer_step=%" PRIu64 " step=%" PRIu64 " reason=%s", name, r->info.node_id,
+               r->info.base_outer_step, d->rnd.step, intake_status_name(r->status));
         if (r->in_cache)
             unlink_async(d, r->src_path);
         break;
     case INTAKE_DUPLICATE:
-        if (e)
-            e->state = SEEN_DONE;
-        dl_log(DL_LOG_DEBUG, "intake", "delta already taken in", "path=%s", r->rel_path ? r->rel_path : r->src_path);
+        dl_log(DL_LOG_DEBUG, "intake", "delta already taken in", "path=%s", name);
         break;
     case INTAKE_INCOMPLETE:
-        if (e != NULL && e->since < 0) {
-            /* the settled retry: the file stopped changing and is still short */
-            e->state = SEEN_REJECTED;
-            daemon__rejected(d, r->rel_path, &r->err);
-        } else if (e != NULL) {
-            e->state = SEEN_INCOMPLETE;
-            e->size = r->size;
-            e->mtime_ns = r->mtime_ns;
-            e->ino = r->ino;
-            if (changed)
-                e->since = now_s(d);
-            dl_log(DL_LOG_DEBUG, "intake", "delta incomplete, will retry", "path=%s bytes=%" PRIu64, r->rel_path,
-                   r->size);
-        }
+        if (final)      /* it stopped changing and is still short (or cannot grow: a download) */
+            daemon__rejected(d, name, &r->err);
+        else
+            dl_log(DL_LOG_DEBUG, "intake", "delta incomplete, will retry", "path=%s bytes=%" PRIu64, name, r->size);
         break;
     case INTAKE_INVALID:
-        if (e)
-            e->state = SEEN_REJECTED;
-        daemon__rejected(d, r->rel_path ? r->rel_path : r->src_path, &r->err);
+        daemon__rejected(d, name, &r->err);
         if (r->in_cache)
             unlink_async(d, r->src_path);
         break;
     case INTAKE_IO:
-        if (e)
-            e->state = SEEN_INCOMPLETE;     /* our failure: try again at the next scan */
-        if (e)
-            e->size = UINT64_MAX;
         log_error("intake", "cannot take in a delta", &r->err);
         break;
     }
-    if (r->remove_src) {
-        unlink_async(d, r->src_path);       /* a Hub download: its validated copy is in the cache */
-        if (d->hf != NULL && r->rel_path != NULL && r->status != INTAKE_IO)
-            hf_mark_done(d->hf, r->rel_path);
-    }
+    if (r->remove_src)
+        unlink_async(d, r->src_path);       /* a download: its validated copy is in the cache */
     intake_req_free(r);
     dispatch_intake(d);
 }
@@ -780,8 +606,8 @@ static void commit_done(job *j)
     dl_log(DL_LOG_INFO, "store", "committed", "step=%" PRIu64 " global=%s", d->st.step, d->st.global_path);
     pass_release(d);
     round_reset(&d->rnd, d->st.step);
-    if (d->hf != NULL)
-        hf_set_step(d->hf, d->st.step, 0);
+    if (d->hub != NULL)
+        hub_set_step(d->hub, d->st.step, 0);      /* the transport looks for the new round's deltas */
     dl_log(DL_LOG_INFO, "round", "opened", "step=%" PRIu64 " expected=%u min_nodes=%u", d->rnd.step,
            d->cfg->expected_nodes, d->cfg->min_nodes);
     d->state = S_COLLECTING;
@@ -789,7 +615,6 @@ static void commit_done(job *j)
         return;
     maybe_publish(d);
     schedule_cleanup(d);
-    schedule_scan(d);
     dispatch_intake(d);
 }
 
@@ -952,34 +777,21 @@ static void start_aggregation(dilocod *d)
 
 /* ---- publishing ------------------------------------------------------------------------------ */
 
-typedef struct publish_args {
-    char *src;
-    uint64_t step;
-    int bootstrap;
-} publish_args;
-
-static void publish_work(job *j)
-{
-    publish_args *a = j->arg;
-    j->rc = hubfile_publish(j->d->hub_root, a->src, a->step, config_optimizer_name(j->d->cfg->optimizer),
-                            a->bootstrap, &j->err);
-}
-
 static void publish_retry_cb(uv_timer_t *t)
 {
     maybe_publish(container_of(t, dilocod, publish_timer));
 }
 
-/* Every transport's publish ends here: the same state, counters, logs and retry for file:// and
- * hf:// (error: why it failed, NULL on success). */
-static void publish_finished(dilocod *d, uint64_t step, int bootstrap, const char *error)
+/* Every transport's publish ends here: the same state, counters, logs and retry (error: why this
+ * attempt failed, NULL on success). */
+static void on_publish_done(void *app, uint64_t step, const char *error)
 {
+    dilocod *d = app;
     char q[600];
 
     d->publish_in_flight = 0;
     if (error != NULL) {
         d->m.publish_errors++;
-        snprintf(d->last_hub_error, sizeof(d->last_hub_error), "%s", error);
         dl_log(DL_LOG_ERROR, "hub", "publish failed, will retry", "step=%" PRIu64 " error=%s", step,
                dl_log_q(q, sizeof(q), error));
         if (!d->stopping)
@@ -987,56 +799,27 @@ static void publish_finished(dilocod *d, uint64_t step, int bootstrap, const cha
         return;
     }
     d->published_step = (int64_t)step;
-    d->last_publish = time(NULL);
     dl_log(DL_LOG_INFO, "hub", "published", "step=%" PRIu64 " hub=%s%s", step, d->cfg->hub,
-           bootstrap ? " bootstrap=true" : "");
+           d->st.bootstrap && step == 0 ? " bootstrap=true" : "");
     if (!d->stopping) {
         maybe_publish(d);       /* a newer step may have been committed meanwhile */
         schedule_cleanup(d);
     }
 }
 
-static void publish_done(job *j)
-{
-    publish_args *a = j->arg;
-    uint64_t step = a->step;
-    int bootstrap = a->bootstrap;
-
-    free(a->src);
-    free(a);
-    publish_finished(j->d, step, bootstrap, j->rc == 0 ? NULL : j->err.message);
-}
-
 static void maybe_publish(dilocod *d)
 {
-    publish_args *a;
-
-    if (d->hf != NULL && !d->publish_in_flight && !d->stopping && d->st.committed &&
-        d->published_step != (int64_t)d->st.step && d->published_known) {
-        d->publish_in_flight = 1;
-        hf_publish(d->hf, d->st.step, d->st.global_path, config_optimizer_name(d->cfg->optimizer),
-                   d->st.bootstrap && d->st.step == 0);
-        return;
-    }
-    if (d->hub_root == NULL || d->publish_in_flight || d->stopping || !d->st.committed ||
+    /* published_known: the transport has told what it holds (its first poll), so a restart does not
+     * publish again a step that is already there */
+    if (d->hub == NULL || d->publish_in_flight || d->stopping || !d->st.committed || !d->published_known ||
         d->published_step == (int64_t)d->st.step)
         return;
-    a = calloc(1, sizeof(*a));
-    if (a == NULL || (a->src = strdup(d->st.global_path)) == NULL) {
-        free(a);
-        return;
-    }
-    a->step = d->st.step;
-    a->bootstrap = d->st.bootstrap && d->st.step == 0;
-    if (daemon__queue(d, publish_work, publish_done, a, 0, 0) != 0) {
-        free(a->src);
-        free(a);
-        return;
-    }
     d->publish_in_flight = 1;
+    hub_publish(d->hub, d->st.step, d->st.global_path, config_optimizer_name(d->cfg->optimizer),
+                d->st.bootstrap && d->st.step == 0);
 }
 
-/* ---- adopting a published global (file:// hub with no local state) --------------------------- */
+/* ---- adopting a global: the transport's (a verified local copy) or --init-model ----------------- */
 
 static int open_model(dilocod *d, const char *path, dl_error *err)
 {
@@ -1052,7 +835,27 @@ static int open_model(dilocod *d, const char *path, dl_error *err)
     return 0;
 }
 
-static int adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap, const char *origin, dl_error *err)
+/* Moves our own copy (in the state directory) into place: durable before the commit names it. */
+static int move_into_place(const char *src, const char *dst, dl_error *err)
+{
+    int fd = open(src, O_RDONLY | O_CLOEXEC);
+
+    if (fd < 0)
+        return dl_fail_errno(err, errno, "cannot open %s", src);
+    if (fsync(fd) != 0) {
+        int e = errno;
+        close(fd);
+        return dl_fail_errno(err, e, "cannot fsync %s", src);
+    }
+    close(fd);
+    if (rename(src, dst) != 0)
+        return dl_fail_errno(err, errno, "cannot rename %s to %s", src, dst);
+    return fsu_fsync_parent(dst, err);
+}
+
+/* Makes src the committed global of step.  bootstrap: src is the operator's --init-model, copied;
+ * else src is a transport's verified copy in our state directory, moved. */
+static int adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap, dl_error *err)
 {
     char *dst = store_global_path(&d->st, step);
     store_commit_info info = {
@@ -1061,96 +864,50 @@ static int adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap,
         .lr = d->cfg->lr,
         .momentum = d->cfg->momentum,
         .bootstrap = bootstrap,
-        .origin = origin,
+        .origin = bootstrap ? "init_model" : "adopted",
     };
     int rc;
 
     if (dst == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     info.global_path = dst;
-    if (src == NULL) {
-        /* the file:// hub's global (src NULL) is another writer's file: copied through descriptors that
-         * never leave the tree, then our copy is what gets validated */
-        if ((rc = hubfile_copy_global(d->hub_root, dst, err)) == 0 && (rc = open_model(d, dst, err)) != 0)
-            unlink(dst);
-    } else if ((rc = open_model(d, src, err)) == 0) {
-        /* validate first: a damaged model must not become our state */
-        rc = hubfile_copy(src, dst, err);
-    }
+    /* validate first: a damaged model must not become our state */
+    if ((rc = open_model(d, src, err)) == 0)
+        rc = bootstrap ? hubfile_copy(src, dst, err) : move_into_place(src, dst, err);
     if (rc == 0)
         rc = store_commit(&d->st, &info, err);
     free(dst);
     return rc;
 }
 
+typedef struct adopt_args {
+    char *path;
+    uint64_t step;
+    int bootstrap;
+} adopt_args;
+
 static void adopt_work(job *j)
 {
-    j->rc = adopt_sync(j->d, NULL, j->u, 0, "adopted", &j->err);
+    adopt_args *a = j->arg;
+    j->rc = adopt_sync(j->d, a->path, a->step, a->bootstrap, &j->err);
 }
-
 
 static void adopt_done(job *j)
 {
     dilocod *d = j->d;
-
-    d->adopt_in_flight = 0;
-    if (j->rc != 0) {
-        log_error("store", "cannot adopt the published global, will retry", &j->err);
-        return;                 /* still waiting: the next scan tries again */
-    }
-    d->published_step = (int64_t)d->st.step;
-    dl_log(DL_LOG_WARN, "store", "adopted the published global",
-           "step=%" PRIu64 " momentum=fresh note=%s", d->st.step, "momentum buffers start from zero");
-    collecting_start(d);
-}
-
-static void start_adopt(dilocod *d, uint64_t step)
-{
-    if (d->adopt_in_flight || d->stopping)
-        return;
-    if (daemon__queue(d, adopt_work, adopt_done, NULL, step, 0) == 0)
-        d->adopt_in_flight = 1;
-}
-
-
-/* ---- the hf:// transport ------------------------------------------------------------------- */
-
-static void hf_delta_ready(void *app, const char *rel, const char *local_path)
-{
-    dilocod *d = app;
-    dl_log(DL_LOG_DEBUG, "hub", "delta seen", "path=%s", rel);
-    enqueue_intake(d, local_path, rel, 0, 1);
-    dispatch_intake(d);
-}
-
-typedef struct hf_adopt_args {
-    char *path;
-    uint64_t step;
-    int bootstrap;
-} hf_adopt_args;
-
-static void hf_adopt_work(job *j)
-{
-    hf_adopt_args *a = j->arg;
-    j->rc = adopt_sync(j->d, a->path, a->step, a->bootstrap, a->bootstrap ? "init_model" : "adopted", &j->err);
-}
-
-static void hf_adopt_done(job *j)
-{
-    dilocod *d = j->d;
-    hf_adopt_args *a = j->arg;
+    adopt_args *a = j->arg;
 
     d->bootstrap_in_flight = 0;
     if (!a->bootstrap)
-        unlink_async(d, a->path);
+        unlink_async(d, a->path);       /* moved into place, or refused: either way gone */
     if (j->rc != 0) {
-        log_error("store", a->bootstrap ? "cannot bootstrap from --init-model" : "cannot adopt the Hub's global",
+        log_error("store", a->bootstrap ? "cannot bootstrap from --init-model" : "cannot adopt the published global",
                   &j->err);
         if (a->bootstrap) {
             d->exit_code = 1;
             raise(SIGTERM);
         } else if (!d->stopping) {
-            hf_set_step(d->hf, 0, 1);       /* the next poll downloads the Hub's global again */
+            hub_set_step(d->hub, 0, 1);     /* still waiting: the transport offers its global again */
         }
     } else if (!d->stopping) {
         if (a->bootstrap) {
@@ -1166,70 +923,68 @@ static void hf_adopt_done(job *j)
     free(a);
 }
 
-static void hf_start_adopt(dilocod *d, const char *path, uint64_t step, int bootstrap)
+static void start_adopt(dilocod *d, const char *path, uint64_t step, int bootstrap)
 {
-    hf_adopt_args *a = calloc(1, sizeof(*a));
+    adopt_args *a = calloc(1, sizeof(*a));
     if (d->bootstrap_in_flight || d->stopping || a == NULL || (a->path = strdup(path)) == NULL) {
+        if (!bootstrap)
+            unlink_async(d, path);
+        if (a != NULL)
+            free(a->path);
         free(a);
         return;
     }
     a->step = step;
     a->bootstrap = bootstrap;
-    if (daemon__queue(d, hf_adopt_work, hf_adopt_done, a, 0, 0) == 0)
+    if (daemon__queue(d, adopt_work, adopt_done, a, 0, 0) == 0) {
         d->bootstrap_in_flight = 1;
-    else {
+    } else {
+        if (!bootstrap)
+            unlink_async(d, path);
         free(a->path);
         free(a);
     }
 }
 
-static void hf_published_seen(void *app, int64_t step)
+/* The transport's published step, when first known (its first poll) or changed. */
+static void on_published_seen(void *app, int64_t step)
 {
     dilocod *d = app;
 
     d->published_known = 1;
     if (d->state == S_WAITING_GLOBAL) {
         if (step < 0 && d->cfg->init_model != NULL)
-            hf_start_adopt(d, d->cfg->init_model, 0, 1);    /* nothing on the Hub: our model is step 0 */
+            start_adopt(d, d->cfg->init_model, 0, 1);       /* nothing published: our model is step 0 */
         else if (step < 0)
-            dl_log(DL_LOG_WARN, "store", "no state, no --init-model, nothing on the Hub: waiting for a global",
+            dl_log(DL_LOG_WARN, "store", "no state, no --init-model, nothing published: waiting for a global",
                    "hub=%s", d->cfg->hub);
-        return;                 /* with a global on the Hub, hub_hf downloads it: hf_global_ready */
+        return;                 /* with a global there, the transport copies it: on_global_ready */
     }
     if (step >= 0 && (uint64_t)step == d->st.step) {
         d->published_step = step;
     } else if (step > (int64_t)d->st.step) {
-        dl_log(DL_LOG_WARN, "hub", "the Hub holds a newer step than our state; ours will be published over it",
+        dl_log(DL_LOG_WARN, "hub", "the hub holds a newer step than our state; ours will be published over it",
                "hub_step=%" PRId64 " step=%" PRIu64, step, d->st.step);
     }
     maybe_publish(d);
 }
 
-static void hf_global_ready(void *app, uint64_t step, const char *local_path)
+static void on_global_ready(void *app, uint64_t step, const char *local_path)
 {
     dilocod *d = app;
     if (d->state != S_WAITING_GLOBAL) {
         unlink_async(d, local_path);
         return;
     }
-    hf_start_adopt(d, local_path, step, 0);
+    start_adopt(d, local_path, step, 0);
 }
 
-static void hf_publish_done(void *app, uint64_t step, int ok)
+static const hub_callbacks hub_cbs = {on_delta_ready, on_published_seen, on_global_ready, on_publish_done};
+
+static void hub_closed(void *app)
 {
     dilocod *d = app;
-    const hf_status *hs = hf_get_status(d->hf);
-
-    publish_finished(d, step, d->st.bootstrap && step == 0,
-                     ok ? NULL : hs->last_error[0] ? hs->last_error : "the Hub commit failed");
-}
-
-static const hf_callbacks hf_cbs = {hf_delta_ready, hf_published_seen, hf_global_ready, hf_publish_done};
-
-static void hf_closed(void *app)
-{
-    dilocod *d = app;
-    d->hf = NULL;
+    d->hub = NULL;
     maybe_finish_shutdown(d);
 }
 
@@ -1297,8 +1052,8 @@ static void collecting_start(dilocod *d)
     round_init(&d->rnd, d->st.step, d->cfg->expected_nodes, d->cfg->nodes, d->cfg->nnodes, d->cfg->min_nodes,
                d->cfg->round_timeout);
     d->state = S_COLLECTING;
-    if (d->hf != NULL)
-        hf_set_step(d->hf, d->st.step, 0);
+    if (d->hub != NULL)
+        hub_set_step(d->hub, d->st.step, 0);
     model_facts(d);
     /* startup (or adoption): one open of the committed global for downloads */
     set_served_global(d, open_for_download(d->st.global_path), d->st.step);
@@ -1310,7 +1065,6 @@ static void collecting_start(dilocod *d)
     requeue_cache(d);
     dispatch_intake(d);
     maybe_publish(d);
-    schedule_scan(d);
 }
 
 static void close_cb(uv_handle_t *h)
@@ -1327,7 +1081,7 @@ static void close_walk_cb(uv_handle_t *h, void *arg)
 
 static void maybe_finish_shutdown(dilocod *d)
 {
-    if (!d->stopping || d->jobs_in_flight > 0 || d->http != NULL || d->hf != NULL)
+    if (!d->stopping || d->jobs_in_flight > 0 || d->http != NULL || d->hub != NULL)
         return;
     uv_walk(&d->loop, close_walk_cb, NULL);
 }
@@ -1350,7 +1104,6 @@ static void signal_cb(uv_signal_t *s, int signum)
     d->stopping = 1;
     dl_log(DL_LOG_INFO, "main", "shutting down", "signal=%s state=%s jobs=%d", signum == SIGINT ? "SIGINT" : "SIGTERM",
            daemon__state_name(d->state), d->jobs_in_flight);
-    uv_timer_stop(&d->poll_timer);
     uv_timer_stop(&d->round_timer);
     uv_timer_stop(&d->retry_timer);
     uv_timer_stop(&d->publish_timer);
@@ -1358,8 +1111,8 @@ static void signal_cb(uv_signal_t *s, int signum)
         outer_abort(d->pass);       /* unfinished: abandoned without a trace (temporary files removed) */
     if (d->http != NULL)
         http_server_stop(d->http, http_stopped);    /* uploads in progress are dropped, nothing kept */
-    if (d->hf != NULL)
-        hf_close(d->hf, hf_closed, d);              /* downloads resume from their .part next time */
+    if (d->hub != NULL)
+        hub_close(d->hub, hub_closed, d);           /* a download resumes from its .part next time */
     maybe_finish_shutdown(d);
 }
 
@@ -1407,8 +1160,7 @@ static int start_http(dilocod *d, dl_error *err)
 
 static int startup(dilocod *d, dl_error *err)
 {
-    int rc, present = 0;
-    uint64_t published = 0;
+    int rc;
 
     if ((rc = store_open(&d->st, d->cfg->state_root, d->cfg->id, err)) != 0)
         return rc;
@@ -1417,59 +1169,24 @@ static int startup(dilocod *d, dl_error *err)
     if ((rc = history_load(&d->history, d->st.dir, d->st.committed ? d->st.step : UINT64_MAX, d->st.round_json,
                            err)) != 0)
         return rc;
-    if (d->hub_root != NULL) {
-        char *nodes = NULL, *global = NULL;
-        if (asprintf(&nodes, "%s/nodes", d->hub_root) < 0 || asprintf(&global, "%s/global", d->hub_root) < 0 ||
-            fsu_mkdirs(nodes, err) != 0 || fsu_mkdirs(global, err) != 0) {
-            free(nodes);
-            free(global);
-            return dl_fail(err, DL_E_IO, NULL, 0, "cannot create %s/{nodes,global}: %s", d->hub_root, err->message);
-        }
-        free(nodes);
-        free(global);
-        if (hubfile_cleanup_temps(d->hub_root, err) != 0)
-            log_error("hub", "cannot remove temporary files of an interrupted publish", err);
-        if ((rc = hubfile_read_published(d->hub_root, &present, &published, err)) != 0) {
-            log_error("hub", "ignoring the published step file", err);
-            present = 0;
-        }
-    }
     if (d->st.committed) {
         dl_log(DL_LOG_INFO, "store", "resuming", "step=%" PRIu64 " dir=%s", d->st.step, d->st.dir);
         if (d->cfg->init_model != NULL)
             dl_log(DL_LOG_INFO, "store", "state exists, --init-model ignored", "init_model=%s", d->cfg->init_model);
-        if (present && published == d->st.step)
-            d->published_step = (int64_t)published;
-        else if (present && published > d->st.step)
-            dl_log(DL_LOG_WARN, "hub", "the hub holds a newer step than our state; ours will be published over it",
-                   "hub_step=%" PRIu64 " step=%" PRIu64, published, d->st.step);
-        return 0;
+        return 0;               /* the transport's first poll tells whether our step is published */
     }
-    if (d->hf != NULL) {
-        /* the first poll tells whether the Hub holds a global (adopt it) or not (bootstrap) */
+    if (d->hub != NULL) {
+        /* the first poll tells whether the transport holds a global (adopt it) or not (bootstrap) */
         d->state = S_WAITING_GLOBAL;
         return 0;
     }
-    if (present) {
-        if ((rc = adopt_sync(d, NULL, published, 0, "adopted", err)) != 0)
-            return rc;
-        d->published_step = (int64_t)published;
-        dl_log(DL_LOG_WARN, "store", "adopted the published global", "step=%" PRIu64 " momentum=fresh", published);
-        return 0;
-    }
-    if (d->cfg->init_model != NULL) {
-        if ((rc = adopt_sync(d, d->cfg->init_model, 0, 1, "init_model", err)) != 0)
-            return rc;
-        dl_log(DL_LOG_INFO, "store", "bootstrapped", "step=0 init_model=%s tensors=%zu", d->cfg->init_model,
-               d->model->ntensors);
-        return 0;
-    }
-    if (d->hub_root == NULL)
+    if (d->cfg->init_model == NULL)
         return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0,
                        "no state in %s and no --init-model: nothing to start from", d->st.dir);
-    d->state = S_WAITING_GLOBAL;
-    dl_log(DL_LOG_WARN, "store", "no state, no --init-model, no published global: waiting for one", "hub=%s",
-           d->cfg->hub);
+    if ((rc = adopt_sync(d, d->cfg->init_model, 0, 1, err)) != 0)
+        return rc;
+    dl_log(DL_LOG_INFO, "store", "bootstrapped", "step=0 init_model=%s tensors=%zu", d->cfg->init_model,
+           d->model->ntensors);
     return 0;
 }
 
@@ -1482,7 +1199,6 @@ static int init_handles(dilocod *d)
     uv_signal_init(&d->loop, &d->sigint);
     uv_signal_init(&d->loop, &d->sigterm);
     d->sigint.data = d->sigterm.data = d;
-    uv_timer_init(&d->loop, &d->poll_timer);
     uv_timer_init(&d->loop, &d->round_timer);
     uv_timer_init(&d->loop, &d->retry_timer);
     uv_timer_init(&d->loop, &d->progress_timer);
@@ -1497,26 +1213,34 @@ static int init_handles(dilocod *d)
 
 static void start_watching(dilocod *d)
 {
-    char *nodes = NULL;
+    if (d->hub == NULL)
+        return;
+    hub_set_step(d->hub, d->st.step, d->state == S_WAITING_GLOBAL);
+    hub_start(d->hub);
+}
 
-    if (d->hf != NULL) {
-        hf_set_step(d->hf, d->st.step, d->state == S_WAITING_GLOBAL);
-        hf_start(d->hf);
-        return;
-    }
-    if (d->hub_root == NULL)
-        return;
-    uv_timer_start(&d->poll_timer, poll_cb, 0, (uint64_t)(d->cfg->poll_interval * 1000));
-    /* inotify on nodes/ makes a new node directory visible at once; files inside are caught by the
-     * periodic scan (poll_interval), so nothing is ever missed even where inotify does not work */
-    if (asprintf(&nodes, "%s/nodes", d->hub_root) < 0)
-        return;
-    if (uv_fs_event_init(&d->loop, &d->nodes_watch) == 0) {
-        if (uv_fs_event_start(&d->nodes_watch, nodes_event_cb, nodes, UV_FS_EVENT_RECURSIVE) != 0 &&
-            uv_fs_event_start(&d->nodes_watch, nodes_event_cb, nodes, 0) != 0)
-            uv_close((uv_handle_t *)&d->nodes_watch, NULL);
-    }
-    free(nodes);
+/* The transport of --hub (none: no transport). */
+static int open_hub(dilocod *d, dl_error *err)
+{
+    char *dir = NULL;
+    int rc;
+
+    if (hub_find(d->cfg->hub) == NULL)
+        return 0;
+    if (asprintf(&dir, "%s/%s", d->cfg->state_root, d->cfg->id) < 0)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    hub_config hc = {
+        .url = d->cfg->hub,
+        .state_dir = dir,
+        .endpoint = d->cfg->hub_endpoint,
+        .token = d->cfg->hub_token,
+        .poll_interval = d->cfg->poll_interval,
+        .max_downloads = d->cfg->max_downloads,
+        .max_header_bytes = (uint64_t)d->cfg->max_delta_header_mib << 20,
+    };
+    rc = hub_open(&d->hub, &d->loop, &hc, &hub_cbs, d, err);
+    free(dir);
+    return rc;
 }
 
 int daemon_run(config *cfg)
@@ -1536,30 +1260,19 @@ int daemon_run(config *cfg)
     /* the pool size is read once, at the first uv_queue_work: set it before anything queues */
     snprintf(threads, sizeof(threads), "%u", cfg->threads + MAX_INTAKE_IN_FLIGHT + 2);
     setenv("UV_THREADPOOL_SIZE", threads, 1);
-    if (strncmp(cfg->hub, "file://", 7) == 0)
-        d->hub_root = strdup(cfg->hub + 7);
-    /* none and file://: known at startup; hf://: after the first poll */
-    d->published_known = strncmp(cfg->hub, "hf://", 5) != 0;
     if ((rc = init_handles(d)) != 0) {
         fprintf(stderr, "dilocod: cannot start the event loop: %s\n", uv_strerror(rc));
         free(d);
         return 1;
     }
-    if (strncmp(cfg->hub, "hf://", 5) == 0) {
-        char *dir = NULL;
-        if (asprintf(&dir, "%s/%s", cfg->state_root, cfg->id) < 0 || fsu_mkdirs(dir, &err) != 0) {
-            fprintf(stderr, "dilocod: cannot create %s\n", dir ? dir : cfg->state_root);
-            free(dir);
-            return 1;
-        }
-        hf_config hc = {cfg->hub_endpoint, cfg->hf_repo, cfg->hf_rev, cfg->hub_token, dir, cfg->poll_interval,
-                        cfg->max_downloads, (uint64_t)cfg->max_delta_header_mib << 20};
-        d->hf = hf_open(&d->loop, &hc, &hf_cbs, d);
-        free(dir);
-        if (d->hf == NULL) {
-            fprintf(stderr, "dilocod: cannot set up the Hub transport\n");
-            return 1;
-        }
+    dl_error_clear(&err);
+    if (open_hub(d, &err) != 0) {
+        fprintf(stderr, "dilocod: cannot set up the hub %s: %s\n", cfg->hub, err.message);
+        uv_walk(&d->loop, close_walk_cb, NULL);
+        uv_run(&d->loop, UV_RUN_DEFAULT);
+        uv_loop_close(&d->loop);
+        free(d);
+        return 1;
     }
     dl_error_clear(&err);
     dl_log(DL_LOG_INFO, "main", "starting", "id=%s state_root=%s hub=%s optimizer=%s lr=%g momentum=%g threads=%u",
@@ -1592,7 +1305,6 @@ int daemon_run(config *cfg)
     free(d->queue);
     pass_release(d);
     round_free(&d->rnd);
-    seen_free(&d->seen);
     st_header_free(d->model);
     store_free(&d->st);
     auth_free(&d->auth);
@@ -1601,7 +1313,6 @@ int daemon_run(config *cfg)
     history_record_free(&d->pending_record);
     free(d->pending_round);
     free(d->unappended);
-    free(d->hub_root);
     free(d);
     return code;
 }

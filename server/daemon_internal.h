@@ -13,12 +13,11 @@
 #include "delta.h"
 #include "history.h"
 #include "http.h"
-#include "hub_hf.h"
+#include "hub.h"
 #include "intake.h"
 #include "outer.h"
 #include "round.h"
 #include "safetensors.h"
-#include "seen.h"
 #include "stats.h"
 #include "store.h"
 
@@ -44,25 +43,20 @@ typedef struct dilocod {
     dstate state;
     int stopping;
     int exit_code;
-    char *hub_root;             /* file:// directory, NULL for none */
     time_t started_at;
 
     uv_signal_t sigint, sigterm, sighup;
-    uv_timer_t poll_timer, round_timer, retry_timer, progress_timer, publish_timer;
-    uv_fs_event_t nodes_watch;
+    uv_timer_t round_timer, retry_timer, progress_timer, publish_timer;
 
     st_header *model;           /* structure of the global model (same for every step) */
     uint64_t model_params, model_bytes, delta_bytes;
     round_state rnd;
     double round_opened_at;     /* wall clock */
-    seen_map seen;
 
     /* intake */
     intake_req **queue;
     size_t nqueue, cap_queue;
     int intake_in_flight;
-    int scan_in_flight, scan_again;
-    uint64_t scan_gen;          /* scans completed (seen entries are stamped with the last listing) */
 
     /* aggregation */
     outer_pass *pass;
@@ -80,14 +74,12 @@ typedef struct dilocod {
     int64_t published_step;     /* -1: nothing published by us or unknown */
     int publish_in_flight;
     int cleanup_in_flight;
-    int adopt_in_flight;
     int jobs_in_flight;         /* every uv_work_t out, for shutdown */
-    time_t last_poll, last_publish, committed_at;
-    char last_hub_error[256];
+    time_t committed_at;
 
-    hf_hub *hf;                 /* hf:// transport, NULL otherwise */
-    int bootstrap_in_flight;
-    int published_known;        /* the hub's published step has been read (hf://: after the first poll) */
+    hub *hub;                   /* the transport (hub.h), NULL for --hub none */
+    int bootstrap_in_flight;    /* an adoption or a bootstrap */
+    int published_known;        /* the transport has told which step it holds (its first poll) */
 
     /* HTTP */
     http_server *http;

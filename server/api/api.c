@@ -67,20 +67,12 @@ static void sb_num(sbuf *b, double v)
 
 /* ---- GET /status, /rounds, /metrics, /healthz ------------------------------------------------ */
 
-static void status_json(dilocod *d, sbuf *b)
+/* The open round, as /status shows it. */
+static void round_json(dilocod *d, sbuf *b, time_t now)
 {
-    char t1[48], t2[48], t3[48];
-    time_t now = time(NULL);
+    char t1[48];
     const round_state *r = &d->rnd;
 
-    sb_fmt(b, "{\"version\":\"%s\",\"uptime_seconds\":%ld,\"algorithm\":\"%s\",\"outer_step\":", DILOCOD_VERSION,
-           (long)(now - d->started_at), DELTA_ALGORITHM);
-    if (d->st.committed)
-        sb_fmt(b, "%" PRIu64, d->st.step);
-    else
-        sb_str(b, "null");
-    sb_fmt(b, ",\"state\":\"%s\"", d->stopping ? "stopping" : daemon__state_name(d->state));
-    /* the open round */
     sb_fmt(b, ",\"round\":{\"step\":%" PRIu64 ",\"expected\":%u,\"min_nodes\":%u,\"timeout_seconds\":", r->step,
            d->cfg->expected_nodes, d->cfg->min_nodes);
     sb_num(b, d->cfg->round_timeout);
@@ -106,6 +98,63 @@ static void status_json(dilocod *d, sbuf *b)
             sb_fmt(b, "%s\"%s\"", k++ ? "," : "", d->cfg->nodes[i]);
     }
     sb_str(b, "]}");
+}
+
+/* The transport, the same fields whatever it is (a field a transport has no use for stays 0/null). */
+static void hub_json(dilocod *d, sbuf *b)
+{
+    char t1[48], t2[48];
+    const hub_status *hs = d->hub ? hub_get_status(d->hub) : NULL;
+
+    iso_time(t1, sizeof(t1), hs ? hs->last_poll : 0);
+    iso_time(t2, sizeof(t2), hs ? hs->last_publish : 0);
+    sb_fmt(b, ",\"hub\":{\"kind\":\"%s\",\"url\":", d->hub ? hub_kind(d->hub) : "none");
+    sb_json_string(b, d->cfg->hub, strlen(d->cfg->hub));
+    if (hs != NULL && strcmp(hub_kind(d->hub), "file") != 0) {
+        sb_str(b, ",\"endpoint\":");
+        sb_json_string(b, d->cfg->hub_endpoint, strlen(d->cfg->hub_endpoint));
+    }
+    if (hs != NULL) {
+        sb_fmt(b, ",\"head\":\"%s\",\"api_calls\":%" PRIu64 ",\"resolver_calls\":%" PRIu64 ",\"downloads\":%" PRIu64
+                  ",\"publishing\":%s,\"transport_errors\":%" PRIu64 ",\"last_transport_error\":",
+               hs->head, hs->api_calls, hs->resolver_calls, hs->downloads, hs->publishing ? "true" : "false",
+               hs->errors);
+        if (hs->last_error[0])
+            sb_json_string(b, hs->last_error, strlen(hs->last_error));
+        else
+            sb_str(b, "null");
+    }
+    sb_fmt(b, ",\"last_poll\":%s,\"last_publish\":%s,\"published_step\":", t1, t2);
+    if (d->published_step >= 0)
+        sb_fmt(b, "%" PRId64, d->published_step);
+    else
+        sb_str(b, "null");
+    sb_fmt(b, ",\"publish_pending\":%s,\"errors\":%" PRIu64 ",\"last_error\":",
+           d->hub != NULL && d->st.committed && d->published_step != (int64_t)d->st.step ? "true" : "false",
+           d->m.publish_errors);
+    if (hs != NULL && hs->last_error[0])
+        sb_json_string(b, hs->last_error, strlen(hs->last_error));
+    else
+        sb_str(b, "null");
+}
+
+static void status_json(dilocod *d, sbuf *b)
+{
+    char t3[48];
+    time_t now = time(NULL);
+
+    sb_fmt(b, "{\"version\":\"%s\",\"uptime_seconds\":%ld,\"algorithm\":\"%s\",\"outer_step\":", DILOCOD_VERSION,
+           (long)(now - d->started_at), DELTA_ALGORITHM);
+    if (d->st.committed)
+        sb_fmt(b, "%" PRIu64, d->st.step);
+    else
+        sb_str(b, "null");
+    sb_fmt(b, ",\"state\":\"%s\"", d->stopping ? "stopping" : daemon__state_name(d->state));
+    /* the open round: none before there is a global to start from (nothing yet, not "round 0") */
+    if (d->st.committed)
+        round_json(d, b, now);
+    else
+        sb_str(b, ",\"round\":null");
     /* the aggregation in progress */
     if (d->pass != NULL && d->pass->bytes_total > 0) {
         uint64_t done = atomic_load(&d->pass->bytes_done);
@@ -132,36 +181,8 @@ static void status_json(dilocod *d, sbuf *b)
                d->model->ntensors, d->model_params, d->model_bytes, d->delta_bytes);
     else
         sb_str(b, "null");
-    const hf_status *hs = d->hf ? hf_get_status(d->hf) : NULL;
-    iso_time(t1, sizeof(t1), hs ? hs->last_poll : d->last_poll);
-    iso_time(t2, sizeof(t2), d->last_publish);
+    hub_json(d, b);
     iso_time(t3, sizeof(t3), d->committed_at);
-    sb_fmt(b, ",\"hub\":{\"kind\":\"%s\",\"url\":", d->hf ? "hf" : d->hub_root ? "file" : "none");
-    sb_json_string(b, d->cfg->hub, strlen(d->cfg->hub));
-    if (hs != NULL) {
-        sb_str(b, ",\"endpoint\":");
-        sb_json_string(b, d->cfg->hub_endpoint, strlen(d->cfg->hub_endpoint));
-        sb_fmt(b, ",\"head\":\"%s\",\"api_calls\":%" PRIu64 ",\"resolver_calls\":%" PRIu64 ",\"downloads\":%" PRIu64
-                  ",\"publishing\":%s,\"transport_errors\":%" PRIu64 ",\"last_transport_error\":",
-               hs->head, hs->api_calls, hs->resolver_calls, hs->downloads, hs->publishing ? "true" : "false",
-               hs->errors);
-        if (hs->last_error[0])
-            sb_json_string(b, hs->last_error, strlen(hs->last_error));
-        else
-            sb_str(b, "null");
-    }
-    sb_fmt(b, ",\"last_poll\":%s,\"last_publish\":%s,\"published_step\":", t1, t2);
-    if (d->published_step >= 0)
-        sb_fmt(b, "%" PRId64, d->published_step);
-    else
-        sb_str(b, "null");
-    sb_fmt(b, ",\"publish_pending\":%s,\"errors\":%" PRIu64 ",\"last_error\":",
-           (d->hub_root || d->hf) && d->st.committed && d->published_step != (int64_t)d->st.step ? "true" : "false",
-           d->m.publish_errors);
-    if (d->last_hub_error[0])
-        sb_json_string(b, d->last_hub_error, strlen(d->last_hub_error));
-    else
-        sb_str(b, "null");
     sb_fmt(b, "},\"committed_at\":%s", t3);
     sb_fmt(b, ",\"counters\":{\"accepted\":%" PRIu64 ",\"replaced\":%" PRIu64 ",\"stale\":%" PRIu64
               ",\"future\":%" PRIu64 ",\"not_newer\":%" PRIu64 ",\"unknown_node\":%" PRIu64 ",\"rejected\":%" PRIu64
@@ -188,12 +209,44 @@ static void metric(sbuf *b, const char *name, const char *type, const char *help
     sb_fmt(b, "# HELP dilocod_%s %s\n# TYPE dilocod_%s %s\n", name, help, name, type);
 }
 
+/* The transport's families: present for every hub (zeros where a transport has no such thing). */
+static void hub_metrics(dilocod *d, sbuf *b)
+{
+    static const hub_status none;
+    const hub_status *hs = d->hub ? hub_get_status(d->hub) : &none;
+
+    metric(b, "hub_last_poll_timestamp_seconds", "gauge", "When the hub was last listed (Unix time; 0: never).");
+    sb_fmt(b, "dilocod_hub_last_poll_timestamp_seconds %lld\n", (long long)hs->last_poll);
+    metric(b, "hub_last_publish_timestamp_seconds", "gauge", "When a step was last published (Unix time; 0: never).");
+    sb_fmt(b, "dilocod_hub_last_publish_timestamp_seconds %lld\n", (long long)hs->last_publish);
+    metric(b, "hub_api_calls_total", "counter", "Requests to the hub's API (hf://: the Hub API).");
+    sb_fmt(b, "dilocod_hub_api_calls_total %" PRIu64 "\n", hs->api_calls);
+    metric(b, "hub_resolver_calls_total", "counter", "File requests through the hub's resolver (hf://).");
+    sb_fmt(b, "dilocod_hub_resolver_calls_total %" PRIu64 "\n", hs->resolver_calls);
+    metric(b, "hub_requests_total", "counter",
+           "Requests to the hub by route and HTTP status code (code 0: no answer, a network error).");
+    for (unsigned i = 0; i < hs->ncalls; i++)
+        sb_fmt(b, "dilocod_hub_requests_total{route=\"%s\",code=\"%d\"} %" PRIu64 "\n", hs->calls[i].route,
+               hs->calls[i].code, hs->calls[i].count);
+    metric(b, "hub_downloads_total", "counter", "Delta and global files downloaded from the hub.");
+    sb_fmt(b, "dilocod_hub_downloads_total %" PRIu64 "\n", hs->downloads);
+    metric(b, "hub_download_bytes_total", "counter", "Bytes of the files downloaded from the hub.");
+    sb_fmt(b, "dilocod_hub_download_bytes_total %" PRIu64 "\n", hs->download_bytes);
+    metric(b, "hub_transport_errors_total", "counter", "Failed hub operations (requests, scans, publishes), retried.");
+    sb_fmt(b, "dilocod_hub_transport_errors_total %" PRIu64 "\n", hs->errors);
+    metric(b, "hub_rate_limit_reset_seconds", "gauge",
+           "Seconds until the hub's rate budget resets, when it said so (0: not limited or unknown).");
+    time_t now = time(NULL);
+    sb_fmt(b, "dilocod_hub_rate_limit_reset_seconds %lld\n",
+           (long long)(hs->rate_reset_at > now ? hs->rate_reset_at - now : 0));
+}
+
 static void metrics_text(dilocod *d, sbuf *b)
 {
     const http_stats *hs = d->http ? http_server_stats(d->http) : NULL;
 
-    metric(b, "outer_step", "gauge", "The committed outer step.");
-    sb_fmt(b, "dilocod_outer_step %" PRIu64 "\n", d->st.step);
+    metric(b, "outer_step", "gauge", "The committed outer step (-1: no global model yet).");
+    sb_fmt(b, "dilocod_outer_step %" PRId64 "\n", d->st.committed ? (int64_t)d->st.step : -1);
     metric(b, "published_step", "gauge", "The last step published to the hub (-1: none).");
     sb_fmt(b, "dilocod_published_step %" PRId64 "\n", d->published_step);
     metric(b, "rounds_total", "counter", "Rounds aggregated and committed since start.");
@@ -228,20 +281,7 @@ static void metrics_text(dilocod *d, sbuf *b)
     metric(b, "publish_errors_total", "counter", "Failed publish attempts (retried).");
     sb_fmt(b, "dilocod_publish_errors_total %" PRIu64 "\n", d->m.publish_errors);
     /* the transport: the same families whatever the hub (zeros where a transport has no such thing) */
-    const hf_status *hfs = d->hf ? hf_get_status(d->hf) : NULL;
-    time_t polled = hfs ? hfs->last_poll : d->last_poll;
-    metric(b, "hub_last_poll_timestamp_seconds", "gauge", "When the hub was last listed (Unix time; 0: never).");
-    sb_fmt(b, "dilocod_hub_last_poll_timestamp_seconds %lld\n", (long long)polled);
-    metric(b, "hub_last_publish_timestamp_seconds", "gauge", "When a step was last published (Unix time; 0: never).");
-    sb_fmt(b, "dilocod_hub_last_publish_timestamp_seconds %lld\n", (long long)d->last_publish);
-    metric(b, "hub_api_calls_total", "counter", "Hub API requests (hf://).");
-    sb_fmt(b, "dilocod_hub_api_calls_total %" PRIu64 "\n", hfs ? hfs->api_calls : 0);
-    metric(b, "hub_resolver_calls_total", "counter", "Hub file requests through the resolver (hf://).");
-    sb_fmt(b, "dilocod_hub_resolver_calls_total %" PRIu64 "\n", hfs ? hfs->resolver_calls : 0);
-    metric(b, "hub_downloads_total", "counter", "Delta files downloaded from the Hub (hf://).");
-    sb_fmt(b, "dilocod_hub_downloads_total %" PRIu64 "\n", hfs ? hfs->downloads : 0);
-    metric(b, "hub_transport_errors_total", "counter", "Failed Hub requests, retried (hf://).");
-    sb_fmt(b, "dilocod_hub_transport_errors_total %" PRIu64 "\n", hfs ? hfs->errors : 0);
+    hub_metrics(d, b);
     metric(b, "http_requests_total", "counter", "HTTP responses by route and status code.");
     for (int r = 0; r < ROUTE__COUNT; r++)
         for (int c = 0; c < STATS_HTTP_CODES; c++)

@@ -132,6 +132,18 @@ static int refuse_entry(scan *sc, int dirfd, const char *name, const char *rel, 
     return push_refused(sc, strdup(rel), refusal(why_rc, &sb, want), &sb);
 }
 
+/* A file in a node directory whose name is not a delta's: a worker's mistake that would otherwise
+ * wait unseen forever. */
+static int refuse_misnamed(scan *sc, int dirfd, const char *name, const char *rel)
+{
+    struct stat sb = {0};
+
+    if (refused_full(sc) || fstatat(dirfd, name, &sb, AT_SYMLINK_NOFOLLOW) != 0)
+        return 0;
+    return push_refused(sc, strdup(rel), strdup("not named like a delta (delta_<local_step>.safetensors): ignored"),
+                        &sb);
+}
+
 typedef struct newest {
     uint64_t step;
     char name[256];
@@ -158,6 +170,27 @@ static void keep_newest(newest *best, size_t *nbest, uint64_t step, const char *
     memcpy(best[slot].name, name, len + 1);
 }
 
+/* The node directory itself, for the transport to watch. */
+static int push_node_dir(scan *sc, const char *id)
+{
+    hub_candidate c = {.node_dir = 1};
+
+    if (asprintf(&c.rel, "nodes/%s", id) < 0) {
+        c.rel = NULL;
+        return -ENOMEM;
+    }
+    if (asprintf(&c.abs, "%s/nodes/%s", sc->root, id) < 0) {
+        free(c.rel);
+        return -ENOMEM;
+    }
+    if (push(sc, &c) != 0) {
+        free(c.rel);
+        free(c.abs);
+        return -ENOMEM;
+    }
+    return 0;
+}
+
 /* Lists one node directory (nodefd, consumed). */
 static int scan_node(scan *sc, const char *id, int nodefd)
 {
@@ -175,11 +208,19 @@ static int scan_node(scan *sc, const char *id, int nodefd)
     while ((f = readdir(d)) != NULL) {
         char rel[300], pid[DELTA_NODE_ID_MAX + 1];
         uint64_t step;
+        if (f->d_name[0] == '.')
+            continue;           /* ., .., and hidden files (a writer's temporary before its rename) */
         if (snprintf(rel, sizeof(rel), "nodes/%s/%s", id, f->d_name) >= (int)sizeof(rel) ||
-            delta_parse_path(rel, pid, &step, NULL) != 0)
+            delta_parse_path(rel, pid, &step, NULL) != 0) {
+            /* a worker that misnames its delta would wait forever: say so (once per file) */
+            if ((rc = refuse_misnamed(sc, dirfd(d), f->d_name, rel)) != 0)
+                break;
             continue;
+        }
         keep_newest(best, &nbest, step, f->d_name);
     }
+    if (rc == 0)
+        rc = push_node_dir(sc, id);
     for (size_t i = 0; i < nbest && rc == 0; i++) {
         hub_candidate c = {0};
         struct stat sb;

@@ -19,10 +19,13 @@ typedef struct hub_candidate {
     int64_t mtime_ns;
     uint64_t ino;
     char *refused;              /* non-NULL: junk in the tree (a link, a FIFO, ...), never read: why */
+    int node_dir;               /* 1: not a delta but a node directory the scan read (rel nodes/<id>),
+                                   for the transport to watch */
 } hub_candidate;
 
-/* Lists the delta files under root/nodes (per node directory the newest few by local step), and
- * the entries it refused to read (a node directory that is a link, a delta that is a FIFO, ...). */
+/* Lists the delta files under root/nodes (per node directory the newest few by local step), the node
+ * directories it read, and the entries it refused to read (a node directory that is a link, a delta
+ * that is a FIFO, a file whose name is not a delta's, ...). */
 int hubfile_scan(const char *root, hub_candidate **out, size_t *n, dl_error *err);
 void hub_candidates_free(hub_candidate *c, size_t n);
 /* The published step, if root/global/step_count.json and latest.safetensors exist (*present = 0 if not). */

@@ -41,6 +41,7 @@
 
 /* ---- requests with retries ------------------------------------------------------------------- */
 
+typedef struct hf_hub hf_hub;
 typedef struct hf_req hf_req;
 typedef void (*hf_req_cb)(hf_hub *h, hf_req *r, int ok);
 
@@ -60,6 +61,7 @@ struct hf_req {
     int sink_capped;
     size_t body_cap;            /* memory answer cap (0: curl_uv's default) */
     int auth, follow, api;      /* send the token; follow redirects; count as an API call */
+    const char *route;          /* what the request is for, counted by route and code */
     int retry_forever;          /* publishing never gives up on transient errors */
     int max_attempts;
     int attempt;
@@ -107,9 +109,10 @@ typedef struct pub_state {
 } pub_state;
 
 struct hf_hub {
+    hub base;                   /* first: the transport interface's handle */
     uv_loop_t *loop;
     cuv *curl;
-    hf_callbacks cb;
+    hub_callbacks cb;
     void *app;
     char *endpoint, *repo, *rev, *token, *state_dir, *seen_path;
     double poll_interval;
@@ -120,7 +123,7 @@ struct hf_hub {
     int list_cut;               /* ... and some left for the next listing */
     uv_timer_t poll_timer;
     int closing;
-    hf_status st;
+    hub_status st;
     uint64_t step;
     int waiting;
     int polling;                /* a poll cycle is running */
@@ -179,7 +182,8 @@ static void req_end(hf_hub *h, hf_req *r)
     }
 }
 
-static hf_req *req_new(hf_hub *h, const char *method, const char *url)
+/* route: a static name for /metrics (dilocod_hub_requests_total{route,code}) */
+static hf_req *req_new(hf_hub *h, const char *method, const char *url, const char *route)
 {
     hf_req *r = calloc(1, sizeof(*r));
     if (r == NULL || (r->url = strdup(url)) == NULL) {
@@ -190,6 +194,7 @@ static hf_req *req_new(hf_hub *h, const char *method, const char *url)
     snprintf(r->method, sizeof(r->method), "%s", method);
     r->src_fd = r->sink_fd = -1;
     r->max_attempts = 5;
+    r->route = route;
     r->api = 1;
     r->auth = 1;
     return r;
@@ -249,6 +254,7 @@ static void req_done(cuv_xfer *x, void *arg)
         r->cb(h, r, 0);
         return;
     }
+    hub_count_call(&h->st, r->route, x->result == CURLE_OK ? (int)x->status : 0);
     if (x->too_big) {
         /* asking again gets the same oversized answer: a failure, not a transient error */
         set_error(h, "%s %s: the answer is larger than allowed, abandoned", r->method, r->url);
@@ -537,17 +543,25 @@ static void set_seen_state(hf_hub *h, const char *rel, const char *oid, seen_sta
     free(k);
 }
 
-void hf_mark_done(hf_hub *h, const char *rel)
+/* Whatever the daemon decided, a downloaded (path, oid) is never downloaded again.  A download is
+ * verified against the listing, so one that intake finds short is final: rejected. */
+static int hf_mark_done(hub *base, const char *rel, hub_outcome outcome, const hub_version *v)
 {
+    hf_hub *h = (hf_hub *)base;
+    size_t rl = strlen(rel);
+
+    (void)v;
+    if (outcome == HUB_RETRY)
+        return 0;               /* our own failure: the entry stays pending for this run */
     /* the daemon knows the path; the oid is the pending entry's */
     for (size_t i = 0; i < h->seen.cap; i++) {
         seen_entry *e = &h->seen.slots[i];
-        size_t rl = strlen(rel);
         if (e->key && e->state == SEEN_PENDING && strncmp(e->key, rel, rl) == 0 && e->key[rl] == '\t') {
             e->state = SEEN_DONE;
             seen_persist(h, e->key);
         }
     }
+    return outcome == HUB_INCOMPLETE;
 }
 
 /* ---- downloads ------------------------------------------------------------------------------- */
@@ -661,7 +675,8 @@ static void verify_after(uv_work_t *w, int status)
             h->global_download = 0;
             h->cb.global_ready(h->app, c->step, c->part);
         } else {
-            h->cb.delta_ready(h->app, c->rel, c->part);
+            hub_delta d = {.rel = c->rel, .path = c->part, .root = NULL, .owned = 1};
+            h->cb.delta_ready(h->app, &d);
         }
         candidate_free(c);
     } else {
@@ -745,7 +760,7 @@ static void start_download(hf_hub *h, candidate *c)
         c->part = NULL;
     /* a small open of our own cache file; the data goes through uv_fs_write */
     fd = c->part ? open(c->part, O_WRONLY | O_CREAT | O_CLOEXEC, 0644) : -1;
-    if (url == NULL || fd < 0 || fstat(fd, &sb) != 0 || (r = req_new(h, "GET", url)) == NULL) {
+    if (url == NULL || fd < 0 || fstat(fd, &sb) != 0 || (r = req_new(h, "GET", url, "download")) == NULL) {
         free(url);
         if (fd >= 0)
             close(fd);
@@ -850,7 +865,7 @@ static void peek_done(hf_hub *h, hf_req *r, int ok)
 static void start_peek(hf_hub *h, candidate *c)
 {
     char *url = resolve_url(h, c->rel);
-    hf_req *r = url ? req_new(h, "GET", url) : NULL;
+    hf_req *r = url ? req_new(h, "GET", url, "peek") : NULL;
     free(url);
     if (r == NULL) {
         candidate_free(c);
@@ -1004,7 +1019,7 @@ static void list_done(hf_hub *h, hf_req *r, int ok)
 
 static void list_page(hf_hub *h, const char *url)
 {
-    hf_req *r = req_new(h, "GET", url);
+    hf_req *r = req_new(h, "GET", url, "tree");
     if (r == NULL) {
         h->polling = 0;
         return;
@@ -1058,7 +1073,7 @@ static void stepfile_done(hf_hub *h, hf_req *r, int ok)
 static void fetch_stepfile(hf_hub *h, int then_list)
 {
     char *url = resolve_url(h, "global/step_count.json");
-    hf_req *r = url ? req_new(h, "GET", url) : NULL;
+    hf_req *r = url ? req_new(h, "GET", url, "step_file") : NULL;
     free(url);
     if (r == NULL) {
         h->polling = 0;
@@ -1120,7 +1135,7 @@ static void poll_cb(uv_timer_t *t)
     if (h->polling || h->closing || uv_now(h->loop) < h->poll_resume_ms)
         return;
     url = api_url(h, "revision", NULL, NULL);
-    r = url ? req_new(h, "GET", url) : NULL;
+    r = url ? req_new(h, "GET", url, "revision") : NULL;
     free(url);
     if (r == NULL)
         return;
@@ -1183,7 +1198,7 @@ static void global_list_done(hf_hub *h, hf_req *r, int ok)
 static void adopt_download(hf_hub *h)
 {
     char *url = api_url(h, "tree", "global", "?recursive=false&expand=false");
-    hf_req *r = url ? req_new(h, "GET", url) : NULL;
+    hf_req *r = url ? req_new(h, "GET", url, "tree") : NULL;
     free(url);
     if (r == NULL)
         return;
@@ -1293,7 +1308,7 @@ static void pub_commit(hf_hub *h)
     sbuf b = {0};
     char line[512];
     char *url = api_url(h, "commit", NULL, NULL);
-    hf_req *r = url ? req_new(h, "POST", url) : NULL;
+    hf_req *r = url ? req_new(h, "POST", url, "commit") : NULL;
 
     free(url);
     if (r == NULL) {
@@ -1340,7 +1355,7 @@ static void pub_after_upload(hf_hub *h)
         pub_commit(h);
         return;
     }
-    hf_req *r = req_new(h, "POST", href);
+    hf_req *r = req_new(h, "POST", href, "lfs_verify");
     char body[200];
     if (r == NULL) {
         pub_finish(h, 0);
@@ -1422,7 +1437,7 @@ static void multipart_next(hf_hub *h)
         char key[24];
         snprintf(key, sizeof(key), "%05zu", p->part_next + 1);
         const char *href = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(hdr, key));
-        hf_req *r = href ? req_new(h, "PUT", href) : NULL;
+        hf_req *r = href ? req_new(h, "PUT", href, "lfs_part") : NULL;
         if (r == NULL) {
             set_error(h, "LFS multipart answer lacks part %s", key);
             pub_finish(h, 0);
@@ -1441,7 +1456,7 @@ static void multipart_next(hf_hub *h)
     /* completion: {"oid":..., "parts":[{"partNumber":1,"etag":"..."}]} */
     const char *href = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(upload, "href"));
     sbuf b = {0};
-    hf_req *r = href ? req_new(h, "POST", href) : NULL;
+    hf_req *r = href ? req_new(h, "POST", href, "lfs_complete") : NULL;
     if (r == NULL) {
         pub_finish(h, 0);
         return;
@@ -1505,7 +1520,7 @@ static void batch_done(hf_hub *h, hf_req *r, int ok)
         return;
     }
     const char *href = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(upload, "href"));
-    hf_req *pr = href ? req_new(h, "PUT", href) : NULL;
+    hf_req *pr = href ? req_new(h, "PUT", href, "lfs_upload") : NULL;
     if (pr == NULL) {
         pub_finish(h, 0);
         return;
@@ -1561,7 +1576,7 @@ static void preupload_done(hf_hub *h, hf_req *r, int ok)
         pub_finish(h, 0);
         return;
     }
-    hf_req *br = req_new(h, "POST", url);
+    hf_req *br = req_new(h, "POST", url, "lfs_batch");
     free(url);
     if (br == NULL) {
         free(body);
@@ -1580,7 +1595,7 @@ static void pub_preupload(hf_hub *h)
 {
     pub_state *p = &h->pub;
     char *url = api_url(h, "preupload", NULL, NULL);
-    hf_req *r = url ? req_new(h, "POST", url) : NULL;
+    hf_req *r = url ? req_new(h, "POST", url, "preupload") : NULL;
     sbuf b = {0}, s = {0};
     char part[256], *ssample;
 
@@ -1626,7 +1641,7 @@ static void pub_revision_done(hf_hub *h, hf_req *r, int ok)
 static void pub_revision(hf_hub *h)
 {
     char *url = api_url(h, "revision", NULL, NULL);
-    hf_req *r = url ? req_new(h, "GET", url) : NULL;
+    hf_req *r = url ? req_new(h, "GET", url, "revision") : NULL;
     free(url);
     if (r == NULL) {
         pub_finish(h, 0);
@@ -1663,7 +1678,7 @@ static void pub_check_done(hf_hub *h, hf_req *r, int ok)
 static void pub_check(hf_hub *h)
 {
     char *url = resolve_url(h, "global/step_count.json");
-    hf_req *r = url ? req_new(h, "GET", url) : NULL;
+    hf_req *r = url ? req_new(h, "GET", url, "step_file") : NULL;
     free(url);
     if (r == NULL) {
         pub_finish(h, 0);
@@ -1713,11 +1728,12 @@ static void pub_finish(hf_hub *h, int ok)
         h->published_known = (int64_t)step;
     }
     if (!h->closing)
-        h->cb.publish_done(h->app, step, ok);
+        h->cb.publish_done(h->app, step, ok ? NULL : h->st.last_error[0] ? h->st.last_error : "the Hub commit failed");
 }
 
-void hf_publish(hf_hub *h, uint64_t step, const char *global_path, const char *optimizer, int bootstrap)
+static void hf_publish(hub *base, uint64_t step, const char *global_path, const char *optimizer, int bootstrap)
 {
+    hf_hub *h = (hf_hub *)base;
     pub_state *p = &h->pub;
     hash_job *j;
 
@@ -1781,17 +1797,39 @@ int hf_parse_url(const char *url, char **repo, char **rev)
     return 0;
 }
 
-hf_hub *hf_open(uv_loop_t *loop, const hf_config *cfg, const hf_callbacks *cb, void *app)
+static int hf_check_url(const char *url, dl_error *err)
 {
-    hf_hub *h = calloc(1, sizeof(*h));
-    if (h == NULL)
-        return NULL;
+    char *repo, *rev;
+
+    if (hf_parse_url(url, &repo, &rev) != 0)
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "'%.200s' is not hf://namespace/repo[@revision]", url);
+    free(repo);
+    free(rev);
+    return 0;
+}
+
+static int hf_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_callbacks *cb, void *app,
+                   dl_error *err)
+{
+    extern const hub_ops hub_hf_ops;
+    hf_hub *h;
+    int rc;
+
+    *out = NULL;
+    if ((rc = hf_check_url(cfg->url, err)) != 0)
+        return rc;
+    if (cfg->endpoint == NULL)
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "hf:// needs the Hub's endpoint");
+    if ((rc = fsu_mkdirs(cfg->state_dir, err)) != 0)
+        return rc;
+    if ((h = calloc(1, sizeof(*h))) == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    h->base.ops = &hub_hf_ops;
     h->loop = loop;
     h->cb = *cb;
     h->app = app;
     h->endpoint = strdup(cfg->endpoint);
-    h->repo = strdup(cfg->repo);
-    h->rev = strdup(cfg->revision);
+    hf_parse_url(cfg->url, &h->repo, &h->rev);
     h->token = cfg->token ? strdup(cfg->token) : NULL;
     h->state_dir = strdup(cfg->state_dir);
     h->poll_interval = cfg->poll_interval;
@@ -1804,25 +1842,29 @@ hf_hub *hf_open(uv_loop_t *loop, const hf_config *cfg, const hf_callbacks *cb, v
     while (el > 0 && h->endpoint[el - 1] == '/')
         h->endpoint[--el] = '\0';
     if (h->endpoint == NULL || h->repo == NULL || h->rev == NULL || h->state_dir == NULL ||
-        asprintf(&h->seen_path, "%s/hub_seen.tsv", h->state_dir) < 0 || (h->curl = cuv_new(loop)) == NULL) {
+        (cfg->token != NULL && h->token == NULL) || asprintf(&h->seen_path, "%s/hub_seen.tsv", h->state_dir) < 0 ||
+        (h->curl = cuv_new(loop)) == NULL) {
         free(h->endpoint);
         free(h->repo);
         free(h->rev);
         free(h->token);
         free(h->state_dir);
         free(h);
-        return NULL;
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "cannot set up the Hub transport: out of memory");
     }
     seen_load(h);
     h->seen_fd = open(h->seen_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
     uv_timer_init(loop, &h->poll_timer);
     h->poll_timer.data = h;
     h->handles = 1;
-    return h;
+    *out = &h->base;
+    return 0;
 }
 
-void hf_set_step(hf_hub *h, uint64_t step, int waiting)
+static void hf_set_step(hub *base, uint64_t step, int waiting)
 {
+    hf_hub *h = (hf_hub *)base;
+
     h->step = step;
     h->waiting = waiting;
     if (waiting)
@@ -1833,14 +1875,15 @@ void hf_set_step(hf_hub *h, uint64_t step, int waiting)
             h->st.head[0] = '\0';       /* forces the next poll to list again */
 }
 
-void hf_start(hf_hub *h)
+static void hf_start(hub *base)
 {
+    hf_hub *h = (hf_hub *)base;
     uv_timer_start(&h->poll_timer, poll_cb, 0, (uint64_t)(h->poll_interval * 1000));
 }
 
-const hf_status *hf_get_status(const hf_hub *h)
+static const hub_status *hf_get_status(const hub *base)
 {
-    return &h->st;
+    return &((const hf_hub *)base)->st;
 }
 
 static void hub_free(hf_hub *h)
@@ -1889,8 +1932,10 @@ static void poll_timer_closed(uv_handle_t *t)
 
 static void close_when_idle(uv_timer_t *t);
 
-void hf_close(hf_hub *h, void (*done)(void *), void *arg)
+static void hf_close(hub *base, void (*done)(void *), void *arg)
 {
+    hf_hub *h = (hf_hub *)base;
+
     h->closing = 1;
     h->close_done = done;
     h->close_arg = arg;
@@ -1920,3 +1965,16 @@ static void close_when_idle(uv_timer_t *t)
     uv_timer_stop(t);
     uv_close((uv_handle_t *)t, poll_timer_closed);
 }
+
+const hub_ops hub_hf_ops = {
+    .scheme = "hf://",
+    .kind = "hf",
+    .check_url = hf_check_url,
+    .open = hf_open,
+    .start = hf_start,
+    .set_step = hf_set_step,
+    .publish = hf_publish,
+    .mark_done = hf_mark_done,
+    .status = hf_get_status,
+    .close = hf_close,
+};

@@ -398,7 +398,10 @@ def test_symlinked_global_dir_is_neither_read_nor_written(tmp_path):
         base.check()
 
         os.unlink(r.hub / "global")
-        os.rename(tmp_path / "global-real", r.hub / "global")
+        try:
+            os.rename(tmp_path / "global-real", r.hub / "global")
+        except OSError:
+            pass    # a publish retry created a fresh global/ in between: it publishes there, as well
         wait_step(d, r.hub, 2)
         assert_state_close(load_torch(r.hub / "global" / "latest.safetensors"), want)
         assert tree_listing(outside) == before

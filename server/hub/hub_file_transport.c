@@ -1,0 +1,713 @@
+/* The file:// transport (hub.h): a shared directory laid out like the Hub repo.
+ *
+ * Polling is a scan of root/nodes on the libuv pool (hub_file.c reads the tree as hostile) every poll
+ * interval, and at once when inotify says something changed: nodes/ itself (a new node directory)
+ * and every node directory a scan has read (a delta renamed into an existing directory is seen in
+ * milliseconds, not at the next poll).  Where inotify does not work, the periodic scan still finds
+ * everything.
+ *
+ * Each delta file is remembered by path and version (size, mtime, inode) in a seen map: a version is
+ * handed to the daemon once; one that is still being written (intake says INCOMPLETE) is retried
+ * while it changes and rejected once it has stopped changing for the settle time; junk in the tree
+ * (a link, a FIFO, a misnamed file, an unreadable step file) is logged once per version.  The map
+ * follows the tree: entries no longer listed are forgotten after each complete scan.
+ *
+ * Publishing copies the step's global into root/global, then writes step_count.json (each atomic);
+ * adoption copies root/global/latest.safetensors into the state directory through descriptors that
+ * never leave the tree. */
+#include "hub.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dl_log.h"
+#include "fsutil.h"
+#include "hub_file.h"
+#include "seen.h"
+#include "util.h"
+
+/* inotify watches on node directories: one per directory a scan read, up to this many (a round
+ * has far fewer nodes; beyond it the periodic scan still finds everything) */
+#define MAX_NODE_WATCHES 1024
+
+typedef struct file_hub file_hub;
+
+typedef struct node_watch {
+    uv_fs_event_t h;
+    file_hub *fh;
+    uint64_t listed;            /* the last scan that read this directory */
+    char rel[];                 /* nodes/<id> */
+} node_watch;
+
+struct file_hub {
+    hub base;
+    uv_loop_t *loop;
+    hub_callbacks cb;
+    void *app;
+    char *root, *incoming;
+    double poll_interval;
+    uv_timer_t poll_timer;
+    uv_fs_event_t nodes_watch;
+    int nodes_watch_open;
+    node_watch **watches;
+    size_t nwatches;
+    seen_map seen;
+    uint64_t scan_gen;          /* scans completed (seen entries are stamped with the last listing) */
+    int scan_in_flight, scan_again;
+    uint64_t step;
+    int waiting;
+    int reported;               /* published_seen was called at least once */
+    int64_t reported_step;
+    int adopt_in_flight, publishing;
+    int started;                /* start() ran: polling */
+    unsigned jobs, handles;     /* pool jobs out, handles open */
+    int closing;
+    void (*close_done)(void *);
+    void *close_arg;
+    hub_status st;
+};
+
+static double now_s(const file_hub *fh)
+{
+    return (double)uv_now(fh->loop) / 1000.0;
+}
+
+static void set_error(file_hub *fh, const char *what, const dl_error *err)
+{
+    char q[600];
+    fh->st.errors++;
+    snprintf(fh->st.last_error, sizeof(fh->st.last_error), "%s: %.230s", what, err->message);
+    dl_log(DL_LOG_ERROR, "hub", what, "code=%s error=%s", dl_error_name(err->code),
+           dl_log_q(q, sizeof(q), err->message));
+}
+
+/* ---- pool jobs --------------------------------------------------------------------------------- */
+
+typedef struct fjob fjob;
+typedef void (*fjob_fn)(fjob *);
+struct fjob {
+    uv_work_t req;
+    file_hub *fh;
+    fjob_fn work, done;
+    int rc;
+    dl_error err;
+    void *arg;
+    uint64_t step;
+    int flag;
+    char *path;
+};
+
+static void maybe_free(file_hub *fh);
+
+static void fjob_work_cb(uv_work_t *req)
+{
+    fjob *j = container_of(req, fjob, req);
+    j->work(j);
+}
+
+static void fjob_after_cb(uv_work_t *req, int status)
+{
+    fjob *j = container_of(req, fjob, req);
+    file_hub *fh = j->fh;
+
+    if (status == UV_ECANCELED && j->rc == 0) {
+        j->rc = -DL_E_IO;
+        dl_fail(&j->err, DL_E_IO, NULL, 0, "cancelled");
+    }
+    fh->jobs--;
+    j->done(j);
+    free(j->path);
+    free(j);
+    maybe_free(fh);
+}
+
+static int queue_job(file_hub *fh, fjob_fn work, fjob_fn done, void *arg, uint64_t step, int flag)
+{
+    fjob *j = calloc(1, sizeof(*j));
+
+    if (j == NULL)
+        return -ENOMEM;
+    j->fh = fh;
+    j->work = work;
+    j->done = done;
+    j->arg = arg;
+    j->step = step;
+    j->flag = flag;
+    dl_error_clear(&j->err);
+    if (uv_queue_work(fh->loop, &j->req, fjob_work_cb, fjob_after_cb) != 0) {
+        free(j);
+        return -ENOMEM;
+    }
+    fh->jobs++;
+    return 0;
+}
+
+/* ---- the seen map: each version of each file is handled once ------------------------------------ */
+
+static uint64_t text_hash(const char *s)
+{
+    uint64_t h = 1469598103934665603ULL;        /* FNV-1a */
+    for (; *s; s++)
+        h = (h ^ (unsigned char)*s) * 1099511628211ULL;
+    return h;
+}
+
+/* Junk a writer planted in the tree is logged once per version of the entry and reason. */
+static void report_refused(file_hub *fh, const char *path, const char *reason, uint64_t size, int64_t mtime_ns,
+                           uint64_t ino)
+{
+    int created;
+    seen_entry *e = seen_get(&fh->seen, path, &created);
+    char q[600];
+
+    if (e == NULL || (!created && e->state == SEEN_PENDING))
+        return;                 /* in flight: its intake result comes first, the next scan reports */
+    e->listed = fh->scan_gen;
+    if (!created && e->state == SEEN_REJECTED && e->size == size && e->mtime_ns == mtime_ns && e->ino == ino)
+        return;
+    e->size = size;
+    e->mtime_ns = mtime_ns;
+    e->ino = ino;
+    e->state = SEEN_REJECTED;
+    e->since = now_s(fh);
+    dl_log(DL_LOG_WARN, "hub", "entry refused", "path=%s reason=%s", path, dl_log_q(q, sizeof(q), reason));
+}
+
+/* Settle time: a file that keeps failing as incomplete without changing for this long is rejected. */
+static double settle_seconds(const file_hub *fh)
+{
+    double s = 2 * fh->poll_interval;
+    return s < 2.0 ? 2.0 : s;
+}
+
+static void hand_over(file_hub *fh, const hub_candidate *c)
+{
+    hub_delta d = {.rel = c->rel, .path = c->abs, .root = fh->root, .owned = 0};
+    fh->cb.delta_ready(fh->app, &d);
+}
+
+static void consider_candidate(file_hub *fh, const hub_candidate *c)
+{
+    int created;
+    seen_entry *e = seen_get(&fh->seen, c->rel, &created);
+
+    if (e == NULL)
+        return;
+    e->listed = fh->scan_gen;
+    int same = !created && e->size == c->size && e->mtime_ns == c->mtime_ns && e->ino == c->ino;
+    if (same) {
+        if (e->state == SEEN_INCOMPLETE && now_s(fh) - e->since >= settle_seconds(fh)) {
+            /* stopped changing: one last attempt decides (INCOMPLETE again means truncated for good) */
+            e->state = SEEN_PENDING;
+            e->since = -1;
+            hand_over(fh, c);
+        }
+        return;
+    }
+    if (!created && e->state == SEEN_PENDING)
+        return;                 /* in flight: its result will be compared with the new version */
+    e->size = c->size;
+    e->mtime_ns = c->mtime_ns;
+    e->ino = c->ino;
+    e->state = SEEN_PENDING;
+    e->since = now_s(fh);
+    dl_log(DL_LOG_DEBUG, "hub", "delta seen", "path=%s bytes=%" PRIu64, c->rel, c->size);
+    hand_over(fh, c);
+}
+
+/* Kept: what this scan listed, and what is still being taken in. */
+static int still_listed(const seen_entry *e, void *arg)
+{
+    const file_hub *fh = arg;
+    return e->listed == fh->scan_gen || e->state == SEEN_PENDING || strcmp(e->key, "global") == 0;
+}
+
+static int file_mark_done(hub *h, const char *rel, hub_outcome outcome, const hub_version *v)
+{
+    file_hub *fh = (file_hub *)h;
+    seen_entry *e = seen_find(&fh->seen, rel);
+    int changed;
+
+    if (e == NULL)
+        return outcome == HUB_INCOMPLETE;
+    changed = v != NULL && (e->size != v->size || e->mtime_ns != v->mtime_ns || e->ino != v->ino);
+    switch (outcome) {
+    case HUB_TAKEN:
+        e->state = SEEN_DONE;
+        break;
+    case HUB_INVALID:
+        e->state = SEEN_REJECTED;
+        break;
+    case HUB_INCOMPLETE:
+        if (e->since < 0) {
+            e->state = SEEN_REJECTED;   /* the settled retry: it stopped changing and is still short */
+            return 1;
+        }
+        e->state = SEEN_INCOMPLETE;
+        if (v != NULL) {
+            e->size = v->size;
+            e->mtime_ns = v->mtime_ns;
+            e->ino = v->ino;
+        }
+        if (changed)
+            e->since = now_s(fh);
+        break;
+    case HUB_RETRY:
+        e->state = SEEN_INCOMPLETE;     /* our failure: looked at again at the next scan */
+        e->size = UINT64_MAX;
+        break;
+    }
+    return 0;
+}
+
+/* ---- watching node directories ------------------------------------------------------------------ */
+
+static void schedule_scan(file_hub *fh);
+
+static void watch_event_cb(uv_fs_event_t *h, const char *filename, int events, int status)
+{
+    (void)filename;
+    (void)events;
+    (void)status;
+    schedule_scan(h->data);
+}
+
+static void watch_closed(uv_handle_t *h)
+{
+    node_watch *w = container_of((uv_fs_event_t *)h, node_watch, h);
+    file_hub *fh = w->fh;
+    free(w);
+    fh->handles--;
+    maybe_free(fh);
+}
+
+static void unwatch(file_hub *fh, size_t i)
+{
+    node_watch *w = fh->watches[i];
+    fh->watches[i] = fh->watches[--fh->nwatches];
+    uv_close((uv_handle_t *)&w->h, watch_closed);
+}
+
+static node_watch *find_watch(file_hub *fh, const char *rel)
+{
+    for (size_t i = 0; i < fh->nwatches; i++)
+        if (strcmp(fh->watches[i]->rel, rel) == 0)
+            return fh->watches[i];
+    return NULL;
+}
+
+/* Starts watching a node directory the scan read (best effort: the periodic scan is the backstop). */
+static void watch_node_dir(file_hub *fh, const hub_candidate *c)
+{
+    node_watch *w = find_watch(fh, c->rel);
+    size_t rl = strlen(c->rel);
+
+    if (w != NULL) {
+        w->listed = fh->scan_gen;
+        return;
+    }
+    if (fh->nwatches == MAX_NODE_WATCHES || (w = calloc(1, sizeof(*w) + rl + 1)) == NULL)
+        return;
+    if (fh->nwatches % 64 == 0) {
+        node_watch **nv = realloc(fh->watches, (fh->nwatches + 64) * sizeof(*nv));
+        if (nv == NULL) {
+            free(w);
+            return;
+        }
+        fh->watches = nv;
+    }
+    memcpy(w->rel, c->rel, rl + 1);
+    w->fh = fh;
+    w->listed = fh->scan_gen;
+    if (uv_fs_event_init(fh->loop, &w->h) != 0) {
+        free(w);
+        return;
+    }
+    w->h.data = fh;
+    fh->handles++;
+    fh->watches[fh->nwatches++] = w;
+    /* a link swapped in for the directory after the scan would be followed by inotify: harmless, the
+     * event only triggers a scan, and the scan never follows links */
+    if (uv_fs_event_start(&w->h, watch_event_cb, c->abs, 0) != 0)
+        unwatch(fh, fh->nwatches - 1);
+}
+
+/* Directories the last complete scan did not read (removed, or replaced by junk) are unwatched. */
+static void prune_watches(file_hub *fh)
+{
+    for (size_t i = fh->nwatches; i-- > 0;)
+        if (fh->watches[i]->listed != fh->scan_gen)
+            unwatch(fh, i);
+}
+
+/* ---- scanning ------------------------------------------------------------------------------------ */
+
+typedef struct scan_result {
+    hub_candidate *c;
+    size_t n;
+    int published_present;
+    uint64_t published_step;
+    int published_rc;           /* a junk step file must not stop the intake of deltas */
+    dl_error published_err;
+} scan_result;
+
+static void scan_work(fjob *j)
+{
+    scan_result *r = j->arg;
+    j->rc = hubfile_scan(j->fh->root, &r->c, &r->n, &j->err);
+    r->published_rc = hubfile_read_published(j->fh->root, &r->published_present, &r->published_step,
+                                             &r->published_err);
+}
+
+static void start_adopt(file_hub *fh, uint64_t step);
+
+/* Tells the daemon the published step when it is first known or changes.  An unreadable step file
+ * counts as none until it is readable (our own publish then replaces it). */
+static void report_published(file_hub *fh, const scan_result *r)
+{
+    int64_t step = r->published_rc == 0 && r->published_present ? (int64_t)r->published_step : -1;
+
+    if (r->published_rc != 0 && fh->reported)
+        return;
+    if (r->published_rc != 0) {
+        char q[600];
+        dl_log(DL_LOG_WARN, "hub", "ignoring the published step file", "error=%s",
+               dl_log_q(q, sizeof(q), r->published_err.message));
+    }
+    if (fh->reported && step == fh->reported_step)
+        return;
+    fh->reported = 1;
+    fh->reported_step = step;
+    fh->cb.published_seen(fh->app, step);
+}
+
+static void scan_done(fjob *j)
+{
+    file_hub *fh = j->fh;
+    scan_result *r = j->arg;
+
+    fh->scan_in_flight = 0;
+    fh->scan_gen++;
+    if (j->rc != 0)
+        set_error(fh, "scan failed", &j->err);
+    else
+        fh->st.last_poll = time(NULL);
+    if (r->published_rc != 0) {
+        report_refused(fh, "global", r->published_err.message, text_hash(r->published_err.message), 0, 0);
+    } else {
+        seen_entry *g = seen_find(&fh->seen, "global");
+        if (g != NULL)
+            g->state = SEEN_DONE;       /* readable again: a new problem is reported again */
+    }
+    for (size_t i = 0; i < r->n; i++)
+        if (r->c[i].refused != NULL)
+            report_refused(fh, r->c[i].rel, r->c[i].refused, r->c[i].size, r->c[i].mtime_ns, r->c[i].ino);
+    if (!fh->closing) {
+        report_published(fh, r);
+        for (size_t i = 0; i < r->n; i++)
+            if (r->c[i].node_dir)
+                watch_node_dir(fh, &r->c[i]);
+        if (fh->waiting) {
+            if (r->published_rc == 0 && r->published_present)
+                start_adopt(fh, r->published_step);
+        } else {
+            for (size_t i = 0; i < r->n; i++)
+                if (r->c[i].refused == NULL && !r->c[i].node_dir)
+                    consider_candidate(fh, &r->c[i]);
+        }
+        /* a complete listing: files no longer listed (consumed and removed, or older than the
+         * newest a node directory is scanned for) are forgotten, and so are their directories */
+        if (j->rc == 0) {
+            if (seen_prune(&fh->seen, still_listed, fh) != 0)
+                dl_log(DL_LOG_WARN, "hub", "out of memory pruning the seen files", "count=%zu", fh->seen.count);
+            prune_watches(fh);
+        }
+    }
+    hub_candidates_free(r->c, r->n);
+    free(r);
+    if (fh->scan_again && !fh->closing) {
+        fh->scan_again = 0;
+        schedule_scan(fh);
+    }
+}
+
+static void schedule_scan(file_hub *fh)
+{
+    scan_result *r;
+
+    if (fh->closing)
+        return;
+    if (fh->scan_in_flight) {
+        fh->scan_again = 1;
+        return;
+    }
+    if ((r = calloc(1, sizeof(*r))) == NULL)
+        return;
+    if (queue_job(fh, scan_work, scan_done, r, 0, 0) != 0) {
+        free(r);
+        return;
+    }
+    fh->scan_in_flight = 1;
+}
+
+static void poll_cb(uv_timer_t *t)
+{
+    schedule_scan(t->data);
+}
+
+/* ---- adopting the tree's global ----------------------------------------------------------------- */
+
+static void adopt_work(fjob *j)
+{
+    /* another writer's file: copied through descriptors that never leave the tree, checked to be a
+     * safetensors file that did not change during the copy (the daemon then validates the copy) */
+    if (asprintf(&j->path, "%s/file-global-%" PRIu64 ".safetensors", j->fh->incoming, j->step) < 0) {
+        j->path = NULL;
+        j->rc = dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        return;
+    }
+    j->rc = hubfile_copy_global(j->fh->root, j->path, &j->err);
+}
+
+static void adopt_done(fjob *j)
+{
+    file_hub *fh = j->fh;
+
+    fh->adopt_in_flight = 0;
+    if (j->rc != 0) {
+        set_error(fh, "cannot adopt the published global, will retry", &j->err);
+        return;                 /* still waiting: the next scan tries again */
+    }
+    if (fh->closing || !fh->waiting) {
+        unlink(j->path);
+        return;
+    }
+    fh->cb.global_ready(fh->app, j->step, j->path);
+}
+
+static void start_adopt(file_hub *fh, uint64_t step)
+{
+    if (fh->adopt_in_flight || fh->closing)
+        return;
+    if (queue_job(fh, adopt_work, adopt_done, NULL, step, 0) == 0)
+        fh->adopt_in_flight = 1;
+}
+
+/* ---- publishing ---------------------------------------------------------------------------------- */
+
+typedef struct publish_args {
+    char *src, *optimizer;
+} publish_args;
+
+static void publish_work(fjob *j)
+{
+    publish_args *a = j->arg;
+    j->rc = hubfile_publish(j->fh->root, a->src, j->step, a->optimizer, j->flag, &j->err);
+}
+
+static void publish_done(fjob *j)
+{
+    file_hub *fh = j->fh;
+    publish_args *a = j->arg;
+
+    free(a->src);
+    free(a->optimizer);
+    free(a);
+    fh->publishing = 0;
+    fh->st.publishing = 0;
+    if (j->rc == 0) {
+        fh->st.last_publish = time(NULL);
+        fh->reported = 1;               /* our own step: not reported back as a change */
+        fh->reported_step = (int64_t)j->step;
+    } else {
+        fh->st.errors++;
+        snprintf(fh->st.last_error, sizeof(fh->st.last_error), "publish: %.240s", j->err.message);
+    }
+    if (!fh->closing)
+        fh->cb.publish_done(fh->app, j->step, j->rc == 0 ? NULL : j->err.message);
+}
+
+static void file_publish(hub *h, uint64_t step, const char *global_path, const char *optimizer, int bootstrap)
+{
+    file_hub *fh = (file_hub *)h;
+    publish_args *a = calloc(1, sizeof(*a));
+    dl_error e;
+
+    if (fh->publishing || fh->closing) {
+        free(a);
+        return;
+    }
+    if (a == NULL || (a->src = strdup(global_path)) == NULL || (a->optimizer = strdup(optimizer)) == NULL ||
+        queue_job(fh, publish_work, publish_done, a, step, bootstrap) != 0) {
+        if (a != NULL) {
+            free(a->src);
+            free(a->optimizer);
+        }
+        free(a);
+        dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        fh->cb.publish_done(fh->app, step, e.message);
+        return;
+    }
+    fh->publishing = 1;
+    fh->st.publishing = 1;
+}
+
+/* ---- the interface ------------------------------------------------------------------------------- */
+
+static int file_check_url(const char *url, dl_error *err)
+{
+    if (strncmp(url, "file:///", 8) != 0 || strcmp(url, "file:///") == 0)
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0,
+                       "'%.200s' is not file:///abs/dir (an absolute directory other than /)", url);
+    return 0;
+}
+
+static void free_hub(file_hub *fh)
+{
+    void (*done)(void *) = fh->close_done;
+    void *arg = fh->close_arg;
+
+    seen_free(&fh->seen);
+    free(fh->watches);
+    free(fh->root);
+    free(fh->incoming);
+    free(fh);
+    if (done != NULL)
+        done(arg);
+}
+
+static void maybe_free(file_hub *fh)
+{
+    if (fh->closing && fh->jobs == 0 && fh->handles == 0)
+        free_hub(fh);
+}
+
+static void handle_closed(uv_handle_t *h)
+{
+    file_hub *fh = h->data;
+    fh->handles--;
+    maybe_free(fh);
+}
+
+static int file_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_callbacks *cb, void *app,
+                     dl_error *err)
+{
+    extern const hub_ops hub_file_ops;
+    file_hub *fh;
+    char *nodes = NULL, *global = NULL;
+    int rc;
+
+    *out = NULL;
+    if ((rc = file_check_url(cfg->url, err)) != 0)
+        return rc;
+    if ((fh = calloc(1, sizeof(*fh))) == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    fh->base.ops = &hub_file_ops;
+    fh->loop = loop;
+    fh->cb = *cb;
+    fh->app = app;
+    fh->poll_interval = cfg->poll_interval;
+    fh->reported_step = -1;
+    if ((fh->root = strdup(cfg->url + 7)) == NULL ||
+        asprintf(&fh->incoming, "%s/cache/incoming", cfg->state_dir) < 0 ||
+        asprintf(&nodes, "%s/nodes", fh->root) < 0 || asprintf(&global, "%s/global", fh->root) < 0) {
+        free(nodes);
+        fh->incoming = NULL;
+        free_hub(fh);
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    }
+    rc = fsu_mkdirs(nodes, err);
+    if (rc == 0)
+        rc = fsu_mkdirs(global, err);
+    if (rc == 0)
+        rc = fsu_mkdirs(fh->incoming, err);
+    free(nodes);
+    free(global);
+    if (rc != 0) {
+        free_hub(fh);
+        return rc;
+    }
+    if (hubfile_cleanup_temps(fh->root, err) != 0) {
+        char q[600];
+        dl_log(DL_LOG_WARN, "hub", "cannot remove temporary files of an interrupted publish", "error=%s",
+               dl_log_q(q, sizeof(q), err->message));
+    }
+    uv_timer_init(loop, &fh->poll_timer);
+    fh->poll_timer.data = fh;
+    fh->handles = 1;
+    *out = &fh->base;
+    return 0;
+}
+
+static void file_start(hub *h)
+{
+    file_hub *fh = (file_hub *)h;
+    char *nodes = NULL;
+
+    fh->started = 1;
+    uv_timer_start(&fh->poll_timer, poll_cb, 0, (uint64_t)(fh->poll_interval * 1000));
+    /* nodes/ itself: a new node directory is seen at once (node directories get their own watch
+     * once a scan has read them) */
+    if (asprintf(&nodes, "%s/nodes", fh->root) < 0)
+        return;
+    if (uv_fs_event_init(fh->loop, &fh->nodes_watch) == 0) {
+        fh->nodes_watch.data = fh;
+        fh->handles++;
+        fh->nodes_watch_open = 1;
+        if (uv_fs_event_start(&fh->nodes_watch, watch_event_cb, nodes, 0) != 0) {
+            fh->nodes_watch_open = 0;
+            uv_close((uv_handle_t *)&fh->nodes_watch, handle_closed);
+        }
+    }
+    free(nodes);
+}
+
+static void file_set_step(hub *h, uint64_t step, int waiting)
+{
+    file_hub *fh = (file_hub *)h;
+
+    fh->step = step;
+    fh->waiting = waiting;
+    /* a new step (or the end of waiting): deltas based on it may already be in the tree */
+    if (!fh->closing && fh->started)
+        schedule_scan(fh);
+}
+
+static const hub_status *file_status(const hub *h)
+{
+    return &((const file_hub *)h)->st;
+}
+
+static void file_close(hub *h, void (*done)(void *), void *arg)
+{
+    file_hub *fh = (file_hub *)h;
+
+    fh->closing = 1;
+    fh->close_done = done;
+    fh->close_arg = arg;
+    uv_timer_stop(&fh->poll_timer);
+    uv_close((uv_handle_t *)&fh->poll_timer, handle_closed);
+    if (fh->nodes_watch_open) {
+        fh->nodes_watch_open = 0;
+        uv_close((uv_handle_t *)&fh->nodes_watch, handle_closed);
+    }
+    while (fh->nwatches > 0)
+        unwatch(fh, fh->nwatches - 1);
+    /* pool jobs (a scan, a copy, a publish) cannot be interrupted: the hub is freed after the last */
+}
+
+const hub_ops hub_file_ops = {
+    .scheme = "file://",
+    .kind = "file",
+    .check_url = file_check_url,
+    .open = file_open,
+    .start = file_start,
+    .set_step = file_set_step,
+    .publish = file_publish,
+    .mark_done = file_mark_done,
+    .status = file_status,
+    .close = file_close,
+};
