@@ -741,6 +741,8 @@ static void start_download(s3_hub *h, candidate *c)
         have = c->size - 1;
     }
     if (have > 0) {
+        dl_log(DL_LOG_INFO, "hub", "resuming a download", "key=%s from=%" PRIu64 " size=%" PRIu64, c->key, have,
+               c->size);
         snprintf(line, sizeof(line), "Range: bytes=%" PRIu64 "-", have);
         req_header(r, line);
     }
@@ -1350,6 +1352,62 @@ static void pub_upload(s3_hub *h)
     req_go(h, r, pub_initiate_done, NULL);
 }
 
+static void pub_uploads_done(s3_hub *h, s3_req *r, int ok)
+{
+    char *key = full_key(h, "global/latest.safetensors");
+    char **ids = NULL;
+    size_t n = 0;
+    dl_error err = {0};
+
+    if (h->closing) {
+        free(key);
+        pub_fail(h, r, "listing interrupted uploads");
+        return;
+    }
+    /* a failure here only leaves parts behind: the publish goes on */
+    if (!ok || key == NULL || s3_parse_uploads(r->x->body.p, r->x->body.len, key, &ids, &n, &err) != 0) {
+        char why[256] = "";
+        if (r->x != NULL)
+            describe_answer(r->x, why, sizeof(why));
+        dl_log(DL_LOG_WARN, "hub", "cannot list interrupted multipart uploads", "reason=%s",
+               err.message[0] ? err.message : why);
+    }
+    req_end(h, r);
+    for (size_t i = 0; i < n; i++) {
+        char *q = upload_query(ids[i], 0);
+        s3_req *a = q ? req_new(h, "DELETE", key, q, "abort_upload") : NULL;
+        free(q);
+        if (a != NULL) {
+            dl_log(DL_LOG_INFO, "hub", "aborting an interrupted multipart upload", "key=%s", key);
+            a->max_attempts = 2;
+            req_go(h, a, abort_done, NULL);
+        }
+    }
+    s3_uploads_free(ids, n);
+    free(key);
+    pub_upload(h);
+}
+
+/* ListMultipartUploads of the global's key: prefix=<key>&uploads= (sorted, canonical). */
+static void pub_clean_uploads(s3_hub *h)
+{
+    char *key = full_key(h, "global/latest.safetensors");
+    sbuf q = {0};
+    sb_str(&q, "prefix=");
+    if (key != NULL)
+        s3_uri_encode(&q, key, 0);
+    sb_str(&q, "&uploads=");
+    char *query = sb_take(&q);
+    s3_req *r = key && query ? req_new(h, "GET", NULL, query, "list_uploads") : NULL;
+    free(key);
+    free(query);
+    if (r == NULL) {
+        pub_upload(h);
+        return;
+    }
+    req_go(h, r, pub_uploads_done, NULL);
+}
+
 static void pub_claim_read_done(s3_hub *h, s3_req *r, int ok)
 {
     pub_state *p = &h->pub;
@@ -1365,9 +1423,10 @@ static void pub_claim_read_done(s3_hub *h, s3_req *r, int ok)
     req_end(h, r);
     if (cJSON_IsString(inst) && strcmp(inst->valuestring, h->instance) == 0) {
         cJSON_Delete(j);
-        /* ours: a publish that a stop or a crash interrupted; the uploads are idempotent */
+        /* ours: a publish that a stop or a crash interrupted; the uploads are idempotent, and the
+         * interrupted one's multipart upload (if any) is aborted first */
         dl_log(DL_LOG_INFO, "hub", "resuming our own claimed publish", "step=%" PRIu64, p->step);
-        pub_upload(h);
+        pub_clean_uploads(h);
         return;
     }
     snprintf(msg, sizeof(msg), "step %" PRIu64 " was claimed by another aggregator (instance %.40s): it publishes it",

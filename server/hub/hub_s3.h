@@ -74,6 +74,11 @@ int s3_parse_error(const char *xml, size_t len, char *code, size_t code_size, ch
 /* InitiateMultipartUploadResult's UploadId (malloc'd).  0 or -DL_E_INVALID_ARGUMENT. */
 int s3_parse_upload_id(const char *xml, size_t len, char **upload_id, dl_error *err);
 
+/* The UploadIds of ListMultipartUploadsResult entries whose Key is exactly key (at most 1000;
+ * *ids malloc'd, each id malloc'd).  0 or -DL_E_INVALID_ARGUMENT. */
+int s3_parse_uploads(const char *xml, size_t len, const char *key, char ***ids, size_t *n, dl_error *err);
+void s3_uploads_free(char **ids, size_t n);
+
 /* An ETag as S3 sends it: quoted (or not) printable ASCII without spaces or quotes inside, at most
  * 64 characters.  Copies it without the quotes.  0 or -1. */
 int s3_clean_etag(const char *in, size_t len, char *out, size_t out_size);

@@ -172,7 +172,7 @@ int s3_clean_etag(const char *in, size_t len, char *out, size_t out_size)
 #define XML_MAX_TEXT 4096
 #define XML_NAME_KEEP 48
 
-typedef enum xml_kind { XK_LISTING, XK_ERROR, XK_UPLOAD_ID } xml_kind;
+typedef enum xml_kind { XK_LISTING, XK_ERROR, XK_UPLOAD_ID, XK_UPLOADS } xml_kind;
 
 typedef struct xml_ctx {
     XML_Parser p;
@@ -194,6 +194,11 @@ typedef struct xml_ctx {
     int is_error;
     /* upload id */
     char *upload_id;
+    /* uploads of one key */
+    const char *want_key;
+    char **ids;
+    size_t nids;
+    char *u_key, *u_id;
 } xml_ctx;
 
 static void xml_fail(xml_ctx *x, const char *why)
@@ -337,6 +342,36 @@ static void listing_end(xml_ctx *x, const char *name, const char *t, size_t tl)
     }
 }
 
+static void uploads_end(xml_ctx *x, const char *name, const char *t, size_t tl)
+{
+    if (x->depth == 1 && strcmp(name, "ListMultipartUploadsResult") != 0) {
+        xml_fail(x, "the answer is not a ListMultipartUploadsResult");
+    } else if (x->depth == 3 && strcmp(x->names[1], "Upload") == 0 &&
+               (strcmp(name, "Key") == 0 || strcmp(name, "UploadId") == 0)) {
+        char **dst = name[0] == 'K' ? &x->u_key : &x->u_id;
+        if (t == NULL || tl == 0 || tl > S3_MAX_KEY || *dst != NULL)
+            xml_fail(x, "an Upload's Key or UploadId is empty, repeated or too long");
+        else if ((*dst = strdup(t)) == NULL)
+            xml_fail(x, "out of memory");
+    } else if (x->depth == 2 && strcmp(name, "Upload") == 0) {
+        if (x->u_key == NULL || x->u_id == NULL) {
+            xml_fail(x, "an Upload without Key or UploadId");
+        } else if (strcmp(x->u_key, x->want_key) == 0) {
+            char **nids = x->nids < S3_MAX_KEYS_PER_PAGE ? realloc(x->ids, (x->nids + 1) * sizeof(*nids)) : NULL;
+            if (nids == NULL) {
+                xml_fail(x, "more than 1000 uploads, or out of memory");
+            } else {
+                x->ids = nids;
+                x->ids[x->nids++] = x->u_id;
+                x->u_id = NULL;
+            }
+        }
+        free(x->u_key);
+        free(x->u_id);
+        x->u_key = x->u_id = NULL;
+    }
+}
+
 static void copy_capped(char *dst, size_t size, const char *t)
 {
     if (size == 0)
@@ -362,6 +397,9 @@ static void on_end(void *arg, const XML_Char *raw)
             copy_capped(x->code, x->code_size, t);
         else if (x->depth == 2 && strcmp(x->names[0], "Error") == 0 && strcmp(name, "Message") == 0)
             copy_capped(x->msg, x->msg_size, t);
+        break;
+    case XK_UPLOADS:
+        uploads_end(x, name, t, tl);
         break;
     case XK_UPLOAD_ID:
         if (x->depth == 1 && strcmp(name, "InitiateMultipartUploadResult") != 0)
@@ -481,5 +519,30 @@ int s3_parse_upload_id(const char *xml, size_t len, char **upload_id, dl_error *
         return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "bad CreateMultipartUpload answer: %s", x.why);
     }
     *upload_id = x.upload_id;
+    return 0;
+}
+
+void s3_uploads_free(char **ids, size_t n)
+{
+    for (size_t i = 0; ids && i < n; i++)
+        free(ids[i]);
+    free(ids);
+}
+
+int s3_parse_uploads(const char *xml, size_t len, const char *key, char ***ids, size_t *n, dl_error *err)
+{
+    xml_ctx x = {.kind = XK_UPLOADS, .want_key = key};
+
+    *ids = NULL;
+    *n = 0;
+    xml_run(&x, xml, len);
+    free(x.u_key);
+    free(x.u_id);
+    if (x.why[0] != '\0') {
+        s3_uploads_free(x.ids, x.nids);
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "bad ListMultipartUploads answer: %s", x.why);
+    }
+    *ids = x.ids;
+    *n = x.nids;
     return 0;
 }

@@ -218,6 +218,8 @@ def test_killed_mid_download_and_mid_publish(tmp_path, s3):
         time.sleep(0.001)
     d.kill9()
     d.start()
+    # the partial download is continued where it stopped (Range), not started over
+    d.wait_log("hub: resuming a download key=kill/run/nodes/w1/delta_10.safetensors")
     put_delta(d.client, s3.bucket, prefix, "w2", 0, 10, deltas["w2"])
     # kill -9 as soon as the step's claim exists (the upload of the global follows it)
     while True:

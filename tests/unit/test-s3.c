@@ -269,3 +269,26 @@ TEST(s3_clean_etag_forms)
     memset(long_tag, 'a', 65);
     CHECK(s3_clean_etag(long_tag, 65, e, sizeof(e)) < 0);
 }
+
+TEST(s3_parse_uploads_of_one_key)
+{
+    static const char xml[] =
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<ListMultipartUploadsResult "
+        "xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\"><Bucket>b</Bucket><KeyMarker></KeyMarker>"
+        "<Upload><Key>run/global/latest.safetensors</Key><UploadId>id-1</UploadId><Initiated>2026-01-01T00:00:00Z"
+        "</Initiated></Upload><Upload><Key>run/global/latest.safetensors.other</Key><UploadId>id-2</UploadId></Upload>"
+        "<Upload><Key>run/global/latest.safetensors</Key><UploadId>id-3</UploadId></Upload>"
+        "<IsTruncated>false</IsTruncated></ListMultipartUploadsResult>";
+    char **ids;
+    size_t n;
+    dl_error err = {0};
+    CHECK_EQ(s3_parse_uploads(xml, strlen(xml), "run/global/latest.safetensors", &ids, &n, &err), 0);
+    CHECK_EQ(n, 2);
+    CHECK_STR(ids[0], "id-1");
+    CHECK_STR(ids[1], "id-3");
+    s3_uploads_free(ids, n);
+    static const char bad[] = "<ListMultipartUploadsResult><Upload><Key>k</Key></Upload></ListMultipartUploadsResult>";
+    CHECK(s3_parse_uploads(bad, strlen(bad), "k", &ids, &n, &err) < 0);
+    CHECK(ids == NULL && n == 0);
+    CHECK(s3_parse_uploads("<ListBucketResult/>", 19, "k", &ids, &n, &err) < 0);
+}
