@@ -12,9 +12,20 @@ produced outer steps 1, 2, 3).  A second load while a round is half full checks 
 The page must stay self-contained: no URL of any other origin in the served source (no "//" at all,
 no src=/url()/@import, fetch() only of the relative same-origin paths "status" and "rounds").
 
+More than 8 nodes, a narrow viewport, dark mode and the "nothing yet" state (before any global model)
+are checked in a live page driven over the DevTools protocol (chromium --remote-debugging-pipe, no
+extra package): the layout through the DOM (nothing wider than the viewport, node ids and sizes on one
+line), the series' colours and marker shapes, hover highlighting, and the screenshots' pixels (each
+series' marker is drawn in its own colour, the colours differ, dark mode is dark, a dimmed series fades).
+
 Screenshots go to the test's tmp dir, or to $DASHBOARD_SCREENSHOT_DIR when set (to look at them)."""
+import base64
+import io
+import itertools
+import json
 import os
 import re
+import select
 import shutil
 import subprocess
 import time
@@ -24,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import requests
 import torch
+from PIL import Image
 from safetensors.numpy import save as np_save
 
 from dilocod_proc import Dilocod, delta_metadata, random_deltas, write_model
@@ -245,7 +257,8 @@ def test_dashboard_in_headless_chromium(tmp_path):
         assert "http://" not in html and "https://" not in html, "absolute URL in the rendered DOM"
         dom = Dom(html)
         assert dom.by_id("outer-step").text_content().strip() == str(ROUNDS)
-        assert dom.by_id("state").text_content().strip() == "collecting"
+        assert dom.by_id("state").text_content().strip() == "collecting deltas"
+        assert dom.by_id("state").attrs.get("data-state") == "collecting"
         assert [c for c in dom.by_id("round-nodes").children] == []
         want_nodes = sorted((n, str(s)) for n in NODES for s in range(ROUNDS))
         for plot in ("plot-norm", "plot-cosine"):
@@ -281,3 +294,298 @@ def test_dashboard_in_headless_chromium(tmp_path):
         assert status(url)["outer_step"] == ROUNDS
     finally:
         assert d.stop(timeout=30) == 0, d.log_text()[-3000:]
+
+
+# ---- a live page over the DevTools protocol ------------------------------------------------------------
+
+class Page:
+    """One headless Chromium tab driven over --remote-debugging-pipe (fd 3: our commands, fd 4: its
+    answers, NUL-terminated JSON)."""
+
+    def __init__(self, tmp: Path, width, height, dark=False):
+        self.profile = tmp / f"cdp-{time.monotonic_ns()}"
+        self.profile.mkdir()
+        cmd_r, self.cmd_w = os.pipe()
+        self.ans_r, ans_w = os.pipe()
+
+        def fds():
+            # copies first: a pipe end may already be fd 3 or 4, and dup2 onto itself would keep CLOEXEC
+            a, b = os.dup(cmd_r), os.dup(ans_w)
+            os.dup2(a, 3)
+            os.dup2(b, 4)
+        self.proc = subprocess.Popen(
+            [str(chromium_binary()), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
+             "--remote-debugging-pipe", f"--user-data-dir={self.profile}", "about:blank"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=False,
+            preexec_fn=fds)
+        os.close(cmd_r)
+        os.close(ans_w)
+        self.buf, self.next_id, self.session = b"", 0, None
+        target = self.call("Target.createTarget", url="about:blank")["targetId"]
+        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
+        self.call("Emulation.setEmulatedMedia", features=[{"name": "prefers-color-scheme",
+                                                            "value": "dark" if dark else "light"}])
+        self.call("Runtime.enable")
+
+    def call(self, method, timeout=60, **params):
+        self.next_id += 1
+        msg = {"id": self.next_id, "method": method, "params": params}
+        if self.session and not method.startswith("Target."):
+            msg["sessionId"] = self.session
+        os.write(self.cmd_w, json.dumps(msg).encode() + b"\0")
+        deadline = time.time() + timeout
+        while True:
+            while b"\0" in self.buf:
+                raw, self.buf = self.buf.split(b"\0", 1)
+                m = json.loads(raw)
+                if m.get("method") == "Runtime.exceptionThrown":
+                    raise AssertionError(f"script error in the page: {m['params']}")
+                if m.get("method") == "Runtime.consoleAPICalled":
+                    raise AssertionError(f"the page logged to the console: {m['params']}")
+                if m.get("id") == self.next_id:
+                    assert "error" not in m, (method, m["error"])
+                    return m["result"]
+            left = deadline - time.time()
+            assert left > 0, f"{method}: no answer from chromium"
+            ready, _, _ = select.select([self.ans_r], [], [], left)
+            if ready:
+                chunk = os.read(self.ans_r, 1 << 20)
+                assert chunk, f"chromium closed the pipe: {self.proc.stderr.read().decode()[-2000:]}"
+                self.buf += chunk
+
+    def js(self, expr):
+        r = self.call("Runtime.evaluate", expression=expr, returnByValue=True, awaitPromise=True)
+        assert "exceptionDetails" not in r, r
+        return r["result"].get("value")
+
+    def open(self, url, ready):
+        """Loads url and waits (up to a minute) until the JS expression `ready` holds."""
+        self.call("Page.navigate", url=url)
+        deadline = time.time() + 60
+        while not self.js("(() => { try { return !!(%s); } catch (e) { return false; } })()" % ready):
+            assert time.time() < deadline, f"page not ready: {ready}"
+            time.sleep(0.1)
+
+    def hover(self, x, y):
+        self.call("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
+
+    def screenshot(self, out: Path) -> Image.Image:
+        data = base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"])
+        assert data[:8] == b"\x89PNG\r\n\x1a\n", data[:16]
+        out.write_bytes(data)
+        return Image.open(io.BytesIO(data)).convert("RGB")
+
+    def close(self):
+        try:
+            self.call("Browser.close", timeout=10)
+        except AssertionError:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self.cmd_w)
+        os.close(self.ans_r)
+        shutil.rmtree(self.profile, ignore_errors=True)
+
+
+# What the page must not show a person: raw state names, NaN, undefined, an invented round.
+LAYOUT_JS = r"""(() => {
+  const vw = document.documentElement.clientWidth, out = [];
+  for (const el of document.querySelectorAll('main *, header *')) {
+    if (el.closest('.tablewrap') || el.closest('[hidden]') || el.closest('svg') && el.tagName !== 'svg') continue;
+    const r = el.getBoundingClientRect();
+    if (r.width && r.right > vw + 0.5) out.push(el.tagName + '#' + el.id + '.' + el.className + ' right=' + r.right);
+  }
+  /* the lines an element's text occupies: its text nodes' boxes, a new line when a box starts lower */
+  const lines = sel => [...document.querySelectorAll(sel)].filter(e => e.textContent.trim()).map(e => {
+    const tops = [], walk = document.createTreeWalker(e, NodeFilter.SHOW_TEXT);
+    for (let t = walk.nextNode(); t; t = walk.nextNode()) {
+      const range = document.createRange(); range.selectNodeContents(t);
+      for (const q of range.getClientRects()) if (q.width > 0) tops.push(q.top);
+    }
+    tops.sort((a, b) => a - b);
+    let n = tops.length ? 1 : 0;
+    for (let i = 1; i < tops.length; i++) if (tops[i] > tops[i - 1] + 4) n++;
+    return [e.textContent.trim(), n];
+  });
+  /* a node id may end in an ellipsis (its title holds it); a step, a size, an age, a number never */
+  const clipped = [...document.querySelectorAll('#round-nodes li > span, #last td:not(.id), .nodes-head > span')]
+    .filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.textContent);
+  const untitled = [...document.querySelectorAll('#round-nodes li > b, #last td.id, ul.legend li')]
+    .filter(e => e.scrollWidth > e.clientWidth + 1 && e.getAttribute('title') !== e.textContent.trim()).map(e => e.textContent);
+  return {viewport: vw, page: document.documentElement.scrollWidth, overflow: out, clipped: clipped, untitled: untitled,
+          ids: lines('#round-nodes li > *, #last td, #leg-norm li, #round-missing li'),
+          text: document.body.innerText};
+})()"""
+
+SERIES_JS = r"""(id => {
+  const pts = [...document.querySelectorAll('#' + id + ' .point')];
+  const top = {};
+  for (const p of pts) {
+    const r = p.getBoundingClientRect(), cx = r.left + r.width / 2, cy = r.top + r.height / 2;
+    const s = p.getAttribute('data-series');
+    if (!(s in top) && document.elementFromPoint(cx, cy) === p) top[s] = [cx, cy];
+  }
+  return pts.map(p => ({series: p.getAttribute('data-series'), fill: p.getAttribute('fill'),
+                        shape: p.getAttribute('data-shape'), at: top[p.getAttribute('data-series')] || null}));
+})"""
+
+
+def rgb(hexcolor):
+    return tuple(int(hexcolor[i:i + 2], 16) for i in (1, 3, 5))
+
+
+def dist(a, b):
+    return sum((x - y) ** 2 for x, y in zip(a, b)) ** 0.5
+
+
+def check_layout(page, where):
+    lay = page.js(LAYOUT_JS)
+    assert lay["page"] <= lay["viewport"], (where, lay["page"], lay["viewport"], lay["overflow"][:10])
+    assert not lay["overflow"], (where, lay["overflow"][:10])
+    assert not lay["clipped"], (where, "cut short:", lay["clipped"])
+    assert not lay["untitled"], (where, "cut short without the full text in a title:", lay["untitled"])
+    wrapped = [t for t, n in lay["ids"] if n != 1]
+    assert not wrapped, (where, "broken over lines:", wrapped)
+    for bad in ("waiting_for_global", "retry_wait", "NaN", "undefined", "null"):
+        assert bad not in lay["text"], (where, bad, lay["text"][:2000])
+    return lay
+
+
+NODES_MANY = [f"node-{i:02d}" for i in range(1, 17)] + ["gpu-host-with-a-rather-long-name-000017.cluster"]
+
+
+def test_dashboard_many_nodes_narrow_and_dark(tmp_path):
+    """17 nodes (past any 8- or 16-colour palette, one with a long id), two rounds: each series has its own
+    colour and shape, drawn so in the screenshot; hovering one series dims the others; at 360 px wide
+    nothing overflows and no node id or size breaks over lines; dark mode is dark."""
+    shots = Path(os.environ.get("DASHBOARD_SCREENSHOT_DIR") or tmp_path)
+    shots.mkdir(parents=True, exist_ok=True)
+    model = small_model()
+    write_model(tmp_path / "init.safetensors", model)
+    n = len(NODES_MANY)
+    d = Dilocod(tmp_path, None, "--init-model", str(tmp_path / "init.safetensors"), "--expected-nodes", str(n),
+                "--nodes", ",".join(NODES_MANY), "--round-timeout", "600").start()
+    try:
+        url = d.url
+        wait_status(url, lambda s: s["outer_step"] == 0, "bootstrap")
+        rng = np.random.default_rng(9)
+        for step in range(2):
+            for i, node in enumerate(NODES_MANY):
+                upload(url, node, step, 10 * (step + 1) + i, random_deltas(rng, model, scale=0.002 * (i + 1)))
+            wait_status(url, lambda s, k=step + 1: s["outer_step"] == k, f"outer step {step + 1}")
+        # a half-full round, so the delivered list holds the long id and a size
+        upload(url, NODES_MANY[-1], 2, 99, random_deltas(rng, model))
+        upload(url, NODES_MANY[0], 2, 98, random_deltas(rng, model))
+        wait_status(url, lambda s: len(s["round"]["received"]) == 2, "two deltas in the open round")
+        ready = "document.querySelectorAll('#plot-norm .point').length === %d && " \
+                "document.querySelectorAll('#round-nodes li').length === 2" % (2 * n)
+        for dark in (False, True):
+            scheme = "dark" if dark else "light"
+            page = Page(tmp_path, 1280, 1400, dark=dark)
+            try:
+                page.open(url + "/", ready)
+                check_layout(page, f"1280 px {scheme}")
+                pts = page.js(SERIES_JS + "('plot-norm')")
+                looks = {(p["series"], p["fill"], p["shape"]) for p in pts}
+                assert len(looks) == n and len({(f, sh) for _, f, sh in looks}) == n, looks   # one look per node
+                fills = {f for _, f, _ in looks}
+                assert len(fills) == n, f"{len(fills)} colours for {n} nodes"
+                for a, b in itertools.combinations(sorted(fills), 2):
+                    assert dist(rgb(a), rgb(b)) > 30, (a, b)
+                assert len({sh for _, _, sh in looks}) >= 2, looks
+                img = page.screenshot(shots / f"dashboard-{n}-nodes-{scheme}.png")
+                bg = img.getpixel((3, img.height - 3))
+                lum = sum(bg) / 3
+                assert (lum < 60) if dark else (lum > 200), (scheme, bg)
+                # each series' topmost marker is drawn in its own colour in the PNG
+                tops = {p["series"]: (p["fill"], p["at"]) for p in pts if p["at"]}
+                assert len(tops) >= n - 2, f"only {len(tops)} series have a visible marker"
+                for series, (fill, (x, y)) in tops.items():
+                    px = img.getpixel((int(x), int(y)))
+                    assert dist(px, rgb(fill)) < 12, (scheme, series, fill, px)
+                # hover the first series' marker: it is highlighted, the others fade towards the background
+                first = sorted(tops)[0]
+                other = sorted(tops)[-1]
+                page.hover(*tops[first][1])
+                state = page.js("""({hl: document.getElementById('plot-norm').classList.contains('hl'),
+                    on: [...document.querySelectorAll('#plot-norm .series.on')].map(g => g.getAttribute('data-series')),
+                    legend: [...document.querySelectorAll('#leg-norm li.on')].map(l => l.getAttribute('data-series')),
+                    cos: [...document.querySelectorAll('#plot-cosine .series.on')].map(g => g.getAttribute('data-series'))})""")
+                assert state == {"hl": True, "on": [first], "legend": [first], "cos": [first]}, state
+                time.sleep(0.3)     # the fade is a 0.15 s transition; the check below is of colours, not speed
+                img2 = page.screenshot(shots / f"dashboard-{n}-nodes-{scheme}-hover.png")
+                ox, oy = tops[other][1]
+                faded = img2.getpixel((int(ox), int(oy)))
+                assert dist(faded, rgb(tops[other][0])) > 20, (other, faded, tops[other][0])
+                kept = img2.getpixel((int(tops[first][1][0]), int(tops[first][1][1])))
+                assert dist(kept, rgb(tops[first][0])) < 12, (first, kept)
+            finally:
+                page.close()
+        # narrow: a phone-sized viewport, light and dark
+        for dark in (False, True):
+            scheme = "dark" if dark else "light"
+            page = Page(tmp_path, 360, 2400, dark=dark)
+            try:
+                page.open(url + "/", ready)
+                lay = check_layout(page, f"360 px {scheme}")
+                assert any(t.startswith("gpu-host-with") for t, _ in lay["ids"]), lay["ids"]
+                page.screenshot(shots / f"dashboard-narrow-{scheme}.png")
+            finally:
+                page.close()
+        # aggregation times under a second are shown in ms
+        page = Page(tmp_path, 1280, 900)
+        try:
+            page.open(url + "/", ready)
+            title = page.js("document.getElementById('t-time').textContent")
+            rounds = requests.get(url + "/rounds", timeout=10).json()["rounds"]
+            assert title == ("Aggregation time per round (ms)" if max(r["seconds"] for r in rounds) < 1
+                             else "Aggregation time per round (s)"), title
+            assert re.search(r"aggregation\s+[\d.]+ ms", page.js("document.getElementById('last').innerText")), \
+                page.js("document.getElementById('last').innerText")
+        finally:
+            page.close()
+    finally:
+        assert d.stop(timeout=30) == 0, d.log_text()[-3000:]
+
+
+def test_dashboard_before_any_global(tmp_path):
+    """No global model yet (a file:// hub with nothing in it): the page says so in words, shows no
+    invented round and no raw state name, in light and dark, wide and narrow."""
+    shots = Path(os.environ.get("DASHBOARD_SCREENSHOT_DIR") or tmp_path)
+    shots.mkdir(parents=True, exist_ok=True)
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    d = Dilocod(tmp_path, hub, "--expected-nodes", "2", "--nodes", "a,b").start()
+    try:
+        url = d.url
+        assert status(url)["outer_step"] is None
+        for (w, h), dark in itertools.product(((1280, 900), (360, 1600)), (False, True)):
+            where = f"{w} px {'dark' if dark else 'light'}"
+            page = Page(tmp_path, w, h, dark=dark)
+            try:
+                page.open(url + "/", "document.getElementById('state').getAttribute('data-state') !== null")
+                lay = check_layout(page, where)
+                got = page.js("""({state: document.getElementById('state').textContent,
+                    step: document.getElementById('outer-step').textContent,
+                    round: document.getElementById('round-summary').innerText,
+                    bar: document.getElementById('round-bar').hidden,
+                    hub: document.getElementById('hub').innerText})""")
+                assert got["state"] == "waiting for a global model", (where, got)
+                assert got["step"] == "none yet", (where, got)
+                assert got["round"].startswith("No global model yet") and "--init-model" in got["round"], (where, got)
+                assert "global/latest.safetensors" in got["round"] and got["bar"] is True, (where, got)
+                assert not re.search(r"Round \d", lay["text"]), (where, lay["text"][:1500])
+                assert "nothing yet" in got["hub"], (where, got)
+                img = page.screenshot(shots / f"dashboard-nothing-yet-{w}-{'dark' if dark else 'light'}.png")
+                lum = sum(img.getpixel((2, img.height - 2))) / 3
+                assert (lum < 60) if dark else (lum > 200), (where, lum)
+            finally:
+                page.close()
+    finally:
+        assert d.stop(timeout=30) == 0, d.log_text()[-3000:]
+
