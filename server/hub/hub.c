@@ -6,11 +6,13 @@
 
 extern const hub_ops hub_file_ops;
 extern const hub_ops hub_hf_ops;
+extern const hub_ops hub_s3_ops;
 
 /* One row per transport: adding one is a new hub_<scheme>.c and a row here. */
 static const hub_ops *const transports[] = {
     &hub_file_ops,
     &hub_hf_ops,
+    &hub_s3_ops,
 };
 
 const hub_ops *hub_find(const char *url)
