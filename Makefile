@@ -55,7 +55,7 @@ DEB_PKGS    := build-essential pkg-config libuv1-dev libcurl4-openssl-dev libcjs
                chromium systemd nginx iproute2 libexpat1-dev podman runc debootstrap
 PY_PKGS     := safetensors huggingface_hub pytest requests prometheus_client boto3
 
-.PHONY: all deps venv check lint-layers unit test-integration fuzz fuzz-regress bench bench-deps soak clean distclean
+.PHONY: all deps venv seaweedfs check lint-layers unit test-integration fuzz fuzz-regress bench bench-deps soak clean distclean
 
 all: $(BUILD)/libdiloco.a $(BUILD)/libdilocod.a $(BINS)
 
@@ -131,6 +131,11 @@ $(VENV)/.stamp: Makefile
 	$(PY) -m pip install -q --disable-pip-version-check $(PY_PKGS)
 	$(PY) -c 'import safetensors, huggingface_hub, pytest, numpy, torch, prometheus_client'
 	touch $@
+
+# SeaweedFS, the S3 server of tests/integration/test_s3.py: built once from the Go module proxy and
+# cached in ~/.cache/dilocod/seaweedfs-<version>/ (about 7 minutes on a fresh machine; a no-op after)
+seaweedfs:
+	@bash tests/tools/seaweedfs.sh
 
 # ---- tests --------------------------------------------------------------------------------------
 # server/'s layers include only what they may (server/README.md, Layers)
