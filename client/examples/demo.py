@@ -6,14 +6,18 @@ Starts dilocod on a file:// tree under ./demo/ with its HTTP API on 127.0.0.1:84
 global over HTTP, train H inner steps with AdamW on their own data shard, and push their
 pseudo-gradients.  Prints one line per round (step, nodes, aggregation time, mean worker loss) and
 the dashboard URL.  When run from a terminal it keeps dilocod up after the last round so the
-dashboard stays live; Ctrl-C stops every process it started.  Without a terminal (CI) it exits.
+dashboard stays live, until Ctrl-C (or SIGTERM), which stops every process it started.  Without a
+terminal (CI) it says that the dashboard stops with it, and exits.  A busy port is refused before
+anything starts, with the DEMO_PORT to use instead.
 """
 import argparse
 import json
 import os
+import errno
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +35,25 @@ def get_json(url, timeout=10):
         return json.loads(r.read())
 
 
+def port_busy(port):
+    """Whether 127.0.0.1:port is taken (port 0 never is: dilocod picks a free one)."""
+    if port == 0:
+        return False
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+        return False
+    except OSError as e:
+        return e.errno == errno.EADDRINUSE
+    finally:
+        s.close()
+
+
+def busy_message(port):
+    return (f"demo: port {port} on 127.0.0.1 is in use (another dilocod or demo still running?): "
+            f"run `make demo DEMO_PORT={port + 1}`, or DEMO_PORT=0 for any free port")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", default="build")
@@ -40,6 +63,8 @@ def main():
     ap.add_argument("--port", type=int, default=8470, help="0 picks a free port")
     ap.add_argument("--dir", default="demo")
     a = ap.parse_args()
+    if port_busy(a.port):
+        raise SystemExit(busy_message(a.port))
 
     root = Path(a.dir).resolve()
     marker = root / ".dilocod-demo"
@@ -96,7 +121,10 @@ def main():
                 port = int(m[-1])
                 break
             if dilocod.poll() is not None or time.time() > deadline:
-                sys.stdout.write((root / "dilocod.log").read_text(errors="replace"))
+                text = (root / "dilocod.log").read_text(errors="replace")
+                sys.stdout.write(text)
+                if "Address already in use" in text:      # taken between our check and dilocod's listen
+                    raise SystemExit(busy_message(a.port))
                 raise SystemExit(f"dilocod did not start (exit {dilocod.poll()})")
             time.sleep(0.05)
         url = f"http://127.0.0.1:{port}"
@@ -149,9 +177,14 @@ def main():
             p.wait(timeout=120)
         print(f"dashboard: {url}/   state: {root / 'state'}   log: {root / 'dilocod.log'}", flush=True)
         if sys.stdin.isatty():
-            print("dilocod keeps running for the dashboard; press Ctrl-C to stop it", flush=True)
+            print("dilocod keeps serving the dashboard; press Ctrl-C to stop it", flush=True)
             while dilocod.poll() is None:
                 time.sleep(0.5)
+            raise SystemExit(f"dilocod stopped on its own (exit {dilocod.returncode}); see {root}/dilocod.log")
+        else:
+            # no terminal to press Ctrl-C in: the demo ends here and takes dilocod with it
+            print("not a terminal: the demo ends now and dilocod stops with it, so the dashboard URL above "
+                  "goes dead; run `make demo` from a terminal to keep it serving until Ctrl-C", flush=True)
         return 0 if last < first else 1
     except KeyboardInterrupt:
         print("\nstopping...", flush=True)

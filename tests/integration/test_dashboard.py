@@ -517,7 +517,6 @@ def test_dashboard_many_nodes_narrow_and_dark(tmp_path):
                     legend: [...document.querySelectorAll('#leg-norm li.on')].map(l => l.getAttribute('data-series')),
                     cos: [...document.querySelectorAll('#plot-cosine .series.on')].map(g => g.getAttribute('data-series'))})""")
                 assert state == {"hl": True, "on": [first], "legend": [first], "cos": [first]}, state
-                time.sleep(0.3)     # the fade is a 0.15 s transition; the check below is of colours, not speed
                 img2 = page.screenshot(shots / f"dashboard-{n}-nodes-{scheme}-hover.png")
                 ox, oy = tops[other][1]
                 faded = img2.getpixel((int(ox), int(oy)))
