@@ -598,7 +598,48 @@ out:
         close(fd);
 }
 
-static void fetch_stepfile(s3_hub *h);
+/* The global was listed after step_count.json was read: a publish in between would pair the new
+ * model with the old step.  Publishers write the model first and the step file last, so reading the
+ * step file again after the download tells: unchanged, the model is that step's. */
+static void adopt_confirm_done(s3_hub *h, s3_req *r, int ok)
+{
+    candidate *c = r->arg;
+    uint64_t step = 0;
+    int bootstrap = 0;
+
+    if (!h->closing && ok && stepcount_parse(r->x->body.p, r->x->body.len, &step, &bootstrap, NULL) == 0 &&
+        step == c->step) {
+        req_end(h, r);
+        h->global_download = 0;
+        h->cb.global_ready(h->app, c->step, c->part);
+        candidate_free(c);
+        return;
+    }
+    req_end(h, r);
+    if (!h->closing)
+        dl_log(DL_LOG_INFO, "hub", "the bucket's step moved during the adoption download, trying again",
+               "step=%" PRIu64, c->step);
+    unlink(c->part);
+    h->global_download = 0;     /* the next poll starts the adoption over */
+    candidate_free(c);
+}
+
+static void adopt_confirm(s3_hub *h, candidate *c)
+{
+    char *key = full_key(h, "global/step_count.json");
+    s3_req *r = key ? req_new(h, "GET", key, NULL, "step_count") : NULL;
+
+    free(key);
+    if (r == NULL) {
+        unlink(c->part);
+        h->global_download = 0;
+        candidate_free(c);
+        return;
+    }
+    r->body_cap = STEPFILE_CAP;
+    r->max_attempts = 3;
+    req_go(h, r, adopt_confirm_done, c);
+}
 
 static void verify_after(uv_work_t *w, int status)
 {
@@ -615,20 +656,21 @@ static void verify_after(uv_work_t *w, int status)
         dl_log(DL_LOG_DEBUG, "hub", "s3 object downloaded", "key=%s bytes=%" PRIu64 " etag=%s", c->key, c->size,
                c->etag);
         if (c->is_global) {
-            h->global_download = 0;
-            h->cb.global_ready(h->app, c->step, c->part);
+            adopt_confirm(h, c);
         } else {
             hub_delta d = {.rel = c->rel, .path = c->part, .root = NULL, .owned = 1};
             h->cb.delta_ready(h->app, &d);
+            candidate_free(c);
         }
-        candidate_free(c);
     } else {
         if (status == 0 && !h->closing) {
             dl_log(DL_LOG_WARN, "hub", "download does not match the listing, discarded", "key=%s reason=%s", c->key,
                    dl_log_q(q, sizeof(q), j->why));
             set_error(h, "%s: %s", c->key, j->why);
         }
-        unlink(c->part);
+        /* a complete download cut short by a stop is kept: the next start resumes or reuses it */
+        if (status == 0 && !j->ok)
+            unlink(c->part);
         if (++c->attempts < MAX_ATTEMPTS_DOWNLOAD && !h->closing)
             retry_later(h, c);
         else
