@@ -1581,43 +1581,37 @@ static char *trim(char *s)
     return s;
 }
 
-/* The AWS shared credentials format: aws_access_key_id and aws_secret_access_key of [default] (or
- * before any section). */
+/* The key pair from an AWS credentials file (s3_parse_credentials), read with a cap. */
 static int load_credentials_file(s3_hub *h, const char *path, dl_error *err)
 {
+    char *buf = malloc(CREDENTIALS_FILE_CAP + 1);
     FILE *f = fopen(path, "r");
-    char line[1024];
-    int in_default = 1, lines = 0;
+    size_t len = 0;
+    int rc;
 
-    if (f == NULL)
-        return dl_fail(err, DL_E_IO, NULL, 0, "cannot read the S3 credentials file %s: %s", path, strerror(errno));
-    while (fgets(line, sizeof(line), f) != NULL && ++lines < 4096) {
-        char *s = trim(line);
-        if (*s == '#' || *s == ';' || *s == '\0')
-            continue;
-        if (*s == '[') {
-            in_default = strcmp(s, "[default]") == 0;
-            continue;
-        }
-        char *eq = strchr(s, '=');
-        if (!in_default || eq == NULL)
-            continue;
-        *eq = '\0';
-        char *k = trim(s), *v = trim(eq + 1);
-        char **dst = strcmp(k, "aws_access_key_id") == 0       ? &h->key_id
-                     : strcmp(k, "aws_secret_access_key") == 0 ? &h->secret
-                                                               : NULL;
-        if (dst != NULL && *v) {
-            free(*dst);
-            *dst = strdup(v);
-        }
+    if (f == NULL || buf == NULL) {
+        rc = dl_fail(err, DL_E_IO, NULL, 0, "cannot read the S3 credentials file %s: %s", path,
+                     f == NULL ? strerror(errno) : "out of memory");
+        goto out;
     }
-    fclose(f);
-    if (h->key_id == NULL || h->secret == NULL)
-        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0,
-                       "the S3 credentials file %s has no aws_access_key_id and aws_secret_access_key under [default]",
-                       path);
-    return 0;
+    len = fread(buf, 1, CREDENTIALS_FILE_CAP + 1, f);
+    if (ferror(f) || len > CREDENTIALS_FILE_CAP) {
+        rc = dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "the S3 credentials file %s is unreadable or over 64 KiB",
+                     path);
+        goto out;
+    }
+    if ((rc = s3_parse_credentials(buf, len, &h->key_id, &h->secret, err)) != 0) {
+        char why[sizeof(err->message)];
+        snprintf(why, sizeof(why), "%s", err->message);
+        dl_fail(err, -rc, NULL, 0, "the S3 credentials file %s: %s", path, why);
+    }
+out:
+    if (f != NULL)
+        fclose(f);
+    if (buf != NULL)
+        memset(buf, 0, len);
+    free(buf);
+    return rc;
 }
 
 /* This state root's id in claims, made once: a restart recognises its own claim. */

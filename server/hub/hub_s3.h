@@ -79,6 +79,11 @@ int s3_parse_upload_id(const char *xml, size_t len, char **upload_id, dl_error *
 int s3_parse_uploads(const char *xml, size_t len, const char *key, char ***ids, size_t *n, dl_error *err);
 void s3_uploads_free(char **ids, size_t n);
 
+/* The key pair of an AWS shared credentials file: aws_access_key_id and aws_secret_access_key of
+ * the [default] profile (or before any section); '#' and ';' lines are comments.  *key_id and *secret
+ * malloc'd.  0 or -DL_E_INVALID_ARGUMENT with why. */
+int s3_parse_credentials(const char *text, size_t len, char **key_id, char **secret, dl_error *err);
+
 /* An ETag as S3 sends it: quoted (or not) printable ASCII without spaces or quotes inside, at most
  * 64 characters.  Copies it without the quotes.  0 or -1. */
 int s3_clean_etag(const char *in, size_t len, char *out, size_t out_size);

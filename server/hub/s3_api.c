@@ -546,3 +546,68 @@ int s3_parse_uploads(const char *xml, size_t len, const char *key, char ***ids, 
     *n = x.nids;
     return 0;
 }
+
+/* ---- credentials --------------------------------------------------------------------------------- */
+
+static void trim_span(const char **s, size_t *n)
+{
+    while (*n > 0 && (**s == ' ' || **s == '\t')) {
+        (*s)++;
+        (*n)--;
+    }
+    while (*n > 0 && ((*s)[*n - 1] == ' ' || (*s)[*n - 1] == '\t' || (*s)[*n - 1] == '\r'))
+        (*n)--;
+}
+
+int s3_parse_credentials(const char *text, size_t len, char **key_id, char **secret, dl_error *err)
+{
+    int in_default = 1;
+
+    *key_id = *secret = NULL;
+    for (const char *p = text, *end = text + len; p < end;) {
+        const char *nl = memchr(p, '\n', (size_t)(end - p));
+        const char *line = p;
+        size_t n = nl ? (size_t)(nl - p) : (size_t)(end - p);
+        p = nl ? nl + 1 : end;
+        trim_span(&line, &n);
+        if (n == 0 || line[0] == '#' || line[0] == ';')
+            continue;
+        if (line[0] == '[') {
+            in_default = n == 9 && memcmp(line, "[default]", 9) == 0;
+            continue;
+        }
+        const char *eq = memchr(line, '=', n);
+        if (!in_default || eq == NULL)
+            continue;
+        const char *k = line, *v = eq + 1;
+        size_t kl = (size_t)(eq - line), vl = n - kl - 1;
+        trim_span(&k, &kl);
+        trim_span(&v, &vl);
+        char **dst = kl == 17 && memcmp(k, "aws_access_key_id", 17) == 0       ? key_id
+                     : kl == 21 && memcmp(k, "aws_secret_access_key", 21) == 0 ? secret
+                                                                               : NULL;
+        if (dst == NULL || vl == 0)
+            continue;
+        if (vl > 256 || memchr(v, '\0', vl) != NULL) {
+            free(*key_id);
+            free(*secret);
+            *key_id = *secret = NULL;
+            return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "a credential value is longer than 256 bytes");
+        }
+        free(*dst);
+        if ((*dst = strndup(v, vl)) == NULL) {
+            free(*key_id);
+            free(*secret);
+            *key_id = *secret = NULL;
+            return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        }
+    }
+    if (*key_id == NULL || *secret == NULL) {
+        free(*key_id);
+        free(*secret);
+        *key_id = *secret = NULL;
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0,
+                       "no aws_access_key_id and aws_secret_access_key under [default]");
+    }
+    return 0;
+}

@@ -292,3 +292,27 @@ TEST(s3_parse_uploads_of_one_key)
     CHECK(ids == NULL && n == 0);
     CHECK(s3_parse_uploads("<ListBucketResult/>", 19, "k", &ids, &n, &err) < 0);
 }
+
+TEST(s3_parse_credentials_default_profile)
+{
+    static const char file[] = "# made by aws configure\n[other]\naws_access_key_id = AKIAOTHER\n"
+                               "aws_secret_access_key=other\n\n[default]\r\naws_access_key_id = AKIADEFAULT \r\n"
+                               "; comment\naws_secret_access_key =\tsecret/with+chars=\n[third]\naws_access_key_id=x\n";
+    char *id, *secret;
+    dl_error err = {0};
+    CHECK_EQ(s3_parse_credentials(file, strlen(file), &id, &secret, &err), 0);
+    CHECK_STR(id, "AKIADEFAULT");
+    CHECK_STR(secret, "secret/with+chars=");
+    free(id), free(secret);
+    /* keys before any section count as the default profile */
+    static const char bare[] = "aws_access_key_id=A\naws_secret_access_key=B";
+    CHECK_EQ(s3_parse_credentials(bare, strlen(bare), &id, &secret, &err), 0);
+    CHECK_STR(id, "A");
+    CHECK_STR(secret, "B");
+    free(id), free(secret);
+    static const char other_only[] = "[other]\naws_access_key_id=A\naws_secret_access_key=B\n";
+    CHECK(s3_parse_credentials(other_only, strlen(other_only), &id, &secret, &err) < 0);
+    CHECK(id == NULL && secret == NULL);
+    CHECK(strstr(err.message, "[default]") != NULL);
+    CHECK(s3_parse_credentials("", 0, &id, &secret, &err) < 0);
+}
