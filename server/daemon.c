@@ -199,28 +199,8 @@ static void count_refusal(dilocod *d, round_verdict v)
 
 round_verdict daemon__peek(dilocod *d, const delta_info *info)
 {
-    const round_state *r = &d->rnd;
-    const round_entry *e;
-
-    if (d->state == S_WAITING_GLOBAL)
-        return ROUND_FUTURE;
-    if (info->base_outer_step < r->step || (info->base_outer_step == r->step && r->closed))
-        return ROUND_STALE;
-    if (info->base_outer_step > r->step)
-        return ROUND_FUTURE;
-    if (r->nallow > 0) {
-        int ok = 0;
-        for (size_t i = 0; i < r->nallow; i++)
-            ok |= strcmp(r->allow[i], info->node_id) == 0;
-        if (!ok)
-            return ROUND_UNKNOWN_NODE;
-    }
-    e = round_find(r, info->node_id);
-    if (e != NULL)
-        return info->local_step <= e->local_step ? ROUND_NOT_NEWER : ROUND_REPLACED;
-    if (r->expected_nodes != 0 && r->n >= r->expected_nodes)
-        return ROUND_FULL;
-    return ROUND_ACCEPTED;
+    /* no global yet: nothing can be based on a step we do not have */
+    return d->state == S_WAITING_GLOBAL ? ROUND_FUTURE : round_peek(&d->rnd, info);
 }
 
 round_verdict daemon__offer(dilocod *d, const delta_info *info, char *cache_path, uint64_t size)

@@ -72,42 +72,62 @@ static int allowed(const round_state *r, const char *node_id)
     return 0;
 }
 
+/* The round's rules, in one place: what a delta of info would get now (*at: its entry's index if the
+ * node has one, else -(insertion point) - 1).  Changes nothing. */
+static round_verdict judge(const round_state *r, const delta_info *info, long *at)
+{
+    *at = -1;
+    if (info->base_outer_step < r->step || (info->base_outer_step == r->step && r->closed))
+        return ROUND_STALE;
+    if (info->base_outer_step > r->step)
+        return ROUND_FUTURE;
+    if (!allowed(r, info->node_id))
+        return ROUND_UNKNOWN_NODE;
+    *at = find_index(r, info->node_id);
+    if (*at >= 0)
+        return info->local_step <= r->entries[*at].local_step ? ROUND_NOT_NEWER : ROUND_REPLACED;
+    if (r->expected_nodes != 0 && r->n >= r->expected_nodes)
+        return ROUND_FULL;
+    return ROUND_ACCEPTED;
+}
+
+round_verdict round_peek(const round_state *r, const delta_info *info)
+{
+    long at;
+    return judge(r, info, &at);
+}
+
+static void count(round_state *r, round_verdict v)
+{
+    switch (v) {
+    case ROUND_STALE: r->counters.stale++; break;
+    case ROUND_FUTURE: r->counters.future++; break;
+    case ROUND_UNKNOWN_NODE: r->counters.unknown_node++; break;
+    case ROUND_NOT_NEWER: r->counters.not_newer++; break;
+    case ROUND_REPLACED: r->counters.replaced++; break;
+    case ROUND_FULL: r->counters.full++; break;
+    case ROUND_ACCEPTED: r->counters.accepted++; break;
+    }
+}
+
 round_verdict round_offer(round_state *r, const delta_info *info, char *path, uint64_t size, double now,
                           char **replaced_path)
 {
     long i;
+    round_verdict v = judge(r, info, &i);
 
     *replaced_path = NULL;
-    if (info->base_outer_step < r->step || (info->base_outer_step == r->step && r->closed)) {
-        r->counters.stale++;
-        return ROUND_STALE;
-    }
-    if (info->base_outer_step > r->step) {
-        r->counters.future++;
-        return ROUND_FUTURE;
-    }
-    if (!allowed(r, info->node_id)) {
-        r->counters.unknown_node++;
-        return ROUND_UNKNOWN_NODE;
-    }
-    i = find_index(r, info->node_id);
-    if (i >= 0) {
+    if (v == ROUND_REPLACED) {
         round_entry *e = &r->entries[i];
-        if (info->local_step <= e->local_step) {
-            r->counters.not_newer++;
-            return ROUND_NOT_NEWER;
-        }
         *replaced_path = e->path;
         e->path = path;
         e->local_step = info->local_step;
         e->size = size;
         e->received_at = now;
-        r->counters.replaced++;
-        return ROUND_REPLACED;
     }
-    if (r->expected_nodes != 0 && r->n >= r->expected_nodes) {
-        r->counters.full++;
-        return ROUND_FULL;
+    if (v != ROUND_ACCEPTED) {
+        count(r, v);
+        return v;
     }
     if (r->n == r->cap) {
         size_t nc = r->cap ? r->cap * 2 : 8;

@@ -57,6 +57,9 @@ void round_init(round_state *r, uint64_t step, unsigned expected_nodes, char **a
  * (and *replaced_path receives the path it drops, for the caller to delete; else NULL). */
 round_verdict round_offer(round_state *r, const delta_info *info, char *path, uint64_t size, double now,
                           char **replaced_path);
+/* What round_offer would answer for a delta of info now, changing nothing (uploads ask before the
+ * body arrives, so a refused delta costs its header only). */
+round_verdict round_peek(const round_state *r, const delta_info *info);
 const char *round_verdict_name(round_verdict v);
 /* Whether the round should close now; fills *reason. */
 int round_should_close(const round_state *r, double now, round_close_reason *reason);
