@@ -54,6 +54,9 @@
 #include "strbuf.h"
 
 #define DEFAULT_PART_SIZE (64ull << 20)
+/* A delta's first bytes, read before its download: its header when it fits (a header parse of this
+ * size is well under a millisecond on the loop thread). */
+#define PEEK_BYTES 65536
 #define MAX_ATTEMPTS_DOWNLOAD 6
 #define MAX_BACKOFF 60.0
 #define STEPFILE_CAP (64u << 10)
@@ -103,6 +106,7 @@ typedef struct candidate {
     int attempts;
     uint64_t not_before;        /* loop ms */
     int is_global;
+    int peeked;                 /* its header was looked at (or could not be): download it */
     uint64_t step;              /* is_global: the step the step file named */
     struct candidate *next;
 } candidate;
@@ -798,6 +802,110 @@ static void start_download(s3_hub *h, candidate *c)
     req_go(h, r, download_done, c);
 }
 
+/* ---- peeking at a delta's header --------------------------------------------------------------- */
+
+static void enqueue(s3_hub *h, candidate *c);
+
+/* Why the delta is refused before its download (NULL: not refused); *base is its base_outer_step
+ * when the header was read, else UINT64_MAX. */
+static const char *judge_header(const s3_hub *h, const candidate *c, const sbuf *b, uint64_t *base, char *why,
+                                size_t why_size)
+{
+    const unsigned char *p = (const unsigned char *)b->p;
+    uint64_t n = 0, want = 0;
+    st_header *hd = NULL;
+
+    *base = UINT64_MAX;
+    for (int i = 7; i >= 0; i--)
+        n = (n << 8) | p[i];
+    if (n > h->max_header) {
+        snprintf(why, why_size, "header of %" PRIu64 " bytes, the cap is %" PRIu64, n, h->max_header);
+        return why;
+    }
+    if (c->size < 8 || n > c->size - 8) {
+        snprintf(why, why_size, "header of %" PRIu64 " bytes in an object of %" PRIu64, n, c->size);
+        return why;
+    }
+    if (8 + n > b->len || st_header_parse_unsized(b->p + 8, (size_t)n, &hd, NULL) != 0)
+        return NULL;            /* larger than the peek, or bad: the intake's full check says why */
+    const char *res = NULL;
+    if (st_header_file_len(hd, &want) != 0 || want != c->size) {
+        snprintf(why, why_size, "the header describes %" PRIu64 " bytes, the listing says %" PRIu64, want, c->size);
+        res = why;
+    } else {
+        size_t vl;
+        const char *v = st_header_meta(hd, "base_outer_step", &vl);
+        if (v == NULL || delta_parse_int(v, vl, base) != 0)
+            *base = UINT64_MAX;
+    }
+    st_header_free(hd);
+    return res;
+}
+
+static void peek_done(s3_hub *h, s3_req *r, int ok)
+{
+    candidate *c = r->arg;
+    uint64_t base = UINT64_MAX;
+    char whybuf[200], q[260];
+    const char *why = NULL;
+
+    h->active_downloads--;
+    if (ok && !h->closing && r->x->body.len >= 8)
+        why = judge_header(h, c, &r->x->body, &base, whybuf, sizeof(whybuf));
+    req_end(h, r);
+    if (h->closing) {
+        candidate_free(c);
+        return;
+    }
+    if (why != NULL) {
+        /* never downloaded; a restart (perhaps with another cap) looks again */
+        dl_log(DL_LOG_WARN, "hub", "delta refused before download", "key=%s reason=%s", c->key,
+               dl_log_q(q, sizeof(q), why));
+        set_error(h, "%s: %s", c->key, why);
+        candidate_drop(h, c, SEEN_REJECTED);
+    } else if (base != UINT64_MAX && base < h->step) {
+        dl_log(DL_LOG_DEBUG, "hub", "stale delta not downloaded", "key=%s base_outer_step=%" PRIu64, c->key, base);
+        char *k = seen_key(c->rel, c->etag);
+        if (k != NULL) {
+            seen_entry *e = seen_find(&h->seen, k);
+            if (e != NULL) {
+                e->state = SEEN_DONE;
+                seen_persist(h, k);
+            }
+        }
+        free(k);
+        candidate_free(c);
+    } else if (base != UINT64_MAX && base > h->step) {
+        /* a later round's (or never ours): looked at again by later polls */
+        candidate_drop(h, c, SEEN_INCOMPLETE);
+    } else {
+        /* the current round's, or a header the peek could not judge: the download and intake decide */
+        c->peeked = 1;
+        enqueue(h, c);
+    }
+    pump_downloads(h);
+}
+
+static void start_peek(s3_hub *h, candidate *c)
+{
+    char line[160];
+    s3_req *r = req_new(h, "GET", c->key, NULL, "peek");
+
+    if (r == NULL) {
+        candidate_drop(h, c, SEEN_REJECTED);
+        return;
+    }
+    snprintf(line, sizeof(line), "Range: bytes=0-%u", PEEK_BYTES - 1);
+    req_header(r, line);
+    snprintf(line, sizeof(line), "If-Match: \"%s\"", c->etag);
+    req_header(r, line);
+    /* a server that ignores Range and sends the whole object is cut off here */
+    r->body_cap = PEEK_BYTES;
+    r->max_attempts = 2;
+    h->active_downloads++;
+    req_go(h, r, peek_done, c);
+}
+
 static void pump_downloads(s3_hub *h)
 {
     uint64_t now = uv_now(h->loop);
@@ -812,7 +920,10 @@ static void pump_downloads(s3_hub *h)
             h->retry = c;
             continue;
         }
-        start_download(h, c);
+        if (c->peeked || c->is_global)
+            start_download(h, c);
+        else
+            start_peek(h, c);
     }
 }
 
@@ -913,8 +1024,9 @@ static void listing_complete(s3_hub *h)
         int created = 0;
         seen_entry *e = k ? seen_get(&h->seen, k, &created) : NULL;
         free(k);
-        if (e == NULL || !created)
-            continue;           /* pending, done or given up */
+        /* new, or a later round's delta that is looked at again; pending, done or given up: not */
+        if (e == NULL || (!created && e->state != SEEN_INCOMPLETE))
+            continue;
         e->state = SEEN_PENDING;
         candidate *c = candidate_new(h, rel, b->key, b->etag, b->size);
         if (c == NULL) {

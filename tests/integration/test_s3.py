@@ -278,3 +278,44 @@ def test_two_aggregators_one_bucket_one_publisher_per_step(tmp_path, s3):
     finally:
         a.stop()
         b.stop()
+
+
+def test_hostile_bucket_entries_are_refused_before_download(tmp_path, s3):
+    """Objects that a writer with access to the bucket planted: a header length past the cap, a
+    header that describes another size than the listing's, a stale delta, names that are no delta's.
+    None is downloaded; the round still closes on the good deltas and equals the oracle."""
+    prefix = "hostile/run"
+    init = small_model(8)
+    write_model(tmp_path / "init.safetensors", init)
+    d = S3Dilocod(tmp_path, s3, prefix, "--init-model", tmp_path / "init.safetensors",
+                  "--expected-nodes", str(len(NODES))).start()
+    try:
+        d.wait_step(0)
+        c, bucket = d.client, s3.bucket
+        rng = np.random.default_rng(17)
+        deltas = round_deltas(rng, init)
+        c.put_object(Bucket=bucket, Key=f"{prefix}/nodes/evil1/delta_1.safetensors",
+                     Body=(1 << 40).to_bytes(8, "little") + b"{}")
+        good = st_save_bytes(deltas["w1"], metadata=delta_metadata("evil2", 0, 1))
+        c.put_object(Bucket=bucket, Key=f"{prefix}/nodes/evil2/delta_1.safetensors", Body=good + b"\0" * 4096)
+        c.put_object(Bucket=bucket, Key=f"{prefix}/nodes/w1/notes.txt", Body=b"not a delta")
+        c.put_object(Bucket=bucket, Key=f"{prefix}/nodes/w2/delta_007.safetensors", Body=b"x")
+        d.wait_log("delta refused before download", count=2)
+        log = d.log_text()
+        assert "header of 1099511627776 bytes" in log
+        assert "the header describes" in log
+        for node in NODES:
+            put_delta(c, bucket, prefix, node, 0, 5, deltas[node])
+        d.wait_step(1)
+        oracle = Oracle(init)
+        oracle.step({n: {k: torch.from_numpy(v) for k, v in t.items()} for n, t in deltas.items()})
+        assert_state_equal({k: torch.from_numpy(v) for k, v in d.global_state().items()}, oracle.state)
+        # a delta of the finished round is stale: peeked at, never downloaded
+        put_delta(c, bucket, prefix, "w1", 0, 6, deltas["w1"])
+        d.wait_log("stale delta not downloaded key=hostile/run/nodes/w1/delta_6.safetensors")
+        assert "s3 object downloaded key=hostile/run/nodes/evil" not in d.log_text()
+        assert "notes.txt" not in d.log_text() and "delta_007" not in d.log_text()
+        assert "s3 object downloaded key=hostile/run/nodes/w1/delta_6" not in d.log_text()
+        assert d.alive()
+    finally:
+        d.stop()
