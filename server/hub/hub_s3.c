@@ -8,6 +8,10 @@
  * download per node per poll.  A (key, ETag) pair is handed over once: the pairs handled are
  * remembered in <state>/s3_seen.tsv, also across restarts.
  *
+ * Peeking: a new delta's first 64 KiB are read first (a Range GET): a header over the header cap
+ * or describing another size than the listing's is refused without a download, a delta of an
+ * older step is never downloaded, one of a later step is looked at again by later polls.
+ *
  * Downloads: ranged GETs into <state>/cache/incoming, with If-Match on the listed ETag (an object
  * replaced in the middle is never stitched from two versions), capped at the listed size and
  * resumed with Range after a failure or a restart; then verified (the size, and the MD5 when the
