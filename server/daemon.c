@@ -1262,6 +1262,8 @@ int daemon_run(config *cfg)
         log_error("main", "cannot start", &err);
         d->exit_code = 1;
         d->stopping = 1;
+        if (d->hub != NULL)
+            hub_close(d->hub, hub_closed, d);
         maybe_finish_shutdown(d);
     } else {
         start_watching(d);

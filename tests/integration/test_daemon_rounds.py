@@ -483,11 +483,29 @@ def test_restart_between_and_during_rounds(tmp_path):
 
 # ---- 9. configuration ---------------------------------------------------------------------------
 
+_BUSY = []
+
+
+def _busy_port():
+    """A port held by a listening socket for the whole module: a start on it fails (exit 1)."""
+    if not _BUSY:
+        import socket
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        _BUSY.append(s)
+    return _BUSY[0].getsockname()[1]
+
+
 def _base(tmp_path):
-    # a complete, valid configuration: should a bad value be accepted, dilocod would start and exit 1
-    # (missing init model), never 2
+    # a complete, valid configuration (--check-config passes it): should a bad value be accepted,
+    # dilocod would start and exit 1 (its port is taken, which only the start can find), never 2
+    model = tmp_path / "init.safetensors"
+    if not model.exists():
+        from safetensors.numpy import save_file
+        save_file({"w": np.zeros(4, dtype=np.float32)}, str(model))
     return ["--state-root", tmp_path / "state", "--hub", f"file://{tmp_path}/hub", "--expected-nodes", "2",
-            "--init-model", tmp_path / "missing.safetensors"]
+            "--init-model", model, "--listen", f"127.0.0.1:{_busy_port()}"]
 
 
 def test_valid_base_configuration_is_not_a_usage_error(tmp_path):
