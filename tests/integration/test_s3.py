@@ -3,6 +3,7 @@
 Workers are boto3 clients, as real workers are: they put_object their deltas under
 <prefix>/nodes/<id>/delta_<n>.safetensors and get_object the global.  Each test checks the bucket's
 contents against an oracle (torch's SGD, the bytes that went in) or the server's own answers."""
+import io
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import requests
 import torch
+from boto3.s3.transfer import TransferConfig
 from safetensors.numpy import load as st_load_bytes
 from safetensors.numpy import save as st_save_bytes
 
@@ -72,10 +74,16 @@ class S3Dilocod(Dilocod):
         return requests.get(f"{self.url}/status", timeout=10).json()
 
 
-def put_delta(client, bucket, prefix, node, base_step, local_step, tensors):
-    """A worker's push: the reference's metadata, one put_object (boto3)."""
+def put_delta(client, bucket, prefix, node, base_step, local_step, tensors, multipart=False):
+    """A worker's push: the reference's metadata, one put_object (boto3), or boto3's managed upload in
+    8 MiB parts (as upload_file does for large files: the object's ETag is then not its MD5)."""
     body = st_save_bytes(tensors, metadata=delta_metadata(node, base_step, local_step))
-    client.put_object(Bucket=bucket, Key=f"{prefix}/nodes/{node}/delta_{local_step}.safetensors", Body=body)
+    key = f"{prefix}/nodes/{node}/delta_{local_step}.safetensors"
+    if multipart:
+        cfg = TransferConfig(multipart_threshold=8 << 20, multipart_chunksize=8 << 20)
+        client.upload_fileobj(io.BytesIO(body), bucket, key, Config=cfg)
+    else:
+        client.put_object(Bucket=bucket, Key=key, Body=body)
 
 
 def small_model(seed, n=64):
@@ -220,7 +228,9 @@ def test_killed_mid_download_and_mid_publish(tmp_path, s3):
     d.start()
     # the partial download is continued where it stopped (Range), not started over
     d.wait_log("hub: resuming a download key=kill/run/nodes/w1/delta_10.safetensors")
-    put_delta(d.client, s3.bucket, prefix, "w2", 0, 10, deltas["w2"])
+    put_delta(d.client, s3.bucket, prefix, "w2", 0, 10, deltas["w2"], multipart=True)
+    etag = d.client.head_object(Bucket=s3.bucket, Key=d.key("nodes/w2/delta_10.safetensors"))["ETag"]
+    assert etag.strip('"').endswith("-4"), etag     # 32 MB in 8 MiB parts
     # kill -9 as soon as the step's claim exists (the upload of the global follows it)
     while True:
         try:
