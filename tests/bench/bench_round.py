@@ -28,7 +28,9 @@ The page cache is warm for both: every run reads the same files.
 
 Usage: bench_round.py BUILD_DIR [MODEL_MIB ...]   (default 1024 256)
 env: BENCH_ROUNDS=3 fresh rounds per figure, BENCH_TMP=/var/tmp, BENCH_KEEP=1 keeps the files,
-     BENCH_ONLY=file,http,reference to run a subset.
+     BENCH_ONLY=file,http,reference to run a subset,
+     BENCH_BEFORE=OTHER_BUILD_DIR runs every dilocod figure with that build too, round by round alternated
+     with BUILD_DIR (before/after a change, measured side by side).
 """
 import datetime
 import http.client
@@ -47,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 BUILD = Path(sys.argv[1] if len(sys.argv) > 1 else "build").resolve()
+BEFORE = Path(os.environ["BENCH_BEFORE"]).resolve() if os.environ.get("BENCH_BEFORE") else None
 SIZES = [int(x) for x in sys.argv[2:]] or [1024, 256]
 NODES = 8
 TENSORS = 8
@@ -142,10 +145,10 @@ def log_time(ts):
 class Dilocod:
     """One dilocod on a fresh state root; its JSON log is parsed as it grows."""
 
-    def __init__(self, tmp, init, hub, listen="none"):
+    def __init__(self, build, tmp, init, hub, listen="none"):
         self.log = tmp / "dilocod.log"
         self.proc = subprocess.Popen(
-            [str(BUILD / "dilocod"), "--state-root", str(tmp / "state"), "--hub", hub, "--init-model", str(init),
+            [str(build / "dilocod"), "--state-root", str(tmp / "state"), "--hub", hub, "--init-model", str(init),
              "--expected-nodes", str(NODES), "--listen", listen, "--log-level", "debug", "--log-format", "json"],
             stdout=subprocess.DEVNULL, stderr=open(self.log, "wb"))
         self.port = None
@@ -237,7 +240,7 @@ def link_delta(src, hub, k, via_rename):
     return time.time()
 
 
-def file_round(tmp, init, deltas, catch_up):
+def file_round(build, tmp, init, deltas, catch_up):
     """One fresh file:// round: (seconds to published, pass seconds, VmHWM MiB)."""
     hub = tmp / "hub"
     hub.mkdir()
@@ -247,7 +250,7 @@ def file_round(tmp, init, deltas, catch_up):
     for k in range(last):
         link_delta(deltas[k], hub, k, False)
     t_start = time.time()
-    d = Dilocod(tmp, init, f"file://{hub}")
+    d = Dilocod(build, tmp, init, f"file://{hub}")
     try:
         if not catch_up:
             d.wait("7 accepted deltas", lambda: d.count("round", "delta accepted") >= NODES - 1)
@@ -278,9 +281,9 @@ def put(port, k, path):
         c.close()
 
 
-def http_round(tmp, init, deltas, concurrent):
+def http_round(build, tmp, init, deltas, concurrent):
     """One fresh HTTP round: (seconds to served, pass seconds, VmHWM MiB)."""
-    d = Dilocod(tmp, init, "none", listen="127.0.0.1:0")
+    d = Dilocod(build, tmp, init, "none", listen="127.0.0.1:0")
     try:
         port = d.wait_port()
         d.wait("bootstrap", lambda: d.find("store", "committed", step=0) or d.find("round", "opened", step=0))
@@ -312,11 +315,11 @@ def http_round(tmp, init, deltas, concurrent):
         d.stop()
 
 
-def bench_outer(tmp, init, deltas):
+def bench_outer(build, tmp, init, deltas):
     """The pass alone: (compute seconds, bytes read + written per second)."""
     out = tmp / "outer"
     out.mkdir()
-    p = subprocess.run([str(BUILD / "tests" / "bench-outer"), str(os.cpu_count()), str(init), str(out),
+    p = subprocess.run([str(build / "tests" / "bench-outer"), str(os.cpu_count()), str(init), str(out),
                         *map(str, deltas)], capture_output=True, text=True, check=True)
     m = re.search(r"compute ([\d.]+) s \(([\d.]+) GB/s", p.stdout)
     shutil.rmtree(out)
@@ -338,20 +341,30 @@ def fresh(base, name):
     return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=base))
 
 
-def median_of(fn, base, name):
-    """Median of ROUNDS fresh runs of fn(tmp) -> tuple; returns (medians, samples)."""
-    samples = []
+def median_of(fn, base, name, builds=(None,)):
+    """ROUNDS fresh runs of fn(build, tmp) -> tuple for each build, round by round alternated; returns
+    {build: (medians, samples)}."""
+    samples = {b: [] for b in builds}
     for _ in range(ROUNDS):
-        tmp = fresh(base, name)
-        try:
-            samples.append(fn(tmp))
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return tuple(statistics.median(col) for col in zip(*samples)), samples
+        for b in builds:
+            tmp = fresh(base, name)
+            try:
+                samples[b].append(fn(b, tmp))
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return {b: (tuple(statistics.median(col) for col in zip(*s)), s) for b, s in samples.items()}
 
 
 def fmt_samples(samples, i=0):
     return ", ".join(f"{s[i]:.2f}" for s in samples)
+
+
+def builds():
+    return (BUILD,) if BEFORE is None else (BEFORE, BUILD)
+
+
+def label_of(build):
+    return "" if BEFORE is None else (" [before]" if build == BEFORE else " [after] ")
 
 
 def run_size(base, mib, triad):
@@ -362,36 +375,37 @@ def run_size(base, mib, triad):
         os.sync()
         print(f"== {NODES} x {mib} MiB F32 deltas ({TENSORS} tensors), files written in {time.time() - t0:.0f} s; "
               f"medians of {ROUNDS} fresh rounds")
-        rows = {}
+        ref_s = float("nan")
         if "reference" in ONLY:
-            (ref_s, ref_rss), s = median_of(lambda t: reference_round(t, init, deltas), base, "ref")
-            rows["reference"] = (ref_s, ref_rss)
-            print(f"  Python reference round      {ref_s:7.2f} s   peak RSS {ref_rss:7.0f} MiB   ({fmt_samples(s)})")
-        ref_s = rows.get("reference", (float("nan"),))[0]
-        hwm = []
+            r = median_of(lambda b, t: reference_round(t, init, deltas), base, "ref")[None]
+            (ref_s, ref_rss), s = r
+            print(f"  {'Python reference round':37s} {ref_s:7.2f} s   peak RSS {ref_rss:7.0f} MiB   ({fmt_samples(s)})")
+        hwm = {b: [] for b in builds()}
+        passes = {b: [] for b in builds()}
+        rows = []
         if "file" in ONLY:
-            for label, catch_up in (("file:// critical path", False), ("file:// catch-up", True)):
-                (sec, pas, rss), s = median_of(lambda t: file_round(t, init, deltas, catch_up), base, "file")
-                hwm += [x[2] for x in s]
-                print(f"  {label:27s} {sec:7.2f} s   {ref_s / sec:5.2f}x the reference   "
-                      f"(pass {pas:.2f} s; {fmt_samples(s)})")
-                rows[label] = (sec, pas)
+            rows += [("file:// critical path", lambda b, t: file_round(b, t, init, deltas, False), "file"),
+                     ("file:// catch-up", lambda b, t: file_round(b, t, init, deltas, True), "file")]
         if "http" in ONLY:
-            for label, concurrent in (("HTTP critical path", False), ("HTTP round (8 concurrent)", True)):
-                (sec, pas, rss), s = median_of(lambda t: http_round(t, init, deltas, concurrent), base, "http")
-                hwm += [x[2] for x in s]
-                print(f"  {label:27s} {sec:7.2f} s   {ref_s / sec:5.2f}x the reference   "
+            rows += [("HTTP critical path", lambda b, t: http_round(b, t, init, deltas, False), "http"),
+                     ("HTTP round (8 concurrent)", lambda b, t: http_round(b, t, init, deltas, True), "http")]
+        for label, fn, name in rows:
+            for b, ((sec, pas, _), s) in median_of(fn, base, name, builds()).items():
+                hwm[b] += [x[2] for x in s]
+                passes[b].append(pas)
+                print(f"  {label + label_of(b):37s} {sec:7.2f} s   {ref_s / sec:5.2f}x the reference   "
                       f"(pass {pas:.2f} s; {fmt_samples(s)})")
-                rows[label] = (sec, pas)
-        passes = [v[1] for k, v in rows.items() if k != "reference"]
-        if passes:
-            p = statistics.median(passes)
-            print(f"  dilocod pass (in the daemon) {p:6.2f} s   {ref_s / p:5.2f}x the reference round")
-        (sec, gbps), s = median_of(lambda t: bench_outer(t, init, deltas), base, "outer")
-        print(f"  pass alone (bench-outer)    {sec:7.2f} s   {ref_s / sec:5.2f}x the reference   {gbps:.2f} GB/s "
-              f"read + written = {gbps / triad:.0%} of STREAM triad ({fmt_samples(s)})")
-        if hwm:
-            print(f"  dilocod peak RSS (VmHWM)    {max(hwm):7.0f} MiB (largest of {len(hwm)} runs)")
+        for b in builds():
+            if passes[b]:
+                p = statistics.median(passes[b])
+                print(f"  {'dilocod pass, in the daemon' + label_of(b):37s} {p:7.2f} s   {ref_s / p:5.2f}x the reference round")
+        for b, ((sec, gbps), s) in median_of(lambda b, t: bench_outer(b, t, init, deltas), base, "outer",
+                                             builds()).items():
+            print(f"  {'pass alone (bench-outer)' + label_of(b):37s} {sec:7.2f} s   {ref_s / sec:5.2f}x the reference   "
+                  f"{gbps:.2f} GB/s read + written = {gbps / triad:.0%} of STREAM triad ({fmt_samples(s)})")
+        for b in builds():
+            if hwm[b]:
+                print(f"  {'dilocod peak RSS (VmHWM)' + label_of(b):37s} {max(hwm[b]):7.0f} MiB (largest of {len(hwm[b])} runs)")
         print()
     finally:
         if os.environ.get("BENCH_KEEP"):
@@ -401,13 +415,14 @@ def run_size(base, mib, triad):
 
 
 def main():
-    for f in ("dilocod", "tests/stream", "tests/bench-outer"):
-        if not (BUILD / f).exists():
-            sys.exit(f"bench_round: {BUILD / f} is missing: run make bench")
+    for b in builds():
+        for f in ("dilocod", "tests/stream", "tests/bench-outer"):
+            if not (b / f).exists():
+                sys.exit(f"bench_round: {b / f} is missing: run make bench")
     base = Path(tempfile.mkdtemp(prefix="dilocod-roundbench-", dir=os.environ.get("BENCH_TMP", "/var/tmp")))
     try:
         triad = stream_triad()
-        print(f"dilocod round benchmark, side by side in one run (a shared machine: compare the ratios)")
+        print("dilocod round benchmark, side by side in one run (a shared machine: compare the ratios)")
         print(f"machine: {os.cpu_count()} CPUs, STREAM triad {triad:.2f} GB/s; disk {base.parent}: write + "
               f"fdatasync {fdatasync_gbps(base):.2f} GB/s")
         print("targets (issue 12): critical path >= 5x the reference at 1 GiB, >= 3x at 256 MiB; catch-up >= 3x "
