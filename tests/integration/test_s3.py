@@ -219,15 +219,20 @@ def test_killed_mid_download_and_mid_publish(tmp_path, s3):
     rng = np.random.default_rng(11)
     deltas = round_deltas(rng, init)
     incoming = d.state_dir / "cache" / "incoming"
-    put_delta(d.client, s3.bucket, prefix, "w1", 0, 10, deltas["w1"])
-    # the first byte of the download on disk: kill -9 there
-    while not any(p.stat().st_size > 0 for p in incoming.glob("s3-*.part")):
-        assert d.alive(), d.log_text()[-3000:]
-        time.sleep(0.001)
+    # kill -9 once part of the download is on disk; should this machine be so slow to look that the
+    # whole download was taken in first, the same delta is pushed again under a higher local step
+    for local in range(10, 15):
+        put_delta(d.client, s3.bucket, prefix, "w1", 0, local, deltas["w1"])
+        taken = f"delta accepted step=0 node=w1 local_step={local} "
+        while not any(p.stat().st_size > 0 for p in incoming.glob("s3-*.part")) and taken not in d.log_text():
+            assert d.alive(), d.log_text()[-3000:]
+            time.sleep(0.001)
+        if taken not in d.log_text():
+            break
     d.kill9()
     d.start()
     # the partial download is continued where it stopped (Range), not started over
-    d.wait_log("hub: resuming a download key=kill/run/nodes/w1/delta_10.safetensors")
+    d.wait_log(f"hub: resuming a download key=kill/run/nodes/w1/delta_{local}.safetensors")
     put_delta(d.client, s3.bucket, prefix, "w2", 0, 10, deltas["w2"], multipart=True)
     etag = d.client.head_object(Bucket=s3.bucket, Key=d.key("nodes/w2/delta_10.safetensors"))["ETag"]
     assert etag.strip('"').endswith("-4"), etag     # 32 MB in 8 MiB parts
