@@ -1,5 +1,6 @@
 #include "config.h"
 #include "auth.h"
+#include "hub.h"
 #include "hub_hf.h"
 #include "safetensors.h"
 
@@ -624,12 +625,13 @@ static int validate(config *c)
         return bad_opt(c, "state_root", "must not be empty");
     if (!delta_valid_node_id(c->id, strlen(c->id)))
         return bad_opt(c, "id", "'%s' is not a valid id ([A-Za-z0-9._-]{1,64}, not . or ..)", c->id);
-    if (strcmp(c->hub, "none") != 0 && strncmp(c->hub, "file:///", 8) != 0 && strncmp(c->hub, "hf://", 5) != 0)
-        return bad_opt(c, "hub", "'%s' is not file:///abs/dir, hf://ns/repo[@rev] or none", c->hub);
-    if (strncmp(c->hub, "hf://", 5) == 0 && (rc = load_hf(c)) != 0)
+    /* the scheme table (hub.c) knows the transports and checks each URL */
+    dl_error herr;
+    if (hub_check_url(c->hub, &herr) != 0)
+        return bad_opt(c, "hub", "%s", herr.message);
+    const char *kind = hub_find(c->hub) ? hub_find(c->hub)->kind : "none";
+    if (strcmp(kind, "hf") == 0 && (rc = load_hf(c)) != 0)
         return rc;
-    if (strcmp(c->hub, "file:///") == 0)
-        return bad_opt(c, "hub", "file:// needs a directory other than /");
     if (c->nnodes > 0) {
         if (c->expected_nodes != 0 && c->expected_nodes != c->nnodes)
             return bad_opt(c, "expected_nodes", "%u disagrees with the %zu ids given by --nodes", c->expected_nodes,
@@ -650,7 +652,7 @@ static int validate(config *c)
         return rc;
     if ((rc = check_dir_path(c, "state_root", c->state_root)) != 0)
         return rc;
-    if (strncmp(c->hub, "file://", 7) == 0 && (rc = check_dir_path(c, "hub", c->hub + 7)) != 0)
+    if (strcmp(kind, "file") == 0 && (rc = check_dir_path(c, "hub", c->hub + 7)) != 0)
         return rc;
     /* last: the most expensive check, and the one a test of any other option should not trip over */
     return check_init_model(c);

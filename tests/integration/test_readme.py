@@ -42,11 +42,15 @@ NOT_RUN = {
     "sudo systemctl enable --now dilocod": "needs systemd as PID 1 (the tests run in containers); test_deploy.py "
                                            "checks the unit with systemd-analyze",
     "journalctl -u dilocod -f": "follows the journal of the service above forever",
-    "docker build -f deploy/Dockerfile -t dilocod .": "no docker daemon here; the image is built and run with podman "
-                                                       "by the container test",
-    "docker run -v dilocod-state:/var/lib/dilocod -v $PWD/tokens:/etc/dilocod/tokens:ro -p 8470:8470 dilocod "
-    "--hub none --init-model /var/lib/dilocod/init.safetensors --expected-nodes 4 --token-file /etc/dilocod/tokens":
-        "no docker daemon here; the container test runs the image with podman",
+    "docker build -f deploy/Dockerfile -t dilocod .": "no docker daemon here; tests/integration/test_container.py builds and runs the image with podman",
+    "chmod 0644 init.safetensors": "part of the container example above (no docker daemon here)",
+    "sudo chown 8470:8470 tokens && sudo chmod 0400 tokens": "part of the container example above (no docker daemon "
+                                                            "here); test_container.py mounts the token file this way",
+    "docker run -d --name dilocod -p 8470:8470 --stop-timeout 120 -v dilocod-state:/var/lib/dilocod "
+    "-v $PWD/init.safetensors:/models/init.safetensors:ro -v $PWD/tokens:/run/secrets/dilocod_tokens:ro "
+    "dilocod --expected-nodes 4 --init-model /models/init.safetensors --token-file /run/secrets/dilocod_tokens":
+        "no docker daemon here; tests/integration/test_container.py builds and runs the image with podman",
+    "docker stop dilocod": "no docker daemon here; tests/integration/test_container.py builds and runs the image with podman",
 }
 
 # The blocks the tests below run, each found by a piece of its text (test name -> anchor).
