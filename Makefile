@@ -52,7 +52,7 @@ VENV        := .venv
 PY          := $(VENV)/bin/python
 DEB_PKGS    := build-essential pkg-config libuv1-dev libcurl4-openssl-dev libcjson-dev node-llhttp libssl-dev \
                python3-venv python3-torch python3-numpy clang libclang-rt-14-dev curl \
-               chromium systemd nginx iproute2 libexpat1-dev podman runc debootstrap
+               chromium systemd nginx iproute2 libexpat1-dev podman runc debootstrap python3-pil
 PY_PKGS     := safetensors huggingface_hub pytest requests prometheus_client boto3
 
 .PHONY: all deps venv seaweedfs check lint-layers unit test-integration fuzz fuzz-regress bench bench-deps soak clean distclean
@@ -129,7 +129,7 @@ venv: $(VENV)/.stamp
 $(VENV)/.stamp: Makefile
 	@test -x $(PY) || /usr/bin/python3 -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(PY_PKGS)
-	$(PY) -c 'import safetensors, huggingface_hub, pytest, numpy, torch, prometheus_client'
+	$(PY) -c 'import safetensors, huggingface_hub, pytest, numpy, torch, prometheus_client, boto3, PIL'
 	touch $@
 
 # SeaweedFS, the S3 server of tests/integration/test_s3.py: built once from the Go module proxy and
@@ -157,6 +157,7 @@ ifeq ($(SANITIZE),)
 	$(MAKE) SANITIZE=address,undefined unit
 endif
 	$(MAKE) fuzz-regress
+	$(MAKE) seaweedfs
 	$(MAKE) test-integration
 
 # ---- fuzzing (clang + libFuzzer) -----------------------------------------------------------------

@@ -91,6 +91,36 @@ int fsu_commit_tmp(int fd, const char *tmp_path, const char *path, dl_error *err
     return fsu_fsync_parent(path, err);
 }
 
+int fsu_rename_tmp(int fd, const char *tmp_path, const char *path, dl_error *err)
+{
+    if (close(fd) != 0) {
+        int e = errno;
+        unlink(tmp_path);
+        return dl_fail_errno(err, e, "close of %s", tmp_path);
+    }
+    if (rename(tmp_path, path) != 0) {
+        int e = errno;
+        unlink(tmp_path);
+        return dl_fail_errno(err, e, "rename %s -> %s", tmp_path, path);
+    }
+    return 0;
+}
+
+int fsu_fsync_path(const char *path, dl_error *err)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+
+    if (fd < 0)
+        return dl_fail_errno(err, errno, "cannot open %s", path);
+    if (fsync(fd) != 0) {
+        int e = errno;
+        close(fd);
+        return dl_fail_errno(err, e, "fsync of %s", path);
+    }
+    close(fd);
+    return 0;
+}
+
 int fsu_pwrite_all(int fd, const void *buf, size_t len, uint64_t off)
 {
     const char *p = buf;

@@ -17,6 +17,11 @@ int fsu_tmp_create(const char *path, char **tmp_path, int *fd, dl_error *err);
 int fsu_commit_tmp(int fd, const char *tmp_path, const char *path, dl_error *err);
 /* fsync of the directory that contains path. */
 int fsu_fsync_parent(const char *path, dl_error *err);
+/* fsu_commit_tmp without the durability: close and rename only (the caller makes it durable later
+ * with fsu_fsync_path and fsu_fsync_parent, or can recreate it after a crash). */
+int fsu_rename_tmp(int fd, const char *tmp_path, const char *path, dl_error *err);
+/* fsync of a file by path. */
+int fsu_fsync_path(const char *path, dl_error *err);
 /* Writes buf to path atomically: temp file, fsync, rename, fsync of the directory. */
 int fsu_write_atomic(const char *path, const void *buf, size_t len, dl_error *err);
 /* mkdir -p (mode 0755). */

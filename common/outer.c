@@ -95,6 +95,8 @@ static int open_writers(outer_pass *p, dl_error *err)
     rc = st_writer_open(p->out_global_path, specs, g->ntensors, NULL, 0, &p->w_global, err);
     if (rc == 0)
         st_writer_set_writeback(p->w_global, 1);
+    if (rc == 0)
+        st_writer_set_durable(p->w_global, !p->defer_sync);
     if (rc == 0 && p->params.momentum != 0.0f) {
         for (size_t ti = 0; ti < g->ntensors; ti++) {
             const st_tensor *t = &g->tensors[ti];
@@ -105,6 +107,8 @@ static int open_writers(outer_pass *p, dl_error *err)
                             err);
         if (rc == 0)
             st_writer_set_writeback(p->w_momentum, 1);
+        if (rc == 0)
+            st_writer_set_durable(p->w_momentum, !p->defer_sync);
     }
     free(specs);
     return rc;

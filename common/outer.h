@@ -49,6 +49,8 @@ typedef struct outer_pass {
     size_t momentum_nmeta;
     outer_params params;
     size_t budget_bytes;        /* per thread */
+    int defer_sync;             /* outer_finish renames the outputs without fsync: the caller makes them
+                                   durable later (its redo record can recompute them after a crash) */
 
     /* state */
     st_file *global, *momentum, **deltas;
@@ -77,7 +79,7 @@ int outer_prepare(outer_pass *p, dl_error *err);
 /* Processes work items until none is left, an error occurs or outer_abort() was called.  Call from
  * any number of threads.  Returns 0 or the pass's first error. */
 int outer_run(outer_pass *p);
-/* Commits the output files (fsync, rename, fsync of the directory) if every item succeeded, else
+/* Commits the output files (fsync, rename, fsync of the directory; rename only with defer_sync) if every item succeeded, else
  * removes them.  Frees everything but the stats and the error.  */
 int outer_finish(outer_pass *p, dl_error *err);
 void outer_abort(outer_pass *p);

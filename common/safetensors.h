@@ -133,6 +133,9 @@ int st_writer_write(st_writer *w, size_t spec_index, uint64_t off, const void *b
 /* Starts writeback of each range right after it is written (large outputs: the final fsync then
  * waits for little). */
 void st_writer_set_writeback(st_writer *w, int on);
+/* off: st_writer_commit only renames (no fsync of the file or its directory); the caller makes the
+ * file durable later (a redo record can recreate it after a crash). */
+void st_writer_set_durable(st_writer *w, int on);
 /* Absolute file offset of the first byte of spec i's data. */
 uint64_t st_writer_data_offset(const st_writer *w, size_t spec_index);
 int st_writer_commit(st_writer *w, dl_error *err);

@@ -190,6 +190,7 @@ struct st_writer {
     uint64_t data_start;
     uint64_t *offsets;      /* 2 per spec, relative to the data section */
     int writeback;          /* start writeback of every range as soon as it is written */
+    int deferred;           /* commit renames only: the caller makes the file durable later */
 };
 
 void st_writer_set_writeback(st_writer *w, int on)
@@ -292,9 +293,15 @@ static void writer_free(st_writer *w)
     free(w);
 }
 
+void st_writer_set_durable(st_writer *w, int on)
+{
+    w->deferred = !on;
+}
+
 int st_writer_commit(st_writer *w, dl_error *err)
 {
-    int rc = fsu_commit_tmp(w->fd, w->tmp_path, w->path, err);
+    int rc = w->deferred ? fsu_rename_tmp(w->fd, w->tmp_path, w->path, err)
+                         : fsu_commit_tmp(w->fd, w->tmp_path, w->path, err);
     writer_free(w);
     return rc;
 }

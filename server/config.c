@@ -32,7 +32,7 @@ typedef struct opt {
 static const opt options[] = {
     {"state_root", T_STR, OFF(state_root), 0, 0, "DIR       local state (one subdirectory per aggregator id)"},
     {"id", T_STR, OFF(id), 0, 0, "NAME              aggregator id: state lives in <state_root>/<id>/"},
-    {"hub", T_STR, OFF(hub), 0, 0, "URL              file:///abs/dir | hf://ns/repo[@rev] | none"},
+    {"hub", T_STR, OFF(hub), 0, 0, "URL              file:///abs/dir | hf://ns/repo[@rev] | s3://bucket[/prefix] | none"},
     {"init_model", T_OPTSTR, OFF(init_model), 0, 0, "FILE      initial model, published as step 0 when there is no state and no global"},
     {"expected_nodes", T_UINT, OFF(expected_nodes), 0, CONFIG_MAX_NODES, "N     a round closes when N distinct nodes delivered"},
     {"nodes", T_NODES, OFF(nodes), 0, 0, "ID,ID,...      allow-list of node ids (sets expected_nodes)"},
@@ -57,9 +57,13 @@ static const opt options[] = {
     {"header_timeout", T_DOUBLE, OFF(header_timeout), 0.01, 3600, "SECONDS  to receive a request head (slowloris)"},
     {"idle_timeout", T_DOUBLE, OFF(idle_timeout), 0.01, 86400, "SECONDS  without progress on a connection (idle, stalled body or download)"},
     {"max_connections", T_UINT, OFF(max_connections), 1, 1000000, "N    open HTTP connections at most"},
-    {"hub_endpoint", T_OPTSTR, OFF(hub_endpoint), 0, 0, "URL     Hub endpoint for hf:// (default $HF_ENDPOINT or https://huggingface.co)"},
+    {"hub_endpoint", T_OPTSTR, OFF(hub_endpoint), 0, 0, "URL     server of hf:// (default $HF_ENDPOINT or https://huggingface.co) or s3:// (default $AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL or AWS)"},
     {"hub_token_file", T_OPTSTR, OFF(hub_token_file), 0, 0, "FILE  file holding the Hub token (default $HF_TOKEN)"},
     {"max_downloads", T_UINT, OFF(max_downloads), 1, 64, "N      parallel delta downloads from the Hub"},
+    {"s3_region", T_OPTSTR, OFF(s3_region), 0, 0, "REGION     s3:// SigV4 region (default $AWS_REGION, $AWS_DEFAULT_REGION or us-east-1)"},
+    {"s3_addressing", T_STR, OFF(s3_addressing), 0, 0, "MODE   s3:// bucket addressing: auto | path | virtual"},
+    {"s3_part_mib", T_UINT, OFF(s3_part_mib), 5, 5120, "MIB      s3:// multipart upload above this size, in parts of this size"},
+    {"s3_credentials_file", T_OPTSTR, OFF(s3_credentials_file), 0, 0, "FILE  s3:// AWS credentials file (default $AWS_ACCESS_KEY_ID/$AWS_SECRET_ACCESS_KEY)"},
 };
 
 const char *config_optimizer_name(config_optimizer o)
@@ -413,6 +417,8 @@ static void set_defaults(config *c)
     c->max_connections = 1024;
     c->max_uploads = 64;
     c->max_downloads = 2;
+    c->s3_addressing = strdup("auto");
+    c->s3_part_mib = 64;
 }
 
 /* A file an option names is opened by its reader without O_NONBLOCK: a FIFO or a device there would
@@ -466,6 +472,39 @@ static int load_hf(config *c)
     } else if ((env = getenv("HF_TOKEN")) != NULL && *env) {
         c->hub_token = strdup(env);
     }
+    return 0;
+}
+
+/* s3://bucket/prefix: region, addressing, endpoint and credentials file (its secrets are read by the
+ * transport, never kept here). */
+static int load_s3(config *c)
+{
+    const char *env;
+
+    if (c->s3_region == NULL) {
+        if ((env = getenv("AWS_REGION")) == NULL || *env == '\0')
+            env = getenv("AWS_DEFAULT_REGION");
+        c->s3_region = strdup(env && *env ? env : "us-east-1");
+    }
+    if (c->s3_region == NULL)
+        return bad("", "config", "out of memory");
+    size_t n = strlen(c->s3_region);
+    if (n == 0 || n > 32 || strspn(c->s3_region, "abcdefghijklmnopqrstuvwxyz0123456789-") != n)
+        return bad_opt(c, "s3_region", "'%s' is not a region ([a-z0-9-]{1,32})", c->s3_region);
+    if (strcmp(c->s3_addressing, "auto") != 0 && strcmp(c->s3_addressing, "path") != 0 &&
+        strcmp(c->s3_addressing, "virtual") != 0)
+        return bad_opt(c, "s3_addressing", "'%s' is not auto, path or virtual", c->s3_addressing);
+    if (c->hub_endpoint == NULL) {
+        if ((env = getenv("AWS_ENDPOINT_URL_S3")) == NULL || *env == '\0')
+            env = getenv("AWS_ENDPOINT_URL");
+        if (env != NULL && *env != '\0' && (c->hub_endpoint = strdup(env)) == NULL)
+            return bad("", "config", "out of memory");
+    }
+    if (c->hub_endpoint != NULL && strncmp(c->hub_endpoint, "https://", 8) != 0 &&
+        strncmp(c->hub_endpoint, "http://", 7) != 0)
+        return bad_opt(c, "hub_endpoint", "'%s' is not an http(s) URL", c->hub_endpoint);
+    if (c->s3_credentials_file != NULL)
+        return check_regular_file(c, "s3_credentials_file", c->s3_credentials_file);
     return 0;
 }
 
@@ -631,6 +670,8 @@ static int validate(config *c)
         return bad_opt(c, "hub", "%s", herr.message);
     const char *kind = hub_find(c->hub) ? hub_find(c->hub)->kind : "none";
     if (strcmp(kind, "hf") == 0 && (rc = load_hf(c)) != 0)
+        return rc;
+    if (strcmp(kind, "s3") == 0 && (rc = load_s3(c)) != 0)
         return rc;
     if (c->nnodes > 0) {
         if (c->expected_nodes != 0 && c->expected_nodes != c->nnodes)
@@ -816,9 +857,13 @@ void config_print(const config *c, FILE *out)
     print_double(out, "header_timeout", c->header_timeout);
     print_double(out, "idle_timeout", c->idle_timeout);
     fprintf(out, "max_connections = %u\n", c->max_connections);
-    print_str(out, "hub_endpoint", c->hub_endpoint, " (hf:// only)");
+    print_str(out, "hub_endpoint", c->hub_endpoint, " (hf:// and s3:// only)");
     print_str(out, "hub_token_file", c->hub_token_file, c->hub_token ? " (the token is from $HF_TOKEN)" : "");
     fprintf(out, "max_downloads = %u\n# hub token: %s\n", c->max_downloads, c->hub_token ? "set" : "not set");
+    print_str(out, "s3_region", c->s3_region, " (s3:// only)");
+    print_str(out, "s3_addressing", c->s3_addressing, "");
+    fprintf(out, "s3_part_mib = %u\n", c->s3_part_mib);
+    print_str(out, "s3_credentials_file", c->s3_credentials_file, " (s3:// keys from the environment)");
 }
 
 void config_free(config *c)
@@ -838,6 +883,9 @@ void config_free(config *c)
     free(c->hub_token);
     free(c->hf_repo);
     free(c->hf_rev);
+    free(c->s3_region);
+    free(c->s3_addressing);
+    free(c->s3_credentials_file);
     free_nodes(c);
     if (c->origin != NULL)
         for (size_t i = 0; i < COUNT_OF(options); i++)

@@ -52,6 +52,11 @@ typedef struct config {
     unsigned max_downloads;
     char *hub_token;            /* loaded, never printed */
     char *hf_repo, *hf_rev;     /* parsed from hub */
+    /* s3:// (hub_endpoint: default $AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL, else AWS's own) */
+    char *s3_region;            /* default $AWS_REGION, $AWS_DEFAULT_REGION, else us-east-1 */
+    char *s3_addressing;        /* auto | path | virtual */
+    unsigned s3_part_mib;       /* multipart upload above this, in parts of this size */
+    char *s3_credentials_file;  /* default: $AWS_ACCESS_KEY_ID / $AWS_SECRET_ACCESS_KEY */
     /* per option of the table in config.c: "FILE:LINE" of the file line that set it, NULL when a flag
      * or the default did, so a check that fails late still points at the line to fix */
     char **origin;

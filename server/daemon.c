@@ -1217,6 +1217,10 @@ static int open_hub(dilocod *d, dl_error *err)
         .poll_interval = d->cfg->poll_interval,
         .max_downloads = d->cfg->max_downloads,
         .max_header_bytes = (uint64_t)d->cfg->max_delta_header_mib << 20,
+        .region = d->cfg->s3_region,
+        .addressing = d->cfg->s3_addressing,
+        .part_size = (uint64_t)d->cfg->s3_part_mib << 20,
+        .credentials_file = d->cfg->s3_credentials_file,
     };
     rc = hub_open(&d->hub, &d->loop, &hc, &hub_cbs, d, err);
     free(dir);

@@ -14,6 +14,7 @@
 
 #include <cJSON.h>
 
+#include "delta.h"
 #include "fsutil.h"
 #include "strbuf.h"
 
@@ -245,6 +246,168 @@ int store_commit(store *s, const store_commit_info *info, dl_error *err)
     return rc;
 }
 
+/* ---- the redo record ------------------------------------------------------------------------------ */
+
+int store_redo_write(const store *s, const store_redo *r, dl_error *err)
+{
+    sbuf b = {0};
+    char num[160], *path, *text;
+    size_t dl = strlen(s->dir);
+    int rc;
+
+    snprintf(num, sizeof(num), "{\n  \"format\": 1,\n  \"step\": %" PRIu64 ",\n  \"base_step\": %" PRIu64, r->step,
+             r->base);
+    sb_str(&b, num);
+    sb_str(&b, ",\n  \"optimizer\": ");
+    sb_json_string(&b, r->optimizer, strlen(r->optimizer));
+    snprintf(num, sizeof(num), ",\n  \"lr\": %.17g,\n  \"momentum\": %.17g,\n  \"deltas\": [", r->lr, r->momentum);
+    sb_str(&b, num);
+    for (size_t i = 0; i < r->ndeltas; i++) {
+        const char *rel = r->deltas[i];
+        if (strncmp(rel, s->dir, dl) == 0 && rel[dl] == '/')
+            rel += dl + 1;      /* relative to the state directory: the tree may be moved as a whole */
+        sb_str(&b, i ? ", " : "");
+        sb_json_string(&b, rel, strlen(rel));
+    }
+    sb_str(&b, "],\n  \"round\": ");
+    if (r->round_json != NULL)
+        sb_add(&b, r->round_json, strcspn(r->round_json, "\n"));
+    else
+        sb_str(&b, "null");
+    sb_str(&b, "\n}\n");
+    size_t len = b.len;
+    if ((text = sb_take(&b)) == NULL || (path = path_fmt("%s/redo.json", s->dir)) == NULL) {
+        free(text);
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    }
+    rc = fsu_write_atomic(path, text, len, err);
+    free(path);
+    free(text);
+    return rc;
+}
+
+/* A delta path of the redo record: cache/deltas/s<base>/<node>/delta_<n>.safetensors, nothing else. */
+static int redo_delta_ok(const char *rel, uint64_t base)
+{
+    char prefix[64], node[DELTA_NODE_ID_MAX + 1], as_hub[300];
+    const char *p, *slash;
+    uint64_t step;
+
+    snprintf(prefix, sizeof(prefix), "cache/deltas/s%" PRIu64 "/", base);
+    if (strncmp(rel, prefix, strlen(prefix)) != 0)
+        return 0;
+    p = rel + strlen(prefix);
+    if ((slash = strchr(p, '/')) == NULL || (size_t)(slash - p) > DELTA_NODE_ID_MAX)
+        return 0;
+    memcpy(node, p, (size_t)(slash - p));
+    node[slash - p] = '\0';
+    if (!delta_valid_node_id(node, strlen(node)))
+        return 0;
+    /* the file name follows the Hub path rules (no further '/', delta_<n>.safetensors) */
+    if (snprintf(as_hub, sizeof(as_hub), "nodes/%s", p) >= (int)sizeof(as_hub))
+        return 0;
+    return delta_parse_path(as_hub, node, &step, NULL) == 0;
+}
+
+static int json_u64(const cJSON *v, uint64_t *out)
+{
+    if (!cJSON_IsNumber(v) || v->valuedouble < 0 || v->valuedouble > 9007199254740991.0 ||
+        v->valuedouble != (double)(uint64_t)v->valuedouble)
+        return -1;
+    *out = (uint64_t)v->valuedouble;
+    return 0;
+}
+
+int store_redo_read(const store *s, store_redo *r, int *present, dl_error *err)
+{
+    char *path = path_fmt("%s/redo.json", s->dir), *text;
+    cJSON *root = NULL, *d, *o, *lr, *mom, *round;
+    int rc = 0;
+
+    memset(r, 0, sizeof(*r));
+    *present = 0;
+    if (path == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    if (access(path, F_OK) != 0) {
+        free(path);
+        return 0;
+    }
+    *present = 1;
+    text = read_small_file(path, 16 << 20, err);
+    if (text == NULL) {
+        free(path);
+        return -DL_E_IO;
+    }
+    root = cJSON_Parse(text);
+    free(text);
+    d = cJSON_GetObjectItemCaseSensitive(root, "deltas");
+    o = cJSON_GetObjectItemCaseSensitive(root, "optimizer");
+    lr = cJSON_GetObjectItemCaseSensitive(root, "lr");
+    mom = cJSON_GetObjectItemCaseSensitive(root, "momentum");
+    round = cJSON_GetObjectItemCaseSensitive(root, "round");
+    if (json_u64(cJSON_GetObjectItemCaseSensitive(root, "step"), &r->step) != 0 ||
+        json_u64(cJSON_GetObjectItemCaseSensitive(root, "base_step"), &r->base) != 0 || r->step != r->base + 1 ||
+        !cJSON_IsArray(d) || !cJSON_IsString(o) || !cJSON_IsNumber(lr) || !cJSON_IsNumber(mom)) {
+        rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s is damaged (step, base_step, deltas, optimizer)", path);
+        goto out;
+    }
+    r->ndeltas = (size_t)cJSON_GetArraySize(d);
+    if (r->ndeltas == 0 || r->ndeltas > 1u << 16 || (r->deltas = calloc(r->ndeltas, sizeof(*r->deltas))) == NULL ||
+        (r->optimizer = strdup(o->valuestring)) == NULL) {
+        rc = dl_fail(err, r->ndeltas == 0 || r->ndeltas > 1u << 16 ? DL_E_METADATA_INVALID : DL_E_NO_MEMORY, NULL, 0,
+                     "%s: %zu deltas", path, r->ndeltas);
+        goto out;
+    }
+    r->lr = lr->valuedouble;
+    r->momentum = mom->valuedouble;
+    size_t i = 0;
+    const cJSON *e;
+    cJSON_ArrayForEach(e, d) {
+        if (!cJSON_IsString(e) || !redo_delta_ok(e->valuestring, r->base)) {
+            rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s names a delta that is not a cached delta of step %"
+                         PRIu64, path, r->base);
+            goto out;
+        }
+        if ((r->deltas[i++] = path_fmt("%s/%s", s->dir, e->valuestring)) == NULL) {
+            rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+            goto out;
+        }
+    }
+    if (cJSON_IsObject(round) && (r->round_json = cJSON_PrintUnformatted(round)) == NULL)
+        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+out:
+    cJSON_Delete(root);
+    free(path);
+    if (rc != 0)
+        store_redo_free(r);
+    return rc;
+}
+
+int store_redo_remove(const store *s, dl_error *err)
+{
+    char *path = path_fmt("%s/redo.json", s->dir);
+    int rc;
+
+    if (path == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    if (unlink(path) != 0 && errno != ENOENT)
+        rc = dl_fail_errno(err, errno, "cannot remove %s", path);
+    else
+        rc = fsu_fsync_parent(path, err);
+    free(path);
+    return rc;
+}
+
+void store_redo_free(store_redo *r)
+{
+    for (size_t i = 0; r->deltas != NULL && i < r->ndeltas; i++)
+        free(r->deltas[i]);
+    free(r->deltas);
+    free(r->optimizer);
+    free(r->round_json);
+    memset(r, 0, sizeof(*r));
+}
+
 /* rm -r of a directory tree we own (never follows symlinks). */
 static int remove_tree(const char *path)
 {
@@ -351,12 +514,14 @@ static int keep_cache(const store *s, const char *name)
     return !(s->startup && is_temp(name));
 }
 
-/* cache/incoming: partial Hub downloads (hf-<oid>.part) resume after a restart; the rest goes. */
+/* cache/incoming: partial downloads of a transport (hf-<oid>.part, s3-<...>.part) resume after a
+ * restart; the rest goes. */
 static int keep_incoming(const store *s, const char *name)
 {
     size_t n = strlen(name);
     (void)s;
-    return strncmp(name, "hf-", 3) == 0 && n > 8 && strcmp(name + n - 5, ".part") == 0;
+    return (strncmp(name, "hf-", 3) == 0 || strncmp(name, "s3-", 3) == 0) && n > 8 &&
+           strcmp(name + n - 5, ".part") == 0;
 }
 
 int store_cleanup(const store *st, int at_startup, dl_error *err)

@@ -7,11 +7,18 @@
  *   rounds.jsonl                         one record per committed round (history.h)
  *   cache/deltas/s<step>/<node>/delta_<local_step>.safetensors   validated deltas of the open round
  *   cache/incoming/                      deltas being received or copied (temporary)
+ *   redo.json                            a round committed but not yet durable: its inputs and record
  *
- * A step is committed by atomically replacing outer_metadata.json (temp, fsync, rename, fsync of the
- * directory) after its global and momentum files are durable; the files carry the step in their
- * names, so a crash at any moment leaves exactly one committed step and at most some leftovers, which
- * store_cleanup() removes.  All functions do blocking I/O: call them from the thread pool (or before
+ * A bootstrap or an adoption is committed by atomically replacing outer_metadata.json (temp, fsync,
+ * rename, fsync of the directory) after its global file is durable.  A round is committed by its redo
+ * record (redo.json: the step, its inputs — the committed step's files and the round's cached deltas —
+ * the optimizer and the round's record), made durable in a few milliseconds; its outputs are then
+ * written, served and published without waiting for the disk, and made durable in the background,
+ * after which outer_metadata.json names the new step and the redo record goes.  The aggregation is
+ * deterministic, so a restart that finds a redo record recomputes the step from its inputs, bit for bit
+ * (the inputs are kept until the outputs are durable).  The files carry the step in their names, so a
+ * crash at any moment leaves exactly one committed step (plus at most a redo record naming the next)
+ * and some leftovers, which store_cleanup() removes.  All functions do blocking I/O: call them from the thread pool (or before
  * the loop runs). */
 #ifndef STORE_H
 #define STORE_H
@@ -51,6 +58,26 @@ int store_commit_write(const store *s, const store_commit_info *info, dl_error *
 int store_commit_apply(store *s, const store_commit_info *info);
 /* Both, for a caller that owns s alone (startup). */
 int store_commit(store *s, const store_commit_info *info, dl_error *err);
+/* A committed round whose outputs are not durable yet (redo.json). */
+typedef struct store_redo {
+    uint64_t step;              /* the step it makes */
+    uint64_t base;              /* the step it starts from (step - 1) */
+    char **deltas;              /* absolute paths of the round's cached deltas, in aggregation order */
+    size_t ndeltas;
+    char *optimizer;
+    double lr, momentum;
+    char *round_json;           /* the round's record (history.h) */
+} store_redo;
+
+/* Writes redo.json atomically and durably: from this moment the round's step is committed. */
+int store_redo_write(const store *s, const store_redo *r, dl_error *err);
+/* Reads and validates redo.json (*present = 0 if there is none).  Its delta paths must be cache files
+ * of its base step: a damaged or hand-edited record never names another file. */
+int store_redo_read(const store *s, store_redo *r, int *present, dl_error *err);
+/* Removes redo.json (the step it made is durable and named by outer_metadata.json). */
+int store_redo_remove(const store *s, dl_error *err);
+void store_redo_free(store_redo *r);
+
 /* Removes files of steps before the committed one (globals, momentum, cached deltas).  At startup
  * (nothing else running) also uncommitted step files, temporary files and incoming copies. */
 int store_cleanup(const store *s, int at_startup, dl_error *err);

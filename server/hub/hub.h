@@ -82,7 +82,7 @@ typedef struct hub_config {
     uint64_t max_header_bytes;  /* cap on a delta's safetensors header (0: the format's own cap) */
     /* s3:// (hub_s3.c); endpoint NULL there means AWS's https://s3.<region>.amazonaws.com */
     const char *region;         /* SigV4 region, NULL: us-east-1 */
-    int addressing;             /* s3_addressing (hub_s3.h): 0 auto, 1 path-style, 2 virtual-host */
+    const char *addressing;     /* "auto" (virtual-host on *.amazonaws.com, else path-style), "path", "virtual"; NULL: auto */
     uint64_t part_size;         /* multipart upload above this, in parts of this size (0: 64 MiB) */
     const char *credentials_file; /* AWS credentials file ([default] aws_access_key_id, aws_secret_access_key);
                                      NULL: $AWS_ACCESS_KEY_ID and $AWS_SECRET_ACCESS_KEY */
@@ -105,6 +105,11 @@ typedef struct hub_status {
     time_t rate_reset_at;               /* when the server's rate budget resets, if it said (0: unknown) */
     hub_call_count calls[HUB_MAX_CALL_ROWS];
     unsigned ncalls;
+    /* A lasting failure only the operator can fix, as a stable name for /status ("" when none):
+     * "unauthorized" (401: the token is missing or invalid, or the repo is private or absent),
+     * "forbidden" (403: the token may not do this), "gated" (403: the repo is gated),
+     * "repo_not_found", "revision_not_found" (404).  last_error says it in words. */
+    char problem[32];
 } hub_status;
 
 struct hub_ops {

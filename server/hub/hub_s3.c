@@ -1823,8 +1823,11 @@ static int s3_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
                      h->endpoint);
         goto fail;
     }
-    h->virtual_host = cfg->addressing == S3_ADDRESSING_VIRTUAL ||
-                      (cfg->addressing == S3_ADDRESSING_AUTO && strstr(h->endpoint, ".amazonaws.com") != NULL);
+    s3_addressing addressing = cfg->addressing == NULL || strcmp(cfg->addressing, "auto") == 0 ? S3_ADDRESSING_AUTO
+                               : strcmp(cfg->addressing, "path") == 0                         ? S3_ADDRESSING_PATH
+                                                                                              : S3_ADDRESSING_VIRTUAL;
+    h->virtual_host = addressing == S3_ADDRESSING_VIRTUAL ||
+                      (addressing == S3_ADDRESSING_AUTO && strstr(h->endpoint, ".amazonaws.com") != NULL);
     /* a bucket name with dots breaks TLS on virtual hosts (the certificate is *.s3...) */
     if (h->virtual_host && strchr(h->bucket, '.') != NULL && strncmp(h->endpoint, "https://", 8) == 0) {
         rc = dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0,
