@@ -135,7 +135,10 @@ struct hf_hub {
     int64_t published_known;    /* the Hub's step_count.json outer_step, -1 unknown */
     int global_download;        /* adoption download in progress */
     int told_none;              /* published_seen(-1) was reported */
-    uint64_t poll_resume_ms;    /* after a 429: no poll before this loop time */
+    uint64_t poll_resume_ms;    /* after a 429 or an access problem: no poll before this loop time */
+    double access_backoff;      /* seconds between polls while the Hub refuses access (0: it does not) */
+    int problem_status;         /* the HTTP status behind st.problem */
+    int in_access_failure;      /* the failed request's callback runs: its message is already set */
     pub_state pub;
     void (*close_done)(void *);
     void *close_arg;
@@ -224,12 +227,114 @@ static void set_error(hf_hub *h, const char *fmt, ...) __attribute__((format(pri
 static void set_error(hf_hub *h, const char *fmt, ...)
 {
     va_list ap;
+    /* A request refused for access (401, 403, unknown repo) already says so in words that tell the
+     * operator what to fix; the callers' generic "HTTP 401" would replace them at every poll. */
+    if (h->in_access_failure)
+        return;
     va_start(ap, fmt);
     vsnprintf(h->st.last_error, sizeof(h->st.last_error), fmt, ap);
     va_end(ap);
     h->st.errors++;
     char q[400];
     dl_log(DL_LOG_WARN, "hub", "hub request failed", "error=%s", dl_log_q(q, sizeof(q), h->st.last_error));
+}
+
+/* ---- access problems: a wrong token or repo id ---------------------------------------------------
+ * Retrying cannot fix these, only the operator can, so they are said once in words that name the
+ * fix, shown in /status (st.problem), and polled at a slowing pace until they go away. */
+
+/* The stable name of the access problem x's answer shows, or NULL.  The mapping is the one
+ * huggingface_hub applies to the Hub's answers (hf_raise_for_status): X-Error-Code GatedRepo,
+ * RepoNotFound, RevisionNotFound; 401 for a missing or invalid token or a private or absent repo;
+ * 403 for a token without the right.  Other 404s (EntryNotFound: a file not there yet) are normal. */
+static const char *access_problem(const cuv_xfer *x)
+{
+    if (x == NULL || x->result != CURLE_OK)
+        return NULL;
+    if (strcmp(x->error_code, "GatedRepo") == 0)
+        return "gated";
+    if (x->status == 401)
+        return "unauthorized";
+    if (x->status == 403)
+        return "forbidden";
+    if (x->status == 404 && strcmp(x->error_code, "RepoNotFound") == 0)
+        return "repo_not_found";
+    if (x->status == 404 && strcmp(x->error_code, "RevisionNotFound") == 0)
+        return "revision_not_found";
+    return NULL;
+}
+
+/* The Hub's own words: {"error": "..."} in a JSON answer held in memory (capped by curl_uv). */
+static void hub_error_message(const cuv_xfer *x, char *out, size_t size)
+{
+    out[0] = '\0';
+    if (x->body.p == NULL || x->body.len == 0 || strcasestr(x->content_type, "json") == NULL)
+        return;
+    cJSON *j = cJSON_ParseWithLength(x->body.p, x->body.len);
+    const char *m = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(j, "error"));
+    if (m != NULL)
+        snprintf(out, size, "%s", m);
+    cJSON_Delete(j);
+    for (char *p = out; *p; p++)        /* one line in /status and the log, whatever the Hub sent */
+        if ((unsigned char)*p < 0x20 || *p == 0x7f)
+            *p = ' ';
+}
+
+static const char *access_fix(const char *problem)
+{
+    if (strcmp(problem, "gated") == 0)
+        return "the repo is gated: accept its conditions on the Hub with the token's account, or use another repo";
+    if (strcmp(problem, "forbidden") == 0)
+        return "the token lacks the permission: give it write access to the repo (a fine-grained token needs "
+               "'write' on this repo), then set it with HF_TOKEN, --hub-token-file or hub_token_file";
+    if (strcmp(problem, "revision_not_found") == 0)
+        return "the branch or revision after '@' in --hub hf://<namespace>/<repo>@<revision> does not exist";
+    return "set a valid token with HF_TOKEN, --hub-token-file FILE or hub_token_file in the config file, and "
+           "check the repo id in --hub hf://<namespace>/<repo>";
+}
+
+/* r's answer is an access problem: recorded, logged when it is new (another problem or status), and
+ * the polls slow down, doubling up to MAX_BACKOFF. */
+static void access_failed(hf_hub *h, const hf_req *r, const cuv_xfer *x, const char *problem)
+{
+    char said[160], q_said[200], q_repo[200], q_fix[400];
+    int is_new = strcmp(h->st.problem, problem) != 0 || h->problem_status != (int)x->status;
+
+    hub_error_message(x, said, sizeof(said));
+    snprintf(h->st.problem, sizeof(h->st.problem), "%s", problem);
+    h->problem_status = (int)x->status;
+    snprintf(h->st.last_error, sizeof(h->st.last_error), "%s: HTTP %ld%s%s on %s%s%s%s: the Hub token or the repo id "
+             "hf://%s is wrong", problem, x->status, x->error_code[0] ? " " : "", x->error_code, r->route,
+             said[0] ? " (" : "", said, said[0] ? ")" : "", h->repo);
+    h->st.errors++;
+    h->access_backoff = h->access_backoff > 0 ? fmin(2 * h->access_backoff, MAX_BACKOFF)
+                                              : fmin(fmax(h->poll_interval, 1.0), MAX_BACKOFF);
+    uint64_t resume = uv_now(h->loop) + (uint64_t)(h->access_backoff * 1000);
+    if (resume > h->poll_resume_ms)
+        h->poll_resume_ms = resume;
+    if (!is_new)
+        return;
+    dl_log(DL_LOG_ERROR, "hub", "the Hub refuses access: the token or the repo id is wrong",
+           "problem=%s status=%ld code=%s route=%s repo=%s token=%s hub_says=%s fix=%s retry=\"with backoff up to %.0f s\"",
+           problem, x->status, x->error_code[0] ? x->error_code : "none", r->route,
+           dl_log_q(q_repo, sizeof(q_repo), h->repo), h->token != NULL ? "set" : "not_set",
+           dl_log_q(q_said, sizeof(q_said), said[0] ? said : "nothing"), dl_log_q(q_fix, sizeof(q_fix), access_fix(problem)),
+           MAX_BACKOFF);
+}
+
+/* A request that carried the token was answered: whatever access problem there was is over. */
+static void access_ok(hf_hub *h)
+{
+    char q[80];
+    if (h->st.problem[0] == '\0')
+        return;
+    dl_log(DL_LOG_INFO, "hub", "the Hub accepts the token again", "repo=%s was=%s",
+           dl_log_q(q, sizeof(q), h->repo), h->st.problem);
+    h->st.problem[0] = '\0';
+    h->problem_status = 0;
+    h->access_backoff = 0;
+    h->poll_resume_ms = 0;
+    h->st.last_error[0] = '\0';
 }
 
 static void req_send(hf_req *r);
@@ -262,6 +367,16 @@ static void req_done(cuv_xfer *x, void *arg)
         return;
     }
     transient = x->result != CURLE_OK || x->status == 429 || x->status >= 500 || x->status == 408;
+    const char *problem = access_problem(x);
+    if (problem != NULL) {
+        access_failed(h, r, x, problem);
+        h->in_access_failure = 1;
+        r->cb(h, r, 0);
+        h->in_access_failure = 0;
+        return;
+    }
+    if (x->result == CURLE_OK && r->auth && x->status >= 200 && x->status < 300)
+        access_ok(h);
     if (x->result == CURLE_OK && !transient) {
         r->cb(h, r, x->status >= 200 && x->status < 400);
         return;

@@ -24,9 +24,12 @@ OPTIONS
     --port N                   listen port, 0 = pick a free one (default 0).
     --port-file PATH           also write the port number to PATH.
     --token T                  require `Authorization: Bearer T` on every API/resolve/LFS-batch/verify
-                               call (repeatable: any of the tokens is accepted).  Missing/wrong token:
-                               401 + X-Error-Code: RepoNotFound.  LFS upload URLs, the multipart
-                               completion URL and the CDN never require it.
+                               call (repeatable: any of the tokens is accepted).  As the Hub answers:
+                               no token: 401 + X-Error-Code: RepoNotFound (huggingface_hub raises
+                               RepositoryNotFoundError); a wrong token: 401 + X-Error-Message: Invalid
+                               credentials in Authorization header and no X-Error-Code (it raises
+                               HfHubHTTPError).  LFS upload URLs, the multipart completion URL and the
+                               CDN never require it.
     --user NAME                namespace used when create_repo has no organization (default "user").
     --api-host NAME            host name used in API URLs it generates when the request has no Host
                                header (default localhost).
@@ -1029,8 +1032,12 @@ class Handler(BaseHTTPRequestHandler):
         self.respond(status, json.dumps(obj).encode(), headers, content_type)
 
     def respond_error(self, status, message, code=None, headers=None):
-        h = {"X-Error-Code": code or ERROR_CODES.get(status, "Error"),
-             "X-Error-Message": message.encode("ascii", "replace").decode().replace("\n", " ").replace("\r", " ")}
+        """code None: the status's usual X-Error-Code; "" sends none (the Hub's answer to a wrong token)."""
+        if code is None:
+            code = ERROR_CODES.get(status, "Error")
+        h = {"X-Error-Message": message.encode("ascii", "replace").decode().replace("\n", " ").replace("\r", " ")}
+        if code:
+            h["X-Error-Code"] = code
         h.update(headers or {})
         self.respond_json(status, {"error": message}, h)
 
@@ -1080,7 +1087,9 @@ class Handler(BaseHTTPRequestHandler):
                     raise HubError(401, "Repository not found (authentication required)", "RepoNotFound")
                 tok = auth[7:].strip() if auth[:7].lower() == "bearer " else None
                 if tok not in self.sim.cfg["tokens"]:
-                    raise HubError(401, "Invalid credentials in Authorization header", "RepoNotFound")
+                    # the Hub names no error code here, so huggingface_hub does not take a wrong token
+                    # for a missing repo (its hf_raise_for_status checks this exact message)
+                    raise HubError(401, "Invalid credentials in Authorization header", "")
             fn(**params)
         except HubError as e:
             try:
