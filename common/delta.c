@@ -126,29 +126,43 @@ static int shape_mismatch(dl_error *err, const st_tensor *want, const st_tensor 
                    what, b, a);
 }
 
-static int check_metadata(const st_header *delta, delta_info *info, dl_error *err)
+/* Linear: a delta carries a handful of metadata keys. */
+static const char *meta_find(const st_meta *meta, size_t n, const char *key, size_t *len)
+{
+    size_t kl = strlen(key);
+    for (size_t i = 0; i < n; i++) {
+        if (meta[i].key_len == kl && memcmp(meta[i].key, key, kl) == 0) {
+            if (len != NULL)
+                *len = meta[i].value_len;
+            return meta[i].value;
+        }
+    }
+    return NULL;
+}
+
+static int check_metadata(const st_meta *meta, size_t nmeta, delta_info *info, dl_error *err)
 {
     static const char *const required[] = {"algorithm", "base_outer_step", "local_step", "node_id"};
     const char *v;
     size_t len;
 
     for (size_t i = 0; i < sizeof(required) / sizeof(required[0]); i++) {
-        if (st_header_meta(delta, required[i], NULL) == NULL)
+        if (meta_find(meta, nmeta, required[i], NULL) == NULL)
             return dl_fail(err, DL_E_METADATA_MISSING, NULL, 0, "delta metadata lacks \"%s\"", required[i]);
     }
-    v = st_header_meta(delta, "algorithm", &len);
+    v = meta_find(meta, nmeta, "algorithm", &len);
     if (len != strlen(DELTA_ALGORITHM) || memcmp(v, DELTA_ALGORITHM, len) != 0)
         return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "delta metadata algorithm is \"%.64s\", expected \"%s\"",
                        v, DELTA_ALGORITHM);
-    v = st_header_meta(delta, "base_outer_step", &len);
+    v = meta_find(meta, nmeta, "base_outer_step", &len);
     if (delta_parse_int(v, len, &info->base_outer_step) != 0)
         return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
                        "delta metadata base_outer_step \"%.32s\" is not a canonical non-negative integer", v);
-    v = st_header_meta(delta, "local_step", &len);
+    v = meta_find(meta, nmeta, "local_step", &len);
     if (delta_parse_int(v, len, &info->local_step) != 0)
         return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
                        "delta metadata local_step \"%.32s\" is not a canonical non-negative integer", v);
-    v = st_header_meta(delta, "node_id", &len);
+    v = meta_find(meta, nmeta, "node_id", &len);
     if (!delta_valid_node_id(v, len))
         return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
                        "delta metadata node_id \"%.64s\" is not a valid node id ([A-Za-z0-9._-]{1,64})", v);
@@ -157,79 +171,189 @@ static int check_metadata(const st_header *delta, delta_info *info, dl_error *er
     return 0;
 }
 
-int delta_check_header(const st_header *delta, const st_header *global, const char *path,
-                       delta_info *info, dl_error *err)
+int delta_parse_any_path(const char *path, delta_path *out, dl_error *err)
+{
+    static const char prefix[] = "nodes/", fprefix[] = "delta_";
+    const char *id, *slash, *file;
+    char base[ST_INDEX_BASE_MAX + 1];
+    size_t id_len;
+    uint32_t i = 0, n = 0;
+    st_name_kind kind;
+
+    memset(out, 0, sizeof(*out));
+    if (strncmp(path, prefix, sizeof(prefix) - 1) != 0 || (slash = strchr(path + sizeof(prefix) - 1, '/')) == NULL)
+        goto bad;
+    id = path + sizeof(prefix) - 1;
+    id_len = (size_t)(slash - id);
+    if (!delta_valid_node_id(id, id_len))
+        return dl_fail(err, DL_E_INVALID_PATH, NULL, 0,
+                       "invalid node id in delta path (allowed: [A-Za-z0-9._-]{1,64}, not . or ..)");
+    file = slash + 1;
+    if (strchr(file, '/') != NULL)
+        goto bad;
+    kind = st_index_classify(file, strlen(file), base, &i, &n);
+    if (kind == ST_NAME_OTHER || strncmp(base, fprefix, sizeof(fprefix) - 1) != 0)
+        goto bad;
+    if (delta_parse_int(base + sizeof(fprefix) - 1, strlen(base) - (sizeof(fprefix) - 1), &out->local_step) != 0)
+        return dl_fail(err, DL_E_INVALID_PATH, NULL, 0,
+                       "invalid local step in delta path (a decimal integer without sign or leading zeros)");
+    out->kind = kind == ST_NAME_SINGLE ? DELTA_PATH_SINGLE : kind == ST_NAME_INDEX ? DELTA_PATH_INDEX : DELTA_PATH_SHARD;
+    out->shard = i;
+    out->nshards = n;
+    memcpy(out->node_id, id, id_len);
+    out->node_id[id_len] = '\0';
+    return 0;
+bad:
+    return dl_fail(err, DL_E_INVALID_PATH, NULL, 0,
+                   "not a delta path: expected nodes/<node_id>/delta_<local_step>.safetensors (or its "
+                   ".safetensors.index.json and -<i>-of-<N>.safetensors shards)");
+}
+
+int delta_check_meta(const st_meta *meta, size_t nmeta, const char *path, delta_info *info, dl_error *err)
 {
     delta_info local;
-    const st_tensor **want = NULL;
-    size_t nwant, k = 0;
+    delta_path p;
     int rc;
 
     if (info == NULL)
         info = &local;
-    if ((rc = check_metadata(delta, info, err)) != 0)
+    if ((rc = check_metadata(meta, nmeta, info, err)) != 0 || path == NULL)
         return rc;
-    if (path != NULL) {
-        char id[DELTA_NODE_ID_MAX + 1];
-        uint64_t step;
-        if ((rc = delta_parse_path(path, id, &step, err)) != 0)
-            return rc;
-        if (strcmp(id, info->node_id) != 0)
-            return dl_fail(err, DL_E_PATH_MISMATCH, NULL, 0,
-                           "delta metadata node_id \"%s\" does not match the path's node id \"%s\"",
-                           info->node_id, id);
-        if (step != info->local_step)
-            return dl_fail(err, DL_E_PATH_MISMATCH, NULL, 0,
-                           "delta metadata local_step %llu does not match the path's step %llu",
-                           (unsigned long long)info->local_step, (unsigned long long)step);
+    if ((rc = delta_parse_any_path(path, &p, err)) != 0)
+        return rc;
+    if (p.kind == DELTA_PATH_SHARD)
+        return dl_fail(err, DL_E_INVALID_PATH, NULL, 0,
+                       "a shard's path does not name a delta: its metadata is in the set's index");
+    if (strcmp(p.node_id, info->node_id) != 0)
+        return dl_fail(err, DL_E_PATH_MISMATCH, NULL, 0,
+                       "delta metadata node_id \"%s\" does not match the path's node id \"%s\"",
+                       info->node_id, p.node_id);
+    if (p.local_step != info->local_step)
+        return dl_fail(err, DL_E_PATH_MISMATCH, NULL, 0,
+                       "delta metadata local_step %llu does not match the path's step %llu",
+                       (unsigned long long)info->local_step, (unsigned long long)p.local_step);
+    return 0;
+}
+
+int delta_header_by_name(const st_header *h, const st_tensor ***out, dl_error *err)
+{
+    const st_tensor **v = malloc((h->ntensors ? h->ntensors : 1) * sizeof(*v));
+
+    if (v == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    for (size_t i = 0; i < h->ntensors; i++)
+        v[i] = &h->tensors[h->by_name[i]];
+    *out = v;
+    return 0;
+}
+
+static int name_cmp(const st_tensor *a, const st_tensor *b)
+{
+    size_t m = a->name_len < b->name_len ? a->name_len : b->name_len;
+    int c = memcmp(a->name, b->name, m);
+    return c != 0 ? c : (a->name_len > b->name_len) - (a->name_len < b->name_len);
+}
+
+static const st_tensor *by_name_find(const st_tensor *const *v, size_t n, const st_tensor *key)
+{
+    size_t lo = 0, hi = n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        int c = name_cmp(v[mid], key);
+        if (c == 0)
+            return v[mid];
+        if (c < 0)
+            lo = mid + 1;
+        else
+            hi = mid;
     }
-    if ((rc = delta_floating_state(global, &want, &nwant, err)) != 0)
-        return rc;
-    /* Both lists are in name order: walk them together to name the first missing or extra key. */
-    for (size_t i = 0; i < delta->ntensors || k < nwant;) {
-        const st_tensor *d = i < delta->ntensors ? &delta->tensors[delta->by_name[i]] : NULL;
-        const st_tensor *g = k < nwant ? want[k] : NULL;
-        int c;
-        if (d == NULL)
-            c = 1;
-        else if (g == NULL)
-            c = -1;
-        else {
-            size_t m = d->name_len < g->name_len ? d->name_len : g->name_len;
-            c = memcmp(d->name, g->name, m);
-            if (c == 0)
-                c = (d->name_len > g->name_len) - (d->name_len < g->name_len);
-        }
-        if (c < 0) {
-            rc = dl_fail(err, DL_E_KEY_MISMATCH, d->name, d->name_len,
-                         st_header_find(global, d->name, d->name_len) != NULL
-                             ? "delta carries a non-floating key of the global model"
-                             : "delta carries a key the global model does not have");
-            goto out;
-        }
-        if (c > 0) {
-            rc = dl_fail(err, DL_E_KEY_MISMATCH, g->name, g->name_len, "delta lacks a floating key of the global model");
-            goto out;
-        }
-        if (!same_shape(g, d)) {
-            rc = shape_mismatch(err, g, d, "delta tensor");
-            goto out;
-        }
-        st_dtype expect = delta_dtype_for(g->dtype);
-        int ok = expect == ST_C64 ? d->dtype == ST_C64
-                                  : (d->dtype == ST_F32 || d->dtype == ST_F16 || d->dtype == ST_BF16);
-        if (!ok) {
-            rc = dl_fail(err, DL_E_DTYPE_MISMATCH, d->name, d->name_len,
-                         "delta tensor has dtype %s, expected %s for a %s weight", st_dtype_name(d->dtype),
-                         expect == ST_C64 ? "C64" : "F32 (or F16/BF16)", st_dtype_name(g->dtype));
-            goto out;
-        }
+    return NULL;
+}
+
+/* One delta tensor against its global tensor g: shape and dtype. */
+static int check_one(const st_tensor *g, const st_tensor *d, dl_error *err)
+{
+    if (!same_shape(g, d))
+        return shape_mismatch(err, g, d, "delta tensor");
+    st_dtype expect = delta_dtype_for(g->dtype);
+    int ok = expect == ST_C64 ? d->dtype == ST_C64 : (d->dtype == ST_F32 || d->dtype == ST_F16 || d->dtype == ST_BF16);
+    if (!ok)
+        return dl_fail(err, DL_E_DTYPE_MISMATCH, d->name, d->name_len,
+                       "delta tensor has dtype %s, expected %s for a %s weight", st_dtype_name(d->dtype),
+                       expect == ST_C64 ? "C64" : "F32 (or F16/BF16)", st_dtype_name(g->dtype));
+    return 0;
+}
+
+int delta_check_tensors(const st_tensor *const *delta, size_t nd, const st_tensor *const *global, size_t ng,
+                        dl_error *err)
+{
+    size_t i = 0, k = 0;
+
+    /* Both lists are in name order: walk them together to name the first missing or extra key;
+     * the global's non-floating tensors are stepped over. */
+    for (;;) {
+        while (k < ng && !st_dtype_is_floating(global[k]->dtype))
+            k++;
+        if (i == nd && k == ng)
+            return 0;
+        const st_tensor *d = i < nd ? delta[i] : NULL, *g = k < ng ? global[k] : NULL;
+        int c = d == NULL ? 1 : g == NULL ? -1 : name_cmp(d, g);
+        if (c < 0)
+            return dl_fail(err, DL_E_KEY_MISMATCH, d->name, d->name_len,
+                           by_name_find(global, ng, d) != NULL ? "delta carries a non-floating key of the global model"
+                                                               : "delta carries a key the global model does not have");
+        if (c > 0)
+            return dl_fail(err, DL_E_KEY_MISMATCH, g->name, g->name_len, "delta lacks a floating key of the global model");
+        int rc = check_one(g, d, err);
+        if (rc != 0)
+            return rc;
         i++;
         k++;
     }
-out:
-    free(want);
+}
+
+int delta_check_header(const st_header *delta, const st_header *global, const char *path,
+                       delta_info *info, dl_error *err)
+{
+    const st_tensor **d = NULL, **g = NULL;
+    int rc;
+
+    if ((rc = delta_check_meta(delta->meta, delta->nmeta, path, info, err)) != 0)
+        return rc;
+    if ((rc = delta_header_by_name(delta, &d, err)) == 0 && (rc = delta_header_by_name(global, &g, err)) == 0)
+        rc = delta_check_tensors(d, delta->ntensors, g, global->ntensors, err);
+    free(d);
+    free(g);
     return rc;
+}
+
+int delta_check_shard_header(const st_header *shard, const st_tensor *const *global, size_t nglobal, dl_error *err)
+{
+    for (size_t i = 0; i < shard->ntensors; i++) {
+        const st_tensor *d = &shard->tensors[shard->by_name[i]];
+        const st_tensor *g = by_name_find(global, nglobal, d);
+        int rc;
+        if (g == NULL || !st_dtype_is_floating(g->dtype))
+            return dl_fail(err, DL_E_KEY_MISMATCH, d->name, d->name_len,
+                           g != NULL ? "delta carries a non-floating key of the global model"
+                                     : "delta carries a key the global model does not have");
+        if ((rc = check_one(g, d, err)) != 0)
+            return rc;
+    }
+    return 0;
+}
+
+int delta_check_set_header(const st_set *delta, const st_tensor *const *global, size_t nglobal, const char *path,
+                           delta_info *info, dl_error *err)
+{
+    const st_meta *meta;
+    size_t nmeta;
+    int rc;
+
+    st_set_metadata(delta, &meta, &nmeta);
+    if ((rc = delta_check_meta(meta, nmeta, path, info, err)) != 0)
+        return rc;
+    return delta_check_tensors(delta->by_name, delta->ntensors, global, nglobal, err);
 }
 
 /* Whether any of n lanes has an all-ones exponent: a branch-free OR the compiler vectorises. */
@@ -278,24 +402,21 @@ int64_t delta_find_non_finite(st_dtype dt, const void *data, size_t nelem)
     return -1;
 }
 
-int delta_validate(const st_file *delta, const st_header *global, const char *path, delta_info *info,
-                   dl_error *err)
+/* Every value of every tensor of f is finite (NaN and Inf are refused with the element named). */
+static int scan_finite(const st_file *f, dl_error *err)
 {
-    unsigned char *buf;
-    int rc;
+    unsigned char *buf = malloc((size_t)CHUNK_ELEMS * 8);
+    int rc = 0;
 
-    if ((rc = delta_check_header(delta->h, global, path, info, err)) != 0)
-        return rc;
-    buf = malloc((size_t)CHUNK_ELEMS * 8);
     if (buf == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-    for (size_t i = 0; i < delta->h->ntensors && rc == 0; i++) {
-        const st_tensor *t = &delta->h->tensors[i];
+    for (size_t i = 0; i < f->h->ntensors && rc == 0; i++) {
+        const st_tensor *t = &f->h->tensors[i];
         size_t esize = st_dtype_bits(t->dtype) / 8;
         for (uint64_t e = 0; e < t->nelem; e += CHUNK_ELEMS) {
             size_t n = (size_t)(t->nelem - e < CHUNK_ELEMS ? t->nelem - e : CHUNK_ELEMS);
             int64_t bad;
-            if ((rc = st_read(delta, t, e * esize, buf, n * esize, err)) != 0)
+            if ((rc = st_read(f, t, e * esize, buf, n * esize, err)) != 0)
                 break;
             if ((bad = delta_find_non_finite(t->dtype, buf, n)) >= 0) {
                 rc = dl_fail(err, DL_E_NON_FINITE, t->name, t->name_len,
@@ -309,14 +430,36 @@ int delta_validate(const st_file *delta, const st_header *global, const char *pa
     return rc;
 }
 
+int delta_validate(const st_file *delta, const st_header *global, const char *path, delta_info *info,
+                   dl_error *err)
+{
+    int rc;
+
+    if ((rc = delta_check_header(delta->h, global, path, info, err)) != 0)
+        return rc;
+    return scan_finite(delta, err);
+}
+
+int delta_validate_set(const st_set *delta, const st_tensor *const *global, size_t nglobal, const char *path,
+                       delta_info *info, dl_error *err)
+{
+    int rc;
+
+    if ((rc = delta_check_set_header(delta, global, nglobal, path, info, err)) != 0)
+        return rc;
+    for (size_t f = 0; f < delta->nfiles && rc == 0; f++)
+        rc = scan_finite(delta->files[f], err);
+    return rc;
+}
+
 /* Reads n elements of t starting at element e and decodes them into out (F32 lanes). */
-static int read_f32(const st_file *f, const st_tensor *t, uint64_t e, size_t n, void *raw, float *out,
-                    dl_error *err)
+static int read_f32(const st_set *s, uint32_t file, const st_tensor *t, uint64_t e, size_t n, void *raw,
+                    float *out, dl_error *err)
 {
     size_t esize = st_dtype_bits(t->dtype) / 8;
     int rc;
 
-    if ((rc = st_read(f, t, e * esize, raw, n * esize, err)) != 0)
+    if ((rc = st_set_read(s, file, t, e * esize, raw, n * esize, err)) != 0)
         return rc;
     if (cv_decode(t->dtype, raw, out, n) != 0)
         return dl_fail(err, DL_E_UNSUPPORTED_DTYPE, t->name, t->name_len,
@@ -346,13 +489,14 @@ static void bufs_free(chunk_bufs *c)
     free(c->b);
 }
 
-int delta_compute(const char *baseline, const char *current, const char *out, const char *node_id,
-                  uint64_t base_outer_step, uint64_t local_step, dl_error *err)
+int delta_compute_set(const char *baseline, const char *current, const char *out, const char *node_id,
+                      uint64_t base_outer_step, uint64_t local_step, uint64_t shard_size, dl_error *err)
 {
-    st_file *fb = NULL, *fc = NULL;
+    st_set *fb = NULL, *fc = NULL;
     const st_tensor **keys = NULL;
+    uint32_t *bfile = NULL;
     st_spec *specs = NULL;
-    st_writer *w = NULL;
+    st_set_writer *w = NULL;
     chunk_bufs cb = {0};
     size_t nkeys = 0;
     char bstep[24], lstep[24];
@@ -362,17 +506,17 @@ int delta_compute(const char *baseline, const char *current, const char *out, co
         return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "invalid node id \"%.64s\"", node_id);
     if (base_outer_step > DELTA_INT_MAX || local_step > DELTA_INT_MAX)
         return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "step out of range");
-    if ((rc = st_open(baseline, &fb, err)) != 0 || (rc = st_open(current, &fc, err)) != 0)
+    if ((rc = st_set_open(baseline, &fb, err)) != 0 || (rc = st_set_open(current, &fc, err)) != 0)
         goto out;
     /* exact key-set and shape equality over the whole state */
-    if (fb->h->ntensors != fc->h->ntensors) {
-        rc = dl_fail(err, DL_E_KEY_MISMATCH, NULL, 0, "baseline has %zu tensors, current has %zu",
-                     fb->h->ntensors, fc->h->ntensors);
+    if (fb->ntensors != fc->ntensors) {
+        rc = dl_fail(err, DL_E_KEY_MISMATCH, NULL, 0, "baseline has %zu tensors, current has %zu", fb->ntensors,
+                     fc->ntensors);
         goto out;
     }
-    for (size_t i = 0; i < fb->h->ntensors; i++) {
-        const st_tensor *b = &fb->h->tensors[fb->h->by_name[i]];
-        const st_tensor *c = st_header_find(fc->h, b->name, b->name_len);
+    for (size_t i = 0; i < fb->ntensors; i++) {
+        const st_tensor *b = fb->by_name[i];
+        const st_tensor *c = st_set_find(fc, b->name, b->name_len, NULL);
         if (c == NULL) {
             rc = dl_fail(err, DL_E_KEY_MISMATCH, b->name, b->name_len, "current model lacks this key");
             goto out;
@@ -388,56 +532,107 @@ int delta_compute(const char *baseline, const char *current, const char *out, co
             goto out;
         }
     }
-    if ((rc = delta_floating_state(fb->h, &keys, &nkeys, err)) != 0)
-        goto out;
-    specs = calloc(nkeys ? nkeys : 1, sizeof(*specs));
-    if (specs == NULL) {
+    /* the floating keys in the baseline's save order (a set's index order; name order for a file),
+     * so a sharded delta splits where huggingface_hub would split the same state dict */
+    keys = malloc((fb->ntensors ? fb->ntensors : 1) * sizeof(*keys));
+    bfile = malloc((fb->ntensors ? fb->ntensors : 1) * sizeof(*bfile));
+    specs = calloc(fb->ntensors ? fb->ntensors : 1, sizeof(*specs));
+    if (keys == NULL || bfile == NULL || specs == NULL) {
         rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
         goto out;
     }
-    for (size_t i = 0; i < nkeys; i++)
-        specs[i] = (st_spec){keys[i]->name, keys[i]->name_len, delta_dtype_for(keys[i]->dtype),
-                             keys[i]->ndim, keys[i]->shape};
+    for (size_t i = 0; i < fb->ntensors; i++) {
+        const st_tensor *t = fb->order[i];
+        if (!st_dtype_is_floating(t->dtype))
+            continue;
+        keys[nkeys] = t;
+        bfile[nkeys] = fb->order_file[i];
+        specs[nkeys] = (st_spec){t->name, t->name_len, delta_dtype_for(t->dtype), t->ndim, t->shape};
+        nkeys++;
+    }
     snprintf(bstep, sizeof(bstep), "%llu", (unsigned long long)base_outer_step);
     snprintf(lstep, sizeof(lstep), "%llu", (unsigned long long)local_step);
     st_kv meta[] = {{"algorithm", DELTA_ALGORITHM}, {"base_outer_step", bstep}, {"local_step", lstep},
                     {"node_id", node_id}};
     if ((rc = bufs_alloc(&cb, err)) != 0 ||
-        (rc = st_writer_open(out, specs, nkeys, meta, 4, &w, err)) != 0)
+        (rc = st_set_writer_open(out, specs, nkeys, meta, 4, shard_size, &w, err)) != 0)
         goto out;
     for (size_t i = 0; i < nkeys; i++) {
         const st_tensor *b = keys[i];
-        const st_tensor *c = st_header_find(fc->h, b->name, b->name_len);
+        uint32_t cfile;
+        const st_tensor *c = st_set_find(fc, b->name, b->name_len, &cfile);
         size_t lanes = cv_lanes(b->dtype);
         for (uint64_t e = 0; e < b->nelem; e += CHUNK_ELEMS) {
             size_t n = (size_t)(b->nelem - e < CHUNK_ELEMS ? b->nelem - e : CHUNK_ELEMS);
-            if ((rc = read_f32(fb, b, e, n, cb.raw, cb.a, err)) != 0 ||
-                (rc = read_f32(fc, c, e, n, cb.raw, cb.b, err)) != 0)
+            if ((rc = read_f32(fb, bfile[i], b, e, n, cb.raw, cb.a, err)) != 0 ||
+                (rc = read_f32(fc, cfile, c, e, n, cb.raw, cb.b, err)) != 0)
                 goto out;
             for (size_t j = 0; j < n * lanes; j++)
                 cb.a[j] -= cb.b[j];
-            if ((rc = st_writer_write(w, i, e * lanes * 4, cb.a, n * lanes * 4, err)) != 0)
+            if ((rc = st_set_writer_write(w, i, e * lanes * 4, cb.a, n * lanes * 4, err)) != 0)
                 goto out;
         }
     }
-    rc = st_writer_commit(w, err);
+    rc = st_set_writer_commit(w, err);
     w = NULL;
 out:
-    st_writer_abort(w);
+    st_set_writer_abort(w);
     bufs_free(&cb);
     free(specs);
     free(keys);
-    st_close(fb);
-    st_close(fc);
+    free(bfile);
+    st_set_close(fb);
+    st_set_close(fc);
     return rc;
 }
 
-int delta_average(const char *const *paths, size_t n, const char *out, dl_error *err)
+int delta_compute(const char *baseline, const char *current, const char *out, const char *node_id,
+                  uint64_t base_outer_step, uint64_t local_step, dl_error *err)
 {
-    st_file **f = NULL;
+    return delta_compute_set(baseline, current, out, node_id, base_outer_step, local_step, 0, err);
+}
+
+static int is_delta_dtype(st_dtype dt)
+{
+    return dt == ST_F32 || dt == ST_F16 || dt == ST_BF16 || dt == ST_C64;
+}
+
+/* Every set has the reference's keys, shapes and delta dtypes (C64 exactly where the reference has it). */
+static int check_same_keys(st_set *const *f, const char *const *paths, size_t n, dl_error *err)
+{
+    const st_set *ref = f[0];
+
+    for (size_t i = 0; i < ref->ntensors; i++) {
+        const st_tensor *t = ref->by_name[i];
+        if (!is_delta_dtype(t->dtype))
+            return dl_fail(err, DL_E_DTYPE_MISMATCH, t->name, t->name_len,
+                           "%s: delta tensors must be F32, F16, BF16 or C64, not %s", paths[0], st_dtype_name(t->dtype));
+    }
+    for (size_t k = 1; k < n; k++) {
+        if (f[k]->ntensors != ref->ntensors)
+            return dl_fail(err, DL_E_KEY_MISMATCH, NULL, 0, "%s has %zu tensors, %s has %zu", paths[k], f[k]->ntensors,
+                           paths[0], ref->ntensors);
+        for (size_t i = 0; i < ref->ntensors; i++) {
+            const st_tensor *r = ref->by_name[i];
+            const st_tensor *t = st_set_find(f[k], r->name, r->name_len, NULL);
+            if (t == NULL)
+                return dl_fail(err, DL_E_KEY_MISMATCH, r->name, r->name_len, "%s lacks this key", paths[k]);
+            if (!same_shape(r, t))
+                return shape_mismatch(err, r, t, paths[k]);
+            if ((r->dtype == ST_C64) != (t->dtype == ST_C64) || !is_delta_dtype(t->dtype))
+                return dl_fail(err, DL_E_DTYPE_MISMATCH, t->name, t->name_len, "%s has dtype %s, %s has %s", paths[k],
+                               st_dtype_name(t->dtype), paths[0], st_dtype_name(r->dtype));
+        }
+    }
+    return 0;
+}
+
+int delta_average_set(const char *const *paths, size_t n, const char *out, uint64_t shard_size, dl_error *err)
+{
+    st_set **f = NULL;
     st_spec *specs = NULL;
-    const st_header *ref;
-    st_writer *w = NULL;
+    const st_set *ref;
+    st_set_writer *w = NULL;
     chunk_bufs cb = {0};
     int rc = 0;
 
@@ -447,87 +642,61 @@ int delta_average(const char *const *paths, size_t n, const char *out, dl_error 
     if (f == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     for (size_t i = 0; i < n; i++) {
-        if ((rc = st_open(paths[i], &f[i], err)) != 0)
+        if ((rc = st_set_open(paths[i], &f[i], err)) != 0)
             goto out;
     }
-    ref = f[0]->h;
-    for (size_t i = 0; i < ref->ntensors; i++) {
-        const st_tensor *t = &ref->tensors[i];
-        if (t->dtype != ST_F32 && t->dtype != ST_F16 && t->dtype != ST_BF16 && t->dtype != ST_C64) {
-            rc = dl_fail(err, DL_E_DTYPE_MISMATCH, t->name, t->name_len,
-                         "%s: delta tensors must be F32, F16, BF16 or C64, not %s", paths[0], st_dtype_name(t->dtype));
-            goto out;
-        }
-    }
-    for (size_t k = 1; k < n; k++) {
-        const st_header *h = f[k]->h;
-        if (h->ntensors != ref->ntensors) {
-            rc = dl_fail(err, DL_E_KEY_MISMATCH, NULL, 0, "%s has %zu tensors, %s has %zu", paths[k],
-                         h->ntensors, paths[0], ref->ntensors);
-            goto out;
-        }
-        for (size_t i = 0; i < ref->ntensors; i++) {
-            const st_tensor *r = &ref->tensors[i];
-            const st_tensor *t = st_header_find(h, r->name, r->name_len);
-            if (t == NULL) {
-                rc = dl_fail(err, DL_E_KEY_MISMATCH, r->name, r->name_len, "%s lacks this key", paths[k]);
-                goto out;
-            }
-            if (!same_shape(r, t)) {
-                rc = shape_mismatch(err, r, t, paths[k]);
-                goto out;
-            }
-            if ((r->dtype == ST_C64) != (t->dtype == ST_C64) ||
-                (t->dtype != ST_F32 && t->dtype != ST_F16 && t->dtype != ST_BF16 && t->dtype != ST_C64)) {
-                rc = dl_fail(err, DL_E_DTYPE_MISMATCH, t->name, t->name_len, "%s has dtype %s, %s has %s",
-                             paths[k], st_dtype_name(t->dtype), paths[0], st_dtype_name(r->dtype));
-                goto out;
-            }
-        }
-    }
+    if ((rc = check_same_keys(f, paths, n, err)) != 0)
+        goto out;
+    ref = f[0];
     specs = calloc(ref->ntensors ? ref->ntensors : 1, sizeof(*specs));
     if (specs == NULL) {
         rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
         goto out;
     }
     for (size_t i = 0; i < ref->ntensors; i++) {
-        const st_tensor *t = &ref->tensors[i];
+        const st_tensor *t = ref->order[i];
         specs[i] = (st_spec){t->name, t->name_len, delta_dtype_for(t->dtype), t->ndim, t->shape};
     }
     if ((rc = bufs_alloc(&cb, err)) != 0 ||
-        (rc = st_writer_open(out, specs, ref->ntensors, NULL, 0, &w, err)) != 0)
+        (rc = st_set_writer_open(out, specs, ref->ntensors, NULL, 0, shard_size, &w, err)) != 0)
         goto out;
     const float count = (float)n;
     for (size_t i = 0; i < ref->ntensors; i++) {
-        const st_tensor *r = &ref->tensors[i];
+        const st_tensor *r = ref->order[i];
         size_t lanes = cv_lanes(r->dtype);
         for (uint64_t e = 0; e < r->nelem; e += CHUNK_ELEMS) {
             size_t m = (size_t)(r->nelem - e < CHUNK_ELEMS ? r->nelem - e : CHUNK_ELEMS);
-            if ((rc = read_f32(f[0], r, e, m, cb.raw, cb.a, err)) != 0)
+            if ((rc = read_f32(ref, ref->order_file[i], r, e, m, cb.raw, cb.a, err)) != 0)
                 goto out;
             for (size_t k = 1; k < n; k++) {
-                const st_tensor *t = st_header_find(f[k]->h, r->name, r->name_len);
-                if ((rc = read_f32(f[k], t, e, m, cb.raw, cb.b, err)) != 0)
+                uint32_t file;
+                const st_tensor *t = st_set_find(f[k], r->name, r->name_len, &file);
+                if ((rc = read_f32(f[k], file, t, e, m, cb.raw, cb.b, err)) != 0)
                     goto out;
                 for (size_t j = 0; j < m * lanes; j++)
                     cb.a[j] += cb.b[j];
             }
             for (size_t j = 0; j < m * lanes; j++)
                 cb.a[j] /= count;
-            if ((rc = st_writer_write(w, i, e * lanes * 4, cb.a, m * lanes * 4, err)) != 0)
+            if ((rc = st_set_writer_write(w, i, e * lanes * 4, cb.a, m * lanes * 4, err)) != 0)
                 goto out;
         }
     }
-    rc = st_writer_commit(w, err);
+    rc = st_set_writer_commit(w, err);
     w = NULL;
 out:
-    st_writer_abort(w);
+    st_set_writer_abort(w);
     bufs_free(&cb);
     free(specs);
     for (size_t i = 0; i < n; i++)
-        st_close(f[i]);
+        st_set_close(f[i]);
     free(f);
     return rc;
+}
+
+int delta_average(const char *const *paths, size_t n, const char *out, dl_error *err)
+{
+    return delta_average_set(paths, n, out, 0, err);
 }
 
 cJSON *delta_metadata_json(const st_header *h)

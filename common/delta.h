@@ -3,7 +3,13 @@
  * A delta is `float32(baseline) - float32(current)` for the floating keys of a model, stored as F32
  * (C64 keys as complex F32 pairs; F16/BF16 deltas are accepted and upcast exactly), with string
  * metadata algorithm, base_outer_step, local_step, node_id, published at
- * nodes/<node_id>/delta_<local_step>.safetensors. */
+ * nodes/<node_id>/delta_<local_step>.safetensors, or sharded (st_index.h) as
+ * nodes/<node_id>/delta_<local_step>.safetensors.index.json (the metadata, in the index) plus
+ * nodes/<node_id>/delta_<local_step>-<i>-of-<N>.safetensors.
+ *
+ * The rules are written once, over metadata lists and name-ordered tensor lists, so a single file
+ * and a set are judged by the same code: delta_check_meta (metadata, path), delta_check_tensors
+ * (key set, shapes, dtypes against the global's floating tensors). */
 #ifndef DELTA_H
 #define DELTA_H
 
@@ -14,6 +20,7 @@
 
 #include "dl_error.h"
 #include "safetensors.h"
+#include "st_index.h"
 
 #define DELTA_ALGORITHM "dumb_diloco"
 #define DELTA_NODE_ID_MAX 64
@@ -34,6 +41,18 @@ int delta_parse_int(const char *s, size_t len, uint64_t *out);
 int delta_parse_path(const char *path, char node_id[DELTA_NODE_ID_MAX + 1], uint64_t *local_step,
                      dl_error *err);
 
+/* What a delta path names: nodes/<id>/delta_<n>.safetensors (SINGLE), its .safetensors.index.json
+ * (INDEX) or one of its shards delta_<n>-<i>-of-<N>.safetensors (SHARD: shard 0-based, nshards). */
+typedef enum delta_path_kind { DELTA_PATH_SINGLE, DELTA_PATH_INDEX, DELTA_PATH_SHARD } delta_path_kind;
+typedef struct delta_path {
+    delta_path_kind kind;
+    char node_id[DELTA_NODE_ID_MAX + 1];
+    uint64_t local_step;
+    uint32_t shard, nshards;
+} delta_path;
+/* Any of the three forms (delta_parse_path accepts the single file only). */
+int delta_parse_any_path(const char *path, delta_path *out, dl_error *err);
+
 /* The floating tensors of a header in name order (an array of pointers into h, to free()). */
 int delta_floating_state(const st_header *h, const st_tensor ***out, size_t *n, dl_error *err);
 /* The dtype a delta for a global tensor of dtype dt carries: C64 for C64, F32 for other floats. */
@@ -44,17 +63,47 @@ static inline st_dtype delta_dtype_for(st_dtype dt) { return dt == ST_C64 ? ST_C
  * floating keys, shapes, dtypes (F32/F16/BF16; C64 for C64 keys).  Fills info when non-NULL. */
 int delta_check_header(const st_header *delta, const st_header *global, const char *path,
                        delta_info *info, dl_error *err);
+/* The metadata rules (required keys, algorithm, canonical integers, node id) on a metadata list (a
+ * file's header, or a set's index: st_set_metadata) and, when path is non-NULL, agreement with a
+ * SINGLE or INDEX delta path.  Fills info when non-NULL. */
+int delta_check_meta(const st_meta *meta, size_t nmeta, const char *path, delta_info *info, dl_error *err);
+/* The tensors' rules: delta (nd tensors in name order) holds exactly the floating keys of global (ng
+ * tensors in name order, all of the model's), with the same shapes and delta dtypes. */
+int delta_check_tensors(const st_tensor *const *delta, size_t nd, const st_tensor *const *global, size_t ng,
+                        dl_error *err);
+/* A header's tensors in name order (malloc'd array to free()), for the two functions above. */
+int delta_header_by_name(const st_header *h, const st_tensor ***out, dl_error *err);
+/* One shard of a delta set, on its own (as it arrives, before the others and the index): every
+ * tensor is a floating key of global with its shape and a delta dtype. */
+int delta_check_shard_header(const st_header *shard, const st_tensor *const *global, size_t nglobal,
+                             dl_error *err);
+/* A whole set (st_set_assemble/st_set_open already checked it is consistent): metadata from the
+ * index against path, then the union of keys and shapes against the global's floating set.  Also
+ * takes a one-file st_set (st_set_wrap), with the file's metadata. */
+int delta_check_set_header(const st_set *delta, const st_tensor *const *global, size_t nglobal, const char *path,
+                           delta_info *info, dl_error *err);
 /* Index of the first non-finite lane in n elements of dt (F32, F16, BF16, C64), or -1 if none. */
 int64_t delta_find_non_finite(st_dtype dt, const void *data, size_t nelem);
 /* delta_check_header plus a full scan of the data for NaN/Inf. */
 int delta_validate(const st_file *delta, const st_header *global, const char *path, delta_info *info,
                    dl_error *err);
 
-/* Writes the delta of two model files to out (atomically), with the reference's metadata. */
+/* delta_check_set_header plus a full scan of every file for NaN/Inf. */
+int delta_validate_set(const st_set *delta, const st_tensor *const *global, size_t nglobal, const char *path,
+                       delta_info *info, dl_error *err);
+
+/* Writes the delta of two models (files or index paths: st_set_open) to out, with the reference's
+ * metadata: the plain file, or past shard_size bytes (0: never) a set as huggingface_hub writes it
+ * (st_set_writer_open), split in the baseline's save order. */
+int delta_compute_set(const char *baseline, const char *current, const char *out, const char *node_id,
+                      uint64_t base_outer_step, uint64_t local_step, uint64_t shard_size, dl_error *err);
+/* delta_compute_set that never shards. */
 int delta_compute(const char *baseline, const char *current, const char *out, const char *node_id,
                   uint64_t base_outer_step, uint64_t local_step, dl_error *err);
-/* FP32 average of n delta files in the given order (first file's keys and shapes are the reference;
- * others must match exactly).  Output: F32 (C64 for C64 keys), no metadata. */
+/* FP32 average of n deltas (files or sets) in the given order (first one's keys and shapes are the
+ * reference; others must match exactly).  Output: F32 (C64 for C64 keys), no metadata; sharded past
+ * shard_size (0: never) in the first one's save order.  Bit-identical whatever the layouts. */
+int delta_average_set(const char *const *paths, size_t n, const char *out, uint64_t shard_size, dl_error *err);
 int delta_average(const char *const *paths, size_t n, const char *out, dl_error *err);
 
 /* The reference's metadata_json: every value JSON-decoded, or all values as strings when any value
