@@ -114,17 +114,15 @@ int delta_stream_feed(delta_stream *s, const char *data, size_t n, dl_error *err
             if (s->pos == 8) {
                 for (int i = 7; i >= 0; i--)
                     s->n = (s->n << 8) | s->prefix[i];
+                /* what the format refuses first (the file's words for it), then this server's cap */
                 if (s->n > ST_MAX_HEADER_SIZE)
-                    return dl_fail(err, DL_E_HEADER_TOO_LARGE, NULL, 0, "header too large: %" PRIu64 " bytes",
-                                   s->n);
+                    return st_prefix_refusal(err, DL_E_HEADER_TOO_LARGE, s->prefix, s->n, s->declared_len);
+                if (s->declared_len != 0 && 8 + s->n > s->declared_len)
+                    return st_prefix_refusal(err, DL_E_INVALID_HEADER_LENGTH, s->prefix, s->n, s->declared_len);
                 if (s->n > s->max_header)
                     return dl_fail(err, DL_E_HEADER_TOO_LARGE, NULL, 0,
-                                   "header of %" PRIu64 " bytes is larger than this server takes (%" PRIu64 ")",
+                                   "header too large: %" PRIu64 " bytes, the cap is %" PRIu64 " (max_delta_header_mib)",
                                    s->n, s->max_header);
-                if (s->declared_len != 0 && 8 + s->n > s->declared_len)
-                    return dl_fail(err, DL_E_INVALID_HEADER_LENGTH, NULL, 0,
-                                   "header of %" PRIu64 " bytes does not fit in a body of %" PRIu64, s->n,
-                                   s->declared_len);
                 if ((s->hbuf = malloc(s->n ? (size_t)s->n : 1)) == NULL)
                     return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory for the header");
                 if (s->n == 0) {

@@ -76,6 +76,13 @@ int st_header_file_len(const st_header *h, uint64_t *len);
  * a header when complete, or an error.  Used by streaming uploads to refuse a bad file early. */
 int st_header_parse_prefix(const char *buf, size_t avail, uint64_t file_len, size_t *need,
                            st_header **out, dl_error *err);
+/* The refusal of a file whose 8-byte prefix cannot be a header length: n (the prefix read as one) is
+ * over ST_MAX_HEADER_SIZE (code DL_E_HEADER_TOO_LARGE) or 8 + n is past file_len, the file's or the
+ * body's length (DL_E_INVALID_HEADER_LENGTH).  The message says "not a safetensors file" and what the
+ * file looks like (text, a ZIP archive such as torch.save's, a pickle, an .npy array ...) rather than
+ * a 19-digit length; the code stays the reference's.  Every intake path calls it, so a file is named
+ * the same way whichever path it came by.  Returns -code. */
+int st_prefix_refusal(dl_error *err, dl_code code, const unsigned char prefix[8], uint64_t n, uint64_t file_len);
 void st_header_free(st_header *h);
 const st_tensor *st_header_find(const st_header *h, const char *name, size_t name_len);
 /* Metadata value for key, or NULL (sets *len when non-NULL). */

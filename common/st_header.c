@@ -931,10 +931,7 @@ static const char *foreign_kind(const unsigned char *b)
     return "text";
 }
 
-/* The 8-byte prefix cannot be a header length (too large, or beyond the file): say "not a
- * safetensors file", with what the file looks like, instead of a 19-digit length.  The code stays
- * the reference's (header_too_large / invalid_header_length). */
-static int bad_prefix(dl_error *err, dl_code code, const unsigned char *b, uint64_t n, uint64_t file_len)
+int st_prefix_refusal(dl_error *err, dl_code code, const unsigned char b[8], uint64_t n, uint64_t file_len)
 {
     const char *kind = foreign_kind(b);
     char shown[48];
@@ -968,9 +965,9 @@ int st_header_parse_prefix(const char *buf, size_t avail, uint64_t file_len, siz
     }
     n = le64((const unsigned char *)buf);
     if (n > ST_MAX_HEADER_SIZE)
-        return bad_prefix(err, DL_E_HEADER_TOO_LARGE, (const unsigned char *)buf, n, file_len);
+        return st_prefix_refusal(err, DL_E_HEADER_TOO_LARGE, (const unsigned char *)buf, n, file_len);
     if (n + 8 > file_len)
-        return bad_prefix(err, DL_E_INVALID_HEADER_LENGTH, (const unsigned char *)buf, n, file_len);
+        return st_prefix_refusal(err, DL_E_INVALID_HEADER_LENGTH, (const unsigned char *)buf, n, file_len);
     if (avail < n + 8) {
         *need = (size_t)(n + 8);
         return 0;

@@ -214,6 +214,11 @@ static intake_status intake(intake_req *r)
     n = 0;
     for (int i = 7; i >= 0; i--)
         n = (n << 8) | prefix[i];
+    if (n > ST_MAX_HEADER_SIZE) {
+        st_prefix_refusal(&r->err, DL_E_HEADER_TOO_LARGE, prefix, n, r->size);  /* not a length: text, a ZIP ... */
+        st = INTAKE_INVALID;
+        goto out;
+    }
     if (n > max_header(r)) {
         dl_fail(&r->err, DL_E_HEADER_TOO_LARGE, NULL, 0, "header too large: %" PRIu64 " bytes, the cap is %" PRIu64
                 " (max_delta_header_mib)", n, max_header(r));

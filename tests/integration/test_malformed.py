@@ -655,3 +655,65 @@ def test_random_mutations_never_crash_and_stay_stricter_than_the_reference(diloc
         problems[:20])
     assert outcomes["both reject"] > MUTATIONS // 2, f"mutations too weak: {outcomes}"
     assert outcomes["both accept"] > 0, f"no mutant stayed valid, the comparison of parses never ran: {outcomes}"
+
+
+# ---- "not a safetensors file" on every intake path --------------------------------------------------
+# The same words whichever way a foreign file comes in: diloco inspect (above), an HTTP upload, a delta
+# in a file:// tree.
+
+from test_http_api import daemons, delta_blob, put, session, small_model  # noqa: E402,F401
+
+
+def _foreign_files():
+    """What people upload by mistake, made by the real tools: torch.save's ZIP checkpoint and a text
+    file (a Git LFS pointer, what a clone without LFS leaves in place of the weights).  Maps a name to
+    the file and what the refusal must say about it."""
+    import io
+
+    import torch
+    buf = io.BytesIO()
+    torch.save({"layer.weight": torch.zeros(32, 16)}, buf)
+    assert buf.getvalue()[:4] == b"PK\x03\x04"
+    text = b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"0" * 64 + b"\nsize 2056\n"
+    return {
+        "torch.save": (buf.getvalue(), "not a safetensors file: it starts like a ZIP archive (a torch.save checkpoint is one)"),
+        "text": (text, 'not a safetensors file: it starts with text ("version ") where the 8-byte header length belongs'),
+    }
+
+
+def test_http_upload_of_a_torch_checkpoint_or_text_says_not_a_safetensors_file(daemons):
+    """A PUT with Content-Length and one with a chunked body (the length unknown up front): the refusal
+    names the file's kind and keeps the reference's code; the daemon takes a real delta afterwards."""
+    model = small_model(3)
+    d = daemons(model, "--expected-nodes", "2")
+    url = f"http://127.0.0.1:{d.port}"
+    for name, (blob, words) in _foreign_files().items():
+        chunked = session().put(f"{url}/nodes/node-a/delta_1.safetensors", data=iter([blob[:5], blob[5:]]),
+                                timeout=60)
+        for r in (put(url, "node-a", 1, blob), chunked):
+            assert r.status_code == 400, (name, r.status_code, r.text)
+            assert r.json()["error"] == {"code": "header_too_large", "message": words}, (name, r.text)
+    tensors = {k: (v * 0.01).float().numpy() for k, v in model.items() if v.is_floating_point()}
+    r = put(url, "node-a", 1, delta_blob("node-a", 0, 1, tensors))
+    assert r.status_code in (200, 201, 202), r.text
+    assert d.stop() == 0
+
+
+def test_file_hub_delta_that_is_a_torch_checkpoint_or_text_says_not_a_safetensors_file(daemons, tmp_path):
+    """The same files dropped into a file:// tree as deltas: intake logs the same words."""
+    import os
+
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    d = daemons(small_model(3), "--expected-nodes", "2", hub=hub)
+    d.wait_step(0)
+    for node, (name, (blob, words)) in zip(("w1", "w2"), _foreign_files().items()):
+        (hub / "nodes" / node).mkdir(parents=True)
+        (hub / "nodes" / node / ".tmp").write_bytes(blob)
+        os.rename(hub / "nodes" / node / ".tmp", hub / "nodes" / node / "delta_1.safetensors")
+        rejected = f"intake: delta rejected path=nodes/{node}/delta_1.safetensors code=header_too_large"
+        d.wait_log(rejected)
+        line = [ln for ln in d.log_text().splitlines() if rejected in ln][-1]
+        assert 'error="' + words.replace('"', '\\"') + '"' in line, (name, line)
+    assert d.alive()
+    assert d.stop() == 0
