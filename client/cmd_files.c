@@ -1,4 +1,6 @@
 /* diloco inspect / verify / delta / average: commands on local files. */
+#include <dirent.h>
+#include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -11,6 +13,7 @@
 #include "cli.h"
 #include "delta.h"
 #include "safetensors.h"
+#include "st_index.h"
 #include "strbuf.h"
 
 static int want_help(int argc, char **argv, const char *text)
@@ -228,12 +231,201 @@ static void inspect_text(const st_file *f)
            f->h->data_len);
 }
 
+static int is_index_path(const char *path)
+{
+    size_t len = strlen(path), sl = strlen(ST_INDEX_SUFFIX);
+    return len >= sl && strcmp(path + len - sl, ST_INDEX_SUFFIX) == 0;
+}
+
+static const char *shard_file_name(const st_set *s, uint32_t file)
+{
+    const char *slash = strrchr(s->files[file]->path, '/');
+    return slash ? slash + 1 : s->files[file]->path;
+}
+
+static cJSON *meta_list_json(const st_meta *m, size_t n)
+{
+    sbuf b = {0};
+    char *text;
+    cJSON *item;
+
+    sb_add(&b, "{", 1);
+    for (size_t i = 0; i < n; i++) {
+        if (i > 0)
+            sb_add(&b, ",", 1);
+        sb_json_string(&b, m[i].key, m[i].key_len);
+        sb_add(&b, ":", 1);
+        sb_json_string(&b, m[i].value, m[i].value_len);
+    }
+    sb_add(&b, "}", 1);
+    if ((text = sb_take(&b)) == NULL)
+        return NULL;
+    item = cJSON_CreateRaw(text);
+    free(text);
+    return item;
+}
+
+/* A set: the index's metadata and total, each shard's file, and each tensor with its shard. */
+static cJSON *inspect_set_json(const st_set *s, int hash, dl_error *err)
+{
+    cJSON *root = cJSON_CreateObject(), *shards = cJSON_CreateArray(), *tensors = cJSON_CreateArray();
+    uint64_t params = 0;
+    int ok;
+
+    ok = add(root, "file", cJSON_CreateString(s->path)) && add(root, "sharded", cJSON_CreateTrue()) &&
+         add(root, "total_size", json_u64(s->index->total_size)) &&
+         add(root, "metadata", meta_list_json(s->index->meta, s->index->nmeta));
+    ok = ok && add(root, "shards", shards);
+    if (!ok)
+        cJSON_Delete(shards);
+    ok = ok && add(root, "tensors", tensors);
+    if (!ok)
+        cJSON_Delete(tensors);
+    for (size_t f = 0; ok && f < s->nfiles; f++) {
+        const st_file *x = s->files[f];
+        cJSON *o = cJSON_CreateObject();
+        ok = o != NULL && cJSON_AddItemToArray(shards, o) && add(o, "file", cJSON_CreateString(shard_file_name(s, f))) &&
+             add(o, "file_size", json_u64(x->file_size)) && add(o, "header_size", json_u64(x->h->header_len)) &&
+             add(o, "metadata", json_metadata(x->h)) && add(o, "tensor_count", json_u64(x->h->ntensors));
+    }
+    for (size_t i = 0; ok && i < s->ntensors; i++) {
+        const st_tensor *t = s->order[i];
+        uint32_t f = s->order_file[i];
+        uint64_t offs[2] = {t->begin, t->end};
+        cJSON *o = cJSON_CreateObject();
+        ok = o != NULL && cJSON_AddItemToArray(tensors, o) && add(o, "name", json_bytes(t->name, t->name_len)) &&
+             add(o, "shard", cJSON_CreateString(shard_file_name(s, f))) &&
+             add(o, "dtype", cJSON_CreateString(st_dtype_name(t->dtype))) &&
+             add(o, "shape", u64_array(t->shape, t->ndim)) && add(o, "data_offsets", u64_array(offs, 2)) &&
+             add(o, "bytes", json_u64(st_tensor_bytes(t)));
+        if (ok && hash) {
+            char hex[65];
+            if (tensor_sha256(s->files[f], t, hex, err) != 0) {
+                cJSON_Delete(root);
+                return NULL;
+            }
+            ok = add(o, "sha256", cJSON_CreateString(hex));
+        }
+        params += t->nelem;
+    }
+    ok = ok && add(root, "tensor_count", json_u64(s->ntensors)) && add(root, "total_bytes", json_u64(s->data_bytes)) &&
+         add(root, "total_parameters", json_u64(params));
+    if (!ok) {
+        cJSON_Delete(root);
+        dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        return NULL;
+    }
+    return root;
+}
+
+static void inspect_set_text(const st_set *s, int hash)
+{
+    uint64_t params = 0;
+
+    printf("index:    %s (%zu shards, total_size %" PRIu64 ")\n", s->path, s->nfiles, s->index->total_size);
+    for (size_t i = 0; i < s->index->nmeta; i++) {
+        char k[256], v[512];
+        dl_printable(k, sizeof(k), s->index->meta[i].key, s->index->meta[i].key_len);
+        dl_printable(v, sizeof(v), s->index->meta[i].value, s->index->meta[i].value_len);
+        printf("%s%s = %s\n", i == 0 ? "metadata: " : "          ", k, v);
+    }
+    for (size_t f = 0; f < s->nfiles; f++)
+        printf("shard:    %s (%" PRIu64 " bytes, %zu tensors)\n", shard_file_name(s, f), s->files[f]->file_size,
+               s->files[f]->h->ntensors);
+    printf("%-40s %-11s %-20s %14s  %s\n", "tensor", "dtype", "shape", "bytes", "shard");
+    for (size_t i = 0; i < s->ntensors; i++) {
+        const st_tensor *t = s->order[i];
+        char name[256], shape[128];
+        dl_printable(name, sizeof(name), t->name, t->name_len);
+        shape_text(shape, sizeof(shape), t);
+        printf("%-40s %-11s %-20s %14" PRIu64 "  %s\n", name, st_dtype_name(t->dtype), shape, st_tensor_bytes(t),
+               shard_file_name(s, s->order_file[i]));
+        params += t->nelem;
+    }
+    printf("total:    %zu tensors, %" PRIu64 " parameters, %" PRIu64 " data bytes\n", s->ntensors, params,
+           s->data_bytes);
+    for (size_t i = 0; hash && i < s->ntensors; i++) {
+        char hex[65], name[256];
+        dl_error err;
+        if (tensor_sha256(s->files[s->order_file[i]], s->order[i], hex, &err) != 0)
+            break;
+        dl_printable(name, sizeof(name), s->order[i]->name, s->order[i]->name_len);
+        printf("sha256 %s  %s\n", hex, name);
+    }
+}
+
+/* The shard files of the set's base in its directory: one the index does not list is refused
+ * (a stray part of another save would otherwise go unnoticed). */
+static int check_directory(const st_set *s, dl_error *err)
+{
+    const char *slash = strrchr(s->path, '/');
+    char *dir = slash ? strndup(s->path, (size_t)(slash - s->path) + 1) : strdup(".");
+    DIR *d;
+    struct dirent *de;
+    int rc = 0;
+
+    if (dir == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    if ((d = opendir(dir)) == NULL) {
+        rc = dl_fail_errno(err, errno, "cannot list %s", dir);
+        free(dir);
+        return rc;
+    }
+    while (rc == 0 && (de = readdir(d)) != NULL) {
+        const char *name = de->d_name;
+        rc = st_index_check_listing(s->index, &name, 1, err);
+    }
+    closedir(d);
+    free(dir);
+    return rc;
+}
+
+/* Opens FILE as one file or, for an index, as the whole set (checked, with its directory). */
+static int open_any(const char *path, st_set **out, dl_error *err)
+{
+    int rc = st_set_open(path, out, err);
+    if (rc == 0 && (*out)->index != NULL && (rc = check_directory(*out, err)) != 0) {
+        st_set_close(*out);
+        *out = NULL;
+    }
+    return rc;
+}
+
 static const char inspect_help[] =
     "usage: diloco inspect FILE [--json] [--hash]\n"
     "  Validates FILE as strictly as the safetensors reference (and stricter: duplicate keys) and shows\n"
     "  its header size, metadata, and each tensor's dtype, shape, bytes and data offsets; totals.\n"
+    "  FILE may be a sharded checkpoint's <base>.safetensors.index.json: the index and every shard are\n"
+    "  checked as one set (every shard present and listed, no tensor in two shards, total_size) and\n"
+    "  shown with each tensor's shard.\n"
     "  --json   machine-readable output (on error: {\"error\":{\"code\",\"message\",\"tensor\"}})\n"
     "  --hash   add the sha256 of each tensor's bytes (reads the whole file)\n";
+
+static int inspect_set(const char *path, int json, int hash)
+{
+    st_set *s;
+    dl_error err;
+
+    dl_error_clear(&err);
+    if (open_any(path, &s, &err) != 0) {
+        if (json)
+            cli_print_error_json(&err);
+        return cli_report(path, &err);
+    }
+    if (json) {
+        cJSON *root = inspect_set_json(s, hash, &err);
+        if (root == NULL) {
+            st_set_close(s);
+            cli_print_error_json(&err);
+            return cli_report(path, &err);
+        }
+        cli_print_json(root);
+    } else {
+        inspect_set_text(s, hash);
+    }
+    st_set_close(s);
+    return EXIT_OK;
+}
 
 int cmd_inspect(int argc, char **argv)
 {
@@ -252,6 +444,8 @@ int cmd_inspect(int argc, char **argv)
     }
     if (optind != argc - 1)
         return usage_error(inspect_help, "%s", "inspect takes exactly one FILE");
+    if (is_index_path(argv[optind]))
+        return inspect_set(argv[optind], json, hash);
     dl_error_clear(&err);
     if ((rc = st_open(argv[optind], &f, &err)) != 0) {
         if (json)
@@ -295,7 +489,10 @@ static const char verify_help[] =
     "  Checks a delta as dilocod does: the container, the metadata (algorithm, base_outer_step,\n"
     "  local_step, node_id), dtypes (F32, F16, BF16; C64 for complex keys), finite values; with\n"
     "  --against, the key set and shapes against the global model's floating tensors; with --path,\n"
-    "  that the metadata agrees with the Hub path.  Exit 0 when valid, 1 with the error code otherwise.\n";
+    "  that the metadata agrees with the Hub path.  Exit 0 when valid, 1 with the error code otherwise.\n"
+    "  DELTA (and GLOBAL) may be a sharded set's delta_N.safetensors.index.json: the metadata is the\n"
+    "  index's, every shard must be present and listed (no other shard of the set in its directory),\n"
+    "  no tensor in two shards, total_size exact, a shard's own metadata must agree with the index.\n";
 
 /* Without a global, check the delta against itself: its own keys are the expected key set. */
 int cmd_verify(int argc, char **argv)
@@ -306,7 +503,7 @@ int cmd_verify(int argc, char **argv)
                                          {NULL, 0, NULL, 0}};
     const char *against = NULL, *path = NULL;
     int json = 0, c, rc;
-    st_file *delta = NULL, *global = NULL;
+    st_set *delta = NULL, *global = NULL;
     delta_info info;
     dl_error err;
     const char *what;
@@ -323,12 +520,14 @@ int cmd_verify(int argc, char **argv)
         return usage_error(verify_help, "%s", "verify takes exactly one DELTA");
     dl_error_clear(&err);
     what = argv[optind];
-    if ((rc = st_open(argv[optind], &delta, &err)) == 0) {
-        if (against != NULL && (rc = st_open(against, &global, &err)) != 0)
+    if ((rc = open_any(argv[optind], &delta, &err)) == 0) {
+        if (against != NULL && (rc = open_any(against, &global, &err)) != 0)
             what = against;
     }
-    if (rc == 0)
-        rc = delta_validate(delta, global ? global->h : delta->h, path, &info, &err);
+    if (rc == 0) {
+        const st_set *g = global ? global : delta;
+        rc = delta_validate_set(delta, g->by_name, g->ntensors, path, &info, &err);
+    }
     if (rc != 0) {
         if (json) {
             cJSON *root = cJSON_CreateObject(), *e = cli_error_object(&err);
@@ -338,8 +537,8 @@ int cmd_verify(int argc, char **argv)
             cJSON_Delete(e);
             cli_print_json(root);
         }
-        st_close(delta);
-        st_close(global);
+        st_set_close(delta);
+        st_set_close(global);
         return cli_report(what, &err);
     }
     if (json) {
@@ -348,21 +547,31 @@ int cmd_verify(int argc, char **argv)
         cJSON_AddStringToObject(root, "node_id", info.node_id);
         add(root, "base_outer_step", json_u64(info.base_outer_step));
         add(root, "local_step", json_u64(info.local_step));
+        if (delta->index != NULL)
+            add(root, "shards", json_u64(delta->nfiles));
         cli_print_json(root);
     }
+    else if (delta->index != NULL)
+        printf("%s: valid delta from node %s, base_outer_step %" PRIu64 ", local_step %" PRIu64 ", %zu shards\n",
+               argv[optind], info.node_id, info.base_outer_step, info.local_step, delta->nfiles);
     else
         printf("%s: valid delta from node %s, base_outer_step %" PRIu64 ", local_step %" PRIu64 "\n",
                argv[optind], info.node_id, info.base_outer_step, info.local_step);
-    st_close(delta);
-    st_close(global);
+    st_set_close(delta);
+    st_set_close(global);
     return EXIT_OK;
 }
 
 static const char delta_help[] =
     "usage: diloco delta --baseline A --current B --node-id ID --base-step S --local-step N -o OUT\n"
+    "                    [--shard-size SIZE]\n"
     "  Writes float32(A) - float32(B) for every floating tensor (F16, BF16, F32, F64, F8 formats;\n"
     "  C64 as complex pairs) with the reference's metadata; integer and bool buffers are omitted.\n"
-    "  A and B must have exactly the same keys and shapes.  OUT is replaced atomically.\n";
+    "  A and B must have exactly the same keys and shapes.  OUT is replaced atomically.\n"
+    "  A and B may be sharded checkpoints (their .safetensors.index.json).  Past SIZE (bytes, or\n"
+    "  huggingface_hub's units: 5GB, 500MB; default 5GB; 0: never) OUT=<dir>/<base>.safetensors is\n"
+    "  written as huggingface_hub.save_torch_state_dict writes it: <base>-0000i-of-0000N.safetensors\n"
+    "  and <base>.safetensors.index.json (the metadata in the index), the index last.\n";
 
 static int parse_step(const char *s, uint64_t *out)
 {
@@ -377,9 +586,10 @@ int cmd_delta(int argc, char **argv)
                                          {"base-step", required_argument, NULL, 's'},
                                          {"local-step", required_argument, NULL, 'l'},
                                          {"output", required_argument, NULL, 'o'},
+                                         {"shard-size", required_argument, NULL, 'S'},
                                          {NULL, 0, NULL, 0}};
     const char *baseline = NULL, *current = NULL, *node = NULL, *out = NULL, *bs = NULL, *ls = NULL;
-    uint64_t base_step, local_step;
+    uint64_t base_step, local_step, shard_size = ST_SHARD_SIZE_DEFAULT;
     dl_error err;
     int c;
 
@@ -393,6 +603,10 @@ int cmd_delta(int argc, char **argv)
         case 's': bs = optarg; break;
         case 'l': ls = optarg; break;
         case 'o': out = optarg; break;
+        case 'S':
+            if (st_parse_size(optarg, &shard_size) != 0)
+                return usage_error(delta_help, "invalid --shard-size '%s' (bytes, or a number with KB, MB, GB, TB)", optarg);
+            break;
         default: return usage_error(delta_help, "%s", "bad option");
         }
     }
@@ -405,20 +619,25 @@ int cmd_delta(int argc, char **argv)
     if (parse_step(ls, &local_step) != 0)
         return usage_error(delta_help, "invalid --local-step '%s'", ls);
     dl_error_clear(&err);
-    if (delta_compute(baseline, current, out, node, base_step, local_step, &err) != 0)
+    if (delta_compute_set(baseline, current, out, node, base_step, local_step, shard_size, &err) != 0)
         return cli_report(out, &err);
     return EXIT_OK;
 }
 
 static const char average_help[] =
-    "usage: diloco average -o OUT D1 [D2 ...]\n"
+    "usage: diloco average -o OUT [--shard-size SIZE] D1 [D2 ...]\n"
     "  Plain FP32 average of deltas (accumulated in the given order, divided by their count), written\n"
-    "  to OUT.  A debugging aid: dilocod averages in ascending node id order and applies the outer step.\n";
+    "  to OUT.  A debugging aid: dilocod averages in ascending node id order and applies the outer step.\n"
+    "  A delta may be a sharded set (its .safetensors.index.json): the result is the same bits.  Past\n"
+    "  SIZE (default 5GB; 0: never) OUT=<dir>/<base>.safetensors is written as a set, as delta does.\n";
 
 int cmd_average(int argc, char **argv)
 {
-    static const struct option opts[] = {{"output", required_argument, NULL, 'o'}, {NULL, 0, NULL, 0}};
+    static const struct option opts[] = {{"output", required_argument, NULL, 'o'},
+                                         {"shard-size", required_argument, NULL, 'S'},
+                                         {NULL, 0, NULL, 0}};
     const char *out = NULL;
+    uint64_t shard_size = ST_SHARD_SIZE_DEFAULT;
     dl_error err;
     int c;
 
@@ -426,12 +645,16 @@ int cmd_average(int argc, char **argv)
         return EXIT_OK;
     while ((c = getopt_long(argc, argv, "o:", opts, NULL)) != -1) {
         if (c == 'o') out = optarg;
-        else return usage_error(average_help, "%s", "bad option");
+        else if (c == 'S') {
+            if (st_parse_size(optarg, &shard_size) != 0)
+                return usage_error(average_help, "invalid --shard-size '%s' (bytes, or a number with KB, MB, GB, TB)",
+                                   optarg);
+        } else return usage_error(average_help, "%s", "bad option");
     }
     if (out == NULL || optind >= argc)
         return usage_error(average_help, "%s", "average needs -o OUT and at least one delta");
     dl_error_clear(&err);
-    if (delta_average((const char *const *)argv + optind, (size_t)(argc - optind), out, &err) != 0)
+    if (delta_average_set((const char *const *)argv + optind, (size_t)(argc - optind), out, shard_size, &err) != 0)
         return cli_report(out, &err);
     return EXIT_OK;
 }
