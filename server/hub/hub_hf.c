@@ -785,7 +785,10 @@ static void verify_after(uv_work_t *w, int status)
     h->active_downloads--;
     if (status == 0 && j->ok && !h->closing) {
         h->st.downloads++;
-        dl_log(DL_LOG_DEBUG, "hub", "delta downloaded", "path=%s bytes=%" PRIu64 " oid=%s", c->rel, c->size, c->oid);
+        char qp[600], qo[100];
+        /* quoted: a hex id of digits only would become a (rounded) JSON number */
+        dl_log(DL_LOG_DEBUG, "hub", "delta downloaded", "path=%s bytes=%" PRIu64 " oid=%s",
+               dl_log_q(qp, sizeof(qp), c->rel), c->size, dl_log_q(qo, sizeof(qo), c->oid));
         if (c->is_global) {
             h->global_download = 0;
             h->cb.global_ready(h->app, c->step, c->part);
@@ -796,8 +799,9 @@ static void verify_after(uv_work_t *w, int status)
         candidate_free(c);
     } else {
         if (status == 0 && !h->closing) {
-            dl_log(DL_LOG_WARN, "hub", "download does not match the listing, discarded", "path=%s reason=%s", c->rel,
-                   dl_log_q(q, sizeof(q), j->why));
+            char qp[600];
+            dl_log(DL_LOG_WARN, "hub", "download does not match the listing, discarded", "path=%s reason=%s",
+                   dl_log_q(qp, sizeof(qp), c->rel), dl_log_q(q, sizeof(q), j->why));
             h->st.errors++;
             snprintf(h->st.last_error, sizeof(h->st.last_error), "%s: %s", c->rel, j->why);
         }
@@ -827,8 +831,9 @@ static void download_done(hf_hub *h, hf_req *r, int ok)
     req_end(h, r);              /* frees r and its transfer: only the copies above from here on */
     close(fd);
     if (too_big && !h->closing) {
-        dl_log(DL_LOG_WARN, "hub", "download larger than the listing, discarded", "path=%s listed=%" PRIu64, c->rel,
-               c->size);
+        char qp[600];
+        dl_log(DL_LOG_WARN, "hub", "download larger than the listing, discarded", "path=%s listed=%" PRIu64,
+               dl_log_q(qp, sizeof(qp), c->rel), c->size);
         snprintf(h->st.last_error, sizeof(h->st.last_error), "%s: the Hub sent more than the listed %" PRIu64 " bytes",
                  c->rel, c->size);
     }
@@ -939,9 +944,9 @@ static void peek_done(hf_hub *h, hf_req *r, int ok)
         }
         if (why != NULL) {
             /* never downloaded: refused for this run (a restart with another cap looks again) */
-            char q[200];
-            dl_log(DL_LOG_WARN, "hub", "delta refused before download", "path=%s reason=%s", c->rel,
-                   dl_log_q(q, sizeof(q), why));
+            char q[200], qp[600];
+            dl_log(DL_LOG_WARN, "hub", "delta refused before download", "path=%s reason=%s",
+                   dl_log_q(qp, sizeof(qp), c->rel), dl_log_q(q, sizeof(q), why));
             h->st.errors++;
             snprintf(h->st.last_error, sizeof(h->st.last_error), "%s: %s", c->rel, why);
             set_seen_state(h, c->rel, c->oid, SEEN_REJECTED);
@@ -952,8 +957,9 @@ static void peek_done(hf_hub *h, hf_req *r, int ok)
             uint64_t base;
             if (v != NULL && delta_parse_int(v, vl, &base) == 0) {
                 if (base < h->step) {
+                    char qp[600];
                     dl_log(DL_LOG_DEBUG, "hub", "stale delta not downloaded", "path=%s base_outer_step=%" PRIu64,
-                           c->rel, base);
+                           dl_log_q(qp, sizeof(qp), c->rel), base);
                     mark_seen(h, c->rel, c->oid);
                     decided = 1;
                 } else if (base > h->step) {
@@ -1222,7 +1228,8 @@ static void revision_done(hf_hub *h, hf_req *r, int ok)
         h->poll_resume_ms = uv_now(h->loop) + (uint64_t)(x->retry_after * 1000);
     req_end(h, r);
     if (moved && !h->closing) {
-        dl_log(DL_LOG_DEBUG, "hub", "revision moved", "sha=%s", h->st.head);
+        char qs[100];
+        dl_log(DL_LOG_DEBUG, "hub", "revision moved", "sha=%s", dl_log_q(qs, sizeof(qs), h->st.head));
         fetch_stepfile(h, 1);
         return;
     }
