@@ -92,9 +92,13 @@ static int open_writers(outer_pass *p, dl_error *err)
         const st_tensor *t = &g->tensors[ti];
         specs[ti] = (st_spec){t->name, t->name_len, t->dtype, t->ndim, t->shape};
     }
+    /* Writeback during the pass only pays when outer_finish fsyncs right after it.  With defer_sync the
+     * fsync happens later, off the critical path, and sync_file_range here would make the pass wait for
+     * a congested disk: bench-outer (8 x 256 MiB, outputs on this disk) computed in 0.28-0.50 s without
+     * it against 0.31-4.67 s with it. */
     rc = st_writer_open(p->out_global_path, specs, g->ntensors, NULL, 0, &p->w_global, err);
     if (rc == 0)
-        st_writer_set_writeback(p->w_global, 1);
+        st_writer_set_writeback(p->w_global, !p->defer_sync);
     if (rc == 0)
         st_writer_set_durable(p->w_global, !p->defer_sync);
     if (rc == 0 && p->params.momentum != 0.0f) {
@@ -106,7 +110,7 @@ static int open_writers(outer_pass *p, dl_error *err)
         rc = st_writer_open(p->out_momentum_path, specs, nm, p->momentum_meta, p->momentum_nmeta, &p->w_momentum,
                             err);
         if (rc == 0)
-            st_writer_set_writeback(p->w_momentum, 1);
+            st_writer_set_writeback(p->w_momentum, !p->defer_sync);
         if (rc == 0)
             st_writer_set_durable(p->w_momentum, !p->defer_sync);
     }

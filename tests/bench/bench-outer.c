@@ -3,7 +3,8 @@
  * Nesterov SGD, lr 0.7, momentum 0.9.  MOMENTUM=FILE reads that momentum file (a later step: the
  * momentum update and both fused multiply-adds run), else it is a first step (buf = mean).
  * BUDGET_MIB sets the per-thread chunk budget (16 MiB).  PORTABLE=1 runs the portable fmaf() loops
- * (what a CPU without AVX2+FMA runs) where this one has the AVX2+FMA copies.  Prints the peak RSS (VmHWM) at the end. */
+ * (what a CPU without AVX2+FMA runs) where this one has the AVX2+FMA copies.  DEFER=1 sets defer_sync (the
+ * outputs are renamed without fsync, as the daemon's redo-record commit does).  Prints the peak RSS (VmHWM) at the end. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -74,6 +75,7 @@ int main(int argc, char **argv)
     p.out_momentum_path = mom;
     p.params = (outer_params){1, 0.7f, 0.9f};
     p.momentum_path = getenv("MOMENTUM");
+    p.defer_sync = getenv("DEFER") != NULL && atoi(getenv("DEFER")) != 0;
     outer_force_portable = getenv("PORTABLE") != NULL && atoi(getenv("PORTABLE")) != 0;
     p.budget_bytes = getenv("BUDGET_MIB") ? (size_t)atoi(getenv("BUDGET_MIB")) << 20 : 16 << 20;
     double t0 = now();
