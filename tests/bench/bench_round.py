@@ -370,7 +370,7 @@ def label_of(build):
     return "" if BEFORE is None else (" [before]" if build == BEFORE else " [after] ")
 
 
-def run_size(base, mib, triad):
+def run_size(base, mib):
     data = fresh(base, f"data-{mib}")
     try:
         t0 = time.time()
@@ -402,10 +402,13 @@ def run_size(base, mib, triad):
             if passes[b]:
                 p = statistics.median(passes[b])
                 print(f"  {'dilocod pass, in the daemon' + label_of(b):37s} {p:7.2f} s   {ref_s / p:5.2f}x the reference round")
-        for b, ((sec, gbps), s) in median_of(lambda b, t: bench_outer(b, t, init, deltas), base, "outer",
-                                             builds()).items():
+        # the triad is measured again next to every pass sample: the machine's load changes within a run
+        def outer_sample(b, t):
+            return bench_outer(b, t, init, deltas) + (stream_triad(),)
+        for b, ((sec, gbps, tri), s) in median_of(outer_sample, base, "outer", builds()).items():
             print(f"  {'pass alone (bench-outer)' + label_of(b):37s} {sec:7.2f} s   {ref_s / sec:5.2f}x the reference   "
-                  f"{gbps:.2f} GB/s read + written = {gbps / triad:.0%} of STREAM triad ({fmt_samples(s)})")
+                  f"{gbps:.2f} GB/s read + written = {gbps / tri:.0%} of STREAM triad ({tri:.1f} GB/s, measured "
+                  f"beside it; {fmt_samples(s)})")
         for b in builds():
             if hwm[b]:
                 print(f"  {'dilocod peak RSS (VmHWM)' + label_of(b):37s} {max(hwm[b]):7.0f} MiB (largest of {len(hwm[b])} runs)")
@@ -431,7 +434,7 @@ def main():
         print("targets (issue 12): critical path >= 5x the reference at 1 GiB, >= 3x at 256 MiB; catch-up >= 3x "
               "and >= 2x; pass >= 50% of triad; peak RSS <= 256 MiB\n")
         for mib in SIZES:
-            run_size(base, mib, triad)
+            run_size(base, mib)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
