@@ -138,6 +138,7 @@ struct hf_hub {
     uint64_t poll_resume_ms;    /* after a 429 or an access problem: no poll before this loop time */
     double access_backoff;      /* seconds between polls while the Hub refuses access (0: it does not) */
     int problem_status;         /* the HTTP status behind st.problem */
+    int problem_write;          /* ... refused a write (a commit): reads may still work */
     int in_access_failure;      /* the failed request's callback runs: its message is already set */
     pub_state pub;
     void (*close_done)(void *);
@@ -293,45 +294,64 @@ static const char *access_fix(const char *problem)
            "check the repo id in --hub hf://<namespace>/<repo>";
 }
 
-/* r's answer is an access problem: recorded, logged when it is new (another problem or status), and
- * the polls slow down, doubling up to MAX_BACKOFF. */
+static int req_writes(const hf_req *r)
+{
+    return strcmp(r->method, "GET") != 0 && strcmp(r->method, "HEAD") != 0;
+}
+
+/* r's answer is an access problem: recorded, logged when it is new (another problem, status or
+ * kind of request).  A refused read slows the polls down, doubling up to MAX_BACKOFF; a refused
+ * write (a read-only token) leaves them alone: deltas still come in, and the daemon paces its
+ * publish retries. */
 static void access_failed(hf_hub *h, const hf_req *r, const cuv_xfer *x, const char *problem)
 {
     char said[160], q_said[200], q_repo[200], q_fix[400];
-    int is_new = strcmp(h->st.problem, problem) != 0 || h->problem_status != (int)x->status;
+    int writes = req_writes(r);
+    int is_new = strcmp(h->st.problem, problem) != 0 || h->problem_status != (int)x->status ||
+                 h->problem_write != writes;
 
     hub_error_message(x, said, sizeof(said));
     snprintf(h->st.problem, sizeof(h->st.problem), "%s", problem);
     h->problem_status = (int)x->status;
+    h->problem_write = writes;
     snprintf(h->st.last_error, sizeof(h->st.last_error), "%s: HTTP %ld%s%s on %s%s%s%s: the Hub token or the repo id "
              "hf://%s is wrong", problem, x->status, x->error_code[0] ? " " : "", x->error_code, r->route,
              said[0] ? " (" : "", said, said[0] ? ")" : "", h->repo);
     h->st.errors++;
-    h->access_backoff = h->access_backoff > 0 ? fmin(2 * h->access_backoff, MAX_BACKOFF)
-                                              : fmin(fmax(h->poll_interval, 1.0), MAX_BACKOFF);
-    uint64_t resume = uv_now(h->loop) + (uint64_t)(h->access_backoff * 1000);
-    if (resume > h->poll_resume_ms)
-        h->poll_resume_ms = resume;
+    if (!writes) {
+        h->access_backoff = h->access_backoff > 0 ? fmin(2 * h->access_backoff, MAX_BACKOFF)
+                                                  : fmin(fmax(h->poll_interval, 1.0), MAX_BACKOFF);
+        uint64_t resume = uv_now(h->loop) + (uint64_t)(h->access_backoff * 1000);
+        if (resume > h->poll_resume_ms)
+            h->poll_resume_ms = resume;
+    }
     if (!is_new)
         return;
+    char retry[64];
+    if (writes)
+        snprintf(retry, sizeof(retry), "\"publishing is retried\"");
+    else
+        snprintf(retry, sizeof(retry), "\"polls back off up to %.0f s\"", MAX_BACKOFF);
     dl_log(DL_LOG_ERROR, "hub", "the Hub refuses access: the token or the repo id is wrong",
-           "problem=%s status=%ld code=%s route=%s repo=%s token=%s hub_says=%s fix=%s retry=\"with backoff up to %.0f s\"",
+           "problem=%s status=%ld code=%s route=%s repo=%s token=%s hub_says=%s fix=%s retry=%s",
            problem, x->status, x->error_code[0] ? x->error_code : "none", r->route,
            dl_log_q(q_repo, sizeof(q_repo), h->repo), h->token != NULL ? "set" : "not_set",
            dl_log_q(q_said, sizeof(q_said), said[0] ? said : "nothing"), dl_log_q(q_fix, sizeof(q_fix), access_fix(problem)),
-           MAX_BACKOFF);
+           retry);
 }
 
-/* A request that carried the token was answered: whatever access problem there was is over. */
-static void access_ok(hf_hub *h)
+/* A request that carried the token was answered: the access problem is over (a refused write only
+ * when a write goes through). */
+static void access_ok(hf_hub *h, const hf_req *r)
 {
     char q[80];
-    if (h->st.problem[0] == '\0')
+    if (h->st.problem[0] == '\0' || (h->problem_write && !req_writes(r)))
         return;
     dl_log(DL_LOG_INFO, "hub", "the Hub accepts the token again", "repo=%s was=%s",
            dl_log_q(q, sizeof(q), h->repo), h->st.problem);
     h->st.problem[0] = '\0';
     h->problem_status = 0;
+    h->problem_write = 0;
     h->access_backoff = 0;
     h->poll_resume_ms = 0;
     h->st.last_error[0] = '\0';
@@ -367,7 +387,8 @@ static void req_done(cuv_xfer *x, void *arg)
         return;
     }
     transient = x->result != CURLE_OK || x->status == 429 || x->status >= 500 || x->status == 408;
-    const char *problem = access_problem(x);
+    /* only an answer to our token says something about it (a pre-signed storage URL's 403 does not) */
+    const char *problem = r->auth ? access_problem(x) : NULL;
     if (problem != NULL) {
         access_failed(h, r, x, problem);
         h->in_access_failure = 1;
@@ -376,7 +397,7 @@ static void req_done(cuv_xfer *x, void *arg)
         return;
     }
     if (x->result == CURLE_OK && r->auth && x->status >= 200 && x->status < 300)
-        access_ok(h);
+        access_ok(h, r);
     if (x->result == CURLE_OK && !transient) {
         r->cb(h, r, x->status >= 200 && x->status < 400);
         return;

@@ -20,7 +20,8 @@ import pytest  # noqa: E402
 from huggingface_hub import HfApi, hf_hub_download  # noqa: E402
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError  # noqa: E402
 
-from test_daemon_hf import REPO, TOKEN, HfDilocod, HubSim, by_dilocod, procs  # noqa: E402,F401
+from dilocod_proc import write_model  # noqa: E402
+from test_daemon_hf import REPO, TOKEN, HfDilocod, HubSim, by_dilocod, model, procs  # noqa: E402,F401
 
 WRONG = "hf_wrongTokenForTheTest_0123456789"
 REFUSED = "the Hub refuses access: the token or the repo id is wrong"
@@ -76,7 +77,7 @@ def test_wrong_token_is_said_once_polls_back_off_and_recovery_is_said(tmp_path, 
     line = next(ln for ln in log.splitlines() if REFUSED in ln)
     for words in ("problem=unauthorized", "status=401", "route=revision", "repo=org/model", "token=set",
                   '"Invalid credentials in Authorization header"', "HF_TOKEN", "--hub-token-file",
-                  "hub_token_file", "--hub hf://<namespace>/<repo>", "backoff up to 60 s"):
+                  "hub_token_file", "--hub hf://<namespace>/<repo>", 'retry="polls back off up to 60 s"'):
         assert words in line, (words, line)
     assert "revision: HTTP 401" not in log and "hub request failed" not in log, log
     assert WRONG not in log
@@ -123,6 +124,45 @@ def test_wrong_repo_id_is_named_until_the_repo_exists(tmp_path, procs):
     d.wait_log(RESTORED)
     assert "was=repo_not_found" in next(ln for ln in d.log_text().splitlines() if RESTORED in ln)
     d.wait(lambda: revision_polls(hub, 200), "an accepted poll")
+    assert d.status()["hub"]["last_transport_error"] is None
+    assert d.log_text().count(REFUSED) == 1
+    assert d.stop() == 0
+
+
+def test_read_only_token_is_said_once_while_polls_go_on(tmp_path, procs):
+    """The Hub lets the token read but refuses its writes (403 on the publish's preupload, as for a
+    read-only token): said once with the fix, polls stay at their pace (deltas still come in) and do
+    not count as the problem being over; when the writes go through, that is said once."""
+    hub = HubSim(tmp_path)
+    procs.append(hub)
+    HfApi(endpoint=hub.wendpoint, token=TOKEN).create_repo(REPO)
+    hub.fault(status=403, method="POST", route="preupload", count=-1, message="This token has read access only")
+    init = tmp_path / "init.safetensors"
+    write_model(init, model())
+    d = HfDilocod(tmp_path, hub, "--init-model", init, "--nodes", "w0,w1", "--retry-interval", "0.3")
+    procs.append(d)
+    d.start()
+
+    def refused_writes():
+        return [e for e in hub.requests() if by_dilocod(e) and e["route"] == "preupload" and e["status"] == 403]
+    d.wait(lambda: len(refused_writes()) >= 3, "3 refused publish attempts")
+    first = refused_writes()[0]["seq"]
+    d.wait(lambda: len([e for e in revision_polls(hub, 200) if e["seq"] > first]) >= 3, "3 polls after it")
+    log = d.log_text()
+    assert log.count(REFUSED) == 1, log
+    assert RESTORED not in log, log
+    line = next(ln for ln in log.splitlines() if REFUSED in ln)
+    for words in ("problem=forbidden status=403 code=Forbidden route=preupload", "write access",
+                  '"This token has read access only"', 'retry="publishing is retried"'):
+        assert words in line, (words, line)
+    assert d.status()["hub"]["last_transport_error"] == (
+        "forbidden: HTTP 403 Forbidden on preupload (This token has read access only): "
+        "the Hub token or the repo id hf://org/model is wrong")
+
+    hub.clear_faults()
+    d.wait_published(0)
+    assert d.log_text().count(RESTORED) == 1
+    assert "was=forbidden" in next(ln for ln in d.log_text().splitlines() if RESTORED in ln)
     assert d.status()["hub"]["last_transport_error"] is None
     assert d.log_text().count(REFUSED) == 1
     assert d.stop() == 0
