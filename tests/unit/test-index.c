@@ -1,0 +1,296 @@
+#include "test.h"
+
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "delta.h"
+#include "fsutil.h"
+#include "st_index.h"
+
+static int parse_code(const char *text, const char *base)
+{
+    st_index *ix = NULL;
+    dl_error err;
+    int rc = st_index_parse(text, strlen(text), base, &ix, &err);
+    st_index_free(ix);
+    return rc == 0 ? 0 : (int)err.code;
+}
+
+#define IX(meta, wm) "{\"metadata\": {\"total_size\": 24" meta "}, \"weight_map\": {" wm "}}"
+#define S1 "\"d-00001-of-00002.safetensors\""
+#define S2 "\"d-00002-of-00002.safetensors\""
+
+TEST(index_parse_valid)
+{
+    st_index *ix = NULL;
+    dl_error err;
+    const char *t = IX(", \"node_id\": \"w1\", \"total_parameters\": 6", "\"b\": " S2 ", \"a\": " S1);
+    CHECK_EQ(st_index_parse(t, strlen(t), "d", &ix, &err), 0);
+    CHECK_EQ(ix->nshards, 2);
+    CHECK_EQ(ix->total_size, 24);
+    CHECK_EQ(ix->nentries, 2);
+    CHECK_STR(ix->entries[0].name, "b");            /* file order kept */
+    CHECK_EQ(ix->entries[0].shard, 1);
+    CHECK(st_index_find(ix, "a", 1) != NULL && st_index_find(ix, "a", 1)->shard == 0);
+    CHECK(st_index_find(ix, "c", 1) == NULL);
+    CHECK_STR(st_index_meta(ix, "node_id", NULL), "w1");
+    CHECK_STR(st_index_meta(ix, "total_parameters", NULL), "6");
+    CHECK(st_index_meta(ix, "total_size", NULL) == NULL);
+    st_index_free(ix);
+}
+
+TEST(index_parse_hostile)
+{
+    static const struct { const char *text; int code; } cases[] = {
+        {"", DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"[]", DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{\"weight_map\": {\"a\": " S1 "}}", DL_E_INVALID_HEADER_DESERIALIZATION},       /* no metadata */
+        {"{\"metadata\": {}, \"weight_map\": {\"a\": " S1 "}}", DL_E_INVALID_HEADER_DESERIALIZATION},
+        {IX("", ""), DL_E_INVALID_HEADER_DESERIALIZATION},                                 /* empty map */
+        {IX("", "\"a\": " S1 ", \"b\": " S2) "x", DL_E_INVALID_HEADER_DESERIALIZATION},    /* trailing */
+        {IX(", \"x\": 1.5", "\"a\": " S1 ", \"b\": " S2), DL_E_INVALID_HEADER_DESERIALIZATION},
+        {IX(", \"x\": [1]", "\"a\": " S1 ", \"b\": " S2), DL_E_INVALID_HEADER_DESERIALIZATION},
+        {IX(", \"x\": null", "\"a\": " S1 ", \"b\": " S2), DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{\"metadata\": {\"total_size\": -1}, \"weight_map\": {\"a\": " S1 ", \"b\": " S2 "}}",
+         DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{\"metadata\": {\"total_size\": 2.5}, \"weight_map\": {\"a\": " S1 ", \"b\": " S2 "}}",
+         DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{\"metadata\": {\"total_size\": 9007199254740992}, \"weight_map\": {\"a\": " S1 ", \"b\": " S2 "}}",
+         DL_E_INVALID_HEADER_DESERIALIZATION},
+        {"{\"metadata\": {\"total_size\": \"24\"}, \"weight_map\": {\"a\": " S1 ", \"b\": " S2 "}}",
+         DL_E_INVALID_HEADER_DESERIALIZATION},
+        {IX("", "\"a\": " S1 ", \"b\": " S2) , 0},
+        {"{\"metadata\": {\"total_size\": 24}, \"weight_map\": {\"a\": " S1 ", \"b\": " S2 "}, \"x\": 1}",
+         DL_E_INVALID_HEADER_DESERIALIZATION},                                             /* unknown key */
+        {IX("", "\"a\": " S1 ", \"a\": " S2), DL_E_DUPLICATE_KEY},
+        {IX(", \"total_size\": 24", "\"a\": " S1 ", \"b\": " S2), DL_E_DUPLICATE_KEY},
+        {"{\"metadata\": {\"total_size\": 24}, \"metadata\": {\"total_size\": 24}, \"weight_map\": {\"a\": " S1 "}}",
+         DL_E_DUPLICATE_KEY},
+        {IX("", "\"a\": " S1 ", \"b\": 3"), DL_E_INVALID_HEADER_DESERIALIZATION},
+        {IX("", "\"a\": " S1), DL_E_INVALID_PATH},                                         /* shard 2 unused */
+        {IX("", "\"a\": " S1 ", \"b\": \"d-00002-of-00003.safetensors\""), DL_E_INVALID_PATH},
+        {IX("", "\"a\": " S1 ", \"b\": \"d-00003-of-00002.safetensors\""), DL_E_INVALID_PATH},
+        {IX("", "\"a\": " S1 ", \"b\": \"d-00000-of-00002.safetensors\""), DL_E_INVALID_PATH},
+        {IX("", "\"a\": " S1 ", \"b\": \"../d-00002-of-00002.safetensors\""), DL_E_INVALID_PATH},
+        {IX("", "\"a\": " S1 ", \"b\": \"x/d-00002-of-00002.safetensors\""), DL_E_INVALID_PATH},
+        {IX("", "\"a\": " S1 ", \"b\": \"e-00002-of-00002.safetensors\""), DL_E_INVALID_PATH},
+        {IX("", "\"a\": " S1 ", \"b\": \"d-2-of-2.safetensors\""), DL_E_INVALID_PATH},
+        {IX("", "\"a\": " S1 ", \"b\": \"d-00002-of-00002.bin\""), DL_E_INVALID_PATH},
+        {IX("", "\"a\": " S1 ", \"b\": \"d-00002-of-00002.safetensors.tmp\""), DL_E_INVALID_PATH},
+        {IX("", "\"a\\u0000x\": " S1 ", \"b\": " S2), DL_E_INVALID_HEADER_DESERIALIZATION},  /* NUL in a name */
+        {IX("", "\"a\nx\": " S1 ", \"b\": " S2), DL_E_INVALID_HEADER_DESERIALIZATION},      /* raw control */
+        {IX("", "\"a\xff\": " S1 ", \"b\": " S2), DL_E_INVALID_HEADER},                     /* not UTF-8 */
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        int got = parse_code(cases[i].text, "d");
+        if (got != cases[i].code)
+            fprintf(stderr, "  case %zu: %s\n", i, cases[i].text);
+        CHECK_EQ(got, cases[i].code);
+    }
+    CHECK_EQ(parse_code(IX("", "\"a\": " S1 ", \"b\": " S2), "../d"), DL_E_INVALID_ARGUMENT);
+}
+
+TEST(index_size_cap)
+{
+    size_t n = ST_INDEX_MAX_BYTES + 1;
+    char *big = malloc(n + 1);
+    st_index *ix = NULL;
+    dl_error err;
+    CHECK(big != NULL);
+    memset(big, ' ', n);
+    big[n] = '\0';
+    CHECK_EQ(st_index_parse(big, n, "d", &ix, &err), -DL_E_HEADER_TOO_LARGE);
+    CHECK(ix == NULL);
+    /* a file over the cap is refused before it is parsed */
+    CHECK_EQ(fsu_write_atomic(test_path("d.safetensors.index.json"), big, n, &err), 0);
+    CHECK_EQ(st_index_load(test_path("d.safetensors.index.json"), &ix, &err), -DL_E_HEADER_TOO_LARGE);
+    free(big);
+    /* the name must follow the convention */
+    CHECK_EQ(st_index_load(test_path("d.json"), &ix, &err), -DL_E_INVALID_PATH);
+}
+
+TEST(names)
+{
+    char buf[64], base[ST_INDEX_BASE_MAX + 1];
+    uint32_t i, n;
+    CHECK_EQ(st_index_shard_name("latest", 0, 3, buf, sizeof(buf)), 0);
+    CHECK_STR(buf, "latest-00001-of-00003.safetensors");
+    CHECK_EQ(st_index_shard_name("latest", 3, 3, buf, sizeof(buf)), -1);
+    CHECK_EQ(st_index_shard_name("latest", 0, 100000, buf, sizeof(buf)), -1);
+    CHECK_EQ(st_index_parse_shard_name("latest-00002-of-00003.safetensors", 33, "latest", &i, &n), 0);
+    CHECK(i == 1 && n == 3);
+    CHECK_EQ(st_index_parse_shard_name("latest-00002-of-00003.safetensors", 33, "late", &i, &n), -1);
+    CHECK_EQ(st_index_classify("delta_5.safetensors", 19, base, &i, &n), ST_NAME_SINGLE);
+    CHECK_STR(base, "delta_5");
+    CHECK_EQ(st_index_classify("delta_5.safetensors.index.json", 30, base, &i, &n), ST_NAME_INDEX);
+    CHECK_EQ(st_index_classify("delta_5-00001-of-00002.safetensors", 34, base, &i, &n), ST_NAME_SHARD);
+    CHECK_STR(base, "delta_5");
+    CHECK_EQ(st_index_classify("delta_5.bin", 11, base, &i, &n), ST_NAME_OTHER);
+    CHECK_EQ(st_index_classify(".safetensors", 12, base, &i, &n), ST_NAME_OTHER);
+
+    delta_path p;
+    dl_error err;
+    CHECK_EQ(delta_parse_any_path("nodes/w1/delta_5-00002-of-00003.safetensors", &p, &err), 0);
+    CHECK(p.kind == DELTA_PATH_SHARD && p.shard == 1 && p.nshards == 3 && p.local_step == 5);
+    CHECK_STR(p.node_id, "w1");
+    CHECK_EQ(delta_parse_any_path("nodes/w1/delta_7.safetensors.index.json", &p, &err), 0);
+    CHECK(p.kind == DELTA_PATH_INDEX && p.local_step == 7);
+    CHECK_EQ(delta_parse_any_path("nodes/w1/delta_07.safetensors.index.json", &p, &err), -DL_E_INVALID_PATH);
+    CHECK_EQ(delta_parse_any_path("nodes/w1/model-00001-of-00002.safetensors", &p, &err), -DL_E_INVALID_PATH);
+    CHECK_EQ(delta_parse_any_path("nodes/../delta_5.safetensors", &p, &err), -DL_E_INVALID_PATH);
+}
+
+TEST(sizes)
+{
+    uint64_t v;
+    CHECK(st_parse_size("5GB", &v) == 0 && v == 5000000000ULL);
+    CHECK(st_parse_size("1.5MB", &v) == 0 && v == 1500000);
+    CHECK(st_parse_size("40kb", &v) == 0 && v == 40000);
+    CHECK(st_parse_size("123", &v) == 0 && v == 123);
+    CHECK(st_parse_size("0", &v) == 0 && v == 0);
+    CHECK(st_parse_size("", &v) != 0);
+    CHECK(st_parse_size("GB", &v) != 0);
+    CHECK(st_parse_size("-1GB", &v) != 0);
+    CHECK(st_parse_size("5 XB", &v) != 0);
+    CHECK(st_parse_size("1e30TB", &v) != 0);
+    CHECK(st_parse_size("99999999999999999999", &v) != 0);
+}
+
+/* huggingface_hub's split: a tensor over the limit gets its own shard at once, numbered before the
+ * shard still being filled (sizes 4, 16(big), 4, 4, 4 with limit 10 -> [big], [a, c], [d, e]). */
+TEST(plan_matches_huggingface_hub)
+{
+    static const uint64_t s4[] = {1}, s16[] = {4};
+    st_spec specs[] = {{"a", 1, ST_F32, 1, s4}, {"big", 3, ST_F32, 1, s16}, {"c", 1, ST_F32, 1, s4},
+                       {"d", 1, ST_F32, 1, s4}, {"e", 1, ST_F32, 1, s4}};
+    uint32_t shard_of[5], n;
+    dl_error err;
+    CHECK_EQ(st_index_plan(specs, 5, 10, shard_of, &n, &err), 0);
+    CHECK_EQ(n, 3);
+    CHECK_EQ(shard_of[1], 0);
+    CHECK(shard_of[0] == 1 && shard_of[2] == 1);
+    CHECK(shard_of[3] == 2 && shard_of[4] == 2);
+    CHECK_EQ(st_index_plan(specs, 5, 0, shard_of, &n, &err), 0);
+    CHECK_EQ(n, 1);
+    CHECK_EQ(st_index_plan(specs, 5, 100, shard_of, &n, &err), 0);
+    CHECK_EQ(n, 1);
+
+    size_t len;
+    st_kv meta[] = {{"node_id", "w\xc3\xa9\"1"}};
+    char *json = st_index_build_json("d", specs, 5, (uint32_t[]){1, 0, 1, 2, 2}, 3, meta, 1, &len);
+    CHECK(json != NULL);
+    CHECK_STR(json, "{\n  \"metadata\": {\n    \"total_size\": 32,\n    \"node_id\": \"w\\u00e9\\\"1\"\n  },\n"
+                    "  \"weight_map\": {\n    \"big\": \"d-00001-of-00003.safetensors\",\n"
+                    "    \"a\": \"d-00002-of-00003.safetensors\",\n    \"c\": \"d-00002-of-00003.safetensors\",\n"
+                    "    \"d\": \"d-00003-of-00003.safetensors\",\n    \"e\": \"d-00003-of-00003.safetensors\"\n  }\n}");
+    free(json);
+}
+
+/* Writes a 3-tensor delta as a set of 2 shards through the writer, then reads it back as a set. */
+static int write_set(const char *path, uint64_t shard_size)
+{
+    static const uint64_t shape[] = {2};
+    static const float a[] = {1, 2}, b[] = {3, 4}, c[] = {5, 6};
+    st_spec specs[] = {{"w.a", 3, ST_F32, 1, shape}, {"w.b", 3, ST_F32, 1, shape}, {"w.c", 3, ST_F32, 1, shape}};
+    const float *data[] = {a, b, c};
+    st_kv meta[] = {{"algorithm", DELTA_ALGORITHM}, {"base_outer_step", "3"}, {"local_step", "5"}, {"node_id", "w1"}};
+    st_set_writer *w;
+    dl_error err;
+    if (st_set_writer_open(path, specs, 3, meta, 4, shard_size, &w, &err) != 0)
+        return -1;
+    for (size_t i = 0; i < 3; i++) {
+        if (st_set_writer_write(w, i, 0, data[i], 8, &err) != 0) {
+            st_set_writer_abort(w);
+            return -1;
+        }
+    }
+    return st_set_writer_commit(w, &err);
+}
+
+TEST(writer_and_set_view)
+{
+    char path[512], index[512];
+    st_set *s = NULL;
+    dl_error err;
+    float got[2];
+    uint32_t file;
+    snprintf(path, sizeof(path), "%s", test_path("delta_5.safetensors"));
+    snprintf(index, sizeof(index), "%s", test_path("delta_5.safetensors.index.json"));
+    CHECK_EQ(write_set(path, 16), 0);              /* 8 bytes each: two per shard */
+    CHECK_EQ(access(path, F_OK), -1);
+    CHECK_EQ(st_set_open(index, &s, &err), 0);
+    CHECK_EQ(s->nfiles, 2);
+    CHECK_EQ(s->ntensors, 3);
+    CHECK_EQ(s->data_bytes, 24);
+    const st_tensor *t = st_set_find(s, "w.c", 3, &file);
+    CHECK(t != NULL);
+    CHECK_EQ(file, 1);
+    CHECK_EQ(st_set_read(s, file, t, 0, got, 8, &err), 0);
+    CHECK(got[0] == 5 && got[1] == 6);
+    CHECK_EQ(s->files[0]->h->nmeta, 1);            /* shards carry {"format": "pt"} only */
+    delta_info info;
+    CHECK_EQ(delta_validate_set(s, s->by_name, s->ntensors, "nodes/w1/delta_5.safetensors.index.json", &info, &err), 0);
+    CHECK_EQ(info.local_step, 5);
+    CHECK_EQ(delta_check_set_header(s, s->by_name, s->ntensors, "nodes/w2/delta_5.safetensors.index.json", &info,
+                                    &err), -DL_E_PATH_MISMATCH);
+    CHECK_EQ(delta_check_set_header(s, s->by_name, s->ntensors, "nodes/w1/delta_5-00001-of-00002.safetensors", &info,
+                                    &err), -DL_E_INVALID_PATH);
+    /* each shard on its own is a subset of the floating keys */
+    CHECK_EQ(delta_check_shard_header(s->files[1]->h, s->by_name, s->ntensors, &err), 0);
+    CHECK_EQ(delta_check_shard_header(s->files[1]->h, s->by_name, 2, &err), -DL_E_KEY_MISMATCH);
+    st_set_close(s);
+    /* writing the plain file replaces the set */
+    CHECK_EQ(write_set(path, 0), 0);
+    CHECK_EQ(access(index, F_OK), -1);
+    CHECK_EQ(access(test_path("delta_5-00001-of-00002.safetensors"), F_OK), -1);
+    CHECK_EQ(st_set_open(path, &s, &err), 0);
+    CHECK(s->index == NULL && s->nfiles == 1 && s->ntensors == 3);
+    st_set_close(s);
+}
+
+TEST(check_set_hostile)
+{
+    char path[512];
+    st_set *s = NULL;
+    st_index *ix = NULL;
+    dl_error err;
+    snprintf(path, sizeof(path), "%s", test_path("delta_5.safetensors"));
+    CHECK_EQ(write_set(path, 16), 0);
+    CHECK_EQ(st_set_open(test_path("delta_5.safetensors.index.json"), &s, &err), 0);
+    const st_header *h[2] = {s->files[0]->h, s->files[1]->h};
+    const char *variants[][2] = {
+        /* total_size off */
+        {"{\"metadata\": {\"total_size\": 23}, \"weight_map\": {\"w.a\": \"delta_5-00001-of-00002.safetensors\", "
+         "\"w.b\": \"delta_5-00001-of-00002.safetensors\", \"w.c\": \"delta_5-00002-of-00002.safetensors\"}}",
+         "total_size"},
+        /* a tensor listed in the wrong shard */
+        {"{\"metadata\": {\"total_size\": 24}, \"weight_map\": {\"w.a\": \"delta_5-00002-of-00002.safetensors\", "
+         "\"w.b\": \"delta_5-00001-of-00002.safetensors\", \"w.c\": \"delta_5-00002-of-00002.safetensors\"}}",
+         "lists the tensor in"},
+        /* a tensor the index does not list */
+        {"{\"metadata\": {\"total_size\": 24}, \"weight_map\": {\"w.a\": \"delta_5-00001-of-00002.safetensors\", "
+         "\"w.c\": \"delta_5-00002-of-00002.safetensors\"}}",
+         "does not list"},
+        /* a tensor listed that no shard holds */
+        {"{\"metadata\": {\"total_size\": 24}, \"weight_map\": {\"w.a\": \"delta_5-00001-of-00002.safetensors\", "
+         "\"w.b\": \"delta_5-00001-of-00002.safetensors\", \"w.c\": \"delta_5-00002-of-00002.safetensors\", "
+         "\"w.d\": \"delta_5-00002-of-00002.safetensors\"}}",
+         "does not hold"},
+    };
+    for (size_t i = 0; i < sizeof(variants) / sizeof(variants[0]); i++) {
+        CHECK_EQ(st_index_parse(variants[i][0], strlen(variants[i][0]), "delta_5", &ix, &err), 0);
+        CHECK(st_index_check_set(ix, h, &err) != 0);
+        CHECK(strstr(err.message, variants[i][1]) != NULL);
+        st_index_free(ix);
+        ix = NULL;
+    }
+    /* a tensor in two shards */
+    const st_header *twice[2] = {s->files[0]->h, s->files[0]->h};
+    CHECK(st_index_check_set(s->index, twice, &err) != 0);
+    CHECK(strstr(err.message, "two shards") != NULL);
+    /* a stray shard of another count in a listing */
+    const char *names[] = {"delta_5-00001-of-00002.safetensors", "delta_5-00003-of-00003.safetensors"};
+    CHECK_EQ(st_index_check_listing(s->index, names, 1, &err), 0);
+    CHECK_EQ(st_index_check_listing(s->index, names, 2, &err), -DL_E_KEY_MISMATCH);
+    st_set_close(s);
+}
