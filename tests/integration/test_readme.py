@@ -6,7 +6,7 @@ What is adapted, and only that: `build/` is the build directory under test; `mak
 repository with that build directory; paths the README puts in system places (/var/lib/dilocod,
 /shared/diloco) and the README's addresses (aggregator:8470, localhost:8470) point into the temporary
 directory and at a free port; a dilocod that serves gets `--listen` on that port; `hf_...` is the Hub
-emulator's token.  The demo's sample output is compared with what `make demo` prints."""
+emulator's token; the s3:// example's AWS_* exports are SeaweedFS's keys and endpoint.  The demo's sample output is compared with what `make demo` prints."""
 import json
 import zlib
 import os
@@ -27,6 +27,7 @@ from safetensors.numpy import save_file
 from safetensors.torch import save_file as torch_save_file
 
 from conftest import BUILD, ROOT
+from s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3
 
 README = ROOT / "README.md"
 SHELL = {"sh", "bash", "console"}
@@ -59,6 +60,7 @@ ANCHORS = {
     "test_build_and_test": "make            # build/libdiloco.a",
     "test_running_dilocod_file_hub": "--hub file:///shared/diloco",
     "test_hf_hub": "--hub hf://my-org/my-model",
+    "test_s3_hub": "--hub s3://my-bucket/runs/my-model",
     "test_training_over_http_only": "build/diloco pull",
     "test_http_api_curl": "curl -s localhost:8470/status",
     "test_configuration_check": "--check-config > effective.conf",
@@ -309,6 +311,53 @@ def test_hf_hub(ctx):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_s3_hub(ctx):
+    """The s3:// example against SeaweedFS (a real S3 server): step 0 is published into the bucket, and
+    the --expected-nodes workers, putting their deltas with boto3's upload_file, make round 0 -> 1."""
+    server = SeaweedS3(ctx.tmp / "s3", bucket="my-bucket").start()
+    try:
+        # what the example exports, with this server's values; nothing else of the machine's AWS setup
+        real = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+                "AWS_ENDPOINT_URL": server.endpoint}
+        for k in [k for k in ctx.env if k.startswith("AWS_")]:
+            del ctx.env[k]
+        init_model(ctx.tmp / "init.safetensors")
+        nodes = 0
+        for cmd in block_commands("test_s3_hub"):
+            m = re.fullmatch(r"export (\w+)=(\S+)", cmd)
+            if m:
+                assert m.group(1) in real, f"README exports {m.group(1)}: the test does not know its value"
+                ctx.env[m.group(1)] = real[m.group(1)]
+                continue
+            if "--expected-nodes" in cmd:
+                nodes = int(re.search(r"--expected-nodes (\d+)", cmd).group(1))
+            ctx.run(cmd)
+        assert nodes >= 1, "the s3:// example starts no dilocod"
+        s3 = server.client()
+        prefix = re.search(r"--hub s3://my-bucket/(\S+)", block("test_s3_hub")[2]).group(1)
+
+        def step():
+            try:
+                body = s3.get_object(Bucket="my-bucket", Key=f"{prefix}/global/step_count.json")["Body"].read()
+            except s3.exceptions.NoSuchKey:
+                return None
+            return json.loads(body)["outer_step"]
+
+        ctx.wait(lambda: step() in (0, "0"), "step 0 published into the bucket")
+        init = s3.get_object(Bucket="my-bucket", Key=f"{prefix}/global/latest.safetensors")["Body"].read()
+        assert init == (ctx.tmp / "init.safetensors").read_bytes()
+        for i in range(1, nodes + 1):
+            path = delta(ctx.tmp / f"s3-delta-{i}.safetensors", f"w{i}", 0, 500)
+            s3.upload_file(str(path), "my-bucket", f"{prefix}/nodes/w{i}/delta_500.safetensors")
+        ctx.wait(lambda: step() in (1, "1"), "step 1 published into the bucket")
+        status = ctx.status()
+        assert status["outer_step"] == 1 and status["hub"]["kind"] == "s3", status
+        assert status["last_round"]["nodes"] and len(status["last_round"]["nodes"]) == nodes, status
+        ctx.stop()
+    finally:
+        server.stop()
 
 
 def test_training_over_http_only(ctx):
