@@ -279,7 +279,7 @@ static int parse_metadata(const cJSON *md, st_index *ix, dl_error *err)
 static int parse_weight_map(const cJSON *wm, st_index *ix, dl_error *err)
 {
     const cJSON *c;
-    unsigned char *used = NULL;
+    unsigned char *used = NULL;     /* which shard numbers the map names */
     size_t n = 0;
     int rc;
 
@@ -298,30 +298,35 @@ static int parse_weight_map(const cJSON *wm, st_index *ix, dl_error *err)
     cJSON_ArrayForEach(c, wm) {
         uint32_t i, count;
         size_t klen = strlen(c->string);
-        if (!cJSON_IsString(c))
-            return dl_fail(err, DL_E_INVALID_HEADER_DESERIALIZATION, c->string, klen,
-                           "invalid index: a weight_map value is not a string");
+        if (!cJSON_IsString(c)) {
+            rc = dl_fail(err, DL_E_INVALID_HEADER_DESERIALIZATION, c->string, klen,
+                         "invalid index: a weight_map value is not a string");
+            goto out;
+        }
         if (st_index_parse_shard_name(c->valuestring, strlen(c->valuestring), ix->base, &i, &count) != 0) {
             char shown[128];
             dl_printable(shown, sizeof(shown), c->valuestring, strlen(c->valuestring));
-            return dl_fail(err, DL_E_INVALID_PATH, c->string, klen,
-                           "invalid index: \"%s\" is not a shard of %s (expected %s-<i>-of-<N>.safetensors, "
-                           "5 digits each, no directory)", shown, ix->base, ix->base);
+            rc = dl_fail(err, DL_E_INVALID_PATH, c->string, klen,
+                         "invalid index: \"%s\" is not a shard of %s (expected %s-<i>-of-<N>.safetensors, "
+                         "5 digits each, no directory)", shown, ix->base, ix->base);
+            goto out;
         }
         if (ix->nshards == 0) {
             ix->nshards = count;
-            if ((used = calloc(count, 1)) == NULL)
-                return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+            if ((used = calloc(count, 1)) == NULL) {
+                rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+                goto out;
+            }
         } else if (count != ix->nshards) {
-            free(used);
-            return dl_fail(err, DL_E_INVALID_PATH, c->string, klen,
-                           "invalid index: shard names disagree on the shard count (%u and %u)", ix->nshards, count);
+            rc = dl_fail(err, DL_E_INVALID_PATH, c->string, klen,
+                         "invalid index: shard names disagree on the shard count (%u and %u)", ix->nshards, count);
+            goto out;
         }
         used[i] = 1;
         st_index_entry *e = &ix->entries[ix->nentries];
         if ((e->name = strdup(c->string)) == NULL) {
-            free(used);
-            return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+            rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+            goto out;
         }
         e->name_len = klen;
         e->shard = i;
@@ -332,14 +337,15 @@ static int parse_weight_map(const cJSON *wm, st_index *ix, dl_error *err)
         if (!used[i]) {
             char name[ST_INDEX_BASE_MAX + 40];
             st_index_shard_name(ix->base, i, ix->nshards, name, sizeof(name));
-            free(used);
-            return dl_fail(err, DL_E_INVALID_PATH, NULL, 0,
-                           "invalid index: no tensor is listed in shard %s (every shard of a set holds tensors)", name);
+            rc = dl_fail(err, DL_E_INVALID_PATH, NULL, 0,
+                         "invalid index: no tensor is listed in shard %s (every shard of a set holds tensors)", name);
+            goto out;
         }
     }
-    free(used);
     qsort_r(ix->by_name, ix->nentries, sizeof(*ix->by_name), by_name_cmp, ix->entries);
-    return 0;
+out:
+    free(used);
+    return rc;
 }
 
 int st_index_parse(const char *text, size_t len, const char *base, st_index **out, dl_error *err)
