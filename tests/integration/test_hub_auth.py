@@ -18,7 +18,7 @@ os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 
 import pytest  # noqa: E402
 from huggingface_hub import HfApi, hf_hub_download  # noqa: E402
-from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError  # noqa: E402
+from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError  # noqa: E402
 
 from dilocod_proc import write_model  # noqa: E402
 from test_daemon_hf import REPO, TOKEN, HfDilocod, HubSim, by_dilocod, model, procs  # noqa: E402,F401
@@ -165,4 +165,34 @@ def test_read_only_token_is_said_once_while_polls_go_on(tmp_path, procs):
     assert "was=forbidden" in next(ln for ln in d.log_text().splitlines() if RESTORED in ln)
     assert d.status()["hub"]["last_transport_error"] is None
     assert d.log_text().count(REFUSED) == 1
+    assert d.stop() == 0
+
+
+@pytest.mark.parametrize("case", ["revision_not_found", "gated"])
+def test_missing_revision_or_gated_repo_is_named(tmp_path, procs, case):
+    """--hub hf://org/model@<a branch that does not exist> (the emulator's real 404 RevisionNotFound),
+    and a gated repo (403 with X-Error-Code GatedRepo, which huggingface_hub raises as GatedRepoError):
+    each named once, with its own fix."""
+    hub = HubSim(tmp_path)
+    procs.append(hub)
+    HfApi(endpoint=hub.wendpoint, token=TOKEN).create_repo(REPO)
+    if case == "gated":
+        hub.fault(status=403, route="repo_info", count=-1, error_code="GatedRepo",
+                  message="Access to model org/model is restricted. You must have access to it.")
+    d = HfDilocod(tmp_path, hub, "--nodes", "w0,w1")
+    procs.append(d)
+    d.start(*(["--hub", f"hf://{REPO}@no-such-branch"] if case == "revision_not_found" else []))
+    d.wait(lambda: len([e for e in hub.requests() if by_dilocod(e) and e["route"] == "repo_info"]) >= 3,
+           "3 refused polls")
+    log = d.log_text()
+    assert log.count(REFUSED) == 1, log
+    line = next(ln for ln in log.splitlines() if REFUSED in ln)
+    if case == "gated":
+        assert "problem=gated status=403 code=GatedRepo" in line and "accept its conditions" in line, line
+        with pytest.raises(GatedRepoError):    # the stock client's reading of the same answer
+            HfApi(endpoint=hub.wendpoint, token=TOKEN).repo_info(REPO)
+    else:
+        assert "problem=revision_not_found status=404 code=RevisionNotFound" in line, line
+        assert "hf://<namespace>/<repo>@<revision>" in line, line
+    assert d.status()["hub"]["last_transport_error"].startswith(f"{case}: HTTP ")
     assert d.stop() == 0
