@@ -60,6 +60,8 @@ static const opt options[] = {
     {"hub_endpoint", T_OPTSTR, OFF(hub_endpoint), 0, 0, "URL     server of hf:// (default $HF_ENDPOINT or https://huggingface.co) or s3:// (default $AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL or AWS)"},
     {"hub_token_file", T_OPTSTR, OFF(hub_token_file), 0, 0, "FILE  file holding the Hub token (default $HF_TOKEN)"},
     {"max_downloads", T_UINT, OFF(max_downloads), 1, 64, "N      parallel delta downloads from the Hub"},
+    {"prune_consumed", T_UINT, OFF(prune_consumed), 0, 1, "0|1   remove a file:// delta once the step it went into is durable, or once it is stale or superseded"},
+    {"history_keep", T_UINT, OFF(history_keep), 16, 100000000, "N   rounds.jsonl keeps the last N round records (compacted at startup)"},
     {"s3_region", T_OPTSTR, OFF(s3_region), 0, 0, "REGION     s3:// SigV4 region (default $AWS_REGION, $AWS_DEFAULT_REGION or us-east-1)"},
     {"s3_addressing", T_STR, OFF(s3_addressing), 0, 0, "MODE   s3:// bucket addressing: auto | path | virtual"},
     {"s3_part_mib", T_UINT, OFF(s3_part_mib), 5, 5120, "MIB      s3:// multipart upload above this size, in parts of this size"},
@@ -418,6 +420,7 @@ static void set_defaults(config *c)
     c->max_uploads = 64;
     c->max_downloads = 2;
     c->s3_addressing = strdup("auto");
+    c->history_keep = 100000;
     c->s3_part_mib = 64;
 }
 
@@ -860,6 +863,7 @@ void config_print(const config *c, FILE *out)
     print_str(out, "hub_endpoint", c->hub_endpoint, " (hf:// and s3:// only)");
     print_str(out, "hub_token_file", c->hub_token_file, c->hub_token ? " (the token is from $HF_TOKEN)" : "");
     fprintf(out, "max_downloads = %u\n# hub token: %s\n", c->max_downloads, c->hub_token ? "set" : "not set");
+    fprintf(out, "prune_consumed = %u\nhistory_keep = %u\n", c->prune_consumed, c->history_keep);
     print_str(out, "s3_region", c->s3_region, " (s3:// only)");
     print_str(out, "s3_addressing", c->s3_addressing, "");
     fprintf(out, "s3_part_mib = %u\n", c->s3_part_mib);

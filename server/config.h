@@ -50,6 +50,8 @@ typedef struct config {
     char *hub_endpoint;         /* default: $HF_ENDPOINT or https://huggingface.co */
     char *hub_token_file;       /* default: $HF_TOKEN */
     unsigned max_downloads;
+    unsigned prune_consumed;    /* 1: remove the transport's delta files once their step is durable */
+    unsigned history_keep;      /* rounds.jsonl keeps at least this many records (compacted at startup) */
     char *hub_token;            /* loaded, never printed */
     char *hf_repo, *hf_rev;     /* parsed from hub */
     /* s3:// (hub_endpoint: default $AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL, else AWS's own) */

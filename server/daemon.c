@@ -243,6 +243,40 @@ void daemon__rejected(dilocod *d, const char *what, const dl_error *err)
            err->tensor[0] ? dl_log_q(t, sizeof(t), err->tensor) : "");
 }
 
+/* ---- pruning the transport's consumed deltas (--prune-consumed) -------------------------------------- */
+
+static int pruning(const dilocod *d)
+{
+    return d->cfg->prune_consumed && d->hub != NULL && hub_can_prune(d->hub);
+}
+
+static void prune_now(dilocod *d, const char *rel)
+{
+    if (pruning(d))
+        hub_prune(d->hub, rel);
+}
+
+/* A delta of the open round: pruned when the step it went into is durable. */
+static void remember_consumed(dilocod *d, const char *rel)
+{
+    char **nv;
+
+    if (!pruning(d))
+        return;
+    if ((nv = realloc(d->round_rels, (d->nround_rels + 1) * sizeof(*nv))) == NULL)
+        return;                 /* not pruned: the file stays, nothing else is lost */
+    d->round_rels = nv;
+    if ((d->round_rels[d->nround_rels] = strdup(rel)) != NULL)
+        d->nround_rels++;
+}
+
+static void free_rels(char **rels, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        free(rels[i]);
+    free(rels);
+}
+
 /* What the transport learns of a delta it handed over. */
 static hub_outcome hub_outcome_of(intake_status s)
 {
@@ -269,8 +303,12 @@ static void intake_done(job *j)
     case INTAKE_OK:
         /* when stopping, the cached copy stays: the restart offers it again */
         if (!d->stopping) {
-            daemon__offer(d, &r->info, r->cache_path, r->size);
+            round_verdict verdict = daemon__offer(d, &r->info, r->cache_path, r->size);
             r->cache_path = NULL;
+            if (r->rel_path != NULL && (verdict == ROUND_ACCEPTED || verdict == ROUND_REPLACED))
+                remember_consumed(d, r->rel_path);      /* pruned once its step is durable */
+            else if (r->rel_path != NULL && (verdict == ROUND_STALE || verdict == ROUND_NOT_NEWER))
+                prune_now(d, r->rel_path);              /* can never count: superseded or too old */
         }
         break;
     case INTAKE_STALE:
@@ -283,6 +321,8 @@ static void intake_done(job *j)
                r->info.base_outer_step, d->rnd.step, intake_status_name(r->status));
         if (r->in_cache)
             unlink_async(d, r->src_path);
+        if (r->status == INTAKE_STALE && r->rel_path != NULL)
+            prune_now(d, r->rel_path);
         break;
     case INTAKE_DUPLICATE:
         dl_log(DL_LOG_DEBUG, "intake", "delta already taken in", "path=%s", name);
@@ -410,36 +450,179 @@ static store_commit_info round_commit_info(const dilocod *d)
     return info;
 }
 
+/* The commit point of a round: its redo record (the step, its inputs, the optimizer and the round's
+ * record) made durable.  The outputs are already written but not durable; they are served and
+ * published from now on, and made durable in the background (settle_work).  A crash before that
+ * finds the redo record at the restart, which recomputes the step from its inputs, bit for bit. */
 static void commit_work(job *j)
 {
     dilocod *d = j->d;
-    store_commit_info info = round_commit_info(d);
+    store_redo redo = {
+        .step = d->rnd.step + 1,
+        .base = d->rnd.step,
+        .deltas = d->pass_paths,
+        .ndeltas = d->pass_n,
+        .optimizer = (char *)config_optimizer_name(d->cfg->optimizer),
+        .lr = d->cfg->lr,
+        .momentum = d->cfg->momentum,
+        .round_json = d->pending_round,
+    };
+
+    /* d->st belongs to the loop: the pool reads only d->st.dir, which never changes */
+    j->rc = store_redo_write(&d->st, &redo, &j->err);
+    /* opened here, off the loop: downloads of the new global start from this descriptor */
+    j->flag = j->rc == 0 ? open_for_download(d->pass->out_global_path) : -EINVAL;
+}
+
+/* ---- settling: the committed step's outputs made durable, then outer_metadata.json --------------- */
+
+typedef struct settle_args {
+    uint64_t step;
+    char *global_path, *momentum_path, *round_json;
+    int history_failed;
+    char **rels;                /* the transport's files of the round's deltas (--prune-consumed) */
+    size_t nrels;
+} settle_args;
+
+static void settle_free(settle_args *a)
+{
+    if (a != NULL) {
+        free_rels(a->rels, a->nrels);
+        free(a->global_path);
+        free(a->momentum_path);
+        free(a->round_json);
+        free(a);
+    }
+}
+
+static void settle_work(job *j)
+{
+    dilocod *d = j->d;
+    settle_args *a = j->arg;
+    store_commit_info info = {
+        .step = a->step,
+        .global_path = a->global_path,
+        .momentum_path = a->momentum_path,
+        .optimizer = config_optimizer_name(d->cfg->optimizer),
+        .lr = d->cfg->lr,
+        .momentum = d->cfg->momentum,
+        .origin = "round",
+        .round_json = a->round_json,
+    };
     dl_error herr;
 
-    /* a record whose append failed last time goes first: rounds.jsonl stays in step order */
+    /* 1. the outputs durable (their directories too: the renames must survive) */
+    if ((j->rc = fsu_fsync_path(a->global_path, &j->err)) != 0 ||
+        (j->rc = fsu_fsync_parent(a->global_path, &j->err)) != 0)
+        return;
+    if (a->momentum_path != NULL && ((j->rc = fsu_fsync_path(a->momentum_path, &j->err)) != 0 ||
+                                     (j->rc = fsu_fsync_parent(a->momentum_path, &j->err)) != 0))
+        return;
+    /* 2. outer_metadata.json names the step: from here the redo record is not needed */
+    if ((j->rc = store_commit_write(&d->st, &info, &j->err)) != 0)
+        return;
+    /* 3. the history, in commit order: a record whose append failed last time goes first.  A kill
+     * before the append is replayed at startup from outer_metadata.json (history_load). */
     if (d->unappended != NULL && history_append(d->st.dir, d->unappended, &herr) == 0) {
         free(d->unappended);
         d->unappended = NULL;
     }
-    /* d->st belongs to the loop (/status, /metrics, step_count.json read it): the pool writes the
-     * commit point only, and commit_done records it in d->st as it swaps the served global */
-    j->rc = store_commit_write(&d->st, &info, &j->err);
-    /* The record is committed with the step (outer_metadata.json); appending it to rounds.jsonl here,
-     * in the same job, keeps the file in commit order.  A kill between the two is replayed at
-     * startup (history_load); a failed append is retried before the next commit. */
-    if (j->rc == 0 && d->unappended == NULL && history_append(d->st.dir, d->pending_round, &herr) != 0) {
-        d->unappended = strdup(d->pending_round);
-        j->u = 1;
-    } else if (j->rc == 0 && d->unappended != NULL) {
-        char *both = NULL;
-        if (asprintf(&both, "%s%s", d->unappended, d->pending_round) >= 0) {
-            free(d->unappended);
-            d->unappended = both;
+    if (a->round_json != NULL) {
+        if (d->unappended == NULL && history_append(d->st.dir, a->round_json, &herr) != 0) {
+            d->unappended = strdup(a->round_json);
+            a->history_failed = 1;
+        } else if (d->unappended != NULL) {
+            char *both = NULL;
+            if (asprintf(&both, "%s%s", d->unappended, a->round_json) >= 0) {
+                free(d->unappended);
+                d->unappended = both;
+            }
+            a->history_failed = 1;
         }
-        j->u = 1;
     }
-    /* opened here, off the loop: downloads of the new global start from this descriptor */
-    j->flag = j->rc == 0 ? open_for_download(info.global_path) : -EINVAL;
+    /* 4. the redo record goes (a kill before: the restart finds it older than the committed step) */
+    j->rc = store_redo_remove(&d->st, &j->err);
+}
+
+static void queue_commit(dilocod *d);
+static void schedule_cleanup(dilocod *d);
+static void queue_settle(dilocod *d, settle_args *a);
+
+static void settle_retry_cb(uv_timer_t *t)
+{
+    dilocod *d = container_of(t, dilocod, settle_timer);
+    settle_args *a = d->settle_retry;
+
+    d->settle_retry = NULL;
+    if (a != NULL)
+        queue_settle(d, a);
+}
+
+static void settle_done(job *j)
+{
+    dilocod *d = j->d;
+    settle_args *a = j->arg;
+
+    if (a->history_failed)
+        dl_log(DL_LOG_ERROR, "store", "could not append the round to rounds.jsonl; retried at the next commit",
+               "step=%" PRIu64, a->step);
+    if (j->rc != 0) {
+        /* the step stays committed by its redo record; its durability is retried (the next commit waits) */
+        log_error("store", "cannot make the committed step durable, will retry", &j->err);
+        if (!d->stopping) {
+            d->settle_retry = a;
+            uv_timer_start(&d->settle_timer, settle_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
+            return;
+        }
+        d->settle_in_flight = 0;
+        settle_free(a);
+        return;
+    }
+    d->settle_in_flight = 0;
+    dl_log(DL_LOG_DEBUG, "store", "durable", "step=%" PRIu64, a->step);
+    for (size_t i = 0; i < a->nrels && !d->stopping; i++)
+        prune_now(d, a->rels[i]);       /* the step they went into is durable: no restart needs them */
+    settle_free(a);
+    if (d->stopping)
+        return;
+    if (d->commit_waiting) {
+        d->commit_waiting = 0;
+        queue_commit(d);
+    }
+    schedule_cleanup(d);
+}
+
+static void queue_settle(dilocod *d, settle_args *a)
+{
+    d->settle_in_flight = 1;
+    if (daemon__queue(d, settle_work, settle_done, a, 0, 0) != 0) {
+        /* no memory for a job: try again in a moment (the redo record keeps the step safe meanwhile) */
+        d->settle_retry = a;
+        uv_timer_start(&d->settle_timer, settle_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
+    }
+}
+
+/* After the commit point: the outputs of step become durable in the background. */
+static void start_settle(dilocod *d, uint64_t step)
+{
+    settle_args *a = calloc(1, sizeof(*a));
+
+    if (a == NULL || (a->global_path = strdup(d->pass->out_global_path)) == NULL ||
+        (d->pass->out_momentum_path != NULL && (a->momentum_path = strdup(d->pass->out_momentum_path)) == NULL) ||
+        (d->pending_round != NULL && (a->round_json = strdup(d->pending_round)) == NULL)) {
+        settle_free(a);
+        /* the redo record is durable: a restart settles the step; stop rather than run unsettled */
+        dl_log(DL_LOG_ERROR, "store", "out of memory settling the commit; restarting is safe", "step=%" PRIu64, step);
+        d->exit_code = 1;
+        raise(SIGTERM);
+        return;
+    }
+    a->step = step;
+    a->rels = d->round_rels;
+    a->nrels = d->nround_rels;
+    d->round_rels = NULL;
+    d->nround_rels = 0;
+    queue_settle(d, a);
 }
 
 /* Serves fd (the committed global of step) for GET /global/latest.safetensors.  A negative errno
@@ -526,24 +709,42 @@ static void record_round(dilocod *d)
     stats_round_committed(&d->m, seconds);
 }
 
+/* Cleanup works on a copy of the store's names: the loop may commit meanwhile. */
 static void cleanup_work(job *j)
 {
-    j->rc = store_cleanup(&j->d->st, 0, &j->err);
+    j->rc = store_cleanup(j->arg, 0, &j->err);
 }
 
 static void cleanup_done(job *j)
 {
+    store *snap = j->arg;
+
     j->d->cleanup_in_flight = 0;
     if (j->rc != 0)
         log_error("store", "cleanup failed", &j->err);
+    store_free(snap);
+    free(snap);
 }
 
 static void schedule_cleanup(dilocod *d)
 {
-    if (d->cleanup_in_flight || d->publish_in_flight)
+    store *snap;
+
+    /* the inputs of a committed step stay until it is durable (its redo record names them) */
+    if (d->cleanup_in_flight || d->publish_in_flight || d->settle_in_flight || d->commit_waiting || !d->st.committed)
         return;
-    if (daemon__queue(d, cleanup_work, cleanup_done, NULL, 0, 0) == 0)
-        d->cleanup_in_flight = 1;
+    if ((snap = calloc(1, sizeof(*snap))) == NULL)
+        return;
+    snap->committed = 1;
+    snap->step = d->st.step;
+    if ((snap->dir = strdup(d->st.dir)) == NULL || (snap->global_path = strdup(d->st.global_path)) == NULL ||
+        (d->st.momentum_path != NULL && (snap->momentum_path = strdup(d->st.momentum_path)) == NULL) ||
+        daemon__queue(d, cleanup_work, cleanup_done, snap, 0, 0) != 0) {
+        store_free(snap);
+        free(snap);
+        return;
+    }
+    d->cleanup_in_flight = 1;
 }
 
 static void log_round_stats(dilocod *d)
@@ -568,9 +769,6 @@ static void commit_done(job *j)
         return;
     }
     uv_timer_stop(&d->progress_timer);
-    if (j->u)
-        dl_log(DL_LOG_ERROR, "store", "could not append the round to rounds.jsonl; retried at the next commit",
-               "step=%" PRIu64, d->st.step);
     store_commit_info info = round_commit_info(d);
     if (store_commit_apply(&d->st, &info) != 0) {
         /* durable on disk, unknown in memory: a restart reads it back; stop rather than serve a lie */
@@ -584,6 +782,7 @@ static void commit_done(job *j)
     set_served_global(d, j->flag, d->st.step);
     d->committed_at = time(NULL);
     dl_log(DL_LOG_INFO, "store", "committed", "step=%" PRIu64 " global=%s", d->st.step, d->st.global_path);
+    start_settle(d, d->st.step);
     pass_release(d);
     round_reset(&d->rnd, d->st.step);
     if (d->hub != NULL)
@@ -594,7 +793,6 @@ static void commit_done(job *j)
     if (d->stopping)
         return;
     maybe_publish(d);
-    schedule_cleanup(d);
     dispatch_intake(d);
 }
 
@@ -611,7 +809,7 @@ static void finish_done(job *j)
         aggregation_failed(d, &j->err);
         return;
     }
-    dl_log(DL_LOG_DEBUG, "aggregate", "files durable", "step=%" PRIu64 " seconds=%.3f", d->rnd.step + 1,
+    dl_log(DL_LOG_DEBUG, "aggregate", "files written", "step=%" PRIu64 " seconds=%.3f", d->rnd.step + 1,
            now_s(d) - d->pass_started);
     if (prepare_round_record(d, now_s(d) - d->pass_started) != 0) {
         dl_error e;
@@ -619,7 +817,16 @@ static void finish_done(job *j)
         aggregation_failed(d, &e);
         return;
     }
-    /* the step's files are durable: the commit point is one atomic rename away */
+    /* the previous step must be durable before this one's redo record names it as an input */
+    if (d->settle_in_flight) {
+        d->commit_waiting = 1;
+        return;
+    }
+    queue_commit(d);
+}
+
+static void queue_commit(dilocod *d)
+{
     if (daemon__queue(d, commit_work, commit_done, NULL, 0, 0) != 0) {
         dl_error e;
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot queue the commit");
@@ -700,11 +907,33 @@ static void progress_cb(uv_timer_t *t)
            100.0 * (double)done / (double)d->pass->bytes_total, rate / 1e9);
 }
 
+/* The pass of step new_step from the committed step's files: the same settings for a round and for
+ * its recomputation at a restart (optimizer, lr and momentum from the redo record then), so both make
+ * the same bytes.  meta and step_text must outlive the pass. */
+static int setup_pass(dilocod *d, outer_pass *p, uint64_t new_step, const char *optimizer, double lr,
+                      double momentum, st_kv meta[2], char *step_text, size_t step_text_size)
+{
+    snprintf(step_text, step_text_size, "%" PRIu64, new_step);
+    meta[0] = (st_kv){"optimizer", optimizer};
+    meta[1] = (st_kv){"outer_step", step_text};
+    p->global_path = d->st.global_path;
+    p->momentum_path = d->st.momentum_path;
+    p->out_global_path = store_global_path(&d->st, new_step);
+    p->out_momentum_path = momentum != 0 ? store_momentum_path(&d->st, new_step) : NULL;
+    p->momentum_meta = meta;
+    p->momentum_nmeta = 2;
+    p->params.nesterov = strcmp(optimizer, "nesterov_sgd") == 0;
+    p->params.lr = (float)lr;
+    p->params.momentum = (float)momentum;
+    p->budget_bytes = (size_t)d->cfg->agg_memory_mib << 20;
+    return p->out_global_path == NULL || (momentum != 0 && p->out_momentum_path == NULL) ? -ENOMEM : 0;
+}
+
 static void start_aggregation(dilocod *d)
 {
     outer_pass *p = calloc(1, sizeof(*p));
     size_t n = d->rnd.n;
-    static st_kv meta[4];
+    static st_kv meta[2];
     static char step_text[24];
     dl_error e;
 
@@ -722,29 +951,19 @@ static void start_aggregation(dilocod *d)
         d->pass_nodes[i].local_step = d->rnd.entries[i].local_step;
         d->pass_nodes[i].bytes = d->rnd.entries[i].size;
     }
-    snprintf(step_text, sizeof(step_text), "%" PRIu64, d->rnd.step + 1);
-    meta[0] = (st_kv){"optimizer", config_optimizer_name(d->cfg->optimizer)};
-    meta[1] = (st_kv){"outer_step", step_text};
-    p->global_path = d->st.global_path;
-    p->momentum_path = d->st.momentum_path;
+    int rc = setup_pass(d, p, d->rnd.step + 1, config_optimizer_name(d->cfg->optimizer), d->cfg->lr,
+                        d->cfg->momentum, meta, step_text, sizeof(step_text));
     p->delta_paths = (const char *const *)d->pass_paths;
     p->ndeltas = n;
-    p->out_global_path = store_global_path(&d->st, d->rnd.step + 1);
-    p->out_momentum_path = d->cfg->momentum != 0 ? store_momentum_path(&d->st, d->rnd.step + 1) : NULL;
-    p->momentum_meta = meta;
-    p->momentum_nmeta = 2;
-    p->params.nesterov = d->cfg->optimizer == OPT_NESTEROV_SGD;
-    p->params.lr = (float)d->cfg->lr;
-    p->params.momentum = (float)d->cfg->momentum;
-    p->budget_bytes = (size_t)d->cfg->agg_memory_mib << 20;
+    /* durability comes after the commit point (the redo record): off the critical path */
+    p->defer_sync = 1;
     d->pass = p;
     d->pass_n = n;
     d->state = S_AGGREGATING;
     d->pass_started = now_s(d);
     d->pass_last_bytes = 0;
     d->pass_last_time = d->pass_started;
-    if (p->out_global_path == NULL || (d->cfg->momentum != 0 && p->out_momentum_path == NULL) ||
-        daemon__queue(d, prepare_work, prepare_done, NULL, 0, 0) != 0) {
+    if (rc != 0 || daemon__queue(d, prepare_work, prepare_done, NULL, 0, 0) != 0) {
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot start the aggregation");
         aggregation_failed(d, &e);
         return;
@@ -753,6 +972,74 @@ static void start_aggregation(dilocod *d)
                    (uint64_t)(PROGRESS_SECONDS * 1000));
     dl_log(DL_LOG_INFO, "aggregate", "started", "step=%" PRIu64 " nodes=%zu threads=%u", d->rnd.step + 1, n,
            d->cfg->threads);
+}
+
+/* ---- recovery: a committed round whose outputs were not durable ------------------------------------ */
+
+/* At startup, before anything else reads the state: a redo record naming the step after the committed
+ * one is recomputed from its inputs (kept until the outputs were durable), made durable and committed;
+ * an older one (its step already named by outer_metadata.json) is only removed. */
+static int recover_redo(dilocod *d, dl_error *err)
+{
+    store_redo r;
+    int present, rc;
+    st_kv meta[2];
+    char step_text[24];
+    outer_pass p = {0};
+
+    if ((rc = store_redo_read(&d->st, &r, &present, err)) != 0 || !present)
+        return rc;
+    if (d->st.committed && r.step <= d->st.step) {
+        store_redo_free(&r);
+        return store_redo_remove(&d->st, err);
+    }
+    if (!d->st.committed || r.base != d->st.step) {
+        rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
+                     "redo.json in %s makes step %" PRIu64 " from step %" PRIu64 ", but the committed step is %s%"
+                     PRIu64, d->st.dir, r.step, r.base, d->st.committed ? "" : "none ", d->st.step);
+        store_redo_free(&r);
+        return rc;
+    }
+    dl_log(DL_LOG_WARN, "store", "recovering a committed step whose files were not durable",
+           "step=%" PRIu64 " nodes=%zu", r.step, r.ndeltas);
+    if ((rc = setup_pass(d, &p, r.step, r.optimizer, r.lr, r.momentum, meta, step_text, sizeof(step_text))) != 0) {
+        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        goto out;
+    }
+    p.delta_paths = (const char *const *)r.deltas;
+    p.ndeltas = r.ndeltas;
+    /* one thread, before the loop runs: the same items, so the same bytes, as the pool made them */
+    rc = outer_prepare(&p, err);
+    if (rc == 0 && (rc = outer_run(&p)) != 0 && err != NULL)
+        *err = p.err;
+    if (rc != 0)
+        outer_abort(&p);
+    int frc = outer_finish(&p, rc == 0 ? err : NULL);
+    if (rc == 0)
+        rc = frc;
+    if (rc == 0) {
+        store_commit_info info = {
+            .step = r.step,
+            .global_path = p.out_global_path,
+            .momentum_path = p.out_momentum_path,
+            .optimizer = r.optimizer,
+            .lr = r.lr,
+            .momentum = r.momentum,
+            .origin = "round",
+            .round_json = r.round_json,
+        };
+        if ((rc = store_commit(&d->st, &info, err)) == 0 && (rc = store_redo_remove(&d->st, err)) == 0)
+            dl_log(DL_LOG_WARN, "store", "recovered", "step=%" PRIu64 " global=%s", r.step, d->st.global_path);
+    }
+out:
+    outer_free(&p);
+    free((void *)p.out_global_path);
+    free((void *)p.out_momentum_path);
+    store_redo_free(&r);
+    if (rc != 0)
+        dl_log(DL_LOG_ERROR, "store", "cannot recompute the committed step from its redo record", "code=%s",
+               dl_error_name(err->code));
+    return rc;
 }
 
 /* ---- publishing ------------------------------------------------------------------------------ */
@@ -1087,6 +1374,7 @@ static void signal_cb(uv_signal_t *s, int signum)
     uv_timer_stop(&d->round_timer);
     uv_timer_stop(&d->retry_timer);
     uv_timer_stop(&d->publish_timer);
+    uv_timer_stop(&d->settle_timer);
     if (d->pass != NULL && d->state == S_AGGREGATING)
         outer_abort(d->pass);       /* unfinished: abandoned without a trace (temporary files removed) */
     if (d->http != NULL)
@@ -1133,9 +1421,16 @@ static int start_http(dilocod *d, dl_error *err)
         return dl_fail(err, DL_E_IO, NULL, 0, "cannot listen on %s: %s", d->cfg->listen, strerror(-rc));
     http_server_on_response(d->http, api_count_response);
     d->http_port = http_server_port(d->http);
-    dl_log(DL_LOG_INFO, "http", "listening", "addr=%s port=%d auth=%s", d->cfg->listen, d->http_port,
-           d->cfg->token_file ? "tokens" : "loopback-only");
     return 0;
+}
+
+/* Said once startup is done: the socket is bound before (a busy port fails the start before anything
+ * touches the state), but nothing is served until the loop runs. */
+static void announce_http(dilocod *d)
+{
+    if (d->http != NULL)
+        dl_log(DL_LOG_INFO, "http", "listening", "addr=%s port=%d auth=%s", d->cfg->listen, d->http_port,
+               d->cfg->token_file ? "tokens" : "loopback-only");
 }
 
 static int startup(dilocod *d, dl_error *err)
@@ -1144,8 +1439,12 @@ static int startup(dilocod *d, dl_error *err)
 
     if ((rc = store_open(&d->st, d->cfg->state_root, d->cfg->id, err)) != 0)
         return rc;
+    if ((rc = recover_redo(d, err)) != 0)
+        return rc;
     if (d->st.committed && (rc = store_cleanup(&d->st, 1, err)) != 0)
         return rc;
+    if ((rc = history_compact(d->st.dir, d->cfg->history_keep, err)) != 0)
+        log_error("store", "cannot compact rounds.jsonl (it keeps growing)", err);
     if ((rc = history_load(&d->history, d->st.dir, d->st.committed ? d->st.step : UINT64_MAX, d->st.round_json,
                            err)) != 0)
         return rc;
@@ -1183,6 +1482,7 @@ static int init_handles(dilocod *d)
     uv_timer_init(&d->loop, &d->retry_timer);
     uv_timer_init(&d->loop, &d->progress_timer);
     uv_timer_init(&d->loop, &d->publish_timer);
+    uv_timer_init(&d->loop, &d->settle_timer);
     uv_signal_init(&d->loop, &d->sighup);
     d->sighup.data = d;
     uv_signal_start(&d->sigint, signal_cb, SIGINT);
@@ -1230,6 +1530,7 @@ static int open_hub(dilocod *d, dl_error *err)
 int daemon_run(config *cfg)
 {
     dilocod *d = calloc(1, sizeof(*d));
+    char *state_dir = NULL;
     dl_error err;
     int rc;
     char threads[16];
@@ -1250,26 +1551,26 @@ int daemon_run(config *cfg)
         return 1;
     }
     dl_error_clear(&err);
-    if (open_hub(d, &err) != 0) {
-        fprintf(stderr, "dilocod: cannot set up the hub %s: %s\n", cfg->hub, err.message);
-        uv_walk(&d->loop, close_walk_cb, NULL);
-        uv_run(&d->loop, UV_RUN_DEFAULT);
-        uv_loop_close(&d->loop);
-        free(d);
-        return 1;
-    }
-    dl_error_clear(&err);
     dl_log(DL_LOG_INFO, "main", "starting", "id=%s state_root=%s hub=%s optimizer=%s lr=%g momentum=%g threads=%u",
            cfg->id, cfg->state_root, cfg->hub, config_optimizer_name(cfg->optimizer), cfg->lr, cfg->momentum,
            cfg->threads);
-    if ((rc = startup(d, &err)) != 0 || (rc = start_http(d, &err)) != 0) {
+    /* A start that fails changes nothing on disk: what can fail without touching the state comes first
+     * (the listening socket; no request is served before the loop runs), and a state directory this
+     * start created is removed again if nothing was committed in it. */
+    if (asprintf(&state_dir, "%s/%s", cfg->state_root, cfg->id) < 0)
+        state_dir = NULL;
+    int state_existed = state_dir == NULL || access(state_dir, F_OK) == 0;
+    if ((rc = start_http(d, &err)) != 0 || (rc = open_hub(d, &err)) != 0 || (rc = startup(d, &err)) != 0) {
         log_error("main", "cannot start", &err);
         d->exit_code = 1;
         d->stopping = 1;
         if (d->hub != NULL)
             hub_close(d->hub, hub_closed, d);
+        if (d->http != NULL)
+            http_server_stop(d->http, http_stopped);
         maybe_finish_shutdown(d);
     } else {
+        announce_http(d);
         start_watching(d);
         if (d->state != S_WAITING_GLOBAL)
             collecting_start(d);
@@ -1284,6 +1585,11 @@ int daemon_run(config *cfg)
         dl_log(DL_LOG_ERROR, "main", "event loop did not close cleanly", "error=%s", uv_strerror(rc));
         d->exit_code = d->exit_code ? d->exit_code : 1;
     }
+    if (d->exit_code != 0 && !state_existed && !d->st.committed) {
+        store_remove_tree(state_dir);   /* this start made it and committed nothing: leave no skeleton */
+        dl_log(DL_LOG_INFO, "main", "removed the state directory this failed start created", "dir=%s", state_dir);
+    }
+    free(state_dir);
     dl_log(DL_LOG_INFO, "main", "stopped", "step=%" PRIu64 " exit_code=%d", d->st.step, d->exit_code);
     int code = d->exit_code;
     for (size_t i = 0; i < d->nqueue; i++)
@@ -1299,6 +1605,8 @@ int daemon_run(config *cfg)
     history_record_free(&d->pending_record);
     free(d->pending_round);
     free(d->unappended);
+    settle_free(d->settle_retry);
+    free_rels(d->round_rels, d->nround_rels);
     free(d);
     return code;
 }

@@ -46,7 +46,7 @@ typedef struct dilocod {
     time_t started_at;
 
     uv_signal_t sigint, sigterm, sighup;
-    uv_timer_t round_timer, retry_timer, progress_timer, publish_timer;
+    uv_timer_t round_timer, retry_timer, progress_timer, publish_timer, settle_timer;
 
     st_header *model;           /* structure of the global model (same for every step) */
     uint64_t model_params, model_bytes, delta_bytes;
@@ -74,6 +74,11 @@ typedef struct dilocod {
     int64_t published_step;     /* -1: nothing published by us or unknown */
     int publish_in_flight;
     int cleanup_in_flight;
+    int settle_in_flight;       /* the committed step's outputs are being made durable (redo.json stays) */
+    int commit_waiting;         /* a round's outputs are written; its commit waits for the settle above */
+    struct settle_args *settle_retry;   /* a failed settle, retried by settle_timer */
+    char **round_rels;          /* the transport's files of the open round's deltas (--prune-consumed) */
+    size_t nround_rels;
     int jobs_in_flight;         /* every uv_work_t out, for shutdown */
     time_t committed_at;
 

@@ -112,7 +112,10 @@ static void hub_json(dilocod *d, sbuf *b)
     sb_json_string(b, d->cfg->hub, strlen(d->cfg->hub));
     if (hs != NULL && strcmp(hub_kind(d->hub), "file") != 0) {
         sb_str(b, ",\"endpoint\":");
-        sb_json_string(b, d->cfg->hub_endpoint, strlen(d->cfg->hub_endpoint));
+        if (d->cfg->hub_endpoint != NULL)
+            sb_json_string(b, d->cfg->hub_endpoint, strlen(d->cfg->hub_endpoint));
+        else
+            sb_str(b, "null");      /* s3:// on AWS itself: the transport derives it from the region */
     }
     if (hs != NULL) {
         sb_fmt(b, ",\"head\":\"%s\",\"api_calls\":%" PRIu64 ",\"resolver_calls\":%" PRIu64 ",\"downloads\":%" PRIu64

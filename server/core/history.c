@@ -12,6 +12,8 @@
 
 #include <cJSON.h>
 
+#include "fsutil.h"
+
 #define HISTORY_FILE "rounds.jsonl"
 #define MAX_NODES_PER_RECORD 65536
 
@@ -293,6 +295,52 @@ out:
     if (f != NULL)
         fclose(f);
     free(line);
+    free(path);
+    return rc;
+}
+
+/* Keeps rounds.jsonl from growing without end: past 2 x keep records, the file is rewritten with the
+ * last keep (streamed through a temporary file, atomically replaced: a crash leaves the old or the new
+ * file, never a mix).  0 when nothing was to do or the file is compacted. */
+int history_compact(const char *state_dir, size_t keep, dl_error *err)
+{
+    char *path = history_path(state_dir), *line = NULL, *tmp = NULL;
+    size_t cap = 0, lines = 0;
+    FILE *f = NULL;
+    int fd = -1, rc = 0;
+    uint64_t off = 0;
+
+    if (path == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    if ((f = fopen(path, "re")) == NULL) {
+        rc = errno == ENOENT ? 0 : dl_fail_errno(err, errno, "opening %s", path);
+        goto out;
+    }
+    while (getline(&line, &cap, f) > 0)
+        lines++;
+    if (lines <= 2 * keep)
+        goto out;
+    rewind(f);
+    for (size_t skip = lines - keep; skip > 0 && getline(&line, &cap, f) > 0; skip--)
+        ;
+    if ((rc = fsu_tmp_create(path, &tmp, &fd, err)) != 0)
+        goto out;
+    ssize_t n;
+    while ((n = getline(&line, &cap, f)) > 0) {
+        if ((rc = fsu_pwrite_all(fd, line, (size_t)n, off)) != 0) {
+            rc = dl_fail_errno(err, -rc, "writing %s", tmp);
+            close(fd);
+            unlink(tmp);
+            goto out;
+        }
+        off += (uint64_t)n;
+    }
+    rc = fsu_commit_tmp(fd, tmp, path, err);
+out:
+    if (f != NULL)
+        fclose(f);
+    free(line);
+    free(tmp);
     free(path);
     return rc;
 }

@@ -69,5 +69,7 @@ int history_append(const char *state_dir, const char *lines, dl_error *err);
  * NULL) if the file lacks it.  committed_step is UINT64_MAX when nothing is committed. */
 int history_load(history *h, const char *state_dir, uint64_t committed_step, const char *committed_round_json,
                  dl_error *err);
+/* Retention: past 2 x keep records, rounds.jsonl is rewritten with the last keep (startup only). */
+int history_compact(const char *state_dir, size_t keep, dl_error *err);
 
 #endif

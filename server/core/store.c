@@ -224,7 +224,7 @@ int store_commit_apply(store *s, const store_commit_info *info)
         free(g);
         free(m);
         free(r);
-        return -ENOMEM;
+        return -DL_E_NO_MEMORY;
     }
     free(s->global_path);
     free(s->momentum_path);
@@ -409,7 +409,7 @@ void store_redo_free(store_redo *r)
 }
 
 /* rm -r of a directory tree we own (never follows symlinks). */
-static int remove_tree(const char *path)
+int store_remove_tree(const char *path)
 {
     DIR *d = opendir(path);
     struct dirent *e;
@@ -427,7 +427,7 @@ static int remove_tree(const char *path)
             break;
         }
         if (lstat(child, &sb) == 0 && S_ISDIR(sb.st_mode))
-            rc = remove_tree(child);
+            rc = store_remove_tree(child);
         else if (unlink(child) != 0 && errno != ENOENT)
             rc = -errno;
         free(child);
@@ -479,7 +479,7 @@ static int sweep(const char *dir, const store *s, int (*keep)(const store *, con
         }
         struct stat sb;
         if (lstat(child, &sb) == 0 && S_ISDIR(sb.st_mode))
-            rc = remove_tree(child);
+            rc = store_remove_tree(child);
         else if (unlink(child) != 0 && errno != ENOENT)
             rc = -errno;
         free(child);

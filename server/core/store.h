@@ -54,7 +54,7 @@ int store_open(store *s, const char *state_root, const char *id, dl_error *err);
 /* Writes outer_metadata.json atomically: from this moment info->step is the committed step on disk.
  * Reads only s->dir, so a pool thread may call it while the loop reads s. */
 int store_commit_write(const store *s, const store_commit_info *info, dl_error *err);
-/* Records a written commit in s (on the thread that owns s).  0 or -ENOMEM. */
+/* Records a written commit in s (on the thread that owns s).  0 or -DL_E_NO_MEMORY. */
 int store_commit_apply(store *s, const store_commit_info *info);
 /* Both, for a caller that owns s alone (startup). */
 int store_commit(store *s, const store_commit_info *info, dl_error *err);
@@ -87,5 +87,7 @@ char *store_momentum_path(const store *s, uint64_t step);
 char *store_cache_dir(const store *s, uint64_t step);       /* cache/deltas/s<step> */
 char *store_incoming_dir(const store *s);
 void store_free(store *s);
+/* rm -r of a directory tree we own (never follows symbolic links).  0 or a negative errno. */
+int store_remove_tree(const char *path);
 
 #endif

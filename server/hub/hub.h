@@ -127,6 +127,9 @@ struct hub_ops {
     int (*mark_done)(hub *h, const char *rel, hub_outcome outcome, const hub_version *version);
     const hub_status *(*status)(const hub *h);
     void (*close)(hub *h, void (*done)(void *arg), void *arg);
+    /* Optional (NULL: the transport keeps every file): removes a delta the daemon is done with (used
+     * in a durable step, or stale, or superseded), if it is still the version that was handed over. */
+    void (*prune)(hub *h, const char *rel);
 };
 
 /* The scheme table: the transport for url, or NULL ("none" has no transport). */
@@ -149,6 +152,13 @@ static inline int hub_mark_done(hub *h, const char *rel, hub_outcome o, const hu
 static inline const hub_status *hub_get_status(const hub *h) { return h->ops->status(h); }
 static inline const char *hub_kind(const hub *h) { return h->ops->kind; }
 static inline void hub_close(hub *h, void (*done)(void *), void *arg) { h->ops->close(h, done, arg); }
+/* 1 if the transport can prune consumed deltas. */
+static inline int hub_can_prune(const hub *h) { return h->ops->prune != NULL; }
+static inline void hub_prune(hub *h, const char *rel)
+{
+    if (h->ops->prune != NULL)
+        h->ops->prune(h, rel);
+}
 
 /* For transports: counts a request by route and code in st->calls (the table is small and fixed;
  * a row past its end is counted under the last row). */

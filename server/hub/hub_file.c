@@ -591,6 +591,45 @@ out:
     return rc;
 }
 
+int hubfile_remove_delta(const char *root, const char *rel, uint64_t size, int64_t mtime, uint64_t ino,
+                         dl_error *err)
+{
+    char node[DELTA_NODE_ID_MAX + 1];
+    const char *name;
+    uint64_t step;
+    struct stat sb;
+    int rc, rootfd, nodesfd = -1, nodefd = -1;
+
+    /* only a strictly parsed delta path: nodes/<id>/delta_<n>.safetensors, nothing else is removed */
+    if (delta_parse_path(rel, node, &step, NULL) != 0 || (name = strrchr(rel, '/')) == NULL)
+        return dl_fail(err, DL_E_INVALID_PATH, NULL, 0, "not a delta path: %.200s", rel);
+    name++;
+    if ((rc = open_root(root, &rootfd, err)) != 0)
+        return rc;
+    if ((rc = fsu_open_dir_at(rootfd, "nodes", &nodesfd)) != 0 || (rc = fsu_open_dir_at(nodesfd, node, &nodefd)) != 0) {
+        rc = rc == -ENOENT ? 0 : dl_fail_errno(err, -rc, "cannot open %s/nodes/%s", root, node);
+        goto out;
+    }
+    if (fstatat(nodefd, name, &sb, AT_SYMLINK_NOFOLLOW) != 0) {
+        rc = errno == ENOENT ? 0 : dl_fail_errno(err, errno, "cannot stat %s/%s", root, rel);
+        goto out;
+    }
+    /* the version that was taken in, and no other: a worker's newer file under the name stays */
+    if (!S_ISREG(sb.st_mode) || (uint64_t)sb.st_size != size || mtime_ns(&sb) != mtime || (uint64_t)sb.st_ino != ino) {
+        rc = 1;
+        goto out;
+    }
+    if (unlinkat(nodefd, name, 0) != 0 && errno != ENOENT)
+        rc = dl_fail_errno(err, errno, "cannot remove %s/%s", root, rel);
+out:
+    if (nodefd >= 0)
+        close(nodefd);
+    if (nodesfd >= 0)
+        close(nodesfd);
+    close(rootfd);
+    return rc;
+}
+
 int hubfile_cleanup_temps(const char *root, dl_error *err)
 {
     DIR *d;

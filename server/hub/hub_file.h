@@ -33,6 +33,11 @@ int hubfile_read_published(const char *root, int *present, uint64_t *step, dl_er
 /* Copies src to root/global/latest.safetensors, then writes step_count.json, each atomically. */
 int hubfile_publish(const char *root, const char *src, uint64_t step, const char *optimizer, int bootstrap,
                     dl_error *err);
+/* Removes root/rel (a delta path, strictly parsed, reached without links) if it is still the version
+ * (size, mtime, inode) that was taken in.  0 removed or already gone, 1 kept (another version), or a
+ * negative code. */
+int hubfile_remove_delta(const char *root, const char *rel, uint64_t size, int64_t mtime, uint64_t ino,
+                         dl_error *err);
 /* Removes temporary files a publish cut short (a crash) left in root/global (startup only). */
 int hubfile_cleanup_temps(const char *root, dl_error *err);
 /* Copies root/global/latest.safetensors (reached without links, a regular file whose header

@@ -555,6 +555,56 @@ static void file_publish(hub *h, uint64_t step, const char *global_path, const c
     fh->st.publishing = 1;
 }
 
+/* ---- pruning consumed deltas --------------------------------------------------------------------- */
+
+typedef struct prune_args {
+    char *rel;
+    uint64_t size, ino;
+    int64_t mtime_ns;
+} prune_args;
+
+static void prune_work(fjob *j)
+{
+    prune_args *a = j->arg;
+    j->rc = hubfile_remove_delta(j->fh->root, a->rel, a->size, a->mtime_ns, a->ino, &j->err);
+}
+
+static void prune_done(fjob *j)
+{
+    prune_args *a = j->arg;
+
+    if (j->rc < 0)
+        set_error(j->fh, "cannot prune a consumed delta", &j->err);
+    else if (j->rc == 0)
+        dl_log(DL_LOG_DEBUG, "hub", "delta pruned", "path=%s", a->rel);
+    else
+        dl_log(DL_LOG_INFO, "hub", "delta not pruned: rewritten since it was taken in", "path=%s", a->rel);
+    free(a->rel);
+    free(a);
+}
+
+static void file_prune(hub *h, const char *rel)
+{
+    file_hub *fh = (file_hub *)h;
+    seen_entry *e = seen_find(&fh->seen, rel);
+    prune_args *a;
+
+    /* only what was handed over and decided: its version is the one to remove */
+    if (fh->closing || e == NULL || e->state != SEEN_DONE || (a = calloc(1, sizeof(*a))) == NULL)
+        return;
+    if ((a->rel = strdup(rel)) == NULL) {
+        free(a);
+        return;
+    }
+    a->size = e->size;
+    a->mtime_ns = e->mtime_ns;
+    a->ino = e->ino;
+    if (queue_job(fh, prune_work, prune_done, a, 0, 0) != 0) {
+        free(a->rel);
+        free(a);
+    }
+}
+
 /* ---- the interface ------------------------------------------------------------------------------- */
 
 static int file_check_url(const char *url, dl_error *err)
@@ -710,4 +760,5 @@ const hub_ops hub_file_ops = {
     .mark_done = file_mark_done,
     .status = file_status,
     .close = file_close,
+    .prune = file_prune,
 };

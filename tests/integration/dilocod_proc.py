@@ -116,11 +116,34 @@ class Dilocod:
             time.sleep(0.02)
         raise AssertionError(f"{needle!r} not logged {count}x within {timeout}s:\n{self.log_text()[-4000:]}")
 
-    def committed_step(self):
+    def durable_step(self):
+        """The step outer_metadata.json names (its files are durable), or None."""
         try:
             return json.loads((self.state_dir / "outer_metadata.json").read_text())["outer_step"]
         except (OSError, ValueError, KeyError):
             return None
+
+    def committed_step(self):
+        """The committed step: a round is committed by its redo record (redo.json), durable before the
+        step is served or published; outer_metadata.json follows once the step's files are durable."""
+        durable = self.durable_step()
+        try:
+            redo = json.loads((self.state_dir / "redo.json").read_text())["step"]
+        except (OSError, ValueError, KeyError):
+            return durable
+        return redo if durable is None else max(durable, redo)
+
+    def wait_durable(self, step, timeout=60):
+        """Waits until outer_metadata.json names step (or later) and no redo record is left."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            s = self.durable_step()
+            if s is not None and s >= step and not (self.state_dir / "redo.json").exists():
+                return s
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"dilocod exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}")
+            time.sleep(0.01)
+        raise AssertionError(f"step {step} not durable within {timeout}s:\n{self.log_text()[-4000:]}")
 
     def global_state(self):
         return load_file(str(self.hub / "global" / "latest.safetensors"))

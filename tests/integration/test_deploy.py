@@ -75,7 +75,7 @@ def render_man(path: Path) -> str:
 
 
 def long_options(help_text: str) -> list:
-    return sorted(set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", help_text)))
+    return sorted(set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", help_text)))
 
 
 def roff_escaped(option: str) -> str:
@@ -377,7 +377,7 @@ def test_dilocod_man_page_documents_every_option():
     for sig in ("SIGTERM", "SIGINT", "SIGHUP"):
         assert sig in secs["SIGNALS"], sig
     # the keys of the shipped configuration file are the options
-    keys = re.findall(r"(?m)^#?\s*([a-z_]+) = ", (ROOT / "config/dilocod.conf").read_text())
+    keys = re.findall(r"(?m)^#?\s*([a-z_][a-z0-9_]*) = ", (ROOT / "config/dilocod.conf").read_text())
     for key in keys:
         assert "--" + key.replace("_", "-") in opts, f"config key {key} is not a --help option"
 

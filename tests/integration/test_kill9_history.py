@@ -1,6 +1,13 @@
 """Issue 10's kill -9 torture: concurrent HTTP uploaders, SIGKILLs at chosen moments of a round (mid-upload,
-during aggregation, between "files durable" and the commit point, just after the commit, during the recovery
-that re-takes cached deltas), and the facts a crash must never lose:
+during aggregation, between "files written" and the commit point, just after the commit, while the committed
+step's files are made durable, during the recovery that re-takes cached deltas), and the facts a crash must
+never lose.
+
+The commit order under test (server/core/store.h): the pass writes the step's files without waiting for the
+disk; the redo record (redo.json) is made durable — the commit point; the step is served and published; its
+files are made durable, outer_metadata.json names it and the redo record goes ("store: durable").  A kill
+between the commit point and "durable" leaves the step committed by its redo record only: the restart
+recomputes its files from the inputs, and they must equal the kill-free run bit for bit.  The facts:
 
 - after every kill the state holds exactly one committed step, whose global and momentum equal, bit for bit,
   those of a kill-free run of the real daemon on the same deltas (deltas are seeded by (round, node));
@@ -35,7 +42,7 @@ import requests
 import torch
 
 from dilocod_proc import Dilocod, Oracle, assert_state_equal, load_torch, write_model
-from test_daemon_durability import check_clean_state, check_committed, listing
+from test_daemon_durability import check_clean_state, check_committed, committed_after_kill, listing
 from test_http_api import delta_blob, get, put, session
 
 SEED = 1010
@@ -48,13 +55,13 @@ PLAN = [
     ["upload", "recovery", "aggregating"],
     ["commit_point"],
     ["durable", "recovery"],
-    ["committed"],
+    ["settling"],
     ["aggregating", "recovery", "commit_point"],
     ["upload", "committed"],
-    ["commit_point"],
+    ["settling"],
     ["durable"],
     ["upload", "recovery", "recovery", "commit_point"],
-    ["committed"],
+    ["settling"],
     ["aggregating", "durable"],
     ["commit_point"],
     ["upload", "recovery", "committed"],
@@ -223,6 +230,8 @@ class Controller:
         self.kills = []                 # one dict per kill
         self.history_problems = []      # history checks that failed (reported at the end)
         self.recovering = None          # the open round's step when this process started with cached deltas
+        self.redo_pending = None        # the step the last kill left committed by its redo record only
+        self.recovered = []             # steps recomputed from a redo record by a restart
 
     # -- process ----------------------------------------------------------------------------------
     def start(self):
@@ -308,16 +317,20 @@ class Controller:
         text = self.tail.read()
         self.tail.close()
         partial = [n for n in self.incoming() if (m := TEMP_RE.search(n)) and int(m.group(1) or m.group(2)) == pid]
-        s = check_committed(self.d.state_dir, self.diloco_bin)
+        s, durable = committed_after_kill(self.d.state_dir, self.diloco_bin)
         assert s in (r, r + 1), f"round {r}: committed step {s} after the kill\n{listing(self.d.state_dir)}"
-        self.check_step(s, f"round {r}, kill '{target}' ({how})")
+        # the durable step's files now; a step committed by its redo record only is checked after the restart
+        self.check_step(durable, f"round {r}, kill '{target}' ({how})")
+        self.redo_pending = s if s != durable else None
         closed = f"round: closed step={r} " in text
-        if f"store: committed step={r + 1} " in text:
+        if f"store: committed step={r + 1} " in text and s != durable:
+            phase = "settling"              # committed by the redo record, the files not durable yet
+        elif f"store: committed step={r + 1} " in text:
             phase = "after_commit"
         elif s == r + 1:
             phase = "commit_unlogged"       # the commit point was passed, its log line not written yet
-        elif f"aggregate: files durable step={r + 1} " in text:
-            phase = "durable_to_commit"
+        elif f"aggregate: files written step={r + 1} " in text:
+            phase = "written_to_commit"
         elif f"aggregate: started step={r + 1} " in text:
             phase = "aggregating"
         elif closed:
@@ -328,9 +341,9 @@ class Controller:
             phase = "mid_upload"
         else:
             phase = "collecting"
-        if phase == "after_commit":
+        if phase in ("after_commit", "settling"):
             assert s == r + 1, f"round {r}: the logged commit of step {r + 1} was lost"
-        if phase in ("aggregating", "closed", "recovery", "mid_upload", "collecting", "durable_to_commit"):
+        if phase in ("aggregating", "closed", "recovery", "mid_upload", "collecting", "written_to_commit"):
             assert s == r, f"round {r}: step {s} committed in phase {phase}"
         hist = self.history_file_steps()
         rec = {"round": r, "target": target, "how": how, "phase": phase, "committed": s, "partial_uploads": len(partial),
@@ -341,8 +354,16 @@ class Controller:
 
     def restart_checked(self, committed, when):
         """After a restart: no temporary file of a dead process, and the history."""
+        redo = getattr(self, "redo_pending", None)
         self.start()
         self.wait(lambda t: "round: opened step=" in t, 60, "the restart's round")
+        if redo is not None:
+            # the step the kill left committed by its redo record: recomputed, durable, bit for bit
+            assert "store: recovered step=%d " % redo in self.tail.read(), self.tail.read()[-3000:]
+            assert check_committed(self.d.state_dir, self.diloco_bin) >= redo
+            self.check_step(redo, f"{when}: recomputed from the redo record")
+            self.recovered.append(redo)
+            self.redo_pending = None
         own = self.d.proc.pid
         for dirpath, dirs, files in os.walk(self.d.state_dir):
             for name in dirs + files:
@@ -370,20 +391,26 @@ class Controller:
             if how.endswith("delay"):
                 time.sleep(self.rnd.uniform(0, self.t_agg))
             return how
+        if target == "settling":
+            # committed (the redo record is durable), its files not yet: a moment inside the background fsync
+            needle = f"store: committed step={r + 1} "
+            self.wait(lambda t: needle in t, 60, needle)
+            return "committed, settling"
         if target == "durable":
-            needle = f"aggregate: files durable step={r + 1} "
+            needle = f"aggregate: files written step={r + 1} "
             self.wait(lambda t: needle in t, 60, needle)
             delay = self.rnd.choice([0, 0, 0.0005, 0.001])
             if delay:
                 time.sleep(delay)
-            return f"files durable+{delay * 1000:.1f}ms"
+            return f"files written+{delay * 1000:.1f}ms"
         if target == "commit_point":
-            # outer_metadata.json names the new step (its atomic replacement is the commit): the moment before
-            # anything else of the commit (log line, history append) has happened
+            # redo.json names the new step (its atomic replacement is the commit point): the moment before
+            # anything else of the commit (log line, serving, publishing, durability) has happened
             self.wait(lambda t: self.d.committed_step() == r + 1, 60, f"outer_metadata.json naming step {r + 1}")
             return "metadata renamed"
         if target == "committed":
-            needle = f"store: committed step={r + 1} "
+            # committed and durable (outer_metadata.json names it): the steady state after a commit
+            needle = f"store: durable step={r + 1}"
             self.wait(lambda t: needle in t, 60, needle)
             delay = self.rnd.choice([0, 0, 0.001, 0.003])
             if delay:
@@ -588,4 +615,6 @@ def test_kill9_torture_keeps_weights_momentum_and_history(tmp_path, diloco_bin):
     # every window was hit at least once (each is aimed at more than once)
     for window in ("mid_upload", "aggregating", "after_commit", "recovery"):
         assert window in phases, (window, phases)
-    assert {"durable_to_commit", "commit_unlogged"} & set(phases), phases
+    assert {"written_to_commit", "commit_unlogged"} & set(phases), phases
+    # a kill left a step committed by its redo record only, and its restart recomputed it bit for bit
+    assert "settling" in phases and ctl.recovered, (phases, ctl.recovered)

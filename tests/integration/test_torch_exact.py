@@ -126,6 +126,7 @@ def test_ten_rounds_equal_torch_sgd_byte_for_byte(tmp_path, case):
             # the whole file, as the reference's safetensors writer produces it from torch's state
             assert got_bytes == st_save({k: v.contiguous() for k, v in want.items()}), f"round {r}"
             # momentum as dilocod persisted it (F32; C64 holds F32 pairs) against torch's buffers
+            d.wait_durable(r + 1)              # momentum is read from the step's durable files
             meta = json.loads((d.state_dir / "outer_metadata.json").read_text())
             assert meta["outer_step"] == r + 1
             if opt["momentum"]:
