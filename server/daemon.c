@@ -316,7 +316,12 @@ static void intake_done(job *j)
         d->rnd.counters.stale += r->status == INTAKE_STALE;
         d->rnd.counters.future += r->status == INTAKE_FUTURE;
         stats_delta_refused(&d->m, r->status == INTAKE_STALE ? ROUND_STALE : ROUND_FUTURE);
-        dl_log(r->status == INTAKE_STALE ? DL_LOG_INFO : DL_LOG_WARN, "intake", "delta refused",
+        /* a delta that just missed its round is worth a line; older leftovers in a hub (a restart meets
+         * every one of them) only at debug level: they are counted in dilocod_deltas_refused_total */
+        dl_log(r->status == INTAKE_FUTURE                      ? DL_LOG_WARN
+               : r->info.base_outer_step + 1 >= d->rnd.step    ? DL_LOG_INFO
+                                                               : DL_LOG_DEBUG,
+               "intake", "delta refused",
                "path=%s node=%s base_outer_step=%" PRIu64 " step=%" PRIu64 " reason=%s", name, r->info.node_id,
                r->info.base_outer_step, d->rnd.step, intake_status_name(r->status));
         if (r->in_cache)
