@@ -196,3 +196,24 @@ def test_missing_revision_or_gated_repo_is_named(tmp_path, procs, case):
         assert "hf://<namespace>/<repo>@<revision>" in line, line
     assert d.status()["hub"]["last_transport_error"].startswith(f"{case}: HTTP ")
     assert d.stop() == 0
+
+
+def test_json_log_of_the_problem_keeps_every_value_a_string(tmp_path, procs):
+    """--log-format json: one object per line; the repo id, the Hub's words and the fix stay strings
+    (a repo named with digits is not turned into a number), the HTTP status is a number."""
+    import json
+
+    hub = HubSim(tmp_path)
+    procs.append(hub)
+    d = HfDilocod(tmp_path, hub, "--nodes", "w0,w1", "--log-format", "json")
+    procs.append(d)
+    d.start("--hub", "hf://4242/7")
+    d.wait(lambda: REFUSED in d.log_text(), "the refusal logged")
+    events = [json.loads(ln) for ln in d.log_text().splitlines() if ln.strip()]
+    (ev,) = [e for e in events if e["msg"] == REFUSED]
+    assert ev["level"] == "error" and ev["component"] == "hub", ev
+    assert ev["problem"] == "repo_not_found" and ev["status"] == 404 and ev["code"] == "RepoNotFound", ev
+    assert ev["repo"] == "4242/7" and ev["route"] == "revision", ev
+    assert ev["hub_says"] == "Repository not found: 4242/7", ev
+    assert "HF_TOKEN" in ev["fix"] and ev["retry"] == "polls back off up to 60 s", ev
+    assert d.stop() == 0
