@@ -8,7 +8,7 @@ compare the ratios, not the absolute numbers).  A report, not a test: it asserts
      Medians of the rounds, p99 beside the rate.                          target: dilocod >= 0.5x nginx
   2. PUT of a 1 GiB delta (curl -T): dilocod (header checked against the model and the round, every value
      checked finite, fsync, link into the cache) next to nginx's DAV PUT of the same file to disk (no
-     fsync; "nginx + fsync" is also shown).  Medians of 5 first uploads (each from a new node of the open
+     fsync; "nginx + fsync" is also shown), each upload kept under its own name by both.  Medians of 5 first uploads (each from a new node of the open
      round), then of 2 replacing uploads (a later local_step of a node already in the round), alternated
      with nginx.                                                          target: dilocod <= 1.3x nginx
   3. 8 concurrent GETs of the 1 GiB global (curl -o /dev/null): dilocod (sendfile) next to nginx
@@ -358,11 +358,13 @@ def upload_pair(dl, ng, delta, tmp, node, step, size):
     if code != 201:
         raise RuntimeError(f"dilocod refused upload {node}/{step}: {code} {body}")
     result = json.loads(body)["result"]
-    target = ng.www / "put" / "delta.safetensors"
-    if target.exists():
-        target.unlink()
+    # nginx keeps every upload under its own name, as dilocod keeps every delta of the open round: on this
+    # VM a 1 GiB write that grows the page cache into memory not touched lately costs 1.2-2.5 CPU seconds
+    # in the kernel's copy, one that reuses just-freed pages 0.17 s; rewriting one file would give nginx
+    # the cheap case every time.
+    target = ng.www / "put" / f"delta-{node}-{step}.safetensors"
     settle()
-    code, ndt = curl_put(f"{ng.url}/put/delta.safetensors", delta, resp)
+    code, ndt = curl_put(f"{ng.url}/put/{target.name}", delta, resp)
     if code not in (201, 204) or target.stat().st_size != size:
         raise RuntimeError(f"nginx PUT failed: {code} {resp.read_text(errors='replace')[:500]}")
     t0 = time.perf_counter()
@@ -563,7 +565,8 @@ def main():
         settle()
         t0 = time.time()
         dl = Dilocod(tmp, init)
-        print(f"dilocod: --hub none --expected-nodes 2, bootstrapped and listening in {time.time() - t0:.1f} s")
+        print(f"dilocod: --hub none --expected-nodes {EXPECTED_NODES}, bootstrapped and listening in "
+              f"{time.time() - t0:.1f} s")
         ng = Nginx(tmp)
         print()
         results["status"], results["status_p99"], results["nginx_p99"] = bench_status(dl, ng)
