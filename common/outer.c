@@ -363,8 +363,8 @@ static void sgd_nesterov(float *restrict param, const float *restrict buf, const
 /* The mean, the statistics and the optimizer over m lanes of one sub-block: delta k's lanes are at
  * d + k * stride; param and buf (when momentum is on) hold the sub-block's parameters and previous momentum
  * (have_buf) and are updated in place. */
-KERNEL_CLONES static void step_sub(const outer_pass *p, const float *d, size_t stride, float *restrict param, float *restrict buf,
-                     int have_buf, size_t m, outer_bufs *b)
+KERNEL_CLONES static void step_sub(const outer_pass *p, const float *d, size_t stride, float *restrict param,
+                                   float *restrict buf, int have_buf, size_t m, outer_bufs *b)
 {
     const float count = (float)p->ndeltas, lr = p->params.lr, mu = p->params.momentum;
     float *restrict g = b->g;

@@ -75,7 +75,7 @@ int main(int argc, char **argv)
     p.out_momentum_path = mom;
     p.params = (outer_params){1, 0.7f, 0.9f};
     p.momentum_path = getenv("MOMENTUM");
-    p.defer_sync = getenv("DEFER") != NULL && atoi(getenv("DEFER")) != 0;
+    p.defer_sync = getenv("DEFER") != NULL && strcmp(getenv("DEFER"), "0") != 0;
     outer_force_portable = getenv("PORTABLE") != NULL && atoi(getenv("PORTABLE")) != 0;
     p.budget_bytes = getenv("BUDGET_MIB") ? (size_t)atoi(getenv("BUDGET_MIB")) << 20 : 16 << 20;
     double t0 = now();

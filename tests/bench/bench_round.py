@@ -401,17 +401,19 @@ def run_size(base, mib):
         for b in builds():
             if passes[b]:
                 p = statistics.median(passes[b])
-                print(f"  {'dilocod pass, in the daemon' + label_of(b):37s} {p:7.2f} s   {ref_s / p:5.2f}x the reference round")
+                print(f"  {'dilocod pass, in the daemon' + label_of(b):37s} {p:7.2f} s   "
+                      f"{ref_s / p:5.2f}x the reference round")
         # the triad is measured again next to every pass sample: the machine's load changes within a run
         def outer_sample(b, t):
             return bench_outer(b, t, init, deltas) + (stream_triad(),)
         for b, ((sec, gbps, tri), s) in median_of(outer_sample, base, "outer", builds()).items():
-            print(f"  {'pass alone (bench-outer)' + label_of(b):37s} {sec:7.2f} s   {ref_s / sec:5.2f}x the reference   "
-                  f"{gbps:.2f} GB/s read + written = {gbps / tri:.0%} of STREAM triad ({tri:.1f} GB/s, measured "
-                  f"beside it; {fmt_samples(s)})")
+            print(f"  {'pass alone (bench-outer)' + label_of(b):37s} {sec:7.2f} s   "
+                  f"{ref_s / sec:5.2f}x the reference   {gbps:.2f} GB/s read + written = {gbps / tri:.0%} of "
+                  f"STREAM triad ({tri:.1f} GB/s, measured beside it; {fmt_samples(s)})")
         for b in builds():
             if hwm[b]:
-                print(f"  {'dilocod peak RSS (VmHWM)' + label_of(b):37s} {max(hwm[b]):7.0f} MiB (largest of {len(hwm[b])} runs)")
+                print(f"  {'dilocod peak RSS (VmHWM)' + label_of(b):37s} {max(hwm[b]):7.0f} MiB "
+                      f"(largest of {len(hwm[b])} runs)")
         print()
     finally:
         if os.environ.get("BENCH_KEEP"):
