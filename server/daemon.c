@@ -205,14 +205,15 @@ round_verdict daemon__peek(dilocod *d, const delta_info *info)
 
 round_verdict daemon__offer(dilocod *d, const delta_info *info, char *cache_path, uint64_t size)
 {
-    char *replaced = NULL;
+    char *replaced = NULL, qn[160];
     round_verdict v = round_offer(&d->rnd, info, cache_path, size, now_s(d), &replaced);
     int first = d->rnd.n == 1 && v == ROUND_ACCEPTED;
 
     if (v == ROUND_ACCEPTED || v == ROUND_REPLACED) {
         dl_log(DL_LOG_INFO, "round", v == ROUND_ACCEPTED ? "delta accepted" : "delta replaced",
                "step=%" PRIu64 " node=%s local_step=%" PRIu64 " bytes=%" PRIu64 " nodes=%zu expected=%u",
-               d->rnd.step, info->node_id, info->local_step, size, d->rnd.n, d->cfg->expected_nodes);
+               d->rnd.step, dl_log_q(qn, sizeof(qn), info->node_id), info->local_step, size, d->rnd.n,
+               d->cfg->expected_nodes);
         stats_delta_taken(&d->m, v);
         if (replaced != NULL) {
             unlink_async(d, replaced);
@@ -226,7 +227,7 @@ round_verdict daemon__offer(dilocod *d, const delta_info *info, char *cache_path
     count_refusal(d, v);
     dl_log(v == ROUND_NOT_NEWER ? DL_LOG_INFO : DL_LOG_WARN, "round", "delta refused",
            "step=%" PRIu64 " node=%s local_step=%" PRIu64 " base_outer_step=%" PRIu64 " reason=%s", d->rnd.step,
-           info->node_id, info->local_step, info->base_outer_step, round_verdict_name(v));
+           dl_log_q(qn, sizeof(qn), info->node_id), info->local_step, info->base_outer_step, round_verdict_name(v));
     unlink_async(d, cache_path);        /* refused: its cached copy has no use */
     free(cache_path);
     return v;
@@ -293,6 +294,7 @@ static void intake_done(job *j)
     dilocod *d = j->d;
     intake_req *r = j->arg;
     const char *name = r->rel_path ? r->rel_path : r->src_path;
+    char qn[160], qp[600];
     hub_version v = {r->size, r->mtime_ns, r->ino};
     /* a transport's file: it learns the outcome (and says whether a short file is short for good) */
     int final = r->rel_path != NULL && d->hub != NULL ? hub_mark_done(d->hub, r->rel_path, hub_outcome_of(r->status), &v)
@@ -322,7 +324,8 @@ static void intake_done(job *j)
                : r->info.base_outer_step + 1 >= d->rnd.step    ? DL_LOG_INFO
                                                                : DL_LOG_DEBUG,
                "intake", "delta refused",
-               "path=%s node=%s base_outer_step=%" PRIu64 " step=%" PRIu64 " reason=%s", name, r->info.node_id,
+               "path=%s node=%s base_outer_step=%" PRIu64 " step=%" PRIu64 " reason=%s", dl_log_q(qp, sizeof(qp), name),
+               dl_log_q(qn, sizeof(qn), r->info.node_id),
                r->info.base_outer_step, d->rnd.step, intake_status_name(r->status));
         if (r->in_cache)
             unlink_async(d, r->src_path);
@@ -755,6 +758,7 @@ static void schedule_cleanup(dilocod *d)
 static void log_round_stats(dilocod *d)
 {
     const round_record *r = &d->pending_record;
+    char qn[160];
 
     dl_log(DL_LOG_INFO, "aggregate", "done",
            "step=%" PRIu64 " nodes=%zu seconds=%.3f gbps=%.2f bytes=%" PRIu64 " mean_norm=%.6g", d->rnd.step + 1,
@@ -762,7 +766,8 @@ static void log_round_stats(dilocod *d)
     for (size_t k = 0; k < r->n; k++)
         dl_log(DL_LOG_INFO, "aggregate", "node statistics",
                "step=%" PRIu64 " node=%s local_step=%" PRIu64 " norm=%.6g cosine=%.6f", d->rnd.step + 1,
-               r->nodes[k].node_id, r->nodes[k].local_step, r->nodes[k].norm, r->nodes[k].cosine);
+               dl_log_q(qn, sizeof(qn), r->nodes[k].node_id), r->nodes[k].local_step, r->nodes[k].norm,
+               r->nodes[k].cosine);
 }
 
 static void commit_done(job *j)
@@ -1064,12 +1069,22 @@ static void on_publish_done(void *app, uint64_t step, const char *error)
     d->publish_in_flight = 0;
     if (error != NULL) {
         d->m.publish_errors++;
-        dl_log(DL_LOG_ERROR, "hub", "publish failed, will retry", "step=%" PRIu64 " error=%s", step,
+        /* the same failure again is no news: said once at error level, then at debug, with the retries
+         * backing off up to a minute; a different failure is said again */
+        int same = strcmp(d->publish_last_error, error) == 0;
+        dl_log(same ? DL_LOG_DEBUG : DL_LOG_ERROR, "hub", "publish failed, will retry",
+               "step=%" PRIu64 " in_seconds=%.1f error=%s", step, d->publish_backoff > 0 ? d->publish_backoff
+                                                                                      : d->cfg->retry_interval,
                dl_log_q(q, sizeof(q), error));
+        snprintf(d->publish_last_error, sizeof(d->publish_last_error), "%s", error);
+        d->publish_backoff = d->publish_backoff > 0 ? fmin(d->publish_backoff * 2, MAX_RETRY_SECONDS)
+                                                    : d->cfg->retry_interval;
         if (!d->stopping)
-            uv_timer_start(&d->publish_timer, publish_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
+            uv_timer_start(&d->publish_timer, publish_retry_cb, (uint64_t)(d->publish_backoff * 1000), 0);
         return;
     }
+    d->publish_backoff = 0;
+    d->publish_last_error[0] = '\0';
     d->published_step = (int64_t)step;
     dl_log(DL_LOG_INFO, "hub", "published", "step=%" PRIu64 " hub=%s%s", step, d->cfg->hub,
            d->st.bootstrap && step == 0 ? " bootstrap=true" : "");

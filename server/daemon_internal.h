@@ -73,6 +73,8 @@ typedef struct dilocod {
     /* publish */
     int64_t published_step;     /* -1: nothing published by us or unknown */
     int publish_in_flight;
+    double publish_backoff;     /* seconds before the next publish retry (0: the last one succeeded) */
+    char publish_last_error[256];
     int cleanup_in_flight;
     int settle_in_flight;       /* the committed step's outputs are being made durable (redo.json stays) */
     int commit_waiting;         /* a round's outputs are written; its commit waits for the settle above */

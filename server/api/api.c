@@ -126,6 +126,12 @@ static void hub_json(dilocod *d, sbuf *b)
             sb_json_string(b, hs->last_error, strlen(hs->last_error));
         else
             sb_str(b, "null");
+        /* a lasting failure only the operator can fix (a wrong token, a missing repo), as a stable name */
+        sb_str(b, ",\"problem\":");
+        if (hs->problem[0])
+            sb_json_string(b, hs->problem, strlen(hs->problem));
+        else
+            sb_str(b, "null");
     }
     sb_fmt(b, ",\"last_poll\":%s,\"last_publish\":%s,\"published_step\":", t1, t2);
     if (d->published_step >= 0)
@@ -237,6 +243,11 @@ static void hub_metrics(dilocod *d, sbuf *b)
     sb_fmt(b, "dilocod_hub_download_bytes_total %" PRIu64 "\n", hs->download_bytes);
     metric(b, "hub_transport_errors_total", "counter", "Failed hub operations (requests, scans, publishes), retried.");
     sb_fmt(b, "dilocod_hub_transport_errors_total %" PRIu64 "\n", hs->errors);
+    metric(b, "hub_problem", "gauge",
+           "1 while the hub refuses us for a reason only the operator can fix (unauthorized, forbidden, gated, "
+           "repo_not_found, revision_not_found).");
+    if (hs->problem[0])
+        sb_fmt(b, "dilocod_hub_problem{problem=\"%s\"} 1\n", hs->problem);
     metric(b, "hub_rate_limit_reset_seconds", "gauge",
            "Seconds until the hub's rate budget resets, when it said so (0: not limited or unknown).");
     time_t now = time(NULL);

@@ -87,6 +87,10 @@ def test_wrong_token_is_said_once_polls_back_off_and_recovery_is_said(tmp_path, 
         "unauthorized: HTTP 401 on revision (Invalid credentials in Authorization header): "
         "the Hub token or the repo id hf://org/model is wrong")
     assert status["hub"]["transport_errors"] >= 5
+    assert status["hub"]["problem"] == "unauthorized"
+    import requests
+    metrics = requests.get(f"http://127.0.0.1:{d.port}/metrics", timeout=10).text
+    assert 'dilocod_hub_problem{problem="unauthorized"} 1' in metrics
 
     # the token becomes valid (as if the operator fixed it on the Hub): said once, /status clears
     hub.ctl("POST", "/_sim/config", {"tokens": [TOKEN, WRONG]})
@@ -94,6 +98,7 @@ def test_wrong_token_is_said_once_polls_back_off_and_recovery_is_said(tmp_path, 
     d.wait(lambda: revision_polls(hub, 200), "an accepted poll")
     assert "was=unauthorized" in next(ln for ln in d.log_text().splitlines() if RESTORED in ln)
     assert d.status()["hub"]["last_transport_error"] is None
+    assert d.status()["hub"]["problem"] is None
 
     # ... and invalid again: the new episode is said once more
     hub.ctl("POST", "/_sim/config", {"tokens": [TOKEN]})
