@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """hubsim: a Hugging Face Hub emulator for tests (Python standard library only).
 
-It speaks the subset of the Hub HTTP protocol described in /work/shared/reference/hub-protocol.md
-(repo create/info, tree listing with absolute `Link` pagination, resolve with 302 to a "CDN",
+It speaks the subset of the Hub's HTTP protocol that huggingface_hub and dilocod use (README.md,
+"Through a Hugging Face Hub repo"; checked against the stock huggingface_hub client: repo create/info, tree listing with absolute `Link` pagination, resolve with 302 to a "CDN",
 preupload, git-lfs batch with basic and multipart transfers, verify, NDJSON commits, commit list)
 and can inject faults at start-up or at run time.  Everything is persisted under --root, so a
 restarted emulator serves the same repos, commits, files and LFS objects.
