@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "dl_log.h"
 #include "fsutil.h"
@@ -647,7 +648,7 @@ static int file_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hu
 {
     extern const hub_ops hub_file_ops;
     file_hub *fh;
-    char *nodes = NULL, *global = NULL;
+    struct stat sb;
     int rc;
 
     *out = NULL;
@@ -661,26 +662,22 @@ static int file_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hu
     fh->app = app;
     fh->poll_interval = cfg->poll_interval;
     fh->reported_step = -1;
-    if ((fh->root = strdup(cfg->url + 7)) == NULL ||
-        asprintf(&fh->incoming, "%s/cache/incoming", cfg->state_dir) < 0 ||
-        asprintf(&nodes, "%s/nodes", fh->root) < 0 || asprintf(&global, "%s/global", fh->root) < 0) {
-        free(nodes);
+    if ((fh->root = strdup(cfg->url + 7)) == NULL || asprintf(&fh->incoming, "%s/cache/incoming", cfg->state_dir) < 0) {
         fh->incoming = NULL;
         free_hub(fh);
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     }
-    rc = fsu_mkdirs(nodes, err);
-    if (rc == 0)
-        rc = fsu_mkdirs(global, err);
-    if (rc == 0)
+    /* open creates nothing in the tree (a start that fails later leaves it as it was): nodes/ is made
+     * by start, global/ by the first publish; the root must be a directory if it exists */
+    if (stat(fh->root, &sb) == 0 && !S_ISDIR(sb.st_mode))
+        rc = dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "the hub %s is not a directory", fh->root);
+    else
         rc = fsu_mkdirs(fh->incoming, err);
-    free(nodes);
-    free(global);
     if (rc != 0) {
         free_hub(fh);
         return rc;
     }
-    if (hubfile_cleanup_temps(fh->root, err) != 0) {
+    if (stat(fh->root, &sb) == 0 && hubfile_cleanup_temps(fh->root, err) != 0) {
         char q[600];
         dl_log(DL_LOG_WARN, "hub", "cannot remove temporary files of an interrupted publish", "error=%s",
                dl_log_q(q, sizeof(q), err->message));
@@ -697,12 +694,16 @@ static void file_start(hub *h)
     file_hub *fh = (file_hub *)h;
     char *nodes = NULL;
 
+    dl_error err;
+
     fh->started = 1;
     uv_timer_start(&fh->poll_timer, poll_cb, 0, (uint64_t)(fh->poll_interval * 1000));
     /* nodes/ itself: a new node directory is seen at once (node directories get their own watch
      * once a scan has read them) */
     if (asprintf(&nodes, "%s/nodes", fh->root) < 0)
         return;
+    if (fsu_mkdirs(nodes, &err) != 0)
+        set_error(fh, "cannot create the hub's nodes directory", &err);     /* the scans say it again */
     if (uv_fs_event_init(fh->loop, &fh->nodes_watch) == 0) {
         fh->nodes_watch.data = fh;
         fh->handles++;

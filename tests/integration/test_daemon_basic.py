@@ -1,5 +1,6 @@
 """dilocod end to end over file://: bootstrap, rounds, and the torch oracle on a mixed-dtype model."""
 import json
+import os
 
 import numpy as np
 import torch
@@ -70,7 +71,10 @@ def test_json_logs_one_object_per_line(tmp_path):
         d.wait_step(0)
         bad = tmp_path / "hub" / "nodes" / "w1"
         bad.mkdir(parents=True)
-        (bad / "delta_1.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\\\\b\": \"c d\"}  ")
+        # renamed into place, as a worker does (a node directory is watched: a file written in place may
+        # be seen half-written first)
+        (tmp_path / "bad.tmp").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\\\\b\": \"c d\"}  ")
+        os.rename(tmp_path / "bad.tmp", bad / "delta_1.safetensors")
         d.wait_log("delta rejected")
     finally:
         assert d.stop() == 0

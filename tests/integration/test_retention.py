@@ -145,6 +145,13 @@ def test_a_failed_start_leaves_no_state_skeleton(tmp_path):
         assert d.proc.wait(30) == 1
         assert not (tmp_path / "state" / "aggregator").exists(), list((tmp_path / "state").rglob("*"))
         assert "cannot listen" in d.log_text()
+        # the same with a file:// hub that does not exist yet: neither the state nor the tree is made
+        d1 = Dilocod(tmp_path / "one", tmp_path / "one" / "tree", "--init-model", str(tmp_path / "init.safetensors"),
+                     "--expected-nodes", "1", "--listen", f"127.0.0.1:{port}")
+        (tmp_path / "one").mkdir()
+        d1.start()
+        assert d1.proc.wait(30) == 1
+        assert not (tmp_path / "one" / "tree").exists() and not (tmp_path / "one" / "state" / "aggregator").exists()
         # nothing to start from (--hub none, no model): the same
         d2 = Dilocod(tmp_path / "two", None, "--expected-nodes", "1")
         (tmp_path / "two").mkdir()

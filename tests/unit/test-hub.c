@@ -226,18 +226,21 @@ TEST(file_transport_through_the_interface)
     hub_config cfg = {.url = url, .state_dir = state, .poll_interval = 0.05};
     CHECK_EQ(hub_open(&h, &loop, &cfg, &ev_cbs, &ev, &err), 0);
     CHECK_STR(hub_kind(h), "file");
-    /* open made the tree */
+    /* open creates nothing in the tree (a start that fails after it leaves the tree as it was) */
     snprintf(p, sizeof(p), "%s/nodes", root);
-    CHECK(access(p, F_OK) == 0);
+    CHECK(access(p, F_OK) != 0);
 
-    /* waiting for a global: the first poll says nothing is published */
+    /* waiting for a global: start makes nodes/, the first poll says nothing is published */
     hub_set_step(h, 0, 1);
     hub_start(h);
+    CHECK(access(p, F_OK) == 0);
     CHECK(run_until(&loop, &ev.published_seen, 1));
     CHECK_EQ(ev.published, -1);
     CHECK(hub_get_status(h)->last_poll != 0);
 
     /* a published global appears: it is copied into the state and handed over */
+    snprintf(p, sizeof(p), "%s/global", root);
+    CHECK_EQ(mkdir(p, 0755), 0);
     snprintf(p, sizeof(p), "%s/global/latest.safetensors", root);
     CHECK_EQ(write_model(p), 0);
     snprintf(p, sizeof(p), "%s/global/step_count.json", root);
@@ -305,6 +308,9 @@ TEST(file_transport_rejects_a_short_file_once_it_stops_changing)
     CHECK_EQ(uv_loop_init(&loop), 0);
     hub_config cfg = {.url = url, .state_dir = state, .poll_interval = 0.05};
     CHECK_EQ(hub_open(&h, &loop, &cfg, &ev_cbs, &ev, &err), 0);
+    CHECK_EQ(mkdir(root, 0755), 0);
+    snprintf(p, sizeof(p), "%s/nodes", root);
+    CHECK_EQ(mkdir(p, 0755), 0);
     snprintf(p, sizeof(p), "%s/nodes/w1", root);
     CHECK_EQ(mkdir(p, 0755), 0);
     snprintf(p, sizeof(p), "%s/nodes/w1/delta_1.safetensors", root);
