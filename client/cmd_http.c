@@ -601,7 +601,7 @@ static int pull_sharded(const client_opts *o, const char *dir, const response *i
     }
     if ((rc = get(o, "/global/step_count.json", &s, NULL, NULL)) != 0)
         goto out;
-    if (s.status != 200 || stepcount_parse(s.body.p ? s.body.p : "", s.body.len, &step, NULL, &err) != 0) {
+    if (s.status != 200 || stepcount_parse(s.body.p ? s.body.p : "", s.body.len, &step, NULL, NULL, &err) != 0) {
         fprintf(stderr, "diloco: the server's step_count.json is missing or invalid (HTTP %ld)\n", s.status);
         rc = EXIT_INVALID;
         goto out;
@@ -768,7 +768,7 @@ int cmd_pull(int argc, char **argv)
     if ((rc = get(&o, "/global/step_count.json", &s, NULL, NULL)) != 0)
         goto out;
     uint64_t step;
-    if (s.status != 200 || stepcount_parse(s.body.p ? s.body.p : "", s.body.len, &step, NULL, &err) != 0) {
+    if (s.status != 200 || stepcount_parse(s.body.p ? s.body.p : "", s.body.len, &step, NULL, NULL, &err) != 0) {
         fprintf(stderr, "diloco: the server's step_count.json is missing or invalid (HTTP %ld)\n", s.status);
         rc = EXIT_INVALID;
         goto out;

@@ -11,7 +11,7 @@
 #include "delta.h"
 #include "strbuf.h"
 
-char *stepcount_build(uint64_t outer_step, const char *optimizer, int bootstrap, const char *updated_at)
+char *stepcount_build(uint64_t outer_step, const char *optimizer, int bootstrap, int sharded, const char *updated_at)
 {
     sbuf b = {0};
     char when[40];
@@ -23,8 +23,9 @@ char *stepcount_build(uint64_t outer_step, const char *optimizer, int bootstrap,
         strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%S+00:00", &tm);
         updated_at = when;
     }
-    sb_str(&b, "{\n  \"algorithm\": \"" DELTA_ALGORITHM "\",\n  \"model_file\": \"global/latest.safetensors\",\n"
-               "  \"optimizer\": ");
+    sb_str(&b, "{\n  \"algorithm\": \"" DELTA_ALGORITHM "\",\n  \"model_file\": \"");
+    sb_str(&b, sharded ? STEPCOUNT_MODEL_INDEX : STEPCOUNT_MODEL_SINGLE);
+    sb_str(&b, "\",\n  \"optimizer\": ");
     sb_json_string(&b, optimizer, strlen(optimizer));
     sb_str(&b, ",\n  \"outer_step\": ");
     sb_u64(&b, outer_step);
@@ -36,9 +37,9 @@ char *stepcount_build(uint64_t outer_step, const char *optimizer, int bootstrap,
     return sb_take(&b);
 }
 
-int stepcount_parse(const char *text, size_t len, uint64_t *outer_step, int *bootstrap, dl_error *err)
+int stepcount_parse(const char *text, size_t len, uint64_t *outer_step, int *bootstrap, int *sharded, dl_error *err)
 {
-    cJSON *root = cJSON_ParseWithLength(text, len), *step, *boot;
+    cJSON *root = cJSON_ParseWithLength(text, len), *step, *boot, *model;
     int rc = 0;
 
     if (!cJSON_IsObject(root)) {
@@ -56,6 +57,9 @@ int stepcount_parse(const char *text, size_t len, uint64_t *outer_step, int *boo
     boot = cJSON_GetObjectItemCaseSensitive(root, "bootstrap");
     if (bootstrap != NULL)
         *bootstrap = (cJSON_IsString(boot) && strcmp(boot->valuestring, "true") == 0) || cJSON_IsTrue(boot);
+    model = cJSON_GetObjectItemCaseSensitive(root, "model_file");
+    if (sharded != NULL)
+        *sharded = cJSON_IsString(model) && strcmp(model->valuestring, STEPCOUNT_MODEL_INDEX) == 0;
 out:
     cJSON_Delete(root);
     return rc;

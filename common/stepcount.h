@@ -11,9 +11,17 @@
 
 #include "dl_error.h"
 
-/* malloc'd text; updated_at NULL means now (UTC, seconds). */
-char *stepcount_build(uint64_t outer_step, const char *optimizer, int bootstrap, const char *updated_at);
-/* Strict parse of a published file: outer_step must be a non-negative integer <= 2^53-1. */
-int stepcount_parse(const char *text, size_t len, uint64_t *outer_step, int *bootstrap, dl_error *err);
+/* model_file: the plain file, or the index of a sharded global (global/latest-0000i-of-0000N.safetensors
+ * + this index, the Hugging Face convention, when the model is above --shard-size). */
+#define STEPCOUNT_MODEL_SINGLE "global/latest.safetensors"
+#define STEPCOUNT_MODEL_INDEX "global/latest.safetensors.index.json"
+
+/* malloc'd text; sharded names STEPCOUNT_MODEL_INDEX as model_file; updated_at NULL means now (UTC,
+ * seconds). */
+char *stepcount_build(uint64_t outer_step, const char *optimizer, int bootstrap, int sharded, const char *updated_at);
+/* Strict parse of a published file: outer_step must be a non-negative integer <= 2^53-1.  *sharded
+ * (when non-NULL) is 1 when model_file names STEPCOUNT_MODEL_INDEX, 0 otherwise (absent or the plain
+ * file: the reference's files). */
+int stepcount_parse(const char *text, size_t len, uint64_t *outer_step, int *bootstrap, int *sharded, dl_error *err);
 
 #endif

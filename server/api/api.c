@@ -454,7 +454,7 @@ static void serve_stepfile(dilocod *d, http_conn *c)
     }
     gmtime_r(&t, &tm);
     strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%S+00:00", &tm);
-    text = stepcount_build(d->st.step, config_optimizer_name(d->cfg->optimizer), d->st.bootstrap && d->st.step == 0,
+    text = stepcount_build(d->st.step, config_optimizer_name(d->cfg->optimizer), d->st.bootstrap && d->st.step == 0, 0,
                            when);
     if (text == NULL) {
         http_respond_error(c, 500, "out_of_memory", "out of memory", NULL);

@@ -20,7 +20,25 @@
  *   - publish() writes global/latest.safetensors, then global/step_count.json (last, so a reader never
  *     sees a step whose model is not there), and reports publish_done() exactly once per call.
  *   - close() cancels what is in flight; done(arg) runs once every handle and job is finished.
- * Everything runs on the loop thread; blocking file work goes to the libuv pool inside the transport. */
+ * Everything runs on the loop thread; blocking file work goes to the libuv pool inside the transport.
+ *
+ * Sharded checkpoints (the Hugging Face index + shards convention, common/st_index.h):
+ *   - A sharded delta is nodes/<id>/delta_<n>.safetensors.index.json plus the shards its weight_map
+ *     lists (delta_<n>-0000i-of-0000N.safetensors).  The transport hands it over once the index and
+ *     every listed shard are there (a partial set waits), as ONE hub_delta whose rel and path are the
+ *     index's: path's directory holds the shards under their own names (file://: the node directory of
+ *     the shared tree; a download: a directory of its own holding only that set, which the daemon
+ *     removes as a whole when owned).  mark_done, the version and prune name the index's rel; prune
+ *     removes the index and its shards.
+ *   - publish() with a global_path ending in ".safetensors.index.json" publishes a sharded global:
+ *     the shards the index lists (in the index's directory, named latest-0000i-of-0000N.safetensors),
+ *     then global/latest.safetensors.index.json, then step_count.json naming the index as model_file
+ *     (stepcount_build(..., sharded = 1, ...)); files of the other layout (latest.safetensors, or
+ *     shards of another count) are removed after step_count.json.  A plain path publishes as before
+ *     and removes a previous sharded layout the same way.
+ *   - A held global whose step_count.json names the index (stepcount_parse's *sharded) is copied or
+ *     downloaded as the index plus its shards into a directory of its own in state_dir, and
+ *     global_ready() gets the index's path (the daemon owns and removes that directory). */
 #ifndef HUB_H
 #define HUB_H
 

@@ -369,7 +369,7 @@ int hubfile_read_published(const char *root, int *present, uint64_t *step, dl_er
         free(why);
         goto out;
     }
-    if ((rc = stepcount_parse(buf, len, step, NULL, err)) != 0)
+    if ((rc = stepcount_parse(buf, len, step, NULL, NULL, err)) != 0)
         goto out;
     /* lstat only: the global is opened (safely) when it is adopted */
     if (fstatat(gfd, "latest.safetensors", &sb, AT_SYMLINK_NOFOLLOW) != 0) {
@@ -573,7 +573,7 @@ int hubfile_publish(const char *root, const char *src, uint64_t step, const char
         rc = dl_fail_errno(err, -rc, "publishing %s/global/latest.safetensors", root);
         goto out;
     }
-    text = stepcount_build(step, optimizer, bootstrap, NULL);
+    text = stepcount_build(step, optimizer, bootstrap, 0, NULL);
     if (text == NULL) {
         rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
         goto out;

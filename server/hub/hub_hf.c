@@ -1178,7 +1178,7 @@ static void stepfile_done(hf_hub *h, hf_req *r, int ok)
     int list = r->arg != NULL;
 
     if (ok && x != NULL && x->status == 200 &&
-        stepcount_parse(x->body.p ? x->body.p : "", x->body.len, &step, NULL, NULL) == 0) {
+        stepcount_parse(x->body.p ? x->body.p : "", x->body.len, &step, NULL, NULL, NULL) == 0) {
         if (h->published_known != (int64_t)step) {
             h->published_known = (int64_t)step;
             h->cb.published_seen(h->app, (int64_t)step);
@@ -1801,7 +1801,7 @@ static void pub_check_done(hf_hub *h, hf_req *r, int ok)
     cuv_xfer *x = r->x;
     uint64_t step;
     int already = ok && x != NULL && x->status == 200 &&
-                  stepcount_parse(x->body.p ? x->body.p : "", x->body.len, &step, NULL, NULL) == 0 &&
+                  stepcount_parse(x->body.p ? x->body.p : "", x->body.len, &step, NULL, NULL, NULL) == 0 &&
                   step == h->pub.step;
     int missing = x != NULL && (x->status == 200 || x->status == 404);
     req_end(h, r);
@@ -1888,7 +1888,7 @@ static void hf_publish(hub *base, uint64_t step, const char *global_path, const 
     p->bootstrap = bootstrap;
     snprintf(p->optimizer, sizeof(p->optimizer), "%s", optimizer);
     p->path = strdup(global_path);
-    p->stepfile = stepcount_build(step, optimizer, bootstrap, NULL);
+    p->stepfile = stepcount_build(step, optimizer, bootstrap, 0, NULL);
     /* the descriptor keeps the step's file readable even if a later cleanup unlinks it */
     p->fd = p->path ? open(p->path, O_RDONLY | O_CLOEXEC) : -1;
     h->st.publishing = 1;

@@ -615,7 +615,7 @@ static void adopt_confirm_done(s3_hub *h, s3_req *r, int ok)
     uint64_t step = 0;
     int bootstrap = 0;
 
-    if (!h->closing && ok && stepcount_parse(r->x->body.p, r->x->body.len, &step, &bootstrap, NULL) == 0 &&
+    if (!h->closing && ok && stepcount_parse(r->x->body.p, r->x->body.len, &step, &bootstrap, NULL, NULL) == 0 &&
         step == c->step) {
         req_end(h, r);
         h->global_download = 0;
@@ -1186,7 +1186,7 @@ static void stepfile_done(s3_hub *h, s3_req *r, int ok)
         req_end(h, r);
         return;
     }
-    if (ok && stepcount_parse(r->x->body.p, r->x->body.len, &step, &bootstrap, &err) == 0) {
+    if (ok && stepcount_parse(r->x->body.p, r->x->body.len, &step, &bootstrap, NULL, &err) == 0) {
         have = 1;
     } else if (status == 404) {
         report_step(h, -1);
@@ -1663,7 +1663,7 @@ static void s3_publish(hub *base, uint64_t step, const char *global_path, const 
     p->step = step;
     p->bootstrap = bootstrap;
     snprintf(p->optimizer, sizeof(p->optimizer), "%s", optimizer);
-    p->stepfile = stepcount_build(step, optimizer, bootstrap, NULL);
+    p->stepfile = stepcount_build(step, optimizer, bootstrap, 0, NULL);
     /* the descriptor keeps the step's file readable even if a later cleanup unlinks it */
     p->fd = open(global_path, O_RDONLY | O_CLOEXEC);
     h->st.publishing = 1;
