@@ -137,13 +137,17 @@ int daemon__queue(dilocod *d, daemon_job_fn work, daemon_job_fn done, void *arg,
 void api_on_request(http_conn *c, http_request *req, void *app);
 /* http_server_on_response: counts every response by route and status (app is the dilocod). */
 void api_count_response(int route, int status, void *app);
-/* /nodes/{id}/delta_{n}.safetensors -> id, "n"; /nodes/{id}/deltas -> id, NULL (is_put 0).  0 or -1. */
+/* upload.c: /nodes/{id}/delta_{n}.safetensors -> id, "n"; /nodes/{id}/deltas -> id, NULL (is_put 0).  0 or -1. */
 int api_parse_node_path(const char *path, char *id, size_t id_size, char *step, size_t step_size, int *is_put);
 /* Range: "bytes=a-b" | "bytes=a-" | "bytes=-n" (one range) of a file of size bytes.  1: *from, *len
  * set; 0: ignore the header (absent, malformed or several ranges: the whole file, as RFC 9110
  * allows); -1: unsatisfiable (416). */
 int api_parse_range(const char *h, uint64_t size, uint64_t *from, uint64_t *len);
+/* 405 with Allow: allow. */
+void api_not_allowed(http_conn *c, const char *allow);
 /* upload.c */
+/* The /nodes/ route (PUT of a delta file, POST of a multipart upload). */
+void upload_route(dilocod *d, http_conn *c, http_request *req);
 void upload_start(dilocod *d, http_conn *c, http_request *req, const char *node_id, const char *path_step);
 
 #endif

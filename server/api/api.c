@@ -471,46 +471,12 @@ static int method_is(const http_request *r, const char *m)
     return strcmp(r->method_name, m) == 0;
 }
 
-static void not_allowed(http_conn *c, const char *allow)
+void api_not_allowed(http_conn *c, const char *allow)
 {
     char extra[64], msg[96];
     snprintf(extra, sizeof(extra), "Allow: %s\r\n", allow);
     snprintf(msg, sizeof(msg), "{\"error\":{\"code\":\"method_not_allowed\",\"message\":\"allowed: %s\"}}\n", allow);
     http_respond(c, 405, "application/json", extra, msg, strlen(msg));
-}
-
-/* /nodes/{id}/delta_{n}.safetensors -> id, "n"; /nodes/{id}/deltas -> id, NULL.  0 or -1. */
-int api_parse_node_path(const char *path, char *id, size_t id_size, char *step, size_t step_size, int *is_put)
-{
-    const char *p, *slash;
-    size_t il;
-
-    if (strncmp(path, "/nodes/", 7) != 0)
-        return -1;
-    p = path + 7;
-    slash = strchr(p, '/');
-    if (slash == NULL)
-        return -1;
-    il = (size_t)(slash - p);
-    if (il >= id_size || !delta_valid_node_id(p, il))
-        return -1;
-    memcpy(id, p, il);
-    id[il] = '\0';
-    p = slash + 1;
-    if (strcmp(p, "deltas") == 0) {
-        *is_put = 0;
-        return 0;
-    }
-    size_t pl = strlen(p);
-    if (pl < 6 + 12 + 1 || strncmp(p, "delta_", 6) != 0 || strcmp(p + pl - 12, ".safetensors") != 0)
-        return -1;
-    size_t sl = pl - 6 - 12;
-    if (sl >= step_size)
-        return -1;
-    memcpy(step, p + 6, sl);
-    step[sl] = '\0';
-    *is_put = 1;
-    return 0;
 }
 
 /* ---- handlers (one per route) ------------------------------------------------------------------ */
@@ -536,25 +502,6 @@ static void get_stepfile(dilocod *d, http_conn *c, http_request *req)
 {
     (void)req;
     serve_stepfile(d, c);
-}
-
-static void put_delta(dilocod *d, http_conn *c, http_request *req)
-{
-    char id[DELTA_NODE_ID_MAX + 1], step[32];
-    int is_put;
-
-    if (api_parse_node_path(req->path, id, sizeof(id), step, sizeof(step), &is_put) != 0) {
-        http_respond_error(c, 404, "not_found",
-                           "upload paths are /nodes/{node_id}/delta_{local_step}.safetensors (PUT) and "
-                           "/nodes/{node_id}/deltas (POST)",
-                           NULL);
-        return;
-    }
-    if (is_put && !method_is(req, "PUT"))
-        return not_allowed(c, "PUT");
-    if (!is_put && !method_is(req, "POST"))
-        return not_allowed(c, "POST");
-    upload_start(d, c, req, id, is_put ? step : NULL);
 }
 
 /* ---- the route table --------------------------------------------------------------------------- */
@@ -583,7 +530,7 @@ static const route routes[] = {
     {"/rounds", ROUTE_ROUNDS, 1, NULL, rounds_json, JSON},
     {"/global/latest.safetensors", ROUTE_GLOBAL, 1, serve_global, NULL, NULL},
     {"/global/step_count.json", ROUTE_STEPFILE, 1, get_stepfile, NULL, NULL},
-    {"/nodes/", ROUTE_UPLOAD, 0, put_delta, NULL, NULL},
+    {"/nodes/", ROUTE_UPLOAD, 0, upload_route, NULL, NULL},
 };
 #undef JSON
 
@@ -611,7 +558,7 @@ void api_on_request(http_conn *c, http_request *req, void *app)
     }
     http_conn_set_route(c, r->id);
     if (r->read_only && !method_is(req, "GET") && !method_is(req, "HEAD"))
-        return not_allowed(c, "GET, HEAD");
+        return api_not_allowed(c, "GET, HEAD");
     if (r->document != NULL) {
         sbuf b = {0};
         r->document(d, &b);

@@ -681,3 +681,60 @@ void upload_start(dilocod *d, http_conn *c, http_request *req, const char *node_
     }
     http_accept_body(c, &upload_ops, u);
 }
+
+/* ---- the route ---------------------------------------------------------------------------------- */
+
+/* /nodes/{id}/delta_{n}.safetensors -> id, "n"; /nodes/{id}/deltas -> id, NULL.  0 or -1. */
+int api_parse_node_path(const char *path, char *id, size_t id_size, char *step, size_t step_size, int *is_put)
+{
+    const char *p, *slash;
+    size_t il;
+
+    if (strncmp(path, "/nodes/", 7) != 0)
+        return -1;
+    p = path + 7;
+    slash = strchr(p, '/');
+    if (slash == NULL)
+        return -1;
+    il = (size_t)(slash - p);
+    if (il >= id_size || !delta_valid_node_id(p, il))
+        return -1;
+    memcpy(id, p, il);
+    id[il] = '\0';
+    p = slash + 1;
+    if (strcmp(p, "deltas") == 0) {
+        *is_put = 0;
+        return 0;
+    }
+    size_t pl = strlen(p);
+    if (pl < 6 + 12 + 1 || strncmp(p, "delta_", 6) != 0 || strcmp(p + pl - 12, ".safetensors") != 0)
+        return -1;
+    size_t sl = pl - 6 - 12;
+    if (sl >= step_size)
+        return -1;
+    memcpy(step, p + 6, sl);
+    step[sl] = '\0';
+    *is_put = 1;
+    return 0;
+}
+
+
+/* The /nodes/ route: PUT /nodes/{id}/delta_{n}.safetensors, POST /nodes/{id}/deltas. */
+void upload_route(dilocod *d, http_conn *c, http_request *req)
+{
+    char id[DELTA_NODE_ID_MAX + 1], step[32];
+    int is_put;
+
+    if (api_parse_node_path(req->path, id, sizeof(id), step, sizeof(step), &is_put) != 0) {
+        http_respond_error(c, 404, "not_found",
+                           "upload paths are /nodes/{node_id}/delta_{local_step}.safetensors (PUT) and "
+                           "/nodes/{node_id}/deltas (POST)",
+                           NULL);
+        return;
+    }
+    if (is_put && !strcmp(req->method_name, "PUT") == 0)
+        return api_not_allowed(c, "PUT");
+    if (!is_put && !strcmp(req->method_name, "POST") == 0)
+        return api_not_allowed(c, "POST");
+    upload_start(d, c, req, id, is_put ? step : NULL);
+}
