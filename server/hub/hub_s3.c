@@ -54,6 +54,7 @@
 #include "fsutil.h"
 #include "safetensors.h"
 #include "seen.h"
+#include "st_index.h"
 #include "stepcount.h"
 #include "strbuf.h"
 
@@ -115,12 +116,22 @@ typedef struct candidate {
     struct candidate *next;
 } candidate;
 
+/* One object of a publish: the plain global, or a shard or the index of a sharded one. */
+typedef struct pub_file {
+    char rel[ST_INDEX_BASE_MAX + 64];   /* global/<name> */
+    int fd;
+    uint64_t size;
+} pub_file;
+
 typedef struct pub_state {
     int active;
     uint64_t step;
     char optimizer[32];
     int bootstrap;
-    int fd;
+    int sharded;
+    pub_file *files;            /* in upload order: the shards, then the index (or the one file) */
+    unsigned nfiles, cur;
+    int fd;                     /* files[cur]'s */
     uint64_t size;
     char *stepfile;
     char *upload_id;
@@ -1240,13 +1251,20 @@ static void poll_cb(uv_timer_t *t)
 
 /* ---- publishing -------------------------------------------------------------------------------- */
 
+static const char *pub_rel(const s3_hub *h)
+{
+    return h->pub.files[h->pub.cur].rel;
+}
+
 static void pub_finish(s3_hub *h, const char *error)
 {
     pub_state *p = &h->pub;
     uint64_t step = p->step;
 
-    if (p->fd >= 0)
-        close(p->fd);
+    for (unsigned i = 0; p->files && i < p->nfiles; i++)
+        if (p->files[i].fd >= 0)
+            close(p->files[i].fd);
+    free(p->files);
     free(p->stepfile);
     free(p->upload_id);
     for (unsigned i = 0; p->etags && i < p->nparts; i++)
@@ -1277,6 +1295,79 @@ static void pub_fail(s3_hub *h, s3_req *r, const char *doing)
     pub_finish(h, h->st.last_error);
 }
 
+/* A file of the other layout, left by an earlier publish: for a sharded publish the plain file and
+ * shards of another count, for a plain one the index and every shard. */
+static int pub_other_layout(const s3_hub *h, const char *name)
+{
+    char base[ST_INDEX_BASE_MAX + 1];
+    uint32_t i = 0, n = 0;
+    st_name_kind k = st_index_classify(name, strlen(name), base, &i, &n);
+
+    if (strcmp(base, "latest") != 0)
+        return 0;
+    if (!h->pub.sharded)
+        return k == ST_NAME_INDEX || k == ST_NAME_SHARD;
+    /* the index is the last of files[]; its shard count is files[] minus it */
+    return k == ST_NAME_SINGLE || (k == ST_NAME_SHARD && n != h->pub.nfiles - 1);
+}
+
+static void delete_done(s3_hub *h, s3_req *r, int ok)
+{
+    if (!ok && !h->closing && r->x != NULL) {
+        char why[256];
+        describe_answer(r->x, why, sizeof(why));
+        dl_log(DL_LOG_WARN, "hub", "cannot remove a global file of the other layout", "key=%s reason=%s", r->what,
+               why);
+    }
+    req_end(h, r);
+}
+
+/* After step_count.json: the other layout's objects go (a reader that follows step_count.json
+ * never needs them).  A failure leaves them behind, logged: the publish itself is done. */
+static void pub_cleanup_done(s3_hub *h, s3_req *r, int ok)
+{
+    s3_listing l;
+    dl_error err = {0};
+    char *dir = full_key(h, "global/");
+    size_t dlen = dir ? strlen(dir) : 0;
+
+    if (!h->closing && ok && dir != NULL && s3_parse_listing(r->x->body.p, r->x->body.len, &l, &err) == 0) {
+        for (size_t i = 0; i < l.n; i++) {
+            const char *key = l.objs[i].key;
+            if (strncmp(key, dir, dlen) != 0 || strchr(key + dlen, '/') != NULL || !pub_other_layout(h, key + dlen))
+                continue;
+            s3_req *d = req_new(h, "DELETE", key, NULL, "delete_global");
+            if (d != NULL) {
+                d->max_attempts = 3;
+                req_go(h, d, delete_done, NULL);
+            }
+        }
+        s3_listing_free(&l);
+    } else if (!h->closing) {
+        dl_log(DL_LOG_WARN, "hub", "cannot list the global files of the other layout", "reason=%s",
+               err.message[0] ? err.message : "the listing failed");
+    }
+    free(dir);
+    req_end(h, r);
+    pub_finish(h, NULL);
+}
+
+static void pub_cleanup(s3_hub *h)
+{
+    char *prefix = full_key(h, "global/latest");
+    char *query = prefix ? s3_list_query(prefix, NULL, S3_MAX_KEYS_PER_PAGE) : NULL;
+    s3_req *r = query ? req_new(h, "GET", NULL, query, "list") : NULL;
+
+    free(prefix);
+    free(query);
+    if (r == NULL) {
+        pub_finish(h, NULL);
+        return;
+    }
+    r->max_attempts = 3;
+    req_go(h, r, pub_cleanup_done, NULL);
+}
+
 static void pub_stepfile_done(s3_hub *h, s3_req *r, int ok)
 {
     if (!ok || h->closing) {
@@ -1284,7 +1375,7 @@ static void pub_stepfile_done(s3_hub *h, s3_req *r, int ok)
         return;
     }
     req_end(h, r);
-    pub_finish(h, NULL);
+    pub_cleanup(h);
 }
 
 /* Last: a reader never sees a step whose model is not there. */
@@ -1304,14 +1395,40 @@ static void pub_stepfile(s3_hub *h)
     req_go(h, r, pub_stepfile_done, NULL);
 }
 
+static void pub_upload(s3_hub *h);
+
+/* The current file is up: the next one, or the step file after the last. */
+static void pub_next_file(s3_hub *h)
+{
+    pub_state *p = &h->pub;
+
+    free(p->upload_id);
+    p->upload_id = NULL;
+    for (unsigned i = 0; p->etags && i < p->nparts; i++)
+        free(p->etags[i]);
+    free(p->etags);
+    p->etags = NULL;
+    p->nparts = p->next_part = 0;
+    if (++p->cur == p->nfiles) {
+        pub_stepfile(h);
+        return;
+    }
+    p->fd = p->files[p->cur].fd;
+    p->size = p->files[p->cur].size;
+    pub_upload(h);
+}
+
 static void pub_single_done(s3_hub *h, s3_req *r, int ok)
 {
+    char doing[ST_INDEX_BASE_MAX + 160];
+
     if (!ok || h->closing) {
-        pub_fail(h, r, "PUT global/latest.safetensors");
+        snprintf(doing, sizeof(doing), "PUT %s", pub_rel(h));
+        pub_fail(h, r, doing);
         return;
     }
     req_end(h, r);
-    pub_stepfile(h);
+    pub_next_file(h);
 }
 
 /* uploadId=<id> (+ partNumber first when given: SigV4 sorts by name).  malloc'd. */
@@ -1337,7 +1454,7 @@ static void abort_done(s3_hub *h, s3_req *r, int ok)
 /* A failed multipart upload is aborted (its parts would be stored, and billed, until then). */
 static void pub_abort_upload(s3_hub *h)
 {
-    char *key = full_key(h, "global/latest.safetensors");
+    char *key = full_key(h, pub_rel(h));
     char *q = key && h->pub.upload_id ? upload_query(h->pub.upload_id, 0) : NULL;
     s3_req *r = q ? req_new(h, "DELETE", key, q, "abort_upload") : NULL;
     free(key);
@@ -1352,25 +1469,26 @@ static void pub_abort_upload(s3_hub *h)
 
 static void pub_complete_done(s3_hub *h, s3_req *r, int ok)
 {
-    char code[64], msg[160];
+    char code[64], msg[160], doing[ST_INDEX_BASE_MAX + 160];
 
     /* CompleteMultipartUpload can fail after a 200: the error is then in the body */
     if (ok && !h->closing && s3_parse_error(r->x->body.p, r->x->body.len, code, sizeof(code), msg, sizeof(msg)))
         ok = 0;
     if (!ok || h->closing) {
         pub_abort_upload(h);
-        pub_fail(h, r, "completing the multipart upload of global/latest.safetensors");
+        snprintf(doing, sizeof(doing), "completing the multipart upload of %s", pub_rel(h));
+        pub_fail(h, r, doing);
         return;
     }
     req_end(h, r);
-    pub_stepfile(h);
+    pub_next_file(h);
 }
 
 static void pub_complete(s3_hub *h)
 {
     pub_state *p = &h->pub;
     sbuf b = {0};
-    char *key = full_key(h, "global/latest.safetensors");
+    char *key = full_key(h, pub_rel(h));
     char *q = upload_query(p->upload_id, 0);
     s3_req *r = key && q ? req_new(h, "POST", key, q, "complete_upload") : NULL;
 
@@ -1379,7 +1497,7 @@ static void pub_complete(s3_hub *h)
         sb_str(&b, "<Part><PartNumber>");
         sb_u64(&b, i + 1);
         sb_str(&b, "</PartNumber><ETag>\"");
-        sb_str(&b, p->etags[i]);   /* s3_clean_etag: printable, no quotes, no '<' is possible? checked below */
+        sb_str(&b, p->etags[i]);   /* pub_part_done refused '<', '>' and '&' */
         sb_str(&b, "\"</ETag></Part>");
     }
     sb_str(&b, "</CompleteMultipartUpload>");
@@ -1408,11 +1526,11 @@ static void pub_part_done(s3_hub *h, s3_req *r, int ok)
 
     if (!ok || h->closing || s3_clean_etag(r->x->etag, strlen(r->x->etag), etag, sizeof(etag)) != 0 ||
         strpbrk(etag, "<>&") != NULL || (p->etags[p->next_part] = strdup(etag)) == NULL) {
-        char doing[64];
+        char doing[ST_INDEX_BASE_MAX + 160];
         if (ok && !h->closing)
             set_error(h, "publishing step %" PRIu64 ": part %u: no usable ETag in the answer", p->step,
                       p->next_part + 1);
-        snprintf(doing, sizeof(doing), "PUT part %u of global/latest.safetensors", p->next_part + 1);
+        snprintf(doing, sizeof(doing), "PUT part %u of %s", p->next_part + 1, pub_rel(h));
         pub_abort_upload(h);
         pub_fail(h, r, doing);
         return;
@@ -1431,7 +1549,7 @@ static void pub_next_part(s3_hub *h)
     }
     uint64_t off = (uint64_t)p->next_part * p->part_size;
     uint64_t len = p->size - off < p->part_size ? p->size - off : p->part_size;
-    char *key = full_key(h, "global/latest.safetensors");
+    char *key = full_key(h, pub_rel(h));
     char *q = upload_query(p->upload_id, p->next_part + 1);
     s3_req *r = key && q ? req_new(h, "PUT", key, q, "upload_part") : NULL;
     free(key);
@@ -1451,9 +1569,11 @@ static void pub_initiate_done(s3_hub *h, s3_req *r, int ok)
 {
     pub_state *p = &h->pub;
     dl_error err = {0};
+    char doing[ST_INDEX_BASE_MAX + 160];
 
     if (!ok || h->closing) {
-        pub_fail(h, r, "starting the multipart upload of global/latest.safetensors");
+        snprintf(doing, sizeof(doing), "starting the multipart upload of %s", pub_rel(h));
+        pub_fail(h, r, doing);
         return;
     }
     if (s3_parse_upload_id(r->x->body.p, r->x->body.len, &p->upload_id, &err) != 0) {
@@ -1471,27 +1591,31 @@ static void pub_initiate_done(s3_hub *h, s3_req *r, int ok)
     pub_next_part(h);
 }
 
+/* The current file: one PUT up to the part size, a multipart upload above it. */
 static void pub_upload(s3_hub *h)
 {
     pub_state *p = &h->pub;
-    char *key = full_key(h, "global/latest.safetensors");
+    char *key = full_key(h, pub_rel(h));
+    char doing[ST_INDEX_BASE_MAX + 160];
     s3_req *r;
 
+    snprintf(doing, sizeof(doing), "PUT %s", pub_rel(h));
     if (key == NULL) {
-        pub_fail(h, NULL, "PUT global/latest.safetensors");
+        pub_fail(h, NULL, doing);
         return;
     }
     if (p->size <= h->part_size) {
         r = req_new(h, "PUT", key, NULL, "put_global");
         free(key);
         if (r == NULL) {
-            pub_fail(h, NULL, "PUT global/latest.safetensors");
+            pub_fail(h, NULL, doing);
             return;
         }
         r->src_fd = p->fd;
         r->src_off = 0;
         r->src_len = p->size;
-        req_header(r, "Content-Type: application/octet-stream");
+        req_header(r, p->sharded && p->cur == p->nfiles - 1 ? "Content-Type: application/json"
+                                                             : "Content-Type: application/octet-stream");
         req_go(h, r, pub_single_done, NULL);
         return;
     }
@@ -1512,44 +1636,52 @@ static void pub_upload(s3_hub *h)
 
 static void pub_uploads_done(s3_hub *h, s3_req *r, int ok)
 {
-    char *key = full_key(h, "global/latest.safetensors");
-    char **ids = NULL;
-    size_t n = 0;
+    pub_state *p = &h->pub;
     dl_error err = {0};
 
     if (h->closing) {
-        free(key);
         pub_fail(h, r, "listing interrupted uploads");
         return;
     }
     /* a failure here only leaves parts behind: the publish goes on */
-    if (!ok || key == NULL || s3_parse_uploads(r->x->body.p, r->x->body.len, key, &ids, &n, &err) != 0) {
+    if (!ok) {
         char why[256] = "";
         if (r->x != NULL)
             describe_answer(r->x, why, sizeof(why));
-        dl_log(DL_LOG_WARN, "hub", "cannot list interrupted multipart uploads", "reason=%s",
-               err.message[0] ? err.message : why);
+        dl_log(DL_LOG_WARN, "hub", "cannot list interrupted multipart uploads", "reason=%s", why);
+    }
+    for (unsigned f = 0; ok && f < p->nfiles; f++) {
+        char *key = full_key(h, p->files[f].rel);
+        char **ids = NULL;
+        size_t n = 0;
+        if (key == NULL || s3_parse_uploads(r->x->body.p, r->x->body.len, key, &ids, &n, &err) != 0) {
+            dl_log(DL_LOG_WARN, "hub", "cannot list interrupted multipart uploads", "reason=%s",
+                   err.message[0] ? err.message : "out of memory");
+            free(key);
+            break;
+        }
+        for (size_t i = 0; i < n; i++) {
+            char *q = upload_query(ids[i], 0);
+            s3_req *a = q ? req_new(h, "DELETE", key, q, "abort_upload") : NULL;
+            free(q);
+            if (a != NULL) {
+                dl_log(DL_LOG_INFO, "hub", "aborting an interrupted multipart upload", "key=%s", key);
+                a->max_attempts = 2;
+                req_go(h, a, abort_done, NULL);
+            }
+        }
+        s3_uploads_free(ids, n);
+        free(key);
     }
     req_end(h, r);
-    for (size_t i = 0; i < n; i++) {
-        char *q = upload_query(ids[i], 0);
-        s3_req *a = q ? req_new(h, "DELETE", key, q, "abort_upload") : NULL;
-        free(q);
-        if (a != NULL) {
-            dl_log(DL_LOG_INFO, "hub", "aborting an interrupted multipart upload", "key=%s", key);
-            a->max_attempts = 2;
-            req_go(h, a, abort_done, NULL);
-        }
-    }
-    s3_uploads_free(ids, n);
-    free(key);
     pub_upload(h);
 }
 
-/* ListMultipartUploads of the global's key: prefix=<key>&uploads= (sorted, canonical). */
+/* ListMultipartUploads of the global's keys: prefix=<prefix>/global/latest&uploads= (sorted,
+ * canonical); the answer is matched against each file's exact key. */
 static void pub_clean_uploads(s3_hub *h)
 {
-    char *key = full_key(h, "global/latest.safetensors");
+    char *key = full_key(h, "global/latest");
     sbuf q = {0};
     sb_str(&q, "prefix=");
     if (key != NULL)
@@ -1650,29 +1782,110 @@ static void pub_claim(s3_hub *h)
     req_go(h, r, pub_claim_done, NULL);
 }
 
+/* Opens one file of the publish (the descriptor keeps the step's file readable even if a later
+ * cleanup unlinks it).  0 or -1 with errno. */
+static int pub_open_file(pub_file *f, const char *path, const char *name)
+{
+    struct stat sb;
+
+    snprintf(f->rel, sizeof(f->rel), "global/%s", name);
+    if ((f->fd = open(path, O_RDONLY | O_CLOEXEC)) < 0)
+        return -1;
+    if (fstat(f->fd, &sb) != 0)
+        return -1;
+    f->size = (uint64_t)sb.st_size;
+    return 0;
+}
+
+/* The files of a publish: global_path alone, or the shards its index lists (in the index's
+ * directory) and the index last.  0, or -1 with why. */
+static int pub_open_files(pub_state *p, const char *global_path, char *why, size_t why_size)
+{
+    size_t len = strlen(global_path), sl = strlen(ST_INDEX_SUFFIX);
+    st_index *ix = NULL;
+    dl_error err = {0};
+    char path[4096], name[ST_INDEX_BASE_MAX + 48];
+    int rc = -1;
+
+    p->sharded = len > sl && strcmp(global_path + len - sl, ST_INDEX_SUFFIX) == 0;
+    if (!p->sharded) {
+        if ((p->files = calloc(1, sizeof(*p->files))) == NULL)
+            goto oom;
+        p->nfiles = 1;
+        p->files[0].fd = -1;
+        if (pub_open_file(&p->files[0], global_path, "latest.safetensors") != 0)
+            goto sys;
+        return 0;
+    }
+    if (st_index_load(global_path, &ix, &err) != 0) {
+        snprintf(why, why_size, "%s: %s", global_path, err.message);
+        return -1;
+    }
+    if (strcmp(ix->base, "latest") != 0) {
+        snprintf(why, why_size, "%s: a global's index is latest%s", global_path, ST_INDEX_SUFFIX);
+        goto out;
+    }
+    const char *slash = strrchr(global_path, '/');
+    int dlen = slash ? (int)(slash - global_path) : 1;
+    const char *dir = slash ? global_path : ".";
+    if ((p->files = calloc((size_t)ix->nshards + 1, sizeof(*p->files))) == NULL)
+        goto oom;
+    p->nfiles = ix->nshards + 1;
+    for (unsigned i = 0; i < p->nfiles; i++)
+        p->files[i].fd = -1;
+    for (uint32_t i = 0; i < ix->nshards; i++) {
+        if (st_index_shard_name(ix->base, i, ix->nshards, name, sizeof(name)) != 0 ||
+            snprintf(path, sizeof(path), "%.*s/%s", dlen, dir, name) >= (int)sizeof(path))
+            goto oom;
+        if (pub_open_file(&p->files[i], path, name) != 0)
+            goto sys_path;
+    }
+    if (pub_open_file(&p->files[ix->nshards], global_path, "latest" ST_INDEX_SUFFIX) != 0) {
+        snprintf(path, sizeof(path), "%s", global_path);
+        goto sys_path;
+    }
+    rc = 0;
+    goto out;
+sys:
+    snprintf(path, sizeof(path), "%s", global_path);
+sys_path:
+    snprintf(why, why_size, "cannot read %.400s: %s", path, strerror(errno));
+    goto out;
+oom:
+    snprintf(why, why_size, "out of memory");
+out:
+    st_index_free(ix);
+    return rc;
+}
+
 static void s3_publish(hub *base, uint64_t step, const char *global_path, const char *optimizer, int bootstrap)
 {
     s3_hub *h = (s3_hub *)base;
     pub_state *p = &h->pub;
-    struct stat sb;
+    char why[600];
 
     if (p->active || h->closing)
         return;
     memset(p, 0, sizeof(*p));
+    p->fd = -1;
     p->active = 1;
     p->step = step;
     p->bootstrap = bootstrap;
     snprintf(p->optimizer, sizeof(p->optimizer), "%s", optimizer);
-    p->stepfile = stepcount_build(step, optimizer, bootstrap, 0, NULL);
-    /* the descriptor keeps the step's file readable even if a later cleanup unlinks it */
-    p->fd = open(global_path, O_RDONLY | O_CLOEXEC);
     h->st.publishing = 1;
-    if (p->stepfile == NULL || p->fd < 0 || fstat(p->fd, &sb) != 0) {
-        set_error(h, "publishing step %" PRIu64 ": cannot read %s: %s", step, global_path, strerror(errno));
+    if (pub_open_files(p, global_path, why, sizeof(why)) != 0) {
+        set_error(h, "publishing step %" PRIu64 ": %s", step, why);
         pub_finish(h, h->st.last_error);
         return;
     }
-    p->size = (uint64_t)sb.st_size;
+    p->stepfile = stepcount_build(step, optimizer, bootstrap, p->sharded, NULL);
+    if (p->stepfile == NULL) {
+        set_error(h, "publishing step %" PRIu64 ": out of memory", step);
+        pub_finish(h, h->st.last_error);
+        return;
+    }
+    p->fd = p->files[0].fd;
+    p->size = p->files[0].size;
     pub_claim(h);
 }
 
