@@ -3,7 +3,15 @@
  * wrong delta costs only its header; then the data is streamed into a temporary file with the
  * finite-value check on the way, fsynced, and linked into cache/deltas/s<step>/<node>/.
  * A file that is still being written (shorter than its header says, or changing during the copy)
- * is reported INCOMPLETE for the caller to retry.  Blocking: runs on the thread pool. */
+ * is reported INCOMPLETE for the caller to retry.  Blocking: runs on the thread pool.
+ *
+ * A sharded delta (st_index.h) is taken in through its index, src_path ending in ST_INDEX_SUFFIX:
+ * the index alone decides stale, future and duplicate; then every shard it lists (in the index's
+ * directory, under its own name) is checked and copied like a single file into a staging directory
+ * under cache/incoming/, the whole set is checked, and it is linked into the cache as
+ * delta_<n>.safetensors.index.json with its shards delta_<n>-0000i-of-0000N.safetensors next to it
+ * (shards first, index last: an index in the cache means its set is complete).  cache_path is then
+ * the cached index; size counts every file, the version fields are the index's. */
 #ifndef INTAKE_H
 #define INTAKE_H
 
@@ -49,10 +57,20 @@ void intake_run(intake_req *r);
 const char *intake_status_name(intake_status s);
 void intake_req_free(intake_req *r);
 /* Links a finished, fsynced temporary file into the cache under the delta's final name (never
- * replacing one: INTAKE_DUPLICATE then).  The caller removes tmp afterwards. */
+ * replacing one: INTAKE_DUPLICATE then, also when that delta is cached as a set).  The caller
+ * removes tmp afterwards. */
 intake_status intake_link_into_cache(const char *state_dir, const delta_info *info, const char *tmp,
                                      char **cache_path, dl_error *err);
 /* Cache path of a delta: <state_dir>/cache/deltas/s<base>/<node>/delta_<local>.safetensors */
 char *intake_cache_path(const char *state_dir, const delta_info *info);
+/* Cache path of a sharded delta's index: <state_dir>/cache/deltas/s<base>/<node>/delta_<local>.safetensors.index.json */
+char *intake_cache_index_path(const char *state_dir, const delta_info *info);
+/* Links a checked, fsynced set into the cache: dir/<every shard ix lists>, then
+ * dir/<ix->base>.safetensors.index.json, under the same names in the node's cache directory (ix->base
+ * must be delta_<local>: the index's text names its shards), then fsyncs that directory.
+ * INTAKE_DUPLICATE when this node's delta of this local step is already cached in either layout.
+ * *cache_path receives the cached index's path.  The caller removes dir afterwards. */
+intake_status intake_link_set_into_cache(const char *state_dir, const delta_info *info, const char *dir,
+                                         const st_index *ix, char **cache_path, dl_error *err);
 
 #endif
