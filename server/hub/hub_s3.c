@@ -40,6 +40,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -69,6 +70,8 @@
 #define XML_CAP (4u << 20)
 #define MAX_LIST_PAGES 1000
 #define MAX_NODES_PER_LISTING 8192
+/* shards remembered from one listing (a set of more waits for a listing with fewer strangers) */
+#define MAX_SHARDS_PER_LISTING 65536
 #define CREDENTIALS_FILE_CAP (64u << 10)
 #define EMPTY_SHA256 "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
@@ -102,11 +105,18 @@ struct s3_req {
     s3_req *next, *prev;
 };
 
+typedef struct dset dset;
+
 typedef struct candidate {
     char *rel;                  /* nodes/<id>/delta_<n>.safetensors, or global/latest.safetensors */
     char *key;
     char etag[80];
+    char ver[80];               /* the seen list's version: the ETag, or a set's (set_version) */
     uint64_t size;
+    int is_set;                 /* an index: fetched, parsed, then its shards become candidates */
+    s3_object *listed;          /* is_set: the shards of its base that the listing showed */
+    size_t nlisted;
+    dset *set;                  /* a shard: the set it belongs to */
     char *part;
     int attempts;
     uint64_t not_before;        /* loop ms */
@@ -122,6 +132,21 @@ typedef struct pub_file {
     int fd;
     uint64_t size;
 } pub_file;
+
+/* A sharded delta (or global) being downloaded: the index is in its directory already, the
+ * shards arrive there one candidate each; the set is handed over when the last one is verified. */
+struct dset {
+    char *rel;                  /* the index's rel */
+    char ver[80];
+    char *dir;                  /* a directory of its own, holding only this set */
+    char *index_path;
+    unsigned pending;           /* shard candidates not finished */
+    int failed;
+    seen_state fail_state;
+    int is_global;
+    uint64_t step;              /* is_global: the step the step file named */
+    dset *next;                 /* in s3_hub.sets */
+};
 
 typedef struct pub_state {
     int active;
@@ -140,14 +165,22 @@ typedef struct pub_state {
     unsigned nparts, next_part;
 } pub_state;
 
-/* One page-walk of the nodes/ listing: the best delta of each node so far. */
+/* One page-walk of the nodes/ listing: the best delta (a file or an index) of each node so far,
+ * and every shard listed, matched to the indexes after the last page. */
 typedef struct best_entry {
     char node[DELTA_NODE_ID_MAX + 1];
     uint64_t local_step;
     char *key;
     char etag[80];
     uint64_t size;
+    int is_index;
 } best_entry;
+
+typedef struct shard_entry {
+    char node[DELTA_NODE_ID_MAX + 1];
+    uint64_t local_step;
+    s3_object obj;
+} shard_entry;
 
 struct s3_hub {
     hub base;                   /* first: the transport interface's handle */
@@ -175,6 +208,10 @@ struct s3_hub {
     int64_t published_known;    /* -2: nothing reported yet */
     best_entry *best;
     size_t nbest;
+    shard_entry *shards;
+    size_t nshards, shards_cap;
+    dset *sets;                 /* sets whose shards are downloading */
+    int adopt_sharded;          /* the adoption in flight is of a sharded global */
     unsigned list_pages;
     s3_req *inflight;
     pub_state pub;
@@ -182,6 +219,8 @@ struct s3_hub {
     void *close_arg;
     int handles;                /* poll timer + pool jobs + pending appends */
 };
+
+static void remove_set_dir(const char *dir);
 
 static void set_error(s3_hub *h, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void set_error(s3_hub *h, const char *fmt, ...)
@@ -522,6 +561,9 @@ static void candidate_free(candidate *c)
     free(c->rel);
     free(c->key);
     free(c->part);
+    for (size_t i = 0; i < c->nlisted; i++)
+        free(c->listed[i].key);
+    free(c->listed);
     free(c);
 }
 
@@ -536,13 +578,17 @@ static void retry_later(s3_hub *h, candidate *c)
     h->retry = c;
 }
 
+static void dset_shard_finished(s3_hub *h, dset *set, int ok, seen_state fail_state);
+
 /* A candidate is done with for this run (given up, or its object changed): forget it. */
 static void candidate_drop(s3_hub *h, candidate *c, seen_state state)
 {
-    if (c->is_global)
+    if (c->set != NULL)
+        dset_shard_finished(h, c->set, 0, state);
+    else if (c->is_global)
         h->global_download = 0;
     else
-        set_seen_state(h, c->rel, c->etag, state);
+        set_seen_state(h, c->rel, c->ver, state);
     candidate_free(c);
 }
 
@@ -638,7 +684,16 @@ static void adopt_confirm_done(s3_hub *h, s3_req *r, int ok)
     if (!h->closing)
         dl_log(DL_LOG_INFO, "hub", "the bucket's step moved during the adoption download, trying again",
                "step=%" PRIu64, c->step);
-    unlink(c->part);
+    if (c->is_set) {
+        /* a sharded global: the index in a directory of its own with its shards */
+        char *slash = strrchr(c->part, '/');
+        if (slash != NULL) {
+            *slash = '\0';
+            remove_set_dir(c->part);
+        }
+    } else {
+        unlink(c->part);
+    }
     h->global_download = 0;     /* the next poll starts the adoption over */
     candidate_free(c);
 }
@@ -674,7 +729,11 @@ static void verify_after(uv_work_t *w, int status)
         h->st.download_bytes += c->size;
         dl_log(DL_LOG_DEBUG, "hub", "s3 object downloaded", "key=%s bytes=%" PRIu64 " etag=%s", c->key, c->size,
                c->etag);
-        if (c->is_global) {
+        if (c->set != NULL) {
+            dset *set = c->set;
+            candidate_free(c);
+            dset_shard_finished(h, set, 1, SEEN_DONE);
+        } else if (c->is_global) {
             adopt_confirm(h, c);
         } else {
             hub_delta d = {.rel = c->rel, .path = c->part, .root = NULL, .owned = 1};
@@ -762,7 +821,7 @@ static char *part_path(const s3_hub *h, const candidate *c)
         sb_add(&b, (*s >= 'a' && *s <= 'z') || (*s >= 'A' && *s <= 'Z') || (*s >= '0' && *s <= '9') || *s == '-' ||
                            *s == '.' || *s == '_' ? s : "_", 1);
     sb_str(&b, "-");
-    for (const char *s = c->etag; *s; s++)
+    for (const char *s = c->ver; *s; s++)
         sb_add(&b, (*s >= 'a' && *s <= 'z') || (*s >= 'A' && *s <= 'Z') || (*s >= '0' && *s <= '9') || *s == '-' ? s
                                                                                                              : "_", 1);
     sb_str(&b, ".part");
@@ -880,7 +939,7 @@ static void peek_done(s3_hub *h, s3_req *r, int ok)
         candidate_drop(h, c, SEEN_REJECTED);
     } else if (base != UINT64_MAX && base < h->step) {
         dl_log(DL_LOG_DEBUG, "hub", "stale delta not downloaded", "key=%s base_outer_step=%" PRIu64, c->key, base);
-        char *k = seen_key(c->rel, c->etag);
+        char *k = seen_key(c->rel, c->ver);
         if (k != NULL) {
             seen_entry *e = seen_find(&h->seen, k);
             if (e != NULL) {
@@ -921,6 +980,315 @@ static void start_peek(s3_hub *h, candidate *c)
     req_go(h, r, peek_done, c);
 }
 
+static candidate *candidate_new(s3_hub *h, const char *rel, const char *key, const char *etag, uint64_t size);
+
+/* ---- sharded sets ------------------------------------------------------------------------------ */
+
+/* A set's version for the seen list: the index's ETag and every listed shard of its base (key,
+ * ETag, size), hashed, so a set rewritten in any of its files (or completed) is taken again. */
+static int set_version(const char *index_etag, const s3_object *listed, size_t n, char *out, size_t size)
+{
+    static const char digits[] = "0123456789abcdef";
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned mdlen = 0;
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    char num[24];
+    int bad = ctx == NULL || EVP_DigestInit_ex(ctx, EVP_sha256(), NULL) != 1 ||
+              EVP_DigestUpdate(ctx, index_etag, strlen(index_etag) + 1) != 1;
+
+    for (size_t i = 0; !bad && i < n; i++) {
+        snprintf(num, sizeof(num), "%" PRIu64, listed[i].size);
+        bad = EVP_DigestUpdate(ctx, listed[i].key, strlen(listed[i].key) + 1) != 1 ||
+              EVP_DigestUpdate(ctx, listed[i].etag, strlen(listed[i].etag) + 1) != 1 ||
+              EVP_DigestUpdate(ctx, num, strlen(num) + 1) != 1;
+    }
+    bad = bad || EVP_DigestFinal_ex(ctx, md, &mdlen) != 1 || mdlen < 16 || size < 37;
+    EVP_MD_CTX_free(ctx);
+    if (bad)
+        return -1;
+    memcpy(out, "set-", 4);
+    for (unsigned i = 0; i < 16; i++) {
+        out[4 + 2 * i] = digits[md[i] >> 4];
+        out[4 + 2 * i + 1] = digits[md[i] & 15];
+    }
+    out[36] = '\0';
+    return 0;
+}
+
+static void dset_free(s3_hub *h, dset *set)
+{
+    for (dset **p = &h->sets; *p; p = &(*p)->next)
+        if (*p == set) {
+            *p = set->next;
+            break;
+        }
+    free(set->rel);
+    free(set->dir);
+    free(set->index_path);
+    free(set);
+}
+
+/* Removes a set directory of ours and the files in it (names we gave: no subdirectories).  A few
+ * unlinks of our own cache on the loop thread, as the single downloads' part files are. */
+static void remove_set_dir(const char *dir)
+{
+    DIR *d = opendir(dir);
+    struct dirent *e;
+
+    if (d == NULL)
+        return;
+    while ((e = readdir(d)) != NULL)
+        if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0)
+            unlinkat(dirfd(d), e->d_name, 0);
+    closedir(d);
+    rmdir(dir);
+}
+
+static void adopt_confirm(s3_hub *h, candidate *c);
+
+/* One shard candidate of set finished (ok: verified); after the last one the set is handed over,
+ * or, when a shard failed, dropped as a whole (its version is not taken this run). */
+static void dset_shard_finished(s3_hub *h, dset *set, int ok, seen_state fail_state)
+{
+    if (!ok && !set->failed) {
+        set->failed = 1;
+        set->fail_state = fail_state;
+    }
+    if (set->pending > 0)
+        set->pending--;
+    if (set->pending > 0)
+        return;
+    if (set->failed || h->closing) {
+        /* a stop keeps the directory: the next start resumes the shards there */
+        if (!h->closing) {
+            dl_log(DL_LOG_INFO, "hub", "sharded set not taken: a shard could not be downloaded", "key=%s", set->rel);
+            remove_set_dir(set->dir);
+        }
+        if (set->is_global)
+            h->global_download = 0;
+        else
+            set_seen_state(h, set->rel, set->ver, set->fail_state);
+        dset_free(h, set);
+        return;
+    }
+    if (set->is_global) {
+        candidate *g = candidate_new(h, set->rel, set->rel, set->ver, 0);
+        if (g == NULL || (g->part = strdup(set->index_path)) == NULL) {
+            candidate_free(g);
+            remove_set_dir(set->dir);
+            h->global_download = 0;
+        } else {
+            g->is_global = 1;
+            g->is_set = 1;
+            g->step = set->step;
+            adopt_confirm(h, g);
+        }
+    } else {
+        hub_delta d = {.rel = set->rel, .path = set->index_path, .root = NULL, .owned = 1};
+        h->cb.delta_ready(h->app, &d);
+    }
+    dset_free(h, set);
+}
+
+static char *part_path(const s3_hub *h, const candidate *c);
+
+/* The set's directory (named like a part file, ".set" for ".part") with the index written into it
+ * under its own name.  NULL when the directory cannot be made or written (errno-worthy: logged). */
+static dset *dset_new(s3_hub *h, candidate *c, const char *index_text, size_t index_len)
+{
+    dset *set = calloc(1, sizeof(*set));
+    char *pp = part_path(h, c);
+    const char *name = strrchr(c->rel, '/');
+    dl_error err = {0};
+
+    name = name ? name + 1 : c->rel;
+    if (set == NULL || pp == NULL || strlen(pp) < 5)
+        goto fail;
+    memcpy(pp + strlen(pp) - 5, ".set", 5);     /* ".part" -> ".set" and its NUL */
+    set->dir = pp;
+    pp = NULL;
+    if ((set->rel = strdup(c->rel)) == NULL || asprintf(&set->index_path, "%s/%s", set->dir, name) < 0) {
+        set->index_path = NULL;
+        goto fail;
+    }
+    snprintf(set->ver, sizeof(set->ver), "%s", c->ver);
+    set->is_global = c->is_global;
+    set->step = c->step;
+    if (fsu_mkdirs(set->dir, &err) != 0 || fsu_write_atomic(set->index_path, index_text, index_len, &err) != 0) {
+        set_error(h, "cannot store the index of %s: %s", c->key, err.message);
+        goto fail;
+    }
+    set->next = h->sets;
+    h->sets = set;
+    return set;
+fail:
+    free(pp);
+    if (set != NULL) {
+        free(set->rel);
+        free(set->dir);
+        free(set->index_path);
+        free(set);
+    }
+    return NULL;
+}
+
+/* The listed object of c's set that is called name in the index's directory, or NULL. */
+static const s3_object *listed_shard(const candidate *c, const char *name)
+{
+    size_t nl = strlen(name);
+    for (size_t i = 0; i < c->nlisted; i++) {
+        size_t kl = strlen(c->listed[i].key);
+        if (kl > nl && c->listed[i].key[kl - nl - 1] == '/' && strcmp(c->listed[i].key + kl - nl, name) == 0)
+            return &c->listed[i];
+    }
+    return NULL;
+}
+
+/* The index is parsed: the stale or later round's set is judged here (as a single delta's peek
+ * judges it), a partial set waits for a listing that shows every shard, and a complete one gets a
+ * directory and one candidate per shard. */
+static void set_start_shards(s3_hub *h, candidate *c, const st_index *ix, const char *text, size_t len)
+{
+    char name[ST_INDEX_BASE_MAX + 48], q[300];
+
+    if (!c->is_global) {
+        size_t vl;
+        uint64_t base = UINT64_MAX;
+        const char *v = st_index_meta(ix, "base_outer_step", &vl);
+        if (v != NULL && delta_parse_int(v, vl, &base) == 0 && base < h->step) {
+            dl_log(DL_LOG_DEBUG, "hub", "stale delta not downloaded", "key=%s base_outer_step=%" PRIu64, c->key, base);
+            set_seen_state(h, c->rel, c->ver, SEEN_DONE);
+            char *k = seen_key(c->rel, c->ver);
+            if (k != NULL)
+                seen_persist(h, k);
+            free(k);
+            candidate_free(c);
+            return;
+        }
+        if (v != NULL && base != UINT64_MAX && base > h->step) {
+            candidate_drop(h, c, SEEN_INCOMPLETE);
+            return;
+        }
+    }
+    for (uint32_t i = 0; i < ix->nshards; i++) {
+        if (st_index_shard_name(ix->base, i, ix->nshards, name, sizeof(name)) != 0 || listed_shard(c, name) == NULL) {
+            /* a later listing that shows the shard has another version: the set is looked at again */
+            dl_log(DL_LOG_DEBUG, "hub", "sharded set incomplete, waiting for its shards", "key=%s missing=%s", c->key,
+                   dl_log_q(q, sizeof(q), name));
+            candidate_drop(h, c, SEEN_REJECTED);
+            return;
+        }
+    }
+    dset *set = dset_new(h, c, text, len);
+    if (set == NULL) {
+        candidate_drop(h, c, SEEN_REJECTED);
+        return;
+    }
+    set->pending = ix->nshards;
+    size_t dlen = (size_t)(strrchr(c->rel, '/') - c->rel);
+    for (uint32_t i = 0; i < ix->nshards; i++) {
+        st_index_shard_name(ix->base, i, ix->nshards, name, sizeof(name));
+        const s3_object *o = listed_shard(c, name);
+        char *rel = NULL;
+        candidate *s = NULL;
+        if (asprintf(&rel, "%.*s/%s", (int)dlen, c->rel, name) >= 0)
+            s = candidate_new(h, rel, o->key, o->etag, o->size);
+        free(rel);
+        if (s == NULL || asprintf(&s->part, "%s/%s", set->dir, name) < 0) {
+            if (s != NULL)
+                s->part = NULL;
+            candidate_free(s);
+            dset_shard_finished(h, set, 0, SEEN_REJECTED);
+            continue;
+        }
+        s->set = set;
+        s->peeked = 1;
+        enqueue(h, s);
+    }
+    candidate_free(c);
+}
+
+static void index_done(s3_hub *h, s3_req *r, int ok)
+{
+    candidate *c = r->arg;
+    long status = r->x ? r->x->status : 0;
+    char base[ST_INDEX_BASE_MAX + 1], why[256] = "";
+    const char *name = strrchr(c->rel, '/');
+    size_t nl, sl = strlen(ST_INDEX_SUFFIX);
+    st_index *ix = NULL;
+    dl_error err = {0};
+
+    h->active_downloads--;
+    if (h->closing) {
+        req_end(h, r);
+        candidate_free(c);
+        return;
+    }
+    if (!ok) {
+        if (r->x != NULL)
+            describe_answer(r->x, why, sizeof(why));
+        req_end(h, r);
+        if (status == 412) {
+            candidate_drop(h, c, SEEN_DONE);        /* replaced: the next listing has the new version */
+        } else {
+            set_error(h, "GET %s: %s", c->key, why);
+            if (++c->attempts < MAX_ATTEMPTS_DOWNLOAD)
+                retry_later(h, c);
+            else
+                candidate_drop(h, c, SEEN_REJECTED);
+        }
+        pump_downloads(h);
+        return;
+    }
+    name = name ? name + 1 : c->rel;
+    nl = strlen(name);
+    snprintf(base, sizeof(base), "%.*s", nl > sl ? (int)(nl - sl) : 0, name);
+    if (st_index_parse(r->x->body.p, r->x->body.len, base, &ix, &err) == 0) {
+        set_start_shards(h, c, ix, r->x->body.p, r->x->body.len);
+        st_index_free(ix);
+    } else if (c->is_global) {
+        set_error(h, "the bucket's global index %s: %s", c->key, err.message);
+        candidate_drop(h, c, SEEN_REJECTED);
+    } else {
+        /* handed over alone: intake refuses it with the reason, once for this version */
+        dset *set = dset_new(h, c, r->x->body.p, r->x->body.len);
+        if (set == NULL) {
+            candidate_drop(h, c, SEEN_REJECTED);
+        } else {
+            candidate_free(c);
+            dset_shard_finished(h, set, 1, SEEN_DONE);
+        }
+    }
+    req_end(h, r);
+    pump_downloads(h);
+}
+
+/* An index is read whole into memory, capped as huggingface_hub caps it. */
+static void start_index(s3_hub *h, candidate *c)
+{
+    char line[160], q[300];
+    s3_req *r;
+
+    if (c->size > ST_INDEX_MAX_BYTES) {
+        snprintf(line, sizeof(line), "an index of %" PRIu64 " bytes, the cap is %u", c->size, ST_INDEX_MAX_BYTES);
+        dl_log(DL_LOG_WARN, "hub", "delta refused before download", "key=%s reason=%s", c->key,
+               dl_log_q(q, sizeof(q), line));
+        set_error(h, "%s: %s", c->key, line);
+        candidate_drop(h, c, SEEN_REJECTED);
+        return;
+    }
+    if ((r = req_new(h, "GET", c->key, NULL, "index")) == NULL) {
+        candidate_drop(h, c, SEEN_REJECTED);
+        return;
+    }
+    snprintf(line, sizeof(line), "If-Match: \"%s\"", c->etag);
+    req_header(r, line);
+    r->body_cap = ST_INDEX_MAX_BYTES;
+    r->max_attempts = 3;
+    h->active_downloads++;
+    req_go(h, r, index_done, c);
+}
+
 static void pump_downloads(s3_hub *h)
 {
     uint64_t now = uv_now(h->loop);
@@ -935,7 +1303,9 @@ static void pump_downloads(s3_hub *h)
             h->retry = c;
             continue;
         }
-        if (c->peeked || c->is_global)
+        if (c->is_set)
+            start_index(h, c);
+        else if (c->peeked || c->is_global)
             start_download(h, c);
         else
             start_peek(h, c);
@@ -951,6 +1321,7 @@ static candidate *candidate_new(s3_hub *h, const char *rel, const char *key, con
         return NULL;
     }
     snprintf(c->etag, sizeof(c->etag), "%s", etag);
+    snprintf(c->ver, sizeof(c->ver), "%s", etag);
     c->size = size;
     return c;
 }
@@ -990,18 +1361,57 @@ static void best_reset(s3_hub *h)
     free(h->best);
     h->best = NULL;
     h->nbest = 0;
+    for (size_t i = 0; i < h->nshards; i++)
+        free(h->shards[i].obj.key);
+    free(h->shards);
+    h->shards = NULL;
+    h->nshards = h->shards_cap = 0;
     h->list_pages = 0;
 }
 
-/* Keeps obj if it is the highest local step of its node seen in this listing. */
+/* A shard is remembered for the index of its node and step, if one is the node's best. */
+static void remember_shard(s3_hub *h, const s3_object *o, const delta_path *dp)
+{
+    if (h->nshards == h->shards_cap) {
+        size_t cap = h->shards_cap ? 2 * h->shards_cap : 64;
+        if (h->shards_cap == MAX_SHARDS_PER_LISTING)
+            return;
+        if (cap > MAX_SHARDS_PER_LISTING)
+            cap = MAX_SHARDS_PER_LISTING;
+        shard_entry *ns = realloc(h->shards, cap * sizeof(*ns));
+        if (ns == NULL)
+            return;
+        h->shards = ns;
+        h->shards_cap = cap;
+    }
+    shard_entry *e = &h->shards[h->nshards];
+    memset(e, 0, sizeof(*e));
+    if ((e->obj.key = strdup(o->key)) == NULL)
+        return;
+    snprintf(e->node, sizeof(e->node), "%s", dp->node_id);
+    e->local_step = dp->local_step;
+    e->obj.size = o->size;
+    snprintf(e->obj.etag, sizeof(e->obj.etag), "%s", o->etag);
+    h->nshards++;
+}
+
+/* Keeps obj if it is the highest local step of its node seen in this listing (a file or an index;
+ * shards are kept aside for their index). */
 static void consider_object(s3_hub *h, const s3_object *o, const char *rel)
 {
-    char node[DELTA_NODE_ID_MAX + 1];
+    const char *node;
     uint64_t local_step;
+    delta_path dp;
     size_t i;
 
-    if (delta_parse_path(rel, node, &local_step, NULL) != 0)
+    if (delta_parse_any_path(rel, &dp, NULL) != 0)
         return;                 /* not a delta's name: nothing of ours (temporary names, other files) */
+    if (dp.kind == DELTA_PATH_SHARD) {
+        remember_shard(h, o, &dp);
+        return;
+    }
+    node = dp.node_id;
+    local_step = dp.local_step;
     for (i = 0; i < h->nbest; i++)
         if (strcmp(h->best[i].node, node) == 0)
             break;
@@ -1024,8 +1434,45 @@ static void consider_object(s3_hub *h, const s3_object *o, const char *rel)
     free(h->best[i].key);
     h->best[i].key = k;
     h->best[i].local_step = local_step;
+    h->best[i].is_index = dp.kind == DELTA_PATH_INDEX;
     h->best[i].size = o->size;
     snprintf(h->best[i].etag, sizeof(h->best[i].etag), "%s", o->etag);
+}
+
+static void listed_free(s3_object *l, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        free(l[i].key);
+    free(l);
+}
+
+/* The shards listed next to an index (same node and step) and the set's version.  0 or -1. */
+static int set_listed(s3_hub *h, const best_entry *b, s3_object **out, size_t *n, char *ver, size_t ver_size)
+{
+    s3_object *l = NULL;
+    size_t k = 0;
+
+    for (size_t i = 0; i < h->nshards; i++) {
+        const shard_entry *e = &h->shards[i];
+        if (e->local_step != b->local_step || strcmp(e->node, b->node) != 0)
+            continue;
+        s3_object *nl = realloc(l, (k + 1) * sizeof(*nl));
+        if (nl == NULL || (nl[k].key = strdup(e->obj.key)) == NULL) {
+            listed_free(nl ? nl : l, k);
+            return -1;
+        }
+        l = nl;
+        nl[k].size = e->obj.size;
+        memcpy(nl[k].etag, e->obj.etag, sizeof(nl[k].etag));
+        k++;
+    }
+    if (set_version(b->etag, l, k, ver, ver_size) != 0) {
+        listed_free(l, k);
+        return -1;
+    }
+    *out = l;
+    *n = k;
+    return 0;
 }
 
 /* After the last page: each node's newest delta, unless it was handled already. */
@@ -1035,19 +1482,32 @@ static void listing_complete(s3_hub *h)
     for (size_t i = 0; i < h->nbest; i++) {
         best_entry *b = &h->best[i];
         const char *rel = b->key + plen;
-        char *k = seen_key(rel, b->etag);
+        s3_object *listed = NULL;
+        size_t nlisted = 0;
+        char ver[80];
+        snprintf(ver, sizeof(ver), "%s", b->etag);
+        if (b->is_index && set_listed(h, b, &listed, &nlisted, ver, sizeof(ver)) != 0)
+            continue;
+        char *k = seen_key(rel, ver);
         int created = 0;
         seen_entry *e = k ? seen_get(&h->seen, k, &created) : NULL;
         free(k);
         /* new, or a later round's delta that is looked at again; pending, done or given up: not */
-        if (e == NULL || (!created && e->state != SEEN_INCOMPLETE))
+        if (e == NULL || (!created && e->state != SEEN_INCOMPLETE)) {
+            listed_free(listed, nlisted);
             continue;
+        }
         e->state = SEEN_PENDING;
         candidate *c = candidate_new(h, rel, b->key, b->etag, b->size);
         if (c == NULL) {
-            set_seen_state(h, rel, b->etag, SEEN_REJECTED);
+            listed_free(listed, nlisted);
+            set_seen_state(h, rel, ver, SEEN_REJECTED);
             continue;
         }
+        snprintf(c->ver, sizeof(c->ver), "%s", ver);
+        c->is_set = b->is_index;
+        c->listed = listed;
+        c->nlisted = nlisted;
         enqueue(h, c);
     }
     best_reset(h);
@@ -1122,6 +1582,53 @@ static void list_page(s3_hub *h, const char *token)
 
 /* ---- adoption: the bucket's global ------------------------------------------------------------- */
 
+/* A sharded global: the index and the shards listed next to it become one set candidate. */
+static void adopt_set(s3_hub *h, const s3_listing *l, const char *dir, uint64_t step)
+{
+    size_t dlen = strlen(dir);
+    const s3_object *index = NULL;
+    s3_object *listed = NULL;
+    size_t n = 0;
+    char base[ST_INDEX_BASE_MAX + 1], ver[80];
+
+    for (size_t i = 0; i < l->n; i++) {
+        const char *key = l->objs[i].key, *name = key + dlen;
+        uint32_t si, sn;
+        if (strncmp(key, dir, dlen) != 0 || strchr(name, '/') != NULL)
+            continue;
+        st_name_kind k = st_index_classify(name, strlen(name), base, &si, &sn);
+        if (strcmp(base, "latest") != 0)
+            continue;
+        if (k == ST_NAME_INDEX) {
+            index = &l->objs[i];
+        } else if (k == ST_NAME_SHARD) {
+            s3_object *nl = realloc(listed, (n + 1) * sizeof(*nl));
+            if (nl == NULL || (nl[n].key = strdup(key)) == NULL) {
+                listed_free(nl ? nl : listed, n);
+                return;
+            }
+            listed = nl;
+            nl[n].size = l->objs[i].size;
+            memcpy(nl[n].etag, l->objs[i].etag, sizeof(nl[n].etag));
+            n++;
+        }
+    }
+    candidate *c = index ? candidate_new(h, "global/latest" ST_INDEX_SUFFIX, index->key, index->etag, index->size)
+                         : NULL;
+    if (c == NULL || set_version(index->etag, listed, n, ver, sizeof(ver)) != 0) {
+        listed_free(listed, n);
+        candidate_free(c);
+        return;
+    }
+    snprintf(c->ver, sizeof(c->ver), "%s", ver);
+    c->is_global = 1;
+    c->is_set = 1;
+    c->step = step;
+    c->listed = listed;
+    c->nlisted = n;
+    enqueue(h, c);
+}
+
 static void global_list_done(s3_hub *h, s3_req *r, int ok)
 {
     s3_listing l;
@@ -1140,7 +1647,11 @@ static void global_list_done(s3_hub *h, s3_req *r, int ok)
         return;
     }
     req_end(h, r);
-    for (size_t i = 0; i < l.n; i++) {
+    if (h->adopt_sharded) {
+        want[strlen(want) - strlen("latest.safetensors")] = '\0';
+        adopt_set(h, &l, want, step);
+    }
+    for (size_t i = 0; !h->adopt_sharded && i < l.n; i++) {
         if (strcmp(l.objs[i].key, want) != 0)
             continue;
         candidate *c = candidate_new(h, "global/latest.safetensors", want, l.objs[i].etag, l.objs[i].size);
@@ -1159,10 +1670,11 @@ static void global_list_done(s3_hub *h, s3_req *r, int ok)
     poll_finish(h);
 }
 
-static void adopt_global(s3_hub *h, uint64_t step)
+/* The plain global is listed alone; a sharded one with everything under global/latest. */
+static void adopt_global(s3_hub *h, uint64_t step, int sharded)
 {
-    char *key = full_key(h, "global/latest.safetensors");
-    char *query = key ? s3_list_query(key, NULL, 1) : NULL;
+    char *key = full_key(h, sharded ? "global/latest" : "global/latest.safetensors");
+    char *query = key ? s3_list_query(key, NULL, sharded ? S3_MAX_KEYS_PER_PAGE : 1) : NULL;
     s3_req *r = query ? req_new(h, "GET", NULL, query, "list") : NULL;
 
     free(key);
@@ -1172,6 +1684,7 @@ static void adopt_global(s3_hub *h, uint64_t step)
         return;
     }
     h->global_download = 1;
+    h->adopt_sharded = sharded;
     req_go(h, r, global_list_done, (void *)(uintptr_t)step);
 }
 
@@ -1189,7 +1702,7 @@ static void stepfile_done(s3_hub *h, s3_req *r, int ok)
 {
     long status = r->x ? r->x->status : 0;
     uint64_t step = 0;
-    int bootstrap = 0, have = 0;
+    int bootstrap = 0, have = 0, sharded = 0;
     dl_error err = {0};
     char why[256];
 
@@ -1197,7 +1710,7 @@ static void stepfile_done(s3_hub *h, s3_req *r, int ok)
         req_end(h, r);
         return;
     }
-    if (ok && stepcount_parse(r->x->body.p, r->x->body.len, &step, &bootstrap, NULL, &err) == 0) {
+    if (ok && stepcount_parse(r->x->body.p, r->x->body.len, &step, &bootstrap, &sharded, &err) == 0) {
         have = 1;
     } else if (status == 404) {
         report_step(h, -1);
@@ -1217,7 +1730,7 @@ static void stepfile_done(s3_hub *h, s3_req *r, int ok)
         report_step(h, (int64_t)step);
     if (h->waiting) {
         if (have && !h->global_download)
-            adopt_global(h, step);
+            adopt_global(h, step, sharded);
         else
             poll_finish(h);
         return;
@@ -1991,6 +2504,8 @@ static void s3_free(s3_hub *h)
         candidate_free(c);
     }
     best_reset(h);
+    while (h->sets)
+        dset_free(h, h->sets);
     if (h->seen_fd >= 0)
         close(h->seen_fd);
     seen_free(&h->seen);
