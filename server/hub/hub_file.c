@@ -17,8 +17,10 @@
 #include <unistd.h>
 
 #include "delta.h"
+#include "dl_log.h"
 #include "fsutil.h"
 #include "safetensors.h"
+#include "st_index.h"
 #include "stepcount.h"
 
 /* Work and memory per scan stay bounded whatever a writer plants: node directories read (twice the
@@ -72,6 +74,8 @@ static char *refusal(int rc, const struct stat *sb, const char *want)
 
 typedef struct scan {
     const char *root;
+    const hub_index_memo *memo;
+    size_t nmemo;
     hub_candidate *v;
     size_t n, cap, nrefused;
 } scan;
@@ -140,7 +144,9 @@ static int refuse_misnamed(scan *sc, int dirfd, const char *name, const char *re
 
     if (refused_full(sc) || fstatat(dirfd, name, &sb, AT_SYMLINK_NOFOLLOW) != 0)
         return 0;
-    return push_refused(sc, strdup(rel), strdup("not named like a delta (delta_<local_step>.safetensors): ignored"),
+    return push_refused(sc, strdup(rel),
+                        strdup("not named like a delta (delta_<local_step>.safetensors, or a set's "
+                               "delta_<local_step>.safetensors.index.json and delta_<local_step>-<i>-of-<N>.safetensors): ignored"),
                         &sb);
 }
 
@@ -168,6 +174,107 @@ static void keep_newest(newest *best, size_t *nbest, uint64_t step, const char *
     }
     best[slot].step = step;
     memcpy(best[slot].name, name, len + 1);
+}
+
+static int ends_with(const char *s, const char *suffix)
+{
+    size_t n = strlen(s), m = strlen(suffix);
+    return n >= m && memcmp(s + n - m, suffix, m) == 0;
+}
+
+static uint64_t fnv_u64(uint64_t h, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        h = (h ^ ((v >> (8 * i)) & 0xff)) * 1099511628211ULL;
+    return h;
+}
+
+/* The shard count an index lists, 0 if it does not parse (or cannot be read as a regular file). */
+static uint32_t read_index_count(int dirfd, const char *name, const char *base)
+{
+    char *buf = malloc((size_t)ST_INDEX_MAX_BYTES + 1);
+    st_index *ix = NULL;
+    struct stat sb;
+    size_t len;
+    uint32_t n = 0;
+
+    if (buf == NULL)
+        return 0;
+    if (fsu_read_small_at(dirfd, name, buf, ST_INDEX_MAX_BYTES, &len, &sb) == 0 &&
+        st_index_parse(buf, len, base, &ix, NULL) == 0) {
+        n = ix->nshards;
+        st_index_free(ix);
+    }
+    free(buf);
+    return n;
+}
+
+static const hub_index_memo *memo_find(const scan *sc, const char *rel)
+{
+    size_t lo = 0, hi = sc->nmemo;
+
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        int c = strcmp(sc->memo[mid].rel, rel);
+        if (c == 0)
+            return &sc->memo[mid];
+        if (c < 0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return NULL;
+}
+
+/* The shards of base (nshards of them) in dirfd, folded into c's identity (see hub_candidate).  Stops
+ * at the first one missing: *partial = 1, and a set nobody completes costs one lstat per scan. */
+static void fold_shards(int dirfd, const char *base, uint32_t nshards, hub_candidate *c, int *partial)
+{
+    uint64_t mix = 1469598103934665603ULL;      /* FNV-1a */
+
+    *partial = 0;
+    mix = fnv_u64(mix, c->ino);
+    for (uint32_t i = 0; i < nshards; i++) {
+        char name[ST_INDEX_BASE_MAX + 40];
+        struct stat sb;
+        if (st_index_shard_name(base, i, nshards, name, sizeof(name)) != 0 ||
+            fstatat(dirfd, name, &sb, AT_SYMLINK_NOFOLLOW) != 0) {
+            *partial = 1;
+            break;
+        }
+        /* a shard that is not a regular file still counts: intake opens it without following
+         * links and refuses it with a reason */
+        c->size += (uint64_t)sb.st_size;
+        if (mtime_ns(&sb) > c->mtime_ns)
+            c->mtime_ns = mtime_ns(&sb);
+        mix = fnv_u64(fnv_u64(fnv_u64(mix, (uint64_t)sb.st_ino), (uint64_t)sb.st_size), (uint64_t)mtime_ns(&sb));
+    }
+    c->ino = mix;
+}
+
+/* A set's index (c holds the index's own identity): how many shards it lists (from the memo when
+ * an earlier scan read this version of the index), whether they are all there, and the identity of
+ * the whole set. */
+static void look_at_set(const scan *sc, int dirfd, const char *name, hub_candidate *c)
+{
+    char base[ST_INDEX_BASE_MAX + 1];
+    size_t blen = strlen(name) - strlen(ST_INDEX_SUFFIX);
+    const hub_index_memo *m = memo_find(sc, c->rel);
+
+    c->set = 1;
+    c->index_size = c->size;
+    c->index_mtime_ns = c->mtime_ns;
+    c->index_ino = c->ino;
+    if (blen == 0 || blen > ST_INDEX_BASE_MAX)
+        return;                 /* nshards 0: handed over for intake to refuse */
+    memcpy(base, name, blen);
+    base[blen] = '\0';
+    if (m != NULL && m->size == c->size && m->mtime_ns == c->mtime_ns && m->ino == c->ino)
+        c->nshards = m->nshards;
+    else
+        c->nshards = read_index_count(dirfd, name, base);
+    if (c->nshards > 0)
+        fold_shards(dirfd, base, c->nshards, c, &c->partial);
 }
 
 /* The node directory itself, for the transport to watch. */
@@ -206,18 +313,20 @@ static int scan_node(scan *sc, const char *id, int nodefd)
         return rc;
     }
     while ((f = readdir(d)) != NULL) {
-        char rel[300], pid[DELTA_NODE_ID_MAX + 1];
-        uint64_t step;
+        char rel[300];
+        delta_path dp;
         if (f->d_name[0] == '.')
             continue;           /* ., .., and hidden files (a writer's temporary before its rename) */
         if (snprintf(rel, sizeof(rel), "nodes/%s/%s", id, f->d_name) >= (int)sizeof(rel) ||
-            delta_parse_path(rel, pid, &step, NULL) != 0) {
+            delta_parse_any_path(rel, &dp, NULL) != 0) {
             /* a worker that misnames its delta would wait forever: say so (once per file) */
             if ((rc = refuse_misnamed(sc, dirfd(d), f->d_name, rel)) != 0)
                 break;
             continue;
         }
-        keep_newest(best, &nbest, step, f->d_name);
+        if (dp.kind == DELTA_PATH_SHARD)
+            continue;           /* part of a set: looked at through its index, never alone */
+        keep_newest(best, &nbest, dp.local_step, f->d_name);
     }
     if (rc == 0)
         rc = push_node_dir(sc, id);
@@ -241,6 +350,8 @@ static int scan_node(scan *sc, const char *id, int nodefd)
         c.size = (uint64_t)sb.st_size;
         c.mtime_ns = mtime_ns(&sb);
         c.ino = (uint64_t)sb.st_ino;
+        if (ends_with(best[i].name, ST_INDEX_SUFFIX))
+            look_at_set(sc, dirfd(d), best[i].name, &c);
         if ((rc = push(sc, &c)) != 0) {
             free(c.rel);
             free(c.abs);
@@ -250,9 +361,55 @@ static int scan_node(scan *sc, const char *id, int nodefd)
     return rc;
 }
 
-int hubfile_scan(const char *root, hub_candidate **out, size_t *count, dl_error *err)
+static int memo_cmp(const void *a, const void *b)
 {
-    scan sc = {.root = root};
+    return strcmp(((const hub_index_memo *)a)->rel, ((const hub_index_memo *)b)->rel);
+}
+
+void hub_index_memo_free(hub_index_memo *memo, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        free(memo[i].rel);
+    free(memo);
+}
+
+int hub_index_memo_build(const hub_candidate *c, size_t n, hub_index_memo **memo, size_t *nmemo)
+{
+    hub_index_memo *v = NULL;
+    size_t k = 0;
+
+    for (size_t i = 0; i < n; i++) {
+        if (!c[i].set)
+            continue;
+        if (k % 64 == 0) {
+            hub_index_memo *nv = realloc(v, (k + 64) * sizeof(*nv));
+            if (nv == NULL)
+                goto fail;
+            v = nv;
+        }
+        if ((v[k].rel = strdup(c[i].rel)) == NULL)
+            goto fail;
+        v[k].size = c[i].index_size;
+        v[k].mtime_ns = c[i].index_mtime_ns;
+        v[k].ino = c[i].index_ino;
+        v[k].nshards = c[i].nshards;
+        k++;
+    }
+    if (k > 1)
+        qsort(v, k, sizeof(*v), memo_cmp);
+    hub_index_memo_free(*memo, *nmemo);
+    *memo = v;
+    *nmemo = k;
+    return 0;
+fail:
+    hub_index_memo_free(v, k);
+    return -ENOMEM;
+}
+
+int hubfile_scan(const char *root, const hub_index_memo *memo, size_t nmemo, hub_candidate **out, size_t *count,
+                 dl_error *err)
+{
+    scan sc = {.root = root, .memo = memo, .nmemo = nmemo};
     DIR *top = NULL;
     struct dirent *e;
     size_t dirs = 0;
@@ -341,14 +498,17 @@ static int open_global_dir(const char *root, int rootfd, int *fd, dl_error *err)
     return rc;
 }
 
-int hubfile_read_published(const char *root, int *present, uint64_t *step, dl_error *err)
+int hubfile_read_published(const char *root, int *present, uint64_t *step, int *sharded, dl_error *err)
 {
     char buf[STEP_FILE_MAX + 1];
+    const char *model;          /* "global/<name>": the name is model + 7 */
     struct stat sb;
     size_t len;
-    int rc, rootfd, gfd = -1;
+    int rc, rootfd, gfd = -1, is_sharded = 0;
 
     *present = 0;
+    if (sharded != NULL)
+        *sharded = 0;
     if ((rc = open_root(root, &rootfd, err)) != 0)
         return rc;
     if ((rc = open_global_dir(root, rootfd, &gfd, err)) != 0 || gfd < 0)
@@ -369,20 +529,23 @@ int hubfile_read_published(const char *root, int *present, uint64_t *step, dl_er
         free(why);
         goto out;
     }
-    if ((rc = stepcount_parse(buf, len, step, NULL, NULL, err)) != 0)
+    if ((rc = stepcount_parse(buf, len, step, NULL, &is_sharded, err)) != 0)
         goto out;
+    model = is_sharded ? STEPCOUNT_MODEL_INDEX : STEPCOUNT_MODEL_SINGLE;
     /* lstat only: the global is opened (safely) when it is adopted */
-    if (fstatat(gfd, "latest.safetensors", &sb, AT_SYMLINK_NOFOLLOW) != 0) {
+    if (fstatat(gfd, model + 7, &sb, AT_SYMLINK_NOFOLLOW) != 0) {
         rc = dl_fail_errno(err, errno, "%s/global/step_count.json names step %" PRIu64
-                           " but global/latest.safetensors cannot be found", root, *step);
+                           " but %s cannot be found", root, *step, model);
         goto out;
     }
     if (!S_ISREG(sb.st_mode)) {
         rc = dl_fail(err, DL_E_IO, NULL, 0, "%s/global/step_count.json names step %" PRIu64
-                     " but global/latest.safetensors is %s: not read", root, *step, fsu_kind_name(sb.st_mode));
+                     " but %s is %s: not read", root, *step, model, fsu_kind_name(sb.st_mode));
         goto out;
     }
     *present = 1;
+    if (sharded != NULL)
+        *sharded = is_sharded;
 out:
     if (gfd >= 0)
         close(gfd);
@@ -531,12 +694,239 @@ out:
     return rc;
 }
 
+int hubfile_remove_dir(const char *dir, dl_error *err)
+{
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    int rc = 0;
+
+    if (d == NULL)
+        return errno == ENOENT ? 0 : dl_fail_errno(err, errno, "cannot list %s", dir);
+    while ((e = readdir(d)) != NULL) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
+            continue;
+        if (unlinkat(dirfd(d), e->d_name, 0) != 0 && errno != ENOENT && rc == 0)
+            rc = dl_fail_errno(err, errno, "cannot remove %s/%s", dir, e->d_name);
+    }
+    closedir(d);
+    if (rc == 0 && rmdir(dir) != 0 && errno != ENOENT)
+        rc = dl_fail_errno(err, errno, "cannot remove %s", dir);
+    return rc;
+}
+
+/* Copies root/global/name (gfd) to dir/name: a regular file reached without links, whose header
+ * parses, that did not change during the copy. */
+static int copy_global_file(int gfd, const char *root, const char *name, const char *dir, dl_error *err)
+{
+    struct stat before, after;
+    char what[128], *dst = NULL;
+    int rc, in = -1;
+
+    snprintf(what, sizeof(what), "global/%s", name);
+    if ((rc = fsu_open_file_at(gfd, name, &in, &before)) != 0) {
+        char *why = refusal(rc, &before, what);
+        rc = rc == -ENOENT ? dl_fail(err, DL_E_IO, NULL, 0, "%s/%s is missing", root, what)
+                           : dl_fail(err, DL_E_IO, NULL, 0, "%s/%s is %s", root, what, why ? why : "unusable");
+        free(why);
+        return rc;
+    }
+    if (asprintf(&dst, "%s/%s", dir, name) < 0) {
+        dst = NULL;
+        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        goto out;
+    }
+    if ((rc = check_model_header(in, (uint64_t)before.st_size, what, err)) != 0 ||
+        (rc = copy_to_path(in, (uint64_t)before.st_size, what, dst, err)) != 0)
+        goto out;
+    if (fstat(in, &after) != 0 || after.st_size != before.st_size || mtime_ns(&after) != mtime_ns(&before))
+        rc = dl_fail(err, DL_E_IO, NULL, 0, "%s/%s changed while it was copied", root, what);
+out:
+    free(dst);
+    close(in);
+    return rc;
+}
+
+int hubfile_copy_global_set(const char *root, const char *dir, dl_error *err)
+{
+    static const char index_name[] = "latest" ST_INDEX_SUFFIX;
+    char *buf = NULL, *ipath = NULL;
+    st_index *ix = NULL;
+    st_set *set = NULL;
+    struct stat sb;
+    size_t len;
+    int rc, rootfd, gfd = -1;
+
+    if ((rc = hubfile_remove_dir(dir, err)) != 0 || (rc = fsu_mkdirs(dir, err)) != 0)
+        return rc;
+    if ((rc = open_root(root, &rootfd, err)) != 0)
+        return rc;
+    if ((rc = open_global_dir(root, rootfd, &gfd, err)) != 0)
+        goto out;
+    if (gfd < 0) {
+        rc = dl_fail(err, DL_E_IO, NULL, 0, "%s/global is missing", root);
+        goto out;
+    }
+    if ((buf = malloc((size_t)ST_INDEX_MAX_BYTES + 1)) == NULL) {
+        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        goto out;
+    }
+    /* the index read once: the bytes parsed are the bytes copied */
+    if ((rc = fsu_read_small_at(gfd, index_name, buf, ST_INDEX_MAX_BYTES, &len, &sb)) != 0) {
+        char *why = refusal(rc, &sb, "global/latest" ST_INDEX_SUFFIX);
+        rc = rc == -EFBIG ? dl_fail(err, DL_E_HEADER_TOO_LARGE, NULL, 0, "%s/global/%s is larger than %u bytes", root,
+                                    index_name, ST_INDEX_MAX_BYTES)
+                          : dl_fail(err, DL_E_IO, NULL, 0, "%s/global/%s is %s", root, index_name, why ? why : "unusable");
+        free(why);
+        goto out;
+    }
+    if ((rc = st_index_parse(buf, len, "latest", &ix, err)) != 0)
+        goto out;
+    for (uint32_t i = 0; i < ix->nshards && rc == 0; i++) {
+        char name[64];
+        if (st_index_shard_name("latest", i, ix->nshards, name, sizeof(name)) != 0)
+            rc = dl_fail(err, DL_E_INVALID_PATH, NULL, 0, "a shard name of %u does not fit", ix->nshards);
+        else
+            rc = copy_global_file(gfd, root, name, dir, err);
+    }
+    if (rc != 0)
+        goto out;
+    if (asprintf(&ipath, "%s/%s", dir, index_name) < 0) {
+        ipath = NULL;
+        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        goto out;
+    }
+    if ((rc = fsu_write_atomic(ipath, buf, len, err)) != 0)
+        goto out;
+    /* the shards and the index agree (every tensor where the index says, total_size); the daemon
+     * validates the model itself */
+    if ((rc = st_set_open(ipath, &set, err)) == 0)
+        st_set_close(set);
+out:
+    st_index_free(ix);
+    free(ipath);
+    free(buf);
+    if (gfd >= 0)
+        close(gfd);
+    close(rootfd);
+    if (rc != 0) {
+        dl_error ignored;
+        hubfile_remove_dir(dir, &ignored);
+    }
+    return rc;
+}
+
+/* Copies src (a trusted path: our own state) to root/global/name atomically (gfd: root/global). */
+static int publish_one(int gfd, const char *root, const char *src, const char *name, dl_error *err)
+{
+    struct stat sb;
+    char *tmp = NULL;
+    int rc, in, out;
+
+    if ((in = open(src, O_RDONLY | O_CLOEXEC)) < 0)
+        return dl_fail_errno(err, errno, "cannot open %s", src);
+    if (fstat(in, &sb) != 0) {
+        rc = dl_fail_errno(err, errno, "cannot stat %s", src);
+        goto out;
+    }
+    if ((rc = fsu_tmp_create_at(gfd, name, &tmp, &out)) != 0) {
+        rc = dl_fail_errno(err, -rc, "cannot create a temporary file in %s/global", root);
+        goto out;
+    }
+    if ((rc = copy_fd(in, out, (uint64_t)sb.st_size)) != 0) {
+        close(out);
+        unlinkat(gfd, tmp, 0);
+        rc = dl_fail_errno(err, -rc, "copying %s to %s/global/%s", src, root, tmp);
+        goto out;
+    }
+    if ((rc = fsu_commit_tmp_at(gfd, out, tmp, name)) != 0)
+        rc = dl_fail_errno(err, -rc, "publishing %s/global/%s", root, name);
+out:
+    free(tmp);
+    close(in);
+    return rc;
+}
+
+/* Publishes the set whose index is src: the shards it lists (from src's directory, named
+ * latest-0000i-of-0000N.safetensors), then the index, each atomically.  *nshards: N. */
+static int publish_set(int gfd, const char *root, const char *src, uint32_t *nshards, dl_error *err)
+{
+    const char *slash = strrchr(src, '/');
+    size_t dlen = slash != NULL ? (size_t)(slash - src) : 0;
+    st_index *ix = NULL;
+    char *path = NULL;
+    int rc;
+
+    if ((rc = st_index_load(src, &ix, err)) != 0)
+        return rc;
+    /* the published names are latest-*: an index of another base would name shards that are not there */
+    if (strcmp(ix->base, "latest") != 0) {
+        rc = dl_fail(err, DL_E_INVALID_PATH, NULL, 0, "%s: a published set is latest" ST_INDEX_SUFFIX
+                     ", not %s" ST_INDEX_SUFFIX, src, ix->base);
+        goto out;
+    }
+    for (uint32_t i = 0; i < ix->nshards && rc == 0; i++) {
+        char name[64];
+        if (st_index_shard_name(ix->base, i, ix->nshards, name, sizeof(name)) != 0 ||
+            asprintf(&path, "%.*s%s%s", (int)dlen, src, slash != NULL ? "/" : "", name) < 0) {
+            path = NULL;
+            rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+            break;
+        }
+        rc = publish_one(gfd, root, path, name, err);
+        free(path);
+        path = NULL;
+    }
+    if (rc == 0)
+        rc = publish_one(gfd, root, src, "latest" ST_INDEX_SUFFIX, err);
+    *nshards = ix->nshards;
+out:
+    st_index_free(ix);
+    return rc;
+}
+
+/* After step_count.json names the new layout: removes the other one's files from root/global (the
+ * plain latest.safetensors when nshards > 0, the index when 0, shards of any count but nshards).
+ * The step is published already: a file that cannot be removed is logged, not a failure. */
+static void remove_other_layout(int gfd, const char *root, uint32_t nshards)
+{
+    int fd = dup(gfd);
+    DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
+    struct dirent *e;
+
+    if (d == NULL) {
+        if (fd >= 0)
+            close(fd);
+        dl_log(DL_LOG_WARN, "hub", "cannot list the global directory to remove the previous layout",
+               "dir=%s/global errno=%d", root, errno);
+        return;
+    }
+    while ((e = readdir(d)) != NULL) {
+        char base[ST_INDEX_BASE_MAX + 1];
+        uint32_t i, n;
+        struct stat sb;
+        st_name_kind k = st_index_classify(e->d_name, strlen(e->d_name), base, &i, &n);
+        int drop = k == ST_NAME_SINGLE   ? nshards > 0
+                   : k == ST_NAME_INDEX ? nshards == 0
+                   : k == ST_NAME_SHARD ? n != nshards
+                                        : 0;
+        if (!drop || strcmp(base, "latest") != 0)
+            continue;
+        /* never a directory someone made under the name (unlinkat would refuse it anyway) */
+        if (fstatat(dirfd(d), e->d_name, &sb, AT_SYMLINK_NOFOLLOW) != 0 || S_ISDIR(sb.st_mode))
+            continue;
+        if (unlinkat(dirfd(d), e->d_name, 0) != 0 && errno != ENOENT)
+            dl_log(DL_LOG_WARN, "hub", "cannot remove a file of the previous layout", "path=%s/global/%s errno=%d",
+                   root, e->d_name, errno);
+    }
+    closedir(d);
+}
+
 int hubfile_publish(const char *root, const char *src, uint64_t step, const char *optimizer, int bootstrap,
                     dl_error *err)
 {
-    struct stat sb;
-    char *text = NULL, *tmp = NULL;
-    int rc, rootfd, gfd = -1, in = -1, out;
+    char *text = NULL;
+    uint32_t nshards = 0;
+    int rc, rootfd, gfd = -1, sharded = ends_with(src, ST_INDEX_SUFFIX);
 
     if ((rc = open_root(root, &rootfd, err)) != 0)
         return rc;
@@ -555,59 +945,86 @@ int hubfile_publish(const char *root, const char *src, uint64_t step, const char
             goto out;
         }
     }
-    if ((in = open(src, O_RDONLY | O_CLOEXEC)) < 0 || fstat(in, &sb) != 0) {
-        rc = dl_fail_errno(err, errno, "cannot open %s", src);
+    rc = sharded ? publish_set(gfd, root, src, &nshards, err) : publish_one(gfd, root, src, "latest.safetensors", err);
+    if (rc != 0)
         goto out;
-    }
-    if ((rc = fsu_tmp_create_at(gfd, "latest.safetensors", &tmp, &out)) != 0) {
-        rc = dl_fail_errno(err, -rc, "cannot create a temporary file in %s/global", root);
-        goto out;
-    }
-    if ((rc = copy_fd(in, out, (uint64_t)sb.st_size)) != 0) {
-        close(out);
-        unlinkat(gfd, tmp, 0);
-        rc = dl_fail_errno(err, -rc, "copying %s to %s/global/%s", src, root, tmp);
-        goto out;
-    }
-    if ((rc = fsu_commit_tmp_at(gfd, out, tmp, "latest.safetensors")) != 0) {
-        rc = dl_fail_errno(err, -rc, "publishing %s/global/latest.safetensors", root);
-        goto out;
-    }
-    text = stepcount_build(step, optimizer, bootstrap, 0, NULL);
+    /* last: a reader never sees a step whose model is not all there */
+    text = stepcount_build(step, optimizer, bootstrap, sharded, NULL);
     if (text == NULL) {
         rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
         goto out;
     }
-    if ((rc = fsu_write_atomic_at(gfd, "step_count.json", text, strlen(text))) != 0)
+    if ((rc = fsu_write_atomic_at(gfd, "step_count.json", text, strlen(text))) != 0) {
         rc = dl_fail_errno(err, -rc, "publishing %s/global/step_count.json", root);
+        goto out;
+    }
+    remove_other_layout(gfd, root, nshards);
 out:
-    free(tmp);
     free(text);
-    if (in >= 0)
-        close(in);
     if (gfd >= 0)
         close(gfd);
     close(rootfd);
     return rc;
 }
 
+/* Removes the set whose index is name in nodefd if its identity (hub_candidate) is still the one
+ * given.  The index goes first: from then on no scan sees the set, whatever is left of it. */
+static int remove_set_at(int nodefd, const char *root, const char *rel, const char *name, uint64_t size,
+                         int64_t mtime, uint64_t ino, dl_error *err)
+{
+    char base[ST_INDEX_BASE_MAX + 1];
+    size_t blen = strlen(name) - strlen(ST_INDEX_SUFFIX);
+    hub_candidate c = {0};
+    struct stat sb;
+    int partial;
+
+    if (fstatat(nodefd, name, &sb, AT_SYMLINK_NOFOLLOW) != 0)
+        return errno == ENOENT ? 0 : dl_fail_errno(err, errno, "cannot stat %s/%s", root, rel);
+    if (!S_ISREG(sb.st_mode) || blen == 0 || blen > ST_INDEX_BASE_MAX)
+        return 1;
+    memcpy(base, name, blen);
+    base[blen] = '\0';
+    c.size = (uint64_t)sb.st_size;
+    c.mtime_ns = mtime_ns(&sb);
+    c.ino = (uint64_t)sb.st_ino;
+    if ((c.nshards = read_index_count(nodefd, name, base)) == 0)
+        return 1;               /* rewritten into something else since it was taken in */
+    fold_shards(nodefd, base, c.nshards, &c, &partial);
+    if (partial || c.size != size || c.mtime_ns != mtime || c.ino != ino)
+        return 1;
+    if (unlinkat(nodefd, name, 0) != 0 && errno != ENOENT)
+        return dl_fail_errno(err, errno, "cannot remove %s/%s", root, rel);
+    for (uint32_t i = 0; i < c.nshards; i++) {
+        char shard[ST_INDEX_BASE_MAX + 40];
+        if (st_index_shard_name(base, i, c.nshards, shard, sizeof(shard)) != 0)
+            continue;
+        if (unlinkat(nodefd, shard, 0) != 0 && errno != ENOENT)
+            return dl_fail_errno(err, errno, "cannot remove a shard of %s/%s: %s", root, rel, shard);
+    }
+    return 0;
+}
+
 int hubfile_remove_delta(const char *root, const char *rel, uint64_t size, int64_t mtime, uint64_t ino,
                          dl_error *err)
 {
-    char node[DELTA_NODE_ID_MAX + 1];
+    delta_path dp;
     const char *name;
-    uint64_t step;
     struct stat sb;
     int rc, rootfd, nodesfd = -1, nodefd = -1;
 
-    /* only a strictly parsed delta path: nodes/<id>/delta_<n>.safetensors, nothing else is removed */
-    if (delta_parse_path(rel, node, &step, NULL) != 0 || (name = strrchr(rel, '/')) == NULL)
+    /* only a strictly parsed delta path: nodes/<id>/delta_<n>.safetensors or a set's index, nothing else */
+    if (delta_parse_any_path(rel, &dp, NULL) != 0 || dp.kind == DELTA_PATH_SHARD || (name = strrchr(rel, '/')) == NULL)
         return dl_fail(err, DL_E_INVALID_PATH, NULL, 0, "not a delta path: %.200s", rel);
     name++;
     if ((rc = open_root(root, &rootfd, err)) != 0)
         return rc;
-    if ((rc = fsu_open_dir_at(rootfd, "nodes", &nodesfd)) != 0 || (rc = fsu_open_dir_at(nodesfd, node, &nodefd)) != 0) {
-        rc = rc == -ENOENT ? 0 : dl_fail_errno(err, -rc, "cannot open %s/nodes/%s", root, node);
+    if ((rc = fsu_open_dir_at(rootfd, "nodes", &nodesfd)) != 0 ||
+        (rc = fsu_open_dir_at(nodesfd, dp.node_id, &nodefd)) != 0) {
+        rc = rc == -ENOENT ? 0 : dl_fail_errno(err, -rc, "cannot open %s/nodes/%s", root, dp.node_id);
+        goto out;
+    }
+    if (dp.kind == DELTA_PATH_INDEX) {
+        rc = remove_set_at(nodefd, root, rel, name, size, mtime, ino, err);
         goto out;
     }
     if (fstatat(nodefd, name, &sb, AT_SYMLINK_NOFOLLOW) != 0) {
@@ -648,9 +1065,12 @@ int hubfile_cleanup_temps(const char *root, dl_error *err)
         return rc;
     }
     while ((e = readdir(d)) != NULL) {
-        /* our temporary names only (fsu_tmp_create_at): what a publish cut short left behind */
-        if (strncmp(e->d_name, ".latest.safetensors.tmp-", 24) != 0 &&
+        /* our temporary names only (fsu_tmp_create_at ".<name>.tmp-..."): what a publish cut short
+         * left behind, of latest.safetensors, the index, a shard or step_count.json */
+        if (strncmp(e->d_name, ".latest.", 8) != 0 && strncmp(e->d_name, ".latest-", 8) != 0 &&
             strncmp(e->d_name, ".step_count.json.tmp-", 21) != 0)
+            continue;
+        if (strstr(e->d_name, ".tmp-") == NULL)
             continue;
         if (unlinkat(dirfd(d), e->d_name, 0) != 0 && errno != ENOENT)
             rc = dl_fail_errno(err, errno, "cannot remove %s/global/%s", root, e->d_name);

@@ -1,6 +1,8 @@
 /* hub_file: the file:// transport, a directory laid out like the Hub repo (a shared filesystem).
  *   nodes/<node_id>/delta_<local_step>.safetensors   written by workers
- *   global/latest.safetensors, global/step_count.json published here (temp + rename, step file last)
+ *   nodes/<node_id>/delta_<n>.safetensors.index.json + delta_<n>-0000i-of-0000N.safetensors   (a set)
+ *   global/latest.safetensors, global/step_count.json published here (temp + rename, step file last),
+ *   or a sharded global: global/latest-0000i-of-0000N.safetensors + latest.safetensors.index.json
  * The tree is written by other people: below the root nothing is reached through a symbolic link
  * and nothing but directories and regular files is opened (a FIFO would block, a link may lead out
  * of the tree).  Blocking functions: the daemon runs them on the thread pool. */
@@ -13,29 +15,63 @@
 #include "dl_error.h"
 
 typedef struct hub_candidate {
-    char *rel;                  /* nodes/<id>/delta_<n>.safetensors (strictly parsed), or the refused entry */
+    char *rel;                  /* nodes/<id>/delta_<n>.safetensors or its .safetensors.index.json (strictly
+                                   parsed), or the refused entry */
     char *abs;
-    uint64_t size;              /* identity of this version (lstat) */
+    uint64_t size;              /* identity of this version (lstat); for a set, of the whole set (below) */
     int64_t mtime_ns;
     uint64_t ino;
+    /* A sharded delta, named by its index.  Its identity (size, mtime_ns, ino) covers every file of the
+     * set: the sum of the sizes of the index and its shards, the latest mtime among them, and the
+     * index's inode mixed (FNV-1a) with each shard's inode, size and mtime, so a shard rewritten,
+     * replaced or arriving makes the set a new version. */
+    int set;
+    uint32_t nshards;           /* shards the index lists; 0: the index does not parse (intake says why) */
+    int partial;                /* a listed shard is not there yet: the set waits (identity of what is there,
+                                   up to the first missing shard) */
+    uint64_t index_size;        /* the index file alone, for hub_index_memo */
+    int64_t index_mtime_ns;
+    uint64_t index_ino;
     char *refused;              /* non-NULL: junk in the tree (a link, a FIFO, ...), never read: why */
     int node_dir;               /* 1: not a delta but a node directory the scan read (rel nodes/<id>),
                                    for the transport to watch */
 } hub_candidate;
 
-/* Lists the delta files under root/nodes (per node directory the newest few by local step), the node
- * directories it read, and the entries it refused to read (a node directory that is a link, a delta
- * that is a FIFO, a file whose name is not a delta's, ...). */
-int hubfile_scan(const char *root, hub_candidate **out, size_t *n, dl_error *err);
+/* What an earlier scan learnt from a version of an index: how many shards it lists (0: it does not
+ * parse).  An index is read and parsed once per version, not at every scan (it may be 10 MiB). */
+typedef struct hub_index_memo {
+    char *rel;
+    uint64_t size;
+    int64_t mtime_ns;
+    uint64_t ino;
+    uint32_t nshards;
+} hub_index_memo;
+
+/* Lists the deltas under root/nodes (per node directory the newest few by local step: single files and
+ * set indexes; shards are looked at through their index, never listed alone), the node directories it
+ * read, and the entries it refused to read (a node directory that is a link, a delta that is a FIFO, a
+ * file whose name is not a delta's, ...).  memo (sorted by rel, nmemo entries, may be NULL) is only
+ * read: what earlier scans learnt of the indexes. */
+int hubfile_scan(const char *root, const hub_index_memo *memo, size_t nmemo, hub_candidate **out, size_t *n,
+                 dl_error *err);
 void hub_candidates_free(hub_candidate *c, size_t n);
-/* The published step, if root/global/step_count.json and latest.safetensors exist (*present = 0 if not). */
-int hubfile_read_published(const char *root, int *present, uint64_t *step, dl_error *err);
-/* Copies src to root/global/latest.safetensors, then writes step_count.json, each atomically. */
+/* The memo of a scan's candidates, sorted by rel (replaces *memo; the old one is freed).  0 or -ENOMEM
+ * (the old memo is kept). */
+int hub_index_memo_build(const hub_candidate *c, size_t n, hub_index_memo **memo, size_t *nmemo);
+void hub_index_memo_free(hub_index_memo *memo, size_t n);
+/* The published step, if root/global/step_count.json and the model it names exist (*present = 0 if
+ * not); *sharded (may be NULL) is 1 when that is global/latest.safetensors.index.json. */
+int hubfile_read_published(const char *root, int *present, uint64_t *step, int *sharded, dl_error *err);
+/* Publishes src: a plain file is copied to root/global/latest.safetensors; an index (a path ending in
+ * .safetensors.index.json, base "latest") publishes the shards it lists from its directory, then
+ * global/latest.safetensors.index.json.  Then step_count.json, then the other layout's files are
+ * removed from root/global.  Each file atomically (temp, fsync, rename). */
 int hubfile_publish(const char *root, const char *src, uint64_t step, const char *optimizer, int bootstrap,
                     dl_error *err);
 /* Removes root/rel (a delta path, strictly parsed, reached without links) if it is still the version
- * (size, mtime, inode) that was taken in.  0 removed or already gone, 1 kept (another version), or a
- * negative code. */
+ * (size, mtime, inode) that was taken in; for a set's index, the whole set (the index, then its
+ * shards) if the set's identity (hub_candidate) is still that.  0 removed or already gone, 1 kept
+ * (another version), or a negative code. */
 int hubfile_remove_delta(const char *root, const char *rel, uint64_t size, int64_t mtime, uint64_t ino,
                          dl_error *err);
 /* Removes temporary files a publish cut short (a crash) left in root/global (startup only). */
@@ -43,6 +79,12 @@ int hubfile_cleanup_temps(const char *root, dl_error *err);
 /* Copies root/global/latest.safetensors (reached without links, a regular file whose header
  * parses) to dst atomically; fails if it changed during the copy.  The caller validates dst. */
 int hubfile_copy_global(const char *root, const char *dst, dl_error *err);
+/* Copies a sharded global (root/global/latest.safetensors.index.json and the shards it lists, each
+ * reached without links and unchanged during its copy) into the directory dir (created; emptied
+ * first), and checks the copy is a consistent set (st_set_open).  The index is dir/<its name>. */
+int hubfile_copy_global_set(const char *root, const char *dir, dl_error *err);
+/* Removes dir and the files in it (a local copy of ours: state_dir); 0 or a negative code. */
+int hubfile_remove_dir(const char *dir, dl_error *err);
 /* Copies a file (a trusted path: the operator's init model) to dst atomically (temp in dst's directory, fsync, rename, fsync of the directory). */
 int hubfile_copy(const char *src, const char *dst, dl_error *err);
 

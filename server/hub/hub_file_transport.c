@@ -12,9 +12,22 @@
  * (a link, a FIFO, a misnamed file, an unreadable step file) is logged once per version.  The map
  * follows the tree: entries no longer listed are forgotten after each complete scan.
  *
+ * A sharded delta (hub.h, "Sharded checkpoints") is one entry of the seen map, under its index's
+ * path, with an identity that covers every file of the set (hub_candidate in hub_file.h: sizes
+ * summed, the latest mtime, the index's inode mixed with each shard's inode, size and mtime): a
+ * shard rewritten or arriving makes it a new version, so the settle time restarts and a rewritten
+ * set is taken again.  It is handed over once the index and every shard it lists are there; a
+ * partial set waits without a word (one debug line per set).  An index that does not parse may be
+ * still being written (json.dump writes in pieces): it is handed over, for intake to refuse with its
+ * reason, only once it has stopped changing for the settle time.  Shard files are never handed over
+ * alone.  The shard count of each version of an index is remembered (the memo) so a scan reads an
+ * index once, not at every poll.
+ *
  * Publishing copies the step's global into root/global, then writes step_count.json (each atomic);
- * adoption copies root/global/latest.safetensors into the state directory through descriptors that
- * never leave the tree. */
+ * a sharded global (an index path) publishes its shards, then the index, then step_count.json, and
+ * the other layout's files go last.  Adoption copies root/global/latest.safetensors (or the index and
+ * its shards, into a directory of their own) into the state directory through descriptors that never
+ * leave the tree. */
 #include "hub.h"
 
 #include <errno.h>
@@ -28,6 +41,7 @@
 #include "fsutil.h"
 #include "hub_file.h"
 #include "seen.h"
+#include "st_index.h"
 #include "util.h"
 
 /* inotify watches on node directories: one per directory a scan read, up to this many (a round
@@ -56,6 +70,8 @@ struct file_hub {
     node_watch **watches;
     size_t nwatches;
     seen_map seen;
+    hub_index_memo *memo;       /* read by the scan in flight, replaced only when it is done */
+    size_t nmemo;
     uint64_t scan_gen;          /* scans completed (seen entries are stamped with the last listing) */
     int scan_in_flight, scan_again;
     uint64_t step;
@@ -177,6 +193,10 @@ static void report_refused(file_hub *fh, const char *path, const char *reason, u
     dl_log(DL_LOG_WARN, "hub", "entry refused", "path=%s reason=%s", path, dl_log_q(q, sizeof(q), reason));
 }
 
+/* A partial set's seen entry: state SEEN_REJECTED (never handed over, never pruned) with this since,
+ * so it is logged once however its shards arrive. */
+#define SINCE_PARTIAL (-2.0)
+
 /* Settle time: a file that keeps failing as incomplete without changing for this long is rejected. */
 static double settle_seconds(const file_hub *fh)
 {
@@ -190,6 +210,21 @@ static void hand_over(file_hub *fh, const hub_candidate *c)
     fh->cb.delta_ready(fh->app, &d);
 }
 
+/* A set with a shard missing: remembered (so a later complete version is new), not handed over. */
+static void wait_for_shards(seen_entry *e, const hub_candidate *c)
+{
+    if (e->state == SEEN_PENDING)
+        return;                 /* in flight: its result comes first */
+    if (!(e->state == SEEN_REJECTED && e->since == SINCE_PARTIAL))
+        dl_log(DL_LOG_DEBUG, "hub", "sharded delta incomplete, waiting for its shards", "path=%s shards=%" PRIu32,
+               c->rel, c->nshards);
+    e->size = c->size;
+    e->mtime_ns = c->mtime_ns;
+    e->ino = c->ino;
+    e->state = SEEN_REJECTED;
+    e->since = SINCE_PARTIAL;
+}
+
 static void consider_candidate(file_hub *fh, const hub_candidate *c)
 {
     int created;
@@ -198,6 +233,10 @@ static void consider_candidate(file_hub *fh, const hub_candidate *c)
     if (e == NULL)
         return;
     e->listed = fh->scan_gen;
+    if (c->set && c->partial) {
+        wait_for_shards(e, c);
+        return;
+    }
     int same = !created && e->size == c->size && e->mtime_ns == c->mtime_ns && e->ino == c->ino;
     if (same) {
         if (e->state == SEEN_INCOMPLETE && now_s(fh) - e->since >= settle_seconds(fh)) {
@@ -213,8 +252,13 @@ static void consider_candidate(file_hub *fh, const hub_candidate *c)
     e->size = c->size;
     e->mtime_ns = c->mtime_ns;
     e->ino = c->ino;
-    e->state = SEEN_PENDING;
     e->since = now_s(fh);
+    if (c->set && c->nshards == 0) {
+        /* an index that does not parse (yet): handed over once it has settled (above) */
+        e->state = SEEN_INCOMPLETE;
+        return;
+    }
+    e->state = SEEN_PENDING;
     dl_log(DL_LOG_DEBUG, "hub", "delta seen", "path=%s bytes=%" PRIu64, c->rel, c->size);
     hand_over(fh, c);
 }
@@ -226,6 +270,12 @@ static int still_listed(const seen_entry *e, void *arg)
     return e->listed == fh->scan_gen || e->state == SEEN_PENDING || strcmp(e->key, "global") == 0;
 }
 
+static int is_set_rel(const char *rel)
+{
+    size_t n = strlen(rel), m = strlen(ST_INDEX_SUFFIX);
+    return n >= m && memcmp(rel + n - m, ST_INDEX_SUFFIX, m) == 0;
+}
+
 static int file_mark_done(hub *h, const char *rel, hub_outcome outcome, const hub_version *v)
 {
     file_hub *fh = (file_hub *)h;
@@ -234,6 +284,10 @@ static int file_mark_done(hub *h, const char *rel, hub_outcome outcome, const hu
 
     if (e == NULL)
         return outcome == HUB_INCOMPLETE;
+    /* a set's version is ours (the whole set's identity), not the one file intake can describe: a
+     * set that changed while it was read is a new identity at the next scan, handed over again */
+    if (is_set_rel(rel))
+        v = NULL;
     changed = v != NULL && (e->size != v->size || e->mtime_ns != v->mtime_ns || e->ino != v->ino);
     switch (outcome) {
     case HUB_TAKEN:
@@ -349,7 +403,7 @@ static void prune_watches(file_hub *fh)
 typedef struct scan_result {
     hub_candidate *c;
     size_t n;
-    int published_present;
+    int published_present, published_sharded;
     uint64_t published_step;
     int published_rc;           /* a junk step file must not stop the intake of deltas */
     dl_error published_err;
@@ -358,12 +412,13 @@ typedef struct scan_result {
 static void scan_work(fjob *j)
 {
     scan_result *r = j->arg;
-    j->rc = hubfile_scan(j->fh->root, &r->c, &r->n, &j->err);
+    /* the memo is only read here: the loop replaces it in scan_done, and one scan runs at a time */
+    j->rc = hubfile_scan(j->fh->root, j->fh->memo, j->fh->nmemo, &r->c, &r->n, &j->err);
     r->published_rc = hubfile_read_published(j->fh->root, &r->published_present, &r->published_step,
-                                             &r->published_err);
+                                             &r->published_sharded, &r->published_err);
 }
 
-static void start_adopt(file_hub *fh, uint64_t step);
+static void start_adopt(file_hub *fh, uint64_t step, int sharded);
 
 /* Tells the daemon the published step when it is first known or changes.  An unreadable step file
  * counts as none until it is readable (our own publish then replaces it). */
@@ -413,7 +468,7 @@ static void scan_done(fjob *j)
                 watch_node_dir(fh, &r->c[i]);
         if (fh->waiting) {
             if (r->published_rc == 0 && r->published_present)
-                start_adopt(fh, r->published_step);
+                start_adopt(fh, r->published_step, r->published_sharded);
         } else {
             for (size_t i = 0; i < r->n; i++)
                 if (r->c[i].refused == NULL && !r->c[i].node_dir)
@@ -422,6 +477,8 @@ static void scan_done(fjob *j)
         /* a complete listing: files no longer listed (consumed and removed, or older than the
          * newest a node directory is scanned for) are forgotten, and so are their directories */
         if (j->rc == 0) {
+            if (hub_index_memo_build(r->c, r->n, &fh->memo, &fh->nmemo) != 0)
+                dl_log(DL_LOG_WARN, "hub", "out of memory remembering the indexes", "count=%zu", r->n);
             if (seen_prune(&fh->seen, still_listed, fh) != 0)
                 dl_log(DL_LOG_WARN, "hub", "out of memory pruning the seen files", "count=%zu", fh->seen.count);
             prune_watches(fh);
@@ -461,13 +518,48 @@ static void poll_cb(uv_timer_t *t)
 
 /* ---- adopting the tree's global ----------------------------------------------------------------- */
 
+/* The directory of a sharded copy: path minus its file name. */
+static void set_dir_of(char *index_path)
+{
+    char *slash = strrchr(index_path, '/');
+    if (slash != NULL)
+        *slash = '\0';
+}
+
+static void remove_copy(fjob *j)
+{
+    dl_error e;
+
+    if (!j->flag) {
+        unlink(j->path);
+        return;
+    }
+    set_dir_of(j->path);
+    if (hubfile_remove_dir(j->path, &e) != 0)
+        set_error(j->fh, "cannot remove a copy of the published global", &e);
+}
+
 static void adopt_work(fjob *j)
 {
-    /* another writer's file: copied through descriptors that never leave the tree, checked to be a
-     * safetensors file that did not change during the copy (the daemon then validates the copy) */
-    if (asprintf(&j->path, "%s/file-global-%" PRIu64 ".safetensors", j->fh->incoming, j->step) < 0) {
+    /* another writer's files: copied through descriptors that never leave the tree, checked to be
+     * safetensors files that did not change during the copy (the daemon then validates the copy); a
+     * sharded global into a directory of its own */
+    int n = j->flag ? asprintf(&j->path, "%s/file-global-%" PRIu64 "/latest" ST_INDEX_SUFFIX, j->fh->incoming, j->step)
+                    : asprintf(&j->path, "%s/file-global-%" PRIu64 ".safetensors", j->fh->incoming, j->step);
+    if (n < 0) {
         j->path = NULL;
         j->rc = dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        return;
+    }
+    if (j->flag) {
+        char *dir = strdup(j->path);
+        if (dir == NULL) {
+            j->rc = dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+            return;
+        }
+        set_dir_of(dir);
+        j->rc = hubfile_copy_global_set(j->fh->root, dir, &j->err);
+        free(dir);
         return;
     }
     j->rc = hubfile_copy_global(j->fh->root, j->path, &j->err);
@@ -483,17 +575,17 @@ static void adopt_done(fjob *j)
         return;                 /* still waiting: the next scan tries again */
     }
     if (fh->closing || !fh->waiting) {
-        unlink(j->path);
+        remove_copy(j);
         return;
     }
     fh->cb.global_ready(fh->app, j->step, j->path);
 }
 
-static void start_adopt(file_hub *fh, uint64_t step)
+static void start_adopt(file_hub *fh, uint64_t step, int sharded)
 {
     if (fh->adopt_in_flight || fh->closing)
         return;
-    if (queue_job(fh, adopt_work, adopt_done, NULL, step, 0) == 0)
+    if (queue_job(fh, adopt_work, adopt_done, NULL, step, sharded) == 0)
         fh->adopt_in_flight = 1;
 }
 
@@ -622,6 +714,7 @@ static void free_hub(file_hub *fh)
     void *arg = fh->close_arg;
 
     seen_free(&fh->seen);
+    hub_index_memo_free(fh->memo, fh->nmemo);
     free(fh->watches);
     free(fh->root);
     free(fh->incoming);
