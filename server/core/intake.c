@@ -1,5 +1,6 @@
 #include "intake.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -335,79 +336,118 @@ static int open_source(const intake_req *r, int *fd, struct stat *sb)
     return 0;
 }
 
+/* The refusal for a source that open_source or fsu_open_file_at could not open (rc < 0); mode is
+ * what was found there. */
+static intake_status open_refusal(intake_req *r, int rc, mode_t mode)
+{
+    if (rc == -ENOENT) {
+        dl_fail(&r->err, DL_E_IO, NULL, 0, "the file disappeared");
+        return INTAKE_INCOMPLETE;
+    }
+    if (rc == -EAGAIN) {
+        dl_fail(&r->err, DL_E_IO, NULL, 0, "the file is busy (leased by its writer)");
+        return INTAKE_INCOMPLETE;
+    }
+    if (rc == -ELOOP || rc == -EISDIR || rc == -ENOTDIR || rc == -EINVAL) {
+        /* never read: a link may lead out of the tree, a FIFO would block the reader */
+        dl_fail(&r->err, DL_E_IO, NULL, 0, "%s: only regular files reached without symbolic links are read",
+                rc == -ELOOP     ? "a symbolic link (the file or a directory above it)"
+                : rc == -ENOTDIR ? "a directory on its path is not a directory"
+                                 : fsu_kind_name(mode));
+        return INTAKE_INVALID;
+    }
+    return io_fail(r, -rc, "opening the delta");
+}
+
+/* A safetensors file's header, read from src (size bytes): prefix, the JSON (*json, *n) and the
+ * parsed header, checked to describe exactly size bytes.  INTAKE_OK or the refusal. */
+static intake_status read_header(intake_req *r, int src, uint64_t size, unsigned char prefix[8], char **json,
+                                 uint64_t *n, st_header **h)
+{
+    uint64_t want;
+
+    *json = NULL;
+    *h = NULL;
+    if (size < 8 || fsu_pread_all(src, prefix, 8, 0) != 0) {
+        dl_fail(&r->err, DL_E_HEADER_TOO_SMALL, NULL, 0, "file too small: %" PRIu64 " bytes", size);
+        return INTAKE_INCOMPLETE;
+    }
+    *n = 0;
+    for (int i = 7; i >= 0; i--)
+        *n = (*n << 8) | prefix[i];
+    if (*n > ST_MAX_HEADER_SIZE) {
+        st_prefix_refusal(&r->err, DL_E_HEADER_TOO_LARGE, prefix, *n, size);  /* not a length: text, a ZIP ... */
+        return INTAKE_INVALID;
+    }
+    if (*n > max_header(r)) {
+        dl_fail(&r->err, DL_E_HEADER_TOO_LARGE, NULL, 0, "header too large: %" PRIu64 " bytes, the cap is %" PRIu64
+                " (max_delta_header_mib)", *n, max_header(r));
+        return INTAKE_INVALID;
+    }
+    if (8 + *n > size) {
+        dl_fail(&r->err, DL_E_INVALID_HEADER_LENGTH, NULL, 0, "header of %" PRIu64 " bytes not complete yet", *n);
+        return INTAKE_INCOMPLETE;
+    }
+    *json = malloc(*n ? *n : 1);
+    if (*json == NULL || fsu_pread_all(src, *json, *n, 8) != 0)
+        return io_fail(r, *json ? EIO : ENOMEM, "reading the header");
+    if (st_header_parse_unsized(*json, *n, h, &r->err) != 0)
+        return INTAKE_INVALID;
+    if (st_header_file_len(*h, &want) != 0 || want != size) {
+        dl_fail(&r->err, DL_E_METADATA_INCOMPLETE_BUFFER, NULL, 0,
+                "incomplete metadata, file not fully covered: the header describes %" PRIu64 " bytes, the file has %" PRIu64,
+                want, size);
+        /* shorter: still being written; longer: malformed */
+        return want > size ? INTAKE_INCOMPLETE : INTAKE_INVALID;
+    }
+    return INTAKE_OK;
+}
+
+/* Copies a file whose header was read (before: its fstat then) to dst with the finite check, then
+ * checks that it did not change meanwhile and fsyncs the copy. */
+static intake_status copy_file(intake_req *r, int src, const struct stat *before, int dst, const unsigned char prefix[8],
+                               const char *json, uint64_t n, const st_header *h)
+{
+    struct stat after;
+    intake_status st;
+    int rc;
+
+    if ((rc = posix_fallocate(dst, 0, before->st_size)) != 0 && rc != EOPNOTSUPP && rc != EINVAL)
+        return io_fail(r, rc, "reserving space for the cache copy");
+    if ((rc = fsu_pwrite_all(dst, prefix, 8, 0)) != 0 || (rc = fsu_pwrite_all(dst, json, n, 8)) != 0)
+        return io_fail(r, -rc, "writing the cache copy");
+    if ((st = copy_checked(r, src, dst, h, 8 + n)) != INTAKE_OK)
+        return st;
+    if (fstat(src, &after) != 0 || after.st_size != before->st_size || mtime_ns(&after) != mtime_ns(before)) {
+        dl_fail(&r->err, DL_E_IO, NULL, 0, "the file changed while it was read");
+        return INTAKE_INCOMPLETE;
+    }
+    if (fsync(dst) != 0)
+        return io_fail(r, errno, "fsync of the cache copy");
+    return INTAKE_OK;
+}
+
+static intake_status intake_set(intake_req *r);
+
 static intake_status intake(intake_req *r)
 {
-    struct stat before, after;
+    struct stat before;
     unsigned char prefix[8];
     char *json = NULL, *tmp = NULL;
     st_header *h = NULL;
-    uint64_t n, want;
+    uint64_t n;
     int src = -1, dst = -1, rc;
     intake_status st;
 
     if ((rc = open_source(r, &src, &before)) != 0) {
-        if (rc == -ENOENT) {
-            dl_fail(&r->err, DL_E_IO, NULL, 0, "the file disappeared");
-            st = INTAKE_INCOMPLETE;
-        } else if (rc == -EAGAIN) {
-            dl_fail(&r->err, DL_E_IO, NULL, 0, "the file is busy (leased by its writer)");
-            st = INTAKE_INCOMPLETE;
-        } else if (rc == -ELOOP || rc == -EISDIR || rc == -ENOTDIR || rc == -EINVAL) {
-            /* never read: a link may lead out of the tree, a FIFO would block the reader */
-            dl_fail(&r->err, DL_E_IO, NULL, 0, "%s: only regular files reached without symbolic links are read",
-                    rc == -ELOOP     ? "a symbolic link (the file or a directory above it)"
-                    : rc == -ENOTDIR ? "a directory on its path is not a directory"
-                                     : fsu_kind_name(before.st_mode));
-            st = INTAKE_INVALID;
-        } else {
-            st = io_fail(r, -rc, "opening the delta");
-        }
+        st = open_refusal(r, rc, before.st_mode);
         goto out;
     }
     r->size = (uint64_t)before.st_size;
     r->mtime_ns = mtime_ns(&before);
     r->ino = (uint64_t)before.st_ino;
-    if (r->size < 8 || fsu_pread_all(src, prefix, 8, 0) != 0) {
-        dl_fail(&r->err, DL_E_HEADER_TOO_SMALL, NULL, 0, "file too small: %" PRIu64 " bytes", r->size);
-        st = INTAKE_INCOMPLETE;
+    if ((st = read_header(r, src, r->size, prefix, &json, &n, &h)) != INTAKE_OK)
         goto out;
-    }
-    n = 0;
-    for (int i = 7; i >= 0; i--)
-        n = (n << 8) | prefix[i];
-    if (n > ST_MAX_HEADER_SIZE) {
-        st_prefix_refusal(&r->err, DL_E_HEADER_TOO_LARGE, prefix, n, r->size);  /* not a length: text, a ZIP ... */
-        st = INTAKE_INVALID;
-        goto out;
-    }
-    if (n > max_header(r)) {
-        dl_fail(&r->err, DL_E_HEADER_TOO_LARGE, NULL, 0, "header too large: %" PRIu64 " bytes, the cap is %" PRIu64
-                " (max_delta_header_mib)", n, max_header(r));
-        st = INTAKE_INVALID;
-        goto out;
-    }
-    if (8 + n > r->size) {
-        dl_fail(&r->err, DL_E_INVALID_HEADER_LENGTH, NULL, 0, "header of %" PRIu64 " bytes not complete yet", n);
-        st = INTAKE_INCOMPLETE;
-        goto out;
-    }
-    json = malloc(n ? n : 1);
-    if (json == NULL || fsu_pread_all(src, json, n, 8) != 0) {
-        st = io_fail(r, json ? EIO : ENOMEM, "reading the header");
-        goto out;
-    }
-    if (st_header_parse_unsized(json, n, &h, &r->err) != 0) {
-        st = INTAKE_INVALID;
-        goto out;
-    }
-    if (st_header_file_len(h, &want) != 0 || want != r->size) {
-        dl_fail(&r->err, DL_E_METADATA_INCOMPLETE_BUFFER, NULL, 0,
-                "incomplete metadata, file not fully covered: the header describes %" PRIu64 " bytes, the file has %" PRIu64,
-                want, r->size);
-        /* shorter: still being written; longer: malformed */
-        st = want > r->size ? INTAKE_INCOMPLETE : INTAKE_INVALID;
-        goto out;
-    }
     if (delta_check_header(h, r->global, r->rel_path, &r->info, &r->err) != 0) {
         st = INTAKE_INVALID;
         goto out;
@@ -425,14 +465,9 @@ static intake_status intake(intake_req *r)
         st = r->cache_path ? INTAKE_OK : io_fail(r, ENOMEM, "out of memory");
         goto out;
     }
-    {
-        char *exists = intake_cache_path(r->state_dir, &r->info);
-        int dup = exists != NULL && access(exists, F_OK) == 0;
-        free(exists);
-        if (dup) {
-            st = INTAKE_DUPLICATE;
-            goto out;
-        }
+    if (cached_in_any_layout(r->state_dir, &r->info)) {
+        st = INTAKE_DUPLICATE;
+        goto out;
     }
     if (asprintf(&tmp, "%s/cache/incoming/delta", r->state_dir) < 0) {
         tmp = NULL;
@@ -449,25 +484,8 @@ static intake_status intake(intake_req *r)
             goto out;
         }
     }
-    if ((rc = posix_fallocate(dst, 0, (off_t)r->size)) != 0 && rc != EOPNOTSUPP && rc != EINVAL) {
-        st = io_fail(r, rc, "reserving space for the cache copy");
+    if ((st = copy_file(r, src, &before, dst, prefix, json, n, h)) != INTAKE_OK)
         goto out;
-    }
-    if ((rc = fsu_pwrite_all(dst, prefix, 8, 0)) != 0 || (rc = fsu_pwrite_all(dst, json, n, 8)) != 0) {
-        st = io_fail(r, -rc, "writing the cache copy");
-        goto out;
-    }
-    if ((st = copy_checked(r, src, dst, h, 8 + n)) != INTAKE_OK)
-        goto out;
-    if (fstat(src, &after) != 0 || after.st_size != before.st_size || mtime_ns(&after) != r->mtime_ns) {
-        dl_fail(&r->err, DL_E_IO, NULL, 0, "the file changed while it was read");
-        st = INTAKE_INCOMPLETE;
-        goto out;
-    }
-    if (fsync(dst) != 0) {
-        st = io_fail(r, errno, "fsync of the cache copy");
-        goto out;
-    }
     st = intake_link_into_cache(r->state_dir, &r->info, tmp, &r->cache_path, &r->err);
 out:
     if (dst >= 0)
@@ -483,8 +501,402 @@ out:
     return st;
 }
 
+/* ---- a sharded delta --------------------------------------------------------------------------- */
+
+/* Prefixes err's message with the shard it concerns (the tensor, if any, stays in err->tensor). */
+static void name_shard(dl_error *err, const char *shard)
+{
+    char msg[sizeof(err->message)];
+
+    if (snprintf(msg, sizeof(msg), "shard %s: %s", shard, err->message) < 0)
+        return;
+    memcpy(err->message, msg, sizeof(msg));
+}
+
+/* Opens the directory that holds the index and its shards, reached as a single delta is: in a
+ * shared tree from its root one directory at a time without links, else by path (our own files).
+ * *name points at the index's file name.  0 or a negative errno (*mode: what a refused entry was). */
+static int open_set_dir(const intake_req *r, int *dirfd, const char **name, mode_t *mode)
+{
+    const char *rel = r->rel_path, *slash;
+    char comp[256];
+    int cur, next, rc;
+
+    *dirfd = -1;
+    *mode = 0;
+    if (r->hub_root == NULL || rel == NULL) {
+        const char *path = r->src_path;
+        char *dir;
+        *name = (slash = strrchr(path, '/')) != NULL ? slash + 1 : path;
+        if ((dir = slash != NULL ? strndup(path, (size_t)(slash - path) + (slash == path)) : strdup(".")) == NULL)
+            return -ENOMEM;
+        cur = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        rc = cur < 0 ? -errno : 0;
+        free(dir);
+        *dirfd = cur;
+        return rc;
+    }
+    if ((cur = open(r->hub_root, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0)
+        return -errno;
+    while ((slash = strchr(rel, '/')) != NULL) {
+        size_t len = (size_t)(slash - rel);
+        if (len == 0 || len >= sizeof(comp)) {
+            close(cur);
+            return -EINVAL;
+        }
+        memcpy(comp, rel, len);
+        comp[len] = '\0';
+        rc = fsu_open_dir_at(cur, comp, &next);
+        close(cur);
+        if (rc != 0) {
+            if (rc == -ELOOP)
+                *mode = S_IFLNK;
+            return rc;
+        }
+        cur = next;
+        rel = slash + 1;
+    }
+    *name = rel;
+    *dirfd = cur;
+    return 0;
+}
+
+/* Reads the index (capped) from dirfd and parses it for its base.  *ix, *text (the bytes, for the
+ * staged copy) and *len on INTAKE_OK. */
+static intake_status read_index(intake_req *r, int fd, const struct stat *sb, const char *name, char **text,
+                                size_t *len, st_index **ix)
+{
+    char base[ST_INDEX_BASE_MAX + 1];
+    uint32_t i, n;
+    int rc;
+
+    *text = NULL;
+    *ix = NULL;
+    if (st_index_classify(name, strlen(name), base, &i, &n) != ST_NAME_INDEX) {
+        dl_fail(&r->err, DL_E_INVALID_PATH, NULL, 0, "an index is named <base>" ST_INDEX_SUFFIX);
+        return INTAKE_INVALID;
+    }
+    if ((uint64_t)sb->st_size > ST_INDEX_MAX_BYTES) {
+        dl_fail(&r->err, DL_E_HEADER_TOO_LARGE, NULL, 0, "index of %" PRIu64 " bytes is over the %u-byte cap",
+                (uint64_t)sb->st_size, ST_INDEX_MAX_BYTES);
+        return INTAKE_INVALID;
+    }
+    *len = (size_t)sb->st_size;
+    if ((*text = malloc(*len ? *len : 1)) == NULL)
+        return io_fail(r, ENOMEM, "out of memory for the index");
+    if ((rc = fsu_pread_all(fd, *text, *len, 0)) != 0) {
+        if (rc != -ENODATA)
+            return io_fail(r, -rc, "reading the index");
+        dl_fail(&r->err, DL_E_IO, NULL, 0, "the index shrank while it was read");
+        return INTAKE_INCOMPLETE;
+    }
+    if (st_index_parse(*text, *len, base, ix, &r->err) != 0) {
+        /* JSON cut short (no closing brace yet): an index still being written, not a malformed one */
+        size_t k = *len;
+        while (k > 0 && strchr(" \t\r\n", (*text)[k - 1]) != NULL)
+            k--;
+        if (r->err.code != DL_E_INVALID_HEADER_DESERIALIZATION || (k > 0 && (*text)[k - 1] == '}'))
+            return INTAKE_INVALID;
+        dl_fail(&r->err, DL_E_INVALID_HEADER_DESERIALIZATION, NULL, 0,
+                "the index is not complete yet (%zu bytes of JSON cut short)", *len);
+        return INTAKE_INCOMPLETE;
+    }
+    return INTAKE_OK;
+}
+
+/* The names in dirfd's directory, for st_index_check_listing. */
+static intake_status check_listing(intake_req *r, int dirfd, const st_index *ix)
+{
+    char **names = NULL;
+    size_t n = 0, cap = 0;
+    intake_status st = INTAKE_OK;
+    struct dirent *de;
+    int fd = dup(dirfd);
+    DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
+
+    if (d == NULL) {
+        if (fd >= 0)
+            close(fd);
+        return io_fail(r, errno, "listing the set's directory");
+    }
+    rewinddir(d);
+    while ((de = readdir(d)) != NULL) {
+        if (n == cap) {
+            char **more = realloc(names, (cap = cap ? 2 * cap : 64) * sizeof(*names));
+            if (more == NULL) {
+                st = io_fail(r, ENOMEM, "out of memory");
+                goto out;
+            }
+            names = more;
+        }
+        if ((names[n] = strdup(de->d_name)) == NULL) {
+            st = io_fail(r, ENOMEM, "out of memory");
+            goto out;
+        }
+        n++;
+    }
+    if (st_index_check_listing(ix, (const char *const *)names, n, &r->err) != 0)
+        st = INTAKE_INVALID;
+out:
+    for (size_t i = 0; i < n; i++)
+        free(names[i]);
+    free(names);
+    closedir(d);
+    return st;
+}
+
+/* Shard name of ix under dirfd: checked (header against the global, finite values) and copied to
+ * stage/name, fsynced.  *bytes receives its size. */
+static intake_status take_shard(intake_req *r, int dirfd, const char *name, const char *stage,
+                                const st_tensor *const *global, size_t nglobal, uint64_t *bytes)
+{
+    struct stat before;
+    unsigned char prefix[8];
+    char *json = NULL, *dst_path = NULL;
+    st_header *h = NULL;
+    uint64_t n;
+    int src = -1, dst = -1, rc;
+    intake_status st;
+
+    if ((rc = fsu_open_file_at(dirfd, name, &src, &before)) != 0) {
+        st = open_refusal(r, rc, before.st_mode);
+        if (rc == -ENOENT)          /* the index came first: its shards are on their way */
+            dl_fail(&r->err, DL_E_IO, NULL, 0, "missing: the index lists it but it is not there (yet)");
+        goto out;
+    }
+    *bytes = (uint64_t)before.st_size;
+    if ((st = read_header(r, src, *bytes, prefix, &json, &n, &h)) != INTAKE_OK)
+        goto out;
+    if (delta_check_shard_header(h, global, nglobal, &r->err) != 0) {
+        st = INTAKE_INVALID;
+        goto out;
+    }
+    if (asprintf(&dst_path, "%s/%s", stage, name) < 0) {
+        dst_path = NULL;
+        st = io_fail(r, ENOMEM, "out of memory");
+        goto out;
+    }
+    if ((dst = open(dst_path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644)) < 0) {
+        st = io_fail(r, errno, "creating the staged shard");
+        goto out;
+    }
+    st = copy_file(r, src, &before, dst, prefix, json, n, h);
+out:
+    if (st != INTAKE_OK)
+        name_shard(&r->err, name);
+    if (dst >= 0)
+        close(dst);
+    if (src >= 0)
+        close(src);
+    free(dst_path);
+    free(json);
+    st_header_free(h);
+    return st;
+}
+
+/* Empties and removes a staging directory (its entries are plain files we made). */
+static void remove_stage(const char *stage)
+{
+    DIR *d = opendir(stage);
+    struct dirent *de;
+
+    if (d != NULL) {
+        while ((de = readdir(d)) != NULL) {
+            if (strcmp(de->d_name, ".") != 0 && strcmp(de->d_name, "..") != 0)
+                unlinkat(dirfd(d), de->d_name, 0);
+        }
+        closedir(d);
+    }
+    rmdir(stage);
+}
+
+/* The staged copies opened as one set (takes ix) and checked as a whole against the global. */
+static intake_status check_staged(intake_req *r, const char *stage, st_index *ix, const st_tensor *const *global,
+                                  size_t nglobal, st_set **set)
+{
+    char *path = NULL;
+    st_file **files;
+    uint32_t opened = 0;
+
+    *set = NULL;
+    if ((files = calloc(ix->nshards, sizeof(*files))) == NULL) {
+        st_index_free(ix);
+        return io_fail(r, ENOMEM, "out of memory");
+    }
+    for (; opened < ix->nshards; opened++) {
+        char name[ST_INDEX_BASE_MAX + 40];
+        st_index_shard_name(ix->base, opened, ix->nshards, name, sizeof(name));
+        free(path);
+        if (asprintf(&path, "%s/%s", stage, name) < 0) {
+            path = NULL;
+            break;
+        }
+        if (st_open(path, &files[opened], &r->err) != 0)
+            break;
+    }
+    if (opened < ix->nshards) {         /* our own copy, just written: our side failed */
+        if (path == NULL)
+            io_fail(r, ENOMEM, "out of memory");
+        for (uint32_t i = 0; i < opened; i++)
+            st_close(files[i]);
+        free(files);
+        free(path);
+        st_index_free(ix);
+        return INTAKE_IO;
+    }
+    free(path);
+    if (asprintf(&path, "%s/%s" ST_INDEX_SUFFIX, stage, ix->base) < 0) {
+        for (uint32_t i = 0; i < opened; i++)
+            st_close(files[i]);
+        free(files);
+        st_index_free(ix);
+        return io_fail(r, ENOMEM, "out of memory");
+    }
+    int rc = st_set_assemble(path, ix, files, set, &r->err);
+    free(path);
+    if (rc != 0)
+        return INTAKE_INVALID;
+    if (delta_check_set_header(*set, global, nglobal, r->rel_path, NULL, &r->err) != 0)
+        return INTAKE_INVALID;
+    return INTAKE_OK;
+}
+
+/* A cached set met again at restart: its files were checked when they entered the cache. */
+static intake_status reopen_cached_set(intake_req *r, const st_tensor *const *global, size_t nglobal)
+{
+    st_set *set = NULL;
+    intake_status st = INTAKE_OK;
+
+    if (st_set_open(r->src_path, &set, &r->err) != 0)
+        return INTAKE_INVALID;
+    if (delta_check_set_header(set, global, nglobal, NULL, NULL, &r->err) != 0)
+        st = INTAKE_INVALID;
+    for (size_t i = 0; st == INTAKE_OK && i < set->nfiles; i++)
+        r->size += set->files[i]->file_size;
+    if (st == INTAKE_OK && (r->cache_path = strdup(r->src_path)) == NULL)
+        st = io_fail(r, ENOMEM, "out of memory");
+    st_set_close(set);
+    return st;
+}
+
+static intake_status intake_set(intake_req *r)
+{
+    struct stat before, after;
+    const char *name = NULL;
+    char *text = NULL, *stage = NULL;
+    size_t len = 0, nglobal = r->global->ntensors;
+    const st_tensor **global = NULL;
+    st_index *ix = NULL;
+    st_set *set = NULL;
+    mode_t mode;
+    int dirfd = -1, fd = -1, staged = 0, rc;
+    intake_status st;
+
+    if ((rc = open_set_dir(r, &dirfd, &name, &mode)) != 0 || (rc = fsu_open_file_at(dirfd, name, &fd, &before)) != 0) {
+        st = open_refusal(r, rc, dirfd < 0 ? mode : before.st_mode);
+        goto out;
+    }
+    r->size = (uint64_t)before.st_size;
+    r->mtime_ns = mtime_ns(&before);
+    r->ino = (uint64_t)before.st_ino;
+    if ((st = read_index(r, fd, &before, name, &text, &len, &ix)) != INTAKE_OK)
+        goto out;
+    /* the index alone decides what the set is for: a stale set costs only its index */
+    if (delta_check_meta(ix->meta, ix->nmeta, r->rel_path, &r->info, &r->err) != 0) {
+        st = INTAKE_INVALID;
+        goto out;
+    }
+    if (r->info.base_outer_step != r->step) {
+        st = r->info.base_outer_step < r->step ? INTAKE_STALE : INTAKE_FUTURE;
+        goto out;
+    }
+    if (delta_header_by_name(r->global, &global, &r->err) != 0) {
+        st = io_fail(r, ENOMEM, "out of memory");
+        goto out;
+    }
+    if (r->in_cache) {
+        st = reopen_cached_set(r, global, nglobal);
+        goto out;
+    }
+    if (cached_in_any_layout(r->state_dir, &r->info)) {
+        st = INTAKE_DUPLICATE;
+        goto out;
+    }
+    if ((st = check_listing(r, dirfd, ix)) != INTAKE_OK)
+        goto out;
+    if (asprintf(&stage, "%s/cache/incoming", r->state_dir) < 0) {
+        stage = NULL;
+        st = io_fail(r, ENOMEM, "out of memory");
+        goto out;
+    }
+    if (fsu_mkdirs(stage, &r->err) != 0) {
+        st = INTAKE_IO;
+        goto out;
+    }
+    free(stage);
+    if (asprintf(&stage, "%s/cache/incoming/set-XXXXXX", r->state_dir) < 0) {
+        stage = NULL;
+        st = io_fail(r, ENOMEM, "out of memory");
+        goto out;
+    }
+    if (mkdtemp(stage) == NULL) {
+        st = io_fail(r, errno, "creating the staging directory");
+        goto out;
+    }
+    staged = 1;
+    for (uint32_t i = 0; i < ix->nshards; i++) {
+        char shard[ST_INDEX_BASE_MAX + 40];
+        uint64_t bytes = 0;
+        st_index_shard_name(ix->base, i, ix->nshards, shard, sizeof(shard));
+        if ((st = take_shard(r, dirfd, shard, stage, global, nglobal, &bytes)) != INTAKE_OK)
+            goto out;
+        r->size += bytes;
+    }
+    if (fstat(fd, &after) != 0 || after.st_size != before.st_size || mtime_ns(&after) != r->mtime_ns) {
+        dl_fail(&r->err, DL_E_IO, NULL, 0, "the index changed while its set was read");
+        st = INTAKE_INCOMPLETE;
+        goto out;
+    }
+    {
+        char *staged_index = NULL;
+        if (asprintf(&staged_index, "%s/%s" ST_INDEX_SUFFIX, stage, ix->base) < 0) {
+            st = io_fail(r, ENOMEM, "out of memory");
+            goto out;
+        }
+        rc = fsu_write_atomic(staged_index, text, len, &r->err);
+        free(staged_index);
+        if (rc != 0) {
+            st = INTAKE_IO;
+            goto out;
+        }
+    }
+    st = check_staged(r, stage, ix, global, nglobal, &set);
+    ix = NULL;                  /* the set owns it, in every case */
+    if (st == INTAKE_OK)
+        st = intake_link_set_into_cache(r->state_dir, &r->info, stage, set->index, &r->cache_path, &r->err);
+out:
+    st_set_close(set);
+    if (staged)
+        remove_stage(stage);    /* linked into the cache or abandoned: the staged names go */
+    free(stage);
+    st_index_free(ix);
+    free(global);
+    free(text);
+    if (fd >= 0)
+        close(fd);
+    if (dirfd >= 0)
+        close(dirfd);
+    return st;
+}
+
+static int is_index_path(const char *path)
+{
+    size_t len = strlen(path), sl = strlen(ST_INDEX_SUFFIX);
+    return len > sl && strcmp(path + len - sl, ST_INDEX_SUFFIX) == 0;
+}
+
 void intake_run(intake_req *r)
 {
     dl_error_clear(&r->err);
-    r->status = intake(r);
+    r->status = is_index_path(r->src_path) ? intake_set(r) : intake(r);
 }

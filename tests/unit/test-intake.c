@@ -1,5 +1,6 @@
 #include "test.h"
 
+#include <dirent.h>
 #include <math.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -12,9 +13,10 @@
 
 /* The global: F32 "a" (4), "b" (3), "c" (5) and an I64 "i" (2, not part of a delta).  A delta of
  * node w1, local step 7, based on step 3, holds a, b, c. */
-static const uint64_t SA[] = {4}, SB[] = {3}, SC[] = {5};
+static const uint64_t SA[] = {4}, SB[] = {3}, SC[] = {5}, SI[] = {2};
 static const float DA[4] = {0.5f, -1.0f, 2.0f, 0.25f}, DB[3] = {1.0f, 2.0f, 3.0f},
                    DC[5] = {-0.5f, 0.0f, 0.125f, 4.0f, -2.0f};
+static const int64_t GI[2] = {1, 2};
 
 static const st_spec DELTA_SPECS[] = {{"a", 1, ST_F32, 1, SA}, {"b", 1, ST_F32, 1, SB}, {"c", 1, ST_F32, 1, SC}};
 static const void *const DELTA_DATA[] = {DA, DB, DC};
@@ -63,6 +65,52 @@ static int write_delta(const char *dir, uint64_t shard_size, const st_kv *meta, 
 fail:
     fprintf(stderr, "  write_delta: %s\n", err.message);
     return -1;
+}
+
+/* The global model, opened (the caller closes it). */
+static st_file *open_global(void)
+{
+    st_spec g[] = {{"a", 1, ST_F32, 1, SA}, {"b", 1, ST_F32, 1, SB}, {"c", 1, ST_F32, 1, SC}, {"i", 1, ST_I64, 1, SI}};
+    const void *gd[] = {DA, DB, DC, GI};
+    st_file *f = NULL;
+    dl_error err;
+    if (st_save(test_path("global.safetensors"), g, gd, 4, NULL, 0, &err) != 0 ||
+        st_open(test_path("global.safetensors"), &f, &err) != 0)
+        fprintf(stderr, "  global: %s\n", err.message);
+    return f;
+}
+
+/* One shard file by hand: the tensors named in names (each of a, b, c), {"format": "pt"}; with
+ * nan_in_c, c's element 3 is a NaN. */
+static int write_shard(const char *dir, const char *file, const char *names, int nan_in_c)
+{
+    float cdata[5];
+    st_spec specs[3];
+    const void *data[3];
+    size_t n = 0;
+    char path[1024];
+    st_kv fmt[] = {{"format", "pt"}};
+    dl_error err;
+
+    for (const char *c = names; *c; c++) {
+        size_t k = (size_t)(*c - 'a');
+        specs[n] = DELTA_SPECS[k];
+        data[n++] = DELTA_DATA[k];
+    }
+    memcpy(cdata, DC, sizeof(cdata));
+    if (nan_in_c) {
+        cdata[3] = NAN;
+        for (size_t k = 0; k < n; k++) {
+            if (specs[k].name[0] == 'c')
+                data[k] = cdata;
+        }
+    }
+    snprintf(path, sizeof(path), "%s/%s", dir, file);
+    if (st_save(path, specs, data, n, fmt, 1, &err) != 0) {
+        fprintf(stderr, "  write_shard: %s\n", err.message);
+        return -1;
+    }
+    return 0;
 }
 
 static int write_text(const char *dir, const char *file, const char *text)
@@ -193,4 +241,359 @@ TEST(intake_link_set_refuses_another_base)
     CHECK_EQ(intake_link_set_into_cache(state, &other, staged, ix, &cache, &err), INTAKE_INVALID);
     CHECK(strstr(err.message, "delta_8") != NULL);
     st_index_free(ix);
+}
+
+/* ---- intake of a set ------------------------------------------------------------------------- */
+
+/* The shared tree test_dir()/tree (as file:// hands a delta over), its node directory, the state. */
+typedef struct fixture {
+    char tree[512], node[600], state[512];
+    st_file *global;
+} fixture;
+
+static void fixture_init(fixture *f)
+{
+    char path[700];
+
+    snprintf(f->tree, sizeof(f->tree), "%s/tree", test_dir());
+    snprintf(f->node, sizeof(f->node), "%s/nodes/w1", f->tree);
+    snprintf(f->state, sizeof(f->state), "%s/state", test_dir());
+    mkdir_p(f->node);
+    snprintf(path, sizeof(path), "%s/cache/incoming", f->state);
+    mkdir_p(path);          /* the daemon makes it at start */
+    f->global = open_global();
+}
+
+/* Takes in rel (under the tree) at outer step `step`. */
+static intake_req *take(const fixture *f, const char *rel, uint64_t step)
+{
+    intake_req *r = calloc(1, sizeof(*r));
+    if (r == NULL || asprintf(&r->src_path, "%s/%s", f->tree, rel) < 0)
+        return NULL;
+    r->rel_path = strdup(rel);
+    r->hub_root = strdup(f->tree);
+    r->state_dir = strdup(f->state);
+    r->global = f->global->h;
+    r->step = step;
+    intake_run(r);
+    if (r->status != INTAKE_OK)
+        fprintf(stderr, "  (intake of %s: %s, %s [%s])\n", rel, intake_status_name(r->status), r->err.message,
+                r->err.tensor);
+    return r;
+}
+
+#define SET_REL "nodes/w1/delta_7.safetensors.index.json"
+
+/* Entries in state/cache/incoming (staging leftovers), -1 if it cannot be read. */
+static int incoming_entries(const fixture *f)
+{
+    char path[700];
+    int n = 0;
+    snprintf(path, sizeof(path), "%s/cache/incoming", f->state);
+    DIR *d = opendir(path);
+    if (d == NULL)
+        return 0;
+    struct dirent *de;
+    while ((de = readdir(d)) != NULL)
+        n += strcmp(de->d_name, ".") != 0 && strcmp(de->d_name, "..") != 0;
+    closedir(d);
+    return n;
+}
+
+static int same_bytes(const char *a, const char *b)
+{
+    char cmd[2200];
+    snprintf(cmd, sizeof(cmd), "cmp -s '%s' '%s'", a, b);
+    return system(cmd) == 0;
+}
+
+static uint64_t file_size(const char *path)
+{
+    struct stat sb;
+    return stat(path, &sb) == 0 ? (uint64_t)sb.st_size : 0;
+}
+
+TEST(intake_set_good_one_tensor_per_shard_and_mixed)
+{
+    static const struct { uint64_t shard_size; uint32_t nshards; } layouts[] = {{16, 3}, {28, 2}, {8, 3}};
+    for (size_t l = 0; l < sizeof(layouts) / sizeof(layouts[0]); l++) {
+        fixture f;
+        char cmd[700];
+        snprintf(cmd, sizeof(cmd), "rm -rf '%s'/*", test_dir());
+        CHECK_EQ(system(cmd), 0);
+        fixture_init(&f);
+        CHECK_EQ(write_delta(f.node, layouts[l].shard_size, NULL, 0), 0);
+        intake_req *r = take(&f, SET_REL, 3);
+        CHECK_EQ(r->status, INTAKE_OK);
+        CHECK_STR(r->info.node_id, "w1");
+        CHECK_EQ(r->info.local_step, 7);
+        CHECK_EQ(r->info.base_outer_step, 3);
+        char want[900], src[900];
+        snprintf(want, sizeof(want), "%s/cache/deltas/s3/w1/delta_7.safetensors.index.json", f.state);
+        CHECK_STR(r->cache_path, want);
+        struct stat sb;
+        CHECK_EQ(stat(r->src_path, &sb), 0);
+        CHECK_EQ(r->ino, sb.st_ino);            /* the version is the index's */
+        uint64_t total = (uint64_t)sb.st_size;
+        CHECK(same_bytes(r->src_path, r->cache_path));
+        for (uint32_t i = 1; i <= layouts[l].nshards; i++) {
+            snprintf(src, sizeof(src), "%s/delta_7-%05u-of-%05u.safetensors", f.node, i, layouts[l].nshards);
+            snprintf(want, sizeof(want), "%s/cache/deltas/s3/w1/delta_7-%05u-of-%05u.safetensors", f.state, i,
+                     layouts[l].nshards);
+            CHECK(same_bytes(src, want));
+            total += file_size(src);
+        }
+        CHECK_EQ(r->size, total);
+        CHECK_EQ(incoming_entries(&f), 0);
+        st_set *s = NULL;
+        dl_error err;
+        CHECK_EQ(st_set_open(r->cache_path, &s, &err), 0);
+        CHECK_EQ(s->nfiles, layouts[l].nshards);
+        st_set_close(s);
+        intake_req_free(r);
+        st_close(f.global);
+    }
+}
+
+TEST(intake_set_missing_shard_is_incomplete)
+{
+    fixture f;
+    char path[900];
+    fixture_init(&f);
+    CHECK_EQ(write_delta(f.node, 16, NULL, 0), 0);
+    snprintf(path, sizeof(path), "%s/delta_7-00002-of-00003.safetensors", f.node);
+    CHECK_EQ(unlink(path), 0);
+    intake_req *r = take(&f, SET_REL, 3);
+    CHECK_EQ(r->status, INTAKE_INCOMPLETE);
+    CHECK(strstr(r->err.message, "delta_7-00002-of-00003.safetensors") != NULL);
+    CHECK(r->cache_path == NULL);
+    CHECK_EQ(incoming_entries(&f), 0);
+    snprintf(path, sizeof(path), "%s/cache/deltas/s3/w1/delta_7-00001-of-00003.safetensors", f.state);
+    CHECK(!exists(path));
+    intake_req_free(r);
+    st_close(f.global);
+}
+
+TEST(intake_set_stray_shard_refused)
+{
+    fixture f;
+    fixture_init(&f);
+    CHECK_EQ(write_delta(f.node, 16, NULL, 0), 0);
+    CHECK_EQ(write_shard(f.node, "delta_7-00002-of-00002.safetensors", "c", 0), 0);    /* of another save */
+    intake_req *r = take(&f, SET_REL, 3);
+    CHECK_EQ(r->status, INTAKE_INVALID);
+    CHECK_EQ(r->err.code, DL_E_KEY_MISMATCH);
+    CHECK(strstr(r->err.message, "delta_7-00002-of-00002.safetensors") != NULL);
+    intake_req_free(r);
+    st_close(f.global);
+}
+
+#define META_JSON "\"algorithm\": \"dumb_diloco\", \"base_outer_step\": \"3\", \"local_step\": \"7\", \"node_id\": \"w1\""
+#define SH1 "\"delta_7-00001-of-00002.safetensors\""
+#define SH2 "\"delta_7-00002-of-00002.safetensors\""
+
+TEST(intake_set_tensor_in_two_shards_refused)
+{
+    fixture f;
+    fixture_init(&f);
+    CHECK_EQ(write_shard(f.node, "delta_7-00001-of-00002.safetensors", "ab", 0), 0);
+    CHECK_EQ(write_shard(f.node, "delta_7-00002-of-00002.safetensors", "bc", 0), 0);
+    CHECK_EQ(write_text(f.node, "delta_7.safetensors.index.json",
+                        "{\"metadata\": {\"total_size\": 48, " META_JSON "}, \"weight_map\": {\"a\": " SH1
+                        ", \"b\": " SH1 ", \"c\": " SH2 "}}"), 0);
+    intake_req *r = take(&f, SET_REL, 3);
+    CHECK_EQ(r->status, INTAKE_INVALID);
+    CHECK_STR(r->err.tensor, "b");
+    CHECK(strstr(r->err.message, "two shards") != NULL);
+    CHECK(strstr(r->err.message, "delta_7-00002-of-00002.safetensors") != NULL);
+    CHECK_EQ(incoming_entries(&f), 0);
+    intake_req_free(r);
+    st_close(f.global);
+}
+
+TEST(intake_set_wrong_total_size_refused)
+{
+    fixture f;
+    fixture_init(&f);
+    CHECK_EQ(write_shard(f.node, "delta_7-00001-of-00002.safetensors", "ab", 0), 0);
+    CHECK_EQ(write_shard(f.node, "delta_7-00002-of-00002.safetensors", "c", 0), 0);
+    CHECK_EQ(write_text(f.node, "delta_7.safetensors.index.json",
+                        "{\"metadata\": {\"total_size\": 47, " META_JSON "}, \"weight_map\": {\"a\": " SH1
+                        ", \"b\": " SH1 ", \"c\": " SH2 "}}"), 0);
+    intake_req *r = take(&f, SET_REL, 3);
+    CHECK_EQ(r->status, INTAKE_INVALID);
+    CHECK(strstr(r->err.message, "total_size is 47") != NULL);
+    intake_req_free(r);
+    /* the same set with the right total is taken */
+    CHECK_EQ(write_text(f.node, "delta_7.safetensors.index.json",
+                        "{\"metadata\": {\"total_size\": 48, " META_JSON "}, \"weight_map\": {\"a\": " SH1
+                        ", \"b\": " SH1 ", \"c\": " SH2 "}}"), 0);
+    r = take(&f, SET_REL, 3);
+    CHECK_EQ(r->status, INTAKE_OK);
+    intake_req_free(r);
+    st_close(f.global);
+}
+
+TEST(intake_set_metadata_must_agree_with_path)
+{
+    fixture f;
+    const st_kv other[] = {{"algorithm", "dumb_diloco"}, {"base_outer_step", "3"}, {"local_step", "8"},
+                           {"node_id", "w1"}};
+    fixture_init(&f);
+    CHECK_EQ(write_delta(f.node, 16, other, 4), 0);     /* delta_7's files saying local step 8 */
+    intake_req *r = take(&f, SET_REL, 3);
+    CHECK_EQ(r->status, INTAKE_INVALID);
+    CHECK_EQ(r->err.code, DL_E_PATH_MISMATCH);
+    intake_req_free(r);
+    st_close(f.global);
+}
+
+TEST(intake_set_nan_names_shard_and_tensor)
+{
+    fixture f;
+    fixture_init(&f);
+    CHECK_EQ(write_shard(f.node, "delta_7-00001-of-00002.safetensors", "ab", 0), 0);
+    CHECK_EQ(write_shard(f.node, "delta_7-00002-of-00002.safetensors", "c", 1), 0);
+    CHECK_EQ(write_text(f.node, "delta_7.safetensors.index.json",
+                        "{\"metadata\": {\"total_size\": 48, " META_JSON "}, \"weight_map\": {\"a\": " SH1
+                        ", \"b\": " SH1 ", \"c\": " SH2 "}}"), 0);
+    intake_req *r = take(&f, SET_REL, 3);
+    CHECK_EQ(r->status, INTAKE_INVALID);
+    CHECK_EQ(r->err.code, DL_E_NON_FINITE);
+    CHECK_STR(r->err.tensor, "c");
+    CHECK(strstr(r->err.message, "shard delta_7-00002-of-00002.safetensors") != NULL);
+    CHECK(strstr(r->err.message, "element 3") != NULL);
+    CHECK_EQ(incoming_entries(&f), 0);
+    intake_req_free(r);
+    st_close(f.global);
+}
+
+TEST(intake_set_shard_being_written_is_incomplete)
+{
+    fixture f;
+    char path[900];
+    fixture_init(&f);
+    CHECK_EQ(write_delta(f.node, 16, NULL, 0), 0);
+    snprintf(path, sizeof(path), "%s/delta_7-00003-of-00003.safetensors", f.node);
+    CHECK_EQ(truncate(path, (off_t)file_size(path) - 6), 0);     /* its last bytes not written yet */
+    intake_req *r = take(&f, SET_REL, 3);
+    CHECK_EQ(r->status, INTAKE_INCOMPLETE);
+    CHECK(strstr(r->err.message, "delta_7-00003-of-00003.safetensors") != NULL);
+    intake_req_free(r);
+    /* an index cut short is on its way too, not malformed */
+    CHECK_EQ(write_text(f.node, "delta_7.safetensors.index.json", "{\"metadata\": {\"total_size\": 48, "), 0);
+    r = take(&f, SET_REL, 3);
+    CHECK_EQ(r->status, INTAKE_INCOMPLETE);
+    intake_req_free(r);
+    st_close(f.global);
+}
+
+TEST(intake_set_stale_or_future_costs_only_the_index)
+{
+    fixture f;
+    char path[900];
+    fixture_init(&f);
+    CHECK_EQ(write_delta(f.node, 16, NULL, 0), 0);
+    for (int i = 1; i <= 3; i++) {       /* no shard at all: only the index can be read */
+        snprintf(path, sizeof(path), "%s/delta_7-%05d-of-00003.safetensors", f.node, i);
+        CHECK_EQ(unlink(path), 0);
+    }
+    intake_req *r = take(&f, SET_REL, 4);
+    CHECK_EQ(r->status, INTAKE_STALE);
+    CHECK_EQ(r->info.base_outer_step, 3);
+    CHECK_EQ(r->size, file_size(r->src_path));
+    intake_req_free(r);
+    r = take(&f, SET_REL, 2);
+    CHECK_EQ(r->status, INTAKE_FUTURE);
+    intake_req_free(r);
+    CHECK_EQ(incoming_entries(&f), 0);
+    st_close(f.global);
+}
+
+TEST(intake_set_and_single_file_are_duplicates_of_each_other)
+{
+    fixture f;
+    fixture_init(&f);
+    CHECK_EQ(write_delta(f.node, 0, NULL, 0), 0);       /* the plain file first */
+    intake_req *r = take(&f, "nodes/w1/delta_7.safetensors", 3);
+    CHECK_EQ(r->status, INTAKE_OK);
+    intake_req_free(r);
+    CHECK_EQ(write_delta(f.node, 16, NULL, 0), 0);      /* then the same step as a set (it replaces the file) */
+    r = take(&f, SET_REL, 3);
+    CHECK_EQ(r->status, INTAKE_DUPLICATE);
+    intake_req_free(r);
+
+    fixture g;
+    char cmd[700];
+    st_close(f.global);
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'/*", test_dir());
+    CHECK_EQ(system(cmd), 0);
+    fixture_init(&g);
+    CHECK_EQ(write_delta(g.node, 16, NULL, 0), 0);      /* the set first */
+    r = take(&g, SET_REL, 3);
+    CHECK_EQ(r->status, INTAKE_OK);
+    intake_req_free(r);
+    CHECK_EQ(write_delta(g.node, 0, NULL, 0), 0);
+    r = take(&g, "nodes/w1/delta_7.safetensors", 3);
+    CHECK_EQ(r->status, INTAKE_DUPLICATE);
+    intake_req_free(r);
+    st_close(g.global);
+}
+
+TEST(intake_set_in_cache_restart_checks_headers)
+{
+    fixture f;
+    char path[900];
+    fixture_init(&f);
+    CHECK_EQ(write_delta(f.node, 16, NULL, 0), 0);
+    intake_req *r = take(&f, SET_REL, 3);
+    CHECK_EQ(r->status, INTAKE_OK);
+    uint64_t size = r->size;
+    char *cached = strdup(r->cache_path);
+    intake_req_free(r);
+    /* a restart: the cached index, no Hub path, no tree */
+    r = calloc(1, sizeof(*r));
+    r->src_path = strdup(cached);
+    r->state_dir = strdup(f.state);
+    r->global = f.global->h;
+    r->step = 3;
+    r->in_cache = 1;
+    intake_run(r);
+    CHECK_EQ(r->status, INTAKE_OK);
+    CHECK_STR(r->cache_path, cached);
+    CHECK_EQ(r->size, size);
+    CHECK_STR(r->info.node_id, "w1");
+    intake_req_free(r);
+    /* a cached set that lost a shard is refused */
+    snprintf(path, sizeof(path), "%s/cache/deltas/s3/w1/delta_7-00002-of-00003.safetensors", f.state);
+    CHECK_EQ(unlink(path), 0);
+    r = calloc(1, sizeof(*r));
+    r->src_path = strdup(cached);
+    r->state_dir = strdup(f.state);
+    r->global = f.global->h;
+    r->step = 3;
+    r->in_cache = 1;
+    intake_run(r);
+    CHECK_EQ(r->status, INTAKE_INVALID);
+    CHECK(strstr(r->err.message, "delta_7-00002-of-00003.safetensors") != NULL);
+    intake_req_free(r);
+    free(cached);
+    st_close(f.global);
+}
+
+TEST(intake_set_linked_shard_refused)
+{
+    fixture f;
+    char path[900];
+    fixture_init(&f);
+    CHECK_EQ(write_delta(f.node, 16, NULL, 0), 0);
+    snprintf(path, sizeof(path), "%s/delta_7-00001-of-00003.safetensors", f.node);
+    CHECK_EQ(rename(path, test_path("elsewhere")), 0);
+    CHECK_EQ(symlink(test_path("elsewhere"), path), 0);
+    intake_req *r = take(&f, SET_REL, 3);
+    CHECK_EQ(r->status, INTAKE_INVALID);
+    CHECK(strstr(r->err.message, "shard delta_7-00001-of-00003.safetensors") != NULL);
+    CHECK(strstr(r->err.message, "symbolic link") != NULL);
+    intake_req_free(r);
+    st_close(f.global);
 }
