@@ -6,6 +6,7 @@
 
 #include "convert.h"
 #include "delta.h"
+#include "st_index.h"
 
 static int fail_locked(outer_pass *p, const dl_error *e)
 {
@@ -38,9 +39,10 @@ static int bind_tensors(outer_pass *p, dl_error *err)
     size_t nfloat = 0;
 
     p->delta_t = calloc(g->ntensors * p->ndeltas + 1, sizeof(*p->delta_t));
+    p->delta_f = calloc(g->ntensors * p->ndeltas + 1, sizeof(*p->delta_f));
     p->mom_t = calloc(g->ntensors + 1, sizeof(*p->mom_t));
     p->mom_spec = calloc(g->ntensors + 1, sizeof(*p->mom_spec));
-    if (p->delta_t == NULL || p->mom_t == NULL || p->mom_spec == NULL)
+    if (p->delta_t == NULL || p->delta_f == NULL || p->mom_t == NULL || p->mom_spec == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     for (size_t ti = 0; ti < g->ntensors; ti++) {
         const st_tensor *t = &g->tensors[ti];
@@ -52,13 +54,15 @@ static int bind_tensors(outer_pass *p, dl_error *err)
                            st_dtype_name(t->dtype));
         p->mom_spec[ti] = nfloat++;
         for (size_t k = 0; k < p->ndeltas; k++) {
-            const st_tensor *d = st_header_find(p->deltas[k]->h, t->name, t->name_len);
+            uint32_t file = 0;
+            const st_tensor *d = st_set_find(p->deltas[k], t->name, t->name_len, &file);
             if (d == NULL)
                 return dl_fail(err, DL_E_KEY_MISMATCH, t->name, t->name_len, "%s lacks this key", p->delta_paths[k]);
             if (!same_shape(t, d) || !delta_dtype_ok(t->dtype, d->dtype))
                 return dl_fail(err, DL_E_SHAPE_MISMATCH, t->name, t->name_len,
                                "%s: tensor does not match the global model", p->delta_paths[k]);
             p->delta_t[ti * p->ndeltas + k] = d;
+            p->delta_f[ti * p->ndeltas + k] = p->deltas[k]->files[file];
         }
         if (p->momentum != NULL) {
             const st_tensor *m = st_header_find(p->momentum->h, t->name, t->name_len);
@@ -69,9 +73,9 @@ static int bind_tensors(outer_pass *p, dl_error *err)
         }
     }
     for (size_t k = 0; k < p->ndeltas; k++) {
-        if (p->deltas[k]->h->ntensors != nfloat)
+        if (p->deltas[k]->ntensors != nfloat)
             return dl_fail(err, DL_E_KEY_MISMATCH, NULL, 0, "%s has %zu tensors, the global model %zu floating ones",
-                           p->delta_paths[k], p->deltas[k]->h->ntensors, nfloat);
+                           p->delta_paths[k], p->deltas[k]->ntensors, nfloat);
     }
     if (p->momentum != NULL && p->momentum->h->ntensors != nfloat)
         return dl_fail(err, DL_E_KEY_MISMATCH, NULL, 0, "momentum file %s has %zu tensors, expected %zu",
@@ -187,8 +191,9 @@ static int prepare(outer_pass *p, dl_error *err)
     if (p->momentum_path != NULL && p->params.momentum != 0.0f &&
         (rc = st_open(p->momentum_path, &p->momentum, err)) != 0)
         return rc;
+    /* a delta is one file or a set (its index): the pass reads each tensor from the file that holds it */
     for (size_t k = 0; k < p->ndeltas; k++) {
-        if ((rc = st_open(p->delta_paths[k], &p->deltas[k], err)) != 0)
+        if ((rc = st_set_open(p->delta_paths[k], &p->deltas[k], err)) != 0)
             return rc;
     }
     if ((rc = bind_tensors(p, err)) != 0 || (rc = open_writers(p, err)) != 0)
@@ -420,7 +425,8 @@ static int process_floating(outer_pass *p, const outer_item *it, outer_bufs *b, 
             return rc;
         for (size_t k = 0; k < nd; k++) {
             const st_tensor *dt = p->delta_t[it->tensor * nd + k];
-            if ((rc = read_lanes(p->deltas[k], dt, e, sn, b->sub_raw, b->d + k * sub * 2, err)) != 0)
+            const st_file *df = p->delta_f[it->tensor * nd + k];
+            if ((rc = read_lanes(df, dt, e, sn, b->sub_raw, b->d + k * sub * 2, err)) != 0)
                 return rc;
             bytes += sn * (st_dtype_bits(dt->dtype) / 8);
         }
@@ -543,15 +549,17 @@ int outer_finish(outer_pass *p, dl_error *err)
     st_close(p->global);
     st_close(p->momentum);
     for (size_t k = 0; p->deltas != NULL && k < p->ndeltas; k++)
-        st_close(p->deltas[k]);
+        st_set_close(p->deltas[k]);
     free(p->deltas);
     free(p->delta_t);
+    free(p->delta_f);
     free(p->mom_t);
     free(p->mom_spec);
     free(p->items);
     p->global = p->momentum = NULL;
     p->deltas = NULL;
     p->delta_t = p->mom_t = NULL;
+    p->delta_f = NULL;
     p->mom_spec = NULL;
     p->items = NULL;
     pthread_mutex_destroy(&p->lock);

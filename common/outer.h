@@ -41,7 +41,8 @@ typedef struct outer_pass {
     /* inputs, set by the caller before outer_prepare */
     const char *global_path;
     const char *momentum_path;  /* NULL: no momentum yet (first step, or adopted model) */
-    const char *const *delta_paths;     /* in aggregation order (ascending node id) */
+    const char *const *delta_paths;     /* in aggregation order (ascending node id); each a single file or
+                                           the index of a set (st_index.h) */
     size_t ndeltas;
     const char *out_global_path;
     const char *out_momentum_path;      /* NULL when params.momentum == 0 */
@@ -53,8 +54,10 @@ typedef struct outer_pass {
                                    durable later (its redo record can recompute them after a crash) */
 
     /* state */
-    st_file *global, *momentum, **deltas;
+    st_file *global, *momentum;
+    struct st_set **deltas;     /* one file or a set each */
     const st_tensor **delta_t;  /* [item tensor][node]: the delta tensor for each global tensor */
+    const st_file **delta_f;    /* [item tensor][node]: the file (of its set) that holds it */
     const st_tensor **mom_t;    /* [tensor]: momentum tensor or NULL */
     size_t *mom_spec;           /* [tensor]: index into the momentum writer's specs */
     st_writer *w_global, *w_momentum;

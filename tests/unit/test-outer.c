@@ -6,7 +6,9 @@
 #include <unistd.h>
 
 #include "convert.h"
+#include "fsutil.h"
 #include "outer.h"
+#include "st_index.h"
 
 /* Files: a global with an F32 weight "w" (n elements), a BF16 weight "h" (n), a C64 "z" (3) and an
  * I64 "k"; three F32 deltas. */
@@ -113,6 +115,7 @@ typedef struct run_cfg {
     const char *mom_in;
     const char *mom_out;
     outer_params params;
+    const char *const *deltas;  /* test_dir() names of the three deltas (NULL: d0, d1, d2) */
 } run_cfg;
 
 static void *run_thread(void *p)
@@ -127,9 +130,9 @@ static int run_pass(const run_cfg *c, outer_pass *p)
     static char names[3][512];
     dl_error err;
     for (int k = 0; k < 3; k++) {
-        char n[8];
+        char n[64];
         snprintf(n, sizeof(n), "d%d", k);
-        snprintf(names[k], sizeof(names[k]), "%s", test_path(n));
+        snprintf(names[k], sizeof(names[k]), "%s", test_path(c->deltas ? c->deltas[k] : n));
         paths[k] = names[k];
     }
     static char g[512], out[512], mi[512], mo[512];
@@ -244,8 +247,8 @@ TEST(outer_first_step_is_torch_sgd_and_chunking_independent)
 {
     outer_pass p;
     make_files();
-    run_cfg big = {64 << 20, 1, "out1", NULL, "mom1", NESTEROV};
-    run_cfg tiny = {1, 2, "out2", NULL, "mom2", NESTEROV};      /* 4096-element chunks, two threads */
+    run_cfg big = {64 << 20, 1, "out1", NULL, "mom1", NESTEROV, NULL};
+    run_cfg tiny = {1, 2, "out2", NULL, "mom2", NESTEROV, NULL};      /* 4096-element chunks, two threads */
     CHECK_EQ(run_pass(&big, &p), 0);
     outer_free(&p);
     CHECK_EQ(run_pass(&tiny, &p), 0);
@@ -274,10 +277,10 @@ TEST(outer_second_step_uses_momentum_file)
 {
     outer_pass p;
     make_files();
-    run_cfg first = {64 << 20, 1, "out1", NULL, "mom1", NESTEROV};
+    run_cfg first = {64 << 20, 1, "out1", NULL, "mom1", NESTEROV, NULL};
     CHECK_EQ(run_pass(&first, &p), 0);
     outer_free(&p);
-    run_cfg second = {64 << 20, 1, "out2", "mom1", "mom2", NESTEROV};
+    run_cfg second = {64 << 20, 1, "out2", "mom1", "mom2", NESTEROV, NULL};
     CHECK_EQ(run_pass(&second, &p), 0);
     outer_free(&p);
     int fused = 0;
@@ -290,15 +293,15 @@ TEST(outer_heavy_ball_and_plain_sgd_are_torch_sgd)
     outer_pass p;
     make_files();
     int fused = 0;
-    run_cfg first = {1 << 20, 2, "out1", NULL, "mom1", HEAVY_BALL};
+    run_cfg first = {1 << 20, 2, "out1", NULL, "mom1", HEAVY_BALL, NULL};
     CHECK_EQ(run_pass(&first, &p), 0);
     outer_free(&p);
     CHECK_EQ(check_against_torch(&first, &fused), 0);
-    run_cfg second = {1 << 20, 2, "out2", "mom1", "mom2", HEAVY_BALL};
+    run_cfg second = {1 << 20, 2, "out2", "mom1", "mom2", HEAVY_BALL, NULL};
     CHECK_EQ(run_pass(&second, &p), 0);
     outer_free(&p);
     CHECK_EQ(check_against_torch(&second, &fused), 0);
-    run_cfg plain = {1 << 20, 2, "out3", NULL, "mom3", PLAIN};
+    run_cfg plain = {1 << 20, 2, "out3", NULL, "mom3", PLAIN, NULL};
     CHECK_EQ(run_pass(&plain, &p), 0);
     outer_free(&p);
     CHECK_EQ(check_against_torch(&plain, &fused), 0);
@@ -316,17 +319,17 @@ TEST(outer_fma_and_portable_paths_agree)
     for (int k = 0; k < 3; k++) {
         char a[512], b[512];
         outer_force_portable = 0;
-        run_cfg fast = {1 << 20, 2, "out1", NULL, "mom1", all[k]};
+        run_cfg fast = {1 << 20, 2, "out1", NULL, "mom1", all[k], NULL};
         CHECK_EQ(run_pass(&fast, &p), 0);
         outer_free(&p);
-        run_cfg fast2 = {1 << 20, 2, "out2", "mom1", "mom2", all[k]};
+        run_cfg fast2 = {1 << 20, 2, "out2", "mom1", "mom2", all[k], NULL};
         CHECK_EQ(run_pass(&fast2, &p), 0);
         outer_free(&p);
         outer_force_portable = 1;
-        run_cfg port = {1 << 20, 2, "out3", NULL, "mom3", all[k]};
+        run_cfg port = {1 << 20, 2, "out3", NULL, "mom3", all[k], NULL};
         CHECK_EQ(run_pass(&port, &p), 0);
         outer_free(&p);
-        run_cfg port2 = {1 << 20, 2, "out4", "mom3", "mom4", all[k]};
+        run_cfg port2 = {1 << 20, 2, "out4", "mom3", "mom4", all[k], NULL};
         CHECK_EQ(run_pass(&port2, &p), 0);
         outer_free(&p);
         outer_force_portable = 0;
@@ -350,7 +353,7 @@ TEST(outer_mean_starts_from_positive_zero)
 {
     outer_pass p;
     make_files();
-    run_cfg c = {1 << 20, 1, "out1", NULL, "mom1", NESTEROV};
+    run_cfg c = {1 << 20, 1, "out1", NULL, "mom1", NESTEROV, NULL};
     CHECK_EQ(run_pass(&c, &p), 0);
     outer_free(&p);
     static float w1[N], m1[N];
@@ -374,11 +377,98 @@ TEST(outer_mismatched_delta_refused_and_nothing_left)
     const void *bd[] = {x, dlt[0], dz[0]};
     dl_error err;
     CHECK_EQ(st_save(test_path("d1"), bad, bd, 3, NULL, 0, &err), 0);
-    run_cfg c = {1 << 20, 1, "out", NULL, "mom", NESTEROV};
+    run_cfg c = {1 << 20, 1, "out", NULL, "mom", NESTEROV, NULL};
     CHECK(run_pass(&c, &p) != 0);
     CHECK_EQ(p.err.code, DL_E_SHAPE_MISMATCH);
     outer_free(&p);
     char cmd[600];
     snprintf(cmd, sizeof(cmd), "test $(ls -A '%s' | grep -c -e out -e mom -e tmp) -eq 0", test_dir());
     CHECK_EQ(system(cmd), 0);
+}
+
+/* Delta k saved again as a set split at shard_size (huggingface_hub's split, in the order w, h, z)
+ * under test_dir()/name/: returns how many files it has. */
+static uint32_t save_delta_set(int k, const char *name, uint64_t shard_size)
+{
+    uint64_t sn[] = {N}, s3[] = {3};
+    st_spec d[] = {{"w", 1, ST_F32, 1, sn}, {"h", 1, ST_F32, 1, sn}, {"z", 1, ST_C64, 1, s3}};
+    const void *dd[] = {dlt[k], dlt[(k + 1) % 3], dz[k]};
+    const uint64_t bytes[] = {4 * (uint64_t)N, 4 * (uint64_t)N, 24};
+    char dir[600], path[700];
+    st_set_writer *w = NULL;
+    dl_error err;
+    uint32_t n = 0;
+
+    snprintf(dir, sizeof(dir), "%s", test_path(name));
+    if (fsu_mkdirs(dir, &err) != 0)
+        return 0;
+    snprintf(path, sizeof(path), "%s/delta.safetensors", dir);
+    if (st_set_writer_open(path, d, 3, NULL, 0, shard_size, &w, &err) != 0)
+        return 0;
+    for (size_t i = 0; i < 3; i++) {
+        if (st_set_writer_write(w, i, 0, dd[i], bytes[i], &err) != 0) {
+            st_set_writer_abort(w);
+            return 0;
+        }
+    }
+    n = st_set_writer_nshards(w);
+    return st_set_writer_commit(w, &err) == 0 ? n : 0;
+}
+
+TEST(outer_sharded_deltas_bit_identical_to_single_files)
+{
+    outer_pass p;
+    int fused = 0;
+    make_files();
+    /* one tensor per shard (w | h | z), mixed (w | h + z), each tensor larger than the shard size
+     * (w | h | z, over 100000 bytes each) */
+    CHECK_EQ(save_delta_set(0, "one", 4 * (uint64_t)N), 3);
+    CHECK_EQ(save_delta_set(1, "mixed", 4 * (uint64_t)N + 24), 2);
+    CHECK_EQ(save_delta_set(2, "large", 100000), 3);
+    CHECK_EQ(save_delta_set(0, "mixed0", 4 * (uint64_t)N + 24), 2);
+    CHECK_EQ(save_delta_set(1, "large1", 100000), 3);
+    CHECK_EQ(save_delta_set(2, "one2", 4 * (uint64_t)N), 3);
+    run_cfg single = {1 << 20, 2, "out", NULL, "mom", NESTEROV, NULL};
+    CHECK_EQ(run_pass(&single, &p), 0);
+    outer_free(&p);
+    CHECK_EQ(check_against_torch(&single, &fused), 0);
+    static const char *const all_sets[] = {"one/delta.safetensors.index.json", "mixed/delta.safetensors.index.json",
+                                           "large/delta.safetensors.index.json"};
+    static const char *const other_sets[] = {"mixed0/delta.safetensors.index.json",
+                                             "large1/delta.safetensors.index.json", "one2/delta.safetensors.index.json"};
+    static const char *const mixed_nodes[] = {"d0", "mixed/delta.safetensors.index.json", "d2"};
+    static const char *const *const cases[] = {all_sets, other_sets, mixed_nodes};
+    for (size_t c = 0; c < 3; c++) {
+        /* small budget and 3 threads: items cross tensors' shard boundaries in every order */
+        run_cfg sharded = {64 << 10, 3, "out_s", NULL, "mom_s", NESTEROV, cases[c]};
+        CHECK_EQ(run_pass(&sharded, &p), 0);
+        outer_free(&p);
+        CHECK(same_file(test_path("out"), test_path("out_s")));
+        CHECK(same_file(test_path("mom"), test_path("mom_s")));
+    }
+    /* a later step (momentum read) over sets, against the same step over single files */
+    run_cfg second = {1 << 20, 2, "out2", "mom", "mom2", NESTEROV, NULL};
+    CHECK_EQ(run_pass(&second, &p), 0);
+    outer_free(&p);
+    run_cfg second_s = {1 << 20, 2, "out2_s", "mom", "mom2_s", NESTEROV, mixed_nodes};
+    CHECK_EQ(run_pass(&second_s, &p), 0);
+    outer_free(&p);
+    CHECK(same_file(test_path("out2"), test_path("out2_s")));
+    CHECK(same_file(test_path("mom2"), test_path("mom2_s")));
+}
+
+TEST(outer_set_missing_a_tensor_refused)
+{
+    outer_pass p;
+    make_files();
+    CHECK_EQ(save_delta_set(1, "mixed", 4 * (uint64_t)N + 24), 2);
+    /* the set's second shard (h and z) gone: the set does not open, the pass names the shard */
+    char path[700];
+    snprintf(path, sizeof(path), "%s", test_path("mixed/delta-00002-of-00002.safetensors"));
+    CHECK_EQ(unlink(path), 0);
+    static const char *const nodes[] = {"d0", "mixed/delta.safetensors.index.json", "d2"};
+    run_cfg c = {1 << 20, 1, "out", NULL, "mom", NESTEROV, nodes};
+    CHECK(run_pass(&c, &p) != 0);
+    outer_free(&p);
+    CHECK(access(test_path("out"), F_OK) != 0);
 }
