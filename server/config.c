@@ -3,8 +3,10 @@
 #include "hub.h"
 #include "hub_hf.h"
 #include "safetensors.h"
+#include "st_index.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <math.h>
 #include <netdb.h>
 #include <stdarg.h>
@@ -18,7 +20,7 @@
 
 /* T_STR must not be empty; T_OPTSTR may be unset, and an empty value unsets it (a flag can so
  * cancel a file's path: --token-file '') */
-typedef enum opt_type { T_STR, T_OPTSTR, T_UINT, T_DOUBLE, T_OPTIMIZER, T_NODES, T_LOGLEVEL, T_LOGFORMAT } opt_type;
+typedef enum opt_type { T_STR, T_OPTSTR, T_UINT, T_DOUBLE, T_OPTIMIZER, T_NODES, T_LOGLEVEL, T_LOGFORMAT, T_SIZE } opt_type;
 
 typedef struct opt {
     const char *key;            /* file key; the flag is "--" + key with '_' -> '-' */
@@ -65,6 +67,7 @@ static const opt options[] = {
     {"s3_region", T_OPTSTR, OFF(s3_region), 0, 0, "REGION     s3:// SigV4 region (default $AWS_REGION, $AWS_DEFAULT_REGION or us-east-1)"},
     {"s3_addressing", T_STR, OFF(s3_addressing), 0, 0, "MODE   s3:// bucket addressing: auto | path | virtual"},
     {"s3_part_mib", T_UINT, OFF(s3_part_mib), 5, 5120, "MIB      s3:// multipart upload above this size, in parts of this size"},
+    {"shard_size", T_SIZE, OFF(shard_size), 0, 0, "SIZE      publish the global sharded (index + shards) above SIZE: bytes or 5GB, 500MB ... (0 = never)"},
     {"s3_credentials_file", T_OPTSTR, OFF(s3_credentials_file), 0, 0, "FILE  s3:// AWS credentials file (default $AWS_ACCESS_KEY_ID/$AWS_SECRET_ACCESS_KEY)"},
 };
 
@@ -237,6 +240,11 @@ static int set_option(config *c, const opt *o, const char *v, const char *origin
     case T_LOGLEVEL:
         if (dl_log_parse_level(v, (dl_log_level *)field) != 0)
             return bad(origin, o->key, "'%s' is not a log level (error, warn, info, debug)", v);
+        return 0;
+    case T_SIZE:
+        /* huggingface_hub's max_shard_size spelling: "5GB" is 5 * 10^9 */
+        if (st_parse_size(v, (uint64_t *)field) != 0)
+            return bad(origin, o->key, "'%s' is not a size (bytes, or a number with KB, MB, GB or TB)", v);
         return 0;
     case T_LOGFORMAT:
         if (strcmp(v, "text") == 0)
@@ -422,6 +430,7 @@ static void set_defaults(config *c)
     c->s3_addressing = strdup("auto");
     c->history_keep = 100000;
     c->s3_part_mib = 64;
+    c->shard_size = ST_SHARD_SIZE_DEFAULT;
 }
 
 /* A file an option names is opened by its reader without O_NONBLOCK: a FIFO or a device there would
@@ -634,10 +643,11 @@ static int state_committed(const config *c)
 }
 
 /* Startup uses the init model only when <state_root>/<id> holds no committed step: then it must be a
- * safetensors file, read as the bootstrap reads it (header parsed, sizes checked; data not read). */
+ * safetensors file or a sharded checkpoint's index, read as the bootstrap reads it (headers parsed,
+ * sizes and the set checked; data not read). */
 static int check_init_model(const config *c)
 {
-    st_file *f = NULL;
+    st_set *f = NULL;
     dl_error err;
     int rc, committed;
 
@@ -650,10 +660,11 @@ static int check_init_model(const config *c)
     if ((rc = check_regular_file(c, "init_model", c->init_model)) != 0)
         return rc;
     dl_error_clear(&err);
-    if (st_open(c->init_model, &f, &err) != 0)
-        return bad_opt(c, "init_model", "%s is not a usable safetensors file: %s: %s", c->init_model,
+    /* one file, or the index of a sharded checkpoint (its shards checked as a set) */
+    if (st_set_open(c->init_model, &f, &err) != 0)
+        return bad_opt(c, "init_model", "%s is not a usable safetensors file or index: %s: %s", c->init_model,
                        dl_error_name(err.code), err.message);
-    st_close(f);
+    st_set_close(f);
     return 0;
 }
 
@@ -866,7 +877,7 @@ void config_print(const config *c, FILE *out)
     fprintf(out, "prune_consumed = %u\nhistory_keep = %u\n", c->prune_consumed, c->history_keep);
     print_str(out, "s3_region", c->s3_region, " (s3:// only)");
     print_str(out, "s3_addressing", c->s3_addressing, "");
-    fprintf(out, "s3_part_mib = %u\n", c->s3_part_mib);
+    fprintf(out, "s3_part_mib = %u\nshard_size = %" PRIu64 "\n", c->s3_part_mib, c->shard_size);
     print_str(out, "s3_credentials_file", c->s3_credentials_file, " (s3:// keys from the environment)");
 }
 

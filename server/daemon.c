@@ -22,6 +22,8 @@
 #include "outer.h"
 #include "round.h"
 #include "safetensors.h"
+#include "st_index.h"
+#include "st_reshard.h"
 #include "store.h"
 
 #define MAX_INTAKE_IN_FLIGHT 2
@@ -128,6 +130,37 @@ static void unlink_async(dilocod *d, const char *path)
         free(req);
 }
 
+static int is_index_path(const char *path)
+{
+    size_t n = strlen(path), sl = strlen(ST_INDEX_SUFFIX);
+    return n > sl && strcmp(path + n - sl, ST_INDEX_SUFFIX) == 0;
+}
+
+static void remove_work(job *j)
+{
+    j->rc = j->flag ? store_remove_tree(j->arg) : store_remove_delta(j->arg);
+}
+
+static void remove_done(job *j)
+{
+    free(j->arg);
+}
+
+/* Deletes a delta or a global of ours without blocking the loop: a file, or a set.  A set in the
+ * cache goes as its index and shards; a transport's download (download = 1) as the directory that
+ * holds only that set (hub.h). */
+static void discard_local(dilocod *d, const char *path, int download)
+{
+    char *p;
+
+    if (!is_index_path(path)) {
+        unlink_async(d, path);
+        return;
+    }
+    p = download ? strndup(path, (size_t)(strrchr(path, '/') - path)) : strdup(path);
+    if (p == NULL || daemon__queue(d, remove_work, remove_done, p, 0, download) != 0)
+        free(p);
+}
 
 static intake_req *enqueue_intake(dilocod *d, const char *path, const char *rel, int in_cache, int remove_src)
 {
@@ -173,7 +206,7 @@ static void on_delta_ready(void *app, const hub_delta *hd)
     }
     if (r == NULL) {
         if (hd->owned)
-            unlink_async(d, hd->path);
+            discard_local(d, hd->path, 1);
         hub_mark_done(d->hub, hd->rel, HUB_RETRY, NULL);
         return;
     }
@@ -216,7 +249,7 @@ round_verdict daemon__offer(dilocod *d, const delta_info *info, char *cache_path
                d->cfg->expected_nodes);
         stats_delta_taken(&d->m, v);
         if (replaced != NULL) {
-            unlink_async(d, replaced);
+            discard_local(d, replaced, 0);
             free(replaced);
         }
         if (first && d->rnd.timeout > 0)
@@ -228,7 +261,7 @@ round_verdict daemon__offer(dilocod *d, const delta_info *info, char *cache_path
     dl_log(v == ROUND_NOT_NEWER ? DL_LOG_INFO : DL_LOG_WARN, "round", "delta refused",
            "step=%" PRIu64 " node=%s local_step=%" PRIu64 " base_outer_step=%" PRIu64 " reason=%s", d->rnd.step,
            dl_log_q(qn, sizeof(qn), info->node_id), info->local_step, info->base_outer_step, round_verdict_name(v));
-    unlink_async(d, cache_path);        /* refused: its cached copy has no use */
+    discard_local(d, cache_path, 0);    /* refused: its cached copy has no use */
     free(cache_path);
     return v;
 }
@@ -328,7 +361,7 @@ static void intake_done(job *j)
                dl_log_q(qn, sizeof(qn), r->info.node_id),
                r->info.base_outer_step, d->rnd.step, intake_status_name(r->status));
         if (r->in_cache)
-            unlink_async(d, r->src_path);
+            discard_local(d, r->src_path, 0);
         if (r->status == INTAKE_STALE && r->rel_path != NULL)
             prune_now(d, r->rel_path);
         break;
@@ -344,14 +377,14 @@ static void intake_done(job *j)
     case INTAKE_INVALID:
         daemon__rejected(d, name, &r->err);
         if (r->in_cache)
-            unlink_async(d, r->src_path);
+            discard_local(d, r->src_path, 0);
         break;
     case INTAKE_IO:
         log_error("intake", "cannot take in a delta", &r->err);
         break;
     }
     if (r->remove_src)
-        unlink_async(d, r->src_path);       /* a download: its validated copy is in the cache */
+        discard_local(d, r->src_path, 1);   /* a download: its validated copy is in the cache */
     intake_req_free(r);
     dispatch_intake(d);
 }
@@ -633,43 +666,213 @@ static void start_settle(dilocod *d, uint64_t step)
     queue_settle(d, a);
 }
 
-/* Serves fd (the committed global of step) for GET /global/latest.safetensors.  A negative errno
- * in fd (the open failed: EMFILE, say) keeps the previous file served, a consistent older step
- * rather than a 503, and daemon__global() tries again. */
-static void set_served_global(dilocod *d, int fd, uint64_t step)
+/* ---- the served and published layout ------------------------------------------------------------ */
+
+/* The index of step's published set (global/set-<step>/latest.safetensors.index.json), malloc'd. */
+static char *set_index_path(dilocod *d, uint64_t step)
+{
+    char *dir = store_set_dir(&d->st, step), *p = NULL;
+    if (dir != NULL && asprintf(&p, "%s/latest" ST_INDEX_SUFFIX, dir) < 0)
+        p = NULL;
+    free(dir);
+    return p;
+}
+
+static void served_file_clear(served_file *f)
+{
+    if (f->file != NULL)
+        http_file_unref(f->file);
+    memset(f, 0, sizeof(*f));
+}
+
+static void served_clear(served_global *g)
+{
+    served_file_clear(&g->single);
+    served_file_clear(&g->index);
+    for (uint32_t i = 0; i < g->nshards; i++)
+        served_file_clear(&g->shards[i]);
+    free(g->shards);
+    memset(g, 0, sizeof(*g));
+}
+
+/* f serves fd (a file of step; fd taken, or a negative errno).  0 or a negative errno. */
+static int served_file_set(served_file *f, int fd, uint64_t step)
 {
     struct stat sb;
-    http_file *f;
 
-    if (fd < 0 || fstat(fd, &sb) != 0) {
-        int e = fd < 0 ? -fd : errno;
+    if (fd < 0)
+        return fd;
+    if (fstat(fd, &sb) != 0) {
+        int e = -errno;
+        close(fd);
+        return e;
+    }
+    if ((f->file = http_file_new(fd)) == NULL)
+        return -ENOMEM;
+    f->size = (uint64_t)sb.st_size;
+    snprintf(f->etag, sizeof(f->etag), "\"s%" PRIu64 "-%" PRIx64 "-%" PRIx64 "\"", step, (uint64_t)sb.st_ino,
+             (uint64_t)sb.st_size);
+    return 0;
+}
+
+/* Opens step's published set (the index and every shard) into g.  0 or a negative errno. */
+static int served_open_set(dilocod *d, served_global *g, uint64_t step)
+{
+    char *index = set_index_path(d, step), *dir = store_set_dir(&d->st, step), name[ST_INDEX_BASE_MAX + 40];
+    char *path = NULL;
+    int rc = index != NULL && dir != NULL ? 0 : -ENOMEM;
+
+    if (rc == 0)
+        rc = served_file_set(&g->index, open_for_download(index), step);
+    if (rc == 0 && (g->shards = calloc(d->set_nshards, sizeof(*g->shards))) == NULL)
+        rc = -ENOMEM;
+    for (uint32_t i = 0; rc == 0 && i < d->set_nshards; i++) {
+        g->nshards = i + 1;
+        if (st_index_shard_name("latest", i, d->set_nshards, name, sizeof(name)) != 0 ||
+            asprintf(&path, "%s/%s", dir, name) < 0) {
+            path = NULL;
+            rc = -ENOMEM;
+            break;
+        }
+        rc = served_file_set(&g->shards[i], open_for_download(path), step);
+        free(path);
+        path = NULL;
+    }
+    free(index);
+    free(dir);
+    return rc;
+}
+
+/* Serves the committed step's global in its published layout.  fd: the step's single file already
+ * opened (a commit opens it off the loop), or a negative errno to open it here.  A failure (EMFILE,
+ * say) keeps the previous step served, a consistent older step rather than a 503, and
+ * daemon__global() tries again.  A sharded layout is served once its set is written. */
+static void serve_step(dilocod *d, int fd, uint64_t step)
+{
+    served_global g = {.step = step};
+    int rc;
+
+    if (d->set_nshards > 1) {
         if (fd >= 0)
             close(fd);
+        if (d->set_step != (int64_t)step) {
+            d->global_stale = 1;        /* until the set is written: the previous step stays served */
+            return;
+        }
+        rc = served_open_set(d, &g, step);
+    } else {
+        rc = served_file_set(&g.single, fd >= 0 ? fd : open_for_download(d->st.global_path), step);
+    }
+    if (rc != 0) {
         if (!d->global_stale)
             dl_log(DL_LOG_WARN, "http", "cannot open the committed global for downloads, will retry",
-                   "step=%" PRIu64 " serving=%s error=%s", step, d->global.file ? "previous step" : "nothing",
-                   strerror(e));
+                   "step=%" PRIu64 " serving=%s error=%s", step, d->global.available ? "previous step" : "nothing",
+                   strerror(-rc));
+        served_clear(&g);
         d->global_stale = 1;
         return;
     }
-    if ((f = http_file_new(fd)) == NULL) {
-        d->global_stale = 1;
-        return;
-    }
-    http_file_unref(d->global.file);
-    d->global.file = f;
-    d->global.step = step;
-    d->global.size = (uint64_t)sb.st_size;
-    snprintf(d->global.etag, sizeof(d->global.etag), "\"s%" PRIu64 "-%" PRIx64 "-%" PRIx64 "\"", step,
-             (uint64_t)sb.st_ino, (uint64_t)sb.st_size);
+    g.available = 1;
+    served_clear(&d->global);
+    d->global = g;
     d->global_stale = 0;
 }
 
 const served_global *daemon__global(dilocod *d)
 {
-    if (d->global_stale && d->st.committed)
-        set_served_global(d, open_for_download(d->st.global_path), d->st.step);
+    if (d->global_stale && d->st.committed && (d->set_nshards <= 1 || d->set_step == (int64_t)d->st.step))
+        serve_step(d, -1, d->st.step);
     return &d->global;
+}
+
+/* Writes the committed step's published set from its single file, on the pool (j->arg: that file,
+ * j->u: the step).  An index already there is a complete set (written last). */
+static void set_work(job *j)
+{
+    dilocod *d = j->d;
+    char *dir = store_set_dir(&d->st, j->u), *index = set_index_path(d, j->u), *dst = NULL;
+
+    if (dir == NULL || index == NULL || asprintf(&dst, "%s/latest.safetensors", dir) < 0) {
+        dst = NULL;
+        j->rc = dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    } else if (access(index, F_OK) == 0) {
+        j->rc = 0;
+    } else if ((j->rc = fsu_mkdirs(dir, &j->err)) == 0) {
+        j->rc = st_reshard(j->arg, dst, d->cfg->shard_size, NULL, 0, NULL, &j->err);
+    }
+    free(dir);
+    free(index);
+    free(dst);
+}
+
+static void ensure_set(dilocod *d);
+
+static void set_retry_cb(uv_timer_t *t)
+{
+    ensure_set(container_of(t, dilocod, set_timer));
+}
+
+static void set_done(job *j)
+{
+    dilocod *d = j->d;
+
+    d->set_in_flight = 0;
+    free(j->arg);
+    if (d->stopping)
+        return;
+    if (j->rc != 0) {
+        log_error("store", "cannot write the sharded global, will retry", &j->err);
+        uv_timer_start(&d->set_timer, set_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
+        return;
+    }
+    d->set_step = (int64_t)j->u;
+    dl_log(DL_LOG_DEBUG, "store", "sharded global written", "step=%" PRIu64 " shards=%u", j->u, d->set_nshards);
+    if (j->u == d->st.step) {
+        serve_step(d, -1, j->u);
+        maybe_publish(d);
+    }
+    ensure_set(d);              /* a newer step may have been committed meanwhile */
+}
+
+/* Above --shard-size, the committed step is published and served as a set: written once per step. */
+static void ensure_set(dilocod *d)
+{
+    char *src;
+
+    if (d->set_nshards <= 1 || d->set_in_flight || d->stopping || !d->st.committed ||
+        d->set_step == (int64_t)d->st.step)
+        return;
+    if ((src = strdup(d->st.global_path)) == NULL ||
+        daemon__queue(d, set_work, set_done, src, d->st.step, 0) != 0) {
+        free(src);
+        uv_timer_start(&d->set_timer, set_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
+        return;
+    }
+    d->set_in_flight = 1;
+}
+
+/* The published layout of the model: how many shards --shard-size makes (1: the plain file), in
+ * the single file's data order, as st_reshard writes them. */
+static void plan_layout(dilocod *d)
+{
+    st_spec *specs = malloc((d->model->ntensors ? d->model->ntensors : 1) * sizeof(*specs));
+    uint32_t *plan = malloc((d->model->ntensors ? d->model->ntensors : 1) * sizeof(*plan)), n = 1;
+    dl_error err;
+
+    if (specs != NULL && plan != NULL) {
+        for (size_t i = 0; i < d->model->ntensors; i++) {
+            const st_tensor *t = &d->model->tensors[i];
+            specs[i] = (st_spec){t->name, t->name_len, t->dtype, t->ndim, t->shape};
+        }
+        if (st_index_plan(specs, d->model->ntensors, d->cfg->shard_size, plan, &n, &err) != 0)
+            n = 1;
+    }
+    free(specs);
+    free(plan);
+    if (n != d->set_nshards && n > 1)
+        dl_log(DL_LOG_INFO, "store", "the global is published sharded", "shards=%u shard_size=%" PRIu64, n,
+               d->cfg->shard_size);
+    d->set_nshards = n;
 }
 
 /* The closing round's record, built before its commit (the commit makes it durable with the step):
@@ -789,7 +992,8 @@ static void commit_done(job *j)
     }
     log_round_stats(d);
     record_round(d);
-    set_served_global(d, j->flag, d->st.step);
+    serve_step(d, j->flag, d->st.step);
+    ensure_set(d);
     d->committed_at = time(NULL);
     dl_log(DL_LOG_INFO, "store", "committed", "step=%" PRIu64 " global=%s", d->st.step, d->st.global_path);
     start_settle(d, d->st.step);
@@ -1101,6 +1305,17 @@ static void maybe_publish(dilocod *d)
     if (d->hub == NULL || d->publish_in_flight || d->stopping || !d->st.committed || !d->published_known ||
         d->published_step == (int64_t)d->st.step)
         return;
+    if (d->set_nshards > 1) {
+        /* the sharded layout: its set once written (ensure_set publishes when it is) */
+        char *index = d->set_step == (int64_t)d->st.step ? set_index_path(d, d->st.step) : NULL;
+        if (index == NULL)
+            return;
+        d->publish_in_flight = 1;
+        hub_publish(d->hub, d->st.step, index, config_optimizer_name(d->cfg->optimizer),
+                    d->st.bootstrap && d->st.step == 0);
+        free(index);
+        return;
+    }
     d->publish_in_flight = 1;
     hub_publish(d->hub, d->st.step, d->st.global_path, config_optimizer_name(d->cfg->optimizer),
                 d->st.bootstrap && d->st.step == 0);
@@ -1158,9 +1373,14 @@ static int adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap,
     if (dst == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     info.global_path = dst;
-    /* validate first: a damaged model must not become our state */
-    if ((rc = open_model(d, src, err)) == 0)
+    /* validate first: a damaged model must not become our state.  A sharded global (an index and its
+     * shards, checked as a set) becomes one file: the state keeps the plain layout whatever the size */
+    if (is_index_path(src)) {
+        if ((rc = st_reshard(src, dst, 0, NULL, 0, NULL, err)) == 0 && (rc = open_model(d, dst, err)) != 0)
+            unlink(dst);
+    } else if ((rc = open_model(d, src, err)) == 0) {
         rc = bootstrap ? hubfile_copy(src, dst, err) : move_into_place(src, dst, err);
+    }
     if (rc == 0)
         rc = store_commit(&d->st, &info, err);
     free(dst);
@@ -1186,7 +1406,7 @@ static void adopt_done(job *j)
 
     d->bootstrap_in_flight = 0;
     if (!a->bootstrap)
-        unlink_async(d, a->path);       /* moved into place, or refused: either way gone */
+        discard_local(d, a->path, 1);   /* moved into place, or refused: either way gone */
     if (j->rc != 0) {
         log_error("store", a->bootstrap ? "cannot bootstrap from --init-model" : "cannot adopt the published global",
                   &j->err);
@@ -1215,7 +1435,7 @@ static void start_adopt(dilocod *d, const char *path, uint64_t step, int bootstr
     adopt_args *a = calloc(1, sizeof(*a));
     if (d->bootstrap_in_flight || d->stopping || a == NULL || (a->path = strdup(path)) == NULL) {
         if (!bootstrap)
-            unlink_async(d, path);
+            discard_local(d, path, 1);
         if (a != NULL)
             free(a->path);
         free(a);
@@ -1227,7 +1447,7 @@ static void start_adopt(dilocod *d, const char *path, uint64_t step, int bootstr
         d->bootstrap_in_flight = 1;
     } else {
         if (!bootstrap)
-            unlink_async(d, path);
+            discard_local(d, path, 1);
         free(a->path);
         free(a);
     }
@@ -1260,7 +1480,7 @@ static void on_global_ready(void *app, uint64_t step, const char *local_path)
 {
     dilocod *d = app;
     if (d->state != S_WAITING_GLOBAL) {
-        unlink_async(d, local_path);
+        discard_local(d, local_path, 1);
         return;
     }
     start_adopt(d, local_path, step, 0);
@@ -1299,7 +1519,12 @@ static void requeue_cache(dilocod *d)
             if (uv_fs_scandir(&d->loop, &sreq, sub, 0, NULL) >= 0) {
                 while (uv_fs_scandir_next(&sreq, &f) != UV_EOF) {
                     char *abs = NULL;
-                    if (strncmp(f.name, "delta_", 6) != 0 || asprintf(&abs, "%s/%s", sub, f.name) < 0)
+                    char base[ST_INDEX_BASE_MAX + 1];
+                    uint32_t si, sn;
+                    st_name_kind kind = st_index_classify(f.name, strlen(f.name), base, &si, &sn);
+                    /* a set is taken in through its index (its shards go with it) */
+                    if (strncmp(f.name, "delta_", 6) != 0 || (kind != ST_NAME_SINGLE && kind != ST_NAME_INDEX) ||
+                        asprintf(&abs, "%s/%s", sub, f.name) < 0)
                         continue;
                     enqueue_intake(d, abs, NULL, 1, 0);
                     free(abs);
@@ -1342,10 +1567,13 @@ static void collecting_start(dilocod *d)
     if (d->hub != NULL)
         hub_set_step(d->hub, d->st.step, 0);
     model_facts(d);
-    /* startup (or adoption): one open of the committed global for downloads */
-    set_served_global(d, open_for_download(d->st.global_path), d->st.step);
+    plan_layout(d);
+    /* startup (or adoption): one open of the committed global for downloads (a sharded layout once
+     * its set is written, which a restart finds already there) */
+    serve_step(d, -1, d->st.step);
+    ensure_set(d);
     struct stat sb;
-    if (d->global.file != NULL && stat(d->st.global_path, &sb) == 0)
+    if (stat(d->st.global_path, &sb) == 0)
         d->committed_at = sb.st_mtime;      /* the step's file was written when it was committed */
     dl_log(DL_LOG_INFO, "round", "opened", "step=%" PRIu64 " expected=%u min_nodes=%u tensors=%zu", d->rnd.step,
            d->cfg->expected_nodes, d->cfg->min_nodes, d->model->ntensors);
@@ -1395,6 +1623,7 @@ static void signal_cb(uv_signal_t *s, int signum)
     uv_timer_stop(&d->retry_timer);
     uv_timer_stop(&d->publish_timer);
     uv_timer_stop(&d->settle_timer);
+    uv_timer_stop(&d->set_timer);
     if (d->pass != NULL && d->state == S_AGGREGATING)
         outer_abort(d->pass);       /* unfinished: abandoned without a trace (temporary files removed) */
     if (d->http != NULL)
@@ -1503,6 +1732,7 @@ static int init_handles(dilocod *d)
     uv_timer_init(&d->loop, &d->progress_timer);
     uv_timer_init(&d->loop, &d->publish_timer);
     uv_timer_init(&d->loop, &d->settle_timer);
+    uv_timer_init(&d->loop, &d->set_timer);
     uv_signal_init(&d->loop, &d->sighup);
     d->sighup.data = d;
     uv_signal_start(&d->sigint, signal_cb, SIGINT);
@@ -1560,6 +1790,8 @@ int daemon_run(config *cfg)
     d->cfg = cfg;
     d->started_at = time(NULL);
     d->published_step = -1;
+    d->set_step = -1;
+    d->set_nshards = 1;
     d->state = S_COLLECTING;            /* startup() switches to S_WAITING_GLOBAL when it must */
     d->retry_delay = cfg->retry_interval;
     /* the pool size is read once, at the first uv_queue_work: set it before anything queues */
@@ -1620,7 +1852,7 @@ int daemon_run(config *cfg)
     st_header_free(d->model);
     store_free(&d->st);
     auth_free(&d->auth);
-    http_file_unref(d->global.file);
+    served_clear(&d->global);
     history_free(&d->history);
     history_record_free(&d->pending_record);
     free(d->pending_round);

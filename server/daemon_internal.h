@@ -27,13 +27,25 @@ typedef enum dstate { S_WAITING_GLOBAL, S_COLLECTING, S_AGGREGATING, S_RETRY_WAI
 
 
 
-/* The global model as downloads see it: one open file and the facts of the same commit, replaced
- * as a whole, so a response's X-Outer-Step, ETag and body always come from one published file.
- * Responses in flight keep their own reference on the file. */
-typedef struct served_global {
-    http_file *file;            /* NULL: nothing to serve yet */
-    uint64_t step, size;
+/* One file of the global as downloads see it: the open file and its facts. */
+typedef struct served_file {
+    http_file *file;            /* NULL: not served */
+    uint64_t size;
     char etag[80];
+} served_file;
+
+/* The global model as downloads see it: the open files and the facts of the same commit, replaced
+ * as a whole, so a response's X-Outer-Step, ETag and body always come from one published step.
+ * Below --shard-size it is the plain file (GET /global/latest.safetensors); above, the index and
+ * its shards (GET /global/latest.safetensors.index.json, /global/latest-0000i-of-0000N.safetensors),
+ * as the transports publish it.  Responses in flight keep their own reference on a file. */
+typedef struct served_global {
+    uint64_t step;
+    int available;              /* something is served (the plain file, or the index and every shard) */
+    served_file single;
+    served_file index;
+    served_file *shards;
+    uint32_t nshards;
 } served_global;
 
 typedef struct dilocod {
@@ -46,7 +58,7 @@ typedef struct dilocod {
     time_t started_at;
 
     uv_signal_t sigint, sigterm, sighup;
-    uv_timer_t round_timer, retry_timer, progress_timer, publish_timer, settle_timer;
+    uv_timer_t round_timer, retry_timer, progress_timer, publish_timer, settle_timer, set_timer;
 
     st_header *model;           /* structure of the global model (same for every step) */
     uint64_t model_params, model_bytes, delta_bytes;
@@ -93,7 +105,12 @@ typedef struct dilocod {
     int http_port;
     auth_table auth;
     int uploads_in_flight;
-    served_global global;       /* what GET /global/latest.safetensors sends (read it with daemon__global) */
+    served_global global;       /* what GET /global/... sends (read it with daemon__global) */
+    /* the published layout: a global above --shard-size is published and served as an index and
+     * shards, written from the step's single file into global/set-<step>/ after each commit */
+    uint32_t set_nshards;       /* 1: the plain file */
+    int64_t set_step;           /* the step whose set is written (-1: none yet) */
+    int set_in_flight;
     int global_stale;           /* the committed global could not be opened yet: an older one is served */
 
     history history;            /* committed rounds (the last HISTORY_MAX) */

@@ -19,6 +19,7 @@
 #include "dl_log.h"
 #include "fsutil.h"
 #include "stepcount.h"
+#include "st_index.h"
 #include "strbuf.h"
 
 
@@ -405,26 +406,22 @@ static int etag_matches(const char *inm, const char *etag)
     return strcmp(inm, "*") == 0 || strstr(inm, etag) != NULL;
 }
 
-static void serve_global(dilocod *d, http_conn *c, http_request *req)
+/* Sends one file of the served global (whole, a Range of it, or 304 for a matching ETag). */
+static void serve_file(http_conn *c, http_request *req, uint64_t step, const served_file *f, const char *type)
 {
-    const served_global *g = daemon__global(d);
     char extra[256];
     uint64_t from = 0, len;
     int r;
 
-    if (g->file == NULL) {
-        http_respond_error(c, 503, "no_global", "no global model yet", NULL);
-        return;
-    }
-    if (etag_matches(http_header_get(req, "if-none-match"), g->etag)) {
-        snprintf(extra, sizeof(extra), "ETag: %s\r\nX-Outer-Step: %" PRIu64 "\r\n", g->etag, g->step);
+    if (etag_matches(http_header_get(req, "if-none-match"), f->etag)) {
+        snprintf(extra, sizeof(extra), "ETag: %s\r\nX-Outer-Step: %" PRIu64 "\r\n", f->etag, step);
         http_respond(c, 304, NULL, extra, NULL, 0);
         return;
     }
-    len = g->size;
-    r = api_parse_range(http_header_get(req, "range"), g->size, &from, &len);
+    len = f->size;
+    r = api_parse_range(http_header_get(req, "range"), f->size, &from, &len);
     if (r < 0) {
-        snprintf(extra, sizeof(extra), "Content-Range: bytes */%" PRIu64 "\r\n", g->size);
+        snprintf(extra, sizeof(extra), "Content-Range: bytes */%" PRIu64 "\r\n", f->size);
         static const char body[] =
             "{\"error\":{\"code\":\"range_not_satisfiable\",\"message\":\"range outside the file\"}}\n";
         http_respond(c, 416, "application/json", extra, body, sizeof(body) - 1);
@@ -434,28 +431,66 @@ static void serve_global(dilocod *d, http_conn *c, http_request *req)
         snprintf(extra, sizeof(extra),
                  "ETag: %s\r\nAccept-Ranges: bytes\r\nX-Outer-Step: %" PRIu64 "\r\nContent-Range: bytes %" PRIu64
                  "-%" PRIu64 "/%" PRIu64 "\r\n",
-                 g->etag, g->step, from, from + len - 1, g->size);
+                 f->etag, step, from, from + len - 1, f->size);
     else
-        snprintf(extra, sizeof(extra), "ETag: %s\r\nAccept-Ranges: bytes\r\nX-Outer-Step: %" PRIu64 "\r\n", g->etag,
-                 g->step);
+        snprintf(extra, sizeof(extra), "ETag: %s\r\nAccept-Ranges: bytes\r\nX-Outer-Step: %" PRIu64 "\r\n", f->etag,
+                 step);
     /* the response holds its own reference: a commit that replaces d->global does not cut it short */
-    http_respond_file(c, r == 1 ? 206 : 200, "application/octet-stream", extra, g->file, from, len);
+    http_respond_file(c, r == 1 ? 206 : 200, type, extra, f->file, from, len);
+}
+
+/* GET /global/<file>: the plain latest.safetensors, or (a global above --shard-size) the index and
+ * its shards, named as the transports publish them. */
+static void serve_global(dilocod *d, http_conn *c, http_request *req)
+{
+    const served_global *g = daemon__global(d);
+    const char *name = req->path + strlen("/global/");
+    char base[ST_INDEX_BASE_MAX + 1];
+    uint32_t i = 0, n = 0;
+    st_name_kind kind = st_index_classify(name, strlen(name), base, &i, &n);
+
+    if (kind == ST_NAME_OTHER || strcmp(base, "latest") != 0) {
+        http_respond_error(c, 404, "not_found",
+                           "the global is /global/latest.safetensors, or above the shard size "
+                           "/global/latest.safetensors.index.json and the shards it lists",
+                           NULL);
+        return;
+    }
+    if (!g->available) {
+        http_respond_error(c, 503, "no_global", "no global model yet", NULL);
+        return;
+    }
+    if (g->single.file != NULL && kind == ST_NAME_SINGLE)
+        return serve_file(c, req, g->step, &g->single, "application/octet-stream");
+    if (g->index.file != NULL && kind == ST_NAME_INDEX)
+        return serve_file(c, req, g->step, &g->index, "application/json");
+    if (g->index.file != NULL && kind == ST_NAME_SHARD && n == g->nshards && i < n)
+        return serve_file(c, req, g->step, &g->shards[i], "application/octet-stream");
+    http_respond_error(c, 404, "not_found",
+                       g->single.file != NULL ? "the global is not sharded: GET /global/latest.safetensors"
+                       : kind == ST_NAME_SINGLE
+                           ? "the global is sharded (above the shard size): GET /global/latest.safetensors.index.json "
+                             "and the shards it lists"
+                           : "no such shard of the global: its index lists them",
+                       NULL);
 }
 
 static void serve_stepfile(dilocod *d, http_conn *c)
 {
+    /* the step whose files GET /global/ sends (a sharded step is served once its set is written) */
+    const served_global *g = daemon__global(d);
     char when[48], *text;
     struct tm tm;
     time_t t = d->committed_at;
 
-    if (!d->st.committed) {
+    if (!d->st.committed || !g->available) {
         http_respond_error(c, 503, "no_global", "no global model yet", NULL);
         return;
     }
     gmtime_r(&t, &tm);
     strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%S+00:00", &tm);
-    text = stepcount_build(d->st.step, config_optimizer_name(d->cfg->optimizer), d->st.bootstrap && d->st.step == 0, 0,
-                           when);
+    text = stepcount_build(g->step, config_optimizer_name(d->cfg->optimizer), d->st.bootstrap && g->step == 0,
+                           g->index.file != NULL, when);
     if (text == NULL) {
         http_respond_error(c, 500, "out_of_memory", "out of memory", NULL);
         return;
@@ -528,8 +563,8 @@ static const route routes[] = {
     {"/healthz", ROUTE_HEALTHZ, 1, NULL, healthz_json, JSON},
     {"/metrics", ROUTE_METRICS, 1, NULL, metrics_text, "text/plain; version=0.0.4; charset=utf-8"},
     {"/rounds", ROUTE_ROUNDS, 1, NULL, rounds_json, JSON},
-    {"/global/latest.safetensors", ROUTE_GLOBAL, 1, serve_global, NULL, NULL},
     {"/global/step_count.json", ROUTE_STEPFILE, 1, get_stepfile, NULL, NULL},
+    {"/global/", ROUTE_GLOBAL, 1, serve_global, NULL, NULL},
     {"/nodes/", ROUTE_UPLOAD, 0, upload_route, NULL, NULL},
 };
 #undef JSON

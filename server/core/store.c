@@ -16,6 +16,7 @@
 
 #include "delta.h"
 #include "fsutil.h"
+#include "st_index.h"
 #include "strbuf.h"
 
 static char *path_fmt(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -34,6 +35,11 @@ static char *path_fmt(const char *fmt, ...)
 char *store_global_path(const store *s, uint64_t step)
 {
     return path_fmt("%s/global/latest-%" PRIu64 ".safetensors", s->dir, step);
+}
+
+char *store_set_dir(const store *s, uint64_t step)
+{
+    return path_fmt("%s/global/set-%" PRIu64, s->dir, step);
 }
 
 char *store_momentum_path(const store *s, uint64_t step)
@@ -286,12 +292,13 @@ int store_redo_write(const store *s, const store_redo *r, dl_error *err)
     return rc;
 }
 
-/* A delta path of the redo record: cache/deltas/s<base>/<node>/delta_<n>.safetensors, nothing else. */
+/* A delta path of the redo record: cache/deltas/s<base>/<node>/delta_<n>.safetensors (or
+ * delta_<n>.safetensors.index.json), nothing else. */
 static int redo_delta_ok(const char *rel, uint64_t base)
 {
     char prefix[64], node[DELTA_NODE_ID_MAX + 1], as_hub[300];
     const char *p, *slash;
-    uint64_t step;
+    delta_path dp;
 
     snprintf(prefix, sizeof(prefix), "cache/deltas/s%" PRIu64 "/", base);
     if (strncmp(rel, prefix, strlen(prefix)) != 0)
@@ -306,7 +313,8 @@ static int redo_delta_ok(const char *rel, uint64_t base)
     /* the file name follows the Hub path rules (no further '/', delta_<n>.safetensors) */
     if (snprintf(as_hub, sizeof(as_hub), "nodes/%s", p) >= (int)sizeof(as_hub))
         return 0;
-    return delta_parse_path(as_hub, node, &step, NULL) == 0;
+    /* a single file or the index of a set (its shards sit next to it and are opened through it) */
+    return delta_parse_any_path(as_hub, &dp, NULL) == 0 && dp.kind != DELTA_PATH_SHARD;
 }
 
 static int json_u64(const cJSON *v, uint64_t *out)
@@ -438,6 +446,40 @@ int store_remove_tree(const char *path)
     return rc;
 }
 
+int store_remove_delta(const char *path)
+{
+    size_t n = strlen(path), sl = strlen(ST_INDEX_SUFFIX);
+    const char *slash = strrchr(path, '/');
+    char base[ST_INDEX_BASE_MAX + 1], b2[ST_INDEX_BASE_MAX + 1], *dir;
+    DIR *d;
+    struct dirent *e;
+    uint32_t i, of;
+    int rc = 0;
+
+    if (n <= sl || strcmp(path + n - sl, ST_INDEX_SUFFIX) != 0 || slash == NULL ||
+        (size_t)(path + n - sl - slash - 1) > ST_INDEX_BASE_MAX)
+        return unlink(path) == 0 || errno == ENOENT ? 0 : -errno;
+    memcpy(base, slash + 1, (size_t)(path + n - sl - slash - 1));
+    base[path + n - sl - slash - 1] = '\0';
+    /* the index first: a set without it is incomplete to everyone (a restart included) */
+    if (unlink(path) != 0 && errno != ENOENT)
+        return -errno;
+    if ((dir = strndup(path, (size_t)(slash - path))) == NULL)
+        return -ENOMEM;
+    if ((d = opendir(dir)) == NULL) {
+        rc = errno == ENOENT ? 0 : -errno;
+        free(dir);
+        return rc;
+    }
+    while ((e = readdir(d)) != NULL)
+        if (st_index_classify(e->d_name, strlen(e->d_name), b2, &i, &of) == ST_NAME_SHARD && strcmp(b2, base) == 0 &&
+            unlinkat(dirfd(d), e->d_name, 0) != 0 && errno != ENOENT)
+            rc = -errno;
+    closedir(d);
+    free(dir);
+    return rc;
+}
+
 /* Parses "<prefix><digits><suffix>"; returns 0 and the number, or -1. */
 static int match_step(const char *name, const char *prefix, const char *suffix, uint64_t *step)
 {
@@ -493,7 +535,7 @@ static int sweep(const char *dir, const store *s, int (*keep)(const store *, con
 static int keep_global(const store *s, const char *name)
 {
     uint64_t step;
-    if (match_step(name, "latest-", ".safetensors", &step) == 0)
+    if (match_step(name, "latest-", ".safetensors", &step) == 0 || match_step(name, "set-", "", &step) == 0)
         return s->committed && (s->startup ? step == s->step : step >= s->step);
     return !(s->startup && is_temp(name));      /* leave foreign files alone */
 }

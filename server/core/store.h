@@ -1,6 +1,9 @@
 /* store: the local state tree under <state_root>/<id>/ and its commit protocol.
  *
  *   global/latest-<step>.safetensors     the global model of each committed step (only the current one kept)
+ *   global/set-<step>/                   the same model as published when it is above --shard-size:
+ *                                        latest.safetensors.index.json + latest-0000i-of-0000N.safetensors,
+ *                                        made from the file above (the index last: its presence = complete)
  *   outer_state-<step>.safetensors       momentum buffers of that step (F32; absent for momentum 0)
  *   outer_metadata.json                  THE commit point: names the current step and its files, and
  *                                        holds the record of the round that produced it
@@ -84,9 +87,14 @@ int store_cleanup(const store *s, int at_startup, dl_error *err);
 /* malloc'd absolute paths */
 char *store_global_path(const store *s, uint64_t step);
 char *store_momentum_path(const store *s, uint64_t step);
+char *store_set_dir(const store *s, uint64_t step);         /* global/set-<step> */
 char *store_cache_dir(const store *s, uint64_t step);       /* cache/deltas/s<step> */
 char *store_incoming_dir(const store *s);
 void store_free(store *s);
+/* Removes a cached delta: the file, or a set's index and then every shard of its base next to it
+ * (the index first, so a crash in between leaves an incomplete set nobody names, which cleanup
+ * takes with its step).  0 or a negative errno. */
+int store_remove_delta(const char *path);
 /* rm -r of a directory tree we own (never follows symbolic links).  0 or a negative errno. */
 int store_remove_tree(const char *path);
 
