@@ -834,7 +834,7 @@ static intake_status intake_set(intake_req *r)
         goto out;
     }
     free(stage);
-    if (asprintf(&stage, "%s/cache/incoming/set-XXXXXX", r->state_dir) < 0) {
+    if (asprintf(&stage, "%s/cache/incoming/intake-XXXXXX", r->state_dir) < 0) {
         stage = NULL;
         st = io_fail(r, ENOMEM, "out of memory");
         goto out;

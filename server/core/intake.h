@@ -8,7 +8,8 @@
  * A sharded delta (st_index.h) is taken in through its index, src_path ending in ST_INDEX_SUFFIX:
  * the index alone decides stale, future and duplicate; then every shard it lists (in the index's
  * directory, under its own name) is checked and copied like a single file into a staging directory
- * under cache/incoming/, the whole set is checked, and it is linked into the cache as
+ * cache/incoming/intake-XXXXXX (removed afterwards; what a crash leaves, the store sweeps at
+ * startup), the whole set is checked, and it is linked into the cache as
  * delta_<n>.safetensors.index.json with its shards delta_<n>-0000i-of-0000N.safetensors next to it
  * (shards first, index last: an index in the cache means its set is complete).  cache_path is then
  * the cached index; size counts every file, the version fields are the index's. */
