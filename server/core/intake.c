@@ -395,8 +395,8 @@ static intake_status read_header(intake_req *r, int src, uint64_t size, unsigned
         return INTAKE_INVALID;
     if (st_header_file_len(*h, &want) != 0 || want != size) {
         dl_fail(&r->err, DL_E_METADATA_INCOMPLETE_BUFFER, NULL, 0,
-                "incomplete metadata, file not fully covered: the header describes %" PRIu64 " bytes, the file has %" PRIu64,
-                want, size);
+                "incomplete metadata, file not fully covered: the header describes %" PRIu64
+                " bytes, the file has %" PRIu64, want, size);
         /* shorter: still being written; longer: malformed */
         return want > size ? INTAKE_INCOMPLETE : INTAKE_INVALID;
     }
@@ -405,8 +405,8 @@ static intake_status read_header(intake_req *r, int src, uint64_t size, unsigned
 
 /* Copies a file whose header was read (before: its fstat then) to dst with the finite check, then
  * checks that it did not change meanwhile and fsyncs the copy. */
-static intake_status copy_file(intake_req *r, int src, const struct stat *before, int dst, const unsigned char prefix[8],
-                               const char *json, uint64_t n, const st_header *h)
+static intake_status copy_file(intake_req *r, int src, const struct stat *before, int dst,
+                               const unsigned char prefix[8], const char *json, uint64_t n, const st_header *h)
 {
     struct stat after;
     intake_status st;

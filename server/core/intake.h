@@ -64,7 +64,8 @@ intake_status intake_link_into_cache(const char *state_dir, const delta_info *in
                                      char **cache_path, dl_error *err);
 /* Cache path of a delta: <state_dir>/cache/deltas/s<base>/<node>/delta_<local>.safetensors */
 char *intake_cache_path(const char *state_dir, const delta_info *info);
-/* Cache path of a sharded delta's index: <state_dir>/cache/deltas/s<base>/<node>/delta_<local>.safetensors.index.json */
+/* Cache path of a sharded delta's index:
+ * <state_dir>/cache/deltas/s<base>/<node>/delta_<local>.safetensors.index.json */
 char *intake_cache_index_path(const char *state_dir, const delta_info *info);
 /* Links a checked, fsynced set into the cache: dir/<every shard ix lists>, then
  * dir/<ix->base>.safetensors.index.json, under the same names in the node's cache directory (ix->base

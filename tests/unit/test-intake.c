@@ -388,7 +388,8 @@ TEST(intake_set_stray_shard_refused)
     st_close(f.global);
 }
 
-#define META_JSON "\"algorithm\": \"dumb_diloco\", \"base_outer_step\": \"3\", \"local_step\": \"7\", \"node_id\": \"w1\""
+#define META_JSON                                                                                     \
+    "\"algorithm\": \"dumb_diloco\", \"base_outer_step\": \"3\", \"local_step\": \"7\", \"node_id\": \"w1\""
 #define SH1 "\"delta_7-00001-of-00002.safetensors\""
 #define SH2 "\"delta_7-00002-of-00002.safetensors\""
 

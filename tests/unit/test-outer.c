@@ -435,7 +435,8 @@ TEST(outer_sharded_deltas_bit_identical_to_single_files)
     static const char *const all_sets[] = {"one/delta.safetensors.index.json", "mixed/delta.safetensors.index.json",
                                            "large/delta.safetensors.index.json"};
     static const char *const other_sets[] = {"mixed0/delta.safetensors.index.json",
-                                             "large1/delta.safetensors.index.json", "one2/delta.safetensors.index.json"};
+                                             "large1/delta.safetensors.index.json",
+                                             "one2/delta.safetensors.index.json"};
     static const char *const mixed_nodes[] = {"d0", "mixed/delta.safetensors.index.json", "d2"};
     static const char *const *const cases[] = {all_sets, other_sets, mixed_nodes};
     for (size_t c = 0; c < 3; c++) {
