@@ -14,6 +14,8 @@
 
 #include "hub.h"
 #include "round.h"
+#include "st_index.h"
+#include "stepcount.h"
 
 TEST(hub_scheme_table_and_url_checks)
 {
@@ -349,4 +351,416 @@ TEST(file_transport_open_fails_cleanly)
     CHECK(h == NULL);
     CHECK(err.message[0] != '\0');
     CHECK_EQ(uv_loop_close(&loop), 0);
+}
+
+/* ---- sharded checkpoints on file:// (hub.h, "Sharded checkpoints") ------------------------------ */
+
+/* A one-tensor F32 shard: tensor name holding the value v, metadata {"format": "pt"} as
+ * huggingface_hub writes its shards. */
+static int write_shard(const char *path, const char *name, float v)
+{
+    char hdr[256];
+    unsigned char buf[8 + sizeof(hdr) + 4];
+    int n = snprintf(hdr, sizeof(hdr),
+                     "{\"__metadata__\":{\"format\":\"pt\"},\"%s\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
+                     name);
+
+    if (n < 0 || (size_t)n >= sizeof(hdr))
+        return -1;
+    for (int i = 0; i < 8; i++)
+        buf[i] = (unsigned char)((uint64_t)n >> (8 * i));
+    memcpy(buf + 8, hdr, (size_t)n);
+    memcpy(buf + 8 + n, &v, 4);
+    return write_file(path, buf, 8 + (size_t)n + 4);
+}
+
+/* The index of a set of base in dir with nshards shards, tensor t<i> in shard i; and the shards
+ * themselves when with_shards. */
+static int write_set(const char *dir, const char *base, unsigned nshards, int with_shards)
+{
+    char text[2048], path[1024];
+    size_t off;
+
+    off = (size_t)snprintf(text, sizeof(text), "{\n  \"metadata\": {\n    \"total_size\": %u\n  },\n  \"weight_map\": {",
+                           4 * nshards);
+    for (unsigned i = 0; i < nshards; i++)
+        off += (size_t)snprintf(text + off, sizeof(text) - off, "%s\n    \"t%u\": \"%s-%05u-of-%05u.safetensors\"",
+                                i ? "," : "", i, base, i + 1, nshards);
+    off += (size_t)snprintf(text + off, sizeof(text) - off, "\n  }\n}");
+    for (unsigned i = 0; with_shards && i < nshards; i++) {
+        char t[16];
+        snprintf(t, sizeof(t), "t%u", i);
+        snprintf(path, sizeof(path), "%s/%s-%05u-of-%05u.safetensors", dir, base, i + 1, nshards);
+        if (write_shard(path, t, (float)i) != 0)
+            return -1;
+    }
+    snprintf(path, sizeof(path), "%s/%s.safetensors.index.json", dir, base);
+    return write_file(path, text, off);
+}
+
+static int shard_path(char *out, size_t size, const char *dir, const char *base, unsigned i, unsigned n)
+{
+    return snprintf(out, size, "%s/%s-%05u-of-%05u.safetensors", dir, base, i, n) < (int)size ? 0 : -1;
+}
+
+/* A transport on test_dir()/tree, collecting deltas of step 0 (or waiting for a global). */
+typedef struct fixture {
+    uv_loop_t loop;
+    hub *h;
+    char root[512], state[512], nodes[600];
+} fixture;
+
+static int fixture_open(fixture *fx, events *ev, double poll, int waiting)
+{
+    char url[600];
+    dl_error err;
+
+    memset(ev, 0, sizeof(*ev));
+    snprintf(fx->root, sizeof(fx->root), "%s/tree", test_dir());
+    snprintf(fx->state, sizeof(fx->state), "%s/state", test_dir());
+    snprintf(fx->nodes, sizeof(fx->nodes), "%s/nodes/w1", fx->root);
+    snprintf(url, sizeof(url), "file://%s", fx->root);
+    if (uv_loop_init(&fx->loop) != 0 || mkdir(fx->root, 0755) != 0)
+        return -1;
+    if (mkdir(test_path("tree/nodes"), 0755) != 0 || mkdir(fx->nodes, 0755) != 0)
+        return -1;
+    hub_config cfg = {.url = url, .state_dir = fx->state, .poll_interval = poll};
+    if (hub_open(&fx->h, &fx->loop, &cfg, &ev_cbs, ev, &err) != 0)
+        return -1;
+    hub_set_step(fx->h, 0, waiting);
+    hub_start(fx->h);
+    return run_until(&fx->loop, &ev->published_seen, 1) ? 0 : -1;
+}
+
+static int fixture_close(fixture *fx, events *ev)
+{
+    hub_close(fx->h, ev_closed, ev);
+    if (!run_until(&fx->loop, &ev->closed, 1))
+        return -1;
+    uv_run(&fx->loop, UV_RUN_DEFAULT);
+    return uv_loop_close(&fx->loop);
+}
+
+static hub_version version_of(const char *path)
+{
+    struct stat sb;
+    hub_version v = {0, 0, 0};
+
+    if (stat(path, &sb) == 0) {
+        v.size = (uint64_t)sb.st_size;
+        v.mtime_ns = (int64_t)sb.st_mtim.tv_sec * 1000000000 + sb.st_mtim.tv_nsec;
+        v.ino = (uint64_t)sb.st_ino;
+    }
+    return v;
+}
+
+TEST(file_transport_hands_over_a_set_once_complete_and_again_when_a_shard_changes)
+{
+    static events ev;
+    static fixture fx;
+    char p[1024], ix[1024];
+
+    CHECK_EQ(fixture_open(&fx, &ev, 0.05, 0), 0);
+    /* the index first (a worker may write it first), then the shards one by one: nothing is handed
+     * over while a listed shard is missing, and the shards are never handed over alone */
+    CHECK_EQ(write_set(fx.nodes, "delta_3", 3, 0), 0);
+    run_for(&fx.loop, 300);
+    CHECK_EQ(ev.deltas, 0);
+    CHECK_EQ(shard_path(p, sizeof(p), fx.nodes, "delta_3", 1, 3), 0);
+    CHECK_EQ(write_shard(p, "t0", 0), 0);
+    CHECK_EQ(shard_path(p, sizeof(p), fx.nodes, "delta_3", 3, 3), 0);
+    CHECK_EQ(write_shard(p, "t2", 2), 0);
+    run_for(&fx.loop, 300);
+    CHECK_EQ(ev.deltas, 0);
+    /* the last shard: one hub_delta, the index's rel and path, from the tree */
+    CHECK_EQ(shard_path(p, sizeof(p), fx.nodes, "delta_3", 2, 3), 0);
+    CHECK_EQ(write_shard(p, "t1", 1), 0);
+    CHECK(run_until(&fx.loop, &ev.deltas, 1));
+    CHECK_EQ(ev.deltas, 1);
+    CHECK_STR(ev.last_rel, "nodes/w1/delta_3.safetensors.index.json");
+    snprintf(ix, sizeof(ix), "%s/delta_3.safetensors.index.json", fx.nodes);
+    CHECK_STR(ev.last_path, ix);
+    CHECK(ev.root_given && !ev.owned);
+    hub_version v = version_of(ix);
+    CHECK_EQ(hub_mark_done(fx.h, ev.last_rel, HUB_TAKEN, &v), 0);
+    run_for(&fx.loop, 300);
+    CHECK_EQ(ev.deltas, 1);
+    /* a shard rewritten (the index unchanged): a new version of the set, taken again */
+    CHECK_EQ(write_shard(p, "t1", 42), 0);
+    CHECK_EQ(unlink(p), 0);
+    CHECK_EQ(write_shard(p, "t1", 42), 0);      /* a new inode, as a worker's rename gives */
+    CHECK(run_until(&fx.loop, &ev.deltas, 2));
+    CHECK_STR(ev.last_rel, "nodes/w1/delta_3.safetensors.index.json");
+    /* still short for intake (a shard being written): retried as a set changes, like a file */
+    CHECK_EQ(hub_mark_done(fx.h, ev.last_rel, HUB_INCOMPLETE, NULL), 0);
+    CHECK_EQ(fixture_close(&fx, &ev), 0);
+}
+
+TEST(file_transport_a_shard_arriving_in_a_watched_directory_completes_the_set)
+{
+    static events ev;
+    static fixture fx;
+    char p[1024];
+
+    /* a poll interval far beyond the test: only the node directory's inotify watch can trigger the
+     * scan that finds the last shard */
+    CHECK_EQ(fixture_open(&fx, &ev, 3600, 0), 0);
+    CHECK_EQ(write_set(fx.nodes, "delta_9", 2, 0), 0);
+    CHECK_EQ(shard_path(p, sizeof(p), fx.nodes, "delta_9", 1, 2), 0);
+    CHECK_EQ(write_shard(p, "t0", 0), 0);
+    run_for(&fx.loop, 200);
+    CHECK_EQ(ev.deltas, 0);
+    CHECK_EQ(shard_path(p, sizeof(p), fx.nodes, "delta_9", 2, 2), 0);
+    CHECK_EQ(write_shard(p, "t1", 1), 0);
+    CHECK(run_until(&fx.loop, &ev.deltas, 1));
+    CHECK_STR(ev.last_rel, "nodes/w1/delta_9.safetensors.index.json");
+    CHECK_EQ(fixture_close(&fx, &ev), 0);
+}
+
+TEST(file_transport_hands_over_an_index_that_does_not_parse_once_it_has_settled)
+{
+    static events ev;
+    static fixture fx;
+    char p[1024];
+
+    CHECK_EQ(fixture_open(&fx, &ev, 0.05, 0), 0);
+    /* what a scan may meet while json.dump is still writing: not refused at once */
+    snprintf(p, sizeof(p), "%s/delta_4.safetensors.index.json", fx.nodes);
+    CHECK_EQ(write_file(p, "{\"metadata\": {\"total_", 21), 0);
+    run_for(&fx.loop, 300);
+    CHECK_EQ(ev.deltas, 0);
+    /* unchanged for the settle time: handed over, for intake to say why it is refused, once */
+    CHECK(run_until(&fx.loop, &ev.deltas, 1));
+    CHECK_STR(ev.last_rel, "nodes/w1/delta_4.safetensors.index.json");
+    hub_version v = version_of(p);
+    CHECK_EQ(hub_mark_done(fx.h, ev.last_rel, HUB_INVALID, &v), 0);
+    run_for(&fx.loop, 300);
+    CHECK_EQ(ev.deltas, 1);
+    CHECK_EQ(fixture_close(&fx, &ev), 0);
+}
+
+/* The whole text of path into buf (NUL-terminated); 0 or -1. */
+static int read_text(const char *path, char *buf, size_t size)
+{
+    FILE *f = fopen(path, "r");
+    size_t n;
+
+    if (f == NULL)
+        return -1;
+    n = fread(buf, 1, size - 1, f);
+    buf[n] = '\0';
+    fclose(f);
+    return 0;
+}
+
+static int64_t mtime_of(const char *path)
+{
+    return version_of(path).mtime_ns;
+}
+
+TEST(file_transport_publishes_a_sharded_global_and_switches_layouts_both_ways)
+{
+    static events ev;
+    static fixture fx;
+    char src[1024], p[1024], g[700], text[1024];
+
+    CHECK_EQ(fixture_open(&fx, &ev, 0.05, 0), 0);
+    snprintf(g, sizeof(g), "%s/global", fx.root);
+    /* a plain global first */
+    snprintf(src, sizeof(src), "%s/plain.safetensors", test_dir());
+    CHECK_EQ(write_model(src), 0);
+    hub_publish(fx.h, 1, src, "nesterov_sgd", 0);
+    CHECK(run_until(&fx.loop, &ev.publishes, 1));
+    CHECK_STR(ev.publish_error, "");
+
+    /* sharded, 2 shards: shards, then the index, then step_count.json naming the index; the plain
+     * file goes */
+    CHECK_EQ(mkdir(test_path("set2"), 0755), 0);
+    CHECK_EQ(write_set(test_path("set2"), "latest", 2, 1), 0);
+    snprintf(src, sizeof(src), "%s/set2/latest.safetensors.index.json", test_dir());
+    hub_publish(fx.h, 2, src, "nesterov_sgd", 0);
+    CHECK(run_until(&fx.loop, &ev.publishes, 2));
+    CHECK_STR(ev.publish_error, "");
+    snprintf(p, sizeof(p), "%s/latest.safetensors", g);
+    CHECK(access(p, F_OK) != 0);
+    snprintf(p, sizeof(p), "%s/step_count.json", g);
+    CHECK_EQ(read_text(p, text, sizeof(text)), 0);
+    CHECK(strstr(text, "\"outer_step\": 2") != NULL);
+    CHECK(strstr(text, "\"model_file\": \"global/latest.safetensors.index.json\"") != NULL);
+    int64_t step_t = mtime_of(p);
+    snprintf(p, sizeof(p), "%s/latest.safetensors.index.json", g);
+    CHECK(access(p, R_OK) == 0);
+    int64_t index_t = mtime_of(p);
+    CHECK(index_t <= step_t);
+    for (unsigned i = 1; i <= 2; i++) {
+        CHECK_EQ(shard_path(p, sizeof(p), g, "latest", i, 2), 0);
+        CHECK(access(p, R_OK) == 0);
+        CHECK(mtime_of(p) <= index_t);
+    }
+    /* byte for byte what was handed over */
+    char a[1024], b[1024];
+    snprintf(p, sizeof(p), "%s/latest.safetensors.index.json", g);
+    CHECK_EQ(read_text(src, a, sizeof(a)), 0);
+    CHECK_EQ(read_text(p, b, sizeof(b)), 0);
+    CHECK_STR(a, b);
+
+    /* 3 shards: the 2-shard files go */
+    CHECK_EQ(mkdir(test_path("set3"), 0755), 0);
+    CHECK_EQ(write_set(test_path("set3"), "latest", 3, 1), 0);
+    snprintf(src, sizeof(src), "%s/set3/latest.safetensors.index.json", test_dir());
+    hub_publish(fx.h, 3, src, "nesterov_sgd", 0);
+    CHECK(run_until(&fx.loop, &ev.publishes, 3));
+    CHECK_STR(ev.publish_error, "");
+    for (unsigned i = 1; i <= 3; i++) {
+        CHECK_EQ(shard_path(p, sizeof(p), g, "latest", i, 3), 0);
+        CHECK(access(p, R_OK) == 0);
+    }
+    for (unsigned i = 1; i <= 2; i++) {
+        CHECK_EQ(shard_path(p, sizeof(p), g, "latest", i, 2), 0);
+        CHECK(access(p, F_OK) != 0);
+    }
+
+    /* plain again: the index and every shard go, step_count.json names the file */
+    snprintf(src, sizeof(src), "%s/plain.safetensors", test_dir());
+    hub_publish(fx.h, 4, src, "nesterov_sgd", 0);
+    CHECK(run_until(&fx.loop, &ev.publishes, 4));
+    CHECK_STR(ev.publish_error, "");
+    snprintf(p, sizeof(p), "%s/latest.safetensors", g);
+    CHECK(access(p, R_OK) == 0);
+    snprintf(p, sizeof(p), "%s/latest.safetensors.index.json", g);
+    CHECK(access(p, F_OK) != 0);
+    for (unsigned i = 1; i <= 3; i++) {
+        CHECK_EQ(shard_path(p, sizeof(p), g, "latest", i, 3), 0);
+        CHECK(access(p, F_OK) != 0);
+    }
+    snprintf(p, sizeof(p), "%s/step_count.json", g);
+    CHECK_EQ(read_text(p, text, sizeof(text)), 0);
+    CHECK(strstr(text, "\"model_file\": \"global/latest.safetensors\"") != NULL);
+    CHECK(strstr(text, "\"outer_step\": 4") != NULL);
+
+    /* an index of another base names shards that would not be published under latest-*: refused */
+    CHECK_EQ(mkdir(test_path("other"), 0755), 0);
+    CHECK_EQ(write_set(test_path("other"), "model", 2, 1), 0);
+    snprintf(src, sizeof(src), "%s/other/model.safetensors.index.json", test_dir());
+    hub_publish(fx.h, 5, src, "nesterov_sgd", 0);
+    CHECK(run_until(&fx.loop, &ev.publishes, 5));
+    CHECK(ev.publish_error[0] != '\0');
+    snprintf(p, sizeof(p), "%s/step_count.json", g);
+    CHECK_EQ(read_text(p, text, sizeof(text)), 0);
+    CHECK(strstr(text, "\"outer_step\": 4") != NULL);
+    CHECK_EQ(fixture_close(&fx, &ev), 0);
+}
+
+TEST(file_transport_copies_a_held_sharded_global_into_a_directory_of_its_own)
+{
+    static events ev;
+    static fixture fx;
+    char g[700], p[1024];
+
+    CHECK_EQ(fixture_open(&fx, &ev, 0.05, 1), 0);
+    CHECK_EQ(ev.published, -1);
+    snprintf(g, sizeof(g), "%s/global", fx.root);
+    CHECK_EQ(mkdir(g, 0755), 0);
+    CHECK_EQ(write_set(g, "latest", 2, 1), 0);
+    char *text = stepcount_build(7, "nesterov_sgd", 0, 1, NULL);
+    CHECK(text != NULL);
+    snprintf(p, sizeof(p), "%s/step_count.json", g);
+    int wrc = write_file(p, text, strlen(text));
+    free(text);
+    CHECK_EQ(wrc, 0);
+    CHECK(run_until(&fx.loop, &ev.global_ready, 1));
+    CHECK_EQ(ev.global_step, 7);
+    CHECK_EQ(ev.published, 7);
+    /* the index, in a directory of its own in the state, next to its shards */
+    CHECK(strncmp(ev.global_path, fx.state, strlen(fx.state)) == 0);
+    const char *name = strrchr(ev.global_path, '/');
+    CHECK(name != NULL);
+    CHECK_STR(name, "/latest.safetensors.index.json");
+    st_set *set = NULL;
+    dl_error err;
+    CHECK_EQ(st_set_open(ev.global_path, &set, &err), 0);
+    CHECK_EQ(set->nfiles, 2);
+    CHECK_EQ(set->ntensors, 2);
+    st_set_close(set);
+    CHECK_EQ(fixture_close(&fx, &ev), 0);
+}
+
+TEST(file_transport_refuses_to_adopt_an_inconsistent_sharded_global)
+{
+    static events ev;
+    static fixture fx;
+    char g[700], p[1024];
+
+    CHECK_EQ(fixture_open(&fx, &ev, 0.05, 1), 0);
+    snprintf(g, sizeof(g), "%s/global", fx.root);
+    CHECK_EQ(mkdir(g, 0755), 0);
+    CHECK_EQ(write_set(g, "latest", 2, 1), 0);
+    /* shard 2 holds a tensor the index puts nowhere */
+    CHECK_EQ(shard_path(p, sizeof(p), g, "latest", 2, 2), 0);
+    CHECK_EQ(write_shard(p, "stranger", 1), 0);
+    char *text = stepcount_build(7, "nesterov_sgd", 0, 1, NULL);
+    CHECK(text != NULL);
+    snprintf(p, sizeof(p), "%s/step_count.json", g);
+    int wrc = write_file(p, text, strlen(text));
+    free(text);
+    CHECK_EQ(wrc, 0);
+    CHECK(run_until(&fx.loop, &ev.published_seen, 2));
+    CHECK_EQ(ev.published, 7);
+    run_for(&fx.loop, 300);
+    CHECK_EQ(ev.global_ready, 0);
+    CHECK(strstr(hub_get_status(fx.h)->last_error, "adopt") != NULL);
+    /* and no copy is left behind once the attempts have stopped */
+    CHECK_EQ(fixture_close(&fx, &ev), 0);
+    snprintf(p, sizeof(p), "%s/cache/incoming/file-global-7", fx.state);
+    CHECK(access(p, F_OK) != 0);
+}
+
+/* Runs the loop until path is gone (or 10 s). */
+static int run_until_gone(uv_loop_t *loop, const char *path)
+{
+    for (int i = 0; i < 200 && access(path, F_OK) == 0; i++)
+        run_for(loop, 50);
+    return access(path, F_OK) != 0;
+}
+
+TEST(file_transport_prunes_a_set_only_as_it_was_taken_in)
+{
+    static events ev;
+    static fixture fx;
+    char p[1024], ix[1024];
+
+    CHECK_EQ(fixture_open(&fx, &ev, 0.05, 0), 0);
+    CHECK(hub_can_prune(fx.h));
+    /* a set taken in, then pruned: the index and its shards go, nothing else */
+    CHECK_EQ(write_set(fx.nodes, "delta_5", 2, 1), 0);
+    snprintf(p, sizeof(p), "%s/delta_7.safetensors", fx.nodes);
+    CHECK_EQ(write_model(p), 0);
+    CHECK(run_until(&fx.loop, &ev.deltas, 2));
+    snprintf(ix, sizeof(ix), "%s/delta_5.safetensors.index.json", fx.nodes);
+    hub_version v = version_of(ix);
+    CHECK_EQ(hub_mark_done(fx.h, "nodes/w1/delta_5.safetensors.index.json", HUB_TAKEN, &v), 0);
+    hub_prune(fx.h, "nodes/w1/delta_5.safetensors.index.json");
+    CHECK(run_until_gone(&fx.loop, ix));
+    for (unsigned i = 1; i <= 2; i++) {
+        CHECK_EQ(shard_path(p, sizeof(p), fx.nodes, "delta_5", i, 2), 0);
+        CHECK(run_until_gone(&fx.loop, p));
+    }
+    snprintf(p, sizeof(p), "%s/delta_7.safetensors", fx.nodes);
+    CHECK(access(p, R_OK) == 0);
+
+    /* a set taken in, then a shard rewritten by its worker: the set stays */
+    CHECK_EQ(write_set(fx.nodes, "delta_6", 2, 1), 0);
+    CHECK(run_until(&fx.loop, &ev.deltas, 3));
+    CHECK_STR(ev.last_rel, "nodes/w1/delta_6.safetensors.index.json");
+    snprintf(ix, sizeof(ix), "%s/delta_6.safetensors.index.json", fx.nodes);
+    v = version_of(ix);
+    CHECK_EQ(hub_mark_done(fx.h, ev.last_rel, HUB_TAKEN, &v), 0);
+    CHECK_EQ(shard_path(p, sizeof(p), fx.nodes, "delta_6", 2, 2), 0);
+    CHECK_EQ(unlink(p), 0);
+    CHECK_EQ(write_shard(p, "t1", 5), 0);
+    hub_prune(fx.h, "nodes/w1/delta_6.safetensors.index.json");
+    run_for(&fx.loop, 300);
+    CHECK(access(ix, R_OK) == 0);
+    CHECK(access(p, R_OK) == 0);
+    CHECK_EQ(fixture_close(&fx, &ev), 0);
 }
