@@ -645,10 +645,43 @@ out:
     return st;
 }
 
-/* Shard name of ix under dirfd: checked (header against the global, finite values) and copied to
- * stage/name, fsynced.  *bytes receives its size. */
-static intake_status take_shard(intake_req *r, int dirfd, const char *name, const char *stage,
-                                const st_tensor *const *global, size_t nglobal, uint64_t *bytes)
+/* Shard i's header against the index, before its data is copied: it holds exactly the tensors the
+ * index lists for it (listed[i] of them).  Checked shard by shard, the copies of a set add up to
+ * one delta at most, however many shards a hostile index lists and whatever they hold. */
+static int check_shard_against_index(const st_index *ix, uint32_t i, const uint32_t *listed, const st_header *h,
+                                     dl_error *err)
+{
+    char other[ST_INDEX_BASE_MAX + 40];
+
+    for (size_t k = 0; k < h->ntensors; k++) {
+        const st_tensor *t = &h->tensors[k];
+        const st_index_entry *e = st_index_find(ix, t->name, t->name_len);
+        if (e == NULL)
+            return dl_fail(err, DL_E_KEY_MISMATCH, t->name, t->name_len, "holds a tensor the index does not list");
+        if (e->shard == i)
+            continue;
+        st_index_shard_name(ix->base, e->shard, ix->nshards, other, sizeof(other));
+        /* the shards before this one were found to hold what the index lists for them */
+        return dl_fail(err, DL_E_KEY_MISMATCH, t->name, t->name_len,
+                       e->shard < i ? "tensor is in two shards, %s and this one"
+                                    : "the index lists the tensor in %s but it is in this one", other);
+    }
+    if (h->ntensors == listed[i])
+        return 0;
+    for (size_t k = 0; k < ix->nentries; k++) {
+        const st_index_entry *e = &ix->entries[k];
+        if (e->shard == i && st_header_find(h, e->name, e->name_len) == NULL)
+            return dl_fail(err, DL_E_KEY_MISMATCH, e->name, e->name_len,
+                           "the index lists the tensor in this shard but it does not hold it");
+    }
+    return dl_fail(err, DL_E_KEY_MISMATCH, NULL, 0, "does not hold what the index lists for it");
+}
+
+/* Shard i (name) of ix under dirfd: checked (header against the global and the index, finite
+ * values) and copied to stage/name, fsynced.  *bytes receives its size. */
+static intake_status take_shard(intake_req *r, int dirfd, const st_index *ix, uint32_t i, const uint32_t *listed,
+                                const char *name, const char *stage, const st_tensor *const *global, size_t nglobal,
+                                uint64_t *bytes)
 {
     struct stat before;
     unsigned char prefix[8];
@@ -667,7 +700,8 @@ static intake_status take_shard(intake_req *r, int dirfd, const char *name, cons
     *bytes = (uint64_t)before.st_size;
     if ((st = read_header(r, src, *bytes, prefix, &json, &n, &h)) != INTAKE_OK)
         goto out;
-    if (delta_check_shard_header(h, global, nglobal, &r->err) != 0) {
+    if (delta_check_shard_header(h, global, nglobal, &r->err) != 0 ||
+        check_shard_against_index(ix, i, listed, h, &r->err) != 0) {
         st = INTAKE_INVALID;
         goto out;
     }
@@ -786,6 +820,7 @@ static intake_status intake_set(intake_req *r)
     char *text = NULL, *stage = NULL;
     size_t len = 0, nglobal = r->global->ntensors;
     const st_tensor **global = NULL;
+    uint32_t *listed = NULL;
     st_index *ix = NULL;
     st_set *set = NULL;
     mode_t mode;
@@ -844,11 +879,17 @@ static intake_status intake_set(intake_req *r)
         goto out;
     }
     staged = 1;
+    if ((listed = calloc(ix->nshards, sizeof(*listed))) == NULL) {
+        st = io_fail(r, ENOMEM, "out of memory");
+        goto out;
+    }
+    for (size_t k = 0; k < ix->nentries; k++)
+        listed[ix->entries[k].shard]++;
     for (uint32_t i = 0; i < ix->nshards; i++) {
         char shard[ST_INDEX_BASE_MAX + 40];
         uint64_t bytes = 0;
         st_index_shard_name(ix->base, i, ix->nshards, shard, sizeof(shard));
-        if ((st = take_shard(r, dirfd, shard, stage, global, nglobal, &bytes)) != INTAKE_OK)
+        if ((st = take_shard(r, dirfd, ix, i, listed, shard, stage, global, nglobal, &bytes)) != INTAKE_OK)
             goto out;
         r->size += bytes;
     }
@@ -880,6 +921,7 @@ out:
         remove_stage(stage);    /* linked into the cache or abandoned: the staged names go */
     free(stage);
     st_index_free(ix);
+    free(listed);
     free(global);
     free(text);
     if (fd >= 0)

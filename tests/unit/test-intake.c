@@ -598,3 +598,37 @@ TEST(intake_set_linked_shard_refused)
     intake_req_free(r);
     st_close(f.global);
 }
+
+TEST(intake_set_shard_checked_against_index_before_its_copy)
+{
+    fixture f;
+    fixture_init(&f);
+    /* shard 1 of 3 holds every tensor, the index spreads them over three shards: refused at shard 1,
+     * before shards 2 and 3 (absent here) are looked for, so a hostile set never costs more than one
+     * delta's copy */
+    CHECK_EQ(write_shard(f.node, "delta_7-00001-of-00003.safetensors", "abc", 0), 0);
+    CHECK_EQ(write_text(f.node, "delta_7.safetensors.index.json",
+                        "{\"metadata\": {\"total_size\": 48, " META_JSON "}, \"weight_map\": {"
+                        "\"a\": \"delta_7-00001-of-00003.safetensors\", \"b\": \"delta_7-00002-of-00003.safetensors\", "
+                        "\"c\": \"delta_7-00003-of-00003.safetensors\"}}"), 0);
+    intake_req *r = take(&f, SET_REL, 3);
+    CHECK_EQ(r->status, INTAKE_INVALID);
+    CHECK_EQ(r->err.code, DL_E_KEY_MISMATCH);
+    CHECK_STR(r->err.tensor, "b");
+    CHECK(strstr(r->err.message, "shard delta_7-00001-of-00003.safetensors") != NULL);
+    CHECK(strstr(r->err.message, "delta_7-00002-of-00003.safetensors") != NULL);
+    CHECK_EQ(incoming_entries(&f), 0);
+    intake_req_free(r);
+    /* a shard lacking a tensor the index lists for it (shard 2, c, absent: never looked for) */
+    CHECK_EQ(write_shard(f.node, "delta_7-00001-of-00002.safetensors", "a", 0), 0);
+    CHECK_EQ(write_text(f.node, "delta_7.safetensors.index.json",
+                        "{\"metadata\": {\"total_size\": 48, " META_JSON "}, \"weight_map\": {\"a\": " SH1
+                        ", \"b\": " SH1 ", \"c\": " SH2 "}}"), 0);
+    CHECK_EQ(unlink(test_path("tree/nodes/w1/delta_7-00001-of-00003.safetensors")), 0);
+    r = take(&f, SET_REL, 3);
+    CHECK_EQ(r->status, INTAKE_INVALID);
+    CHECK_STR(r->err.tensor, "b");
+    CHECK(strstr(r->err.message, "does not hold it") != NULL);
+    intake_req_free(r);
+    st_close(f.global);
+}
