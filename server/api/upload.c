@@ -1195,11 +1195,6 @@ static void respond_partial(upload *u, const stage *s, uint64_t size)
     for (int pass = 0; pass < 2; pass++) {
         /* pass 0: received, pass 1: missing */
         first = 1;
-        if ((s->index_bytes != 0) == (pass == 0)) {
-            snprintf(name, sizeof(name), "%s" ST_INDEX_SUFFIX, base);
-            sb_json_string(&b, name, strlen(name));
-            first = 0;
-        }
         for (uint32_t i = 0; i < s->nshards; i++) {
             if ((s->part_bytes[i] != 0) != (pass == 0))
                 continue;
@@ -1208,6 +1203,12 @@ static void respond_partial(upload *u, const stage *s, uint64_t size)
                 sb_str(&b, ",");
             sb_json_string(&b, name, strlen(name));
             first = 0;
+        }
+        if ((s->index_bytes != 0) == (pass == 0)) {     /* the shards, then the index, as a client sends them */
+            snprintf(name, sizeof(name), "%s" ST_INDEX_SUFFIX, base);
+            if (!first)
+                sb_str(&b, ",");
+            sb_json_string(&b, name, strlen(name));
         }
         sb_str(&b, pass == 0 ? "],\"missing\":[" : "]}}\n");
     }
