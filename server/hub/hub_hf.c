@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -20,6 +21,7 @@
 #include "dl_log.h"
 #include "fsutil.h"
 #include "seen.h"
+#include "st_index.h"
 #include "stepcount.h"
 #include "strbuf.h"
 
@@ -36,6 +38,8 @@
  * next listing. */
 #define MAX_LIST_PAGES 1000
 #define MAX_NEW_PER_LISTING 4096
+/* indexes and shards remembered from one listing (the rest wait for the next listing) */
+#define MAX_LISTED_SET_FILES 65536
 /* 2^53: every integer below it is exact in a double */
 #define JSON_MAX_EXACT 9007199254740992.0
 
@@ -73,11 +77,28 @@ struct hf_req {
     hf_req *next, *prev;        /* in flight, for hf_close */
 };
 
+/* A file of a sharded set as the tree listing showed it. */
+typedef struct listed_file {
+    char *rel;
+    char oid[65];
+    uint64_t size;
+    int lfs;
+    char node[DELTA_NODE_ID_MAX + 1];
+    uint64_t local_step;
+} listed_file;
+
+typedef struct dset dset;
+
 typedef struct candidate {
     char *rel;
     char *oid;
+    char ver[80];               /* the seen list's version: the oid, or a set's (set_version) */
     uint64_t size;
     int lfs;
+    int is_set;                 /* an index: fetched, parsed, then its shards become candidates */
+    listed_file *listed;        /* is_set: the shards listed next to it */
+    size_t nlisted;
+    dset *set;                  /* a shard: the set it belongs to */
     char *part;                 /* download path */
     uint64_t have;
     int attempts;
@@ -87,6 +108,20 @@ typedef struct candidate {
     uint64_t step;
     struct candidate *next;
 } candidate;
+
+/* A sharded delta (or global) being downloaded: the index is in its directory already, the
+ * shards arrive there one candidate each; the set is handed over when the last one is verified. */
+struct dset {
+    char *rel;                  /* the index's */
+    char ver[80];
+    char *dir;                  /* a directory of its own, holding only this set */
+    char *index_path;
+    unsigned pending;           /* shard candidates not finished */
+    int failed;
+    int is_global;
+    uint64_t step;
+    dset *next;                 /* in hf_hub.sets */
+};
 
 typedef struct pub_state {
     int active;
@@ -140,6 +175,10 @@ struct hf_hub {
     int problem_status;         /* the HTTP status behind st.problem */
     int problem_write;          /* ... refused a write (a commit): reads may still work */
     int in_access_failure;      /* the failed request's callback runs: its message is already set */
+    listed_file *lidx, *lshards; /* indexes and shards of the listing in progress */
+    size_t nlidx, nlshards;
+    dset *sets;                 /* sets whose shards are downloading */
+    int adopt_sharded;          /* the Hub's step_count.json names the index */
     pub_state pub;
     void (*close_done)(void *);
     void *close_arg;
@@ -702,12 +741,30 @@ static int hf_mark_done(hub *base, const char *rel, hub_outcome outcome, const h
 
 /* ---- downloads ------------------------------------------------------------------------------- */
 
+static void listed_free(listed_file *l, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        free(l[i].rel);
+    free(l);
+}
+
 static void candidate_free(candidate *c)
 {
     free(c->rel);
     free(c->oid);
     free(c->part);
+    listed_free(c->listed, c->nlisted);
     free(c);
+}
+
+static void dset_finished(hf_hub *h, dset *set, int ok);
+
+/* A candidate given up on (or cancelled): a shard takes its set down with it. */
+static void candidate_abandon(hf_hub *h, candidate *c)
+{
+    if (c->set != NULL)
+        dset_finished(h, c->set, 0);
+    candidate_free(c);
 }
 
 static void pump_downloads(hf_hub *h);
@@ -810,7 +867,9 @@ static void verify_after(uv_work_t *w, int status)
         /* quoted: a hex id of digits only would become a (rounded) JSON number */
         dl_log(DL_LOG_DEBUG, "hub", "delta downloaded", "path=%s bytes=%" PRIu64 " oid=%s",
                dl_log_q(qp, sizeof(qp), c->rel), c->size, dl_log_q(qo, sizeof(qo), c->oid));
-        if (c->is_global) {
+        if (c->set != NULL) {
+            dset_finished(h, c->set, 1);
+        } else if (c->is_global) {
             h->global_download = 0;
             h->cb.global_ready(h->app, c->step, c->part);
         } else {
@@ -831,10 +890,11 @@ static void verify_after(uv_work_t *w, int status)
         if (++c->attempts < MAX_ATTEMPTS_DOWNLOAD && !h->closing) {
             retry_later(h, c);      /* a later poll tries it again */
         } else {
-            set_seen_state(h, c->rel, c->oid, SEEN_REJECTED);     /* given up for this run */
+            if (c->set == NULL)
+                set_seen_state(h, c->rel, c->ver, SEEN_REJECTED);     /* given up for this run */
             if (c->is_global)
                 h->global_download = 0;     /* the next poll starts the adoption over */
-            candidate_free(c);
+            candidate_abandon(h, c);
         }
     }
     free(j);
@@ -867,7 +927,7 @@ static void download_done(hf_hub *h, hf_req *r, int ok)
         } else {
             if (c->is_global)
                 h->global_download = 0;
-            candidate_free(c);
+            candidate_abandon(h, c);
         }
         pump_downloads(h);
         return;
@@ -875,7 +935,7 @@ static void download_done(hf_hub *h, hf_req *r, int ok)
     verify_job *j = calloc(1, sizeof(*j));
     if (j == NULL) {
         h->active_downloads--;
-        candidate_free(c);
+        candidate_abandon(h, c);
         return;
     }
     j->h = h;
@@ -886,7 +946,7 @@ static void download_done(hf_hub *h, hf_req *r, int ok)
         h->handles--;
         h->active_downloads--;
         free(j);
-        candidate_free(c);
+        candidate_abandon(h, c);
     }
 }
 
@@ -905,7 +965,7 @@ static void start_download(hf_hub *h, candidate *c)
         free(url);
         if (fd >= 0)
             close(fd);
-        candidate_free(c);
+        candidate_abandon(h, c);
         return;
     }
     free(url);
@@ -914,7 +974,8 @@ static void start_download(hf_hub *h, candidate *c)
         c->have = 0;
         if (ftruncate(fd, 0) != 0) {
             close(fd);
-            candidate_free(c);
+            req_free(r);
+            candidate_abandon(h, c);
             return;
         }
     }
@@ -970,7 +1031,7 @@ static void peek_done(hf_hub *h, hf_req *r, int ok)
                    dl_log_q(qp, sizeof(qp), c->rel), dl_log_q(q, sizeof(q), why));
             h->st.errors++;
             snprintf(h->st.last_error, sizeof(h->st.last_error), "%s: %s", c->rel, why);
-            set_seen_state(h, c->rel, c->oid, SEEN_REJECTED);
+            set_seen_state(h, c->rel, c->ver, SEEN_REJECTED);
             decided = 1;
         } else if (hd != NULL) {
             size_t vl;
@@ -981,11 +1042,11 @@ static void peek_done(hf_hub *h, hf_req *r, int ok)
                     char qp[600];
                     dl_log(DL_LOG_DEBUG, "hub", "stale delta not downloaded", "path=%s base_outer_step=%" PRIu64,
                            dl_log_q(qp, sizeof(qp), c->rel), base);
-                    mark_seen(h, c->rel, c->oid);
+                    mark_seen(h, c->rel, c->ver);
                     decided = 1;
                 } else if (base > h->step) {
                     /* not ours yet (or never): look again at a later poll */
-                    set_seen_state(h, c->rel, c->oid, SEEN_INCOMPLETE);
+                    set_seen_state(h, c->rel, c->ver, SEEN_INCOMPLETE);
                     decided = 1;
                 }
             }
@@ -1027,13 +1088,432 @@ static void start_peek(hf_hub *h, candidate *c)
     req_go(h, r, peek_done, c);
 }
 
+/* ---- sharded sets ------------------------------------------------------------------------------ */
+
+/* A set's version for the seen list: the index's oid and every listed shard of its base (path,
+ * oid, size), hashed, so a set rewritten in any of its files (or completed) is taken again. */
+static int set_version(const char *index_oid, const listed_file *l, size_t n, char *out, size_t size)
+{
+    static const char digits[] = "0123456789abcdef";
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned mdlen = 0;
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    char num[24];
+    int bad = ctx == NULL || EVP_DigestInit_ex(ctx, EVP_sha256(), NULL) != 1 ||
+              EVP_DigestUpdate(ctx, index_oid, strlen(index_oid) + 1) != 1;
+
+    for (size_t i = 0; !bad && i < n; i++) {
+        snprintf(num, sizeof(num), "%" PRIu64, l[i].size);
+        bad = EVP_DigestUpdate(ctx, l[i].rel, strlen(l[i].rel) + 1) != 1 ||
+              EVP_DigestUpdate(ctx, l[i].oid, strlen(l[i].oid) + 1) != 1 ||
+              EVP_DigestUpdate(ctx, num, strlen(num) + 1) != 1;
+    }
+    bad = bad || EVP_DigestFinal_ex(ctx, md, &mdlen) != 1 || mdlen < 16 || size < 37;
+    EVP_MD_CTX_free(ctx);
+    if (bad)
+        return -1;
+    memcpy(out, "set-", 4);
+    for (unsigned i = 0; i < 16; i++) {
+        out[4 + 2 * i] = digits[md[i] >> 4];
+        out[4 + 2 * i + 1] = digits[md[i] & 15];
+    }
+    out[36] = '\0';
+    return 0;
+}
+
+static void dset_free(hf_hub *h, dset *set)
+{
+    for (dset **p = &h->sets; *p; p = &(*p)->next)
+        if (*p == set) {
+            *p = set->next;
+            break;
+        }
+    free(set->rel);
+    free(set->dir);
+    free(set->index_path);
+    free(set);
+}
+
+/* Removes a set directory of ours and the files in it (names we gave: no subdirectories).  A few
+ * unlinks of our own cache on the loop thread, as the single downloads' part files are. */
+static void remove_set_dir(const char *dir)
+{
+    DIR *d = opendir(dir);
+    struct dirent *e;
+
+    if (d == NULL)
+        return;
+    while ((e = readdir(d)) != NULL)
+        if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0)
+            unlinkat(dirfd(d), e->d_name, 0);
+    closedir(d);
+    rmdir(dir);
+}
+
+/* One shard candidate of set finished (ok: verified); after the last one the set is handed over,
+ * or, when a shard failed, dropped as a whole (not taken this run). */
+static void dset_finished(hf_hub *h, dset *set, int ok)
+{
+    if (!ok)
+        set->failed = 1;
+    if (set->pending > 0)
+        set->pending--;
+    if (set->pending > 0)
+        return;
+    if (set->failed || h->closing) {
+        /* a stop keeps the directory: the next start resumes the shards there */
+        if (!h->closing) {
+            char qp[600];
+            dl_log(DL_LOG_INFO, "hub", "sharded set not taken: a shard could not be downloaded", "path=%s",
+                   dl_log_q(qp, sizeof(qp), set->rel));
+            remove_set_dir(set->dir);
+        }
+        if (set->is_global)
+            h->global_download = 0;
+        else
+            set_seen_state(h, set->rel, set->ver, SEEN_REJECTED);
+        dset_free(h, set);
+        return;
+    }
+    if (set->is_global) {
+        h->global_download = 0;
+        h->cb.global_ready(h->app, set->step, set->index_path);
+    } else {
+        hub_delta d = {.rel = set->rel, .path = set->index_path, .root = NULL, .owned = 1};
+        h->cb.delta_ready(h->app, &d);
+    }
+    dset_free(h, set);
+}
+
+/* The set's directory, <state>/cache/incoming/hf-set-<version>, with the index written into it
+ * under its own name (a small write of our own cache on the loop thread). */
+static dset *dset_new(hf_hub *h, const candidate *c, const char *text, size_t len)
+{
+    dset *set = calloc(1, sizeof(*set));
+    const char *name = strrchr(c->rel, '/');
+    dl_error err = {0};
+
+    name = name ? name + 1 : c->rel;
+    if (set == NULL)
+        return NULL;
+    if (asprintf(&set->dir, "%s/cache/incoming/hf-%s%s", h->state_dir, c->is_global ? "global-" : "", c->ver) < 0)
+        set->dir = NULL;
+    if (set->dir == NULL || (set->rel = strdup(c->rel)) == NULL ||
+        asprintf(&set->index_path, "%s/%s", set->dir, name) < 0) {
+        set->index_path = NULL;
+        goto fail;
+    }
+    snprintf(set->ver, sizeof(set->ver), "%s", c->ver);
+    set->is_global = c->is_global;
+    set->step = c->step;
+    if (fsu_mkdirs(set->dir, &err) != 0 || fsu_write_atomic(set->index_path, text, len, &err) != 0) {
+        set_error(h, "cannot store the index of %s: %s", c->rel, err.message);
+        goto fail;
+    }
+    set->next = h->sets;
+    h->sets = set;
+    return set;
+fail:
+    free(set->rel);
+    free(set->dir);
+    free(set->index_path);
+    free(set);
+    return NULL;
+}
+
+static const listed_file *listed_shard(const candidate *c, const char *name)
+{
+    size_t nl = strlen(name);
+    for (size_t i = 0; i < c->nlisted; i++) {
+        size_t rl = strlen(c->listed[i].rel);
+        if (rl > nl && c->listed[i].rel[rl - nl - 1] == '/' && strcmp(c->listed[i].rel + rl - nl, name) == 0)
+            return &c->listed[i];
+    }
+    return NULL;
+}
+
+/* The set is given up for this version (a later listing with other files has another). */
+static void set_drop(hf_hub *h, candidate *c, seen_state state)
+{
+    if (c->is_global)
+        h->global_download = 0;
+    else
+        set_seen_state(h, c->rel, c->ver, state);
+    candidate_free(c);
+}
+
+/* The index is parsed: the stale or later round's set is judged here (as a single delta's peek
+ * judges it), a partial set waits for a listing that shows every shard, and a complete one gets a
+ * directory and one candidate per shard. */
+static void set_start_shards(hf_hub *h, candidate *c, const st_index *ix, const char *text, size_t len)
+{
+    char name[ST_INDEX_BASE_MAX + 48], q[300], qp[600];
+
+    if (!c->is_global) {
+        size_t vl;
+        uint64_t base = UINT64_MAX;
+        const char *v = st_index_meta(ix, "base_outer_step", &vl);
+        if (v != NULL && delta_parse_int(v, vl, &base) == 0 && base < h->step) {
+            dl_log(DL_LOG_DEBUG, "hub", "stale delta not downloaded", "path=%s base_outer_step=%" PRIu64,
+                   dl_log_q(qp, sizeof(qp), c->rel), base);
+            mark_seen(h, c->rel, c->ver);
+            candidate_free(c);
+            return;
+        }
+        if (v != NULL && base != UINT64_MAX && base > h->step) {
+            set_drop(h, c, SEEN_INCOMPLETE);
+            return;
+        }
+    }
+    for (uint32_t i = 0; i < ix->nshards; i++) {
+        if (st_index_shard_name(ix->base, i, ix->nshards, name, sizeof(name)) != 0 || listed_shard(c, name) == NULL) {
+            dl_log(DL_LOG_DEBUG, "hub", "sharded set incomplete, waiting for its shards", "path=%s missing=%s",
+                   dl_log_q(qp, sizeof(qp), c->rel), dl_log_q(q, sizeof(q), name));
+            set_drop(h, c, SEEN_REJECTED);
+            return;
+        }
+    }
+    dset *set = dset_new(h, c, text, len);
+    if (set == NULL) {
+        set_drop(h, c, SEEN_REJECTED);
+        return;
+    }
+    set->pending = ix->nshards;
+    for (uint32_t i = 0; i < ix->nshards; i++) {
+        st_index_shard_name(ix->base, i, ix->nshards, name, sizeof(name));
+        const listed_file *l = listed_shard(c, name);
+        candidate *s = calloc(1, sizeof(*s));
+        if (s == NULL || (s->rel = strdup(l->rel)) == NULL || (s->oid = strdup(l->oid)) == NULL ||
+            asprintf(&s->part, "%s/%s", set->dir, name) < 0) {
+            if (s != NULL)
+                s->part = NULL, candidate_free(s);
+            dset_finished(h, set, 0);
+            continue;
+        }
+        snprintf(s->ver, sizeof(s->ver), "%s", l->oid);
+        s->size = l->size;
+        s->lfs = l->lfs;
+        s->set = set;
+        s->peeked = 1;
+        s->next = h->queue;
+        h->queue = s;
+    }
+    candidate_free(c);
+}
+
+/* The git blob sha1 (or sha256 for an LFS file) of an index read into memory. */
+static int hash_mem(const char *p, size_t len, int git_sha1, char *hex, size_t hexlen)
+{
+    static const char digits[] = "0123456789abcdef";
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned mdlen = 0;
+    char head[48];
+    int n = snprintf(head, sizeof(head), "blob %zu", len);
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    int bad = ctx == NULL || EVP_DigestInit_ex(ctx, git_sha1 ? EVP_sha1() : EVP_sha256(), NULL) != 1 ||
+              (git_sha1 && EVP_DigestUpdate(ctx, head, (size_t)n + 1) != 1) ||
+              EVP_DigestUpdate(ctx, p, len) != 1 || EVP_DigestFinal_ex(ctx, md, &mdlen) != 1 ||
+              hexlen < 2 * mdlen + 1;
+    EVP_MD_CTX_free(ctx);
+    if (bad)
+        return -1;
+    for (unsigned i = 0; i < mdlen; i++) {
+        hex[2 * i] = digits[md[i] >> 4];
+        hex[2 * i + 1] = digits[md[i] & 15];
+    }
+    hex[2 * mdlen] = '\0';
+    return 0;
+}
+
+static void index_done(hf_hub *h, hf_req *r, int ok)
+{
+    candidate *c = r->arg;
+    cuv_xfer *x = r->x;
+    char base[ST_INDEX_BASE_MAX + 1], hex[130], qp[600];
+    const char *name = strrchr(c->rel, '/');
+    size_t nl, sl = strlen(ST_INDEX_SUFFIX);
+    const char *body = x && x->body.p ? x->body.p : "";
+    size_t blen = x ? x->body.len : 0;
+    st_index *ix = NULL;
+    dl_error err = {0};
+
+    h->active_downloads--;
+    if (h->closing) {
+        req_end(h, r);
+        candidate_free(c);
+        return;
+    }
+    if (!ok || x == NULL || x->status != 200 || blen != c->size ||
+        hash_mem(body, blen, !c->lfs, hex, sizeof(hex)) != 0 || strcmp(hex, c->oid) != 0) {
+        if (ok && x != NULL) {
+            dl_log(DL_LOG_WARN, "hub", "download does not match the listing, discarded", "path=%s",
+                   dl_log_q(qp, sizeof(qp), c->rel));
+            set_error(h, "%s: the download does not match the listing's size and oid", c->rel);
+        }
+        req_end(h, r);
+        if (++c->attempts < MAX_ATTEMPTS_DOWNLOAD)
+            retry_later(h, c);
+        else
+            set_drop(h, c, SEEN_REJECTED);
+        pump_downloads(h);
+        return;
+    }
+    name = name ? name + 1 : c->rel;
+    nl = strlen(name);
+    snprintf(base, sizeof(base), "%.*s", nl > sl ? (int)(nl - sl) : 0, name);
+    if (st_index_parse(body, blen, base, &ix, &err) == 0) {
+        set_start_shards(h, c, ix, body, blen);
+        st_index_free(ix);
+    } else if (c->is_global) {
+        set_error(h, "the Hub's global index: %s", err.message);
+        set_drop(h, c, SEEN_REJECTED);
+    } else {
+        /* handed over alone: intake refuses it with the reason, once for this version */
+        dset *set = dset_new(h, c, body, blen);
+        if (set == NULL) {
+            set_drop(h, c, SEEN_REJECTED);
+        } else {
+            candidate_free(c);
+            dset_finished(h, set, 1);
+        }
+    }
+    req_end(h, r);
+    pump_downloads(h);
+}
+
+/* An index is read whole into memory, capped as huggingface_hub caps it. */
+static void start_index(hf_hub *h, candidate *c)
+{
+    char *url;
+    hf_req *r;
+
+    if (c->size > ST_INDEX_MAX_BYTES) {
+        char qp[600];
+        dl_log(DL_LOG_WARN, "hub", "delta refused before download", "path=%s reason=%s",
+               dl_log_q(qp, sizeof(qp), c->rel), "\"an index larger than 10 MiB\"");
+        set_error(h, "%s: an index of %" PRIu64 " bytes, the cap is %u", c->rel, c->size, ST_INDEX_MAX_BYTES);
+        set_drop(h, c, SEEN_REJECTED);
+        return;
+    }
+    url = resolve_url(h, c->rel);
+    r = url ? req_new(h, "GET", url, "index") : NULL;
+    free(url);
+    if (r == NULL) {
+        set_drop(h, c, SEEN_REJECTED);
+        return;
+    }
+    r->body_cap = (size_t)(c->size > 0 ? c->size : 1);
+    r->follow = 1;
+    r->api = 0;
+    r->max_attempts = 2;
+    h->active_downloads++;
+    req_go(h, r, index_done, c);
+}
+
+/* After the listing's last page: each listed index with the shards listed next to it (same node
+ * and step) becomes one candidate, unless this version of the set was handled. */
+static void sets_from_listing(hf_hub *h)
+{
+    for (size_t i = 0; i < h->nlidx; i++) {
+        listed_file *ix = &h->lidx[i];
+        listed_file *l = NULL;
+        size_t n = 0;
+        char ver[80];
+        int created, oom = 0;
+
+        for (size_t k = 0; k < h->nlshards && !oom; k++) {
+            const listed_file *e = &h->lshards[k];
+            if (e->local_step != ix->local_step || strcmp(e->node, ix->node) != 0)
+                continue;
+            listed_file *nl = realloc(l, (n + 1) * sizeof(*nl));
+            if (nl == NULL || (nl[n] = *e, nl[n].rel = strdup(e->rel)) == NULL) {
+                oom = 1;
+                if (nl != NULL)
+                    l = nl;
+                break;
+            }
+            l = nl;
+            n++;
+        }
+        if (oom || set_version(ix->oid, l, n, ver, sizeof(ver)) != 0) {
+            listed_free(l, n);
+            continue;
+        }
+        char *k = seen_key(ix->rel, ver);
+        seen_entry *se = k ? seen_find(&h->seen, k) : NULL;
+        if (k == NULL || (se != NULL && se->state != SEEN_INCOMPLETE) || h->list_new >= MAX_NEW_PER_LISTING) {
+            h->list_cut |= k != NULL && se == NULL;
+            free(k);
+            listed_free(l, n);
+            continue;
+        }
+        if (se == NULL)
+            se = seen_get(&h->seen, k, &created);
+        free(k);
+        candidate *c = se ? calloc(1, sizeof(*c)) : NULL;
+        if (c == NULL || (c->rel = strdup(ix->rel)) == NULL || (c->oid = strdup(ix->oid)) == NULL) {
+            if (c != NULL)
+                candidate_free(c);
+            listed_free(l, n);
+            continue;
+        }
+        h->list_new++;
+        se->state = SEEN_PENDING;
+        snprintf(c->ver, sizeof(c->ver), "%s", ver);
+        c->size = ix->size;
+        c->lfs = ix->lfs;
+        c->is_set = 1;
+        c->listed = l;
+        c->nlisted = n;
+        c->next = h->queue;
+        h->queue = c;
+    }
+}
+
+static void listing_reset(hf_hub *h)
+{
+    listed_free(h->lidx, h->nlidx);
+    listed_free(h->lshards, h->nlshards);
+    h->lidx = h->lshards = NULL;
+    h->nlidx = h->nlshards = 0;
+}
+
+/* Remembers an index or a shard of the listing in progress (capped: the rest waits). */
+static void remember_listed(hf_hub *h, const delta_path *dp, const char *path, const char *oid, uint64_t size,
+                            int lfs)
+{
+    listed_file **arr = dp->kind == DELTA_PATH_INDEX ? &h->lidx : &h->lshards;
+    size_t *n = dp->kind == DELTA_PATH_INDEX ? &h->nlidx : &h->nlshards;
+
+    if (*n >= MAX_LISTED_SET_FILES) {
+        h->list_cut = 1;
+        return;
+    }
+    listed_file *na = realloc(*arr, (*n + 1) * sizeof(*na));
+    if (na == NULL)
+        return;
+    *arr = na;
+    listed_file *f = &na[*n];
+    memset(f, 0, sizeof(*f));
+    if ((f->rel = strdup(path)) == NULL)
+        return;
+    snprintf(f->oid, sizeof(f->oid), "%s", oid);
+    f->size = size;
+    f->lfs = lfs;
+    snprintf(f->node, sizeof(f->node), "%s", dp->node_id);
+    f->local_step = dp->local_step;
+    (*n)++;
+}
+
 static void pump_downloads(hf_hub *h)
 {
     while (!h->closing && h->queue != NULL && h->active_downloads < h->max_downloads) {
         candidate *c = h->queue;
         h->queue = c->next;
         c->next = NULL;
-        if (c->peeked || c->is_global) {
+        if (c->is_set) {
+            start_index(h, c);
+        } else if (c->peeked || c->is_global) {
             start_download(h, c);
         } else {
             start_peek(h, c);
@@ -1051,11 +1531,11 @@ static int consider_entry(hf_hub *h, const cJSON *e)
     const char *oid = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "oid"));
     const cJSON *lfs = cJSON_GetObjectItemCaseSensitive(e, "lfs");
     const cJSON *size = cJSON_GetObjectItemCaseSensitive(e, "size");
-    char id[DELTA_NODE_ID_MAX + 1];
-    uint64_t step, nbytes, lfs_bytes;
+    delta_path dp;
+    uint64_t nbytes, lfs_bytes;
     int created;
 
-    if (type == NULL || strcmp(type, "file") != 0 || path == NULL || delta_parse_path(path, id, &step, NULL) != 0)
+    if (type == NULL || strcmp(type, "file") != 0 || path == NULL || delta_parse_any_path(path, &dp, NULL) != 0)
         return 0;
     if (oid == NULL || json_size(size, &nbytes) != 0)
         return -EINVAL;
@@ -1073,6 +1553,11 @@ static int consider_entry(hf_hub *h, const cJSON *e)
     for (const char *p = oid; *p; p++)
         if (!((*p >= '0' && *p <= '9') || (*p >= 'a' && *p <= 'f')))
             return -EINVAL;     /* hostile: the oid names a file in our cache */
+    if (dp.kind != DELTA_PATH_SINGLE) {
+        /* an index or a shard: matched up after the last page (sets_from_listing) */
+        remember_listed(h, &dp, path, oid, nbytes, cJSON_IsObject(lfs));
+        return 0;
+    }
     char *k = seen_key(path, oid);
     seen_entry *se = k ? seen_find(&h->seen, k) : NULL;
     if (k == NULL || (se != NULL && se->state != SEEN_INCOMPLETE)) {
@@ -1097,6 +1582,7 @@ static int consider_entry(hf_hub *h, const cJSON *e)
             candidate_free(c);
         return 0;
     }
+    snprintf(c->ver, sizeof(c->ver), "%s", oid);
     c->size = nbytes;
     c->lfs = cJSON_IsObject(lfs);
     c->next = h->queue;
@@ -1155,6 +1641,8 @@ static void list_done(hf_hub *h, hf_req *r, int ok)
         list_page(h, next);
         return;
     }
+    sets_from_listing(h);
+    listing_reset(h);
     h->polling = 0;
     pump_downloads(h);
 }
@@ -1163,6 +1651,7 @@ static void list_page(hf_hub *h, const char *url)
 {
     hf_req *r = req_new(h, "GET", url, "tree");
     if (r == NULL) {
+        listing_reset(h);
         h->polling = 0;
         return;
     }
@@ -1175,10 +1664,11 @@ static void stepfile_done(hf_hub *h, hf_req *r, int ok)
 {
     cuv_xfer *x = r->x;
     uint64_t step;
-    int list = r->arg != NULL;
+    int list = r->arg != NULL, sharded = 0;
 
     if (ok && x != NULL && x->status == 200 &&
-        stepcount_parse(x->body.p ? x->body.p : "", x->body.len, &step, NULL, NULL, NULL) == 0) {
+        stepcount_parse(x->body.p ? x->body.p : "", x->body.len, &step, NULL, &sharded, NULL) == 0) {
+        h->adopt_sharded = sharded;
         if (h->published_known != (int64_t)step) {
             h->published_known = (int64_t)step;
             h->cb.published_seen(h->app, (int64_t)step);
@@ -1202,6 +1692,7 @@ static void stepfile_done(hf_hub *h, hf_req *r, int ok)
         h->list_pages = 0;
         h->list_new = 0;
         h->list_cut = 0;
+        listing_reset(h);
         if (url != NULL) {
             list_page(h, url);
             free(url);
@@ -1291,12 +1782,89 @@ static void poll_cb(uv_timer_t *t)
 
 /* The Hub's global/ listing gives the model's size and oid, so the adoption download is verified
  * like a delta's (a truncated or corrupted copy must never become our state). */
+/* A listed global file's oid and size (the LFS oid when it is one).  0 or -1. */
+static int global_entry(const cJSON *e, const char **oid, uint64_t *size, int *lfs)
+{
+    const cJSON *l = cJSON_GetObjectItemCaseSensitive(e, "lfs");
+
+    *oid = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "oid"));
+    *lfs = cJSON_IsObject(l);
+    if (*lfs)
+        *oid = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(l, "oid"));
+    if (*oid == NULL || json_size(cJSON_GetObjectItemCaseSensitive(e, "size"), size) != 0 ||
+        strspn(*oid, "0123456789abcdef") != strlen(*oid) || strlen(*oid) != (*lfs ? 64u : 40u))
+        return -1;
+    return 0;
+}
+
+/* A sharded global: global/latest.safetensors.index.json and the latest-* shards listed next to it
+ * become one set candidate, downloaded and verified like a delta's set. */
+static candidate *global_set_candidate(hf_hub *h, const cJSON *arr)
+{
+    const cJSON *e, *index = NULL;
+    listed_file *l = NULL;
+    size_t n = 0;
+    const char *oid, *ioid = NULL;
+    uint64_t size, isize = 0;
+    int lfs, ilfs = 0;
+    char base[ST_INDEX_BASE_MAX + 1];
+
+    cJSON_ArrayForEach(e, arr) {
+        const char *path = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "path"));
+        uint32_t si, sn;
+        if (path == NULL || strncmp(path, "global/", 7) != 0 || global_entry(e, &oid, &size, &lfs) != 0)
+            continue;
+        st_name_kind k = st_index_classify(path + 7, strlen(path + 7), base, &si, &sn);
+        if (strcmp(base, "latest") != 0)
+            continue;
+        if (k == ST_NAME_INDEX) {
+            index = e;
+            ioid = oid;
+            isize = size;
+            ilfs = lfs;
+        } else if (k == ST_NAME_SHARD) {
+            listed_file *nl = realloc(l, (n + 1) * sizeof(*nl));
+            if (nl == NULL)
+                break;
+            l = nl;
+            memset(&l[n], 0, sizeof(l[n]));
+            if ((l[n].rel = strdup(path)) == NULL)
+                break;
+            snprintf(l[n].oid, sizeof(l[n].oid), "%s", oid);
+            l[n].size = size;
+            l[n].lfs = lfs;
+            n++;
+        }
+    }
+    candidate *c = index ? calloc(1, sizeof(*c)) : NULL;
+    if (c == NULL || (c->rel = strdup("global/latest" ST_INDEX_SUFFIX)) == NULL || (c->oid = strdup(ioid)) == NULL ||
+        set_version(ioid, l, n, c->ver, sizeof(c->ver)) != 0) {
+        listed_free(l, n);
+        if (c != NULL)
+            candidate_free(c);
+        return NULL;
+    }
+    c->size = isize;
+    c->lfs = ilfs;
+    c->is_set = 1;
+    c->is_global = 1;
+    c->step = (uint64_t)h->published_known;
+    c->listed = l;
+    c->nlisted = n;
+    return c;
+}
+
 static void global_list_done(hf_hub *h, hf_req *r, int ok)
 {
     cuv_xfer *x = r->x;
     candidate *c = NULL;
     cJSON *arr = ok && x && x->status == 200 ? cJSON_ParseWithLength(x->body.p ? x->body.p : "", x->body.len) : NULL, *e;
 
+    if (h->adopt_sharded) {
+        c = global_set_candidate(h, arr);
+        cJSON_Delete(arr);
+        arr = NULL;
+    }
     cJSON_ArrayForEach(e, arr) {
         const char *path = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "path"));
         const char *oid = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "oid"));
@@ -1319,6 +1887,7 @@ static void global_list_done(hf_hub *h, hf_req *r, int ok)
             c = NULL;
             break;
         }
+        snprintf(c->ver, sizeof(c->ver), "%s", oid);
         c->size = nbytes;
         c->lfs = cJSON_IsObject(lfs);
         c->is_global = 1;
@@ -1328,7 +1897,8 @@ static void global_list_done(hf_hub *h, hf_req *r, int ok)
     cJSON_Delete(arr);
     req_end(h, r);
     if (c == NULL) {
-        set_error(h, "the Hub's global/ listing has no usable latest.safetensors");
+        set_error(h, "the Hub's global/ listing has no usable %s",
+                  h->adopt_sharded ? "latest.safetensors.index.json" : "latest.safetensors");
         h->global_download = 0;
         h->st.head[0] = '\0';
         return;
@@ -2043,6 +2613,9 @@ static void hub_free(hf_hub *h)
         h->retry = c->next;
         candidate_free(c);
     }
+    listing_reset(h);
+    while (h->sets)
+        dset_free(h, h->sets);
     if (h->seen_fd >= 0)
         close(h->seen_fd);
     seen_free(&h->seen);
