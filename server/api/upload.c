@@ -122,6 +122,7 @@ struct stage {
     int refs;                   /* parts in flight */
     int completing;             /* the set's check-and-link job is out */
     int dead;                   /* discarded: its directory goes once no part or job uses it */
+    int reaped;                 /* its removal is queued: nothing may touch it again */
     int dead_status;            /* what a part still in flight is answered */
     char dead_code[16];
     char dead_why[200];
@@ -174,8 +175,9 @@ static void stage_remove_done(daemon_job *j)
 /* Frees a discarded set once no part and no job uses it; its directory is removed on the pool. */
 static void stage_reap(stage *s)
 {
-    if (!s->dead || s->refs > 0 || s->completing)
+    if (!s->dead || s->refs > 0 || s->completing || s->reaped)
         return;
+    s->reaped = 1;
     if (daemon__queue(s->d, stage_remove_work, stage_remove_done, s, 0, 0) != 0) {
         (void)store_remove_tree(s->dir);        /* the pool refused (out of memory): here, once */
         stage_free(s);
@@ -189,8 +191,10 @@ static void stage_discard(stage *s, int status, const char *code, const char *wh
     stage **pp;
     char qn[160], m[300];
 
-    if (s->dead)
+    if (s->dead) {
+        stage_reap(s);          /* discarded while its intake ran: it may be free to go now */
         return;
+    }
     for (pp = &sets.head; *pp != NULL; pp = &(*pp)->next) {
         if (*pp == s) {
             *pp = s->next;
