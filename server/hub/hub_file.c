@@ -146,7 +146,8 @@ static int refuse_misnamed(scan *sc, int dirfd, const char *name, const char *re
         return 0;
     return push_refused(sc, strdup(rel),
                         strdup("not named like a delta (delta_<local_step>.safetensors, or a set's "
-                               "delta_<local_step>.safetensors.index.json and delta_<local_step>-<i>-of-<N>.safetensors): ignored"),
+                               "delta_<local_step>.safetensors.index.json and "
+                               "delta_<local_step>-<i>-of-<N>.safetensors): ignored"),
                         &sb);
 }
 
@@ -775,7 +776,8 @@ int hubfile_copy_global_set(const char *root, const char *dir, dl_error *err)
         char *why = refusal(rc, &sb, "global/latest" ST_INDEX_SUFFIX);
         rc = rc == -EFBIG ? dl_fail(err, DL_E_HEADER_TOO_LARGE, NULL, 0, "%s/global/%s is larger than %u bytes", root,
                                     index_name, ST_INDEX_MAX_BYTES)
-                          : dl_fail(err, DL_E_IO, NULL, 0, "%s/global/%s is %s", root, index_name, why ? why : "unusable");
+                          : dl_fail(err, DL_E_IO, NULL, 0, "%s/global/%s is %s", root, index_name,
+                                    why ? why : "unusable");
         free(why);
         goto out;
     }

@@ -85,7 +85,8 @@ int hubfile_copy_global(const char *root, const char *dst, dl_error *err);
 int hubfile_copy_global_set(const char *root, const char *dir, dl_error *err);
 /* Removes dir and the files in it (a local copy of ours: state_dir); 0 or a negative code. */
 int hubfile_remove_dir(const char *dir, dl_error *err);
-/* Copies a file (a trusted path: the operator's init model) to dst atomically (temp in dst's directory, fsync, rename, fsync of the directory). */
+/* Copies a file (a trusted path: the operator's init model) to dst atomically (temp in dst's directory,
+ * fsync, rename, fsync of the directory). */
 int hubfile_copy(const char *src, const char *dst, dl_error *err);
 
 #endif

@@ -362,7 +362,8 @@ static int write_shard(const char *path, const char *name, float v)
     char hdr[256];
     unsigned char buf[8 + sizeof(hdr) + 4];
     int n = snprintf(hdr, sizeof(hdr),
-                     "{\"__metadata__\":{\"format\":\"pt\"},\"%s\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
+                     "{\"__metadata__\":{\"format\":\"pt\"},"
+                     "\"%s\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
                      name);
 
     if (n < 0 || (size_t)n >= sizeof(hdr))
@@ -381,8 +382,8 @@ static int write_set(const char *dir, const char *base, unsigned nshards, int wi
     char text[2048], path[1024];
     size_t off;
 
-    off = (size_t)snprintf(text, sizeof(text), "{\n  \"metadata\": {\n    \"total_size\": %u\n  },\n  \"weight_map\": {",
-                           4 * nshards);
+    off = (size_t)snprintf(text, sizeof(text),
+                           "{\n  \"metadata\": {\n    \"total_size\": %u\n  },\n  \"weight_map\": {", 4 * nshards);
     for (unsigned i = 0; i < nshards; i++)
         off += (size_t)snprintf(text + off, sizeof(text) - off, "%s\n    \"t%u\": \"%s-%05u-of-%05u.safetensors\"",
                                 i ? "," : "", i, base, i + 1, nshards);
