@@ -12,6 +12,8 @@
   local step replaces a node's staged set, and the staging is gone afterwards.
 """
 import json
+import os
+import socket
 import subprocess
 
 import huggingface_hub as hfh
@@ -268,6 +270,18 @@ def test_hostile_sets_are_refused_with_a_reason(tmp_path):
         assert d.stop() == 0
 
 
+def open_fds(d):
+    """The daemon's open descriptors, by what they point at."""
+    fd_dir = f"/proc/{d.proc.pid}/fd"
+    out = []
+    for fd in os.listdir(fd_dir):
+        try:
+            out.append(os.readlink(f"{fd_dir}/{fd}"))
+        except OSError:
+            pass        # the descriptor of the listing itself, gone by now
+    return sorted(out)
+
+
 def wait_unstaged_but(d, nodes):
     for _ in range(3000):
         left = {name.split("-")[1] for name in staged(d)}
@@ -289,6 +303,7 @@ def test_a_set_never_completed_does_not_block_the_round(tmp_path):
                 "--min-nodes", "1", "--round-timeout", "1").start()
     try:
         d.wait_step(0)
+        fds = open_fds(d)
         # a starts local step 5, then 6: the newer one replaces the staged set
         assert put(d.url, "a", parts(ia5)[0][0])[0] == 202
         first = staged(d)
@@ -302,6 +317,19 @@ def test_a_set_never_completed_does_not_block_the_round(tmp_path):
                 break
             subprocess.run(["sleep", "0.01"])
         assert len(staged(d)) == 1 and staged(d) != first
+        # a shard cut off in the middle (the client goes away): its temporary file goes, the set stays
+        shard = parts(ia6)[0][2]
+        body = shard.read_bytes()
+        with socket.create_connection(("127.0.0.1", d.port)) as s:
+            s.sendall(f"PUT /nodes/a/{shard.name} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+                      .encode() + body[:len(body) // 2])
+        d.wait_log("upload aborted")
+        set_dir = d.state_dir / "cache" / "incoming" / staged(d)[0]
+        for _ in range(3000):
+            if sorted(p.name for p in set_dir.iterdir()) == [parts(ia6)[0][1].name]:
+                break
+            subprocess.run(["sleep", "0.01"])
+        assert sorted(p.name for p in set_dir.iterdir()) == [parts(ia6)[0][1].name]
         # b delivers; a never finishes: the round closes by timeout with b alone
         assert put(d.url, "b", single_b)[0] == 201
         d.wait_step(1)
@@ -312,6 +340,10 @@ def test_a_set_never_completed_does_not_block_the_round(tmp_path):
         code, ans = put(d.url, "a", ia6)
         assert code == 409 and ans["error"]["code"] == "stale", ans
         wait_unstaged_but(d, set())
+        # every descriptor the uploads opened is closed again (the served global is the new step's)
+        now = open_fds(d)
+        assert len(now) == len(fds), (now, fds)
+        assert not [f for f in now if "/cache/" in f], now
         assert d.alive()
     finally:
         assert d.stop() == 0
