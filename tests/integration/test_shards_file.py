@@ -253,6 +253,8 @@ def test_small_shard_size_publishes_a_sharded_global_that_loads_and_is_adopted(t
         write_sharded_delta(hub, "w1", 1, 20, more["w1"])
         write_sharded_delta(hub, "w2", 1, 20, more["w2"], max_shard=30_000)
         d2.wait_step(2)
+        # the transport's copy of the set (a directory of its own) is gone once the daemon took it in
+        assert not (d2.state_dir / "cache" / "incoming" / "file-global-1").exists()
         sc = json.loads((g / "step_count.json").read_text())
         assert sc["model_file"] == "global/latest.safetensors.index.json", sc
         assert_state_equal(load_published_set(hub), adopted.state)
