@@ -211,11 +211,11 @@ static void hand_over(file_hub *fh, const hub_candidate *c)
 }
 
 /* A set with a shard missing: remembered (so a later complete version is new), not handed over. */
-static void wait_for_shards(seen_entry *e, const hub_candidate *c)
+static void wait_for_shards(seen_entry *e, int created, const hub_candidate *c)
 {
-    if (e->state == SEEN_PENDING)
+    if (!created && e->state == SEEN_PENDING)
         return;                 /* in flight: its result comes first */
-    if (!(e->state == SEEN_REJECTED && e->since == SINCE_PARTIAL))
+    if (created || !(e->state == SEEN_REJECTED && e->since == SINCE_PARTIAL))
         dl_log(DL_LOG_DEBUG, "hub", "sharded delta incomplete, waiting for its shards", "path=%s shards=%" PRIu32,
                c->rel, c->nshards);
     e->size = c->size;
@@ -234,7 +234,7 @@ static void consider_candidate(file_hub *fh, const hub_candidate *c)
         return;
     e->listed = fh->scan_gen;
     if (c->set && c->partial) {
-        wait_for_shards(e, c);
+        wait_for_shards(e, created, c);
         return;
     }
     int same = !created && e->size == c->size && e->mtime_ns == c->mtime_ns && e->ino == c->ino;
