@@ -276,7 +276,8 @@ static stage *stage_new(dilocod *d, const char *node_id, uint64_t local_step, ui
     snprintf(s->node_id, sizeof(s->node_id), "%s", node_id);
     s->local_step = local_step;
     s->round_step = d->rnd.step;
-    if (asprintf(&s->dir, "%s/cache/incoming/set-%s-%u", d->st.dir, node_id, atomic_fetch_add(&upload_counter, 1)) < 0) {
+    if (asprintf(&s->dir, "%s/cache/incoming/set-%s-%u", d->st.dir, node_id,
+                 atomic_fetch_add(&upload_counter, 1)) < 0) {
         s->dir = NULL;
         stage_free(s);
         return NULL;
@@ -895,7 +896,8 @@ static int authorize(dilocod *d, http_conn *c, http_request *req, const char *no
         }
         if (!req->loopback) {
             http_respond_error(c, 403, "forbidden",
-                               "uploads from other hosts need a token file (--token-file); only loopback peers may upload without one",
+                               "uploads from other hosts need a token file (--token-file); only loopback peers "
+                               "may upload without one",
                                NULL);
             return -1;
         }
@@ -935,7 +937,8 @@ static int admit(dilocod *d, http_conn *c, http_request *req, const char *node_i
         return -1;
     if (d->uploads_in_flight >= (int)d->cfg->max_uploads) {
         /* each upload holds two 1 MiB buffers and up to max_delta_header_mib of header: bounded */
-        static const char body[] = "{\"error\":{\"code\":\"busy\",\"message\":\"too many uploads in progress; retry shortly\"}}\n";
+        static const char body[] =
+            "{\"error\":{\"code\":\"busy\",\"message\":\"too many uploads in progress; retry shortly\"}}\n";
         http_respond(c, 503, "application/json", "Retry-After: 1\r\n", body, sizeof(body) - 1);
         return -1;
     }
@@ -1040,14 +1043,14 @@ void upload_start(dilocod *d, http_conn *c, http_request *req, const char *node_
     if (admit(d, c, req, node_id) != 0)
         return;
     if (path_step != NULL && delta_parse_int(path_step, strlen(path_step), &step) != 0) {
-        http_respond_error(c, 400, "invalid_path", "the step in delta_<local_step>.safetensors is not a canonical integer",
-                           NULL);
+        http_respond_error(c, 400, "invalid_path",
+                           "the step in delta_<local_step>.safetensors is not a canonical integer", NULL);
         return;
     }
     max_body = body_limit(d);
     if (req->has_length && req->content_length > max_body) {
-        snprintf(msg, sizeof(msg), "body of %" PRIu64 " bytes is larger than the limit of %" PRIu64, req->content_length,
-                 max_body);
+        snprintf(msg, sizeof(msg), "body of %" PRIu64 " bytes is larger than the limit of %" PRIu64,
+                 req->content_length, max_body);
         http_respond_error(c, 413, "too_large", msg, NULL);
         return;
     }
@@ -1121,7 +1124,8 @@ static int shard_meta(upload *u, delta_info *info, int *have_base)
         reject(u, 422, "path_mismatch", msg, NULL);
         return -1;
     }
-    if ((v = st_header_meta(h, "local_step", &len)) != NULL && (delta_parse_int(v, len, &n) != 0 || n != u->local_step)) {
+    if ((v = st_header_meta(h, "local_step", &len)) != NULL &&
+        (delta_parse_int(v, len, &n) != 0 || n != u->local_step)) {
         snprintf(msg, sizeof(msg), "the shard's metadata local_step does not match the path's step %" PRIu64,
                  u->local_step);
         stats_delta_rejected(&u->d->m, DL_E_PATH_MISMATCH);
@@ -1235,9 +1239,9 @@ static void part_in(upload *u)
     char qn[160], qp[PART_NAME_MAX + 8];
 
     dl_log(DL_LOG_INFO, "http", "sharded upload part received",
-           "node=%s local_step=%" PRIu64 " part=%s bytes=%" PRIu64 " shards=%u/%u index=%s", dl_log_q(qn, sizeof(qn), s->node_id),
-           s->local_step, dl_log_q(qp, sizeof(qp), u->part), size, s->nreceived, s->nshards,
-           s->index_bytes ? "yes" : "no");
+           "node=%s local_step=%" PRIu64 " part=%s bytes=%" PRIu64 " shards=%u/%u index=%s",
+           dl_log_q(qn, sizeof(qn), s->node_id), s->local_step, dl_log_q(qp, sizeof(qp), u->part), size,
+           s->nreceived, s->nshards, s->index_bytes ? "yes" : "no");
     u->stage = NULL;            /* this part's reference goes now: the set counts only those still streaming */
     s->refs--;
     if (stage_complete(s) && s->refs == 0 && !s->completing) {
@@ -1615,7 +1619,8 @@ static void set_part_start(dilocod *d, http_conn *c, http_request *req, const de
         s = NULL;
     }
     if (s != NULL && s->completing) {
-        static const char body[] = "{\"error\":{\"code\":\"busy\",\"message\":\"the set is being taken in; retry shortly\"}}\n";
+        static const char body[] =
+            "{\"error\":{\"code\":\"busy\",\"message\":\"the set is being taken in; retry shortly\"}}\n";
         http_respond(c, 503, "application/json", "Retry-After: 1\r\n", body, sizeof(body) - 1);
         return;
     }
@@ -1629,7 +1634,8 @@ static void set_part_start(dilocod *d, http_conn *c, http_request *req, const de
     if (s != NULL && s->index_bytes != 0 && peek_or_refuse(d, c, &s->info, 1) != 0)
         return;
     if (s == NULL && sets.n >= stage_limit(d)) {
-        static const char body[] = "{\"error\":{\"code\":\"busy\",\"message\":\"too many sharded uploads in progress; retry shortly\"}}\n";
+        static const char body[] = "{\"error\":{\"code\":\"busy\",\"message\":"
+                                   "\"too many sharded uploads in progress; retry shortly\"}}\n";
         http_respond(c, 503, "application/json", "Retry-After: 1\r\n", body, sizeof(body) - 1);
         return;
     }

@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import run
-from dilocod_proc import Dilocod, Oracle, assert_state_close, assert_state_equal, delta_metadata, load_torch, write_model
+from dilocod_proc import (Dilocod, Oracle, assert_state_close, assert_state_equal, delta_metadata, load_torch,
+                          write_model)
 
 SHARD = 10_000      # bytes: every 64x64 F32 tensor below gets a shard of its own (4 shards)
 
