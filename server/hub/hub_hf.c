@@ -123,9 +123,28 @@ struct dset {
     dset *next;                 /* in hf_hub.sets */
 };
 
+/* One file of a publish: the plain global, or a shard or the index of a sharded one. */
+typedef struct pub_file {
+    char rel[ST_INDEX_BASE_MAX + 64];   /* global/<name> */
+    char *path;
+    int fd;
+    uint64_t size;
+    char sha256[65];
+    char sample_b64[700];
+    char *content;              /* an index's bytes, for the commit when the Hub wants it inline */
+    size_t content_len;
+    int lfs;                    /* the Hub's preupload said "lfs" */
+} pub_file;
+
 typedef struct pub_state {
     int active;
     uint64_t step;
+    int sharded;
+    pub_file *files;            /* the shards, then the index (or the one file) */
+    unsigned nfiles, cur;       /* cur: the LFS upload in progress */
+    char **deletes;             /* the other layout's files on the Hub, deleted in the commit */
+    size_t ndeletes;
+    int uploaded;               /* every LFS object is stored: a 412 retry only commits again */
     char *path;
     char optimizer[32];
     int bootstrap;
@@ -134,7 +153,6 @@ typedef struct pub_state {
     char sha256[65];
     char sample_b64[700];
     char *stepfile;
-    int lfs_mode;               /* global goes through LFS */
     char parent[48];
     cJSON *batch;               /* the LFS batch answer */
     char **part_etags;
@@ -1941,30 +1959,43 @@ typedef struct hash_job {
     int ok;
 } hash_job;
 
-static void pub_hash_work(uv_work_t *w)
+/* sha256, size and the preupload sample of one file (read through its descriptor: the step's
+ * file may be unlinked by a later cleanup), and an index's bytes.  0 or -1. */
+static int pub_hash_file(pub_file *f, int is_index)
 {
-    hash_job *j = w->data;
-    pub_state *p = &j->h->pub;
     struct stat sb;
     unsigned char sample[512];
     sbuf s = {0};
 
-    if (stat(p->path, &sb) != 0 || hash_file(p->path, 0, 0, p->sha256, sizeof(p->sha256)) != 0)
-        return;
-    p->size = (uint64_t)sb.st_size;
-    int fd = open(p->path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return;
-    ssize_t n = read(fd, sample, sizeof(sample));
-    close(fd);
+    if (fstat(f->fd, &sb) != 0 || hash_file(f->path, 0, 0, f->sha256, sizeof(f->sha256)) != 0)
+        return -1;
+    f->size = (uint64_t)sb.st_size;
+    ssize_t n = pread(f->fd, sample, sizeof(sample), 0);
     if (n < 0)
-        return;
+        return -1;
     b64(&s, sample, (size_t)n);
     char *t = sb_take(&s);
     if (t == NULL)
-        return;
-    snprintf(p->sample_b64, sizeof(p->sample_b64), "%s", t);
+        return -1;
+    snprintf(f->sample_b64, sizeof(f->sample_b64), "%s", t);
     free(t);
+    if (is_index) {
+        if (f->size > ST_INDEX_MAX_BYTES || (f->content = malloc(f->size ? f->size : 1)) == NULL ||
+            fsu_pread_all(f->fd, f->content, f->size, 0) != 0)
+            return -1;
+        f->content_len = f->size;
+    }
+    return 0;
+}
+
+static void pub_hash_work(uv_work_t *w)
+{
+    hash_job *j = w->data;
+    pub_state *p = &j->h->pub;
+
+    for (unsigned i = 0; i < p->nfiles; i++)
+        if (pub_hash_file(&p->files[i], p->sharded && i == p->nfiles - 1) != 0)
+            return;
     j->ok = 1;
 }
 
@@ -2033,18 +2064,34 @@ static void pub_commit(hf_hub *h)
              "\",\"description\":\"\",\"parentCommit\":\"%s\"}}\n",
              p->step, p->parent);
     sb_str(&b, line);
-    if (p->lfs_mode) {
-        snprintf(line, sizeof(line),
-                 "{\"key\":\"lfsFile\",\"value\":{\"path\":\"global/latest.safetensors\",\"algo\":\"sha256\","
-                 "\"oid\":\"%s\",\"size\":%" PRIu64 "}}\n",
-                 p->sha256, p->size);
-        sb_str(&b, line);
+    /* one commit: a reader of any revision sees a whole layout, never half of two */
+    for (unsigned i = 0; i < p->nfiles; i++) {
+        const pub_file *f = &p->files[i];
+        if (f->lfs) {
+            snprintf(line, sizeof(line),
+                     "{\"key\":\"lfsFile\",\"value\":{\"path\":\"%s\",\"algo\":\"sha256\","
+                     "\"oid\":\"%s\",\"size\":%" PRIu64 "}}\n",
+                     f->rel, f->sha256, f->size);
+            sb_str(&b, line);
+        } else {
+            sb_str(&b, "{\"key\":\"file\",\"value\":{\"content\":\"");
+            b64(&b, (const unsigned char *)f->content, f->content_len);
+            snprintf(line, sizeof(line), "\",\"path\":\"%s\",\"encoding\":\"base64\"}}\n", f->rel);
+            sb_str(&b, line);
+        }
     }
     sb_str(&b, "{\"key\":\"file\",\"value\":{\"content\":\"");
     b64(&b, (const unsigned char *)p->stepfile, strlen(p->stepfile));
     sb_str(&b, "\",\"path\":\"global/step_count.json\",\"encoding\":\"base64\"}}\n");
+    for (size_t i = 0; i < p->ndeletes; i++) {
+        sb_str(&b, "{\"key\":\"deletedFile\",\"value\":{\"path\":");
+        sb_json_string(&b, p->deletes[i], strlen(p->deletes[i]));
+        sb_str(&b, "}}\n");
+    }
     pub_send(h, r, &b, "application/x-ndjson", commit_done);
 }
+
+static void pub_next_lfs(hf_hub *h);
 
 static void verify_lfs_done(hf_hub *h, hf_req *r, int ok)
 {
@@ -2054,7 +2101,7 @@ static void verify_lfs_done(hf_hub *h, hf_req *r, int ok)
         pub_finish(h, 0);
         return;
     }
-    pub_commit(h);
+    pub_next_lfs(h);
 }
 
 /* After the object's bytes are up: the verify action if any, then the commit. */
@@ -2065,7 +2112,7 @@ static void pub_after_upload(hf_hub *h)
     const char *href = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(verify, "href"));
 
     if (href == NULL) {
-        pub_commit(h);
+        pub_next_lfs(h);
         return;
     }
     hf_req *r = req_new(h, "POST", href, "lfs_verify");
@@ -2248,6 +2295,24 @@ static void batch_done(hf_hub *h, hf_req *r, int ok)
     req_go(h, pr, basic_put_done, NULL);
 }
 
+static void pub_batch(hf_hub *h);
+
+/* The current LFS object is stored: the next one, or the commit after the last. */
+static void pub_next_lfs(hf_hub *h)
+{
+    pub_state *p = &h->pub;
+
+    for (size_t i = 0; p->part_etags && i < p->nparts; i++)
+        free(p->part_etags[i]);
+    free(p->part_etags);
+    p->part_etags = NULL;
+    p->nparts = p->part_next = 0;
+    p->cur++;
+    while (p->cur < p->nfiles && !p->files[p->cur].lfs)
+        p->cur++;
+    pub_batch(h);
+}
+
 static void preupload_done(hf_hub *h, hf_req *r, int ok)
 {
     pub_state *p = &h->pub;
@@ -2259,20 +2324,43 @@ static void preupload_done(hf_hub *h, hf_req *r, int ok)
         pub_finish(h, 0);
         return;
     }
-    p->lfs_mode = 1;
+    for (unsigned i = 0; i < p->nfiles; i++)
+        p->files[i].lfs = 1;
     cJSON_ArrayForEach(f, cJSON_GetObjectItemCaseSensitive(j, "files")) {
         const char *path = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(f, "path"));
         const char *mode = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(f, "uploadMode"));
-        if (path && mode && strcmp(path, "global/latest.safetensors") == 0)
-            p->lfs_mode = strcmp(mode, "lfs") == 0;
+        for (unsigned i = 0; path && mode && i < p->nfiles; i++)
+            if (strcmp(path, p->files[i].rel) == 0)
+                p->files[i].lfs = strcmp(mode, "lfs") == 0;
     }
     cJSON_Delete(j);
-    if (!p->lfs_mode) {
-        /* a regular file would travel inline, base64 in the commit: only sane for small models */
-        set_error(h, "the Hub wants global/latest.safetensors as a regular file: not supported, use LFS");
-        pub_finish(h, 0);
+    for (unsigned i = 0; i < p->nfiles; i++) {
+        if (!p->files[i].lfs && p->files[i].content == NULL) {
+            /* a regular file would travel inline, base64 in the commit: only sane for small files */
+            set_error(h, "the Hub wants %s as a regular file: not supported, use LFS", p->files[i].rel);
+            pub_finish(h, 0);
+            return;
+        }
+    }
+    p->cur = 0;
+    while (p->cur < p->nfiles && !p->files[p->cur].lfs)
+        p->cur++;
+    pub_batch(h);
+}
+
+/* The LFS batch for files[cur] (one object per batch: each is uploaded and verified in turn). */
+static void pub_batch(hf_hub *h)
+{
+    pub_state *p = &h->pub;
+
+    if (p->cur >= p->nfiles) {
+        p->uploaded = 1;
+        pub_commit(h);
         return;
     }
+    p->fd = p->files[p->cur].fd;
+    p->size = p->files[p->cur].size;
+    memcpy(p->sha256, p->files[p->cur].sha256, sizeof(p->sha256));
     sbuf b = {0};
     char head[512], *body, *url = NULL;
     snprintf(head, sizeof(head),
@@ -2310,7 +2398,7 @@ static void pub_preupload(hf_hub *h)
     char *url = api_url(h, "preupload", NULL, NULL);
     hf_req *r = url ? req_new(h, "POST", url, "preupload") : NULL;
     sbuf b = {0}, s = {0};
-    char part[256], *ssample;
+    char part[400], *ssample;
 
     free(url);
     if (r == NULL) {
@@ -2319,15 +2407,96 @@ static void pub_preupload(hf_hub *h)
     }
     b64(&s, (const unsigned char *)p->stepfile, strlen(p->stepfile) < 512 ? strlen(p->stepfile) : 512);
     ssample = sb_take(&s);
-    sb_str(&b, "{\"files\":[{\"path\":\"global/latest.safetensors\",\"sample\":\"");
-    sb_str(&b, p->sample_b64);
-    snprintf(part, sizeof(part), "\",\"size\":%" PRIu64 "},{\"path\":\"global/step_count.json\",\"sample\":\"", p->size);
-    sb_str(&b, part);
+    sb_str(&b, "{\"files\":[");
+    for (unsigned i = 0; i < p->nfiles; i++) {
+        snprintf(part, sizeof(part), "{\"path\":\"%s\",\"sample\":\"", p->files[i].rel);
+        sb_str(&b, part);
+        sb_str(&b, p->files[i].sample_b64);
+        snprintf(part, sizeof(part), "\",\"size\":%" PRIu64 "},", p->files[i].size);
+        sb_str(&b, part);
+    }
+    sb_str(&b, "{\"path\":\"global/step_count.json\",\"sample\":\"");
     sb_str(&b, ssample ? ssample : "");
     snprintf(part, sizeof(part), "\",\"size\":%zu}]}", strlen(p->stepfile));
     sb_str(&b, part);
     free(ssample);
     pub_send(h, r, &b, "application/json", preupload_done);
+}
+
+/* A file of the other layout, left by an earlier publish: for a sharded publish the plain file and
+ * shards of another count, for a plain one the index and every shard. */
+static int pub_other_layout(const pub_state *p, const char *name)
+{
+    char base[ST_INDEX_BASE_MAX + 1];
+    uint32_t i = 0, n = 0;
+    st_name_kind k = st_index_classify(name, strlen(name), base, &i, &n);
+
+    if (strcmp(base, "latest") != 0)
+        return 0;
+    if (!p->sharded)
+        return k == ST_NAME_INDEX || k == ST_NAME_SHARD;
+    return k == ST_NAME_SINGLE || (k == ST_NAME_SHARD && n != p->nfiles - 1);
+}
+
+static void pub_deletes_free(pub_state *p)
+{
+    for (size_t i = 0; i < p->ndeletes; i++)
+        free(p->deletes[i]);
+    free(p->deletes);
+    p->deletes = NULL;
+    p->ndeletes = 0;
+}
+
+/* The Hub's global/ at the parent: what of the other layout the commit deletes. */
+static void pub_list_global_done(hf_hub *h, hf_req *r, int ok)
+{
+    pub_state *p = &h->pub;
+    cuv_xfer *x = r->x;
+    long status = x ? x->status : 0;
+    cJSON *arr = ok && status == 200 ? cJSON_ParseWithLength(x->body.p ? x->body.p : "", x->body.len) : NULL, *e;
+
+    pub_deletes_free(p);
+    if (status != 404 && !cJSON_IsArray(arr)) {
+        cJSON_Delete(arr);
+        req_end(h, r);
+        set_error(h, "cannot list global/ before publishing step %" PRIu64, p->step);
+        pub_finish(h, 0);
+        return;
+    }
+    cJSON_ArrayForEach(e, arr) {
+        const char *path = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "path"));
+        const char *type = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "type"));
+        if (path == NULL || type == NULL || strcmp(type, "file") != 0 || strncmp(path, "global/", 7) != 0 ||
+            !pub_other_layout(p, path + 7))
+            continue;
+        char **nd = realloc(p->deletes, (p->ndeletes + 1) * sizeof(*nd));
+        if (nd == NULL || (nd[p->ndeletes] = strdup(path)) == NULL) {
+            if (nd != NULL)
+                p->deletes = nd;
+            break;
+        }
+        p->deletes = nd;
+        p->ndeletes++;
+    }
+    cJSON_Delete(arr);
+    req_end(h, r);
+    if (p->uploaded)
+        pub_commit(h);          /* after a 412: the objects are stored, commit again */
+    else
+        pub_preupload(h);
+}
+
+static void pub_list_global(hf_hub *h)
+{
+    char *url = api_url(h, "tree", "global", "?recursive=false&expand=false");
+    hf_req *r = url ? req_new(h, "GET", url, "tree") : NULL;
+    free(url);
+    if (r == NULL) {
+        pub_finish(h, 0);
+        return;
+    }
+    r->retry_forever = 1;
+    req_go(h, r, pub_list_global_done, NULL);
 }
 
 static void pub_revision_done(hf_hub *h, hf_req *r, int ok)
@@ -2345,10 +2514,7 @@ static void pub_revision_done(hf_hub *h, hf_req *r, int ok)
         pub_finish(h, 0);
         return;
     }
-    if (h->pub.batch == NULL)
-        pub_preupload(h);       /* first time: upload the object */
-    else
-        pub_commit(h);          /* after a 412: the object is stored, commit again */
+    pub_list_global(h);
 }
 
 static void pub_revision(hf_hub *h)
@@ -2424,8 +2590,14 @@ static void pub_finish(hf_hub *h, int ok)
     pub_state *p = &h->pub;
     uint64_t step = p->step;
 
-    if (p->fd >= 0)
-        close(p->fd);
+    for (unsigned i = 0; p->files && i < p->nfiles; i++) {
+        if (p->files[i].fd >= 0)
+            close(p->files[i].fd);
+        free(p->files[i].path);
+        free(p->files[i].content);
+    }
+    free(p->files);
+    pub_deletes_free(p);
     p->fd = -1;
     free(p->path);
     free(p->stepfile);
@@ -2444,6 +2616,75 @@ static void pub_finish(hf_hub *h, int ok)
         h->cb.publish_done(h->app, step, ok ? NULL : h->st.last_error[0] ? h->st.last_error : "the Hub commit failed");
 }
 
+/* Opens one file of the publish (the descriptor keeps the step's file readable even if a later
+ * cleanup unlinks it).  0 or -1 with errno. */
+static int pub_open_file(pub_file *f, const char *path, const char *name)
+{
+    snprintf(f->rel, sizeof(f->rel), "global/%s", name);
+    if ((f->path = strdup(path)) == NULL)
+        return -1;
+    f->fd = open(path, O_RDONLY | O_CLOEXEC);
+    return f->fd < 0 ? -1 : 0;
+}
+
+/* The files of a publish: global_path alone, or the shards its index lists (in the index's
+ * directory) and the index last.  0, or -1 with the reason set. */
+static int pub_open_files(hf_hub *h, pub_state *p, const char *global_path)
+{
+    size_t len = strlen(global_path), sl = strlen(ST_INDEX_SUFFIX);
+    st_index *ix = NULL;
+    dl_error err = {0};
+    char path[4096], name[ST_INDEX_BASE_MAX + 48];
+    int rc = -1;
+
+    p->sharded = len > sl && strcmp(global_path + len - sl, ST_INDEX_SUFFIX) == 0;
+    if (!p->sharded) {
+        if ((p->files = calloc(1, sizeof(*p->files))) == NULL)
+            return -1;
+        p->nfiles = 1;
+        p->files[0].fd = -1;
+        if (pub_open_file(&p->files[0], global_path, "latest.safetensors") != 0) {
+            set_error(h, "publishing step %" PRIu64 ": cannot read %s: %s", p->step, global_path, strerror(errno));
+            return -1;
+        }
+        return 0;
+    }
+    if (st_index_load(global_path, &ix, &err) != 0) {
+        set_error(h, "publishing step %" PRIu64 ": %s", p->step, err.message);
+        return -1;
+    }
+    if (strcmp(ix->base, "latest") != 0) {
+        set_error(h, "publishing step %" PRIu64 ": a global's index is latest%s", p->step, ST_INDEX_SUFFIX);
+        goto out;
+    }
+    const char *slash = strrchr(global_path, '/');
+    int dlen = slash ? (int)(slash - global_path) : 1;
+    const char *dir = slash ? global_path : ".";
+    if ((p->files = calloc((size_t)ix->nshards + 1, sizeof(*p->files))) == NULL)
+        goto out;
+    p->nfiles = ix->nshards + 1;
+    for (unsigned i = 0; i < p->nfiles; i++)
+        p->files[i].fd = -1;
+    for (uint32_t i = 0; i <= ix->nshards; i++) {
+        if (i < ix->nshards) {
+            if (st_index_shard_name(ix->base, i, ix->nshards, name, sizeof(name)) != 0 ||
+                snprintf(path, sizeof(path), "%.*s/%s", dlen, dir, name) >= (int)sizeof(path))
+                goto out;
+        } else {
+            snprintf(name, sizeof(name), "latest%s", ST_INDEX_SUFFIX);
+            snprintf(path, sizeof(path), "%s", global_path);
+        }
+        if (pub_open_file(&p->files[i], path, name) != 0) {
+            set_error(h, "publishing step %" PRIu64 ": cannot read %.300s: %s", p->step, path, strerror(errno));
+            goto out;
+        }
+    }
+    rc = 0;
+out:
+    st_index_free(ix);
+    return rc;
+}
+
 static void hf_publish(hub *base, uint64_t step, const char *global_path, const char *optimizer, int bootstrap)
 {
     hf_hub *h = (hf_hub *)base;
@@ -2457,13 +2698,16 @@ static void hf_publish(hub *base, uint64_t step, const char *global_path, const 
     p->step = step;
     p->bootstrap = bootstrap;
     snprintf(p->optimizer, sizeof(p->optimizer), "%s", optimizer);
+    p->fd = -1;
     p->path = strdup(global_path);
-    p->stepfile = stepcount_build(step, optimizer, bootstrap, 0, NULL);
-    /* the descriptor keeps the step's file readable even if a later cleanup unlinks it */
-    p->fd = p->path ? open(p->path, O_RDONLY | O_CLOEXEC) : -1;
     h->st.publishing = 1;
+    if (p->path == NULL || pub_open_files(h, p, global_path) != 0) {
+        pub_finish(h, 0);
+        return;
+    }
+    p->stepfile = stepcount_build(step, optimizer, bootstrap, p->sharded, NULL);
     j = calloc(1, sizeof(*j));
-    if (p->path == NULL || p->stepfile == NULL || p->fd < 0 || j == NULL) {
+    if (p->stepfile == NULL || j == NULL) {
         free(j);
         pub_finish(h, 0);
         return;
