@@ -121,6 +121,25 @@ int fsu_fsync_path(const char *path, dl_error *err)
     return 0;
 }
 
+void fsu_ident_of(const struct stat *sb, fsu_ident *out)
+{
+    out->dev = (uint64_t)sb->st_dev;
+    out->ino = (uint64_t)sb->st_ino;
+    out->size = (uint64_t)sb->st_size;
+    out->mtime_ns = (int64_t)sb->st_mtim.tv_sec * 1000000000 + sb->st_mtim.tv_nsec;
+}
+
+int fsu_ident_check(const char *path, const fsu_ident *id)
+{
+    struct stat sb;
+    fsu_ident now;
+
+    if (lstat(path, &sb) != 0)
+        return errno == ENOENT || errno == ENOTDIR ? 0 : -errno;
+    fsu_ident_of(&sb, &now);
+    return now.dev == id->dev && now.ino == id->ino && now.size == id->size && now.mtime_ns == id->mtime_ns;
+}
+
 int fsu_pwrite_all(int fd, const void *buf, size_t len, uint64_t off)
 {
     const char *p = buf;

@@ -26,6 +26,16 @@ int fsu_fsync_path(const char *path, dl_error *err);
 int fsu_write_atomic(const char *path, const void *buf, size_t len, dl_error *err);
 /* mkdir -p (mode 0755). */
 int fsu_mkdirs(const char *dir, dl_error *err);
+/* One version of a file, as fstat sees it: a write moves mtime (to the nanosecond).  Not ctime: a
+ * link count change moves it too (a worker removing its file, --prune-consumed, our own link). */
+typedef struct fsu_ident {
+    uint64_t dev, ino, size;
+    int64_t mtime_ns;
+} fsu_ident;
+void fsu_ident_of(const struct stat *sb, fsu_ident *out);
+/* 1 if path (a last-component link is not followed) is still that version, 0 if it changed or is
+ * gone, a negative errno when it cannot be told. */
+int fsu_ident_check(const char *path, const fsu_ident *id);
 /* pwrite/pread the whole range, retrying on EINTR and short transfers; short read at EOF is an error. */
 int fsu_pwrite_all(int fd, const void *buf, size_t len, uint64_t off);
 int fsu_pread_all(int fd, void *buf, size_t len, uint64_t off);

@@ -236,12 +236,17 @@ round_verdict daemon__peek(dilocod *d, const delta_info *info)
     return d->state == S_WAITING_GLOBAL ? ROUND_FUTURE : round_peek(&d->rnd, info);
 }
 
-round_verdict daemon__offer(dilocod *d, const delta_info *info, char *cache_path, uint64_t size)
+/* daemon__offer, for a delta linked from a shared tree when guard is non-NULL: the version validated,
+ * which the round checks again before and after its pass. */
+static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path, uint64_t size,
+                           const fsu_ident *guard)
 {
     char *replaced = NULL, qn[160];
     round_verdict v = round_offer(&d->rnd, info, cache_path, size, now_s(d), &replaced);
     int first = d->rnd.n == 1 && v == ROUND_ACCEPTED;
 
+    if ((v == ROUND_ACCEPTED || v == ROUND_REPLACED) && guard != NULL)
+        round_guard(&d->rnd, info->node_id, guard);
     if (v == ROUND_ACCEPTED || v == ROUND_REPLACED) {
         dl_log(DL_LOG_INFO, "round", v == ROUND_ACCEPTED ? "delta accepted" : "delta replaced",
                "step=%" PRIu64 " node=%s local_step=%" PRIu64 " bytes=%" PRIu64 " nodes=%zu expected=%u",
@@ -264,6 +269,46 @@ round_verdict daemon__offer(dilocod *d, const delta_info *info, char *cache_path
     discard_local(d, cache_path, 0);    /* refused: its cached copy has no use */
     free(cache_path);
     return v;
+}
+
+round_verdict daemon__offer(dilocod *d, const delta_info *info, char *cache_path, uint64_t size)
+{
+    return offer(d, info, cache_path, size, NULL);
+}
+
+/* A shared tree's file answered DUPLICATE while the round holds a guarded link to it whose version
+ * changed: the worker rewrote the delta in place after it was taken in.  Collecting, the old entry
+ * goes and the request runs again (1); aggregating, the transport hands it over later (HUB_RETRY, 0
+ * with *retry set); else 0. */
+static int rewritten_in_round(dilocod *d, intake_req *r, int *retry)
+{
+    const round_entry *e;
+    char *path;
+
+    *retry = 0;
+    if (r->status != INTAKE_DUPLICATE || r->hub_root == NULL || d->stopping ||
+        (e = round_find(&d->rnd, r->info.node_id)) == NULL || !e->guarded || e->local_step != r->info.local_step ||
+        fsu_ident_check(e->path, &e->ident) == 1)
+        return 0;
+    if (d->state != S_COLLECTING) {
+        *retry = 1;             /* the pass's checks drop it; the new version comes back after */
+        return 0;
+    }
+    dl_log(DL_LOG_WARN, "round", "delta rewritten in place after it was taken in: dropped, it is taken in again",
+           "step=%" PRIu64 " local_step=%" PRIu64, d->rnd.step, e->local_step);
+    round_drop(&d->rnd, r->info.node_id, &path);
+    (void)unlink(path);         /* our link only (the tree keeps its own name): no data is freed here */
+    free(path);
+    d->m.deltas_rewritten++;
+    r->status = INTAKE_IO;
+    r->linked = 0;
+    r->link_errno = 0;
+    memset(&r->info, 0, sizeof(r->info));
+    dl_error_clear(&r->err);
+    if (d->nqueue == d->cap_queue)
+        return 0;               /* no room to run it again now: the transport hands it over later */
+    d->queue[d->nqueue++] = r;
+    return 1;
 }
 
 void daemon__rejected(dilocod *d, const char *what, const dl_error *err)
@@ -329,16 +374,33 @@ static void intake_done(job *j)
     const char *name = r->rel_path ? r->rel_path : r->src_path;
     char qn[160], qp[600];
     hub_version v = {r->size, r->mtime_ns, r->ino};
-    /* a transport's file: it learns the outcome (and says whether a short file is short for good) */
-    int final = r->rel_path != NULL && d->hub != NULL ? hub_mark_done(d->hub, r->rel_path, hub_outcome_of(r->status), &v)
-                                                      : 1;
+    int retry, final;
 
     d->intake_in_flight--;
+    if (rewritten_in_round(d, r, &retry)) {
+        dispatch_intake(d);     /* taken in again, as the version it is now */
+        return;
+    }
+    if (retry) {
+        r->status = INTAKE_IO;
+        dl_log(DL_LOG_DEBUG, "intake", "delta rewritten in place during its round's pass, taken in after it",
+               "path=%s", name);
+    }
+    if (r->link_errno != 0 && !d->link_refused_said) {
+        char qe[200];
+        d->link_refused_said = 1;
+        dl_log(DL_LOG_WARN, "intake", "deltas are copied into the state, not linked: slower",
+               "reason=%s hint=%s", dl_log_q(qe, sizeof(qe), strerror(r->link_errno)),
+               r->link_errno == EXDEV ? "put --state-root on the shared tree's filesystem for zero-copy intake"
+                                      : "links to the tree's files are refused (protected_hardlinks: run as the files' owner)");
+    }
+    /* a transport's file: it learns the outcome (and says whether a short file is short for good) */
+    final = r->rel_path != NULL && d->hub != NULL ? hub_mark_done(d->hub, r->rel_path, hub_outcome_of(r->status), &v) : 1;
     switch (r->status) {
     case INTAKE_OK:
         /* when stopping, the cached copy stays: the restart offers it again */
         if (!d->stopping) {
-            round_verdict verdict = daemon__offer(d, &r->info, r->cache_path, r->size);
+            round_verdict verdict = offer(d, &r->info, r->cache_path, r->size, r->linked ? &r->ident : NULL);
             r->cache_path = NULL;
             if (r->rel_path != NULL && (verdict == ROUND_ACCEPTED || verdict == ROUND_REPLACED))
                 remember_consumed(d, r->rel_path);      /* pruned once its step is durable */
@@ -380,7 +442,8 @@ static void intake_done(job *j)
             discard_local(d, r->src_path, 0);
         break;
     case INTAKE_IO:
-        log_error("intake", "cannot take in a delta", &r->err);
+        if (!retry)
+            log_error("intake", "cannot take in a delta", &r->err);
         break;
     }
     if (r->remove_src)
@@ -509,8 +572,26 @@ static void commit_work(job *j)
         .round_json = d->pending_round,
     };
 
+    /* the versions of linked deltas (round entries are frozen while the commit is out) */
+    unsigned char *guarded = calloc(d->pass_n ? d->pass_n : 1, 1);
+    fsu_ident *versions = calloc(d->pass_n ? d->pass_n : 1, sizeof(*versions));
+    if (guarded == NULL || versions == NULL) {
+        free(guarded);
+        free(versions);
+        j->rc = dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        j->flag = -EINVAL;
+        return;
+    }
+    for (size_t i = 0; i < d->pass_n && i < d->rnd.n; i++) {
+        guarded[i] = (unsigned char)d->rnd.entries[i].guarded;
+        versions[i] = d->rnd.entries[i].ident;
+    }
+    redo.guarded = guarded;
+    redo.versions = versions;
     /* d->st belongs to the loop: the pool reads only d->st.dir, which never changes */
     j->rc = store_redo_write(&d->st, &redo, &j->err);
+    free(guarded);
+    free(versions);
     /* opened here, off the loop: downloads of the new global start from this descriptor */
     j->flag = j->rc == 0 ? open_for_download(d->pass->out_global_path) : -EINVAL;
 }
@@ -586,6 +667,9 @@ static void settle_work(job *j)
 }
 
 static void queue_commit(dilocod *d);
+static void try_commit(dilocod *d);
+static int reopen_if_rewritten(dilocod *d);
+static int start_sync_inputs(dilocod *d);
 static void schedule_cleanup(dilocod *d);
 static void queue_settle(dilocod *d, settle_args *a);
 
@@ -626,10 +710,7 @@ static void settle_done(job *j)
     settle_free(a);
     if (d->stopping)
         return;
-    if (d->commit_waiting) {
-        d->commit_waiting = 0;
-        queue_commit(d);
-    }
+    try_commit(d);
     schedule_cleanup(d);
 }
 
@@ -1031,11 +1112,27 @@ static void finish_done(job *j)
         aggregation_failed(d, &e);
         return;
     }
-    /* the previous step must be durable before this one's redo record names it as an input */
-    if (d->settle_in_flight) {
-        d->commit_waiting = 1;
+    d->commit_waiting = 1;
+    try_commit(d);
+}
+
+/* The commit of a finished pass waits for the previous step to be durable (this one's redo record
+ * names its files as inputs) and for the round's deltas to be durable (they are the other inputs:
+ * fsynced by sync_inputs while the pass ran); a delta rewritten in place meanwhile reopens the round. */
+static void try_commit(dilocod *d)
+{
+    if (!d->commit_waiting || d->settle_in_flight || d->inputs_syncing || d->stopping)
+        return;
+    d->commit_waiting = 0;
+    if (d->inputs_sync_failed) {
+        dl_error e;
+        d->inputs_sync_failed = 0;
+        dl_fail(&e, DL_E_IO, NULL, 0, "the round's deltas could not be made durable");
+        aggregation_failed(d, &e);
         return;
     }
+    if (reopen_if_rewritten(d))
+        return;
     queue_commit(d);
 }
 
@@ -1143,9 +1240,128 @@ static int setup_pass(dilocod *d, outer_pass *p, uint64_t new_step, const char *
     return p->out_global_path == NULL || (momentum != 0 && p->out_momentum_path == NULL) ? -ENOMEM : 0;
 }
 
+/* ---- the round's inputs: deltas linked from a shared tree, and their durability ------------------- */
+
+/* Drops from the round every guarded delta whose file changed since it was validated (a worker rewrote
+ * it in place): the transport hands the new version over again.  Returns how many went. */
+static size_t drop_rewritten(dilocod *d)
+{
+    size_t dropped = 0;
+    char node[DELTA_NODE_ID_MAX + 1], qn[160], *path;
+
+    for (size_t i = 0; i < d->rnd.n;) {
+        const round_entry *e = &d->rnd.entries[i];
+        if (!e->guarded || fsu_ident_check(e->path, &e->ident) == 1) {
+            i++;
+            continue;
+        }
+        memcpy(node, e->node_id, sizeof(node));
+        dl_log(DL_LOG_WARN, "round", "delta rewritten in place after it was taken in: dropped, it is taken in again",
+               "step=%" PRIu64 " node=%s local_step=%" PRIu64, d->rnd.step, dl_log_q(qn, sizeof(qn), node),
+               e->local_step);
+        round_drop(&d->rnd, node, &path);
+        discard_local(d, path, 0);
+        free(path);
+        d->m.deltas_rewritten++;
+        dropped++;
+    }
+    return dropped;
+}
+
+/* Before a pass and before its commit: a round that lost a rewritten delta is open again (a pass never
+ * mixes versions of a file, and never commits one that changed under it).  1 when it reopened. */
+static int reopen_if_rewritten(dilocod *d)
+{
+    if (drop_rewritten(d) == 0)
+        return 0;
+    uv_timer_stop(&d->progress_timer);
+    pass_release(d);
+    d->commit_waiting = 0;
+    d->state = S_COLLECTING;
+    if (d->rnd.timeout > 0 && d->rnd.n > 0)
+        arm_round_timer(d);
+    dispatch_intake(d);
+    maybe_close_round(d);
+    return 1;
+}
+
+typedef struct sync_args {
+    char **paths;
+    size_t n;
+} sync_args;
+
+static void sync_args_free(sync_args *a)
+{
+    for (size_t i = 0; a != NULL && i < a->n; i++)
+        free(a->paths[i]);
+    if (a != NULL)
+        free(a->paths);
+    free(a);
+}
+
+static void sync_inputs_work(job *j)
+{
+    sync_args *a = j->arg;
+    for (size_t i = 0; i < a->n && j->rc == 0; i++)
+        j->rc = store_sync_delta(a->paths[i], &j->err);
+}
+
+static void sync_inputs_done(job *j)
+{
+    dilocod *d = j->d;
+
+    d->inputs_syncing = 0;
+    if (d->inputs_resync && j->rc == 0 && !d->stopping) {
+        /* the round changed while this ran (a pass restarted): sync what it holds now */
+        d->inputs_resync = 0;
+        sync_args_free(j->arg);
+        if (start_sync_inputs(d) != 0) {
+            dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+            log_error("store", "cannot make the round's deltas durable", &j->err);
+            d->inputs_sync_failed = 1;
+            try_commit(d);
+        }
+        return;
+    }
+    d->inputs_resync = 0;
+    if (j->rc != 0) {
+        log_error("store", "cannot make the round's deltas durable", &j->err);
+        d->inputs_sync_failed = 1;
+    }
+    sync_args_free(j->arg);
+    try_commit(d);
+}
+
+/* The round's deltas are the redo record's inputs: durable before the commit.  Intake leaves a linked
+ * delta (and a copy it need not fsync) to this job, which runs beside the pass, off the critical path;
+ * an fsync of a file already on disk costs next to nothing. */
+static int start_sync_inputs(dilocod *d)
+{
+    sync_args *a = calloc(1, sizeof(*a));
+
+    if (a == NULL || (a->paths = calloc(d->rnd.n ? d->rnd.n : 1, sizeof(*a->paths))) == NULL) {
+        free(a);
+        return -1;
+    }
+    for (; a->n < d->rnd.n; a->n++)
+        if ((a->paths[a->n] = strdup(d->rnd.entries[a->n].path)) == NULL)
+            break;
+    if (a->n < d->rnd.n || daemon__queue(d, sync_inputs_work, sync_inputs_done, a, 0, 0) != 0) {
+        sync_args_free(a);
+        return -1;
+    }
+    d->inputs_syncing = 1;
+    d->inputs_sync_failed = 0;
+    return 0;
+}
+
 static void start_aggregation(dilocod *d)
 {
-    outer_pass *p = calloc(1, sizeof(*p));
+    outer_pass *p;
+
+    if (reopen_if_rewritten(d))
+        return;
+    p = calloc(1, sizeof(*p));
     size_t n = d->rnd.n;
     static st_kv meta[2];
     static char step_text[24];
@@ -1177,7 +1393,10 @@ static void start_aggregation(dilocod *d)
     d->pass_started = now_s(d);
     d->pass_last_bytes = 0;
     d->pass_last_time = d->pass_started;
-    if (rc != 0 || daemon__queue(d, prepare_work, prepare_done, NULL, 0, 0) != 0) {
+    if (d->inputs_syncing)
+        d->inputs_resync = 1;       /* an earlier attempt's sync is still out: it syncs again when done */
+    if (rc != 0 || (!d->inputs_syncing && start_sync_inputs(d) != 0) ||
+        daemon__queue(d, prepare_work, prepare_done, NULL, 0, 0) != 0) {
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot start the aggregation");
         aggregation_failed(d, &e);
         return;
@@ -1213,6 +1432,19 @@ static int recover_redo(dilocod *d, dl_error *err)
                      PRIu64, d->st.dir, r.step, r.base, d->st.committed ? "" : "none ", d->st.step);
         store_redo_free(&r);
         return rc;
+    }
+    for (size_t i = 0; r.guarded != NULL && i < r.ndeltas; i++) {
+        if (r.guarded[i] && fsu_ident_check(r.deltas[i], &r.versions[i]) != 1) {
+            /* a worker rewrote a linked delta in place after the commit: the step cannot be made again bit
+             * for bit.  It is given up (the round is aggregated again from what the tree holds now)
+             * rather than recomputed from other bytes than the ones served. */
+            dl_log(DL_LOG_ERROR, "store",
+                   "a delta of the committed round was rewritten in place before its step was durable: the step "
+                   "is aggregated again",
+                   "step=%" PRIu64 " delta=%s", r.step, r.deltas[i]);
+            store_redo_free(&r);
+            return store_redo_remove(&d->st, err);
+        }
     }
     dl_log(DL_LOG_WARN, "store", "recovering a committed step whose files were not durable",
            "step=%" PRIu64 " nodes=%zu", r.step, r.ndeltas);

@@ -69,6 +69,7 @@ typedef struct dilocod {
     intake_req **queue;
     size_t nqueue, cap_queue;
     int intake_in_flight;
+    int link_refused_said;      /* zero-copy intake fell back to copying: said once */
 
     /* aggregation */
     outer_pass *pass;
@@ -89,7 +90,11 @@ typedef struct dilocod {
     char publish_last_error[256];
     int cleanup_in_flight;
     int settle_in_flight;       /* the committed step's outputs are being made durable (redo.json stays) */
-    int commit_waiting;         /* a round's outputs are written; its commit waits for the settle above */
+    int commit_waiting;         /* a round's outputs are written; its commit waits for the settle above
+                                   and for the round's deltas to be durable (try_commit) */
+    int inputs_syncing;         /* the round's deltas are being fsynced (beside the pass) */
+    int inputs_sync_failed;
+    int inputs_resync;          /* the round changed while they were: sync again before the commit */
     struct settle_args *settle_retry;   /* a failed settle, retried by settle_timer */
     char **round_rels;          /* the transport's files of the open round's deltas (--prune-consumed) */
     size_t nround_rels;

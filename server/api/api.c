@@ -274,6 +274,10 @@ static void metrics_text(dilocod *d, sbuf *b)
     sb_fmt(b, "dilocod_deltas_accepted_total %" PRIu64 "\n", d->m.deltas_accepted);
     metric(b, "deltas_replaced_total", "counter", "Deltas that replaced an older one of the same node.");
     sb_fmt(b, "dilocod_deltas_replaced_total %" PRIu64 "\n", d->m.deltas_replaced);
+    metric(b, "deltas_rewritten_total", "counter",
+           "Deltas of a shared tree rewritten in place after they were taken in (dropped from their round and "
+           "taken in again).");
+    sb_fmt(b, "dilocod_deltas_rewritten_total %" PRIu64 "\n", d->m.deltas_rewritten);
     metric(b, "deltas_rejected_total", "counter", "Invalid deltas (uploads, file:// and the Hub alike), by error code.");
     for (int c = 1; c < DL_E__COUNT; c++)
         sb_fmt(b, "dilocod_deltas_rejected_total{code=\"%s\"} %" PRIu64 "\n", dl_error_name((dl_code)c),

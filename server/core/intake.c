@@ -61,7 +61,7 @@ static intake_status io_fail(intake_req *r, int e, const char *what)
 }
 
 /* Streams the data section from src to dst (both at data_start) tensor by tensor, checking finite
- * values.  Returns INTAKE_OK or the failure. */
+ * values; dst < 0 only checks (a file that is linked, not copied).  Returns INTAKE_OK or the failure. */
 static intake_status copy_checked(intake_req *r, int src, int dst, const st_header *h, uint64_t data_start)
 {
     unsigned char *buf = malloc(COPY_CHUNK);
@@ -93,7 +93,7 @@ static intake_status copy_checked(intake_req *r, int src, int dst, const st_head
                 st = INTAKE_INVALID;
                 break;
             }
-            if ((rc = fsu_pwrite_all(dst, buf, n * esize, off)) != 0) {
+            if (dst >= 0 && (rc = fsu_pwrite_all(dst, buf, n * esize, off)) != 0) {
                 st = io_fail(r, -rc, "writing the cache copy");
                 break;
             }
@@ -427,6 +427,81 @@ static intake_status copy_file(intake_req *r, int src, const struct stat *before
     return INTAKE_OK;
 }
 
+/* Reads a whole file whose header was read (before: its fstat then) with the finite check, and checks
+ * that it did not change meanwhile. */
+static intake_status check_file(intake_req *r, int src, const struct stat *before, uint64_t n, const st_header *h)
+{
+    struct stat after;
+    intake_status st = copy_checked(r, src, -1, h, 8 + n);
+
+    if (st != INTAKE_OK)
+        return st;
+    if (fstat(src, &after) != 0 || after.st_size != before->st_size || mtime_ns(&after) != mtime_ns(before)) {
+        dl_fail(&r->err, DL_E_IO, NULL, 0, "the file changed while it was read");
+        return INTAKE_INCOMPLETE;
+    }
+    return INTAKE_OK;
+}
+
+/* Zero-copy: validates src by reading it, then hard-links that very inode (through its descriptor,
+ * so a rename in the tree meanwhile cannot swap it) into the cache.  Returns INTAKE_OK (linked),
+ * a refusal, or INTAKE_IO with r->link_errno set when a link is not possible here (the caller copies). */
+static intake_status link_file(intake_req *r, int src, const struct stat *before, uint64_t n, const st_header *h)
+{
+    char fdpath[64], *tmp = NULL;
+    intake_status st;
+    int rc;
+
+    if ((st = check_file(r, src, before, n, h)) != INTAKE_OK)
+        return st;
+    if (asprintf(&tmp, "%s/cache/incoming/.link-%d-%" PRIu64, r->state_dir, (int)getpid(), (uint64_t)before->st_ino) <
+        0)
+        return io_fail(r, ENOMEM, "out of memory");
+    snprintf(fdpath, sizeof(fdpath), "/proc/self/fd/%d", src);
+    (void)unlink(tmp);          /* a leftover of a crash under the same pid and inode */
+    if (linkat(AT_FDCWD, fdpath, AT_FDCWD, tmp, AT_SYMLINK_FOLLOW) != 0) {
+        r->link_errno = errno;
+        free(tmp);
+        return io_fail(r, r->link_errno, "linking the delta into the cache");
+    }
+    st = intake_link_into_cache(r->state_dir, &r->info, tmp, &r->cache_path, &r->err);
+    unlink(tmp);
+    free(tmp);
+    if (st != INTAKE_OK)
+        return st;
+    /* written to between the read above and the link: that version was not validated */
+    fsu_ident_of(before, &r->ident);
+    if ((rc = fsu_ident_check(r->cache_path, &r->ident)) != 1) {
+        unlink(r->cache_path);
+        free(r->cache_path);
+        r->cache_path = NULL;
+        if (rc < 0)
+            return io_fail(r, -rc, "checking the linked delta");
+        dl_fail(&r->err, DL_E_IO, NULL, 0, "the file changed while it was taken in");
+        return INTAKE_INCOMPLETE;
+    }
+    r->linked = 1;
+    return INTAKE_OK;
+}
+
+/* Restart: a cache entry that is still linked to a file others write may have changed while we were
+ * down: read it in full again and guard it. */
+static intake_status recheck_linked(intake_req *r, int src, const struct stat *before, uint64_t n,
+                                    const st_header *h)
+{
+    intake_status st = check_file(r, src, before, n, h);
+
+    if (st == INTAKE_INCOMPLETE) {
+        dl_fail(&r->err, DL_E_IO, NULL, 0, "a cached delta linked to the shared tree changed while it was read");
+        return INTAKE_INVALID;
+    }
+    if (st != INTAKE_OK)
+        return st;
+    fsu_ident_of(before, &r->ident);
+    r->linked = 1;
+    return INTAKE_OK;
+}
+
 static intake_status intake_set(intake_req *r);
 
 static intake_status intake(intake_req *r)
@@ -461,6 +536,8 @@ static intake_status intake(intake_req *r)
         goto out;
     }
     if (r->in_cache) {          /* validated when it entered the cache: the header check suffices */
+        if (before.st_nlink > 1 && (st = recheck_linked(r, src, &before, n, h)) != INTAKE_OK)
+            goto out;
         r->cache_path = strdup(r->src_path);
         st = r->cache_path ? INTAKE_OK : io_fail(r, ENOMEM, "out of memory");
         goto out;
@@ -468,6 +545,13 @@ static intake_status intake(intake_req *r)
     if (cached_in_any_layout(r->state_dir, &r->info)) {
         st = INTAKE_DUPLICATE;
         goto out;
+    }
+    if (r->hub_root != NULL && !r->no_link) {
+        st = link_file(r, src, &before, n, h);
+        if (st != INTAKE_IO || r->link_errno == 0)
+            goto out;
+        /* no link here (another filesystem, links refused): copy, the data is read once more */
+        dl_error_clear(&r->err);
     }
     if (asprintf(&tmp, "%s/cache/incoming/delta", r->state_dir) < 0) {
         tmp = NULL;

@@ -5,6 +5,16 @@
  * A file that is still being written (shorter than its header says, or changing during the copy)
  * is reported INCOMPLETE for the caller to retry.  Blocking: runs on the thread pool.
  *
+ * Zero-copy for a shared tree (hub_root set, a single file): when the state root is on the same
+ * filesystem, the file is validated by reading it and then hard-linked into the cache, not copied and
+ * not fsynced (the daemon fsyncs a round's deltas beside its pass, before the commit).  The cache entry
+ * is then the worker's own inode, so intake reports linked = 1 and the version it validated (ident):
+ * the daemon checks it again before and after the pass, and a file rewritten in place is taken in
+ * again, never aggregated torn.  Across filesystems (EXDEV), or where links are refused (EPERM:
+ * protected_hardlinks and a file of another user), it copies as before and says why in link_errno.
+ * A cache entry with more than one link met at a restart (in_cache) is read in full again, the tree
+ * may have changed it while dilocod was down.
+ *
  * A sharded delta (st_index.h) is taken in through its index, src_path ending in ST_INDEX_SUFFIX:
  * the index alone decides stale, future and duplicate; then every shard it lists (in the index's
  * directory, under its own name) is checked and copied like a single file into a staging directory
@@ -20,6 +30,7 @@
 
 #include "delta.h"
 #include "dl_error.h"
+#include "fsutil.h"
 #include "safetensors.h"
 
 typedef enum intake_status {
@@ -44,6 +55,7 @@ typedef struct intake_req {
     char *state_dir;            /* <state_root>/<id> */
     int in_cache;               /* src is already our validated cache copy (restart): check header only */
     int remove_src;             /* src is a download of ours: the daemon removes it afterwards */
+    int no_link;                /* copy even where a link would do (tests; a transport's wish) */
     /* out */
     intake_status status;
     dl_error err;
@@ -52,6 +64,9 @@ typedef struct intake_req {
     uint64_t size;
     int64_t mtime_ns;
     uint64_t ino;
+    int linked;                 /* cache_path is a hard link to the shared tree's file: guard it with ident */
+    fsu_ident ident;            /* the version validated (linked only) */
+    int link_errno;             /* a link was tried and refused (EXDEV, EPERM ...): copied instead */
 } intake_req;
 
 void intake_run(intake_req *r);

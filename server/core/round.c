@@ -121,6 +121,7 @@ round_verdict round_offer(round_state *r, const delta_info *info, char *path, ui
         round_entry *e = &r->entries[i];
         *replaced_path = e->path;
         e->path = path;
+        e->guarded = 0;
         e->local_step = info->local_step;
         e->size = size;
         e->received_at = now;
@@ -153,6 +154,31 @@ round_verdict round_offer(round_state *r, const delta_info *info, char *path, ui
         r->first_at = now;
     r->counters.accepted++;
     return ROUND_ACCEPTED;
+}
+
+void round_guard(round_state *r, const char *node_id, const fsu_ident *id)
+{
+    long i = find_index(r, node_id);
+    if (i >= 0) {
+        r->entries[i].guarded = 1;
+        r->entries[i].ident = *id;
+    }
+}
+
+int round_drop(round_state *r, const char *node_id, char **path)
+{
+    long i = find_index(r, node_id);
+
+    *path = NULL;
+    if (i < 0)
+        return -1;
+    *path = r->entries[i].path;
+    memmove(&r->entries[i], &r->entries[i + 1], (r->n - (size_t)i - 1) * sizeof(*r->entries));
+    r->n--;
+    r->closed = 0;
+    if (r->n == 0)
+        r->first_at = -1;
+    return 0;
 }
 
 int round_should_close(const round_state *r, double now, round_close_reason *reason)

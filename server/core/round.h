@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "delta.h"
+#include "fsutil.h"
 
 typedef struct round_entry {
     char node_id[DELTA_NODE_ID_MAX + 1];
@@ -18,6 +19,9 @@ typedef struct round_entry {
     uint64_t size;
     double received_at;         /* seconds, caller's clock */
     char *path;                 /* the validated copy in the cache (owned) */
+    int guarded;                /* path is a link to a file others may rewrite in place: ident is the version
+                                   that was validated, checked again before and after the pass */
+    fsu_ident ident;
 } round_entry;
 
 typedef enum round_verdict {
@@ -57,6 +61,11 @@ void round_init(round_state *r, uint64_t step, unsigned expected_nodes, char **a
  * (and *replaced_path receives the path it drops, for the caller to delete; else NULL). */
 round_verdict round_offer(round_state *r, const delta_info *info, char *path, uint64_t size, double now,
                           char **replaced_path);
+/* Marks node's entry as guarded: a link to a file others may rewrite, validated as version id. */
+void round_guard(round_state *r, const char *node_id, const fsu_ident *id);
+/* Removes node's entry (a delta rewritten in place since it was taken in) and opens the round again;
+ * *path receives the entry's path for the caller to delete.  0, or -1 when the node has none. */
+int round_drop(round_state *r, const char *node_id, char **path);
 /* What round_offer would answer for a delta of info now, changing nothing (uploads ask before the
  * body arrives, so a refused delta costs its header only). */
 round_verdict round_peek(const round_state *r, const delta_info *info);

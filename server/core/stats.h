@@ -29,6 +29,7 @@ typedef enum stats_refusal {
 
 typedef struct stats {
     uint64_t deltas_accepted, deltas_replaced;
+    uint64_t deltas_rewritten;                      /* taken in, then rewritten in place: dropped, taken again */
     uint64_t rejected[DL_E__COUNT];                 /* by error code */
     uint64_t refused[REFUSED__COUNT];
     uint64_t upload_bytes;

@@ -275,6 +275,19 @@ int store_redo_write(const store *s, const store_redo *r, dl_error *err)
         sb_str(&b, i ? ", " : "");
         sb_json_string(&b, rel, strlen(rel));
     }
+    sb_str(&b, "],\n  \"versions\": [");
+    for (size_t i = 0; i < r->ndeltas; i++) {
+        sb_str(&b, i ? ", " : "");
+        if (r->guarded == NULL || !r->guarded[i]) {
+            sb_str(&b, "null");
+            continue;
+        }
+        /* a string: inode numbers and nanosecond times go past what a JSON number keeps exactly */
+        const fsu_ident *v = &r->versions[i];
+        snprintf(num, sizeof(num), "\"%" PRIu64 ":%" PRIu64 ":%" PRIu64 ":%" PRId64 "\"", v->dev, v->ino, v->size,
+                 v->mtime_ns);
+        sb_str(&b, num);
+    }
     sb_str(&b, "],\n  \"round\": ");
     if (r->round_json != NULL)
         sb_add(&b, r->round_json, strcspn(r->round_json, "\n"));
@@ -323,6 +336,35 @@ static int json_u64(const cJSON *v, uint64_t *out)
         v->valuedouble != (double)(uint64_t)v->valuedouble)
         return -1;
     *out = (uint64_t)v->valuedouble;
+    return 0;
+}
+
+/* "versions": one entry per delta, null or "dev:ino:size:mtime_ns" (absent in older records). */
+static int read_versions(store_redo *r, const cJSON *v, const char *path, dl_error *err)
+{
+    const cJSON *e;
+    size_t i = 0;
+
+    if (v == NULL)
+        return 0;
+    if (!cJSON_IsArray(v) || (size_t)cJSON_GetArraySize(v) != r->ndeltas)
+        return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s: versions do not match the deltas", path);
+    if ((r->guarded = calloc(r->ndeltas, 1)) == NULL || (r->versions = calloc(r->ndeltas, sizeof(*r->versions))) == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    cJSON_ArrayForEach(e, v) {
+        fsu_ident *x = &r->versions[i];
+        int used = 0;
+        if (cJSON_IsString(e)) {
+            if (sscanf(e->valuestring, "%" SCNu64 ":%" SCNu64 ":%" SCNu64 ":%" SCNd64 "%n", &x->dev, &x->ino, &x->size,
+                       &x->mtime_ns, &used) != 4 ||
+                e->valuestring[used] != '\0')
+                return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s: a damaged version", path);
+            r->guarded[i] = 1;
+        } else if (!cJSON_IsNull(e)) {
+            return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s: a damaged version", path);
+        }
+        i++;
+    }
     return 0;
 }
 
@@ -381,6 +423,8 @@ int store_redo_read(const store *s, store_redo *r, int *present, dl_error *err)
             goto out;
         }
     }
+    if ((rc = read_versions(r, cJSON_GetObjectItemCaseSensitive(root, "versions"), path, err)) != 0)
+        goto out;
     if (cJSON_IsObject(round) && (r->round_json = cJSON_PrintUnformatted(round)) == NULL)
         rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
 out:
@@ -411,6 +455,8 @@ void store_redo_free(store_redo *r)
     for (size_t i = 0; r->deltas != NULL && i < r->ndeltas; i++)
         free(r->deltas[i]);
     free(r->deltas);
+    free(r->guarded);
+    free(r->versions);
     free(r->optimizer);
     free(r->round_json);
     memset(r, 0, sizeof(*r));
@@ -446,24 +492,22 @@ int store_remove_tree(const char *path)
     return rc;
 }
 
-int store_remove_delta(const char *path)
+/* Calls fn(dir, name, arg) for the file of a delta path, or an index and every shard of its base. */
+static int for_each_delta_file(const char *path, int (*fn)(const char *path, void *arg), void *arg)
 {
     size_t n = strlen(path), sl = strlen(ST_INDEX_SUFFIX);
     const char *slash = strrchr(path, '/');
-    char base[ST_INDEX_BASE_MAX + 1], b2[ST_INDEX_BASE_MAX + 1], *dir;
+    char base[ST_INDEX_BASE_MAX + 1], b2[ST_INDEX_BASE_MAX + 1], *dir, *child;
     DIR *d;
     struct dirent *e;
     uint32_t i, of;
-    int rc = 0;
+    int rc;
 
-    if (n <= sl || strcmp(path + n - sl, ST_INDEX_SUFFIX) != 0 || slash == NULL ||
+    if ((rc = fn(path, arg)) != 0 || n <= sl || strcmp(path + n - sl, ST_INDEX_SUFFIX) != 0 || slash == NULL ||
         (size_t)(path + n - sl - slash - 1) > ST_INDEX_BASE_MAX)
-        return unlink(path) == 0 || errno == ENOENT ? 0 : -errno;
+        return rc;
     memcpy(base, slash + 1, (size_t)(path + n - sl - slash - 1));
     base[path + n - sl - slash - 1] = '\0';
-    /* the index first: a set without it is incomplete to everyone (a restart included) */
-    if (unlink(path) != 0 && errno != ENOENT)
-        return -errno;
     if ((dir = strndup(path, (size_t)(slash - path))) == NULL)
         return -ENOMEM;
     if ((d = opendir(dir)) == NULL) {
@@ -471,13 +515,50 @@ int store_remove_delta(const char *path)
         free(dir);
         return rc;
     }
-    while ((e = readdir(d)) != NULL)
-        if (st_index_classify(e->d_name, strlen(e->d_name), b2, &i, &of) == ST_NAME_SHARD && strcmp(b2, base) == 0 &&
-            unlinkat(dirfd(d), e->d_name, 0) != 0 && errno != ENOENT)
-            rc = -errno;
+    while (rc == 0 && (e = readdir(d)) != NULL) {
+        if (st_index_classify(e->d_name, strlen(e->d_name), b2, &i, &of) != ST_NAME_SHARD || strcmp(b2, base) != 0)
+            continue;
+        if ((child = path_fmt("%s/%s", dir, e->d_name)) == NULL)
+            rc = -ENOMEM;
+        else
+            rc = fn(child, arg);
+        free(child);
+    }
     closedir(d);
     free(dir);
     return rc;
+}
+
+static int sync_one(const char *path, void *arg)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW), rc = 0;
+    (void)arg;
+    if (fd < 0)
+        return -errno;
+    if (fsync(fd) != 0)
+        rc = -errno;
+    close(fd);
+    return rc;
+}
+
+int store_sync_delta(const char *path, dl_error *err)
+{
+    int rc = for_each_delta_file(path, sync_one, NULL);
+    if (rc != 0)
+        return dl_fail_errno(err, -rc, "fsync of the cached delta %s", path);
+    return 0;
+}
+
+static int unlink_one(const char *path, void *arg)
+{
+    (void)arg;
+    return unlink(path) == 0 || errno == ENOENT ? 0 : -errno;
+}
+
+int store_remove_delta(const char *path)
+{
+    /* the index first (for_each_delta_file's order): a set without it is incomplete to everyone */
+    return for_each_delta_file(path, unlink_one, NULL);
 }
 
 /* Parses "<prefix><digits><suffix>"; returns 0 and the number, or -1. */

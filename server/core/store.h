@@ -29,6 +29,7 @@
 #include <stdint.h>
 
 #include "dl_error.h"
+#include "fsutil.h"
 
 typedef struct store {
     char *dir;                  /* <state_root>/<id> */
@@ -67,6 +68,10 @@ typedef struct store_redo {
     uint64_t base;              /* the step it starts from (step - 1) */
     char **deltas;              /* absolute paths of the round's cached deltas, in aggregation order */
     size_t ndeltas;
+    /* per delta: a link to a shared tree's file (zero-copy intake) and the version that was aggregated,
+     * which recovery checks before recomputing (NULL: none is guarded) */
+    unsigned char *guarded;
+    fsu_ident *versions;
     char *optimizer;
     double lr, momentum;
     char *round_json;           /* the round's record (history.h) */
@@ -95,6 +100,8 @@ void store_free(store *s);
  * (the index first, so a crash in between leaves an incomplete set nobody names, which cleanup
  * takes with its step).  0 or a negative errno. */
 int store_remove_delta(const char *path);
+/* fsync of a cached delta: the file, or a set's index and shards. */
+int store_sync_delta(const char *path, dl_error *err);
 /* rm -r of a directory tree we own (never follows symbolic links).  0 or a negative errno. */
 int store_remove_tree(const char *path);
 
