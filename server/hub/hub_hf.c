@@ -1301,10 +1301,11 @@ static void set_start_shards(hf_hub *h, candidate *c, const st_index *ix, const 
         st_index_shard_name(ix->base, i, ix->nshards, name, sizeof(name));
         const listed_file *l = listed_shard(c, name);
         candidate *s = calloc(1, sizeof(*s));
-        if (s == NULL || (s->rel = strdup(l->rel)) == NULL || (s->oid = strdup(l->oid)) == NULL ||
-            asprintf(&s->part, "%s/%s", set->dir, name) < 0) {
+        if (s != NULL && asprintf(&s->part, "%s/%s", set->dir, name) < 0)
+            s->part = NULL;
+        if (s == NULL || s->part == NULL || (s->rel = strdup(l->rel)) == NULL || (s->oid = strdup(l->oid)) == NULL) {
             if (s != NULL)
-                s->part = NULL, candidate_free(s);
+                candidate_free(s);
             dset_finished(h, set, 0);
             continue;
         }

@@ -10,8 +10,17 @@
  * validates them like file:// deltas.  (path, oid) pairs already handled are remembered in
  * <state>/hub_seen.tsv, so nothing is downloaded twice, also across restarts.
  *
+ * Sharded deltas (hub.h): indexes and shards are kept aside while the listing's pages arrive; after
+ * the last page each index with the shards listed next to it is one candidate, versioned by a hash
+ * of every file's path, oid and size.  The index is read whole (at most ST_INDEX_MAX_BYTES, checked
+ * against its oid) and parsed; when every shard it lists is listed, the shards are downloaded and
+ * verified like single deltas into cache/incoming/hf-set-<version>/, and the set is handed over at
+ * its index's path.  A partial set waits for a listing with another version.
+ *
  * Publishing: ONE commit per outer step with global/latest.safetensors (LFS, basic or multipart as
- * the server says) and global/step_count.json (inline), with parentCommit; 412 re-reads the head and
+ * the server says) and global/step_count.json (inline), with parentCommit; a sharded global's commit
+ * holds every shard (LFS), the index and step_count.json, and the same commit deletes the files of
+ * the other layout that global/ holds at the parent; 412 re-reads the head and
  * retries the commit, 429 waits for Retry-After / RateLimit t, 5xx and network errors retry with
  * exponential backoff and jitter.  A step whose step_count.json is already on the Hub is not
  * committed again (a restart in the middle of a publish).

@@ -17,13 +17,22 @@
  * resumed with Range after a failure or a restart; then verified (the size, and the MD5 when the
  * ETag is a single-part upload's) and handed over with delta_ready (owned).
  *
+ * Sharded deltas (hub.h): a node's newest index is its candidate when it is newer than its newest
+ * single file; the shards listed next to it (same node and step) version the set (a hash of every
+ * key, ETag and size).  The index is read whole (at most ST_INDEX_MAX_BYTES, If-Match) and parsed
+ * (it stands in for the peek); when every shard it lists is listed, each is downloaded like a single
+ * delta into cache/incoming/s3-<index>-<version>.set/, and the set is handed over at its index's
+ * path.  A partial set waits for a listing with another version.  A sharded global is adopted the
+ * same way.
+ *
  * Publishing: first a claim, PUT <prefix>/global/steps/<step>.claim with If-None-Match: * (the
  * server refuses the second writer with 412): of several aggregators on one bucket exactly one
  * publishes each step; the others report publish_done with why, and adopt the winner's step from
  * its step_count.json at the next poll.  A claim of our own (a restart in the middle of a publish)
  * is recognised by the instance id in <state>/s3_instance.  Then global/latest.safetensors, one PUT
- * up to the part size and a multipart upload above it (S3 refuses single PUTs over 5 GB), then
- * global/step_count.json, last.
+ * up to the part size and a multipart upload above it (S3 refuses single PUTs over 5 GB), or for a
+ * sharded global each shard that way and the index, then global/step_count.json, last; then the
+ * other layout's objects are deleted.
  *
  * Answers are hostile: XML through expat with caps (s3_api.c), sizes exact below 2^53, a download
  * may not grow past its listed size, memory answers are capped, pages and new entries per listing

@@ -182,7 +182,8 @@ def test_s3_a_partial_set_waits_and_completes(tmp_path, s3):
         last_shard = files[-2][0]
         s3_put_set(d, "w1", files, skip=(last_shard,))
         s3_put_single(d, "w2", 0, 4, deltas["w2"])
-        d.wait_log("sharded set incomplete, waiting for its shards key=" + d.key("nodes/w1/delta_4.safetensors.index.json"))
+        index_key = d.key("nodes/w1/delta_4.safetensors.index.json")
+        d.wait_log(f"sharded set incomplete, waiting for its shards key={index_key}")
         # w2 is in, w1 waits: the round stays open and nothing is refused
         deadline = time.time() + 30
         while d.status()["counters"]["accepted"] < 1:
