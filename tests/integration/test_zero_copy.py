@@ -1,0 +1,200 @@
+"""Zero-copy intake on file:// (issue 12), against the real binary and torch.
+
+- A delta of the shared tree is validated by reading it and hard-linked into the state's cache: the
+  cache entry is the worker's own inode, and the round equals the torch oracle bit for bit.
+- A delta rewritten in place after it was taken in (a worker saving the same file again) is dropped
+  from its round and taken in again as it is now: the step is made from the new bytes, never from a
+  mix (dilocod_deltas_rewritten_total counts it).
+- With the state root on another filesystem (a tmpfs), intake copies as before and says once why.
+- A linked cache entry met at a restart is read in full again: a worker that rewrote it with a NaN
+  while dilocod was down gets it refused, not aggregated.
+"""
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.numpy import save_file
+
+from dilocod_proc import (Dilocod, Oracle, assert_state_equal, delta_metadata, load_torch, random_deltas,
+                          write_delta, write_model)
+
+
+def small_model():
+    g = torch.Generator().manual_seed(12)
+    return {"w": torch.randn(256, 64, generator=g), "b": torch.randn(64, generator=g),
+            "e": torch.randn(32, 16, generator=g).to(torch.bfloat16)}
+
+
+def start(tmp_path, model, *args, state_root=None):
+    write_model(tmp_path / "init.safetensors", model)
+    d = Dilocod(tmp_path, tmp_path / "hub", "--init-model", str(tmp_path / "init.safetensors"), *args,
+                state_root=state_root).start()
+    d.wait_step(0)
+    return d
+
+
+def cached(d, node, local, step=0):
+    return d.state_dir / "cache" / "deltas" / f"s{step}" / node / f"delta_{local}.safetensors"
+
+
+def wait_for(pred, what, d, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return
+        assert d.alive(), d.log_text()[-3000:]
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}:\n{d.log_text()[-3000:]}")
+
+
+def rewrite_in_place(path: Path, tensors: dict, meta: dict):
+    """What a worker that saves the same file name again does: truncate and write the same inode."""
+    tmp = path.with_name(".scratch")
+    save_file(tensors, str(tmp), metadata=meta)
+    data = tmp.read_bytes()
+    tmp.unlink()
+    ino = path.stat().st_ino
+    with open(path, "r+b") as f:
+        f.truncate(0)
+        f.write(data)
+    assert path.stat().st_ino == ino
+
+
+def metric(d, name):
+    import urllib.request
+    text = urllib.request.urlopen(d.url + "/metrics", timeout=10).read().decode()
+    m = re.search(rf"^{name} (\d+)$", text, re.M)
+    return int(m.group(1))
+
+
+def test_a_tree_delta_is_linked_not_copied(tmp_path):
+    model = small_model()
+    oracle, rng = Oracle(model), np.random.default_rng(1)
+    hub = tmp_path / "hub"
+    d = start(tmp_path, model, "--expected-nodes", "2")
+    try:
+        deltas = {n: random_deltas(rng, model) for n in ("a", "b")}
+        src = write_delta(hub, "a", 0, 10, deltas["a"])
+        d.wait_log("delta accepted")
+        # the cache entry is the worker's inode: nothing was copied
+        assert cached(d, "a", 10).stat().st_ino == src.stat().st_ino
+        assert src.stat().st_nlink == 2
+        write_delta(hub, "b", 0, 10, deltas["b"])
+        want = oracle.step(deltas)
+        d.wait_step(1)
+        assert_state_equal(load_torch(hub / "global/latest.safetensors"), want)
+        assert "not linked" not in d.log_text()
+    finally:
+        assert d.stop() == 0
+
+
+def test_a_delta_rewritten_in_place_is_taken_in_again_never_mixed(tmp_path):
+    model = small_model()
+    oracle, rng = Oracle(model), np.random.default_rng(2)
+    hub = tmp_path / "hub"
+    d = start(tmp_path, model, "--expected-nodes", "2")
+    try:
+        first = random_deltas(rng, model)
+        src = write_delta(hub, "a", 0, 10, first)
+        d.wait_log("delta accepted")
+        assert cached(d, "a", 10).stat().st_ino == src.stat().st_ino
+        # the worker saves the same file again, in place, with other values
+        second = random_deltas(rng, model)
+        rewrite_in_place(src, second, delta_metadata("a", 0, 10))
+        d.wait_log("rewritten in place after it was taken in")
+        d.wait_log("delta accepted", count=2)
+        other = random_deltas(rng, model)
+        write_delta(hub, "b", 0, 10, other)
+        want = oracle.step({"a": second, "b": other})
+        d.wait_step(1)
+        assert_state_equal(load_torch(hub / "global/latest.safetensors"), want)
+        assert metric(d, "dilocod_deltas_rewritten_total") == 1
+    finally:
+        assert d.stop() == 0
+
+
+def test_a_rewrite_racing_the_round_close_still_gives_one_version(tmp_path):
+    """The rewrite and the last delta land together: whichever way the race goes (found at intake,
+    before the pass, or before the commit), the step is made from one whole version of the file."""
+    model = small_model()
+    rng = np.random.default_rng(3)
+    hub = tmp_path / "hub"
+    d = start(tmp_path, model, "--expected-nodes", "2")
+    try:
+        first = random_deltas(rng, model)
+        src = write_delta(hub, "a", 0, 10, first)
+        d.wait_log("delta accepted")
+        second, other = random_deltas(rng, model), random_deltas(rng, model)
+        write_delta(hub, "b", 0, 10, other)
+        rewrite_in_place(src, second, delta_metadata("a", 0, 10))
+        d.wait_step(1)
+        got = load_torch(hub / "global/latest.safetensors")
+        candidates = [Oracle(model).step({"a": v, "b": other}) for v in (second, first)]
+        matches = []
+        for want in candidates:
+            try:
+                assert_state_equal(got, want)
+                matches.append(True)
+            except AssertionError:
+                matches.append(False)
+        assert any(matches), "the step matches neither version of a's delta: a torn read"
+        if matches[1] and not matches[0]:
+            # the first version went into step 1 whole; the rewrite came after its commit
+            assert "rewritten in place" not in d.log_text() or d.alive()
+    finally:
+        assert d.stop() == 0
+
+
+def test_state_on_another_filesystem_copies(tmp_path):
+    model = small_model()
+    oracle, rng = Oracle(model), np.random.default_rng(4)
+    hub = tmp_path / "hub"
+    shm = Path(tempfile.mkdtemp(prefix="dilocod-state-", dir="/dev/shm"))
+    try:
+        assert os.stat(shm).st_dev != os.stat(tmp_path).st_dev
+        d = start(tmp_path, model, "--expected-nodes", "2", state_root=shm)
+        try:
+            deltas = {n: random_deltas(rng, model) for n in ("a", "b")}
+            src = write_delta(hub, "a", 0, 10, deltas["a"])
+            d.wait_log("delta accepted")
+            assert cached(d, "a", 10).stat().st_nlink == 1 and src.stat().st_nlink == 1
+            write_delta(hub, "b", 0, 10, deltas["b"])
+            want = oracle.step(deltas)
+            d.wait_step(1)
+            assert_state_equal(load_torch(hub / "global/latest.safetensors"), want)
+            log = d.log_text()
+            assert log.count("deltas are copied into the state, not linked") == 1, log[-3000:]
+            assert "--state-root on the shared tree" in log
+        finally:
+            assert d.stop() == 0
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_linked_cache_entry_is_read_again_at_restart(tmp_path):
+    model = small_model()
+    rng = np.random.default_rng(5)
+    hub = tmp_path / "hub"
+    d = start(tmp_path, model, "--expected-nodes", "2")
+    src = write_delta(hub, "a", 0, 10, random_deltas(rng, model))
+    d.wait_log("delta accepted")
+    assert d.stop() == 0
+    # while dilocod is down, the worker rewrites its delta in place with a NaN
+    bad = random_deltas(rng, model)
+    bad["w"][3, 5] = np.nan
+    rewrite_in_place(src, bad, delta_metadata("a", 0, 10))
+    d.start()
+    try:
+        d.wait_log("non_finite")
+        wait_for(lambda: not cached(d, "a", 10).exists(), "the refused cache entry removed", d)
+        import json
+        import urllib.request
+        st = json.loads(urllib.request.urlopen(d.url + "/status", timeout=10).read())
+        assert st["round"]["received"] == [], st["round"]
+    finally:
+        assert d.stop() == 0
