@@ -32,6 +32,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import requests  # noqa: E402
 import torch  # noqa: E402
 from huggingface_hub import HfApi, load_torch_model, save_torch_state_dict, snapshot_download  # noqa: E402
 from safetensors.numpy import save as st_save_bytes  # noqa: E402
@@ -109,6 +110,13 @@ def s3_put_set(d: S3Dilocod, node, files, skip=()):
 def s3_put_single(d: S3Dilocod, node, base, local, tensors):
     body = st_save_bytes(tensors, metadata=delta_metadata(node, base, local))
     d.client.put_object(Bucket=d.s3.bucket, Key=d.key(f"nodes/{node}/delta_{local}.safetensors"), Body=body)
+
+
+def s3_list_requests(d: S3Dilocod):
+    """ListObjectsV2 requests dilocod made, from its /metrics."""
+    text = requests.get(f"{d.url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('dilocod_hub_requests_total{route="list"'))
 
 
 def s3_global_names(d: S3Dilocod):
@@ -196,6 +204,40 @@ def test_s3_a_partial_set_waits_and_completes(tmp_path, s3):
         d.wait_step(1)
         assert_state_equal(load_set_dir(s3_download_global(d, tmp_path / "g1"), m), oracle.state)
         assert "delta rejected" not in d.log_text()
+    finally:
+        assert d.stop() == 0
+
+
+def test_s3_an_index_that_does_not_parse_is_refused_once_with_its_reason(tmp_path, s3):
+    m = model()
+    rng = np.random.default_rng(34)
+    d = s3_start(tmp_path, s3, "shards/hostile", "run", "--expected-nodes", "2", init=m)
+    try:
+        d.wait_step(0)
+        key = d.key("nodes/w1/delta_5.safetensors.index.json")
+        d.client.put_object(Bucket=s3.bucket, Key=key, Body=b'{"metadata": {"total_size": 1}, "weight_map": ')
+        # an index naming shards of another base: refused as a whole, its shards never handed over alone
+        files = save_set(tmp_path / "w2", "w2", 0, 6, random_deltas(rng, m))
+        doc = json.loads(files[-1][1].read_text())
+        doc["weight_map"] = {k: v.replace("delta_6-", "delta_7-") for k, v in doc["weight_map"].items()}
+        files[-1][1].write_text(json.dumps(doc, indent=2))
+        s3_put_set(d, "w2", files)
+        d.wait_log("delta rejected")
+        # more polls (every 0.1 s) hand neither over again; the w2 index (which names delta_7's shards)
+        # is refused by intake, and no shard ever reaches it on its own
+        d.wait_log("delta rejected", count=2)
+        lists = s3_list_requests(d)
+        deadline = time.time() + 30
+        while s3_list_requests(d) < lists + 5:     # five more listings of nodes/
+            assert time.time() < deadline and d.alive()
+            time.sleep(0.05)
+        lines = [l for l in d.log_text().splitlines() if "delta rejected" in l]
+        assert len(lines) == 2, lines
+        assert sum("nodes/w1/delta_5.safetensors.index.json" in l for l in lines) == 1, lines
+        assert sum("nodes/w2/delta_6.safetensors.index.json" in l for l in lines) == 1, lines
+        s = d.status()
+        assert s["counters"]["rejected"] == 2 and s["counters"]["accepted"] == 0, s["counters"]
+        assert d.published_step() == 0 and d.alive()
     finally:
         assert d.stop() == 0
 
