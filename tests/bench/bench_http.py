@@ -14,8 +14,8 @@ compare the ratios, not the absolute numbers).  A report, not a test: it asserts
      fsync; "nginx + fsync" is also shown), each upload kept under its own name by both.  Medians of 5
      first uploads (each the first upload of a new node in the open round: no replacement among them),
      then of 2 replacing uploads (a later local_step of a node already in the round), alternated with
-     nginx.  Each timed PUT starts with as much page cache just freed as it will write (fresh_pages):
-     see there why.                                                       target: dilocod <= 1.3x nginx
+     nginx.  Each timed PUT starts with as much page cache just freed as it will write
+     (pagecache.fresh_pages: see there why).                              target: dilocod <= 1.3x nginx
   3. 8 concurrent GETs of the 1 GiB global (curl -o /dev/null): dilocod (sendfile) next to nginx
      (sendfile on) serving the same file (a hard link).  Wall time for all 8, median.  target <= 1.3x nginx
   4. /status latency (sequential keep-alive requests from one Python client) while dilocod aggregates a
@@ -44,6 +44,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from pagecache import fresh_pages
 
 BUILD = Path(sys.argv[1] if len(sys.argv) > 1 else "build").resolve()
 MODEL_MIB = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
@@ -107,28 +109,6 @@ def settle():
     """Dirty pages of the previous step written out, so each timed transfer starts from the same state."""
     os.sync()
     time.sleep(0.3)
-
-
-def fresh_pages(directory, nbytes):
-    """Frees nbytes of page cache just before a timed write, so the write's new page-cache pages are
-    ones the kernel freed a moment ago.
-
-    On a VM with free page reporting (virtio_balloon; this one's dmesg says "Free page reporting
-    enabled") the guest hands pages that stay free for ~2 s back to the host, and the first write into
-    each one later faults in the host: 1 GiB written by dd into the page cache took 2.1-2.5 s of system
-    CPU when it grew the cache, 0.16 s right after a 1 GiB cached file was deleted (80% of it in
-    copy_folio_from_iter_atomic, perf).  Which case a transfer got depended on whether the previous
-    step happened to free pages (a replaced delta's unlink, a removed temporary directory): that, not
-    the replacement, made the replacing uploads look 3x slower.  Giving every timed write the same
-    start measures the servers instead of the hypervisor."""
-    path = Path(directory) / "fresh-pages"
-    block = bytes(1 << 20)
-    with open(path, "wb") as f:
-        for _ in range((nbytes + (1 << 20) - 1) >> 20):
-            f.write(block)
-        f.flush()
-        os.fsync(f.fileno())
-    path.unlink()
 
 
 def pct(values, p):
@@ -531,10 +511,13 @@ def bench_aggregating(dl, delta, tmp):
     last = f"w{EXPECTED_NODES}"
     set_delta_meta(delta, last, 1)
     settle()
-    fresh_pages(tmp, 3 * delta.stat().st_size)     # the upload, then the pass's new global and momentum
     sampler = StatusSampler(dl.port)
     sampler.start()
     time.sleep(1.0)
+    t_idle = time.perf_counter()
+    # the upload, then the pass's new global and momentum: freed now, since pages free for ~2 s go back
+    # to the host (pagecache.fresh_pages)
+    fresh_pages(tmp, 3 * delta.stat().st_size)
     t_up = time.perf_counter()
     code, dt = curl_put(f"{dl.url}/nodes/{last}/delta_1.safetensors", delta, tmp / "put-response")
     t_up_end = time.perf_counter()
@@ -556,7 +539,7 @@ def bench_aggregating(dl, delta, tmp):
         raise RuntimeError(f"dilocod exited during the aggregation:\n{tail(dl.log)}")
     if not s or s[-1][3] != 1:
         raise RuntimeError(f"the round did not commit step 1 within 300 s:\n{tail(dl.log)}")
-    idle = [x[1] for x in s if x[0] + x[1] < t_up]
+    idle = [x[1] for x in s if x[0] + x[1] < t_idle]
     upload = [x[1] for x in s if x[0] >= t_up and x[0] + x[1] <= t_up_end]
     agg_idx = [i for i, x in enumerate(s) if x[2] == "aggregating"]
     log = tail(dl.log, 10 ** 6)

@@ -26,7 +26,12 @@ state root and a new tree every time; a replacing upload is never counted as a r
 The Python reference holds every delta in memory: at 1 GiB it needs 6-13 GiB of RAM.
 dilocod runs with its defaults (poll_interval 5 s, threads = CPUs, 16 MiB per thread), JSON logs at debug
 level, so timestamps (CLOCK_REALTIME, milliseconds) are compared with this process's time.time().
-The page cache is warm for both: every run reads the same files.
+The page cache is warm for both: every run reads the same files.  Every timed write starts on just-freed
+page cache (pagecache.fresh_pages: on a VM with free page reporting a write that grows the cache costs
+~13x the CPU of one that reuses freed pages, and which one a measurement got used to depend on what the
+step before it deleted): the reference round, the last delta of a critical path (its intake, then the new
+global and momentum), the catch-up start and bench-outer get as much as they will write.  The 8
+concurrent uploads do not (the pass starts ~10 s later, after the freed pages went back to the host).
 
 Usage: bench_round.py BUILD_DIR [MODEL_MIB ...]   (default 1024 256)
 env: BENCH_ROUNDS=3 fresh rounds per figure, BENCH_TMP=/var/tmp, BENCH_KEEP=1 keeps the files,
@@ -49,6 +54,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from pagecache import fresh_pages
 
 BUILD = Path(sys.argv[1] if len(sys.argv) > 1 else "build").resolve()
 BEFORE = Path(os.environ["BENCH_BEFORE"]).resolve() if os.environ.get("BENCH_BEFORE") else None
@@ -251,11 +258,14 @@ def file_round(build, tmp, init, deltas, catch_up):
     last = NODES if catch_up else NODES - 1
     for k in range(last):
         link_delta(deltas[k], hub, k, False)
+    if catch_up:
+        fresh_pages(tmp, 3 * deltas[-1].stat().st_size)
     t_start = time.time()
     d = Dilocod(build, tmp, init, f"file://{hub}")
     try:
         if not catch_up:
             d.wait("7 accepted deltas", lambda: d.count("round", "delta accepted") >= NODES - 1)
+            fresh_pages(tmp, 3 * deltas[-1].stat().st_size)
             t_start = link_delta(deltas[-1], hub, NODES - 1, True)
         r = d.wait("step 1 published", lambda: published(d))
         if json.loads((hub / "global" / "step_count.json").read_text())["outer_step"] != 1:
@@ -308,6 +318,7 @@ def http_round(build, tmp, init, deltas, concurrent):
         else:
             for k in range(NODES - 1):
                 put(port, k, deltas[k])
+            fresh_pages(tmp, 3 * deltas[-1].stat().st_size)
             t_start = put(port, NODES - 1, deltas[-1])
         r = d.wait("step 1 served", lambda: served(d))
         if status_step(port) != 1:
@@ -321,6 +332,7 @@ def bench_outer(build, tmp, init, deltas):
     """The pass alone: (compute seconds, bytes read + written per second)."""
     out = tmp / "outer"
     out.mkdir()
+    fresh_pages(tmp, 2 * init.stat().st_size)
     p = subprocess.run([str(build / "tests" / "bench-outer"), str(os.cpu_count()), str(init), str(out),
                         *map(str, deltas)], capture_output=True, text=True, check=True,
                        env=dict(os.environ, DEFER="1"))
@@ -330,6 +342,7 @@ def bench_outer(build, tmp, init, deltas):
 
 
 def reference_round(tmp, init, deltas):
+    fresh_pages(tmp, 2 * init.stat().st_size)       # its new global and momentum
     p = subprocess.run([sys.executable, "-c", REFERENCE, str(init), str(tmp / "ref.safetensors"),
                         str(tmp / "ref_state.pt"), *map(str, deltas)], capture_output=True, text=True, check=True)
     secs, rss_kb = p.stdout.split()
