@@ -12,13 +12,16 @@ s3://
     set has exactly the shards, the index and step_count.json (no latest.safetensors), and
     huggingface_hub.load_torch_model loads it after a boto3 download;
   - a set missing a shard waits (nothing refused, the round stays open) and completes when it arrives;
+  - an index that does not parse, or that names another base's shards, is refused once with its reason;
   - a sharded global with a shard above --s3-part-mib goes up as a multipart object;
   - a dilocod on a fresh state directory adopts the bucket's sharded global and goes on from it.
 hf://
   - step 0 is published as a set in one commit; snapshot_download + load_torch_model loads it;
   - a sharded delta uploaded with upload_folder and a single file with upload_file are aggregated
     (the torch oracle, bit for bit), again in one commit per step;
-  - a fresh dilocod adopts the Hub's sharded global and its next round equals the oracle.
+  - a fresh dilocod adopts the Hub's sharded global and its next round equals the oracle;
+  - a dilocod with a larger --shard-size publishes the plain file and deletes the set in that commit;
+  - a set committed without its last shard waits and completes when the shard is uploaded.
 """
 import os
 
@@ -34,7 +37,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import requests  # noqa: E402
 import torch  # noqa: E402
-from huggingface_hub import HfApi, load_torch_model, save_torch_state_dict, snapshot_download  # noqa: E402
+from huggingface_hub import (CommitOperationAdd, HfApi, load_torch_model, save_torch_state_dict,  # noqa: E402
+                             snapshot_download)
 from safetensors.numpy import save as st_save_bytes  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -404,3 +408,35 @@ def test_hf_a_plain_publish_replaces_the_sharded_layout_in_its_commit(tmp_path, 
         assert dilocod_steps_in_history(api) == [0, 1]
     finally:
         assert d2.stop() == 0
+
+
+def test_hf_a_partial_set_waits_and_completes(tmp_path, hub):
+    m = model()
+    rng = np.random.default_rng(43)
+    deltas = {n: random_deltas(rng, m) for n in ("w1", "w2")}
+    oracle = Oracle(model())     # its own copy: torch steps an F32 tensor in place
+    oracle.step(torch_deltas(deltas))
+    api = HfApi(endpoint=hub.wendpoint, token=TOKEN)
+    api.create_repo(REPO)
+    d = hf_dilocod(tmp_path, hub, "run", init=m).start()
+    try:
+        d.wait_published(0)
+        files = save_set(tmp_path / "w1", "w1", 0, 4, deltas["w1"])
+        last_shard = files[-2]
+        # one commit with the index and every shard but the last, as an interrupted uploader leaves it
+        api.create_commit(REPO, [CommitOperationAdd(f"nodes/w1/{name}", str(path))
+                                 for name, path in files if name != last_shard[0]],
+                          commit_message="w1: part of a set")
+        api.upload_file(path_or_fileobj=st_save_bytes(deltas["w2"], metadata=delta_metadata("w2", 0, 4)),
+                        path_in_repo="nodes/w2/delta_4.safetensors", repo_id=REPO)
+        d.wait_log("sharded set incomplete, waiting for its shards path=nodes/w1/delta_4.safetensors.index.json")
+        d.wait(lambda: d.status()["counters"]["accepted"] >= 1, "w2 accepted")
+        assert d.status()["hub"].get("published_step") == 0
+        assert d.status()["counters"]["rejected"] == 0
+        api.upload_file(path_or_fileobj=str(last_shard[1]), path_in_repo=f"nodes/w1/{last_shard[0]}",
+                        repo_id=REPO, commit_message="w1: the last shard")
+        d.wait_published(1)
+        assert_state_equal(load_set_dir(hf_download_global(hub, tmp_path / "g1"), m), oracle.state)
+        assert "delta rejected" not in d.log_text()
+    finally:
+        assert d.stop() == 0
