@@ -1203,7 +1203,7 @@ static void dset_finished(hf_hub *h, dset *set, int ok)
     dset_free(h, set);
 }
 
-/* The set's directory, <state>/cache/incoming/hf-set-<version>, with the index written into it
+/* The set's directory, <state>/cache/incoming/hf-set-<version>.set, with the index written into it
  * under its own name (a small write of our own cache on the loop thread). */
 static dset *dset_new(hf_hub *h, const candidate *c, const char *text, size_t len)
 {
@@ -1214,7 +1214,8 @@ static dset *dset_new(hf_hub *h, const candidate *c, const char *text, size_t le
     name = name ? name + 1 : c->rel;
     if (set == NULL)
         return NULL;
-    if (asprintf(&set->dir, "%s/cache/incoming/hf-%s%s", h->state_dir, c->is_global ? "global-" : "", c->ver) < 0)
+    if (asprintf(&set->dir, "%s/cache/incoming/hf-%s%s.set", h->state_dir, c->is_global ? "global-" : "",
+                 c->ver) < 0)
         set->dir = NULL;
     if (set->dir == NULL || (set->rel = strdup(c->rel)) == NULL ||
         asprintf(&set->index_path, "%s/%s", set->dir, name) < 0) {

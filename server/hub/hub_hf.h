@@ -14,7 +14,7 @@
  * the last page each index with the shards listed next to it is one candidate, versioned by a hash
  * of every file's path, oid and size.  The index is read whole (at most ST_INDEX_MAX_BYTES, checked
  * against its oid) and parsed; when every shard it lists is listed, the shards are downloaded and
- * verified like single deltas into cache/incoming/hf-set-<version>/, and the set is handed over at
+ * verified like single deltas into cache/incoming/hf-set-<version>.set/, and the set is handed over at
  * its index's path.  A partial set waits for a listing with another version.
  *
  * Publishing: ONE commit per outer step with global/latest.safetensors (LFS, basic or multipart as
