@@ -565,6 +565,19 @@ static int peek_or_refuse(dilocod *d, http_conn *c, const delta_info *info, int 
     return -1;
 }
 
+/* peek_or_refuse for an upload in progress: marked failed first, so an abort that the refusal's
+ * answer reports (the connection finishing) does not free u under its caller. */
+static int upload_peek(upload *u, const delta_info *info)
+{
+    int was = u->failed;
+
+    u->failed = 1;
+    if (peek_or_refuse(u->d, u->c, info, 1) != 0)
+        return -1;
+    u->failed = was;
+    return 0;
+}
+
 static int shard_verdict(upload *u);
 
 /* The header is complete: decide from it whether the round can take this delta at all. */
@@ -585,10 +598,8 @@ static int header_verdict(upload *u)
         }
         snprintf(u->rel, sizeof(u->rel), "nodes/%s/delta_%" PRIu64 ".safetensors", info->node_id, info->local_step);
     }
-    if (peek_or_refuse(u->d, u->c, info, 1) != 0) {
-        u->failed = 1;
+    if (upload_peek(u, info) != 0)
         return -1;
-    }
     return 0;
 }
 
@@ -1164,10 +1175,8 @@ static int shard_verdict(upload *u)
         info = s->info;
         have_base = 1;
     }
-    if (have_base && peek_or_refuse(d, u->c, &info, 1) != 0) {
-        u->failed = 1;
+    if (have_base && upload_peek(u, &info) != 0)
         return -1;
-    }
     /* the shards staged (an earlier copy of this one excepted) and those streaming, plus this one */
     others = s->bytes - s->part_bytes[u->shard] + s->reserved;
     if (len > cap || others > cap - len) {
@@ -1358,8 +1367,7 @@ static void index_done(daemon_job *j)
         upload_discard(u);
         return;
     }
-    if (peek_or_refuse(u->d, u->c, &u->ds.info, 1) != 0) {
-        u->failed = 1;
+    if (upload_peek(u, &u->ds.info) != 0) {
         snprintf(msg, sizeof(msg), "the set's index was refused by the round (%s)",
                  round_verdict_name(daemon__peek(u->d, &u->ds.info)));
         stage_discard(s, 409, "set_refused", msg);
