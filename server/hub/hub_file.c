@@ -817,7 +817,40 @@ out:
     return rc;
 }
 
-/* Copies src (a trusted path: our own state) to root/global/name atomically (gfd: root/global). */
+/* Zero-copy publish: hard-links in (our own file) into root/global under a temporary name, makes its
+ * data durable (the settle of the step fsyncs the same inode: one write-back serves both) and renames
+ * it over name.  The published file then shares its inode with the state's: global/ is written only
+ * by aggregators, always by rename, never in place.  0, 1 when a link is not possible here (another
+ * filesystem, links refused: the caller copies), or a negative code with err set. */
+static int publish_linked(int gfd, int in, const char *root, const char *name, dl_error *err)
+{
+    char fdpath[64], tmp[96];
+    static unsigned counter;
+    int rc;
+
+    snprintf(fdpath, sizeof(fdpath), "/proc/self/fd/%d", in);
+    snprintf(tmp, sizeof(tmp), ".%.40s.tmp-%d-l%u", name, (int)getpid(),
+             __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED));
+    if (linkat(AT_FDCWD, fdpath, gfd, tmp, AT_SYMLINK_FOLLOW) != 0)
+        return errno == EXDEV || errno == EPERM || errno == EMLINK || errno == ENOENT ? 1
+               : dl_fail_errno(err, errno, "cannot link into %s/global", root);
+    if (fsync(in) != 0) {
+        rc = dl_fail_errno(err, errno, "fsync of %s/global/%s", root, name);
+        unlinkat(gfd, tmp, 0);
+        return rc;
+    }
+    if (renameat(gfd, tmp, gfd, name) != 0) {
+        rc = dl_fail_errno(err, errno, "publishing %s/global/%s", root, name);
+        unlinkat(gfd, tmp, 0);
+        return rc;
+    }
+    if (fsync(gfd) != 0)
+        return dl_fail_errno(err, errno, "fsync of %s/global", root);
+    return 0;
+}
+
+/* Publishes src (a trusted path: our own state) as root/global/name atomically (gfd: root/global):
+ * linked where the filesystems allow, else copied. */
 static int publish_one(int gfd, const char *root, const char *src, const char *name, dl_error *err)
 {
     struct stat sb;
@@ -830,6 +863,8 @@ static int publish_one(int gfd, const char *root, const char *src, const char *n
         rc = dl_fail_errno(err, errno, "cannot stat %s", src);
         goto out;
     }
+    if ((rc = publish_linked(gfd, in, root, name, err)) <= 0)
+        goto out;
     if ((rc = fsu_tmp_create_at(gfd, name, &tmp, &out)) != 0) {
         rc = dl_fail_errno(err, -rc, "cannot create a temporary file in %s/global", root);
         goto out;
