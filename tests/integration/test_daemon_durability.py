@@ -73,7 +73,20 @@ def listing(root: Path) -> str:
 
 def check_committed(state_dir: Path, diloco_bin) -> int:
     """outer_metadata.json parses and names exactly one committed step, whose named files exist and are
-    valid safetensors (momentum metadata names the same step).  Returns the step."""
+    valid safetensors (momentum metadata names the same step).  Returns the step.  A running dilocod may
+    commit the next step (and clean up this one's files) while the files are checked: then the check is
+    made again on the step committed now."""
+    for _ in range(20):
+        before = (state_dir / "outer_metadata.json").read_text()
+        try:
+            return check_committed_once(state_dir, diloco_bin)
+        except AssertionError:
+            if (state_dir / "outer_metadata.json").read_text() == before:
+                raise
+    return check_committed_once(state_dir, diloco_bin)
+
+
+def check_committed_once(state_dir: Path, diloco_bin) -> int:
     meta_path = state_dir / "outer_metadata.json"
     text = meta_path.read_text()
     try:
