@@ -637,14 +637,15 @@ static int keep_cache(const store *s, const char *name)
     return !(s->startup && is_temp(name));
 }
 
-/* cache/incoming: partial downloads of a transport (hf-<oid>.part, s3-<...>.part) resume after a
- * restart; the rest goes. */
+/* cache/incoming: partial downloads of a transport (hf-<oid>.part, s3-<...>.part, and the
+ * directories of sharded sets being downloaded, hf-...set / s3-...set) resume after a restart; the
+ * rest goes. */
 static int keep_incoming(const store *s, const char *name)
 {
     size_t n = strlen(name);
     (void)s;
     return (strncmp(name, "hf-", 3) == 0 || strncmp(name, "s3-", 3) == 0) && n > 8 &&
-           strcmp(name + n - 5, ".part") == 0;
+           (strcmp(name + n - 5, ".part") == 0 || strcmp(name + n - 4, ".set") == 0);
 }
 
 int store_cleanup(const store *st, int at_startup, dl_error *err)
