@@ -15,7 +15,9 @@ compare the ratios, not the absolute numbers).  A report, not a test: it asserts
      first uploads (each the first upload of a new node in the open round: no replacement among them),
      then of 2 replacing uploads (a later local_step of a node already in the round), alternated with
      nginx.  Each timed PUT starts with as much page cache just freed as it will write
-     (pagecache.fresh_pages: see there why).                              target: dilocod <= 1.3x nginx
+     (pagecache.fresh_pages: see there why); "memory stall" is the time some task of the machine waited
+     for memory meanwhile (PSI: reclaim, compaction), which a full page cache adds to any write.
+                                                                          target: dilocod <= 1.3x nginx
   3. 8 concurrent GETs of the 1 GiB global (curl -o /dev/null): dilocod (sendfile) next to nginx
      (sendfile on) serving the same file (a hard link).  Wall time for all 8, median.  target <= 1.3x nginx
   4. /status latency (sequential keep-alive requests from one Python client) while dilocod aggregates a
@@ -45,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pagecache import fresh_pages
+from pagecache import fresh_pages, memory_stall_s, stall_since
 
 BUILD = Path(sys.argv[1] if len(sys.argv) > 1 else "build").resolve()
 MODEL_MIB = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
@@ -376,9 +378,9 @@ def upload_pair(dl, ng, delta, tmp, node, step, size):
     set_delta_meta(delta, node, step)
     settle()
     fresh_pages(tmp, size)
-    cpu0 = cpu_seconds(dl.proc.pid)
+    cpu0, stall0 = cpu_seconds(dl.proc.pid), memory_stall_s()
     code, dt = curl_put(f"{dl.url}/nodes/{node}/delta_{step}.safetensors", delta, resp)
-    cpu = cpu_seconds(dl.proc.pid) - cpu0
+    cpu, stall = cpu_seconds(dl.proc.pid) - cpu0, stall_since(stall0)
     body = resp.read_text(errors="replace")
     if code != 201:
         raise RuntimeError(f"dilocod refused upload {node}/{step}: {code} {body}")
@@ -388,7 +390,9 @@ def upload_pair(dl, ng, delta, tmp, node, step, size):
     target = ng.www / "put" / f"delta-{node}-{step}.safetensors"
     settle()
     fresh_pages(tmp, size)
+    stall0 = memory_stall_s()
     code, ndt = curl_put(f"{ng.url}/put/{target.name}", delta, resp)
+    nstall = stall_since(stall0)
     if code not in (201, 204) or target.stat().st_size != size:
         raise RuntimeError(f"nginx PUT failed: {code} {resp.read_text(errors='replace')[:500]}")
     t0 = time.perf_counter()
@@ -398,8 +402,9 @@ def upload_pair(dl, ng, delta, tmp, node, step, size):
     finally:
         os.close(fd)
     fs = time.perf_counter() - t0
-    print(f"    {node}/{step:<2d} dilocod {dt:6.2f} s ({size / dt / 1e9:.2f} GB/s, 201 {result:8s}, {cpu:.2f} CPU s)   "
-          f"nginx {ndt:6.2f} s ({size / ndt / 1e9:.2f} GB/s)   nginx + fsync {ndt + fs:6.2f} s")
+    print(f"    {node}/{step:<2d} dilocod {dt:6.2f} s ({size / dt / 1e9:.2f} GB/s, 201 {result:8s}, {cpu:.2f} CPU s, "
+          f"memory stall {stall:.2f} s)   nginx {ndt:6.2f} s ({size / ndt / 1e9:.2f} GB/s, memory stall "
+          f"{nstall:.2f} s)   nginx + fsync {ndt + fs:6.2f} s")
     return dt, ndt, ndt + fs, result
 
 
@@ -518,6 +523,7 @@ def bench_aggregating(dl, delta, tmp):
     # the upload, then the pass's new global and momentum: freed now, since pages free for ~2 s go back
     # to the host (pagecache.fresh_pages)
     fresh_pages(tmp, 3 * delta.stat().st_size)
+    stall0 = memory_stall_s()
     t_up = time.perf_counter()
     code, dt = curl_put(f"{dl.url}/nodes/{last}/delta_1.safetensors", delta, tmp / "put-response")
     t_up_end = time.perf_counter()
@@ -531,6 +537,7 @@ def bench_aggregating(dl, delta, tmp):
         if dl.proc.poll() is not None:
             break
         time.sleep(0.05)
+    stall = stall_since(stall0)
     time.sleep(0.5)
     sampler.halt.set()
     sampler.join(timeout=35)
@@ -547,7 +554,8 @@ def bench_aggregating(dl, delta, tmp):
     c = re.search(r"aggregate: computed step=1 seconds=([\d.]+)", log)
     print(f"    closing upload {dt:.2f} s; aggregation {float(m.group(1)) if m else float('nan'):.2f} s to the "
           f"durable commit (compute pass {float(c.group(1)) if c else float('nan'):.2f} s, "
-          f"{float(m.group(2)) if m else float('nan'):.2f} GB/s effective)")
+          f"{float(m.group(2)) if m else float('nan'):.2f} GB/s effective); memory stall (PSI) from the upload "
+          f"to the commit {stall:.2f} s")
     print(lat_line("idle           ", idle))
     print(lat_line("during upload  ", upload))
     if not agg_idx:

@@ -32,6 +32,11 @@ page cache (pagecache.fresh_pages: on a VM with free page reporting a write that
 step before it deleted): the reference round, the last delta of a critical path (its intake, then the new
 global and momentum), the catch-up start and bench-outer get as much as they will write.  The 8
 concurrent uploads do not (the pass starts ~10 s later, after the freed pages went back to the host).
+Each figure also shows "memory stall": the seconds some task waited for memory during its runs, set-up
+included (PSI: reclaim, compaction).  With the page cache full, new pages come from reclaim and direct
+compaction, and inputs evicted since they were written are read again from disk: one daemon pass here
+took 7.5 s that way (perf: 74% of its CPU in pread, 40% of it readahead, 14% direct compaction) and
+0.9 s with every input resident and 11 GB free, so read the pass figures beside it.
 
 Usage: bench_round.py BUILD_DIR [MODEL_MIB ...]   (default 1024 256)
 env: BENCH_ROUNDS=3 fresh rounds per figure, BENCH_TMP=/var/tmp, BENCH_KEEP=1 keeps the files,
@@ -55,7 +60,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pagecache import fresh_pages
+from pagecache import fresh_pages, memory_stall_s, stall_since
 
 BUILD = Path(sys.argv[1] if len(sys.argv) > 1 else "build").resolve()
 BEFORE = Path(os.environ["BENCH_BEFORE"]).resolve() if os.environ.get("BENCH_BEFORE") else None
@@ -358,14 +363,15 @@ def fresh(base, name):
 
 
 def median_of(fn, base, name, builds=(None,)):
-    """ROUNDS fresh runs of fn(build, tmp) -> tuple for each build, round by round alternated; returns
-    {build: (medians, samples)}."""
+    """ROUNDS fresh runs of fn(build, tmp) -> tuple for each build, round by round alternated, each with
+    the seconds some task waited for memory during it (PSI) appended; returns {build: (medians, samples)}."""
     samples = {b: [] for b in builds}
     for _ in range(ROUNDS):
         for b in builds:
             tmp = fresh(base, name)
             try:
-                samples[b].append(fn(b, tmp))
+                stall0 = memory_stall_s()
+                samples[b].append(fn(b, tmp) + (stall_since(stall0),))
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return {b: (tuple(statistics.median(col) for col in zip(*s)), s) for b, s in samples.items()}
@@ -394,8 +400,9 @@ def run_size(base, mib):
         ref_s = float("nan")
         if "reference" in ONLY:
             r = median_of(lambda b, t: reference_round(t, init, deltas), base, "ref")[None]
-            (ref_s, ref_rss), s = r
-            print(f"  {'Python reference round':37s} {ref_s:7.2f} s   peak RSS {ref_rss:7.0f} MiB   ({fmt_samples(s)})")
+            (ref_s, ref_rss, stall), s = r
+            print(f"  {'Python reference round':37s} {ref_s:7.2f} s   peak RSS {ref_rss:7.0f} MiB   ({fmt_samples(s)}; "
+                  f"memory stall {stall:.2f} s)")
         hwm = {b: [] for b in builds()}
         passes = {b: [] for b in builds()}
         rows = []
@@ -406,11 +413,11 @@ def run_size(base, mib):
             rows += [("HTTP critical path", lambda b, t: http_round(b, t, init, deltas, False), "http"),
                      ("HTTP round (8 concurrent)", lambda b, t: http_round(b, t, init, deltas, True), "http")]
         for label, fn, name in rows:
-            for b, ((sec, pas, _), s) in median_of(fn, base, name, builds()).items():
+            for b, ((sec, pas, _, stall), s) in median_of(fn, base, name, builds()).items():
                 hwm[b] += [x[2] for x in s]
                 passes[b].append(pas)
                 print(f"  {label + label_of(b):37s} {sec:7.2f} s   {ref_s / sec:5.2f}x the reference   "
-                      f"(pass {pas:.2f} s; {fmt_samples(s)})")
+                      f"(pass {pas:.2f} s; {fmt_samples(s)}; memory stall {stall:.2f} s)")
         for b in builds():
             if passes[b]:
                 p = statistics.median(passes[b])
@@ -419,10 +426,10 @@ def run_size(base, mib):
         # the triad is measured again next to every pass sample: the machine's load changes within a run
         def outer_sample(b, t):
             return bench_outer(b, t, init, deltas) + (stream_triad(),)
-        for b, ((sec, gbps, tri), s) in median_of(outer_sample, base, "outer", builds()).items():
+        for b, ((sec, gbps, tri, stall), s) in median_of(outer_sample, base, "outer", builds()).items():
             print(f"  {'pass alone (bench-outer)' + label_of(b):37s} {sec:7.2f} s   "
                   f"{ref_s / sec:5.2f}x the reference   {gbps:.2f} GB/s read + written = {gbps / tri:.0%} of "
-                  f"STREAM triad ({tri:.1f} GB/s, measured beside it; {fmt_samples(s)})")
+                  f"STREAM triad ({tri:.1f} GB/s, measured beside it; {fmt_samples(s)}; memory stall {stall:.2f} s)")
         for b in builds():
             if hwm[b]:
                 print(f"  {'dilocod peak RSS (VmHWM)' + label_of(b):37s} {max(hwm[b]):7.0f} MiB "

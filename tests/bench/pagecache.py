@@ -24,3 +24,23 @@ def fresh_pages(directory, nbytes):
         for _ in range((nbytes + (1 << 20) - 1) >> 20):
             f.write(block)
     path.unlink()
+
+
+def memory_stall_s():
+    """Seconds, since boot, during which some task waited for memory (reclaim, compaction, refaults):
+    /proc/pressure/memory's "some" total.  The difference across a measurement says whether it paid for
+    a full page cache; None without PSI."""
+    try:
+        with open("/proc/pressure/memory") as f:
+            for line in f:
+                if line.startswith("some "):
+                    return int(line.rsplit("total=", 1)[1]) / 1e6
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def stall_since(before):
+    """Memory stall seconds since memory_stall_s() returned before (nan without PSI)."""
+    now = memory_stall_s()
+    return float("nan") if now is None or before is None else now - before
