@@ -1,6 +1,12 @@
 #include "test.h"
 
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <stdlib.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "http.h"
 #include "strbuf.h"
@@ -189,4 +195,86 @@ TEST(http_keep_alive_and_close)
     CHECK_EQ(http_conn_feed(c, "GET /x HTTP/1.1\r\nConnection: close\r\n\r\nGET /y HTTP/1.1\r\n\r\n", 56), -1);
     CHECK_EQ(a.requests, 1);
     teardown(&loop, s, c);
+}
+
+/* ---- a real socket: the engine's read loop --------------------------------------------------------- */
+
+/* Runs the loop and reads what the server sent on fd until want appears in got (or the peer closed
+ * when want is NULL).  Returns 1 when it did; 0 after 500 rounds of 10 ms (a hang is a failure, not a
+ * time limit on anything measured). */
+static int pump_until(uv_loop_t *loop, int fd, sbuf *got, const char *want)
+{
+    for (int i = 0; i < 500; i++) {
+        struct pollfd pfd = {.fd = fd, .events = POLLIN};
+        char buf[4096];
+
+        uv_run(loop, UV_RUN_NOWAIT);
+        if (poll(&pfd, 1, 10) < 0 && errno != EINTR)
+            return 0;
+        ssize_t r = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+        if (r > 0) {
+            sb_add(got, buf, (size_t)r);
+            sb_add(got, "", 1);         /* keep it a string; the NUL is overwritten by the next bytes */
+            got->len--;
+        } else if (r == 0 && want == NULL) {
+            return 1;
+        } else if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) {
+            return 0;
+        }
+        if (want != NULL && got->p != NULL && strstr(got->p, want) != NULL)
+            return 1;
+    }
+    return 0;
+}
+
+static int send_all(int fd, const char *p)
+{
+    size_t n = strlen(p);
+    return send(fd, p, n, MSG_NOSIGNAL) == (ssize_t)n ? 0 : -1;
+}
+
+/* A read that comes back short ends the engine's read loop (it waits for the next poll event rather
+ * than reading again for EAGAIN): a head split over two sends, a keep-alive request sent after the
+ * first answer and a half-close after the last request must each still be seen. */
+TEST(http_socket_reads_resume_after_a_short_read)
+{
+    uv_loop_t loop;
+    http_server *s;
+    app a;
+    sbuf got = {0};
+    struct sockaddr_in sa = {.sin_family = AF_INET};
+
+    memset(&a, 0, sizeof(a));
+    CHECK_EQ(uv_loop_init(&loop), 0);
+    CHECK_EQ(http_server_start(&s, &loop, "127.0.0.1", 0, &limits, on_request, &a), 0);
+    sa.sin_port = htons((uint16_t)http_server_port(s));
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    CHECK(fd >= 0);
+    CHECK_EQ(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+
+    CHECK_EQ(send_all(fd, "GET /first HTTP/1.1\r\n"), 0);
+    for (int i = 0; i < 20; i++)        /* accepted, and the half head read (a short read) */
+        uv_run(&loop, UV_RUN_NOWAIT);
+    CHECK_EQ(a.requests, 0);
+    CHECK_EQ(send_all(fd, "\r\n"), 0);
+    CHECK(pump_until(&loop, fd, &got, "\r\n\r\n/first"));
+    CHECK_EQ(a.requests, 1);
+
+    CHECK_EQ(send_all(fd, "GET /second HTTP/1.1\r\n\r\n"), 0);
+    CHECK(pump_until(&loop, fd, &got, "\r\n\r\n/second"));
+    CHECK_EQ(a.requests, 2);
+
+    CHECK_EQ(send_all(fd, "GET /third HTTP/1.1\r\n\r\n"), 0);
+    CHECK_EQ(shutdown(fd, SHUT_WR), 0);
+    CHECK(pump_until(&loop, fd, &got, NULL));      /* answered, then closed on our EOF */
+    CHECK(strstr(got.p, "\r\n\r\n/third") != NULL);
+    CHECK_EQ(a.requests, 3);
+    CHECK_EQ((int)http_server_stats(s)->connections_open, 0);
+
+    close(fd);
+    free(got.p);
+    http_server_stop(s, NULL);
+    uv_run(&loop, UV_RUN_DEFAULT);
+    CHECK_EQ(uv_loop_close(&loop), 0);
 }
