@@ -1748,9 +1748,9 @@ void upload_route(dilocod *d, http_conn *c, http_request *req)
                            NULL);
         return;
     }
-    if (is_put && !strcmp(req->method_name, "PUT") == 0)
+    if (is_put && strcmp(req->method_name, "PUT") != 0)
         return api_not_allowed(c, "PUT");
-    if (!is_put && !strcmp(req->method_name, "POST") == 0)
+    if (!is_put && strcmp(req->method_name, "POST") != 0)
         return api_not_allowed(c, "POST");
     upload_start(d, c, req, id, is_put ? step : NULL);
 }
