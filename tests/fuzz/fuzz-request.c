@@ -56,10 +56,13 @@ static void setup(void)
     f->h = NULL;
     st_close(f);
     int gfd = open(global, O_RDONLY);
-    if (gfd < 0 || (D->global.file = http_file_new(gfd)) == NULL)
+    if (gfd < 0 || (D->global.single.file = http_file_new(gfd)) == NULL)
         abort();
-    D->global.size = 256;
-    snprintf(D->global.etag, sizeof(D->global.etag), "\"s0-fuzz\"");
+    D->global.single.size = 256;
+    snprintf(D->global.single.etag, sizeof(D->global.single.etag), "\"s0-fuzz\"");
+    D->global.available = 1;
+    D->set_nshards = 1;
+    D->set_step = -1;
     D->delta_bytes = 24;
     D->state = S_COLLECTING;
     D->st.committed = 1;
