@@ -9,7 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
-#include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -20,6 +19,7 @@
 #include "delta.h"
 #include "dl_log.h"
 #include "fsutil.h"
+#include "hub_set.h"
 #include "seen.h"
 #include "st_index.h"
 #include "stepcount.h"
@@ -87,8 +87,6 @@ typedef struct listed_file {
     uint64_t local_step;
 } listed_file;
 
-typedef struct dset dset;
-
 typedef struct candidate {
     char *rel;
     char *oid;
@@ -98,7 +96,7 @@ typedef struct candidate {
     int is_set;                 /* an index: fetched, parsed, then its shards become candidates */
     listed_file *listed;        /* is_set: the shards listed next to it */
     size_t nlisted;
-    dset *set;                  /* a shard: the set it belongs to */
+    hub_set *set;               /* a shard: the set it belongs to */
     char *part;                 /* download path */
     uint64_t have;
     int attempts;
@@ -108,20 +106,6 @@ typedef struct candidate {
     uint64_t step;
     struct candidate *next;
 } candidate;
-
-/* A sharded delta (or global) being downloaded: the index is in its directory already, the
- * shards arrive there one candidate each; the set is handed over when the last one is verified. */
-struct dset {
-    char *rel;                  /* the index's */
-    char ver[80];
-    char *dir;                  /* a directory of its own, holding only this set */
-    char *index_path;
-    unsigned pending;           /* shard candidates not finished */
-    int failed;
-    int is_global;
-    uint64_t step;
-    dset *next;                 /* in hf_hub.sets */
-};
 
 /* One file of a publish: the plain global, or a shard or the index of a sharded one. */
 typedef struct pub_file {
@@ -195,7 +179,7 @@ struct hf_hub {
     int in_access_failure;      /* the failed request's callback runs: its message is already set */
     listed_file *lidx, *lshards; /* indexes and shards of the listing in progress */
     size_t nlidx, nlshards;
-    dset *sets;                 /* sets whose shards are downloading */
+    hub_set *sets;              /* sets whose shards are downloading */
     int adopt_sharded;          /* the Hub's step_count.json names the index */
     pub_state pub;
     void (*close_done)(void *);
@@ -775,7 +759,7 @@ static void candidate_free(candidate *c)
     free(c);
 }
 
-static void dset_finished(hf_hub *h, dset *set, int ok);
+static void dset_finished(hf_hub *h, hub_set *set, int ok);
 
 /* A candidate given up on (or cancelled): a shard takes its set down with it. */
 static void candidate_abandon(hf_hub *h, candidate *c)
@@ -1108,75 +1092,23 @@ static void start_peek(hf_hub *h, candidate *c)
 
 /* ---- sharded sets ------------------------------------------------------------------------------ */
 
-/* A set's version for the seen list: the index's oid and every listed shard of its base (path,
- * oid, size), hashed, so a set rewritten in any of its files (or completed) is taken again. */
+/* A set's version for the seen list (hub_set.h): the index's oid and every listed shard of its base
+ * (path, oid, size). */
 static int set_version(const char *index_oid, const listed_file *l, size_t n, char *out, size_t size)
 {
-    static const char digits[] = "0123456789abcdef";
-    unsigned char md[EVP_MAX_MD_SIZE];
-    unsigned mdlen = 0;
-    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
-    char num[24];
-    int bad = ctx == NULL || EVP_DigestInit_ex(ctx, EVP_sha256(), NULL) != 1 ||
-              EVP_DigestUpdate(ctx, index_oid, strlen(index_oid) + 1) != 1;
+    hub_set_version v;
 
-    for (size_t i = 0; !bad && i < n; i++) {
-        snprintf(num, sizeof(num), "%" PRIu64, l[i].size);
-        bad = EVP_DigestUpdate(ctx, l[i].rel, strlen(l[i].rel) + 1) != 1 ||
-              EVP_DigestUpdate(ctx, l[i].oid, strlen(l[i].oid) + 1) != 1 ||
-              EVP_DigestUpdate(ctx, num, strlen(num) + 1) != 1;
-    }
-    bad = bad || EVP_DigestFinal_ex(ctx, md, &mdlen) != 1 || mdlen < 16 || size < 37;
-    EVP_MD_CTX_free(ctx);
-    if (bad)
-        return -1;
-    memcpy(out, "set-", 4);
-    for (unsigned i = 0; i < 16; i++) {
-        out[4 + 2 * i] = digits[md[i] >> 4];
-        out[4 + 2 * i + 1] = digits[md[i] & 15];
-    }
-    out[36] = '\0';
-    return 0;
-}
-
-static void dset_free(hf_hub *h, dset *set)
-{
-    for (dset **p = &h->sets; *p; p = &(*p)->next)
-        if (*p == set) {
-            *p = set->next;
-            break;
-        }
-    free(set->rel);
-    free(set->dir);
-    free(set->index_path);
-    free(set);
-}
-
-/* Removes a set directory of ours and the files in it (names we gave: no subdirectories).  A few
- * unlinks of our own cache on the loop thread, as the single downloads' part files are. */
-static void remove_set_dir(const char *dir)
-{
-    DIR *d = opendir(dir);
-    struct dirent *e;
-
-    if (d == NULL)
-        return;
-    while ((e = readdir(d)) != NULL)
-        if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0)
-            unlinkat(dirfd(d), e->d_name, 0);
-    closedir(d);
-    rmdir(dir);
+    hub_set_version_start(&v, index_oid);
+    for (size_t i = 0; i < n; i++)
+        hub_set_version_add(&v, l[i].rel, l[i].oid, l[i].size);
+    return hub_set_version_end(&v, out, size);
 }
 
 /* One shard candidate of set finished (ok: verified); after the last one the set is handed over,
  * or, when a shard failed, dropped as a whole (not taken this run). */
-static void dset_finished(hf_hub *h, dset *set, int ok)
+static void dset_finished(hf_hub *h, hub_set *set, int ok)
 {
-    if (!ok)
-        set->failed = 1;
-    if (set->pending > 0)
-        set->pending--;
-    if (set->pending > 0)
+    if (!hub_set_shard_done(set, ok, SEEN_REJECTED))
         return;
     if (set->failed || h->closing) {
         /* a stop keeps the directory: the next start resumes the shards there */
@@ -1184,71 +1116,49 @@ static void dset_finished(hf_hub *h, dset *set, int ok)
             char qp[600];
             dl_log(DL_LOG_INFO, "hub", "sharded set not taken: a shard could not be downloaded", "path=%s",
                    dl_log_q(qp, sizeof(qp), set->rel));
-            remove_set_dir(set->dir);
         }
         if (set->is_global)
             h->global_download = 0;
         else
             set_seen_state(h, set->rel, set->ver, SEEN_REJECTED);
-        dset_free(h, set);
+        hub_set_drop(&h->sets, set, h->closing);
         return;
     }
     if (set->is_global) {
         h->global_download = 0;
         h->cb.global_ready(h->app, set->step, set->index_path);
     } else {
-        hub_delta d = {.rel = set->rel, .path = set->index_path, .root = NULL, .owned = 1};
-        h->cb.delta_ready(h->app, &d);
+        hub_set_hand_over(set, &h->cb, h->app);
     }
-    dset_free(h, set);
+    hub_set_free(&h->sets, set);
 }
 
-/* The set's directory, <state>/cache/incoming/hf-set-<version>.set, with the index written into it
- * under its own name (a small write of our own cache on the loop thread). */
-static dset *dset_new(hf_hub *h, const candidate *c, const char *text, size_t len)
+/* The set's directory, <state>/cache/incoming/hf-set-<version>.set, with the index written into it. */
+static hub_set *dset_new(hf_hub *h, const candidate *c, const char *text, size_t len)
 {
-    dset *set = calloc(1, sizeof(*set));
-    const char *name = strrchr(c->rel, '/');
+    char *dir = NULL;
     dl_error err = {0};
+    hub_set *set;
 
-    name = name ? name + 1 : c->rel;
-    if (set == NULL)
-        return NULL;
-    if (asprintf(&set->dir, "%s/cache/incoming/hf-%s%s.set", h->state_dir, c->is_global ? "global-" : "",
-                 c->ver) < 0)
-        set->dir = NULL;
-    if (set->dir == NULL || (set->rel = strdup(c->rel)) == NULL ||
-        asprintf(&set->index_path, "%s/%s", set->dir, name) < 0) {
-        set->index_path = NULL;
-        goto fail;
-    }
-    snprintf(set->ver, sizeof(set->ver), "%s", c->ver);
-    set->is_global = c->is_global;
-    set->step = c->step;
-    if (fsu_mkdirs(set->dir, &err) != 0 || fsu_write_atomic(set->index_path, text, len, &err) != 0) {
+    if (asprintf(&dir, "%s/cache/incoming/hf-%s%s.set", h->state_dir, c->is_global ? "global-" : "", c->ver) < 0)
+        dir = NULL;
+    set = hub_set_new(&h->sets, dir, c->rel, c->ver, c->is_global, c->step, text, len, &err);
+    if (set == NULL && err.code != DL_E_NO_MEMORY)
         set_error(h, "cannot store the index of %s: %s", c->rel, err.message);
-        goto fail;
-    }
-    set->next = h->sets;
-    h->sets = set;
     return set;
-fail:
-    free(set->rel);
-    free(set->dir);
-    free(set->index_path);
-    free(set);
-    return NULL;
 }
 
 static const listed_file *listed_shard(const candidate *c, const char *name)
 {
-    size_t nl = strlen(name);
-    for (size_t i = 0; i < c->nlisted; i++) {
-        size_t rl = strlen(c->listed[i].rel);
-        if (rl > nl && c->listed[i].rel[rl - nl - 1] == '/' && strcmp(c->listed[i].rel + rl - nl, name) == 0)
+    for (size_t i = 0; i < c->nlisted; i++)
+        if (hub_set_path_names(c->listed[i].rel, name))
             return &c->listed[i];
-    }
     return NULL;
+}
+
+static int shard_listed(const void *c, const char *name)
+{
+    return listed_shard(c, name) != NULL;
 }
 
 /* The set is given up for this version (a later listing with other files has another). */
@@ -1267,32 +1177,27 @@ static void set_drop(hf_hub *h, candidate *c, seen_state state)
 static void set_start_shards(hf_hub *h, candidate *c, const st_index *ix, const char *text, size_t len)
 {
     char name[ST_INDEX_BASE_MAX + 48], q[300], qp[600];
+    uint64_t base;
+    int verdict = c->is_global ? 0 : hub_set_base_verdict(ix, h->step, &base);
 
-    if (!c->is_global) {
-        size_t vl;
-        uint64_t base = UINT64_MAX;
-        const char *v = st_index_meta(ix, "base_outer_step", &vl);
-        if (v != NULL && delta_parse_int(v, vl, &base) == 0 && base < h->step) {
-            dl_log(DL_LOG_DEBUG, "hub", "stale delta not downloaded", "path=%s base_outer_step=%" PRIu64,
-                   dl_log_q(qp, sizeof(qp), c->rel), base);
-            mark_seen(h, c->rel, c->ver);
-            candidate_free(c);
-            return;
-        }
-        if (v != NULL && base != UINT64_MAX && base > h->step) {
-            set_drop(h, c, SEEN_INCOMPLETE);
-            return;
-        }
+    if (verdict < 0) {
+        dl_log(DL_LOG_DEBUG, "hub", "stale delta not downloaded", "path=%s base_outer_step=%" PRIu64,
+               dl_log_q(qp, sizeof(qp), c->rel), base);
+        mark_seen(h, c->rel, c->ver);
+        candidate_free(c);
+        return;
     }
-    for (uint32_t i = 0; i < ix->nshards; i++) {
-        if (st_index_shard_name(ix->base, i, ix->nshards, name, sizeof(name)) != 0 || listed_shard(c, name) == NULL) {
-            dl_log(DL_LOG_DEBUG, "hub", "sharded set incomplete, waiting for its shards", "path=%s missing=%s",
-                   dl_log_q(qp, sizeof(qp), c->rel), dl_log_q(q, sizeof(q), name));
-            set_drop(h, c, SEEN_REJECTED);
-            return;
-        }
+    if (verdict > 0) {
+        set_drop(h, c, SEEN_INCOMPLETE);
+        return;
     }
-    dset *set = dset_new(h, c, text, len);
+    if (hub_set_missing_shard(ix, shard_listed, c, name, sizeof(name))) {
+        dl_log(DL_LOG_DEBUG, "hub", "sharded set incomplete, waiting for its shards", "path=%s missing=%s",
+               dl_log_q(qp, sizeof(qp), c->rel), dl_log_q(q, sizeof(q), name));
+        set_drop(h, c, SEEN_REJECTED);
+        return;
+    }
+    hub_set *set = dset_new(h, c, text, len);
     if (set == NULL) {
         set_drop(h, c, SEEN_REJECTED);
         return;
@@ -1350,8 +1255,6 @@ static void index_done(hf_hub *h, hf_req *r, int ok)
     candidate *c = r->arg;
     cuv_xfer *x = r->x;
     char base[ST_INDEX_BASE_MAX + 1], hex[130], qp[600];
-    const char *name = strrchr(c->rel, '/');
-    size_t nl, sl = strlen(ST_INDEX_SUFFIX);
     const char *body = x && x->body.p ? x->body.p : "";
     size_t blen = x ? x->body.len : 0;
     st_index *ix = NULL;
@@ -1378,9 +1281,7 @@ static void index_done(hf_hub *h, hf_req *r, int ok)
         pump_downloads(h);
         return;
     }
-    name = name ? name + 1 : c->rel;
-    nl = strlen(name);
-    snprintf(base, sizeof(base), "%.*s", nl > sl ? (int)(nl - sl) : 0, name);
+    hub_set_index_base(c->rel, base, sizeof(base));
     if (st_index_parse(body, blen, base, &ix, &err) == 0) {
         set_start_shards(h, c, ix, body, blen);
         st_index_free(ix);
@@ -1389,7 +1290,7 @@ static void index_done(hf_hub *h, hf_req *r, int ok)
         set_drop(h, c, SEEN_REJECTED);
     } else {
         /* handed over alone: intake refuses it with the reason, once for this version */
-        dset *set = dset_new(h, c, body, blen);
+        hub_set *set = dset_new(h, c, body, blen);
         if (set == NULL) {
             set_drop(h, c, SEEN_REJECTED);
         } else {
@@ -2429,15 +2330,8 @@ static void pub_preupload(hf_hub *h)
  * shards of another count, for a plain one the index and every shard. */
 static int pub_other_layout(const pub_state *p, const char *name)
 {
-    char base[ST_INDEX_BASE_MAX + 1];
-    uint32_t i = 0, n = 0;
-    st_name_kind k = st_index_classify(name, strlen(name), base, &i, &n);
-
-    if (strcmp(base, "latest") != 0)
-        return 0;
-    if (!p->sharded)
-        return k == ST_NAME_INDEX || k == ST_NAME_SHARD;
-    return k == ST_NAME_SINGLE || (k == ST_NAME_SHARD && n != p->nfiles - 1);
+    /* the index is the last of files[]; its shard count is files[] minus it */
+    return hub_set_other_layout(name, p->sharded, (uint32_t)(p->nfiles - 1));
 }
 
 static void pub_deletes_free(pub_state *p)
@@ -2861,7 +2755,7 @@ static void hub_free(hf_hub *h)
     }
     listing_reset(h);
     while (h->sets)
-        dset_free(h, h->sets);
+        hub_set_free(&h->sets, h->sets);
     if (h->seen_fd >= 0)
         close(h->seen_fd);
     seen_free(&h->seen);

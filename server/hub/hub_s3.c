@@ -49,7 +49,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -62,6 +61,7 @@
 #include "delta.h"
 #include "dl_log.h"
 #include "fsutil.h"
+#include "hub_set.h"
 #include "safetensors.h"
 #include "seen.h"
 #include "st_index.h"
@@ -114,8 +114,6 @@ struct s3_req {
     s3_req *next, *prev;
 };
 
-typedef struct dset dset;
-
 typedef struct candidate {
     char *rel;                  /* nodes/<id>/delta_<n>.safetensors, or global/latest.safetensors */
     char *key;
@@ -125,7 +123,7 @@ typedef struct candidate {
     int is_set;                 /* an index: fetched, parsed, then its shards become candidates */
     s3_object *listed;          /* is_set: the shards of its base that the listing showed */
     size_t nlisted;
-    dset *set;                  /* a shard: the set it belongs to */
+    hub_set *set;               /* a shard: the set it belongs to */
     char *part;
     int attempts;
     uint64_t not_before;        /* loop ms */
@@ -141,21 +139,6 @@ typedef struct pub_file {
     int fd;
     uint64_t size;
 } pub_file;
-
-/* A sharded delta (or global) being downloaded: the index is in its directory already, the
- * shards arrive there one candidate each; the set is handed over when the last one is verified. */
-struct dset {
-    char *rel;                  /* the index's rel */
-    char ver[80];
-    char *dir;                  /* a directory of its own, holding only this set */
-    char *index_path;
-    unsigned pending;           /* shard candidates not finished */
-    int failed;
-    seen_state fail_state;
-    int is_global;
-    uint64_t step;              /* is_global: the step the step file named */
-    dset *next;                 /* in s3_hub.sets */
-};
 
 typedef struct pub_state {
     int active;
@@ -219,7 +202,7 @@ struct s3_hub {
     size_t nbest;
     shard_entry *shards;
     size_t nshards, shards_cap;
-    dset *sets;                 /* sets whose shards are downloading */
+    hub_set *sets;              /* sets whose shards are downloading */
     int adopt_sharded;          /* the adoption in flight is of a sharded global */
     unsigned list_pages;
     s3_req *inflight;
@@ -229,7 +212,6 @@ struct s3_hub {
     int handles;                /* poll timer + pool jobs + pending appends */
 };
 
-static void remove_set_dir(const char *dir);
 
 static void set_error(s3_hub *h, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void set_error(s3_hub *h, const char *fmt, ...)
@@ -587,7 +569,7 @@ static void retry_later(s3_hub *h, candidate *c)
     h->retry = c;
 }
 
-static void dset_shard_finished(s3_hub *h, dset *set, int ok, seen_state fail_state);
+static void dset_shard_finished(s3_hub *h, hub_set *set, int ok, seen_state fail_state);
 
 /* A candidate is done with for this run (given up, or its object changed): forget it. */
 static void candidate_drop(s3_hub *h, candidate *c, seen_state state)
@@ -698,7 +680,7 @@ static void adopt_confirm_done(s3_hub *h, s3_req *r, int ok)
         char *slash = strrchr(c->part, '/');
         if (slash != NULL) {
             *slash = '\0';
-            remove_set_dir(c->part);
+            hub_set_remove_dir(c->part);
         }
     } else {
         unlink(c->part);
@@ -739,7 +721,7 @@ static void verify_after(uv_work_t *w, int status)
         dl_log(DL_LOG_DEBUG, "hub", "s3 object downloaded", "key=%s bytes=%" PRIu64 " etag=%s", c->key, c->size,
                c->etag);
         if (c->set != NULL) {
-            dset *set = c->set;
+            hub_set *set = c->set;
             candidate_free(c);
             dset_shard_finished(h, set, 1, SEEN_DONE);
         } else if (c->is_global) {
@@ -993,98 +975,42 @@ static candidate *candidate_new(s3_hub *h, const char *rel, const char *key, con
 
 /* ---- sharded sets ------------------------------------------------------------------------------ */
 
-/* A set's version for the seen list: the index's ETag and every listed shard of its base (key,
- * ETag, size), hashed, so a set rewritten in any of its files (or completed) is taken again. */
+/* A set's version for the seen list (hub_set.h): the index's ETag and every listed shard of its base
+ * (key, ETag, size). */
 static int set_version(const char *index_etag, const s3_object *listed, size_t n, char *out, size_t size)
 {
-    static const char digits[] = "0123456789abcdef";
-    unsigned char md[EVP_MAX_MD_SIZE];
-    unsigned mdlen = 0;
-    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
-    char num[24];
-    int bad = ctx == NULL || EVP_DigestInit_ex(ctx, EVP_sha256(), NULL) != 1 ||
-              EVP_DigestUpdate(ctx, index_etag, strlen(index_etag) + 1) != 1;
+    hub_set_version v;
 
-    for (size_t i = 0; !bad && i < n; i++) {
-        snprintf(num, sizeof(num), "%" PRIu64, listed[i].size);
-        bad = EVP_DigestUpdate(ctx, listed[i].key, strlen(listed[i].key) + 1) != 1 ||
-              EVP_DigestUpdate(ctx, listed[i].etag, strlen(listed[i].etag) + 1) != 1 ||
-              EVP_DigestUpdate(ctx, num, strlen(num) + 1) != 1;
-    }
-    bad = bad || EVP_DigestFinal_ex(ctx, md, &mdlen) != 1 || mdlen < 16 || size < 37;
-    EVP_MD_CTX_free(ctx);
-    if (bad)
-        return -1;
-    memcpy(out, "set-", 4);
-    for (unsigned i = 0; i < 16; i++) {
-        out[4 + 2 * i] = digits[md[i] >> 4];
-        out[4 + 2 * i + 1] = digits[md[i] & 15];
-    }
-    out[36] = '\0';
-    return 0;
-}
-
-static void dset_free(s3_hub *h, dset *set)
-{
-    for (dset **p = &h->sets; *p; p = &(*p)->next)
-        if (*p == set) {
-            *p = set->next;
-            break;
-        }
-    free(set->rel);
-    free(set->dir);
-    free(set->index_path);
-    free(set);
-}
-
-/* Removes a set directory of ours and the files in it (names we gave: no subdirectories).  A few
- * unlinks of our own cache on the loop thread, as the single downloads' part files are. */
-static void remove_set_dir(const char *dir)
-{
-    DIR *d = opendir(dir);
-    struct dirent *e;
-
-    if (d == NULL)
-        return;
-    while ((e = readdir(d)) != NULL)
-        if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0)
-            unlinkat(dirfd(d), e->d_name, 0);
-    closedir(d);
-    rmdir(dir);
+    hub_set_version_start(&v, index_etag);
+    for (size_t i = 0; i < n; i++)
+        hub_set_version_add(&v, listed[i].key, listed[i].etag, listed[i].size);
+    return hub_set_version_end(&v, out, size);
 }
 
 static void adopt_confirm(s3_hub *h, candidate *c);
 
 /* One shard candidate of set finished (ok: verified); after the last one the set is handed over,
  * or, when a shard failed, dropped as a whole (its version is not taken this run). */
-static void dset_shard_finished(s3_hub *h, dset *set, int ok, seen_state fail_state)
+static void dset_shard_finished(s3_hub *h, hub_set *set, int ok, seen_state fail_state)
 {
-    if (!ok && !set->failed) {
-        set->failed = 1;
-        set->fail_state = fail_state;
-    }
-    if (set->pending > 0)
-        set->pending--;
-    if (set->pending > 0)
+    if (!hub_set_shard_done(set, ok, fail_state))
         return;
     if (set->failed || h->closing) {
         /* a stop keeps the directory: the next start resumes the shards there */
-        if (!h->closing) {
+        if (!h->closing)
             dl_log(DL_LOG_INFO, "hub", "sharded set not taken: a shard could not be downloaded", "key=%s", set->rel);
-            remove_set_dir(set->dir);
-        }
         if (set->is_global)
             h->global_download = 0;
         else
             set_seen_state(h, set->rel, set->ver, set->fail_state);
-        dset_free(h, set);
+        hub_set_drop(&h->sets, set, h->closing);
         return;
     }
     if (set->is_global) {
         candidate *g = candidate_new(h, set->rel, set->rel, set->ver, 0);
         if (g == NULL || (g->part = strdup(set->index_path)) == NULL) {
             candidate_free(g);
-            remove_set_dir(set->dir);
+            hub_set_remove_dir(set->dir);
             h->global_download = 0;
         } else {
             g->is_global = 1;
@@ -1093,64 +1019,44 @@ static void dset_shard_finished(s3_hub *h, dset *set, int ok, seen_state fail_st
             adopt_confirm(h, g);
         }
     } else {
-        hub_delta d = {.rel = set->rel, .path = set->index_path, .root = NULL, .owned = 1};
-        h->cb.delta_ready(h->app, &d);
+        hub_set_hand_over(set, &h->cb, h->app);
     }
-    dset_free(h, set);
+    hub_set_free(&h->sets, set);
 }
 
 static char *part_path(const s3_hub *h, const candidate *c);
 
-/* The set's directory (named like a part file, ".set" for ".part") with the index written into it
- * under its own name.  NULL when the directory cannot be made or written (errno-worthy: logged). */
-static dset *dset_new(s3_hub *h, candidate *c, const char *index_text, size_t index_len)
+/* The set's directory (named like a part file, ".set" for ".part") with the index written into it. */
+static hub_set *dset_new(s3_hub *h, candidate *c, const char *index_text, size_t index_len)
 {
-    dset *set = calloc(1, sizeof(*set));
-    char *pp = part_path(h, c);
-    const char *name = strrchr(c->rel, '/');
+    char *dir = part_path(h, c);
     dl_error err = {0};
+    hub_set *set;
 
-    name = name ? name + 1 : c->rel;
-    if (set == NULL || pp == NULL || strlen(pp) < 5)
-        goto fail;
-    memcpy(pp + strlen(pp) - 5, ".set", 5);     /* ".part" -> ".set" and its NUL */
-    set->dir = pp;
-    pp = NULL;
-    if ((set->rel = strdup(c->rel)) == NULL || asprintf(&set->index_path, "%s/%s", set->dir, name) < 0) {
-        set->index_path = NULL;
-        goto fail;
+    if (dir != NULL && strlen(dir) >= 5) {
+        memcpy(dir + strlen(dir) - 5, ".set", 5);     /* ".part" -> ".set" and its NUL */
+    } else {
+        free(dir);
+        dir = NULL;
     }
-    snprintf(set->ver, sizeof(set->ver), "%s", c->ver);
-    set->is_global = c->is_global;
-    set->step = c->step;
-    if (fsu_mkdirs(set->dir, &err) != 0 || fsu_write_atomic(set->index_path, index_text, index_len, &err) != 0) {
+    set = hub_set_new(&h->sets, dir, c->rel, c->ver, c->is_global, c->step, index_text, index_len, &err);
+    if (set == NULL && err.code != DL_E_NO_MEMORY)
         set_error(h, "cannot store the index of %s: %s", c->key, err.message);
-        goto fail;
-    }
-    set->next = h->sets;
-    h->sets = set;
     return set;
-fail:
-    free(pp);
-    if (set != NULL) {
-        free(set->rel);
-        free(set->dir);
-        free(set->index_path);
-        free(set);
-    }
-    return NULL;
 }
 
 /* The listed object of c's set that is called name in the index's directory, or NULL. */
 static const s3_object *listed_shard(const candidate *c, const char *name)
 {
-    size_t nl = strlen(name);
-    for (size_t i = 0; i < c->nlisted; i++) {
-        size_t kl = strlen(c->listed[i].key);
-        if (kl > nl && c->listed[i].key[kl - nl - 1] == '/' && strcmp(c->listed[i].key + kl - nl, name) == 0)
+    for (size_t i = 0; i < c->nlisted; i++)
+        if (hub_set_path_names(c->listed[i].key, name))
             return &c->listed[i];
-    }
     return NULL;
+}
+
+static int shard_listed(const void *c, const char *name)
+{
+    return listed_shard(c, name) != NULL;
 }
 
 /* The index is parsed: the stale or later round's set is judged here (as a single delta's peek
@@ -1159,36 +1065,31 @@ static const s3_object *listed_shard(const candidate *c, const char *name)
 static void set_start_shards(s3_hub *h, candidate *c, const st_index *ix, const char *text, size_t len)
 {
     char name[ST_INDEX_BASE_MAX + 48], q[300];
+    uint64_t base;
+    int verdict = c->is_global ? 0 : hub_set_base_verdict(ix, h->step, &base);
 
-    if (!c->is_global) {
-        size_t vl;
-        uint64_t base = UINT64_MAX;
-        const char *v = st_index_meta(ix, "base_outer_step", &vl);
-        if (v != NULL && delta_parse_int(v, vl, &base) == 0 && base < h->step) {
-            dl_log(DL_LOG_DEBUG, "hub", "stale delta not downloaded", "key=%s base_outer_step=%" PRIu64, c->key, base);
-            set_seen_state(h, c->rel, c->ver, SEEN_DONE);
-            char *k = seen_key(c->rel, c->ver);
-            if (k != NULL)
-                seen_persist(h, k);
-            free(k);
-            candidate_free(c);
-            return;
-        }
-        if (v != NULL && base != UINT64_MAX && base > h->step) {
-            candidate_drop(h, c, SEEN_INCOMPLETE);
-            return;
-        }
+    if (verdict < 0) {
+        dl_log(DL_LOG_DEBUG, "hub", "stale delta not downloaded", "key=%s base_outer_step=%" PRIu64, c->key, base);
+        set_seen_state(h, c->rel, c->ver, SEEN_DONE);
+        char *k = seen_key(c->rel, c->ver);
+        if (k != NULL)
+            seen_persist(h, k);
+        free(k);
+        candidate_free(c);
+        return;
     }
-    for (uint32_t i = 0; i < ix->nshards; i++) {
-        if (st_index_shard_name(ix->base, i, ix->nshards, name, sizeof(name)) != 0 || listed_shard(c, name) == NULL) {
-            /* a later listing that shows the shard has another version: the set is looked at again */
-            dl_log(DL_LOG_DEBUG, "hub", "sharded set incomplete, waiting for its shards", "key=%s missing=%s", c->key,
-                   dl_log_q(q, sizeof(q), name));
-            candidate_drop(h, c, SEEN_REJECTED);
-            return;
-        }
+    if (verdict > 0) {
+        candidate_drop(h, c, SEEN_INCOMPLETE);
+        return;
     }
-    dset *set = dset_new(h, c, text, len);
+    if (hub_set_missing_shard(ix, shard_listed, c, name, sizeof(name))) {
+        /* a later listing that shows the shard has another version: the set is looked at again */
+        dl_log(DL_LOG_DEBUG, "hub", "sharded set incomplete, waiting for its shards", "key=%s missing=%s", c->key,
+               dl_log_q(q, sizeof(q), name));
+        candidate_drop(h, c, SEEN_REJECTED);
+        return;
+    }
+    hub_set *set = dset_new(h, c, text, len);
     if (set == NULL) {
         candidate_drop(h, c, SEEN_REJECTED);
         return;
@@ -1222,8 +1123,6 @@ static void index_done(s3_hub *h, s3_req *r, int ok)
     candidate *c = r->arg;
     long status = r->x ? r->x->status : 0;
     char base[ST_INDEX_BASE_MAX + 1], why[256] = "";
-    const char *name = strrchr(c->rel, '/');
-    size_t nl, sl = strlen(ST_INDEX_SUFFIX);
     st_index *ix = NULL;
     dl_error err = {0};
 
@@ -1249,9 +1148,7 @@ static void index_done(s3_hub *h, s3_req *r, int ok)
         pump_downloads(h);
         return;
     }
-    name = name ? name + 1 : c->rel;
-    nl = strlen(name);
-    snprintf(base, sizeof(base), "%.*s", nl > sl ? (int)(nl - sl) : 0, name);
+    hub_set_index_base(c->rel, base, sizeof(base));
     if (st_index_parse(r->x->body.p, r->x->body.len, base, &ix, &err) == 0) {
         set_start_shards(h, c, ix, r->x->body.p, r->x->body.len);
         st_index_free(ix);
@@ -1260,7 +1157,7 @@ static void index_done(s3_hub *h, s3_req *r, int ok)
         candidate_drop(h, c, SEEN_REJECTED);
     } else {
         /* handed over alone: intake refuses it with the reason, once for this version */
-        dset *set = dset_new(h, c, r->x->body.p, r->x->body.len);
+        hub_set *set = dset_new(h, c, r->x->body.p, r->x->body.len);
         if (set == NULL) {
             candidate_drop(h, c, SEEN_REJECTED);
         } else {
@@ -1821,16 +1718,8 @@ static void pub_fail(s3_hub *h, s3_req *r, const char *doing)
  * shards of another count, for a plain one the index and every shard. */
 static int pub_other_layout(const s3_hub *h, const char *name)
 {
-    char base[ST_INDEX_BASE_MAX + 1];
-    uint32_t i = 0, n = 0;
-    st_name_kind k = st_index_classify(name, strlen(name), base, &i, &n);
-
-    if (strcmp(base, "latest") != 0)
-        return 0;
-    if (!h->pub.sharded)
-        return k == ST_NAME_INDEX || k == ST_NAME_SHARD;
     /* the index is the last of files[]; its shard count is files[] minus it */
-    return k == ST_NAME_SINGLE || (k == ST_NAME_SHARD && n != h->pub.nfiles - 1);
+    return hub_set_other_layout(name, h->pub.sharded, (uint32_t)(h->pub.nfiles - 1));
 }
 
 static void delete_done(s3_hub *h, s3_req *r, int ok)
@@ -2514,7 +2403,7 @@ static void s3_free(s3_hub *h)
     }
     best_reset(h);
     while (h->sets)
-        dset_free(h, h->sets);
+        hub_set_free(&h->sets, h->sets);
     if (h->seen_fd >= 0)
         close(h->seen_fd);
     seen_free(&h->seen);
