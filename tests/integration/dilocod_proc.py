@@ -108,6 +108,16 @@ class Dilocod:
         raise AssertionError(f"step {step} not published within {timeout}s (at {self.published_step()}):\n"
                              f"{self.log_text()[-4000:]}")
 
+    def wait_until(self, pred, what, timeout=30):
+        """Waits until pred() is true while dilocod runs; fails with what and the log's tail."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if pred():
+                return
+            assert self.alive(), self.log_text()[-3000:]
+            time.sleep(0.02)
+        raise AssertionError(f"timed out waiting for {what}:\n{self.log_text()[-3000:]}")
+
     def wait_log(self, needle, timeout=30, count=1):
         deadline = time.time() + timeout
         while time.time() < deadline:
@@ -234,6 +244,21 @@ class Oracle:
             if buf is not None:
                 out[k] = buf.clone()
         return out
+
+
+def module_for(state: dict):
+    """A torch module whose state_dict has state's keys (nested submodules, buffers at the leaves), for
+    huggingface_hub.load_torch_model."""
+    root = torch.nn.Module()
+    for key, v in state.items():
+        *path, leaf = key.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        mod.register_buffer(leaf, torch.zeros_like(v))
+    return root
 
 
 def random_deltas(rng: np.random.Generator, model: dict, scale=0.01) -> dict:

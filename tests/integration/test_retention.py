@@ -9,7 +9,6 @@
 import json
 import os
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,16 +28,6 @@ def start(tmp_path, model, *args):
     return d
 
 
-def wait_for(pred, timeout, what, d):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return
-        assert d.alive(), d.log_text()[-3000:]
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}:\n{d.log_text()[-3000:]}")
-
-
 def test_prune_consumed_removes_exactly_what_can_never_count(tmp_path):
     model = small_model()
     oracle = Oracle(model)
@@ -53,13 +42,13 @@ def test_prune_consumed_removes_exactly_what_can_never_count(tmp_path):
         want = oracle.step(deltas)
         d.wait_step(1)
         d.wait_durable(1)
-        wait_for(lambda: not (hub / "nodes/a/delta_10.safetensors").exists()
-                 and not (hub / "nodes/b/delta_10.safetensors").exists(), 10, "the consumed deltas pruned", d)
+        d.wait_until(lambda: not (hub / "nodes/a/delta_10.safetensors").exists()
+                     and not (hub / "nodes/b/delta_10.safetensors").exists(), "the consumed deltas pruned", timeout=10)
         assert_state_close(load_torch(hub / "global/latest.safetensors"), want)
 
         # a stale delta (based on step 0 while step 1 is open) is removed at once
         write_delta(hub, "c", 0, 11, random_deltas(rng, model))
-        wait_for(lambda: not (hub / "nodes/c/delta_11.safetensors").exists(), 10, "the stale delta pruned", d)
+        d.wait_until(lambda: not (hub / "nodes/c/delta_11.safetensors").exists(), "the stale delta pruned", timeout=10)
         # a future delta (based on step 5) and an invalid file stay
         write_delta(hub, "f", 5, 1, random_deltas(rng, model))
         (hub / "nodes/x").mkdir()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import run
-from dilocod_proc import Dilocod, Oracle, assert_state_equal, delta_metadata, load_torch, random_deltas
+from dilocod_proc import Dilocod, Oracle, assert_state_equal, delta_metadata, load_torch, module_for, random_deltas
 
 SHARD = 50_000          # bytes: the model below needs 2 or more shards
 
@@ -26,21 +26,6 @@ def model():
             "layer.1.weight": torch.randn(128, 64, generator=g),        # 32,768
             "norm.weight": torch.randn(64, generator=g).to(torch.bfloat16),
             "steps": torch.tensor([7], dtype=torch.int64)}
-
-
-def module_for(m):
-    """A torch module whose state_dict has model()'s keys (nested submodules, buffers at the leaves),
-    for huggingface_hub.load_torch_model."""
-    root = torch.nn.Module()
-    for key, v in m.items():
-        *path, leaf = key.split(".")
-        mod = root
-        for part in path:
-            if not hasattr(mod, part):
-                mod.add_module(part, torch.nn.Module())
-            mod = getattr(mod, part)
-        mod.register_buffer(leaf, torch.zeros_like(v))
-    return root
 
 
 def get(url):

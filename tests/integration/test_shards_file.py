@@ -23,7 +23,7 @@ import torch
 from huggingface_hub import load_torch_model, save_torch_state_dict
 from safetensors.torch import load_file, save_file
 
-from dilocod_proc import Dilocod, Oracle, assert_state_equal, delta_metadata, random_deltas, write_delta
+from dilocod_proc import Dilocod, Oracle, assert_state_equal, delta_metadata, module_for, random_deltas, write_delta
 
 DELTA_SHARD = 20_000    # bytes: each delta below splits into 4 or more shards
 GLOBAL_SHARD = 50_000   # bytes: the published global needs 2 or more
@@ -37,20 +37,6 @@ def model():
             "layer.1.weight": torch.randn(128, 64, generator=g),        # 32,768
             "norm.weight": torch.randn(64, generator=g).to(torch.bfloat16),
             "steps": torch.tensor([7], dtype=torch.int64)}
-
-
-def module_for(m):
-    """A torch module whose state_dict has m's keys, for huggingface_hub.load_torch_model."""
-    root = torch.nn.Module()
-    for key, v in m.items():
-        *path, leaf = key.split(".")
-        mod = root
-        for part in path:
-            if not hasattr(mod, part):
-                mod.add_module(part, torch.nn.Module())
-            mod = getattr(mod, part)
-        mod.register_buffer(leaf, torch.zeros_like(v))
-    return root
 
 
 def write_sharded_delta(hub, node, base, local, tensors, max_shard=DELTA_SHARD):

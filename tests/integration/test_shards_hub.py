@@ -30,7 +30,6 @@ os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 
 import json  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -42,11 +41,11 @@ from huggingface_hub import (CommitOperationAdd, HfApi, load_torch_model, save_t
 from safetensors.numpy import save as st_save_bytes  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from dilocod_proc import Oracle, assert_state_equal, delta_metadata, random_deltas, write_model  # noqa: E402
+from dilocod_proc import (Oracle, assert_state_equal, delta_metadata, module_for, random_deltas,  # noqa: E402
+                         write_model)
 from s3server import SeaweedS3  # noqa: E402
 from test_daemon_hf import REPO, TOKEN, HfDilocod, HubSim, dilocod_steps_in_history  # noqa: E402
 from test_s3 import S3Dilocod  # noqa: E402
-from test_shards_file import module_for  # noqa: E402
 
 DELTA_SHARD = 20_000    # bytes: each delta of model() splits into 4 or more shards
 GLOBAL_SHARD = 50_000   # bytes: the published global needs 2 or more
@@ -61,6 +60,24 @@ def model():
             "layer.1.weight": torch.randn(128, 64, generator=g),
             "norm.weight": torch.randn(64, generator=g).to(torch.bfloat16),
             "steps": torch.tensor([7], dtype=torch.int64)}
+
+
+def a_round(rng, m, nodes=("w1", "w2")):
+    """Random deltas of model m for nodes, and the torch oracle stepped by them from m."""
+    deltas = {n: random_deltas(rng, m) for n in nodes}
+    oracle = Oracle({k: v.clone() for k, v in m.items()})     # its own copy: torch steps an F32 tensor in place
+    oracle.step(torch_deltas(deltas))
+    return deltas, oracle
+
+
+def run_dir(tmp_path, name, init):
+    """A directory of its own for one dilocod, and the arguments that bootstrap it from init (if any)."""
+    run = tmp_path / name
+    run.mkdir()
+    if init is None:
+        return run, []
+    write_model(run / "init.safetensors", init)
+    return run, ["--init-model", run / "init.safetensors"]
 
 
 def torch_deltas(deltas):
@@ -137,21 +154,13 @@ def s3_download_global(d: S3Dilocod, dest: Path):
 
 
 def s3_start(tmp_path, s3, prefix, name, *args, init=None, shard_size=GLOBAL_SHARD):
-    run = tmp_path / name
-    run.mkdir()
-    more = []
-    if init is not None:
-        write_model(run / "init.safetensors", init)
-        more = ["--init-model", run / "init.safetensors"]
+    run, more = run_dir(tmp_path, name, init)
     return S3Dilocod(run, s3, prefix, *more, "--shard-size", str(shard_size), *args).start()
 
 
 def test_s3_sharded_and_single_deltas_round_equals_torch_and_publishes_a_loadable_set(tmp_path, s3):
     m = model()
-    rng = np.random.default_rng(31)
-    deltas = {n: random_deltas(rng, m) for n in ("w1", "w2", "w3")}
-    oracle = Oracle(model())     # its own copy: torch steps an F32 tensor in place
-    oracle.step(torch_deltas(deltas))
+    deltas, oracle = a_round(np.random.default_rng(31), m, ("w1", "w2", "w3"))
     d = s3_start(tmp_path, s3, "shards/round", "run", "--expected-nodes", "3", init=m)
     try:
         d.wait_step(0)
@@ -183,10 +192,7 @@ def test_s3_sharded_and_single_deltas_round_equals_torch_and_publishes_a_loadabl
 
 def test_s3_a_partial_set_waits_and_completes(tmp_path, s3):
     m = model()
-    rng = np.random.default_rng(32)
-    deltas = {n: random_deltas(rng, m) for n in ("w1", "w2")}
-    oracle = Oracle(model())     # its own copy: torch steps an F32 tensor in place
-    oracle.step(torch_deltas(deltas))
+    deltas, oracle = a_round(np.random.default_rng(32), m)
     d = s3_start(tmp_path, s3, "shards/partial", "run", "--expected-nodes", "2", init=m)
     try:
         d.wait_step(0)
@@ -197,10 +203,7 @@ def test_s3_a_partial_set_waits_and_completes(tmp_path, s3):
         index_key = d.key("nodes/w1/delta_4.safetensors.index.json")
         d.wait_log(f"sharded set incomplete, waiting for its shards key={index_key}")
         # w2 is in, w1 waits: the round stays open and nothing is refused
-        deadline = time.time() + 30
-        while d.status()["counters"]["accepted"] < 1:
-            assert time.time() < deadline, d.status()
-            time.sleep(0.05)
+        d.wait_until(lambda: d.status()["counters"]["accepted"] >= 1, "w2 accepted")
         assert d.published_step() == 0
         assert d.status()["counters"]["rejected"] == 0
         # the missing shard arrives: the listing shows a new version of the set, which is taken
@@ -231,10 +234,7 @@ def test_s3_an_index_that_does_not_parse_is_refused_once_with_its_reason(tmp_pat
         # is refused by intake, and no shard ever reaches it on its own
         d.wait_log("delta rejected", count=2)
         lists = s3_list_requests(d)
-        deadline = time.time() + 30
-        while s3_list_requests(d) < lists + 5:     # five more listings of nodes/
-            assert time.time() < deadline and d.alive()
-            time.sleep(0.05)
+        d.wait_until(lambda: s3_list_requests(d) >= lists + 5, "five more listings of nodes/")
         lines = [l for l in d.log_text().splitlines() if "delta rejected" in l]
         assert len(lines) == 2, lines
         assert sum("nodes/w1/delta_5.safetensors.index.json" in l for l in lines) == 1, lines
@@ -267,9 +267,7 @@ def test_s3_a_shard_above_the_part_size_goes_up_in_parts(tmp_path, s3):
 def test_s3_a_fresh_dilocod_adopts_the_sharded_global(tmp_path, s3):
     m = model()
     rng = np.random.default_rng(33)
-    first = {n: random_deltas(rng, m) for n in ("w1", "w2")}
-    oracle = Oracle(model())     # its own copy: torch steps an F32 tensor in place
-    oracle.step(torch_deltas(first))
+    first, oracle = a_round(rng, m)
     prefix = "shards/adopt"
     d = s3_start(tmp_path, s3, prefix, "run", "--expected-nodes", "2", init=m)
     try:
@@ -314,12 +312,7 @@ def hf_global_names(api: HfApi):
 
 
 def hf_dilocod(tmp_path, hub, name, *args, init=None):
-    run = tmp_path / name
-    run.mkdir()
-    more = []
-    if init is not None:
-        write_model(run / "init.safetensors", init)
-        more = ["--init-model", run / "init.safetensors"]
+    run, more = run_dir(tmp_path, name, init)
     return HfDilocod(run, hub, *more, "--nodes", "w1,w2", "--retry-interval", "0.5",
                      "--shard-size", str(GLOBAL_SHARD), *args)
 
@@ -338,9 +331,7 @@ def test_hf_sharded_global_and_a_sharded_delta_through_the_hub(tmp_path, hub):
         assert sc["outer_step"] == 0 and sc["model_file"] == INDEX, sc
         assert_state_equal(load_set_dir(hf_download_global(hub, tmp_path / "g0"), m), m)
 
-        deltas = {n: random_deltas(rng, m) for n in ("w1", "w2")}
-        oracle = Oracle(model())     # its own copy: torch steps an F32 tensor in place
-        oracle.step(torch_deltas(deltas))
+        deltas, oracle = a_round(rng, m)
         files = save_set(tmp_path / "w1", "w1", 0, 10, deltas["w1"])
         api.upload_folder(folder_path=str(tmp_path / "w1"), path_in_repo="nodes/w1", repo_id=REPO,
                           commit_message="w1: sharded delta")
@@ -395,9 +386,7 @@ def test_hf_a_plain_publish_replaces_the_sharded_layout_in_its_commit(tmp_path, 
                    state_root=d.state_root)
     d2.start()
     try:
-        deltas = {n: random_deltas(rng, m) for n in ("w1", "w2")}
-        oracle = Oracle(model())     # its own copy: torch steps an F32 tensor in place
-        oracle.step(torch_deltas(deltas))
+        deltas, oracle = a_round(rng, m)
         for n in ("w1", "w2"):
             api.upload_file(path_or_fileobj=st_save_bytes(deltas[n], metadata=delta_metadata(n, 0, 10)),
                             path_in_repo=f"nodes/{n}/delta_10.safetensors", repo_id=REPO)
@@ -412,10 +401,7 @@ def test_hf_a_plain_publish_replaces_the_sharded_layout_in_its_commit(tmp_path, 
 
 def test_hf_a_partial_set_waits_and_completes(tmp_path, hub):
     m = model()
-    rng = np.random.default_rng(43)
-    deltas = {n: random_deltas(rng, m) for n in ("w1", "w2")}
-    oracle = Oracle(model())     # its own copy: torch steps an F32 tensor in place
-    oracle.step(torch_deltas(deltas))
+    deltas, oracle = a_round(np.random.default_rng(43), m)
     api = HfApi(endpoint=hub.wendpoint, token=TOKEN)
     api.create_repo(REPO)
     d = hf_dilocod(tmp_path, hub, "run", init=m).start()

@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -42,14 +41,19 @@ def cached(d, node, local, step=0):
     return d.state_dir / "cache" / "deltas" / f"s{step}" / node / f"delta_{local}.safetensors"
 
 
-def wait_for(pred, what, d, timeout=30):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return
-        assert d.alive(), d.log_text()[-3000:]
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}:\n{d.log_text()[-3000:]}")
+def take_in(d, tensors):
+    """Node a's delta of round 0 written into the tree, once dilocod has taken it in: its path."""
+    src = write_delta(d.hub, "a", 0, 10, tensors)
+    d.wait_log("delta accepted")
+    return src
+
+
+def close_round(d, oracle, deltas):
+    """Node b's delta closes round 0 (a's is in): step 1 is published and equals the oracle's step."""
+    write_delta(d.hub, "b", 0, 10, deltas["b"])
+    want = oracle.step(deltas)
+    d.wait_step(1)
+    assert_state_equal(load_torch(d.hub / "global/latest.safetensors"), want)
 
 
 def rewrite_in_place(path: Path, tensors: dict, meta: dict):
@@ -75,19 +79,14 @@ def metric(d, name):
 def test_a_tree_delta_is_linked_not_copied(tmp_path):
     model = small_model()
     oracle, rng = Oracle(model), np.random.default_rng(1)
-    hub = tmp_path / "hub"
     d = start(tmp_path, model, "--expected-nodes", "2")
     try:
         deltas = {n: random_deltas(rng, model) for n in ("a", "b")}
-        src = write_delta(hub, "a", 0, 10, deltas["a"])
-        d.wait_log("delta accepted")
+        src = take_in(d, deltas["a"])
         # the cache entry is the worker's inode: nothing was copied
         assert cached(d, "a", 10).stat().st_ino == src.stat().st_ino
         assert src.stat().st_nlink == 2
-        write_delta(hub, "b", 0, 10, deltas["b"])
-        want = oracle.step(deltas)
-        d.wait_step(1)
-        assert_state_equal(load_torch(hub / "global/latest.safetensors"), want)
+        close_round(d, oracle, deltas)
         assert "not linked" not in d.log_text()
     finally:
         assert d.stop() == 0
@@ -96,23 +95,16 @@ def test_a_tree_delta_is_linked_not_copied(tmp_path):
 def test_a_delta_rewritten_in_place_is_taken_in_again_never_mixed(tmp_path):
     model = small_model()
     oracle, rng = Oracle(model), np.random.default_rng(2)
-    hub = tmp_path / "hub"
     d = start(tmp_path, model, "--expected-nodes", "2")
     try:
-        first = random_deltas(rng, model)
-        src = write_delta(hub, "a", 0, 10, first)
-        d.wait_log("delta accepted")
+        src = take_in(d, random_deltas(rng, model))
         assert cached(d, "a", 10).stat().st_ino == src.stat().st_ino
         # the worker saves the same file again, in place, with other values
         second = random_deltas(rng, model)
         rewrite_in_place(src, second, delta_metadata("a", 0, 10))
         d.wait_log("rewritten in place after it was taken in")
         d.wait_log("delta accepted", count=2)
-        other = random_deltas(rng, model)
-        write_delta(hub, "b", 0, 10, other)
-        want = oracle.step({"a": second, "b": other})
-        d.wait_step(1)
-        assert_state_equal(load_torch(hub / "global/latest.safetensors"), want)
+        close_round(d, oracle, {"a": second, "b": random_deltas(rng, model)})
         assert metric(d, "dilocod_deltas_rewritten_total") == 1
     finally:
         assert d.stop() == 0
@@ -127,14 +119,14 @@ def test_a_rewrite_racing_the_round_close_still_gives_one_version(tmp_path):
     d = start(tmp_path, model, "--expected-nodes", "2")
     try:
         first = random_deltas(rng, model)
-        src = write_delta(hub, "a", 0, 10, first)
-        d.wait_log("delta accepted")
+        src = take_in(d, first)
         second, other = random_deltas(rng, model), random_deltas(rng, model)
         write_delta(hub, "b", 0, 10, other)
         rewrite_in_place(src, second, delta_metadata("a", 0, 10))
         d.wait_step(1)
         got = load_torch(hub / "global/latest.safetensors")
-        candidates = [Oracle(model).step({"a": v, "b": other}) for v in (second, first)]
+        # each from a fresh model: Oracle steps the F32 tensors it was given in place
+        candidates = [Oracle(small_model()).step({"a": v, "b": other}) for v in (second, first)]
         matches = []
         for want in candidates:
             try:
@@ -153,20 +145,15 @@ def test_a_rewrite_racing_the_round_close_still_gives_one_version(tmp_path):
 def test_state_on_another_filesystem_copies(tmp_path):
     model = small_model()
     oracle, rng = Oracle(model), np.random.default_rng(4)
-    hub = tmp_path / "hub"
     shm = Path(tempfile.mkdtemp(prefix="dilocod-state-", dir="/dev/shm"))
     try:
         assert os.stat(shm).st_dev != os.stat(tmp_path).st_dev
         d = start(tmp_path, model, "--expected-nodes", "2", state_root=shm)
         try:
             deltas = {n: random_deltas(rng, model) for n in ("a", "b")}
-            src = write_delta(hub, "a", 0, 10, deltas["a"])
-            d.wait_log("delta accepted")
+            src = take_in(d, deltas["a"])
             assert cached(d, "a", 10).stat().st_nlink == 1 and src.stat().st_nlink == 1
-            write_delta(hub, "b", 0, 10, deltas["b"])
-            want = oracle.step(deltas)
-            d.wait_step(1)
-            assert_state_equal(load_torch(hub / "global/latest.safetensors"), want)
+            close_round(d, oracle, deltas)
             log = d.log_text()
             assert log.count("deltas are copied into the state, not linked") == 1, log[-3000:]
             assert "--state-root on the shared tree" in log
@@ -179,10 +166,8 @@ def test_state_on_another_filesystem_copies(tmp_path):
 def test_a_linked_cache_entry_is_read_again_at_restart(tmp_path):
     model = small_model()
     rng = np.random.default_rng(5)
-    hub = tmp_path / "hub"
     d = start(tmp_path, model, "--expected-nodes", "2")
-    src = write_delta(hub, "a", 0, 10, random_deltas(rng, model))
-    d.wait_log("delta accepted")
+    src = take_in(d, random_deltas(rng, model))
     assert d.stop() == 0
     # while dilocod is down, the worker rewrites its delta in place with a NaN
     bad = random_deltas(rng, model)
@@ -191,7 +176,7 @@ def test_a_linked_cache_entry_is_read_again_at_restart(tmp_path):
     d.start()
     try:
         d.wait_log("non_finite")
-        wait_for(lambda: not cached(d, "a", 10).exists(), "the refused cache entry removed", d)
+        d.wait_until(lambda: not cached(d, "a", 10).exists(), "the refused cache entry removed")
         import json
         import urllib.request
         st = json.loads(urllib.request.urlopen(d.url + "/status", timeout=10).read())
