@@ -257,8 +257,14 @@ TEST(file_transport_through_the_interface)
     hub_set_step(h, 4, 0);
     snprintf(p, sizeof(p), "%s/nodes/w1", root);
     CHECK_EQ(mkdir(p, 0755), 0);
-    snprintf(p, sizeof(p), "%s/nodes/w1/delta_7.safetensors", root);
+    /* written under a temporary name first: a scan that caught the file half-written would see a
+     * version this test does not mark done */
+    snprintf(p, sizeof(p), "%s/nodes/w1/.delta_7.tmp", root);
     CHECK_EQ(write_file(p, "0123456789", 10), 0);
+    char final[700];
+    snprintf(final, sizeof(final), "%s/nodes/w1/delta_7.safetensors", root);
+    CHECK_EQ(rename(p, final), 0);
+    snprintf(p, sizeof(p), "%s", final);
     CHECK(run_until(&loop, &ev.deltas, 1));
     CHECK_STR(ev.last_rel, "nodes/w1/delta_7.safetensors");
     CHECK(ev.root_given && !ev.owned);
