@@ -317,15 +317,25 @@ def hf_dilocod(tmp_path, hub, name, *args, init=None):
                      "--shard-size", str(GLOBAL_SHARD), *args)
 
 
-def test_hf_sharded_global_and_a_sharded_delta_through_the_hub(tmp_path, hub):
-    m = model()
-    rng = np.random.default_rng(41)
+def hf_bootstrap(tmp_path, hub, m):
+    """A new repo and a dilocod bootstrapped from m that has published step 0 there as a set: (api, d)."""
     api = HfApi(endpoint=hub.wendpoint, token=TOKEN)
     api.create_repo(REPO)
     d = hf_dilocod(tmp_path, hub, "run", init=m).start()
     try:
         d.wait_published(0)
         set_layout_ok(hf_global_names(api))
+    except BaseException:
+        d.stop()
+        raise
+    return api, d
+
+
+def test_hf_sharded_global_and_a_sharded_delta_through_the_hub(tmp_path, hub):
+    m = model()
+    rng = np.random.default_rng(41)
+    api, d = hf_bootstrap(tmp_path, hub, m)
+    try:
         sc = json.loads(Path(api.hf_hub_download(REPO, "global/step_count.json", cache_dir=str(tmp_path / "c0")))
                         .read_text())
         assert sc["outer_step"] == 0 and sc["model_file"] == INDEX, sc
@@ -374,14 +384,8 @@ def test_hf_a_plain_publish_replaces_the_sharded_layout_in_its_commit(tmp_path, 
     same commit deletes the set (and the other way round)."""
     m = model()
     rng = np.random.default_rng(42)
-    api = HfApi(endpoint=hub.wendpoint, token=TOKEN)
-    api.create_repo(REPO)
-    d = hf_dilocod(tmp_path, hub, "run", init=m).start()
-    try:
-        d.wait_published(0)
-        set_layout_ok(hf_global_names(api))
-    finally:
-        assert d.stop() == 0
+    api, d = hf_bootstrap(tmp_path, hub, m)
+    assert d.stop() == 0
     d2 = HfDilocod(tmp_path / "run", hub, "--nodes", "w1,w2", "--retry-interval", "0.5", "--shard-size", "5GB",
                    state_root=d.state_root)
     d2.start()
@@ -402,11 +406,8 @@ def test_hf_a_plain_publish_replaces_the_sharded_layout_in_its_commit(tmp_path, 
 def test_hf_a_partial_set_waits_and_completes(tmp_path, hub):
     m = model()
     deltas, oracle = a_round(np.random.default_rng(43), m)
-    api = HfApi(endpoint=hub.wendpoint, token=TOKEN)
-    api.create_repo(REPO)
-    d = hf_dilocod(tmp_path, hub, "run", init=m).start()
+    api, d = hf_bootstrap(tmp_path, hub, m)
     try:
-        d.wait_published(0)
         files = save_set(tmp_path / "w1", "w1", 0, 4, deltas["w1"])
         last_shard = files[-2]
         # one commit with the index and every shard but the last, as an interrupted uploader leaves it
