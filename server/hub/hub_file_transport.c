@@ -92,12 +92,16 @@ static double now_s(const file_hub *fh)
     return (double)uv_now(fh->loop) / 1000.0;
 }
 
+/* Counts a failure and says it: at error level when it is news, at debug level when it is the last
+ * one again (a broken global in the tree is met at every poll until someone replaces it). */
 static void set_error(file_hub *fh, const char *what, const dl_error *err)
 {
-    char q[600];
+    char q[600], text[sizeof(fh->st.last_error)];
     fh->st.errors++;
-    snprintf(fh->st.last_error, sizeof(fh->st.last_error), "%s: %.230s", what, err->message);
-    dl_log(DL_LOG_ERROR, "hub", what, "code=%s error=%s", dl_error_name(err->code),
+    snprintf(text, sizeof(text), "%s: %.230s", what, err->message);
+    int again = strcmp(text, fh->st.last_error) == 0;
+    memcpy(fh->st.last_error, text, sizeof(text));
+    dl_log(again ? DL_LOG_DEBUG : DL_LOG_ERROR, "hub", what, "code=%s error=%s", dl_error_name(err->code),
            dl_log_q(q, sizeof(q), err->message));
 }
 
