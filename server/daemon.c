@@ -278,17 +278,24 @@ round_verdict daemon__offer(dilocod *d, const delta_info *info, char *cache_path
 
 /* A shared tree's file answered DUPLICATE while the round holds a guarded link to it whose version
  * changed: the worker rewrote the delta in place after it was taken in.  Collecting, the old entry
- * goes and the request runs again (1); aggregating, the transport hands it over later (HUB_RETRY, 0
- * with *retry set); else 0. */
+ * goes and the request runs again (1); aggregating, or when the round holds no entry for the node
+ * (the cached copy is being dropped or not offered yet), the transport hands it over later
+ * (HUB_RETRY: 0 with *retry set); else 0. */
 static int rewritten_in_round(dilocod *d, intake_req *r, int *retry)
 {
     const round_entry *e;
     char *path;
 
     *retry = 0;
-    if (r->status != INTAKE_DUPLICATE || r->hub_root == NULL || d->stopping ||
-        (e = round_find(&d->rnd, r->info.node_id)) == NULL || !e->guarded || e->local_step != r->info.local_step ||
-        fsu_ident_check(e->path, &e->ident) == 1)
+    if (r->status != INTAKE_DUPLICATE || r->hub_root == NULL || d->stopping)
+        return 0;
+    if ((e = round_find(&d->rnd, r->info.node_id)) == NULL) {
+        /* the cached copy it met is on its way out (a rewritten entry dropped while this ran) or in
+         * (a restart's cached delta not offered yet): the transport hands it over again later */
+        *retry = 1;
+        return 0;
+    }
+    if (!e->guarded || e->local_step != r->info.local_step || fsu_ident_check(e->path, &e->ident) == 1)
         return 0;
     if (d->state != S_COLLECTING) {
         *retry = 1;             /* the pass's checks drop it; the new version comes back after */
@@ -383,7 +390,7 @@ static void intake_done(job *j)
     }
     if (retry) {
         r->status = INTAKE_IO;
-        dl_log(DL_LOG_DEBUG, "intake", "delta rewritten in place during its round's pass, taken in after it",
+        dl_log(DL_LOG_DEBUG, "intake", "delta met a cached copy that is changing, taken in again later",
                "path=%s", name);
     }
     if (r->link_errno != 0 && !d->link_refused_said) {
