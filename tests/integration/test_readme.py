@@ -65,6 +65,7 @@ ANCHORS = {
     "test_http_api_curl": "curl -s localhost:8470/status",
     "test_configuration_check": "--check-config > effective.conf",
     "test_worker_snippet": "import requests, torch",
+    "test_sharded_global_loader": "def load_global(d):",
 }
 
 
@@ -442,3 +443,30 @@ def test_worker_snippet(ctx):
             proc.kill()
     assert ctx.status()["outer_step"] == 1
     ctx.stop()
+
+
+def test_sharded_global_loader(ctx):
+    """Sharded checkpoints' safetensors-only loader, as written, on what `diloco pull` writes from a
+    dilocod serving a sharded global (--shard-size below the model) and a plain one: both give the
+    model huggingface_hub.load_torch_model loads."""
+    from huggingface_hub import load_torch_model
+    lang, _, snippet = block("test_sharded_global_loader")
+    assert lang == "python"
+    torch.manual_seed(1)
+    model = MLP()
+    torch_save_file(model.state_dict(), str(ctx.tmp / "init.safetensors"))
+    ns = {}
+    exec(compile(snippet, "README.md (load_global)", "exec"), ns)
+    for shard_size, sharded in (("100", True), ("0", False)):
+        ctx.run(f"build/dilocod --state-root ./state-{shard_size} --init-model init.safetensors --expected-nodes 2 "
+                f"--shard-size {shard_size}")
+        out = ctx.tmp / f"pulled-{shard_size}"
+        ctx.run(f"build/diloco pull --server http://aggregator:8470 -o {out}")
+        assert (out / "latest.safetensors.index.json").exists() == sharded
+        got = ns["load_global"](str(out))
+        want = MLP()
+        load_torch_model(want, str(out), filename_pattern="latest{suffix}.safetensors")
+        assert sorted(got) == sorted(want.state_dict())
+        for k, v in want.state_dict().items():
+            assert torch.equal(got[k], v), k
+        ctx.stop()
