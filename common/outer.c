@@ -522,6 +522,11 @@ out:
     return rc;
 }
 
+int outer_global_fd(const outer_pass *p)
+{
+    return p->w_global != NULL ? st_writer_fd(p->w_global) : -1;
+}
+
 void outer_abort(outer_pass *p)
 {
     atomic_store(&p->abort, 1);

@@ -86,6 +86,8 @@ int outer_run(outer_pass *p);
  * removes them.  Frees everything but the stats and the error.  */
 int outer_finish(outer_pass *p, dl_error *err);
 void outer_abort(outer_pass *p);
+/* The new global's descriptor while the pass writes it (after outer_prepare, before outer_finish), or -1. */
+int outer_global_fd(const outer_pass *p);
 /* Releases what outer_finish left (stats). */
 void outer_free(outer_pass *p);
 

@@ -146,6 +146,8 @@ void st_writer_set_durable(st_writer *w, int on);
 /* Absolute file offset of the first byte of spec i's data. */
 uint64_t st_writer_data_offset(const st_writer *w, size_t spec_index);
 int st_writer_commit(st_writer *w, dl_error *err);
+/* The temporary file's descriptor (for a caller that starts its write-back from another thread). */
+int st_writer_fd(const st_writer *w);
 void st_writer_abort(st_writer *w);
 
 /* Whole-file convenience: data[i] holds spec i's bytes. */

@@ -193,6 +193,11 @@ struct st_writer {
     int deferred;           /* commit renames only: the caller makes the file durable later */
 };
 
+int st_writer_fd(const st_writer *w)
+{
+    return w->fd;
+}
+
 void st_writer_set_writeback(st_writer *w, int on)
 {
     w->writeback = on;

@@ -498,8 +498,11 @@ static void maybe_close_round(dilocod *d)
     start_aggregation(d);
 }
 
+static void stop_writeback(dilocod *d);
+
 static void pass_release(dilocod *d)
 {
+    stop_writeback(d);
     if (d->pass != NULL) {
         outer_free(d->pass);
         free((void *)d->pass->out_global_path);
@@ -1178,9 +1181,53 @@ static void run_done(job *j)
 
     if (--d->pass_jobs > 0)
         return;
+    stop_writeback(d);
     dl_log(DL_LOG_DEBUG, "aggregate", "computed", "step=%" PRIu64 " seconds=%.3f", d->rnd.step + 1,
            now_s(d) - d->pass_started);
     queue_finish(d);
+}
+
+/* The new global must be durable before a file:// step_count.json names it (the publish fsyncs it),
+ * and the settle fsyncs it anyway: its write-back starts while the pass writes it, from a side thread
+ * (sync_file_range in the pass threads made them wait for a congested disk), so the fsync after the
+ * commit finds little left.  The job holds its own descriptor; it stops when the pass ends. */
+static void writeback_work(job *j)
+{
+    atomic_int *stop = j->arg;
+
+    while (!atomic_load(stop)) {
+        (void)sync_file_range(j->flag, 0, 0, SYNC_FILE_RANGE_WRITE);
+        usleep(20000);
+    }
+    (void)sync_file_range(j->flag, 0, 0, SYNC_FILE_RANGE_WRITE);
+    close(j->flag);
+}
+
+static void writeback_done(job *j)
+{
+    free(j->arg);
+}
+
+static void start_writeback(dilocod *d)
+{
+    int fd = outer_global_fd(d->pass);
+    atomic_int *stop;
+
+    if (fd < 0 || (fd = fcntl(fd, F_DUPFD_CLOEXEC, 0)) < 0)
+        return;
+    if ((stop = calloc(1, sizeof(*stop))) == NULL || daemon__queue(d, writeback_work, writeback_done, stop, 0, fd) != 0) {
+        free(stop);
+        close(fd);
+        return;
+    }
+    d->writeback_stop = stop;
+}
+
+static void stop_writeback(dilocod *d)
+{
+    if (d->writeback_stop != NULL)
+        atomic_store(d->writeback_stop, 1);    /* the job frees it when it ends */
+    d->writeback_stop = NULL;
 }
 
 static void prepare_work(job *j)
@@ -1208,7 +1255,9 @@ static void prepare_done(job *j)
     if (d->pass_jobs == 0) {
         outer_abort(d->pass);
         queue_finish(d);
+        return;
     }
+    start_writeback(d);
 }
 
 static void progress_cb(uv_timer_t *t)

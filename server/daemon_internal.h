@@ -3,6 +3,7 @@
 #ifndef DAEMON_INTERNAL_H
 #define DAEMON_INTERNAL_H
 
+#include <stdatomic.h>
 #include <stdint.h>
 #include <time.h>
 
@@ -77,6 +78,7 @@ typedef struct dilocod {
     node_stat *pass_nodes;
     size_t pass_n;
     int pass_jobs;              /* run jobs still out */
+    atomic_int *writeback_stop; /* the new global's write-back job (set to 1 to stop it), NULL when none */
     double pass_started;
     double retry_delay;
     uint64_t pass_last_bytes;
