@@ -393,15 +393,25 @@ TEST(intake_set_stray_shard_refused)
 #define SH1 "\"delta_7-00001-of-00002.safetensors\""
 #define SH2 "\"delta_7-00002-of-00002.safetensors\""
 
+/* delta_7.safetensors.index.json of the two-shard set {a, b} + {c} with the given total_size (48 is
+ * right). */
+static int write_abc_index(const char *dir, int total_size)
+{
+    char json[512];
+    snprintf(json, sizeof(json),
+             "{\"metadata\": {\"total_size\": %d, " META_JSON "}, \"weight_map\": {\"a\": " SH1 ", \"b\": " SH1
+             ", \"c\": " SH2 "}}",
+             total_size);
+    return write_text(dir, "delta_7.safetensors.index.json", json);
+}
+
 TEST(intake_set_tensor_in_two_shards_refused)
 {
     fixture f;
     fixture_init(&f);
     CHECK_EQ(write_shard(f.node, "delta_7-00001-of-00002.safetensors", "ab", 0), 0);
     CHECK_EQ(write_shard(f.node, "delta_7-00002-of-00002.safetensors", "bc", 0), 0);
-    CHECK_EQ(write_text(f.node, "delta_7.safetensors.index.json",
-                        "{\"metadata\": {\"total_size\": 48, " META_JSON "}, \"weight_map\": {\"a\": " SH1
-                        ", \"b\": " SH1 ", \"c\": " SH2 "}}"), 0);
+    CHECK_EQ(write_abc_index(f.node, 48), 0);
     intake_req *r = take(&f, SET_REL, 3);
     CHECK_EQ(r->status, INTAKE_INVALID);
     CHECK_STR(r->err.tensor, "b");
@@ -418,17 +428,13 @@ TEST(intake_set_wrong_total_size_refused)
     fixture_init(&f);
     CHECK_EQ(write_shard(f.node, "delta_7-00001-of-00002.safetensors", "ab", 0), 0);
     CHECK_EQ(write_shard(f.node, "delta_7-00002-of-00002.safetensors", "c", 0), 0);
-    CHECK_EQ(write_text(f.node, "delta_7.safetensors.index.json",
-                        "{\"metadata\": {\"total_size\": 47, " META_JSON "}, \"weight_map\": {\"a\": " SH1
-                        ", \"b\": " SH1 ", \"c\": " SH2 "}}"), 0);
+    CHECK_EQ(write_abc_index(f.node, 47), 0);
     intake_req *r = take(&f, SET_REL, 3);
     CHECK_EQ(r->status, INTAKE_INVALID);
     CHECK(strstr(r->err.message, "total_size is 47") != NULL);
     intake_req_free(r);
     /* the same set with the right total is taken */
-    CHECK_EQ(write_text(f.node, "delta_7.safetensors.index.json",
-                        "{\"metadata\": {\"total_size\": 48, " META_JSON "}, \"weight_map\": {\"a\": " SH1
-                        ", \"b\": " SH1 ", \"c\": " SH2 "}}"), 0);
+    CHECK_EQ(write_abc_index(f.node, 48), 0);
     r = take(&f, SET_REL, 3);
     CHECK_EQ(r->status, INTAKE_OK);
     intake_req_free(r);
@@ -455,9 +461,7 @@ TEST(intake_set_nan_names_shard_and_tensor)
     fixture_init(&f);
     CHECK_EQ(write_shard(f.node, "delta_7-00001-of-00002.safetensors", "ab", 0), 0);
     CHECK_EQ(write_shard(f.node, "delta_7-00002-of-00002.safetensors", "c", 1), 0);
-    CHECK_EQ(write_text(f.node, "delta_7.safetensors.index.json",
-                        "{\"metadata\": {\"total_size\": 48, " META_JSON "}, \"weight_map\": {\"a\": " SH1
-                        ", \"b\": " SH1 ", \"c\": " SH2 "}}"), 0);
+    CHECK_EQ(write_abc_index(f.node, 48), 0);
     intake_req *r = take(&f, SET_REL, 3);
     CHECK_EQ(r->status, INTAKE_INVALID);
     CHECK_EQ(r->err.code, DL_E_NON_FINITE);
@@ -621,9 +625,7 @@ TEST(intake_set_shard_checked_against_index_before_its_copy)
     intake_req_free(r);
     /* a shard lacking a tensor the index lists for it (shard 2, c, absent: never looked for) */
     CHECK_EQ(write_shard(f.node, "delta_7-00001-of-00002.safetensors", "a", 0), 0);
-    CHECK_EQ(write_text(f.node, "delta_7.safetensors.index.json",
-                        "{\"metadata\": {\"total_size\": 48, " META_JSON "}, \"weight_map\": {\"a\": " SH1
-                        ", \"b\": " SH1 ", \"c\": " SH2 "}}"), 0);
+    CHECK_EQ(write_abc_index(f.node, 48), 0);
     CHECK_EQ(unlink(test_path("tree/nodes/w1/delta_7-00001-of-00003.safetensors")), 0);
     r = take(&f, SET_REL, 3);
     CHECK_EQ(r->status, INTAKE_INVALID);
