@@ -81,7 +81,8 @@ static int scan_data(delta_stream *s, const unsigned char *p, size_t n, dl_error
     return 0;
 }
 
-static int header_complete(delta_stream *s, dl_error *err)
+/* The header parsed and its file length checked against the declared body, no delta rules. */
+static int header_parse(delta_stream *s, dl_error *err)
 {
     int rc;
 
@@ -96,6 +97,14 @@ static int header_complete(delta_stream *s, dl_error *err)
                        "incomplete metadata, file not fully covered: the header describes %" PRIu64
                        " bytes, the request body has %" PRIu64,
                        s->file_len, s->declared_len);
+    return 0;
+}
+
+static int header_complete(delta_stream *s, dl_error *err)
+{
+    int rc = header_parse(s, err);
+    if (rc != 0)
+        return rc;
     return delta_check_header(s->h, s->global, s->path, &s->info, err);
 }
 
@@ -181,6 +190,13 @@ int delta_stream_parse_header(delta_stream *s, dl_error *err)
     if (s->h != NULL || s->hbuf == NULL || s->pos != 8 + s->n)
         return dl_fail(err, DL_E_INVALID_HEADER_LENGTH, NULL, 0, "the header is not complete");
     return header_complete(s, err);
+}
+
+int delta_stream_parse_header_only(delta_stream *s, dl_error *err)
+{
+    if (s->h != NULL || s->hbuf == NULL || s->pos != 8 + s->n)
+        return dl_fail(err, DL_E_INVALID_HEADER_LENGTH, NULL, 0, "the header is not complete");
+    return header_parse(s, err);
 }
 
 int delta_stream_finish(delta_stream *s, dl_error *err)

@@ -45,6 +45,9 @@ int delta_stream_feed(delta_stream *s, const char *p, size_t n, dl_error *err);
  * a negative code, after which the data section is fed as usual.  Room is 0 in between. */
 size_t delta_stream_room(const delta_stream *s, size_t n);
 int delta_stream_parse_header(delta_stream *s, dl_error *err);
+/* The same parse without the rules of a whole delta (metadata, every key): for one shard of a set,
+ * which the caller checks on its own (delta_check_shard_header). */
+int delta_stream_parse_header_only(delta_stream *s, dl_error *err);
 /* After the last byte: the file must be exactly as long as its header says. */
 int delta_stream_finish(delta_stream *s, dl_error *err);
 void delta_stream_free(delta_stream *s);

@@ -887,7 +887,8 @@ static void on_abort(http_conn *c, void *ctx)
     if (u->failed)
         return;
     u->aborted = 1;
-    dl_log(DL_LOG_INFO, "http", "upload aborted", "node=%s received=%" PRIu64, u->node_id, u->ds.pos);
+    dl_log(DL_LOG_INFO, "http", "upload aborted", "node=%s received=%" PRIu64, u->node_id,
+           u->kind == UP_INDEX ? (uint64_t)u->body.len : u->ds.pos);
     if (!u->finalizing)
         upload_discard(u);      /* waits for a header parse or a disk operation in flight */
 }
@@ -1096,23 +1097,11 @@ void upload_start(dilocod *d, http_conn *c, http_request *req, const char *node_
  * whole delta (metadata, every key) that only the set as a whole meets. */
 static int shard_parse_header(upload *u, dl_error *err)
 {
-    delta_stream *s = &u->ds;
-    int rc;
+    int rc = delta_stream_parse_header_only(&u->ds, err);
 
-    if (s->h != NULL || s->hbuf == NULL || s->pos != 8 + s->n)
-        return dl_fail(err, DL_E_INVALID_HEADER_LENGTH, NULL, 0, "the header is not complete");
-    if ((rc = st_header_parse_unsized(s->hbuf, (size_t)s->n, &s->h, err)) != 0)
+    if (rc != 0)
         return rc;
-    free(s->hbuf);
-    s->hbuf = NULL;
-    if (st_header_file_len(s->h, &s->file_len) != 0)
-        return dl_fail(err, DL_E_VALIDATION_OVERFLOW, NULL, 0, "file size overflows");
-    if (s->declared_len != 0 && s->declared_len != s->file_len)
-        return dl_fail(err, DL_E_METADATA_INCOMPLETE_BUFFER, NULL, 0,
-                       "incomplete metadata, file not fully covered: the header describes %" PRIu64
-                       " bytes, the request body has %" PRIu64,
-                       s->file_len, s->declared_len);
-    return delta_check_shard_header(s->h, u->gby, u->ngby, err);
+    return delta_check_shard_header(u->ds.h, u->gby, u->ngby, err);
 }
 
 /* A shard's own metadata, when it carries the delta's (huggingface_hub's shards carry only
@@ -1406,18 +1395,8 @@ static void index_on_end(http_conn *c, void *ctx)
     }
 }
 
-static void index_on_abort(http_conn *c, void *ctx)
-{
-    upload *u = ctx;
-    (void)c;
-    if (u->failed)
-        return;
-    u->aborted = 1;
-    dl_log(DL_LOG_INFO, "http", "upload aborted", "node=%s received=%zu", u->node_id, u->body.len);
-    upload_discard(u);          /* waits for the parse in flight */
-}
-
-static const http_body_ops index_ops = {index_on_data, index_on_end, index_on_abort};
+/* an abort is the same for every kind of upload (on_abort) */
+static const http_body_ops index_ops = {index_on_data, index_on_end, on_abort};
 
 /* ---- a complete set ---- */
 
