@@ -231,12 +231,6 @@ static void inspect_text(const st_file *f)
            f->h->data_len);
 }
 
-static int is_index_path(const char *path)
-{
-    size_t len = strlen(path), sl = strlen(ST_INDEX_SUFFIX);
-    return len >= sl && strcmp(path + len - sl, ST_INDEX_SUFFIX) == 0;
-}
-
 static const char *shard_file_name(const st_set *s, uint32_t file)
 {
     const char *slash = strrchr(s->files[file]->path, '/');
@@ -444,7 +438,7 @@ int cmd_inspect(int argc, char **argv)
     }
     if (optind != argc - 1)
         return usage_error(inspect_help, "%s", "inspect takes exactly one FILE");
-    if (is_index_path(argv[optind]))
+    if (st_index_is_index_path(argv[optind]))
         return inspect_set(argv[optind], json, hash);
     dl_error_clear(&err);
     if ((rc = st_open(argv[optind], &f, &err)) != 0) {

@@ -30,6 +30,12 @@ static int bytes_cmp(const char *a, size_t al, const char *b, size_t bl)
 
 /* ---- names ----------------------------------------------------------------------------------- */
 
+int st_index_is_index_path(const char *path)
+{
+    size_t n = strlen(path), sl = strlen(ST_INDEX_SUFFIX);
+    return n > sl && strcmp(path + n - sl, ST_INDEX_SUFFIX) == 0;
+}
+
 int st_index_valid_base(const char *base, size_t len)
 {
     if (len == 0 || len > ST_INDEX_BASE_MAX)

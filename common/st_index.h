@@ -73,6 +73,8 @@ const st_index_entry *st_index_find(const st_index *ix, const char *name, size_t
 /* Metadata value for key (not total_size), or NULL; sets *len when non-NULL. */
 const char *st_index_meta(const st_index *ix, const char *key, size_t *len);
 
+/* Whether path names an index (ends in ST_INDEX_SUFFIX, with something before it). */
+int st_index_is_index_path(const char *path);
 /* Whether base is usable in file names: 1..ST_INDEX_BASE_MAX bytes of [A-Za-z0-9._-], not "." or "..". */
 int st_index_valid_base(const char *base, size_t len);
 /* "<base>-%05u-of-%05u.safetensors" for 0-based shard i of n into out; -1 if it does not fit. */

@@ -130,12 +130,6 @@ static void unlink_async(dilocod *d, const char *path)
         free(req);
 }
 
-static int is_index_path(const char *path)
-{
-    size_t n = strlen(path), sl = strlen(ST_INDEX_SUFFIX);
-    return n > sl && strcmp(path + n - sl, ST_INDEX_SUFFIX) == 0;
-}
-
 static void remove_work(job *j)
 {
     j->rc = j->flag ? store_remove_tree(j->arg) : store_remove_delta(j->arg);
@@ -153,7 +147,7 @@ static void discard_local(dilocod *d, const char *path, int download)
 {
     char *p;
 
-    if (!is_index_path(path)) {
+    if (!st_index_is_index_path(path)) {
         unlink_async(d, path);
         return;
     }
@@ -1663,7 +1657,7 @@ static int adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap,
     info.global_path = dst;
     /* validate first: a damaged model must not become our state.  A sharded global (an index and its
      * shards, checked as a set) becomes one file: the state keeps the plain layout whatever the size */
-    if (is_index_path(src)) {
+    if (st_index_is_index_path(src)) {
         if ((rc = st_reshard(src, dst, 0, NULL, 0, NULL, err)) == 0 && (rc = open_model(d, dst, err)) != 0)
             unlink(dst);
     } else if ((rc = open_model(d, src, err)) == 0) {

@@ -1015,14 +1015,8 @@ out:
     return st;
 }
 
-static int is_index_path(const char *path)
-{
-    size_t len = strlen(path), sl = strlen(ST_INDEX_SUFFIX);
-    return len > sl && strcmp(path + len - sl, ST_INDEX_SUFFIX) == 0;
-}
-
 void intake_run(intake_req *r)
 {
     dl_error_clear(&r->err);
-    r->status = is_index_path(r->src_path) ? intake_set(r) : intake(r);
+    r->status = st_index_is_index_path(r->src_path) ? intake_set(r) : intake(r);
 }

@@ -963,7 +963,7 @@ int hubfile_publish(const char *root, const char *src, uint64_t step, const char
 {
     char *text = NULL;
     uint32_t nshards = 0;
-    int rc, rootfd, gfd = -1, sharded = ends_with(src, ST_INDEX_SUFFIX);
+    int rc, rootfd, gfd = -1, sharded = st_index_is_index_path(src);
 
     if ((rc = open_root(root, &rootfd, err)) != 0)
         return rc;

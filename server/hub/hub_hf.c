@@ -2527,13 +2527,12 @@ static int pub_open_file(pub_file *f, const char *path, const char *name)
  * directory) and the index last.  0, or -1 with the reason set. */
 static int pub_open_files(hf_hub *h, pub_state *p, const char *global_path)
 {
-    size_t len = strlen(global_path), sl = strlen(ST_INDEX_SUFFIX);
     st_index *ix = NULL;
     dl_error err = {0};
     char path[4096], name[ST_INDEX_BASE_MAX + 48];
     int rc = -1;
 
-    p->sharded = len > sl && strcmp(global_path + len - sl, ST_INDEX_SUFFIX) == 0;
+    p->sharded = st_index_is_index_path(global_path);
     if (!p->sharded) {
         if ((p->files = calloc(1, sizeof(*p->files))) == NULL)
             return -1;

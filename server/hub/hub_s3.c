@@ -2212,13 +2212,12 @@ static int pub_open_file(pub_file *f, const char *path, const char *name)
  * directory) and the index last.  0, or -1 with why. */
 static int pub_open_files(pub_state *p, const char *global_path, char *why, size_t why_size)
 {
-    size_t len = strlen(global_path), sl = strlen(ST_INDEX_SUFFIX);
     st_index *ix = NULL;
     dl_error err = {0};
     char path[4096], name[ST_INDEX_BASE_MAX + 48];
     int rc = -1;
 
-    p->sharded = len > sl && strcmp(global_path + len - sl, ST_INDEX_SUFFIX) == 0;
+    p->sharded = st_index_is_index_path(global_path);
     if (!p->sharded) {
         if ((p->files = calloc(1, sizeof(*p->files))) == NULL)
             goto oom;
