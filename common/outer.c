@@ -100,7 +100,7 @@ static int open_writers(outer_pass *p, dl_error *err)
      * fsync happens later, off the critical path, and sync_file_range here would make the pass wait for
      * a congested disk: bench-outer (8 x 256 MiB, outputs on this disk) computed in 0.28-0.50 s without
      * it against 0.31-4.67 s with it. */
-    rc = st_writer_open(p->out_global_path, specs, g->ntensors, NULL, 0, &p->w_global, err);
+    rc = st_writer_open_warm(p->out_global_path, specs, g->ntensors, NULL, 0, p->warm_global_tmp, &p->w_global, err);
     if (rc == 0)
         st_writer_set_writeback(p->w_global, !p->defer_sync);
     if (rc == 0)
@@ -111,8 +111,8 @@ static int open_writers(outer_pass *p, dl_error *err)
             if (st_dtype_is_floating(t->dtype))
                 specs[nm++] = (st_spec){t->name, t->name_len, delta_dtype_for(t->dtype), t->ndim, t->shape};
         }
-        rc = st_writer_open(p->out_momentum_path, specs, nm, p->momentum_meta, p->momentum_nmeta, &p->w_momentum,
-                            err);
+        rc = st_writer_open_warm(p->out_momentum_path, specs, nm, p->momentum_meta, p->momentum_nmeta,
+                                 p->warm_momentum_tmp, &p->w_momentum, err);
         if (rc == 0)
             st_writer_set_writeback(p->w_momentum, !p->defer_sync);
         if (rc == 0)

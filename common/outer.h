@@ -52,6 +52,8 @@ typedef struct outer_pass {
     size_t budget_bytes;        /* per thread */
     int defer_sync;             /* outer_finish renames the outputs without fsync: the caller makes them
                                    durable later (its redo record can recompute them after a crash) */
+    const char *warm_global_tmp;        /* NULL, or a file of st_writer_warm_create for out_global_path */
+    const char *warm_momentum_tmp;      /* the same for out_momentum_path */
 
     /* state */
     st_file *global, *momentum;

@@ -9,6 +9,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdatomic.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 static int bytes_cmp(const char *a, size_t al, const char *b, size_t bl)
@@ -203,8 +205,33 @@ void st_writer_set_writeback(st_writer *w, int on)
     w->writeback = on;
 }
 
+/* The writer's temporary file: warm_tmp taken over when it is there (a regular file of ours, sized to
+ * total), else a new one. */
+static int writer_tmp(st_writer *w, const char *path, const char *warm_tmp, uint64_t total, dl_error *err)
+{
+    if (warm_tmp != NULL) {
+        struct stat sb;
+        int fd = open(warm_tmp, O_WRONLY | O_NOFOLLOW | O_CLOEXEC);
+        if (fd >= 0 && fstat(fd, &sb) == 0 && S_ISREG(sb.st_mode) && sb.st_nlink == 1 &&
+            ftruncate(fd, (off_t)total) == 0 && (w->tmp_path = strdup(warm_tmp)) != NULL) {
+            w->fd = fd;
+            return 0;
+        }
+        if (fd >= 0)
+            close(fd);
+        unlink(warm_tmp);       /* unusable: a new file instead, and nothing left behind */
+    }
+    return fsu_tmp_create(path, &w->tmp_path, &w->fd, err);
+}
+
 int st_writer_open(const char *path, const st_spec *specs, size_t n, const st_kv *meta, size_t nmeta,
                    st_writer **out, dl_error *err)
+{
+    return st_writer_open_warm(path, specs, n, meta, nmeta, NULL, out, err);
+}
+
+int st_writer_open_warm(const char *path, const st_spec *specs, size_t n, const st_kv *meta, size_t nmeta,
+                        const char *warm_tmp, st_writer **out, dl_error *err)
 {
     st_writer *w;
     char *json = NULL;
@@ -232,7 +259,7 @@ int st_writer_open(const char *path, const st_spec *specs, size_t n, const st_kv
         rc = dl_fail(err, DL_E_VALIDATION_OVERFLOW, NULL, 0, "file size overflows");
         goto fail;
     }
-    if ((rc = fsu_tmp_create(path, &w->tmp_path, &w->fd, err)) != 0)
+    if ((rc = writer_tmp(w, path, warm_tmp, total, err)) != 0)
         goto fail;
     /* Reserve the space now so that a full disk fails here, before any data is computed. */
     if (total > 0) {
@@ -288,6 +315,47 @@ int st_writer_write(st_writer *w, size_t spec_index, uint64_t off, const void *b
     if (w->writeback)
         (void)sync_file_range(w->fd, (off64_t)at, (off64_t)len, SYNC_FILE_RANGE_WRITE);
     return 0;
+}
+
+int st_writer_warm_create(const char *path, uint64_t size, char **tmp_path, int *fd, dl_error *err)
+{
+    int wfd, e, rc;
+
+    if ((rc = fsu_tmp_create(path, tmp_path, &wfd, err)) != 0)
+        return rc;
+    if ((e = posix_fallocate(wfd, 0, (off_t)size)) != 0 || (*fd = open(*tmp_path, O_RDONLY | O_CLOEXEC)) < 0) {
+        rc = e != 0 ? dl_fail_errno(err, e, "cannot reserve %llu bytes for %s", (unsigned long long)size, *tmp_path)
+                    : dl_fail_errno(err, errno, "cannot open %s", *tmp_path);
+        close(wfd);
+        unlink(*tmp_path);
+        free(*tmp_path);
+        *tmp_path = NULL;
+        return rc;
+    }
+    close(wfd);
+    return 0;
+}
+
+/* Bytes per read: small enough that a stop is seen within a few milliseconds (a chunk of new pages
+ * costs up to ~2 ms where the host must fault them in). */
+#define WARM_CHUNK (1u << 20)
+
+uint64_t st_writer_warm_fill(int fd, uint64_t size, const _Atomic int *stop)
+{
+    char *sink = malloc(WARM_CHUNK);    /* the zeros land here and are thrown away */
+    uint64_t done = 0;
+
+    while (sink != NULL && done < size && !atomic_load(stop)) {
+        size_t want = size - done < WARM_CHUNK ? (size_t)(size - done) : WARM_CHUNK;
+        ssize_t r = pread(fd, sink, want, (off_t)done);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            break;
+        done += (uint64_t)r;
+    }
+    free(sink);
+    return done;
 }
 
 static void writer_free(st_writer *w)

@@ -63,6 +63,7 @@ static const opt options[] = {
     {"hub_token_file", T_OPTSTR, OFF(hub_token_file), 0, 0, "FILE  file holding the Hub token (default $HF_TOKEN)"},
     {"max_downloads", T_UINT, OFF(max_downloads), 1, 64, "N      parallel delta downloads from the Hub"},
     {"prune_consumed", T_UINT, OFF(prune_consumed), 0, 1, "0|1   remove a file:// delta once the step it went into is durable, or once it is stale or superseded"},
+    {"warm_outputs", T_UINT, OFF(warm_outputs), 0, 1, "0|1     while a round collects, make the page cache the next pass writes into (2 x model size, reclaimable)"},
     {"history_keep", T_UINT, OFF(history_keep), 16, 100000000, "N   rounds.jsonl keeps the last N round records (compacted at startup)"},
     {"s3_region", T_OPTSTR, OFF(s3_region), 0, 0, "REGION     s3:// SigV4 region (default $AWS_REGION, $AWS_DEFAULT_REGION or us-east-1)"},
     {"s3_addressing", T_STR, OFF(s3_addressing), 0, 0, "MODE   s3:// bucket addressing: auto | path | virtual"},
@@ -417,6 +418,7 @@ static void set_defaults(config *c)
     c->poll_interval = 5.0;
     c->log_level = DL_LOG_INFO;
     c->agg_memory_mib = 16;
+    c->warm_outputs = 1;
     c->retry_interval = 5.0;
     c->listen = strdup("127.0.0.1:8470");
     c->max_header_bytes = 16384;
@@ -874,7 +876,8 @@ void config_print(const config *c, FILE *out)
     print_str(out, "hub_endpoint", c->hub_endpoint, " (hf:// and s3:// only)");
     print_str(out, "hub_token_file", c->hub_token_file, c->hub_token ? " (the token is from $HF_TOKEN)" : "");
     fprintf(out, "max_downloads = %u\n# hub token: %s\n", c->max_downloads, c->hub_token ? "set" : "not set");
-    fprintf(out, "prune_consumed = %u\nhistory_keep = %u\n", c->prune_consumed, c->history_keep);
+    fprintf(out, "prune_consumed = %u\nwarm_outputs = %u\nhistory_keep = %u\n", c->prune_consumed, c->warm_outputs,
+            c->history_keep);
     print_str(out, "s3_region", c->s3_region, " (s3:// only)");
     print_str(out, "s3_addressing", c->s3_addressing, "");
     fprintf(out, "s3_part_mib = %u\nshard_size = %" PRIu64 "\n", c->s3_part_mib, c->shard_size);

@@ -51,6 +51,7 @@ typedef struct config {
     char *hub_token_file;       /* default: $HF_TOKEN */
     unsigned max_downloads;
     unsigned prune_consumed;    /* 1: remove the transport's delta files once their step is durable */
+    unsigned warm_outputs;      /* 1: make the next pass's output pages while a round collects */
     unsigned history_keep;      /* rounds.jsonl keeps at least this many records (compacted at startup) */
     char *hub_token;            /* loaded, never printed */
     char *hf_repo, *hf_rev;     /* parsed from hub */

@@ -79,6 +79,12 @@ typedef struct dilocod {
     size_t pass_n;
     int pass_jobs;              /* run jobs still out */
     atomic_int *writeback_stop; /* the new global's write-back job (set to 1 to stop it), NULL when none */
+    /* the next pass's output files, warmed while its round collects (start_warm) */
+    struct warm_args *warm_job; /* the warm job in flight, NULL when none */
+    char *warm_tmp[2];          /* global, momentum: warmed for the pass of step warm_step, not yet given */
+    uint64_t warm_step;
+    char *pass_warm[2];         /* the ones given to the current pass (it takes them over, or they go) */
+    int prepare_after_warm;     /* the pass's prepare waits for the warm job to stop */
     double pass_started;
     double retry_delay;
     uint64_t pass_last_bytes;

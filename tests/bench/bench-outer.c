@@ -4,13 +4,17 @@
  * momentum update and both fused multiply-adds run), else it is a first step (buf = mean).
  * BUDGET_MIB sets the per-thread chunk budget (16 MiB).  PORTABLE=1 runs the portable fmaf() loops
  * (what a CPU without AVX2+FMA runs) where this one has the AVX2+FMA copies.  DEFER=1 sets defer_sync (the
- * outputs are renamed without fsync, as the daemon's redo-record commit does).  Prints the peak RSS (VmHWM) at the end. */
+ * outputs are renamed without fsync, as the daemon's redo-record commit does).  WARM=1 warms the output files
+ * first (st_writer_warm_*, untimed: the daemon does it while the round collects) and the pass writes into
+ * them.  Prints the peak RSS (VmHWM) at the end. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "outer.h"
 
@@ -78,6 +82,31 @@ int main(int argc, char **argv)
     p.defer_sync = getenv("DEFER") != NULL && strcmp(getenv("DEFER"), "0") != 0;
     outer_force_portable = getenv("PORTABLE") != NULL && atoi(getenv("PORTABLE")) != 0;
     p.budget_bytes = getenv("BUDGET_MIB") ? (size_t)atoi(getenv("BUDGET_MIB")) << 20 : 16 << 20;
+    char *warm[2] = {NULL, NULL};
+    double warm_s = 0;
+    if (getenv("WARM") != NULL && atoi(getenv("WARM")) != 0) {
+        struct stat sb;
+        const char *outs[2] = {out, mom};
+        double w0 = now();
+        if (stat(p.global_path, &sb) != 0) {
+            perror(p.global_path);
+            return 1;
+        }
+        for (int i = 0; i < 2; i++) {
+            int fd;
+            atomic_int go = 0;
+            /* an F32 model's momentum is the size of the model, give or take the header */
+            if (st_writer_warm_create(outs[i], (uint64_t)sb.st_size, &warm[i], &fd, &err) != 0) {
+                fprintf(stderr, "warm: %s\n", err.message);
+                return 1;
+            }
+            st_writer_warm_fill(fd, (uint64_t)sb.st_size, &go);
+            close(fd);
+        }
+        p.warm_global_tmp = warm[0];
+        p.warm_momentum_tmp = warm[1];
+        warm_s = now() - w0;
+    }
     double t0 = now();
     if (outer_prepare(&p, &err) != 0) {
         fprintf(stderr, "prepare: %s\n", err.message);
@@ -95,6 +124,10 @@ int main(int argc, char **argv)
         return 1;
     }
     double t3 = now();
+    if (warm[0] != NULL)
+        printf("warm %.3f s (untimed), ", warm_s);
+    free(warm[0]);
+    free(warm[1]);
     printf("prepare %.3f s, compute %.3f s (%.2f GB/s; %.3f CPU s), finish %.3f s; total %.2f GB/s; peak RSS %.0f MiB\n",
            t1 - t0, t2 - t1, (double)total / (t2 - t1) / 1e9, c2 - c1, t3 - t2, (double)total / (t3 - t0) / 1e9,
            peak_rss_mib());
