@@ -13,6 +13,10 @@ state root and a new tree every time; a replacing upload is never counted as a r
               already exists, as in every round but the first) -> global/step_count.json names step 1
               (dilocod's log: "hub published step=1").
   file:// catch-up        all 8 deltas present when dilocod starts -> step 1 published (same log line).
+  file:// critical path, idle   as the critical path, but the 8th delta lands BENCH_IDLE_S (10) seconds
+              after the 7th was taken in, with no page cache freed for it: what a real round looks like
+              (workers train between rounds), where pages freed earlier went back to the host and the
+              pass's 2 GiB of new output pages fault in again, unless dilocod warmed them while it waited.
   HTTP critical path      7 deltas uploaded, then the 8th: its 201 -> step 1 served (the log line
               "store committed step=1" is written as GET /global and /status switch to the new step; checked
               with /status).
@@ -40,7 +44,7 @@ took 7.5 s that way (perf: 74% of its CPU in pread, 40% of it readahead, 14% dir
 
 Usage: bench_round.py BUILD_DIR [MODEL_MIB ...]   (default 1024 256)
 env: BENCH_ROUNDS=3 fresh rounds per figure, BENCH_TMP=/var/tmp, BENCH_KEEP=1 keeps the files,
-     BENCH_ONLY=file,http,reference to run a subset,
+     BENCH_ONLY=file,idle,http,reference to run a subset, BENCH_IDLE_S=10,
      BENCH_BEFORE=OTHER_BUILD_DIR runs every dilocod figure with that build too, round by round alternated
      with BUILD_DIR (before/after a change, measured side by side).
 """
@@ -68,7 +72,8 @@ SIZES = [int(x) for x in sys.argv[2:]] or [1024, 256]
 NODES = 8
 TENSORS = 8
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
-ONLY = set(os.environ.get("BENCH_ONLY", "file,http,reference").split(","))
+ONLY = set(os.environ.get("BENCH_ONLY", "file,idle,http,reference").split(","))
+IDLE_S = float(os.environ.get("BENCH_IDLE_S", "10"))
 TIMEOUT = 1800
 
 REFERENCE = r'''
@@ -254,8 +259,10 @@ def link_delta(src, hub, k, via_rename):
     return time.time()
 
 
-def file_round(build, tmp, init, deltas, catch_up):
-    """One fresh file:// round: (seconds to published, pass seconds, VmHWM MiB)."""
+def file_round(build, tmp, init, deltas, catch_up, idle=False):
+    """One fresh file:// round: (seconds to published, pass seconds, VmHWM MiB).  idle: the last delta
+    lands IDLE_S after the others were taken in, with no page cache freed for it (as in a real run,
+    where the round waits for workers to train)."""
     hub = tmp / "hub"
     hub.mkdir()
     for k in range(NODES):
@@ -270,7 +277,10 @@ def file_round(build, tmp, init, deltas, catch_up):
     try:
         if not catch_up:
             d.wait("7 accepted deltas", lambda: d.count("round", "delta accepted") >= NODES - 1)
-            fresh_pages(tmp, 3 * deltas[-1].stat().st_size)
+            if idle:
+                time.sleep(IDLE_S)
+            else:
+                fresh_pages(tmp, 3 * deltas[-1].stat().st_size)
             t_start = link_delta(deltas[-1], hub, NODES - 1, True)
         r = d.wait("step 1 published", lambda: published(d))
         if json.loads((hub / "global" / "step_count.json").read_text())["outer_step"] != 1:
@@ -409,6 +419,9 @@ def run_size(base, mib):
         if "file" in ONLY:
             rows += [("file:// critical path", lambda b, t: file_round(b, t, init, deltas, False), "file"),
                      ("file:// catch-up", lambda b, t: file_round(b, t, init, deltas, True), "file")]
+        if "idle" in ONLY:
+            rows += [(f"file:// critical path, {IDLE_S:.0f} s idle", lambda b, t: file_round(b, t, init, deltas, False,
+                                                                                      True), "idle")]
         if "http" in ONLY:
             rows += [("HTTP critical path", lambda b, t: http_round(b, t, init, deltas, False), "http"),
                      ("HTTP round (8 concurrent)", lambda b, t: http_round(b, t, init, deltas, True), "http")]

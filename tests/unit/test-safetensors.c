@@ -2,7 +2,10 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -344,6 +347,155 @@ TEST(writer_streaming_pwrite_any_order_and_abort)
     CHECK(stat(test_path("t"), &sb) != 0);
     /* only the two files of this test: no temporary file left (in this run's directory: other runs
      * of the unit tests may be working beside it) */
+    DIR *dir = opendir(test_dir());
+    struct dirent *e;
+    int temps = 0;
+    CHECK(dir != NULL);
+    while (dir != NULL && (e = readdir(dir)) != NULL)
+        temps += strstr(e->d_name, ".tmp-") != NULL;
+    if (dir != NULL)
+        closedir(dir);
+    CHECK_EQ(temps, 0);
+}
+
+/* Writes p and q (1000 F32 each) through a writer on warm_tmp (NULL: a new temporary file) to path. */
+static int write_pq(const char *path, const char *warm_tmp, const float *a, const float *b)
+{
+    uint64_t shape[] = {1000};
+    st_spec specs[] = {{"p", 1, ST_F32, 1, shape}, {"q", 1, ST_F32, 1, shape}};
+    st_writer *w;
+    dl_error err;
+
+    if (st_writer_open_warm(path, specs, 2, NULL, 0, warm_tmp, &w, &err) != 0)
+        return -1;
+    if (st_writer_write(w, 1, 0, b, 4000, &err) != 0 || st_writer_write(w, 0, 0, a, 4000, &err) != 0) {
+        st_writer_abort(w);
+        return -1;
+    }
+    return st_writer_commit(w, &err);
+}
+
+/* A warm file: made with its space, read into the page cache (all of it resident, all zeros), then
+ * taken over by a writer, which resizes it; the output is byte for byte a new file's. */
+static char *warm_file(const char *path, uint64_t size, uint64_t *filled)
+{
+    char *tmp = NULL;
+    int fd;
+    atomic_int go = 0;
+    dl_error err;
+
+    if (st_writer_warm_create(path, size, &tmp, &fd, &err) != 0)
+        return NULL;
+    *filled = st_writer_warm_fill(fd, size, &go);
+    close(fd);
+    return tmp;
+}
+
+static size_t resident_pages(const char *path, size_t size)
+{
+    int fd = open(path, O_RDONLY);
+    void *m = fd >= 0 ? mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0) : MAP_FAILED;
+    size_t np = (size + 4095) / 4096, n = 0;
+    unsigned char *vec = malloc(np);
+
+    if (m != MAP_FAILED && vec != NULL && mincore(m, size, vec) == 0)
+        for (size_t i = 0; i < np; i++)
+            n += vec[i] & 1;
+    if (m != MAP_FAILED)
+        munmap(m, size);
+    if (fd >= 0)
+        close(fd);
+    free(vec);
+    return n;
+}
+
+TEST(writer_takes_over_a_warm_file)
+{
+    static float a[1000], b[1000];
+    static char plain[1 << 16], got[1 << 16];
+    size_t plain_len, len;
+    uint64_t filled;
+    char *tmp;
+    struct stat sb;
+    atomic_int stop = 1;
+    dl_error err;
+    int fd;
+
+    for (int i = 0; i < 1000; i++) {
+        a[i] = (float)i * 0.5f;
+        b[i] = -(float)i;
+    }
+    CHECK_EQ(write_pq(test_path("plain"), NULL, a, b), 0);
+    memcpy(plain, read_all(test_path("plain"), &plain_len), sizeof(plain));
+    CHECK(plain_len > 8000);
+
+    /* larger than the output: every page comes in, zeros, no byte written; the writer shrinks it */
+    tmp = warm_file(test_path("big"), 1 << 20, &filled);
+    CHECK(tmp != NULL);
+    CHECK_EQ(filled, 1 << 20);
+    CHECK_EQ(resident_pages(tmp, 1 << 20), 256);
+    CHECK_EQ(stat(tmp, &sb), 0);
+    CHECK_EQ(sb.st_size, 1 << 20);
+    const char *z = read_all(tmp, &len);
+    CHECK_EQ(len, 1 << 16);
+    for (size_t i = 0; i < len; i++)
+        CHECK_EQ(z[i], 0);
+    CHECK_EQ(write_pq(test_path("big"), tmp, a, b), 0);
+    CHECK(stat(tmp, &sb) != 0);                     /* renamed into place */
+    memcpy(got, read_all(test_path("big"), &len), sizeof(got));
+    CHECK_EQ(len, plain_len);
+    CHECK_MEM(got, plain, plain_len);
+    free(tmp);
+
+    /* smaller: extended */
+    tmp = warm_file(test_path("small"), 100, &filled);
+    CHECK(tmp != NULL);
+    CHECK_EQ(filled, 100);
+    CHECK_EQ(write_pq(test_path("small"), tmp, a, b), 0);
+    memcpy(got, read_all(test_path("small"), &len), sizeof(got));
+    CHECK_EQ(len, plain_len);
+    CHECK_MEM(got, plain, plain_len);
+    free(tmp);
+
+    /* gone (removed meanwhile): a new temporary file (test_path's buffer is reused: copies) */
+    char out[4096], warm[4096];
+    snprintf(out, sizeof(out), "%s", test_path("gone"));
+    snprintf(warm, sizeof(warm), "%s", test_path("no-such-warm-file"));
+    CHECK_EQ(write_pq(out, warm, a, b), 0);
+    memset(got, 1, sizeof(got));
+    memcpy(got, read_all(out, &len), sizeof(got));
+    CHECK_EQ(len, plain_len);
+    CHECK_MEM(got, plain, plain_len);
+
+    /* a symlink in its place is not written through: removed, and a new file used */
+    snprintf(out, sizeof(out), "%s", test_path("viasym"));
+    snprintf(warm, sizeof(warm), "%s", test_path("link"));
+    CHECK_EQ(symlink(test_path("plain"), warm), 0);
+    CHECK_EQ(write_pq(out, warm, a, b), 0);
+    CHECK(lstat(warm, &sb) != 0);
+    CHECK_EQ(lstat(out, &sb), 0);
+    CHECK_EQ(sb.st_size, plain_len);
+    memcpy(got, read_all(test_path("plain"), &len), sizeof(got));
+    CHECK_EQ(len, plain_len);
+    CHECK_MEM(got, plain, plain_len);
+
+    /* a stopped fill reads nothing; an aborted writer removes the warm file */
+    CHECK_EQ(st_writer_warm_create(test_path("stopped"), 1 << 20, &tmp, &fd, &err), 0);
+    CHECK_EQ(st_writer_warm_fill(fd, 1 << 20, &stop), 0);
+    close(fd);
+    uint64_t shape[] = {1000};
+    st_spec specs[] = {{"p", 1, ST_F32, 1, shape}};
+    st_writer *w;
+    CHECK_EQ(st_writer_open_warm(test_path("stopped"), specs, 1, NULL, 0, tmp, &w, &err), 0);
+    st_writer_abort(w);
+    CHECK(stat(tmp, &sb) != 0);
+    CHECK(stat(test_path("stopped"), &sb) != 0);
+    free(tmp);
+
+    /* no space: a clear error, nothing left */
+    CHECK(st_writer_warm_create(test_path("huge"), UINT64_C(1) << 62, &tmp, &fd, &err) < 0);
+    CHECK(tmp == NULL);
+    CHECK(strstr(err.message, "cannot reserve") != NULL);
     DIR *dir = opendir(test_dir());
     struct dirent *e;
     int temps = 0;
