@@ -1324,8 +1324,11 @@ static void warm_done(job *j)
     d->warm_job = NULL;
     if (j->rc != 0) {
         char m[600];
-        dl_log(DL_LOG_WARN, "aggregate", "cannot warm the next pass's outputs: it will write new pages",
-               "step=%" PRIu64 " error=%s", a->step, dl_log_q(m, sizeof(m), j->err.message));
+        /* a full disk or a filesystem without fallocate: said once, then at debug level */
+        dl_log(d->warm_failure_said ? DL_LOG_DEBUG : DL_LOG_WARN, "aggregate",
+               "cannot warm the next pass's outputs: it will write new pages", "step=%" PRIu64 " error=%s", a->step,
+               dl_log_q(m, sizeof(m), j->err.message));
+        d->warm_failure_said = 1;
     }
     dl_log(DL_LOG_DEBUG, "aggregate", "outputs warmed", "step=%" PRIu64 " bytes=%" PRIu64 " seconds=%.3f stopped=%d",
            a->step, a->filled, a->seconds, atomic_load(&a->stop));

@@ -85,6 +85,7 @@ typedef struct dilocod {
     uint64_t warm_step;
     char *pass_warm[2];         /* the ones given to the current pass (it takes them over, or they go) */
     int prepare_after_warm;     /* the pass's prepare waits for the warm job to stop */
+    int warm_failure_said;      /* a warm job failed: logged at warn level once */
     double pass_started;
     double retry_delay;
     uint64_t pass_last_bytes;
