@@ -6,6 +6,8 @@
 #include <sys/stat.h>
 #include <inttypes.h>
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -53,6 +55,7 @@ static void maybe_publish(dilocod *d);
 static void start_aggregation(dilocod *d);
 static void collecting_start(dilocod *d);
 static void start_warm(dilocod *d);
+static void warm_async_cb(uv_async_t *h);
 
 /* ---- small pool jobs -------------------------------------------------------------------------- */
 
@@ -1234,15 +1237,26 @@ static void stop_writeback(dilocod *d)
  * A pass writes 2 x the model size of new page cache (the new global and momentum).  Each new page
  * costs an allocation, and on a VM whose balloon hands free pages back to the host (free page
  * reporting), a fault in the host too: 1.35 s of system time per GiB here after the machine idled,
- * against 0.09 s to overwrite cached pages.  So when a round opens, a job creates the pass's output
- * files early with their space reserved and reads them once (st_writer_warm_*: zero pages of
- * unwritten space, no disk I/O), and the pass's writers take them over.  The cost moves from the
- * critical path to the time the round waits for workers.  The job stops when the round closes (within
- * a 1 MiB read) and the pass uses what is warm by then; unused files are removed.  The pages are clean
- * page cache: under memory pressure the kernel drops them and the pass allocates, as without warming. */
+ * against 0.09 s to overwrite cached pages.  So when a round opens, a thread creates the pass's output
+ * files early with their space reserved and reads them once (st_writer_warm_*: zero pages of unwritten
+ * space, no disk I/O), and the pass's writers take them over.  The cost moves from the critical path to
+ * the time the round waits for workers, and to idle CPU only: the thread runs under SCHED_IDLE (its own
+ * thread, not the pool's: an unprivileged thread cannot leave SCHED_IDLE again), so a burst of uploads
+ * is not slowed by it (run at normal priority beside 8 concurrent 1 GiB uploads it made them 3 s slower).
+ *
+ * Nothing waits for it.  A file is handed to the loop once its space is reserved (ready[i]); when the
+ * round closes, the pass takes every ready file as it is, warm or not yet, and the thread stops at its
+ * next 1 MiB read (reading a file the pass writes is harmless: the page cache is coherent, and what the
+ * pass already wrote is not replaced).  The loop removes the files nobody took when the thread has
+ * ended; a killed process's are temporary files the startup sweep removes.  The pages are clean page
+ * cache: under memory pressure the kernel drops them and the pass allocates, as without warming. */
 
 typedef struct warm_args {
+    dilocod *d;
     atomic_int stop;
+    atomic_int ready[2];        /* tmp[i] exists with its space reserved (set by the thread) */
+    atomic_int finished;        /* the thread is about to return */
+    int taken[2];               /* the loop gave tmp[i] to a pass (loop only) */
     uint64_t step;              /* the pass's new step */
     char *src[2];               /* the committed global and momentum (NULL: none yet): the sizes to make */
     char *out[2];               /* the pass's outputs (out[1] NULL without momentum) */
@@ -1250,6 +1264,8 @@ typedef struct warm_args {
     char *tmp[2];
     uint64_t filled;
     double seconds;
+    int rc;
+    dl_error err;
 } warm_args;
 
 static uint64_t regular_file_size(const char *path)
@@ -1265,26 +1281,39 @@ static double mono_seconds(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static void warm_work(job *j)
+static void warm_thread_main(void *arg)
 {
-    warm_args *a = j->arg;
+    warm_args *a = arg;
+    struct sched_param idle = {0};
     double t0 = mono_seconds();
+    int fd[2] = {-1, -1};
 
+    /* only CPU time nothing else wants; failing that (no SCHED_IDLE), it runs at normal priority */
+    (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &idle);
     for (int i = 0; i < 2 && !atomic_load(&a->stop); i++) {
         uint64_t size = a->src[i] != NULL ? regular_file_size(a->src[i]) : 0;
-        int fd;
         if (a->out[i] == NULL)
             continue;
         if (size == 0 && i == 1)
             size = a->momentum_guess;
-        if (size == 0 || st_writer_warm_create(a->out[i], size, &a->tmp[i], &fd, &j->err) != 0) {
-            j->rc = size == 0 ? 0 : -1;
+        if (size == 0)
+            continue;
+        if (st_writer_warm_create(a->out[i], size, &a->tmp[i], &fd[i], &a->err) != 0) {
+            a->rc = -1;
             continue;
         }
-        a->filled += st_writer_warm_fill(fd, size, &a->stop);
-        close(fd);
+        atomic_store(&a->ready[i], 1);
+    }
+    /* reserved first, both: a round that closes early still gets the files, cold */
+    for (int i = 0; i < 2; i++) {
+        if (fd[i] >= 0) {
+            a->filled += st_writer_warm_fill(fd[i], regular_file_size(a->tmp[i]), &a->stop);
+            close(fd[i]);
+        }
     }
     a->seconds = mono_seconds() - t0;
+    atomic_store(&a->finished, 1);
+    uv_async_send(&a->d->warm_async);
 }
 
 static void warm_args_free(warm_args *a)
@@ -1312,27 +1341,35 @@ static void drop_warm(dilocod *d, char **tmp)
     }
 }
 
-static int queue_prepare(dilocod *d);
-static void prepare_work(job *j);
-static void prepare_done(job *j);
-
-static void warm_done(job *j)
+/* The warm thread ended: its files go to the round still waiting for them, or away. */
+static void warm_async_cb(uv_async_t *h)
 {
-    dilocod *d = j->d;
-    warm_args *a = j->arg;
+    dilocod *d = container_of(h, dilocod, warm_async);
+    warm_args *a = d->warm_job;
 
+    if (a == NULL || !atomic_load(&a->finished))
+        return;
+    uv_thread_join(&d->warm_thread);
     d->warm_job = NULL;
-    if (j->rc != 0) {
+    d->jobs_in_flight--;
+    if (a->rc != 0) {
         char m[600];
         /* a full disk or a filesystem without fallocate: said once, then at debug level */
         dl_log(d->warm_failure_said ? DL_LOG_DEBUG : DL_LOG_WARN, "aggregate",
                "cannot warm the next pass's outputs: it will write new pages", "step=%" PRIu64 " error=%s", a->step,
-               dl_log_q(m, sizeof(m), j->err.message));
+               dl_log_q(m, sizeof(m), a->err.message));
         d->warm_failure_said = 1;
     }
     dl_log(DL_LOG_DEBUG, "aggregate", "outputs warmed", "step=%" PRIu64 " bytes=%" PRIu64 " seconds=%.3f stopped=%d",
            a->step, a->filled, a->seconds, atomic_load(&a->stop));
-    if (!d->stopping && a->step == d->rnd.step + 1 && d->warm_tmp[0] == NULL && d->warm_tmp[1] == NULL) {
+    for (int i = 0; i < 2; i++) {
+        if (a->taken[i]) {
+            free(a->tmp[i]);            /* the pass's now */
+            a->tmp[i] = NULL;
+        }
+    }
+    if (!d->stopping && d->state == S_COLLECTING && a->step == d->rnd.step + 1 && !a->taken[0] && !a->taken[1] &&
+        d->warm_tmp[0] == NULL && d->warm_tmp[1] == NULL) {
         for (int i = 0; i < 2; i++) {
             d->warm_tmp[i] = a->tmp[i];
             a->tmp[i] = NULL;
@@ -1341,14 +1378,7 @@ static void warm_done(job *j)
     }
     drop_warm(d, a->tmp);       /* a round that moved on meanwhile */
     warm_args_free(a);
-    if (d->prepare_after_warm) {
-        d->prepare_after_warm = 0;
-        if (!d->stopping && queue_prepare(d) != 0) {
-            dl_error e;
-            dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot start the aggregation");
-            aggregation_failed(d, &e);
-        }
-    }
+    maybe_finish_shutdown(d);
 }
 
 /* When a round opens: warms the files its pass will write (the sizes of the committed step's). */
@@ -1362,7 +1392,12 @@ static void start_warm(dilocod *d)
     if (!d->cfg->warm_outputs || d->stopping || d->warm_job != NULL || d->warm_tmp[0] != NULL ||
         d->state != S_COLLECTING || (a = calloc(1, sizeof(*a))) == NULL)
         return;
+    a->d = d;
     atomic_init(&a->stop, 0);
+    atomic_init(&a->finished, 0);
+    atomic_init(&a->ready[0], 0);
+    atomic_init(&a->ready[1], 0);
+    dl_error_clear(&a->err);
     a->step = step;
     a->src[0] = strdup(d->st.global_path);
     a->src[1] = d->st.momentum_path != NULL ? strdup(d->st.momentum_path) : NULL;
@@ -1371,30 +1406,34 @@ static void start_warm(dilocod *d)
     /* the momentum's header is about the global's (the same names and shapes) plus its metadata */
     a->momentum_guess = d->delta_bytes + 4096;
     if (a->src[0] == NULL || (d->st.momentum_path != NULL && a->src[1] == NULL) || a->out[0] == NULL ||
-        (d->cfg->momentum != 0 && a->out[1] == NULL) || daemon__queue(d, warm_work, warm_done, a, 0, 0) != 0) {
+        (d->cfg->momentum != 0 && a->out[1] == NULL) || uv_thread_create(&d->warm_thread, warm_thread_main, a) != 0) {
         warm_args_free(a);
         return;
     }
     d->warm_job = a;
+    d->jobs_in_flight++;        /* shutdown waits for the thread */
 }
 
-/* Queues the pass's prepare with the files warmed for it, once the warm job (if one runs) stopped. */
-static int queue_prepare(dilocod *d)
+/* Gives the pass the files warmed for it: the finished job's, or the running one's that are ready
+ * (which then stops). */
+static void take_warm(dilocod *d)
 {
-    if (d->warm_job != NULL) {
-        atomic_store(&d->warm_job->stop, 1);
-        d->prepare_after_warm = 1;
-        return 0;
-    }
-    if (d->warm_step == d->rnd.step + 1) {
+    warm_args *a = d->warm_job;
+
+    if (a != NULL) {
+        atomic_store(&a->stop, 1);
+        for (int i = 0; i < 2; i++) {
+            if (a->step == d->rnd.step + 1 && atomic_load(&a->ready[i]) && (d->pass_warm[i] = strdup(a->tmp[i])))
+                a->taken[i] = 1;
+        }
+    } else if (d->warm_step == d->rnd.step + 1) {
         for (int i = 0; i < 2; i++) {
             d->pass_warm[i] = d->warm_tmp[i];
             d->warm_tmp[i] = NULL;
         }
-        d->pass->warm_global_tmp = d->pass_warm[0];
-        d->pass->warm_momentum_tmp = d->pass_warm[1];
     }
-    return daemon__queue(d, prepare_work, prepare_done, NULL, 0, 0);
+    d->pass->warm_global_tmp = d->pass_warm[0];
+    d->pass->warm_momentum_tmp = d->pass_warm[1];
 }
 
 static void prepare_work(job *j)
@@ -1618,8 +1657,10 @@ static void start_aggregation(dilocod *d)
     d->pass_last_time = d->pass_started;
     if (d->inputs_syncing)
         d->inputs_resync = 1;       /* an earlier attempt's sync is still out: it syncs again when done */
+    if (rc == 0)
+        take_warm(d);
     if (rc != 0 || (!d->inputs_syncing && start_sync_inputs(d) != 0) ||
-        queue_prepare(d) != 0) {
+        daemon__queue(d, prepare_work, prepare_done, NULL, 0, 0) != 0) {
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot start the aggregation");
         aggregation_failed(d, &e);
         return;
@@ -2193,6 +2234,8 @@ static int init_handles(dilocod *d)
     uv_timer_init(&d->loop, &d->set_timer);
     uv_signal_init(&d->loop, &d->sighup);
     d->sighup.data = d;
+    if ((rc = uv_async_init(&d->loop, &d->warm_async, warm_async_cb)) != 0)
+        return rc;
     uv_signal_start(&d->sigint, signal_cb, SIGINT);
     uv_signal_start(&d->sigterm, signal_cb, SIGTERM);
     uv_signal_start(&d->sighup, sighup_cb, SIGHUP);

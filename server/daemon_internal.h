@@ -80,11 +80,12 @@ typedef struct dilocod {
     int pass_jobs;              /* run jobs still out */
     atomic_int *writeback_stop; /* the new global's write-back job (set to 1 to stop it), NULL when none */
     /* the next pass's output files, warmed while its round collects (start_warm) */
-    struct warm_args *warm_job; /* the warm job in flight, NULL when none */
+    struct warm_args *warm_job; /* the warm thread's job, NULL when none runs */
+    uv_thread_t warm_thread;
+    uv_async_t warm_async;      /* the warm thread ended */
     char *warm_tmp[2];          /* global, momentum: warmed for the pass of step warm_step, not yet given */
     uint64_t warm_step;
     char *pass_warm[2];         /* the ones given to the current pass (it takes them over, or they go) */
-    int prepare_after_warm;     /* the pass's prepare waits for the warm job to stop */
     int warm_failure_said;      /* a warm job failed: logged at warn level once */
     double pass_started;
     double retry_delay;

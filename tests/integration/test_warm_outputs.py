@@ -59,6 +59,16 @@ def temporary_files(state_dir: Path):
     return sorted(str(Path(dp) / n) for dp, dirs, files in os.walk(state_dir) for n in dirs + files if ".tmp-" in n)
 
 
+def first_round_equals_torch(d, model, seed):
+    """Nodes a and b deliver round 0: step 1 is published and equals the torch oracle's."""
+    rng = np.random.default_rng(seed)
+    deltas = {n: random_deltas(rng, model) for n in ("a", "b")}
+    for n, t in deltas.items():
+        write_delta(d.hub, n, 0, 10, t)
+    d.wait_step(1)
+    assert_state_equal(load_torch(d.hub / "global/latest.safetensors"), Oracle(model).step(deltas))
+
+
 def test_the_pass_writes_into_the_files_warmed_for_it(tmp_path):
     model = small_model()
     rng = np.random.default_rng(5)
@@ -112,12 +122,7 @@ def test_a_killed_daemons_warm_files_are_removed_at_the_next_start(tmp_path):
         assert not any(p.exists() for p in left.values()), temporary_files(d.state_dir)
         assert warm_files(d, 1, pid) == {}
         assert len(warm_files(d, 1)) == 2
-        rng = np.random.default_rng(9)
-        deltas = {n: random_deltas(rng, model) for n in ("a", "b")}
-        for n, t in deltas.items():
-            write_delta(d.hub, n, 0, 10, t)
-        d.wait_step(1)
-        assert_state_equal(load_torch(d.hub / "global/latest.safetensors"), Oracle(model).step(deltas))
+        first_round_equals_torch(d, model, seed=9)
     finally:
         d.stop()
 
@@ -150,12 +155,7 @@ def test_a_warm_job_without_space_warns_and_the_round_goes_on(tmp_path):
         assert set(files) == {"latest"}, temporary_files(d.state_dir)
         ino = files["latest"].stat().st_ino
         filler.unlink()
-        rng = np.random.default_rng(11)
-        deltas = {n: random_deltas(rng, model) for n in ("a", "b")}
-        for n, t in deltas.items():
-            write_delta(d.hub, n, 0, 10, t)
-        d.wait_step(1)
-        assert_state_equal(load_torch(d.hub / "global/latest.safetensors"), Oracle(model).step(deltas))
+        first_round_equals_torch(d, model, seed=11)
         assert (d.state_dir / "global/latest-1.safetensors").stat().st_ino == ino
         assert d.alive()
     finally:

@@ -315,6 +315,20 @@ TEST(writer_refuses_bad_specs)
     CHECK(stat(test_path("x"), &sb) != 0);
 }
 
+/* Temporary files in this run's directory (other runs of the unit tests may be working beside it). */
+static int temporary_files(void)
+{
+    DIR *dir = opendir(test_dir());
+    struct dirent *e;
+    int temps = 0;
+
+    while (dir != NULL && (e = readdir(dir)) != NULL)
+        temps += strstr(e->d_name, ".tmp-") != NULL;
+    if (dir != NULL)
+        closedir(dir);
+    return dir != NULL ? temps : -1;
+}
+
 TEST(writer_streaming_pwrite_any_order_and_abort)
 {
     uint64_t shape[] = {1000};
@@ -345,17 +359,8 @@ TEST(writer_streaming_pwrite_any_order_and_abort)
     CHECK_EQ(st_writer_open(test_path("t"), specs, 2, NULL, 0, &w, &err), 0);
     st_writer_abort(w);
     CHECK(stat(test_path("t"), &sb) != 0);
-    /* only the two files of this test: no temporary file left (in this run's directory: other runs
-     * of the unit tests may be working beside it) */
-    DIR *dir = opendir(test_dir());
-    struct dirent *e;
-    int temps = 0;
-    CHECK(dir != NULL);
-    while (dir != NULL && (e = readdir(dir)) != NULL)
-        temps += strstr(e->d_name, ".tmp-") != NULL;
-    if (dir != NULL)
-        closedir(dir);
-    CHECK_EQ(temps, 0);
+    /* only the two files of this test: no temporary file left */
+    CHECK_EQ(temporary_files(), 0);
 }
 
 /* Writes p and q (1000 F32 each) through a writer on warm_tmp (NULL: a new temporary file) to path. */
@@ -496,15 +501,7 @@ TEST(writer_takes_over_a_warm_file)
     CHECK(st_writer_warm_create(test_path("huge"), UINT64_C(1) << 62, &tmp, &fd, &err) < 0);
     CHECK(tmp == NULL);
     CHECK(strstr(err.message, "cannot reserve") != NULL);
-    DIR *dir = opendir(test_dir());
-    struct dirent *e;
-    int temps = 0;
-    CHECK(dir != NULL);
-    while (dir != NULL && (e = readdir(dir)) != NULL)
-        temps += strstr(e->d_name, ".tmp-") != NULL;
-    if (dir != NULL)
-        closedir(dir);
-    CHECK_EQ(temps, 0);
+    CHECK_EQ(temporary_files(), 0);
 }
 
 TEST(dtype_table)
