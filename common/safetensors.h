@@ -150,8 +150,9 @@ int st_writer_open_warm(const char *path, const st_spec *specs, size_t n, const 
  * unwritten space reads as zeros), until size bytes are in or *stop becomes nonzero.  A writer opened on
  * it later overwrites cached pages.  *tmp_path is malloc'd; *fd is read-only. */
 int st_writer_warm_create(const char *path, uint64_t size, char **tmp_path, int *fd, dl_error *err);
-/* Returns the bytes brought in (all of them unless stopped or a read failed). */
-uint64_t st_writer_warm_fill(int fd, uint64_t size, const _Atomic int *stop);
+/* Returns the bytes brought in (all of them unless stopped or a read failed).  While *pause is nonzero
+ * (pause may be NULL) it waits, 10 ms at a time, without reading. */
+uint64_t st_writer_warm_fill(int fd, uint64_t size, const _Atomic int *stop, const _Atomic int *pause);
 int st_writer_write(st_writer *w, size_t spec_index, uint64_t off, const void *buf, size_t len,
                     dl_error *err);
 /* Starts writeback of each range right after it is written (large outputs: the final fsync then

@@ -343,12 +343,16 @@ int st_writer_warm_create(const char *path, uint64_t size, char **tmp_path, int 
  * costs up to ~2 ms where the host must fault them in). */
 #define WARM_CHUNK (1u << 20)
 
-uint64_t st_writer_warm_fill(int fd, uint64_t size, const _Atomic int *stop)
+uint64_t st_writer_warm_fill(int fd, uint64_t size, const _Atomic int *stop, const _Atomic int *pause)
 {
     char *sink = malloc(WARM_CHUNK);    /* the zeros land here and are thrown away */
     uint64_t done = 0;
 
     while (sink != NULL && done < size && !atomic_load(stop)) {
+        if (pause != NULL && atomic_load_explicit(pause, memory_order_relaxed)) {
+            usleep(10000);
+            continue;
+        }
         size_t want = size - done < WARM_CHUNK ? (size_t)(size - done) : WARM_CHUNK;
         ssize_t r = pread(fd, sink, want, (off_t)done);
         if (r < 0 && errno == EINTR)

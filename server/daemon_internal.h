@@ -83,6 +83,7 @@ typedef struct dilocod {
     struct warm_args *warm_job; /* the warm thread's job, NULL when none runs */
     uv_thread_t warm_thread;
     uv_async_t warm_async;      /* the warm thread ended */
+    uv_check_t busy_check;      /* while it runs: tells it whether deltas are arriving */
     char *warm_tmp[2];          /* global, momentum: warmed for the pass of step warm_step, not yet given */
     uint64_t warm_step;
     char *pass_warm[2];         /* the ones given to the current pass (it takes them over, or they go) */

@@ -100,7 +100,7 @@ int main(int argc, char **argv)
                 fprintf(stderr, "warm: %s\n", err.message);
                 return 1;
             }
-            st_writer_warm_fill(fd, (uint64_t)sb.st_size, &go);
+            st_writer_warm_fill(fd, (uint64_t)sb.st_size, &go, NULL);
             close(fd);
         }
         p.warm_global_tmp = warm[0];

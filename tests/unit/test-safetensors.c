@@ -391,7 +391,7 @@ static char *warm_file(const char *path, uint64_t size, uint64_t *filled)
 
     if (st_writer_warm_create(path, size, &tmp, &fd, &err) != 0)
         return NULL;
-    *filled = st_writer_warm_fill(fd, size, &go);
+    *filled = st_writer_warm_fill(fd, size, &go, NULL);
     close(fd);
     return tmp;
 }
@@ -486,7 +486,7 @@ TEST(writer_takes_over_a_warm_file)
 
     /* a stopped fill reads nothing; an aborted writer removes the warm file */
     CHECK_EQ(st_writer_warm_create(test_path("stopped"), 1 << 20, &tmp, &fd, &err), 0);
-    CHECK_EQ(st_writer_warm_fill(fd, 1 << 20, &stop), 0);
+    CHECK_EQ(st_writer_warm_fill(fd, 1 << 20, &stop, NULL), 0);
     close(fd);
     uint64_t shape[] = {1000};
     st_spec specs[] = {{"p", 1, ST_F32, 1, shape}};
