@@ -1557,6 +1557,7 @@ static int reopen_if_rewritten(dilocod *d)
     d->state = S_COLLECTING;
     if (d->rnd.timeout > 0 && d->rnd.n > 0)
         arm_round_timer(d);
+    start_warm(d);              /* the pass that gave up took the warm files with it */
     dispatch_intake(d);
     maybe_close_round(d);
     return 1;
