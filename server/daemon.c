@@ -1117,8 +1117,8 @@ static void finish_done(job *j)
         return;
     }
     dl_log(DL_LOG_DEBUG, "aggregate", "files written", "step=%" PRIu64 " seconds=%.3f", d->rnd.step + 1,
-           now_s(d) - d->pass_started);
-    if (prepare_round_record(d, now_s(d) - d->pass_started) != 0) {
+           daemon__clock() - d->pass_started);
+    if (prepare_round_record(d, daemon__clock() - d->pass_started) != 0) {
         dl_error e;
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory for the round's record");
         aggregation_failed(d, &e);
@@ -1185,7 +1185,7 @@ static void run_done(job *j)
         return;
     stop_writeback(d);
     dl_log(DL_LOG_DEBUG, "aggregate", "computed", "step=%" PRIu64 " seconds=%.3f", d->rnd.step + 1,
-           now_s(d) - d->pass_started);
+           daemon__clock() - d->pass_started);
     queue_finish(d);
 }
 
@@ -1275,18 +1275,11 @@ static uint64_t regular_file_size(const char *path)
     return path != NULL && stat(path, &sb) == 0 && S_ISREG(sb.st_mode) ? (uint64_t)sb.st_size : 0;
 }
 
-static double mono_seconds(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 static void warm_thread_main(void *arg)
 {
     warm_args *a = arg;
     struct sched_param idle = {0};
-    double t0 = mono_seconds();
+    double t0 = daemon__clock();
     int fd[2] = {-1, -1};
 
     /* only CPU time nothing else wants; failing that (no SCHED_IDLE), it runs at normal priority */
@@ -1312,7 +1305,7 @@ static void warm_thread_main(void *arg)
             close(fd[i]);
         }
     }
-    a->seconds = mono_seconds() - t0;
+    a->seconds = daemon__clock() - t0;
     atomic_store(&a->finished, 1);
     uv_async_send(&a->d->warm_async);
 }
@@ -1467,7 +1460,7 @@ static void prepare_done(job *j)
         return;
     }
     dl_log(DL_LOG_DEBUG, "aggregate", "prepared", "step=%" PRIu64 " seconds=%.3f items=%zu chunk_elems=%" PRIu64,
-           d->rnd.step + 1, now_s(d) - d->pass_started, d->pass->nitems, d->pass->chunk_elems);
+           d->rnd.step + 1, daemon__clock() - d->pass_started, d->pass->nitems, d->pass->chunk_elems);
     d->pass_jobs = 0;
     for (unsigned i = 0; i < d->cfg->threads; i++) {
         if (daemon__queue(d, run_work, run_done, NULL, 0, 0) == 0)
@@ -1487,7 +1480,7 @@ static void progress_cb(uv_timer_t *t)
     if (d->pass == NULL || d->pass->bytes_total == 0)
         return;
     uint64_t done = atomic_load(&d->pass->bytes_done);
-    double now = now_s(d);
+    double now = daemon__clock();
     double rate = now > d->pass_last_time ? (double)(done - d->pass_last_bytes) / (now - d->pass_last_time) : 0;
     d->pass_last_bytes = done;
     d->pass_last_time = now;
@@ -1668,7 +1661,7 @@ static void start_aggregation(dilocod *d)
     d->pass = p;
     d->pass_n = n;
     d->state = S_AGGREGATING;
-    d->pass_started = now_s(d);
+    d->pass_started = daemon__clock();
     d->pass_last_bytes = 0;
     d->pass_last_time = d->pass_started;
     if (d->inputs_syncing)

@@ -141,6 +141,13 @@ static inline double daemon__now(dilocod *d)
     return (double)uv_now(&d->loop) / 1000.0;
 }
 
+/* The same clock as daemon__now (libuv's monotonic one) read now, not at the start of the loop's
+ * iteration, and finer than its milliseconds: for durations (a small pass takes less than one). */
+static inline double daemon__clock(void)
+{
+    return (double)uv_hrtime() / 1e9;
+}
+
 const char *daemon__state_name(dstate s);
 /* The global that downloads send now (retries opening a newly committed one that failed to open). */
 const served_global *daemon__global(dilocod *d);

@@ -171,7 +171,7 @@ static void status_json(dilocod *d, sbuf *b)
         sb_str(b, ",\"aggregation\":{\"percent\":");
         sb_num(b, 100.0 * (double)done / (double)d->pass->bytes_total);
         sb_str(b, ",\"seconds\":");
-        sb_num(b, daemon__now(d) - d->pass_started);
+        sb_num(b, daemon__clock() - d->pass_started);
         sb_fmt(b, ",\"nodes\":%zu}", d->pass_n);
     } else {
         sb_str(b, ",\"aggregation\":null");
