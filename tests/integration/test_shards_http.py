@@ -341,7 +341,9 @@ def test_a_set_never_completed_does_not_block_the_round(tmp_path):
         code, ans = put(d.url, "a", ia6)
         assert code == 409 and ans["error"]["code"] == "stale", ans
         wait_unstaged_but(d, set())
-        # every descriptor the uploads opened is closed again (the served global is the new step's)
+        # every descriptor the uploads opened is closed again (the served global is the new step's); the
+        # thread warming step 2's outputs holds two while it runs: compared once it ended
+        d.wait_log("outputs warmed step=2 ")
         now = open_fds(d)
         assert len(now) == len(fds), (now, fds)
         assert not [f for f in now if "/cache/" in f], now
