@@ -319,16 +319,17 @@ int st_writer_write(st_writer *w, size_t spec_index, uint64_t off, const void *b
 
 int st_writer_warm_create(const char *path, uint64_t size, char **tmp_path, int *fd, dl_error *err)
 {
-    int wfd, e, rc;
+    int wfd, rc = 0;
 
     if ((rc = fsu_tmp_create(path, tmp_path, &wfd, err)) != 0)
         return rc;
     /* fallocate(2), not posix_fallocate: where the filesystem cannot reserve space, glibc would write
      * zeros instead, which the disk then has to take; such a file is simply not warmed */
-    if ((e = fallocate(wfd, 0, 0, (off_t)size) != 0 ? errno : 0) != 0 ||
-        (*fd = open(*tmp_path, O_RDONLY | O_CLOEXEC)) < 0) {
-        rc = e != 0 ? dl_fail_errno(err, e, "cannot reserve %llu bytes for %s", (unsigned long long)size, *tmp_path)
-                    : dl_fail_errno(err, errno, "cannot open %s", *tmp_path);
+    if (fallocate(wfd, 0, 0, (off_t)size) != 0)
+        rc = dl_fail_errno(err, errno, "cannot reserve %llu bytes for %s", (unsigned long long)size, *tmp_path);
+    else if ((*fd = open(*tmp_path, O_RDONLY | O_CLOEXEC)) < 0)
+        rc = dl_fail_errno(err, errno, "cannot open %s", *tmp_path);
+    if (rc != 0) {
         close(wfd);
         unlink(*tmp_path);
         free(*tmp_path);
