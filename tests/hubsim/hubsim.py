@@ -119,6 +119,8 @@ FAULT RULES (JSON object; all keys optional except what defines the kind)
     bytes_per_sec  throttle: send the body at this rate
     headers     headers: these response headers replace (or add to) the real answer's, e.g.
                 {"Link": "<http://evil:1/x>; rel=\"next\""} on a tree page (any response, HEAD too)
+    on_status   headers: fire only on a response of this HTTP status (e.g. 200: a Link on a listing's
+                404 means nothing to a client, and would use the rule up unseen)
     extra       oversize: after the real body, this many more filler bytes (default 200 MiB) ...
     announce    ... announced in Content-Length (true, default) or close-delimited with no length (false)
     max_bytes   endless: instead of the real body, a never-ending JSON array of fake file entries,
@@ -535,6 +537,9 @@ class Faults:
             raise ValueError(f"unknown fault kind {kind!r}")
         if kind == "headers" and not (isinstance(r.get("headers"), dict) and r["headers"]):
             raise ValueError("a headers fault needs a non-empty headers object")
+        if r.get("on_status") is not None and not (kind == "headers" and isinstance(r["on_status"], int)
+                                                   and 100 <= r["on_status"] <= 599):
+            raise ValueError("on_status is an integer HTTP status, for a headers fault")
         if kind == "oversize" and not (isinstance(r.get("extra", 0), int) and r.get("extra", 0) >= 0):
             raise ValueError("extra must be a non-negative integer")
         if kind == "listing_size" and "size" not in r and not isinstance(r.get("raw_size"), str):
@@ -582,7 +587,9 @@ class Faults:
             return [dict(r) for r in self.rules]
 
     @staticmethod
-    def _matches(r, req):
+    def _matches(r, req, status=None):
+        if r.get("on_status") is not None and r["on_status"] != status:
+            return False
         if r.get("method") and r["method"] != req["method"]:
             return False
         if r.get("route") and r["route"] not in (req["route"], req["category"]):
@@ -624,17 +631,18 @@ class Faults:
     def body_phase(self, req):
         return self.take(self.BODY_KINDS, req)
 
-    def take(self, kinds, req):
-        """The first matching rule of one of kinds that fires (consumed), or None."""
-        rules = self.take_all(kinds, req, first=True)
+    def take(self, kinds, req, status=None):
+        """The first matching rule of one of kinds that fires (consumed), or None.  status: the
+        response's, for rules that fire on one status only (on_status)."""
+        rules = self.take_all(kinds, req, first=True, status=status)
         return rules[0] if rules else None
 
-    def take_all(self, kinds, req, first=False):
+    def take_all(self, kinds, req, first=False, status=None):
         """Every matching rule of one of kinds that fires (each consumed once), in install order."""
         out = []
         with self.lock:
             for r in list(self.rules):
-                if r["kind"] in kinds and self._matches(r, req) and self._fire(r):
+                if r["kind"] in kinds and self._matches(r, req, status) and self._fire(r):
                     out.append(dict(r))
                     if first:
                         break
@@ -945,7 +953,7 @@ class Handler(BaseHTTPRequestHandler):
         length = len(body)
         fault = None
         if self._req is not None:
-            hfault = self.sim.faults.take(Faults.HEADER_KINDS, self._req)
+            hfault = self.sim.faults.take(Faults.HEADER_KINDS, self._req, status=status)
             if hfault:
                 self.sim.stats.fault(self._entry, hfault["kind"])
                 headers.update(hfault["headers"])

@@ -264,8 +264,10 @@ def test_link_to_another_origin_is_not_followed(tmp_path, procs, elsewhere):
     prepared = run.prepare()
     g = run.guard(prepared)
     refused0 = run.log_count("is not on the endpoint")
+    # on a listing's 200 only: the daemon's first listing after its bootstrap publish can meet a nodes/
+    # that no worker made yet (404), where a Link means nothing and the rule would be used up unseen
     ids = [run.fault(kind="headers", route="tree", path_regex=TREE, headers={"Link": f'<{u}>; rel="next"'},
-                     count=1)["id"] for u in links.values()]
+                     on_status=200, count=1)["id"] for u in links.values()]
     with g:
         run.upload(prepared)
         wait_fired(run, ids, "every hostile Link served")
