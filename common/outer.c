@@ -1,8 +1,13 @@
 #include "outer.h"
 
+#include <errno.h>
 #include <math.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "convert.h"
 #include "delta.h"
@@ -204,18 +209,29 @@ static int prepare(outer_pass *p, dl_error *err)
     return 0;
 }
 
-/* Elements per sub-block.  An item's inputs are read and processed a sub-block at a time, so the deltas'
- * lanes and the mean (9 x 64 KiB for 8 F32 deltas) stay in the core's L2 cache from the read through the
- * sum, the statistics and the optimizer, and the per-thread buffers shrink from ndeltas x item to
- * ndeltas x sub-block.
+/* Elements per sub-block.  An item's inputs are processed a sub-block at a time, so the deltas' lanes and
+ * the mean (9 x 64 KiB for 8 F32 deltas) stay in the core's L2 cache through the sum, the statistics and
+ * the optimizer.
  *
- * Why pread and not mmap: mapping each item's range read-only (MAP_POPULATE, or MADV_SEQUENTIAL and
- * WILLNEED, unmapped after the item so that RSS stays flat) and computing from the page cache in place
- * avoids the copy out of the page cache, but it measured 30-80% more CPU time per pass here (bench-outer,
- * 8 x 256 MiB F32 from the page cache, 2 threads: 0.49-0.68 CPU s against 0.37-0.43 for pread; page-table
- * set-up and munmap's TLB shootdowns cost more than copying 64 KiB into a cache-hot buffer).  And a mapped
- * file that someone truncates raises SIGBUS, where pread returns a short read and the pass fails cleanly. */
+ * F32 and C64 deltas are read in place: each item's range of each delta is mapped read-only, in whole
+ * 2 MiB units (MAP_POPULATE: one call sets up its page tables), and unmapped after the item, so RSS stays
+ * flat (threads x deltas x a few MiB); other dtypes, and data at an offset that is not 4-byte aligned,
+ * are read with pread and decoded.  The mean then adds LANE_W lanes of every delta at a time, so that
+ * all the deltas' streams advance together, and the statistics re-read each L1-sized block (STAT_BLOCK)
+ * while it is still in cache.  The copy out of the page cache (pread's, 40% of the pass's CPU) is gone.
+ * bench-outer, 8 x 256 MiB F32 from the page cache, 2 threads: 1.6x the pread pass (README,
+ * Performance).  Mapping alone did not pay: with 4 KiB page-table entries, one delta at a time per
+ * block, and the statistics in double, it measured the same as pread or up to 80% more CPU.
+ * A mapped delta that someone truncates while the pass reads it raises SIGBUS; the pass's threads catch
+ * it (bus_guard) and fail the pass, as pread's short read did. */
 enum { SUB_ELEMS = 16384 };
+
+/* A delta's range of one item, mapped read-only; base == NULL: read with pread instead. */
+typedef struct outer_map {
+    void *base;
+    size_t len;
+    const float *lanes;         /* the item's first lane */
+} outer_map;
 
 /* Per-thread buffers. */
 typedef struct outer_bufs {
@@ -223,7 +239,9 @@ typedef struct outer_bufs {
     unsigned char *sub_raw;     /* 8 bytes per element of a sub-block: an input as stored */
     float *param, *buf;         /* 2 lanes per element of an item: new parameters and momentum */
     float *g;                   /* 2 lanes per element of a sub-block: the mean */
-    float *d;                   /* ndeltas x 2 lanes per element of a sub-block: the deltas */
+    float *d;                   /* ndeltas x 2 lanes per element of a sub-block: the deltas read with pread */
+    const float **dk;           /* ndeltas: where delta k's lanes of the current sub-block are */
+    outer_map *maps;            /* ndeltas: delta k's mapped range of the current item, or none */
     outer_node_stats *stats;
     double mean_sumsq;
 } outer_bufs;
@@ -255,26 +273,6 @@ static int read_lanes(const st_file *f, const st_tensor *t, uint64_t e, size_t n
 #else
 #define KERNEL_CLONES
 #endif
-
-/* *ss += sum x[i]^2 and *dot += sum x[i]*y[i], reading x once. */
-KERNEL_CLONES static void sumsq_dot(const float *restrict x, const float *restrict y, size_t m, double *ss, double *dot)
-{
-    double a[8] = {0}, b[8] = {0};
-    size_t i = 0;
-    for (; i + 8 <= m; i += 8) {
-        for (int k = 0; k < 8; k++) {
-            double xv = (double)x[i + k];
-            a[k] += xv * xv;
-            b[k] += xv * (double)y[i + k];
-        }
-    }
-    for (; i < m; i++) {
-        a[0] += (double)x[i] * (double)x[i];
-        b[0] += (double)x[i] * (double)y[i];
-    }
-    *ss += ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-    *dot += ((b[0] + b[1]) + (b[2] + b[3])) + ((b[4] + b[5]) + (b[6] + b[7]));
-}
 
 /* The outer optimizer's elementwise loops, one per torch operation that fuses.
  *
@@ -365,31 +363,97 @@ static void sgd_nesterov(float *restrict param, const float *restrict buf, const
     sgd_nesterov_body(param, buf, g, mu, alpha, m);
 }
 
-/* The mean, the statistics and the optimizer over m lanes of one sub-block: delta k's lanes are at
- * d + k * stride; param and buf (when momentum is on) hold the sub-block's parameters and previous momentum
- * (have_buf) and are updated in place. */
-KERNEL_CLONES static void step_sub(const outer_pass *p, const float *d, size_t stride, float *restrict param,
-                                   float *restrict buf, int have_buf, size_t m, outer_bufs *b)
+/* Lanes per block of the mean and the statistics: the block's mean (8 KiB) stays in L1 while every delta's
+ * lanes are added to it, and each delta's block is still in L1 or L2 when its statistics read it again. */
+enum { STAT_BLOCK = 2048, LANE_W = 16, MAP_UNIT = 2 << 20 };
+/* LANE_W F32 lanes: one AVX-512 register, two AVX2 ones (the compiler splits it per clone); its + and /
+ * are elementwise IEEE operations, the same bits as the scalar ones. */
+typedef float lane_vec __attribute__((vector_size(LANE_W * sizeof(float))));
+
+/* *ss += sum x[i]^2 and *dot += sum x[i]*y[i] over m <= STAT_BLOCK lanes, reading x once.  Products and
+ * sums in F32 vectors, two per sum, each lane adding at most STAT_BLOCK / (2 * LANE_W) = 64 terms; the
+ * block's sums then go into the pass's doubles.  That is blocked summation (numpy's float32 sum adds
+ * 128-term blocks the same way): a sum of squares is within 66 F32 roundings (< 4e-6 relative).
+ * The statistics are reported, not part of the step's bytes.  (In double throughout, the conversions
+ * made this a quarter of the pass's CPU.) */
+KERNEL_CLONES static void sumsq_dot(const float *restrict x, const float *restrict y, size_t m, double *ss, double *dot)
 {
-    const float count = (float)p->ndeltas, lr = p->params.lr, mu = p->params.momentum;
-    float *restrict g = b->g;
+    lane_vec s0 = {0}, s1 = {0}, d0 = {0}, d1 = {0}, xv, yv;
+    float st = 0, dt = 0;
+    size_t j = 0;
+
+    for (; j + 2 * LANE_W <= m; j += 2 * LANE_W) {
+        memcpy(&xv, x + j, sizeof(xv));
+        memcpy(&yv, y + j, sizeof(yv));
+        s0 += xv * xv;
+        d0 += xv * yv;
+        memcpy(&xv, x + j + LANE_W, sizeof(xv));
+        memcpy(&yv, y + j + LANE_W, sizeof(yv));
+        s1 += xv * xv;
+        d1 += xv * yv;
+    }
+    for (; j < m; j++) {
+        st += x[j] * x[j];
+        dt += x[j] * y[j];
+    }
+    s0 += s1;
+    d0 += d1;
+    double a = st, b = dt;
+    for (int l = 0; l < LANE_W; l++) {
+        a += s0[l];
+        b += d0[l];
+    }
+    *ss += a;
+    *dot += b;
+}
+
+/* The mean and the statistics over m lanes (m <= STAT_BLOCK): delta k's lanes at dk[k] + j0. */
+KERNEL_CLONES static void mean_block(const outer_pass *p, const float *const *dk, size_t j0, float *restrict g,
+                                     size_t m, outer_bufs *b)
+{
+    const float count = (float)p->ndeltas;
+    const float *restrict d0 = dk[0] + j0;
 
     /* mean: sum(deltas) / len(deltas) in torch, F32, in node order.  Python's sum() starts from the
      * integer 0, and 0 + -0.0 is +0.0: the first term is added to +0, not copied.  The division is a
      * true division (torch divides by the count; a reciprocal multiply would differ). */
-    for (size_t j = 0; j < m; j++)
-        g[j] = 0.0f + d[j];
-    for (size_t k = 1; k < p->ndeltas; k++) {
-        const float *restrict dk = d + k * stride;
-        for (size_t j = 0; j < m; j++)
-            g[j] += dk[j];
+    size_t j = 0;
+    /* LANE_W lanes of every delta at a time, in registers: all the deltas' streams advance together (a
+     * delta at a time, the hardware prefetcher restarted at each 4 KiB page of each delta) */
+    for (; j + LANE_W <= m; j += LANE_W) {
+        lane_vec acc, x;
+        memcpy(&acc, d0 + j, sizeof(acc));
+        acc = 0.0f + acc;
+        for (size_t k = 1; k < p->ndeltas; k++) {
+            memcpy(&x, dk[k] + j0 + j, sizeof(x));
+            acc += x;
+        }
+        acc /= count;
+        memcpy(g + j, &acc, sizeof(acc));
     }
-    for (size_t j = 0; j < m; j++)
-        g[j] /= count;
+    for (; j < m; j++) {
+        float acc = 0.0f + d0[j];
+        for (size_t k = 1; k < p->ndeltas; k++)
+            acc += dk[k][j0 + j];
+        g[j] = acc / count;
+    }
     for (size_t k = 0; k < p->ndeltas; k++)
-        sumsq_dot(d + k * stride, g, m, &b->stats[k].sumsq, &b->stats[k].dot);
+        sumsq_dot(dk[k] + j0, g, m, &b->stats[k].sumsq, &b->stats[k].dot);
     double unused = 0;
     sumsq_dot(g, g, m, &b->mean_sumsq, &unused);
+}
+
+/* The mean, the statistics and the optimizer over m lanes of one sub-block: delta k's lanes are at dk[k];
+ * param and buf (when momentum is on) hold the sub-block's parameters and previous momentum (have_buf) and
+ * are updated in place. */
+KERNEL_CLONES static void step_sub(const outer_pass *p, const float *const *dk, float *restrict param,
+                                   float *restrict buf, int have_buf, size_t m, outer_bufs *b)
+{
+    const float lr = p->params.lr, mu = p->params.momentum;
+    float *restrict g = b->g;
+
+    for (size_t j0 = 0; j0 < m; j0 += STAT_BLOCK)
+        mean_block(p, dk, j0, g + j0, m - j0 < STAT_BLOCK ? m - j0 : STAT_BLOCK, b);
     /* torch.optim.SGD, as described above the sgd_* loops */
     if (mu == 0.0f) {
         sgd_axpy(param, g, -lr, m);
@@ -407,14 +471,84 @@ KERNEL_CLONES static void step_sub(const outer_pass *p, const float *d, size_t s
         sgd_axpy(param, buf, -lr, m);
 }
 
-/* One work item, a sub-block at a time; the new parameters and momentum are written with one pwrite each. */
-static int process_floating(outer_pass *p, const outer_item *it, outer_bufs *b, dl_error *err)
+/* ---- reading deltas in place ----------------------------------------------------------------------
+ * A pass thread arms bus_guard while it reads mapped deltas.  SIGBUS there (the file was truncated
+ * under the mapping, or the disk failed a page-in) jumps back to the guard, and the item fails as a short
+ * pread would.  Any other SIGBUS is not ours: the handler puts the prior action back and returns, and the
+ * fault repeats under it. */
+static __thread sigjmp_buf *volatile bus_guard;
+static struct sigaction bus_prior;
+static pthread_once_t bus_once = PTHREAD_ONCE_INIT;
+static int bus_installed;
+
+static void on_sigbus(int sig, siginfo_t *si, void *ctx)
+{
+    sigjmp_buf *jb = bus_guard;
+
+    (void)sig;
+    (void)si;
+    (void)ctx;
+    if (jb != NULL)
+        siglongjmp(*jb, 1);
+    sigaction(SIGBUS, &bus_prior, NULL);
+}
+
+static void install_bus_handler(void)
+{
+    struct sigaction sa;
+
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_sigaction = on_sigbus;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER;  /* SIGBUS stays unblocked after the jump out */
+    sigemptyset(&sa.sa_mask);
+    bus_installed = sigaction(SIGBUS, &sa, &bus_prior) == 0;
+}
+
+/* Maps delta k's lanes of item it, when they are F32 lanes at an aligned offset; otherwise (or when
+ * mmap fails) leaves m->base NULL and the item reads them with pread. */
+static void map_delta(const st_file *f, const st_tensor *t, const outer_item *it, outer_map *m)
+{
+    const uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    const size_t lanes = cv_lanes(t->dtype);
+    uint64_t off = f->data_start + t->begin + it->begin * lanes * 4, len = (it->end - it->begin) * lanes * 4;
+
+    m->base = NULL;
+    if ((t->dtype != ST_F32 && t->dtype != ST_C64) || off % 4 != 0 || !bus_installed)
+        return;
+    /* The mapping covers whole 2 MiB units of the file (within its size): where the page cache holds the
+     * data in 2 MiB folios, the kernel maps them with one page-table entry each, and the pass's loads miss
+     * the TLB 512 times less often than through 4 KiB entries (bench-outer, 8 x 256 MiB: the mean's loop
+     * ran at pread's speed through 4 KiB entries). */
+    uint64_t start = off - off % MAP_UNIT, end = off + len + (MAP_UNIT - 1) - (off + len + MAP_UNIT - 1) % MAP_UNIT;
+    uint64_t limit = f->file_size + (page - 1) - (f->file_size + page - 1) % page;
+    if (end > limit)
+        end = limit > off + len ? limit : off + len;
+    void *base = mmap(NULL, (size_t)(end - start), PROT_READ, MAP_SHARED | MAP_POPULATE, f->fd, (off_t)start);
+    if (base == MAP_FAILED)
+        return;
+    m->base = base;
+    m->len = (size_t)(end - start);
+    m->lanes = (const float *)((const char *)base + (off - start));
+}
+
+static void unmap_deltas(outer_map *maps, size_t n)
+{
+    for (size_t k = 0; k < n; k++) {
+        if (maps[k].base != NULL)
+            munmap(maps[k].base, maps[k].len);
+        maps[k].base = NULL;
+    }
+}
+
+/* The sub-blocks of item it: the global's and the momentum's lanes into param and buf, the deltas' in
+ * place or into b->d, and the step over them.  Adds the bytes it read to *bytes. */
+static __attribute__((noinline)) int step_item(outer_pass *p, const outer_item *it, outer_bufs *b, uint64_t *bytes,
+                                               dl_error *err)
 {
     const st_tensor *t = &p->global->h->tensors[it->tensor], *mt = p->mom_t[it->tensor];
-    const size_t n = (size_t)(it->end - it->begin), lanes = cv_lanes(t->dtype), esize = st_dtype_bits(t->dtype) / 8;
+    const size_t n = (size_t)(it->end - it->begin), lanes = cv_lanes(t->dtype);
     const size_t nd = p->ndeltas, sub = SUB_ELEMS;
     const int mom = p->params.momentum != 0.0f;
-    uint64_t bytes = 0;
     int rc;
 
     for (size_t s = 0; s < n; s += sub) {
@@ -426,17 +560,59 @@ static int process_floating(outer_pass *p, const outer_item *it, outer_bufs *b, 
         for (size_t k = 0; k < nd; k++) {
             const st_tensor *dt = p->delta_t[it->tensor * nd + k];
             const st_file *df = p->delta_f[it->tensor * nd + k];
-            if ((rc = read_lanes(df, dt, e, sn, b->sub_raw, b->d + k * sub * 2, err)) != 0)
-                return rc;
-            bytes += sn * (st_dtype_bits(dt->dtype) / 8);
+            if (b->maps[k].base != NULL) {
+                b->dk[k] = b->maps[k].lanes + s * lanes;
+            } else {
+                if ((rc = read_lanes(df, dt, e, sn, b->sub_raw, b->d + k * sub * 2, err)) != 0)
+                    return rc;
+                b->dk[k] = b->d + k * sub * 2;
+            }
+            *bytes += sn * (st_dtype_bits(dt->dtype) / 8);
         }
         if (mom && mt != NULL) {
             if ((rc = st_read(p->momentum, mt, e * lanes * 4, buf, sn * lanes * 4, err)) != 0)
                 return rc;
-            bytes += sn * lanes * 4;
+            *bytes += sn * lanes * 4;
         }
-        step_sub(p, b->d, sub * 2, param, buf, mt != NULL, sn * lanes, b);
+        step_sub(p, b->dk, param, buf, mt != NULL, sn * lanes, b);
     }
+    return 0;
+}
+
+/* step_item under the SIGBUS guard, with the item's deltas mapped where they can be. */
+static int step_item_guarded(outer_pass *p, const outer_item *it, outer_bufs *b, uint64_t *bytes, dl_error *err)
+{
+    const size_t nd = p->ndeltas;
+    sigjmp_buf jb;
+    int rc;
+
+    for (size_t k = 0; k < nd; k++)
+        map_delta(p->delta_f[it->tensor * nd + k], p->delta_t[it->tensor * nd + k], it, &b->maps[k]);
+    if (sigsetjmp(jb, 0) == 0) {
+        bus_guard = &jb;
+        rc = step_item(p, it, b, bytes, err);
+        bus_guard = NULL;
+    } else {
+        bus_guard = NULL;
+        const st_tensor *t = &p->global->h->tensors[it->tensor];
+        rc = dl_fail_errno(err, EIO, "a delta's data of tensor %.*s could not be read in place (SIGBUS: the file "
+                           "shrank, or its page could not be read)", (int)t->name_len, t->name);
+    }
+    unmap_deltas(b->maps, nd);
+    return rc;
+}
+
+/* One work item, a sub-block at a time; the new parameters and momentum are written with one pwrite each. */
+static int process_floating(outer_pass *p, const outer_item *it, outer_bufs *b, dl_error *err)
+{
+    const st_tensor *t = &p->global->h->tensors[it->tensor];
+    const size_t n = (size_t)(it->end - it->begin), lanes = cv_lanes(t->dtype), esize = st_dtype_bits(t->dtype) / 8;
+    const int mom = p->params.momentum != 0.0f;
+    uint64_t bytes = 0;
+    int rc;
+
+    if ((rc = step_item_guarded(p, it, b, &bytes, err)) != 0)
+        return rc;
     bytes += 2 * (uint64_t)n * esize;
     if (mom) {
         if ((rc = st_writer_write(p->w_momentum, p->mom_spec[it->tensor], it->begin * lanes * 4, b->buf,
@@ -483,8 +659,11 @@ int outer_run(outer_pass *p)
     b.buf = malloc(ce * 2 * sizeof(float));
     b.g = malloc(SUB_ELEMS * 2 * sizeof(float));
     b.d = malloc(SUB_ELEMS * 2 * sizeof(float) * p->ndeltas);
+    b.dk = calloc(p->ndeltas, sizeof(*b.dk));
+    b.maps = calloc(p->ndeltas, sizeof(*b.maps));
     b.stats = calloc(p->ndeltas, sizeof(*b.stats));
-    if (!b.raw || !b.sub_raw || !b.param || !b.buf || !b.g || !b.d || !b.stats) {
+    pthread_once(&bus_once, install_bus_handler);
+    if (!b.raw || !b.sub_raw || !b.param || !b.buf || !b.g || !b.d || !b.dk || !b.maps || !b.stats) {
         dl_fail(&err, DL_E_NO_MEMORY, NULL, 0, "out of memory for aggregation buffers");
         rc = fail_locked(p, &err);
         goto out;
@@ -518,6 +697,8 @@ out:
     free(b.buf);
     free(b.g);
     free(b.d);
+    free(b.dk);
+    free(b.maps);
     free(b.stats);
     return rc;
 }

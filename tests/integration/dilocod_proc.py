@@ -175,10 +175,18 @@ def delta_metadata(node_id, base_step, local_step):
             "node_id": node_id}
 
 
+def pad_header(path, extra):
+    """Lengthens a safetensors file's JSON header by extra spaces (the reference accepts any header
+    length), so that its data starts at an offset of another alignment."""
+    raw = Path(path).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    Path(path).write_bytes((n + extra).to_bytes(8, "little") + raw[8:8 + n] + b" " * extra + raw[8 + n:])
+
+
 def write_delta(hub: Path, node_id: str, base_step: int, local_step: int, tensors: dict, metadata=None,
-                atomic=True) -> Path:
+                atomic=True, header_pad=0) -> Path:
     """Writes nodes/<id>/delta_<local>.safetensors with numpy tensors, the reference's metadata, and
-    (by default) temp file + rename so dilocod never sees a partial file."""
+    (by default) temp file + rename so dilocod never sees a partial file; header_pad: pad_header's."""
     d = Path(hub) / "nodes" / node_id
     d.mkdir(parents=True, exist_ok=True)
     final = d / f"delta_{local_step}.safetensors"
@@ -186,6 +194,8 @@ def write_delta(hub: Path, node_id: str, base_step: int, local_step: int, tensor
     if atomic:
         tmp = d / f".delta_{local_step}.tmp"
         save_file(tensors, str(tmp), metadata=meta)
+        if header_pad:
+            pad_header(tmp, header_pad)
         os.rename(tmp, final)
     else:
         save_file(tensors, str(final), metadata=meta)
