@@ -242,6 +242,7 @@ typedef struct outer_bufs {
     float *d;                   /* ndeltas x 2 lanes per element of a sub-block: the deltas read with pread */
     const float **dk;           /* ndeltas: where delta k's lanes of the current sub-block are */
     outer_map *maps;            /* ndeltas: delta k's mapped range of the current item, or none */
+    int map_units;              /* map whole MAP_UNITs (see map_delta), not just each item's pages */
     outer_node_stats *stats;
     double mean_sumsq;
 } outer_bufs;
@@ -506,7 +507,7 @@ static void install_bus_handler(void)
 
 /* Maps delta k's lanes of item it, when they are F32 lanes at an aligned offset; otherwise (or when
  * mmap fails) leaves m->base NULL and the item reads them with pread. */
-static void map_delta(const st_file *f, const st_tensor *t, const outer_item *it, outer_map *m)
+static void map_delta(const st_file *f, const st_tensor *t, const outer_item *it, int units, outer_map *m)
 {
     const uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
     const size_t lanes = cv_lanes(t->dtype);
@@ -515,11 +516,12 @@ static void map_delta(const st_file *f, const st_tensor *t, const outer_item *it
     m->base = NULL;
     if ((t->dtype != ST_F32 && t->dtype != ST_C64) || off % 4 != 0 || !bus_installed)
         return;
-    /* The mapping covers whole 2 MiB units of the file (within its size): where the page cache holds the
+    /* With units, the mapping covers whole 2 MiB units of the file (within its size): where the page cache holds the
      * data in 2 MiB folios, the kernel maps them with one page-table entry each, and the pass's loads miss
      * the TLB 512 times less often than through 4 KiB entries (bench-outer, 8 x 256 MiB: the mean's loop
      * ran at pread's speed through 4 KiB entries). */
-    uint64_t start = off - off % MAP_UNIT, end = off + len + (MAP_UNIT - 1) - (off + len + MAP_UNIT - 1) % MAP_UNIT;
+    const uint64_t unit = units ? MAP_UNIT : page;
+    uint64_t start = off - off % unit, end = off + len + (unit - 1) - (off + len + unit - 1) % unit;
     uint64_t limit = f->file_size + (page - 1) - (f->file_size + page - 1) % page;
     if (end > limit)
         end = limit > off + len ? limit : off + len;
@@ -587,7 +589,7 @@ static int step_item_guarded(outer_pass *p, const outer_item *it, outer_bufs *b,
     int rc;
 
     for (size_t k = 0; k < nd; k++)
-        map_delta(p->delta_f[it->tensor * nd + k], p->delta_t[it->tensor * nd + k], it, &b->maps[k]);
+        map_delta(p->delta_f[it->tensor * nd + k], p->delta_t[it->tensor * nd + k], it, b->map_units, &b->maps[k]);
     if (sigsetjmp(jb, 0) == 0) {
         bus_guard = &jb;
         rc = step_item(p, it, b, bytes, err);
@@ -663,6 +665,10 @@ int outer_run(outer_pass *p)
     b.maps = calloc(p->ndeltas, sizeof(*b.maps));
     b.stats = calloc(p->ndeltas, sizeof(*b.stats));
     pthread_once(&bus_once, install_bus_handler);
+    /* Mapped pages count in RSS while they are mapped: whole units only while one item's windows stay
+     * within 4 budgets (8 deltas at the default 16 MiB: 42 MiB), else just the item's pages (within one
+     * budget, as the items are sized) */
+    b.map_units = p->ndeltas * (p->chunk_elems * 8 + 2 * (uint64_t)MAP_UNIT) <= 4 * (uint64_t)p->budget_bytes;
     if (!b.raw || !b.sub_raw || !b.param || !b.buf || !b.g || !b.d || !b.dk || !b.maps || !b.stats) {
         dl_fail(&err, DL_E_NO_MEMORY, NULL, 0, "out of memory for aggregation buffers");
         rc = fail_locked(p, &err);

@@ -28,7 +28,8 @@ state root and a new tree every time; a replacing upload is never counted as a r
   pass        dilocod's outer pass inside the daemon (log: "aggregate started" -> "aggregate computed"), and
               bench-outer (the same pass alone, inputs from the page cache, outputs written on the same disk
               and renamed without fsync, as the daemon's redo-record commit does: DEFER=1) with its
-              bandwidth counted as bytes read + written, next to the STREAM triad.
+              bandwidth counted as bytes read + written, next to the STREAM triad; then again with its
+              outputs warmed first (WARM=1, untimed), as the daemon's warm thread leaves them.
   peak RSS    VmHWM of every dilocod run (the largest is shown), ru_maxrss of the reference.
 
 The Python reference holds every delta in memory: at 1 GiB it needs 6-13 GiB of RAM.
@@ -349,14 +350,15 @@ def http_round(build, tmp, init, deltas, concurrent):
         d.stop()
 
 
-def bench_outer(build, tmp, init, deltas):
-    """The pass alone: (compute seconds, bytes read + written per second)."""
+def bench_outer(build, tmp, init, deltas, warm=False):
+    """The pass alone: (compute seconds, bytes read + written per second).  warm: its output files are
+    created and read once first, untimed, as the daemon's warm thread does while a round collects."""
     out = tmp / "outer"
     out.mkdir()
     fresh_pages(tmp, 2 * init.stat().st_size)
     p = subprocess.run([str(build / "tests" / "bench-outer"), str(os.cpu_count()), str(init), str(out),
                         *map(str, deltas)], capture_output=True, text=True, check=True,
-                       env=dict(os.environ, DEFER="1"))
+                       env=dict(os.environ, DEFER="1", WARM="1" if warm else "0"))
     m = re.search(r"compute ([\d.]+) s \(([\d.]+) GB/s", p.stdout)
     shutil.rmtree(out)
     return float(m.group(1)), float(m.group(2))
@@ -443,12 +445,15 @@ def run_size(base, mib):
                 print(f"  {'dilocod pass, in the daemon' + label_of(b):37s} {p:7.2f} s   "
                       f"{ref_s / p:5.2f}x the reference round")
         # the triad is measured again next to every pass sample: the machine's load changes within a run
-        def outer_sample(b, t):
-            return bench_outer(b, t, init, deltas) + (stream_triad(),)
-        for b, ((sec, gbps, tri, stall), s) in median_of(outer_sample, base, "outer", builds()).items():
-            print(f"  {'pass alone (bench-outer)' + label_of(b):37s} {sec:7.2f} s   "
-                  f"{ref_s / sec:5.2f}x the reference   {gbps:.2f} GB/s read + written = {gbps / tri:.0%} of "
-                  f"STREAM triad ({tri:.1f} GB/s, measured beside it; {fmt_samples(s)}; memory stall {stall:.2f} s)")
+        for warm in (False, True):
+            def outer_sample(b, t):
+                return bench_outer(b, t, init, deltas, warm) + (stream_triad(),)
+            what = "pass alone, outputs warmed" if warm else "pass alone (bench-outer)"
+            for b, ((sec, gbps, tri, stall), s) in median_of(outer_sample, base, "outer", builds()).items():
+                print(f"  {what + label_of(b):37s} {sec:7.2f} s   "
+                      f"{ref_s / sec:5.2f}x the reference   {gbps:.2f} GB/s read + written = {gbps / tri:.0%} of "
+                      f"STREAM triad ({tri:.1f} GB/s, measured beside it; {fmt_samples(s)}; memory stall "
+                      f"{stall:.2f} s)")
         for b in builds():
             if hwm[b]:
                 print(f"  {'dilocod peak RSS (VmHWM)' + label_of(b):37s} {max(hwm[b]):7.0f} MiB "
