@@ -12,7 +12,9 @@
 import os
 import re
 import shutil
+import signal
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -183,3 +185,77 @@ def test_a_linked_cache_entry_is_read_again_at_restart(tmp_path):
         assert st["round"]["received"] == [], st["round"]
     finally:
         assert d.stop() == 0
+
+
+def stop_at_pass_start(d, step, timeout=60):
+    """SIGSTOPs dilocod as soon as it logs that step's pass has opened its files and starts computing (a
+    tight poll of its log): True if it stopped it with the pass still computing (not yet "computed")."""
+    needle, done = f"aggregate: prepared step={step}", f"aggregate: computed step={step}"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        text = d.logs[-1].read_text(errors="replace")
+        if needle in text:
+            os.kill(d.proc.pid, signal.SIGSTOP)
+            return done not in d.logs[-1].read_text(errors="replace")
+        time.sleep(0.0005)
+    raise AssertionError(f"{needle!r} not logged within {timeout}s:\n{d.log_text()[-4000:]}")
+
+
+def big_model():
+    g = torch.Generator().manual_seed(14)
+    return {"w": torch.randn(4096, 4096, generator=g)}      # 64 MiB: a pass of tens of ms on one thread
+
+
+def truncate_under_the_pass(tmp: Path, rng):
+    """One round whose first delta is truncated right after the pass starts, then saved again whole.
+    Returns whether the truncation landed while the pass computed (then the step must come from the
+    second version); either way the daemon must live and the step be one whole version."""
+    tmp.mkdir()
+    hub = tmp / "hub"
+    d = start(tmp, big_model(), "--expected-nodes", "2", "--threads", "1", "--retry-interval", "0.2")
+    try:
+        a_first, b = random_deltas(rng, big_model()), random_deltas(rng, big_model())
+        src = write_delta(hub, "a", 0, 10, a_first)
+        d.wait_log("delta accepted")
+        write_delta(hub, "b", 0, 10, b)
+        mid_pass = stop_at_pass_start(d, 1)
+        with open(src, "r+b") as f:
+            f.truncate(64)
+        os.kill(d.proc.pid, signal.SIGCONT)
+        if mid_pass:
+            d.wait_log("SIGBUS")
+            assert "outer step failed" in d.log_text()
+        # the worker saves its delta again, whole, in place
+        a_second = random_deltas(rng, big_model())
+        rewrite_in_place(src, a_second, delta_metadata("a", 0, 10))
+        d.wait_step(1, timeout=120)
+        got = load_torch(hub / "global/latest.safetensors")
+        versions = (a_second,) if mid_pass else (a_second, a_first)
+        wants = [Oracle(big_model()).step({"a": v, "b": b}) for v in versions]
+        assert any(same_state(got, w) for w in wants), "the step is not made from one whole version of a's delta"
+        assert d.alive()
+        return mid_pass
+    finally:
+        assert d.stop() == 0
+
+
+def same_state(got, want):
+    try:
+        assert_state_equal(got, want)
+        return True
+    except AssertionError:
+        return False
+
+
+def test_a_delta_truncated_while_the_pass_reads_it_in_place(tmp_path):
+    """The pass reads linked deltas through mappings of the worker's own file.  A worker truncating its
+    file under the pass raises SIGBUS in a pass thread: the step fails like a short read, dilocod keeps
+    running, and once the worker has saved the file again the round takes that version in and the step
+    is made from it, whole.  dilocod is stopped (SIGSTOP) right after its pass starts, so that the
+    truncation lands while the pass computes; if the stop came too late (the pass had finished), the
+    round is tried again with a new daemon, up to 3 times."""
+    rng = np.random.default_rng(4)
+    hits = [truncate_under_the_pass(tmp_path / "try0", rng)]
+    while not hits[-1] and len(hits) < 3:
+        hits.append(truncate_under_the_pass(tmp_path / f"try{len(hits)}", rng))
+    assert hits[-1], "the stop never landed while the pass computed"
