@@ -516,10 +516,10 @@ static void map_delta(const st_file *f, const st_tensor *t, const outer_item *it
     m->base = NULL;
     if ((t->dtype != ST_F32 && t->dtype != ST_C64) || off % 4 != 0 || !bus_installed)
         return;
-    /* With units, the mapping covers whole 2 MiB units of the file (within its size): where the page cache holds the
-     * data in 2 MiB folios, the kernel maps them with one page-table entry each, and the pass's loads miss
-     * the TLB 512 times less often than through 4 KiB entries (bench-outer, 8 x 256 MiB: the mean's loop
-     * ran at pread's speed through 4 KiB entries). */
+    /* With units, the mapping covers whole 2 MiB units of the file (within its size): where the page
+     * cache holds the data in 2 MiB folios, the kernel maps them with one page-table entry each, and the
+     * pass's loads miss the TLB 512 times less often than through 4 KiB entries (bench-outer, 8 x 256 MiB:
+     * 0.29 s against 0.35-0.39 s with page-sized windows). */
     const uint64_t unit = units ? MAP_UNIT : page;
     uint64_t start = off - off % unit, end = off + len + (unit - 1) - (off + len + unit - 1) % unit;
     uint64_t limit = f->file_size + (page - 1) - (f->file_size + page - 1) % page;
