@@ -742,6 +742,48 @@ def test_chunked_upload_and_client_disconnect_mid_upload(daemons):
     assert d.stop() == 0
 
 
+def test_uploads_are_stored_byte_for_byte_across_their_write_units(daemons):
+    """Uploads are written in units that end at multiples of 2 MiB of the file, the bytes past a unit
+    carried to the next buffer: a 5 MiB delta sent by curl and one sent in odd chunks (a prime size that
+    never lines up with a unit) are stored as sent, and the step made from them is torch's."""
+    from safetensors.torch import load as st_load_bytes
+    g = torch.Generator().manual_seed(21)
+    model = {"w": torch.randn(1201, 1117, generator=g), "b": torch.randn(1009, generator=g)}   # 5.1 MiB
+    d = daemons(model, "--expected-nodes", "3")
+    url = d.url
+    rng = np.random.default_rng(21)
+    nodes = ("node-a", "node-b", "node-c")
+    deltas = {n: random_deltas(rng, model) for n in nodes}
+    blobs = {n: delta_blob(n, 0, 4, t) for n, t in deltas.items()}
+    path = d.tmp / "delta_a.safetensors"
+    path.write_bytes(blobs["node-a"])
+    p = subprocess.run(["curl", "-sS", "--noproxy", "*", "-T", str(path), "-o", "/dev/null", "-w", "%{http_code}",
+                        f"{url}/nodes/node-a/delta_4.safetensors"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout == "201", (p.returncode, p.stdout, p.stderr)
+    blob = blobs["node-b"]
+    cuts = list(range(0, len(blob), 65521)) + [len(blob)]
+
+    def slow_chunks():
+        for a, b in zip(cuts, cuts[1:]):
+            yield blob[a:b]
+            time.sleep(0.001)          # separate reads on the server's side
+    with session() as s:
+        r = s.put(f"{url}/nodes/node-b/delta_4.safetensors", data=slow_chunks(), timeout=120)
+    assert r.status_code == 201, r.text
+    # the round waits for node-c: both stored deltas are in the cache, as sent
+    for node in ("node-a", "node-b"):
+        stored = d.state_dir / "cache" / "deltas" / "s0" / node / "delta_4.safetensors"
+        assert stored.read_bytes() == blobs[node], node
+    assert put(url, "node-c", 4, blobs["node-c"]).status_code == 201
+    wait_status(url, lambda s: s["outer_step"] == 1, what="the round of three")
+    got = st_load_bytes(get(url, "/global/latest.safetensors").content)
+    want = Oracle(model).step(deltas)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert torch.equal(got[k].view(torch.int32), want[k].view(torch.int32)), k
+    assert d.stop() == 0
+
+
 def test_global_download_etag_range_and_head(daemons):
     model = small_model(9)
     d = daemons(model, "--expected-nodes", "1")
