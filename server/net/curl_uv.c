@@ -10,6 +10,13 @@
 #include "util.h"
 
 #define IO_BUF (1u << 20)
+/* A file sink is written in units that end at multiples of SINK_UNIT of the file: a 2 MiB write at a
+ * 2 MiB offset lands in one 2 MiB page-cache folio, which the aggregation pass maps with one page-table
+ * entry (common/outer.c; 8 x 256 MiB written in 1 MiB writes took it 0.35-0.39 s, in 2 MiB writes
+ * 0.21-0.27 s).  Its buffers hold a unit and one write callback's worth more (curl passes at most
+ * CURL_MAX_WRITE_SIZE at a time). */
+#define SINK_UNIT (2u << 20)
+#define SINK_BUF (SINK_UNIT + CURL_MAX_WRITE_SIZE)
 /* Response headers: the Hub sends about 20 lines; curl itself caps one line at 100 KiB. */
 #define MAX_HEADER_LINES 200
 #define MAX_HEADER_BYTES (256u << 10)
@@ -267,6 +274,13 @@ static size_t header_cb(char *p, size_t size, size_t n, void *arg)
 
 static void start_write(cuv_xfer *x);
 
+/* Bytes from where the filling buffer starts in the file (after the write in flight) to the next
+ * multiple of SINK_UNIT. */
+static size_t sink_unit_left(const cuv_xfer *x)
+{
+    return SINK_UNIT - (size_t)((x->sink_off + x->wlen) % SINK_UNIT);
+}
+
 static void write_done(uv_fs_t *req)
 {
     cuv_xfer *x = req->data;
@@ -282,7 +296,7 @@ static void write_done(uv_fs_t *req)
         x->written += x->wlen;
     }
     x->wlen = 0;
-    if (x->io_error == 0 && x->fill_len > 0 && (x->finished || x->fill_len >= IO_BUF))
+    if (x->io_error == 0 && x->fill_len > 0 && (x->finished || x->fill_len >= sink_unit_left(x)))
         start_write(x);
     if (x->finished && x->result == CURLE_ABORTED_BY_CALLBACK) {
         if (!x->writing)
@@ -302,13 +316,33 @@ static void write_done(uv_fs_t *req)
         finish(x);
 }
 
+/* Writes the filling buffer up to the next multiple of SINK_UNIT of the file (all of it once the
+ * transfer is over); the bytes past it move to the other buffer, which fills next. */
 static void start_write(cuv_xfer *x)
 {
+    size_t len = x->fill_len, rest;
     char *t = x->wbuf;
+    size_t tcap = x->wbuf_cap;
+
+    if (!x->finished && len > sink_unit_left(x))
+        len = sink_unit_left(x);
+    rest = x->fill_len - len;
+    if (rest > tcap) {
+        char *nb = realloc(t, rest);
+        if (nb == NULL) {
+            x->io_error = ENOMEM;
+            return;
+        }
+        t = nb;
+        tcap = rest;
+    }
+    memcpy(t, x->fill + len, rest);
     x->wbuf = x->fill;
-    x->wlen = x->fill_len;
+    x->wbuf_cap = x->fill_cap;
+    x->wlen = len;
     x->fill = t;
-    x->fill_len = 0;
+    x->fill_cap = tcap;
+    x->fill_len = rest;
     x->iov = uv_buf_init(x->wbuf, (unsigned)x->wlen);
     x->wreq.data = x;
     x->writing = 1;
@@ -344,17 +378,29 @@ static size_t body_cb(char *p, size_t size, size_t n, void *arg)
         x->too_big = 1;
         return 0;
     }
-    if (x->fill_len + len > IO_BUF) {
+    if (x->fill_len + len > x->fill_cap) {
         if (x->writing) {
             x->paused_write = 1;
             return CURL_WRITEFUNC_PAUSE;    /* redelivered after the disk caught up */
         }
         start_write(x);
+        if (x->io_error != 0)
+            return 0;
+        if (x->fill_len + len > x->fill_cap) {
+            /* more than curl passes at a time, past a buffer's unit: room for it */
+            char *nb = realloc(x->fill, x->fill_len + len);
+            if (nb == NULL) {
+                x->io_error = ENOMEM;
+                return 0;
+            }
+            x->fill = nb;
+            x->fill_cap = x->fill_len + len;
+        }
     }
     memcpy(x->fill + x->fill_len, p, len);
     x->fill_len += len;
     x->sink_end += len;
-    if (x->fill_len >= IO_BUF && !x->writing)
+    if (x->fill_len >= sink_unit_left(x) && !x->writing)
         start_write(x);
     return len;
 }
@@ -522,8 +568,9 @@ void cuv_xfer_sink_file(cuv_xfer *x, uv_file fd, uint64_t off)
 {
     x->sink_fd = fd;
     x->sink_off = off;
-    x->fill = malloc(IO_BUF);
-    x->wbuf = malloc(IO_BUF);
+    x->fill = malloc(SINK_BUF);
+    x->wbuf = malloc(SINK_BUF);
+    x->fill_cap = x->wbuf_cap = SINK_BUF;
 }
 
 void cuv_xfer_body_cap(cuv_xfer *x, size_t cap)

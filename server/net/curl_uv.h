@@ -60,8 +60,8 @@ struct cuv_xfer {
     int sink_capped;
     unsigned nheaders;          /* header lines of the current response */
     size_t header_bytes;        /* header bytes of the whole transfer (redirects included) */
-    char *fill, *wbuf;
-    size_t fill_len, wlen;
+    char *fill, *wbuf;          /* the file sink's filling buffer and the one being written */
+    size_t fill_len, fill_cap, wbuf_cap, wlen;
     int writing, paused_write, finished;
     uv_fs_t wreq;
     uv_buf_t iov;
