@@ -38,6 +38,7 @@
 #include "fsutil.h"
 #include "st_index.h"
 #include "strbuf.h"
+#include "wbuf.h"
 
 #define FLUSH_BYTES (2u << 20)
 #define READ_SLACK 65536        /* a read that arrives after the buffer filled up */
@@ -62,8 +63,8 @@ typedef struct upload {
     char *tmp_path;
     uv_file fd;                 /* -1 until opened */
     uv_fs_t open_req, write_req;
-    char *fill, *wbuf;          /* filling buffer, buffer being written */
-    size_t fill_len, fill_cap, wbuf_cap, wlen;
+    wbuf buf;                   /* filling buffer, buffer being written (buf.out, wlen bytes) */
+    size_t wlen;
     uint64_t file_off;
     int opening, writing, ended, aborted, failed, finalizing;
     int parsing;                /* the header's parse job is out (the job owns u->ds meanwhile) */
@@ -332,8 +333,7 @@ static void upload_free(upload *u)
     free(u->body.p);
     free(u->gby);
     free(u->tmp_path);
-    free(u->fill);
-    free(u->wbuf);
+    wbuf_free(&u->buf);
     u->d->uploads_in_flight--;
     free(u);
     http_conn_unref(c);
@@ -440,7 +440,7 @@ static void write_cb(uv_fs_t *req)
     u->file_off += u->wlen;
     u->wlen = 0;
     maybe_writeback(u);
-    if (u->fill_len >= FLUSH_BYTES || (u->ended && u->fill_len > 0)) {
+    if (u->buf.fill_len >= FLUSH_BYTES || (u->ended && u->buf.fill_len > 0)) {
         start_write(u);
         return;
     }
@@ -457,33 +457,18 @@ static void write_cb(uv_fs_t *req)
  * to the other buffer, which fills next. */
 static int start_write(upload *u)
 {
-    char *t = u->wbuf;
-    size_t tcap = u->wbuf_cap, len = u->fill_len;
+    size_t len = u->buf.fill_len;
     int rc;
 
-    if (!u->ended) {
-        size_t to_unit = FLUSH_BYTES - (size_t)(u->file_off % FLUSH_BYTES);
-        if (len > to_unit)
-            len = to_unit;
+    if (!u->ended && len > wbuf_unit_left(u->file_off, FLUSH_BYTES))
+        len = wbuf_unit_left(u->file_off, FLUSH_BYTES);
+    if (wbuf_swap(&u->buf, len) != 0) {
+        reject(u, 500, "out_of_memory", "out of memory buffering the upload", NULL);
+        upload_discard(u);
+        return -1;
     }
-    if (u->fill_len - len > tcap) {
-        char *nb = realloc(t, u->fill_len - len);
-        if (nb == NULL) {
-            reject(u, 500, "out_of_memory", "out of memory buffering the upload", NULL);
-            upload_discard(u);
-            return -1;
-        }
-        t = nb;
-        tcap = u->fill_len - len;
-    }
-    memcpy(t, u->fill + len, u->fill_len - len);
-    u->wbuf = u->fill;
-    u->wbuf_cap = u->fill_cap;
     u->wlen = len;
-    u->fill = t;
-    u->fill_cap = tcap;
-    u->fill_len -= len;
-    u->wiov = uv_buf_init(u->wbuf, (unsigned)u->wlen);
+    u->wiov = uv_buf_init(u->buf.out, (unsigned)u->wlen);
     u->write_req.data = u;
     u->writing = 1;
     if ((rc = uv_fs_write(http_conn_loop(u->c), &u->write_req, u->fd, &u->wiov, 1, (int64_t)u->file_off,
@@ -518,29 +503,12 @@ static void open_cb(uv_fs_t *req)
         upload_discard(u);
         return;
     }
-    if (u->fill_len >= FLUSH_BYTES || (u->ended && u->fill_len > 0))
+    if (u->buf.fill_len >= FLUSH_BYTES || (u->ended && u->buf.fill_len > 0))
         start_write(u);
     else if (u->ended)
         finalize(u);
     else if (!u->parsing)
         http_resume(u->c);
-}
-
-static int buffer_append(upload *u, const char *p, size_t n)
-{
-    if (u->fill_len + n > u->fill_cap) {
-        size_t nc = u->fill_cap * 2;
-        while (nc < u->fill_len + n)
-            nc *= 2;
-        char *nb = realloc(u->fill, nc);
-        if (nb == NULL)
-            return -1;
-        u->fill = nb;
-        u->fill_cap = nc;
-    }
-    memcpy(u->fill + u->fill_len, p, n);
-    u->fill_len += n;
-    return 0;
 }
 
 /* Why the round will not take a delta of info (known_base 0: a set whose index has not arrived,
@@ -675,7 +643,7 @@ static int read_verdict(upload *u)
 {
     if (u->parsing)
         return 1;               /* until the header is parsed */
-    if (u->fill_len < FLUSH_BYTES)
+    if (u->buf.fill_len < FLUSH_BYTES)
         return 0;
     if (!u->writing && !u->opening)
         return start_write(u) != 0 ? -1 : 1;
@@ -737,7 +705,7 @@ static int on_data(http_conn *c, const char *p, size_t n, void *ctx)
     } else if (validate(u, p, n) != 0) {
         return -1;
     }
-    if (u->pending.oom || buffer_append(u, p, n) != 0) {
+    if (u->pending.oom || wbuf_append(&u->buf, p, n) != 0) {
         reject(u, 500, "out_of_memory", "out of memory buffering the upload", NULL);
         upload_discard(u);
         return -1;
@@ -887,7 +855,7 @@ static void end_of_body(upload *u)
     u->ended = 1;               /* open_cb and write_cb now finish the file */
     if (u->opening || u->writing)
         return;                 /* their callbacks continue */
-    if (u->fill_len > 0)
+    if (u->buf.fill_len > 0)
         start_write(u);
     else
         finalize(u);
@@ -1002,13 +970,10 @@ static upload *upload_new(dilocod *d, http_conn *c, const char *node_id, upload_
     if (u == NULL)
         return NULL;
     if (kind != UP_INDEX) {
-        if ((u->fill = malloc(FLUSH_BYTES + READ_SLACK)) == NULL ||
-            (u->wbuf = malloc(FLUSH_BYTES + READ_SLACK)) == NULL) {
-            free(u->fill);
+        if (wbuf_init(&u->buf, FLUSH_BYTES + READ_SLACK) != 0) {
             free(u);
             return NULL;
         }
-        u->fill_cap = u->wbuf_cap = FLUSH_BYTES + READ_SLACK;
     }
     u->d = d;
     u->c = c;

@@ -278,7 +278,7 @@ static void start_write(cuv_xfer *x);
  * multiple of SINK_UNIT. */
 static size_t sink_unit_left(const cuv_xfer *x)
 {
-    return SINK_UNIT - (size_t)((x->sink_off + x->wlen) % SINK_UNIT);
+    return wbuf_unit_left(x->sink_off + x->wlen, SINK_UNIT);
 }
 
 static void write_done(uv_fs_t *req)
@@ -296,7 +296,7 @@ static void write_done(uv_fs_t *req)
         x->written += x->wlen;
     }
     x->wlen = 0;
-    if (x->io_error == 0 && x->fill_len > 0 && (x->finished || x->fill_len >= sink_unit_left(x)))
+    if (x->io_error == 0 && x->buf.fill_len > 0 && (x->finished || x->buf.fill_len >= sink_unit_left(x)))
         start_write(x);
     if (x->finished && x->result == CURLE_ABORTED_BY_CALLBACK) {
         if (!x->writing)
@@ -320,30 +320,16 @@ static void write_done(uv_fs_t *req)
  * transfer is over); the bytes past it move to the other buffer, which fills next. */
 static void start_write(cuv_xfer *x)
 {
-    size_t len = x->fill_len, rest;
-    char *t = x->wbuf;
-    size_t tcap = x->wbuf_cap;
+    size_t len = x->buf.fill_len;
 
     if (!x->finished && len > sink_unit_left(x))
         len = sink_unit_left(x);
-    rest = x->fill_len - len;
-    if (rest > tcap) {
-        char *nb = realloc(t, rest);
-        if (nb == NULL) {
-            x->io_error = ENOMEM;
-            return;
-        }
-        t = nb;
-        tcap = rest;
+    if (wbuf_swap(&x->buf, len) != 0) {
+        x->io_error = ENOMEM;
+        return;
     }
-    memcpy(t, x->fill + len, rest);
-    x->wbuf = x->fill;
-    x->wbuf_cap = x->fill_cap;
     x->wlen = len;
-    x->fill = t;
-    x->fill_cap = tcap;
-    x->fill_len = rest;
-    x->iov = uv_buf_init(x->wbuf, (unsigned)x->wlen);
+    x->iov = uv_buf_init(x->buf.out, (unsigned)x->wlen);
     x->wreq.data = x;
     x->writing = 1;
     if (uv_fs_write(x->owner->loop, &x->wreq, x->sink_fd, &x->iov, 1, (int64_t)x->sink_off, write_done) != 0) {
@@ -378,7 +364,7 @@ static size_t body_cb(char *p, size_t size, size_t n, void *arg)
         x->too_big = 1;
         return 0;
     }
-    if (x->fill_len + len > x->fill_cap) {
+    if (len > x->buf.fill_cap - x->buf.fill_len) {
         if (x->writing) {
             x->paused_write = 1;
             return CURL_WRITEFUNC_PAUSE;    /* redelivered after the disk caught up */
@@ -386,21 +372,14 @@ static size_t body_cb(char *p, size_t size, size_t n, void *arg)
         start_write(x);
         if (x->io_error != 0)
             return 0;
-        if (x->fill_len + len > x->fill_cap) {
-            /* more than curl passes at a time, past a buffer's unit: room for it */
-            char *nb = realloc(x->fill, x->fill_len + len);
-            if (nb == NULL) {
-                x->io_error = ENOMEM;
-                return 0;
-            }
-            x->fill = nb;
-            x->fill_cap = x->fill_len + len;
-        }
     }
-    memcpy(x->fill + x->fill_len, p, len);
-    x->fill_len += len;
+    /* (grows the buffer for more than curl passes at a time past a buffer's unit) */
+    if (wbuf_append(&x->buf, p, len) != 0) {
+        x->io_error = ENOMEM;
+        return 0;
+    }
     x->sink_end += len;
-    if (x->fill_len >= sink_unit_left(x) && !x->writing)
+    if (x->buf.fill_len >= sink_unit_left(x) && !x->writing)
         start_write(x);
     return len;
 }
@@ -568,9 +547,7 @@ void cuv_xfer_sink_file(cuv_xfer *x, uv_file fd, uint64_t off)
 {
     x->sink_fd = fd;
     x->sink_off = off;
-    x->fill = malloc(SINK_BUF);
-    x->wbuf = malloc(SINK_BUF);
-    x->fill_cap = x->wbuf_cap = SINK_BUF;
+    (void)wbuf_init(&x->buf, SINK_BUF);    /* a failure leaves NULL buffers: cuv_start refuses them */
 }
 
 void cuv_xfer_body_cap(cuv_xfer *x, size_t cap)
@@ -586,7 +563,7 @@ void cuv_xfer_sink_max(cuv_xfer *x, uint64_t max)
 
 int cuv_start(cuv_xfer *x, cuv_done_cb cb, void *arg)
 {
-    if ((x->src_fd >= 0 && x->rbuf == NULL) || (x->sink_fd >= 0 && (x->fill == NULL || x->wbuf == NULL)))
+    if ((x->src_fd >= 0 && x->rbuf == NULL) || (x->sink_fd >= 0 && x->buf.fill == NULL))
         return -1;
     x->cb = cb;
     x->arg = arg;
@@ -618,8 +595,7 @@ void cuv_xfer_free(cuv_xfer *x)
     free(x->body.p);
     free(x->send);
     free(x->rbuf);
-    free(x->fill);
-    free(x->wbuf);
+    wbuf_free(&x->buf);
     free(x);
 }
 
@@ -649,7 +625,7 @@ static void check_done(cuv *c)
         x->finished = 1;
         if (x->reading)
             continue;           /* cannot happen once done, but never free a buffer in use */
-        if (x->sink_fd >= 0 && x->io_error == 0 && x->fill_len > 0 && !x->writing)
+        if (x->sink_fd >= 0 && x->io_error == 0 && x->buf.fill_len > 0 && !x->writing)
             start_write(x);
         if (!x->writing)
             finish(x);

@@ -18,6 +18,7 @@
 #include <uv.h>
 
 #include "strbuf.h"
+#include "wbuf.h"
 
 typedef struct cuv cuv;
 typedef struct cuv_xfer cuv_xfer;
@@ -60,8 +61,8 @@ struct cuv_xfer {
     int sink_capped;
     unsigned nheaders;          /* header lines of the current response */
     size_t header_bytes;        /* header bytes of the whole transfer (redirects included) */
-    char *fill, *wbuf;          /* the file sink's filling buffer and the one being written */
-    size_t fill_len, fill_cap, wbuf_cap, wlen;
+    wbuf buf;                   /* the file sink's buffers (buf.out: the write in flight, wlen bytes) */
+    size_t wlen;
     int writing, paused_write, finished;
     uv_fs_t wreq;
     uv_buf_t iov;
