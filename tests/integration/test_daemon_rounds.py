@@ -130,6 +130,9 @@ def test_ten_rounds_mixed_dtypes_match_oracle(tmp_path):
             # non-floating state is carried unchanged, bit for bit
             assert torch.equal(got["counter"], model["counter"]) and torch.equal(got["mask"], model["mask"])
         assert d.committed_step() == 10
+        # step_count.json is renamed into place just before "published" is logged: a loaded machine can
+        # read the file before the line is written
+        d.wait_log("hub: published step=10 ")
         log = d.log_text()
         for r in range(10):
             assert f"round: closed step={r} nodes=4 expected=4 reason=all_nodes" in log

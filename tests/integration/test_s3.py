@@ -285,6 +285,10 @@ def test_two_aggregators_one_bucket_one_publisher_per_step(tmp_path, s3):
         assert sorted(got) == [0, 1, 2, 3]
         assert set(got.values()) <= ids
         # each step was published by exactly one of the two; the other lost its claim and said so
+        # the step's objects are in the bucket just before "published" is logged: wait for the line
+        deadline = time.time() + 30
+        while "hub: published step=3 bucket=" not in a.log_text() + b.log_text() and time.time() < deadline:
+            time.sleep(0.05)
         logs = a.log_text() + b.log_text()
         for step in range(4):
             assert logs.count(f"hub: published step={step} bucket=") == 1, (step, logs[-4000:])
