@@ -2,15 +2,13 @@
 
 #include <errno.h>
 #include <math.h>
-#include <setjmp.h>
-#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include "convert.h"
 #include "delta.h"
+#include "mapread.h"
 #include "st_index.h"
 
 static int fail_locked(outer_pass *p, const dl_error *e)
@@ -223,7 +221,7 @@ static int prepare(outer_pass *p, dl_error *err)
  * Performance).  Mapping alone did not pay: with 4 KiB page-table entries, one delta at a time per
  * block, and the statistics in double, it measured the same as pread or up to 80% more CPU.
  * A mapped delta that someone truncates while the pass reads it raises SIGBUS; the pass's threads catch
- * it (bus_guard) and fail the pass, as pread's short read did. */
+ * it (mapread_guarded) and fail the pass, as pread's short read did. */
 enum { SUB_ELEMS = 16384 };
 
 /* A delta's range of one item, mapped read-only; base == NULL: read with pread instead. */
@@ -242,7 +240,7 @@ typedef struct outer_bufs {
     float *d;                   /* ndeltas x 2 lanes per element of a sub-block: the deltas read with pread */
     const float **dk;           /* ndeltas: where delta k's lanes of the current sub-block are */
     outer_map *maps;            /* ndeltas: delta k's mapped range of the current item, or none */
-    int map_units;              /* map whole MAP_UNITs (see map_delta), not just each item's pages */
+    int map_units;              /* map whole MAPREAD_UNITs (see map_delta), not just each item's pages */
     outer_node_stats *stats;
     double mean_sumsq;
 } outer_bufs;
@@ -366,7 +364,7 @@ static void sgd_nesterov(float *restrict param, const float *restrict buf, const
 
 /* Lanes per block of the mean and the statistics: the block's mean (8 KiB) stays in L1 while every delta's
  * lanes are added to it, and each delta's block is still in L1 or L2 when its statistics read it again. */
-enum { STAT_BLOCK = 2048, LANE_W = 16, MAP_UNIT = 2 << 20 };
+enum { STAT_BLOCK = 2048, LANE_W = 16 };
 /* LANE_W F32 lanes: one AVX-512 register, two AVX2 ones (the compiler splits it per clone); its + and /
  * are elementwise IEEE operations, the same bits as the scalar ones. */
 typedef float lane_vec __attribute__((vector_size(LANE_W * sizeof(float))));
@@ -473,71 +471,30 @@ KERNEL_CLONES static void step_sub(const outer_pass *p, const float *const *dk, 
 }
 
 /* ---- reading deltas in place ----------------------------------------------------------------------
- * A pass thread arms bus_guard while it reads mapped deltas.  SIGBUS there (the file was truncated
- * under the mapping, or the disk failed a page-in) jumps back to the guard, and the item fails as a short
- * pread would.  Any other SIGBUS is not ours: the handler puts the prior action back and returns, and the
- * fault repeats under it. */
-static __thread sigjmp_buf *volatile bus_guard;
-static struct sigaction bus_prior;
-static pthread_once_t bus_once = PTHREAD_ONCE_INIT;
-static int bus_installed;
-
-static void on_sigbus(int sig, siginfo_t *si, void *ctx)
-{
-    sigjmp_buf *jb = bus_guard;
-
-    (void)sig;
-    (void)si;
-    (void)ctx;
-    if (jb != NULL)
-        siglongjmp(*jb, 1);
-    sigaction(SIGBUS, &bus_prior, NULL);
-}
-
-static void install_bus_handler(void)
-{
-    struct sigaction sa;
-
-    memset(&sa, 0, sizeof(sa));
-    sa.sa_sigaction = on_sigbus;
-    sa.sa_flags = SA_SIGINFO | SA_NODEFER;  /* SIGBUS stays unblocked after the jump out */
-    sigemptyset(&sa.sa_mask);
-    bus_installed = sigaction(SIGBUS, &sa, &bus_prior) == 0;
-}
+ * A pass thread reads mapped deltas under mapread's SIGBUS guard (common/mapread.h): a delta truncated
+ * under the mapping, or a page the disk failed to read, fails the item as a short pread would. */
 
 /* Maps delta k's lanes of item it, when they are F32 lanes at an aligned offset; otherwise (or when
  * mmap fails) leaves m->base NULL and the item reads them with pread. */
 static void map_delta(const st_file *f, const st_tensor *t, const outer_item *it, int units, outer_map *m)
 {
-    const uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
     const size_t lanes = cv_lanes(t->dtype);
     uint64_t off = f->data_start + t->begin + it->begin * lanes * 4, len = (it->end - it->begin) * lanes * 4;
 
     m->base = NULL;
-    if ((t->dtype != ST_F32 && t->dtype != ST_C64) || off % 4 != 0 || !bus_installed)
+    if ((t->dtype != ST_F32 && t->dtype != ST_C64) || off % 4 != 0)
         return;
     /* With units, the mapping covers whole 2 MiB units of the file (within its size): where the page
      * cache holds the data in 2 MiB folios, the kernel maps them with one page-table entry each, and the
      * pass's loads miss the TLB 512 times less often than through 4 KiB entries (bench-outer, 8 x 256 MiB:
      * 0.29 s against 0.35-0.39 s with page-sized windows). */
-    const uint64_t unit = units ? MAP_UNIT : page;
-    uint64_t start = off - off % unit, end = off + len + (unit - 1) - (off + len + unit - 1) % unit;
-    uint64_t limit = f->file_size + (page - 1) - (f->file_size + page - 1) % page;
-    if (end > limit)
-        end = limit > off + len ? limit : off + len;
-    void *base = mmap(NULL, (size_t)(end - start), PROT_READ, MAP_SHARED | MAP_POPULATE, f->fd, (off_t)start);
-    if (base == MAP_FAILED)
-        return;
-    m->base = base;
-    m->len = (size_t)(end - start);
-    m->lanes = (const float *)((const char *)base + (off - start));
+    m->lanes = mapread_map(f->fd, f->file_size, off, len, units, &m->base, &m->len);
 }
 
 static void unmap_deltas(outer_map *maps, size_t n)
 {
     for (size_t k = 0; k < n; k++) {
-        if (maps[k].base != NULL)
-            munmap(maps[k].base, maps[k].len);
+        mapread_unmap(maps[k].base, maps[k].len);
         maps[k].base = NULL;
     }
 }
@@ -581,21 +538,30 @@ static __attribute__((noinline)) int step_item(outer_pass *p, const outer_item *
     return 0;
 }
 
+typedef struct step_item_args {
+    outer_pass *p;
+    const outer_item *it;
+    outer_bufs *b;
+    uint64_t *bytes;
+    dl_error *err;
+} step_item_args;
+
+static int step_item_call(void *arg)
+{
+    step_item_args *a = arg;
+    return step_item(a->p, a->it, a->b, a->bytes, a->err);
+}
+
 /* step_item under the SIGBUS guard, with the item's deltas mapped where they can be. */
 static int step_item_guarded(outer_pass *p, const outer_item *it, outer_bufs *b, uint64_t *bytes, dl_error *err)
 {
     const size_t nd = p->ndeltas;
-    sigjmp_buf jb;
+    step_item_args args = {p, it, b, bytes, err};
     int rc;
 
     for (size_t k = 0; k < nd; k++)
         map_delta(p->delta_f[it->tensor * nd + k], p->delta_t[it->tensor * nd + k], it, b->map_units, &b->maps[k]);
-    if (sigsetjmp(jb, 0) == 0) {
-        bus_guard = &jb;
-        rc = step_item(p, it, b, bytes, err);
-        bus_guard = NULL;
-    } else {
-        bus_guard = NULL;
+    if ((rc = mapread_guarded(step_item_call, &args)) == MAPREAD_BUS) {
         const st_tensor *t = &p->global->h->tensors[it->tensor];
         rc = dl_fail_errno(err, EIO, "a delta's data of tensor %.*s could not be read in place (SIGBUS: the file "
                            "shrank, or its page could not be read)", (int)t->name_len, t->name);
@@ -664,11 +630,10 @@ int outer_run(outer_pass *p)
     b.dk = calloc(p->ndeltas, sizeof(*b.dk));
     b.maps = calloc(p->ndeltas, sizeof(*b.maps));
     b.stats = calloc(p->ndeltas, sizeof(*b.stats));
-    pthread_once(&bus_once, install_bus_handler);
     /* Mapped pages count in RSS while they are mapped: whole units only while one item's windows stay
      * within 4 budgets (8 deltas at the default 16 MiB: 42 MiB), else just the item's pages (within one
      * budget, as the items are sized) */
-    b.map_units = p->ndeltas * (p->chunk_elems * 8 + 2 * (uint64_t)MAP_UNIT) <= 4 * (uint64_t)p->budget_bytes;
+    b.map_units = p->ndeltas * (p->chunk_elems * 8 + 2 * MAPREAD_UNIT) <= 4 * (uint64_t)p->budget_bytes;
     if (!b.raw || !b.sub_raw || !b.param || !b.buf || !b.g || !b.d || !b.dk || !b.maps || !b.stats) {
         dl_fail(&err, DL_E_NO_MEMORY, NULL, 0, "out of memory for aggregation buffers");
         rc = fail_locked(p, &err);

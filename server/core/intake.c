@@ -12,9 +12,15 @@
 #include <unistd.h>
 
 #include "fsutil.h"
+#include "mapread.h"
 #include "st_index.h"
 
 #define COPY_CHUNK (4u << 20)
+/* A file that is only checked (linked, not copied) is read in place, a window of this many bytes at a
+ * time (whole 2 MiB units of the file): 1 GiB checked in 0.16 s here against 0.27-0.30 s with pread into
+ * a buffer, whose copy out of the page cache cost as much as the check.  Mapped pages count in RSS while
+ * mapped: one window per intake in flight. */
+#define CHECK_WINDOW (8u << 20)
 
 const char *intake_status_name(intake_status s)
 {
@@ -427,12 +433,85 @@ static intake_status copy_file(intake_req *r, int src, const struct stat *before
     return INTAKE_OK;
 }
 
+typedef struct window_check {
+    st_dtype dtype;
+    const void *data;
+    size_t nelem;
+    int64_t bad;                /* the first non-finite element, or -1 */
+} window_check;
+
+static int window_check_call(void *arg)
+{
+    window_check *w = arg;
+    w->bad = delta_find_non_finite(w->dtype, w->data, w->nelem);
+    return 0;
+}
+
+/* The finite check of tensor t read in place, a window at a time: 0 with *st INTAKE_OK or a refusal,
+ * or 1 when a window cannot be mapped (the caller reads with pread). */
+static int check_tensor_mapped(intake_req *r, int src, uint64_t size, const st_tensor *t, uint64_t data_start,
+                               intake_status *st)
+{
+    /* C64 is checked as its F32 lanes: a window's end may fall between an element's two halves */
+    const st_dtype dt = t->dtype == ST_C64 ? ST_F32 : t->dtype;
+    const size_t esize = st_dtype_bits(dt) / 8, per_elem = st_dtype_bits(t->dtype) / st_dtype_bits(dt);
+    const uint64_t first = data_start + t->begin, last = first + t->nelem * per_elem * esize;
+
+    for (uint64_t off = first; off < last;) {
+        /* windows end on CHECK_WINDOW boundaries of the file, so each maps whole units */
+        uint64_t end = off - off % CHECK_WINDOW + CHECK_WINDOW;
+        if (end > last)
+            end = last;
+        void *base;
+        size_t maplen;
+        window_check w = {dt, mapread_map(src, size, off, end - off, 1, &base, &maplen), (end - off) / esize, -1};
+        if (w.data == NULL)
+            return 1;
+        int rc = mapread_guarded(window_check_call, &w);
+        mapread_unmap(base, maplen);
+        if (rc == MAPREAD_BUS) {
+            dl_fail(&r->err, DL_E_METADATA_INCOMPLETE_BUFFER, NULL, 0, "file shrank while being read");
+            *st = INTAKE_INCOMPLETE;
+            return 0;
+        }
+        if (w.bad >= 0) {
+            dl_fail(&r->err, DL_E_NON_FINITE, t->name, t->name_len,
+                    "delta tensor holds a non-finite value (NaN or Inf) at element %" PRIu64,
+                    ((off - first) / esize + (uint64_t)w.bad) / per_elem);
+            *st = INTAKE_INVALID;
+            return 0;
+        }
+        off = end;
+    }
+    *st = INTAKE_OK;
+    return 0;
+}
+
+/* The finite check of every tensor, read in place where the data is aligned for its dtype and can be
+ * mapped, else with pread. */
+static intake_status check_values(intake_req *r, int src, uint64_t size, const st_header *h, uint64_t data_start)
+{
+    for (size_t i = 0; i < h->ntensors; i++) {
+        const st_tensor *t = &h->tensors[i];
+        size_t esize = st_dtype_bits(t->dtype) / 8;
+        /* element-aligned (a header length the reference allows may leave it odd) */
+        if ((data_start + t->begin) % (esize > 4 ? 4 : esize) != 0)
+            return copy_checked(r, src, -1, h, data_start);
+        intake_status st;
+        if (check_tensor_mapped(r, src, size, t, data_start, &st) != 0)
+            return copy_checked(r, src, -1, h, data_start);
+        if (st != INTAKE_OK)
+            return st;
+    }
+    return INTAKE_OK;
+}
+
 /* Reads a whole file whose header was read (before: its fstat then) with the finite check, and checks
  * that it did not change meanwhile. */
 static intake_status check_file(intake_req *r, int src, const struct stat *before, uint64_t n, const st_header *h)
 {
     struct stat after;
-    intake_status st = copy_checked(r, src, -1, h, 8 + n);
+    intake_status st = check_values(r, src, (uint64_t)before->st_size, h, 8 + n);
 
     if (st != INTAKE_OK)
         return st;

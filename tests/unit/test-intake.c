@@ -1,6 +1,7 @@
 #include "test.h"
 
 #include <dirent.h>
+#include <inttypes.h>
 #include <math.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -631,6 +632,197 @@ TEST(intake_set_shard_checked_against_index_before_its_copy)
     CHECK_EQ(r->status, INTAKE_INVALID);
     CHECK_STR(r->err.tensor, "b");
     CHECK(strstr(r->err.message, "does not hold it") != NULL);
+    intake_req_free(r);
+    st_close(f.global);
+}
+
+/* ---- a linked delta's values, checked in place --------------------------------------------------- */
+
+/* The data section of a delta written by the reference's rules puts C64 "z" first, then F32 "big",
+ * then F16 "h" (largest dtype first): together 28 MB, so each spans checking windows (8 MiB). */
+enum { NZ = 1100000, NBIG = 2600000, NH = 4500000 };
+
+/* Rewrites path with its header `pad` spaces longer (a header length the reference accepts), so the
+ * data section starts pad bytes later. */
+static int pad_header(const char *path, unsigned pad)
+{
+    FILE *f = fopen(path, "rb");
+    unsigned char *buf = NULL;
+    long size;
+    int rc = -1;
+
+    if (f == NULL || fseek(f, 0, SEEK_END) != 0 || (size = ftell(f)) < 8 || fseek(f, 0, SEEK_SET) != 0 ||
+        (buf = malloc((size_t)size)) == NULL || fread(buf, 1, (size_t)size, f) != (size_t)size)
+        goto out;
+    fclose(f);
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; i--)
+        n = n << 8 | buf[i];
+    uint64_t m = n + pad;
+    unsigned char len[8], *spaces = malloc(pad);
+    for (int i = 0; i < 8; i++)
+        len[i] = (unsigned char)(m >> (8 * i));
+    if (spaces == NULL)
+        goto out_nofile;
+    memset(spaces, ' ', pad);
+    f = fopen(path, "wb");
+    rc = f != NULL && fwrite(len, 1, 8, f) == 8 && fwrite(buf + 8, 1, n, f) == n && fwrite(spaces, 1, pad, f) == pad &&
+                 fwrite(buf + 8 + n, 1, (size_t)size - 8 - n, f) == (size_t)size - 8 - n
+             ? 0
+             : -1;
+    free(spaces);
+out:
+    if (f != NULL && fclose(f) != 0)
+        rc = -1;
+out_nofile:
+    free(buf);
+    return rc;
+}
+
+/* Writes the delta into the tree (nodes/w1/delta_7.safetensors) with one non-finite value: lane `lane`
+ * of tensor `which` ('z', 'b' or 'h'; 0: none), and its header padded by pad. */
+static int write_big_delta(const fixture *f, char which, uint64_t lane, unsigned pad)
+{
+    static const uint64_t sz[] = {NZ}, sb[] = {NBIG}, sh[] = {NH};
+    const st_spec specs[] = {{"z", 1, ST_C64, 1, sz}, {"big", 3, ST_F32, 1, sb}, {"h", 1, ST_F16, 1, sh}};
+    float *z = calloc((size_t)NZ * 2, 4), *big = calloc(NBIG, 4);
+    uint16_t *h = calloc(NH, 2);
+    char path[700];
+    dl_error err;
+    int rc = -1;
+
+    if (z == NULL || big == NULL || h == NULL)
+        goto out;
+    for (size_t i = 0; i < (size_t)NZ * 2; i++)
+        z[i] = (float)(i % 9) * 0.25f;
+    for (size_t i = 0; i < NBIG; i++)
+        big[i] = (float)(i % 5) - 2.0f;
+    for (size_t i = 0; i < NH; i++)
+        h[i] = 0x3c00;                          /* 1.0 */
+    if (which == 'z')
+        z[lane] = NAN;
+    else if (which == 'b')
+        big[lane] = INFINITY;
+    else if (which == 'h')
+        h[lane] = 0x7e00;                       /* an F16 NaN */
+    const void *data[] = {z, big, h};
+    snprintf(path, sizeof(path), "%s/delta_7.safetensors", f->node);
+    rc = st_save(path, specs, data, 3, META, 4, &err) == 0 && pad_header(path, pad) == 0 ? 0 : -1;
+out:
+    free(z);
+    free(big);
+    free(h);
+    return rc;
+}
+
+/* The intake of the delta written by write_big_delta, against a global of F32 "big" and "h" and C64
+ * "z", in a state of its own. */
+static intake_req *take_big(const fixture *f, const char *state)
+{
+    static const uint64_t sz[] = {NZ}, sb[] = {NBIG}, sh[] = {NH};
+    const st_spec g[] = {{"z", 1, ST_C64, 1, sz}, {"big", 3, ST_F32, 1, sb}, {"h", 1, ST_F32, 1, sh}};
+    char path[700], dir[700];
+    st_header *h = NULL;
+    char *json = NULL;
+    size_t json_len;
+    uint64_t offsets[6], data_len;
+    dl_error err;
+
+    snprintf(dir, sizeof(dir), "%s/cache/incoming", state);
+    mkdir_p(dir);
+    if (st_header_build(g, 3, NULL, 0, &json, &json_len, offsets, &data_len, &err) != 0 ||
+        st_header_parse_unsized(json, json_len, &h, &err) != 0) {
+        free(json);
+        return NULL;
+    }
+    free(json);
+    intake_req *r = calloc(1, sizeof(*r));
+    snprintf(path, sizeof(path), "%s/nodes/w1/delta_7.safetensors", f->tree);
+    r->src_path = strdup(path);
+    r->rel_path = strdup("nodes/w1/delta_7.safetensors");
+    r->hub_root = strdup(f->tree);
+    r->state_dir = strdup(state);
+    r->global = h;
+    r->step = 3;
+    intake_run(r);
+    st_header_free(h);
+    r->global = NULL;
+    return r;
+}
+
+/* A linked delta is checked in place, window by window: the first non-finite value is found and named
+ * by its element in each dtype, also past a window's end, in a C64 element the window's end cuts in
+ * two (data at 4 mod 8), and with the data at an odd offset (read with pread); a finite one is linked. */
+TEST(intake_linked_delta_checked_in_place_names_the_non_finite_element)
+{
+    const uint64_t window = 8u << 20;
+    fixture f;
+    char state[700];
+    int n = 0;
+
+    fixture_init(&f);
+    for (unsigned pad = 0; pad <= 5; pad += 4) {        /* 0: as written, 4: z at 4 mod 8 */
+        /* the header length st_save wrote, to find the z element the 8 MiB boundary cuts */
+        CHECK_EQ(write_big_delta(&f, 0, 0, pad), 0);
+        char path[700];
+        snprintf(path, sizeof(path), "%s/delta_7.safetensors", f.node);
+        FILE *fp = fopen(path, "rb");
+        unsigned char len[8];
+        CHECK(fp != NULL && fread(len, 1, 8, fp) == 8);
+        fclose(fp);
+        uint64_t ds = 8 + ((uint64_t)len[0] | (uint64_t)len[1] << 8 | (uint64_t)len[2] << 16 | (uint64_t)len[3] << 24);
+        CHECK_EQ(ds % 8, pad % 8);
+        /* the z lane at or just past the window's end */
+        uint64_t zlane = (window - ds + 3) / 4;
+        struct {
+            char which;
+            uint64_t lane;
+            const char *tensor;
+            uint64_t element;
+        } cases[] = {
+            {'z', 0, "z", 0},
+            {'z', zlane, "z", zlane / 2},
+            {'z', (uint64_t)NZ * 2 - 1, "z", NZ - 1},
+            {'b', 2000000, "big", 2000000},
+            {'h', NH - 7, "h", NH - 7},
+        };
+        for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+            char want[96];
+            snprintf(state, sizeof(state), "%s/state-%d", test_dir(), n++);
+            CHECK_EQ(write_big_delta(&f, cases[c].which, cases[c].lane, pad), 0);
+            intake_req *r = take_big(&f, state);
+            CHECK(r != NULL);
+            CHECK_EQ(r->status, INTAKE_INVALID);
+            CHECK_EQ(r->err.code, DL_E_NON_FINITE);
+            CHECK_STR(r->err.tensor, cases[c].tensor);
+            snprintf(want, sizeof(want), "at element %" PRIu64, cases[c].element);
+            if (strstr(r->err.message, want) == NULL)
+                fprintf(stderr, "  pad %u case %zu: %s (want %s)\n", pad, c, r->err.message, want);
+            CHECK(strstr(r->err.message, want) != NULL);
+            intake_req_free(r);
+        }
+        snprintf(state, sizeof(state), "%s/state-%d", test_dir(), n++);
+        CHECK_EQ(write_big_delta(&f, 0, 0, pad), 0);
+        intake_req *r = take_big(&f, state);
+        CHECK(r != NULL);
+        CHECK_EQ(r->status, INTAKE_OK);
+        CHECK_EQ(r->linked, 1);
+        intake_req_free(r);
+    }
+    /* data at an odd offset: read with pread, the same verdicts */
+    snprintf(state, sizeof(state), "%s/state-%d", test_dir(), n++);
+    CHECK_EQ(write_big_delta(&f, 'b', 2000000, 1), 0);
+    intake_req *r = take_big(&f, state);
+    CHECK(r != NULL);
+    CHECK_EQ(r->status, INTAKE_INVALID);
+    CHECK_STR(r->err.tensor, "big");
+    CHECK(strstr(r->err.message, "at element 2000000") != NULL);
+    intake_req_free(r);
+    snprintf(state, sizeof(state), "%s/state-%d", test_dir(), n++);
+    CHECK_EQ(write_big_delta(&f, 0, 0, 1), 0);
+    r = take_big(&f, state);
+    CHECK(r != NULL);
+    CHECK_EQ(r->status, INTAKE_OK);
     intake_req_free(r);
     st_close(f.global);
 }
