@@ -1189,10 +1189,10 @@ static void run_done(job *j)
     queue_finish(d);
 }
 
-/* The new global must be durable before a file:// step_count.json names it (the publish fsyncs it),
- * and the settle fsyncs it anyway: its write-back starts while the pass writes it, from a side thread
- * (sync_file_range in the pass threads made them wait for a congested disk), so the fsync after the
- * commit finds little left.  The job holds its own descriptor; it stops when the pass ends. */
+/* The settle makes the new global durable after the commit, and the next step's commit waits for it:
+ * its write-back starts while the pass writes it, from a side thread (sync_file_range in the pass
+ * threads made them wait for a congested disk), so the settle's fsync finds little left.  The job holds
+ * its own descriptor; it stops when the pass ends. */
 static void writeback_work(job *j)
 {
     atomic_int *stop = j->arg;
@@ -1747,8 +1747,12 @@ static int recover_redo(dilocod *d, dl_error *err)
             .origin = "round",
             .round_json = r.round_json,
         };
-        if ((rc = store_commit(&d->st, &info, err)) == 0 && (rc = store_redo_remove(&d->st, err)) == 0)
+        if ((rc = store_commit(&d->st, &info, err)) == 0 && (rc = store_redo_remove(&d->st, err)) == 0) {
             dl_log(DL_LOG_WARN, "store", "recovered", "step=%" PRIu64 " global=%s", r.step, d->st.global_path);
+            /* it may have been published before its files were durable (file:// links them): the same
+             * bytes go out again */
+            d->republish = 1;
+        }
     }
 out:
     outer_free(&p);
@@ -1795,6 +1799,8 @@ static void on_publish_done(void *app, uint64_t step, const char *error)
     d->publish_backoff = 0;
     d->publish_last_error[0] = '\0';
     d->published_step = (int64_t)step;
+    if (step == d->st.step)
+        d->republish = 0;
     dl_log(DL_LOG_INFO, "hub", "published", "step=%" PRIu64 " hub=%s%s", step, d->cfg->hub,
            d->st.bootstrap && step == 0 ? " bootstrap=true" : "");
     if (!d->stopping) {
@@ -1972,7 +1978,10 @@ static void on_published_seen(void *app, int64_t step)
                    "hub=%s", d->cfg->hub);
         return;                 /* with a global there, the transport copies it: on_global_ready */
     }
-    if (step >= 0 && (uint64_t)step == d->st.step) {
+    if (step >= 0 && (uint64_t)step == d->st.step && d->republish) {
+        dl_log(DL_LOG_WARN, "hub", "publishing the recovered step again",
+               "step=%" PRId64 " why=the hub's copy was published before the step's files were durable", step);
+    } else if (step >= 0 && (uint64_t)step == d->st.step) {
         d->published_step = step;
     } else if (step > (int64_t)d->st.step) {
         dl_log(DL_LOG_WARN, "hub", "the hub holds a newer step than our state; ours will be published over it",

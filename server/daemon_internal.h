@@ -115,6 +115,8 @@ typedef struct dilocod {
     hub *hub;                   /* the transport (hub.h), NULL for --hub none */
     int bootstrap_in_flight;    /* an adoption or a bootstrap */
     int published_known;        /* the transport has told which step it holds (its first poll) */
+    int republish;              /* the committed step was recovered from its redo record: publish it again even
+                                   where the transport holds that step (its copy may be what a crash cut short) */
 
     /* HTTP */
     http_server *http;

@@ -827,11 +827,13 @@ out:
     return rc;
 }
 
-/* Zero-copy publish: hard-links in (our own file) into root/global under a temporary name, makes its
- * data durable (the settle of the step fsyncs the same inode: one write-back serves both) and renames
- * it over name.  The published file then shares its inode with the state's: global/ is written only
- * by aggregators, always by rename, never in place.  0, 1 when a link is not possible here (another
- * filesystem, links refused: the caller copies), or a negative code with err set. */
+/* Zero-copy publish: hard-links in (our own file) into root/global under a temporary name and renames
+ * it over name.  The published file then shares its inode with the state's: global/ is written only by
+ * aggregators, always by rename, never in place.  Its data is not waited for here: the step is committed
+ * by its redo record, the settle makes the same inode durable in the background, and a restart that
+ * recovers the step from its redo record publishes it again (a crash of the machine may have lost what
+ * the tree showed).  0, 1 when a link is not possible here (another filesystem, links refused: the caller
+ * copies), or a negative code with err set. */
 static int publish_linked(int gfd, int in, const char *root, const char *name, dl_error *err)
 {
     char fdpath[64], tmp[96];
@@ -844,11 +846,6 @@ static int publish_linked(int gfd, int in, const char *root, const char *name, d
     if (linkat(AT_FDCWD, fdpath, gfd, tmp, AT_SYMLINK_FOLLOW) != 0)
         return errno == EXDEV || errno == EPERM || errno == EMLINK || errno == ENOENT ? 1
                : dl_fail_errno(err, errno, "cannot link into %s/global", root);
-    if (fsync(in) != 0) {
-        rc = dl_fail_errno(err, errno, "fsync of %s/global/%s", root, name);
-        unlinkat(gfd, tmp, 0);
-        return rc;
-    }
     if (renameat(gfd, tmp, gfd, name) != 0) {
         rc = dl_fail_errno(err, errno, "publishing %s/global/%s", root, name);
         unlinkat(gfd, tmp, 0);

@@ -259,3 +259,52 @@ def test_a_delta_truncated_while_the_pass_reads_it_in_place(tmp_path):
     while not hits[-1] and len(hits) < 3:
         hits.append(truncate_under_the_pass(tmp_path / f"try{len(hits)}", rng))
     assert hits[-1], "the stop never landed while the pass computed"
+
+
+def kill_between_publish_and_durable(tmp: Path, rng):
+    """One round of the 64 MiB model; dilocod is killed (-9) as soon as it logs that step 1 is published
+    (a tight poll of its log), before its files are durable.  Returns (daemon, deltas, whether the kill
+    landed before step 1 was durable)."""
+    tmp.mkdir()
+    d = start(tmp, big_model(), "--expected-nodes", "2", "--threads", "2")
+    deltas = {n: random_deltas(rng, big_model()) for n in ("a", "b")}
+    write_delta(d.hub, "a", 0, 10, deltas["a"])
+    d.wait_log("delta accepted")
+    write_delta(d.hub, "b", 0, 10, deltas["b"])
+    needle, deadline = "hub: published step=1 ", time.time() + 60
+    while needle not in d.logs[-1].read_text(errors="replace"):
+        assert time.time() < deadline and d.alive(), d.log_text()[-4000:]
+        time.sleep(0.0005)
+    d.kill9()
+    # in the window: step 1 committed by its redo record only (its files not durable)
+    return d, deltas, (d.state_dir / "redo.json").exists() and d.durable_step() == 0
+
+
+def test_a_step_published_before_it_was_durable_is_published_again_after_recovery(tmp_path):
+    """A file:// publish links the step's global into the tree without waiting for its data to reach the
+    disk: the step is committed by its redo record, and its files become durable in the background.  A
+    machine crash in between can leave the tree naming the step with its data lost.  dilocod is killed
+    right after publishing step 1 and the published file is cut to nothing (what such a crash leaves on
+    ext4: the size is written with the data); the restart recomputes step 1 from its redo record and
+    publishes it again, so the tree ends with torch's step 1, whole.  If the kill came after step 1 was
+    durable, the round is tried again, up to 5 times."""
+    rng = np.random.default_rng(5)
+    for attempt in range(5):
+        d, deltas, in_window = kill_between_publish_and_durable(tmp_path / f"try{attempt}", rng)
+        if in_window:
+            break
+    assert in_window, "the kill never landed between the publish and durable"
+    assert d.published_step() == 1
+    published = d.hub / "global/latest.safetensors"
+    assert os.stat(published).st_ino == os.stat(d.state_dir / "global/latest-1.safetensors").st_ino
+    os.truncate(published, 0)
+    d.start()
+    try:
+        d.wait_log("store: recovered step=1")
+        d.wait_log("hub: publishing the recovered step again step=1")
+        d.wait_until(lambda: published.stat().st_size > 0, "the recovered step published again")
+        assert d.published_step() == 1
+        assert_state_equal(load_torch(published), Oracle(big_model()).step(deltas))
+        d.wait_durable(1)
+    finally:
+        assert d.stop() == 0
