@@ -18,7 +18,10 @@
  *   - While set_step(..., waiting_for_global = 1), the transport does not hand over deltas; when it
  *     holds a global it copies it into state_dir and reports global_ready() (the daemon owns the copy).
  *   - publish() writes global/latest.safetensors, then global/step_count.json (last, so a reader never
- *     sees a step whose model is not there), and reports publish_done() exactly once per call.
+ *     sees a step whose model is not there), and reports publish_done() exactly once per call.  It
+ *     need not wait for the model's data to be durable (file:// links the daemon's own file): the
+ *     daemon publishes again a step it recovered from its redo record, even where the transport
+ *     reports that step.
  *   - close() cancels what is in flight; done(arg) runs once every handle and job is finished.
  * Everything runs on the loop thread; blocking file work goes to the libuv pool inside the transport.
  *
