@@ -54,6 +54,8 @@ static void maybe_close_round(dilocod *d);
 static void maybe_publish(dilocod *d);
 static void start_aggregation(dilocod *d);
 static void collecting_start(dilocod *d);
+static void round_open(dilocod *d);
+static void global_committed(dilocod *d);
 static void start_warm(dilocod *d);
 static void warm_async_cb(uv_async_t *h);
 
@@ -485,7 +487,10 @@ static void maybe_close_round(dilocod *d)
 {
     round_close_reason why;
 
-    if (d->state != S_COLLECTING || d->stopping || !round_should_close(&d->rnd, now_s(d), &why))
+    /* a bootstrap still copying --init-model: the round takes deltas in, and closes once step 0 is
+     * committed (adopt_done) */
+    if (d->state != S_COLLECTING || d->stopping || d->bootstrap_in_flight ||
+        !round_should_close(&d->rnd, now_s(d), &why))
         return;
     d->rnd.closed = 1;
     uv_timer_stop(&d->round_timer);
@@ -1396,7 +1401,7 @@ static void start_warm(dilocod *d)
     if (d->warm_step != step)
         drop_warm(d, d->warm_tmp);
     if (!d->cfg->warm_outputs || d->stopping || d->warm_job != NULL || d->warm_tmp[0] != NULL ||
-        d->state != S_COLLECTING || (a = calloc(1, sizeof(*a))) == NULL)
+        d->state != S_COLLECTING || !d->st.committed || (a = calloc(1, sizeof(*a))) == NULL)
         return;
     a->d = d;
     atomic_init(&a->stop, 0);
@@ -1866,9 +1871,46 @@ static int move_into_place(const char *src, const char *dst, dl_error *err)
     return fsu_fsync_parent(dst, err);
 }
 
+/* The same tensors (names, dtypes, shapes, offsets) in a and b. */
+static int same_tensors(const st_header *a, const st_header *b)
+{
+    if (a->ntensors != b->ntensors)
+        return 0;
+    for (size_t i = 0; i < a->ntensors; i++) {
+        const st_tensor *x = &a->tensors[i], *y = &b->tensors[i];
+        if (x->name_len != y->name_len || memcmp(x->name, y->name, x->name_len) != 0 || x->dtype != y->dtype ||
+            x->ndim != y->ndim || x->begin != y->begin || x->end != y->end ||
+            (x->ndim > 0 && memcmp(x->shape, y->shape, x->ndim * sizeof(*x->shape)) != 0))
+            return 0;
+    }
+    return 1;
+}
+
+/* The bootstrap's copy of --init-model once the round opened on its header (d->model, which the
+ * intakes read meanwhile: it is compared, never replaced): copied, made durable, committed as step 0.
+ * A model that changed since its header was read is refused. */
+static int bootstrap_copy(dilocod *d, const char *src, const char *dst, dl_error *err)
+{
+    st_file *f;
+    int rc;
+
+    if ((rc = hubfile_copy(src, dst, err)) != 0)
+        return rc;
+    if ((rc = st_open(dst, &f, err)) == 0) {
+        if (!same_tensors(f->h, d->model))
+            rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
+                         "%s changed while dilocod started from it (its tensors are not the ones read first)", src);
+        st_close(f);
+    }
+    if (rc != 0)
+        unlink(dst);
+    return rc;
+}
+
 /* Makes src the committed global of step.  bootstrap: src is the operator's --init-model, copied;
- * else src is a transport's verified copy in our state directory, moved. */
-static int adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap, dl_error *err)
+ * else src is a transport's verified copy in our state directory, moved.  header_known: the bootstrap
+ * whose round opened on src's header (bootstrap_header_done). */
+static int adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap, int header_known, dl_error *err)
 {
     char *dst = store_global_path(&d->st, step);
     store_commit_info info = {
@@ -1886,7 +1928,9 @@ static int adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap,
     info.global_path = dst;
     /* validate first: a damaged model must not become our state.  A sharded global (an index and its
      * shards, checked as a set) becomes one file: the state keeps the plain layout whatever the size */
-    if (st_index_is_index_path(src)) {
+    if (header_known) {
+        rc = bootstrap_copy(d, src, dst, err);
+    } else if (st_index_is_index_path(src)) {
         if ((rc = st_reshard(src, dst, 0, NULL, 0, NULL, err)) == 0 && (rc = open_model(d, dst, err)) != 0)
             unlink(dst);
     } else if ((rc = open_model(d, src, err)) == 0) {
@@ -1902,12 +1946,14 @@ typedef struct adopt_args {
     char *path;
     uint64_t step;
     int bootstrap;
+    int header_known;           /* the round opened on the model's header (bootstrap_header_done) */
+    st_header *header;          /* bootstrap_header_work's result, until the loop takes it */
 } adopt_args;
 
 static void adopt_work(job *j)
 {
     adopt_args *a = j->arg;
-    j->rc = adopt_sync(j->d, a->path, a->step, a->bootstrap, &j->err);
+    j->rc = adopt_sync(j->d, a->path, a->step, a->bootstrap, a->header_known, &j->err);
 }
 
 static void adopt_done(job *j)
@@ -1935,10 +1981,92 @@ static void adopt_done(job *j)
             d->published_step = (int64_t)a->step;
             dl_log(DL_LOG_WARN, "store", "adopted the published global", "step=%" PRIu64 " momentum=fresh", a->step);
         }
-        collecting_start(d);
+        if (a->header_known) {
+            global_committed(d);        /* the round is open already: it may close now */
+            maybe_close_round(d);
+        } else {
+            collecting_start(d);
+        }
     }
     free(a->path);
+    st_header_free(a->header);
     free(a);
+}
+
+/* A bootstrap overlapped with the first round's intake: this job reads the model's header only; the
+ * round opens on it (deltas are validated against it) while adopt_work copies the model into the
+ * state and makes it durable, and the round closes once step 0 is committed.  A sharded
+ * --init-model is resharded into one file first, as before (start_adopt). */
+static void bootstrap_header_work(job *j)
+{
+    adopt_args *a = j->arg;
+    st_file *f;
+
+    if ((j->rc = st_open(a->path, &f, &j->err)) != 0)
+        return;
+    a->header = f->h;
+    f->h = NULL;
+    st_close(f);
+}
+
+static void bootstrap_header_done(job *j)
+{
+    dilocod *d = j->d;
+    adopt_args *a = j->arg;
+
+    if (j->rc != 0 || d->stopping) {
+        d->bootstrap_in_flight = 0;
+        if (j->rc != 0) {
+            log_error("store", "cannot bootstrap from --init-model", &j->err);
+            d->exit_code = 1;
+            raise(SIGTERM);
+        }
+        free(a->path);
+        st_header_free(a->header);
+        free(a);
+        return;
+    }
+    st_header_free(d->model);
+    d->model = a->header;
+    a->header = NULL;
+    a->header_known = 1;
+    round_open(d);
+    if (daemon__queue(d, adopt_work, adopt_done, a, 0, 0) != 0) {
+        dl_error e;
+        dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot queue the copy of --init-model");
+        d->bootstrap_in_flight = 0;
+        log_error("store", "cannot bootstrap from --init-model", &e);
+        d->exit_code = 1;
+        raise(SIGTERM);
+        free(a->path);
+        free(a);
+    }
+}
+
+static void start_adopt(dilocod *d, const char *path, uint64_t step, int bootstrap);
+
+static void start_bootstrap(dilocod *d, const char *path)
+{
+    adopt_args *a;
+
+    if (st_index_is_index_path(path)) {
+        start_adopt(d, path, 0, 1);
+        return;
+    }
+    a = calloc(1, sizeof(*a));
+    if (d->bootstrap_in_flight || d->stopping || a == NULL || (a->path = strdup(path)) == NULL) {
+        if (a != NULL)
+            free(a->path);
+        free(a);
+        return;
+    }
+    a->bootstrap = 1;
+    if (daemon__queue(d, bootstrap_header_work, bootstrap_header_done, a, 0, 0) == 0) {
+        d->bootstrap_in_flight = 1;
+    } else {
+        free(a->path);
+        free(a);
+    }
 }
 
 static void start_adopt(dilocod *d, const char *path, uint64_t step, int bootstrap)
@@ -1972,7 +2100,7 @@ static void on_published_seen(void *app, int64_t step)
     d->published_known = 1;
     if (d->state == S_WAITING_GLOBAL) {
         if (step < 0 && d->cfg->init_model != NULL)
-            start_adopt(d, d->cfg->init_model, 0, 1);       /* nothing published: our model is step 0 */
+            start_bootstrap(d, d->cfg->init_model);         /* nothing published: our model is step 0 */
         else if (step < 0)
             dl_log(DL_LOG_WARN, "store", "no state, no --init-model, nothing published: waiting for a global",
                    "hub=%s", d->cfg->hub);
@@ -2065,6 +2193,36 @@ static void model_facts(dilocod *d)
     }
 }
 
+/* The round of d->st.step opens on d->model: deltas are taken in from here on. */
+static void round_open(dilocod *d)
+{
+    round_init(&d->rnd, d->st.step, d->cfg->expected_nodes, d->cfg->nodes, d->cfg->nnodes, d->cfg->min_nodes,
+               d->cfg->round_timeout);
+    d->state = S_COLLECTING;
+    if (d->hub != NULL)
+        hub_set_step(d->hub, d->st.step, 0);
+    model_facts(d);
+    plan_layout(d);
+    dl_log(DL_LOG_INFO, "round", "opened", "step=%" PRIu64 " expected=%u min_nodes=%u tensors=%zu", d->rnd.step,
+           d->cfg->expected_nodes, d->cfg->min_nodes, d->model->ntensors);
+    requeue_cache(d);
+    dispatch_intake(d);
+}
+
+/* d->st.step's global is committed (at startup, or adopted, or bootstrapped): served and published. */
+static void global_committed(dilocod *d)
+{
+    /* one open of the committed global for downloads (a sharded layout once its set is written, which
+     * a restart finds already there) */
+    serve_step(d, -1, d->st.step);
+    ensure_set(d);
+    struct stat sb;
+    if (stat(d->st.global_path, &sb) == 0)
+        d->committed_at = sb.st_mtime;      /* the step's file was written when it was committed */
+    start_warm(d);
+    maybe_publish(d);
+}
+
 static void collecting_start(dilocod *d)
 {
     dl_error err;
@@ -2075,26 +2233,8 @@ static void collecting_start(dilocod *d)
         uv_stop(&d->loop);
         return;
     }
-    round_init(&d->rnd, d->st.step, d->cfg->expected_nodes, d->cfg->nodes, d->cfg->nnodes, d->cfg->min_nodes,
-               d->cfg->round_timeout);
-    d->state = S_COLLECTING;
-    if (d->hub != NULL)
-        hub_set_step(d->hub, d->st.step, 0);
-    model_facts(d);
-    plan_layout(d);
-    /* startup (or adoption): one open of the committed global for downloads (a sharded layout once
-     * its set is written, which a restart finds already there) */
-    serve_step(d, -1, d->st.step);
-    ensure_set(d);
-    struct stat sb;
-    if (stat(d->st.global_path, &sb) == 0)
-        d->committed_at = sb.st_mtime;      /* the step's file was written when it was committed */
-    dl_log(DL_LOG_INFO, "round", "opened", "step=%" PRIu64 " expected=%u min_nodes=%u tensors=%zu", d->rnd.step,
-           d->cfg->expected_nodes, d->cfg->min_nodes, d->model->ntensors);
-    start_warm(d);
-    requeue_cache(d);
-    dispatch_intake(d);
-    maybe_publish(d);
+    round_open(d);
+    global_committed(d);
 }
 
 static void close_cb(uv_handle_t *h)
@@ -2228,7 +2368,7 @@ static int startup(dilocod *d, dl_error *err)
     if (d->cfg->init_model == NULL)
         return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0,
                        "no state in %s and no --init-model: nothing to start from", d->st.dir);
-    if ((rc = adopt_sync(d, d->cfg->init_model, 0, 1, err)) != 0)
+    if ((rc = adopt_sync(d, d->cfg->init_model, 0, 1, 0, err)) != 0)
         return rc;
     dl_log(DL_LOG_INFO, "store", "bootstrapped", "step=0 init_model=%s tensors=%zu", d->cfg->init_model,
            d->model->ntensors);
