@@ -688,6 +688,7 @@ static int reopen_if_rewritten(dilocod *d);
 static int start_sync_inputs(dilocod *d);
 static void schedule_cleanup(dilocod *d);
 static void queue_settle(dilocod *d, settle_args *a);
+static void release_settle(dilocod *d);
 
 static void settle_retry_cb(uv_timer_t *t)
 {
@@ -760,6 +761,26 @@ static void start_settle(dilocod *d, uint64_t step)
     a->nrels = d->nround_rels;
     d->round_rels = NULL;
     d->nround_rels = 0;
+    if (d->hub != NULL && hub_publish_writes_locally(d->hub) && !d->stopping) {
+        /* file://: the publish's small durable writes (step_count.json, the directory) queue at the disk
+         * behind the settle's (twice the model size): 0.07-0.2 s after a 256 MiB step when they ran
+         * side by side.  The settle follows the publish (release_settle); the redo record keeps the step
+         * safe meanwhile, and the next commit waits for it as for any settle. */
+        d->settle_after_publish = a;
+        d->settle_in_flight = 1;
+        return;
+    }
+    queue_settle(d, a);
+}
+
+/* Starts the settle that waited for the publish (the publish ended, none started, or shutdown). */
+static void release_settle(dilocod *d)
+{
+    settle_args *a = d->settle_after_publish;
+
+    if (a == NULL)
+        return;
+    d->settle_after_publish = NULL;
     queue_settle(d, a);
 }
 
@@ -1101,10 +1122,14 @@ static void commit_done(job *j)
     dl_log(DL_LOG_INFO, "round", "opened", "step=%" PRIu64 " expected=%u min_nodes=%u", d->rnd.step,
            d->cfg->expected_nodes, d->cfg->min_nodes);
     d->state = S_COLLECTING;
-    if (d->stopping)
+    if (d->stopping) {
+        release_settle(d);
         return;
+    }
     start_warm(d);
     maybe_publish(d);
+    if (!d->publish_in_flight)
+        release_settle(d);      /* nothing to wait for */
     dispatch_intake(d);
 }
 
@@ -1785,6 +1810,7 @@ static void on_publish_done(void *app, uint64_t step, const char *error)
     char q[600];
 
     d->publish_in_flight = 0;
+    release_settle(d);
     if (error != NULL) {
         d->m.publish_errors++;
         /* the same failure again is no news: said once at error level, then at debug, with the retries
@@ -2285,6 +2311,7 @@ static void signal_cb(uv_signal_t *s, int signum)
         atomic_store(&d->warm_job->stop, 1);
     if (d->http != NULL)
         http_server_stop(d->http, http_stopped);    /* uploads in progress are dropped, nothing kept */
+    release_settle(d);          /* a closing transport reports no publish_done: settle now */
     if (d->hub != NULL)
         hub_close(d->hub, hub_closed, d);           /* a download resumes from its .part next time */
     maybe_finish_shutdown(d);
@@ -2519,6 +2546,7 @@ int daemon_run(config *cfg)
     free(d->pending_round);
     free(d->unappended);
     settle_free(d->settle_retry);
+    settle_free(d->settle_after_publish);
     free_rels(d->round_rels, d->nround_rels);
     free(d);
     return code;

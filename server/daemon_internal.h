@@ -107,6 +107,7 @@ typedef struct dilocod {
     int inputs_sync_failed;
     int inputs_resync;          /* the round changed while they were: sync again before the commit */
     struct settle_args *settle_retry;   /* a failed settle, retried by settle_timer */
+    struct settle_args *settle_after_publish;   /* a settle waiting for the publish (release_settle) */
     char **round_rels;          /* the transport's files of the open round's deltas (--prune-consumed) */
     size_t nround_rels;
     int jobs_in_flight;         /* every uv_work_t out, for shutdown */

@@ -136,6 +136,10 @@ typedef struct hub_status {
 struct hub_ops {
     const char *scheme;         /* "file://" */
     const char *kind;           /* "file", as /status names it */
+    /* 1: publish() writes to the local disk the daemon's state is on (file://), so its few small
+     * durable writes wait behind whatever else that disk is writing: the daemon makes the step's
+     * files durable after the publish rather than beside it */
+    int publish_writes_locally;
     /* Checks a URL of this scheme (config time, nothing touched).  0 or -DL_E_INVALID_ARGUMENT. */
     int (*check_url)(const char *url, dl_error *err);
     int (*open)(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_callbacks *cb, void *app,
@@ -161,6 +165,7 @@ int hub_check_url(const char *url, dl_error *err);
 int hub_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_callbacks *cb, void *app, dl_error *err);
 
 static inline void hub_start(hub *h) { h->ops->start(h); }
+static inline int hub_publish_writes_locally(const hub *h) { return h->ops->publish_writes_locally; }
 static inline void hub_set_step(hub *h, uint64_t step, int waiting) { h->ops->set_step(h, step, waiting); }
 static inline void hub_publish(hub *h, uint64_t step, const char *global_path, const char *optimizer, int bootstrap)
 {

@@ -850,6 +850,7 @@ static void file_close(hub *h, void (*done)(void *), void *arg)
 const hub_ops hub_file_ops = {
     .scheme = "file://",
     .kind = "file",
+    .publish_writes_locally = 1,
     .check_url = file_check_url,
     .open = file_open,
     .start = file_start,

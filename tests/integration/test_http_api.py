@@ -1207,7 +1207,8 @@ def test_every_response_is_counted_by_route_and_exact_code(daemons, tmp_path):
 
 def test_file_hub_status_fields_and_publish_errors(daemons, tmp_path):
     """file:// fills hub.last_poll, last_publish and published_step, and a failed publish counts in
-    hub.errors and dilocod_publish_errors_total like hf://'s (one publish completion for both)."""
+    hub.errors and dilocod_publish_errors_total like hf://'s (one publish completion for both); the step's
+    files, made durable after its publish on file://, become durable all the same."""
     hub = tmp_path / "hub"
     hub.mkdir()
     model = small_model(31)
@@ -1227,6 +1228,9 @@ def test_file_hub_status_fields_and_publish_errors(daemons, tmp_path):
     assert put(url, "node-a", 1, delta_blob("node-a", 0, 1, tensors)).status_code == 201
     st = wait_status(url, lambda s: s["outer_step"] == 1 and s["hub"]["errors"] >= 1, 30, "a failed publish")
     assert st["hub"]["publish_pending"] is True and st["hub"]["last_error"], st["hub"]
+    # a file:// step is made durable after its publish: a publish that keeps failing does not hold it up
+    d.wait_durable(1)
+    assert d.durable_step() == 1 and not (d.state_dir / "redo.json").exists()
     samples, _ = parse_prometheus(get(url, "/metrics").text)
     assert samples[("dilocod_publish_errors_total", frozenset())] >= 1
     assert list(outside.iterdir()) == []
