@@ -1833,7 +1833,7 @@ static void on_publish_done(void *app, uint64_t step, const char *error)
     if (step == d->st.step)
         d->republish = 0;
     dl_log(DL_LOG_INFO, "hub", "published", "step=%" PRIu64 " hub=%s%s", step, d->cfg->hub,
-           d->st.bootstrap && step == 0 ? " bootstrap=true" : "");
+           d->publishing_bootstrap ? " bootstrap=true" : "");
     if (!d->stopping) {
         maybe_publish(d);       /* a newer step may have been committed meanwhile */
         schedule_cleanup(d);
@@ -1853,14 +1853,15 @@ static void maybe_publish(dilocod *d)
         if (index == NULL)
             return;
         d->publish_in_flight = 1;
-        hub_publish(d->hub, d->st.step, index, config_optimizer_name(d->cfg->optimizer),
-                    d->st.bootstrap && d->st.step == 0);
+        d->publishing_bootstrap = d->st.bootstrap && d->st.step == 0;
+        hub_publish(d->hub, d->st.step, index, config_optimizer_name(d->cfg->optimizer), d->publishing_bootstrap);
         free(index);
         return;
     }
     d->publish_in_flight = 1;
+    d->publishing_bootstrap = d->st.bootstrap && d->st.step == 0;
     hub_publish(d->hub, d->st.step, d->st.global_path, config_optimizer_name(d->cfg->optimizer),
-                d->st.bootstrap && d->st.step == 0);
+                d->publishing_bootstrap);
 }
 
 /* ---- adopting a global: the transport's (a verified local copy) or --init-model ----------------- */

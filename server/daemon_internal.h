@@ -97,6 +97,8 @@ typedef struct dilocod {
     /* publish */
     int64_t published_step;     /* -1: nothing published by us or unknown */
     int publish_in_flight;
+    int publishing_bootstrap;   /* the publish in flight is the bootstrap's step 0 (the state may have moved on
+                                   by the time it is done: a round can close as soon as step 0 is committed) */
     double publish_backoff;     /* seconds before the next publish retry (0: the last one succeeded) */
     char publish_last_error[256];
     int cleanup_in_flight;
