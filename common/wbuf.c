@@ -29,6 +29,12 @@ size_t wbuf_unit_left(uint64_t off, size_t unit)
     return unit - (size_t)(off % unit);
 }
 
+size_t wbuf_cut(const wbuf *b, uint64_t off, size_t unit, int all)
+{
+    size_t left = wbuf_unit_left(off, unit);
+    return all || b->fill_len <= left ? b->fill_len : left;
+}
+
 int wbuf_append(wbuf *b, const void *p, size_t n)
 {
     if (n > b->fill_cap - b->fill_len) {

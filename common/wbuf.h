@@ -19,6 +19,9 @@ int wbuf_init(wbuf *b, size_t cap);
 void wbuf_free(wbuf *b);
 /* Bytes from file offset off to the next multiple of unit (unit when off is one). */
 size_t wbuf_unit_left(uint64_t off, size_t unit);
+/* How much of the filling buffer, which starts at file offset off, to write now: up to the next
+ * multiple of unit, or all of it when all (the stream ended). */
+size_t wbuf_cut(const wbuf *b, uint64_t off, size_t unit, int all);
 /* Appends n bytes to the filling buffer, growing it if need be.  0 or -ENOMEM (nothing appended). */
 int wbuf_append(wbuf *b, const void *p, size_t n);
 /* Hands the first len (<= fill_len) bytes of the filling buffer to the write (b->out) and carries the

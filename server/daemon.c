@@ -2023,7 +2023,7 @@ static void adopt_done(job *j)
 /* A bootstrap overlapped with the first round's intake: this job reads the model's header only; the
  * round opens on it (deltas are validated against it) while adopt_work copies the model into the
  * state and makes it durable, and the round closes once step 0 is committed.  A sharded
- * --init-model is resharded into one file first, as before (start_adopt). */
+ * --init-model is resharded into one file first, in adopt_work alone (start_adopt). */
 static void bootstrap_header_work(job *j)
 {
     adopt_args *a = j->arg;
@@ -2042,15 +2042,7 @@ static void bootstrap_header_done(job *j)
     adopt_args *a = j->arg;
 
     if (j->rc != 0 || d->stopping) {
-        d->bootstrap_in_flight = 0;
-        if (j->rc != 0) {
-            log_error("store", "cannot bootstrap from --init-model", &j->err);
-            d->exit_code = 1;
-            raise(SIGTERM);
-        }
-        free(a->path);
-        st_header_free(a->header);
-        free(a);
+        adopt_done(j);          /* a refused model fails the bootstrap there */
         return;
     }
     st_header_free(d->model);
@@ -2059,45 +2051,15 @@ static void bootstrap_header_done(job *j)
     a->header_known = 1;
     round_open(d);
     if (daemon__queue(d, adopt_work, adopt_done, a, 0, 0) != 0) {
-        dl_error e;
-        dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot queue the copy of --init-model");
-        d->bootstrap_in_flight = 0;
-        log_error("store", "cannot bootstrap from --init-model", &e);
-        d->exit_code = 1;
-        raise(SIGTERM);
-        free(a->path);
-        free(a);
-    }
-}
-
-static void start_adopt(dilocod *d, const char *path, uint64_t step, int bootstrap);
-
-static void start_bootstrap(dilocod *d, const char *path)
-{
-    adopt_args *a;
-
-    if (st_index_is_index_path(path)) {
-        start_adopt(d, path, 0, 1);
-        return;
-    }
-    a = calloc(1, sizeof(*a));
-    if (d->bootstrap_in_flight || d->stopping || a == NULL || (a->path = strdup(path)) == NULL) {
-        if (a != NULL)
-            free(a->path);
-        free(a);
-        return;
-    }
-    a->bootstrap = 1;
-    if (daemon__queue(d, bootstrap_header_work, bootstrap_header_done, a, 0, 0) == 0) {
-        d->bootstrap_in_flight = 1;
-    } else {
-        free(a->path);
-        free(a);
+        j->rc = dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "cannot queue the copy of --init-model");
+        adopt_done(j);
     }
 }
 
 static void start_adopt(dilocod *d, const char *path, uint64_t step, int bootstrap)
 {
+    /* a plain --init-model: its header first, and the round opens on it (bootstrap_header_work) */
+    const int header_first = bootstrap && !st_index_is_index_path(path);
     adopt_args *a = calloc(1, sizeof(*a));
     if (d->bootstrap_in_flight || d->stopping || a == NULL || (a->path = strdup(path)) == NULL) {
         if (!bootstrap)
@@ -2109,7 +2071,8 @@ static void start_adopt(dilocod *d, const char *path, uint64_t step, int bootstr
     }
     a->step = step;
     a->bootstrap = bootstrap;
-    if (daemon__queue(d, adopt_work, adopt_done, a, 0, 0) == 0) {
+    if (daemon__queue(d, header_first ? bootstrap_header_work : adopt_work,
+                      header_first ? bootstrap_header_done : adopt_done, a, 0, 0) == 0) {
         d->bootstrap_in_flight = 1;
     } else {
         if (!bootstrap)
@@ -2127,7 +2090,7 @@ static void on_published_seen(void *app, int64_t step)
     d->published_known = 1;
     if (d->state == S_WAITING_GLOBAL) {
         if (step < 0 && d->cfg->init_model != NULL)
-            start_bootstrap(d, d->cfg->init_model);         /* nothing published: our model is step 0 */
+            start_adopt(d, d->cfg->init_model, 0, 1);       /* nothing published: our model is step 0 */
         else if (step < 0)
             dl_log(DL_LOG_WARN, "store", "no state, no --init-model, nothing published: waiting for a global",
                    "hub=%s", d->cfg->hub);

@@ -457,11 +457,9 @@ static void write_cb(uv_fs_t *req)
  * to the other buffer, which fills next. */
 static int start_write(upload *u)
 {
-    size_t len = u->buf.fill_len;
+    size_t len = wbuf_cut(&u->buf, u->file_off, FLUSH_BYTES, u->ended);
     int rc;
 
-    if (!u->ended && len > wbuf_unit_left(u->file_off, FLUSH_BYTES))
-        len = wbuf_unit_left(u->file_off, FLUSH_BYTES);
     if (wbuf_swap(&u->buf, len) != 0) {
         reject(u, 500, "out_of_memory", "out of memory buffering the upload", NULL);
         upload_discard(u);

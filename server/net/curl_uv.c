@@ -320,10 +320,8 @@ static void write_done(uv_fs_t *req)
  * transfer is over); the bytes past it move to the other buffer, which fills next. */
 static void start_write(cuv_xfer *x)
 {
-    size_t len = x->buf.fill_len;
+    size_t len = wbuf_cut(&x->buf, x->sink_off + x->wlen, SINK_UNIT, x->finished);
 
-    if (!x->finished && len > sink_unit_left(x))
-        len = sink_unit_left(x);
     if (wbuf_swap(&x->buf, len) != 0) {
         x->io_error = ENOMEM;
         return;

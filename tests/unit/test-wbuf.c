@@ -15,7 +15,11 @@ TEST(wbuf_cuts_writes_at_units_and_carries_the_rest)
     CHECK_EQ(wbuf_init(&b, 160), 0);
     /* 150 bytes in, the write cut at the first unit: 128 out, 22 carried to the other buffer */
     CHECK_EQ(wbuf_append(&b, data, 150), 0);
-    CHECK_EQ(wbuf_swap(&b, wbuf_unit_left(0, 128)), 0);
+    CHECK_EQ(wbuf_cut(&b, 0, 128, 0), 128);
+    CHECK_EQ(wbuf_cut(&b, 0, 128, 1), 150);         /* the stream ended: all of it */
+    CHECK_EQ(wbuf_cut(&b, 100, 128, 0), 28);
+    CHECK_EQ(wbuf_cut(&b, 0, 256, 0), 150);         /* less than a unit left: all of it */
+    CHECK_EQ(wbuf_swap(&b, wbuf_cut(&b, 0, 128, 0)), 0);
     CHECK(memcmp(b.out, data, 128) == 0);
     CHECK_EQ(b.fill_len, 22);
     CHECK(memcmp(b.fill, data + 128, 22) == 0);
