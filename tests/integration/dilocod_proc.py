@@ -135,11 +135,15 @@ class Dilocod:
 
     def committed_step(self):
         """The committed step: a round is committed by its redo record (redo.json), durable before the
-        step is served or published; outer_metadata.json follows once the step's files are durable."""
-        durable = self.durable_step()
+        step is served or published; outer_metadata.json follows once the step's files are durable.
+        The redo record is read first: the settle names the step in outer_metadata.json before it removes
+        redo.json, so a record gone by now means outer_metadata.json, read after, names its step."""
         try:
             redo = json.loads((self.state_dir / "redo.json").read_text())["step"]
         except (OSError, ValueError, KeyError):
+            redo = None
+        durable = self.durable_step()
+        if redo is None:
             return durable
         return redo if durable is None else max(durable, redo)
 
