@@ -446,7 +446,8 @@ def test_enospc_during_outer_step_keeps_last_commit_and_recovers(tmp_path, diloc
         assert check_committed(d.state_dir, diloco_bin) == 2
         check_step_content(d.state_dir, 2, states, moms)
         assert_state_close(load_torch(hub / "global/latest.safetensors"), states[2])
-        # the failed attempts left nothing behind
+        # the failed attempts left nothing behind (walked once the settle no longer removes files under it)
+        d.wait_durable(2)
         leftovers = [str(p) for p in d.state_dir.rglob("*") if ".tmp-" in p.name]
         assert not leftovers, f"{leftovers}\n{listing(d.state_dir)}"
         assert d.stop() == 0
