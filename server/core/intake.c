@@ -4,6 +4,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -447,63 +449,133 @@ static int window_check_call(void *arg)
     return 0;
 }
 
-/* The finite check of tensor t read in place, a window at a time: 0 with *st INTAKE_OK or a refusal,
- * or 1 when a window cannot be mapped (the caller reads with pread). */
-static int check_tensor_mapped(intake_req *r, int src, uint64_t size, const st_tensor *t, uint64_t data_start,
-                               intake_status *st)
+/* The finite check read in place, of the windows of the data within file bytes [lo, hi) (lo and hi on
+ * CHECK_WINDOW boundaries, or the data's ends): a part of a file's check.  Tensors in header order, each
+ * part stopping at its first finding, so that the finding of the first tensor in header order wins when
+ * the parts are merged (as a check in one part would report it). */
+typedef struct check_part {
+    int src;
+    uint64_t size;
+    const st_header *h;
+    uint64_t data_start, lo, hi;
+    int unmappable;             /* a window could not be mapped: check the whole file with pread */
+    int shrank;                 /* SIGBUS: the file was cut short under the mapping */
+    size_t bad_tensor;          /* the tensor of the first non-finite value, h->ntensors when none */
+    uint64_t bad_elem;          /* its element */
+} check_part;
+
+/* The windows of tensor t within [c->lo, c->hi): 1 when the part found something (or must fall back). */
+static int check_tensor_part(check_part *c, size_t ti)
 {
+    const st_tensor *t = &c->h->tensors[ti];
     /* C64 is checked as its F32 lanes: a window's end may fall between an element's two halves */
     const st_dtype dt = t->dtype == ST_C64 ? ST_F32 : t->dtype;
     const size_t esize = st_dtype_bits(dt) / 8, per_elem = st_dtype_bits(t->dtype) / st_dtype_bits(dt);
-    const uint64_t first = data_start + t->begin, last = first + t->nelem * per_elem * esize;
+    const uint64_t first = c->data_start + t->begin, last = first + t->nelem * per_elem * esize;
+    const uint64_t stop = last < c->hi ? last : c->hi;
 
-    for (uint64_t off = first; off < last;) {
+    for (uint64_t off = first > c->lo ? first : c->lo; off < stop;) {
         /* windows end on CHECK_WINDOW boundaries of the file, so each maps whole units */
         uint64_t end = off - off % CHECK_WINDOW + CHECK_WINDOW;
-        if (end > last)
-            end = last;
+        if (end > stop)
+            end = stop;
         void *base;
         size_t maplen;
-        window_check w = {dt, mapread_map(src, size, off, end - off, 1, &base, &maplen), (end - off) / esize, -1};
+        window_check w = {dt, mapread_map(c->src, c->size, off, end - off, 1, &base, &maplen), (end - off) / esize, -1};
         if (w.data == NULL)
-            return 1;
+            return c->unmappable = 1;
         int rc = mapread_guarded(window_check_call, &w);
         mapread_unmap(base, maplen);
-        if (rc == MAPREAD_BUS) {
-            dl_fail(&r->err, DL_E_METADATA_INCOMPLETE_BUFFER, NULL, 0, "file shrank while being read");
-            *st = INTAKE_INCOMPLETE;
-            return 0;
-        }
+        if (rc == MAPREAD_BUS)
+            return c->shrank = 1;
         if (w.bad >= 0) {
-            dl_fail(&r->err, DL_E_NON_FINITE, t->name, t->name_len,
-                    "delta tensor holds a non-finite value (NaN or Inf) at element %" PRIu64,
-                    ((off - first) / esize + (uint64_t)w.bad) / per_elem);
-            *st = INTAKE_INVALID;
-            return 0;
+            c->bad_tensor = ti;
+            c->bad_elem = ((off - first) / esize + (uint64_t)w.bad) / per_elem;
+            return 1;
         }
         off = end;
     }
-    *st = INTAKE_OK;
     return 0;
 }
 
+static void check_part_run(check_part *c)
+{
+    c->bad_tensor = c->h->ntensors;
+    for (size_t i = 0; i < c->h->ntensors; i++)
+        if (check_tensor_part(c, i))
+            return;
+}
+
+static void *check_part_thread(void *arg)
+{
+    check_part_run(arg);
+    return NULL;
+}
+
+/* Checks in flight in this process: a check that runs alone takes a second thread (below). */
+static _Atomic int checks_running;
+uint64_t intake_split_min = (uint64_t)64 << 20;
+
+/* The two parts' findings as one status: a part that could not map means the whole file is read with
+ * pread; else the file cut short, else the first non-finite value in header order. */
+static intake_status merge_parts(intake_req *r, int src, const check_part *parts, size_t n)
+{
+    const check_part *bad = NULL;
+
+    for (size_t k = 0; k < n; k++)
+        if (parts[k].unmappable)
+            return copy_checked(r, src, -1, parts[0].h, parts[0].data_start);
+    for (size_t k = 0; k < n; k++) {
+        if (parts[k].shrank) {
+            dl_fail(&r->err, DL_E_METADATA_INCOMPLETE_BUFFER, NULL, 0, "file shrank while being read");
+            return INTAKE_INCOMPLETE;
+        }
+        if (parts[k].bad_tensor < parts[k].h->ntensors &&
+            (bad == NULL || parts[k].bad_tensor < bad->bad_tensor ||
+             (parts[k].bad_tensor == bad->bad_tensor && parts[k].bad_elem < bad->bad_elem)))
+            bad = &parts[k];
+    }
+    if (bad == NULL)
+        return INTAKE_OK;
+    const st_tensor *t = &bad->h->tensors[bad->bad_tensor];
+    dl_fail(&r->err, DL_E_NON_FINITE, t->name, t->name_len,
+            "delta tensor holds a non-finite value (NaN or Inf) at element %" PRIu64, bad->bad_elem);
+    return INTAKE_INVALID;
+}
+
 /* The finite check of every tensor, read in place where the data is aligned for its dtype and can be
- * mapped, else with pread. */
+ * mapped, else with pread.  Large data checked alone is split in two halves on a window boundary, one
+ * checked by a thread of its own. */
 static intake_status check_values(intake_req *r, int src, uint64_t size, const st_header *h, uint64_t data_start)
 {
+    check_part parts[2] = {{src, size, h, data_start, data_start, size, 0, 0, 0, 0}};
+    size_t nparts = 1;
+    pthread_t helper;
+    int helped = 0;
+
     for (size_t i = 0; i < h->ntensors; i++) {
         const st_tensor *t = &h->tensors[i];
         size_t esize = st_dtype_bits(t->dtype) / 8;
         /* element-aligned (a header length the reference allows may leave it odd) */
         if ((data_start + t->begin) % (esize > 4 ? 4 : esize) != 0)
             return copy_checked(r, src, -1, h, data_start);
-        intake_status st;
-        if (check_tensor_mapped(r, src, size, t, data_start, &st) != 0)
-            return copy_checked(r, src, -1, h, data_start);
-        if (st != INTAKE_OK)
-            return st;
     }
-    return INTAKE_OK;
+    int alone = atomic_fetch_add(&checks_running, 1) == 0;
+    if (alone && size - data_start >= intake_split_min) {
+        uint64_t mid = data_start + (size - data_start) / 2;
+        mid -= mid % CHECK_WINDOW;
+        parts[1] = parts[0];
+        parts[0].hi = parts[1].lo = mid;
+        nparts = 2;
+        helped = pthread_create(&helper, NULL, check_part_thread, &parts[1]) == 0;
+    }
+    check_part_run(&parts[0]);
+    if (helped)
+        pthread_join(helper, NULL);
+    else if (nparts == 2)
+        check_part_run(&parts[1]);      /* no thread: the second half after the first */
+    atomic_fetch_sub(&checks_running, 1);
+    return merge_parts(r, src, parts, nparts);
 }
 
 /* Reads a whole file whose header was read (before: its fstat then) with the finite check, and checks

@@ -69,6 +69,13 @@ typedef struct intake_req {
     int link_errno;             /* a link was tried and refused (EXDEV, EPERM ...): copied instead */
 } intake_req;
 
+/* Delta data at least this large is checked in place in two halves at once, the second on a thread of
+ * its own, when no other check runs in the process: the last delta of a round is checked alone, on the
+ * round's critical path, while the pool's other thread is idle.  Both halves read on the windows a single
+ * check reads, and the verdict is the one a single check gives (the first non-finite value in file
+ * order).  A variable so that the tests can run either way. */
+extern uint64_t intake_split_min;
+
 void intake_run(intake_req *r);
 const char *intake_status_name(intake_status s);
 void intake_req_free(intake_req *r);

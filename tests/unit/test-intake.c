@@ -699,8 +699,10 @@ static int write_big_delta(const fixture *f, char which, uint64_t lane, unsigned
         big[i] = (float)(i % 5) - 2.0f;
     for (size_t i = 0; i < NH; i++)
         h[i] = 0x3c00;                          /* 1.0 */
-    if (which == 'z')
+    if (which == 'z' || which == '2')
         z[lane] = NAN;
+    if (which == '2')
+        h[NH - 7] = 0x7e00;                     /* and one in the last tensor: the first half's is named */
     else if (which == 'b')
         big[lane] = INFINITY;
     else if (which == 'h')
@@ -752,16 +754,21 @@ static intake_req *take_big(const fixture *f, const char *state)
 
 /* A linked delta is checked in place, window by window: the first non-finite value is found and named
  * by its element in each dtype, also past a window's end, in a C64 element the window's end cuts in
- * two (data at 4 mod 8), and with the data at an odd offset (read with pread); a finite one is linked. */
+ * two (data at 4 mod 8), and with the data at an odd offset (read with pread); a finite one is linked.
+ * The same verdicts from a check in one part and from one split in two halves (intake_split_min): with
+ * a value in each half, the first half's (the first in file order) is named. */
 TEST(intake_linked_delta_checked_in_place_names_the_non_finite_element)
 {
     const uint64_t window = 8u << 20;
+    const uint64_t saved_split_min = intake_split_min;
     fixture f;
     char state[700];
     int n = 0;
 
     fixture_init(&f);
-    for (unsigned pad = 0; pad <= 5; pad += 4) {        /* 0: as written, 4: z at 4 mod 8 */
+    for (unsigned mode = 0; mode < 4; mode++) {
+        const unsigned pad = mode % 2 ? 4 : 0;              /* 0: as written, 4: z at 4 mod 8 */
+        intake_split_min = mode < 2 ? UINT64_MAX : 0;       /* one part, then two halves */
         /* the header length st_save wrote, to find the z element the 8 MiB boundary cuts */
         CHECK_EQ(write_big_delta(&f, 0, 0, pad), 0);
         char path[700];
@@ -785,6 +792,7 @@ TEST(intake_linked_delta_checked_in_place_names_the_non_finite_element)
             {'z', (uint64_t)NZ * 2 - 1, "z", NZ - 1},
             {'b', 2000000, "big", 2000000},
             {'h', NH - 7, "h", NH - 7},
+            {'2', 0, "z", 0},
         };
         for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
             char want[96];
@@ -797,7 +805,7 @@ TEST(intake_linked_delta_checked_in_place_names_the_non_finite_element)
             CHECK_STR(r->err.tensor, cases[c].tensor);
             snprintf(want, sizeof(want), "at element %" PRIu64, cases[c].element);
             if (strstr(r->err.message, want) == NULL)
-                fprintf(stderr, "  pad %u case %zu: %s (want %s)\n", pad, c, r->err.message, want);
+                fprintf(stderr, "  mode %u case %zu: %s (want %s)\n", mode, c, r->err.message, want);
             CHECK(strstr(r->err.message, want) != NULL);
             intake_req_free(r);
         }
@@ -809,6 +817,7 @@ TEST(intake_linked_delta_checked_in_place_names_the_non_finite_element)
         CHECK_EQ(r->linked, 1);
         intake_req_free(r);
     }
+    intake_split_min = saved_split_min;
     /* data at an odd offset: read with pread, the same verdicts */
     snprintf(state, sizeof(state), "%s/state-%d", test_dir(), n++);
     CHECK_EQ(write_big_delta(&f, 'b', 2000000, 1), 0);
