@@ -1568,10 +1568,38 @@ static size_t drop_rewritten(dilocod *d)
     return dropped;
 }
 
+/* A committed global linked from --init-model (a bootstrap, until step 1 is durable) that the operator
+ * rewrote in place: the step cannot be made from the version published, nor from another.  Logs it and
+ * stops the daemon (exit 1) rather than mix versions.  1 when it did. */
+static int global_rewritten(dilocod *d)
+{
+    int rc = store_global_intact(&d->st);
+
+    if (rc == 1)
+        return 0;
+    dl_error e;
+    dl_fail(&e, DL_E_IO, NULL, 0,
+            "the committed global of step %" PRIu64 " is a link to --init-model, which was %s since the bootstrap "
+            "(%s); put that file back as it was (its bytes and its modification time), or start again from an "
+            "empty state directory",
+            d->st.step, rc == 0 ? "rewritten in place or removed" : "unreadable", d->st.global_path);
+    log_error("store", "cannot aggregate", &e);
+    d->exit_code = 1;
+    raise(SIGTERM);
+    return 1;
+}
+
 /* Before a pass and before its commit: a round that lost a rewritten delta is open again (a pass never
- * mixes versions of a file, and never commits one that changed under it).  1 when it reopened. */
+ * mixes versions of a file, and never commits one that changed under it).  1 when it reopened, or when
+ * the global itself changed (global_rewritten: the daemon stops). */
 static int reopen_if_rewritten(dilocod *d)
 {
+    if (global_rewritten(d)) {
+        pass_release(d);
+        d->commit_waiting = 0;
+        d->state = S_COLLECTING;        /* stopping: nothing runs for this round any more */
+        return 1;
+    }
     if (drop_rewritten(d) == 0)
         return 0;
     uv_timer_stop(&d->progress_timer);
@@ -1749,6 +1777,15 @@ static int recover_redo(dilocod *d, dl_error *err)
             return store_redo_remove(&d->st, err);
         }
     }
+    if ((rc = store_global_intact(&d->st)) != 1) {
+        rc = dl_fail(err, DL_E_IO, NULL, 0,
+                     "cannot recompute step %" PRIu64 ": its base, the global of step %" PRIu64 ", is a link to "
+                     "--init-model, which was %s since the bootstrap (%s); put that file back as it was (its bytes and "
+                     "its modification time), or start again from an empty state directory", r.step, r.base, rc == 0 ? "rewritten in place or removed" : "unreadable",
+                     d->st.global_path);
+        store_redo_free(&r);
+        return rc;
+    }
     dl_log(DL_LOG_WARN, "store", "recovering a committed step whose files were not durable",
            "step=%" PRIu64 " nodes=%zu", r.step, r.ndeltas);
     if ((rc = setup_pass(d, &p, r.step, r.optimizer, r.lr, r.momentum, meta, step_text, sizeof(step_text))) != 0) {
@@ -1913,15 +1950,84 @@ static int same_tensors(const st_header *a, const st_header *b)
     return 1;
 }
 
-/* The bootstrap's copy of --init-model once the round opened on its header (d->model, which the
- * intakes read meanwhile: it is compared, never replaced): copied, made durable, committed as step 0.
- * A model that changed since its header was read is refused. */
-static int bootstrap_copy(dilocod *d, const char *src, const char *dst, dl_error *err)
+/* How a bootstrap took --init-model in: linked (version: the one linked), or copied (link_errno: why
+ * not linked). */
+typedef struct model_intake {
+    int linked;
+    int link_errno;
+    fsu_ident version;
+} model_intake;
+
+/* Zero-copy bootstrap: dst becomes a hard link to src's inode, through its descriptor (a rename of src
+ * meanwhile cannot swap it), made durable (the inode's fsync, the rename, the directory's fsync).  The
+ * state then shares that inode with the operator's file until step 1 is durable and the step-0 global
+ * goes: the version linked is committed with step 0 (store.global_version) and checked before the
+ * pass, before the commit and at recovery (global_rewritten).  0, or a positive errno when no link can
+ * be made here (another filesystem, fs.protected_hardlinks, a file that changed while it was linked),
+ * with nothing left behind: the caller copies instead. */
+static int link_model(const char *src, const char *dst, fsu_ident *version)
+{
+    char fdpath[64], *tmp = NULL;
+    struct stat before, after;
+    dl_error ignored;
+    int fd, tfd, e = 0;
+
+    if ((fd = open(src, O_RDONLY | O_NONBLOCK | O_CLOEXEC)) < 0)
+        return errno;
+    if (fstat(fd, &before) != 0 || !S_ISREG(before.st_mode)) {
+        close(fd);
+        return EINVAL;          /* the copy says what it is */
+    }
+    /* a temporary name of ours (store_cleanup removes one a crash leaves), free for the link */
+    if (fsu_tmp_create(dst, &tmp, &tfd, &ignored) != 0) {
+        close(fd);
+        return EIO;
+    }
+    close(tfd);
+    unlink(tmp);
+    snprintf(fdpath, sizeof(fdpath), "/proc/self/fd/%d", fd);
+    if (linkat(AT_FDCWD, fdpath, AT_FDCWD, tmp, AT_SYMLINK_FOLLOW) != 0)
+        e = errno;
+    else if (fsync(fd) != 0)
+        e = errno;
+    else if (fstat(fd, &after) != 0 || after.st_size != before.st_size ||
+             after.st_mtim.tv_sec != before.st_mtim.tv_sec || after.st_mtim.tv_nsec != before.st_mtim.tv_nsec)
+        e = ESTALE;             /* written to while linked */
+    else if (rename(tmp, dst) != 0)
+        e = errno;
+    else if (fsu_fsync_parent(dst, &ignored) != 0)
+        e = EIO;
+    if (e != 0) {
+        unlink(tmp);
+        unlink(dst);
+    } else {
+        fsu_ident_of(&after, version);
+    }
+    close(fd);
+    free(tmp);
+    return e;
+}
+
+/* --init-model into the state as dst: linked where it can be (link_model), else copied, made durable. */
+static int take_model(const char *src, const char *dst, model_intake *mi, dl_error *err)
+{
+    memset(mi, 0, sizeof(*mi));
+    if ((mi->link_errno = link_model(src, dst, &mi->version)) == 0) {
+        mi->linked = 1;
+        return 0;
+    }
+    return hubfile_copy(src, dst, err);
+}
+
+/* The bootstrap's intake of --init-model once the round opened on its header (d->model, which the
+ * intakes read meanwhile: it is compared, never replaced): linked or copied, made durable, committed as
+ * step 0.  A model that changed since its header was read is refused. */
+static int bootstrap_take(dilocod *d, const char *src, const char *dst, model_intake *mi, dl_error *err)
 {
     st_file *f;
     int rc;
 
-    if ((rc = hubfile_copy(src, dst, err)) != 0)
+    if ((rc = take_model(src, dst, mi, err)) != 0)
         return rc;
     if ((rc = st_open(dst, &f, err)) == 0) {
         if (!same_tensors(f->h, d->model))
@@ -1934,10 +2040,11 @@ static int bootstrap_copy(dilocod *d, const char *src, const char *dst, dl_error
     return rc;
 }
 
-/* Makes src the committed global of step.  bootstrap: src is the operator's --init-model, copied;
- * else src is a transport's verified copy in our state directory, moved.  header_known: the bootstrap
- * whose round opened on src's header (bootstrap_header_done). */
-static int adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap, int header_known, dl_error *err)
+/* Makes src the committed global of step.  bootstrap: src is the operator's --init-model, linked or
+ * copied (*mi says which); else src is a transport's verified copy in our state directory, moved.
+ * header_known: the bootstrap whose round opened on src's header (bootstrap_header_done). */
+static int adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap, int header_known,
+                      model_intake *mi, dl_error *err)
 {
     char *dst = store_global_path(&d->st, step);
     store_commit_info info = {
@@ -1955,16 +2062,18 @@ static int adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap,
     info.global_path = dst;
     /* validate first: a damaged model must not become our state.  A sharded global (an index and its
      * shards, checked as a set) becomes one file: the state keeps the plain layout whatever the size */
+    memset(mi, 0, sizeof(*mi));
     if (header_known) {
-        rc = bootstrap_copy(d, src, dst, err);
+        rc = bootstrap_take(d, src, dst, mi, err);
     } else if (st_index_is_index_path(src)) {
         if ((rc = st_reshard(src, dst, 0, NULL, 0, NULL, err)) == 0 && (rc = open_model(d, dst, err)) != 0)
             unlink(dst);
     } else if ((rc = open_model(d, src, err)) == 0) {
-        rc = bootstrap ? hubfile_copy(src, dst, err) : move_into_place(src, dst, err);
+        rc = bootstrap ? take_model(src, dst, mi, err) : move_into_place(src, dst, err);
     }
-    if (rc == 0)
-        rc = store_commit(&d->st, &info, err);
+    info.global_version = mi->linked ? &mi->version : NULL;
+    if (rc == 0 && (rc = store_commit(&d->st, &info, err)) != 0)
+        unlink(dst);            /* not committed: not ours to keep (and never the operator's name) */
     free(dst);
     return rc;
 }
@@ -1975,12 +2084,23 @@ typedef struct adopt_args {
     int bootstrap;
     int header_known;           /* the round opened on the model's header (bootstrap_header_done) */
     st_header *header;          /* bootstrap_header_work's result, until the loop takes it */
+    model_intake mi;            /* a bootstrap: linked or copied */
 } adopt_args;
 
 static void adopt_work(job *j)
 {
     adopt_args *a = j->arg;
-    j->rc = adopt_sync(j->d, a->path, a->step, a->bootstrap, a->header_known, &j->err);
+    j->rc = adopt_sync(j->d, a->path, a->step, a->bootstrap, a->header_known, &a->mi, &j->err);
+}
+
+/* The "bootstrapped" line: how --init-model came in (a copy says why it was not linked). */
+static void log_bootstrapped(const dilocod *d, const char *path, const model_intake *mi)
+{
+    char qp[600], qw[160];
+
+    dl_log(DL_LOG_INFO, "store", "bootstrapped", "step=0 init_model=%s tensors=%zu taken=%s%s%s",
+           dl_log_q(qp, sizeof(qp), path), d->model->ntensors, mi->linked ? "linked" : "copied",
+           mi->linked ? "" : " why_not_linked=", mi->linked ? "" : dl_log_q(qw, sizeof(qw), strerror(mi->link_errno)));
 }
 
 static void adopt_done(job *j)
@@ -2002,8 +2122,7 @@ static void adopt_done(job *j)
         }
     } else if (!d->stopping) {
         if (a->bootstrap) {
-            dl_log(DL_LOG_INFO, "store", "bootstrapped", "step=0 init_model=%s tensors=%zu", a->path,
-                   d->model->ntensors);
+            log_bootstrapped(d, a->path, &a->mi);
         } else {
             d->published_step = (int64_t)a->step;
             dl_log(DL_LOG_WARN, "store", "adopted the published global", "step=%" PRIu64 " momentum=fresh", a->step);
@@ -2359,10 +2478,10 @@ static int startup(dilocod *d, dl_error *err)
     if (d->cfg->init_model == NULL)
         return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0,
                        "no state in %s and no --init-model: nothing to start from", d->st.dir);
-    if ((rc = adopt_sync(d, d->cfg->init_model, 0, 1, 0, err)) != 0)
+    model_intake mi;
+    if ((rc = adopt_sync(d, d->cfg->init_model, 0, 1, 0, &mi, err)) != 0)
         return rc;
-    dl_log(DL_LOG_INFO, "store", "bootstrapped", "step=0 init_model=%s tensors=%zu", d->cfg->init_model,
-           d->model->ntensors);
+    log_bootstrapped(d, d->cfg->init_model, &mi);
     return 0;
 }
 

@@ -84,11 +84,29 @@ static char *read_small_file(const char *path, size_t max, dl_error *err)
     return buf;
 }
 
+/* A version as text, "dev:ino:size:mtime_ns": a string, as inode numbers and nanosecond times go past
+ * what a JSON number keeps exactly. */
+static void ident_text(char *buf, size_t cap, const fsu_ident *v)
+{
+    snprintf(buf, cap, "\"%" PRIu64 ":%" PRIu64 ":%" PRIu64 ":%" PRId64 "\"", v->dev, v->ino, v->size, v->mtime_ns);
+}
+
+/* ident_text's form read back (without the quotes): 0, or -1 when it is not exactly that. */
+static int ident_parse(const char *text, fsu_ident *x)
+{
+    int used = 0;
+
+    if (sscanf(text, "%" SCNu64 ":%" SCNu64 ":%" SCNu64 ":%" SCNd64 "%n", &x->dev, &x->ino, &x->size, &x->mtime_ns,
+               &used) != 4 || text[used] != '\0')
+        return -1;
+    return 0;
+}
+
 /* The metadata file is ours, but a damaged or hand-edited one must not crash us: validate it. */
 static int load_metadata(store *s, const char *path, dl_error *err)
 {
     char *text = read_small_file(path, 1 << 20, err);
-    cJSON *root, *step, *g, *m, *b, *round;
+    cJSON *root, *step, *g, *m, *b, *round, *gv;
     int rc = 0;
 
     if (text == NULL)
@@ -125,6 +143,14 @@ static int load_metadata(store *s, const char *path, dl_error *err)
         s->momentum_path = store_momentum_path(s, s->step);
     }
     s->bootstrap = cJSON_IsTrue(b);
+    gv = cJSON_GetObjectItemCaseSensitive(root, "global_version");
+    if (gv != NULL && !cJSON_IsNull(gv)) {
+        if (!cJSON_IsString(gv) || ident_parse(gv->valuestring, &s->global_version) != 0) {
+            rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s is damaged (global_version)", path);
+            goto out;
+        }
+        s->global_guarded = 1;
+    }
     round = cJSON_GetObjectItemCaseSensitive(root, "round");
     if (cJSON_IsObject(round))
         s->round_json = cJSON_PrintUnformatted(round);     /* NULL on OOM: history only */
@@ -201,6 +227,11 @@ int store_commit_write(const store *s, const store_commit_info *info, dl_error *
     sb_json_string(&b, info->origin, strlen(info->origin));
     sb_str(&b, ",\n  \"updated_at\": ");
     sb_json_string(&b, when, strlen(when));
+    if (info->global_version != NULL) {
+        sb_str(&b, ",\n  \"global_version\": ");
+        ident_text(num, sizeof(num), info->global_version);
+        sb_str(&b, num);
+    }
     if (info->round_json != NULL) {
         sb_str(&b, ",\n  \"round\": ");
         sb_add(&b, info->round_json, strcspn(info->round_json, "\n"));
@@ -240,8 +271,16 @@ int store_commit_apply(store *s, const store_commit_info *info)
     s->round_json = r;
     s->step = info->step;
     s->bootstrap = info->bootstrap;
+    s->global_guarded = info->global_version != NULL;
+    if (info->global_version != NULL)
+        s->global_version = *info->global_version;
     s->committed = 1;
     return 0;
+}
+
+int store_global_intact(const store *s)
+{
+    return !s->committed || !s->global_guarded ? 1 : fsu_ident_check(s->global_path, &s->global_version);
 }
 
 int store_commit(store *s, const store_commit_info *info, dl_error *err)
@@ -282,10 +321,7 @@ int store_redo_write(const store *s, const store_redo *r, dl_error *err)
             sb_str(&b, "null");
             continue;
         }
-        /* a string: inode numbers and nanosecond times go past what a JSON number keeps exactly */
-        const fsu_ident *v = &r->versions[i];
-        snprintf(num, sizeof(num), "\"%" PRIu64 ":%" PRIu64 ":%" PRIu64 ":%" PRId64 "\"", v->dev, v->ino, v->size,
-                 v->mtime_ns);
+        ident_text(num, sizeof(num), &r->versions[i]);
         sb_str(&b, num);
     }
     sb_str(&b, "],\n  \"round\": ");
@@ -352,12 +388,8 @@ static int read_versions(store_redo *r, const cJSON *v, const char *path, dl_err
     if ((r->guarded = calloc(r->ndeltas, 1)) == NULL || (r->versions = calloc(r->ndeltas, sizeof(*r->versions))) == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     cJSON_ArrayForEach(e, v) {
-        fsu_ident *x = &r->versions[i];
-        int used = 0;
         if (cJSON_IsString(e)) {
-            if (sscanf(e->valuestring, "%" SCNu64 ":%" SCNu64 ":%" SCNu64 ":%" SCNd64 "%n", &x->dev, &x->ino, &x->size,
-                       &x->mtime_ns, &used) != 4 ||
-                e->valuestring[used] != '\0')
+            if (ident_parse(e->valuestring, &r->versions[i]) != 0)
                 return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s: a damaged version", path);
             r->guarded[i] = 1;
         } else if (!cJSON_IsNull(e)) {

@@ -39,6 +39,10 @@ typedef struct store {
     char *momentum_path;        /* NULL: no momentum (fresh or momentum 0) */
     int bootstrap;              /* the committed step is a bootstrap / adopted model */
     char *round_json;           /* the committed round's record (history.h), NULL for a bootstrap / adoption */
+    /* the committed global is a hard link to a file others may rewrite in place (a bootstrap linked from
+     * --init-model): global_version is the version committed (outer_metadata.json "global_version") */
+    int global_guarded;
+    fsu_ident global_version;
     int startup;                /* private to store_cleanup */
 } store;
 
@@ -51,6 +55,7 @@ typedef struct store_commit_info {
     int bootstrap;
     const char *origin;         /* "round", "init_model", "adopted" */
     const char *round_json;     /* the round's record (one JSON object), committed with the step; or NULL */
+    const fsu_ident *global_version;    /* NULL, or the global is a link others may rewrite: its version */
 } store_commit_info;
 
 /* Creates the tree and loads the committed step (if any). */
@@ -85,6 +90,9 @@ int store_redo_read(const store *s, store_redo *r, int *present, dl_error *err);
 /* Removes redo.json (the step it made is durable and named by outer_metadata.json). */
 int store_redo_remove(const store *s, dl_error *err);
 void store_redo_free(store_redo *r);
+/* 1 when the committed global is still the version committed (always, unless it is guarded), 0 when it
+ * was rewritten in place or is gone, a negative errno when that cannot be told. */
+int store_global_intact(const store *s);
 
 /* Removes files of steps before the committed one (globals, momentum, cached deltas).  At startup
  * (nothing else running) also uncommitted step files, temporary files and incoming copies. */

@@ -851,6 +851,9 @@ static int publish_linked(int gfd, int in, const char *root, const char *name, d
         unlinkat(gfd, tmp, 0);
         return rc;
     }
+    /* where name already was a link to this very file (the same step published again, or a global
+     * linked from an --init-model that is this tree's own file), rename(2) does nothing and leaves tmp */
+    unlinkat(gfd, tmp, 0);
     if (fsync(gfd) != 0)
         return dl_fail_errno(err, errno, "fsync of %s/global", root);
     return 0;

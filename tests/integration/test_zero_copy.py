@@ -8,7 +8,12 @@
 - With the state root on another filesystem (a tmpfs), intake copies as before and says once why.
 - A linked cache entry met at a restart is read in full again: a worker that rewrote it with a NaN
   while dilocod was down gets it refused, not aggregated.
+- The bootstrap links --init-model into the state (and the publish of step 0 links that into the tree):
+  the operator's inode, unchanged, until step 1 is durable.  A model rewritten in place meanwhile stops
+  the daemon with a clear error instead of a step made from other bytes; on another filesystem the
+  bootstrap copies and says why.
 """
+import json
 import os
 import re
 import shutil
@@ -310,16 +315,17 @@ def test_a_step_published_before_it_was_durable_is_published_again_after_recover
         assert d.stop() == 0
 
 
-def catch_up_round(tmp: Path, model, rng):
-    """A new dilocod on a tree that holds two deltas and no global (catch-up): (daemon log, deltas), once
-    step 1 is published and equals torch's step on them."""
+def catch_up_round(tmp: Path, model, rng, init_dir=None):
+    """A new dilocod on a tree that holds two deltas and no global (catch-up), from an --init-model in
+    init_dir (default: tmp): the daemon's log, once step 1 is published and equals torch's step."""
     tmp.mkdir()
     hub = tmp / "hub"
     deltas = {n: random_deltas(rng, model) for n in ("a", "b")}
     for n in deltas:
         write_delta(hub, n, 0, 10, deltas[n])
-    write_model(tmp / "init.safetensors", model)
-    d = Dilocod(tmp, hub, "--init-model", str(tmp / "init.safetensors"), "--expected-nodes", "2").start()
+    init = (init_dir or tmp) / "init.safetensors"
+    write_model(init, model)
+    d = Dilocod(tmp, hub, "--init-model", str(init), "--expected-nodes", "2").start()
     try:
         d.wait_step(1, timeout=120)
         assert_state_equal(load_torch(hub / "global/latest.safetensors"), Oracle(model).step(deltas))
@@ -329,14 +335,20 @@ def catch_up_round(tmp: Path, model, rng):
 
 
 def test_catch_up_takes_deltas_in_while_the_init_model_is_copied(tmp_path):
-    """Bootstrapping copies --init-model into the state and makes it durable (128 MiB here).  The round
-    opens on the model's header first, so the deltas already in the tree are validated and taken in
-    during the copy; the round closes only once step 0 is committed, and step 1 is torch's.  The overlap
-    depends on timing (a delta's intake against the copy's fsync): tried up to 3 times."""
+    """Bootstrapping from an --init-model on another filesystem (/dev/shm) copies it into the state and
+    makes it durable (128 MiB here).  The round opens on the model's header first, so the deltas already
+    in the tree are validated and taken in during the copy; the round closes only once step 0 is
+    committed, and step 1 is torch's.  The overlap depends on timing (a delta's intake against the copy's
+    fsync): tried up to 3 times."""
     model = {"w": torch.randn(4096, 8192, generator=torch.Generator().manual_seed(15))}
     rng = np.random.default_rng(6)
     for attempt in range(3):
-        log = catch_up_round(tmp_path / f"try{attempt}", model, rng)
+        shm = Path(tempfile.mkdtemp(prefix="dilocod-init-", dir="/dev/shm"))
+        try:
+            log = catch_up_round(tmp_path / f"try{attempt}", model, rng, init_dir=shm)
+        finally:
+            shutil.rmtree(shm, ignore_errors=True)
+        assert re.search(r"store: bootstrapped step=0 .* taken=copied why_not_linked=", log), log[-4000:]
         boot = log.index("store: bootstrapped step=0")
         assert log.index("round: closed step=0") > boot, log[-4000:]
         assert log.index("round: opened step=0") < boot, log[-4000:]
@@ -344,3 +356,107 @@ def test_catch_up_takes_deltas_in_while_the_init_model_is_copied(tmp_path):
             break
     else:
         raise AssertionError(f"no delta was taken in while the init model was copied:\n{log[-4000:]}")
+
+
+# ---- the bootstrap links --init-model ----------------------------------------------------------------
+
+def test_the_init_model_is_linked_into_the_state_and_left_as_it_was(tmp_path):
+    """The bootstrap hard-links --init-model into the state (no copy: the operator's inode), records the
+    version it linked in outer_metadata.json, and the publish of step 0 links it into the tree.  Step 1
+    is torch's; once it is durable the state's link is gone and the operator's file is as it was."""
+    model = small_model()
+    oracle, rng = Oracle(model), np.random.default_rng(7)
+    d = start(tmp_path, model, "--expected-nodes", "2")
+    init = tmp_path / "init.safetensors"
+    before = init.read_bytes()
+    try:
+        ino = init.stat().st_ino
+        assert (d.state_dir / "global/latest-0.safetensors").stat().st_ino == ino
+        assert (d.hub / "global/latest.safetensors").stat().st_ino == ino
+        assert re.search(r"store: bootstrapped step=0 .* taken=linked", d.log_text()), d.log_text()[-3000:]
+        version = json.loads((d.state_dir / "outer_metadata.json").read_text())["global_version"]
+        st = init.stat()
+        assert version == f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}", version
+        deltas = {n: random_deltas(rng, model) for n in ("a", "b")}
+        take_in(d, deltas["a"])
+        close_round(d, oracle, deltas)
+        d.wait_durable(1)
+        # the settle removes the previous step's files after it names step 1
+        d.wait_until(lambda: not (d.state_dir / "global/latest-0.safetensors").exists(), "step 0's global removed")
+        assert "global_version" not in json.loads((d.state_dir / "outer_metadata.json").read_text())
+        assert init.stat().st_nlink == 1 and init.read_bytes() == before
+    finally:
+        assert d.stop() == 0
+
+
+def test_an_init_model_rewritten_in_place_after_the_bootstrap_stops_the_daemon(tmp_path):
+    """The operator saves another model over --init-model (the same inode) while step 0, linked from it,
+    is the committed global: step 1 cannot be made from the version workers trained on.  The round's
+    pass is refused and dilocod stops with exit code 1 and an error that says what happened and what to
+    do; nothing is committed or published for step 1, and a restart refuses the same way."""
+    model = small_model()
+    rng = np.random.default_rng(8)
+    d = start(tmp_path, model, "--expected-nodes", "2")
+    init = tmp_path / "init.safetensors"
+    deltas = {n: random_deltas(rng, model) for n in ("a", "b")}
+    take_in(d, deltas["a"])
+    # the same names, dtypes and shapes, other values: only the version guard can tell
+    write_model(tmp_path / "other.safetensors", {k: v + 1 for k, v in model.items()})
+    data = (tmp_path / "other.safetensors").read_bytes()
+    assert len(data) == init.stat().st_size
+    with open(init, "r+b") as f:
+        f.write(data)
+    write_delta(d.hub, "b", 0, 10, deltas["b"])
+    assert d.proc.wait(timeout=60) == 1, d.log_text()[-3000:]
+    d.proc = None
+    log = d.log_text()
+    assert "is a link to --init-model, which was rewritten in place or removed since the bootstrap" in log, log[-3000:]
+    assert "put that file back as it was (its bytes and its modification time), or start again" in log
+    assert d.published_step() == 0 and d.committed_step() == 0
+    assert not (d.state_dir / "redo.json").exists()
+    d.start()
+    assert d.proc.wait(timeout=60) == 1, d.log_text()[-3000:]
+    d.proc = None
+    assert d.log_text().count("is a link to --init-model, which was rewritten in place") == 2
+    assert d.published_step() == 0
+
+
+def test_an_init_model_rewritten_before_step_1_was_durable_is_not_recomputed_from(tmp_path):
+    """dilocod is killed right after publishing step 1, whose base (step 0) is linked from --init-model,
+    before step 1's files are durable; the operator then saves other values over --init-model.  The
+    restart must recompute step 1 from its redo record, whose base is no longer the version workers
+    trained on: it refuses to start, with the error and the way out, rather than publish other bytes."""
+    rng = np.random.default_rng(9)
+    for attempt in range(5):
+        tmp = tmp_path / f"try{attempt}"
+        d, deltas, in_window = kill_between_publish_and_durable(tmp, rng)
+        if in_window:
+            break
+    assert in_window, "the kill never landed between the publish and durable"
+    init = tmp / "init.safetensors"
+    assert (d.state_dir / "global/latest-0.safetensors").stat().st_ino == init.stat().st_ino
+    original, st = init.read_bytes(), init.stat()
+    write_model(tmp / "other.safetensors", {k: v + 1 for k, v in big_model().items()})
+    data = (tmp / "other.safetensors").read_bytes()
+    assert len(data) == init.stat().st_size
+    with open(init, "r+b") as f:
+        f.write(data)
+    d.start()
+    assert d.proc.wait(timeout=60) == 1, d.log_text()[-3000:]
+    d.proc = None
+    log = d.logs[-1].read_text(errors="replace")
+    assert "cannot recompute step 1: its base, the global of step 0, is a link to --init-model, which was " \
+           "rewritten in place or removed since the bootstrap" in log, log[-3000:]
+    assert "recovered step=1" not in log
+    assert (d.state_dir / "redo.json").exists()
+    # put back as it was, bytes and modification time: the restart recovers step 1, torch's
+    with open(init, "r+b") as f:
+        f.write(original)
+    os.utime(init, ns=(st.st_atime_ns, st.st_mtime_ns))
+    d.start()
+    try:
+        d.wait_log("store: recovered step=1")
+        d.wait_durable(1)
+        assert_state_equal(load_torch(d.hub / "global/latest.safetensors"), Oracle(big_model()).step(deltas))
+    finally:
+        assert d.stop() == 0
