@@ -155,6 +155,12 @@ class Worker(threading.Thread):
     """One node: for each round, wait until the daemon's step reaches it, then upload the round's delta until
     the daemon has it (201, or 409 not_newer / stale)."""
 
+    # While HOLD is set no upload starts: the controller sets it (holding GATE, so that no upload is under
+    # way either) around a restart whose recovered step it reads from the state, which the next round's
+    # settle would otherwise remove under it.
+    GATE = threading.Lock()
+    HOLD = threading.Event()
+
     def __init__(self, i, port, blobs, stop):
         super().__init__(name=f"worker-{NODES[i]}", daemon=True)
         self.i, self.node, self.port, self.blobs, self.stop = i, NODES[i], port, blobs, stop
@@ -190,7 +196,13 @@ class Worker(threading.Thread):
         blob = self.blobs(r, self.i)
         while not self.stop.is_set():
             try:
-                status, doc, retry_after = put_paced(self.port, self.node, r + 1, blob)
+                with Worker.GATE:
+                    if Worker.HOLD.is_set():
+                        raise BlockingIOError("held")
+                    status, doc, retry_after = put_paced(self.port, self.node, r + 1, blob)
+            except BlockingIOError:
+                time.sleep(0.005)
+                continue
             except (OSError, http.client.HTTPException):
                 self.counts["connection"] += 1
                 time.sleep(0.02)
@@ -355,15 +367,21 @@ class Controller:
     def restart_checked(self, committed, when):
         """After a restart: no temporary file of a dead process, and the history."""
         redo = getattr(self, "redo_pending", None)
-        self.start()
-        self.wait(lambda t: "round: opened step=" in t, 60, "the restart's round")
         if redo is not None:
-            # the step the kill left committed by its redo record: recomputed, durable, bit for bit
-            assert "store: recovered step=%d " % redo in self.tail.read(), self.tail.read()[-3000:]
-            assert check_committed(self.d.state_dir, self.diloco_bin) >= redo
-            self.check_step(redo, f"{when}: recomputed from the redo record")
-            self.recovered.append(redo)
-            self.redo_pending = None
+            with Worker.GATE:
+                Worker.HOLD.set()       # no round closes while the recovered step is read
+        try:
+            self.start()
+            self.wait(lambda t: "round: opened step=" in t, 60, "the restart's round")
+            if redo is not None:
+                # the step the kill left committed by its redo record: recomputed, durable, bit for bit
+                assert "store: recovered step=%d " % redo in self.tail.read(), self.tail.read()[-3000:]
+                assert check_committed(self.d.state_dir, self.diloco_bin) >= redo
+                self.check_step(redo, f"{when}: recomputed from the redo record")
+                self.recovered.append(redo)
+                self.redo_pending = None
+        finally:
+            Worker.HOLD.clear()
         own = self.d.proc.pid
         for dirpath, dirs, files in os.walk(self.d.state_dir):
             for name in dirs + files:
