@@ -1568,6 +1568,18 @@ static size_t drop_rewritten(dilocod *d)
     return dropped;
 }
 
+/* What store_global_intact's answer rc (0 or a negative errno) says, and what the operator can do. */
+#define GLOBAL_CHANGED_HELP                                                                                  \
+    "put that file back as it was (its bytes and its modification time), or start again from an empty state " \
+    "directory"
+
+static const char *global_change(int rc)
+{
+    return rc == 0 ? "that is no longer the version linked at the bootstrap (rewritten in place, or the state "
+                     "directory was copied to another filesystem)"
+                   : "whose version cannot be checked";
+}
+
 /* A committed global linked from --init-model (a bootstrap, until step 1 is durable) that the operator
  * rewrote in place: the step cannot be made from the version published, nor from another.  Logs it and
  * stops the daemon (exit 1) rather than mix versions.  1 when it did. */
@@ -1578,11 +1590,8 @@ static int global_rewritten(dilocod *d)
     if (rc == 1)
         return 0;
     dl_error e;
-    dl_fail(&e, DL_E_IO, NULL, 0,
-            "the committed global of step %" PRIu64 " is a link to --init-model, which was %s since the bootstrap "
-            "(%s); put that file back as it was (its bytes and its modification time), or start again from an "
-            "empty state directory",
-            d->st.step, rc == 0 ? "rewritten in place or removed" : "unreadable", d->st.global_path);
+    dl_fail(&e, DL_E_IO, NULL, 0, "the committed global of step %" PRIu64 " (%s) is a link to --init-model %s; "
+            GLOBAL_CHANGED_HELP, d->st.step, d->st.global_path, global_change(rc));
     log_error("store", "cannot aggregate", &e);
     d->exit_code = 1;
     raise(SIGTERM);
@@ -1778,11 +1787,9 @@ static int recover_redo(dilocod *d, dl_error *err)
         }
     }
     if ((rc = store_global_intact(&d->st)) != 1) {
-        rc = dl_fail(err, DL_E_IO, NULL, 0,
-                     "cannot recompute step %" PRIu64 ": its base, the global of step %" PRIu64 ", is a link to "
-                     "--init-model, which was %s since the bootstrap (%s); put that file back as it was (its bytes and "
-                     "its modification time), or start again from an empty state directory", r.step, r.base, rc == 0 ? "rewritten in place or removed" : "unreadable",
-                     d->st.global_path);
+        rc = dl_fail(err, DL_E_IO, NULL, 0, "cannot recompute step %" PRIu64 ": its base, the global of step %" PRIu64
+                     " (%s), is a link to --init-model %s; " GLOBAL_CHANGED_HELP, r.step, r.base, d->st.global_path,
+                     global_change(rc));
         store_redo_free(&r);
         return rc;
     }
