@@ -2182,17 +2182,39 @@ static void bootstrap_header_done(job *j)
     }
 }
 
+/* An adoption or bootstrap that could not even be queued (out of memory): as if it had failed, so that
+ * the daemon never waits for a global nothing is making.  A bootstrap stops the daemon (exit 1, as a
+ * refused --init-model does); an adoption lets the transport offer its global again. */
+static void adopt_not_queued(dilocod *d, const char *path, int bootstrap)
+{
+    dl_error e;
+
+    dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory for the job");
+    if (bootstrap) {
+        log_error("store", "cannot bootstrap from --init-model", &e);
+        d->exit_code = 1;
+        raise(SIGTERM);
+        return;
+    }
+    log_error("store", "cannot adopt the published global", &e);
+    discard_local(d, path, 1);
+    hub_set_step(d->hub, 0, 1);
+}
+
 static void start_adopt(dilocod *d, const char *path, uint64_t step, int bootstrap)
 {
     /* a plain --init-model: its header first, and the round opens on it (bootstrap_header_work) */
     const int header_first = bootstrap && !st_index_is_index_path(path);
-    adopt_args *a = calloc(1, sizeof(*a));
-    if (d->bootstrap_in_flight || d->stopping || a == NULL || (a->path = strdup(path)) == NULL) {
+    adopt_args *a;
+
+    if (d->bootstrap_in_flight || d->stopping) {
         if (!bootstrap)
             discard_local(d, path, 1);
-        if (a != NULL)
-            free(a->path);
+        return;
+    }
+    if ((a = calloc(1, sizeof(*a))) == NULL || (a->path = strdup(path)) == NULL) {
         free(a);
+        adopt_not_queued(d, path, bootstrap);
         return;
     }
     a->step = step;
@@ -2201,10 +2223,9 @@ static void start_adopt(dilocod *d, const char *path, uint64_t step, int bootstr
                       header_first ? bootstrap_header_done : adopt_done, a, 0, 0) == 0) {
         d->bootstrap_in_flight = 1;
     } else {
-        if (!bootstrap)
-            discard_local(d, path, 1);
         free(a->path);
         free(a);
+        adopt_not_queued(d, path, bootstrap);
     }
 }
 
