@@ -214,7 +214,10 @@ static int prepare(outer_pass *p, dl_error *err)
  * F32 and C64 deltas are read in place: each item's range of each delta is mapped read-only, in whole
  * 2 MiB units (MAP_POPULATE: one call sets up its page tables), and unmapped after the item, so RSS stays
  * flat (threads x deltas x a few MiB); other dtypes, and data at an offset that is not 4-byte aligned,
- * are read with pread and decoded.  The mean then adds LANE_W lanes of every delta at a time, so that
+ * are read with pread and decoded.  The previous global and momentum (F32, C64) are mapped the same way
+ * and read by the optimizer's loops themselves (outer_io); the new values go to the item's buffers and
+ * out with pwrite (writing through shared mappings was 6.6x slower: ext4 dirties every buffer of a
+ * 2 MiB folio on each 4 KiB write fault).  The mean then adds LANE_W lanes of every delta at a time, so that
  * all the deltas' streams advance together, and the statistics re-read each L1-sized block (STAT_BLOCK)
  * while it is still in cache.  The copy out of the page cache (pread's, 40% of the pass's CPU) is gone.
  * bench-outer, 8 x 256 MiB F32 from the page cache, 2 threads: 1.6x the pread pass (README,
@@ -224,7 +227,8 @@ static int prepare(outer_pass *p, dl_error *err)
  * it (mapread_guarded) and fail the pass, as pread's short read did. */
 enum { SUB_ELEMS = 16384 };
 
-/* A delta's range of one item, mapped read-only; base == NULL: read with pread instead. */
+/* An input's range of one item (a delta's, the previous global's or momentum's), mapped read-only;
+ * base == NULL: read with pread instead. */
 typedef struct outer_map {
     void *base;
     size_t len;
@@ -240,7 +244,8 @@ typedef struct outer_bufs {
     float *d;                   /* ndeltas x 2 lanes per element of a sub-block: the deltas read with pread */
     const float **dk;           /* ndeltas: where delta k's lanes of the current sub-block are */
     outer_map *maps;            /* ndeltas: delta k's mapped range of the current item, or none */
-    int map_units;              /* map whole MAPREAD_UNITs (see map_delta), not just each item's pages */
+    outer_map gmap, mmap;       /* the previous global's / momentum's range of the item, or none */
+    int map_units;              /* map whole MAPREAD_UNITs (see map_lanes), not just each item's pages */
     outer_node_stats *stats;
     double mean_sumsq;
 } outer_bufs;
@@ -299,35 +304,40 @@ static int read_lanes(const st_file *f, const st_tensor *t, uint64_t e, size_t n
  * whose ifunc resolvers ThreadSanitizer cannot run). */
 int outer_force_portable;
 
-static inline __attribute__((always_inline)) void sgd_axpy_body(float *restrict param, const float *restrict x,
+/* out and in: the new and the previous parameters, either the same buffer (read with pread, updated in
+ * place) or the previous global mapped in place and the buffer written out (no restrict between them:
+ * the compiler checks the overlap at run time). */
+static inline __attribute__((always_inline)) void sgd_axpy_body(float *out, const float *in, const float *restrict x,
                                                                  float alpha, size_t m)
 {
     for (size_t j = 0; j < m; j++)
-        param[j] = fmaf(alpha, x[j], param[j]);
+        out[j] = fmaf(alpha, x[j], in[j]);
 }
 
-static inline __attribute__((always_inline)) void sgd_nesterov_body(float *restrict param, const float *restrict buf,
+static inline __attribute__((always_inline)) void sgd_nesterov_body(float *out, const float *in,
+                                                                     const float *restrict buf,
                                                                      const float *restrict g, float mu, float alpha,
                                                                      size_t m)
 {
     for (size_t j = 0; j < m; j++)
-        param[j] = fmaf(alpha, fmaf(mu, buf[j], g[j]), param[j]);
+        out[j] = fmaf(alpha, fmaf(mu, buf[j], g[j]), in[j]);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define HAVE_FMA_PATH 1
 
-__attribute__((target("avx2,fma"))) static void sgd_axpy_fma(float *restrict param, const float *restrict x,
+__attribute__((target("avx2,fma"))) static void sgd_axpy_fma(float *out, const float *in, const float *restrict x,
                                                               float alpha, size_t m)
 {
-    sgd_axpy_body(param, x, alpha, m);
+    sgd_axpy_body(out, in, x, alpha, m);
 }
 
-__attribute__((target("avx2,fma"))) static void sgd_nesterov_fma(float *restrict param, const float *restrict buf,
+__attribute__((target("avx2,fma"))) static void sgd_nesterov_fma(float *out, const float *in,
+                                                                  const float *restrict buf,
                                                                   const float *restrict g, float mu, float alpha,
                                                                   size_t m)
 {
-    sgd_nesterov_body(param, buf, g, mu, alpha, m);
+    sgd_nesterov_body(out, in, buf, g, mu, alpha, m);
 }
 
 static int have_fma(void)
@@ -344,29 +354,29 @@ static int have_fma(void)
 }
 #endif
 
-/* param = fma(alpha, x, param): torch's param.add_(x, alpha=alpha) */
-static void sgd_axpy(float *restrict param, const float *restrict x, float alpha, size_t m)
+/* out = fma(alpha, x, in): torch's param.add_(x, alpha=alpha) */
+static void sgd_axpy(float *out, const float *in, const float *restrict x, float alpha, size_t m)
 {
 #ifdef HAVE_FMA_PATH
     if (!outer_force_portable && have_fma()) {
-        sgd_axpy_fma(param, x, alpha, m);
+        sgd_axpy_fma(out, in, x, alpha, m);
         return;
     }
 #endif
-    sgd_axpy_body(param, x, alpha, m);
+    sgd_axpy_body(out, in, x, alpha, m);
 }
 
-/* param = fma(alpha, fma(mu, buf, g), param): torch's d = g.add(buf, alpha=mu); param.add_(d, alpha=alpha) */
-static void sgd_nesterov(float *restrict param, const float *restrict buf, const float *restrict g, float mu,
+/* out = fma(alpha, fma(mu, buf, g), in): torch's d = g.add(buf, alpha=mu); param.add_(d, alpha=alpha) */
+static void sgd_nesterov(float *out, const float *in, const float *restrict buf, const float *restrict g, float mu,
                          float alpha, size_t m)
 {
 #ifdef HAVE_FMA_PATH
     if (!outer_force_portable && have_fma()) {
-        sgd_nesterov_fma(param, buf, g, mu, alpha, m);
+        sgd_nesterov_fma(out, in, buf, g, mu, alpha, m);
         return;
     }
 #endif
-    sgd_nesterov_body(param, buf, g, mu, alpha, m);
+    sgd_nesterov_body(out, in, buf, g, mu, alpha, m);
 }
 
 /* Lanes per block of the mean and the statistics: the block's mean (8 KiB) stays in L1 while every delta's
@@ -454,44 +464,53 @@ KERNEL_CLONES static void mean_block(const outer_pass *p, const float *const *dk
     sumsq_dot(g, g, m, &b->mean_sumsq, &unused);
 }
 
+/* A sub-block's parameters and momentum: the new ones are written to param and buf; the previous ones
+ * are read from param_in and buf_in, which are either the same buffers (read there with pread) or the
+ * previous files mapped in place. */
+typedef struct outer_io {
+    float *param, *buf;
+    const float *param_in, *buf_in;
+} outer_io;
+
 /* The mean, the statistics and the optimizer over m lanes of one sub-block: delta k's lanes are at dk[k];
- * param and buf (when momentum is on) hold the sub-block's parameters and previous momentum (have_buf) and
- * are updated in place. */
-KERNEL_CLONES static void step_sub(const outer_pass *p, const float *const *dk, float *restrict param,
-                                   float *restrict buf, int have_buf, size_t m, outer_bufs *b)
+ * io says where the previous parameters and momentum (when momentum is on and have_buf) are and where the
+ * new ones go. */
+KERNEL_CLONES static void step_sub(const outer_pass *p, const float *const *dk, const outer_io *io, int have_buf,
+                                   size_t m, outer_bufs *b)
 {
     const float lr = p->params.lr, mu = p->params.momentum;
     float *restrict g = b->g;
+    float *buf = io->buf;
+    const float *buf_in = io->buf_in;
 
     for (size_t j0 = 0; j0 < m; j0 += STAT_BLOCK)
         mean_block(p, dk, j0, g + j0, m - j0 < STAT_BLOCK ? m - j0 : STAT_BLOCK, b);
     /* torch.optim.SGD, as described above the sgd_* loops */
     if (mu == 0.0f) {
-        sgd_axpy(param, g, -lr, m);
+        sgd_axpy(io->param, io->param_in, g, -lr, m);
         return;
     }
     if (have_buf) {
         for (size_t j = 0; j < m; j++)
-            buf[j] = mu * buf[j] + g[j];            /* mul_ then add_: not fused */
+            buf[j] = mu * buf_in[j] + g[j];         /* mul_ then add_: not fused */
     } else {
         memcpy(buf, g, m * sizeof(float));
     }
     if (p->params.nesterov)
-        sgd_nesterov(param, buf, g, mu, -lr, m);
+        sgd_nesterov(io->param, io->param_in, buf, g, mu, -lr, m);
     else
-        sgd_axpy(param, buf, -lr, m);
+        sgd_axpy(io->param, io->param_in, buf, -lr, m);
 }
 
 /* ---- reading deltas in place ----------------------------------------------------------------------
  * A pass thread reads mapped deltas under mapread's SIGBUS guard (common/mapread.h): a delta truncated
  * under the mapping, or a page the disk failed to read, fails the item as a short pread would. */
 
-/* Maps delta k's lanes of item it, when they are F32 lanes at an aligned offset; otherwise (or when
- * mmap fails) leaves m->base NULL and the item reads them with pread. */
-static void map_delta(const st_file *f, const st_tensor *t, const outer_item *it, int units, outer_map *m)
+/* Maps the F32 lanes [first, first + n) of tensor t of f (its F32 or C64 data, at an aligned offset);
+ * otherwise (or when mmap fails) leaves m->base NULL and the item reads them with pread. */
+static void map_lanes(const st_file *f, const st_tensor *t, uint64_t first, uint64_t n, int units, outer_map *m)
 {
-    const size_t lanes = cv_lanes(t->dtype);
-    uint64_t off = f->data_start + t->begin + it->begin * lanes * 4, len = (it->end - it->begin) * lanes * 4;
+    uint64_t off = f->data_start + t->begin + first * 4, len = n * 4;
 
     m->base = NULL;
     if ((t->dtype != ST_F32 && t->dtype != ST_C64) || off % 4 != 0)
@@ -503,7 +522,14 @@ static void map_delta(const st_file *f, const st_tensor *t, const outer_item *it
     m->lanes = mapread_map(f->fd, f->file_size, off, len, units, &m->base, &m->len);
 }
 
-static void unmap_deltas(outer_map *maps, size_t n)
+/* Item it's lanes of tensor t (the global's, or a delta's, whose tensor has the same elements) mapped. */
+static void map_item(const st_file *f, const st_tensor *t, const outer_item *it, int units, outer_map *m)
+{
+    const size_t lanes = cv_lanes(t->dtype);
+    map_lanes(f, t, it->begin * lanes, (it->end - it->begin) * lanes, units, m);
+}
+
+static void unmap_inputs(outer_map *maps, size_t n)
 {
     for (size_t k = 0; k < n; k++) {
         mapread_unmap(maps[k].base, maps[k].len);
@@ -511,8 +537,9 @@ static void unmap_deltas(outer_map *maps, size_t n)
     }
 }
 
-/* The sub-blocks of item it: the global's and the momentum's lanes into param and buf, the deltas' in
- * place or into b->d, and the step over them.  Adds the bytes it read to *bytes. */
+/* The sub-blocks of item it: the global's and the momentum's lanes in place or into param and buf, the
+ * deltas' in place or into b->d, and the step over them into param and buf.  Adds the bytes it read to
+ * *bytes. */
 static __attribute__((noinline)) int step_item(outer_pass *p, const outer_item *it, outer_bufs *b, uint64_t *bytes,
                                                dl_error *err)
 {
@@ -525,9 +552,14 @@ static __attribute__((noinline)) int step_item(outer_pass *p, const outer_item *
     for (size_t s = 0; s < n; s += sub) {
         const size_t sn = n - s < sub ? n - s : sub;
         const uint64_t e = it->begin + s;
-        float *param = b->param + s * lanes, *buf = b->buf + s * lanes;
-        if ((rc = read_lanes(p->global, t, e, sn, b->sub_raw, param, err)) != 0)
-            return rc;
+        outer_io io = {b->param + s * lanes, b->buf + s * lanes, NULL, NULL};
+        if (b->gmap.base != NULL) {
+            io.param_in = b->gmap.lanes + s * lanes;
+        } else {
+            if ((rc = read_lanes(p->global, t, e, sn, b->sub_raw, io.param, err)) != 0)
+                return rc;
+            io.param_in = io.param;
+        }
         for (size_t k = 0; k < nd; k++) {
             const st_tensor *dt = p->delta_t[it->tensor * nd + k];
             const st_file *df = p->delta_f[it->tensor * nd + k];
@@ -541,11 +573,16 @@ static __attribute__((noinline)) int step_item(outer_pass *p, const outer_item *
             *bytes += sn * (st_dtype_bits(dt->dtype) / 8);
         }
         if (mom && mt != NULL) {
-            if ((rc = st_read(p->momentum, mt, e * lanes * 4, buf, sn * lanes * 4, err)) != 0)
-                return rc;
+            if (b->mmap.base != NULL) {
+                io.buf_in = b->mmap.lanes + s * lanes;
+            } else {
+                if ((rc = st_read(p->momentum, mt, e * lanes * 4, io.buf, sn * lanes * 4, err)) != 0)
+                    return rc;
+                io.buf_in = io.buf;
+            }
             *bytes += sn * lanes * 4;
         }
-        step_sub(p, b->dk, param, buf, mt != NULL, sn * lanes, b);
+        step_sub(p, b->dk, &io, mt != NULL, sn * lanes, b);
     }
     return 0;
 }
@@ -571,14 +608,23 @@ static int step_item_guarded(outer_pass *p, const outer_item *it, outer_bufs *b,
     step_item_args args = {p, it, b, bytes, err};
     int rc;
 
+    const st_tensor *t = &p->global->h->tensors[it->tensor], *mt = p->mom_t[it->tensor];
+    const size_t lanes = cv_lanes(t->dtype);
+
     for (size_t k = 0; k < nd; k++)
-        map_delta(p->delta_f[it->tensor * nd + k], p->delta_t[it->tensor * nd + k], it, b->map_units, &b->maps[k]);
-    if ((rc = mapread_guarded(step_item_call, &args)) == MAPREAD_BUS) {
-        const st_tensor *t = &p->global->h->tensors[it->tensor];
-        rc = dl_fail_errno(err, EIO, "a delta's data of tensor %.*s could not be read in place (SIGBUS: the file "
-                           "shrank, or its page could not be read)", (int)t->name_len, t->name);
-    }
-    unmap_deltas(b->maps, nd);
+        map_item(p->delta_f[it->tensor * nd + k], p->delta_t[it->tensor * nd + k], it, b->map_units, &b->maps[k]);
+    /* the previous global and momentum read in place too, into the step's loops (the same windows) */
+    map_item(p->global, t, it, b->map_units, &b->gmap);
+    b->mmap.base = NULL;
+    if (p->params.momentum != 0.0f && mt != NULL)
+        map_lanes(p->momentum, mt, it->begin * lanes, (it->end - it->begin) * lanes, b->map_units,
+                  &b->mmap);
+    if ((rc = mapread_guarded(step_item_call, &args)) == MAPREAD_BUS)
+        rc = dl_fail_errno(err, EIO, "tensor %.*s could not be read in place (SIGBUS: a delta shrank, or a page "
+                           "could not be read)", (int)t->name_len, t->name);
+    unmap_inputs(b->maps, nd);
+    unmap_inputs(&b->gmap, 1);
+    unmap_inputs(&b->mmap, 1);
     return rc;
 }
 
@@ -643,9 +689,9 @@ int outer_run(outer_pass *p)
     b.maps = calloc(p->ndeltas, sizeof(*b.maps));
     b.stats = calloc(p->ndeltas, sizeof(*b.stats));
     /* Mapped pages count in RSS while they are mapped: whole units only while one item's windows stay
-     * within 4 budgets (8 deltas at the default 16 MiB: 42 MiB), else just the item's pages (within one
+     * within 4 budgets (8 deltas, the global and the momentum at the default 16 MiB: 55 MiB), else just the item's pages (within one
      * budget, as the items are sized) */
-    b.map_units = p->ndeltas * (p->chunk_elems * 8 + 2 * MAPREAD_UNIT) <= 4 * (uint64_t)p->budget_bytes;
+    b.map_units = (p->ndeltas + 2) * (p->chunk_elems * 8 + 2 * MAPREAD_UNIT) <= 4 * (uint64_t)p->budget_bytes;
     if (!b.raw || !b.sub_raw || !b.param || !b.buf || !b.g || !b.d || !b.dk || !b.maps || !b.stats) {
         dl_fail(&err, DL_E_NO_MEMORY, NULL, 0, "out of memory for aggregation buffers");
         rc = fail_locked(p, &err);
