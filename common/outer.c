@@ -8,6 +8,7 @@
 
 #include "convert.h"
 #include "delta.h"
+#include "kernel_clones.h"
 #include "mapread.h"
 #include "st_index.h"
 
@@ -271,12 +272,6 @@ static int read_lanes(const st_file *f, const st_tensor *t, uint64_t e, size_t n
  * single sum; an AVX-512 or AVX2 clone is picked at load time where the CPU has it.  step_sub is cloned
  * too: its loops are elementwise IEEE operations (and -ffp-contract=off fuses nothing), so the vector
  * width changes the speed, not the bits; measured 4% less CPU per pass with AVX-512 here. */
-/* (Not under ThreadSanitizer: the ifunc resolver runs before its runtime is up.) */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
-#define KERNEL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define KERNEL_CLONES
-#endif
 /* The statistics' loops only: products added with fused multiply-adds (the file is built with
  * -ffp-contract=off for the optimizer's bits; see sumsq_dot). */
 #if defined(__GNUC__) && !defined(__clang__)
