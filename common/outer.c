@@ -596,15 +596,15 @@ static int step_item_call(void *arg)
     return step_item(a->p, a->it, a->b, a->bytes, a->err);
 }
 
-/* step_item under the SIGBUS guard, with the item's deltas mapped where they can be. */
+/* step_item under the SIGBUS guard, with the item's inputs (deltas, previous global and momentum) mapped
+ * where they can be. */
 static int step_item_guarded(outer_pass *p, const outer_item *it, outer_bufs *b, uint64_t *bytes, dl_error *err)
 {
     const size_t nd = p->ndeltas;
-    step_item_args args = {p, it, b, bytes, err};
-    int rc;
-
     const st_tensor *t = &p->global->h->tensors[it->tensor], *mt = p->mom_t[it->tensor];
     const size_t lanes = cv_lanes(t->dtype);
+    step_item_args args = {p, it, b, bytes, err};
+    int rc;
 
     for (size_t k = 0; k < nd; k++)
         map_item(p->delta_f[it->tensor * nd + k], p->delta_t[it->tensor * nd + k], it, b->map_units, &b->maps[k]);
@@ -684,8 +684,8 @@ int outer_run(outer_pass *p)
     b.maps = calloc(p->ndeltas, sizeof(*b.maps));
     b.stats = calloc(p->ndeltas, sizeof(*b.stats));
     /* Mapped pages count in RSS while they are mapped: whole units only while one item's windows stay
-     * within 4 budgets (8 deltas, the global and the momentum at the default 16 MiB: 55 MiB), else just the item's pages (within one
-     * budget, as the items are sized) */
+     * within 4 budgets (8 deltas, the global and the momentum at the default 16 MiB: 55 MiB), else just
+     * the item's pages (within one budget, as the items are sized) */
     b.map_units = (p->ndeltas + 2) * (p->chunk_elems * 8 + 2 * MAPREAD_UNIT) <= 4 * (uint64_t)p->budget_bytes;
     if (!b.raw || !b.sub_raw || !b.param || !b.buf || !b.g || !b.d || !b.dk || !b.maps || !b.stats) {
         dl_fail(&err, DL_E_NO_MEMORY, NULL, 0, "out of memory for aggregation buffers");

@@ -1966,18 +1966,20 @@ typedef struct model_intake {
 } model_intake;
 
 /* Zero-copy bootstrap: dst becomes a hard link to src's inode, through its descriptor (a rename of src
- * meanwhile cannot swap it), made durable (the inode's fsync, the rename, the directory's fsync).  The
- * state then shares that inode with the operator's file until step 1 is durable and the step-0 global
- * goes: the version linked is committed with step 0 (store.global_version) and checked before the
- * pass, before the commit and at recovery (global_rewritten).  0, or a positive errno when no link can
- * be made here (another filesystem, fs.protected_hardlinks, a file that changed while it was linked),
- * with nothing left behind: the caller copies instead. */
+ * meanwhile cannot swap it), made durable (the inode's fsync, the directory's fsync).  A link names a
+ * whole file at once, so no temporary name is needed; dst is a step-0 file of a state with nothing
+ * committed, so a leftover there is ours to replace.  The state then shares that inode with the
+ * operator's file until step 1 is durable and the step-0 global goes: the version linked is committed
+ * with step 0 (store.global_version) and checked before the pass, before the commit and at recovery
+ * (global_rewritten).  0, or a positive errno when no link can be made here (another filesystem,
+ * fs.protected_hardlinks, a file that changed while it was linked), with nothing left behind: the
+ * caller copies instead. */
 static int link_model(const char *src, const char *dst, fsu_ident *version)
 {
-    char fdpath[64], *tmp = NULL;
+    char fdpath[64];
     struct stat before, after;
     dl_error ignored;
-    int fd, tfd, e = 0;
+    int fd, e = 0;
 
     if ((fd = open(src, O_RDONLY | O_NONBLOCK | O_CLOEXEC)) < 0)
         return errno;
@@ -1985,40 +1987,31 @@ static int link_model(const char *src, const char *dst, fsu_ident *version)
         close(fd);
         return EINVAL;          /* the copy says what it is */
     }
-    /* a temporary name of ours (store_cleanup removes one a crash leaves), free for the link */
-    if (fsu_tmp_create(dst, &tmp, &tfd, &ignored) != 0) {
-        close(fd);
-        return EIO;
-    }
-    close(tfd);
-    unlink(tmp);
     snprintf(fdpath, sizeof(fdpath), "/proc/self/fd/%d", fd);
-    if (linkat(AT_FDCWD, fdpath, AT_FDCWD, tmp, AT_SYMLINK_FOLLOW) != 0)
-        e = errno;
-    else if (fsync(fd) != 0)
+    (void)unlink(dst);
+    if (linkat(AT_FDCWD, fdpath, AT_FDCWD, dst, AT_SYMLINK_FOLLOW) != 0) {
+        close(fd);
+        return errno;           /* nothing made */
+    }
+    if (fsync(fd) != 0)
         e = errno;
     else if (fstat(fd, &after) != 0 || after.st_size != before.st_size ||
              after.st_mtim.tv_sec != before.st_mtim.tv_sec || after.st_mtim.tv_nsec != before.st_mtim.tv_nsec)
         e = ESTALE;             /* written to while linked */
-    else if (rename(tmp, dst) != 0)
-        e = errno;
     else if (fsu_fsync_parent(dst, &ignored) != 0)
         e = EIO;
-    if (e != 0) {
-        unlink(tmp);
+    if (e != 0)
         unlink(dst);
-    } else {
+    else
         fsu_ident_of(&after, version);
-    }
     close(fd);
-    free(tmp);
     return e;
 }
 
-/* --init-model into the state as dst: linked where it can be (link_model), else copied, made durable. */
+/* --init-model into the state as dst: linked where it can be (link_model), else copied, made durable.
+ * *mi is zeroed by the caller (adopt_sync). */
 static int take_model(const char *src, const char *dst, model_intake *mi, dl_error *err)
 {
-    memset(mi, 0, sizeof(*mi));
     if ((mi->link_errno = link_model(src, dst, &mi->version)) == 0) {
         mi->linked = 1;
         return 0;

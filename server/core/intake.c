@@ -548,7 +548,8 @@ static intake_status merge_parts(intake_req *r, int src, const check_part *parts
  * checked by a thread of its own. */
 static intake_status check_values(intake_req *r, int src, uint64_t size, const st_header *h, uint64_t data_start)
 {
-    check_part parts[2] = {{src, size, h, data_start, data_start, size, 0, 0, 0, 0}};
+    check_part parts[2] = {{.src = src, .size = size, .h = h, .data_start = data_start, .lo = data_start,
+                            .hi = size}};
     size_t nparts = 1;
     pthread_t helper;
     int helped = 0;
