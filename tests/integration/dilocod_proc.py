@@ -159,8 +159,38 @@ class Dilocod:
             time.sleep(0.01)
         raise AssertionError(f"step {step} not durable within {timeout}s:\n{self.log_text()[-4000:]}")
 
+    def wait_settled(self, step, timeout=60):
+        """wait_durable, then waits until the cleanup that follows it (a later job) removed the earlier
+        steps' global, momentum and delta cache: walking the state directory before that races with
+        the removal (a directory gone mid-walk raises FileNotFoundError)."""
+        self.wait_durable(step, timeout)
+
+        def earlier(names, pattern):
+            return [n for n in names if (m := re.fullmatch(pattern, n)) and int(m.group(1)) < step]
+
+        def settled():
+            try:
+                return not (earlier(os.listdir(self.state_dir / "cache/deltas"), r"s(\d+)") or
+                            earlier(os.listdir(self.state_dir / "global"), r"latest-(\d+)\.safetensors") or
+                            earlier(os.listdir(self.state_dir), r"outer_state-(\d+)\.safetensors"))
+            except FileNotFoundError:
+                return False
+        self.wait_until(settled, f"the cleanup after step {step}", timeout)
+
     def global_state(self):
         return load_file(str(self.hub / "global" / "latest.safetensors"))
+
+
+def part_sizes(incoming: Path, pattern: str) -> dict:
+    """{name: size} of the partial downloads matching pattern in incoming (a state's cache/incoming):
+    a download that finishes between the listing and its stat is left out."""
+    sizes = {}
+    for p in incoming.glob(pattern) if incoming.exists() else ():
+        try:
+            sizes[p.name] = p.stat().st_size
+        except FileNotFoundError:
+            pass
+    return sizes
 
 
 def write_model(path: Path, state: dict):

@@ -167,7 +167,9 @@ def check_clean_state(state_dir: Path, s: int, own_pid: int):
     assert set(os.listdir(state_dir / "cache")) == {"deltas", "incoming"}, where
     assert set(os.listdir(state_dir / "cache/deltas")) <= {f"s{s}"}, where
     for name in os.listdir(state_dir / "cache/incoming"):
-        m = TMP_RE.search(name)
+        # our own in-flight temporaries, and the names zero-copy intake links a delta under on its way
+        # into the cache (.link-<pid>-<inode>): the restarted daemon takes the hub's deltas in meanwhile
+        m = TMP_RE.search(name) or re.fullmatch(r"\.link-(\d+)-\d+", name)
         assert m and int(m.group(1)) == own_pid, f"leftover in cache/incoming: {name}{where}"
     warm = {(state_dir / "global", f".latest-{s + 1}.safetensors"), (state_dir, f".outer_state-{s + 1}.safetensors")}
     for dirpath, dirs, files in os.walk(state_dir):
@@ -401,6 +403,7 @@ def test_enospc_during_outer_step_keeps_last_commit_and_recovers(tmp_path, diloc
         deltas = round_deltas(0)
         paths = [write_delta(hub, n, 0, 1, t) for n, t in deltas.items()]
         d.wait_step(1)
+        d.wait_durable(1)   # check_committed reads outer_metadata.json, written after the publish
         assert check_committed(d.state_dir, diloco_bin) == 1
         check_step_content(d.state_dir, 1, states, moms)
         # wait for the cleanup of step 0 so the free space is what the step needs
@@ -443,11 +446,12 @@ def test_enospc_during_outer_step_keeps_last_commit_and_recovers(tmp_path, diloc
         d.wait_step(2, timeout=120)
         wait_until(lambda: d.committed_step() == 2, 30, "commit of step 2", d)
         assert d.alive()
+        d.wait_durable(2)
         assert check_committed(d.state_dir, diloco_bin) == 2
         check_step_content(d.state_dir, 2, states, moms)
         assert_state_close(load_torch(hub / "global/latest.safetensors"), states[2])
-        # the failed attempts left nothing behind (walked once the settle no longer removes files under it)
-        d.wait_durable(2)
+        # the failed attempts left nothing behind (walked once the cleanup no longer removes files under it)
+        d.wait_settled(2)
         leftovers = [str(p) for p in d.state_dir.rglob("*") if ".tmp-" in p.name]
         assert not leftovers, f"{leftovers}\n{listing(d.state_dir)}"
         assert d.stop() == 0

@@ -44,7 +44,8 @@ from huggingface_hub import HfApi, constants, hf_hub_download  # noqa: E402
 from safetensors.numpy import save as st_save  # noqa: E402
 
 from conftest import BUILD  # noqa: E402
-from dilocod_proc import Dilocod, Oracle, assert_state_close, delta_metadata, load_torch, write_model  # noqa: E402
+from dilocod_proc import (Dilocod, Oracle, assert_state_close, delta_metadata, load_torch, part_sizes,  # noqa: E402
+                          write_model)
 
 constants.HF_HUB_DISABLE_XET = True  # in case huggingface_hub was imported before this module
 
@@ -794,7 +795,7 @@ def test_restart_mid_download_and_mid_publish(tmp_path, procs):
     upload(prepared)
 
     def parts():
-        return {f.name: f.stat().st_size for f in incoming.glob("hf-*.part")} if incoming.exists() else {}
+        return part_sizes(incoming, "hf-*.part")
 
     d.wait(lambda: sum(parts().values()) >= 16 * MiB, "half-downloaded deltas in cache/incoming", timeout=60)
     d.kill9()

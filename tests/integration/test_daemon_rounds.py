@@ -175,8 +175,9 @@ def test_sgd_lr1_is_plain_averaging(tmp_path):
                 assert torch.equal(new[k], want), (k, (new[k].double() - want.double()).abs().max().item())
             old = new
         assert d.committed_step() == 3
-        # the settle removes the closed round's files in the background: walk the state once it is done
-        d.wait_durable(3)
+        # the settle and the cleanup remove the closed round's files in the background: walk the state
+        # once they are done
+        d.wait_settled(3)
         assert list(d.state_dir.rglob("outer_state*")) == [], list(d.state_dir.rglob("outer_state*"))
         assert "optimizer=sgd lr=1 momentum=0 " in d.log_text()
     finally:
@@ -297,7 +298,7 @@ def test_newer_delta_replaces_older_and_lower_is_refused(tmp_path):
         assert "round: closed step=0 nodes=2 expected=2 reason=all_nodes" in log
         assert re.search(r"node statistics step=1 node=a local_step=20 ", log), log
         # the replaced copy left the cache of the closed round (removed by the settle, in the background)
-        d.wait_durable(1)
+        d.wait_settled(1)
         cached = sorted(p.name for p in (d.state_dir / "cache").rglob("delta_*.safetensors"))
         assert "delta_10.safetensors" not in cached and "delta_5.safetensors" not in cached, cached
     finally:

@@ -39,7 +39,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 from safetensors.numpy import save as st_save  # noqa: E402
 
-from dilocod_proc import Oracle, delta_metadata  # noqa: E402
+from dilocod_proc import Oracle, delta_metadata, part_sizes  # noqa: E402
 from test_daemon_hf import (DELTA_CDN, REV, STEPFILE, TOKEN, TREE, FaultRun, HfDilocod, HubSim,  # noqa: E402,F401
                             Workers, _hf_home, dilocod_entries, fmt_requests, is_peek, procs, setup_run, sha256)
 
@@ -132,15 +132,8 @@ def served_within(d, limit=2.0):
     return worst
 
 
-def part_sizes(d):
-    inc = d.state_dir / "cache" / "incoming"
-    out = {}
-    for p in inc.glob("hf-*.part") if inc.exists() else []:
-        try:
-            out[p.name] = p.stat().st_size
-        except FileNotFoundError:
-            pass
-    return out
+def incoming_parts(d):
+    return part_sizes(d.state_dir / "cache" / "incoming", "hf-*.part")
 
 
 def tree_bytes(path: Path):
@@ -176,7 +169,7 @@ class Guard:
         self.d.check_alive()
         self.fd_max = max(self.fd_max, nfds(self.pid))
         self.rss_max = max(self.rss_max, rss_mib(self.pid))
-        self.part_max = max([self.part_max, *part_sizes(self.d).values()])
+        self.part_max = max([self.part_max, *incoming_parts(self.d).values()])
         self.slowest = max(self.slowest, served_within(self.d))
         self.samples += 1
 

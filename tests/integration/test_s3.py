@@ -20,7 +20,8 @@ from safetensors.numpy import load as st_load_bytes
 from safetensors.numpy import save as st_save_bytes
 
 from conftest import BUILD
-from dilocod_proc import Dilocod, Oracle, assert_state_equal, delta_metadata, write_model
+from dilocod_proc import (Dilocod, Oracle, assert_state_equal, delta_metadata, part_sizes,
+                          write_model)
 from s3server import SeaweedS3
 
 PREFIX = "runs/exp-1"
@@ -224,7 +225,7 @@ def test_killed_mid_download_and_mid_publish(tmp_path, s3):
     for local in range(10, 15):
         put_delta(d.client, s3.bucket, prefix, "w1", 0, local, deltas["w1"])
         taken = f"delta accepted step=0 node=w1 local_step={local} "
-        while not any(p.stat().st_size > 0 for p in incoming.glob("s3-*.part")) and taken not in d.log_text():
+        while not any(part_sizes(incoming, "s3-*.part").values()) and taken not in d.log_text():
             assert d.alive(), d.log_text()[-3000:]
             time.sleep(0.001)
         if taken not in d.log_text():

@@ -114,6 +114,7 @@ def test_sharded_global_over_http(tmp_path, diloco_bin):
                                                                  10 * (step + 1), t))
                     assert ans["result"] == "accepted", ans
                 oracle.step({n: {k: torch.from_numpy(v) for k, v in t.items()} for n, t in deltas.items()})
+        d.wait_settled(2)       # the earlier steps' files go in a job after the settle; a stop skips it
     finally:
         assert d.stop() == 0
     # the state keeps one file per step; the published set sits next to it
