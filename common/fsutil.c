@@ -140,6 +140,14 @@ int fsu_ident_check(const char *path, const fsu_ident *id)
     return now.dev == id->dev && now.ino == id->ino && now.size == id->size && now.mtime_ns == id->mtime_ns;
 }
 
+int fsu_link_fd(int fd, int dirfd, const char *name)
+{
+    char fdpath[64];
+
+    snprintf(fdpath, sizeof(fdpath), "/proc/self/fd/%d", fd);
+    return linkat(AT_FDCWD, fdpath, dirfd, name, AT_SYMLINK_FOLLOW) == 0 ? 0 : errno;
+}
+
 int fsu_pwrite_all(int fd, const void *buf, size_t len, uint64_t off)
 {
     const char *p = buf;

@@ -36,6 +36,11 @@ void fsu_ident_of(const struct stat *sb, fsu_ident *out);
 /* 1 if path (a last-component link is not followed) is still that version, 0 if it changed or is
  * gone, a negative errno when it cannot be told. */
 int fsu_ident_check(const char *path, const fsu_ident *id);
+/* Hard-links the open file fd as dirfd/name (AT_FDCWD: name is a path): through the descriptor, so the
+ * very inode that was read is linked whatever its names became meanwhile (linkat's AT_EMPTY_PATH needs a
+ * privilege; /proc/self/fd/N with AT_SYMLINK_FOLLOW does not).  0, or the errno of the failed linkat
+ * (EXDEV on another filesystem, EPERM where protected_hardlinks refuses, EEXIST ...). */
+int fsu_link_fd(int fd, int dirfd, const char *name);
 /* pwrite/pread the whole range, retrying on EINTR and short transfers; short read at EOF is an error. */
 int fsu_pwrite_all(int fd, const void *buf, size_t len, uint64_t off);
 int fsu_pread_all(int fd, void *buf, size_t len, uint64_t off);

@@ -1976,7 +1976,6 @@ typedef struct model_intake {
  * caller copies instead. */
 static int link_model(const char *src, const char *dst, fsu_ident *version)
 {
-    char fdpath[64];
     struct stat before, after;
     dl_error ignored;
     int fd, e = 0;
@@ -1987,11 +1986,10 @@ static int link_model(const char *src, const char *dst, fsu_ident *version)
         close(fd);
         return EINVAL;          /* the copy says what it is */
     }
-    snprintf(fdpath, sizeof(fdpath), "/proc/self/fd/%d", fd);
     (void)unlink(dst);
-    if (linkat(AT_FDCWD, fdpath, AT_FDCWD, dst, AT_SYMLINK_FOLLOW) != 0) {
+    if ((e = fsu_link_fd(fd, AT_FDCWD, dst)) != 0) {
         close(fd);
-        return errno;           /* nothing made */
+        return e;               /* nothing made */
     }
     if (fsync(fd) != 0)
         e = errno;

@@ -600,7 +600,7 @@ static intake_status check_file(intake_req *r, int src, const struct stat *befor
  * a refusal, or INTAKE_IO with r->link_errno set when a link is not possible here (the caller copies). */
 static intake_status link_file(intake_req *r, int src, const struct stat *before, uint64_t n, const st_header *h)
 {
-    char fdpath[64], *tmp = NULL;
+    char *tmp = NULL;
     intake_status st;
     int rc;
 
@@ -609,10 +609,8 @@ static intake_status link_file(intake_req *r, int src, const struct stat *before
     if (asprintf(&tmp, "%s/cache/incoming/.link-%d-%" PRIu64, r->state_dir, (int)getpid(), (uint64_t)before->st_ino) <
         0)
         return io_fail(r, ENOMEM, "out of memory");
-    snprintf(fdpath, sizeof(fdpath), "/proc/self/fd/%d", src);
     (void)unlink(tmp);          /* a leftover of a crash under the same pid and inode */
-    if (linkat(AT_FDCWD, fdpath, AT_FDCWD, tmp, AT_SYMLINK_FOLLOW) != 0) {
-        r->link_errno = errno;
+    if ((r->link_errno = fsu_link_fd(src, AT_FDCWD, tmp)) != 0) {
         free(tmp);
         return io_fail(r, r->link_errno, "linking the delta into the cache");
     }

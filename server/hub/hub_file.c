@@ -836,16 +836,15 @@ out:
  * copies), or a negative code with err set. */
 static int publish_linked(int gfd, int in, const char *root, const char *name, dl_error *err)
 {
-    char fdpath[64], tmp[96];
+    char tmp[96];
     static unsigned counter;
     int rc;
 
-    snprintf(fdpath, sizeof(fdpath), "/proc/self/fd/%d", in);
     snprintf(tmp, sizeof(tmp), ".%.40s.tmp-%d-l%u", name, (int)getpid(),
              __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED));
-    if (linkat(AT_FDCWD, fdpath, gfd, tmp, AT_SYMLINK_FOLLOW) != 0)
-        return errno == EXDEV || errno == EPERM || errno == EMLINK || errno == ENOENT ? 1
-               : dl_fail_errno(err, errno, "cannot link into %s/global", root);
+    if ((rc = fsu_link_fd(in, gfd, tmp)) != 0)
+        return rc == EXDEV || rc == EPERM || rc == EMLINK || rc == ENOENT ? 1
+               : dl_fail_errno(err, rc, "cannot link into %s/global", root);
     if (renameat(gfd, tmp, gfd, name) != 0) {
         rc = dl_fail_errno(err, errno, "publishing %s/global/%s", root, name);
         unlinkat(gfd, tmp, 0);
