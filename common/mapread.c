@@ -56,8 +56,8 @@ int mapread_guarded(int (*fn)(void *arg), void *arg)
     return rc;
 }
 
-const void *mapread_map(int fd, uint64_t file_size, uint64_t off, uint64_t len, int units, void **base,
-                        size_t *maplen)
+static const void *map_window(int fd, uint64_t file_size, uint64_t off, uint64_t len, int units, int populate,
+                              void **base, size_t *maplen)
 {
     const uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
     const uint64_t unit = units ? MAPREAD_UNIT : page;
@@ -70,12 +70,40 @@ const void *mapread_map(int fd, uint64_t file_size, uint64_t off, uint64_t len, 
         return NULL;
     if (end > limit)
         end = limit > off + len ? limit : off + len;
-    void *p = mmap(NULL, (size_t)(end - start), PROT_READ, MAP_SHARED | MAP_POPULATE, fd, (off_t)start);
+    void *p = mmap(NULL, (size_t)(end - start), PROT_READ, MAP_SHARED | (populate ? MAP_POPULATE : 0), fd,
+                   (off_t)start);
     if (p == MAP_FAILED)
         return NULL;
     *base = p;
     *maplen = (size_t)(end - start);
     return (const char *)p + (off - start);
+}
+
+const void *mapread_map(int fd, uint64_t file_size, uint64_t off, uint64_t len, int units, void **base,
+                        size_t *maplen)
+{
+    return map_window(fd, file_size, off, len, units, 1, base, maplen);
+}
+
+const void *mapread_reserve(int fd, uint64_t file_size, uint64_t off, uint64_t len, int units, void **base,
+                            size_t *maplen)
+{
+    return map_window(fd, file_size, off, len, units, 0, base, maplen);
+}
+
+void mapread_populate(const void *p, size_t len)
+{
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t a = (uintptr_t)p - (uintptr_t)p % page, e = (uintptr_t)p + len;
+
+    if (len > 0)
+        (void)madvise((void *)a, e - a, MADV_POPULATE_READ);
+}
+
+void mapread_drop(void *base, size_t from, size_t to)
+{
+    if (base != NULL && to > from)
+        (void)madvise((char *)base + from, to - from, MADV_DONTNEED);
 }
 
 void mapread_unmap(void *base, size_t maplen)

@@ -6,7 +6,8 @@
  * short pread would be.  A SIGBUS outside any guard puts the prior action back and happens again under
  * it (the default: the process dies; or a sanitizer's report).
  *
- * Mapped pages count in RSS while they are mapped: callers map bounded windows and unmap them. */
+ * Mapped pages count in RSS while they are mapped: callers map bounded windows and unmap them, or reserve
+ * a long window, populate it a part at a time and drop what they are done with. */
 #ifndef DILOCO_MAPREAD_H
 #define DILOCO_MAPREAD_H
 
@@ -35,5 +36,18 @@ int mapread_guarded(int (*fn)(void *arg), void *arg);
 const void *mapread_map(int fd, uint64_t file_size, uint64_t off, uint64_t len, int units, void **base,
                         size_t *maplen);
 void mapread_unmap(void *base, size_t maplen);
+
+/* As mapread_map, without setting up any page table: a window over a long range read in order, whose
+ * pages the reader populates a part at a time (mapread_populate) and drops behind it (mapread_drop).
+ * Each page is then populated once, by one call for many, and RSS stays what is being read now. */
+const void *mapread_reserve(int fd, uint64_t file_size, uint64_t off, uint64_t len, int units, void **base,
+                            size_t *maplen);
+/* Sets up the page tables of the pages under [p, p + len) of a window, from what is cached (reading what
+ * is not).  Best effort: a page it could not populate (a file cut short) is faulted in when read, or
+ * raises SIGBUS there (under mapread_guarded). */
+void mapread_populate(const void *p, size_t len);
+/* Drops the page tables of bytes [from, to) of the window at base (from and to page multiples): their
+ * pages leave RSS (the page cache keeps them). */
+void mapread_drop(void *base, size_t from, size_t to);
 
 #endif

@@ -126,6 +126,17 @@ static int open_writers(outer_pass *p, dl_error *err)
     return rc;
 }
 
+/* A pass thread takes consecutive items by runs of about RUN_BYTES of each F32 input, and maps each input
+ * once per run (a window, reserved without page tables), populating each item's pages as it comes to them
+ * and dropping the units it has read.  Every page is then populated once (and by one call for all its
+ * item's pages), where an item-sized mapping of whole 2 MiB units populated each unit about four times
+ * (once per item touching it, ~0.6 MiB items at the default budget), and paid an mmap and an munmap per
+ * input and item.  RSS stays what it was (the item's pages, and a unit's); the runs make the two threads'
+ * last runs end at most about RUN_BYTES x inputs of work apart.  bench-outer, 8 x 1 GiB, alternated:
+ * 1.12-1.31 s (2.06-2.41 CPU s) item by item, 0.81-0.96 s (1.52-1.80 CPU s) by runs of 32 items
+ * (~20 MiB); runs of 16 to 128 items measured alike. */
+enum { RUN_BYTES = 16 << 20 };
+
 static void plan_items(outer_pass *p)
 {
     const st_header *g = p->global->h;
@@ -136,6 +147,7 @@ static void plan_items(outer_pass *p)
 
     ce = ce < 4096 ? 4096 : ce - ce % 64;
     p->chunk_elems = ce;
+    p->run_items = RUN_BYTES / (ce * 4) > 1 ? (size_t)(RUN_BYTES / (ce * 4)) : 1;
     for (size_t ti = 0; ti < g->ntensors; ti++)
         n += (size_t)((g->tensors[ti].nelem + ce - 1) / ce);
     p->items = calloc(n + 1, sizeof(*p->items));
@@ -212,28 +224,34 @@ static int prepare(outer_pass *p, dl_error *err)
  * the mean (9 x 64 KiB for 8 F32 deltas) stay in the core's L2 cache through the sum, the statistics and
  * the optimizer.
  *
- * F32 and C64 deltas are read in place: each item's range of each delta is mapped read-only, in whole
- * 2 MiB units (MAP_POPULATE: one call sets up its page tables), and unmapped after the item, so RSS stays
- * flat (threads x deltas x a few MiB); other dtypes, and data at an offset that is not 4-byte aligned,
- * are read with pread and decoded.  The previous global and momentum (F32, C64) are mapped the same way
- * and read by the optimizer's loops themselves (outer_io); the new values go to the item's buffers and
- * out with pwrite (writing through shared mappings was 6.6x slower: ext4 dirties every buffer of a
- * 2 MiB folio on each 4 KiB write fault).  The mean then adds LANE_W lanes of every delta at a time, so that
- * all the deltas' streams advance together, and the statistics re-read each L1-sized block (STAT_BLOCK)
- * while it is still in cache.  The copy out of the page cache (pread's, 40% of the pass's CPU) is gone.
- * bench-outer, 8 x 256 MiB F32 from the page cache, 2 threads: 1.6x the pread pass (README,
- * Performance).  Mapping alone did not pay: with 4 KiB page-table entries, one delta at a time per
- * block, and the statistics in double, it measured the same as pread or up to 80% more CPU.
+ * F32 and C64 deltas are read in place: each run of items' range of each delta is mapped read-only, in whole
+ * 2 MiB units, each item's pages populated as it comes to them and the units read dropped (see RUN_BYTES), so
+ * RSS stays flat (threads x deltas x a few MiB); other dtypes, and data at an offset that is not 4-byte
+ * aligned, are read with pread and decoded.  The previous global and momentum (F32, C64) are mapped the same
+ * way and read by the optimizer's loops themselves (outer_io); the new values go to the item's buffers and
+ * out with pwrite (writing through shared mappings was 6.6x slower: ext4 dirties every buffer of a 2 MiB
+ * folio on each 4 KiB write fault).  The mean then adds LANE_W lanes of every delta at a time, so that all
+ * the deltas' streams advance together, and the statistics re-read each L1-sized block (STAT_BLOCK) while it
+ * is still in cache.  The copy out of the page cache (pread's, 40% of the pass's CPU) is gone.  bench-outer,
+ * 8 x 256 MiB F32 from the page cache, 2 threads: 1.6x the pread pass (README, Performance).  Mapping alone did
+ * not pay: with 4 KiB page-table entries, one delta at a time per block, and the statistics in double, it
+ * measured the same as pread or up to 80% more CPU.
  * A mapped delta that someone truncates while the pass reads it raises SIGBUS; the pass's threads catch
  * it (mapread_guarded) and fail the pass, as pread's short read did. */
 enum { SUB_ELEMS = 16384 };
 
-/* An input's range of one item (a delta's, the previous global's or momentum's), mapped read-only;
- * base == NULL: read with pread instead. */
+/* An input's window (a delta's, the previous global's or the momentum's): the bytes [from, to) of file
+ * mapped read-only at at, for the items of a run (see RUN_BYTES); base == NULL: none, the item reads
+ * with pread.  lanes is the current item's first lane; the bytes before dropped (from base) have been
+ * read and dropped from RSS. */
 typedef struct outer_map {
     void *base;
     size_t len;
-    const float *lanes;         /* the item's first lane */
+    const float *lanes;
+    const st_file *file;
+    uint64_t from, to;
+    const char *at;
+    size_t dropped;
 } outer_map;
 
 /* Per-thread buffers. */
@@ -501,35 +519,61 @@ KERNEL_CLONES static void step_sub(const outer_pass *p, const float *const *dk, 
  * A pass thread reads mapped deltas under mapread's SIGBUS guard (common/mapread.h): a delta truncated
  * under the mapping, or a page the disk failed to read, fails the item as a short pread would. */
 
-/* Maps the F32 lanes [first, first + n) of tensor t of f (its F32 or C64 data, at an aligned offset);
- * otherwise (or when mmap fails) leaves m->base NULL and the item reads them with pread. */
-static void map_lanes(const st_file *f, const st_tensor *t, uint64_t first, uint64_t n, int units, outer_map *m)
+static void unmap_window(outer_map *m)
 {
-    uint64_t off = f->data_start + t->begin + first * 4, len = n * 4;
-
+    mapread_unmap(m->base, m->len);
     m->base = NULL;
-    if ((t->dtype != ST_F32 && t->dtype != ST_C64) || off % 4 != 0)
-        return;
-    /* With units, the mapping covers whole 2 MiB units of the file (within its size): where the page
-     * cache holds the data in 2 MiB folios, the kernel maps them with one page-table entry each, and the
-     * pass's loads miss the TLB 512 times less often than through 4 KiB entries (bench-outer, 8 x 256 MiB:
-     * 0.29 s against 0.35-0.39 s with page-sized windows). */
-    m->lanes = mapread_map(f->fd, f->file_size, off, len, units, &m->base, &m->len);
+    m->file = NULL;
+}
+
+/* Points m->lanes at the F32 lanes [first, first + n) of tensor t of f (its F32 or C64 data, at an
+ * aligned offset), populated, the window's whole units before them dropped; when the window does not
+ * cover them, a new one covers them and the next ahead lanes of the run.  Otherwise (another dtype, or
+ * mmap failed) leaves m->base NULL and the item reads them with pread. */
+static void map_lanes(const st_file *f, const st_tensor *t, uint64_t first, uint64_t n, uint64_t ahead, int units,
+                      outer_map *m)
+{
+    const uint64_t off = f->data_start + t->begin + first * 4, len = n * 4;
+
+    if (m->base == NULL || m->file != f || off < m->from || off + len > m->to) {
+        unmap_window(m);
+        if ((t->dtype != ST_F32 && t->dtype != ST_C64) || off % 4 != 0)
+            return;
+        /* With units, the window covers whole 2 MiB units of the file (within its size): where the page
+         * cache holds the data in 2 MiB folios, the kernel maps them with one page-table entry each, and
+         * the pass's loads miss the TLB 512 times less often than through 4 KiB entries (bench-outer,
+         * 8 x 256 MiB: 0.29 s against 0.35-0.39 s with page-sized windows). */
+        m->at = mapread_reserve(f->fd, f->file_size, off, len + ahead * 4, units, &m->base, &m->len);
+        if (m->at == NULL)
+            return;
+        m->file = f;
+        m->from = off;
+        m->to = off + len + ahead * 4;
+        m->dropped = 0;
+    }
+    m->lanes = (const float *)(m->at + (off - m->from));
+    /* the window starts on a unit (or page) of the file: the whole units before this item are read */
+    size_t done = (size_t)((const char *)m->lanes - (const char *)m->base);
+    done -= done % MAPREAD_UNIT;
+    if (done > m->dropped) {
+        mapread_drop(m->base, m->dropped, done);
+        m->dropped = done;
+    }
+    mapread_populate(m->lanes, (size_t)len);
 }
 
 /* Item it's lanes of tensor t (the global's, or a delta's, whose tensor has the same elements) mapped. */
-static void map_item(const st_file *f, const st_tensor *t, const outer_item *it, int units, outer_map *m)
+static void map_item(const st_file *f, const st_tensor *t, const outer_item *it, uint64_t run_end, int units,
+                     outer_map *m)
 {
     const size_t lanes = cv_lanes(t->dtype);
-    map_lanes(f, t, it->begin * lanes, (it->end - it->begin) * lanes, units, m);
+    map_lanes(f, t, it->begin * lanes, (it->end - it->begin) * lanes, (run_end - it->end) * lanes, units, m);
 }
 
 static void unmap_inputs(outer_map *maps, size_t n)
 {
-    for (size_t k = 0; k < n; k++) {
-        mapread_unmap(maps[k].base, maps[k].len);
-        maps[k].base = NULL;
-    }
+    for (size_t k = 0; k < n; k++)
+        unmap_window(&maps[k]);
 }
 
 /* The sub-blocks of item it: the global's and the momentum's lanes in place or into param and buf, the
@@ -596,9 +640,10 @@ static int step_item_call(void *arg)
     return step_item(a->p, a->it, a->b, a->bytes, a->err);
 }
 
-/* step_item under the SIGBUS guard, with the item's inputs (deltas, previous global and momentum) mapped
- * where they can be. */
-static int step_item_guarded(outer_pass *p, const outer_item *it, outer_bufs *b, uint64_t *bytes, dl_error *err)
+/* step_item under the SIGBUS guard, with the item's inputs (deltas, previous global and momentum) read
+ * in place where they can be: in the run's windows, which cover the tensor up to run_end. */
+static int step_item_guarded(outer_pass *p, const outer_item *it, uint64_t run_end, outer_bufs *b, uint64_t *bytes,
+                             dl_error *err)
 {
     const size_t nd = p->ndeltas;
     const st_tensor *t = &p->global->h->tensors[it->tensor], *mt = p->mom_t[it->tensor];
@@ -607,24 +652,23 @@ static int step_item_guarded(outer_pass *p, const outer_item *it, outer_bufs *b,
     int rc;
 
     for (size_t k = 0; k < nd; k++)
-        map_item(p->delta_f[it->tensor * nd + k], p->delta_t[it->tensor * nd + k], it, b->map_units, &b->maps[k]);
+        map_item(p->delta_f[it->tensor * nd + k], p->delta_t[it->tensor * nd + k], it, run_end, b->map_units,
+                 &b->maps[k]);
     /* the previous global and momentum read in place too, into the step's loops (the same windows) */
-    map_item(p->global, t, it, b->map_units, &b->gmap);
-    b->mmap.base = NULL;
+    map_item(p->global, t, it, run_end, b->map_units, &b->gmap);
     if (p->params.momentum != 0.0f && mt != NULL)
-        map_lanes(p->momentum, mt, it->begin * lanes, (it->end - it->begin) * lanes, b->map_units,
-                  &b->mmap);
+        map_lanes(p->momentum, mt, it->begin * lanes, (it->end - it->begin) * lanes, (run_end - it->end) * lanes,
+                  b->map_units, &b->mmap);
+    else
+        unmap_window(&b->mmap);
     if ((rc = mapread_guarded(step_item_call, &args)) == MAPREAD_BUS)
         rc = dl_fail_errno(err, EIO, "tensor %.*s could not be read in place (SIGBUS: a delta shrank, or a page "
                            "could not be read)", (int)t->name_len, t->name);
-    unmap_inputs(b->maps, nd);
-    unmap_inputs(&b->gmap, 1);
-    unmap_inputs(&b->mmap, 1);
     return rc;
 }
 
 /* One work item, a sub-block at a time; the new parameters and momentum are written with one pwrite each. */
-static int process_floating(outer_pass *p, const outer_item *it, outer_bufs *b, dl_error *err)
+static int process_floating(outer_pass *p, const outer_item *it, uint64_t run_end, outer_bufs *b, dl_error *err)
 {
     const st_tensor *t = &p->global->h->tensors[it->tensor];
     const size_t n = (size_t)(it->end - it->begin), lanes = cv_lanes(t->dtype), esize = st_dtype_bits(t->dtype) / 8;
@@ -632,7 +676,7 @@ static int process_floating(outer_pass *p, const outer_item *it, outer_bufs *b, 
     uint64_t bytes = 0;
     int rc;
 
-    if ((rc = step_item_guarded(p, it, b, &bytes, err)) != 0)
+    if ((rc = step_item_guarded(p, it, run_end, b, &bytes, err)) != 0)
         return rc;
     bytes += 2 * (uint64_t)n * esize;
     if (mom) {
@@ -666,6 +710,27 @@ static int process_copy(outer_pass *p, const outer_item *it, outer_bufs *b, dl_e
     return 0;
 }
 
+/* Items [i0, i1), a run: the inputs' windows cover each tensor's part of the run from its first item on. */
+static int process_run(outer_pass *p, size_t i0, size_t i1, outer_bufs *b, dl_error *err)
+{
+    for (size_t i = i0, last = i0; i < i1 && !atomic_load(&p->abort); i++) {
+        const outer_item *it = &p->items[i];
+        int rc;
+
+        if (last < i)
+            last = i;
+        while (last + 1 < i1 && p->items[last + 1].tensor == it->tensor)
+            last++;
+        if (st_dtype_is_floating(p->global->h->tensors[it->tensor].dtype))
+            rc = process_floating(p, it, p->items[last].end, b, err);
+        else
+            rc = process_copy(p, it, b, err);
+        if (rc != 0)
+            return rc;
+    }
+    return 0;
+}
+
 int outer_run(outer_pass *p)
 {
     outer_bufs b = {0};
@@ -693,14 +758,13 @@ int outer_run(outer_pass *p)
         goto out;
     }
     while (!atomic_load(&p->abort)) {
-        size_t i = atomic_fetch_add(&p->next_item, 1);
-        if (i >= p->nitems)
+        size_t i0 = atomic_fetch_add(&p->next_item, p->run_items);
+        if (i0 >= p->nitems)
             break;
-        const outer_item *it = &p->items[i];
-        if (st_dtype_is_floating(p->global->h->tensors[it->tensor].dtype))
-            rc = process_floating(p, it, &b, &err);
-        else
-            rc = process_copy(p, it, &b, &err);
+        rc = process_run(p, i0, i0 + p->run_items < p->nitems ? i0 + p->run_items : p->nitems, &b, &err);
+        unmap_inputs(b.maps, p->ndeltas);
+        unmap_inputs(&b.gmap, 1);
+        unmap_inputs(&b.mmap, 1);
         if (rc != 0) {
             fail_locked(p, &err);
             goto out;
@@ -715,6 +779,10 @@ int outer_run(outer_pass *p)
     rc = p->rc;
     pthread_mutex_unlock(&p->lock);
 out:
+    if (b.maps != NULL)
+        unmap_inputs(b.maps, p->ndeltas);
+    unmap_inputs(&b.gmap, 1);
+    unmap_inputs(&b.mmap, 1);
     free(b.raw);
     free(b.sub_raw);
     free(b.param);

@@ -66,6 +66,7 @@ typedef struct outer_pass {
     outer_item *items;
     size_t nitems;
     uint64_t chunk_elems;
+    size_t run_items;           /* items a thread takes at a time (RUN_BYTES) */
     atomic_size_t next_item;
     atomic_int abort;
     atomic_uint_fast64_t bytes_done;    /* bytes read + written so far (progress) */
