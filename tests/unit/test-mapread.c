@@ -53,3 +53,61 @@ TEST(mapread_truncated_file_under_a_window_is_a_failed_read_not_a_crash)
     close(fd);
     free(data);
 }
+
+/* The Rss line (KiB) of this process's mapping that starts at base, from /proc/self/smaps: the pages
+ * whose page tables are set up.  -1 when not found. */
+static long mapping_rss_kib(const void *base)
+{
+    char line[512];
+    unsigned long start, end;
+    long rss = -1;
+    int in = 0;
+    FILE *f = fopen("/proc/self/smaps", "r");
+
+    if (f == NULL)
+        return -1;
+    while (fgets(line, sizeof(line), f) != NULL) {
+        if (sscanf(line, "%lx-%lx ", &start, &end) == 2)    /* a mapping's first line */
+            in = start == (unsigned long)(uintptr_t)base;
+        else if (in && strncmp(line, "Rss:", 4) == 0)
+            rss = atol(line + 4);
+    }
+    fclose(f);
+    return rss;
+}
+
+/* A reserved window holds no page tables until populated, populating sets up the range asked (and no
+ * more than the folios under it), dropping takes a range out of RSS again, and a dropped page read
+ * again reads the file's bytes. */
+TEST(mapread_reserved_window_is_populated_and_dropped_as_asked)
+{
+    const char *path = test_path("window");
+    const size_t size = 16u << 20, unit = MAPREAD_UNIT;
+    unsigned char *data = malloc(size);
+    void *base;
+    size_t maplen;
+    int fd;
+
+    CHECK(data != NULL);
+    for (size_t i = 0; i < size; i++)
+        data[i] = (unsigned char)(i * 31 / 4096 + 3);
+    fd = open(path, O_RDWR | O_CREAT | O_TRUNC, 0600);
+    CHECK(fd >= 0);
+    CHECK(write(fd, data, size) == (ssize_t)size);
+    CHECK(fsync(fd) == 0);
+    const unsigned char *p = mapread_reserve(fd, size, unit + 100, 5 * unit, 1, &base, &maplen);
+    CHECK(p != NULL);
+    CHECK(p == (const unsigned char *)base + 100);      /* from the unit that holds byte unit + 100 */
+    CHECK_EQ(mapping_rss_kib(base), 0);
+    mapread_populate(p, 3 * unit);
+    long populated = mapping_rss_kib(base);
+    /* at least the 6 MiB asked; no more than the units under them (2 MiB folios are mapped whole) */
+    CHECK(populated >= (long)(3 * unit / 1024) && populated <= (long)(4 * unit / 1024));
+    mapread_drop(base, 0, 2 * unit);
+    long left = mapping_rss_kib(base);
+    CHECK(left <= populated - (long)(2 * unit / 1024) + 4 && left >= (long)(unit / 1024));
+    CHECK(memcmp(p, data + unit + 100, 5 * unit) == 0);  /* dropped and never-populated pages read alike */
+    mapread_unmap(base, maplen);
+    close(fd);
+    free(data);
+}
