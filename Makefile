@@ -63,9 +63,11 @@ PY_PKGS     := safetensors huggingface_hub pytest pytest-xdist requests promethe
 
 all: $(BUILD)/libdiloco.a $(BUILD)/libdilocod.a $(BINS)
 
+# The dependency file names the object both ways, relative and absolute: a tree built with BUILD=/abs/dir
+# and then with BUILD=dir (or the reverse) still rebuilds what a header change touches.
 $(BUILD)/%.o: %.c
 	@mkdir -p $(@D)
-	$(CC) $(ALL_CFLAGS) -c $< -o $@
+	$(CC) $(ALL_CFLAGS) -MT $(abspath $@) -MT $(patsubst $(CURDIR)/%,%,$(abspath $@)) -c $< -o $@
 
 $(BUILD)/libdiloco.a: $(COMMON_OBJ)
 	@mkdir -p $(@D)
