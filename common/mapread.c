@@ -91,13 +91,20 @@ const void *mapread_reserve(int fd, uint64_t file_size, uint64_t off, uint64_t l
     return map_window(fd, file_size, off, len, units, 0, base, maplen);
 }
 
+/* Where MADV_POPULATE_READ is unknown (built on older headers, or EINVAL from a kernel before 5.14), the
+ * pages are faulted in as they are read instead: the same bytes, more faults. */
 void mapread_populate(const void *p, size_t len)
 {
+#ifdef MADV_POPULATE_READ
     const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
     uintptr_t a = (uintptr_t)p - (uintptr_t)p % page, e = (uintptr_t)p + len;
 
     if (len > 0)
         (void)madvise((void *)a, e - a, MADV_POPULATE_READ);
+#else
+    (void)p;
+    (void)len;
+#endif
 }
 
 void mapread_drop(void *base, size_t from, size_t to)

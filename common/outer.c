@@ -126,15 +126,16 @@ static int open_writers(outer_pass *p, dl_error *err)
     return rc;
 }
 
-/* A pass thread takes consecutive items by runs of about RUN_BYTES of each F32 input, and maps each input
- * once per run (a window, reserved without page tables), populating each item's pages as it comes to them
- * and dropping the units it has read.  Every page is then populated once (and by one call for all its
- * item's pages), where an item-sized mapping of whole 2 MiB units populated each unit about four times
- * (once per item touching it, ~0.6 MiB items at the default budget), and paid an mmap and an munmap per
- * input and item.  RSS stays what it was (the item's pages, and a unit's); the runs make the two threads'
- * last runs end at most about RUN_BYTES x inputs of work apart.  bench-outer, 8 x 1 GiB, alternated:
- * 1.12-1.31 s (2.06-2.41 CPU s) item by item, 0.81-0.96 s (1.52-1.80 CPU s) by runs of 32 items
- * (~20 MiB); runs of 16 to 128 items measured alike. */
+/* A pass thread takes consecutive items by runs of about RUN_BYTES of each F32 input (twice that of a C64
+ * one), and maps each input once per run (a window, reserved without page tables), populating each item's
+ * pages as it comes to them and dropping the units (or pages) it has read.  Every page is then populated
+ * once (and by one call for all its item's pages), where an item-sized mapping of whole 2 MiB units
+ * populated each unit about four times (once per item touching it, ~0.6 MiB items at the default
+ * budget), and paid an mmap and an munmap per input and item.  RSS stays what it was (the item's pages,
+ * and a unit's); the threads' last runs end at most about RUN_BYTES x inputs of work apart.  bench-outer,
+ * 8 x 1 GiB on files cached partly in 2 MiB folios, alternated: 1.12-1.45 s (2.06-2.62 CPU s) item by
+ * item, 0.81-1.15 s (1.52-2.14 CPU s) by runs (runs of 16 to 128 items, and this RUN_BYTES, ~26 items at
+ * the default budget, measured alike). */
 enum { RUN_BYTES = 16 << 20 };
 
 static void plan_items(outer_pass *p)
@@ -242,13 +243,14 @@ enum { SUB_ELEMS = 16384 };
 
 /* An input's window (a delta's, the previous global's or the momentum's): the bytes [from, to) of file
  * mapped read-only at at, for the items of a run (see RUN_BYTES); base == NULL: none, the item reads
- * with pread.  lanes is the current item's first lane; the bytes before dropped (from base) have been
- * read and dropped from RSS. */
+ * with pread (tensor: whose data it covers).  lanes is the current item's first lane; the mapping's first
+ * dropped bytes (from base) are out of RSS, done with. */
 typedef struct outer_map {
     void *base;
     size_t len;
     const float *lanes;
     const st_file *file;
+    const st_tensor *tensor;
     uint64_t from, to;
     const char *at;
     size_t dropped;
@@ -262,9 +264,9 @@ typedef struct outer_bufs {
     float *g;                   /* 2 lanes per element of a sub-block: the mean */
     float *d;                   /* ndeltas x 2 lanes per element of a sub-block: the deltas read with pread */
     const float **dk;           /* ndeltas: where delta k's lanes of the current sub-block are */
-    outer_map *maps;            /* ndeltas: delta k's mapped range of the current item, or none */
-    outer_map gmap, mmap;       /* the previous global's / momentum's range of the item, or none */
-    int map_units;              /* map whole MAPREAD_UNITs (see map_lanes), not just each item's pages */
+    outer_map *maps;            /* ndeltas: delta k's window over the current run, or none */
+    outer_map gmap, mmap;       /* the previous global's / momentum's window over the run, or none */
+    int map_units;              /* windows of whole MAPREAD_UNITs (see map_lanes), else of pages */
     outer_node_stats *stats;
     double mean_sumsq;
 } outer_bufs;
@@ -524,10 +526,11 @@ static void unmap_window(outer_map *m)
     mapread_unmap(m->base, m->len);
     m->base = NULL;
     m->file = NULL;
+    m->tensor = NULL;
 }
 
 /* Points m->lanes at the F32 lanes [first, first + n) of tensor t of f (its F32 or C64 data, at an
- * aligned offset), populated, the window's whole units before them dropped; when the window does not
+ * aligned offset), populated, the window's whole units (pages) before them dropped; when the window does not
  * cover them, a new one covers them and the next ahead lanes of the run.  Otherwise (another dtype, or
  * mmap failed) leaves m->base NULL and the item reads them with pread. */
 static void map_lanes(const st_file *f, const st_tensor *t, uint64_t first, uint64_t n, uint64_t ahead, int units,
@@ -535,7 +538,7 @@ static void map_lanes(const st_file *f, const st_tensor *t, uint64_t first, uint
 {
     const uint64_t off = f->data_start + t->begin + first * 4, len = n * 4;
 
-    if (m->base == NULL || m->file != f || off < m->from || off + len > m->to) {
+    if (m->base == NULL || m->file != f || m->tensor != t || off < m->from || off + len > m->to) {
         unmap_window(m);
         if ((t->dtype != ST_F32 && t->dtype != ST_C64) || off % 4 != 0)
             return;
@@ -547,14 +550,17 @@ static void map_lanes(const st_file *f, const st_tensor *t, uint64_t first, uint
         if (m->at == NULL)
             return;
         m->file = f;
+        m->tensor = t;
         m->from = off;
         m->to = off + len + ahead * 4;
         m->dropped = 0;
     }
     m->lanes = (const float *)(m->at + (off - m->from));
-    /* the window starts on a unit (or page) of the file: the whole units before this item are read */
+    /* the window starts on a unit (or page) of the file: the whole units (pages) before this item are
+     * done with */
+    const size_t grain = units ? MAPREAD_UNIT : (size_t)sysconf(_SC_PAGESIZE);
     size_t done = (size_t)((const char *)m->lanes - (const char *)m->base);
-    done -= done % MAPREAD_UNIT;
+    done -= done % grain;
     if (done > m->dropped) {
         mapread_drop(m->base, m->dropped, done);
         m->dropped = done;
@@ -749,8 +755,8 @@ int outer_run(outer_pass *p)
     b.maps = calloc(p->ndeltas, sizeof(*b.maps));
     b.stats = calloc(p->ndeltas, sizeof(*b.stats));
     /* Mapped pages count in RSS while they are mapped: whole units only while one item's windows stay
-     * within 4 budgets (8 deltas, the global and the momentum at the default 16 MiB: 55 MiB), else just
-     * the item's pages (within one budget, as the items are sized) */
+     * within 4 budgets (8 deltas, the global and the momentum at the default 16 MiB: 55 MiB), else
+     * windows of pages, which keep just the item's pages (within one budget, as the items are sized) */
     b.map_units = (p->ndeltas + 2) * (p->chunk_elems * 8 + 2 * MAPREAD_UNIT) <= 4 * (uint64_t)p->budget_bytes;
     if (!b.raw || !b.sub_raw || !b.param || !b.buf || !b.g || !b.d || !b.dk || !b.maps || !b.stats) {
         dl_fail(&err, DL_E_NO_MEMORY, NULL, 0, "out of memory for aggregation buffers");
