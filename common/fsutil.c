@@ -137,7 +137,12 @@ int fsu_ident_check(const char *path, const fsu_ident *id)
     if (lstat(path, &sb) != 0)
         return errno == ENOENT || errno == ENOTDIR ? 0 : -errno;
     fsu_ident_of(&sb, &now);
-    return now.dev == id->dev && now.ino == id->ino && now.size == id->size && now.mtime_ns == id->mtime_ns;
+    return fsu_ident_same(&now, id);
+}
+
+int fsu_ident_same(const fsu_ident *a, const fsu_ident *b)
+{
+    return a->dev == b->dev && a->ino == b->ino && a->size == b->size && a->mtime_ns == b->mtime_ns;
 }
 
 int fsu_link_fd(int fd, int dirfd, const char *name)

@@ -36,6 +36,8 @@ void fsu_ident_of(const struct stat *sb, fsu_ident *out);
 /* 1 if path (a last-component link is not followed) is still that version, 0 if it changed or is
  * gone, a negative errno when it cannot be told. */
 int fsu_ident_check(const char *path, const fsu_ident *id);
+/* Whether two versions are the same one. */
+int fsu_ident_same(const fsu_ident *a, const fsu_ident *b);
 /* Hard-links the open file fd as dirfd/name (AT_FDCWD: name is a path): through the descriptor, so the
  * very inode that was read is linked whatever its names became meanwhile (linkat's AT_EMPTY_PATH needs a
  * privilege; /proc/self/fd/N with AT_SYMLINK_FOLLOW does not).  0, or the errno of the failed linkat

@@ -653,7 +653,6 @@ static int step_item_guarded(outer_pass *p, const outer_item *it, uint64_t run_e
 {
     const size_t nd = p->ndeltas;
     const st_tensor *t = &p->global->h->tensors[it->tensor], *mt = p->mom_t[it->tensor];
-    const size_t lanes = cv_lanes(t->dtype);
     step_item_args args = {p, it, b, bytes, err};
     int rc;
 
@@ -663,8 +662,7 @@ static int step_item_guarded(outer_pass *p, const outer_item *it, uint64_t run_e
     /* the previous global and momentum read in place too, into the step's loops (the same windows) */
     map_item(p->global, t, it, run_end, b->map_units, &b->gmap);
     if (p->params.momentum != 0.0f && mt != NULL)
-        map_lanes(p->momentum, mt, it->begin * lanes, (it->end - it->begin) * lanes, (run_end - it->end) * lanes,
-                  b->map_units, &b->mmap);
+        map_item(p->momentum, mt, it, run_end, b->map_units, &b->mmap);     /* mt: as many lanes as t */
     else
         unmap_window(&b->mmap);
     if ((rc = mapread_guarded(step_item_call, &args)) == MAPREAD_BUS)

@@ -1977,6 +1977,7 @@ typedef struct model_intake {
 static int link_model(const char *src, const char *dst, fsu_ident *version)
 {
     struct stat before, after;
+    fsu_ident now;
     dl_error ignored;
     int fd, e = 0;
 
@@ -1986,6 +1987,7 @@ static int link_model(const char *src, const char *dst, fsu_ident *version)
         close(fd);
         return EINVAL;          /* the copy says what it is */
     }
+    fsu_ident_of(&before, version);
     (void)unlink(dst);
     if ((e = fsu_link_fd(fd, AT_FDCWD, dst)) != 0) {
         close(fd);
@@ -1993,15 +1995,12 @@ static int link_model(const char *src, const char *dst, fsu_ident *version)
     }
     if (fsync(fd) != 0)
         e = errno;
-    else if (fstat(fd, &after) != 0 || after.st_size != before.st_size ||
-             after.st_mtim.tv_sec != before.st_mtim.tv_sec || after.st_mtim.tv_nsec != before.st_mtim.tv_nsec)
+    else if (fstat(fd, &after) != 0 || (fsu_ident_of(&after, &now), !fsu_ident_same(&now, version)))
         e = ESTALE;             /* written to while linked */
     else if (fsu_fsync_parent(dst, &ignored) != 0)
         e = EIO;
     if (e != 0)
         unlink(dst);
-    else
-        fsu_ident_of(&after, version);
     close(fd);
     return e;
 }
