@@ -142,7 +142,11 @@ def test_soak_http_and_files_with_chaos(tmp_path):
     lagging = []
     samples = []
     chaos = prober = None
-    st0 = status(url)
+    # /healthz answers before the bootstrap job has read --init-model's header: wait for the model
+    deadline = time.monotonic() + 30
+    while (st0 := status(url))["model"] is None:
+        assert time.monotonic() < deadline and d.alive(), d.log_text()[-3000:]
+        time.sleep(0.02)
     model_bytes, delta_bytes = st0["model"]["bytes"], st0["model"]["delta_bytes"]
     bound = state_bound_kib(model_bytes, delta_bytes, len(NODES))
 
