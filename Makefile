@@ -8,7 +8,7 @@
 SHELL       := /bin/bash
 CC          ?= cc
 SANITIZE    ?=
-PKGS        := libuv libcurl libcjson libcrypto expat
+PKGS        := libuv libcurl libcjson libcrypto expat libxxhash
 LLHTTP_SRC  := /usr/share/llhttp
 LLHTTP_INC  := /usr/share/include/llhttp
 
@@ -56,7 +56,7 @@ PY          := $(VENV)/bin/python
 DEB_PKGS    := build-essential pkg-config libuv1-dev libcurl4-openssl-dev libcjson-dev node-llhttp libssl-dev \
                python3-venv python3-torch python3-numpy clang libclang-rt-14-dev curl \
                chromium systemd nginx iproute2 libexpat1-dev podman runc debootstrap python3-pil \
-               libopenblas0-pthread
+               libopenblas0-pthread libxxhash-dev
 PY_PKGS     := safetensors huggingface_hub pytest pytest-xdist requests prometheus_client boto3
 
 .PHONY: all deps venv seaweedfs check lint-layers unit test-integration fuzz fuzz-regress bench bench-deps soak clean distclean
@@ -182,7 +182,7 @@ FUZZ_SERVER  := $(filter-out server/main.c,$(SERVER_SRC))
 
 $(FUZZ_BUILD)/fuzz-header: tests/fuzz/fuzz-header.c $(COMMON_SRC) $(wildcard common/*.h)
 	@mkdir -p $(@D)
-	clang $(FUZZ_FLAGS) -o $@ $< $(COMMON_SRC) $(shell pkg-config --libs libcjson libcrypto) -lm
+	clang $(FUZZ_FLAGS) -o $@ $< $(COMMON_SRC) $(shell pkg-config --libs libcjson libcrypto libxxhash) -lm
 
 # The request path links the server (without main) and llhttp's C sources.
 $(FUZZ_BUILD)/fuzz-request: tests/fuzz/fuzz-request.c $(COMMON_SRC) $(FUZZ_SERVER) $(wildcard common/*.h server/*.h server/*/*.h)

@@ -31,6 +31,7 @@ static const char *const code_names[DL_E__COUNT] = {
     [DL_E_INVALID_ARGUMENT] = "invalid_argument",
     [DL_E_IO] = "io_error",
     [DL_E_NO_MEMORY] = "out_of_memory",
+    [DL_E_CHECKSUM_MISMATCH] = "checksum_mismatch",
 };
 
 const char *dl_error_name(dl_code code)

@@ -37,6 +37,8 @@ typedef enum dl_code {
     DL_E_INVALID_ARGUMENT,
     DL_E_IO,
     DL_E_NO_MEMORY,
+    /* integrity: bytes read that are not the ones validated (a file rewritten in place) */
+    DL_E_CHECKSUM_MISMATCH,
     DL_E__COUNT
 } dl_code;
 

@@ -127,6 +127,7 @@ void fsu_ident_of(const struct stat *sb, fsu_ident *out)
     out->ino = (uint64_t)sb->st_ino;
     out->size = (uint64_t)sb->st_size;
     out->mtime_ns = (int64_t)sb->st_mtim.tv_sec * 1000000000 + sb->st_mtim.tv_nsec;
+    out->ctime_ns = (int64_t)sb->st_ctim.tv_sec * 1000000000 + sb->st_ctim.tv_nsec;
 }
 
 int fsu_ident_check(const char *path, const fsu_ident *id)
@@ -135,14 +136,23 @@ int fsu_ident_check(const char *path, const fsu_ident *id)
     fsu_ident now;
 
     if (lstat(path, &sb) != 0)
-        return errno == ENOENT || errno == ENOTDIR ? 0 : -errno;
+        return errno == ENOENT || errno == ENOTDIR ? FSU_IDENT_CHANGED : -errno;
     fsu_ident_of(&sb, &now);
-    return fsu_ident_same(&now, id);
+    return fsu_ident_compare(&now, id);
 }
 
-int fsu_ident_same(const fsu_ident *a, const fsu_ident *b)
+int fsu_ident_same_content(const fsu_ident *a, const fsu_ident *b)
 {
     return a->dev == b->dev && a->ino == b->ino && a->size == b->size && a->mtime_ns == b->mtime_ns;
+}
+
+int fsu_ident_compare(const fsu_ident *a, const fsu_ident *b)
+{
+    if (!fsu_ident_same_content(a, b))
+        return FSU_IDENT_CHANGED;
+    if (a->ctime_ns != b->ctime_ns && a->ctime_ns != FSU_CTIME_UNKNOWN && b->ctime_ns != FSU_CTIME_UNKNOWN)
+        return FSU_IDENT_CTIME_MOVED;
+    return FSU_IDENT_SAME;
 }
 
 int fsu_link_fd(int fd, int dirfd, const char *name)

@@ -26,18 +26,31 @@ int fsu_fsync_path(const char *path, dl_error *err);
 int fsu_write_atomic(const char *path, const void *buf, size_t len, dl_error *err);
 /* mkdir -p (mode 0755). */
 int fsu_mkdirs(const char *dir, dl_error *err);
-/* One version of a file, as fstat sees it: a write moves mtime (to the nanosecond).  Not ctime: a
- * link count change moves it too (a worker removing its file, --prune-consumed, our own link). */
+/* One version of a file, as fstat sees it: a write moves mtime (to the nanosecond), but the file's owner
+ * can put mtime back (utimensat); ctime it cannot, every write and every utimensat moves it.  A link
+ * count change moves ctime too (a worker removing its file, our own links), so ctime is compared only
+ * between two moments with no link of ours in between.  sum is the content checksum of that version
+ * (checksum.h) when has_sum: identity is not integrity, only the bytes prove the bytes. */
 typedef struct fsu_ident {
     uint64_t dev, ino, size;
     int64_t mtime_ns;
+    int64_t ctime_ns;           /* FSU_CTIME_UNKNOWN: not recorded (a record of an earlier version) */
+    uint64_t sum;
+    int has_sum;
 } fsu_ident;
+#define FSU_CTIME_UNKNOWN INT64_MIN
+/* Fills the identity fields (not sum and has_sum, which it leaves alone). */
 void fsu_ident_of(const struct stat *sb, fsu_ident *out);
-/* 1 if path (a last-component link is not followed) is still that version, 0 if it changed or is
- * gone, a negative errno when it cannot be told. */
+/* What fsu_ident_check says: the same version, or only its ctime moved (rewritten with its mtime put
+ * back, re-linked, chmod'ed: its content cannot be told from its identity). */
+enum { FSU_IDENT_CHANGED = 0, FSU_IDENT_SAME = 1, FSU_IDENT_CTIME_MOVED = 2 };
+/* FSU_IDENT_* for path (a last-component link is not followed) against id: CHANGED also when it is gone;
+ * a negative errno when it cannot be told. */
 int fsu_ident_check(const char *path, const fsu_ident *id);
-/* Whether two versions are the same one. */
-int fsu_ident_same(const fsu_ident *a, const fsu_ident *b);
+/* Whether two versions are the same one: FSU_IDENT_*. */
+int fsu_ident_compare(const fsu_ident *a, const fsu_ident *b);
+/* Whether two versions have the same device, inode, size and mtime (ctime not compared). */
+int fsu_ident_same_content(const fsu_ident *a, const fsu_ident *b);
 /* Hard-links the open file fd as dirfd/name (AT_FDCWD: name is a path): through the descriptor, so the
  * very inode that was read is linked whatever its names became meanwhile (linkat's AT_EMPTY_PATH needs a
  * privilege; /proc/self/fd/N with AT_SYMLINK_FOLLOW does not).  0, or the errno of the failed linkat

@@ -1,6 +1,7 @@
 #include "outer.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -146,7 +147,8 @@ static void plan_items(outer_pass *p)
     uint64_t ce = p->budget_bytes / per_elem;
     size_t n = 0;
 
-    ce = ce < 4096 ? 4096 : ce - ce % 64;
+    /* items begin on checksum blocks (checksum.h): each item adds whole blocks' terms */
+    ce = ce < CK_BLOCK_ELEMS ? CK_BLOCK_ELEMS : ce - ce % CK_BLOCK_ELEMS;
     p->chunk_elems = ce;
     p->run_items = RUN_BYTES / (ce * 4) > 1 ? (size_t)(RUN_BYTES / (ce * 4)) : 1;
     for (size_t ti = 0; ti < g->ntensors; ti++)
@@ -201,7 +203,9 @@ static int prepare(outer_pass *p, dl_error *err)
         return dl_fail(err, DL_E_EMPTY_INPUT, NULL, 0, "an outer step needs at least one delta");
     p->stats = calloc(p->ndeltas, sizeof(*p->stats));
     p->deltas = calloc(p->ndeltas, sizeof(*p->deltas));
-    if (p->stats == NULL || p->deltas == NULL)
+    p->in_sums = calloc(p->ndeltas + 2, sizeof(*p->in_sums));
+    p->out_global_sum = p->out_momentum_sum = 0;
+    if (p->stats == NULL || p->deltas == NULL || p->in_sums == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     if ((rc = st_open(p->global_path, &p->global, err)) != 0)
         return rc;
@@ -269,20 +273,35 @@ typedef struct outer_bufs {
     int map_units;              /* windows of whole MAPREAD_UNITs (see map_lanes), else of pages */
     outer_node_stats *stats;
     double mean_sumsq;
+    uint64_t *in_sums;          /* ndeltas + 2: the checksum terms of what this thread read */
+    uint64_t out_sums[2];       /* of what it wrote: the global's, the momentum's */
 } outer_bufs;
 
-/* n elements of tensor t from element e on, as F32 lanes in out (F32 and C64 are read straight into it,
- * other dtypes decoded exactly). */
-static int read_lanes(const st_file *f, const st_tensor *t, uint64_t e, size_t n, unsigned char *raw, float *out,
-                      dl_error *err)
+/* Adds to *sum the checksum terms of elements [e, e + n) of the model's tensor ti as stored (dtype) in
+ * data: a no-op without a key. */
+static inline void sum_in(const outer_pass *p, size_t ti, st_dtype dtype, uint64_t e, const void *data, size_t n,
+                          uint64_t *sum)
+{
+    if (p->ck != NULL)
+        *sum += ck_blocks(p->ck, (uint32_t)ti, dtype, e, data, n, st_dtype_bits(dtype) / 8);
+}
+
+/* n elements of tensor t (the model's tensor ti) from element e on, as F32 lanes in out (F32 and C64 are
+ * read straight into it, other dtypes decoded exactly); their checksum terms added to *sum. */
+static int read_lanes(const outer_pass *p, size_t ti, const st_file *f, const st_tensor *t, uint64_t e, size_t n,
+                      unsigned char *raw, float *out, uint64_t *sum, dl_error *err)
 {
     size_t esize = st_dtype_bits(t->dtype) / 8;
     int rc;
 
-    if (t->dtype == ST_F32 || t->dtype == ST_C64)
-        return st_read(f, t, e * esize, out, n * esize, err);
+    if (t->dtype == ST_F32 || t->dtype == ST_C64) {
+        if ((rc = st_read(f, t, e * esize, out, n * esize, err)) == 0)
+            sum_in(p, ti, t->dtype, e, out, n, sum);
+        return rc;
+    }
     if ((rc = st_read(f, t, e * esize, raw, n * esize, err)) != 0)
         return rc;
+    sum_in(p, ti, t->dtype, e, raw, n, sum);
     if (cv_decode(t->dtype, raw, out, n) != 0)
         return dl_fail(err, DL_E_UNSUPPORTED_DTYPE, t->name, t->name_len, "cannot decode %s", st_dtype_name(t->dtype));
     return 0;
@@ -588,10 +607,12 @@ static void unmap_inputs(outer_map *maps, size_t n)
 static __attribute__((noinline)) int step_item(outer_pass *p, const outer_item *it, outer_bufs *b, uint64_t *bytes,
                                                dl_error *err)
 {
-    const st_tensor *t = &p->global->h->tensors[it->tensor], *mt = p->mom_t[it->tensor];
+    const size_t ti = it->tensor;
+    const st_tensor *t = &p->global->h->tensors[ti], *mt = p->mom_t[ti];
     const size_t n = (size_t)(it->end - it->begin), lanes = cv_lanes(t->dtype);
     const size_t nd = p->ndeltas, sub = SUB_ELEMS;
     const int mom = p->params.momentum != 0.0f;
+    uint64_t *sums = b->in_sums;
     int rc;
 
     for (size_t s = 0; s < n; s += sub) {
@@ -600,18 +621,20 @@ static __attribute__((noinline)) int step_item(outer_pass *p, const outer_item *
         outer_io io = {b->param + s * lanes, b->buf + s * lanes, NULL, NULL};
         if (b->gmap.base != NULL) {
             io.param_in = b->gmap.lanes + s * lanes;
+            sum_in(p, ti, t->dtype, e, io.param_in, sn, &sums[nd]);
         } else {
-            if ((rc = read_lanes(p->global, t, e, sn, b->sub_raw, io.param, err)) != 0)
+            if ((rc = read_lanes(p, ti, p->global, t, e, sn, b->sub_raw, io.param, &sums[nd], err)) != 0)
                 return rc;
             io.param_in = io.param;
         }
         for (size_t k = 0; k < nd; k++) {
-            const st_tensor *dt = p->delta_t[it->tensor * nd + k];
-            const st_file *df = p->delta_f[it->tensor * nd + k];
+            const st_tensor *dt = p->delta_t[ti * nd + k];
+            const st_file *df = p->delta_f[ti * nd + k];
             if (b->maps[k].base != NULL) {
                 b->dk[k] = b->maps[k].lanes + s * lanes;
+                sum_in(p, ti, dt->dtype, e, b->dk[k], sn, &sums[k]);
             } else {
-                if ((rc = read_lanes(df, dt, e, sn, b->sub_raw, b->d + k * sub * 2, err)) != 0)
+                if ((rc = read_lanes(p, ti, df, dt, e, sn, b->sub_raw, b->d + k * sub * 2, &sums[k], err)) != 0)
                     return rc;
                 b->dk[k] = b->d + k * sub * 2;
             }
@@ -625,9 +648,18 @@ static __attribute__((noinline)) int step_item(outer_pass *p, const outer_item *
                     return rc;
                 io.buf_in = io.buf;
             }
+            sum_in(p, ti, mt->dtype, e, io.buf_in, sn, &sums[nd + 1]);
             *bytes += sn * lanes * 4;
         }
         step_sub(p, b->dk, &io, mt != NULL, sn * lanes, b);
+        /* never a non-finite output: the inputs are finite, but a sum or a step can overflow */
+        int64_t bad = delta_find_non_finite(ST_F32, io.param, sn * lanes);
+        if (bad < 0 && mom)
+            bad = delta_find_non_finite(ST_F32, io.buf, sn * lanes);
+        if (bad >= 0)
+            return dl_fail(err, DL_E_NON_FINITE, t->name, t->name_len, "the outer step made a non-finite value "
+                           "near element %" PRIu64 " (the deltas' mean or the step overflowed): it is not committed",
+                           e + (uint64_t)bad / lanes);
     }
     return 0;
 }
@@ -684,6 +716,7 @@ static int process_floating(outer_pass *p, const outer_item *it, uint64_t run_en
         return rc;
     bytes += 2 * (uint64_t)n * esize;
     if (mom) {
+        sum_in(p, it->tensor, delta_dtype_for(t->dtype), it->begin, b->buf, n, &b->out_sums[1]);
         if ((rc = st_writer_write(p->w_momentum, p->mom_spec[it->tensor], it->begin * lanes * 4, b->buf,
                                   n * lanes * 4, err)) != 0)
             return rc;
@@ -693,7 +726,14 @@ static int process_floating(outer_pass *p, const outer_item *it, uint64_t run_en
     if (t->dtype != ST_F32 && t->dtype != ST_C64) {
         cv_encode(t->dtype, b->param, b->raw, n);
         out = b->raw;
+        /* a finite F32 value can round to infinity in F16 */
+        int64_t bad = delta_find_non_finite(t->dtype, b->raw, n);
+        if (bad >= 0)
+            return dl_fail(err, DL_E_NON_FINITE, t->name, t->name_len, "the outer step made a value beyond %s's "
+                           "range at element %" PRIu64 ": it is not committed", st_dtype_name(t->dtype),
+                           it->begin + (uint64_t)bad);
     }
+    sum_in(p, it->tensor, t->dtype, it->begin, out, n, &b->out_sums[0]);
     if ((rc = st_writer_write(p->w_global, it->tensor, it->begin * esize, out, n * esize, err)) != 0)
         return rc;
     atomic_fetch_add(&p->bytes_done, bytes);
@@ -707,8 +747,14 @@ static int process_copy(outer_pass *p, const outer_item *it, outer_bufs *b, dl_e
     size_t len = (size_t)(it->end - it->begin) * esize;
     int rc;
 
-    if ((rc = st_read(p->global, t, it->begin * esize, b->raw, len, err)) != 0 ||
-        (rc = st_writer_write(p->w_global, it->tensor, it->begin * esize, b->raw, len, err)) != 0)
+    if ((rc = st_read(p->global, t, it->begin * esize, b->raw, len, err)) != 0)
+        return rc;
+    /* the same bytes in and out: the same terms */
+    uint64_t terms = 0;
+    sum_in(p, it->tensor, t->dtype, it->begin, b->raw, (size_t)(it->end - it->begin), &terms);
+    b->in_sums[p->ndeltas] += terms;
+    b->out_sums[0] += terms;
+    if ((rc = st_writer_write(p->w_global, it->tensor, it->begin * esize, b->raw, len, err)) != 0)
         return rc;
     atomic_fetch_add(&p->bytes_done, 2 * (uint64_t)len);
     return 0;
@@ -752,11 +798,12 @@ int outer_run(outer_pass *p)
     b.dk = calloc(p->ndeltas, sizeof(*b.dk));
     b.maps = calloc(p->ndeltas, sizeof(*b.maps));
     b.stats = calloc(p->ndeltas, sizeof(*b.stats));
+    b.in_sums = calloc(p->ndeltas + 2, sizeof(*b.in_sums));
     /* Mapped pages count in RSS while they are mapped: whole units only while one item's windows stay
      * within 4 budgets (8 deltas, the global and the momentum at the default 16 MiB: 55 MiB), else
      * windows of pages, which keep just the item's pages (within one budget, as the items are sized) */
     b.map_units = (p->ndeltas + 2) * (p->chunk_elems * 8 + 2 * MAPREAD_UNIT) <= 4 * (uint64_t)p->budget_bytes;
-    if (!b.raw || !b.sub_raw || !b.param || !b.buf || !b.g || !b.d || !b.dk || !b.maps || !b.stats) {
+    if (!b.raw || !b.sub_raw || !b.param || !b.buf || !b.g || !b.d || !b.dk || !b.maps || !b.stats || !b.in_sums) {
         dl_fail(&err, DL_E_NO_MEMORY, NULL, 0, "out of memory for aggregation buffers");
         rc = fail_locked(p, &err);
         goto out;
@@ -780,6 +827,10 @@ int outer_run(outer_pass *p)
         p->stats[k].dot += b.stats[k].dot;
     }
     p->mean_sumsq += b.mean_sumsq;
+    for (size_t k = 0; k < p->ndeltas + 2; k++)
+        p->in_sums[k] += b.in_sums[k];
+    p->out_global_sum += b.out_sums[0];
+    p->out_momentum_sum += b.out_sums[1];
     rc = p->rc;
     pthread_mutex_unlock(&p->lock);
 out:
@@ -796,6 +847,7 @@ out:
     free(b.dk);
     free(b.maps);
     free(b.stats);
+    free(b.in_sums);
     return rc;
 }
 
@@ -809,6 +861,36 @@ void outer_abort(outer_pass *p)
     atomic_store(&p->abort, 1);
 }
 
+int outer_input_changed(const outer_pass *p, size_t i)
+{
+    if (p->ck == NULL || p->in_sums == NULL)
+        return 0;
+    if (i < p->ndeltas)
+        return p->delta_summed != NULL && p->delta_summed[i] && p->delta_sums[i] != p->in_sums[i];
+    if (i == OUTER_INPUT_GLOBAL(p))
+        return p->global_summed && p->global_sum != p->in_sums[i];
+    if (i == OUTER_INPUT_MOMENTUM(p))
+        return p->momentum_summed && p->momentum_path != NULL && p->params.momentum != 0.0f &&
+               p->momentum_sum != p->in_sums[i];
+    return 0;
+}
+
+/* After every item succeeded: every input the pass read is the one given a checksum, else nothing is
+ * committed (the first changed input named; outer_input_changed tells them all). */
+static int verify_inputs(outer_pass *p, dl_error *err)
+{
+    for (size_t i = 0; i < p->ndeltas + 2; i++) {
+        if (!outer_input_changed(p, i))
+            continue;
+        const char *what = i < p->ndeltas ? p->delta_paths[i] : i == OUTER_INPUT_GLOBAL(p) ? p->global_path
+                                                                                          : p->momentum_path;
+        return dl_fail(err, DL_E_CHECKSUM_MISMATCH, NULL, 0, "%s is not the file that was %s: its content changed "
+                       "(rewritten in place); the step is not committed", what,
+                       i < p->ndeltas ? "validated" : "committed");
+    }
+    return 0;
+}
+
 int outer_finish(outer_pass *p, dl_error *err)
 {
     int rc = p->rc;
@@ -817,6 +899,11 @@ int outer_finish(outer_pass *p, dl_error *err)
         rc = dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "outer step abandoned");
     else if (rc != 0 && err != NULL)
         *err = p->err;
+    if (rc == 0 && (rc = verify_inputs(p, &p->err)) != 0) {
+        p->rc = rc;
+        if (err != NULL)
+            *err = p->err;
+    }
     if (rc == 0 && p->w_global != NULL) {
         rc = st_writer_commit(p->w_global, err);
         p->w_global = NULL;
@@ -852,4 +939,6 @@ void outer_free(outer_pass *p)
 {
     free(p->stats);
     p->stats = NULL;
+    free(p->in_sums);
+    p->in_sums = NULL;
 }

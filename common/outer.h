@@ -15,6 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "checksum.h"
 #include "dl_error.h"
 #include "safetensors.h"
 
@@ -76,7 +77,22 @@ typedef struct outer_pass {
     dl_error err;
     outer_node_stats *stats;    /* [ndeltas] */
     double mean_sumsq;
+
+    /* Content checksums (checksum.h).  The pass computes the checksum of every input it reads (each
+     * delta, the previous global, the momentum) and of both outputs; outer_finish commits only if every
+     * input given a checksum below still has it.  ck NULL: none computed nor verified. */
+    const ck_key *ck;
+    const uint64_t *delta_sums;         /* [ndeltas]: the checksum intake validated, where delta_summed[k] */
+    const unsigned char *delta_summed;  /* NULL: no delta's is known */
+    int global_summed, momentum_summed; /* the previous global's and momentum's are known: */
+    uint64_t global_sum, momentum_sum;
+    uint64_t out_global_sum, out_momentum_sum;  /* the outputs', after outer_finish returned 0 */
+    uint64_t *in_sums;          /* [ndeltas + 2]: what the pass read (the deltas, the global, the momentum) */
 } outer_pass;
+
+/* Input numbers for outer_input_changed beside the deltas' 0 .. ndeltas - 1. */
+#define OUTER_INPUT_GLOBAL(p) ((p)->ndeltas)
+#define OUTER_INPUT_MOMENTUM(p) ((p)->ndeltas + 1)
 
 /* Opens inputs, checks that every delta matches the global's floating keys and shapes, plans the
  * work items and opens the writers (reserving the output space: a full disk fails here).  Whatever
@@ -91,6 +107,9 @@ int outer_finish(outer_pass *p, dl_error *err);
 void outer_abort(outer_pass *p);
 /* The new global's descriptor while the pass writes it (after outer_prepare, before outer_finish), or -1. */
 int outer_global_fd(const outer_pass *p);
+/* After outer_finish failed with DL_E_CHECKSUM_MISMATCH: whether input i (a delta's index, or
+ * OUTER_INPUT_GLOBAL / OUTER_INPUT_MOMENTUM) is one whose bytes were not those given a checksum. */
+int outer_input_changed(const outer_pass *p, size_t i);
 /* Releases what outer_finish left (stats). */
 void outer_free(outer_pass *p);
 

@@ -175,6 +175,7 @@ static intake_req *enqueue_intake(dilocod *d, const char *path, const char *rel,
     }
     r->in_cache = in_cache;
     r->remove_src = remove_src;
+    r->ck = &d->st.key;         /* never changes after store_open: the pool reads it */
     /* one header cap whatever brought the delta in (an upload, the shared tree, the Hub) */
     r->max_header = (uint64_t)d->cfg->max_delta_header_mib << 20;
     if (d->nqueue == d->cap_queue) {
@@ -520,6 +521,10 @@ static void pass_release(dilocod *d)
     d->pass_paths = NULL;
     free(d->pass_nodes);
     d->pass_nodes = NULL;
+    free(d->pass_sums);
+    d->pass_sums = NULL;
+    free(d->pass_summed);
+    d->pass_summed = NULL;
     free(d->pending_round);
     d->pending_round = NULL;
     history_record_free(&d->pending_record);
@@ -566,6 +571,8 @@ static store_commit_info round_commit_info(const dilocod *d)
         .bootstrap = 0,
         .origin = "round",
         .round_json = d->pending_round,
+        .global_sum = &d->pass->out_global_sum,
+        .momentum_sum = d->pass->out_momentum_path != NULL ? &d->pass->out_momentum_sum : NULL,
     };
     return info;
 }
@@ -616,6 +623,7 @@ static void commit_work(job *j)
 
 typedef struct settle_args {
     uint64_t step;
+    uint64_t global_sum, momentum_sum;  /* the outputs' checksums, as the pass computed them */
     char *global_path, *momentum_path, *round_json;
     int history_failed;
     char **rels;                /* the transport's files of the round's deltas (--prune-consumed) */
@@ -646,6 +654,8 @@ static void settle_work(job *j)
         .momentum = d->cfg->momentum,
         .origin = "round",
         .round_json = a->round_json,
+        .global_sum = &a->global_sum,
+        .momentum_sum = a->momentum_path != NULL ? &a->momentum_sum : NULL,
     };
     dl_error herr;
 
@@ -757,6 +767,8 @@ static void start_settle(dilocod *d, uint64_t step)
         return;
     }
     a->step = step;
+    a->global_sum = d->pass->out_global_sum;
+    a->momentum_sum = d->pass->out_momentum_sum;
     a->rels = d->round_rels;
     a->nrels = d->nround_rels;
     d->round_rels = NULL;
@@ -1138,10 +1150,62 @@ static void finish_work(job *j)
     j->rc = outer_finish(j->d->pass, &j->err);
 }
 
+static int reopen_round(dilocod *d);
+
+/* The pass read bytes other than the ones validated or committed (outer_finish: checksum_mismatch).  A
+ * linked delta rewritten in place, even with its mtime put back, is dropped and taken in again (if its
+ * writer still has it in the tree); the committed global or momentum written by someone else cannot be
+ * made good again, so the daemon stops (exit 1) rather than make a step from it. */
+static void inputs_changed(dilocod *d, const dl_error *err)
+{
+    outer_pass *p = d->pass;
+    char qn[160];
+    size_t dropped = 0;
+
+    if (outer_input_changed(p, OUTER_INPUT_GLOBAL(p)) || outer_input_changed(p, OUTER_INPUT_MOMENTUM(p))) {
+        dl_error e;
+        dl_fail(&e, DL_E_CHECKSUM_MISMATCH, NULL, 0, "the committed step %" PRIu64 "'s %s was written in place since "
+                "it was committed (file:// links it into the tree as global/latest.safetensors: a writer of the tree "
+                "with dilocod's uid); no step is made from it. Restore the state from a backup, or start again from "
+                "a fresh state directory and --init-model", d->st.step,
+                outer_input_changed(p, OUTER_INPUT_GLOBAL(p)) ? "global" : "momentum");
+        log_error("store", "cannot aggregate", &e);
+        pass_release(d);
+        d->state = S_COLLECTING;
+        d->exit_code = 1;
+        raise(SIGTERM);
+        return;
+    }
+    log_error("aggregate", "a linked delta's content changed after it was validated", err);
+    for (size_t i = 0; i < d->pass_n && i < p->ndeltas; i++) {
+        char *path;
+        if (!outer_input_changed(p, i))
+            continue;
+        dl_log(DL_LOG_WARN, "round", "delta rewritten in place after it was taken in (checksum): dropped, it is "
+               "taken in again", "step=%" PRIu64 " node=%s", d->rnd.step,
+               dl_log_q(qn, sizeof(qn), d->pass_nodes[i].node_id));
+        if (round_drop(&d->rnd, d->pass_nodes[i].node_id, &path) == 0) {
+            discard_local(d, path, 0);
+            free(path);
+            d->m.deltas_rewritten++;
+            dropped++;
+        }
+    }
+    if (dropped == 0) {
+        aggregation_failed(d, err);
+        return;
+    }
+    reopen_round(d);
+}
+
 static void finish_done(job *j)
 {
     dilocod *d = j->d;
 
+    if (j->rc != 0 && j->err.code == DL_E_CHECKSUM_MISMATCH && !d->stopping) {
+        inputs_changed(d, &j->err);
+        return;
+    }
     if (j->rc != 0) {
         aggregation_failed(d, &j->err);
         return;
@@ -1537,6 +1601,12 @@ static int setup_pass(dilocod *d, outer_pass *p, uint64_t new_step, const char *
     p->params.lr = (float)lr;
     p->params.momentum = (float)momentum;
     p->budget_bytes = (size_t)d->cfg->agg_memory_mib << 20;
+    /* the committed step's files are verified against the checksums the pass that made them computed */
+    p->ck = &d->st.key;
+    p->global_summed = d->st.global_summed;
+    p->global_sum = d->st.global_sum;
+    p->momentum_summed = d->st.momentum_summed;
+    p->momentum_sum = d->st.momentum_sum;
     return p->out_global_path == NULL || (momentum != 0 && p->out_momentum_path == NULL) ? -ENOMEM : 0;
 }
 
@@ -1611,6 +1681,12 @@ static int reopen_if_rewritten(dilocod *d)
     }
     if (drop_rewritten(d) == 0)
         return 0;
+    return reopen_round(d);
+}
+
+/* A round that lost a rewritten delta collects again: the pass that gave up is released.  Returns 1. */
+static int reopen_round(dilocod *d)
+{
     uv_timer_stop(&d->progress_timer);
     pass_release(d);
     d->commit_waiting = 0;
@@ -1707,7 +1783,10 @@ static void start_aggregation(dilocod *d)
 
     d->pass_paths = calloc(n, sizeof(*d->pass_paths));
     d->pass_nodes = calloc(n, sizeof(*d->pass_nodes));
-    if (p == NULL || d->pass_paths == NULL || d->pass_nodes == NULL) {
+    d->pass_sums = calloc(n, sizeof(*d->pass_sums));
+    d->pass_summed = calloc(n, sizeof(*d->pass_summed));
+    if (p == NULL || d->pass_paths == NULL || d->pass_nodes == NULL || d->pass_sums == NULL ||
+        d->pass_summed == NULL) {
         free(p);
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory");
         aggregation_failed(d, &e);
@@ -1718,11 +1797,16 @@ static void start_aggregation(dilocod *d)
         memcpy(d->pass_nodes[i].node_id, d->rnd.entries[i].node_id, sizeof(d->pass_nodes[i].node_id));
         d->pass_nodes[i].local_step = d->rnd.entries[i].local_step;
         d->pass_nodes[i].bytes = d->rnd.entries[i].size;
+        /* a linked delta is its writer's file: the pass verifies the bytes intake validated */
+        d->pass_summed[i] = d->rnd.entries[i].guarded && d->rnd.entries[i].ident.has_sum;
+        d->pass_sums[i] = d->rnd.entries[i].ident.sum;
     }
     int rc = setup_pass(d, p, d->rnd.step + 1, config_optimizer_name(d->cfg->optimizer), d->cfg->lr,
                         d->cfg->momentum, meta, step_text, sizeof(step_text));
     p->delta_paths = (const char *const *)d->pass_paths;
     p->ndeltas = n;
+    p->delta_sums = d->pass_sums;
+    p->delta_summed = d->pass_summed;
     /* durability comes after the commit point (the redo record): off the critical path */
     p->defer_sync = 1;
     d->pass = p;
@@ -1759,6 +1843,8 @@ static int recover_redo(dilocod *d, dl_error *err)
     st_kv meta[2];
     char step_text[24];
     outer_pass p = {0};
+    uint64_t *sums = NULL;
+    unsigned char *summed = NULL;
 
     if ((rc = store_redo_read(&d->st, &r, &present, err)) != 0 || !present)
         return rc;
@@ -1801,6 +1887,19 @@ static int recover_redo(dilocod *d, dl_error *err)
     }
     p.delta_paths = (const char *const *)r.deltas;
     p.ndeltas = r.ndeltas;
+    /* the linked deltas' bytes must be the ones aggregated before the crash */
+    sums = calloc(r.ndeltas ? r.ndeltas : 1, sizeof(*sums));
+    summed = calloc(r.ndeltas ? r.ndeltas : 1, 1);
+    if (sums == NULL || summed == NULL) {
+        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; r.guarded != NULL && i < r.ndeltas; i++) {
+        summed[i] = r.guarded[i] && r.versions[i].has_sum;
+        sums[i] = r.versions[i].sum;
+    }
+    p.delta_sums = sums;
+    p.delta_summed = summed;
     /* one thread, before the loop runs: the same items, so the same bytes, as the pool made them */
     rc = outer_prepare(&p, err);
     if (rc == 0 && (rc = outer_run(&p)) != 0 && err != NULL)
@@ -1810,6 +1909,14 @@ static int recover_redo(dilocod *d, dl_error *err)
     int frc = outer_finish(&p, rc == 0 ? err : NULL);
     if (rc == 0)
         rc = frc;
+    if (rc != 0 && p.in_sums != NULL && err->code == DL_E_CHECKSUM_MISMATCH &&
+        !outer_input_changed(&p, OUTER_INPUT_GLOBAL(&p)) && !outer_input_changed(&p, OUTER_INPUT_MOMENTUM(&p))) {
+        /* a linked delta rewritten in place (its mtime put back) before the step was durable: as above */
+        log_error("store", "a delta of the committed round was rewritten in place before its step was durable: "
+                  "the step is aggregated again", err);
+        rc = store_redo_remove(&d->st, err);
+        goto out;
+    }
     if (rc == 0) {
         store_commit_info info = {
             .step = r.step,
@@ -1820,6 +1927,8 @@ static int recover_redo(dilocod *d, dl_error *err)
             .momentum = r.momentum,
             .origin = "round",
             .round_json = r.round_json,
+            .global_sum = &p.out_global_sum,
+            .momentum_sum = p.out_momentum_path != NULL ? &p.out_momentum_sum : NULL,
         };
         if ((rc = store_commit(&d->st, &info, err)) == 0 && (rc = store_redo_remove(&d->st, err)) == 0) {
             dl_log(DL_LOG_WARN, "store", "recovered", "step=%" PRIu64 " global=%s", r.step, d->st.global_path);
@@ -1830,6 +1939,8 @@ static int recover_redo(dilocod *d, dl_error *err)
     }
 out:
     outer_free(&p);
+    free(sums);
+    free(summed);
     free((void *)p.out_global_path);
     free((void *)p.out_momentum_path);
     store_redo_free(&r);
@@ -1995,7 +2106,7 @@ static int link_model(const char *src, const char *dst, fsu_ident *version)
     }
     if (fsync(fd) != 0)
         e = errno;
-    else if (fstat(fd, &after) != 0 || (fsu_ident_of(&after, &now), !fsu_ident_same(&now, version)))
+    else if (fstat(fd, &after) != 0 || (fsu_ident_of(&after, &now), !fsu_ident_same_content(&now, version)))
         e = ESTALE;             /* written to while linked */
     else if (fsu_fsync_parent(dst, &ignored) != 0)
         e = EIO;

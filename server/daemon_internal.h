@@ -76,6 +76,8 @@ typedef struct dilocod {
     outer_pass *pass;
     char **pass_paths;
     node_stat *pass_nodes;
+    uint64_t *pass_sums;        /* [pass_n]: the checksums intake validated (linked deltas), where pass_summed */
+    unsigned char *pass_summed;
     size_t pass_n;
     int pass_jobs;              /* run jobs still out */
     atomic_int *writeback_stop; /* the new global's write-back job (set to 1 to stop it), NULL when none */

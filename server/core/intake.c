@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "checksum.h"
 #include "fsutil.h"
 #include "mapread.h"
 #include "st_index.h"
@@ -68,19 +69,31 @@ static intake_status io_fail(intake_req *r, int e, const char *what)
     return INTAKE_IO;
 }
 
+/* The model's index of delta tensor t (delta_check_header matched every key by name): the tensor the
+ * checksum's terms are keyed by (checksum.h). */
+static uint32_t model_index(const intake_req *r, const st_tensor *t)
+{
+    const st_tensor *g = st_header_find(r->global, t->name, t->name_len);
+    return g != NULL ? (uint32_t)(g - r->global->tensors) : UINT32_MAX;
+}
+
 /* Streams the data section from src to dst (both at data_start) tensor by tensor, checking finite
- * values; dst < 0 only checks (a file that is linked, not copied).  Returns INTAKE_OK or the failure. */
+ * values; dst < 0 only checks (a file that is linked, not copied), and then adds the data's checksum to
+ * r->ident (a linked file stays its writer's: the pass verifies what was checked).  Returns INTAKE_OK or
+ * the failure. */
 static intake_status copy_checked(intake_req *r, int src, int dst, const st_header *h, uint64_t data_start)
 {
     unsigned char *buf = malloc(COPY_CHUNK);
     intake_status st = INTAKE_OK;
+    uint64_t sum = 0;
 
     if (buf == NULL)
         return io_fail(r, ENOMEM, "out of memory for the copy buffer");
     for (size_t i = 0; i < h->ntensors && st == INTAKE_OK; i++) {
         const st_tensor *t = &h->tensors[i];
         size_t esize = st_dtype_bits(t->dtype) / 8;       /* deltas are F32/F16/BF16/C64: whole bytes */
-        uint64_t per = COPY_CHUNK / esize;
+        uint64_t per = COPY_CHUNK / esize;                /* a multiple of CK_BLOCK_ELEMS */
+        uint32_t mt = model_index(r, t);
         for (uint64_t e = 0; e < t->nelem; e += per) {
             size_t n = (size_t)(t->nelem - e < per ? t->nelem - e : per);
             uint64_t off = data_start + t->begin + e * esize;
@@ -101,6 +114,8 @@ static intake_status copy_checked(intake_req *r, int src, int dst, const st_head
                 st = INTAKE_INVALID;
                 break;
             }
+            if (dst < 0 && r->ck != NULL)
+                sum += ck_blocks(r->ck, mt, t->dtype, e, buf, n, esize);
             if (dst >= 0 && (rc = fsu_pwrite_all(dst, buf, n * esize, off)) != 0) {
                 st = io_fail(r, -rc, "writing the cache copy");
                 break;
@@ -108,6 +123,10 @@ static intake_status copy_checked(intake_req *r, int src, int dst, const st_head
         }
     }
     free(buf);
+    if (st == INTAKE_OK && dst < 0 && r->ck != NULL) {
+        r->ident.sum = sum;
+        r->ident.has_sum = 1;
+    }
     return st;
 }
 
@@ -440,48 +459,76 @@ typedef struct window_check {
     const void *data;
     size_t nelem;
     int64_t bad;                /* the first non-finite element, or -1 */
+    /* the window's checksum terms: its blocks of tensor `tensor` from element `first` on */
+    const ck_key *ck;
+    uint32_t tensor;
+    st_dtype block_dtype;       /* the tensor's own dtype (C64 is checked as F32 lanes) */
+    uint64_t first, elems;
+    size_t esize;
+    uint64_t sum;
 } window_check;
 
 static int window_check_call(void *arg)
 {
     window_check *w = arg;
     w->bad = delta_find_non_finite(w->dtype, w->data, w->nelem);
+    if (w->bad < 0 && w->ck != NULL)
+        w->sum = ck_blocks(w->ck, w->tensor, w->block_dtype, w->first, w->data, w->elems, w->esize);
     return 0;
 }
 
-/* The finite check read in place, of the windows of the data within file bytes [lo, hi) (lo and hi on
- * CHECK_WINDOW boundaries, or the data's ends): a part of a file's check.  Tensors in header order, each
- * part stopping at its first finding, so that the finding of the first tensor in header order wins when
- * the parts are merged (as a check in one part would report it). */
+/* The finite check read in place, of the checksum blocks (CK_BLOCK_ELEMS elements of a tensor) that
+ * begin within file bytes [lo, hi) (lo and hi on CHECK_WINDOW boundaries, or the data's ends): a part of
+ * a file's check.  A window ends on the first block boundary at or after a CHECK_WINDOW boundary, so that
+ * it maps whole units and holds whole blocks.  Tensors in header order, each part stopping at its first
+ * finding, so that the finding of the first tensor in header order wins when the parts are merged (as a
+ * check in one part would report it). */
 typedef struct check_part {
     int src;
     uint64_t size;
     const st_header *h;
+    const intake_req *r;
     uint64_t data_start, lo, hi;
     int unmappable;             /* a window could not be mapped: check the whole file with pread */
     int shrank;                 /* SIGBUS: the file was cut short under the mapping */
     size_t bad_tensor;          /* the tensor of the first non-finite value, h->ntensors when none */
     uint64_t bad_elem;          /* its element */
+    uint64_t sum;               /* the checksum terms of the part's blocks */
 } check_part;
 
-/* The windows of tensor t within [c->lo, c->hi): 1 when the part found something (or must fall back). */
+/* The blocks of tensor ti that begin within [c->lo, c->hi): 1 when the part found something (or must
+ * fall back). */
 static int check_tensor_part(check_part *c, size_t ti)
 {
     const st_tensor *t = &c->h->tensors[ti];
-    /* C64 is checked as its F32 lanes: a window's end may fall between an element's two halves */
+    /* C64 is checked as its F32 lanes */
     const st_dtype dt = t->dtype == ST_C64 ? ST_F32 : t->dtype;
-    const size_t esize = st_dtype_bits(dt) / 8, per_elem = st_dtype_bits(t->dtype) / st_dtype_bits(dt);
-    const uint64_t first = c->data_start + t->begin, last = first + t->nelem * per_elem * esize;
-    const uint64_t stop = last < c->hi ? last : c->hi;
+    const size_t esize = st_dtype_bits(t->dtype) / 8, lane = st_dtype_bits(dt) / 8;
+    const uint64_t first = c->data_start + t->begin, block = (uint64_t)CK_BLOCK_ELEMS * esize;
+    const uint64_t last = first + t->nelem * esize;
+    /* the first block that begins at or after lo */
+    uint64_t off = c->lo <= first ? first : first + (c->lo - first + block - 1) / block * block;
 
-    for (uint64_t off = first > c->lo ? first : c->lo; off < stop;) {
-        /* windows end on CHECK_WINDOW boundaries of the file, so each maps whole units */
+    while (off < last && off < c->hi) {
+        /* to the first block boundary at or after the next CHECK_WINDOW boundary */
         uint64_t end = off - off % CHECK_WINDOW + CHECK_WINDOW;
-        if (end > stop)
-            end = stop;
+        end = first + (end - first + block - 1) / block * block;
+        if (end > last)
+            end = last;
         void *base;
         size_t maplen;
-        window_check w = {dt, mapread_map(c->src, c->size, off, end - off, 1, &base, &maplen), (end - off) / esize, -1};
+        window_check w = {
+            .dtype = dt,
+            .data = mapread_map(c->src, c->size, off, end - off, 1, &base, &maplen),
+            .nelem = (end - off) / lane,
+            .bad = -1,
+            .ck = c->r->ck,
+            .tensor = model_index(c->r, t),
+            .block_dtype = t->dtype,
+            .first = (off - first) / esize,
+            .elems = (end - off) / esize,
+            .esize = esize,
+        };
         if (w.data == NULL)
             return c->unmappable = 1;
         int rc = mapread_guarded(window_check_call, &w);
@@ -490,9 +537,10 @@ static int check_tensor_part(check_part *c, size_t ti)
             return c->shrank = 1;
         if (w.bad >= 0) {
             c->bad_tensor = ti;
-            c->bad_elem = ((off - first) / esize + (uint64_t)w.bad) / per_elem;
+            c->bad_elem = ((off - first) / lane + (uint64_t)w.bad) * lane / esize;
             return 1;
         }
+        c->sum += w.sum;
         off = end;
     }
     return 0;
@@ -517,10 +565,12 @@ static _Atomic int checks_running;
 uint64_t intake_split_min = (uint64_t)64 << 20;
 
 /* The two parts' findings as one status: a part that could not map means the whole file is read with
- * pread; else the file cut short, else the first non-finite value in header order. */
+ * pread; else the file cut short, else the first non-finite value in header order; none: the checksum
+ * is the parts' sum. */
 static intake_status merge_parts(intake_req *r, int src, const check_part *parts, size_t n)
 {
     const check_part *bad = NULL;
+    uint64_t sum = 0;
 
     for (size_t k = 0; k < n; k++)
         if (parts[k].unmappable)
@@ -534,21 +584,25 @@ static intake_status merge_parts(intake_req *r, int src, const check_part *parts
             (bad == NULL || parts[k].bad_tensor < bad->bad_tensor ||
              (parts[k].bad_tensor == bad->bad_tensor && parts[k].bad_elem < bad->bad_elem)))
             bad = &parts[k];
+        sum += parts[k].sum;
     }
-    if (bad == NULL)
+    if (bad == NULL) {
+        r->ident.sum = sum;
+        r->ident.has_sum = r->ck != NULL;
         return INTAKE_OK;
+    }
     const st_tensor *t = &bad->h->tensors[bad->bad_tensor];
     dl_fail(&r->err, DL_E_NON_FINITE, t->name, t->name_len,
             "delta tensor holds a non-finite value (NaN or Inf) at element %" PRIu64, bad->bad_elem);
     return INTAKE_INVALID;
 }
 
-/* The finite check of every tensor, read in place where the data is aligned for its dtype and can be
- * mapped, else with pread.  Large data checked alone is split in two halves on a window boundary, one
- * checked by a thread of its own. */
+/* The finite check of every tensor, with the data's checksum, read in place where the data is aligned
+ * for its dtype and can be mapped, else with pread.  Large data checked alone is split in two halves on a
+ * window boundary, one checked by a thread of its own. */
 static intake_status check_values(intake_req *r, int src, uint64_t size, const st_header *h, uint64_t data_start)
 {
-    check_part parts[2] = {{.src = src, .size = size, .h = h, .data_start = data_start, .lo = data_start,
+    check_part parts[2] = {{.src = src, .size = size, .h = h, .r = r, .data_start = data_start, .lo = data_start,
                             .hi = size}};
     size_t nparts = 1;
     pthread_t helper;
@@ -619,9 +673,16 @@ static intake_status link_file(intake_req *r, int src, const struct stat *before
     free(tmp);
     if (st != INTAKE_OK)
         return st;
-    /* written to between the read above and the link: that version was not validated */
-    fsu_ident_of(before, &r->ident);
-    if ((rc = fsu_ident_check(r->cache_path, &r->ident)) != 1) {
+    /* Written to between the read above and the link: that version was not validated.  The version
+     * kept is the one after our links (which moved its ctime): from here any write moves ctime again,
+     * and one that put mtime back in between is caught by the checksum, which the pass verifies. */
+    struct stat now;
+    fsu_ident read_version;
+    fsu_ident_of(before, &read_version);
+    rc = lstat(r->cache_path, &now) != 0 ? -errno : 0;
+    if (rc == 0)
+        fsu_ident_of(&now, &r->ident);
+    if (rc != 0 || !fsu_ident_same_content(&read_version, &r->ident)) {
         unlink(r->cache_path);
         free(r->cache_path);
         r->cache_path = NULL;

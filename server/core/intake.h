@@ -28,6 +28,7 @@
 
 #include <stdint.h>
 
+#include "checksum.h"
 #include "delta.h"
 #include "dl_error.h"
 #include "fsutil.h"
@@ -56,6 +57,7 @@ typedef struct intake_req {
     int in_cache;               /* src is already our validated cache copy (restart): check header only */
     int remove_src;             /* src is a download of ours: the daemon removes it afterwards */
     int no_link;                /* copy even where a link would do (tests; a transport's wish) */
+    const ck_key *ck;           /* the state's checksum key: a linked delta's checksum goes into ident */
     /* out */
     intake_status status;
     dl_error err;
@@ -65,7 +67,7 @@ typedef struct intake_req {
     int64_t mtime_ns;
     uint64_t ino;
     int linked;                 /* cache_path is a hard link to the shared tree's file: guard it with ident */
-    fsu_ident ident;            /* the version validated (linked only) */
+    fsu_ident ident;            /* the version validated, with its data's checksum (linked only) */
     int link_errno;             /* a link was tried and refused (EXDEV, EPERM ...): copied instead */
 } intake_req;
 

@@ -84,21 +84,54 @@ static char *read_small_file(const char *path, size_t max, dl_error *err)
     return buf;
 }
 
-/* A version as text, "dev:ino:size:mtime_ns": a string, as inode numbers and nanosecond times go past
- * what a JSON number keeps exactly. */
+/* A version as text, "dev:ino:size:mtime_ns:ctime_ns:sum" (sum "-" when none): a string, as inode numbers
+ * and nanosecond times go past what a JSON number keeps exactly. */
 static void ident_text(char *buf, size_t cap, const fsu_ident *v)
 {
-    snprintf(buf, cap, "\"%" PRIu64 ":%" PRIu64 ":%" PRIu64 ":%" PRId64 "\"", v->dev, v->ino, v->size, v->mtime_ns);
+    char sum[17] = "-";
+
+    if (v->has_sum)
+        ck_format(v->sum, sum);
+    snprintf(buf, cap, "\"%" PRIu64 ":%" PRIu64 ":%" PRIu64 ":%" PRId64 ":%" PRId64 ":%s\"", v->dev, v->ino, v->size,
+             v->mtime_ns, v->ctime_ns, sum);
 }
 
-/* ident_text's form read back (without the quotes): 0, or -1 when it is not exactly that. */
+/* ident_text's form read back (without the quotes), or the four fields of a record written before
+ * ctime and the checksum were kept (ctime unknown, no checksum): 0, or -1 when it is neither exactly. */
 static int ident_parse(const char *text, fsu_ident *x)
 {
+    char sum[17];
     int used = 0;
 
+    memset(x, 0, sizeof(*x));
+    x->ctime_ns = FSU_CTIME_UNKNOWN;
     if (sscanf(text, "%" SCNu64 ":%" SCNu64 ":%" SCNu64 ":%" SCNd64 "%n", &x->dev, &x->ino, &x->size, &x->mtime_ns,
-               &used) != 4 || text[used] != '\0')
+               &used) != 4)
         return -1;
+    if (text[used] == '\0')
+        return 0;
+    text += used;
+    used = 0;
+    if (sscanf(text, ":%" SCNd64 ":%16[-0-9a-f]%n", &x->ctime_ns, sum, &used) != 2 || text[used] != '\0' ||
+        x->ctime_ns == FSU_CTIME_UNKNOWN)
+        return -1;
+    if (strcmp(sum, "-") == 0)
+        return 0;
+    x->has_sum = 1;
+    return ck_parse(sum, &x->sum);
+}
+
+/* An optional checksum field of outer_metadata.json: 0 (absent or valid), -1 when damaged. */
+static int sum_field(const cJSON *root, const char *name, int *have, uint64_t *sum)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, name);
+
+    *have = 0;
+    if (v == NULL || cJSON_IsNull(v))
+        return 0;
+    if (!cJSON_IsString(v) || ck_parse(v->valuestring, sum) != 0)
+        return -1;
+    *have = 1;
     return 0;
 }
 
@@ -151,6 +184,12 @@ static int load_metadata(store *s, const char *path, dl_error *err)
         }
         s->global_guarded = 1;
     }
+    if (sum_field(root, "global_checksum", &s->global_summed, &s->global_sum) != 0 ||
+        sum_field(root, "momentum_checksum", &s->momentum_summed, &s->momentum_sum) != 0 ||
+        (s->momentum_summed && s->momentum_path == NULL)) {
+        rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s is damaged (global_checksum, momentum_checksum)", path);
+        goto out;
+    }
     round = cJSON_GetObjectItemCaseSensitive(root, "round");
     if (cJSON_IsObject(round))
         s->round_json = cJSON_PrintUnformatted(round);     /* NULL on OOM: history only */
@@ -182,6 +221,14 @@ int store_open(store *s, const char *state_root, const char *id, dl_error *err)
         if (rc != 0)
             return rc;
     }
+    /* the key first: the checksums of the committed step are under it */
+    char *key = path_fmt("%s/checksum.key", s->dir);
+    if (key == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    rc = ck_key_load(key, &s->key, err);
+    free(key);
+    if (rc != 0)
+        return rc;
     meta = path_fmt("%s/outer_metadata.json", s->dir);
     if (meta == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
@@ -232,6 +279,18 @@ int store_commit_write(const store *s, const store_commit_info *info, dl_error *
         ident_text(num, sizeof(num), info->global_version);
         sb_str(&b, num);
     }
+    if (info->global_sum != NULL) {
+        char sum[17];
+        ck_format(*info->global_sum, sum);
+        sb_str(&b, ",\n  \"global_checksum\": ");
+        sb_json_string(&b, sum, 16);
+    }
+    if (info->momentum_sum != NULL) {
+        char sum[17];
+        ck_format(*info->momentum_sum, sum);
+        sb_str(&b, ",\n  \"momentum_checksum\": ");
+        sb_json_string(&b, sum, 16);
+    }
     if (info->round_json != NULL) {
         sb_str(&b, ",\n  \"round\": ");
         sb_add(&b, info->round_json, strcspn(info->round_json, "\n"));
@@ -274,13 +333,20 @@ int store_commit_apply(store *s, const store_commit_info *info)
     s->global_guarded = info->global_version != NULL;
     if (info->global_version != NULL)
         s->global_version = *info->global_version;
+    s->global_summed = info->global_sum != NULL;
+    s->global_sum = info->global_sum != NULL ? *info->global_sum : 0;
+    s->momentum_summed = info->momentum_sum != NULL;
+    s->momentum_sum = info->momentum_sum != NULL ? *info->momentum_sum : 0;
     s->committed = 1;
     return 0;
 }
 
 int store_global_intact(const store *s)
 {
-    return !s->committed || !s->global_guarded ? 1 : fsu_ident_check(s->global_path, &s->global_version);
+    if (!s->committed || !s->global_guarded)
+        return 1;
+    int rc = fsu_ident_check(s->global_path, &s->global_version);
+    return rc == FSU_IDENT_CTIME_MOVED ? 1 : rc;
 }
 
 int store_commit(store *s, const store_commit_info *info, dl_error *err)
@@ -375,7 +441,7 @@ static int json_u64(const cJSON *v, uint64_t *out)
     return 0;
 }
 
-/* "versions": one entry per delta, null or "dev:ino:size:mtime_ns" (absent in older records). */
+/* "versions": one entry per delta, null or ident_text's form (absent in older records). */
 static int read_versions(store_redo *r, const cJSON *v, const char *path, dl_error *err)
 {
     const cJSON *e;

@@ -28,6 +28,7 @@
 
 #include <stdint.h>
 
+#include "checksum.h"
 #include "dl_error.h"
 #include "fsutil.h"
 
@@ -43,6 +44,13 @@ typedef struct store {
      * --init-model): global_version is the version committed (outer_metadata.json "global_version") */
     int global_guarded;
     fsu_ident global_version;
+    /* the content checksums (checksum.h) of the committed step's global and momentum, as the pass that
+     * made them computed them (outer_metadata.json "global_checksum", "momentum_checksum"): the next pass
+     * verifies them, so a step is never made from bytes that someone wrote into our files (a tree writer
+     * with our uid writing into global/latest.safetensors, which file:// links to the state's inode) */
+    int global_summed, momentum_summed;
+    uint64_t global_sum, momentum_sum;
+    ck_key key;                 /* the state's checksum key (<dir>/checksum.key), loaded by store_open */
     int startup;                /* private to store_cleanup */
 } store;
 
@@ -56,6 +64,8 @@ typedef struct store_commit_info {
     const char *origin;         /* "round", "init_model", "adopted" */
     const char *round_json;     /* the round's record (one JSON object), committed with the step; or NULL */
     const fsu_ident *global_version;    /* NULL, or the global is a link others may rewrite: its version */
+    const uint64_t *global_sum;         /* NULL, or the global's content checksum */
+    const uint64_t *momentum_sum;       /* NULL, or the momentum's */
 } store_commit_info;
 
 /* Creates the tree and loads the committed step (if any). */
@@ -91,7 +101,9 @@ int store_redo_read(const store *s, store_redo *r, int *present, dl_error *err);
 int store_redo_remove(const store *s, dl_error *err);
 void store_redo_free(store_redo *r);
 /* 1 when the committed global is still the version committed (always, unless it is guarded), 0 when it
- * was rewritten in place or is gone, a negative errno when that cannot be told. */
+ * was rewritten in place or is gone, a negative errno when that cannot be told.  A guarded global is the
+ * operator's --init-model: its ctime moves when the operator removes or renames their name of it, so
+ * only its device, inode, size and mtime are compared (the operator is trusted with their model). */
 int store_global_intact(const store *s);
 
 /* Removes files of steps before the committed one (globals, momentum, cached deltas).  At startup

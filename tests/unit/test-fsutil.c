@@ -178,3 +178,28 @@ TEST(write_atomic_at_replaces_a_planted_link_not_its_target)
     CHECK_EQ(fsu_write_atomic_at(root, "../escape", "x", 1), -EINVAL);
     close(root);
 }
+
+/* A rewrite whose writer puts size and mtime back is the same version by those, never by ctime. */
+TEST(ident_sees_a_rewrite_whose_mtime_was_put_back)
+{
+    const char *path = test_path("f");
+    struct stat sb;
+    fsu_ident before;
+    CHECK_EQ(fsu_write_atomic(path, "abcdefgh", 8, NULL), 0);
+    CHECK_EQ(lstat(path, &sb), 0);
+    fsu_ident_of(&sb, &before);
+    CHECK_EQ(fsu_ident_check(path, &before), FSU_IDENT_SAME);
+    usleep(20000);                      /* past the filesystem clock's tick */
+    int fd = open(path, O_WRONLY);
+    CHECK(fd >= 0);
+    CHECK_EQ(pwrite(fd, "ABCD", 4, 0), 4);
+    struct timespec ts[2] = {sb.st_atim, sb.st_mtim};
+    CHECK_EQ(futimens(fd, ts), 0);
+    close(fd);
+    CHECK_EQ(fsu_ident_check(path, &before), FSU_IDENT_CTIME_MOVED);
+    /* a record without ctime (an older state's) compares by the rest */
+    before.ctime_ns = FSU_CTIME_UNKNOWN;
+    CHECK_EQ(fsu_ident_check(path, &before), FSU_IDENT_SAME);
+    before.size = 9;
+    CHECK_EQ(fsu_ident_check(path, &before), FSU_IDENT_CHANGED);
+}

@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "checksum.h"
 #include "delta.h"
 #include "fsutil.h"
 #include "intake.h"
@@ -717,6 +718,27 @@ out:
     return rc;
 }
 
+/* The checksum key take_big's intakes use (NULL: none). */
+static const ck_key *take_key;
+
+/* The global take_big takes deltas against: F32 "big" and "h", C64 "z". */
+static st_header *big_global(void)
+{
+    static const uint64_t sz[] = {NZ}, sb[] = {NBIG}, sh[] = {NH};
+    const st_spec g[] = {{"z", 1, ST_C64, 1, sz}, {"big", 3, ST_F32, 1, sb}, {"h", 1, ST_F32, 1, sh}};
+    st_header *h = NULL;
+    char *json = NULL;
+    size_t json_len;
+    uint64_t offsets[6], data_len;
+    dl_error err;
+
+    if (st_header_build(g, 3, NULL, 0, &json, &json_len, offsets, &data_len, &err) != 0 ||
+        st_header_parse_unsized(json, json_len, &h, &err) != 0)
+        h = NULL;
+    free(json);
+    return h;
+}
+
 /* The intake of the delta written by write_big_delta, against a global of F32 "big" and "h" and C64
  * "z", in a state of its own. */
 static intake_req *take_big(const fixture *f, const char *state)
@@ -746,6 +768,7 @@ static intake_req *take_big(const fixture *f, const char *state)
     r->state_dir = strdup(state);
     r->global = h;
     r->step = 3;
+    r->ck = take_key;
     intake_run(r);
     st_header_free(h);
     r->global = NULL;
@@ -833,5 +856,56 @@ TEST(intake_linked_delta_checked_in_place_names_the_non_finite_element)
     CHECK(r != NULL);
     CHECK_EQ(r->status, INTAKE_OK);
     intake_req_free(r);
+    st_close(f.global);
+}
+
+/* The checksum of a linked delta (checksum.h) is the same whichever way it was checked (in place in one
+ * part, split in two halves, with its data at 4 mod 8, read with pread), and it is the one computed here
+ * tensor by tensor, keyed by the global's tensor indices: the pass verifies it against what it reads. */
+TEST(intake_linked_delta_checksum_is_the_same_whatever_the_check)
+{
+    const uint64_t saved_split_min = intake_split_min;
+    ck_key key;
+    fixture f;
+    char state[700], path[700];
+    uint64_t sums[5];
+
+    fixture_init(&f);
+    CHECK_EQ(ck_key_random(&key, NULL), 0);
+    take_key = &key;
+    for (unsigned mode = 0; mode < 5; mode++) {
+        const unsigned pad = mode == 4 ? 1 : mode % 2 ? 4 : 0;
+        intake_split_min = mode < 2 || mode == 4 ? UINT64_MAX : 0;
+        snprintf(state, sizeof(state), "%s/state-sum-%u", test_dir(), mode);
+        CHECK_EQ(write_big_delta(&f, 0, 0, pad), 0);
+        intake_req *r = take_big(&f, state);
+        CHECK(r != NULL);
+        CHECK_EQ(r->status, INTAKE_OK);
+        CHECK_EQ(r->linked, 1);
+        CHECK_EQ(r->ident.has_sum, 1);
+        sums[mode] = r->ident.sum;
+        intake_req_free(r);
+    }
+    intake_split_min = saved_split_min;
+    take_key = NULL;
+    for (unsigned mode = 1; mode < 5; mode++)
+        CHECK(sums[mode] == sums[0]);
+    /* computed here: the last file written (pad 1) holds the same data */
+    st_header *g = big_global();
+    st_file *d;
+    dl_error err;
+    uint64_t want = 0;
+    snprintf(path, sizeof(path), "%s/delta_7.safetensors", f.node);
+    CHECK(g != NULL && st_open(path, &d, &err) == 0);
+    for (size_t i = 0; i < d->h->ntensors; i++) {
+        const st_tensor *t = &d->h->tensors[i], *gt = st_header_find(g, t->name, t->name_len);
+        void *buf = malloc(st_tensor_bytes(t));
+        CHECK(buf != NULL && gt != NULL && st_read(d, t, 0, buf, st_tensor_bytes(t), &err) == 0);
+        want += ck_blocks(&key, (uint32_t)(gt - g->tensors), t->dtype, 0, buf, t->nelem, st_dtype_bits(t->dtype) / 8);
+        free(buf);
+    }
+    st_close(d);
+    st_header_free(g);
+    CHECK(want == sums[0]);
     st_close(f.global);
 }

@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "checksum.h"
 #include "convert.h"
 #include "fsutil.h"
 #include "outer.h"
@@ -123,6 +124,13 @@ typedef struct run_cfg {
     const char *const *deltas;  /* test_dir() names of the three deltas (NULL: d0, d1, d2) */
 } run_cfg;
 
+/* Checksums for run_pass's next passes (checksum tests): the key, and what the inputs must hash to. */
+static const ck_key *run_ck;
+static const uint64_t *run_sums;
+static const unsigned char *run_summed;
+static int run_global_summed;
+static uint64_t run_global_sum;
+
 /* When set, run_pass calls it once after outer_prepare opened the files, before the threads run. */
 static void (*before_run_once)(void);
 
@@ -158,6 +166,11 @@ static int run_pass(const run_cfg *c, outer_pass *p)
     p->out_momentum_path = mo;
     p->params = c->params;
     p->budget_bytes = c->budget;
+    p->ck = run_ck;
+    p->delta_sums = run_sums;
+    p->delta_summed = run_summed;
+    p->global_summed = run_global_summed;
+    p->global_sum = run_global_sum;
     if (outer_prepare(p, &err) != 0) {
         fprintf(stderr, "  prepare: %s\n", err.message);
         outer_finish(p, &err);
@@ -594,4 +607,142 @@ TEST(outer_delta_truncated_under_its_mapping_fails_the_pass)
     CHECK(pid > 0 && waitpid(pid, &st, 0) == pid);
     CHECK(!(WIFEXITED(st) && WEXITSTATUS(st) == 0));
     CHECK(!(WIFSIGNALED(st) && WTERMSIG(st) == SIGALRM));
+}
+
+/* ---- content checksums ------------------------------------------------------------------------- */
+
+/* The checksum of file name as checksum.h defines it, computed here whole tensor by whole tensor (the
+ * pass adds sub-blocks on threads): each tensor keyed by its index in the global g. */
+static uint64_t file_sum(const ck_key *key, const char *name)
+{
+    st_file *f, *g;
+    dl_error err;
+    uint64_t sum = 0;
+    char path[512];
+
+    snprintf(path, sizeof(path), "%s", test_path(name));
+    if (st_open(path, &f, &err) != 0 || st_open(test_path("g"), &g, &err) != 0)
+        return 0;
+    for (size_t i = 0; i < f->h->ntensors; i++) {
+        const st_tensor *t = &f->h->tensors[i];
+        const st_tensor *gt = st_header_find(g->h, t->name, t->name_len);
+        void *buf = malloc(st_tensor_bytes(t) + 1);
+        if (buf != NULL && gt != NULL && st_read(f, t, 0, buf, st_tensor_bytes(t), &err) == 0)
+            sum += ck_blocks(key, (uint32_t)(gt - g->h->tensors), t->dtype, 0, buf, t->nelem, st_dtype_bits(t->dtype) / 8);
+        free(buf);
+    }
+    st_close(f);
+    st_close(g);
+    return sum;
+}
+
+/* Rewrites one value of d1 in place (same size), and puts its mtime back: what a worker can do. */
+static void rewrite_d1_keep_mtime(void)
+{
+    struct stat sb;
+    const char *path = test_path("d1");
+    float v = 0.5f;
+    int fd = open(path, O_WRONLY);
+    if (fd < 0 || fstat(fd, &sb) != 0 || pwrite(fd, &v, 4, sb.st_size - 4096) != 4)
+        perror("rewrite d1");
+    struct timespec ts[2] = {sb.st_atim, sb.st_mtim};
+    if (fd >= 0 && futimens(fd, ts) != 0)
+        perror("futimens");
+    if (fd >= 0)
+        close(fd);
+}
+
+TEST(outer_checksums_describe_inputs_and_outputs_whatever_the_threads)
+{
+    outer_pass p;
+    ck_key key;
+    make_files();
+    CHECK_EQ(ck_key_random(&key, NULL), 0);
+    run_ck = &key;
+    /* 4096-element items on two threads, and one item per tensor on one: the same sums */
+    run_cfg tiny = {1, 2, "out1", NULL, "mom1", NESTEROV, NULL};
+    run_cfg big = {64 << 20, 1, "out2", NULL, "mom2", NESTEROV, NULL};
+    CHECK_EQ(run_pass(&tiny, &p), 0);
+    uint64_t g1 = p.out_global_sum, m1 = p.out_momentum_sum, in1[5];
+    memcpy(in1, p.in_sums, sizeof(in1));
+    outer_free(&p);
+    CHECK_EQ(run_pass(&big, &p), 0);
+    CHECK(p.out_global_sum == g1 && p.out_momentum_sum == m1);
+    CHECK(memcmp(p.in_sums, in1, sizeof(in1)) == 0);
+    outer_free(&p);
+    CHECK(g1 == file_sum(&key, "out1"));
+    CHECK(m1 == file_sum(&key, "mom1"));
+    CHECK(in1[0] == file_sum(&key, "d0") && in1[1] == file_sum(&key, "d1") && in1[2] == file_sum(&key, "d2"));
+    CHECK(in1[3] == file_sum(&key, "g"));
+    /* another key, other sums */
+    ck_key other;
+    CHECK_EQ(ck_key_random(&other, NULL), 0);
+    CHECK(file_sum(&other, "d1") != in1[1]);
+    run_ck = NULL;
+}
+
+TEST(outer_rewritten_delta_or_global_is_never_committed)
+{
+    outer_pass p;
+    ck_key key;
+    make_files();
+    CHECK_EQ(ck_key_random(&key, NULL), 0);
+    uint64_t sums[3] = {file_sum(&key, "d0"), file_sum(&key, "d1"), file_sum(&key, "d2")};
+    unsigned char summed[3] = {1, 1, 1};
+    run_ck = &key;
+    run_sums = sums;
+    run_summed = summed;
+    run_cfg c = {1 << 20, 2, "out", NULL, "mom", NESTEROV, NULL};
+    CHECK_EQ(run_pass(&c, &p), 0);
+    outer_free(&p);
+    CHECK(access(test_path("out"), F_OK) == 0);
+    unlink(test_path("out"));
+    unlink(test_path("mom"));
+    /* d1 rewritten in place with its size and mtime put back, after the pass opened it */
+    before_run_once = rewrite_d1_keep_mtime;
+    CHECK(run_pass(&c, &p) != 0);
+    CHECK_EQ(p.err.code, DL_E_CHECKSUM_MISMATCH);
+    CHECK(outer_input_changed(&p, 1));
+    CHECK(!outer_input_changed(&p, 0) && !outer_input_changed(&p, 2));
+    CHECK(!outer_input_changed(&p, OUTER_INPUT_GLOBAL(&p)));
+    outer_free(&p);
+    CHECK(access(test_path("out"), F_OK) != 0);
+    CHECK(access(test_path("mom"), F_OK) != 0);
+    /* the global is not the one committed */
+    make_files();
+    run_global_summed = 1;
+    run_global_sum = file_sum(&key, "g") + 1;
+    CHECK(run_pass(&c, &p) != 0);
+    CHECK_EQ(p.err.code, DL_E_CHECKSUM_MISMATCH);
+    CHECK(outer_input_changed(&p, OUTER_INPUT_GLOBAL(&p)));
+    CHECK(!outer_input_changed(&p, 1));
+    outer_free(&p);
+    CHECK(access(test_path("out"), F_OK) != 0);
+    run_global_summed = 0;
+    run_ck = NULL;
+    run_sums = NULL;
+    run_summed = NULL;
+}
+
+TEST(outer_non_finite_result_is_never_committed)
+{
+    outer_pass p;
+    make_files();
+    /* finite deltas whose mean overflows F32 at one element */
+    uint64_t sn[] = {N}, s3[] = {3};
+    st_spec d[] = {{"w", 1, ST_F32, 1, sn}, {"h", 1, ST_F32, 1, sn}, {"z", 1, ST_C64, 1, s3}};
+    for (int k = 0; k < 3; k++) {
+        dlt[k][N - 3] = 3.0e38f;
+        const void *dd[] = {dlt[k], dlt[(k + 1) % 3], dz[k]};
+        char name[8];
+        snprintf(name, sizeof(name), "d%d", k);
+        CHECK_EQ(st_save(test_path(name), d, dd, 3, NULL, 0, NULL), 0);
+    }
+    run_cfg c = {1 << 20, 2, "out", NULL, "mom", NESTEROV, NULL};
+    CHECK(run_pass(&c, &p) != 0);
+    CHECK_EQ(p.err.code, DL_E_NON_FINITE);
+    CHECK(strstr(p.err.message, "not committed") != NULL);
+    outer_free(&p);
+    CHECK(access(test_path("out"), F_OK) != 0);
+    CHECK(access(test_path("mom"), F_OK) != 0);
 }
