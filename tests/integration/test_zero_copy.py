@@ -376,7 +376,10 @@ def test_the_init_model_is_linked_into_the_state_and_left_as_it_was(tmp_path):
         assert re.search(r"store: bootstrapped step=0 .* taken=linked", d.log_text()), d.log_text()[-3000:]
         version = json.loads((d.state_dir / "outer_metadata.json").read_text())["global_version"]
         st = init.stat()
-        assert version == f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}", version
+        # dev:ino:size:mtime_ns:ctime_ns:checksum (none: the bootstrap reads no data)
+        fields = version.split(":")
+        assert fields[:4] == [str(st.st_dev), str(st.st_ino), str(st.st_size), str(st.st_mtime_ns)], version
+        assert len(fields) == 6 and int(fields[4]) > 0 and fields[5] == "-", version
         deltas = {n: random_deltas(rng, model) for n in ("a", "b")}
         take_in(d, deltas["a"])
         close_round(d, oracle, deltas)
@@ -460,3 +463,81 @@ def test_an_init_model_rewritten_before_step_1_was_durable_is_not_recomputed_fro
         assert_state_equal(load_torch(d.hub / "global/latest.safetensors"), Oracle(big_model()).step(deltas))
     finally:
         assert d.stop() == 0
+
+
+# ---- integrity: identity is not integrity (issue 21, item 2) ---------------------------------------
+
+def rewrite_keep_identity(path: Path, tensors: dict, meta: dict):
+    """What a worker that owns the file can do: write other bytes into the same inode, the same size,
+    and put its mtime back (os.utime with nanoseconds).  Only ctime and the content tell."""
+    st = path.stat()
+    tmp = path.with_name(".scratch")
+    save_file(tensors, str(tmp), metadata=meta)
+    data = tmp.read_bytes()
+    tmp.unlink()
+    assert len(data) == st.st_size
+    with open(path, "r+b") as f:
+        f.write(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def test_a_delta_rewritten_with_nan_and_its_mtime_put_back_never_reaches_the_global(tmp_path):
+    """The attack of issue 21: validated and linked, then rewritten in place with NaN, size and mtime
+    put back.  The rewrite is re-validated (ctime moved) and refused; the worker's next delta is taken
+    in and the step equals the oracle, finite."""
+    model = small_model()
+    oracle, rng = Oracle(model), np.random.default_rng(21)
+    d = start(tmp_path, model, "--expected-nodes", "2")
+    try:
+        src = take_in(d, random_deltas(rng, model))
+        poisoned = {k: np.full_like(v, np.nan) for k, v in random_deltas(rng, model).items()}
+        rewrite_keep_identity(src, poisoned, delta_metadata("a", 0, 10))
+        d.wait_log("rewritten in place after it was taken in")
+        d.wait_until(lambda: metric(d, "dilocod_deltas_rewritten_total") >= 1, "the rewrite counted")
+        d.wait_log("non-finite")
+        assert d.published_step() == 0
+        honest = random_deltas(rng, model)
+        write_delta(d.hub, "a", 0, 11, honest)
+        d.wait_log("delta accepted", count=2)
+        close_round(d, oracle, {"a": honest, "b": random_deltas(rng, model)})
+        got = load_torch(d.hub / "global/latest.safetensors")
+        assert all(torch.isfinite(t.float()).all() for t in got.values())
+        assert not [p for p in (d.state_dir).rglob("outer_state-*") if p.stat().st_size == 0]
+    finally:
+        assert d.stop() == 0
+
+
+def test_the_published_global_written_into_by_a_tree_writer_is_never_aggregated_from(tmp_path):
+    """file:// publishes the state's own global by a link: a writer of the tree with dilocod's uid that
+    writes into global/latest.safetensors in place (size and mtime put back) writes into the state.  The
+    next pass finds the committed global's checksum changed and the daemon stops with a clear error
+    (exit 1) instead of publishing a step made from those bytes."""
+    model = small_model()
+    oracle, rng = Oracle(model), np.random.default_rng(22)
+    d = start(tmp_path, model, "--expected-nodes", "2")
+    try:
+        take_in(d, first := random_deltas(rng, model))
+        close_round(d, oracle, {"a": first, "b": random_deltas(rng, model)})
+        d.wait_settled(1)
+        latest = d.hub / "global/latest.safetensors"
+        state_global = d.state_dir / "global/latest-1.safetensors"
+        assert latest.stat().st_ino == state_global.stat().st_ino       # one inode: the state's
+        # other finite values in the data section (the header as it was: the same size)
+        st = latest.stat()
+        n = int.from_bytes(latest.read_bytes()[:8], "little")
+        with open(latest, "r+b") as f:
+            f.seek(8 + n)
+            f.write(b"\x11" * (st.st_size - 8 - n))
+        os.utime(latest, ns=(st.st_atime_ns, st.st_mtime_ns))
+        for n in ("a", "b"):
+            write_delta(d.hub, n, 1, 20, random_deltas(rng, model))
+        d.wait_until(lambda: not d.alive(), "the daemon stopped", timeout=60)
+        assert d.proc.wait() == 1
+        assert "written in place since it was committed" in d.log_text()
+        assert d.published_step() == 1
+        assert not (d.state_dir / "global/latest-2.safetensors").exists()
+    finally:
+        if d.alive():
+            d.stop()
