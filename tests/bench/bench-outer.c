@@ -6,7 +6,8 @@
  * (what a CPU without AVX2+FMA runs) where this one has the AVX2+FMA copies.  DEFER=1 sets defer_sync (the
  * outputs are renamed without fsync, as the daemon's redo-record commit does).  WARM=1 warms the output files
  * first (st_writer_warm_*, untimed: the daemon does it while the round collects) and the pass writes into
- * them.  Prints the peak RSS (VmHWM) at the end. */
+ * them.  CHECKSUM=0 leaves out the content checksums of every input and output (checksum.h), which the daemon
+ * computes.  Prints the peak RSS (VmHWM) at the end. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -82,6 +83,13 @@ int main(int argc, char **argv)
     p.defer_sync = getenv("DEFER") != NULL && strcmp(getenv("DEFER"), "0") != 0;
     outer_force_portable = getenv("PORTABLE") != NULL && atoi(getenv("PORTABLE")) != 0;
     p.budget_bytes = getenv("BUDGET_MIB") ? (size_t)atoi(getenv("BUDGET_MIB")) << 20 : 16 << 20;
+    /* CHECKSUM=0 computes no content checksums (the daemon always does: checksum.h) */
+    static ck_key key;
+    if (getenv("CHECKSUM") == NULL || atoi(getenv("CHECKSUM")) != 0) {
+        if (ck_key_random(&key, NULL) != 0)
+            return 1;
+        p.ck = &key;
+    }
     char *warm[2] = {NULL, NULL};
     double warm_s = 0;
     if (getenv("WARM") != NULL && atoi(getenv("WARM")) != 0) {
