@@ -204,9 +204,14 @@ static int prepare(outer_pass *p, dl_error *err)
     p->stats = calloc(p->ndeltas, sizeof(*p->stats));
     p->deltas = calloc(p->ndeltas, sizeof(*p->deltas));
     p->in_sums = calloc(p->ndeltas + 2, sizeof(*p->in_sums));
+    p->summing = calloc(p->ndeltas + 2, 1);
     p->out_global_sum = p->out_momentum_sum = 0;
-    if (p->stats == NULL || p->deltas == NULL || p->in_sums == NULL)
+    if (p->stats == NULL || p->deltas == NULL || p->in_sums == NULL || p->summing == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    for (size_t k = 0; p->ck != NULL && k < p->ndeltas + 2; k++)
+        p->summing[k] = p->sum_every_input ||
+                        (k < p->ndeltas ? p->delta_summed != NULL && p->delta_summed[k]
+                                        : k == p->ndeltas ? p->global_summed : p->momentum_summed);
     if ((rc = st_open(p->global_path, &p->global, err)) != 0)
         return rc;
     if (p->momentum_path != NULL && p->params.momentum != 0.0f &&
@@ -278,11 +283,11 @@ typedef struct outer_bufs {
 } outer_bufs;
 
 /* Adds to *sum the checksum terms of elements [e, e + n) of the model's tensor ti as stored (dtype) in
- * data: a no-op without a key. */
+ * data: a no-op without a key, or with sum NULL (an input nobody verifies). */
 static inline void sum_in(const outer_pass *p, size_t ti, st_dtype dtype, uint64_t e, const void *data, size_t n,
                           uint64_t *sum)
 {
-    if (p->ck != NULL)
+    if (p->ck != NULL && sum != NULL)
         *sum += ck_blocks(p->ck, (uint32_t)ti, dtype, e, data, n, st_dtype_bits(dtype) / 8);
 }
 
@@ -612,7 +617,9 @@ static __attribute__((noinline)) int step_item(outer_pass *p, const outer_item *
     const size_t n = (size_t)(it->end - it->begin), lanes = cv_lanes(t->dtype);
     const size_t nd = p->ndeltas, sub = SUB_ELEMS;
     const int mom = p->params.momentum != 0.0f;
-    uint64_t *sums = b->in_sums;
+    /* the inputs whose checksum someone verifies: the others' terms are not computed */
+    uint64_t *const gsum = p->summing[nd] ? &b->in_sums[nd] : NULL;
+    uint64_t *const msum = p->summing[nd + 1] ? &b->in_sums[nd + 1] : NULL;
     int rc;
 
     for (size_t s = 0; s < n; s += sub) {
@@ -621,20 +628,21 @@ static __attribute__((noinline)) int step_item(outer_pass *p, const outer_item *
         outer_io io = {b->param + s * lanes, b->buf + s * lanes, NULL, NULL};
         if (b->gmap.base != NULL) {
             io.param_in = b->gmap.lanes + s * lanes;
-            sum_in(p, ti, t->dtype, e, io.param_in, sn, &sums[nd]);
+            sum_in(p, ti, t->dtype, e, io.param_in, sn, gsum);
         } else {
-            if ((rc = read_lanes(p, ti, p->global, t, e, sn, b->sub_raw, io.param, &sums[nd], err)) != 0)
+            if ((rc = read_lanes(p, ti, p->global, t, e, sn, b->sub_raw, io.param, gsum, err)) != 0)
                 return rc;
             io.param_in = io.param;
         }
         for (size_t k = 0; k < nd; k++) {
             const st_tensor *dt = p->delta_t[ti * nd + k];
             const st_file *df = p->delta_f[ti * nd + k];
+            uint64_t *dsum = p->summing[k] ? &b->in_sums[k] : NULL;
             if (b->maps[k].base != NULL) {
                 b->dk[k] = b->maps[k].lanes + s * lanes;
-                sum_in(p, ti, dt->dtype, e, b->dk[k], sn, &sums[k]);
+                sum_in(p, ti, dt->dtype, e, b->dk[k], sn, dsum);
             } else {
-                if ((rc = read_lanes(p, ti, df, dt, e, sn, b->sub_raw, b->d + k * sub * 2, &sums[k], err)) != 0)
+                if ((rc = read_lanes(p, ti, df, dt, e, sn, b->sub_raw, b->d + k * sub * 2, dsum, err)) != 0)
                     return rc;
                 b->dk[k] = b->d + k * sub * 2;
             }
@@ -648,7 +656,7 @@ static __attribute__((noinline)) int step_item(outer_pass *p, const outer_item *
                     return rc;
                 io.buf_in = io.buf;
             }
-            sum_in(p, ti, mt->dtype, e, io.buf_in, sn, &sums[nd + 1]);
+            sum_in(p, ti, mt->dtype, e, io.buf_in, sn, msum);
             *bytes += sn * lanes * 4;
         }
         step_sub(p, b->dk, &io, mt != NULL, sn * lanes, b);
@@ -752,7 +760,8 @@ static int process_copy(outer_pass *p, const outer_item *it, outer_bufs *b, dl_e
     /* the same bytes in and out: the same terms */
     uint64_t terms = 0;
     sum_in(p, it->tensor, t->dtype, it->begin, b->raw, (size_t)(it->end - it->begin), &terms);
-    b->in_sums[p->ndeltas] += terms;
+    if (p->summing[p->ndeltas])
+        b->in_sums[p->ndeltas] += terms;
     b->out_sums[0] += terms;
     if ((rc = st_writer_write(p->w_global, it->tensor, it->begin * esize, b->raw, len, err)) != 0)
         return rc;
@@ -941,4 +950,6 @@ void outer_free(outer_pass *p)
     p->stats = NULL;
     free(p->in_sums);
     p->in_sums = NULL;
+    free(p->summing);
+    p->summing = NULL;
 }

@@ -78,16 +78,19 @@ typedef struct outer_pass {
     outer_node_stats *stats;    /* [ndeltas] */
     double mean_sumsq;
 
-    /* Content checksums (checksum.h).  The pass computes the checksum of every input it reads (each
+    /* Content checksums (checksum.h).  The pass computes the checksum of the inputs it reads (each
      * delta, the previous global, the momentum) and of both outputs; outer_finish commits only if every
-     * input given a checksum below still has it.  ck NULL: none computed nor verified. */
+     * input given a checksum below still has it; an input given none is not checksummed (a copy in our
+     * state, which no one else writes).  ck NULL: none computed nor verified. */
     const ck_key *ck;
     const uint64_t *delta_sums;         /* [ndeltas]: the checksum intake validated, where delta_summed[k] */
     const unsigned char *delta_summed;  /* NULL: no delta's is known */
     int global_summed, momentum_summed; /* the previous global's and momentum's are known: */
     uint64_t global_sum, momentum_sum;
     uint64_t out_global_sum, out_momentum_sum;  /* the outputs', after outer_finish returned 0 */
+    int sum_every_input;        /* also the inputs nobody gave a checksum for (tests, benchmarks) */
     uint64_t *in_sums;          /* [ndeltas + 2]: what the pass read (the deltas, the global, the momentum) */
+    unsigned char *summing;     /* [ndeltas + 2]: the inputs whose checksum the pass computes */
 } outer_pass;
 
 /* Input numbers for outer_input_changed beside the deltas' 0 .. ndeltas - 1. */

@@ -89,6 +89,7 @@ int main(int argc, char **argv)
         if (ck_key_random(&key, NULL) != 0)
             return 1;
         p.ck = &key;
+        p.sum_every_input = 1;  /* as for linked deltas (file://) */
     }
     char *warm[2] = {NULL, NULL};
     double warm_s = 0;

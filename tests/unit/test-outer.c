@@ -167,6 +167,7 @@ static int run_pass(const run_cfg *c, outer_pass *p)
     p->params = c->params;
     p->budget_bytes = c->budget;
     p->ck = run_ck;
+    p->sum_every_input = run_ck != NULL;
     p->delta_sums = run_sums;
     p->delta_summed = run_summed;
     p->global_summed = run_global_summed;
