@@ -485,8 +485,9 @@ def rewrite_keep_identity(path: Path, tensors: dict, meta: dict):
 
 def test_a_delta_rewritten_with_nan_and_its_mtime_put_back_never_reaches_the_global(tmp_path):
     """The attack of issue 21: validated and linked, then rewritten in place with NaN, size and mtime
-    put back.  The rewrite is re-validated (ctime moved) and refused; the worker's next delta is taken
-    in and the step equals the oracle, finite."""
+    put back, and the round's last delta sent.  The rewrite is found by its ctime (when the tree's scan
+    met it: taken in again and refused as non-finite; else before the pass: dropped), the round waits,
+    the worker's next delta is taken in and the step equals the oracle, finite."""
     model = small_model()
     oracle, rng = Oracle(model), np.random.default_rng(21)
     d = start(tmp_path, model, "--expected-nodes", "2")
@@ -494,14 +495,18 @@ def test_a_delta_rewritten_with_nan_and_its_mtime_put_back_never_reaches_the_glo
         src = take_in(d, random_deltas(rng, model))
         poisoned = {k: np.full_like(v, np.nan) for k, v in random_deltas(rng, model).items()}
         rewrite_keep_identity(src, poisoned, delta_metadata("a", 0, 10))
+        other = random_deltas(rng, model)
+        write_delta(d.hub, "b", 0, 10, other)
         d.wait_log("rewritten in place after it was taken in")
         d.wait_until(lambda: metric(d, "dilocod_deltas_rewritten_total") >= 1, "the rewrite counted")
-        d.wait_log("non-finite")
-        assert d.published_step() == 0
+        d.wait_log("round: delta accepted step=0 node=b")
+        time.sleep(0.5)
+        assert d.published_step() == 0          # a's delta is out of the round: it waits
         honest = random_deltas(rng, model)
         write_delta(d.hub, "a", 0, 11, honest)
-        d.wait_log("delta accepted", count=2)
-        close_round(d, oracle, {"a": honest, "b": random_deltas(rng, model)})
+        want = oracle.step({"a": honest, "b": other})
+        d.wait_step(1)
+        assert_state_equal(load_torch(d.hub / "global/latest.safetensors"), want)
         got = load_torch(d.hub / "global/latest.safetensors")
         assert all(torch.isfinite(t.float()).all() for t in got.values())
         assert not [p for p in (d.state_dir).rglob("outer_state-*") if p.stat().st_size == 0]
