@@ -22,9 +22,10 @@
  * round: that part is answered with the round's verdict, every earlier part with 202, counts and
  * the first few parts still missing.  A set's shard count is fixed by the first part that names it
  * (a shard's request, the index once parsed) and its arrays sized then; an index is reconciled with
- * the shards in (count, total_size) before it is written and again on the loop.  A staged set is bounded (its shards by the single-delta body limit, its index by
- * the index cap, its shard count by the model's floating tensors), is replaced by a newer local step
- * of its node, and goes (directory and memory) when its round moves on or it is refused. */
+ * the shards in (count, total_size) before it is written and again on the loop.  A staged set is
+ * bounded (its shards by the single-delta body limit, its index by the index cap, its shard count
+ * by the model's floating tensors), is replaced by a newer local step of its node, and goes
+ * (directory and memory) when its round moves on or it is refused. */
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
