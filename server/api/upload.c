@@ -19,10 +19,13 @@
  * index (at most ST_INDEX_MAX_BYTES) is parsed and its metadata checked against the path on the
  * pool and written next to them.  When the index and every shard it lists are in, the set is checked
  * as a whole (st_set_assemble, delta_check_set_header), linked into the cache and offered to the
- * round: that part is answered with the round's verdict, every earlier part with 202 and what is
- * still missing.  A staged set is bounded (its shards by the single-delta body limit, its index by
- * the index cap, its shard count by the model's floating tensors), is replaced by a newer local step
- * of its node, and goes (directory and memory) when its round moves on or it is refused. */
+ * round: that part is answered with the round's verdict, every earlier part with 202, counts and
+ * the first few parts still missing.  A set's shard count is fixed by the first part that names it
+ * (a shard's request, the index once parsed) and its arrays sized then; an index is reconciled with
+ * the shards in (count, total_size) before it is written and again on the loop.  A staged set is
+ * bounded (its shards by the single-delta body limit, its index by the index cap, its shard count
+ * by the model's floating tensors), is replaced by a newer local step of its node, and goes
+ * (directory and memory) when its round moves on or it is refused. */
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -82,6 +85,10 @@ typedef struct upload {
     size_t ngby;
     uint64_t reserved;          /* bytes of the set's cap this shard holds while it streams */
     sbuf body;                  /* UP_INDEX: the index's text */
+    uint32_t set_nshards;       /* UP_INDEX: the set's fixed count when the body ended (0: none yet) */
+    uint64_t set_data;          /* UP_INDEX: tensor bytes of the shards in when the body ended */
+    uint64_t total_size;        /* UP_INDEX: the index's total_size (from the parse) */
+    int unreconciled;           /* UP_INDEX: refused for disagreeing with the shards in */
     int completing;             /* the set's completion job is out and answers for this part */
 } upload;
 
@@ -118,10 +125,17 @@ struct stage {
     uint64_t round_step;        /* the round it was opened in: it goes when that round does */
     char *dir;                  /* <state>/cache/incoming/set-<node>-<k> */
     int dir_made;
+    /* The count is fixed by the first part that names it (a shard's name at its request, an index
+     * once parsed) and the arrays are sized with it then: nothing is indexed by a count from
+     * another source, and a part that disagrees with it is refused. */
     uint32_t nshards;           /* 0 until a part names the count */
     uint64_t *part_bytes;       /* per shard: its size once in, 0 before */
+    uint64_t *part_data;        /* per shard: its tensor bytes once in */
+    uint64_t data;              /* sum of part_data: never above the index's total_size */
     uint32_t nreceived;
     uint64_t index_bytes;       /* 0 until the index is in */
+    uint64_t total_size;        /* the index's total_size (once index_bytes != 0) */
+    int index_streaming;        /* an index is being received or parsed: one at a time */
     delta_info info;            /* the index's metadata (once index_bytes != 0) */
     uint64_t bytes, reserved;   /* shard bytes in, and held by shards streaming: both count against the cap */
     int refs;                   /* parts in flight */
@@ -154,6 +168,7 @@ static void stage_free(stage *s)
 {
     free(s->dir);
     free(s->part_bytes);
+    free(s->part_data);
     free(s);
 }
 
@@ -271,6 +286,22 @@ static size_t stage_limit(const dilocod *d)
     return d->cfg->expected_nodes ? d->cfg->expected_nodes : CONFIG_MAX_NODES;
 }
 
+/* Fixes the set's shard count (nshards != 0, the set's still 0) and sizes its arrays by it. */
+static int stage_fix_count(stage *s, uint32_t nshards)
+{
+    uint64_t *bytes = calloc(nshards, sizeof(*bytes)), *data = calloc(nshards, sizeof(*data));
+
+    if (bytes == NULL || data == NULL) {
+        free(bytes);
+        free(data);
+        return -ENOMEM;
+    }
+    s->part_bytes = bytes;
+    s->part_data = data;
+    s->nshards = nshards;
+    return 0;
+}
+
 static stage *stage_new(dilocod *d, const char *node_id, uint64_t local_step, uint32_t nshards)
 {
     stage *s = calloc(1, sizeof(*s));
@@ -287,12 +318,9 @@ static stage *stage_new(dilocod *d, const char *node_id, uint64_t local_step, ui
         stage_free(s);
         return NULL;
     }
-    if (nshards != 0) {
-        if ((s->part_bytes = calloc(nshards, sizeof(*s->part_bytes))) == NULL) {
-            stage_free(s);
-            return NULL;
-        }
-        s->nshards = nshards;
+    if (nshards != 0 && stage_fix_count(s, nshards) != 0) {
+        stage_free(s);
+        return NULL;
     }
     s->next = sets.head;
     sets.head = s;
@@ -312,6 +340,8 @@ static void part_release(upload *u)
     u->stage = NULL;
     s->reserved -= u->reserved;
     u->reserved = 0;
+    if (u->kind == UP_INDEX)
+        s->index_streaming = 0;
     s->refs--;
     if (s->dead)
         stage_reap(s);
@@ -777,6 +807,12 @@ static void respond_created(upload *u, const delta_info *info, const char *rel, 
 
 static void part_in(upload *u);
 
+/* A shard's tensor bytes (what the index's total_size sums), known once its header is. */
+static uint64_t shard_data_bytes(const upload *u)
+{
+    return u->ds.file_len - 8 - u->ds.n;
+}
+
 static void shard_in(upload *u, uint64_t size)
 {
     stage *s = u->stage;
@@ -785,10 +821,17 @@ static void shard_in(upload *u, uint64_t size)
         reject(u, s->dead_status, s->dead_code, s->dead_why, NULL);
         return;
     }
+    if (u->nshards != s->nshards || u->shard >= s->nshards) {
+        /* never: the shard's request fixed the count or was refused for disagreeing with it */
+        reject(u, 500, "internal", "the shard does not fit its set's count", NULL);
+        return;
+    }
     if (s->part_bytes[u->shard] == 0)
         s->nreceived++;
     s->bytes = s->bytes - s->part_bytes[u->shard] + size;
     s->part_bytes[u->shard] = size;
+    s->data = s->data - s->part_data[u->shard] + shard_data_bytes(u);
+    s->part_data[u->shard] = shard_data_bytes(u);
     s->reserved -= u->reserved;
     u->reserved = 0;
     part_in(u);
@@ -1140,15 +1183,31 @@ static int shard_verdict(upload *u)
     dilocod *d = u->d;
     delta_info info;
     int have_base;
-    uint64_t cap = body_limit(d), others, len = u->ds.file_len;
+    uint64_t cap = body_limit(d), others, len = u->ds.file_len, tdata;
     char msg[240];
 
     if (s->dead) {
         reject(u, s->dead_status, s->dead_code, s->dead_why, NULL);
         return -1;
     }
+    if (u->nshards != s->nshards || u->shard >= s->nshards) {
+        /* never: the shard's request fixed the count or was refused for disagreeing with it */
+        reject(u, 500, "internal", "the shard does not fit its set's count", NULL);
+        return -1;
+    }
     if (shard_meta(u, &info, &have_base) != 0)
         return -1;
+    /* mis-sized against the index in: the tensor data of the shards in (an earlier copy of this one
+     * excepted) and this one's, above the index's total_size */
+    tdata = shard_data_bytes(u);
+    if (s->index_bytes != 0 &&
+        (tdata > s->total_size || s->data - s->part_data[u->shard] > s->total_size - tdata)) {
+        snprintf(msg, sizeof(msg), "the set's shards would hold more tensor data than the index's total_size of "
+                 "%" PRIu64 " bytes", s->total_size);
+        stats_delta_rejected(&d->m, DL_E_METADATA_INVALID);
+        reject(u, 422, "metadata_invalid", msg, NULL);
+        return -1;
+    }
     if (s->index_bytes != 0) {
         info = s->info;
         have_base = 1;
@@ -1168,13 +1227,29 @@ static int shard_verdict(upload *u)
     return 0;
 }
 
-/* 202: what the set has and what it still needs. */
+/* 202: what the set has and what it still needs, bounded whatever the set's size: counts, and the
+ * first PARTIAL_NAMED missing parts by name (an answer naming every missing shard was 740 KB at
+ * 20,000 shards, sent again for every shard). */
+#define PARTIAL_NAMED 8
+
+static void partial_name(sbuf *b, const char *name, unsigned *named)
+{
+    if (*named >= PARTIAL_NAMED)
+        return;
+    if (*named > 0)
+        sb_str(b, ",");
+    sb_json_string(b, name, strlen(name));
+    (*named)++;
+}
+
 static void respond_partial(upload *u, const stage *s, uint64_t size)
 {
     sbuf b = {0};
-    char num[256], name[PART_NAME_MAX], base[40];
+    char num[320], name[PART_NAME_MAX], base[40];
     char *text;
-    int first;
+    unsigned named = 0;
+    uint64_t received = s->nreceived + (s->index_bytes != 0);
+    uint64_t missing = (uint64_t)(s->nshards - s->nreceived) + (s->index_bytes == 0);
 
     if (!http_conn_alive(u->c))
         return;
@@ -1184,29 +1259,22 @@ static void respond_partial(upload *u, const stage *s, uint64_t size)
              s->node_id, s->local_step, size);
     sb_str(&b, num);
     sb_json_string(&b, u->part, strlen(u->part));
-    snprintf(num, sizeof(num), ",\"set\":{\"shards\":%u,\"bytes\":%" PRIu64 ",\"parts_in_flight\":%d,\"received\":[",
-             s->nshards, s->bytes + s->index_bytes, s->refs);
+    /* shards 0 while no part has named the count: the missing shards are then not known, only the index */
+    snprintf(num, sizeof(num), ",\"set\":{\"shards\":%u,\"index\":%s,\"bytes\":%" PRIu64 ",\"parts_in_flight\":%d,"
+             "\"received\":%" PRIu64 ",\"missing_count\":%" PRIu64 ",\"missing\":[",
+             s->nshards, s->index_bytes != 0 ? "true" : "false", s->bytes + s->index_bytes, s->refs, received, missing);
     sb_str(&b, num);
-    for (int pass = 0; pass < 2; pass++) {
-        /* pass 0: received, pass 1: missing */
-        first = 1;
-        for (uint32_t i = 0; i < s->nshards; i++) {
-            if ((s->part_bytes[i] != 0) != (pass == 0))
-                continue;
-            st_index_shard_name(base, i, s->nshards, name, sizeof(name));
-            if (!first)
-                sb_str(&b, ",");
-            sb_json_string(&b, name, strlen(name));
-            first = 0;
-        }
-        if ((s->index_bytes != 0) == (pass == 0)) {     /* the shards, then the index, as a client sends them */
-            snprintf(name, sizeof(name), "%s" ST_INDEX_SUFFIX, base);
-            if (!first)
-                sb_str(&b, ",");
-            sb_json_string(&b, name, strlen(name));
-        }
-        sb_str(&b, pass == 0 ? "],\"missing\":[" : "]}}\n");
+    for (uint32_t i = 0; i < s->nshards && named < PARTIAL_NAMED; i++) {
+        if (s->part_bytes[i] != 0)
+            continue;
+        st_index_shard_name(base, i, s->nshards, name, sizeof(name));
+        partial_name(&b, name, &named);
     }
+    if (s->index_bytes == 0) {  /* the shards, then the index, as a client sends them */
+        snprintf(name, sizeof(name), "%s" ST_INDEX_SUFFIX, base);
+        partial_name(&b, name, &named);
+    }
+    sb_str(&b, "]}}\n");
     size_t len = b.len;
     if ((text = sb_take(&b)) == NULL) {
         http_respond_error(u->c, 500, "out_of_memory", "out of memory", NULL);
@@ -1230,6 +1298,8 @@ static void part_in(upload *u)
            dl_log_q(qn, sizeof(qn), s->node_id), s->local_step, dl_log_q(qp, sizeof(qp), u->part), size,
            s->nreceived, s->nshards, s->index_bytes ? "yes" : "no");
     u->stage = NULL;            /* this part's reference goes now: the set counts only those still streaming */
+    if (u->kind == UP_INDEX)
+        s->index_streaming = 0;
     s->refs--;
     if (stage_complete(s) && s->refs == 0 && !s->completing) {
         set_complete(s, u);
@@ -1269,6 +1339,20 @@ static int index_on_data(http_conn *c, const char *p, size_t n, void *ctx)
     return 0;
 }
 
+/* An index against the set's fixed count and the tensor bytes of its shards in (on the pool with
+ * their state when its body ended, on the loop with the state now): 0, or DL_E_INVALID_PATH for
+ * another count, DL_E_METADATA_INVALID for a total_size below what the shards in hold. */
+static int index_reconcile(const upload *u, uint32_t nshards, uint64_t data, dl_error *err)
+{
+    if (nshards != 0 && u->nshards != nshards)
+        return dl_fail(err, DL_E_INVALID_PATH, NULL, 0, "the index lists %u shards; the set being uploaded has %u "
+                       "(the count its first part named)", u->nshards, nshards);
+    if (data > u->total_size)
+        return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "the index's total_size is %" PRIu64 " but the shards "
+                       "already in hold %" PRIu64 " bytes of tensor data", u->total_size, data);
+    return 0;
+}
+
 /* On the pool: parse the index strictly, check its metadata against the path and its keys against
  * the global's floating keys, and write it into the set's directory (durable: it is linked into the
  * cache as it is).  j->u: how many floating tensors the global has. */
@@ -1301,6 +1385,13 @@ static void index_work(daemon_job *j)
         goto out;
     }
     u->nshards = ix->nshards;
+    u->total_size = ix->total_size;
+    /* reconciled with the shards in (u->set_*: their state when the body ended), before it is
+     * written: an index of the set is refused here, never written over the one the set has */
+    if ((rc = index_reconcile(u, u->set_nshards, u->set_data, &j->err)) != 0) {
+        u->unreconciled = 1;
+        goto out;
+    }
     if ((rc = fsu_mkdirs(u->stage->dir, &j->err)) != 0)
         goto out;
     if (asprintf(&path, "%s/%s", u->stage->dir, u->part) < 0) {
@@ -1319,7 +1410,8 @@ static void index_done(daemon_job *j)
 {
     upload *u = j->arg;
     stage *s = u->stage;
-    char msg[240];
+    char msg[sizeof(((dl_error *)0)->message) + 64];
+    dl_error err;
 
     u->parsing = 0;
     if (u->failed || u->aborted) {
@@ -1327,7 +1419,11 @@ static void index_done(daemon_job *j)
         return;
     }
     if (j->rc != 0) {
-        reject_err(u, &j->err);         /* the set waits for a good index */
+        reject_err(u, &j->err);         /* a bad index alone: the set waits for a good one */
+        if (u->unreconciled && !s->dead) {
+            snprintf(msg, sizeof(msg), "the set's index disagrees with its shards: %s", j->err.message);
+            stage_discard(s, 409, "set_refused", msg);
+        }
         upload_discard(u);
         return;
     }
@@ -1336,11 +1432,12 @@ static void index_done(daemon_job *j)
         upload_discard(u);
         return;
     }
-    if (s->nshards != 0 && s->nshards != u->nshards) {
-        snprintf(msg, sizeof(msg), "the index lists %u shards; the shards uploaded for this set are of %u: the set "
-                 "starts over", u->nshards, s->nshards);
-        stats_delta_rejected(&u->d->m, DL_E_INVALID_PATH);
-        reject(u, 422, "invalid_path", msg, NULL);
+    /* shards that started or came in while it was parsed: a count fixed by a shard's request
+     * meanwhile, more tensor data than total_size.  Either side may be the wrong one: the set
+     * starts over (and the index text written meanwhile goes with it) */
+    if (index_reconcile(u, s->nshards, s->data, &err) != 0) {
+        reject_err(u, &err);
+        snprintf(msg, sizeof(msg), "the set's index disagrees with its shards: %s", err.message);
         stage_discard(s, 409, "set_refused", msg);
         upload_discard(u);
         return;
@@ -1352,16 +1449,14 @@ static void index_done(daemon_job *j)
         upload_discard(u);
         return;
     }
-    if (s->nshards == 0) {
-        if ((s->part_bytes = calloc(u->nshards, sizeof(*s->part_bytes))) == NULL) {
-            reject(u, 500, "out_of_memory", "out of memory", NULL);
-            upload_discard(u);
-            return;
-        }
-        s->nshards = u->nshards;
+    if (s->nshards == 0 && stage_fix_count(s, u->nshards) != 0) {
+        reject(u, 500, "out_of_memory", "out of memory", NULL);
+        upload_discard(u);
+        return;
     }
     s->info = u->ds.info;
     s->index_bytes = u->body.len;
+    s->total_size = u->total_size;
     part_in(u);
     upload_discard(u);
 }
@@ -1376,6 +1471,8 @@ static void index_on_end(http_conn *c, void *ctx)
         return;
     for (size_t i = 0; i < u->d->model->ntensors; i++)
         nfloat += st_dtype_is_floating(u->d->model->tensors[i].dtype) != 0;
+    u->set_nshards = u->stage->nshards;
+    u->set_data = u->stage->data;
     u->parsing = 1;
     if (daemon__queue(u->d, index_work, index_done, u, nfloat, 0) != 0) {
         u->parsing = 0;
@@ -1600,6 +1697,13 @@ static void set_part_start(dilocod *d, http_conn *c, http_request *req, const de
         http_respond(c, 503, "application/json", "Retry-After: 1\r\n", body, sizeof(body) - 1);
         return;
     }
+    if (s != NULL && kind == UP_INDEX && s->index_streaming) {
+        /* one index at a time: the one in flight is reconciled and written before another is read */
+        static const char body[] =
+            "{\"error\":{\"code\":\"busy\",\"message\":\"an index of this set is being received; retry shortly\"}}\n";
+        http_respond(c, 503, "application/json", "Retry-After: 1\r\n", body, sizeof(body) - 1);
+        return;
+    }
     if (s != NULL && kind == UP_SHARD && s->nshards != 0 && s->nshards != dp->nshards) {
         snprintf(msg, sizeof(msg), "the set of local_step %" PRIu64 " being uploaded has %u shards, not %u",
                  dp->local_step, s->nshards, dp->nshards);
@@ -1619,6 +1723,11 @@ static void set_part_start(dilocod *d, http_conn *c, http_request *req, const de
         http_respond_error(c, 500, "out_of_memory", "out of memory", NULL);
         return;
     }
+    /* a set opened by its index (still parsing or refused): the first shard names the count */
+    if (kind == UP_SHARD && s->nshards == 0 && stage_fix_count(s, dp->nshards) != 0) {
+        http_respond_error(c, 500, "out_of_memory", "out of memory", NULL);
+        return;
+    }
     if ((u = upload_new(d, c, dp->node_id, kind)) == NULL) {
         http_respond_error(c, 500, "out_of_memory", "out of memory", NULL);
         if (s->refs == 0 && s->nreceived == 0 && s->index_bytes == 0)
@@ -1627,6 +1736,8 @@ static void set_part_start(dilocod *d, http_conn *c, http_request *req, const de
     }
     u->stage = s;
     s->refs++;
+    if (kind == UP_INDEX)
+        s->index_streaming = 1;
     u->local_step = dp->local_step;
     u->shard = dp->shard;
     u->nshards = dp->nshards;
