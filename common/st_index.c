@@ -597,6 +597,19 @@ static int check_shards_used(const st_index *ix, const unsigned char *used, dl_e
     return 0;
 }
 
+size_t st_index_cap_for(const st_header *global)
+{
+    /* "    \"<name>\": \"<base>-00001-of-00002.safetensors\",\n" */
+    const uint64_t per_entry = 16 + ST_INDEX_BASE_MAX + sizeof("-00001-of-00002" SHARD_EXT);
+    uint64_t cap = 64u * 1024u;
+
+    for (size_t i = 0; i < global->ntensors && cap < ST_INDEX_MAX_BYTES; i++) {
+        if (st_dtype_is_floating(global->tensors[i].dtype))
+            cap += 6 * (uint64_t)global->tensors[i].name_len + per_entry;
+    }
+    return cap < ST_INDEX_MAX_BYTES ? (size_t)cap : ST_INDEX_MAX_BYTES;
+}
+
 int st_index_parse(const char *text, size_t len, const char *base, st_index **out, dl_error *err)
 {
     return st_index_parse_capped(text, len, base, ST_INDEX_MAX_BYTES, out, err);

@@ -144,7 +144,7 @@ def test_http_concurrent_hostile_indexes(tmp_path):
             # the honest delta goes in once the attack has had indexes parsed (it would close the
             # round, after which the attackers' step-0 sets are refused before any parse: 409)
             deadline = time.monotonic() + 30
-            while answers.count(400) < 3 and any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            while len(answers) < 6 and any(t.is_alive() for t in threads) and time.monotonic() < deadline:
                 time.sleep(0.01)
             t0 = time.monotonic()
             r = requests.put(f"{d.url}/nodes/h/delta_1.safetensors", data=single.read_bytes(), timeout=HONEST_WITHIN)
@@ -153,8 +153,10 @@ def test_http_concurrent_hostile_indexes(tmp_path):
             for t in threads:
                 t.join()
         # 400: the index is refused at its nesting; 409: refused for its step once step 1 is out
-        assert all(a in (400, 409) for a in answers), answers
-        assert answers.count(400) >= 3, answers
+        # 413: over the model's index cap (st_index_cap_for: ~66 KB for this 2-tensor model), refused by
+        # its Content-Length before a byte of it is read; 400: refused at its nesting by the parser;
+        # 409: refused for its step once step 1 is out
+        assert answers and all(a in (400, 409, 413) for a in answers), answers
         check_after(d, tmp_path, m, delta)
     finally:
         d.stop()
