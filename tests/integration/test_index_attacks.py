@@ -186,3 +186,44 @@ def test_file_hostile_index_rescanned(tmp_path):
         check_after(d, tmp_path, m, delta)
     finally:
         d.stop()
+
+
+def test_file_set_over_the_byte_budget(tmp_path):
+    """Issue 21 item 6, file://: 16 shards, each with a header padded to just under the header cap
+    (--max-delta-header-mib 1 here) and 32 bytes of data.  Each shard passes alone; together they
+    hold ~16 MiB, over the set's budget (the model's 512 delta bytes + 8 + one 1 MiB header cap), so
+    the set is refused whole before a byte is staged, and the state root stays under 4 MiB."""
+    import huggingface_hub as hfh
+    from dilocod_proc import pad_header
+
+    g = torch.Generator().manual_seed(8)
+    m = {f"t{i:02d}": torch.randn(8, generator=g) for i in range(16)}
+    write_model(tmp_path / "init.safetensors", m)
+    hub = tmp_path / "hub"
+    xd = hub / "nodes" / "x"
+    xd.mkdir(parents=True)
+    hfh.save_torch_state_dict({k: 0.01 * v for k, v in m.items()}, xd, filename_pattern="delta_1{suffix}.safetensors",
+                              metadata=delta_metadata("x", 0, 1), max_shard_size=40)
+    shards = sorted(xd.glob("delta_1-*-of-00016.safetensors"))
+    assert len(shards) == 16
+    for s in shards:
+        pad_header(s, (1 << 20) - 4096)
+    delta = {k: 0.02 * torch.randn(v.shape, generator=g) for k, v in m.items()}
+    d = Dilocod(tmp_path, hub, "--init-model", tmp_path / "init.safetensors", "--expected-nodes", "1",
+                "--max-delta-header-mib", "1").start()
+    try:
+        d.wait_step(0)
+        with Watch(d):
+            d.wait_log("delta budget")
+            t0 = time.monotonic()
+            dh = hub / "nodes" / "h"
+            dh.mkdir(parents=True)
+            save_file(delta, str(dh / ".tmp"), metadata=delta_metadata("h", 0, 1))
+            os.rename(dh / ".tmp", dh / "delta_1.safetensors")
+            d.wait_step(1, timeout=HONEST_WITHIN - (time.monotonic() - t0))
+        assert d.alive()
+        size = tree_size(d.state_root)
+        assert size < 4 << 20, f"state root {size >> 20} MiB, bound 4 MiB"
+        check_after(d, tmp_path, m, delta)
+    finally:
+        d.stop()
