@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from conftest import BUILD
 from dilocod_proc import Dilocod, Oracle, assert_state_close, delta_metadata, load_torch, write_model
+from test_s3 import s3  # noqa: F401  (the SeaweedFS fixture)
 
 SANITIZED = "address" in str(BUILD)
 RSS_BOUND = (768 if SANITIZED else 256) << 20
@@ -225,5 +226,41 @@ def test_file_set_over_the_byte_budget(tmp_path):
         size = tree_size(d.state_root)
         assert size < 4 << 20, f"state root {size >> 20} MiB, bound 4 MiB"
         check_after(d, tmp_path, m, delta)
+    finally:
+        d.stop()
+
+
+def test_s3_hostile_indexes(tmp_path, s3):
+    """s3:// (SeaweedFS, test_s3.py's fixture): four 10 MiB nested-array indexes under nodes/x*/.  The
+    index is fetched whole (at most 10 MiB) and parsed as its download ends: cheaply refused at its
+    nesting, so the loop keeps answering and RSS stays bounded."""
+    from test_s3 import S3Dilocod, put_delta
+
+    prefix = "index-attack/run"
+    m = model()
+    write_model(tmp_path / "init.safetensors", m)
+    delta = {k: v.numpy() for k, v in honest(m).items()}
+    d = S3Dilocod(tmp_path, s3, prefix, "--init-model", tmp_path / "init.safetensors", "--expected-nodes", "1")
+    body = hostile_index()
+    for k in range(4):
+        d.client.put_object(Bucket=s3.bucket, Key=f"{prefix}/nodes/x{k}/delta_1.safetensors.index.json", Body=body)
+    d.start()
+    try:
+        d.wait_step(0)
+        with Watch(d):
+            d.wait_log("delta rejected path=nodes/x", count=4)     # fetched and refused
+            t0 = time.monotonic()
+            put_delta(d.client, s3.bucket, prefix, "h", 0, 1, delta)
+            d.wait_step(1, timeout=HONEST_WITHIN - (time.monotonic() - t0))
+        assert d.alive()
+        hwm = vmhwm(d.proc.pid)
+        assert hwm < RSS_BOUND, f"peak RSS {hwm >> 20} MiB, bound {RSS_BOUND >> 20} MiB"
+        size = tree_size(d.state_root)
+        assert size < STATE_BOUND, f"state root {size >> 20} MiB, bound {STATE_BOUND >> 20} MiB"
+        want = Oracle(m).step({"h": {k: torch.from_numpy(v) for k, v in delta.items()}})
+        got = {k: torch.from_numpy(v.copy()) for k, v in d.global_state().items()}
+        for k, v in got.items():
+            assert torch.isfinite(v).all(), k
+        assert_state_close(got, want)
     finally:
         d.stop()
