@@ -3,7 +3,13 @@
 An index is at most 10 MiB (huggingface_hub's MAX_INDEX_FILE_SIZE).  Before, cJSON built the whole
 tree before any schema check: {"metadata": {"total_size": 0, "x": [0,0,...]}} of 10 MiB cost ~420 MB
 to parse, and six concurrent HTTP uploads of it took the daemon's RSS to 2.48 GB.  The index parser
-(common/st_index.c) now walks the schema and refuses nesting at its first byte.
+(common/st_index.c) now walks the schema and refuses nesting at its first byte, and a delta's index
+is capped by the model (st_index_cap_for) over HTTP and at intake.  Item 6: a set's shards together
+are held to one budget (intake_set_budget: the model's delta bytes + 8 + one header cap) on every path.
+
+Measured at the parent commit (59f3c19) against this one, plain build: HTTP peak RSS 803 MiB -> 9 MiB;
+file:// 1,596 MiB -> 18 MiB; s3:// /healthz >= 1 s (timed out) -> 0.05 s, 25 MiB; the over-budget
+set was taken in (16 MiB staged) -> refused before staging.
 
 Each test runs the real dilocod, attacks it, and asserts, while the attack runs and after it:
   - the daemon is alive and answers /healthz within 1 s;
