@@ -8,7 +8,8 @@ is capped by the model (st_index_cap_for) over HTTP and at intake.  Item 6: a se
 are held to one budget (intake_set_budget: the model's delta bytes + 8 + one header cap) on every path.
 
 Measured at the parent commit (59f3c19) against this one, plain build: HTTP peak RSS 803 MiB -> 9 MiB;
-file:// 1,596 MiB -> 18 MiB; s3:// /healthz >= 1 s (timed out) -> 0.05 s, 25 MiB; the over-budget
+file:// 1,596 MiB -> 18 MiB; s3:// /healthz >= 1 s (timed out) -> 0.05 s, 25 MiB; hf:// 821 MiB ->
+under the bound; the over-budget
 set was taken in (16 MiB staged) -> refused before staging.
 
 Each test runs the real dilocod, attacks it, and asserts, while the attack runs and after it:
@@ -270,3 +271,47 @@ def test_s3_hostile_indexes(tmp_path, s3):
         assert_state_close(got, want)
     finally:
         d.stop()
+
+
+def test_hf_hostile_index(tmp_path, monkeypatch):
+    """hf:// (tests/hubsim): a 10 MiB nested-array index committed under nodes/w1/ beside w2's honest
+    delta.  The index is downloaded (at most 10 MiB, checked against its oid) and refused cheaply."""
+    import test_shards_hub as sh
+    from huggingface_hub import HfApi
+    from safetensors.numpy import save as st_save_bytes
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    hub = sh.HubSim(tmp_path)
+    try:
+        m = sh.model()
+        api = HfApi(endpoint=hub.wendpoint, token=sh.TOKEN)
+        api.create_repo(sh.REPO)
+        # w1 never sends a valid delta: the round closes by timeout with w2 alone
+        d = sh.hf_dilocod(tmp_path, hub, "run", "--min-nodes", "1", "--round-timeout", "2", init=m).start()
+        try:
+            d.wait_published(0)
+            with Watch(d):
+                api.upload_file(path_or_fileobj=hostile_index(), path_in_repo="nodes/w1/delta_1.safetensors.index.json",
+                                repo_id=sh.REPO, commit_message="w1: hostile index")
+                d.wait_log("delta rejected path=nodes/w1/delta_1.safetensors.index.json")
+                rng = np.random.default_rng(3)
+                delta = sh.random_deltas(rng, m)
+                t0 = time.monotonic()
+                api.upload_file(path_or_fileobj=st_save_bytes(delta, metadata=delta_metadata("w2", 0, 1)),
+                                path_in_repo="nodes/w2/delta_1.safetensors", repo_id=sh.REPO, commit_message="w2")
+                d.wait_published(1, timeout=HONEST_WITHIN - (time.monotonic() - t0))
+            assert d.alive()
+            hwm = vmhwm(d.proc.pid)
+            assert hwm < RSS_BOUND, f"peak RSS {hwm >> 20} MiB, bound {RSS_BOUND >> 20} MiB"
+            size = tree_size(d.state_root)
+            assert size < STATE_BOUND, f"state root {size >> 20} MiB, bound {STATE_BOUND >> 20} MiB"
+            want = Oracle({k: v.clone() for k, v in m.items()}).step({"w2": {k: torch.from_numpy(v)
+                                                                          for k, v in delta.items()}})
+            got = sh.load_set_dir(sh.hf_download_global(hub, tmp_path / "g1"), m)
+            for k, v in got.items():
+                assert torch.isfinite(v.float()).all() if v.is_floating_point() else True, k
+            assert_state_close(got, want)
+        finally:
+            d.stop()
+    finally:
+        hub.stop()
