@@ -1254,7 +1254,8 @@ static int index_on_data(http_conn *c, const char *p, size_t n, void *ctx)
         return -1;
     }
     u->d->m.upload_bytes += n;
-    size_t cap = st_index_cap_for(u->d->model);     /* the model's: an index lists its floating tensors */
+    /* the model's cap: an index lists its floating tensors */
+    size_t cap = u->d->model ? st_index_cap_for(u->d->model) : ST_INDEX_MAX_BYTES;
     if (n > cap - u->body.len) {
         snprintf(msg, sizeof(msg), "an index for this model is at most %zu bytes", cap);
         reject(u, 413, "too_large", msg, NULL);
