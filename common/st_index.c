@@ -15,8 +15,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cJSON.h>
-
 #define SHARD_EXT ".safetensors"
 #define INT_MAX_EXACT 9007199254740991.0    /* 2^53 - 1: the largest integer a JSON double keeps */
 
@@ -132,79 +130,224 @@ st_name_kind st_index_classify(const char *name, size_t len, char base[ST_INDEX_
 }
 
 /* ---- parsing --------------------------------------------------------------------------------- */
+/* Why not cJSON: it builds the whole tree before any schema check, about 40 bytes of nodes per
+ * byte of input for a document like {"metadata": {"x": [0,0,0,...]}}: a 10 MiB index cost ~420 MB.
+ * It also lets duplicate keys through and reads "\u0000" as the end of a string.  This parser
+ * walks the index's schema directly: it refuses unknown keys, nesting and any value type the
+ * schema has no place for at the first byte that shows it, and keeps only what the st_index holds
+ * (names and metadata, each once), so its memory is proportional to what is kept. */
+
+typedef struct ixp {
+    const unsigned char *s;
+    size_t n, pos;
+    dl_error *err;
+} ixp;
 
 static int bad_index(dl_error *err, const char *what)
 {
     return dl_fail(err, DL_E_INVALID_HEADER_DESERIALIZATION, NULL, 0, "invalid index: %s", what);
 }
 
+static int ixp_fail(ixp *p, const char *what)
+{
+    return dl_fail(p->err, DL_E_INVALID_HEADER_DESERIALIZATION, NULL, 0, "invalid index: %s at byte %zu", what,
+                   p->pos);
+}
+
+static int ixp_peek(ixp *p)
+{
+    while (p->pos < p->n) {
+        unsigned char c = p->s[p->pos];
+        if (c != ' ' && c != '\t' && c != '\n' && c != '\r')
+            return c;
+        p->pos++;
+    }
+    return -1;
+}
+
+static int ixp_expect(ixp *p, int c, const char *what)
+{
+    if (ixp_peek(p) != c)
+        return ixp_fail(p, what);
+    p->pos++;
+    return 0;
+}
+
+static int hexval(unsigned char c)
+{
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+static int ixp_hex4(ixp *p, unsigned *out)
+{
+    unsigned v = 0;
+    if (p->n - p->pos < 4)
+        return ixp_fail(p, "end of input in a \\u escape");
+    for (int i = 0; i < 4; i++) {
+        int h = hexval(p->s[p->pos + i]);
+        if (h < 0)
+            return ixp_fail(p, "invalid \\u escape");
+        v = (v << 4) | (unsigned)h;
+    }
+    p->pos += 4;
+    *out = v;
+    return 0;
+}
+
+static size_t utf8_put(char *o, unsigned cp)
+{
+    if (cp < 0x80) { o[0] = (char)cp; return 1; }
+    if (cp < 0x800) { o[0] = (char)(0xc0 | (cp >> 6)); o[1] = (char)(0x80 | (cp & 0x3f)); return 2; }
+    if (cp < 0x10000) {
+        o[0] = (char)(0xe0 | (cp >> 12)); o[1] = (char)(0x80 | ((cp >> 6) & 0x3f));
+        o[2] = (char)(0x80 | (cp & 0x3f)); return 3;
+    }
+    o[0] = (char)(0xf0 | (cp >> 18)); o[1] = (char)(0x80 | ((cp >> 12) & 0x3f));
+    o[2] = (char)(0x80 | ((cp >> 6) & 0x3f)); o[3] = (char)(0x80 | (cp & 0x3f));
+    return 4;
+}
+
+/* A JSON string at the current position, decoded into a malloc'd NUL-terminated buffer no longer
+ * than its raw form.  The text is already known to be UTF-8.  Refused: a raw control byte, a NUL
+ * (escaped: names and values are C strings downstream), a lone surrogate, an unknown escape. */
+static int ixp_string(ixp *p, char **out, size_t *out_len)
+{
+    size_t start, len = 0;
+    char *buf;
+
+    if (ixp_peek(p) != '"')
+        return ixp_fail(p, "expected a string");
+    start = ++p->pos;
+    while (p->pos < p->n && p->s[p->pos] != '"') {
+        if (p->s[p->pos] < 0x20)
+            return ixp_fail(p, "a control character inside a string");
+        p->pos += p->s[p->pos] == '\\' ? 2 : 1;
+    }
+    if (p->pos >= p->n)
+        return ixp_fail(p, "end of input inside a string");
+    size_t end = p->pos;
+    if ((buf = malloc(end - start + 1)) == NULL)
+        return dl_fail(p->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    p->pos = start;
+    while (p->pos < end) {
+        unsigned char c = p->s[p->pos++];
+        if (c != '\\') {
+            buf[len++] = (char)c;
+            continue;
+        }
+        c = p->s[p->pos++];
+        switch (c) {
+        case '"': buf[len++] = '"'; break;
+        case '\\': buf[len++] = '\\'; break;
+        case '/': buf[len++] = '/'; break;
+        case 'b': buf[len++] = '\b'; break;
+        case 'f': buf[len++] = '\f'; break;
+        case 'n': buf[len++] = '\n'; break;
+        case 'r': buf[len++] = '\r'; break;
+        case 't': buf[len++] = '\t'; break;
+        case 'u': {
+            unsigned cp, lo;
+            if (ixp_hex4(p, &cp) != 0)
+                goto fail;
+            if (cp == 0) {
+                ixp_fail(p, "a string holds \\u0000");
+                goto fail;
+            }
+            if (cp >= 0xdc00 && cp <= 0xdfff) {
+                ixp_fail(p, "a lone trailing surrogate");
+                goto fail;
+            }
+            if (cp >= 0xd800 && cp <= 0xdbff) {
+                if (end - p->pos < 6 || p->s[p->pos] != '\\' || p->s[p->pos + 1] != 'u') {
+                    ixp_fail(p, "a lone leading surrogate");
+                    goto fail;
+                }
+                p->pos += 2;
+                if (ixp_hex4(p, &lo) != 0)
+                    goto fail;
+                if (lo < 0xdc00 || lo > 0xdfff) {
+                    ixp_fail(p, "an invalid surrogate pair");
+                    goto fail;
+                }
+                cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
+            }
+            /* a \uXXXX escape is 6 raw bytes and decodes to at most 4 (a pair: 12 to 4) */
+            len += utf8_put(buf + len, cp);
+            break;
+        }
+        default:
+            ixp_fail(p, "an invalid escape");
+            goto fail;
+        }
+        if (p->pos > end) {     /* an escape that ran into the closing quote: "\" */
+            ixp_fail(p, "an invalid escape");
+            goto fail;
+        }
+    }
+    p->pos = end + 1;
+    buf[len] = '\0';
+    *out = buf;
+    *out_len = len;
+    return 0;
+fail:
+    free(buf);
+    return -p->err->code;
+}
+
+/* A JSON number that is an integer in [0, 2^53), the range a JSON double (Python's reader and
+ * cJSON's) keeps exactly.  An integral fraction or exponent ("24.0", "2.4e1") is accepted as the
+ * cJSON-based parser did; a sign, a non-integer or a longer literal is refused. */
+static int ixp_uint(ixp *p, uint64_t *out)
+{
+    size_t start = p->pos;
+    char text[40];
+    int plain = 1;
+
+    if (ixp_peek(p) < 0 || !((p->s[p->pos] >= '0' && p->s[p->pos] <= '9')))
+        return ixp_fail(p, "expected a non-negative integer");
+    start = p->pos;
+    while (p->pos < p->n && p->pos - start < sizeof(text)) {
+        unsigned char c = p->s[p->pos];
+        if (c >= '0' && c <= '9') {
+            p->pos++;
+        } else if (c == '.' || c == 'e' || c == 'E' || c == '+' || c == '-') {
+            plain = 0;
+            p->pos++;
+        } else {
+            break;
+        }
+    }
+    size_t len = p->pos - start;
+    if (len >= sizeof(text))
+        return ixp_fail(p, "a number literal over 39 characters");
+    memcpy(text, p->s + start, len);
+    text[len] = '\0';
+    if (plain) {
+        if (len > 1 && text[0] == '0')
+            return ixp_fail(p, "a number with a leading zero");
+        if (len > 16)
+            return ixp_fail(p, "an integer outside [0, 2^53)");
+        uint64_t v = strtoull(text, NULL, 10);
+        if (v > (uint64_t)INT_MAX_EXACT)
+            return ixp_fail(p, "an integer outside [0, 2^53)");
+        *out = v;
+        return 0;
+    }
+    char *e;
+    double d = strtod(text, &e);
+    if (*e != '\0' || (text[0] == '0' && len > 1 && text[1] >= '0' && text[1] <= '9') || !isfinite(d) ||
+        !(d >= 0) || d > INT_MAX_EXACT || floor(d) != d)
+        return ixp_fail(p, "a number that is not an integer in [0, 2^53)");
+    *out = (uint64_t)d;
+    return 0;
+}
+
 static int str_ptr_cmp(const void *a, const void *b)
 {
     return strcmp(*(const char *const *)a, *(const char *const *)b);
-}
-
-/* cJSON keeps every member of an object, duplicates included.  JSON readers disagree on which one
- * wins, so a duplicate is refused, as the safetensors header parser does. */
-static int check_duplicates(const cJSON *obj, const char *where, dl_error *err)
-{
-    size_t n = 0, k = 0;
-    const cJSON *c;
-    const char **keys;
-    int rc = 0;
-
-    cJSON_ArrayForEach(c, obj)
-        n++;
-    if (n < 2)
-        return 0;
-    if ((keys = malloc(n * sizeof(*keys))) == NULL)
-        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-    cJSON_ArrayForEach(c, obj)
-        keys[k++] = c->string;
-    qsort(keys, n, sizeof(*keys), str_ptr_cmp);
-    for (size_t i = 1; i < n && rc == 0; i++) {
-        if (strcmp(keys[i - 1], keys[i]) == 0)
-            rc = dl_fail(err, DL_E_DUPLICATE_KEY, keys[i], strlen(keys[i]), "invalid index: duplicate key in %s",
-                         where);
-    }
-    free(keys);
-    return rc;
-}
-
-/* What cJSON would let through but a strict reader (Python's json, serde_json) refuses or reads
- * differently: a raw control byte inside a string, and an escaped NUL, which cJSON turns into the
- * end of its C string (so "a\u0000b" would silently become "a"). */
-static int check_strings(const char *s, size_t len, dl_error *err)
-{
-    int in_str = 0;
-
-    for (size_t i = 0; i < len; i++) {
-        unsigned char c = (unsigned char)s[i];
-        if (!in_str) {
-            if (c == '"')
-                in_str = 1;
-            continue;
-        }
-        if (c < 0x20)
-            return bad_index(err, "a control character inside a string");
-        if (c == '"') {
-            in_str = 0;
-        } else if (c == '\\' && i + 1 < len) {
-            if (s[i + 1] == 'u' && i + 5 < len && memcmp(s + i + 2, "0000", 4) == 0)
-                return bad_index(err, "a string holds \\u0000");
-            i++;    /* the escaped character cannot end the string */
-        }
-    }
-    return 0;
-}
-
-/* An integer JSON number in [0, 2^53): what cJSON's double holds exactly. */
-static int json_uint(const cJSON *v, uint64_t *out)
-{
-    if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble) || !(v->valuedouble >= 0) ||
-        v->valuedouble > INT_MAX_EXACT || floor(v->valuedouble) != v->valuedouble)
-        return -1;
-    *out = (uint64_t)v->valuedouble;
-    return 0;
 }
 
 static int by_name_cmp(const void *a, const void *b, void *ctx)
@@ -231,190 +374,328 @@ void st_index_free(st_index *ix)
     free(ix);
 }
 
-static int parse_metadata(const cJSON *md, st_index *ix, dl_error *err)
+/* Grows *arr (of *cap elements of size sz) so that it holds at least n+1: doubling, so appends are
+ * amortised O(1) and the array is at most twice what is kept. */
+static int grow(void **arr, size_t *cap, size_t n, size_t sz)
 {
-    const cJSON *c;
-    size_t n = 0;
-    int have_total = 0, rc;
-
-    if (!cJSON_IsObject(md))
-        return bad_index(err, "\"metadata\" is not an object");
-    if ((rc = check_duplicates(md, "\"metadata\"", err)) != 0)
-        return rc;
-    cJSON_ArrayForEach(c, md)
-        n++;
-    if ((ix->meta = calloc(n ? n : 1, sizeof(*ix->meta))) == NULL)
-        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-    cJSON_ArrayForEach(c, md) {
-        char num[24];
-        const char *value;
-        uint64_t u;
-        if (strcmp(c->string, "total_size") == 0) {
-            if (json_uint(c, &ix->total_size) != 0)
-                return bad_index(err, "\"total_size\" is not an integer in [0, 2^53)");
-            have_total = 1;
-            continue;
-        }
-        if (cJSON_IsString(c)) {
-            value = c->valuestring;
-        } else if (json_uint(c, &u) == 0) {
-            /* transformers adds "total_parameters": an integer; kept as its decimal text */
-            snprintf(num, sizeof(num), "%llu", (unsigned long long)u);
-            value = num;
-        } else {
-            return dl_fail(err, DL_E_INVALID_HEADER_DESERIALIZATION, c->string, strlen(c->string),
-                           "invalid index: a metadata value is neither a string nor a non-negative integer");
-        }
-        st_meta *m = &ix->meta[ix->nmeta];
-        m->key = strdup(c->string);
-        m->value = strdup(value);
-        if (m->key == NULL || m->value == NULL) {
-            free(m->key);
-            free(m->value);
-            return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-        }
-        m->key_len = strlen(m->key);
-        m->value_len = strlen(m->value);
-        ix->nmeta++;
-    }
-    if (!have_total)
-        return bad_index(err, "\"metadata\" lacks \"total_size\"");
+    if (n < *cap)
+        return 0;
+    size_t nc = *cap ? *cap * 2 : 16;
+    void *p = reallocarray(*arr, nc, sz);
+    if (p == NULL)
+        return -1;
+    *arr = p;
+    *cap = nc;
     return 0;
 }
 
-static int parse_weight_map(const cJSON *wm, st_index *ix, dl_error *err)
+/* Keys are NUL-free C strings (a NUL is refused at parse), so strcmp orders them. */
+static int check_meta_duplicates(const st_index *ix, dl_error *err)
 {
-    const cJSON *c;
-    unsigned char *used = NULL;     /* which shard numbers the map names */
-    size_t n = 0;
+    const char **keys;
+    int rc = 0;
+
+    if (ix->nmeta < 2)
+        return 0;
+    if ((keys = malloc(ix->nmeta * sizeof(*keys))) == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    for (size_t i = 0; i < ix->nmeta; i++)
+        keys[i] = ix->meta[i].key;
+    qsort(keys, ix->nmeta, sizeof(*keys), str_ptr_cmp);
+    for (size_t i = 1; i < ix->nmeta && rc == 0; i++) {
+        if (strcmp(keys[i - 1], keys[i]) == 0)
+            rc = dl_fail(err, DL_E_DUPLICATE_KEY, keys[i], strlen(keys[i]),
+                         "invalid index: duplicate key in \"metadata\"");
+    }
+    free(keys);
+    return rc;
+}
+
+/* "metadata": an object of "total_size" (an integer) and otherwise strings or integers
+ * (transformers adds "total_parameters"; an integer is kept as its decimal text). */
+static int parse_metadata(ixp *p, st_index *ix)
+{
+    size_t cap = 0;
+    int have_total = 0, rc, c;
+
+    if (ixp_peek(p) != '{')
+        return ixp_fail(p, "\"metadata\" is not an object");
+    p->pos++;
+    if ((c = ixp_peek(p)) == '}') {
+        p->pos++;
+        return bad_index(p->err, "\"metadata\" lacks \"total_size\"");
+    }
+    for (;;) {
+        char *key = NULL, *value = NULL;
+        size_t klen, vlen;
+        uint64_t u;
+        if ((rc = ixp_string(p, &key, &klen)) != 0)
+            return rc;
+        if ((rc = ixp_expect(p, ':', "expected ':'")) != 0) {
+            free(key);
+            return rc;
+        }
+        c = ixp_peek(p);
+        if (strcmp(key, "total_size") == 0) {
+            if (have_total) {
+                rc = dl_fail(p->err, DL_E_DUPLICATE_KEY, key, klen, "invalid index: duplicate key in \"metadata\"");
+                free(key);
+                return rc;
+            }
+            free(key);
+            if (c == '"' || (rc = ixp_uint(p, &ix->total_size)) != 0)
+                return c == '"' || rc == -DL_E_INVALID_HEADER_DESERIALIZATION
+                           ? bad_index(p->err, "\"total_size\" is not an integer in [0, 2^53)")
+                           : rc;
+            have_total = 1;
+        } else {
+            if (c == '"') {
+                rc = ixp_string(p, &value, &vlen);
+            } else if (c >= '0' && c <= '9' && (rc = ixp_uint(p, &u)) == 0) {
+                char num[24];
+                vlen = (size_t)snprintf(num, sizeof(num), "%llu", (unsigned long long)u);
+                if ((value = strdup(num)) == NULL)
+                    rc = dl_fail(p->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+            } else {
+                /* nesting, arrays, null, booleans, negative or fractional numbers: refused here,
+                 * before a byte of them is read */
+                rc = dl_fail(p->err, DL_E_INVALID_HEADER_DESERIALIZATION, key, klen,
+                             "invalid index: a metadata value is neither a string nor a non-negative integer");
+            }
+            if (rc == 0 && grow((void **)&ix->meta, &cap, ix->nmeta, sizeof(*ix->meta)) != 0)
+                rc = dl_fail(p->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+            if (rc != 0) {
+                free(key);
+                free(value);
+                return rc;
+            }
+            ix->meta[ix->nmeta++] = (st_meta){.key = key, .key_len = klen, .value = value, .value_len = vlen};
+        }
+        c = ixp_peek(p);
+        p->pos++;
+        if (c == '}')
+            break;
+        if (c != ',') {
+            p->pos--;
+            return ixp_fail(p, "expected ',' or '}' in \"metadata\"");
+        }
+    }
+    if (!have_total)
+        return bad_index(p->err, "\"metadata\" lacks \"total_size\"");
+    return check_meta_duplicates(ix, p->err);
+}
+
+/* One weight_map member: key (a tensor name, kept) and value (a shard file name of the base,
+ * checked and dropped).  used[] records the shard numbers seen. */
+static int parse_wm_entry(ixp *p, st_index *ix, size_t *cap, unsigned char **used)
+{
+    char *name = NULL, *file = NULL;
+    size_t nlen, flen;
+    uint32_t i, count;
     int rc;
 
-    if (!cJSON_IsObject(wm))
-        return bad_index(err, "\"weight_map\" is not an object");
-    if ((rc = check_duplicates(wm, "\"weight_map\"", err)) != 0)
+    if ((rc = ixp_string(p, &name, &nlen)) != 0)
         return rc;
-    cJSON_ArrayForEach(c, wm)
-        n++;
-    if (n == 0)
-        return bad_index(err, "\"weight_map\" is empty");
-    ix->entries = calloc(n, sizeof(*ix->entries));
-    ix->by_name = malloc(n * sizeof(*ix->by_name));
-    if (ix->entries == NULL || ix->by_name == NULL)
-        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-    cJSON_ArrayForEach(c, wm) {
-        uint32_t i, count;
-        size_t klen = strlen(c->string);
-        if (!cJSON_IsString(c)) {
-            rc = dl_fail(err, DL_E_INVALID_HEADER_DESERIALIZATION, c->string, klen,
-                         "invalid index: a weight_map value is not a string");
-            goto out;
-        }
-        if (st_index_parse_shard_name(c->valuestring, strlen(c->valuestring), ix->base, &i, &count) != 0) {
-            char shown[128];
-            dl_printable(shown, sizeof(shown), c->valuestring, strlen(c->valuestring));
-            rc = dl_fail(err, DL_E_INVALID_PATH, c->string, klen,
-                         "invalid index: \"%s\" is not a shard of %s (expected %s-<i>-of-<N>.safetensors, "
-                         "5 digits each, no directory)", shown, ix->base, ix->base);
-            goto out;
-        }
-        if (ix->nshards == 0) {
-            ix->nshards = count;
-            if ((used = calloc(count, 1)) == NULL) {
-                rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-                goto out;
-            }
-        } else if (count != ix->nshards) {
-            rc = dl_fail(err, DL_E_INVALID_PATH, c->string, klen,
-                         "invalid index: shard names disagree on the shard count (%u and %u)", ix->nshards, count);
-            goto out;
-        }
-        used[i] = 1;
-        st_index_entry *e = &ix->entries[ix->nentries];
-        if ((e->name = strdup(c->string)) == NULL) {
-            rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-            goto out;
-        }
-        e->name_len = klen;
-        e->shard = i;
-        ix->by_name[ix->nentries] = ix->nentries;
-        ix->nentries++;
+    if ((rc = ixp_expect(p, ':', "expected ':'")) != 0)
+        goto out;
+    if (ixp_peek(p) != '"') {
+        rc = dl_fail(p->err, DL_E_INVALID_HEADER_DESERIALIZATION, name, nlen,
+                     "invalid index: a weight_map value is not a string");
+        goto out;
     }
+    if ((rc = ixp_string(p, &file, &flen)) != 0)
+        goto out;
+    if (st_index_parse_shard_name(file, flen, ix->base, &i, &count) != 0) {
+        char shown[128];
+        dl_printable(shown, sizeof(shown), file, flen);
+        rc = dl_fail(p->err, DL_E_INVALID_PATH, name, nlen,
+                     "invalid index: \"%s\" is not a shard of %s (expected %s-<i>-of-<N>.safetensors, "
+                     "5 digits each, no directory)", shown, ix->base, ix->base);
+        goto out;
+    }
+    if (ix->nshards == 0) {
+        ix->nshards = count;
+        if ((*used = calloc(count, 1)) == NULL) {
+            rc = dl_fail(p->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+            goto out;
+        }
+    } else if (count != ix->nshards) {
+        rc = dl_fail(p->err, DL_E_INVALID_PATH, name, nlen,
+                     "invalid index: shard names disagree on the shard count (%u and %u)", ix->nshards, count);
+        goto out;
+    }
+    if (grow((void **)&ix->entries, cap, ix->nentries, sizeof(*ix->entries)) != 0) {
+        rc = dl_fail(p->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        goto out;
+    }
+    (*used)[i] = 1;
+    ix->entries[ix->nentries++] = (st_index_entry){.name = name, .name_len = nlen, .shard = i};
+    name = NULL;
+out:
+    free(name);
+    free(file);
+    return rc;
+}
+
+/* "weight_map": a non-empty object of tensor name -> shard file, no name twice.  *used receives
+ * which shard numbers the map names (malloc'd; the caller frees it). */
+static int parse_weight_map(ixp *p, st_index *ix, unsigned char **used)
+{
+    size_t cap = 0;
+    int rc = 0, c;
+
+    if (ixp_peek(p) != '{')
+        return ixp_fail(p, "\"weight_map\" is not an object");
+    p->pos++;
+    if (ixp_peek(p) == '}') {
+        p->pos++;
+        return bad_index(p->err, "\"weight_map\" is empty");
+    }
+    for (;;) {
+        if ((rc = parse_wm_entry(p, ix, &cap, used)) != 0)
+            goto out;
+        c = ixp_peek(p);
+        p->pos++;
+        if (c == '}')
+            break;
+        if (c != ',') {
+            p->pos--;
+            rc = ixp_fail(p, "expected ',' or '}' in \"weight_map\"");
+            goto out;
+        }
+    }
+    if ((ix->by_name = malloc(ix->nentries * sizeof(*ix->by_name))) == NULL) {
+        rc = dl_fail(p->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        goto out;
+    }
+    for (size_t k = 0; k < ix->nentries; k++)
+        ix->by_name[k] = k;
+    qsort_r(ix->by_name, ix->nentries, sizeof(*ix->by_name), by_name_cmp, ix->entries);
+    for (size_t k = 1; k < ix->nentries; k++) {
+        const st_index_entry *a = &ix->entries[ix->by_name[k - 1]], *b = &ix->entries[ix->by_name[k]];
+        if (bytes_cmp(a->name, a->name_len, b->name, b->name_len) == 0) {
+            rc = dl_fail(p->err, DL_E_DUPLICATE_KEY, b->name, b->name_len,
+                         "invalid index: duplicate key in \"weight_map\"");
+            goto out;
+        }
+    }
+out:
+    return rc;
+}
+
+/* Every shard number 1..N is named (checked once the whole index is read, after the keys). */
+static int check_shards_used(const st_index *ix, const unsigned char *used, dl_error *err)
+{
     for (uint32_t i = 0; i < ix->nshards; i++) {
         if (!used[i]) {
             char name[ST_INDEX_BASE_MAX + 40];
             st_index_shard_name(ix->base, i, ix->nshards, name, sizeof(name));
-            rc = dl_fail(err, DL_E_INVALID_PATH, NULL, 0,
-                         "invalid index: no tensor is listed in shard %s (every shard of a set holds tensors)", name);
-            goto out;
+            return dl_fail(err, DL_E_INVALID_PATH, NULL, 0,
+                           "invalid index: no tensor is listed in shard %s (every shard of a set holds tensors)", name);
         }
     }
-    qsort_r(ix->by_name, ix->nentries, sizeof(*ix->by_name), by_name_cmp, ix->entries);
-out:
-    free(used);
-    return rc;
+    return 0;
+}
+
+size_t st_index_cap_for(const st_header *global)
+{
+    /* "    \"<name>\": \"<base>-00001-of-00002.safetensors\",\n" */
+    const uint64_t per_entry = 16 + ST_INDEX_BASE_MAX + sizeof("-00001-of-00002" SHARD_EXT);
+    uint64_t cap = 64u * 1024u;
+
+    for (size_t i = 0; i < global->ntensors && cap < ST_INDEX_MAX_BYTES; i++) {
+        if (st_dtype_is_floating(global->tensors[i].dtype))
+            cap += 6 * (uint64_t)global->tensors[i].name_len + per_entry;
+    }
+    return cap < ST_INDEX_MAX_BYTES ? (size_t)cap : ST_INDEX_MAX_BYTES;
 }
 
 int st_index_parse(const char *text, size_t len, const char *base, st_index **out, dl_error *err)
 {
+    return st_index_parse_capped(text, len, base, ST_INDEX_MAX_BYTES, out, err);
+}
+
+int st_index_parse_capped(const char *text, size_t len, const char *base, size_t cap, st_index **out,
+                          dl_error *err)
+{
+    dl_error local;
     st_index *ix = NULL;
-    cJSON *root = NULL;
-    const cJSON *c, *md = NULL, *wm = NULL;
-    const char *end = NULL;
+    ixp p = {(const unsigned char *)text, len, 0, err ? err : &local};
+    int have_md = 0, have_wm = 0, rc, c;
+    unsigned char *used = NULL;
     size_t bad;
-    int rc;
 
     *out = NULL;
+    if (cap > ST_INDEX_MAX_BYTES)
+        cap = ST_INDEX_MAX_BYTES;
     if (!st_index_valid_base(base, strlen(base)))
-        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "invalid index base name");
-    if (len > ST_INDEX_MAX_BYTES)
-        return dl_fail(err, DL_E_HEADER_TOO_LARGE, NULL, 0, "index of %zu bytes is over the %u-byte cap", len,
-                       ST_INDEX_MAX_BYTES);
+        return dl_fail(p.err, DL_E_INVALID_ARGUMENT, NULL, 0, "invalid index base name");
+    if (len > cap)
+        return dl_fail(p.err, DL_E_HEADER_TOO_LARGE, NULL, 0, "index of %zu bytes is over the %zu-byte cap", len,
+                       cap);
     if (dl_utf8_check(text, len, &bad) != 0)
-        return dl_fail(err, DL_E_INVALID_HEADER, NULL, 0, "index is not UTF-8 (byte %zu)", bad);
-    if ((rc = check_strings(text, len, err)) != 0)
-        return rc;
-    root = cJSON_ParseWithLengthOpts(text, len, &end, 0);
-    if (root == NULL)
-        return bad_index(err, "not JSON");
-    for (const char *p = end; p < text + len; p++) {
-        if (*p != ' ' && *p != '\t' && *p != '\n' && *p != '\r') {
-            rc = bad_index(err, "trailing bytes after the JSON value");
-            goto out;
-        }
-    }
-    if (!cJSON_IsObject(root)) {
-        rc = bad_index(err, "not a JSON object");
-        goto out;
-    }
-    if ((rc = check_duplicates(root, "the index", err)) != 0)
-        goto out;
-    cJSON_ArrayForEach(c, root) {
-        if (strcmp(c->string, "metadata") == 0)
-            md = c;
-        else if (strcmp(c->string, "weight_map") == 0)
-            wm = c;
-        else {
-            rc = dl_fail(err, DL_E_INVALID_HEADER_DESERIALIZATION, NULL, 0,
-                         "invalid index: unknown key \"%.64s\" (an index holds \"metadata\" and \"weight_map\")",
-                         c->string);
-            goto out;
-        }
-    }
-    if (md == NULL || wm == NULL) {
-        rc = bad_index(err, md == NULL ? "no \"metadata\" (with \"total_size\")" : "no \"weight_map\"");
-        goto out;
-    }
+        return dl_fail(p.err, DL_E_INVALID_HEADER, NULL, 0, "index is not UTF-8 (byte %zu)", bad);
     if ((ix = calloc(1, sizeof(*ix))) == NULL || (ix->base = strdup(base)) == NULL) {
-        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        free(ix);
+        return dl_fail(p.err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    }
+    if (ixp_peek(&p) != '{') {
+        rc = ixp_fail(&p, "not a JSON object");
         goto out;
     }
-    if ((rc = parse_metadata(md, ix, err)) != 0 || (rc = parse_weight_map(wm, ix, err)) != 0)
+    p.pos++;
+    if (ixp_peek(&p) == '}') {
+        rc = bad_index(p.err, "no \"metadata\" (with \"total_size\")");
         goto out;
+    }
+    for (;;) {
+        char *key;
+        size_t klen;
+        if ((rc = ixp_string(&p, &key, &klen)) != 0)
+            goto out;
+        int is_md = strcmp(key, "metadata") == 0, is_wm = strcmp(key, "weight_map") == 0;
+        free(key);
+        if (!is_md && !is_wm) {
+            rc = bad_index(p.err, "an unknown key (an index holds \"metadata\" and \"weight_map\")");
+            goto out;
+        }
+        if ((is_md && have_md) || (is_wm && have_wm)) {
+            rc = dl_fail(p.err, DL_E_DUPLICATE_KEY, is_md ? "metadata" : "weight_map", is_md ? 8 : 10,
+                         "invalid index: duplicate key in the index");
+            goto out;
+        }
+        if ((rc = ixp_expect(&p, ':', "expected ':'")) != 0)
+            goto out;
+        if ((rc = is_md ? parse_metadata(&p, ix) : parse_weight_map(&p, ix, &used)) != 0)
+            goto out;
+        have_md |= is_md;
+        have_wm |= is_wm;
+        c = ixp_peek(&p);
+        p.pos++;
+        if (c == '}')
+            break;
+        if (c != ',') {
+            p.pos--;
+            rc = ixp_fail(&p, "expected ',' or '}'");
+            goto out;
+        }
+    }
+    if (ixp_peek(&p) != -1) {
+        rc = bad_index(p.err, "trailing bytes after the JSON value");
+        goto out;
+    }
+    if (!have_md || !have_wm) {
+        rc = bad_index(p.err, !have_md ? "no \"metadata\" (with \"total_size\")" : "no \"weight_map\"");
+        goto out;
+    }
+    if ((rc = check_shards_used(ix, used, p.err)) != 0)
+        goto out;
+    free(used);
     *out = ix;
-    ix = NULL;
+    return 0;
 out:
+    free(used);
     st_index_free(ix);
-    cJSON_Delete(root);
     return rc;
 }
 

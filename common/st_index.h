@@ -65,6 +65,16 @@ typedef struct st_index {
  * Codes: DL_E_INVALID_HEADER_DESERIALIZATION for JSON and schema errors, DL_E_DUPLICATE_KEY,
  * DL_E_INVALID_PATH for a bad shard name, DL_E_HEADER_TOO_LARGE over the cap. */
 int st_index_parse(const char *text, size_t len, const char *base, st_index **out, dl_error *err);
+/* The same with a tighter cap (bytes, at most ST_INDEX_MAX_BYTES): see st_index_cap_for.  The
+ * parser walks the schema without building a tree: nesting, arrays, null, booleans and unknown keys
+ * are refused at their first byte, and memory is proportional to what the st_index keeps. */
+int st_index_parse_capped(const char *text, size_t len, const char *base, size_t cap, st_index **out,
+                          dl_error *err);
+/* The cap for a delta index of the model `global` (its floating tensors are a delta's keys): per
+ * tensor its name as json.dump may escape it (at most 6 bytes per byte: \u00XX), the longest shard
+ * file name and the indent=2 punctuation, plus 64 KiB for the metadata; at most ST_INDEX_MAX_BYTES.
+ * A 1,000-tensor model with 50-byte names gets ~0.6 MB, not 10 MiB. */
+size_t st_index_cap_for(const st_header *global);
 /* Reads path (capped) and parses it; the base comes from the file name, which must end in
  * ST_INDEX_SUFFIX. */
 int st_index_load(const char *path, st_index **out, dl_error *err);

@@ -973,7 +973,7 @@ static int authorize(dilocod *d, http_conn *c, http_request *req, const char *no
 static uint64_t body_limit(const dilocod *d)
 {
     return d->cfg->max_body_mib ? (uint64_t)d->cfg->max_body_mib << 20
-                                : d->delta_bytes + 8 + ((uint64_t)d->cfg->max_delta_header_mib << 20);
+                                : intake_set_budget(d->delta_bytes, (uint64_t)d->cfg->max_delta_header_mib << 20);
 }
 
 /* What every upload must pass before its body is read.  0, or -1 when answered. */
@@ -1324,8 +1324,10 @@ static int index_on_data(http_conn *c, const char *p, size_t n, void *ctx)
         return -1;
     }
     u->d->m.upload_bytes += n;
-    if (n > ST_INDEX_MAX_BYTES - u->body.len) {
-        snprintf(msg, sizeof(msg), "an index is at most %u bytes", ST_INDEX_MAX_BYTES);
+    /* the model's cap: an index lists its floating tensors */
+    size_t cap = u->d->model ? st_index_cap_for(u->d->model) : ST_INDEX_MAX_BYTES;
+    if (n > cap - u->body.len) {
+        snprintf(msg, sizeof(msg), "an index for this model is at most %zu bytes", cap);
         reject(u, 413, "too_large", msg, NULL);
         upload_discard(u);
         return -1;
@@ -1365,7 +1367,8 @@ static void index_work(daemon_job *j)
     int rc;
 
     snprintf(base, sizeof(base), "delta_%" PRIu64, u->local_step);
-    if ((rc = st_index_parse(u->body.p ? u->body.p : "", u->body.len, base, &ix, &j->err)) != 0)
+    if ((rc = st_index_parse_capped(u->body.p ? u->body.p : "", u->body.len, base, st_index_cap_for(d->model), &ix,
+                                    &j->err)) != 0)
         goto out;
     if ((rc = delta_check_meta(ix->meta, ix->nmeta, u->rel, &u->ds.info, &j->err)) != 0)
         goto out;
@@ -1647,9 +1650,9 @@ static void set_part_start(dilocod *d, http_conn *c, http_request *req, const de
     snprintf(base, sizeof(base), "delta_%" PRIu64, dp->local_step);
     if (kind == UP_INDEX) {
         snprintf(part, sizeof(part), "%s" ST_INDEX_SUFFIX, base);
-        if (req->has_length && req->content_length > ST_INDEX_MAX_BYTES) {
-            snprintf(msg, sizeof(msg), "an index is at most %u bytes; this one has %" PRIu64, ST_INDEX_MAX_BYTES,
-                     req->content_length);
+        if (req->has_length && req->content_length > st_index_cap_for(d->model)) {
+            snprintf(msg, sizeof(msg), "an index for this model is at most %zu bytes; this one has %" PRIu64,
+                     st_index_cap_for(d->model), req->content_length);
             http_respond_error(c, 413, "too_large", msg, NULL);
             return;
         }

@@ -334,6 +334,25 @@ static uint64_t max_header(const intake_req *r)
 /* Opens the source as a regular file, never blocking on a FIFO; a delta of the shared tree only
  * through directories of that tree (no link at any level).  0 or a negative errno; on a refused
  * type sb->st_mode says what was there. */
+uint64_t intake_delta_bytes(const st_header *global)
+{
+    uint64_t n = 0;
+    for (size_t i = 0; i < global->ntensors; i++) {
+        const st_tensor *t = &global->tensors[i];
+        if (st_dtype_is_floating(t->dtype))
+            n += t->nelem * (t->dtype == ST_C64 ? 8 : 4);
+    }
+    return n;
+}
+
+uint64_t intake_set_budget(uint64_t delta_bytes, uint64_t header_cap)
+{
+    uint64_t b;
+    if (__builtin_add_overflow(delta_bytes, 8 + header_cap, &b))
+        return UINT64_MAX;
+    return b;
+}
+
 static int open_source(const intake_req *r, int *fd, struct stat *sb)
 {
     int rootfd, rc;
@@ -871,9 +890,12 @@ static intake_status read_index(intake_req *r, int fd, const struct stat *sb, co
         dl_fail(&r->err, DL_E_INVALID_PATH, NULL, 0, "an index is named <base>" ST_INDEX_SUFFIX);
         return INTAKE_INVALID;
     }
-    if ((uint64_t)sb->st_size > ST_INDEX_MAX_BYTES) {
-        dl_fail(&r->err, DL_E_HEADER_TOO_LARGE, NULL, 0, "index of %" PRIu64 " bytes is over the %u-byte cap",
-                (uint64_t)sb->st_size, ST_INDEX_MAX_BYTES);
+    /* the cap follows the model: an index lists at most its floating tensors */
+    size_t cap = st_index_cap_for(r->global);
+    if ((uint64_t)sb->st_size > cap) {
+        dl_fail(&r->err, DL_E_HEADER_TOO_LARGE, NULL, 0,
+                "index of %" PRIu64 " bytes is over the %zu-byte cap for this model's %zu tensors",
+                (uint64_t)sb->st_size, cap, r->global->ntensors);
         return INTAKE_INVALID;
     }
     *len = (size_t)sb->st_size;
@@ -885,7 +907,7 @@ static intake_status read_index(intake_req *r, int fd, const struct stat *sb, co
         dl_fail(&r->err, DL_E_IO, NULL, 0, "the index shrank while it was read");
         return INTAKE_INCOMPLETE;
     }
-    if (st_index_parse(*text, *len, base, ix, &r->err) != 0) {
+    if (st_index_parse_capped(*text, *len, base, cap, ix, &r->err) != 0) {
         /* JSON cut short (no closing brace yet): an index still being written, not a malformed one */
         size_t k = *len;
         while (k > 0 && strchr(" \t\r\n", (*text)[k - 1]) != NULL)
@@ -976,7 +998,7 @@ static int check_shard_against_index(const st_index *ix, uint32_t i, const uint3
  * values) and copied to stage/name, fsynced.  *bytes receives its size. */
 static intake_status take_shard(intake_req *r, int dirfd, const st_index *ix, uint32_t i, const uint32_t *listed,
                                 const char *name, const char *stage, const st_tensor *const *global, size_t nglobal,
-                                uint64_t *bytes)
+                                uint64_t room, uint64_t *bytes)
 {
     struct stat before;
     unsigned char prefix[8];
@@ -993,6 +1015,12 @@ static intake_status take_shard(intake_req *r, int dirfd, const st_index *ix, ui
         goto out;
     }
     *bytes = (uint64_t)before.st_size;
+    if (*bytes > room) {
+        dl_fail(&r->err, DL_E_HEADER_TOO_LARGE, NULL, 0,
+                "the set's shards hold more than the delta budget (the model's delta bytes plus one header cap)");
+        st = INTAKE_INVALID;
+        goto out;
+    }
     if ((st = read_header(r, src, *bytes, prefix, &json, &n, &h)) != INTAKE_OK)
         goto out;
     if (delta_check_shard_header(h, global, nglobal, &r->err) != 0 ||
@@ -1108,8 +1136,33 @@ static intake_status reopen_cached_set(intake_req *r, const st_tensor *const *gl
     return st;
 }
 
+/* The shards' sizes together against the set's budget (intake_set_budget), before a byte is copied:
+ * a set over it is refused whole, so it never takes room in the state root.  A missing shard is
+ * left for take_shard to report. */
+static intake_status check_set_budget(intake_req *r, int dirfd, const st_index *ix, uint64_t budget)
+{
+    uint64_t total = 0;
+
+    for (uint32_t i = 0; i < ix->nshards; i++) {
+        char shard[ST_INDEX_BASE_MAX + 40];
+        struct stat sb;
+        st_index_shard_name(ix->base, i, ix->nshards, shard, sizeof(shard));
+        if (fstatat(dirfd, shard, &sb, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(sb.st_mode))
+            continue;
+        total += (uint64_t)sb.st_size;
+        if (total > budget) {
+            dl_fail(&r->err, DL_E_HEADER_TOO_LARGE, NULL, 0,
+                    "the set's %u shards hold more than %" PRIu64 " bytes, the delta budget (the model's %" PRIu64
+                    " delta bytes plus one header cap)", ix->nshards, budget, intake_delta_bytes(r->global));
+            return INTAKE_INVALID;
+        }
+    }
+    return INTAKE_OK;
+}
+
 static intake_status intake_set(intake_req *r)
 {
+    uint64_t budget = intake_set_budget(intake_delta_bytes(r->global), max_header(r)), taken = 0;
     struct stat before, after;
     const char *name = NULL;
     char *text = NULL, *stage = NULL;
@@ -1180,13 +1233,18 @@ static intake_status intake_set(intake_req *r)
     }
     for (size_t k = 0; k < ix->nentries; k++)
         listed[ix->entries[k].shard]++;
+    if ((st = check_set_budget(r, dirfd, ix, budget)) != INTAKE_OK)
+        goto out;
     for (uint32_t i = 0; i < ix->nshards; i++) {
         char shard[ST_INDEX_BASE_MAX + 40];
         uint64_t bytes = 0;
         st_index_shard_name(ix->base, i, ix->nshards, shard, sizeof(shard));
-        if ((st = take_shard(r, dirfd, ix, i, listed, shard, stage, global, nglobal, &bytes)) != INTAKE_OK)
+        /* the room left is checked again as each shard is opened: one may have grown since */
+        if ((st = take_shard(r, dirfd, ix, i, listed, shard, stage, global, nglobal, budget - taken, &bytes)) !=
+            INTAKE_OK)
             goto out;
         r->size += bytes;
+        taken += bytes;
     }
     if (fstat(fd, &after) != 0 || after.st_size != before.st_size || mtime_ns(&after) != r->mtime_ns) {
         dl_fail(&r->err, DL_E_IO, NULL, 0, "the index changed while its set was read");

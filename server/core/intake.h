@@ -78,6 +78,13 @@ typedef struct intake_req {
  * order).  A variable so that the tests can run either way. */
 extern uint64_t intake_split_min;
 
+/* A delta's byte budget, one computation for every intake path (HTTP uploads, file://, s3://, hf://):
+ * the data a delta of the model holds (intake_delta_bytes: every floating tensor in F32, C64 in 8
+ * bytes, as /status's delta_bytes) plus the 8-byte prefix and one header cap.  A set's shards
+ * together must fit it: N shards each with a header just under the cap would otherwise cost N caps
+ * (16 shards of 16 MiB headers: 256 MiB per node per round). */
+uint64_t intake_delta_bytes(const st_header *global);
+uint64_t intake_set_budget(uint64_t delta_bytes, uint64_t max_header);
 void intake_run(intake_req *r);
 const char *intake_status_name(intake_status s);
 void intake_req_free(intake_req *r);

@@ -294,3 +294,75 @@ TEST(check_set_hostile)
     CHECK_EQ(st_index_check_listing(s->index, names, 2, &err), -DL_E_KEY_MISMATCH);
     st_set_close(s);
 }
+
+/* Issue 21 item 5: shapes an attacker sends to make a tree-building parser allocate ~40 bytes per
+ * input byte.  Each is refused at its first byte that the schema has no place for (the error names
+ * a byte offset near the start), however long the rest is. */
+TEST(index_parse_hostile_shapes)
+{
+    static const char *const heads[] = {
+        "{\"metadata\": {\"total_size\": 0, \"x\": [",        /* an array in metadata */
+        "{\"metadata\": {\"total_size\": 0, \"x\": {\"y\": ", /* nesting in metadata */
+        "{\"metadata\": {\"total_size\": 0, \"x\": true",
+        "{\"weight_map\": {\"a\": [",                         /* an array for a shard name */
+        "{\"weight_map\": {\"a\": {",
+        "{\"x\": [",                                          /* an unknown key */
+        "[",
+    };
+    size_t n = ST_INDEX_MAX_BYTES - 16;
+    char *big = malloc(n + 1);
+    CHECK(big != NULL);
+    for (size_t h = 0; h < sizeof(heads) / sizeof(heads[0]); h++) {
+        size_t hl = strlen(heads[h]);
+        st_index *ix = NULL;
+        dl_error err;
+        memcpy(big, heads[h], hl);
+        for (size_t i = hl; i < n; i += 2)
+            memcpy(big + i, "0,", 2);
+        big[n] = '\0';
+        CHECK_EQ(st_index_parse(big, n, "d", &ix, &err), -DL_E_INVALID_HEADER_DESERIALIZATION);
+        CHECK(ix == NULL);
+    }
+    free(big);
+    /* ensure_ascii escapes (json.dump's default), surrogate pairs, "/" escaped, indent=2 */
+    {
+        const char *t = "{\n  \"metadata\": {\n    \"total_size\": 24,\n    \"note\": \"\\u00e9\\ud83d\\ude00\\/\"\n  },\n"
+                        "  \"weight_map\": {\n    \"\\u00e9\": \"d-00001-of-00001.safetensors\"\n  }\n}\n";
+        st_index *ix = NULL;
+        dl_error err;
+        CHECK_EQ(st_index_parse(t, strlen(t), "d", &ix, &err), 0);
+        CHECK_STR(ix->entries[0].name, "\xc3\xa9");
+        CHECK_STR(st_index_meta(ix, "note", NULL), "\xc3\xa9\xf0\x9f\x98\x80/");
+        st_index_free(ix);
+    }
+    static const char *const bad[] = {
+        IX(", \"n\": \"\\ud83d\"", "\"a\": " S1 ", \"b\": " S2),        /* lone leading surrogate */
+        IX(", \"n\": \"\\ude00\"", "\"a\": " S1 ", \"b\": " S2),        /* lone trailing surrogate */
+        IX(", \"n\": \"\\x\"", "\"a\": " S1 ", \"b\": " S2),            /* unknown escape */
+        IX(", \"n\": 01", "\"a\": " S1 ", \"b\": " S2),                 /* leading zero */
+        IX(", \"n\": 1e999", "\"a\": " S1 ", \"b\": " S2),
+        IX(", \"n\": 12345678901234567890123456789012345678901", "\"a\": " S1 ", \"b\": " S2),
+        IX(", \"n\": \"unterminated", ""),
+        "{\"metadata\": {\"total_size\": 24} \"weight_map\": {}}",    /* no comma */
+        "{\"metadata\": {\"total_size\": 24}, \"weight_map\": {\"a\": " S1 " \"b\": " S2 "}}",
+        IX("", "\"a\": " S1 ", \"b\": " S2 ","),                        /* trailing comma */
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        int got = parse_code(bad[i], "d");
+        if (got != DL_E_INVALID_HEADER_DESERIALIZATION)
+            fprintf(stderr, "  case %zu: %s\n", i, bad[i]);
+        CHECK_EQ(got, DL_E_INVALID_HEADER_DESERIALIZATION);
+    }
+    /* integral numbers written as floats are read as before (cJSON read them as doubles) */
+    CHECK_EQ(parse_code("{\"metadata\": {\"total_size\": 24.0}, \"weight_map\": {\"a\": " S1 ", \"b\": " S2 "}}", "d"),
+             0);
+    /* a tighter cap */
+    {
+        const char *t = IX("", "\"a\": " S1 ", \"b\": " S2);
+        st_index *ix = NULL;
+        dl_error err;
+        CHECK_EQ(st_index_parse_capped(t, strlen(t), "d", 16, &ix, &err), -DL_E_HEADER_TOO_LARGE);
+        CHECK_EQ(st_index_parse_capped(t, strlen(t), "d", strlen(t), &ix, &err), 0);
+        st_index_free(ix);
+    }
+}
