@@ -1698,6 +1698,16 @@ static void start_aggregation(dilocod *d)
 {
     outer_pass *p;
 
+    if (!stepcount_step_ok(d->rnd.step + 1)) {
+        /* never computed, never committed: the step would brick the state (stepcount.h) */
+        dl_error be;
+        dl_fail(&be, DL_E_METADATA_INVALID, NULL, 0,
+                "step %" PRIu64 " is past the largest step a state may hold (%llu): its successor cannot be a "
+                "delta's base_outer_step", d->rnd.step + 1, (unsigned long long)STEPCOUNT_STEP_MAX);
+        aggregation_failed(d, &be);
+        return;
+    }
+
     if (reopen_if_rewritten(d))
         return;
     p = calloc(1, sizeof(*p));
