@@ -2071,10 +2071,12 @@ static int adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap,
      * memory for nothing) */
     const uint64_t max_header = bootstrap ? 0 : (uint64_t)d->cfg->max_delta_header_mib << 20;
 
-    if (!bootstrap && !stepcount_step_ok(step))
+    if (!bootstrap && !stepcount_step_ok(step)) {
+        free(dst);
         return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
                        "the published step %" PRIu64 " is past the largest step a state may hold (%llu): its "
                        "successor cannot be a delta's base_outer_step", step, (unsigned long long)STEPCOUNT_STEP_MAX);
+    }
     if (dst == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     info.global_path = dst;
