@@ -570,7 +570,13 @@ static void map_lanes(const st_file *f, const st_tensor *t, uint64_t first, uint
          * cache holds the data in 2 MiB folios, the kernel maps them with one page-table entry each, and
          * the pass's loads miss the TLB 512 times less often than through 4 KiB entries (bench-outer,
          * 8 x 256 MiB: 0.29 s against 0.35-0.39 s with page-sized windows). */
-        m->at = mapread_reserve(f->fd, f->file_size, off, len + ahead * 4, units, &m->base, &m->len);
+        /* a shard of a set is lazy (st_file_lazy): its descriptor is held for the mmap only, the mapping
+         * keeps the file; one that cannot be opened leaves the pread path to report it */
+        int fd;
+        if (st_file_acquire(f, &fd, NULL) != 0)
+            return;
+        m->at = mapread_reserve(fd, f->file_size, off, len + ahead * 4, units, &m->base, &m->len);
+        st_file_release(f);
         if (m->at == NULL)
             return;
         m->file = f;

@@ -92,16 +92,37 @@ static inline uint64_t st_tensor_bytes(const st_tensor *t) { return t->end - t->
 
 /* ---- reader ---------------------------------------------------------------------------------- */
 typedef struct st_file {
-    int fd;
+    int fd;                 /* a lazy file's: -1 while closed (st_file_acquire to use it) */
     char *path;
     uint64_t file_size;
     uint64_t data_start;    /* 8 + N */
     st_header *h;
+    /* lazy files (st_file_lazy): the descriptor is opened on demand, kept in a process-wide LRU of at
+     * most ST_LAZY_OPEN_MAX idle descriptors, closed only when no reader holds it (refs) */
+    int lazy;
+    unsigned refs;
+    uint64_t dev, ino;      /* the file validated: a reopen must find that inode again */
+    struct st_file *lru_prev, *lru_next;
 } st_file;
+
+/* Descriptors lazy files keep open at most, all sets together (more only while that many readers
+ * hold one: one per reading thread).  A set of N shards per node thus costs O(1) descriptors, not
+ * nodes x shards. */
+#define ST_LAZY_OPEN_MAX 32
 
 /* Opens and validates path (reads only the 8-byte prefix and the header; data is read on demand). */
 int st_open(const char *path, st_file **out, dl_error *err);
+/* st_open refusing a header of more than max_header bytes from its 8-byte prefix, before reading it
+ * (0: the format's own cap, ST_MAX_HEADER_SIZE).  DL_E_HEADER_TOO_LARGE. */
+int st_open_capped(const char *path, uint64_t max_header, st_file **out, dl_error *err);
 void st_close(st_file *f);
+/* Makes f lazy: its descriptor joins the LRU and may be closed when idle; a reopen (by path) checks
+ * that the path still names the inode validated.  For the shards of a set, which would otherwise hold
+ * one descriptor per shard per node.  Thread-safe, as st_file_acquire and st_file_release are. */
+int st_file_lazy(st_file *f, dl_error *err);
+/* f's descriptor for a read, held open until st_file_release (a plain file's: f->fd, no-op release). */
+int st_file_acquire(const st_file *f, int *fd, dl_error *err);
+void st_file_release(const st_file *f);
 /* Reads len bytes at offset off within tensor t (bounds checked) with pread. */
 int st_read(const st_file *f, const st_tensor *t, uint64_t off, void *buf, size_t len, dl_error *err);
 

@@ -1046,6 +1046,10 @@ int st_set_open(const char *path, st_set **out, dl_error *err)
         if (rc != 0 && err != NULL && err->code == DL_E_IO && err->sys_errno == ENOENT)
             rc = dl_fail(err, DL_E_KEY_MISMATCH, NULL, 0, "shard %s of the set is missing (the index lists %u shards)",
                          name, ix->nshards);
+        /* a shard's descriptor is opened as its tensors are read: sets of many shards from many nodes
+         * would otherwise hold nodes x shards descriptors at once */
+        if (rc == 0)
+            rc = st_file_lazy(files[i], err);
         free(p);
         if (rc != 0)
             goto fail;

@@ -16,6 +16,15 @@
 #define STEPCOUNT_MODEL_SINGLE "global/latest.safetensors"
 #define STEPCOUNT_MODEL_INDEX "global/latest.safetensors.index.json"
 
+/* The largest step a state may hold: its successor, the step its round's deltas name as base_outer_step
+ * (and the step the round commits), must still be an integer every JSON reader keeps exact, at most
+ * DELTA_INT_MAX (2^53 - 1, common/delta.h) as delta_parse_int and the wire format require.  A larger
+ * step would take every delta to a 422 and the restart to "outer_metadata.json is damaged": it is
+ * neither adopted nor committed. */
+#define STEPCOUNT_STEP_MAX 9007199254740990ULL    /* DELTA_INT_MAX - 1 */
+/* Whether a state may hold step (see STEPCOUNT_STEP_MAX). */
+static inline int stepcount_step_ok(uint64_t step) { return step <= STEPCOUNT_STEP_MAX; }
+
 /* malloc'd text; sharded names STEPCOUNT_MODEL_INDEX as model_file; updated_at NULL means now (UTC,
  * seconds). */
 char *stepcount_build(uint64_t outer_step, const char *optimizer, int bootstrap, int sharded, const char *updated_at);

@@ -26,6 +26,7 @@
 #include "safetensors.h"
 #include "st_index.h"
 #include "st_reshard.h"
+#include "stepcount.h"
 #include "store.h"
 
 #define MAX_INTAKE_IN_FLIGHT 2
@@ -1773,6 +1774,16 @@ static void start_aggregation(dilocod *d)
 {
     outer_pass *p;
 
+    if (!stepcount_step_ok(d->rnd.step + 1)) {
+        /* never computed, never committed: the step would brick the state (stepcount.h) */
+        dl_error be;
+        dl_fail(&be, DL_E_METADATA_INVALID, NULL, 0,
+                "step %" PRIu64 " is past the largest step a state may hold (%llu): its successor cannot be a "
+                "delta's base_outer_step", d->rnd.step + 1, (unsigned long long)STEPCOUNT_STEP_MAX);
+        aggregation_failed(d, &be);
+        return;
+    }
+
     if (reopen_if_rewritten(d))
         return;
     p = calloc(1, sizeof(*p));
@@ -2021,10 +2032,11 @@ static void maybe_publish(dilocod *d)
 
 /* ---- adopting a global: the transport's (a verified local copy) or --init-model ----------------- */
 
-static int open_model(dilocod *d, const char *path, dl_error *err)
+/* max_header: the cap on the model's header (0: the format's own) */
+static int open_model(dilocod *d, const char *path, uint64_t max_header, dl_error *err)
 {
     st_file *f;
-    int rc = st_open(path, &f, err);
+    int rc = st_open_capped(path, max_header, &f, err);
 
     if (rc != 0)
         return rc;
@@ -2165,6 +2177,17 @@ static int adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap,
     };
     int rc;
 
+    /* another writer's global: its step and its header bounded as every other input (a step whose
+     * successor no delta can name bricks the state; a header no delta of that model could have costs
+     * memory for nothing) */
+    const uint64_t max_header = bootstrap ? 0 : (uint64_t)d->cfg->max_delta_header_mib << 20;
+
+    if (!bootstrap && !stepcount_step_ok(step)) {
+        free(dst);
+        return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
+                       "the published step %" PRIu64 " is past the largest step a state may hold (%llu): its "
+                       "successor cannot be a delta's base_outer_step", step, (unsigned long long)STEPCOUNT_STEP_MAX);
+    }
     if (dst == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     info.global_path = dst;
@@ -2174,9 +2197,9 @@ static int adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap,
     if (header_known) {
         rc = bootstrap_take(d, src, dst, mi, err);
     } else if (st_index_is_index_path(src)) {
-        if ((rc = st_reshard(src, dst, 0, NULL, 0, NULL, err)) == 0 && (rc = open_model(d, dst, err)) != 0)
+        if ((rc = st_reshard(src, dst, 0, NULL, 0, NULL, err)) == 0 && (rc = open_model(d, dst, max_header, err)) != 0)
             unlink(dst);
-    } else if ((rc = open_model(d, src, err)) == 0) {
+    } else if ((rc = open_model(d, src, max_header, err)) == 0) {
         rc = bootstrap ? take_model(src, dst, mi, err) : move_into_place(src, dst, err);
     }
     info.global_version = mi->linked ? &mi->version : NULL;
@@ -2220,8 +2243,14 @@ static void adopt_done(job *j)
     if (!a->bootstrap)
         discard_local(d, a->path, 1);   /* moved into place, or refused: either way gone */
     if (j->rc != 0) {
-        log_error("store", a->bootstrap ? "cannot bootstrap from --init-model" : "cannot adopt the published global",
-                  &j->err);
+        if (!a->bootstrap)
+            d->adoptions_refused++;
+        /* the transport offers a refused global again at each poll: one line per step offered */
+        if (a->bootstrap || d->adopt_refused_step != (int64_t)a->step)
+            log_error("store", a->bootstrap ? "cannot bootstrap from --init-model" : "cannot adopt the published global",
+                      &j->err);
+        if (!a->bootstrap)
+            d->adopt_refused_step = (int64_t)a->step;
         if (a->bootstrap) {
             d->exit_code = 1;
             raise(SIGTERM);
@@ -2465,7 +2494,7 @@ static void collecting_start(dilocod *d)
 {
     dl_error err;
 
-    if (d->model == NULL && open_model(d, d->st.global_path, &err) != 0) {
+    if (d->model == NULL && open_model(d, d->st.global_path, 0, &err) != 0) {
         log_error("store", "cannot open the committed global", &err);
         d->exit_code = 1;
         uv_stop(&d->loop);
@@ -2689,6 +2718,7 @@ int daemon_run(config *cfg)
     d->cfg = cfg;
     d->started_at = time(NULL);
     d->published_step = -1;
+    d->adopt_refused_step = -1;
     d->set_step = -1;
     d->set_nshards = 1;
     d->state = S_COLLECTING;            /* startup() switches to S_WAITING_GLOBAL when it must */

@@ -141,6 +141,10 @@ typedef struct dilocod {
     round_record pending_record;
     char *unappended;           /* records committed but not yet in rounds.jsonl (commit jobs only) */
     stats m;                    /* every counter (stats.h) */
+    /* adoptions of a published global refused (its step out of bounds, its header over the cap, ...):
+     * counted each time, logged once per step offered */
+    uint64_t adoptions_refused;
+    int64_t adopt_refused_step; /* the step last refused (-1: none) */
 } dilocod;
 
 static inline double daemon__now(dilocod *d)

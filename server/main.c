@@ -1,12 +1,15 @@
 /* dilocod: the DiLoCo outer-loop aggregator. */
+#include <errno.h>
 #include <malloc.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "config.h"
 #include "daemon.h"
+#include "dl_log.h"
 
 /* A peer that hangs up while we write must cost its connection, not the process: sendfile(2) and
  * writev(2) have no MSG_NOSIGNAL, so SIGPIPE is ignored process-wide and writes fail with EPIPE. */
@@ -17,6 +20,31 @@ static int ignore_sigpipe(void)
     sa.sa_handler = SIG_IGN;
     sigemptyset(&sa.sa_mask);
     return sigaction(SIGPIPE, &sa, NULL);
+}
+
+/* The soft RLIMIT_NOFILE up to the hard one: connections, downloads and a pass's shards all take
+ * descriptors, and a soft limit of 1024 (the usual default) is a cap nothing needs.  Logged either way:
+ * the limit a daemon ran with says what EMFILE it could meet. */
+static void raise_nofile(void)
+{
+    struct rlimit rl;
+    rlim_t was;
+
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0) {
+        dl_log(DL_LOG_WARN, "main", "cannot read RLIMIT_NOFILE", "errno=%d", errno);
+        return;
+    }
+    was = rl.rlim_cur;
+    if (rl.rlim_cur != rl.rlim_max) {
+        rl.rlim_cur = rl.rlim_max;
+        if (setrlimit(RLIMIT_NOFILE, &rl) != 0) {
+            dl_log(DL_LOG_WARN, "main", "cannot raise RLIMIT_NOFILE", "soft=%llu hard=%llu errno=%d",
+                   (unsigned long long)was, (unsigned long long)rl.rlim_max, errno);
+            return;
+        }
+    }
+    dl_log(DL_LOG_INFO, "main", "descriptors", "nofile_soft_was=%llu nofile=%llu", (unsigned long long)was,
+           (unsigned long long)rl.rlim_cur);
 }
 
 int main(int argc, char **argv)
@@ -41,6 +69,7 @@ int main(int argc, char **argv)
     }
     dl_log_set_level(cfg.log_level);
     dl_log_set_json(cfg.log_json);
+    raise_nofile();
     rc = daemon_run(&cfg);
     config_free(&cfg);
     return rc;

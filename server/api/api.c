@@ -278,6 +278,10 @@ static void metrics_text(dilocod *d, sbuf *b)
            "Deltas of a shared tree rewritten in place after they were taken in (dropped from their round and "
            "taken in again).");
     sb_fmt(b, "dilocod_deltas_rewritten_total %" PRIu64 "\n", d->m.deltas_rewritten);
+    metric(b, "adoptions_refused_total", "counter",
+           "Published globals refused for adoption (a step past the bound, a header over max_delta_header_mib, "
+           "a damaged file).");
+    sb_fmt(b, "dilocod_adoptions_refused_total %" PRIu64 "\n", d->adoptions_refused);
     metric(b, "deltas_rejected_total", "counter", "Invalid deltas (uploads, file:// and the Hub alike), by error code.");
     for (int c = 1; c < DL_E__COUNT; c++)
         sb_fmt(b, "dilocod_deltas_rejected_total{code=\"%s\"} %" PRIu64 "\n", dl_error_name((dl_code)c),

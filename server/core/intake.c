@@ -1090,6 +1090,10 @@ static intake_status check_staged(intake_req *r, const char *stage, st_index *ix
         }
         if (st_open(path, &files[opened], &r->err) != 0)
             break;
+        if (st_file_lazy(files[opened], &r->err) != 0) {  /* not every shard's descriptor at once */
+            st_close(files[opened]);
+            break;
+        }
     }
     if (opened < ix->nshards) {         /* our own copy, just written: our side failed */
         if (path == NULL)

@@ -17,6 +17,7 @@
 #include "delta.h"
 #include "fsutil.h"
 #include "st_index.h"
+#include "stepcount.h"
 #include "strbuf.h"
 
 static char *path_fmt(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -251,6 +252,12 @@ int store_commit_write(const store *s, const store_commit_info *info, dl_error *
     char when[40], num[128], *meta, *text;
     int rc;
 
+    /* the guard at the commit: a step past STEPCOUNT_STEP_MAX would brick the state (its deltas could
+     * not name it, a restart could not read it back) */
+    if (!stepcount_step_ok(info->step))
+        return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
+                       "step %" PRIu64 " is not committed: its successor cannot be a delta's base_outer_step "
+                       "(the largest step is %llu)", info->step, (unsigned long long)STEPCOUNT_STEP_MAX);
     iso_now(when, sizeof(when));
     sb_str(&b, "{\n  \"format\": 1,\n  \"outer_step\": ");
     sb_u64(&b, info->step);

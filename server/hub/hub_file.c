@@ -640,7 +640,8 @@ int hubfile_copy(const char *src, const char *dst, dl_error *err)
 
 /* A cheap look at the header before a copy: a file that is not a safetensors model costs its
  * header, not a copy of the whole file into the state directory. */
-static int check_model_header(int fd, uint64_t size, const char *what, dl_error *err)
+/* max_header: refused from the 8-byte prefix above it, before the header is read (0: no cap of ours) */
+static int check_model_header(int fd, uint64_t size, uint64_t max_header, const char *what, dl_error *err)
 {
     unsigned char prefix[8];
     st_header *h = NULL;
@@ -654,6 +655,10 @@ static int check_model_header(int fd, uint64_t size, const char *what, dl_error 
         return dl_fail_errno(err, -rc, "cannot read %s", what);
     if ((rc = st_header_parse_prefix((const char *)prefix, 8, size, &need, &h, err)) != 0)
         return rc;
+    if (max_header != 0 && need - 8 > max_header)
+        return dl_fail(err, DL_E_HEADER_TOO_LARGE, NULL, 0,
+                       "%s: a header of %zu bytes, the cap is %" PRIu64 " (max_delta_header_mib)", what, need - 8,
+                       max_header);
     if ((json = malloc(need - 8 ? need - 8 : 1)) == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory for the header of %s", what);
     if ((rc = fsu_pread_all(fd, json, need - 8, 8)) != 0)
@@ -665,7 +670,7 @@ static int check_model_header(int fd, uint64_t size, const char *what, dl_error 
     return rc;
 }
 
-int hubfile_copy_global(const char *root, const char *dst, dl_error *err)
+int hubfile_copy_global(const char *root, const char *dst, uint64_t max_header, dl_error *err)
 {
     struct stat before, after;
     char what[64];
@@ -687,7 +692,7 @@ int hubfile_copy_global(const char *root, const char *dst, dl_error *err)
         free(why);
         goto out;
     }
-    if ((rc = check_model_header(in, (uint64_t)before.st_size, what, err)) != 0)
+    if ((rc = check_model_header(in, (uint64_t)before.st_size, max_header, what, err)) != 0)
         goto out;
     if ((rc = copy_to_path(in, (uint64_t)before.st_size, what, dst, err)) != 0)
         goto out;
@@ -727,7 +732,8 @@ int hubfile_remove_dir(const char *dir, dl_error *err)
 
 /* Copies root/global/name (gfd) to dir/name: a regular file reached without links, whose header
  * parses, that did not change during the copy. */
-static int copy_global_file(int gfd, const char *root, const char *name, const char *dir, dl_error *err)
+static int copy_global_file(int gfd, const char *root, const char *name, const char *dir, uint64_t max_header,
+                            dl_error *err)
 {
     struct stat before, after;
     char what[128], *dst = NULL;
@@ -746,7 +752,7 @@ static int copy_global_file(int gfd, const char *root, const char *name, const c
         rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
         goto out;
     }
-    if ((rc = check_model_header(in, (uint64_t)before.st_size, what, err)) != 0 ||
+    if ((rc = check_model_header(in, (uint64_t)before.st_size, max_header, what, err)) != 0 ||
         (rc = copy_to_path(in, (uint64_t)before.st_size, what, dst, err)) != 0)
         goto out;
     if (fstat(in, &after) != 0 || after.st_size != before.st_size || mtime_ns(&after) != mtime_ns(&before))
@@ -757,7 +763,7 @@ out:
     return rc;
 }
 
-int hubfile_copy_global_set(const char *root, const char *dir, dl_error *err)
+int hubfile_copy_global_set(const char *root, const char *dir, uint64_t max_header, dl_error *err)
 {
     static const char index_name[] = "latest" ST_INDEX_SUFFIX;
     char *buf = NULL, *ipath = NULL;
@@ -798,7 +804,7 @@ int hubfile_copy_global_set(const char *root, const char *dir, dl_error *err)
         if (st_index_shard_name("latest", i, ix->nshards, name, sizeof(name)) != 0)
             rc = dl_fail(err, DL_E_INVALID_PATH, NULL, 0, "a shard name of %u does not fit", ix->nshards);
         else
-            rc = copy_global_file(gfd, root, name, dir, err);
+            rc = copy_global_file(gfd, root, name, dir, max_header, err);
     }
     if (rc != 0)
         goto out;

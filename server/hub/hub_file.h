@@ -77,12 +77,14 @@ int hubfile_remove_delta(const char *root, const char *rel, uint64_t size, int64
 /* Removes temporary files a publish cut short (a crash) left in root/global (startup only). */
 int hubfile_cleanup_temps(const char *root, dl_error *err);
 /* Copies root/global/latest.safetensors (reached without links, a regular file whose header
- * parses) to dst atomically; fails if it changed during the copy.  The caller validates dst. */
-int hubfile_copy_global(const char *root, const char *dst, dl_error *err);
+ * parses, of at most max_header bytes: 0 for the format's own cap) to dst atomically; fails if it
+ * changed during the copy.  The caller validates dst. */
+int hubfile_copy_global(const char *root, const char *dst, uint64_t max_header, dl_error *err);
 /* Copies a sharded global (root/global/latest.safetensors.index.json and the shards it lists, each
  * reached without links and unchanged during its copy) into the directory dir (created; emptied
- * first), and checks the copy is a consistent set (st_set_open).  The index is dir/<its name>. */
-int hubfile_copy_global_set(const char *root, const char *dir, dl_error *err);
+ * first), and checks the copy is a consistent set (st_set_open).  The index is dir/<its name>.  Each
+ * shard's header is capped at max_header bytes (0: the format's own cap). */
+int hubfile_copy_global_set(const char *root, const char *dir, uint64_t max_header, dl_error *err);
 /* Removes dir and the files in it (a local copy of ours: state_dir); 0 or a negative code. */
 int hubfile_remove_dir(const char *dir, dl_error *err);
 /* Copies a file (a trusted path: the operator's init model) to dst atomically (temp in dst's directory,

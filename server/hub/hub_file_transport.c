@@ -64,6 +64,7 @@ struct file_hub {
     void *app;
     char *root, *incoming;
     double poll_interval;
+    uint64_t max_header;        /* cap on the published global's header (a delta's: max_delta_header_mib) */
     uv_timer_t poll_timer;
     uv_fs_event_t nodes_watch;
     int nodes_watch_open;
@@ -562,11 +563,11 @@ static void adopt_work(fjob *j)
             return;
         }
         set_dir_of(dir);
-        j->rc = hubfile_copy_global_set(j->fh->root, dir, &j->err);
+        j->rc = hubfile_copy_global_set(j->fh->root, dir, j->fh->max_header, &j->err);
         free(dir);
         return;
     }
-    j->rc = hubfile_copy_global(j->fh->root, j->path, &j->err);
+    j->rc = hubfile_copy_global(j->fh->root, j->path, j->fh->max_header, &j->err);
 }
 
 static void adopt_done(fjob *j)
@@ -758,6 +759,7 @@ static int file_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hu
     fh->cb = *cb;
     fh->app = app;
     fh->poll_interval = cfg->poll_interval;
+    fh->max_header = cfg->max_header_bytes;
     fh->reported_step = -1;
     if ((fh->root = strdup(cfg->url + 7)) == NULL || asprintf(&fh->incoming, "%s/cache/incoming", cfg->state_dir) < 0) {
         fh->incoming = NULL;
