@@ -64,6 +64,11 @@ void dl_error_clear(dl_error *err);
  * U+10FFFF); else -1 with the offset of the first bad byte in *bad_pos (if non-NULL). */
 int dl_utf8_check(const char *s, size_t n, size_t *bad_pos);
 
+/* The JSON parsers' shared pieces: a hex digit's value (-1 if c is none), and code point cp (at most
+ * U+10FFFF) written as UTF-8 into o (room for 4 bytes), returning its length. */
+int dl_hex_digit(unsigned char c);
+size_t dl_utf8_put(char *o, unsigned cp);
+
 /* Writes a printable form of an arbitrary byte string (JSON-style escapes for control bytes and NUL,
  * invalid UTF-8 as \xNN) into out, truncated with "..." when it does not fit.  Always NUL-terminates. */
 void dl_printable(char *out, size_t out_size, const char *s, size_t len);

@@ -109,14 +109,6 @@ static int jp_peek(jp *p)
     return p->pos < p->n ? p->s[p->pos] : -1;
 }
 
-static int hexval(unsigned char c)
-{
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    return -1;
-}
-
 static int jp_hex4(jp *p, unsigned *out)
 {
     unsigned v = 0;
@@ -124,7 +116,7 @@ static int jp_hex4(jp *p, unsigned *out)
     if (p->n - p->pos < 4)
         return jp_fail(p, "EOF in \\u escape");
     for (int i = 0; i < 4; i++) {
-        int h = hexval(p->s[p->pos + i]);
+        int h = dl_hex_digit(p->s[p->pos + i]);
         if (h < 0)
             return jp_fail(p, "invalid \\u escape");
         v = (v << 4) | (unsigned)h;
@@ -132,19 +124,6 @@ static int jp_hex4(jp *p, unsigned *out)
     p->pos += 4;
     *out = v;
     return 0;
-}
-
-static size_t utf8_put(char *o, unsigned cp)
-{
-    if (cp < 0x80) { o[0] = (char)cp; return 1; }
-    if (cp < 0x800) { o[0] = (char)(0xc0 | (cp >> 6)); o[1] = (char)(0x80 | (cp & 0x3f)); return 2; }
-    if (cp < 0x10000) {
-        o[0] = (char)(0xe0 | (cp >> 12)); o[1] = (char)(0x80 | ((cp >> 6) & 0x3f));
-        o[2] = (char)(0x80 | (cp & 0x3f)); return 3;
-    }
-    o[0] = (char)(0xf0 | (cp >> 18)); o[1] = (char)(0x80 | ((cp >> 12) & 0x3f));
-    o[2] = (char)(0x80 | ((cp >> 6) & 0x3f)); o[3] = (char)(0x80 | (cp & 0x3f));
-    return 4;
 }
 
 /* Parses a string at the current position (which must be '"').  The input is already known to be
@@ -227,7 +206,7 @@ static int jp_string(jp *p, jstr *out)
                 cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
             }
             char tmp[4];
-            size_t k = utf8_put(tmp, cp);
+            size_t k = dl_utf8_put(tmp, cp);
             if (buf) memcpy(buf + len, tmp, k);
             len += k;
             continue;

@@ -173,21 +173,13 @@ static int ixp_expect(ixp *p, int c, const char *what)
     return 0;
 }
 
-static int hexval(unsigned char c)
-{
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    return -1;
-}
-
 static int ixp_hex4(ixp *p, unsigned *out)
 {
     unsigned v = 0;
     if (p->n - p->pos < 4)
         return ixp_fail(p, "end of input in a \\u escape");
     for (int i = 0; i < 4; i++) {
-        int h = hexval(p->s[p->pos + i]);
+        int h = dl_hex_digit(p->s[p->pos + i]);
         if (h < 0)
             return ixp_fail(p, "invalid \\u escape");
         v = (v << 4) | (unsigned)h;
@@ -195,19 +187,6 @@ static int ixp_hex4(ixp *p, unsigned *out)
     p->pos += 4;
     *out = v;
     return 0;
-}
-
-static size_t utf8_put(char *o, unsigned cp)
-{
-    if (cp < 0x80) { o[0] = (char)cp; return 1; }
-    if (cp < 0x800) { o[0] = (char)(0xc0 | (cp >> 6)); o[1] = (char)(0x80 | (cp & 0x3f)); return 2; }
-    if (cp < 0x10000) {
-        o[0] = (char)(0xe0 | (cp >> 12)); o[1] = (char)(0x80 | ((cp >> 6) & 0x3f));
-        o[2] = (char)(0x80 | (cp & 0x3f)); return 3;
-    }
-    o[0] = (char)(0xf0 | (cp >> 18)); o[1] = (char)(0x80 | ((cp >> 12) & 0x3f));
-    o[2] = (char)(0x80 | ((cp >> 6) & 0x3f)); o[3] = (char)(0x80 | (cp & 0x3f));
-    return 4;
 }
 
 /* A JSON string at the current position, decoded into a malloc'd NUL-terminated buffer no longer
@@ -275,7 +254,7 @@ static int ixp_string(ixp *p, char **out, size_t *out_len)
                 cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
             }
             /* a \uXXXX escape is 6 raw bytes and decodes to at most 4 (a pair: 12 to 4) */
-            len += utf8_put(buf + len, cp);
+            len += dl_utf8_put(buf + len, cp);
             break;
         }
         default:
