@@ -160,7 +160,7 @@ typedef struct pub_state {
     size_t claim_len;
     unsigned renewal;           /* in the body, so that each renewal is a new ETag */
     char claim_etag[160];       /* ours once we hold it: renewals are If-Match on it */
-    int claim_held, claim_waiting, claim_lost, takeovers, warned;
+    int claim_held, claim_waiting, claim_gone, claim_lost, takeovers, warned;
     char foreign_ver[240];      /* the foreign claim's ETag + Last-Modified, and since when (loop ms) */
     uint64_t foreign_since;
     unsigned gen;               /* this publish's number: a late renewal answer of an earlier one is ignored */
@@ -2175,6 +2175,7 @@ static void claim_timer_start(s3_hub *h, double seconds, uv_timer_cb cb)
 }
 
 static void claim_renew_cb(uv_timer_t *t);
+static void claim_renew_check(s3_hub *h);
 
 /* We hold the claim (its ETag from the answer): renew it while the publish lasts. */
 static void claim_held(s3_hub *h, const cuv_xfer *x)
@@ -2184,6 +2185,40 @@ static void claim_held(s3_hub *h, const cuv_xfer *x)
     p->claim_held = 1;
     p->claim_waiting = 0;
     claim_timer_start(h, h->claim_lease / 2, claim_renew_cb);
+}
+
+static void claim_renew_check_done(s3_hub *h, s3_req *r, int ok)
+{
+    pub_state *p = &h->pub;
+    unsigned gen = (unsigned)(uintptr_t)r->arg;
+
+    if (h->closing || !p->active || gen != p->gen) {
+        req_end(h, r);
+        return;
+    }
+    if (ok && r->x->body.len == p->claim_len && memcmp(r->x->body.p, p->claim_body, p->claim_len) == 0) {
+        claim_held(h, r->x);    /* our renewal went through on an earlier attempt */
+    } else if (ok || r->x == NULL || r->x->status == 404) {
+        /* another's now: the publish ends before its step file (pub_stepfile) */
+        dl_log(DL_LOG_ERROR, "hub", "our claim was taken over while publishing", "step=%" PRIu64, p->step);
+        p->claim_lost = 1;
+    } else {
+        claim_timer_start(h, h->claim_lease / 8, claim_renew_cb);
+    }
+    req_end(h, r);
+}
+
+static void claim_renew_check(s3_hub *h)
+{
+    char *key = claim_key(h, h->pub.step);
+    s3_req *r = key ? req_new(h, "GET", key, NULL, "read_claim") : NULL;
+    free(key);
+    if (r == NULL) {
+        claim_timer_start(h, h->claim_lease / 8, claim_renew_cb);
+        return;
+    }
+    r->body_cap = CLAIM_CAP;
+    req_go(h, r, claim_renew_check_done, (void *)(uintptr_t)h->pub.gen);
 }
 
 static void claim_renew_done(s3_hub *h, s3_req *r, int ok)
@@ -2198,10 +2233,10 @@ static void claim_renew_done(s3_hub *h, s3_req *r, int ok)
     if (ok) {
         claim_held(h, r->x);
     } else if (r->x != NULL && r->x->status == 412) {
-        /* taken over (we were too late) or our retried renewal had succeeded: the publish ends
-         * before its step file unless a read-back shows the claim is still ours */
-        dl_log(DL_LOG_ERROR, "hub", "our claim changed under us while publishing", "step=%" PRIu64, p->step);
-        p->claim_lost = 1;
+        /* taken over (we were too late), or our retried renewal had succeeded: read it back */
+        req_end(h, r);
+        claim_renew_check(h);
+        return;
     } else {
         /* a failed renewal is tried again soon: the lease is not over yet */
         claim_timer_start(h, h->claim_lease / 8, claim_renew_cb);
@@ -2252,7 +2287,12 @@ static void claim_wait_cb(uv_timer_t *t)
     s3_hub *h = t->data;
     if (h->closing || !h->pub.active || !h->pub.claim_waiting)
         return;
-    pub_claim_read(h);
+    if (h->pub.claim_gone) {
+        h->pub.claim_gone = 0;
+        pub_claim(h);           /* it was removed: claim the step afresh */
+    } else {
+        pub_claim_read(h);
+    }
 }
 
 /* Seconds since an HTTP date, by the server's own Date (-1: not known). */
@@ -2278,6 +2318,7 @@ static void pub_claim_read_done(s3_hub *h, s3_req *r, int ok)
         /* gone between our PUT and the read (removed by hand): claim again, not at once */
         req_end(h, r);
         p->claim_waiting = 1;
+        p->claim_gone = 1;
         claim_timer_start(h, 1, claim_wait_cb);
         p->takeovers++;
         if (p->takeovers > 8) {
