@@ -78,6 +78,9 @@
 #define CLAIM_CAP (4u << 10)
 #define XML_CAP (4u << 20)
 #define MAX_LIST_PAGES 1000
+/* listing bytes read per poll: a page of 1,000 keys is about 300 KiB, so this is some 200 pages; a
+ * server that sends 4 MiB pages (or loops its token) costs at most this much XML per poll */
+#define MAX_LIST_BYTES_PER_POLL (64ull << 20)
 #define MAX_NODES_PER_LISTING 8192
 /* shards remembered from one listing (a set of more waits for a listing with fewer strangers) */
 #define MAX_SHARDS_PER_LISTING 65536
@@ -214,6 +217,8 @@ struct s3_hub {
     hub_set *sets;              /* sets whose shards are downloading */
     int adopt_sharded;          /* the adoption in flight is of a sharded global */
     unsigned list_pages;
+    uint64_t list_bytes;        /* listing bytes read this poll */
+    uint64_t *list_tokens;      /* hashes of the continuation tokens of this poll (a repeat ends it) */
     s3_req *inflight;
     pub_state pub;
     unsigned pub_gen;
@@ -1286,6 +1291,9 @@ static void best_reset(s3_hub *h)
     h->shards = NULL;
     h->nshards = h->shards_cap = 0;
     h->list_pages = 0;
+    h->list_bytes = 0;
+    free(h->list_tokens);
+    h->list_tokens = NULL;
 }
 
 /* A shard is remembered for the index of its node and step, if one is the node's best. */
@@ -1435,6 +1443,24 @@ static void listing_complete(s3_hub *h)
 
 static void list_page(s3_hub *h, const char *token);
 
+/* 1 when this poll met token before (a server that loops its continuation token), else remembers it.
+ * At most MAX_LIST_PAGES tokens a poll; a missing token counts as repeated (no way to go on). */
+static int token_repeated(s3_hub *h, const char *token)
+{
+    uint64_t x = 1469598103934665603ull;
+    if (token == NULL || !*token)
+        return 1;
+    for (const unsigned char *c = (const unsigned char *)token; *c; c++)
+        x = (x ^ *c) * 1099511628211ull;        /* FNV-1a */
+    for (unsigned i = 0; h->list_tokens && i < h->list_pages; i++)
+        if (h->list_tokens[i] == x)
+            return 1;
+    if (h->list_tokens == NULL && (h->list_tokens = calloc(MAX_LIST_PAGES, sizeof(*h->list_tokens))) == NULL)
+        return 1;
+    h->list_tokens[h->list_pages] = x;
+    return 0;
+}
+
 static void list_done(s3_hub *h, s3_req *r, int ok)
 {
     s3_listing l;
@@ -1460,6 +1486,7 @@ static void list_done(s3_hub *h, s3_req *r, int ok)
         poll_finish(h);
         return;
     }
+    size_t r_len = r->x->body.len;
     req_end(h, r);
     for (size_t i = 0; i < l.n; i++) {
         /* the server answers for the prefix we asked; anything else is not ours to read */
@@ -1467,12 +1494,20 @@ static void list_done(s3_hub *h, s3_req *r, int ok)
             continue;
         consider_object(h, &l.objs[i], l.objs[i].key + plen);
     }
-    if (l.truncated && ++h->list_pages < MAX_LIST_PAGES) {
+    h->list_bytes += r_len;
+    const char *stop = NULL;
+    if (l.truncated && h->list_pages + 1 >= MAX_LIST_PAGES)
+        stop = "more than 1000 pages";
+    else if (l.truncated && h->list_bytes >= MAX_LIST_BYTES_PER_POLL)
+        stop = "more than 64 MiB of listing";
+    else if (l.truncated && token_repeated(h, l.next_token))
+        stop = "the server repeated a continuation token";
+    if (l.truncated && stop == NULL) {
+        h->list_pages++;
         list_page(h, l.next_token);
     } else {
-        if (l.truncated)
-            set_error(h, "listing s3://%s/%s/nodes/: more than %d pages, the rest at the next poll", h->bucket,
-                      h->prefix, MAX_LIST_PAGES);
+        if (stop != NULL)
+            set_error(h, "listing s3://%s/%s/nodes/: %s, the poll ends there", h->bucket, h->prefix, stop);
         listing_complete(h);
     }
     s3_listing_free(&l);
