@@ -25,7 +25,8 @@
  * path.  A partial set waits for a listing with another version.  A sharded global is adopted the
  * same way.
  *
- * Publishing: first a claim, PUT <prefix>/global/steps/<step>.claim with If-None-Match: * (the
+ * Publishing: first a claim (with a lease: see "the step's claim" below), PUT
+ * <prefix>/global/steps/<step>.claim with If-None-Match: * (the
  * server refuses the second writer with 412): of several aggregators on one bucket exactly one
  * publishes each step; the others report publish_done with why, and adopt the winner's step from
  * its step_count.json at the next poll.  A claim of our own (a restart in the middle of a publish)
@@ -35,8 +36,8 @@
  * other layout's objects are deleted.
  *
  * Answers are hostile: XML through expat with caps (s3_api.c), sizes exact below 2^53, a download
- * may not grow past its listed size, memory answers are capped, pages and new entries per listing
- * are capped, and every request has curl_uv's connect and low-speed limits. */
+ * may not grow past its listed size, memory answers are capped, pages, listing bytes and new entries
+ * per listing are capped, a repeated continuation token ends the listing, and every request has curl_uv's connect and low-speed limits. */
 #include "hub.h"
 #include "hub_s3.h"
 
