@@ -68,6 +68,7 @@ static const opt options[] = {
     {"s3_region", T_OPTSTR, OFF(s3_region), 0, 0, "REGION     s3:// SigV4 region (default $AWS_REGION, $AWS_DEFAULT_REGION or us-east-1)"},
     {"s3_addressing", T_STR, OFF(s3_addressing), 0, 0, "MODE   s3:// bucket addressing: auto | path | virtual"},
     {"s3_part_mib", T_UINT, OFF(s3_part_mib), 5, 5120, "MIB      s3:// multipart upload above this size, in parts of this size"},
+    {"s3_claim_lease", T_UINT, OFF(s3_claim_lease), 2, 86400, "SECONDS s3:// a step's claim by another aggregator is honoured this long after its last write"},
     {"shard_size", T_SIZE, OFF(shard_size), 0, 0, "SIZE      publish the global sharded (index + shards) above SIZE: bytes or 5GB, 500MB ... (0 = never)"},
     {"s3_credentials_file", T_OPTSTR, OFF(s3_credentials_file), 0, 0, "FILE  s3:// AWS credentials file (default $AWS_ACCESS_KEY_ID/$AWS_SECRET_ACCESS_KEY)"},
 };
@@ -432,6 +433,7 @@ static void set_defaults(config *c)
     c->s3_addressing = strdup("auto");
     c->history_keep = 100000;
     c->s3_part_mib = 64;
+    c->s3_claim_lease = 60;
     c->shard_size = ST_SHARD_SIZE_DEFAULT;
 }
 
@@ -880,7 +882,7 @@ void config_print(const config *c, FILE *out)
             c->history_keep);
     print_str(out, "s3_region", c->s3_region, " (s3:// only)");
     print_str(out, "s3_addressing", c->s3_addressing, "");
-    fprintf(out, "s3_part_mib = %u\nshard_size = %" PRIu64 "\n", c->s3_part_mib, c->shard_size);
+    fprintf(out, "s3_part_mib = %u\ns3_claim_lease = %u\nshard_size = %" PRIu64 "\n", c->s3_part_mib, c->s3_claim_lease, c->shard_size);
     print_str(out, "s3_credentials_file", c->s3_credentials_file, " (s3:// keys from the environment)");
 }
 

@@ -59,6 +59,7 @@ typedef struct config {
     char *s3_region;            /* default $AWS_REGION, $AWS_DEFAULT_REGION, else us-east-1 */
     char *s3_addressing;        /* auto | path | virtual */
     unsigned s3_part_mib;       /* multipart upload above this, in parts of this size */
+    unsigned s3_claim_lease;    /* seconds a publish claim is honoured (by its Last-Modified) */
     char *s3_credentials_file;  /* default: $AWS_ACCESS_KEY_ID / $AWS_SECRET_ACCESS_KEY */
     uint64_t shard_size;        /* a published global above this is sharded (index + shards); 0 never */
     /* per option of the table in config.c: "FILE:LINE" of the file line that set it, NULL when a flag

@@ -2698,6 +2698,7 @@ static int open_hub(dilocod *d, dl_error *err)
         .region = d->cfg->s3_region,
         .addressing = d->cfg->s3_addressing,
         .part_size = (uint64_t)d->cfg->s3_part_mib << 20,
+        .claim_lease = d->cfg->s3_claim_lease,
         .credentials_file = d->cfg->s3_credentials_file,
     };
     rc = hub_open(&d->hub, &d->loop, &hc, &hub_cbs, d, err);

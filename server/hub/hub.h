@@ -105,6 +105,7 @@ typedef struct hub_config {
     const char *region;         /* SigV4 region, NULL: us-east-1 */
     const char *addressing;     /* "auto" (virtual-host on *.amazonaws.com, else path-style), "path", "virtual"; NULL: auto */
     uint64_t part_size;         /* multipart upload above this, in parts of this size (0: 64 MiB) */
+    unsigned claim_lease;       /* seconds a publish claim is honoured after its Last-Modified (0: 60) */
     const char *credentials_file; /* AWS credentials file ([default] aws_access_key_id, aws_secret_access_key);
                                      NULL: $AWS_ACCESS_KEY_ID and $AWS_SECRET_ACCESS_KEY */
 } hub_config;

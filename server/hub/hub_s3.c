@@ -25,7 +25,8 @@
  * path.  A partial set waits for a listing with another version.  A sharded global is adopted the
  * same way.
  *
- * Publishing: first a claim, PUT <prefix>/global/steps/<step>.claim with If-None-Match: * (the
+ * Publishing: first a claim (with a lease: see "the step's claim" below), PUT
+ * <prefix>/global/steps/<step>.claim with If-None-Match: * (the
  * server refuses the second writer with 412): of several aggregators on one bucket exactly one
  * publishes each step; the others report publish_done with why, and adopt the winner's step from
  * its step_count.json at the next poll.  A claim of our own (a restart in the middle of a publish)
@@ -35,8 +36,8 @@
  * other layout's objects are deleted.
  *
  * Answers are hostile: XML through expat with caps (s3_api.c), sizes exact below 2^53, a download
- * may not grow past its listed size, memory answers are capped, pages and new entries per listing
- * are capped, and every request has curl_uv's connect and low-speed limits. */
+ * may not grow past its listed size, memory answers are capped, pages, listing bytes and new entries
+ * per listing are capped, a repeated continuation token ends the listing, and every request has curl_uv's connect and low-speed limits. */
 #include "hub.h"
 #include "hub_s3.h"
 
@@ -78,6 +79,9 @@
 #define CLAIM_CAP (4u << 10)
 #define XML_CAP (4u << 20)
 #define MAX_LIST_PAGES 1000
+/* listing bytes read per poll: a page of 1,000 keys is about 300 KiB, so this is some 200 pages; a
+ * server that sends 4 MiB pages (or loops its token) costs at most this much XML per poll */
+#define MAX_LIST_BYTES_PER_POLL (64ull << 20)
 #define MAX_NODES_PER_LISTING 8192
 /* shards remembered from one listing (a set of more waits for a listing with fewer strangers) */
 #define MAX_SHARDS_PER_LISTING 65536
@@ -155,6 +159,15 @@ typedef struct pub_state {
     char **etags;
     uint64_t part_size;
     unsigned nparts, next_part;
+    /* the step's claim (see pub_claim) */
+    char claim_body[256];       /* what we write, exactly: compared with a read-back after a 412 */
+    size_t claim_len;
+    unsigned renewal;           /* in the body, so that each renewal is a new ETag */
+    char claim_etag[160];       /* ours once we hold it: renewals are If-Match on it */
+    int claim_held, claim_waiting, claim_gone, claim_lost, takeovers, warned;
+    char foreign_ver[240];      /* the foreign claim's ETag + Last-Modified, and since when (loop ms) */
+    uint64_t foreign_since;
+    unsigned gen;               /* this publish's number: a late renewal answer of an earlier one is ignored */
 } pub_state;
 
 /* One page-walk of the nodes/ listing: the best delta (a file or an index) of each node so far,
@@ -205,8 +218,14 @@ struct s3_hub {
     hub_set *sets;              /* sets whose shards are downloading */
     int adopt_sharded;          /* the adoption in flight is of a sharded global */
     unsigned list_pages;
+    uint64_t list_bytes;        /* listing bytes read this poll */
+    uint64_t *list_tokens;      /* hashes of the continuation tokens of this poll (a repeat ends it) */
     s3_req *inflight;
     pub_state pub;
+    unsigned pub_gen;
+    double claim_lease;         /* seconds */
+    uv_timer_t claim_timer;     /* waits out a foreign claim's lease, or renews ours */
+    uint64_t claim_waits;       /* foreign live claims waited out (each one once per publish is logged) */
     void (*close_done)(void *);
     void *close_arg;
     int handles;                /* poll timer + pool jobs + pending appends */
@@ -1273,6 +1292,9 @@ static void best_reset(s3_hub *h)
     h->shards = NULL;
     h->nshards = h->shards_cap = 0;
     h->list_pages = 0;
+    h->list_bytes = 0;
+    free(h->list_tokens);
+    h->list_tokens = NULL;
 }
 
 /* A shard is remembered for the index of its node and step, if one is the node's best. */
@@ -1422,6 +1444,24 @@ static void listing_complete(s3_hub *h)
 
 static void list_page(s3_hub *h, const char *token);
 
+/* 1 when this poll met token before (a server that loops its continuation token), else remembers it.
+ * At most MAX_LIST_PAGES tokens a poll; a missing token counts as repeated (no way to go on). */
+static int token_repeated(s3_hub *h, const char *token)
+{
+    uint64_t x = 1469598103934665603ull;
+    if (token == NULL || !*token)
+        return 1;
+    for (const unsigned char *c = (const unsigned char *)token; *c; c++)
+        x = (x ^ *c) * 1099511628211ull;        /* FNV-1a */
+    for (unsigned i = 0; h->list_tokens && i < h->list_pages; i++)
+        if (h->list_tokens[i] == x)
+            return 1;
+    if (h->list_tokens == NULL && (h->list_tokens = calloc(MAX_LIST_PAGES, sizeof(*h->list_tokens))) == NULL)
+        return 1;
+    h->list_tokens[h->list_pages] = x;
+    return 0;
+}
+
 static void list_done(s3_hub *h, s3_req *r, int ok)
 {
     s3_listing l;
@@ -1447,6 +1487,7 @@ static void list_done(s3_hub *h, s3_req *r, int ok)
         poll_finish(h);
         return;
     }
+    size_t r_len = r->x->body.len;
     req_end(h, r);
     for (size_t i = 0; i < l.n; i++) {
         /* the server answers for the prefix we asked; anything else is not ours to read */
@@ -1454,12 +1495,20 @@ static void list_done(s3_hub *h, s3_req *r, int ok)
             continue;
         consider_object(h, &l.objs[i], l.objs[i].key + plen);
     }
-    if (l.truncated && ++h->list_pages < MAX_LIST_PAGES) {
+    h->list_bytes += r_len;
+    const char *stop = NULL;
+    if (l.truncated && h->list_pages + 1 >= MAX_LIST_PAGES)
+        stop = "more than 1000 pages";
+    else if (l.truncated && h->list_bytes >= MAX_LIST_BYTES_PER_POLL)
+        stop = "more than 64 MiB of listing";
+    else if (l.truncated && token_repeated(h, l.next_token))
+        stop = "the server repeated a continuation token";
+    if (l.truncated && stop == NULL) {
+        h->list_pages++;
         list_page(h, l.next_token);
     } else {
-        if (l.truncated)
-            set_error(h, "listing s3://%s/%s/nodes/: more than %d pages, the rest at the next poll", h->bucket,
-                      h->prefix, MAX_LIST_PAGES);
+        if (stop != NULL)
+            set_error(h, "listing s3://%s/%s/nodes/: %s, the poll ends there", h->bucket, h->prefix, stop);
         listing_complete(h);
     }
     s3_listing_free(&l);
@@ -1596,8 +1645,11 @@ static void adopt_global(s3_hub *h, uint64_t step, int sharded)
 
 /* ---- the step file ----------------------------------------------------------------------------- */
 
+static void claim_step_seen(s3_hub *h, int64_t step);
+
 static void report_step(s3_hub *h, int64_t step)
 {
+    claim_step_seen(h, step);
     if (step == h->published_known)
         return;
     h->published_known = step;
@@ -1680,6 +1732,8 @@ static void pub_finish(s3_hub *h, const char *error)
     pub_state *p = &h->pub;
     uint64_t step = p->step;
 
+    if (h->claim_timer.data != NULL)
+        uv_timer_stop(&h->claim_timer);
     for (unsigned i = 0; p->files && i < p->nfiles; i++)
         if (p->files[i].fd >= 0)
             close(p->files[i].fd);
@@ -1792,6 +1846,13 @@ static void pub_stepfile_done(s3_hub *h, s3_req *r, int ok)
 /* Last: a reader never sees a step whose model is not there. */
 static void pub_stepfile(s3_hub *h)
 {
+    if (h->pub.claim_lost) {
+        /* the step file is the publish's commit point: not written once another holds the claim */
+        set_error(h, "publishing step %" PRIu64 ": our claim was taken over (renew it within --s3-claim-lease)",
+                  h->pub.step);
+        pub_finish(h, h->st.last_error);
+        return;
+    }
     char *key = full_key(h, "global/step_count.json");
     s3_req *r = key ? req_new(h, "PUT", key, NULL, "put_step_count") : NULL;
 
@@ -2109,88 +2170,331 @@ static void pub_clean_uploads(s3_hub *h)
     req_go(h, r, pub_uploads_done, NULL);
 }
 
-static void pub_claim_read_done(s3_hub *h, s3_req *r, int ok)
+/* ---- the step's claim, with a lease ----------------------------------------------------------------
+ * PUT global/steps/<step>.claim If-None-Match: * (of two aggregators exactly one writes it).  A claim
+ * that exists is ours (our instance id: a restart mid-publish, or our own PUT whose answer was lost and
+ * whose retry met it: the read-back equals what we wrote) or another's.  Another's is honoured only
+ * for --s3-claim-lease seconds after its last write, timed by the server: its Last-Modified against the
+ * Date of the same answer (no local clock, so no skew), or, when either is missing or lies, by how long
+ * the same version has been seen unchanged here.  While it is live we wait (one GET when its lease
+ * should be over, never a PUT per poll); a step the bucket reaches meanwhile ends the wait (lost); an
+ * expired claim is taken over with If-Match on its ETag.  Our own claim is renewed (If-Match) every
+ * half lease while the publish runs; a renewal lost to a taker stops the publish before its step file.
+ * The claim's content is never trusted for timing; claims of other steps are never read. */
+
+static void pub_claim(s3_hub *h);
+static void pub_claim_read(s3_hub *h);
+static void pub_claim_put(s3_hub *h, const char *cond, s3_req_cb cb);
+
+static char *claim_key(const s3_hub *h, uint64_t step)
+{
+    char rel[64];
+    snprintf(rel, sizeof(rel), "global/steps/%" PRIu64 ".claim", step);
+    return full_key(h, rel);
+}
+
+static void claim_build(s3_hub *h)
 {
     pub_state *p = &h->pub;
-    cJSON *j = ok && !h->closing ? cJSON_ParseWithLength(r->x->body.p, r->x->body.len) : NULL;
-    const cJSON *inst = cJSON_GetObjectItemCaseSensitive(j, "instance");
-    char msg[256];
+    int n = snprintf(p->claim_body, sizeof(p->claim_body),
+                     "{\"outer_step\": %" PRIu64 ", \"instance\": \"%s\", \"renewal\": %u}\n", p->step, h->instance,
+                     p->renewal);
+    p->claim_len = n > 0 && (size_t)n < sizeof(p->claim_body) ? (size_t)n : 0;
+}
 
-    if (!ok || h->closing) {
-        cJSON_Delete(j);
-        pub_fail(h, r, "reading the claim of the step");
+static void claim_timer_start(s3_hub *h, double seconds, uv_timer_cb cb)
+{
+    if (seconds < 0.1)
+        seconds = 0.1;
+    uv_timer_stop(&h->claim_timer);
+    uv_timer_start(&h->claim_timer, cb, (uint64_t)(seconds * 1000), 0);
+}
+
+static void claim_renew_cb(uv_timer_t *t);
+static void claim_renew_check(s3_hub *h);
+
+/* We hold the claim (its ETag from the answer): renew it while the publish lasts. */
+static void claim_held(s3_hub *h, const cuv_xfer *x)
+{
+    pub_state *p = &h->pub;
+    snprintf(p->claim_etag, sizeof(p->claim_etag), "%s", x ? x->etag : "");
+    p->claim_held = 1;
+    p->claim_waiting = 0;
+    claim_timer_start(h, h->claim_lease / 2, claim_renew_cb);
+}
+
+static void claim_renew_check_done(s3_hub *h, s3_req *r, int ok)
+{
+    pub_state *p = &h->pub;
+    unsigned gen = (unsigned)(uintptr_t)r->arg;
+
+    if (h->closing || !p->active || gen != p->gen) {
+        req_end(h, r);
         return;
+    }
+    if (ok && r->x->body.len == p->claim_len && memcmp(r->x->body.p, p->claim_body, p->claim_len) == 0) {
+        claim_held(h, r->x);    /* our renewal went through on an earlier attempt */
+    } else if (ok || r->x == NULL || r->x->status == 404) {
+        /* another's now: the publish ends before its step file (pub_stepfile) */
+        dl_log(DL_LOG_ERROR, "hub", "our claim was taken over while publishing", "step=%" PRIu64, p->step);
+        p->claim_lost = 1;
+    } else {
+        claim_timer_start(h, h->claim_lease / 8, claim_renew_cb);
     }
     req_end(h, r);
-    if (cJSON_IsString(inst) && strcmp(inst->valuestring, h->instance) == 0) {
-        cJSON_Delete(j);
-        /* ours: a publish that a stop or a crash interrupted; the uploads are idempotent, and the
-         * interrupted one's multipart upload (if any) is aborted first */
-        dl_log(DL_LOG_INFO, "hub", "resuming our own claimed publish", "step=%" PRIu64, p->step);
-        pub_clean_uploads(h);
+}
+
+static void claim_renew_check(s3_hub *h)
+{
+    char *key = claim_key(h, h->pub.step);
+    s3_req *r = key ? req_new(h, "GET", key, NULL, "read_claim") : NULL;
+    free(key);
+    if (r == NULL) {
+        claim_timer_start(h, h->claim_lease / 8, claim_renew_cb);
         return;
     }
+    r->body_cap = CLAIM_CAP;
+    req_go(h, r, claim_renew_check_done, (void *)(uintptr_t)h->pub.gen);
+}
+
+static void claim_renew_done(s3_hub *h, s3_req *r, int ok)
+{
+    pub_state *p = &h->pub;
+    unsigned gen = (unsigned)(uintptr_t)r->arg;
+
+    if (h->closing || !p->active || gen != p->gen) {
+        req_end(h, r);
+        return;
+    }
+    if (ok) {
+        claim_held(h, r->x);
+    } else if (r->x != NULL && r->x->status == 412) {
+        /* taken over (we were too late), or our retried renewal had succeeded: read it back */
+        req_end(h, r);
+        claim_renew_check(h);
+        return;
+    } else {
+        /* a failed renewal is tried again soon: the lease is not over yet */
+        claim_timer_start(h, h->claim_lease / 8, claim_renew_cb);
+    }
+    req_end(h, r);
+}
+
+static void claim_renew_cb(uv_timer_t *t)
+{
+    s3_hub *h = t->data;
+    pub_state *p = &h->pub;
+    if (h->closing || !p->active || !p->claim_held || p->claim_lost)
+        return;
+    char *key = claim_key(h, p->step);
+    s3_req *r = key ? req_new(h, "PUT", key, NULL, "claim_renew") : NULL;
+    char cond[200];
+    free(key);
+    p->renewal++;
+    claim_build(h);
+    snprintf(cond, sizeof(cond), "If-Match: %s", p->claim_etag);
+    if (r == NULL || req_body(r, p->claim_body, p->claim_len) != 0) {
+        if (r)
+            req_free(r);
+        claim_timer_start(h, h->claim_lease / 8, claim_renew_cb);
+        return;
+    }
+    req_header(r, cond);
+    req_header(r, "Content-Type: application/json");
+    req_go(h, r, claim_renew_done, (void *)(uintptr_t)p->gen);
+}
+
+/* The bucket names our step (or a later one): another aggregator published it. */
+static void claim_lost_to(s3_hub *h, const char *who)
+{
+    pub_state *p = &h->pub;
+    char msg[256];
     snprintf(msg, sizeof(msg), "step %" PRIu64 " was claimed by another aggregator (instance %.40s): it publishes it",
-             p->step, cJSON_IsString(inst) ? inst->valuestring : "unknown");
-    cJSON_Delete(j);
+             p->step, who);
     dl_log(DL_LOG_WARN, "hub", "publish lost to another aggregator", "step=%" PRIu64, p->step);
-    memcpy(h->st.last_error, msg, sizeof(msg) < sizeof(h->st.last_error) ? sizeof(msg) : sizeof(h->st.last_error));
-    h->st.last_error[sizeof(h->st.last_error) - 1] = '\0';
+    snprintf(h->st.last_error, sizeof(h->st.last_error), "%s", msg);
     /* the next poll reports the bucket's step again, even unchanged: the winner's step is adopted */
     h->published_known = -2;
     pub_finish(h, msg);
 }
 
+static void claim_wait_cb(uv_timer_t *t)
+{
+    s3_hub *h = t->data;
+    if (h->closing || !h->pub.active || !h->pub.claim_waiting)
+        return;
+    if (h->pub.claim_gone) {
+        h->pub.claim_gone = 0;
+        pub_claim(h);           /* it was removed: claim the step afresh */
+    } else {
+        pub_claim_read(h);
+    }
+}
+
+/* Seconds since an HTTP date, by the server's own Date (-1: not known). */
+static double claim_age(const cuv_xfer *x)
+{
+    time_t lm = x->last_modified[0] ? curl_getdate(x->last_modified, NULL) : -1;
+    time_t now = x->date[0] ? curl_getdate(x->date, NULL) : -1;
+    if (lm < 0 || now < 0)
+        return -1;
+    return now >= lm ? (double)(now - lm) : 0;
+}
+
+static void pub_claim_read_done(s3_hub *h, s3_req *r, int ok)
+{
+    pub_state *p = &h->pub;
+    long status = r->x ? r->x->status : 0;
+
+    if (h->closing) {
+        pub_fail(h, r, "reading the claim of the step");
+        return;
+    }
+    if (!ok && status == 404) {
+        /* gone between our PUT and the read (removed by hand): claim again, not at once */
+        req_end(h, r);
+        p->claim_waiting = 1;
+        p->claim_gone = 1;
+        claim_timer_start(h, 1, claim_wait_cb);
+        p->takeovers++;
+        if (p->takeovers > 8) {
+            pub_fail(h, NULL, "the claim keeps disappearing");
+            return;
+        }
+        return;
+    }
+    if (!ok) {
+        pub_fail(h, r, "reading the claim of the step");
+        return;
+    }
+    const sbuf *b = &r->x->body;
+    cJSON *j = cJSON_ParseWithLength(b->p, b->len);
+    const cJSON *inst = cJSON_GetObjectItemCaseSensitive(j, "instance");
+    char who[48];
+    snprintf(who, sizeof(who), "%.40s", cJSON_IsString(inst) ? inst->valuestring : "unknown");
+    int ours = (p->claim_len && b->len == p->claim_len && memcmp(b->p, p->claim_body, b->len) == 0) ||
+               (cJSON_IsString(inst) && strcmp(inst->valuestring, h->instance) == 0);
+    cJSON_Delete(j);
+    if (ours) {
+        /* ours: a publish that a stop or a crash interrupted, or our own PUT whose answer was lost;
+         * the uploads are idempotent, and an interrupted multipart upload (if any) is aborted first */
+        dl_log(DL_LOG_INFO, "hub", "resuming our own claimed publish", "step=%" PRIu64, p->step);
+        claim_held(h, r->x);
+        req_end(h, r);
+        pub_clean_uploads(h);
+        return;
+    }
+    if (h->published_known >= 0 && (uint64_t)h->published_known >= p->step) {
+        req_end(h, r);
+        claim_lost_to(h, who);
+        return;
+    }
+    /* a foreign claim: its age by the server, and by how long we have seen this very version */
+    char ver[240];
+    snprintf(ver, sizeof(ver), "%s|%s", r->x->etag, r->x->last_modified);
+    if (strcmp(ver, p->foreign_ver) != 0) {
+        snprintf(p->foreign_ver, sizeof(p->foreign_ver), "%s", ver);
+        p->foreign_since = uv_now(h->loop);
+    }
+    double age = claim_age(r->x), seen = (double)(uv_now(h->loop) - p->foreign_since) / 1000;
+    if (seen > age)
+        age = seen;
+    snprintf(p->claim_etag, sizeof(p->claim_etag), "%s", r->x->etag);
+    req_end(h, r);
+    if (age >= h->claim_lease && p->claim_etag[0] && p->takeovers < 3) {
+        dl_log(DL_LOG_WARN, "hub", "taking over an expired claim", "step=%" PRIu64 " instance=%s age_s=%.0f", p->step,
+               who, age);
+        char cond[200];
+        snprintf(cond, sizeof(cond), "If-Match: %s", p->claim_etag);
+        p->takeovers++;
+        pub_claim_put(h, cond, NULL);
+        return;
+    }
+    /* live (or a takeover keeps failing): wait until its lease should be over, then look again */
+    double wait = age >= h->claim_lease ? h->claim_lease : h->claim_lease - age + 1;
+    if (wait > h->claim_lease + 1)
+        wait = h->claim_lease + 1;
+    p->takeovers = 0;
+    p->claim_waiting = 1;
+    h->claim_waits++;
+    if (!p->warned) {
+        dl_log(DL_LOG_WARN, "hub", "step claimed by another aggregator: waiting for its lease",
+               "step=%" PRIu64 " instance=%s in_seconds=%.0f", p->step, who, wait);
+        p->warned = 1;
+    } else {
+        dl_log(DL_LOG_DEBUG, "hub", "claim still live", "step=%" PRIu64 " waits=%" PRIu64, p->step, h->claim_waits);
+    }
+    claim_timer_start(h, wait, claim_wait_cb);
+}
+
+static void pub_claim_read(s3_hub *h)
+{
+    char *key = claim_key(h, h->pub.step);
+    s3_req *r = key ? req_new(h, "GET", key, NULL, "read_claim") : NULL;
+    free(key);
+    if (r == NULL) {
+        pub_fail(h, NULL, "reading the claim");
+        return;
+    }
+    r->body_cap = CLAIM_CAP;
+    req_go(h, r, pub_claim_read_done, NULL);
+}
+
 static void pub_claim_done(s3_hub *h, s3_req *r, int ok)
 {
     long status = r->x ? r->x->status : 0;
-    char *key;
 
     if (status == 412 && !h->closing) {
-        /* the claim exists: ours (before a restart) or another aggregator's */
+        /* the claim exists (or changed since we read it): whose it is decides, read it back */
         req_end(h, r);
-        char rel[64];
-        snprintf(rel, sizeof(rel), "global/steps/%" PRIu64 ".claim", h->pub.step);
-        key = full_key(h, rel);
-        r = key ? req_new(h, "GET", key, NULL, "read_claim") : NULL;
-        free(key);
-        if (r == NULL) {
-            pub_fail(h, NULL, "reading the claim");
-            return;
-        }
-        r->body_cap = CLAIM_CAP;
-        req_go(h, r, pub_claim_read_done, NULL);
+        pub_claim_read(h);
         return;
     }
     if (!ok || h->closing) {
         pub_fail(h, r, "claiming the step");
         return;
     }
+    claim_held(h, r->x);
     req_end(h, r);
-    pub_upload(h);
+    if (h->pub.takeovers > 0)
+        pub_clean_uploads(h);   /* the dead owner's multipart upload, if any */
+    else
+        pub_upload(h);
+}
+
+static void pub_claim_put(s3_hub *h, const char *cond, s3_req_cb cb)
+{
+    pub_state *p = &h->pub;
+    char *key = claim_key(h, p->step);
+    s3_req *r = key ? req_new(h, "PUT", key, NULL, "claim") : NULL;
+
+    free(key);
+    claim_build(h);
+    if (r == NULL || p->claim_len == 0 || req_body(r, p->claim_body, p->claim_len) != 0) {
+        if (r)
+            req_free(r);
+        pub_fail(h, NULL, "claiming the step");
+        return;
+    }
+    req_header(r, cond);
+    req_header(r, "Content-Type: application/json");
+    req_go(h, r, cb ? cb : pub_claim_done, NULL);
 }
 
 /* If-None-Match: * makes the PUT conditional on the key not existing: of two aggregators that
  * claim one step, the server lets exactly one write it. */
 static void pub_claim(s3_hub *h)
 {
-    char rel[64], body[160];
-    snprintf(rel, sizeof(rel), "global/steps/%" PRIu64 ".claim", h->pub.step);
-    char *key = full_key(h, rel);
-    s3_req *r = key ? req_new(h, "PUT", key, NULL, "claim") : NULL;
-    int n = snprintf(body, sizeof(body), "{\"outer_step\": %" PRIu64 ", \"instance\": \"%s\"}\n", h->pub.step,
-                     h->instance);
+    pub_claim_put(h, "If-None-Match: *", NULL);
+}
 
-    free(key);
-    if (r == NULL || req_body(r, body, (size_t)n) != 0) {
-        if (r)
-            req_free(r);
-        pub_fail(h, NULL, "claiming the step");
-        return;
+/* A poll saw the bucket's step: a claim we wait on is over if the bucket reached our step. */
+static void claim_step_seen(s3_hub *h, int64_t step)
+{
+    if (h->pub.active && h->pub.claim_waiting && step >= 0 && (uint64_t)step >= h->pub.step) {
+        uv_timer_stop(&h->claim_timer);
+        claim_lost_to(h, "of the bucket's step");
     }
-    req_header(r, "If-None-Match: *");
-    req_header(r, "Content-Type: application/json");
-    req_go(h, r, pub_claim_done, NULL);
 }
 
 /* Opens one file of the publish (the descriptor keeps the step's file readable even if a later
@@ -2280,6 +2584,7 @@ static void s3_publish(hub *base, uint64_t step, const char *global_path, const 
     p->fd = -1;
     p->active = 1;
     p->step = step;
+    p->gen = ++h->pub_gen;
     p->bootstrap = bootstrap;
     snprintf(p->optimizer, sizeof(p->optimizer), "%s", optimizer);
     h->st.publishing = 1;
@@ -2504,7 +2809,10 @@ static int s3_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
     h->seen_fd = open(h->seen_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
     uv_timer_init(loop, &h->poll_timer);
     h->poll_timer.data = h;
-    h->handles = 1;
+    uv_timer_init(loop, &h->claim_timer);
+    h->claim_timer.data = h;
+    h->claim_lease = cfg->claim_lease ? cfg->claim_lease : 60;
+    h->handles = 2;             /* the poll timer and the claim timer */
     snprintf(h->st.head, sizeof(h->st.head), "%s", "");
     dl_log(DL_LOG_INFO, "hub", "s3 transport", "bucket=%s prefix=%s endpoint=%s region=%s addressing=%s part_mib=%" PRIu64,
            h->bucket, h->prefix[0] ? h->prefix : "\"\"", h->endpoint, h->region, h->virtual_host ? "virtual" : "path",
@@ -2553,6 +2861,12 @@ static void poll_timer_closed(uv_handle_t *t)
     cuv_close(h->curl, curl_closed, h);
 }
 
+static void claim_timer_closed(uv_handle_t *t)
+{
+    s3_hub *h = t->data;
+    h->handles--;
+}
+
 static void close_when_idle(uv_timer_t *t)
 {
     s3_hub *h = t->data;
@@ -2572,6 +2886,8 @@ static void s3_close(hub *base, void (*done)(void *), void *arg)
     h->close_done = done;
     h->close_arg = arg;
     uv_timer_stop(&h->poll_timer);
+    uv_timer_stop(&h->claim_timer);
+    uv_close((uv_handle_t *)&h->claim_timer, claim_timer_closed);
     for (s3_req *r = h->inflight, *n; r; r = n) {
         n = r->next;
         if (r->timer_open)

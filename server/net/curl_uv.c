@@ -209,6 +209,7 @@ static size_t header_cb(char *p, size_t size, size_t n, void *arg)
     if (len > 5 && strncmp(p, "HTTP/", 5) == 0) {
         /* a new response (after a redirect or 100): forget the previous one's headers */
         x->etag[0] = x->location[0] = x->link_next[0] = x->error_code[0] = x->content_type[0] = '\0';
+        x->last_modified[0] = x->date[0] = '\0';
         x->link_bad = 0;
         x->retry_after = -1;
         x->nheaders = 1;
@@ -230,6 +231,10 @@ static size_t header_cb(char *p, size_t size, size_t n, void *arg)
         copy_value(x->error_code, sizeof(x->error_code), v, vl);
     } else if (nl == 12 && strncasecmp(p, "content-type", 12) == 0) {
         copy_value(x->content_type, sizeof(x->content_type), v, vl);
+    } else if (nl == 13 && strncasecmp(p, "last-modified", 13) == 0) {
+        copy_value(x->last_modified, sizeof(x->last_modified), v, vl);
+    } else if (nl == 4 && strncasecmp(p, "date", 4) == 0) {
+        copy_value(x->date, sizeof(x->date), v, vl);
     } else if (nl == 11 && strncasecmp(p, "retry-after", 11) == 0) {
         copy_value(tmp, sizeof(tmp), v, vl);
         char *end;

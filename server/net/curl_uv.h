@@ -35,6 +35,8 @@ struct cuv_xfer {
     char repo_commit[64];       /* X-Repo-Commit */
     char error_code[64];        /* X-Error-Code */
     char content_type[128];     /* Content-Type of the last response */
+    char last_modified[64];     /* Last-Modified and Date of the last response, as sent ("" when absent) */
+    char date[64];
     double retry_after;         /* Retry-After or RateLimit t= (seconds), -1 when absent */
     uint64_t written;           /* bytes written to the file sink */
     int io_error;               /* errno of a failed sink write / source read, else 0 */
