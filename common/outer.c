@@ -280,7 +280,22 @@ typedef struct outer_bufs {
     double mean_sumsq;
     uint64_t *in_sums;          /* ndeltas + 2: the checksum terms of what this thread read */
     uint64_t out_sums[2];       /* of what it wrote: the global's, the momentum's */
+    /* The first non-finite output this thread made.  The pass goes on to the end (nothing of it is
+     * committed), so that every input's checksum is complete: a delta rewritten after it was validated
+     * is then named as the cause (outer_finish prefers the mismatch), not a step retried forever. */
+    int bad_output;
+    dl_error bad_err;
 } outer_bufs;
+
+/* Records a non-finite output (the first one) without stopping the pass. */
+static void bad_output(outer_bufs *b, const st_tensor *t, const char *what, uint64_t elem)
+{
+    if (b->bad_output)
+        return;
+    b->bad_output = 1;
+    dl_fail(&b->bad_err, DL_E_NON_FINITE, t->name, t->name_len, "the outer step made %s at element %" PRIu64
+            ": it is not committed", what, elem);
+}
 
 /* Adds to *sum the checksum terms of elements [e, e + n) of the model's tensor ti as stored (dtype) in
  * data: a no-op without a key, or with sum NULL (an input nobody verifies). */
@@ -671,9 +686,7 @@ static __attribute__((noinline)) int step_item(outer_pass *p, const outer_item *
         if (bad < 0 && mom)
             bad = delta_find_non_finite(ST_F32, io.buf, sn * lanes);
         if (bad >= 0)
-            return dl_fail(err, DL_E_NON_FINITE, t->name, t->name_len, "the outer step made a non-finite value "
-                           "near element %" PRIu64 " (the deltas' mean or the step overflowed): it is not committed",
-                           e + (uint64_t)bad / lanes);
+            bad_output(b, t, "a non-finite value (the deltas' mean or the step overflowed)", e + (uint64_t)bad / lanes);
     }
     return 0;
 }
@@ -743,9 +756,8 @@ static int process_floating(outer_pass *p, const outer_item *it, uint64_t run_en
         /* a finite F32 value can round to infinity in F16 */
         int64_t bad = delta_find_non_finite(t->dtype, b->raw, n);
         if (bad >= 0)
-            return dl_fail(err, DL_E_NON_FINITE, t->name, t->name_len, "the outer step made a value beyond %s's "
-                           "range at element %" PRIu64 ": it is not committed", st_dtype_name(t->dtype),
-                           it->begin + (uint64_t)bad);
+            bad_output(b, t, t->dtype == ST_F16 ? "a value beyond F16's range" : "a value beyond BF16's range",
+                       it->begin + (uint64_t)bad);
     }
     sum_in(p, it->tensor, t->dtype, it->begin, out, n, &b->out_sums[0]);
     if ((rc = st_writer_write(p->w_global, it->tensor, it->begin * esize, out, n * esize, err)) != 0)
@@ -846,6 +858,10 @@ int outer_run(outer_pass *p)
         p->in_sums[k] += b.in_sums[k];
     p->out_global_sum += b.out_sums[0];
     p->out_momentum_sum += b.out_sums[1];
+    if (b.bad_output && p->rc == 0) {
+        p->rc = -DL_E_NON_FINITE;
+        p->err = b.bad_err;
+    }
     rc = p->rc;
     pthread_mutex_unlock(&p->lock);
 out:
@@ -914,8 +930,9 @@ int outer_finish(outer_pass *p, dl_error *err)
         rc = dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "outer step abandoned");
     else if (rc != 0 && err != NULL)
         *err = p->err;
-    if (rc == 0 && (rc = verify_inputs(p, &p->err)) != 0) {
-        p->rc = rc;
+    /* a non-finite result from a pass that read every input: a changed input explains it */
+    if ((rc == 0 || (rc == -DL_E_NON_FINITE && !atomic_load(&p->abort))) && verify_inputs(p, &p->err) != 0) {
+        rc = p->rc = -DL_E_CHECKSUM_MISMATCH;
         if (err != NULL)
             *err = p->err;
     }

@@ -695,7 +695,7 @@ static void settle_work(job *j)
 
 static void queue_commit(dilocod *d);
 static void try_commit(dilocod *d);
-static int reopen_if_rewritten(dilocod *d);
+static int reopen_if_rewritten(dilocod *d, int before_pass);
 static int start_sync_inputs(dilocod *d);
 static void schedule_cleanup(dilocod *d);
 static void queue_settle(dilocod *d, settle_args *a);
@@ -1238,7 +1238,7 @@ static void try_commit(dilocod *d)
         aggregation_failed(d, &e);
         return;
     }
-    if (reopen_if_rewritten(d))
+    if (reopen_if_rewritten(d, 0))
         return;
     queue_commit(d);
 }
@@ -1614,15 +1614,28 @@ static int setup_pass(dilocod *d, outer_pass *p, uint64_t new_step, const char *
 /* ---- the round's inputs: deltas linked from a shared tree, and their durability ------------------- */
 
 /* Drops from the round every guarded delta whose file changed since it was validated (a worker rewrote
- * it in place): the transport hands the new version over again.  Returns how many went. */
-static size_t drop_rewritten(dilocod *d)
+ * it in place): the transport hands the new version over again.  Before a pass (before_pass), a file
+ * whose only change is its ctime stays, its version moved on: the worker renamed a new file over its name
+ * (the old inode lost a link), chmod'ed it, or rewrote it with its mtime put back, and the pass tells
+ * which by its checksum, over exactly the bytes it aggregates.  Before the commit every ctime change
+ * drops it: a write during the pass, even between a block's checksum and its use, moves ctime.
+ * Returns how many went. */
+static size_t drop_rewritten(dilocod *d, int before_pass)
 {
     size_t dropped = 0;
     char node[DELTA_NODE_ID_MAX + 1], qn[160], *path;
 
     for (size_t i = 0; i < d->rnd.n;) {
         const round_entry *e = &d->rnd.entries[i];
-        if (!e->guarded || fsu_ident_check(e->path, &e->ident) == 1) {
+        int same = e->guarded ? fsu_ident_check(e->path, &e->ident) : FSU_IDENT_SAME;
+        struct stat sb;
+        if (same == FSU_IDENT_CTIME_MOVED && before_pass && e->ident.has_sum && lstat(e->path, &sb) == 0) {
+            fsu_ident now = e->ident;           /* the checksum validated stays what the pass verifies */
+            fsu_ident_of(&sb, &now);
+            round_guard(&d->rnd, e->node_id, &now);
+            same = FSU_IDENT_SAME;
+        }
+        if (same == FSU_IDENT_SAME) {
             i++;
             continue;
         }
@@ -1672,7 +1685,7 @@ static int global_rewritten(dilocod *d)
 /* Before a pass and before its commit: a round that lost a rewritten delta is open again (a pass never
  * mixes versions of a file, and never commits one that changed under it).  1 when it reopened, or when
  * the global itself changed (global_rewritten: the daemon stops). */
-static int reopen_if_rewritten(dilocod *d)
+static int reopen_if_rewritten(dilocod *d, int before_pass)
 {
     if (global_rewritten(d)) {
         pass_release(d);
@@ -1680,7 +1693,7 @@ static int reopen_if_rewritten(dilocod *d)
         d->state = S_COLLECTING;        /* stopping: nothing runs for this round any more */
         return 1;
     }
-    if (drop_rewritten(d) == 0)
+    if (drop_rewritten(d, before_pass) == 0)
         return 0;
     return reopen_round(d);
 }
@@ -1784,7 +1797,7 @@ static void start_aggregation(dilocod *d)
         return;
     }
 
-    if (reopen_if_rewritten(d))
+    if (reopen_if_rewritten(d, 1))
         return;
     p = calloc(1, sizeof(*p));
     size_t n = d->rnd.n;

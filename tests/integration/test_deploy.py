@@ -288,8 +288,8 @@ def test_dockerfile_packages_exist_in_bookworm(docker_stages):
     build = apt_packages(" ".join(a for w, a in docker_stages[0]["ins"] if w == "RUN"))
     runtime = apt_packages(" ".join(a for w, a in docker_stages[1]["ins"] if w == "RUN"))
     assert set(build) >= {"build-essential", "pkg-config", "libuv1-dev", "libcurl4-openssl-dev", "libcjson-dev",
-                          "node-llhttp", "libssl-dev", "libexpat1-dev"}, build
-    assert set(runtime) == {"libuv1", "libcurl4", "libcjson1", "libssl3", "libexpat1", "ca-certificates"}, runtime
+                          "node-llhttp", "libssl-dev", "libexpat1-dev", "libxxhash-dev"}, build
+    assert set(runtime) == {"libuv1", "libcurl4", "libcjson1", "libssl3", "libexpat1", "libxxhash0", "ca-certificates"}, runtime
     p = run(["apt-cache", "show", "--no-all-versions", *build, *runtime])
     for pkg in build + runtime:
         assert re.search(rf"(?m)^Package: {re.escape(pkg)}$", p.stdout), f"{pkg} is not a Debian package: {p.stderr}"
