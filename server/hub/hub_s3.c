@@ -82,9 +82,14 @@
 /* listing bytes read per poll: a page of 1,000 keys is about 300 KiB, so this is some 200 pages; a
  * server that sends 4 MiB pages (or loops its token) costs at most this much XML per poll */
 #define MAX_LIST_BYTES_PER_POLL (64ull << 20)
+/* Caps of one poll, fair per node: a node's keys are contiguous in the sorted listing, so a poll that fills
+ * a table stops at the boundary of the node that did not fit, and the next poll starts there
+ * (start-after), where the listing's first page would otherwise make the same nodes win every time. */
 #define MAX_NODES_PER_LISTING 8192
-/* shards remembered from one listing (a set of more waits for a listing with fewer strangers) */
 #define MAX_SHARDS_PER_LISTING 65536
+/* shards remembered of one node: its one set's (more than any model's tensors need; a node that lists
+ * more has its extra shards ignored, and its set is incomplete) */
+#define MAX_SHARDS_PER_NODE 16384
 #define CREDENTIALS_FILE_CAP (64u << 10)
 #define EMPTY_SHA256 "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
@@ -220,6 +225,12 @@ struct s3_hub {
     unsigned list_pages;
     uint64_t list_bytes;        /* listing bytes read this poll */
     uint64_t *list_tokens;      /* hashes of the continuation tokens of this poll (a repeat ends it) */
+    char *resume_after;         /* where the next poll starts (start-after), NULL: at the top */
+    char *node_boundary;        /* this poll: the last key before the current node's first, NULL: none */
+    char *prev_key;             /* this poll: the last delta key considered */
+    char cur_node[DELTA_NODE_ID_MAX + 1];   /* this poll: the node of prev_key */
+    size_t cur_node_shards;     /* its shards remembered */
+    int list_full;              /* a table filled: the poll ends at node_boundary */
     s3_req *inflight;
     pub_state pub;
     unsigned pub_gen;
@@ -1295,32 +1306,107 @@ static void best_reset(s3_hub *h)
     h->list_bytes = 0;
     free(h->list_tokens);
     h->list_tokens = NULL;
+    free(h->node_boundary);
+    free(h->prev_key);
+    h->node_boundary = h->prev_key = NULL;
+    h->cur_node[0] = '\0';
+    h->cur_node_shards = 0;
+    h->list_full = 0;
 }
 
-/* A shard is remembered for the index of its node and step, if one is the node's best. */
-static void remember_shard(s3_hub *h, const s3_object *o, const delta_path *dp)
+/* Forgets what this poll remembered of node (a node the poll stops in: the next one lists it whole). */
+static void forget_node(s3_hub *h, const char *node)
+{
+    for (size_t i = 0; i < h->nbest;) {
+        if (strcmp(h->best[i].node, node) == 0) {
+            free(h->best[i].key);
+            h->best[i] = h->best[--h->nbest];
+        } else {
+            i++;
+        }
+    }
+    for (size_t i = 0; i < h->nshards;) {
+        if (strcmp(h->shards[i].node, node) == 0) {
+            free(h->shards[i].obj.key);
+            h->shards[i] = h->shards[--h->nshards];
+        } else {
+            i++;
+        }
+    }
+}
+
+/* The poll stops before the current node: it is forgotten, and the next poll starts with it (after
+ * node_boundary); when it is the poll's first node, after the whole node (it alone is over a cap). */
+static void stop_before_node(s3_hub *h)
+{
+    char *next = NULL;
+
+    if (h->node_boundary != NULL) {
+        next = strdup(h->node_boundary);
+    } else if (h->cur_node[0] != '\0') {
+        /* "<prefix>/nodes/<node>0" sorts after every "<prefix>/nodes/<node>/..." and before the next node */
+        char *dir = full_key(h, "nodes/");
+        if (dir != NULL && asprintf(&next, "%s%s0", dir, h->cur_node) < 0)
+            next = NULL;
+        free(dir);
+    }
+    if (h->cur_node[0] != '\0')
+        forget_node(h, h->cur_node);
+    free(h->resume_after);
+    h->resume_after = next;
+    h->list_full = 1;
+}
+
+/* Keeps track of the node boundary the listing is at (keys sorted: a node's keys are contiguous).  0, or
+ * -1 when the poll must stop here (a table is full and key begins a new node). */
+static int enter_node(s3_hub *h, const char *key, const char *node)
+{
+    if (strcmp(h->cur_node, node) == 0)
+        goto same;
+    if (h->nbest == MAX_NODES_PER_LISTING || h->nshards == MAX_SHARDS_PER_LISTING) {
+        /* the previous node is whole; this one starts the next poll */
+        free(h->resume_after);
+        h->resume_after = h->prev_key != NULL ? strdup(h->prev_key) : NULL;
+        h->list_full = 1;
+        return -1;
+    }
+    free(h->node_boundary);
+    h->node_boundary = h->prev_key;
+    h->prev_key = NULL;
+    snprintf(h->cur_node, sizeof(h->cur_node), "%s", node);
+    h->cur_node_shards = 0;
+same:
+    free(h->prev_key);
+    h->prev_key = strdup(key);
+    return 0;
+}
+
+/* A shard is remembered for the index of its node and step, if one is the node's best.  0, or -1 when
+ * it was not. */
+static int remember_shard(s3_hub *h, const s3_object *o, const delta_path *dp)
 {
     if (h->nshards == h->shards_cap) {
         size_t cap = h->shards_cap ? 2 * h->shards_cap : 64;
         if (h->shards_cap == MAX_SHARDS_PER_LISTING)
-            return;
+            return -1;
         if (cap > MAX_SHARDS_PER_LISTING)
             cap = MAX_SHARDS_PER_LISTING;
         shard_entry *ns = realloc(h->shards, cap * sizeof(*ns));
         if (ns == NULL)
-            return;
+            return -1;
         h->shards = ns;
         h->shards_cap = cap;
     }
     shard_entry *e = &h->shards[h->nshards];
     memset(e, 0, sizeof(*e));
     if ((e->obj.key = strdup(o->key)) == NULL)
-        return;
+        return -1;
     snprintf(e->node, sizeof(e->node), "%s", dp->node_id);
     e->local_step = dp->local_step;
     e->obj.size = o->size;
     snprintf(e->obj.etag, sizeof(e->obj.etag), "%s", o->etag);
     h->nshards++;
+    return 0;
 }
 
 /* Keeps obj if it is the highest local step of its node seen in this listing (a file or an index;
@@ -1332,10 +1418,13 @@ static void consider_object(s3_hub *h, const s3_object *o, const char *rel)
     delta_path dp;
     size_t i;
 
-    if (delta_parse_any_path(rel, &dp, NULL) != 0)
+    if (h->list_full || delta_parse_any_path(rel, &dp, NULL) != 0)
         return;                 /* not a delta's name: nothing of ours (temporary names, other files) */
+    if (enter_node(h, o->key, dp.node_id) != 0)
+        return;
     if (dp.kind == DELTA_PATH_SHARD) {
-        remember_shard(h, o, &dp);
+        if (h->cur_node_shards < MAX_SHARDS_PER_NODE && remember_shard(h, o, &dp) == 0)
+            h->cur_node_shards++;
         return;
     }
     node = dp.node_id;
@@ -1503,12 +1592,20 @@ static void list_done(s3_hub *h, s3_req *r, int ok)
         stop = "more than 64 MiB of listing";
     else if (l.truncated && token_repeated(h, l.next_token))
         stop = "the server repeated a continuation token";
-    if (l.truncated && stop == NULL) {
+    if (h->list_full) {
+        /* a table filled at a node boundary: the next poll starts there */
+        listing_complete(h);
+    } else if (l.truncated && stop == NULL) {
         h->list_pages++;
         list_page(h, l.next_token);
     } else {
-        if (stop != NULL)
+        if (stop != NULL) {
             set_error(h, "listing s3://%s/%s/nodes/: %s, the poll ends there", h->bucket, h->prefix, stop);
+            stop_before_node(h);        /* the next poll goes on from the node it stopped in */
+        } else {
+            free(h->resume_after);      /* the whole listing was read: the next poll starts at the top */
+            h->resume_after = NULL;
+        }
         listing_complete(h);
     }
     s3_listing_free(&l);
@@ -1517,7 +1614,7 @@ static void list_done(s3_hub *h, s3_req *r, int ok)
 static void list_page(s3_hub *h, const char *token)
 {
     char *prefix = full_key(h, "nodes/");
-    char *query = prefix ? s3_list_query(prefix, token, S3_MAX_KEYS_PER_PAGE) : NULL;
+    char *query = prefix ? s3_list_query(prefix, token, token == NULL ? h->resume_after : NULL, S3_MAX_KEYS_PER_PAGE) : NULL;
     s3_req *r = query ? req_new(h, "GET", NULL, query, "list") : NULL;
 
     if (r != NULL) {
@@ -1629,7 +1726,7 @@ static void global_list_done(s3_hub *h, s3_req *r, int ok)
 static void adopt_global(s3_hub *h, uint64_t step, int sharded)
 {
     char *key = full_key(h, sharded ? "global/latest" : "global/latest.safetensors");
-    char *query = key ? s3_list_query(key, NULL, sharded ? S3_MAX_KEYS_PER_PAGE : 1) : NULL;
+    char *query = key ? s3_list_query(key, NULL, NULL, sharded ? S3_MAX_KEYS_PER_PAGE : 1) : NULL;
     s3_req *r = query ? req_new(h, "GET", NULL, query, "list") : NULL;
 
     free(key);
@@ -1820,7 +1917,7 @@ static void pub_cleanup_done(s3_hub *h, s3_req *r, int ok)
 static void pub_cleanup(s3_hub *h)
 {
     char *prefix = full_key(h, "global/latest");
-    char *query = prefix ? s3_list_query(prefix, NULL, S3_MAX_KEYS_PER_PAGE) : NULL;
+    char *query = prefix ? s3_list_query(prefix, NULL, NULL, S3_MAX_KEYS_PER_PAGE) : NULL;
     s3_req *r = query ? req_new(h, "GET", NULL, query, "list") : NULL;
 
     free(prefix);
@@ -2721,6 +2818,7 @@ static void s3_free(s3_hub *h)
     free(h->secret);
     free(h->state_dir);
     free(h->seen_path);
+    free(h->resume_after);
     free(h);
 }
 

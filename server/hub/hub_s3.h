@@ -46,7 +46,7 @@ char *s3_url(const char *endpoint, const char *bucket, int virtual_host, const c
 /* The ListObjectsV2 query for keys under prefix, after continuation token (may be NULL), in SigV4's
  * canonical form: parameters sorted by name, names and values encoded by s3_uri_encode (so
  * "nodes/" is sent as "nodes%2F": libcurl signs the query as it is written).  malloc'd. */
-char *s3_list_query(const char *prefix, const char *token, unsigned max_keys);
+char *s3_list_query(const char *prefix, const char *token, const char *start_after, unsigned max_keys);
 
 typedef struct s3_object {
     char *key;

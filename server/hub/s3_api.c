@@ -127,10 +127,10 @@ char *s3_url(const char *endpoint, const char *bucket, int virtual_host, const c
     return sb_take(&b);
 }
 
-char *s3_list_query(const char *prefix, const char *token, unsigned max_keys)
+char *s3_list_query(const char *prefix, const char *token, const char *start_after, unsigned max_keys)
 {
     sbuf b = {0};
-    /* sorted by name: continuation-token < list-type < max-keys < prefix */
+    /* sorted by name: continuation-token < list-type < max-keys < prefix < start-after */
     if (token != NULL) {
         sb_str(&b, "continuation-token=");
         s3_uri_encode(&b, token, 0);
@@ -140,6 +140,10 @@ char *s3_list_query(const char *prefix, const char *token, unsigned max_keys)
     sb_u64(&b, max_keys);
     sb_str(&b, "&prefix=");
     s3_uri_encode(&b, prefix, 0);
+    if (start_after != NULL) {
+        sb_str(&b, "&start-after=");
+        s3_uri_encode(&b, start_after, 0);
+    }
     return sb_take(&b);
 }
 

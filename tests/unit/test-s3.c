@@ -27,8 +27,8 @@ TEST(s3_uri_encode_is_sigv4_canonical)
 
 TEST(s3_list_query_is_sorted_and_encoded)
 {
-    char *q1 = s3_list_query("run/nodes/", NULL, 1000);
-    char *q2 = s3_list_query("run/nodes/", "1/abc+=", 1000);
+    char *q1 = s3_list_query("run/nodes/", NULL, NULL, 1000);
+    char *q2 = s3_list_query("run/nodes/", "1/abc+=", NULL, 1000);
     CHECK_STR(q1, "list-type=2&max-keys=1000&prefix=run%2Fnodes%2F");
     CHECK_STR(q2, "continuation-token=1%2Fabc%2B%3D&list-type=2&max-keys=1000&prefix=run%2Fnodes%2F");
     free(q1), free(q2);
