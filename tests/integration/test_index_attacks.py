@@ -114,6 +114,17 @@ def check_after(d, tmp_path, m, delta):
     assert_state_close(got, want)
 
 
+
+def honest_file_delta(d, hub, delta):
+    """An honest node h's delta of round 0, written the reference's way (temp + rename) into the tree;
+    step 1 must follow within HONEST_WITHIN seconds."""
+    t0 = time.monotonic()
+    dh = hub / "nodes" / "h"
+    dh.mkdir(parents=True)
+    save_file(delta, str(dh / ".tmp"), metadata=delta_metadata("h", 0, 1))
+    os.rename(dh / ".tmp", dh / "delta_1.safetensors")
+    d.wait_step(1, timeout=HONEST_WITHIN - (time.monotonic() - t0))
+
 def test_http_concurrent_hostile_indexes(tmp_path):
     m = model()
     write_model(tmp_path / "init.safetensors", m)
@@ -185,12 +196,7 @@ def test_file_hostile_index_rescanned(tmp_path):
         d.wait_step(0)
         with Watch(d):
             time.sleep(2)       # several scans over the hostile indexes
-            t0 = time.monotonic()
-            dh = hub / "nodes" / "h"
-            dh.mkdir(parents=True)
-            save_file(delta, str(dh / ".tmp"), metadata=delta_metadata("h", 0, 1))
-            os.rename(dh / ".tmp", dh / "delta_1.safetensors")
-            d.wait_step(1, timeout=HONEST_WITHIN - (time.monotonic() - t0))
+            honest_file_delta(d, hub, delta)
         check_after(d, tmp_path, m, delta)
     finally:
         d.stop()
@@ -223,12 +229,7 @@ def test_file_set_over_the_byte_budget(tmp_path):
         d.wait_step(0)
         with Watch(d):
             d.wait_log("delta budget")
-            t0 = time.monotonic()
-            dh = hub / "nodes" / "h"
-            dh.mkdir(parents=True)
-            save_file(delta, str(dh / ".tmp"), metadata=delta_metadata("h", 0, 1))
-            os.rename(dh / ".tmp", dh / "delta_1.safetensors")
-            d.wait_step(1, timeout=HONEST_WITHIN - (time.monotonic() - t0))
+            honest_file_delta(d, hub, delta)
         assert d.alive()
         size = tree_size(d.state_root)
         assert size < 4 << 20, f"state root {size >> 20} MiB, bound 4 MiB"
