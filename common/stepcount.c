@@ -1,5 +1,6 @@
 #include "stepcount.h"
 
+#include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -63,4 +64,13 @@ int stepcount_parse(const char *text, size_t len, uint64_t *outer_step, int *boo
 out:
     cJSON_Delete(root);
     return rc;
+}
+
+int stepcount_check(uint64_t step, const char *what, dl_error *err)
+{
+    if (stepcount_step_ok(step))
+        return 0;
+    return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s %" PRIu64 " is past the largest step a state may hold "
+                   "(%llu): its successor cannot be a delta's base_outer_step", what, step,
+                   (unsigned long long)STEPCOUNT_STEP_MAX);
 }

@@ -24,6 +24,9 @@
 #define STEPCOUNT_STEP_MAX 9007199254740990ULL    /* DELTA_INT_MAX - 1 */
 /* Whether a state may hold step (see STEPCOUNT_STEP_MAX). */
 static inline int stepcount_step_ok(uint64_t step) { return step <= STEPCOUNT_STEP_MAX; }
+/* 0 when a state may hold step, else -DL_E_METADATA_INVALID with the one message that says why (what:
+ * "step", "the published step" ...). */
+int stepcount_check(uint64_t step, const char *what, dl_error *err);
 
 /* malloc'd text; sharded names STEPCOUNT_MODEL_INDEX as model_file; updated_at NULL means now (UTC,
  * seconds). */

@@ -1787,12 +1787,9 @@ static void start_aggregation(dilocod *d)
 {
     outer_pass *p;
 
-    if (!stepcount_step_ok(d->rnd.step + 1)) {
+    dl_error be;
+    if (stepcount_check(d->rnd.step + 1, "step", &be) != 0) {
         /* never computed, never committed: the step would brick the state (stepcount.h) */
-        dl_error be;
-        dl_fail(&be, DL_E_METADATA_INVALID, NULL, 0,
-                "step %" PRIu64 " is past the largest step a state may hold (%llu): its successor cannot be a "
-                "delta's base_outer_step", d->rnd.step + 1, (unsigned long long)STEPCOUNT_STEP_MAX);
         aggregation_failed(d, &be);
         return;
     }
@@ -2195,11 +2192,9 @@ static int adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap,
      * memory for nothing) */
     const uint64_t max_header = bootstrap ? 0 : (uint64_t)d->cfg->max_delta_header_mib << 20;
 
-    if (!bootstrap && !stepcount_step_ok(step)) {
+    if (!bootstrap && (rc = stepcount_check(step, "the published step", err)) != 0) {
         free(dst);
-        return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
-                       "the published step %" PRIu64 " is past the largest step a state may hold (%llu): its "
-                       "successor cannot be a delta's base_outer_step", step, (unsigned long long)STEPCOUNT_STEP_MAX);
+        return rc;
     }
     if (dst == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");

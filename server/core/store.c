@@ -254,10 +254,8 @@ int store_commit_write(const store *s, const store_commit_info *info, dl_error *
 
     /* the guard at the commit: a step past STEPCOUNT_STEP_MAX would brick the state (its deltas could
      * not name it, a restart could not read it back) */
-    if (!stepcount_step_ok(info->step))
-        return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
-                       "step %" PRIu64 " is not committed: its successor cannot be a delta's base_outer_step "
-                       "(the largest step is %llu)", info->step, (unsigned long long)STEPCOUNT_STEP_MAX);
+    if ((rc = stepcount_check(info->step, "step", err)) != 0)
+        return rc;
     iso_now(when, sizeof(when));
     sb_str(&b, "{\n  \"format\": 1,\n  \"outer_step\": ");
     sb_u64(&b, info->step);
