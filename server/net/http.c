@@ -12,6 +12,7 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/sendfile.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -33,6 +34,7 @@
 #define ACCEPT_BACKOFF_MS 250           /* listener pause when accept fails for want of resources */
 #define LINGER_MS 2000
 #define LINGER_MAX_BYTES (256u << 20)
+#define EVICT_TRIES 16                 /* idle candidates found holding a request before a new connection is refused */
 
 struct http_file {
     int fd;
@@ -84,6 +86,7 @@ struct http_conn {
     int has_poll;               /* the uv_poll_t was initialised (closed with the connection) */
     int route;                  /* the application's tag of the current request (-1: none) */
     uint64_t last_active;       /* loop time of the last progress (eviction picks the oldest idle) */
+    int has_unread;             /* eviction saw bytes in the socket not read yet: not idle */
     int in_execute;
     int closing, close_after;
     /* current request */
@@ -922,6 +925,7 @@ static void read_some(http_conn *c)
             continue;           /* discarded: only the peer's seeing our answer matters now */
         }
         c->rlen += (size_t)r;
+        c->has_unread = 0;
         touch(c);
         conn_process(c);
         if (c->closing)
@@ -1139,25 +1143,50 @@ static int is_loopback(const struct sockaddr_storage *ss)
     return 0;
 }
 
-/* At max_conns, a new connection takes the place of the least recently active connection that
- * is between requests (sent nothing yet, or idle keep-alive) with nothing left to send, as nginx
- * reuses keep-alive connections: a crowd of silent sockets cannot lock real clients out. */
-static int evict_idle(http_server *s)
+/* The least recently active connection that is between requests (sent nothing yet, or idle
+ * keep-alive) with nothing left to send.  conns is newest first, so on a tie (connections accepted
+ * in one loop turn share last_active) the oldest wins. */
+static http_conn *oldest_idle(http_server *s)
 {
     http_conn *victim = NULL;
 
     for (http_conn *c = s->conns; c; c = c->next) {
         if (c->closing || c->lingering || c->in_request || c->paused || c->out_paused || c->out_head != NULL ||
-            c->rlen > 0 || c->fake_out)
+            c->rlen > 0 || c->fake_out || c->has_unread)
             continue;
-        if (victim == NULL || c->last_active < victim->last_active)
+        if (victim == NULL || c->last_active <= victim->last_active)
             victim = c;
     }
-    if (victim == NULL)
-        return -1;
-    s->stats.evicted_idle++;
-    conn_close(victim);
-    return 0;
+    return victim;
+}
+
+/* Bytes the peer sent that this loop turn has not read yet: a connection accepted in an earlier
+ * turn whose request arrived after it looks idle (rlen is 0) until its poll callback runs. */
+static int has_unread_bytes(const http_conn *c)
+{
+    int n = 0;
+    return c->fd >= 0 && ioctl(c->fd, FIONREAD, &n) == 0 && n > 0;
+}
+
+/* At max_conns, a new connection takes the place of the least recently active idle connection, as
+ * nginx reuses keep-alive connections: a crowd of silent sockets cannot lock real clients out.  A
+ * candidate whose request is already in its socket is a real client, not an idle one: evicting it
+ * reset a pipelined client before it got any answer (read_some clears the mark). */
+static int evict_idle(http_server *s)
+{
+    for (int tries = 0; tries < EVICT_TRIES; tries++) {
+        http_conn *victim = oldest_idle(s);
+        if (victim == NULL)
+            return -1;
+        if (has_unread_bytes(victim)) {
+            victim->has_unread = 1;
+            continue;
+        }
+        s->stats.evicted_idle++;
+        conn_close(victim);
+        return 0;
+    }
+    return -1;
 }
 
 static void accept_cb(uv_poll_t *h, int status, int events);

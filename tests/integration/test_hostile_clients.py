@@ -9,6 +9,7 @@ test_hostile_clients_files.py and test_hostile_clients_hub.py."""
 import os
 import resource
 import shutil
+import signal
 import socket
 import struct
 import threading
@@ -323,6 +324,52 @@ def test_a_thousand_silent_connections_do_not_lock_clients_out(daemons):
     for s in silent:
         s.close()
     base.check(fd_slack=FD_SLACK)
+    assert d.stop() == 0
+
+
+def test_a_request_waiting_unread_is_not_evicted_as_idle(daemons):
+    """At --max-connections the oldest idle connection makes room for a new one.  A connection
+    accepted in an earlier loop turn whose request arrived since looks idle until its read callback
+    runs: dilocod evicted it when new connections were accepted first in the same turn, and the
+    pipelining client saw a reset before any answer (the chaos soak's "closed after 0 of 40").  The
+    daemon is stopped so that both happen while it cannot run: the new connections queue first, then
+    the request arrives."""
+    d = daemons(small_model(7), "--expected-nodes", "2", "--max-connections", "4", "--header-timeout", "30")
+    base = Baseline(d)
+    client = socket.create_connection(("127.0.0.1", d.port), timeout=10)
+    # a request answered on a connection made after it: the accept queue is FIFO, so the client is accepted
+    assert get(d.url, "/healthz", headers={"Connection": "close"}).status_code == 200
+    paths = ["/status", "/healthz", "/global/step_count.json", "/metrics"] * 5
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    try:
+        newcomers = [socket.create_connection(("127.0.0.1", d.port), timeout=10) for _ in range(4)]
+        client.sendall(b"".join(f"GET {p} HTTP/1.1\r\nHost: x\r\n\r\n".encode() for p in paths))
+        time.sleep(0.1)
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+    f = client.makefile("rb")
+    for p in paths:
+        line = f.readline()
+        assert line.startswith(b"HTTP/1.1 200"), f"{p}: {line!r} (evicted with its request unread?)"
+        length = None
+        while (h := f.readline()) not in (b"\r\n", b""):
+            if h.lower().startswith(b"content-length:"):
+                length = int(h.split(b":")[1])
+        assert length is not None, p
+        f.read(length)
+    client.close()
+    # the room was made by evicting a newcomer that had sent nothing
+    evicted = 0
+    for s in newcomers:
+        s.settimeout(0.5)
+        try:
+            evicted += s.recv(1) == b""
+        except socket.timeout:
+            pass
+    assert evicted == 1, f"{evicted} of the silent newcomers evicted"
+    for s in newcomers:
+        s.close()
+    base.check()
     assert d.stop() == 0
 
 
