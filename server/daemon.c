@@ -2474,9 +2474,15 @@ static void round_open(dilocod *d)
     round_init(&d->rnd, d->st.step, d->cfg->expected_nodes, d->cfg->nodes, d->cfg->nnodes, d->cfg->min_nodes,
                d->cfg->round_timeout);
     d->state = S_COLLECTING;
-    if (d->hub != NULL)
-        hub_set_step(d->hub, d->st.step, 0);
     model_facts(d);
+    if (d->hub != NULL) {
+        hub_limits lim = {
+            .delta_index_bytes = st_index_cap_for(d->model),
+            .delta_set_bytes = intake_set_budget(d->delta_bytes, (uint64_t)d->cfg->max_delta_header_mib << 20),
+        };
+        hub_set_limits(d->hub, &lim);
+        hub_set_step(d->hub, d->st.step, 0);
+    }
     plan_layout(d);
     dl_log(DL_LOG_INFO, "round", "opened", "step=%" PRIu64 " expected=%u min_nodes=%u tensors=%zu", d->rnd.step,
            d->cfg->expected_nodes, d->cfg->min_nodes, d->model->ntensors);

@@ -93,6 +93,14 @@ typedef struct hub_callbacks {
     void (*publish_done)(void *app, uint64_t step, const char *error);
 } hub_callbacks;
 
+/* The open round's model bounds what a network transport downloads before intake sees it: a
+ * delta set's index and its shards together are refused from the listing's sizes, before a byte
+ * is fetched (intake applies the same bounds again to what it reads). */
+typedef struct hub_limits {
+    size_t delta_index_bytes;   /* st_index_cap_for(model); 0: no model yet (ST_INDEX_MAX_BYTES) */
+    uint64_t delta_set_bytes;   /* intake_set_budget(delta bytes, header cap); 0: no model yet (no bound) */
+} hub_limits;
+
 typedef struct hub_config {
     const char *url;            /* file:///abs/dir, hf://ns/repo[@rev], ... (hub_find accepted it) */
     const char *state_dir;      /* <state_root>/<id>: the transport's own files (downloads, lists) */
@@ -156,6 +164,9 @@ struct hub_ops {
     /* Optional (NULL: the transport keeps every file): removes a delta the daemon is done with (used
      * in a durable step, or stale, or superseded), if it is still the version that was handed over. */
     void (*prune)(hub *h, const char *rel);
+    /* Optional (NULL: intake alone applies them, as file:// reads in place): the bounds of the open
+     * round's model, set when a round opens. */
+    void (*set_limits)(hub *h, const hub_limits *lim);
 };
 
 /* The scheme table: the transport for url, or NULL ("none" has no transport). */
@@ -179,6 +190,11 @@ static inline int hub_mark_done(hub *h, const char *rel, hub_outcome o, const hu
 static inline const hub_status *hub_get_status(const hub *h) { return h->ops->status(h); }
 static inline const char *hub_kind(const hub *h) { return h->ops->kind; }
 static inline void hub_close(hub *h, void (*done)(void *), void *arg) { h->ops->close(h, done, arg); }
+static inline void hub_set_limits(hub *h, const hub_limits *lim)
+{
+    if (h->ops->set_limits != NULL)
+        h->ops->set_limits(h, lim);
+}
 /* 1 if the transport can prune consumed deltas. */
 static inline int hub_can_prune(const hub *h) { return h->ops->prune != NULL; }
 static inline void hub_prune(hub *h, const char *rel)

@@ -155,6 +155,7 @@ struct hf_hub {
     double poll_interval;
     unsigned max_downloads;
     uint64_t max_header;        /* a delta's header cap */
+    hub_limits limits;          /* the open round's model (hub_set_limits) */
     unsigned list_pages;        /* pages of the current listing */
     unsigned list_new;          /* new candidates taken from the current listing */
     int list_cut;               /* ... and some left for the next listing */
@@ -1156,9 +1157,12 @@ static const listed_file *listed_shard(const candidate *c, const char *name)
     return NULL;
 }
 
-static int shard_listed(const void *c, const char *name)
+static int shard_listed(const void *c, const char *name, uint64_t *bytes)
 {
-    return listed_shard(c, name) != NULL;
+    const listed_file *l = listed_shard(c, name);
+
+    *bytes = l ? l->size : 0;
+    return l != NULL;
 }
 
 /* The set is given up for this version (a later listing with other files has another). */
@@ -1177,7 +1181,7 @@ static void set_drop(hf_hub *h, candidate *c, seen_state state)
 static void set_start_shards(hf_hub *h, candidate *c, const st_index *ix, const char *text, size_t len)
 {
     char name[ST_INDEX_BASE_MAX + 48], q[300], qp[600];
-    uint64_t base;
+    uint64_t base, total;
     int verdict = c->is_global ? 0 : hub_set_base_verdict(ix, h->step, &base);
 
     if (verdict < 0) {
@@ -1191,9 +1195,19 @@ static void set_start_shards(hf_hub *h, candidate *c, const st_index *ix, const 
         set_drop(h, c, SEEN_INCOMPLETE);
         return;
     }
-    if (hub_set_missing_shard(ix, shard_listed, c, name, sizeof(name))) {
+    if (hub_set_listed_shards(ix, shard_listed, c, name, sizeof(name), &total)) {
         dl_log(DL_LOG_DEBUG, "hub", "sharded set incomplete, waiting for its shards", "path=%s missing=%s",
                dl_log_q(qp, sizeof(qp), c->rel), dl_log_q(q, sizeof(q), name));
+        set_drop(h, c, SEEN_REJECTED);
+        return;
+    }
+    if (!c->is_global && h->limits.delta_set_bytes != 0 && total > h->limits.delta_set_bytes) {
+        /* refused from the listing, before a byte: this version of the set is not looked at again */
+        snprintf(q, sizeof(q), "its shards are %" PRIu64 " bytes together, a delta of this model at most %" PRIu64,
+                 total, h->limits.delta_set_bytes);
+        dl_log(DL_LOG_WARN, "hub", "delta refused before download", "path=%s reason=\"%s\"",
+               dl_log_q(qp, sizeof(qp), c->rel), q);
+        set_error(h, "%s: %s", c->rel, q);
         set_drop(h, c, SEEN_REJECTED);
         return;
     }
@@ -1250,47 +1264,59 @@ static int hash_mem(const char *p, size_t len, int git_sha1, char *hex, size_t h
     return 0;
 }
 
-static void index_done(hf_hub *h, hf_req *r, int ok)
+/* On the pool: the download is the blob the listing named (its git sha1, or sha256 for LFS). */
+static int index_matches_listing(const hub_index_job *j)
 {
-    candidate *c = r->arg;
-    cuv_xfer *x = r->x;
-    char base[ST_INDEX_BASE_MAX + 1], hex[130], qp[600];
-    const char *body = x && x->body.p ? x->body.p : "";
-    size_t blen = x ? x->body.len : 0;
-    st_index *ix = NULL;
-    dl_error err = {0};
+    const candidate *c = j->arg;
+    char hex[130];
 
+    return j->len == c->size && hash_mem(j->text, j->len, !c->lfs, hex, sizeof(hex)) == 0 && strcmp(hex, c->oid) == 0
+               ? 0
+               : -1;
+}
+
+/* A failed index download, or one that is not the listed blob: tried again a few times. */
+static void index_retry(hf_hub *h, candidate *c)
+{
+    if (++c->attempts < MAX_ATTEMPTS_DOWNLOAD)
+        retry_later(h, c);
+    else
+        set_drop(h, c, SEEN_REJECTED);
+}
+
+/* A delta index is bounded by the open round's model (st_index_cap_for); a global's lists every
+ * tensor, so it keeps the format's cap. */
+static size_t index_cap(const hf_hub *h, const candidate *c)
+{
+    size_t cap = h->limits.delta_index_bytes;
+    return c->is_global || cap == 0 || cap > ST_INDEX_MAX_BYTES ? ST_INDEX_MAX_BYTES : cap;
+}
+
+/* The index checked and parsed (hub_set_parse_index): the download stays counted in
+ * active_downloads until here. */
+static void index_parsed(hub_index_job *j)
+{
+    hf_hub *h = j->owner;
+    candidate *c = j->arg;
+    char qp[600];
+
+    h->handles--;
     h->active_downloads--;
-    if (h->closing) {
-        req_end(h, r);
+    if (h->closing || j->cancelled) {
         candidate_free(c);
-        return;
-    }
-    if (!ok || x == NULL || x->status != 200 || blen != c->size ||
-        hash_mem(body, blen, !c->lfs, hex, sizeof(hex)) != 0 || strcmp(hex, c->oid) != 0) {
-        if (ok && x != NULL) {
-            dl_log(DL_LOG_WARN, "hub", "download does not match the listing, discarded", "path=%s",
-                   dl_log_q(qp, sizeof(qp), c->rel));
-            set_error(h, "%s: the download does not match the listing's size and oid", c->rel);
-        }
-        req_end(h, r);
-        if (++c->attempts < MAX_ATTEMPTS_DOWNLOAD)
-            retry_later(h, c);
-        else
-            set_drop(h, c, SEEN_REJECTED);
-        pump_downloads(h);
-        return;
-    }
-    hub_set_index_base(c->rel, base, sizeof(base));
-    if (st_index_parse(body, blen, base, &ix, &err) == 0) {
-        set_start_shards(h, c, ix, body, blen);
-        st_index_free(ix);
+    } else if (j->mismatch) {
+        dl_log(DL_LOG_WARN, "hub", "download does not match the listing, discarded", "path=%s",
+               dl_log_q(qp, sizeof(qp), c->rel));
+        set_error(h, "%s: the download does not match the listing's size and oid", c->rel);
+        index_retry(h, c);
+    } else if (j->rc == 0) {
+        set_start_shards(h, c, j->ix, j->text, j->len);
     } else if (c->is_global) {
-        set_error(h, "the Hub's global index: %s", err.message);
+        set_error(h, "the Hub's global index: %s", j->err.message);
         set_drop(h, c, SEEN_REJECTED);
     } else {
         /* handed over alone: intake refuses it with the reason, once for this version */
-        hub_set *set = dset_new(h, c, body, blen);
+        hub_set *set = dset_new(h, c, j->text, j->len);
         if (set == NULL) {
             set_drop(h, c, SEEN_REJECTED);
         } else {
@@ -1298,21 +1324,64 @@ static void index_done(hf_hub *h, hf_req *r, int ok)
             dset_finished(h, set, 1);
         }
     }
+    hub_index_job_free(j);
+    if (!h->closing)
+        pump_downloads(h);
+}
+
+static void index_done(hf_hub *h, hf_req *r, int ok)
+{
+    candidate *c = r->arg;
+    cuv_xfer *x = r->x;
+    char qp[600];
+
+    if (h->closing) {
+        h->active_downloads--;
+        req_end(h, r);
+        candidate_free(c);
+        return;
+    }
+    if (!ok || x == NULL || x->status != 200) {
+        h->active_downloads--;
+        if (ok && x != NULL) {
+            dl_log(DL_LOG_WARN, "hub", "download does not match the listing, discarded", "path=%s",
+                   dl_log_q(qp, sizeof(qp), c->rel));
+            set_error(h, "%s: the download does not match the listing's size and oid", c->rel);
+        }
+        req_end(h, r);
+        index_retry(h, c);
+        pump_downloads(h);
+        return;
+    }
+    size_t len = x->body.len;
+    char *text = sb_take(&x->body);
     req_end(h, r);
-    pump_downloads(h);
+    hub_index_job *j = hub_index_job_new(text, len, c->rel, index_cap(h, c), index_parsed, h, c);
+    if (j != NULL)
+        j->verify = index_matches_listing;
+    if (j == NULL || hub_index_job_queue(h->loop, j) != 0) {
+        hub_index_job_free(j);
+        h->active_downloads--;
+        set_drop(h, c, SEEN_REJECTED);
+        pump_downloads(h);
+        return;
+    }
+    h->handles++;
 }
 
 /* An index is read whole into memory, capped as huggingface_hub caps it. */
 static void start_index(hf_hub *h, candidate *c)
 {
-    char *url;
+    char *url, line[160];
+    size_t cap = index_cap(h, c);
     hf_req *r;
 
-    if (c->size > ST_INDEX_MAX_BYTES) {
-        char qp[600];
+    if (c->size > cap) {
+        char qp[600], q[300];
+        snprintf(line, sizeof(line), "an index of %" PRIu64 " bytes, the cap is %zu", c->size, cap);
         dl_log(DL_LOG_WARN, "hub", "delta refused before download", "path=%s reason=%s",
-               dl_log_q(qp, sizeof(qp), c->rel), "\"an index larger than 10 MiB\"");
-        set_error(h, "%s: an index of %" PRIu64 " bytes, the cap is %u", c->rel, c->size, ST_INDEX_MAX_BYTES);
+               dl_log_q(qp, sizeof(qp), c->rel), dl_log_q(q, sizeof(q), line));
+        set_error(h, "%s: %s", c->rel, line);
         set_drop(h, c, SEEN_REJECTED);
         return;
     }
@@ -2713,6 +2782,11 @@ static int hf_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
     return 0;
 }
 
+static void hf_set_limits(hub *base, const hub_limits *lim)
+{
+    ((hf_hub *)base)->limits = *lim;
+}
+
 static void hf_set_step(hub *base, uint64_t step, int waiting)
 {
     hf_hub *h = (hf_hub *)base;
@@ -2828,6 +2902,7 @@ const hub_ops hub_hf_ops = {
     .open = hf_open,
     .start = hf_start,
     .set_step = hf_set_step,
+    .set_limits = hf_set_limits,
     .publish = hf_publish,
     .mark_done = hf_mark_done,
     .status = hf_get_status,

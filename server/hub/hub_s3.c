@@ -205,6 +205,7 @@ struct s3_hub {
     double poll_interval;
     unsigned max_downloads;
     uint64_t max_header;
+    hub_limits limits;          /* the open round's model (hub_set_limits) */
     uv_timer_t poll_timer;
     int closing, polling;
     hub_status st;
@@ -1084,9 +1085,12 @@ static const s3_object *listed_shard(const candidate *c, const char *name)
     return NULL;
 }
 
-static int shard_listed(const void *c, const char *name)
+static int shard_listed(const void *c, const char *name, uint64_t *bytes)
 {
-    return listed_shard(c, name) != NULL;
+    const s3_object *o = listed_shard(c, name);
+
+    *bytes = o ? o->size : 0;
+    return o != NULL;
 }
 
 /* The index is parsed: the stale or later round's set is judged here (as a single delta's peek
@@ -1095,7 +1099,7 @@ static int shard_listed(const void *c, const char *name)
 static void set_start_shards(s3_hub *h, candidate *c, const st_index *ix, const char *text, size_t len)
 {
     char name[ST_INDEX_BASE_MAX + 48], q[300];
-    uint64_t base;
+    uint64_t base, total;
     int verdict = c->is_global ? 0 : hub_set_base_verdict(ix, h->step, &base);
 
     if (verdict < 0) {
@@ -1112,10 +1116,19 @@ static void set_start_shards(s3_hub *h, candidate *c, const st_index *ix, const 
         candidate_drop(h, c, SEEN_INCOMPLETE);
         return;
     }
-    if (hub_set_missing_shard(ix, shard_listed, c, name, sizeof(name))) {
+    if (hub_set_listed_shards(ix, shard_listed, c, name, sizeof(name), &total)) {
         /* a later listing that shows the shard has another version: the set is looked at again */
         dl_log(DL_LOG_DEBUG, "hub", "sharded set incomplete, waiting for its shards", "key=%s missing=%s", c->key,
                dl_log_q(q, sizeof(q), name));
+        candidate_drop(h, c, SEEN_REJECTED);
+        return;
+    }
+    if (!c->is_global && h->limits.delta_set_bytes != 0 && total > h->limits.delta_set_bytes) {
+        /* refused from the listing, before a byte: this version of the set is not looked at again */
+        snprintf(q, sizeof(q), "its shards are %" PRIu64 " bytes together, a delta of this model at most %" PRIu64,
+                 total, h->limits.delta_set_bytes);
+        dl_log(DL_LOG_WARN, "hub", "delta refused before download", "key=%s reason=\"%s\"", c->key, q);
+        set_error(h, "%s: %s", c->key, q);
         candidate_drop(h, c, SEEN_REJECTED);
         return;
     }
@@ -1148,21 +1161,58 @@ static void set_start_shards(s3_hub *h, candidate *c, const st_index *ix, const 
     candidate_free(c);
 }
 
+/* A delta index is bounded by the open round's model (st_index_cap_for); a global's lists every
+ * tensor, so it keeps the format's cap. */
+static size_t index_cap(const s3_hub *h, const candidate *c)
+{
+    size_t cap = h->limits.delta_index_bytes;
+    return c->is_global || cap == 0 || cap > ST_INDEX_MAX_BYTES ? ST_INDEX_MAX_BYTES : cap;
+}
+
+/* The index parsed (hub_set_parse_index): the download stays counted in active_downloads until here. */
+static void index_parsed(hub_index_job *j)
+{
+    s3_hub *h = j->owner;
+    candidate *c = j->arg;
+
+    h->handles--;
+    h->active_downloads--;
+    if (h->closing || j->cancelled) {
+        candidate_free(c);
+    } else if (j->rc == 0) {
+        set_start_shards(h, c, j->ix, j->text, j->len);
+    } else if (c->is_global) {
+        set_error(h, "the bucket's global index %s: %s", c->key, j->err.message);
+        candidate_drop(h, c, SEEN_REJECTED);
+    } else {
+        /* handed over alone: intake refuses it with the reason, once for this version */
+        hub_set *set = dset_new(h, c, j->text, j->len);
+        if (set == NULL) {
+            candidate_drop(h, c, SEEN_REJECTED);
+        } else {
+            candidate_free(c);
+            dset_shard_finished(h, set, 1, SEEN_DONE);
+        }
+    }
+    hub_index_job_free(j);
+    if (!h->closing)
+        pump_downloads(h);
+}
+
 static void index_done(s3_hub *h, s3_req *r, int ok)
 {
     candidate *c = r->arg;
     long status = r->x ? r->x->status : 0;
-    char base[ST_INDEX_BASE_MAX + 1], why[256] = "";
-    st_index *ix = NULL;
-    dl_error err = {0};
+    char why[256] = "";
 
-    h->active_downloads--;
     if (h->closing) {
+        h->active_downloads--;
         req_end(h, r);
         candidate_free(c);
         return;
     }
     if (!ok) {
+        h->active_downloads--;
         if (r->x != NULL)
             describe_answer(r->x, why, sizeof(why));
         req_end(h, r);
@@ -1178,35 +1228,29 @@ static void index_done(s3_hub *h, s3_req *r, int ok)
         pump_downloads(h);
         return;
     }
-    hub_set_index_base(c->rel, base, sizeof(base));
-    if (st_index_parse(r->x->body.p, r->x->body.len, base, &ix, &err) == 0) {
-        set_start_shards(h, c, ix, r->x->body.p, r->x->body.len);
-        st_index_free(ix);
-    } else if (c->is_global) {
-        set_error(h, "the bucket's global index %s: %s", c->key, err.message);
-        candidate_drop(h, c, SEEN_REJECTED);
-    } else {
-        /* handed over alone: intake refuses it with the reason, once for this version */
-        hub_set *set = dset_new(h, c, r->x->body.p, r->x->body.len);
-        if (set == NULL) {
-            candidate_drop(h, c, SEEN_REJECTED);
-        } else {
-            candidate_free(c);
-            dset_shard_finished(h, set, 1, SEEN_DONE);
-        }
-    }
+    size_t len = r->x->body.len;
+    char *text = sb_take(&r->x->body);
     req_end(h, r);
-    pump_downloads(h);
+    hub_index_job *j = hub_index_job_new(text, len, c->rel, index_cap(h, c), index_parsed, h, c);
+    if (j == NULL || hub_index_job_queue(h->loop, j) != 0) {
+        hub_index_job_free(j);
+        h->active_downloads--;
+        candidate_drop(h, c, SEEN_REJECTED);
+        pump_downloads(h);
+        return;
+    }
+    h->handles++;
 }
 
 /* An index is read whole into memory, capped as huggingface_hub caps it. */
 static void start_index(s3_hub *h, candidate *c)
 {
     char line[160], q[300];
+    size_t cap = index_cap(h, c);
     s3_req *r;
 
-    if (c->size > ST_INDEX_MAX_BYTES) {
-        snprintf(line, sizeof(line), "an index of %" PRIu64 " bytes, the cap is %u", c->size, ST_INDEX_MAX_BYTES);
+    if (c->size > cap) {
+        snprintf(line, sizeof(line), "an index of %" PRIu64 " bytes, the cap is %zu", c->size, cap);
         dl_log(DL_LOG_WARN, "hub", "delta refused before download", "key=%s reason=%s", c->key,
                dl_log_q(q, sizeof(q), line));
         set_error(h, "%s: %s", c->key, line);
@@ -1219,7 +1263,7 @@ static void start_index(s3_hub *h, candidate *c)
     }
     snprintf(line, sizeof(line), "If-Match: \"%s\"", c->etag);
     req_header(r, line);
-    r->body_cap = ST_INDEX_MAX_BYTES;
+    r->body_cap = cap;
     r->max_attempts = 3;
     h->active_downloads++;
     req_go(h, r, index_done, c);
@@ -2931,6 +2975,11 @@ static void s3_start(hub *base)
     uv_timer_start(&h->poll_timer, poll_cb, 0, (uint64_t)(h->poll_interval * 1000));
 }
 
+static void s3_set_limits(hub *base, const hub_limits *lim)
+{
+    ((s3_hub *)base)->limits = *lim;
+}
+
 static void s3_set_step(hub *base, uint64_t step, int waiting)
 {
     s3_hub *h = (s3_hub *)base;
@@ -3006,6 +3055,7 @@ const hub_ops hub_s3_ops = {
     .open = s3_open,
     .start = s3_start,
     .set_step = s3_set_step,
+    .set_limits = s3_set_limits,
     .publish = s3_publish,
     .mark_done = s3_mark_done,
     .status = s3_get_status,

@@ -66,13 +66,73 @@ int hub_set_base_verdict(const st_index *ix, uint64_t step, uint64_t *base)
     return *base != UINT64_MAX && *base > step ? 1 : 0;
 }
 
-int hub_set_missing_shard(const st_index *ix, int (*listed)(const void *arg, const char *name), const void *arg,
-                          char *name, size_t size)
+int hub_set_listed_shards(const st_index *ix, int (*listed)(const void *arg, const char *name, uint64_t *bytes),
+                          const void *arg, char *name, size_t size, uint64_t *total)
 {
-    for (uint32_t i = 0; i < ix->nshards; i++)
-        if (st_index_shard_name(ix->base, i, ix->nshards, name, size) != 0 || !listed(arg, name))
+    uint64_t bytes = 0;
+
+    *total = 0;
+    for (uint32_t i = 0; i < ix->nshards; i++) {
+        if (st_index_shard_name(ix->base, i, ix->nshards, name, size) != 0 || !listed(arg, name, &bytes))
             return 1;
+        if (__builtin_add_overflow(*total, bytes, total))
+            *total = UINT64_MAX;
+    }
     return 0;
+}
+
+static void parse_index_work(uv_work_t *w)
+{
+    hub_index_job *j = w->data;
+
+    if (j->verify != NULL && j->verify(j) != 0) {
+        j->mismatch = 1;
+        return;
+    }
+    j->rc = st_index_parse_capped(j->text, j->len, j->base, j->cap, &j->ix, &j->err);
+}
+
+static void parse_index_after(uv_work_t *w, int status)
+{
+    hub_index_job *j = w->data;
+
+    j->cancelled = status != 0;
+    j->done(j);
+}
+
+hub_index_job *hub_index_job_new(char *text, size_t len, const char *rel, size_t cap, hub_index_parsed done,
+                                 void *owner, void *arg)
+{
+    hub_index_job *j = text != NULL ? calloc(1, sizeof(*j)) : NULL;
+
+    if (j == NULL) {
+        free(text);
+        return NULL;
+    }
+    j->text = text;
+    j->len = len;
+    j->cap = cap;
+    j->done = done;
+    j->owner = owner;
+    j->arg = arg;
+    j->rc = -1;
+    j->w.data = j;
+    hub_set_index_base(rel, j->base, sizeof(j->base));
+    return j;
+}
+
+int hub_index_job_queue(uv_loop_t *loop, hub_index_job *j)
+{
+    return uv_queue_work(loop, &j->w, parse_index_work, parse_index_after) == 0 ? 0 : -1;
+}
+
+void hub_index_job_free(hub_index_job *j)
+{
+    if (j == NULL)
+        return;
+    st_index_free(j->ix);
+    free(j->text);
+    free(j);
 }
 
 int hub_set_path_names(const char *path, const char *name)

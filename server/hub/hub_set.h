@@ -40,10 +40,42 @@ int hub_set_version_end(hub_set_version *v, char *out, size_t size);
  * one without a usable base (intake judges it). */
 int hub_set_base_verdict(const st_index *ix, uint64_t step, uint64_t *base);
 
-/* The first shard the index lists that listed(arg, name) says the listing lacks, its name in name:
- * 1 then, 0 when every shard is listed. */
-int hub_set_missing_shard(const st_index *ix, int (*listed)(const void *arg, const char *name), const void *arg,
-                          char *name, size_t size);
+/* Looks up every shard the index lists with listed(arg, name, &bytes), which says whether the
+ * listing shows it and its listed size.  1 and the first missing shard's name in name when the
+ * listing lacks one; else 0 and *total the shards' listed sizes together (saturating), for the set's
+ * byte budget before a byte is downloaded. */
+int hub_set_listed_shards(const st_index *ix, int (*listed)(const void *arg, const char *name, uint64_t *bytes),
+                          const void *arg, char *name, size_t size, uint64_t *total);
+
+/* A set's index, downloaded into memory, checked and parsed on the thread pool: hashing and
+ * walking an index near its 10 MiB cap takes tens of milliseconds, which the loop must not spend
+ * (every connection waits).  The job owns the text; done runs on the loop with the result (rc 0 and
+ * ix; or mismatch when verify refused the text; or err), or with cancelled set when the loop is
+ * going away.  The transport frees the job with hub_index_job_free. */
+typedef struct hub_index_job hub_index_job;
+typedef void (*hub_index_parsed)(hub_index_job *j);
+struct hub_index_job {
+    uv_work_t w;
+    char *text;                 /* the index, NUL-terminated (taken from the download) */
+    size_t len;
+    size_t cap;                 /* st_index_parse_capped's */
+    char base[ST_INDEX_BASE_MAX + 1];
+    /* optional, on the pool before the parse: 0 when the text is the one the listing named (the
+     * transport's arg is its own until done runs) */
+    int (*verify)(const hub_index_job *j);
+    int rc, mismatch, cancelled;
+    st_index *ix;
+    dl_error err;
+    hub_index_parsed done;
+    void *owner, *arg;          /* the transport's, untouched */
+};
+
+/* Takes text (malloc'd, len bytes; freed here when the job cannot be made).  NULL when out of memory. */
+hub_index_job *hub_index_job_new(char *text, size_t len, const char *rel, size_t cap, hub_index_parsed done,
+                                 void *owner, void *arg);
+/* 0, or -1 when it could not be queued (the job is still the caller's). */
+int hub_index_job_queue(uv_loop_t *loop, hub_index_job *j);
+void hub_index_job_free(hub_index_job *j);
 
 /* 1 when path's last component is name ("nodes/a/x" names "x"). */
 int hub_set_path_names(const char *path, const char *name);

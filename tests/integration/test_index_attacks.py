@@ -21,6 +21,7 @@ Each test runs the real dilocod, attacks it, and asserts, while the attack runs 
   - the published global equals torch's outer step and is finite.
 """
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -51,11 +52,15 @@ def honest(m):
     return {k: 0.01 * torch.randn(v.shape, generator=g) for k, v in m.items()}
 
 
-def hostile_index():
-    """{"metadata": {"total_size": 0, "x": [0,0,...]}} of just under the index cap."""
+# st_index_cap_for(model()): the two tensors' names escaped, the longest shard name, 64 KiB of metadata
+MODEL_INDEX_CAP = 66108
+
+
+def hostile_index(size=INDEX_CAP):
+    """{"metadata": {"total_size": 0, "x": [0,0,...]}} of just under size bytes."""
     head = b'{"metadata": {"total_size": 0, "x": ['
     tail = b'0]}}'
-    n = (INDEX_CAP - 64 - len(head) - len(tail)) // 2
+    n = (size - 64 - len(head) - len(tail)) // 2
     return head + b"0," * n + tail
 
 
@@ -238,10 +243,19 @@ def test_file_set_over_the_byte_budget(tmp_path):
         d.stop()
 
 
+def hub_calls(d, route):
+    """/metrics' count of the transport's requests of one route (dilocod_hub_requests_total), whatever
+    their answer."""
+    text = requests.get(d.url + "/metrics", timeout=5).text
+    pat = re.compile(r'^dilocod_hub_requests_total\{route="%s",code="\d+"\} (\d+)$' % re.escape(route), re.M)
+    return sum(int(n) for n in pat.findall(text))
+
+
 def test_s3_hostile_indexes(tmp_path, s3):
-    """s3:// (SeaweedFS, test_s3.py's fixture): four 10 MiB nested-array indexes under nodes/x*/.  The
-    index is fetched whole (at most 10 MiB) and parsed as its download ends: cheaply refused at its
-    nesting, so the loop keeps answering and RSS stays bounded."""
+    """s3:// (SeaweedFS, test_s3.py's fixture): four nested-array indexes under nodes/x*/.  Two of 10 MiB
+    are over the model's index cap (st_index_cap_for, 66,108 bytes here) and refused from the listing's
+    size, never fetched; two just under it are fetched, parsed on the pool (never in the curl callback)
+    and refused at their nesting.  The loop keeps answering and RSS stays bounded."""
     from test_s3 import S3Dilocod, put_delta
 
     prefix = "index-attack/run"
@@ -249,18 +263,22 @@ def test_s3_hostile_indexes(tmp_path, s3):
     write_model(tmp_path / "init.safetensors", m)
     delta = {k: v.numpy() for k, v in honest(m).items()}
     d = S3Dilocod(tmp_path, s3, prefix, "--init-model", tmp_path / "init.safetensors", "--expected-nodes", "1")
-    body = hostile_index()
     for k in range(4):
+        body = hostile_index() if k < 2 else hostile_index(MODEL_INDEX_CAP)
         d.client.put_object(Bucket=s3.bucket, Key=f"{prefix}/nodes/x{k}/delta_1.safetensors.index.json", Body=body)
     d.start()
     try:
         d.wait_step(0)
         with Watch(d):
-            d.wait_log("delta rejected path=nodes/x", count=4)     # fetched and refused
+            d.wait_log("the cap is 66108", count=2)                 # refused from the listing
+            d.wait_log("delta rejected path=nodes/x", count=2)     # fetched, parsed and refused
             t0 = time.monotonic()
             put_delta(d.client, s3.bucket, prefix, "h", 0, 1, delta)
             d.wait_step(1, timeout=HONEST_WITHIN - (time.monotonic() - t0))
         assert d.alive()
+        assert hub_calls(d, "index") == 2, "only the indexes under the model's cap are fetched"
+        for k in (0, 1):
+            assert f"nodes/x{k}/delta_1.safetensors.index.json: an index of 10485695 bytes" in d.log_text()
         hwm = vmhwm(d.proc.pid)
         assert hwm < RSS_BOUND, f"peak RSS {hwm >> 20} MiB, bound {RSS_BOUND >> 20} MiB"
         size = tree_size(d.state_root)
@@ -274,9 +292,55 @@ def test_s3_hostile_indexes(tmp_path, s3):
         d.stop()
 
 
+def test_s3_set_over_the_byte_budget(tmp_path, s3):
+    """Issue 21 item 6, s3://: test_file_set_over_the_byte_budget's set (16 shards, each header padded
+    to just under --max-delta-header-mib 1) put in the bucket.  The listing's sizes already say the
+    shards are ~16 MiB together, over the set's budget: the set is refused before a shard is fetched
+    (before, each shard was downloaded and checked alone), and an honest node is taken beside it."""
+    import huggingface_hub as hfh
+    from dilocod_proc import pad_header
+    from test_s3 import S3Dilocod, put_delta
+
+    prefix = "index-attack/budget"
+    g = torch.Generator().manual_seed(8)
+    m = {f"t{i:02d}": torch.randn(8, generator=g) for i in range(16)}
+    write_model(tmp_path / "init.safetensors", m)
+    xd = tmp_path / "set"
+    xd.mkdir()
+    hfh.save_torch_state_dict({k: 0.01 * v for k, v in m.items()}, xd, filename_pattern="delta_1{suffix}.safetensors",
+                              metadata=delta_metadata("x", 0, 1), max_shard_size=40)
+    shards = sorted(xd.glob("delta_1-*-of-00016.safetensors"))
+    assert len(shards) == 16
+    for f in shards:
+        pad_header(f, (1 << 20) - 4096)
+    d = S3Dilocod(tmp_path, s3, prefix, "--init-model", tmp_path / "init.safetensors", "--expected-nodes", "1",
+                  "--max-delta-header-mib", "1")
+    for f in [*shards, xd / "delta_1.safetensors.index.json"]:
+        d.client.put_object(Bucket=s3.bucket, Key=f"{prefix}/nodes/x/{f.name}", Body=f.read_bytes())
+    delta = {k: (0.02 * torch.randn(v.shape, generator=g)).numpy() for k, v in m.items()}
+    d.start()
+    try:
+        d.wait_step(0)
+        with Watch(d):
+            d.wait_log("bytes together, a delta of this model at most")
+            t0 = time.monotonic()
+            put_delta(d.client, s3.bucket, prefix, "h", 0, 1, delta)
+            d.wait_step(1, timeout=HONEST_WITHIN - (time.monotonic() - t0))
+        assert d.alive()
+        assert hub_calls(d, "download") == 1, "only the honest delta is downloaded"
+        size = tree_size(d.state_root)
+        assert size < 4 << 20, f"state root {size >> 20} MiB, bound 4 MiB"
+        want = Oracle(m).step({"h": {k: torch.from_numpy(v) for k, v in delta.items()}})
+        got = {k: torch.from_numpy(v.copy()) for k, v in d.global_state().items()}
+        assert_state_close(got, want)
+    finally:
+        d.stop()
+
+
 def test_hf_hostile_index(tmp_path, monkeypatch):
     """hf:// (tests/hubsim): a 10 MiB nested-array index committed under nodes/w1/ beside w2's honest
-    delta.  The index is downloaded (at most 10 MiB, checked against its oid) and refused cheaply."""
+    delta is refused from the listing's size (over the model's index cap); one just under the cap
+    under nodes/w3/ is downloaded, checked against its oid and parsed on the pool, and refused."""
     import test_shards_hub as sh
     from huggingface_hub import HfApi
     from safetensors.numpy import save as st_save_bytes
@@ -294,7 +358,13 @@ def test_hf_hostile_index(tmp_path, monkeypatch):
             with Watch(d):
                 api.upload_file(path_or_fileobj=hostile_index(), path_in_repo="nodes/w1/delta_1.safetensors.index.json",
                                 repo_id=sh.REPO, commit_message="w1: hostile index")
-                d.wait_log("delta rejected path=nodes/w1/delta_1.safetensors.index.json")
+                d.wait_log("delta refused before download path=nodes/w1/delta_1.safetensors.index.json")
+                cap = int(re.search(r"nodes/w1/delta_1.safetensors.index.json: an index of \d+ bytes, the cap is (\d+)",
+                                    d.log_text()).group(1))
+                # one just under the model's cap is fetched, checked against its oid and parsed on the pool
+                api.upload_file(path_or_fileobj=hostile_index(cap), path_in_repo="nodes/w3/delta_1.safetensors.index.json",
+                                repo_id=sh.REPO, commit_message="w3: hostile index under the cap")
+                d.wait_log("delta rejected path=nodes/w3/delta_1.safetensors.index.json")
                 rng = np.random.default_rng(3)
                 delta = sh.random_deltas(rng, m)
                 t0 = time.monotonic()
