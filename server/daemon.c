@@ -325,7 +325,7 @@ void daemon__rejected(dilocod *d, const char *what, const dl_error *err)
     char m[600], t[300];
 
     stats_delta_rejected(&d->m, err->code);
-    d->rnd.counters.rejected++;
+    round_count_rejected(&d->rnd);
     dl_log(DL_LOG_WARN, "intake", "delta rejected", "path=%s code=%s error=%s%s%s", what, dl_error_name(err->code),
            dl_log_q(m, sizeof(m), err->message), err->tensor[0] ? " tensor=" : "",
            err->tensor[0] ? dl_log_q(t, sizeof(t), err->tensor) : "");
@@ -419,8 +419,7 @@ static void intake_done(job *j)
         break;
     case INTAKE_STALE:
     case INTAKE_FUTURE:
-        d->rnd.counters.stale += r->status == INTAKE_STALE;
-        d->rnd.counters.future += r->status == INTAKE_FUTURE;
+        round_count_refused(&d->rnd, r->status == INTAKE_STALE ? ROUND_STALE : ROUND_FUTURE);
         stats_delta_refused(&d->m, r->status == INTAKE_STALE ? ROUND_STALE : ROUND_FUTURE);
         /* a delta that just missed its round is worth a line; older leftovers in a hub (a restart meets
          * every one of them) only at debug level: they are counted in dilocod_deltas_refused_total */
@@ -582,42 +581,67 @@ static store_commit_info round_commit_info(const dilocod *d)
  * record) made durable.  The outputs are already written but not durable; they are served and
  * published from now on, and made durable in the background (settle_work).  A crash before that
  * finds the redo record at the restart, which recomputes the step from its inputs, bit for bit. */
+typedef struct commit_args {
+    store_redo redo;            /* owned: copied from the loop's round when the commit is queued */
+    char *global_path;          /* the pass's new global, opened for downloads */
+} commit_args;
+
+static void commit_args_free(commit_args *a)
+{
+    if (a != NULL) {
+        store_redo_free(&a->redo);
+        free(a->global_path);
+        free(a);
+    }
+}
+
+/* The redo record's inputs, copied on the loop: the job reads nothing the loop owns (d->st.dir
+ * excepted, which never changes).  NULL when out of memory. */
+static commit_args *commit_args_new(dilocod *d)
+{
+    commit_args *a = calloc(1, sizeof(*a));
+    size_t n = d->pass_n;
+
+    if (a == NULL)
+        return NULL;
+    a->redo.step = d->rnd.step + 1;
+    a->redo.base = d->rnd.step;
+    a->redo.lr = d->cfg->lr;
+    a->redo.momentum = d->cfg->momentum;
+    a->redo.ndeltas = n;
+    a->redo.deltas = calloc(n ? n : 1, sizeof(char *));
+    a->redo.guarded = calloc(n ? n : 1, 1);
+    a->redo.versions = calloc(n ? n : 1, sizeof(fsu_ident));
+    a->redo.optimizer = strdup(config_optimizer_name(d->cfg->optimizer));
+    a->global_path = strdup(d->pass->out_global_path);
+    int bad = a->redo.deltas == NULL || a->redo.guarded == NULL || a->redo.versions == NULL ||
+              a->redo.optimizer == NULL || a->global_path == NULL ||
+              (d->pending_round != NULL && (a->redo.round_json = strdup(d->pending_round)) == NULL);
+    for (size_t i = 0; !bad && i < n; i++) {
+        bad = (a->redo.deltas[i] = strdup(d->pass_paths[i])) == NULL;
+        if (i < d->rnd.n) {     /* the versions of linked deltas, as the pass aggregated them */
+            a->redo.guarded[i] = (unsigned char)d->rnd.entries[i].guarded;
+            a->redo.versions[i] = d->rnd.entries[i].ident;
+        }
+    }
+    if (bad) {
+        commit_args_free(a);
+        return NULL;
+    }
+    return a;
+}
+
+/* The commit point of a round: its redo record (the step, its inputs, the optimizer and the round's
+ * record) made durable.  The outputs are already written but not durable; they are served and
+ * published from now on, and made durable in the background (settle_work).  A crash before that
+ * finds the redo record at the restart, which recomputes the step from its inputs, bit for bit. */
 static void commit_work(job *j)
 {
-    dilocod *d = j->d;
-    store_redo redo = {
-        .step = d->rnd.step + 1,
-        .base = d->rnd.step,
-        .deltas = d->pass_paths,
-        .ndeltas = d->pass_n,
-        .optimizer = (char *)config_optimizer_name(d->cfg->optimizer),
-        .lr = d->cfg->lr,
-        .momentum = d->cfg->momentum,
-        .round_json = d->pending_round,
-    };
+    commit_args *a = j->arg;
 
-    /* the versions of linked deltas (round entries are frozen while the commit is out) */
-    unsigned char *guarded = calloc(d->pass_n ? d->pass_n : 1, 1);
-    fsu_ident *versions = calloc(d->pass_n ? d->pass_n : 1, sizeof(*versions));
-    if (guarded == NULL || versions == NULL) {
-        free(guarded);
-        free(versions);
-        j->rc = dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-        j->flag = -EINVAL;
-        return;
-    }
-    for (size_t i = 0; i < d->pass_n && i < d->rnd.n; i++) {
-        guarded[i] = (unsigned char)d->rnd.entries[i].guarded;
-        versions[i] = d->rnd.entries[i].ident;
-    }
-    redo.guarded = guarded;
-    redo.versions = versions;
-    /* d->st belongs to the loop: the pool reads only d->st.dir, which never changes */
-    j->rc = store_redo_write(&d->st, &redo, &j->err);
-    free(guarded);
-    free(versions);
+    j->rc = store_redo_write(&j->d->st, &a->redo, &j->err);
     /* opened here, off the loop: downloads of the new global start from this descriptor */
-    j->flag = j->rc == 0 ? open_for_download(d->pass->out_global_path) : -EINVAL;
+    j->flag = j->rc == 0 ? open_for_download(a->global_path) : -EINVAL;
 }
 
 /* ---- settling: the committed step's outputs made durable, then outer_metadata.json --------------- */
@@ -627,6 +651,8 @@ typedef struct settle_args {
     uint64_t global_sum, momentum_sum;  /* the outputs' checksums, as the pass computed them */
     char *global_path, *momentum_path, *round_json;
     int history_failed;
+    char *unappended;           /* earlier records not yet in rounds.jsonl: carried in from the loop, and
+                                   what is still not appended carried back (settle_done) */
     char **rels;                /* the transport's files of the round's deltas (--prune-consumed) */
     size_t nrels;
 } settle_args;
@@ -638,6 +664,7 @@ static void settle_free(settle_args *a)
         free(a->global_path);
         free(a->momentum_path);
         free(a->round_json);
+        free(a->unappended);
         free(a);
     }
 }
@@ -672,19 +699,19 @@ static void settle_work(job *j)
         return;
     /* 3. the history, in commit order: a record whose append failed last time goes first.  A kill
      * before the append is replayed at startup from outer_metadata.json (history_load). */
-    if (d->unappended != NULL && history_append(d->st.dir, d->unappended, &herr) == 0) {
-        free(d->unappended);
-        d->unappended = NULL;
+    if (a->unappended != NULL && history_append(d->st.dir, a->unappended, &herr) == 0) {
+        free(a->unappended);
+        a->unappended = NULL;
     }
     if (a->round_json != NULL) {
-        if (d->unappended == NULL && history_append(d->st.dir, a->round_json, &herr) != 0) {
-            d->unappended = strdup(a->round_json);
+        if (a->unappended == NULL && history_append(d->st.dir, a->round_json, &herr) != 0) {
+            a->unappended = strdup(a->round_json);
             a->history_failed = 1;
-        } else if (d->unappended != NULL) {
+        } else if (a->unappended != NULL) {
             char *both = NULL;
-            if (asprintf(&both, "%s%s", d->unappended, a->round_json) >= 0) {
-                free(d->unappended);
-                d->unappended = both;
+            if (asprintf(&both, "%s%s", a->unappended, a->round_json) >= 0) {
+                free(a->unappended);
+                a->unappended = both;
             }
             a->history_failed = 1;
         }
@@ -732,6 +759,8 @@ static void settle_done(job *j)
         return;
     }
     d->settle_in_flight = 0;
+    d->unappended = a->unappended;      /* the records still to append go with the next settle */
+    a->unappended = NULL;
     dl_log(DL_LOG_DEBUG, "store", "durable", "step=%" PRIu64, a->step);
     for (size_t i = 0; i < a->nrels && !d->stopping; i++)
         prune_now(d, a->rels[i]);       /* the step they went into is durable: no restart needs them */
@@ -744,6 +773,10 @@ static void settle_done(job *j)
 
 static void queue_settle(dilocod *d, settle_args *a)
 {
+    if (a->unappended == NULL) {        /* a retried settle carries them already */
+        a->unappended = d->unappended;
+        d->unappended = NULL;
+    }
     d->settle_in_flight = 1;
     if (daemon__queue(d, settle_work, settle_done, a, 0, 0) != 0) {
         /* no memory for a job: try again in a moment (the redo record keeps the step safe meanwhile) */
@@ -1108,6 +1141,7 @@ static void commit_done(job *j)
 {
     dilocod *d = j->d;
 
+    commit_args_free(j->arg);
     if (j->rc != 0) {
         aggregation_failed(d, &j->err);
         return;
@@ -1245,8 +1279,11 @@ static void try_commit(dilocod *d)
 
 static void queue_commit(dilocod *d)
 {
-    if (daemon__queue(d, commit_work, commit_done, NULL, 0, 0) != 0) {
+    commit_args *a = commit_args_new(d);
+
+    if (a == NULL || daemon__queue(d, commit_work, commit_done, a, 0, 0) != 0) {
         dl_error e;
+        commit_args_free(a);
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot queue the commit");
         aggregation_failed(d, &e);
     }

@@ -64,7 +64,6 @@ typedef struct dilocod {
     st_header *model;           /* structure of the global model (same for every step) */
     uint64_t model_params, model_bytes, delta_bytes;
     round_state rnd;
-    double round_opened_at;     /* wall clock */
 
     /* intake */
     intake_req **queue;
@@ -139,7 +138,7 @@ typedef struct dilocod {
     history history;            /* committed rounds (the last HISTORY_MAX) */
     char *pending_round;        /* the closing round's record, committed with its step (a JSON line) */
     round_record pending_record;
-    char *unappended;           /* records committed but not yet in rounds.jsonl (commit jobs only) */
+    char *unappended;           /* records committed but not yet in rounds.jsonl: lent to each settle job */
     stats m;                    /* every counter (stats.h) */
     /* adoptions of a published global refused (its step out of bounds, its header over the cap, ...):
      * counted each time, logged once per step offered */

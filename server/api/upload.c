@@ -726,7 +726,7 @@ static int on_data(http_conn *c, const char *p, size_t n, void *ctx)
         upload_discard(u);
         return -1;
     }
-    u->d->m.upload_bytes += n;
+    stats_upload_received(&u->d->m, n);
     if (u->parsing) {
         /* the rest of the read buffer, parsed by llhttp after we asked to stop: it waits */
         sb_add(&u->pending, p, n);
@@ -1323,7 +1323,7 @@ static int index_on_data(http_conn *c, const char *p, size_t n, void *ctx)
         upload_discard(u);
         return -1;
     }
-    u->d->m.upload_bytes += n;
+    stats_upload_received(&u->d->m, n);
     /* the model's cap: an index lists its floating tensors */
     size_t cap = u->d->model ? st_index_cap_for(u->d->model) : ST_INDEX_MAX_BYTES;
     if (n > cap - u->body.len) {

@@ -110,6 +110,16 @@ static void count(round_state *r, round_verdict v)
     }
 }
 
+void round_count_refused(round_state *r, round_verdict v)
+{
+    count(r, v);
+}
+
+void round_count_rejected(round_state *r)
+{
+    r->counters.rejected++;
+}
+
 round_verdict round_offer(round_state *r, const delta_info *info, char *path, uint64_t size, double now,
                           char **replaced_path)
 {

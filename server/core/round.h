@@ -66,6 +66,10 @@ void round_guard(round_state *r, const char *node_id, const fsu_ident *id);
 /* Removes node's entry (a delta rewritten in place since it was taken in) and opens the round again;
  * *path receives the entry's path for the caller to delete.  0, or -1 when the node has none. */
 int round_drop(round_state *r, const char *node_id, char **path);
+/* Counts a delta refused before it reached the round: by intake's base check (ROUND_STALE or
+ * ROUND_FUTURE), or rejected by validation (round_count_rejected). */
+void round_count_refused(round_state *r, round_verdict v);
+void round_count_rejected(round_state *r);
 /* What round_offer would answer for a delta of info now, changing nothing (uploads ask before the
  * body arrives, so a refused delta costs its header only). */
 round_verdict round_peek(const round_state *r, const delta_info *info);

@@ -83,3 +83,8 @@ uint64_t stats_rejected_total(const stats *s)
         t += s->rejected[c];
     return t;
 }
+
+void stats_upload_received(stats *s, uint64_t bytes)
+{
+    s->upload_bytes += bytes;
+}

@@ -53,6 +53,7 @@ void stats_delta_rejected(stats *s, dl_code code);
 /* A verdict other than accepted/replaced; returns its refusal (REFUSED__COUNT if it was not one). */
 stats_refusal stats_delta_refused(stats *s, round_verdict v);
 void stats_round_committed(stats *s, double seconds);
+void stats_upload_received(stats *s, uint64_t bytes);      /* delta bytes an HTTP upload received */
 uint64_t stats_rejected_total(const stats *s);
 
 #endif
