@@ -866,6 +866,7 @@ static void verify_after(uv_work_t *w, int status)
     h->active_downloads--;
     if (status == 0 && j->ok && !h->closing) {
         h->st.downloads++;
+        h->st.download_bytes += c->size;
         char qp[600], qo[100];
         /* quoted: a hex id of digits only would become a (rounded) JSON number */
         dl_log(DL_LOG_DEBUG, "hub", "delta downloaded", "path=%s bytes=%" PRIu64 " oid=%s",

@@ -756,6 +756,11 @@ def test_api_call_budget_default_poll_interval(tmp_path, procs):
     assert 0 < calls <= d.status()["hub"]["api_calls"], (calls, d.status()["hub"])
     assert fams["dilocod_hub_last_poll_timestamp_seconds"].samples[0].value > t0 - 60
     assert fams["dilocod_hub_last_publish_timestamp_seconds"].samples[0].value > t0 - 60
+    # every round's deltas were downloaded, each at least the model's floating bytes (s3:// counted
+    # them; hf:// left the counter at 0)
+    float_bytes = sum(v.numel() * 4 for v in init.values() if v.is_floating_point())
+    got = fams["dilocod_hub_download_bytes"].samples[0].value
+    assert got >= step * len(nodes) * float_bytes, (got, step, float_bytes)
     assert dilocod_steps_in_history(api) == list(range(step + 1))
     assert_state_close(workers.global_state(), oracle.state)
     assert d.stop() == 0
