@@ -63,6 +63,7 @@
 #include "dl_log.h"
 #include "fsutil.h"
 #include "hub_set.h"
+#include "remote.h"
 #include "safetensors.h"
 #include "seen.h"
 #include "st_index.h"
@@ -74,7 +75,7 @@
  * size is well under a millisecond on the loop thread). */
 #define PEEK_BYTES 65536
 #define MAX_ATTEMPTS_DOWNLOAD 6
-#define MAX_BACKOFF 60.0
+#define MAX_BACKOFF REMOTE_MAX_BACKOFF
 #define STEPFILE_CAP (64u << 10)
 #define CLAIM_CAP (4u << 10)
 #define XML_CAP (4u << 20)
@@ -94,34 +95,11 @@
 #define EMPTY_SHA256 "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
 typedef struct s3_hub s3_hub;
-typedef struct s3_req s3_req;
+typedef remote_req s3_req;         /* remote.h: the retrying request */
 typedef void (*s3_req_cb)(s3_hub *h, s3_req *r, int ok);
 
 /* ---- requests with retries ------------------------------------------------------------------- */
 
-struct s3_req {
-    s3_hub *h;
-    char method[8];
-    char *url;
-    char *what;                 /* the key (or "list <prefix>") for messages */
-    const char *route;          /* static, for /metrics */
-    struct curl_slist *headers;
-    char *body;                 /* memory body */
-    size_t body_len;
-    int has_body;
-    int src_fd;                 /* file body */
-    uint64_t src_off, src_len;
-    int sink_fd;                /* file answer */
-    uint64_t sink_off, sink_max;
-    size_t body_cap;
-    int max_attempts, attempt;
-    uv_timer_t timer;
-    int timer_open;
-    cuv_xfer *x;
-    s3_req_cb cb;
-    void *arg;
-    s3_req *next, *prev;
-};
 
 typedef struct candidate {
     char *rel;                  /* nodes/<id>/delta_<n>.safetensors, or global/latest.safetensors */
@@ -232,7 +210,7 @@ struct s3_hub {
     char cur_node[DELTA_NODE_ID_MAX + 1];   /* this poll: the node of prev_key */
     size_t cur_node_shards;     /* its shards remembered */
     int list_full;              /* a table filled: the poll ends at node_boundary */
-    s3_req *inflight;
+    remote rm;                  /* requests: retries, failures, every one in flight */
     pub_state pub;
     unsigned pub_gen;
     double claim_lease;         /* seconds */
@@ -244,21 +222,8 @@ struct s3_hub {
 };
 
 
-static void set_error(s3_hub *h, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void set_error(s3_hub *h, const char *fmt, ...)
-{
-    char msg[sizeof(h->st.last_error)], q[400];
-    va_list ap;
-
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof(msg), fmt, ap);
-    va_end(ap);
-    h->st.errors++;
-    /* a failure that repeats at every poll (wrong credentials) is logged when it starts, not each time */
-    if (strcmp(msg, h->st.last_error) != 0)
-        dl_log(DL_LOG_ERROR, "hub", "s3 request failed", "error=%s", dl_log_q(q, sizeof(q), msg));
-    memcpy(h->st.last_error, msg, sizeof(msg));
-}
+/* A failure recorded in /status and logged when it changes (remote.h). */
+#define set_error(h, ...) remote_error(&(h)->rm, __VA_ARGS__)
 
 /* "HTTP 403 InvalidAccessKeyId: The AWS Access Key Id you provided does not exist in our records." */
 static void describe_answer(const cuv_xfer *x, char *out, size_t size)
@@ -275,79 +240,14 @@ static void describe_answer(const cuv_xfer *x, char *out, size_t size)
         snprintf(out, size, "HTTP %ld", x->status);
 }
 
-static void req_free(s3_req *r)
-{
-    free(r->url);
-    free(r->what);
-    curl_slist_free_all(r->headers);
-    free(r->body);
-    cuv_xfer_free(r->x);
-    free(r);
-}
-
-static void req_unlink(s3_hub *h, s3_req *r)
-{
-    if (r->prev)
-        r->prev->next = r->next;
-    else if (h->inflight == r)
-        h->inflight = r->next;
-    if (r->next)
-        r->next->prev = r->prev;
-    r->next = r->prev = NULL;
-}
-
-static void req_timer_closed(uv_handle_t *t)
-{
-    req_free(t->data);
-}
-
-static void req_end(s3_hub *h, s3_req *r)
-{
-    req_unlink(h, r);
-    if (r->timer_open) {
-        uv_timer_stop(&r->timer);
-        uv_close((uv_handle_t *)&r->timer, req_timer_closed);
-    } else {
-        req_free(r);
-    }
-}
-
-/* key NULL: the bucket; query canonical (s3_list_query, or hand-sorted below). */
+/* key NULL: the bucket; query canonical (s3_list_query, or hand-sorted below).  Messages name the key. */
 static s3_req *req_new(s3_hub *h, const char *method, const char *key, const char *query, const char *route)
 {
-    s3_req *r = calloc(1, sizeof(*r));
-    if (r == NULL)
-        return NULL;
-    r->url = s3_url(h->endpoint, h->bucket, h->virtual_host, key, query);
-    r->what = strdup(key ? key : "(bucket)");
-    if (r->url == NULL || r->what == NULL) {
-        req_free(r);
-        return NULL;
-    }
-    r->h = h;
-    snprintf(r->method, sizeof(r->method), "%s", method);
-    r->route = route;
-    r->src_fd = r->sink_fd = -1;
-    r->max_attempts = 5;
+    char *url = s3_url(h->endpoint, h->bucket, h->virtual_host, key, query);
+    s3_req *r = url != NULL ? remote_req_new(&h->rm, method, url, key ? key : "(bucket)", route) : NULL;
+
+    free(url);
     return r;
-}
-
-static void req_header(s3_req *r, const char *line)
-{
-    struct curl_slist *n = curl_slist_append(r->headers, line);
-    if (n != NULL)
-        r->headers = n;
-}
-
-static int req_body(s3_req *r, const char *data, size_t len)
-{
-    free(r->body);
-    if ((r->body = malloc(len ? len : 1)) == NULL)
-        return -1;
-    memcpy(r->body, data, len);
-    r->body_len = len;
-    r->has_body = 1;
-    return 0;
 }
 
 static int sha256_hex(const void *data, size_t len, char hex[65])
@@ -366,111 +266,47 @@ static int sha256_hex(const void *data, size_t len, char hex[65])
     return 0;
 }
 
-static void req_send(s3_req *r);
-
-static void req_retry_cb(uv_timer_t *t)
+/* Each attempt signed with SigV4, and the payload hash it signs: libcurl takes it from this header
+ * (it could not hash a body it reads through a callback); a file body is sent unsigned, as the AWS
+ * SDKs do over TLS. */
+static int s3_authorize(remote *rm, remote_req *r, cuv_xfer *x)
 {
-    req_send(t->data);
-}
-
-static double jittered(double base)
-{
-    return base * (0.75 + 0.5 * ((double)rand() / RAND_MAX));
-}
-
-static void req_done(cuv_xfer *x, void *arg)
-{
-    s3_req *r = arg;
-    s3_hub *h = r->h;
-    char why[256];
-
-    if (x->result == CURLE_ABORTED_BY_CALLBACK || h->closing) {
-        r->cb(h, r, 0);
-        return;
-    }
-    hub_count_call(&h->st, r->route, x->result == CURLE_OK ? (int)x->status : 0);
-    if (x->too_big) {
-        set_error(h, "%s %s: the answer is larger than allowed, abandoned", r->method, r->what);
-        r->cb(h, r, 0);
-        return;
-    }
-    int transient = x->result != CURLE_OK || x->status >= 500 || x->status == 429 || x->status == 408;
-    if (!transient) {
-        r->cb(h, r, x->status >= 200 && x->status < 300);
-        return;
-    }
-    r->attempt++;
-    describe_answer(x, why, sizeof(why));
-    set_error(h, "%s %s: %s", r->method, r->what, why);
-    if (r->attempt >= r->max_attempts) {
-        r->cb(h, r, 0);
-        return;
-    }
-    /* 503 SlowDown and network errors: exponential backoff with jitter (or the server's Retry-After) */
-    double wait = x->retry_after >= 0 ? x->retry_after + 0.1 : jittered(fmin(0.5 * pow(2, r->attempt - 1), MAX_BACKOFF));
-    if (!r->timer_open) {
-        uv_timer_init(h->loop, &r->timer);
-        r->timer.data = r;
-        r->timer_open = 1;
-    }
-    uv_timer_start(&r->timer, req_retry_cb, (uint64_t)(wait * 1000), 0);
-}
-
-static void req_send(s3_req *r)
-{
-    s3_hub *h = r->h;
+    s3_hub *h = rm->owner;
     char hex[65], line[128];
-    cuv_xfer *x;
 
-    cuv_xfer_free(r->x);
-    r->x = NULL;
-    if (h->closing || (x = cuv_xfer_new(h->curl, r->method, r->url)) == NULL) {
-        r->cb(h, r, 0);
-        return;
-    }
-    r->x = x;
-    for (struct curl_slist *l = r->headers; l; l = l->next)
-        cuv_xfer_header(x, l->data);
-    /* the payload hash SigV4 signs: libcurl takes it from this header (it could not hash a body it
-     * reads through a callback); a file body is sent unsigned, as the AWS SDKs do over TLS */
     if (r->has_body) {
-        if (sha256_hex(r->body, r->body_len, hex) != 0) {
-            r->cb(h, r, 0);
-            return;
-        }
+        if (sha256_hex(r->body, r->body_len, hex) != 0)
+            return -1;
         snprintf(line, sizeof(line), "x-amz-content-sha256: %s", hex);
         cuv_xfer_header(x, line);
-        cuv_xfer_body(x, r->body, r->body_len);
     } else if (r->src_fd >= 0) {
         cuv_xfer_header(x, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
-        cuv_xfer_body_file(x, r->src_fd, r->src_off, r->src_len);
     } else {
         cuv_xfer_header(x, "x-amz-content-sha256: " EMPTY_SHA256);
-        if (strcmp(r->method, "POST") == 0)
-            cuv_xfer_body(x, "", 0);
     }
     if (strcmp(r->method, "DELETE") == 0)
         cuv_xfer_method(x, "DELETE");
     cuv_xfer_aws_sigv4(x, h->region, h->key_id, h->secret);
-    if (r->sink_fd >= 0) {
-        cuv_xfer_sink_file(x, r->sink_fd, r->sink_off);
-        cuv_xfer_sink_max(x, r->sink_max);
-    }
-    cuv_xfer_body_cap(x, r->body_cap ? r->body_cap : XML_CAP);
-    h->st.api_calls++;
-    if (cuv_start(x, req_done, r) != 0)
-        r->cb(h, r, 0);
+    return 0;
 }
 
+static void s3_complete(remote *rm, remote_req *r, int ok)
+{
+    ((s3_req_cb)r->cb)(rm->owner, r, ok);
+}
+
+static const remote_ops s3_remote_ops = {
+    .failure_log = "s3 request failed",
+    .authorize = s3_authorize,
+    .describe = describe_answer,
+    .complete = s3_complete,
+};
+
+/* cb, of this file's type, runs when r ends (remote_go). */
 static void req_go(s3_hub *h, s3_req *r, s3_req_cb cb, void *arg)
 {
-    r->cb = cb;
-    r->arg = arg;
-    r->next = h->inflight;
-    if (h->inflight)
-        h->inflight->prev = r;
-    h->inflight = r;
-    req_send(r);
+    (void)h;
+    remote_go(r, (remote_fn)cb, arg);
 }
 
 /* <prefix>/<rel>, or rel when there is no prefix.  malloc'd. */
@@ -594,7 +430,7 @@ static void pump_downloads(s3_hub *h);
 static void retry_later(s3_hub *h, candidate *c)
 {
     int k = c->attempts > 1 ? c->attempts - 1 : 0;
-    double wait = jittered(fmin(ldexp(1.0, k < 16 ? k : 16), MAX_BACKOFF));
+    double wait = remote_jittered(fmin(ldexp(1.0, k < 16 ? k : 16), MAX_BACKOFF));
     c->not_before = uv_now(h->loop) + (uint64_t)(wait * 1000);
     c->next = h->retry;
     h->retry = c;
@@ -696,13 +532,13 @@ static void adopt_confirm_done(s3_hub *h, s3_req *r, int ok)
 
     if (!h->closing && ok && stepcount_parse(r->x->body.p, r->x->body.len, &step, &bootstrap, NULL, NULL) == 0 &&
         step == c->step) {
-        req_end(h, r);
+        remote_req_end(r);
         h->global_download = 0;
         h->cb.global_ready(h->app, c->step, c->part);
         candidate_free(c);
         return;
     }
-    req_end(h, r);
+    remote_req_end(r);
     if (!h->closing)
         dl_log(DL_LOG_INFO, "hub", "the bucket's step moved during the adoption download, trying again",
                "step=%" PRIu64, c->step);
@@ -791,7 +627,7 @@ static void download_done(s3_hub *h, s3_req *r, int ok)
 
     if (!ok && r->x && !h->closing)
         describe_answer(r->x, why, sizeof(why));
-    req_end(h, r);
+    remote_req_end(r);
     close(fd);
     if (status == 412 && !h->closing) {
         /* replaced since the listing: the next listing shows the new version */
@@ -873,7 +709,7 @@ static void start_download(s3_hub *h, candidate *c)
         have = 0;
         if (ftruncate(fd, 0) != 0) {
             close(fd);
-            req_free(r);
+            remote_req_end(r);
             candidate_drop(h, c, SEEN_REJECTED);
             return;
         }
@@ -886,13 +722,14 @@ static void start_download(s3_hub *h, candidate *c)
         dl_log(DL_LOG_INFO, "hub", "resuming a download", "key=%s from=%" PRIu64 " size=%" PRIu64, c->key, have,
                c->size);
         snprintf(line, sizeof(line), "Range: bytes=%" PRIu64 "-", have);
-        req_header(r, line);
+        remote_req_header(r, line);
     }
     snprintf(line, sizeof(line), "If-Match: \"%s\"", c->etag);
-    req_header(r, line);
+    remote_req_header(r, line);
     r->sink_fd = fd;
     r->sink_off = have;
     r->sink_max = c->size;
+    r->sink_capped = 1;
     r->max_attempts = 1;        /* resume is driven from here, with a fresh Range each time */
     h->active_downloads++;
     req_go(h, r, download_done, c);
@@ -948,7 +785,7 @@ static void peek_done(s3_hub *h, s3_req *r, int ok)
     h->active_downloads--;
     if (ok && !h->closing && r->x->body.len >= 8)
         why = judge_header(h, c, &r->x->body, &base, whybuf, sizeof(whybuf));
-    req_end(h, r);
+    remote_req_end(r);
     if (h->closing) {
         candidate_free(c);
         return;
@@ -992,9 +829,9 @@ static void start_peek(s3_hub *h, candidate *c)
         return;
     }
     snprintf(line, sizeof(line), "Range: bytes=0-%u", PEEK_BYTES - 1);
-    req_header(r, line);
+    remote_req_header(r, line);
     snprintf(line, sizeof(line), "If-Match: \"%s\"", c->etag);
-    req_header(r, line);
+    remote_req_header(r, line);
     /* a server that ignores Range and sends the whole object is cut off here */
     r->body_cap = PEEK_BYTES;
     r->max_attempts = 2;
@@ -1207,7 +1044,7 @@ static void index_done(s3_hub *h, s3_req *r, int ok)
 
     if (h->closing) {
         h->active_downloads--;
-        req_end(h, r);
+        remote_req_end(r);
         candidate_free(c);
         return;
     }
@@ -1215,7 +1052,7 @@ static void index_done(s3_hub *h, s3_req *r, int ok)
         h->active_downloads--;
         if (r->x != NULL)
             describe_answer(r->x, why, sizeof(why));
-        req_end(h, r);
+        remote_req_end(r);
         if (status == 412) {
             candidate_drop(h, c, SEEN_DONE);        /* replaced: the next listing has the new version */
         } else {
@@ -1230,7 +1067,7 @@ static void index_done(s3_hub *h, s3_req *r, int ok)
     }
     size_t len = r->x->body.len;
     char *text = sb_take(&r->x->body);
-    req_end(h, r);
+    remote_req_end(r);
     hub_index_job *j = hub_index_job_new(text, len, c->rel, index_cap(h, c), index_parsed, h, c);
     if (j == NULL || hub_index_job_queue(h->loop, j) != 0) {
         hub_index_job_free(j);
@@ -1262,7 +1099,7 @@ static void start_index(s3_hub *h, candidate *c)
         return;
     }
     snprintf(line, sizeof(line), "If-Match: \"%s\"", c->etag);
-    req_header(r, line);
+    remote_req_header(r, line);
     r->body_cap = cap;
     r->max_attempts = 3;
     h->active_downloads++;
@@ -1607,7 +1444,7 @@ static void list_done(s3_hub *h, s3_req *r, int ok)
             describe_answer(r->x, why, sizeof(why));
             set_error(h, "listing s3://%s/%s: %s", h->bucket, r->what, why);
         }
-        req_end(h, r);
+        remote_req_end(r);
         best_reset(h);
         if (!h->closing)
             poll_finish(h);
@@ -1615,13 +1452,13 @@ static void list_done(s3_hub *h, s3_req *r, int ok)
     }
     if (s3_parse_listing(r->x->body.p, r->x->body.len, &l, &err) != 0) {
         set_error(h, "listing s3://%s/%s: %s", h->bucket, r->what, err.message);
-        req_end(h, r);
+        remote_req_end(r);
         best_reset(h);
         poll_finish(h);
         return;
     }
     size_t r_len = r->x->body.len;
-    req_end(h, r);
+    remote_req_end(r);
     for (size_t i = 0; i < l.n; i++) {
         /* the server answers for the prefix we asked; anything else is not ours to read */
         if (strncmp(l.objs[i].key, h->prefix, plen ? plen - 1 : 0) != 0 || (plen && l.objs[i].key[plen - 1] != '/'))
@@ -1735,14 +1572,14 @@ static void global_list_done(s3_hub *h, s3_req *r, int ok)
     if (!ok || h->closing || want == NULL || s3_parse_listing(r->x->body.p, r->x->body.len, &l, &err) != 0) {
         if (!h->closing && ok)
             set_error(h, "listing the global: %s", err.message[0] ? err.message : "out of memory");
-        req_end(h, r);
+        remote_req_end(r);
         free(want);
         h->global_download = 0;
         if (!h->closing)
             poll_finish(h);
         return;
     }
-    req_end(h, r);
+    remote_req_end(r);
     if (h->adopt_sharded) {
         want[strlen(want) - strlen("latest.safetensors")] = '\0';
         adopt_set(h, &l, want, step);
@@ -1806,7 +1643,7 @@ static void stepfile_done(s3_hub *h, s3_req *r, int ok)
     char why[256];
 
     if (h->closing) {
-        req_end(h, r);
+        remote_req_end(r);
         return;
     }
     if (ok && stepcount_parse(r->x->body.p, r->x->body.len, &step, &bootstrap, &sharded, &err) == 0) {
@@ -1820,11 +1657,11 @@ static void stepfile_done(s3_hub *h, s3_req *r, int ok)
             describe_answer(r->x, why, sizeof(why));
             set_error(h, "GET %s: %s", r->what, why);
         }
-        req_end(h, r);
+        remote_req_end(r);
         poll_finish(h);
         return;
     }
-    req_end(h, r);
+    remote_req_end(r);
     if (have)
         report_step(h, (int64_t)step);
     if (h->waiting) {
@@ -1905,7 +1742,7 @@ static void pub_fail(s3_hub *h, s3_req *r, const char *doing)
     if (!h->closing)
         set_error(h, "publishing step %" PRIu64 ": %s: %s", h->pub.step, doing, why);
     if (r != NULL)
-        req_end(h, r);
+        remote_req_end(r);
     pub_finish(h, h->st.last_error);
 }
 
@@ -1925,7 +1762,7 @@ static void delete_done(s3_hub *h, s3_req *r, int ok)
         dl_log(DL_LOG_WARN, "hub", "cannot remove a global file of the other layout", "key=%s reason=%s", r->what,
                why);
     }
-    req_end(h, r);
+    remote_req_end(r);
 }
 
 /* After step_count.json: the other layout's objects go (a reader that follows step_count.json
@@ -1954,7 +1791,7 @@ static void pub_cleanup_done(s3_hub *h, s3_req *r, int ok)
                err.message[0] ? err.message : "the listing failed");
     }
     free(dir);
-    req_end(h, r);
+    remote_req_end(r);
     pub_finish(h, NULL);
 }
 
@@ -1980,7 +1817,7 @@ static void pub_stepfile_done(s3_hub *h, s3_req *r, int ok)
         pub_fail(h, r, "PUT global/step_count.json");
         return;
     }
-    req_end(h, r);
+    remote_req_end(r);
     pub_cleanup(h);
 }
 
@@ -1998,13 +1835,13 @@ static void pub_stepfile(s3_hub *h)
     s3_req *r = key ? req_new(h, "PUT", key, NULL, "put_step_count") : NULL;
 
     free(key);
-    if (r == NULL || req_body(r, h->pub.stepfile, strlen(h->pub.stepfile)) != 0) {
+    if (r == NULL || remote_req_body(r, h->pub.stepfile, strlen(h->pub.stepfile)) != 0) {
         if (r)
-            req_free(r);
+            remote_req_end(r);
         pub_fail(h, NULL, "PUT global/step_count.json");
         return;
     }
-    req_header(r, "Content-Type: application/json");
+    remote_req_header(r, "Content-Type: application/json");
     req_go(h, r, pub_stepfile_done, NULL);
 }
 
@@ -2040,7 +1877,7 @@ static void pub_single_done(s3_hub *h, s3_req *r, int ok)
         pub_fail(h, r, doing);
         return;
     }
-    req_end(h, r);
+    remote_req_end(r);
     pub_next_file(h);
 }
 
@@ -2060,8 +1897,9 @@ static char *upload_query(const char *upload_id, unsigned part)
 
 static void abort_done(s3_hub *h, s3_req *r, int ok)
 {
+    (void)h;
     (void)ok;
-    req_end(h, r);
+    remote_req_end(r);
 }
 
 /* A failed multipart upload is aborted (its parts would be stored, and billed, until then). */
@@ -2076,7 +1914,7 @@ static void pub_abort_upload(s3_hub *h)
         r->max_attempts = 2;
         req_go(h, r, abort_done, NULL);
     } else if (r != NULL) {
-        req_free(r);
+        remote_req_end(r);
     }
 }
 
@@ -2093,7 +1931,7 @@ static void pub_complete_done(s3_hub *h, s3_req *r, int ok)
         pub_fail(h, r, doing);
         return;
     }
-    req_end(h, r);
+    remote_req_end(r);
     pub_next_file(h);
 }
 
@@ -2117,16 +1955,16 @@ static void pub_complete(s3_hub *h)
     char *xml = sb_take(&b);
     free(key);
     free(q);
-    if (r == NULL || xml == NULL || req_body(r, xml, strlen(xml)) != 0) {
+    if (r == NULL || xml == NULL || remote_req_body(r, xml, strlen(xml)) != 0) {
         free(xml);
         if (r)
-            req_free(r);
+            remote_req_end(r);
         pub_abort_upload(h);
         pub_fail(h, NULL, "completing the multipart upload");
         return;
     }
     free(xml);
-    req_header(r, "Content-Type: application/xml");
+    remote_req_header(r, "Content-Type: application/xml");
     req_go(h, r, pub_complete_done, NULL);
 }
 
@@ -2148,7 +1986,7 @@ static void pub_part_done(s3_hub *h, s3_req *r, int ok)
         pub_fail(h, r, doing);
         return;
     }
-    req_end(h, r);
+    remote_req_end(r);
     p->next_part++;
     pub_next_part(h);
 }
@@ -2191,11 +2029,11 @@ static void pub_initiate_done(s3_hub *h, s3_req *r, int ok)
     }
     if (s3_parse_upload_id(r->x->body.p, r->x->body.len, &p->upload_id, &err) != 0) {
         set_error(h, "publishing step %" PRIu64 ": %s", p->step, err.message);
-        req_end(h, r);
+        remote_req_end(r);
         pub_finish(h, h->st.last_error);
         return;
     }
-    req_end(h, r);
+    remote_req_end(r);
     if ((p->etags = calloc(p->nparts, sizeof(*p->etags))) == NULL) {
         pub_abort_upload(h);
         pub_fail(h, NULL, "multipart upload");
@@ -2227,7 +2065,7 @@ static void pub_upload(s3_hub *h)
         r->src_fd = p->fd;
         r->src_off = 0;
         r->src_len = p->size;
-        req_header(r, p->sharded && p->cur == p->nfiles - 1 ? "Content-Type: application/json"
+        remote_req_header(r, p->sharded && p->cur == p->nfiles - 1 ? "Content-Type: application/json"
                                                              : "Content-Type: application/octet-stream");
         req_go(h, r, pub_single_done, NULL);
         return;
@@ -2243,7 +2081,7 @@ static void pub_upload(s3_hub *h)
         pub_fail(h, NULL, "starting the multipart upload");
         return;
     }
-    req_header(r, "Content-Type: application/octet-stream");
+    remote_req_header(r, "Content-Type: application/octet-stream");
     req_go(h, r, pub_initiate_done, NULL);
 }
 
@@ -2286,7 +2124,7 @@ static void pub_uploads_done(s3_hub *h, s3_req *r, int ok)
         s3_uploads_free(ids, n);
         free(key);
     }
-    req_end(h, r);
+    remote_req_end(r);
     pub_upload(h);
 }
 
@@ -2370,7 +2208,7 @@ static void claim_renew_check_done(s3_hub *h, s3_req *r, int ok)
     unsigned gen = (unsigned)(uintptr_t)r->arg;
 
     if (h->closing || !p->active || gen != p->gen) {
-        req_end(h, r);
+        remote_req_end(r);
         return;
     }
     if (ok && r->x->body.len == p->claim_len && memcmp(r->x->body.p, p->claim_body, p->claim_len) == 0) {
@@ -2382,7 +2220,7 @@ static void claim_renew_check_done(s3_hub *h, s3_req *r, int ok)
     } else {
         claim_timer_start(h, h->claim_lease / 8, claim_renew_cb);
     }
-    req_end(h, r);
+    remote_req_end(r);
 }
 
 static void claim_renew_check(s3_hub *h)
@@ -2404,21 +2242,21 @@ static void claim_renew_done(s3_hub *h, s3_req *r, int ok)
     unsigned gen = (unsigned)(uintptr_t)r->arg;
 
     if (h->closing || !p->active || gen != p->gen) {
-        req_end(h, r);
+        remote_req_end(r);
         return;
     }
     if (ok) {
         claim_held(h, r->x);
     } else if (r->x != NULL && r->x->status == 412) {
         /* taken over (we were too late), or our retried renewal had succeeded: read it back */
-        req_end(h, r);
+        remote_req_end(r);
         claim_renew_check(h);
         return;
     } else {
         /* a failed renewal is tried again soon: the lease is not over yet */
         claim_timer_start(h, h->claim_lease / 8, claim_renew_cb);
     }
-    req_end(h, r);
+    remote_req_end(r);
 }
 
 static void claim_renew_cb(uv_timer_t *t)
@@ -2434,14 +2272,14 @@ static void claim_renew_cb(uv_timer_t *t)
     p->renewal++;
     claim_build(h);
     snprintf(cond, sizeof(cond), "If-Match: %s", p->claim_etag);
-    if (r == NULL || req_body(r, p->claim_body, p->claim_len) != 0) {
+    if (r == NULL || remote_req_body(r, p->claim_body, p->claim_len) != 0) {
         if (r)
-            req_free(r);
+            remote_req_end(r);
         claim_timer_start(h, h->claim_lease / 8, claim_renew_cb);
         return;
     }
-    req_header(r, cond);
-    req_header(r, "Content-Type: application/json");
+    remote_req_header(r, cond);
+    remote_req_header(r, "Content-Type: application/json");
     req_go(h, r, claim_renew_done, (void *)(uintptr_t)p->gen);
 }
 
@@ -2493,7 +2331,7 @@ static void pub_claim_read_done(s3_hub *h, s3_req *r, int ok)
     }
     if (!ok && status == 404) {
         /* gone between our PUT and the read (removed by hand): claim again, not at once */
-        req_end(h, r);
+        remote_req_end(r);
         p->claim_waiting = 1;
         p->claim_gone = 1;
         claim_timer_start(h, 1, claim_wait_cb);
@@ -2521,12 +2359,12 @@ static void pub_claim_read_done(s3_hub *h, s3_req *r, int ok)
          * the uploads are idempotent, and an interrupted multipart upload (if any) is aborted first */
         dl_log(DL_LOG_INFO, "hub", "resuming our own claimed publish", "step=%" PRIu64, p->step);
         claim_held(h, r->x);
-        req_end(h, r);
+        remote_req_end(r);
         pub_clean_uploads(h);
         return;
     }
     if (h->published_known >= 0 && (uint64_t)h->published_known >= p->step) {
-        req_end(h, r);
+        remote_req_end(r);
         claim_lost_to(h, who);
         return;
     }
@@ -2541,7 +2379,7 @@ static void pub_claim_read_done(s3_hub *h, s3_req *r, int ok)
     if (seen > age)
         age = seen;
     snprintf(p->claim_etag, sizeof(p->claim_etag), "%s", r->x->etag);
-    req_end(h, r);
+    remote_req_end(r);
     if (age >= h->claim_lease && p->claim_etag[0] && p->takeovers < 3) {
         dl_log(DL_LOG_WARN, "hub", "taking over an expired claim", "step=%" PRIu64 " instance=%s age_s=%.0f", p->step,
                who, age);
@@ -2587,7 +2425,7 @@ static void pub_claim_done(s3_hub *h, s3_req *r, int ok)
 
     if (status == 412 && !h->closing) {
         /* the claim exists (or changed since we read it): whose it is decides, read it back */
-        req_end(h, r);
+        remote_req_end(r);
         pub_claim_read(h);
         return;
     }
@@ -2596,7 +2434,7 @@ static void pub_claim_done(s3_hub *h, s3_req *r, int ok)
         return;
     }
     claim_held(h, r->x);
-    req_end(h, r);
+    remote_req_end(r);
     if (h->pub.takeovers > 0)
         pub_clean_uploads(h);   /* the dead owner's multipart upload, if any */
     else
@@ -2611,14 +2449,14 @@ static void pub_claim_put(s3_hub *h, const char *cond, s3_req_cb cb)
 
     free(key);
     claim_build(h);
-    if (r == NULL || p->claim_len == 0 || req_body(r, p->claim_body, p->claim_len) != 0) {
+    if (r == NULL || p->claim_len == 0 || remote_req_body(r, p->claim_body, p->claim_len) != 0) {
         if (r)
-            req_free(r);
+            remote_req_end(r);
         pub_fail(h, NULL, "claiming the step");
         return;
     }
-    req_header(r, cond);
-    req_header(r, "Content-Type: application/json");
+    remote_req_header(r, cond);
+    remote_req_header(r, "Content-Type: application/json");
     req_go(h, r, cb ? cb : pub_claim_done, NULL);
 }
 
@@ -2938,6 +2776,8 @@ static int s3_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
     }
     if ((h->curl = cuv_new(loop)) == NULL)
         goto oom;
+    remote_init(&h->rm, loop, h->curl, &h->st, &s3_remote_ops, h, &h->closing);
+    h->rm.body_cap = XML_CAP;
     h->base.ops = &hub_s3_ops;
     h->loop = loop;
     h->cb = *cb;
@@ -3017,7 +2857,7 @@ static void claim_timer_closed(uv_handle_t *t)
 static void close_when_idle(uv_timer_t *t)
 {
     s3_hub *h = t->data;
-    if (h->inflight != NULL || h->handles > 1)
+    if (h->rm.inflight != NULL || h->handles > 1)
         return;
     if (h->pub.active)
         pub_finish(h, "stopped");
@@ -3035,15 +2875,7 @@ static void s3_close(hub *base, void (*done)(void *), void *arg)
     uv_timer_stop(&h->poll_timer);
     uv_timer_stop(&h->claim_timer);
     uv_close((uv_handle_t *)&h->claim_timer, claim_timer_closed);
-    for (s3_req *r = h->inflight, *n; r; r = n) {
-        n = r->next;
-        if (r->timer_open)
-            uv_timer_stop(&r->timer);
-        if (r->x != NULL && !r->x->finished)
-            cuv_xfer_cancel(r->x);      /* its callback ends the request */
-        else
-            r->cb(h, r, 0);
-    }
+    remote_cancel_all(&h->rm);
     /* cancelled requests and pool jobs come back before the handles close */
     uv_timer_start(&h->poll_timer, close_when_idle, 10, 10);
 }

@@ -1,0 +1,264 @@
+#include "remote.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dl_log.h"
+
+void remote_init(remote *rm, uv_loop_t *loop, cuv *curl, hub_status *st, const remote_ops *ops, void *owner,
+                 const int *closing)
+{
+    memset(rm, 0, sizeof(*rm));
+    rm->loop = loop;
+    rm->curl = curl;
+    rm->st = st;
+    rm->ops = ops;
+    rm->owner = owner;
+    rm->closing = closing;
+}
+
+void remote_error(remote *rm, const char *fmt, ...)
+{
+    char msg[sizeof(rm->st->last_error)], q[400];
+    va_list ap;
+
+    if (rm->quiet)
+        return;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    rm->st->errors++;
+    /* a failure that repeats at every poll (wrong credentials, a server down) is logged when it
+     * starts or changes, not each time */
+    if (strcmp(msg, rm->st->last_error) != 0)
+        dl_log(DL_LOG_ERROR, "hub", rm->ops->failure_log, "error=%s", dl_log_q(q, sizeof(q), msg));
+    memcpy(rm->st->last_error, msg, sizeof(msg));
+}
+
+double remote_jittered(double base)
+{
+    return base * (0.75 + 0.5 * ((double)rand() / RAND_MAX));
+}
+
+static void req_free(remote_req *r)
+{
+    free(r->url);
+    free(r->what);
+    curl_slist_free_all(r->headers);
+    free(r->body);
+    cuv_xfer_free(r->x);
+    free(r);
+}
+
+remote_req *remote_req_new(remote *rm, const char *method, const char *url, const char *what, const char *route)
+{
+    remote_req *r = calloc(1, sizeof(*r));
+
+    if (r == NULL)
+        return NULL;
+    r->url = strdup(url);
+    r->what = strdup(what != NULL ? what : url);
+    if (r->url == NULL || r->what == NULL) {
+        req_free(r);
+        return NULL;
+    }
+    r->rm = rm;
+    snprintf(r->method, sizeof(r->method), "%s", method);
+    r->route = route;
+    r->src_fd = r->sink_fd = -1;
+    r->max_attempts = 5;
+    r->auth = 1;
+    r->api = 1;
+    return r;
+}
+
+void remote_req_header(remote_req *r, const char *line)
+{
+    struct curl_slist *n = curl_slist_append(r->headers, line);
+    if (n != NULL)
+        r->headers = n;
+}
+
+int remote_req_body(remote_req *r, const char *data, size_t len)
+{
+    free(r->body);
+    r->has_body = 0;
+    if ((r->body = malloc(len ? len : 1)) == NULL)
+        return -1;
+    memcpy(r->body, data, len);
+    r->body_len = len;
+    r->has_body = 1;
+    return 0;
+}
+
+static void unlink_req(remote_req *r)
+{
+    remote *rm = r->rm;
+
+    if (r->prev)
+        r->prev->next = r->next;
+    else if (rm->inflight == r)
+        rm->inflight = r->next;
+    if (r->next)
+        r->next->prev = r->prev;
+    r->next = r->prev = NULL;
+}
+
+static void timer_closed(uv_handle_t *t)
+{
+    req_free(t->data);
+}
+
+void remote_req_end(remote_req *r)
+{
+    unlink_req(r);
+    if (r->timer_open) {
+        uv_timer_stop(&r->timer);
+        uv_close((uv_handle_t *)&r->timer, timer_closed);
+    } else {
+        req_free(r);
+    }
+}
+
+static void complete(remote_req *r, int ok)
+{
+    r->rm->ops->complete(r->rm, r, ok);
+}
+
+static void send_attempt(remote_req *r);
+
+static void retry_cb(uv_timer_t *t)
+{
+    send_attempt(t->data);
+}
+
+static int transient(const cuv_xfer *x)
+{
+    return x->result != CURLE_OK || x->status == 408 || x->status == 429 || x->status >= 500;
+}
+
+/* A failure worth another attempt: recorded, then sent again after the server's Retry-After or a
+ * backoff, unless r has had its attempts. */
+static void retry_or_fail(remote_req *r, const cuv_xfer *x)
+{
+    remote *rm = r->rm;
+    char why[256];
+
+    r->attempt++;
+    rm->ops->describe(x, why, sizeof(why));
+    remote_error(rm, "%s %s: %s", r->method, r->what, why);
+    if (!r->retry_forever && r->attempt >= r->max_attempts) {
+        complete(r, 0);
+        return;
+    }
+    double wait = x->retry_after >= 0 ? x->retry_after + 0.1
+                                      : remote_jittered(fmin(0.5 * pow(2, r->attempt - 1), REMOTE_MAX_BACKOFF));
+    if (!r->timer_open) {
+        uv_timer_init(rm->loop, &r->timer);
+        r->timer.data = r;
+        r->timer_open = 1;
+    }
+    uv_timer_start(&r->timer, retry_cb, (uint64_t)(wait * 1000), 0);
+}
+
+static void attempt_done(cuv_xfer *x, void *arg)
+{
+    remote_req *r = arg;
+    remote *rm = r->rm;
+
+    if (x->result == CURLE_ABORTED_BY_CALLBACK || *rm->closing) {
+        complete(r, 0);
+        return;
+    }
+    hub_count_call(rm->st, r->route, x->result == CURLE_OK ? (int)x->status : 0);
+    if (x->too_big) {
+        /* asking again gets the same oversized answer: a failure, not a transient error */
+        remote_error(rm, "%s %s: the answer is larger than allowed, abandoned", r->method, r->what);
+        complete(r, 0);
+        return;
+    }
+    if (rm->ops->judge != NULL && rm->ops->judge(rm, r, x)) {
+        rm->quiet = 1;          /* the transport said it in its words; the callback's generic ones would hide them */
+        complete(r, 0);
+        rm->quiet = 0;
+        return;
+    }
+    if (transient(x)) {
+        retry_or_fail(r, x);
+        return;
+    }
+    /* only 2xx: a redirect that was not followed (or one past curl's limit) is not the answer asked for */
+    int ok = x->status >= 200 && x->status < 300;
+    if (ok && r->auth && rm->ops->authorized != NULL)
+        rm->ops->authorized(rm, r);
+    complete(r, ok);
+}
+
+static void send_attempt(remote_req *r)
+{
+    remote *rm = r->rm;
+    cuv_xfer *x;
+
+    cuv_xfer_free(r->x);
+    r->x = NULL;
+    if (*rm->closing || (x = cuv_xfer_new(rm->curl, r->method, r->url)) == NULL) {
+        complete(r, 0);
+        return;
+    }
+    r->x = x;
+    for (struct curl_slist *l = r->headers; l; l = l->next)
+        cuv_xfer_header(x, l->data);
+    cuv_xfer_follow(x, r->follow);
+    if (r->has_body)
+        cuv_xfer_body(x, r->body, r->body_len);
+    else if (r->src_fd >= 0)
+        cuv_xfer_body_file(x, r->src_fd, r->src_off, r->src_len);
+    else if (strcmp(r->method, "POST") == 0)
+        cuv_xfer_body(x, "", 0);
+    if (r->sink_fd >= 0)
+        cuv_xfer_sink_file(x, r->sink_fd, r->sink_off);
+    if (r->sink_capped)
+        cuv_xfer_sink_max(x, r->sink_max);
+    size_t cap = r->body_cap ? r->body_cap : rm->body_cap;
+    if (cap > 0)
+        cuv_xfer_body_cap(x, cap);
+    if (rm->ops->authorize(rm, r, x) != 0) {
+        complete(r, 0);
+        return;
+    }
+    if (r->api)
+        rm->st->api_calls++;
+    else
+        rm->st->resolver_calls++;
+    if (cuv_start(x, attempt_done, r) != 0)
+        complete(r, 0);
+}
+
+void remote_go(remote_req *r, remote_fn cb, void *arg)
+{
+    remote *rm = r->rm;
+
+    r->cb = cb;
+    r->arg = arg;
+    r->next = rm->inflight;
+    if (rm->inflight)
+        rm->inflight->prev = r;
+    rm->inflight = r;
+    send_attempt(r);
+}
+
+void remote_cancel_all(remote *rm)
+{
+    for (remote_req *r = rm->inflight, *n; r; r = n) {
+        n = r->next;
+        if (r->timer_open)
+            uv_timer_stop(&r->timer);
+        if (r->x != NULL && !r->x->finished)
+            cuv_xfer_cancel(r->x);      /* its callback ends the request */
+        else
+            complete(r, 0);
+    }
+}

@@ -1,0 +1,109 @@
+/* remote: what the network transports (hub_hf.c, hub_s3.c) share of talking to their server, written
+ * once so that the two cannot drift apart:
+ *   - the retrying request: one policy for what counts as success (a 2xx answer), what is tried
+ *     again (no answer, 408, 429, 5xx) and how long to wait (the server's Retry-After, else an
+ *     exponential backoff with jitter, at most REMOTE_MAX_BACKOFF);
+ *   - failures recorded in the transport's hub_status (last_error, errors) and logged at error
+ *     level when they change, not at every poll that repeats them.
+ * A transport supplies a small table (remote_ops): its credentials for each attempt (a bearer
+ * token, a SigV4 signature), how it words a failed answer, optionally its own judgment of an answer
+ * before the policy (hf://: access problems), and how to call a request's callback as it typed it.
+ * Everything here runs on the loop thread. */
+#ifndef REMOTE_H
+#define REMOTE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <curl/curl.h>
+#include <uv.h>
+
+#include "curl_uv.h"
+#include "hub.h"
+
+#define REMOTE_MAX_BACKOFF 60.0        /* seconds */
+
+typedef struct remote remote;
+typedef struct remote_req remote_req;
+
+typedef struct remote_ops {
+    const char *failure_log;    /* the log line of a failure: "hub request failed", "s3 request failed" */
+    /* Adds the transport's credentials (and what signing them needs) to one attempt.  0, or -1: the
+     * attempt fails without being sent. */
+    int (*authorize)(remote *rm, remote_req *r, cuv_xfer *x);
+    /* Optional, before the policy: 1 when the transport has dealt with this answer itself (the
+     * request then ends failed, and what its callback records as a failure is not: the transport
+     * has said it in its own words), 0 to let the policy judge it. */
+    int (*judge)(remote *rm, remote_req *r, const cuv_xfer *x);
+    /* Optional, after a 2xx answer to a request with auth set. */
+    void (*authorized)(remote *rm, remote_req *r);
+    /* A failed answer in words for last_error and the log ("HTTP 503 SlowDown: ..."). */
+    void (*describe)(const cuv_xfer *x, char *out, size_t size);
+    /* Calls r's callback (remote_go's cb, of the transport's own type) with ok. */
+    void (*complete)(remote *rm, remote_req *r, int ok);
+} remote_ops;
+
+struct remote {
+    uv_loop_t *loop;
+    cuv *curl;
+    hub_status *st;             /* the transport's: call counts, errors, last_error */
+    const remote_ops *ops;
+    void *owner;                /* the transport */
+    const int *closing;         /* the transport's closing flag: no attempt starts once it is set */
+    size_t body_cap;            /* answers in memory are capped at this unless a request says (0: curl_uv's) */
+    int quiet;                  /* failures are not recorded (the transport is saying one in its own words) */
+    remote_req *inflight;       /* every request not ended, for close */
+};
+
+typedef void (*remote_fn)(void);        /* a transport's callback type, cast back by ops->complete */
+
+struct remote_req {
+    remote *rm;
+    char method[8];
+    char *url;
+    char *what;                 /* what messages name: the key, or the URL (remote_req_new's default) */
+    const char *route;          /* static, for /metrics (dilocod_hub_requests_total{route,code}) */
+    struct curl_slist *headers;
+    char *body;                 /* memory body (has_body: sent even when empty) */
+    size_t body_len;
+    int has_body;
+    int src_fd;                 /* file body (-1: none) */
+    uint64_t src_off, src_len;
+    int sink_fd;                /* file answer (-1: in memory); resumed by the caller, with max_attempts 1 */
+    uint64_t sink_off, sink_max;
+    int sink_capped;            /* sink_max applies */
+    size_t body_cap;            /* the memory answer's cap (0: the remote's) */
+    int auth;                   /* send the transport's credentials */
+    int follow;                 /* follow redirects */
+    int api;                    /* count as an API call (else a resolver call: storage, CDN) */
+    int retry_forever;          /* transient failures never end it (publishing) */
+    int max_attempts, attempt;
+    uv_timer_t timer;
+    int timer_open;
+    cuv_xfer *x;                /* the last attempt (valid in the callback) */
+    remote_fn cb;
+    void *arg;
+    remote_req *next, *prev;
+};
+
+void remote_init(remote *rm, uv_loop_t *loop, cuv *curl, hub_status *st, const remote_ops *ops, void *owner,
+                 const int *closing);
+/* A request of method to url (copied); what NULL names it by its URL.  Five attempts, auth and api
+ * set.  NULL when out of memory. */
+remote_req *remote_req_new(remote *rm, const char *method, const char *url, const char *what, const char *route);
+void remote_req_header(remote_req *r, const char *line);
+/* A copy of data as the body.  0, or -1 when out of memory. */
+int remote_req_body(remote_req *r, const char *data, size_t len);
+/* Sends r; cb (the transport's type, cast to remote_fn) runs through ops->complete when it ends. */
+void remote_go(remote_req *r, remote_fn cb, void *arg);
+/* Takes r off the in-flight list and frees it (after its retry timer is closed). */
+void remote_req_end(remote_req *r);
+/* At close: stops every retry timer and cancels every transfer in flight (their callbacks run). */
+void remote_cancel_all(remote *rm);
+
+/* Records a failure (counted each time, logged when it differs from the last one). */
+void remote_error(remote *rm, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* An exponential backoff's step with jitter: base scaled by a factor in [0.75, 1.25). */
+double remote_jittered(double base);
+
+#endif
