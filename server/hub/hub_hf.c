@@ -20,6 +20,7 @@
 #include "dl_log.h"
 #include "fsutil.h"
 #include "hub_set.h"
+#include "remote.h"
 #include "seen.h"
 #include "st_index.h"
 #include "stepcount.h"
@@ -29,7 +30,7 @@
  * is well under a millisecond), a larger one is left to the intake, which runs on the pool. */
 #define PEEK_BYTES 65536
 #define MAX_ATTEMPTS_DOWNLOAD 6
-#define MAX_BACKOFF 60.0
+#define MAX_BACKOFF REMOTE_MAX_BACKOFF
 /* step_count.json is about 100 bytes */
 #define STEPFILE_BODY_CAP (64u << 10)
 /* One listing: 1,000 pages of 1,000 entries is a million files, far beyond a DiLoCo repo; a Hub
@@ -46,36 +47,9 @@
 /* ---- requests with retries ------------------------------------------------------------------- */
 
 typedef struct hf_hub hf_hub;
-typedef struct hf_req hf_req;
+typedef remote_req hf_req;         /* remote.h: the retrying request */
 typedef void (*hf_req_cb)(hf_hub *h, hf_req *r, int ok);
 
-struct hf_req {
-    hf_hub *h;
-    char method[8];
-    char *url;
-    char **headers;
-    size_t nheaders;
-    char *body;
-    size_t body_len;
-    int src_fd;                 /* file body */
-    uint64_t src_off, src_len;
-    int sink_fd;                /* file sink */
-    uint64_t sink_off;
-    uint64_t sink_max;          /* the sink's file may not grow past this (the listed size) */
-    int sink_capped;
-    size_t body_cap;            /* memory answer cap (0: curl_uv's default) */
-    int auth, follow, api;      /* send the token; follow redirects; count as an API call */
-    const char *route;          /* what the request is for, counted by route and code */
-    int retry_forever;          /* publishing never gives up on transient errors */
-    int max_attempts;
-    int attempt;
-    uv_timer_t timer;
-    int timer_open;
-    cuv_xfer *x;                /* the last attempt (valid in the callback) */
-    hf_req_cb cb;
-    void *arg;
-    hf_req *next, *prev;        /* in flight, for hf_close */
-};
 
 /* A file of a sharded set as the tree listing showed it. */
 typedef struct listed_file {
@@ -168,7 +142,7 @@ struct hf_hub {
     seen_map seen;              /* "path\toid" -> SEEN_DONE; in-flight ones SEEN_PENDING */
     candidate *queue, *retry;   /* to peek/download; failed ones waiting for the next poll */
     unsigned active_downloads;
-    hf_req *inflight;
+    remote rm;                  /* requests: retries, failures, every one in flight */
     int seen_fd;
     int64_t published_known;    /* the Hub's step_count.json outer_step, -1 unknown */
     int global_download;        /* adoption download in progress */
@@ -177,7 +151,6 @@ struct hf_hub {
     double access_backoff;      /* seconds between polls while the Hub refuses access (0: it does not) */
     int problem_status;         /* the HTTP status behind st.problem */
     int problem_write;          /* ... refused a write (a commit): reads may still work */
-    int in_access_failure;      /* the failed request's callback runs: its message is already set */
     listed_file *lidx, *lshards; /* indexes and shards of the listing in progress */
     size_t nlidx, nlshards;
     hub_set *sets;              /* sets whose shards are downloading */
@@ -188,99 +161,16 @@ struct hf_hub {
     int handles;
 };
 
-static void req_free(hf_req *r)
-{
-    free(r->url);
-    for (size_t i = 0; i < r->nheaders; i++)
-        free(r->headers[i]);
-    free(r->headers);
-    free(r->body);
-    cuv_xfer_free(r->x);
-    free(r);
-}
-
-static void req_unlink(hf_hub *h, hf_req *r)
-{
-    if (r->prev)
-        r->prev->next = r->next;
-    else if (h->inflight == r)
-        h->inflight = r->next;
-    if (r->next)
-        r->next->prev = r->prev;
-    r->next = r->prev = NULL;
-}
-
-static void timer_closed(uv_handle_t *t)
-{
-    hf_req *r = t->data;
-    req_free(r);
-}
-
-/* Ends r: unlinks it and frees it once its timer (if any) is closed. */
-static void req_end(hf_hub *h, hf_req *r)
-{
-    req_unlink(h, r);
-    if (r->timer_open) {
-        uv_timer_stop(&r->timer);
-        uv_close((uv_handle_t *)&r->timer, timer_closed);
-    } else {
-        req_free(r);
-    }
-}
-
-/* route: a static name for /metrics (dilocod_hub_requests_total{route,code}) */
+/* route: a static name for /metrics (dilocod_hub_requests_total{route,code}); messages name the URL */
 static hf_req *req_new(hf_hub *h, const char *method, const char *url, const char *route)
 {
-    hf_req *r = calloc(1, sizeof(*r));
-    if (r == NULL || (r->url = strdup(url)) == NULL) {
-        free(r);
-        return NULL;
-    }
-    r->h = h;
-    snprintf(r->method, sizeof(r->method), "%s", method);
-    r->src_fd = r->sink_fd = -1;
-    r->max_attempts = 5;
-    r->route = route;
-    r->api = 1;
-    r->auth = 1;
-    return r;
+    return remote_req_new(&h->rm, method, url, NULL, route);
 }
 
-static void req_header(hf_req *r, const char *line)
-{
-    char **nh = realloc(r->headers, (r->nheaders + 1) * sizeof(*nh));
-    if (nh == NULL)
-        return;
-    r->headers = nh;
-    if ((r->headers[r->nheaders] = strdup(line)) != NULL)
-        r->nheaders++;
-}
-
-static void req_body(hf_req *r, const char *data, size_t len)
-{
-    free(r->body);
-    r->body = malloc(len ? len : 1);
-    if (r->body != NULL) {
-        memcpy(r->body, data, len);
-        r->body_len = len;
-    }
-}
-
-static void set_error(hf_hub *h, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void set_error(hf_hub *h, const char *fmt, ...)
-{
-    va_list ap;
-    /* A request refused for access (401, 403, unknown repo) already says so in words that tell the
-     * operator what to fix; the callers' generic "HTTP 401" would replace them at every poll. */
-    if (h->in_access_failure)
-        return;
-    va_start(ap, fmt);
-    vsnprintf(h->st.last_error, sizeof(h->st.last_error), fmt, ap);
-    va_end(ap);
-    h->st.errors++;
-    char q[400];
-    dl_log(DL_LOG_WARN, "hub", "hub request failed", "error=%s", dl_log_q(q, sizeof(q), h->st.last_error));
-}
+/* A failure recorded in /status and logged when it changes (remote.h).  While a request refused for
+ * access (401, 403, unknown repo) ends, its callback's generic "HTTP 401" is not recorded: the
+ * access problem already says so in words that tell the operator what to fix. */
+#define set_error(h, ...) remote_error(&(h)->rm, __VA_ARGS__)
 
 /* ---- access problems: a wrong token or repo id ---------------------------------------------------
  * Retrying cannot fix these, only the operator can, so they are said once in words that name the
@@ -399,127 +289,58 @@ static void access_ok(hf_hub *h, const hf_req *r)
     h->st.last_error[0] = '\0';
 }
 
-static void req_send(hf_req *r);
-
-static void req_retry_cb(uv_timer_t *t)
+static int hf_authorize(remote *rm, remote_req *r, cuv_xfer *x)
 {
-    req_send(t->data);
-}
+    hf_hub *h = rm->owner;
 
-static double jittered(double base)
-{
-    return base * (0.75 + 0.5 * ((double)rand() / RAND_MAX));
-}
-
-static void req_done(cuv_xfer *x, void *arg)
-{
-    hf_req *r = arg;
-    hf_hub *h = r->h;
-    int transient;
-
-    if (x->result == CURLE_ABORTED_BY_CALLBACK || h->closing) {
-        r->cb(h, r, 0);
-        return;
-    }
-    hub_count_call(&h->st, r->route, x->result == CURLE_OK ? (int)x->status : 0);
-    if (x->too_big) {
-        /* asking again gets the same oversized answer: a failure, not a transient error */
-        set_error(h, "%s %s: the answer is larger than allowed, abandoned", r->method, r->url);
-        r->cb(h, r, 0);
-        return;
-    }
-    transient = x->result != CURLE_OK || x->status == 429 || x->status >= 500 || x->status == 408;
-    /* only an answer to our token says something about it (a pre-signed storage URL's 403 does not) */
-    const char *problem = r->auth ? access_problem(x) : NULL;
-    if (problem != NULL) {
-        access_failed(h, r, x, problem);
-        h->in_access_failure = 1;
-        r->cb(h, r, 0);
-        h->in_access_failure = 0;
-        return;
-    }
-    if (x->result == CURLE_OK && r->auth && x->status >= 200 && x->status < 300)
-        access_ok(h, r);
-    if (x->result == CURLE_OK && !transient) {
-        r->cb(h, r, x->status >= 200 && x->status < 400);
-        return;
-    }
-    r->attempt++;
-    if (x->result != CURLE_OK)
-        set_error(h, "%s %s: %s", r->method, r->url, curl_easy_strerror(x->result));
-    else
-        set_error(h, "%s %s: HTTP %ld%s%s", r->method, r->url, x->status, x->error_code[0] ? " " : "",
-                  x->error_code);
-    if (!r->retry_forever && r->attempt >= r->max_attempts) {
-        r->cb(h, r, 0);
-        return;
-    }
-    /* 429: the server says when; else exponential backoff with jitter */
-    double wait = x->retry_after >= 0 ? x->retry_after + 0.1 : jittered(fmin(0.5 * pow(2, r->attempt - 1), MAX_BACKOFF));
-    if (!r->timer_open) {
-        uv_timer_init(h->loop, &r->timer);
-        r->timer.data = r;
-        r->timer_open = 1;
-    }
-    /* a sink restarts where the data stopped (Range resume is the caller's business: it rebuilds) */
-    if (r->sink_fd >= 0)
-        r->sink_off += x->written;
-    uv_timer_start(&r->timer, req_retry_cb, (uint64_t)(wait * 1000), 0);
-}
-
-static void req_send(hf_req *r)
-{
-    hf_hub *h = r->h;
-    cuv_xfer *x;
-
-    cuv_xfer_free(r->x);
-    r->x = NULL;
-    if (h->closing) {
-        r->cb(h, r, 0);
-        return;
-    }
-    x = cuv_xfer_new(h->curl, r->method, r->url);
-    if (x == NULL) {
-        r->cb(h, r, 0);
-        return;
-    }
-    r->x = x;
-    for (size_t i = 0; i < r->nheaders; i++)
-        cuv_xfer_header(x, r->headers[i]);
     if (r->auth)
         cuv_xfer_bearer(x, h->token);
-    cuv_xfer_follow(x, r->follow);
-    if (r->body != NULL)
-        cuv_xfer_body(x, r->body, r->body_len);
-    else if (r->src_fd >= 0)
-        cuv_xfer_body_file(x, r->src_fd, r->src_off, r->src_len);
-    else if (strcmp(r->method, "POST") == 0)
-        cuv_xfer_body(x, "", 0);
-    if (r->sink_fd >= 0)
-        cuv_xfer_sink_file(x, r->sink_fd, r->sink_off);
-    if (r->sink_capped)
-        cuv_xfer_sink_max(x, r->sink_max);
-    if (r->body_cap > 0)
-        cuv_xfer_body_cap(x, r->body_cap);
-    if (r->api)
-        h->st.api_calls++;
-    else
-        h->st.resolver_calls++;
-    if (cuv_start(x, req_done, r) != 0) {
-        r->cb(h, r, 0);
-        return;
-    }
+    return 0;
 }
 
+/* Only an answer to our token says something about it (a pre-signed storage URL's 403 does not). */
+static int hf_judge(remote *rm, remote_req *r, const cuv_xfer *x)
+{
+    const char *problem = r->auth ? access_problem(x) : NULL;
+
+    if (problem == NULL)
+        return 0;
+    access_failed(rm->owner, r, x, problem);
+    return 1;
+}
+
+static void hf_authorized(remote *rm, remote_req *r)
+{
+    access_ok(rm->owner, r);
+}
+
+static void describe_answer(const cuv_xfer *x, char *out, size_t size)
+{
+    if (x->result != CURLE_OK)
+        snprintf(out, size, "%s", curl_easy_strerror(x->result));
+    else
+        snprintf(out, size, "HTTP %ld%s%s", x->status, x->error_code[0] ? " " : "", x->error_code);
+}
+
+static void hf_complete(remote *rm, remote_req *r, int ok)
+{
+    ((hf_req_cb)r->cb)(rm->owner, r, ok);
+}
+
+static const remote_ops hf_remote_ops = {
+    .failure_log = "hub request failed",
+    .authorize = hf_authorize,
+    .judge = hf_judge,
+    .authorized = hf_authorized,
+    .describe = describe_answer,
+    .complete = hf_complete,
+};
+
+/* cb, of this file's type, runs when r ends (remote_go). */
 static void req_go(hf_hub *h, hf_req *r, hf_req_cb cb, void *arg)
 {
-    r->cb = cb;
-    r->arg = arg;
-    r->next = h->inflight;
-    if (h->inflight)
-        h->inflight->prev = r;
-    h->inflight = r;
-    req_send(r);
+    (void)h;
+    remote_go(r, (remote_fn)cb, arg);
 }
 
 /* ---- URLs -------------------------------------------------------------------------------------- */
@@ -777,7 +598,7 @@ static void pump_downloads(hf_hub *h);
 static void retry_later(hf_hub *h, candidate *c)
 {
     int k = c->attempts > 1 ? c->attempts - 1 : 0;
-    double wait = jittered(fmin(ldexp(1.0, k < 16 ? k : 16), MAX_BACKOFF));
+    double wait = remote_jittered(fmin(ldexp(1.0, k < 16 ? k : 16), MAX_BACKOFF));
     c->not_before = uv_now(h->loop) + (uint64_t)(wait * 1000);
     c->next = h->retry;
     h->retry = c;
@@ -913,7 +734,7 @@ static void download_done(hf_hub *h, hf_req *r, int ok)
     int too_big = r->x != NULL && r->x->too_big;
     int fd = r->sink_fd;
 
-    req_end(h, r);              /* frees r and its transfer: only the copies above from here on */
+    remote_req_end(r);              /* frees r and its transfer: only the copies above from here on */
     close(fd);
     if (too_big && !h->closing) {
         char qp[600];
@@ -978,7 +799,7 @@ static void start_download(hf_hub *h, candidate *c)
         c->have = 0;
         if (ftruncate(fd, 0) != 0) {
             close(fd);
-            req_free(r);
+            remote_req_end(r);
             candidate_abandon(h, c);
             return;
         }
@@ -986,7 +807,7 @@ static void start_download(hf_hub *h, candidate *c)
     if (c->have > 0) {
         char range[64];
         snprintf(range, sizeof(range), "Range: bytes=%" PRIu64 "-", c->have);
-        req_header(r, range);
+        remote_req_header(r, range);
     }
     r->sink_fd = fd;
     r->sink_off = c->have;
@@ -1057,7 +878,7 @@ static void peek_done(hf_hub *h, hf_req *r, int ok)
         }
         st_header_free(hd);
     }
-    req_end(h, r);
+    remote_req_end(r);
     if (decided) {
         candidate_free(c);
     } else {
@@ -1083,7 +904,7 @@ static void start_peek(hf_hub *h, candidate *c)
     uint64_t want = c->size < PEEK_BYTES ? c->size : PEEK_BYTES;
     char range[48];
     snprintf(range, sizeof(range), "Range: bytes=0-%" PRIu64, want > 0 ? want - 1 : 0);
-    req_header(r, range);
+    remote_req_header(r, range);
     r->body_cap = (size_t)(want > 0 ? want : 1);
     r->follow = 1;
     r->api = 0;
@@ -1338,7 +1159,7 @@ static void index_done(hf_hub *h, hf_req *r, int ok)
 
     if (h->closing) {
         h->active_downloads--;
-        req_end(h, r);
+        remote_req_end(r);
         candidate_free(c);
         return;
     }
@@ -1349,14 +1170,14 @@ static void index_done(hf_hub *h, hf_req *r, int ok)
                    dl_log_q(qp, sizeof(qp), c->rel));
             set_error(h, "%s: the download does not match the listing's size and oid", c->rel);
         }
-        req_end(h, r);
+        remote_req_end(r);
         index_retry(h, c);
         pump_downloads(h);
         return;
     }
     size_t len = x->body.len;
     char *text = sb_take(&x->body);
-    req_end(h, r);
+    remote_req_end(r);
     hub_index_job *j = hub_index_job_new(text, len, c->rel, index_cap(h, c), index_parsed, h, c);
     if (j != NULL)
         j->verify = index_matches_listing;
@@ -1627,7 +1448,7 @@ static void list_done(hf_hub *h, hf_req *r, int ok)
     } else {
         h->st.head[0] = '\0';         /* a failed page: list again at the next poll */
     }
-    req_end(h, r);
+    remote_req_end(r);
     if (next[0] && !h->closing) {
         list_page(h, next);
         return;
@@ -1672,7 +1493,7 @@ static void stepfile_done(hf_hub *h, hf_req *r, int ok)
     } else {
         h->st.head[0] = '\0';         /* unreadable: look again at the next poll */
     }
-    req_end(h, r);
+    remote_req_end(r);
     if (h->waiting && h->published_known >= 0 && !h->global_download) {
         adopt_download(h);
         h->polling = 0;
@@ -1729,7 +1550,7 @@ static void revision_done(hf_hub *h, hf_req *r, int ok)
     }
     if (x != NULL && x->retry_after >= 0)      /* rate limited: the server says when to come back */
         h->poll_resume_ms = uv_now(h->loop) + (uint64_t)(x->retry_after * 1000);
-    req_end(h, r);
+    remote_req_end(r);
     if (moved && !h->closing) {
         char qs[100];
         dl_log(DL_LOG_DEBUG, "hub", "revision moved", "sha=%s", dl_log_q(qs, sizeof(qs), h->st.head));
@@ -1886,7 +1707,7 @@ static void global_list_done(hf_hub *h, hf_req *r, int ok)
         break;
     }
     cJSON_Delete(arr);
-    req_end(h, r);
+    remote_req_end(r);
     if (c == NULL) {
         set_error(h, "the Hub's global/ listing has no usable %s",
                   h->adopt_sharded ? "latest.safetensors.index.json" : "latest.safetensors");
@@ -1979,7 +1800,7 @@ static void commit_done(hf_hub *h, hf_req *r, int ok)
 {
     cuv_xfer *x = r->x;
     long status = x ? x->status : 0;
-    req_end(h, r);
+    remote_req_end(r);
     if (ok && status == 200) {
         pub_finish(h, 1);
         return;
@@ -2005,16 +1826,16 @@ static void pub_send(hf_hub *h, hf_req *r, sbuf *b, const char *content_type, hf
     char *body = sb_take(b), line[96];
 
     if (body == NULL) {
-        req_free(r);
+        remote_req_end(r);
         pub_finish(h, 0);
         return;
     }
-    req_body(r, body, len);
+    remote_req_body(r, body, len);
     free(body);
     snprintf(line, sizeof(line), "Content-Type: %s", content_type);
-    req_header(r, line);
+    remote_req_header(r, line);
     if (strstr(content_type, "git-lfs") != NULL)
-        req_header(r, "Accept: application/vnd.git-lfs+json");
+        remote_req_header(r, "Accept: application/vnd.git-lfs+json");
     r->retry_forever = 1;
     req_go(h, r, cb, NULL);
 }
@@ -2068,7 +1889,7 @@ static void pub_next_lfs(hf_hub *h);
 
 static void verify_lfs_done(hf_hub *h, hf_req *r, int ok)
 {
-    req_end(h, r);
+    remote_req_end(r);
     if (!ok) {
         set_error(h, "LFS verify of step %" PRIu64 " failed", h->pub.step);
         pub_finish(h, 0);
@@ -2095,18 +1916,18 @@ static void pub_after_upload(hf_hub *h)
         return;
     }
     snprintf(body, sizeof(body), "{\"oid\":\"%s\",\"size\":%" PRIu64 "}", h->pub.sha256, h->pub.size);
-    req_body(r, body, strlen(body));
+    remote_req_body(r, body, strlen(body));
     /* the verify URL comes from the batch answer: the token goes along only to the endpoint */
     r->auth = url_on_endpoint(h->endpoint, href);
-    req_header(r, "Content-Type: application/vnd.git-lfs+json");
-    req_header(r, "Accept: application/vnd.git-lfs+json");
+    remote_req_header(r, "Content-Type: application/vnd.git-lfs+json");
+    remote_req_header(r, "Accept: application/vnd.git-lfs+json");
     r->retry_forever = 1;
     req_go(h, r, verify_lfs_done, NULL);
 }
 
 static void basic_put_done(hf_hub *h, hf_req *r, int ok)
 {
-    req_end(h, r);
+    remote_req_end(r);
     if (!ok) {
         set_error(h, "LFS upload of step %" PRIu64 " failed", h->pub.step);
         pub_finish(h, 0);
@@ -2124,7 +1945,7 @@ static void add_action_headers(hf_req *r, const cJSON *action)
             char line[1024];
             snprintf(line, sizeof(line), "%s: %s", e->string, e->valuestring);
             if (strpbrk(line, "\r\n") == NULL)
-                req_header(r, line);
+                remote_req_header(r, line);
         }
     }
 }
@@ -2139,18 +1960,18 @@ static void part_done(hf_hub *h, hf_req *r, int ok)
         free(p->part_etags[p->part_next]);
         p->part_etags[p->part_next] = strdup(x->etag);
         p->part_next++;
-        req_end(h, r);
+        remote_req_end(r);
         multipart_next(h);
         return;
     }
-    req_end(h, r);
+    remote_req_end(r);
     set_error(h, "LFS multipart upload of step %" PRIu64 " failed at part %zu", p->step, p->part_next + 1);
     pub_finish(h, 0);
 }
 
 static void complete_done(hf_hub *h, hf_req *r, int ok)
 {
-    req_end(h, r);
+    remote_req_end(r);
     if (!ok) {
         set_error(h, "LFS multipart completion of step %" PRIu64 " failed", h->pub.step);
         pub_finish(h, 0);
@@ -2214,7 +2035,7 @@ static void batch_done(hf_hub *h, hf_req *r, int ok)
     pub_state *p = &h->pub;
     cuv_xfer *x = r->x;
     cJSON *j = ok && x ? cJSON_ParseWithLength(x->body.p ? x->body.p : "", x->body.len) : NULL;
-    req_end(h, r);
+    remote_req_end(r);
     const cJSON *obj = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(j, "objects"), 0);
     if (obj == NULL || cJSON_GetObjectItemCaseSensitive(obj, "error") != NULL) {
         set_error(h, "LFS batch for step %" PRIu64 " refused", p->step);
@@ -2291,7 +2112,7 @@ static void preupload_done(hf_hub *h, hf_req *r, int ok)
     pub_state *p = &h->pub;
     cuv_xfer *x = r->x;
     cJSON *j = ok && x ? cJSON_ParseWithLength(x->body.p ? x->body.p : "", x->body.len) : NULL, *f;
-    req_end(h, r);
+    remote_req_end(r);
     if (j == NULL) {
         set_error(h, "preupload for step %" PRIu64 " failed", p->step);
         pub_finish(h, 0);
@@ -2357,10 +2178,10 @@ static void pub_batch(hf_hub *h)
         pub_finish(h, 0);
         return;
     }
-    req_body(br, body, len);
+    remote_req_body(br, body, len);
     free(body);
-    req_header(br, "Content-Type: application/vnd.git-lfs+json");
-    req_header(br, "Accept: application/vnd.git-lfs+json");
+    remote_req_header(br, "Content-Type: application/vnd.git-lfs+json");
+    remote_req_header(br, "Accept: application/vnd.git-lfs+json");
     br->retry_forever = 1;
     req_go(h, br, batch_done, NULL);
 }
@@ -2424,7 +2245,7 @@ static void pub_list_global_done(hf_hub *h, hf_req *r, int ok)
     pub_deletes_free(p);
     if (status != 404 && !cJSON_IsArray(arr)) {
         cJSON_Delete(arr);
-        req_end(h, r);
+        remote_req_end(r);
         set_error(h, "cannot list global/ before publishing step %" PRIu64, p->step);
         pub_finish(h, 0);
         return;
@@ -2445,7 +2266,7 @@ static void pub_list_global_done(hf_hub *h, hf_req *r, int ok)
         p->ndeletes++;
     }
     cJSON_Delete(arr);
-    req_end(h, r);
+    remote_req_end(r);
     if (p->uploaded)
         pub_commit(h);          /* after a 412: the objects are stored, commit again */
     else
@@ -2474,7 +2295,7 @@ static void pub_revision_done(hf_hub *h, hf_req *r, int ok)
     if (sha != NULL && strlen(sha) < sizeof(h->pub.parent))
         snprintf(h->pub.parent, sizeof(h->pub.parent), "%s", sha);
     cJSON_Delete(j);
-    req_end(h, r);
+    remote_req_end(r);
     if (sha == NULL) {
         set_error(h, "cannot read the head before publishing step %" PRIu64, h->pub.step);
         pub_finish(h, 0);
@@ -2506,7 +2327,7 @@ static void pub_check_done(hf_hub *h, hf_req *r, int ok)
                   stepcount_parse(x->body.p ? x->body.p : "", x->body.len, &step, NULL, NULL, NULL) == 0 &&
                   step == h->pub.step;
     int missing = x != NULL && (x->status == 200 || x->status == 404);
-    req_end(h, r);
+    remote_req_end(r);
     if (already) {
         dl_log(DL_LOG_INFO, "hub", "step already on the Hub, not committed again", "step=%" PRIu64, h->pub.step);
         pub_finish(h, 1);
@@ -2774,6 +2595,7 @@ static int hf_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
         free(h);
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "cannot set up the Hub transport: out of memory");
     }
+    remote_init(&h->rm, loop, h->curl, &h->st, &hf_remote_ops, h, &h->closing);
     seen_load(h);
     h->seen_fd = open(h->seen_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
     uv_timer_init(loop, &h->poll_timer);
@@ -2870,16 +2692,8 @@ static void hf_close(hub *base, void (*done)(void *), void *arg)
     h->close_done = done;
     h->close_arg = arg;
     uv_timer_stop(&h->poll_timer);
-    for (hf_req *r = h->inflight, *n; r; r = n) {
-        n = r->next;
-        if (r->timer_open)
-            uv_timer_stop(&r->timer);
-        if (r->x != NULL)
-            cuv_xfer_cancel(r->x);      /* its callback ends the request */
-        else
-            r->cb(h, r, 0);
-    }
-    if (h->pub.active && h->inflight == NULL && h->handles == 1)
+    remote_cancel_all(&h->rm);
+    if (h->pub.active && h->rm.inflight == NULL && h->handles == 1)
         pub_finish(h, 0);
     uv_timer_start(&h->poll_timer, close_when_idle, 10, 10);
 }
@@ -2888,7 +2702,7 @@ static void hf_close(hub *base, void (*done)(void *), void *arg)
 static void close_when_idle(uv_timer_t *t)
 {
     hf_hub *h = t->data;
-    if (h->inflight != NULL || h->handles > 1)
+    if (h->rm.inflight != NULL || h->handles > 1)
         return;
     if (h->pub.active)
         pub_finish(h, 0);
