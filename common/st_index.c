@@ -7,6 +7,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -686,6 +687,11 @@ static const char *file_name_of(const char *path)
 
 int st_index_load(const char *path, st_index **out, dl_error *err)
 {
+    return st_index_load_capped(path, ST_INDEX_MAX_BYTES, out, err);
+}
+
+int st_index_load_capped(const char *path, size_t cap, st_index **out, dl_error *err)
+{
     const char *name = file_name_of(path);
     char base[ST_INDEX_BASE_MAX + 1], *text = NULL;
     uint32_t i, n;
@@ -694,6 +700,8 @@ int st_index_load(const char *path, st_index **out, dl_error *err)
     int fd, rc;
 
     *out = NULL;
+    if (cap > ST_INDEX_MAX_BYTES)
+        cap = ST_INDEX_MAX_BYTES;
     if (st_index_classify(name, strlen(name), base, &i, &n) != ST_NAME_INDEX)
         return dl_fail(err, DL_E_INVALID_PATH, NULL, 0,
                        "%s: an index is named <base>" ST_INDEX_SUFFIX " with a base of [A-Za-z0-9._-]", path);
@@ -707,18 +715,18 @@ int st_index_load(const char *path, st_index **out, dl_error *err)
         rc = dl_fail(err, DL_E_IO, NULL, 0, "%s is not a regular file", path);
         goto out;
     }
-    if ((uint64_t)sb.st_size > ST_INDEX_MAX_BYTES) {
-        rc = dl_fail(err, DL_E_HEADER_TOO_LARGE, NULL, 0, "%s: index of %lld bytes is over the %u-byte cap", path,
-                     (long long)sb.st_size, ST_INDEX_MAX_BYTES);
+    if ((uint64_t)sb.st_size > cap) {
+        rc = dl_fail(err, DL_E_HEADER_TOO_LARGE, NULL, 0, "%s: index of %lld bytes is over the %zu-byte cap", path,
+                     (long long)sb.st_size, cap);
         goto out;
     }
     /* read one byte past the cap: a file that grew meanwhile is refused, not cut */
-    if ((text = malloc(ST_INDEX_MAX_BYTES + 1)) == NULL) {
+    if ((text = malloc(cap + 1)) == NULL) {
         rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
         goto out;
     }
     for (;;) {
-        ssize_t r = read(fd, text + len, ST_INDEX_MAX_BYTES + 1 - len);
+        ssize_t r = read(fd, text + len, cap + 1 - len);
         if (r < 0 && errno == EINTR)
             continue;
         if (r < 0) {
@@ -728,13 +736,12 @@ int st_index_load(const char *path, st_index **out, dl_error *err)
         if (r == 0)
             break;
         len += (size_t)r;
-        if (len > ST_INDEX_MAX_BYTES) {
-            rc = dl_fail(err, DL_E_HEADER_TOO_LARGE, NULL, 0, "%s: index over the %u-byte cap", path,
-                         ST_INDEX_MAX_BYTES);
+        if (len > cap) {
+            rc = dl_fail(err, DL_E_HEADER_TOO_LARGE, NULL, 0, "%s: index over the %zu-byte cap", path, cap);
             goto out;
         }
     }
-    rc = st_index_parse(text, len, base, out, err);
+    rc = st_index_parse_capped(text, len, base, cap, out, err);
 out:
     free(text);
     close(fd);
@@ -994,43 +1001,123 @@ int st_set_wrap(st_file *f, st_set **out, dl_error *err)
     return 0;
 }
 
+/* What the headers of a set may cost together (st_set_open_capped): a shard's header is read only
+ * once its 8-byte prefix fits what the shards before it left of the cap. */
+typedef struct header_budget {
+    uint64_t cap;           /* 0: no cap of ours (each file the format's own) */
+    uint64_t left;
+} header_budget;
+
+/* An index names each tensor once, the shards' headers each with its dtype, shape and offsets: per
+ * tensor, at most 6 index bytes per name byte (json.dump's \u00XX) and st_index_cap_for's 244 of
+ * punctuation and shard name, against at least 1 header byte per name byte and 49 for
+ * "":{"dtype":"U8","shape":[],"data_offsets":[0,0]}.  So the index of a set whose headers fit
+ * max_header is at most 6 x max_header, plus 64 KiB for its metadata; at most ST_INDEX_MAX_BYTES. */
+static size_t index_cap_for_headers(uint64_t max_header)
+{
+    uint64_t cap;
+
+    if (max_header > ST_INDEX_MAX_BYTES)        /* past the cap either way; 6 x it could overflow */
+        return ST_INDEX_MAX_BYTES;
+    cap = 6 * max_header + 64u * 1024u;
+    return cap < ST_INDEX_MAX_BYTES ? (size_t)cap : ST_INDEX_MAX_BYTES;
+}
+
+/* The header length an 8-byte prefix gives, for a refusal's message (0 when it cannot be read). */
+static uint64_t prefix_header_len(const char *path)
+{
+    unsigned char b[8];
+    uint64_t n = 0;
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+
+    if (fd < 0)
+        return 0;
+    if (fsu_pread_all(fd, b, 8, 0) == 0) {
+        for (int i = 7; i >= 0; i--)
+            n = (n << 8) | b[i];
+    }
+    close(fd);
+    return n;
+}
+
+/* Shard i of ix, next to the index at path, its header within the budget; the budget is then what
+ * is left after it. */
+static int open_shard(const char *path, const st_index *ix, uint32_t i, header_budget *b, st_file **out,
+                      dl_error *err)
+{
+    size_t dir_len = (size_t)(file_name_of(path) - path);
+    char name[ST_INDEX_BASE_MAX + 40], *p = NULL;
+    int rc;
+
+    *out = NULL;
+    st_index_shard_name(ix->base, i, ix->nshards, name, sizeof(name));
+    /* a valid header is never empty: nothing left means this shard cannot fit (and a cap of 0 would
+     * mean none to st_open_capped) */
+    if (b->cap != 0 && b->left == 0)
+        return dl_fail(err, DL_E_HEADER_TOO_LARGE, NULL, 0,
+                       "%s: the %u shards before %s hold the whole %" PRIu64 "-byte cap on a set's headers together "
+                       "(max_delta_header_mib)", path, i, name, b->cap);
+    if (asprintf(&p, "%.*s%s", (int)dir_len, path, name) < 0)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    rc = st_open_capped(p, b->left, out, err);
+    if (rc != 0 && err != NULL && err->code == DL_E_IO && err->sys_errno == ENOENT) {
+        rc = dl_fail(err, DL_E_KEY_MISMATCH, NULL, 0, "shard %s of the set is missing (the index lists %u shards)",
+                     name, ix->nshards);
+    } else if (rc != 0 && err != NULL && err->code == DL_E_HEADER_TOO_LARGE && b->left < b->cap) {
+        /* refused against what the shards before it left: say which cap it is over */
+        uint64_t n = prefix_header_len(p);
+        if (n > b->cap)
+            rc = dl_fail(err, DL_E_HEADER_TOO_LARGE, NULL, 0, "%s: a header of %" PRIu64 " bytes, the cap is %" PRIu64
+                         " (max_delta_header_mib)", p, n, b->cap);
+        else
+            rc = dl_fail(err, DL_E_HEADER_TOO_LARGE, NULL, 0,
+                         "%s: the header of %s (%" PRIu64 " bytes) is over the %" PRIu64 " bytes the %u shards before "
+                         "it left of the %" PRIu64 "-byte cap on a set's headers together (max_delta_header_mib)",
+                         path, name, n, b->left, i, b->cap);
+    }
+    free(p);
+    if (rc != 0)
+        return rc;
+    if (b->cap != 0)
+        b->left -= (*out)->data_start - 8;
+    /* a shard's descriptor is opened as its tensors are read: sets of many shards from many nodes
+     * would otherwise hold nodes x shards descriptors at once */
+    if ((rc = st_file_lazy(*out, err)) != 0) {
+        st_close(*out);
+        *out = NULL;
+    }
+    return rc;
+}
+
 int st_set_open(const char *path, st_set **out, dl_error *err)
 {
+    return st_set_open_capped(path, 0, out, err);
+}
+
+int st_set_open_capped(const char *path, uint64_t max_header, st_set **out, dl_error *err)
+{
     size_t plen = strlen(path), stem;
+    header_budget budget = {max_header, max_header};
     st_index *ix = NULL;
     st_file **files, *f;
     int rc;
 
     *out = NULL;
     if (!ends_with(path, plen, ST_INDEX_SUFFIX, &stem)) {
-        if ((rc = st_open(path, &f, err)) != 0)
+        if ((rc = st_open_capped(path, max_header, &f, err)) != 0)
             return rc;
         return st_set_wrap(f, out, err);
     }
-    if ((rc = st_index_load(path, &ix, err)) != 0)
+    rc = max_header != 0 ? st_index_load_capped(path, index_cap_for_headers(max_header), &ix, err)
+                         : st_index_load(path, &ix, err);
+    if (rc != 0)
         return rc;
     if ((files = calloc(ix->nshards, sizeof(*files))) == NULL) {
         st_index_free(ix);
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     }
-    size_t dir_len = (size_t)(file_name_of(path) - path);
     for (uint32_t i = 0; i < ix->nshards; i++) {
-        char name[ST_INDEX_BASE_MAX + 40], *p = NULL;
-        st_index_shard_name(ix->base, i, ix->nshards, name, sizeof(name));
-        if (asprintf(&p, "%.*s%s", (int)dir_len, path, name) < 0) {
-            rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-            goto fail;
-        }
-        rc = st_open(p, &files[i], err);
-        if (rc != 0 && err != NULL && err->code == DL_E_IO && err->sys_errno == ENOENT)
-            rc = dl_fail(err, DL_E_KEY_MISMATCH, NULL, 0, "shard %s of the set is missing (the index lists %u shards)",
-                         name, ix->nshards);
-        /* a shard's descriptor is opened as its tensors are read: sets of many shards from many nodes
-         * would otherwise hold nodes x shards descriptors at once */
-        if (rc == 0)
-            rc = st_file_lazy(files[i], err);
-        free(p);
-        if (rc != 0)
+        if ((rc = open_shard(path, ix, i, &budget, &files[i], err)) != 0)
             goto fail;
     }
     return st_set_assemble(path, ix, files, out, err);

@@ -78,6 +78,8 @@ size_t st_index_cap_for(const st_header *global);
 /* Reads path (capped) and parses it; the base comes from the file name, which must end in
  * ST_INDEX_SUFFIX. */
 int st_index_load(const char *path, st_index **out, dl_error *err);
+/* The same refusing an index over cap bytes (at most ST_INDEX_MAX_BYTES) from its size, before it is read. */
+int st_index_load_capped(const char *path, size_t cap, st_index **out, dl_error *err);
 void st_index_free(st_index *ix);
 const st_index_entry *st_index_find(const st_index *ix, const char *name, size_t name_len);
 /* Metadata value for key (not total_size), or NULL; sets *len when non-NULL. */
@@ -126,6 +128,13 @@ typedef struct st_set {
 /* Opens path: an index (ST_INDEX_SUFFIX: the shards are read from its directory and the set is
  * checked with st_index_check_set) or a single safetensors file. */
 int st_set_open(const char *path, st_set **out, dl_error *err);
+/* st_set_open for another writer's checkpoint (an adopted global), its headers held to max_header
+ * bytes as a delta's are (0: st_set_open, the format's own caps).  A single file's header is capped
+ * at max_header; a set's shards' headers together are (a delta set's budget holds one header cap
+ * too), each refused from its 8-byte prefix before it is read, and its index at what such a set's
+ * index can be (6 x max_header + 64 KiB: see index_cap_for_headers), at most ST_INDEX_MAX_BYTES.
+ * DL_E_HEADER_TOO_LARGE, naming the file and the cap. */
+int st_set_open_capped(const char *path, uint64_t max_header, st_set **out, dl_error *err);
 /* Builds a set from an index and its opened shards (files[i] = shard i, ix->nshards of them),
  * checking it with st_index_check_set.  Takes ownership of ix and of every file and the files
  * array (malloc'd) in every case.  For callers that open files their own way (openat). */

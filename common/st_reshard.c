@@ -78,8 +78,8 @@ static st_kv *carried_meta(const st_set *s, int single, size_t *n, dl_error *err
     return kv;
 }
 
-int st_reshard(const char *src, const char *dst, uint64_t max_shard_size, const st_kv *meta, size_t nmeta,
-               uint32_t *nshards, dl_error *err)
+int st_reshard(const char *src, uint64_t src_max_header, const char *dst, uint64_t max_shard_size, const st_kv *meta,
+               size_t nmeta, uint32_t *nshards, dl_error *err)
 {
     st_set *s = NULL;
     st_set_writer *w = NULL;
@@ -88,7 +88,7 @@ int st_reshard(const char *src, const char *dst, uint64_t max_shard_size, const 
     st_kv *own_meta = NULL;
     int rc;
 
-    if ((rc = st_set_open(src, &s, err)) != 0)
+    if ((rc = st_set_open_capped(src, src_max_header, &s, err)) != 0)
         return rc;
     if ((o = data_order(s, &specs, err)) == NULL) {
         rc = -DL_E_NO_MEMORY;

@@ -962,7 +962,7 @@ static void set_work(job *j)
     } else if (access(index, F_OK) == 0) {
         j->rc = 0;
     } else if ((j->rc = fsu_mkdirs(dir, &j->err)) == 0) {
-        j->rc = st_reshard(j->arg, dst, d->cfg->shard_size, NULL, 0, NULL, &j->err);
+        j->rc = st_reshard(j->arg, 0, dst, d->cfg->shard_size, NULL, 0, NULL, &j->err);     /* our own global */
     }
     free(dir);
     free(index);
@@ -2226,7 +2226,8 @@ static int adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap,
 
     /* another writer's global: its step and its header bounded as every other input (a step whose
      * successor no delta can name bricks the state; a header no delta of that model could have costs
-     * memory for nothing) */
+     * memory for nothing).  A set's shards are held to that cap together, as a delta set's are, each
+     * refused from its prefix before it is read (st_set_open_capped) */
     const uint64_t max_header = bootstrap ? 0 : (uint64_t)d->cfg->max_delta_header_mib << 20;
 
     if (!bootstrap && (rc = stepcount_check(step, "the published step", err)) != 0) {
@@ -2242,7 +2243,8 @@ static int adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap,
     if (header_known) {
         rc = bootstrap_take(d, src, dst, mi, err);
     } else if (st_index_is_index_path(src)) {
-        if ((rc = st_reshard(src, dst, 0, NULL, 0, NULL, err)) == 0 && (rc = open_model(d, dst, max_header, err)) != 0)
+        if ((rc = st_reshard(src, max_header, dst, 0, NULL, 0, NULL, err)) == 0 &&
+            (rc = open_model(d, dst, max_header, err)) != 0)
             unlink(dst);
     } else if ((rc = open_model(d, src, max_header, err)) == 0) {
         rc = bootstrap ? take_model(src, dst, mi, err) : move_into_place(src, dst, err);

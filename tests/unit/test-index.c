@@ -1,11 +1,13 @@
 #include "test.h"
 
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "delta.h"
 #include "fsutil.h"
 #include "st_index.h"
+#include "st_reshard.h"
 
 static int parse_code(const char *text, const char *base)
 {
@@ -245,6 +247,95 @@ TEST(writer_and_set_view)
     CHECK_EQ(access(test_path("delta_5-00001-of-00002.safetensors"), F_OK), -1);
     CHECK_EQ(st_set_open(path, &s, &err), 0);
     CHECK(s->index == NULL && s->nfiles == 1 && s->ntensors == 3);
+    st_set_close(s);
+}
+
+/* The index at path with n spaces after its opening brace: the same index, n bytes longer. */
+static int pad_index(const char *path, size_t n)
+{
+    char *text = malloc(ST_INDEX_MAX_BYTES), *padded;
+    FILE *f = fopen(path, "rb");
+    size_t len = f ? fread(text, 1, ST_INDEX_MAX_BYTES, f) : 0;
+    dl_error err;
+    int rc = -1;
+
+    if (f != NULL)
+        fclose(f);
+    if (text != NULL && len > 1 && text[0] == '{' && (padded = malloc(len + n)) != NULL) {
+        padded[0] = '{';
+        memset(padded + 1, ' ', n);
+        memcpy(padded + 1 + n, text + 1, len - 1);
+        rc = fsu_write_atomic(path, padded, len + n, &err);
+        free(padded);
+    }
+    free(text);
+    return rc;
+}
+
+/* Issue 21 item 9c: another writer's set (an adopted global) is opened with its headers capped:
+ * each shard from its 8-byte prefix, the shards' headers together at the one cap (a delta set's
+ * budget), the index at 6 x the cap + 64 KiB; st_reshard passes the cap on and writes nothing when
+ * it refuses. */
+TEST(set_open_capped)
+{
+    char path[512], index[512], out[512];
+    const char *second = "delta_5-00002-of-00002.safetensors";
+    st_set *s = NULL;
+    dl_error err;
+    uint64_t h0, h1;
+    snprintf(path, sizeof(path), "%s", test_path("delta_5.safetensors"));
+    snprintf(index, sizeof(index), "%s", test_path("delta_5.safetensors.index.json"));
+    snprintf(out, sizeof(out), "%s", test_path("one.safetensors"));
+    CHECK_EQ(write_set(path, 16), 0);
+    CHECK_EQ(st_set_open(index, &s, &err), 0);
+    CHECK_EQ(s->nfiles, 2);
+    h0 = s->files[0]->data_start - 8;
+    h1 = s->files[1]->data_start - 8;
+    st_set_close(s);
+
+    CHECK_EQ(st_set_open_capped(index, h0 + h1, &s, &err), 0);      /* together, exactly the cap */
+    CHECK_EQ(s->ntensors, 3);
+    st_set_close(s);
+    s = NULL;
+    /* each shard alone fits, the second not in what the first left: refused before it is read */
+    CHECK_EQ(st_set_open_capped(index, h0 + h1 - 1, &s, &err), -DL_E_HEADER_TOO_LARGE);
+    CHECK(s == NULL);
+    CHECK(strstr(err.message, second) != NULL);
+    CHECK(strstr(err.message, "headers together (max_delta_header_mib)") != NULL);
+    CHECK_EQ(st_set_open_capped(index, h0, &s, &err), -DL_E_HEADER_TOO_LARGE);   /* nothing left */
+    CHECK(strstr(err.message, "hold the whole") != NULL && strstr(err.message, second) != NULL);
+    /* a shard over the cap on its own: st_open_capped's message, naming that shard */
+    CHECK_EQ(st_set_open_capped(index, (h0 < h1 ? h0 : h1) - 1, &s, &err), -DL_E_HEADER_TOO_LARGE);
+    CHECK(strstr(err.message, "the cap is") != NULL);
+    CHECK(strstr(err.message, "-00001-of-00002.safetensors") != NULL);
+
+    /* st_reshard: the cap reaches the source; a refusal leaves no output */
+    CHECK_EQ(st_reshard(index, h0 + h1 - 1, out, 0, NULL, 0, NULL, &err), -DL_E_HEADER_TOO_LARGE);
+    CHECK_EQ(access(out, F_OK), -1);
+    CHECK_EQ(st_reshard(index, h0 + h1, out, 0, NULL, 0, NULL, &err), 0);
+    CHECK_EQ(st_set_open(out, &s, &err), 0);
+    CHECK(s->index == NULL && s->ntensors == 3);
+    uint64_t h = s->files[0]->data_start - 8;
+    st_set_close(s);
+    CHECK_EQ(st_set_open_capped(out, h, &s, &err), 0);              /* one file: st_open_capped */
+    st_set_close(s);
+    CHECK_EQ(st_set_open_capped(out, 16, &s, &err), -DL_E_HEADER_TOO_LARGE);
+    CHECK(strstr(err.message, "the cap is 16") != NULL);
+
+    /* the index: 6 x the cap + 64 KiB; one byte more is refused from its size, unread (uncapped, it
+     * is the same index and opens) */
+    uint64_t index_cap = 6 * (h0 + h1) + 64 * 1024;
+    struct stat sb;
+    CHECK_EQ(stat(index, &sb), 0);
+    CHECK_EQ(pad_index(index, index_cap + 1 - (size_t)sb.st_size), 0);
+    CHECK_EQ(st_set_open_capped(index, h0 + h1, &s, &err), -DL_E_HEADER_TOO_LARGE);
+    CHECK(strstr(err.message, "index of") != NULL);
+    CHECK_EQ(st_set_open(index, &s, &err), 0);
+    st_set_close(s);
+    CHECK_EQ(write_set(path, 16), 0);      /* the set again, its index padded to exactly the cap */
+    CHECK_EQ(stat(index, &sb), 0);
+    CHECK_EQ(pad_index(index, index_cap - (size_t)sb.st_size), 0);
+    CHECK_EQ(st_set_open_capped(index, h0 + h1, &s, &err), 0);
     st_set_close(s);
 }
 
