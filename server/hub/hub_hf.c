@@ -584,6 +584,14 @@ static void candidate_free(candidate *c)
 static void dset_finished(hf_hub *h, hub_set *set, int ok);
 
 /* A candidate given up on (or cancelled): a shard takes its set down with it. */
+/* The global was not taken (its listing, download or set given up): the next poll lists global/
+ * again even if the revision has not moved, instead of waiting for a commit that may never come. */
+static void global_given_up(hf_hub *h)
+{
+    h->global_download = 0;
+    h->st.head[0] = '\0';
+}
+
 static void candidate_abandon(hf_hub *h, candidate *c)
 {
     if (c->set != NULL)
@@ -718,7 +726,7 @@ static void verify_after(uv_work_t *w, int status)
             if (c->set == NULL)
                 set_seen_state(h, c->rel, c->ver, SEEN_REJECTED);     /* given up for this run */
             if (c->is_global)
-                h->global_download = 0;     /* the next poll starts the adoption over */
+                global_given_up(h);         /* the next poll starts the adoption over */
             candidate_abandon(h, c);
         }
     }
@@ -751,7 +759,7 @@ static void download_done(hf_hub *h, hf_req *r, int ok)
             retry_later(h, c);
         } else {
             if (c->is_global)
-                h->global_download = 0;
+                global_given_up(h);
             candidate_abandon(h, c);
         }
         pump_downloads(h);
@@ -941,7 +949,7 @@ static void dset_finished(hf_hub *h, hub_set *set, int ok)
                    dl_log_q(qp, sizeof(qp), set->rel));
         }
         if (set->is_global)
-            h->global_download = 0;
+            global_given_up(h);
         else
             set_seen_state(h, set->rel, set->ver, SEEN_REJECTED);
         hub_set_drop(&h->sets, set, h->closing);
@@ -991,7 +999,7 @@ static int shard_listed(const void *c, const char *name, uint64_t *bytes)
 static void set_drop(hf_hub *h, candidate *c, seen_state state)
 {
     if (c->is_global)
-        h->global_download = 0;
+        global_given_up(h);
     else
         set_seen_state(h, c->rel, c->ver, state);
     candidate_free(c);
@@ -1711,8 +1719,7 @@ static void global_list_done(hf_hub *h, hf_req *r, int ok)
     if (c == NULL) {
         set_error(h, "the Hub's global/ listing has no usable %s",
                   h->adopt_sharded ? "latest.safetensors.index.json" : "latest.safetensors");
-        h->global_download = 0;
-        h->st.head[0] = '\0';
+        global_given_up(h);
         return;
     }
     c->next = h->queue;

@@ -190,6 +190,28 @@ def hf_start(tmp_path, hub, *args):
     return HfDilocod(tmp_path, hub, "--nodes", ",".join(NODES), "--retry-interval", "0.5", *args).start()
 
 
+def test_hf_global_given_up_is_listed_again_without_a_new_commit(tmp_path, hub):
+    """hf://, waiting for a global: its download fails until the transport gives it up (six corrupt
+    answers from the LFS CDN, each refused by its sha256).  The next poll lists global/ again although
+    the revision has not moved, and the global is adopted.  Before, the transport cleared its download
+    but kept the revision it had listed, so it waited for a commit that never came."""
+    model = small_model()
+    hf_publish(hub, single_global(model, 3), "python master: outer step 3")
+    rule = hub.fault(kind="corrupt", path_regex=r"^/lfs-cdn/.*[?&]path=global%2Flatest", count=6)
+    d = hf_start(tmp_path, hub)
+    try:
+        deadline = time.time() + 120
+        while any(r["id"] == rule["id"] for r in hub.faults()):
+            assert time.time() < deadline, d.log_text()[-4000:]
+            status(d)
+            time.sleep(0.2)
+        assert d.log_text().count("download does not match the listing, discarded") >= 6, d.log_text()[-4000:]
+        wait_adopted(d, 3)
+        assert hub.faults() == [] or all(r["id"] != rule["id"] for r in hub.faults())
+    finally:
+        d.stop()
+
+
 def test_hf_step_without_a_writable_successor_is_not_adopted(tmp_path, hub):
     model = small_model()
     hf_publish(hub, single_global(model, 2**53 - 1), "python master: outer step 2^53 - 1")
