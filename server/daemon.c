@@ -386,6 +386,9 @@ static void intake_done(job *j)
     int retry, final;
 
     d->intake_in_flight--;
+    if (r->index_parsed)
+        stats_index_parsed(&d->m);
+    r->index_parsed = 0;        /* a request run again (below) counts its own parse */
     if (rewritten_in_round(d, r, &retry)) {
         dispatch_intake(d);     /* taken in again, as the version it is now */
         return;

@@ -305,6 +305,11 @@ static void metrics_text(dilocod *d, sbuf *b)
     sb_fmt(b, "dilocod_publish_errors_total %" PRIu64 "\n", d->m.publish_errors);
     /* the transport: the same families whatever the hub (zeros where a transport has no such thing) */
     hub_metrics(d, b);
+    metric(b, "index_parses_total", "counter",
+           "Sharded deltas' indexes read and parsed: by the transport (by=\"hub\": file:// scans) and by intake "
+           "(by=\"intake\", whatever brought the set).");
+    sb_fmt(b, "dilocod_index_parses_total{by=\"hub\"} %" PRIu64 "\n", d->hub ? hub_get_status(d->hub)->index_parses : 0);
+    sb_fmt(b, "dilocod_index_parses_total{by=\"intake\"} %" PRIu64 "\n", d->m.index_parses);
     metric(b, "http_requests_total", "counter", "HTTP responses by route and status code.");
     for (int r = 0; r < ROUTE__COUNT; r++)
         for (int c = 0; c < STATS_HTTP_CODES; c++)

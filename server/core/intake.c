@@ -907,6 +907,7 @@ static intake_status read_index(intake_req *r, int fd, const struct stat *sb, co
         dl_fail(&r->err, DL_E_IO, NULL, 0, "the index shrank while it was read");
         return INTAKE_INCOMPLETE;
     }
+    r->index_parsed = 1;
     if (st_index_parse_capped(*text, *len, base, cap, ix, &r->err) != 0) {
         /* JSON cut short (no closing brace yet): an index still being written, not a malformed one */
         size_t k = *len;

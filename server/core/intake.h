@@ -69,6 +69,7 @@ typedef struct intake_req {
     int linked;                 /* cache_path is a hard link to the shared tree's file: guard it with ident */
     fsu_ident ident;            /* the version validated, with its data's checksum (linked only) */
     int link_errno;             /* a link was tried and refused (EXDEV, EPERM ...): copied instead */
+    int index_parsed;           /* a set's index was read and parsed (counted in dilocod_index_parses_total) */
 } intake_req;
 
 /* Delta data at least this large is checked in place in two halves at once, the second on a thread of

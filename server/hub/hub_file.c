@@ -78,6 +78,7 @@ typedef struct scan {
     size_t nmemo;
     hub_candidate *v;
     size_t n, cap, nrefused;
+    size_t index_parses;        /* indexes read and parsed (the memo spares the others) */
 } scan;
 
 static int push(scan *sc, hub_candidate *c)
@@ -190,8 +191,9 @@ static uint64_t fnv_u64(uint64_t h, uint64_t v)
     return h;
 }
 
-/* The shard count an index lists, 0 if it does not parse (or cannot be read as a regular file). */
-static uint32_t read_index_count(int dirfd, const char *name, const char *base)
+/* The shard count an index lists, 0 if it does not parse (or cannot be read as a regular file).
+ * *parses (may be NULL) counts the parse. */
+static uint32_t read_index_count(int dirfd, const char *name, const char *base, size_t *parses)
 {
     char *buf = malloc((size_t)ST_INDEX_MAX_BYTES + 1);
     st_index *ix = NULL;
@@ -201,10 +203,13 @@ static uint32_t read_index_count(int dirfd, const char *name, const char *base)
 
     if (buf == NULL)
         return 0;
-    if (fsu_read_small_at(dirfd, name, buf, ST_INDEX_MAX_BYTES, &len, &sb) == 0 &&
-        st_index_parse(buf, len, base, &ix, NULL) == 0) {
-        n = ix->nshards;
-        st_index_free(ix);
+    if (fsu_read_small_at(dirfd, name, buf, ST_INDEX_MAX_BYTES, &len, &sb) == 0) {
+        if (parses != NULL)
+            (*parses)++;
+        if (st_index_parse(buf, len, base, &ix, NULL) == 0) {
+            n = ix->nshards;
+            st_index_free(ix);
+        }
     }
     free(buf);
     return n;
@@ -256,7 +261,7 @@ static void fold_shards(int dirfd, const char *base, uint32_t nshards, hub_candi
 /* A set's index (c holds the index's own identity): how many shards it lists (from the memo when
  * an earlier scan read this version of the index), whether they are all there, and the identity of
  * the whole set. */
-static void look_at_set(const scan *sc, int dirfd, const char *name, hub_candidate *c)
+static void look_at_set(scan *sc, int dirfd, const char *name, hub_candidate *c)
 {
     char base[ST_INDEX_BASE_MAX + 1];
     size_t blen = strlen(name) - strlen(ST_INDEX_SUFFIX);
@@ -273,7 +278,7 @@ static void look_at_set(const scan *sc, int dirfd, const char *name, hub_candida
     if (m != NULL && m->size == c->size && m->mtime_ns == c->mtime_ns && m->ino == c->ino)
         c->nshards = m->nshards;
     else
-        c->nshards = read_index_count(dirfd, name, base);
+        c->nshards = read_index_count(dirfd, name, base, &sc->index_parses);
     if (c->nshards > 0)
         fold_shards(dirfd, base, c->nshards, c, &c->partial);
 }
@@ -408,7 +413,7 @@ fail:
 }
 
 int hubfile_scan(const char *root, const hub_index_memo *memo, size_t nmemo, hub_candidate **out, size_t *count,
-                 dl_error *err)
+                 size_t *index_parses, dl_error *err)
 {
     scan sc = {.root = root, .memo = memo, .nmemo = nmemo};
     DIR *top = NULL;
@@ -418,6 +423,7 @@ int hubfile_scan(const char *root, const hub_index_memo *memo, size_t nmemo, hub
 
     *out = NULL;
     *count = 0;
+    *index_parses = 0;
     if ((rc = open_root(root, &rootfd, err)) != 0)
         return rc;
     rc = fsu_open_dir_at(rootfd, "nodes", &nodesfd);
@@ -474,6 +480,7 @@ out:
     if (top != NULL)
         closedir(top);
     close(rootfd);
+    *index_parses = sc.index_parses;    /* done, whatever became of the scan */
     if (rc != 0) {
         hub_candidates_free(sc.v, sc.n);
         return dl_fail_errno(err, -rc, "scanning %s/nodes", root);
@@ -1039,7 +1046,7 @@ static int remove_set_at(int nodefd, const char *root, const char *rel, const ch
     c.size = (uint64_t)sb.st_size;
     c.mtime_ns = mtime_ns(&sb);
     c.ino = (uint64_t)sb.st_ino;
-    if ((c.nshards = read_index_count(nodefd, name, base)) == 0)
+    if ((c.nshards = read_index_count(nodefd, name, base, NULL)) == 0)
         return 1;               /* rewritten into something else since it was taken in */
     fold_shards(nodefd, base, c.nshards, &c, &partial);
     if (partial || c.size != size || c.mtime_ns != mtime || c.ino != ino)

@@ -51,9 +51,10 @@ typedef struct hub_index_memo {
  * set indexes; shards are looked at through their index, never listed alone), the node directories it
  * read, and the entries it refused to read (a node directory that is a link, a delta that is a FIFO, a
  * file whose name is not a delta's, ...).  memo (sorted by rel, nmemo entries, may be NULL) is only
- * read: what earlier scans learnt of the indexes. */
+ * read: what earlier scans learnt of the indexes.  *index_parses: the indexes it read and parsed (set
+ * also when the scan fails). */
 int hubfile_scan(const char *root, const hub_index_memo *memo, size_t nmemo, hub_candidate **out, size_t *n,
-                 dl_error *err);
+                 size_t *index_parses, dl_error *err);
 void hub_candidates_free(hub_candidate *c, size_t n);
 /* The memo of a scan's candidates, sorted by rel (replaces *memo; the old one is freed).  0 or -ENOMEM
  * (the old memo is kept). */

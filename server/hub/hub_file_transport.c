@@ -408,6 +408,7 @@ static void prune_watches(file_hub *fh)
 typedef struct scan_result {
     hub_candidate *c;
     size_t n;
+    size_t index_parses;
     int published_present, published_sharded;
     uint64_t published_step;
     int published_rc;           /* a junk step file must not stop the intake of deltas */
@@ -418,7 +419,7 @@ static void scan_work(fjob *j)
 {
     scan_result *r = j->arg;
     /* the memo is only read here: the loop replaces it in scan_done, and one scan runs at a time */
-    j->rc = hubfile_scan(j->fh->root, j->fh->memo, j->fh->nmemo, &r->c, &r->n, &j->err);
+    j->rc = hubfile_scan(j->fh->root, j->fh->memo, j->fh->nmemo, &r->c, &r->n, &r->index_parses, &j->err);
     r->published_rc = hubfile_read_published(j->fh->root, &r->published_present, &r->published_step,
                                              &r->published_sharded, &r->published_err);
 }
@@ -452,6 +453,7 @@ static void scan_done(fjob *j)
 
     fh->scan_in_flight = 0;
     fh->scan_gen++;
+    fh->st.index_parses += r->index_parses;
     if (j->rc != 0)
         set_error(fh, "scan failed", &j->err);
     else
