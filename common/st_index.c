@@ -354,6 +354,57 @@ void st_index_free(st_index *ix)
     free(ix);
 }
 
+/* A copy of n bytes and a NUL (the parser's strings hold no NUL). */
+static char *dup_bytes(const char *s, size_t n)
+{
+    char *d = malloc(n + 1);
+    if (d != NULL) {
+        memcpy(d, s, n);
+        d[n] = '\0';
+    }
+    return d;
+}
+
+st_index *st_index_clone(const st_index *ix)
+{
+    size_t slots = ix->nentries ? ix->nentries : 1;
+    st_index *c = calloc(1, sizeof(*c));
+
+    if (c == NULL)
+        return NULL;
+    c->nshards = ix->nshards;
+    c->total_size = ix->total_size;
+    if ((c->base = strdup(ix->base)) == NULL ||
+        (ix->nmeta > 0 && (c->meta = calloc(ix->nmeta, sizeof(*c->meta))) == NULL) ||
+        (c->entries = calloc(slots, sizeof(*c->entries))) == NULL ||
+        (c->by_name = malloc(slots * sizeof(*c->by_name))) == NULL)
+        goto fail;
+    for (; c->nmeta < ix->nmeta; c->nmeta++) {
+        const st_meta *m = &ix->meta[c->nmeta];
+        st_meta *cm = &c->meta[c->nmeta];
+        if ((cm->key = dup_bytes(m->key, m->key_len)) == NULL)
+            goto fail;
+        if ((cm->value = dup_bytes(m->value, m->value_len)) == NULL) {
+            free(cm->key);
+            goto fail;
+        }
+        cm->key_len = m->key_len;
+        cm->value_len = m->value_len;
+    }
+    for (; c->nentries < ix->nentries; c->nentries++) {
+        const st_index_entry *e = &ix->entries[c->nentries];
+        if ((c->entries[c->nentries].name = dup_bytes(e->name, e->name_len)) == NULL)
+            goto fail;
+        c->entries[c->nentries].name_len = e->name_len;
+        c->entries[c->nentries].shard = e->shard;
+    }
+    memcpy(c->by_name, ix->by_name, ix->nentries * sizeof(*c->by_name));
+    return c;
+fail:
+    st_index_free(c);
+    return NULL;
+}
+
 /* Grows *arr (of *cap elements of size sz) so that it holds at least n+1: doubling, so appends are
  * amortised O(1) and the array is at most twice what is kept. */
 static int grow(void **arr, size_t *cap, size_t n, size_t sz)

@@ -81,6 +81,9 @@ int st_index_load(const char *path, st_index **out, dl_error *err);
 /* The same refusing an index over cap bytes (at most ST_INDEX_MAX_BYTES) from its size, before it is read. */
 int st_index_load_capped(const char *path, size_t cap, st_index **out, dl_error *err);
 void st_index_free(st_index *ix);
+/* A deep copy (for a caller that must hand an index over, st_set_assemble, while keeping its own);
+ * NULL when out of memory. */
+st_index *st_index_clone(const st_index *ix);
 const st_index_entry *st_index_find(const st_index *ix, const char *name, size_t name_len);
 /* Metadata value for key (not total_size), or NULL; sets *len when non-NULL. */
 const char *st_index_meta(const st_index *ix, const char *key, size_t *len);

@@ -195,12 +195,15 @@ static intake_req *enqueue_intake(dilocod *d, const char *path, const char *rel,
 }
 
 /* A delta the transport found: queued for intake.  A file of a shared tree (root set) is reached
- * from the root, never through a link; a download (owned) is removed after intake. */
+ * from the root, never through a link; a download (owned) is removed after intake.  A set's index the
+ * transport already parsed goes along (intake uses it while the file is that version). */
 static void on_delta_ready(void *app, const hub_delta *hd)
 {
     dilocod *d = app;
     intake_req *r = enqueue_intake(d, hd->path, hd->rel, 0, hd->owned);
 
+    if (r != NULL)
+        r->index = index_parse_ref(hd->index);      /* released with the request */
     if (r != NULL && hd->root != NULL && (r->hub_root = strdup(hd->root)) == NULL) {
         d->queue[--d->nqueue] = NULL;
         intake_req_free(r);
@@ -386,6 +389,9 @@ static void intake_done(job *j)
     int retry, final;
 
     d->intake_in_flight--;
+    if (r->index_parsed)
+        stats_index_parsed(&d->m);
+    r->index_parsed = 0;        /* a request run again (below) counts its own parse */
     if (rewritten_in_round(d, r, &retry)) {
         dispatch_intake(d);     /* taken in again, as the version it is now */
         return;

@@ -256,6 +256,24 @@ static void hub_metrics(dilocod *d, sbuf *b)
            (long long)(hs->rate_reset_at > now ? hs->rate_reset_at - now : 0));
 }
 
+/* Sharded deltas' indexes: the parses, by where they were made, and what the kept ones hold. */
+static void index_metrics(dilocod *d, sbuf *b)
+{
+    uint64_t by_hub = d->hub ? hub_get_status(d->hub)->index_parses : 0;
+    char help[256];
+
+    metric(b, "index_parses_total", "counter",
+           "Sharded deltas' indexes read and parsed: by the transport (by=\"hub\": file:// scans) and by intake "
+           "(by=\"intake\", whatever brought the set).");
+    sb_fmt(b, "dilocod_index_parses_total{by=\"hub\"} %" PRIu64 "\n", by_hub);
+    sb_fmt(b, "dilocod_index_parses_total{by=\"intake\"} %" PRIu64 "\n", d->m.index_parses);
+    snprintf(help, sizeof(help),
+             "Memory the kept parses of sharded deltas' indexes hold (file://: one per node directory, at most %zu "
+             "MiB in all): a set handed over again does not cost its index again.", INDEX_PARSE_KEPT_MAX >> 20);
+    metric(b, "index_parses_kept_bytes", "gauge", help);
+    sb_fmt(b, "dilocod_index_parses_kept_bytes %zu\n", index_parse_kept_bytes());
+}
+
 static void metrics_text(dilocod *d, sbuf *b)
 {
     const http_stats *hs = d->http ? http_server_stats(d->http) : NULL;
@@ -305,6 +323,7 @@ static void metrics_text(dilocod *d, sbuf *b)
     sb_fmt(b, "dilocod_publish_errors_total %" PRIu64 "\n", d->m.publish_errors);
     /* the transport: the same families whatever the hub (zeros where a transport has no such thing) */
     hub_metrics(d, b);
+    index_metrics(d, b);
     metric(b, "http_requests_total", "counter", "HTTP responses by route and status code.");
     for (int r = 0; r < ROUTE__COUNT; r++)
         for (int c = 0; c < STATS_HTTP_CODES; c++)

@@ -55,6 +55,7 @@ void intake_req_free(intake_req *r)
     free(r->hub_root);
     free(r->state_dir);
     free(r->cache_path);
+    index_parse_release(r->index);
     free(r);
 }
 
@@ -875,17 +876,16 @@ static int open_set_dir(const intake_req *r, int *dirfd, const char **name, mode
     return 0;
 }
 
-/* Reads the index (capped) from dirfd and parses it for its base.  *ix, *text (the bytes, for the
- * staged copy) and *len on INTAKE_OK. */
-static intake_status read_index(intake_req *r, int fd, const struct stat *sb, const char *name, char **text,
-                                size_t *len, st_index **ix)
+/* The parse of the index open at fd (sb: its fstat), for its base, capped by the model: the one the
+ * request carries when it is of this version (no read, no parse), else read and parsed here.  *p (a
+ * reference: ix and the text it was parsed from, for the staged copy) on INTAKE_OK. */
+static intake_status read_index(intake_req *r, int fd, const struct stat *sb, const char *name, index_parse **p)
 {
     char base[ST_INDEX_BASE_MAX + 1];
     uint32_t i, n;
     int rc;
 
-    *text = NULL;
-    *ix = NULL;
+    *p = NULL;
     if (st_index_classify(name, strlen(name), base, &i, &n) != ST_NAME_INDEX) {
         dl_fail(&r->err, DL_E_INVALID_PATH, NULL, 0, "an index is named <base>" ST_INDEX_SUFFIX);
         return INTAKE_INVALID;
@@ -898,27 +898,23 @@ static intake_status read_index(intake_req *r, int fd, const struct stat *sb, co
                 (uint64_t)sb->st_size, cap, r->global->ntensors);
         return INTAKE_INVALID;
     }
-    *len = (size_t)sb->st_size;
-    if ((*text = malloc(*len ? *len : 1)) == NULL)
-        return io_fail(r, ENOMEM, "out of memory for the index");
-    if ((rc = fsu_pread_all(fd, *text, *len, 0)) != 0) {
-        if (rc != -ENODATA)
-            return io_fail(r, -rc, "reading the index");
-        dl_fail(&r->err, DL_E_IO, NULL, 0, "the index shrank while it was read");
-        return INTAKE_INCOMPLETE;
+    /* a parse, or a refusal, of this very version decides; anything else is read again here (the
+     * cap above is what the parse's own would have said: st_index_parse_capped checks only the size) */
+    if (r->index != NULL && index_parse_is_version(r->index, sb) &&
+        (r->index->ix != NULL || r->index->status == INDEX_REFUSED)) {
+        *p = index_parse_ref(r->index);
+    } else {
+        if ((rc = index_parse_read(fd, sb, base, p)) != 0)
+            return io_fail(r, -rc, "out of memory for the index");
+        r->index_parsed = (*p)->status != INDEX_UNREAD;
     }
-    if (st_index_parse_capped(*text, *len, base, cap, ix, &r->err) != 0) {
-        /* JSON cut short (no closing brace yet): an index still being written, not a malformed one */
-        size_t k = *len;
-        while (k > 0 && strchr(" \t\r\n", (*text)[k - 1]) != NULL)
-            k--;
-        if (r->err.code != DL_E_INVALID_HEADER_DESERIALIZATION || (k > 0 && (*text)[k - 1] == '}'))
-            return INTAKE_INVALID;
-        dl_fail(&r->err, DL_E_INVALID_HEADER_DESERIALIZATION, NULL, 0,
-                "the index is not complete yet (%zu bytes of JSON cut short)", *len);
+    if ((*p)->status == INDEX_PARSED)
+        return INTAKE_OK;
+    /* JSON cut short (no closing brace yet), a file changing: an index still being written */
+    index_parse_error(*p, &r->err);
+    if ((*p)->incomplete)
         return INTAKE_INCOMPLETE;
-    }
-    return INTAKE_OK;
+    return (*p)->status == INDEX_UNREAD && (*p)->code == DL_E_IO ? INTAKE_IO : INTAKE_INVALID;
 }
 
 /* The names in dirfd's directory, for st_index_check_listing. */
@@ -1169,11 +1165,13 @@ static intake_status intake_set(intake_req *r)
     uint64_t budget = intake_set_budget(intake_delta_bytes(r->global), max_header(r)), taken = 0;
     struct stat before, after;
     const char *name = NULL;
-    char *text = NULL, *stage = NULL;
-    size_t len = 0, nglobal = r->global->ntensors;
+    char *stage = NULL;
+    size_t nglobal = r->global->ntensors;
     const st_tensor **global = NULL;
     uint32_t *listed = NULL;
-    st_index *ix = NULL;
+    index_parse *parse = NULL;
+    const st_index *ix;
+    st_index *owned;
     st_set *set = NULL;
     mode_t mode;
     int dirfd = -1, fd = -1, staged = 0, rc;
@@ -1186,8 +1184,9 @@ static intake_status intake_set(intake_req *r)
     r->size = (uint64_t)before.st_size;
     r->mtime_ns = mtime_ns(&before);
     r->ino = (uint64_t)before.st_ino;
-    if ((st = read_index(r, fd, &before, name, &text, &len, &ix)) != INTAKE_OK)
+    if ((st = read_index(r, fd, &before, name, &parse)) != INTAKE_OK)
         goto out;
+    ix = parse->ix;
     /* the index alone decides what the set is for: a stale set costs only its index */
     if (delta_check_meta(ix->meta, ix->nmeta, r->rel_path, &r->info, &r->err) != 0) {
         st = INTAKE_INVALID;
@@ -1261,15 +1260,19 @@ static intake_status intake_set(intake_req *r)
             st = io_fail(r, ENOMEM, "out of memory");
             goto out;
         }
-        rc = fsu_write_atomic(staged_index, text, len, &r->err);
+        rc = fsu_write_atomic(staged_index, parse->text, parse->len, &r->err);
         free(staged_index);
         if (rc != 0) {
             st = INTAKE_IO;
             goto out;
         }
     }
-    st = check_staged(r, stage, ix, global, nglobal, &set);
-    ix = NULL;                  /* the set owns it, in every case */
+    /* the set takes an index of its own: the parse may be shared (the transport's memo) */
+    if ((owned = st_index_clone(ix)) == NULL) {
+        st = io_fail(r, ENOMEM, "out of memory");
+        goto out;
+    }
+    st = check_staged(r, stage, owned, global, nglobal, &set);
     if (st == INTAKE_OK)
         st = intake_link_set_into_cache(r->state_dir, &r->info, stage, set->index, &r->cache_path, &r->err);
 out:
@@ -1277,10 +1280,9 @@ out:
     if (staged)
         remove_stage(stage);    /* linked into the cache or abandoned: the staged names go */
     free(stage);
-    st_index_free(ix);
+    index_parse_release(parse);
     free(listed);
     free(global);
-    free(text);
     if (fd >= 0)
         close(fd);
     if (dirfd >= 0)

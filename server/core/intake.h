@@ -22,7 +22,9 @@
  * startup), the whole set is checked, and it is linked into the cache as
  * delta_<n>.safetensors.index.json with its shards delta_<n>-0000i-of-0000N.safetensors next to it
  * (shards first, index last: an index in the cache means its set is complete).  cache_path is then
- * the cached index; size counts every file, the version fields are the index's. */
+ * the cached index; size counts every file, the version fields are the index's.  The index is read
+ * and parsed here only when the request carries no parse of the version it opens (index), so a set
+ * handed over again for a changed shard does not cost its index again. */
 #ifndef INTAKE_H
 #define INTAKE_H
 
@@ -32,6 +34,7 @@
 #include "delta.h"
 #include "dl_error.h"
 #include "fsutil.h"
+#include "index_parse.h"
 #include "safetensors.h"
 
 typedef enum intake_status {
@@ -58,6 +61,8 @@ typedef struct intake_req {
     int remove_src;             /* src is a download of ours: the daemon removes it afterwards */
     int no_link;                /* copy even where a link would do (tests; a transport's wish) */
     const ck_key *ck;           /* the state's checksum key: a linked delta's checksum goes into ident */
+    index_parse *index;         /* a reference, or NULL: the set's index as the transport read it, used
+                                   instead of reading it when the file opened is that version (index_parse.h) */
     /* out */
     intake_status status;
     dl_error err;
@@ -69,6 +74,7 @@ typedef struct intake_req {
     int linked;                 /* cache_path is a hard link to the shared tree's file: guard it with ident */
     fsu_ident ident;            /* the version validated, with its data's checksum (linked only) */
     int link_errno;             /* a link was tried and refused (EXDEV, EPERM ...): copied instead */
+    int index_parsed;           /* a set's index was read and parsed (counted in dilocod_index_parses_total) */
 } intake_req;
 
 /* Delta data at least this large is checked in place in two halves at once, the second on a thread of

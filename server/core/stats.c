@@ -76,6 +76,11 @@ void stats_round_committed(stats *s, double seconds)
         s->agg_buckets[i] += seconds <= stats_agg_bounds[i];
 }
 
+void stats_index_parsed(stats *s)
+{
+    s->index_parses++;
+}
+
 uint64_t stats_rejected_total(const stats *s)
 {
     uint64_t t = 0;

@@ -39,6 +39,7 @@ typedef struct stats {
     uint64_t agg_buckets[STATS_AGG_BUCKETS];        /* cumulative counts for stats_agg_bounds */
     uint64_t http[ROUTE__COUNT][STATS_HTTP_CODES];  /* [route][index of the status in stats_http_codes] */
     uint64_t publish_errors;
+    uint64_t index_parses;                          /* sharded deltas' indexes intake read and parsed */
 } stats;
 
 extern const char *const stats_route_names[ROUTE__COUNT];
@@ -54,6 +55,7 @@ void stats_delta_rejected(stats *s, dl_code code);
 stats_refusal stats_delta_refused(stats *s, round_verdict v);
 void stats_round_committed(stats *s, double seconds);
 void stats_upload_received(stats *s, uint64_t bytes);      /* delta bytes an HTTP upload received */
+void stats_index_parsed(stats *s);
 uint64_t stats_rejected_total(const stats *s);
 
 #endif

@@ -53,6 +53,7 @@
 #include "dl_error.h"
 
 typedef struct hub_ops hub_ops;
+struct index_parse;
 
 /* Every transport's handle starts with this (the transport's own struct embeds it first). */
 typedef struct hub {
@@ -66,6 +67,9 @@ typedef struct hub_delta {
     const char *root;           /* non-NULL: path is a file of this shared tree, which others write: intake
                                    reaches it from the root without following links (file://) */
     int owned;                  /* 1: a local copy (a download) that the daemon removes after intake */
+    struct index_parse *index;  /* may be NULL: a set's index as the transport already read it
+                                   (core/index_parse.h), which intake uses instead of reading the file again
+                                   while it is that version; the daemon takes its own reference */
 } hub_delta;
 
 /* What became of a delta the transport handed over (hub_mark_done). */
@@ -131,6 +135,7 @@ typedef struct hub_status {
     char head[48];                      /* the revision last seen, if the transport has one */
     char last_error[256];
     uint64_t errors, api_calls, resolver_calls, downloads, download_bytes;
+    uint64_t index_parses;              /* sharded deltas' indexes the transport read and parsed (file://: its scans) */
     int publishing;
     time_t rate_reset_at;               /* when the server's rate budget resets, if it said (0: unknown) */
     hub_call_count calls[HUB_MAX_CALL_ROWS];

@@ -39,6 +39,7 @@ void hub_candidates_free(hub_candidate *c, size_t n)
         free(c[i].rel);
         free(c[i].abs);
         free(c[i].refused);
+        index_parse_release(c[i].index);
     }
     free(c);
 }
@@ -78,6 +79,7 @@ typedef struct scan {
     size_t nmemo;
     hub_candidate *v;
     size_t n, cap, nrefused;
+    size_t index_parses;        /* indexes read and parsed (the memo spared the others) */
 } scan;
 
 static int push(scan *sc, hub_candidate *c)
@@ -193,20 +195,18 @@ static uint64_t fnv_u64(uint64_t h, uint64_t v)
 /* The shard count an index lists, 0 if it does not parse (or cannot be read as a regular file). */
 static uint32_t read_index_count(int dirfd, const char *name, const char *base)
 {
-    char *buf = malloc((size_t)ST_INDEX_MAX_BYTES + 1);
-    st_index *ix = NULL;
+    index_parse *p;
     struct stat sb;
-    size_t len;
     uint32_t n = 0;
+    int fd;
 
-    if (buf == NULL)
+    if (fsu_open_file_at(dirfd, name, &fd, &sb) != 0)
         return 0;
-    if (fsu_read_small_at(dirfd, name, buf, ST_INDEX_MAX_BYTES, &len, &sb) == 0 &&
-        st_index_parse(buf, len, base, &ix, NULL) == 0) {
-        n = ix->nshards;
-        st_index_free(ix);
+    if (index_parse_read(fd, &sb, base, &p) == 0) {
+        n = p->nshards;
+        index_parse_release(p);
     }
-    free(buf);
+    close(fd);
     return n;
 }
 
@@ -253,29 +253,67 @@ static void fold_shards(int dirfd, const char *base, uint32_t nshards, hub_candi
     c->ino = mix;
 }
 
-/* A set's index (c holds the index's own identity): how many shards it lists (from the memo when
- * an earlier scan read this version of the index), whether they are all there, and the identity of
- * the whole set. */
-static void look_at_set(const scan *sc, int dirfd, const char *name, hub_candidate *c)
+/* The verdict on the index name (rel, base; sb its lstat) into *out: the memo's when an earlier scan
+ * read this version, else read and parsed now.  Only the keeper (the newest set of its node) keeps
+ * the parse itself, for intake, and only while the budget has room.  0 or -ENOMEM. */
+static int index_verdict(scan *sc, int dirfd, const char *name, const char *rel, const char *base,
+                         const struct stat *sb, int keeper, index_parse **out)
+{
+    const hub_index_memo *m = memo_find(sc, rel);
+    struct stat osb;
+    int fd, rc;
+
+    if (m != NULL && index_parse_is_version(m->index, sb)) {
+        if (keeper || m->index->ix == NULL) {
+            *out = index_parse_ref(m->index);
+            return 0;
+        }
+        /* its node has a newer set now: the parse goes with the old memo, the verdict stays */
+        return (*out = index_parse_verdict_of(m->index)) != NULL ? 0 : -ENOMEM;
+    }
+    if ((rc = fsu_open_file_at(dirfd, name, &fd, &osb)) != 0)
+        return index_parse_unopened(sb, rc, out);
+    rc = index_parse_read(fd, &osb, base, out);
+    close(fd);
+    if (rc != 0)
+        return rc;
+    if ((*out)->status != INDEX_UNREAD)
+        sc->index_parses++;
+    if (!keeper)
+        index_parse_drop(*out);
+    else
+        (void)index_parse_keep(*out);   /* dropped when the budget has no room: the verdict is enough here */
+    return 0;
+}
+
+/* A set's index (c holds the index's own identity, sb its lstat): how many shards it lists, whether
+ * they are all there, and the identity of the whole set. */
+static void look_at_set(scan *sc, int dirfd, const char *name, const struct stat *sb, int keeper, hub_candidate *c)
 {
     char base[ST_INDEX_BASE_MAX + 1];
     size_t blen = strlen(name) - strlen(ST_INDEX_SUFFIX);
-    const hub_index_memo *m = memo_find(sc, c->rel);
 
     c->set = 1;
-    c->index_size = c->size;
-    c->index_mtime_ns = c->mtime_ns;
-    c->index_ino = c->ino;
     if (blen == 0 || blen > ST_INDEX_BASE_MAX)
         return;                 /* nshards 0: handed over for intake to refuse */
     memcpy(base, name, blen);
     base[blen] = '\0';
-    if (m != NULL && m->size == c->size && m->mtime_ns == c->mtime_ns && m->ino == c->ino)
-        c->nshards = m->nshards;
-    else
-        c->nshards = read_index_count(dirfd, name, base);
+    if (index_verdict(sc, dirfd, name, c->rel, base, sb, keeper, &c->index) != 0)
+        return;                 /* out of memory: as if it did not parse (intake reads it itself) */
+    c->nshards = c->index->nshards;
     if (c->nshards > 0)
         fold_shards(dirfd, base, c->nshards, c, &c->partial);
+}
+
+/* Which of best[] is the node's newest set (its index kept, index_verdict), or nbest if none. */
+static size_t newest_set(const newest *best, size_t nbest)
+{
+    size_t k = nbest;
+
+    for (size_t i = 0; i < nbest; i++)
+        if (ends_with(best[i].name, ST_INDEX_SUFFIX) && (k == nbest || best[i].step > best[k].step))
+            k = i;
+    return k;
 }
 
 /* The node directory itself, for the transport to watch. */
@@ -331,6 +369,7 @@ static int scan_node(scan *sc, const char *id, int nodefd)
     }
     if (rc == 0)
         rc = push_node_dir(sc, id);
+    size_t keeper = newest_set(best, nbest);
     for (size_t i = 0; i < nbest && rc == 0; i++) {
         hub_candidate c = {0};
         struct stat sb;
@@ -352,10 +391,11 @@ static int scan_node(scan *sc, const char *id, int nodefd)
         c.mtime_ns = mtime_ns(&sb);
         c.ino = (uint64_t)sb.st_ino;
         if (ends_with(best[i].name, ST_INDEX_SUFFIX))
-            look_at_set(sc, dirfd(d), best[i].name, &c);
+            look_at_set(sc, dirfd(d), best[i].name, &sb, i == keeper, &c);
         if ((rc = push(sc, &c)) != 0) {
             free(c.rel);
             free(c.abs);
+            index_parse_release(c.index);
         }
     }
     closedir(d);
@@ -369,8 +409,10 @@ static int memo_cmp(const void *a, const void *b)
 
 void hub_index_memo_free(hub_index_memo *memo, size_t n)
 {
-    for (size_t i = 0; i < n; i++)
+    for (size_t i = 0; i < n; i++) {
         free(memo[i].rel);
+        index_parse_release(memo[i].index);
+    }
     free(memo);
 }
 
@@ -380,7 +422,7 @@ int hub_index_memo_build(const hub_candidate *c, size_t n, hub_index_memo **memo
     size_t k = 0;
 
     for (size_t i = 0; i < n; i++) {
-        if (!c[i].set)
+        if (!c[i].set || c[i].index == NULL)
             continue;
         if (k % 64 == 0) {
             hub_index_memo *nv = realloc(v, (k + 64) * sizeof(*nv));
@@ -390,10 +432,7 @@ int hub_index_memo_build(const hub_candidate *c, size_t n, hub_index_memo **memo
         }
         if ((v[k].rel = strdup(c[i].rel)) == NULL)
             goto fail;
-        v[k].size = c[i].index_size;
-        v[k].mtime_ns = c[i].index_mtime_ns;
-        v[k].ino = c[i].index_ino;
-        v[k].nshards = c[i].nshards;
+        v[k].index = index_parse_ref(c[i].index);
         k++;
     }
     if (k > 1)
@@ -408,7 +447,7 @@ fail:
 }
 
 int hubfile_scan(const char *root, const hub_index_memo *memo, size_t nmemo, hub_candidate **out, size_t *count,
-                 dl_error *err)
+                 size_t *index_parses, dl_error *err)
 {
     scan sc = {.root = root, .memo = memo, .nmemo = nmemo};
     DIR *top = NULL;
@@ -418,6 +457,7 @@ int hubfile_scan(const char *root, const hub_index_memo *memo, size_t nmemo, hub
 
     *out = NULL;
     *count = 0;
+    *index_parses = 0;
     if ((rc = open_root(root, &rootfd, err)) != 0)
         return rc;
     rc = fsu_open_dir_at(rootfd, "nodes", &nodesfd);
@@ -474,6 +514,7 @@ out:
     if (top != NULL)
         closedir(top);
     close(rootfd);
+    *index_parses = sc.index_parses;    /* done, whatever became of the scan */
     if (rc != 0) {
         hub_candidates_free(sc.v, sc.n);
         return dl_fail_errno(err, -rc, "scanning %s/nodes", root);

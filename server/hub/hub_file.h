@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "dl_error.h"
+#include "index_parse.h"
 
 typedef struct hub_candidate {
     char *rel;                  /* nodes/<id>/delta_<n>.safetensors or its .safetensors.index.json (strictly
@@ -29,31 +30,33 @@ typedef struct hub_candidate {
     uint32_t nshards;           /* shards the index lists; 0: the index does not parse (intake says why) */
     int partial;                /* a listed shard is not there yet: the set waits (identity of what is there,
                                    up to the first missing shard) */
-    uint64_t index_size;        /* the index file alone, for hub_index_memo */
-    int64_t index_mtime_ns;
-    uint64_t index_ino;
+    index_parse *index;         /* a set: a reference to the index's verdict, with the parse itself when it is
+                                   kept (the newest set of its node, within the budget): for hub_index_memo
+                                   and for intake */
     char *refused;              /* non-NULL: junk in the tree (a link, a FIFO, ...), never read: why */
     int node_dir;               /* 1: not a delta but a node directory the scan read (rel nodes/<id>),
                                    for the transport to watch */
 } hub_candidate;
 
-/* What an earlier scan learnt from a version of an index: how many shards it lists (0: it does not
- * parse).  An index is read and parsed once per version, not at every scan (it may be 10 MiB). */
+/* What an earlier scan learnt from a version of an index (index_parse.h: the version's identity, its
+ * verdict, and the parse itself when kept).  An index is read and parsed once per version, not at
+ * every scan nor again by intake (it may be 10 MiB).  The parse is kept for one index per node
+ * directory, the newest by local step (one delta per node counts), while the process-wide budget
+ * has room (INDEX_PARSE_KEPT_MAX): a node's junk never takes another node's parse away, and a node
+ * gets none once the budget is spent (its sets are then parsed again by intake, as before). */
 typedef struct hub_index_memo {
     char *rel;
-    uint64_t size;
-    int64_t mtime_ns;
-    uint64_t ino;
-    uint32_t nshards;
+    index_parse *index;         /* a reference */
 } hub_index_memo;
 
 /* Lists the deltas under root/nodes (per node directory the newest few by local step: single files and
  * set indexes; shards are looked at through their index, never listed alone), the node directories it
  * read, and the entries it refused to read (a node directory that is a link, a delta that is a FIFO, a
  * file whose name is not a delta's, ...).  memo (sorted by rel, nmemo entries, may be NULL) is only
- * read: what earlier scans learnt of the indexes. */
+ * read: what earlier scans learnt of the indexes.  *index_parses: the indexes it read and parsed (set
+ * also when the scan fails). */
 int hubfile_scan(const char *root, const hub_index_memo *memo, size_t nmemo, hub_candidate **out, size_t *n,
-                 dl_error *err);
+                 size_t *index_parses, dl_error *err);
 void hub_candidates_free(hub_candidate *c, size_t n);
 /* The memo of a scan's candidates, sorted by rel (replaces *memo; the old one is freed).  0 or -ENOMEM
  * (the old memo is kept). */

@@ -20,8 +20,11 @@
  * partial set waits without a word (one debug line per set).  An index that does not parse may be
  * still being written (json.dump writes in pieces): it is handed over, for intake to refuse with its
  * reason, only once it has stopped changing for the settle time.  Shard files are never handed over
- * alone.  The shard count of each version of an index is remembered (the memo) so a scan reads an
- * index once, not at every poll.
+ * alone.  What a scan learnt of each version of an index (index_parse.h: by its identity, device,
+ * inode, size, mtime and ctime) is remembered in the memo, so the index is read and parsed once per
+ * version, not at every poll; the parse itself goes with the set when it is handed over, and intake
+ * uses it rather than reading the index again (a set refused at a shard comes back whenever a shard
+ * is touched).
  *
  * Publishing copies the step's global into root/global, then writes step_count.json (each atomic);
  * a sharded global (an index path) publishes its shards, then the index, then step_count.json, and
@@ -71,7 +74,8 @@ struct file_hub {
     node_watch **watches;
     size_t nwatches;
     seen_map seen;
-    hub_index_memo *memo;       /* read by the scan in flight, replaced only when it is done */
+    hub_index_memo *memo;       /* read by the scan in flight, replaced only when it is done (the parses it
+                                   holds are shared by reference with that scan and with intakes) */
     size_t nmemo;
     uint64_t scan_gen;          /* scans completed (seen entries are stamped with the last listing) */
     int scan_in_flight, scan_again;
@@ -211,7 +215,7 @@ static double settle_seconds(const file_hub *fh)
 
 static void hand_over(file_hub *fh, const hub_candidate *c)
 {
-    hub_delta d = {.rel = c->rel, .path = c->abs, .root = fh->root, .owned = 0};
+    hub_delta d = {.rel = c->rel, .path = c->abs, .root = fh->root, .owned = 0, .index = c->index};
     fh->cb.delta_ready(fh->app, &d);
 }
 
@@ -408,6 +412,7 @@ static void prune_watches(file_hub *fh)
 typedef struct scan_result {
     hub_candidate *c;
     size_t n;
+    size_t index_parses;
     int published_present, published_sharded;
     uint64_t published_step;
     int published_rc;           /* a junk step file must not stop the intake of deltas */
@@ -418,7 +423,7 @@ static void scan_work(fjob *j)
 {
     scan_result *r = j->arg;
     /* the memo is only read here: the loop replaces it in scan_done, and one scan runs at a time */
-    j->rc = hubfile_scan(j->fh->root, j->fh->memo, j->fh->nmemo, &r->c, &r->n, &j->err);
+    j->rc = hubfile_scan(j->fh->root, j->fh->memo, j->fh->nmemo, &r->c, &r->n, &r->index_parses, &j->err);
     r->published_rc = hubfile_read_published(j->fh->root, &r->published_present, &r->published_step,
                                              &r->published_sharded, &r->published_err);
 }
@@ -452,6 +457,7 @@ static void scan_done(fjob *j)
 
     fh->scan_in_flight = 0;
     fh->scan_gen++;
+    fh->st.index_parses += r->index_parses;
     if (j->rc != 0)
         set_error(fh, "scan failed", &j->err);
     else

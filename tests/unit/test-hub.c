@@ -13,6 +13,7 @@
 #include <uv.h>
 
 #include "hub.h"
+#include "index_parse.h"
 #include "round.h"
 #include "st_index.h"
 #include "stepcount.h"
@@ -109,6 +110,7 @@ typedef struct events {
     uint64_t global_step;
     char global_path[512];
     int closed;
+    index_parse *index;         /* the last set's, a reference of ours (released by fixture_close) */
 } events;
 
 static void ev_delta(void *app, const hub_delta *d)
@@ -119,6 +121,8 @@ static void ev_delta(void *app, const hub_delta *d)
     snprintf(ev->last_path, sizeof(ev->last_path), "%s", d->path);
     ev->root_given = d->root != NULL;
     ev->owned = d->owned;
+    index_parse_release(ev->index);
+    ev->index = index_parse_ref(d->index);
 }
 
 static void ev_published(void *app, int64_t step)
@@ -450,6 +454,8 @@ static int fixture_open(fixture *fx, events *ev, double poll, int waiting)
 
 static int fixture_close(fixture *fx, events *ev)
 {
+    index_parse_release(ev->index);
+    ev->index = NULL;
     hub_close(fx->h, ev_closed, ev);
     if (!run_until(&fx->loop, &ev->closed, 1))
         return -1;
@@ -778,5 +784,51 @@ TEST(file_transport_prunes_a_set_only_as_it_was_taken_in)
     run_for(&fx.loop, 300);
     CHECK(access(ix, R_OK) == 0);
     CHECK(access(p, R_OK) == 0);
+    CHECK_EQ(fixture_close(&fx, &ev), 0);
+}
+
+TEST(file_transport_parses_an_index_once_per_version_and_hands_the_parse_over)
+{
+    static events ev;
+    static fixture fx;
+    char p[1024], ix[1024];
+
+    CHECK_EQ(fixture_open(&fx, &ev, 0.05, 0), 0);
+    CHECK_EQ(write_set(fx.nodes, "delta_3", 2, 1), 0);
+    CHECK(run_until(&fx.loop, &ev.deltas, 1));
+    /* the scan's parse goes with the set, for intake */
+    CHECK(ev.index != NULL && ev.index->status == INDEX_PARSED && ev.index->ix != NULL);
+    CHECK_EQ(ev.index->nshards, 2);
+    CHECK_EQ(hub_get_status(fx.h)->index_parses, 1);
+    index_parse *first = index_parse_ref(ev.index);
+    CHECK_EQ(hub_mark_done(fx.h, ev.last_rel, HUB_INVALID, NULL), 0);
+    /* a shard rewritten, the index unchanged: the set again, with the same parse; scans go on and
+     * nothing is read again */
+    CHECK_EQ(shard_path(p, sizeof(p), fx.nodes, "delta_3", 1, 2), 0);
+    CHECK_EQ(unlink(p), 0);
+    CHECK_EQ(write_shard(p, "t0", 7), 0);
+    CHECK(run_until(&fx.loop, &ev.deltas, 2));
+    CHECK(ev.index == first);
+    CHECK_EQ(hub_mark_done(fx.h, ev.last_rel, HUB_INVALID, NULL), 0);
+    run_for(&fx.loop, 300);
+    CHECK_EQ(ev.deltas, 2);
+    CHECK_EQ(hub_get_status(fx.h)->index_parses, 1);
+    /* an older set of the same node: its verdict only, the parse is kept for the newest set alone */
+    CHECK_EQ(write_set(fx.nodes, "delta_2", 2, 1), 0);
+    CHECK(run_until(&fx.loop, &ev.deltas, 3));
+    CHECK_STR(ev.last_rel, "nodes/w1/delta_2.safetensors.index.json");
+    CHECK(ev.index != NULL && ev.index->status == INDEX_PARSED && ev.index->ix == NULL);
+    CHECK_EQ(ev.index->nshards, 2);
+    CHECK_EQ(hub_get_status(fx.h)->index_parses, 2);
+    CHECK_EQ(hub_mark_done(fx.h, ev.last_rel, HUB_INVALID, NULL), 0);
+    /* delta_3's index replaced (a new file): parsed again, and that parse is handed over */
+    snprintf(ix, sizeof(ix), "%s/delta_3.safetensors.index.json", fx.nodes);
+    CHECK_EQ(unlink(ix), 0);
+    CHECK_EQ(write_set(fx.nodes, "delta_3", 2, 0), 0);
+    CHECK(run_until(&fx.loop, &ev.deltas, 4));
+    CHECK_STR(ev.last_rel, "nodes/w1/delta_3.safetensors.index.json");
+    CHECK(ev.index != first && ev.index->ix != NULL);
+    CHECK(hub_get_status(fx.h)->index_parses >= 3);
+    index_parse_release(first);
     CHECK_EQ(fixture_close(&fx, &ev), 0);
 }

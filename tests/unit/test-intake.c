@@ -1,6 +1,7 @@
 #include "test.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdlib.h>
@@ -10,6 +11,7 @@
 #include "checksum.h"
 #include "delta.h"
 #include "fsutil.h"
+#include "index_parse.h"
 #include "intake.h"
 #include "st_index.h"
 
@@ -634,6 +636,115 @@ TEST(intake_set_shard_checked_against_index_before_its_copy)
     CHECK_STR(r->err.tensor, "b");
     CHECK(strstr(r->err.message, "does not hold it") != NULL);
     intake_req_free(r);
+    st_close(f.global);
+}
+
+/* ---- a set's index parsed by the transport (index_parse.h) --------------------------------------- */
+
+/* The parse of the tree's test index, as the file:// scan makes it. */
+static index_parse *parse_of(const char *path)
+{
+    index_parse *p = NULL;
+    struct stat sb;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+
+    if (fd < 0)
+        return NULL;
+    if (fstat(fd, &sb) != 0 || index_parse_read(fd, &sb, "delta_7", &p) != 0)
+        p = NULL;
+    close(fd);
+    return p;
+}
+
+/* take() with the transport's parse carried along (a reference of the request's own). */
+static intake_req *take_with(const fixture *f, const char *rel, uint64_t step, index_parse *p)
+{
+    intake_req *r = calloc(1, sizeof(*r));
+    if (r == NULL || asprintf(&r->src_path, "%s/%s", f->tree, rel) < 0)
+        return NULL;
+    r->rel_path = strdup(rel);
+    r->hub_root = strdup(f->tree);
+    r->state_dir = strdup(f->state);
+    r->global = f->global->h;
+    r->step = step;
+    r->index = index_parse_ref(p);
+    intake_run(r);
+    return r;
+}
+
+TEST(intake_set_uses_the_transports_parse_of_the_version_it_opens)
+{
+    fixture f;
+    char ix[700], cmd[900];
+    fixture_init(&f);
+    CHECK_EQ(write_delta(f.node, 16, NULL, 0), 0);
+    snprintf(ix, sizeof(ix), "%s/delta_7.safetensors.index.json", f.node);
+    /* a parse of an earlier version (only ctime moved since: a chmod, or a rewrite with its mtime put
+     * back): not used, the index is read and parsed again */
+    index_parse *p = parse_of(ix);
+    CHECK(p != NULL && p->status == INDEX_PARSED && p->ix != NULL);
+    struct stat sb;
+    for (int i = 0; i < 1000; i++) {        /* until the filesystem's clock ticks and ctime moves */
+        CHECK_EQ(chmod(ix, i % 2 ? 0644 : 0600), 0);
+        CHECK_EQ(stat(ix, &sb), 0);
+        if ((int64_t)sb.st_ctim.tv_sec * 1000000000 + sb.st_ctim.tv_nsec != p->ident.ctime_ns)
+            break;
+        usleep(1000);
+    }
+    CHECK(!index_parse_is_version(p, &sb));
+    intake_req *r = take_with(&f, SET_REL, 3, p);
+    CHECK_EQ(r->status, INTAKE_OK);
+    CHECK_EQ(r->index_parsed, 1);
+    intake_req_free(r);
+    index_parse_release(p);
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s/cache/deltas'", f.state);
+    CHECK_EQ(system(cmd), 0);
+    /* a parse of this version: used as it is, no read, no parse, and the staged index is its bytes */
+    p = parse_of(ix);
+    CHECK(p != NULL);
+    r = take_with(&f, SET_REL, 3, p);
+    CHECK_EQ(r->status, INTAKE_OK);
+    CHECK_EQ(r->index_parsed, 0);
+    CHECK(same_bytes(ix, r->cache_path));
+    intake_req_free(r);
+    CHECK_EQ(system(cmd), 0);
+    /* the parse outlives the request and is still the transport's to use: taken again from it */
+    r = take_with(&f, SET_REL, 3, p);
+    CHECK_EQ(r->status, INTAKE_OK);
+    CHECK_EQ(r->index_parsed, 0);
+    CHECK_EQ(p->ix->nshards, 3);
+    intake_req_free(r);
+    index_parse_release(p);
+    st_close(f.global);
+}
+
+TEST(intake_set_uses_the_transports_refusal_of_the_version_it_opens)
+{
+    fixture f;
+    char ix[700];
+    fixture_init(&f);
+    CHECK_EQ(write_delta(f.node, 16, NULL, 0), 0);
+    CHECK_EQ(write_text(f.node, "delta_7.safetensors.index.json", "{\"metadata\": {\"total_size\": 48}, \"x\": 1}"), 0);
+    snprintf(ix, sizeof(ix), "%s/delta_7.safetensors.index.json", f.node);
+    index_parse *p = parse_of(ix);
+    CHECK(p != NULL && p->status == INDEX_REFUSED && p->ix == NULL);
+    intake_req *r = take_with(&f, SET_REL, 3, p);
+    CHECK_EQ(r->status, INTAKE_INVALID);
+    CHECK_EQ(r->index_parsed, 0);
+    CHECK_EQ(r->err.code, p->code);
+    CHECK_STR(r->err.message, p->message);
+    intake_req_free(r);
+    index_parse_release(p);
+    /* cut short: still being written, as intake's own parse says */
+    CHECK_EQ(write_text(f.node, "delta_7.safetensors.index.json", "{\"metadata\": {\"total_size\": 48, "), 0);
+    p = parse_of(ix);
+    CHECK(p != NULL && p->status == INDEX_REFUSED && p->incomplete);
+    r = take_with(&f, SET_REL, 3, p);
+    CHECK_EQ(r->status, INTAKE_INCOMPLETE);
+    CHECK_EQ(r->index_parsed, 0);
+    CHECK(strstr(r->err.message, "not complete yet") != NULL);
+    intake_req_free(r);
+    index_parse_release(p);
     st_close(f.global);
 }
 
