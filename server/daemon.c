@@ -550,6 +550,7 @@ static void aggregation_failed(dilocod *d, const dl_error *err)
     log_error("aggregate", "outer step failed, not committed", err);
     if (d->stopping)
         return;
+    pipeline_move(&d->pipe, d->rnd.step + 1, STEP_RETRY_WAIT);
     d->state = S_RETRY_WAIT;
     dl_log(DL_LOG_WARN, "aggregate", "will retry", "step=%" PRIu64 " in_seconds=%.1f", d->rnd.step, d->retry_delay);
     uv_timer_start(&d->retry_timer, retry_cb, (uint64_t)(d->retry_delay * 1000), 0);
@@ -767,6 +768,7 @@ static void settle_done(job *j)
     d->settle_in_flight = 0;
     d->unappended = a->unappended;      /* the records still to append go with the next settle */
     a->unappended = NULL;
+    pipeline_durable(&d->pipe, a->step);
     dl_log(DL_LOG_DEBUG, "store", "durable", "step=%" PRIu64, a->step);
     for (size_t i = 0; i < a->nrels && !d->stopping; i++)
         prune_now(d, a->rels[i]);       /* the step they went into is durable: no restart needs them */
@@ -1103,6 +1105,8 @@ static void cleanup_done(job *j)
     j->d->cleanup_in_flight = 0;
     if (j->rc != 0)
         log_error("store", "cleanup failed", &j->err);
+    else
+        pipeline_cleaned(&j->d->pipe, snap->step);
     store_free(snap);
     free(snap);
 }
@@ -1161,15 +1165,23 @@ static void commit_done(job *j)
         d->exit_code = 1;
         raise(SIGTERM);
     }
+    pipeline_move(&d->pipe, d->st.step, STEP_COMMITTED);
     log_round_stats(d);
     record_round(d);
     serve_step(d, j->flag, d->st.step);
+    pipeline_move(&d->pipe, d->st.step, STEP_SERVED);
+    /* the newest step is the one published: the ones before it that still wait will not be */
+    for (uint64_t s = d->st.step > PIPELINE_MAX ? d->st.step - PIPELINE_MAX : 0; s < d->st.step; s++)
+        pipeline_unpublished(&d->pipe, s);
+    if (d->hub == NULL)
+        pipeline_unpublished(&d->pipe, d->st.step);
     ensure_set(d);
     d->committed_at = time(NULL);
     dl_log(DL_LOG_INFO, "store", "committed", "step=%" PRIu64 " global=%s", d->st.step, d->st.global_path);
     start_settle(d, d->st.step);
     pass_release(d);
     round_reset(&d->rnd, d->st.step);
+    pipeline_begin(&d->pipe, d->st.step + 1, STEP_COLLECTING);
     if (d->hub != NULL)
         hub_set_step(d->hub, d->st.step, 0);      /* the transport looks for the new round's deltas */
     dl_log(DL_LOG_INFO, "round", "opened", "step=%" PRIu64 " expected=%u min_nodes=%u", d->rnd.step,
@@ -1213,6 +1225,7 @@ static void inputs_changed(dilocod *d, const dl_error *err)
         log_error("store", "cannot aggregate", &e);
         pass_release(d);
         d->state = S_COLLECTING;
+        pipeline_move(&d->pipe, d->rnd.step + 1, STEP_FAILED);
         d->exit_code = 1;
         raise(SIGTERM);
         return;
@@ -1280,6 +1293,7 @@ static void try_commit(dilocod *d)
     }
     if (reopen_if_rewritten(d, 0))
         return;
+    pipeline_move(&d->pipe, d->rnd.step + 1, STEP_INPUTS_DURABLE);
     queue_commit(d);
 }
 
@@ -1734,6 +1748,7 @@ static int reopen_if_rewritten(dilocod *d, int before_pass)
         pass_release(d);
         d->commit_waiting = 0;
         d->state = S_COLLECTING;        /* stopping: nothing runs for this round any more */
+        pipeline_move(&d->pipe, d->rnd.step + 1, STEP_FAILED);
         return 1;
     }
     if (drop_rewritten(d, before_pass) == 0)
@@ -1748,6 +1763,7 @@ static int reopen_round(dilocod *d)
     pass_release(d);
     d->commit_waiting = 0;
     d->state = S_COLLECTING;
+    pipeline_move(&d->pipe, d->rnd.step + 1, STEP_COLLECTING);
     if (d->rnd.timeout > 0 && d->rnd.n > 0)
         arm_round_timer(d);
     start_warm(d);              /* the pass that gave up took the warm files with it */
@@ -1829,6 +1845,8 @@ static int start_sync_inputs(dilocod *d)
 static void start_aggregation(dilocod *d)
 {
     outer_pass *p;
+
+    pipeline_move(&d->pipe, d->rnd.step + 1, STEP_COMPUTING);
 
     dl_error be;
     if (stepcount_check(d->rnd.step + 1, "step", &be) != 0) {
@@ -2049,6 +2067,7 @@ static void on_publish_done(void *app, uint64_t step, const char *error)
     d->publish_backoff = 0;
     d->publish_last_error[0] = '\0';
     d->published_step = (int64_t)step;
+    pipeline_published(&d->pipe, step);
     if (step == d->st.step)
         d->republish = 0;
     dl_log(DL_LOG_INFO, "hub", "published", "step=%" PRIu64 " hub=%s%s", step, d->cfg->hub,
@@ -2519,6 +2538,7 @@ static void round_open(dilocod *d)
     round_init(&d->rnd, d->st.step, d->cfg->expected_nodes, d->cfg->nodes, d->cfg->nnodes, d->cfg->min_nodes,
                d->cfg->round_timeout);
     d->state = S_COLLECTING;
+    pipeline_begin(&d->pipe, d->st.step + 1, STEP_COLLECTING);
     model_facts(d);
     if (d->hub != NULL) {
         hub_limits lim = {
@@ -2538,6 +2558,7 @@ static void round_open(dilocod *d)
 /* d->st.step's global is committed (at startup, or adopted, or bootstrapped): served and published. */
 static void global_committed(dilocod *d)
 {
+    pipeline_begin(&d->pipe, d->st.step, STEP_DURABLE);         /* committed whole: adopted, recovered, found */
     /* one open of the committed global for downloads (a sharded layout once its set is written, which
      * a restart finds already there) */
     serve_step(d, -1, d->st.step);
@@ -2783,6 +2804,7 @@ int daemon_run(config *cfg)
     d->set_nshards = 1;
     d->state = S_COLLECTING;            /* startup() switches to S_WAITING_GLOBAL when it must */
     d->retry_delay = cfg->retry_interval;
+    pipeline_init(&d->pipe, NULL, NULL);
     /* the pool size is read once, at the first uv_queue_work: set it before anything queues */
     snprintf(threads, sizeof(threads), "%u", cfg->threads + MAX_INTAKE_IN_FLIGHT + 2);
     setenv("UV_THREADPOOL_SIZE", threads, 1);

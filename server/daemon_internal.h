@@ -17,6 +17,7 @@
 #include "hub.h"
 #include "intake.h"
 #include "outer.h"
+#include "pipeline.h"
 #include "round.h"
 #include "safetensors.h"
 #include "stats.h"
@@ -64,6 +65,7 @@ typedef struct dilocod {
     st_header *model;           /* structure of the global model (same for every step) */
     uint64_t model_params, model_bytes, delta_bytes;
     round_state rnd;
+    pipeline pipe;              /* the steps in flight and their lifecycle states (pipeline.h) */
 
     /* intake */
     intake_req **queue;

@@ -148,6 +148,21 @@ static void hub_json(dilocod *d, sbuf *b)
         sb_str(b, "null");
 }
 
+/* "pipeline": the steps in flight (and the last ones done), by step, each with its state and the
+ * Unix time it entered it: what tests and operators wait on instead of files. */
+static void pipeline_json(const dilocod *d, sbuf *b)
+{
+    sb_str(b, ",\"pipeline\":[");
+    for (size_t i = 0; i < d->pipe.n; i++) {
+        const step_record *r = &d->pipe.rec[i];
+        sb_fmt(b, "%s{\"step\":%" PRIu64 ",\"state\":\"%s\",\"since\":", i ? "," : "", r->step,
+               step_state_name(r->state));
+        sb_num(b, r->since_wall);
+        sb_str(b, "}");
+    }
+    sb_str(b, "]");
+}
+
 static void status_json(dilocod *d, sbuf *b)
 {
     char t3[48];
@@ -160,6 +175,7 @@ static void status_json(dilocod *d, sbuf *b)
     else
         sb_str(b, "null");
     sb_fmt(b, ",\"state\":\"%s\"", d->stopping ? "stopping" : daemon__state_name(d->state));
+    pipeline_json(d, b);
     /* the open round: none before there is a global to start from (nothing yet, not "round 0") */
     if (d->st.committed)
         round_json(d, b, now);
@@ -274,6 +290,24 @@ static void index_metrics(dilocod *d, sbuf *b)
     sb_fmt(b, "dilocod_index_parses_kept_bytes %zu\n", index_parse_kept_bytes());
 }
 
+static void pipeline_metrics(const dilocod *d, sbuf *b)
+{
+    metric(b, "pipeline_state_seconds", "histogram", "Time a step spent in each pipeline state, by its moves out.");
+    for (int s = 0; s < STEP_NSTATES; s++) {
+        const state_histogram *h = &d->pipe.seconds[s];
+        const char *name = step_state_name((step_state)s);
+        for (int i = 0; i < PIPELINE_NBUCKETS - 1; i++)
+            sb_fmt(b, "dilocod_pipeline_state_seconds_bucket{state=\"%s\",le=\"%g\"} %" PRIu64 "\n", name,
+                   PIPELINE_BUCKETS[i], h->buckets[i]);
+        sb_fmt(b, "dilocod_pipeline_state_seconds_bucket{state=\"%s\",le=\"+Inf\"} %" PRIu64 "\n", name,
+               h->buckets[PIPELINE_NBUCKETS - 1]);
+        sb_fmt(b, "dilocod_pipeline_state_seconds_sum{state=\"%s\"} %.6f\n", name, h->sum);
+        sb_fmt(b, "dilocod_pipeline_state_seconds_count{state=\"%s\"} %" PRIu64 "\n", name, h->count);
+    }
+    metric(b, "pipeline_illegal_transitions_total", "counter", "Pipeline moves the state table refused (a bug).");
+    sb_fmt(b, "dilocod_pipeline_illegal_transitions_total %" PRIu64 "\n", d->pipe.illegal);
+}
+
 static void metrics_text(dilocod *d, sbuf *b)
 {
     const http_stats *hs = d->http ? http_server_stats(d->http) : NULL;
@@ -319,6 +353,7 @@ static void metrics_text(dilocod *d, sbuf *b)
     sb_fmt(b, "dilocod_aggregation_seconds_bucket{le=\"+Inf\"} %" PRIu64 "\n", d->m.agg_count);
     sb_fmt(b, "dilocod_aggregation_seconds_sum %.6f\ndilocod_aggregation_seconds_count %" PRIu64 "\n",
            d->m.agg_seconds_sum, d->m.agg_count);
+    pipeline_metrics(d, b);
     metric(b, "publish_errors_total", "counter", "Failed publish attempts (retried).");
     sb_fmt(b, "dilocod_publish_errors_total %" PRIu64 "\n", d->m.publish_errors);
     /* the transport: the same families whatever the hub (zeros where a transport has no such thing) */

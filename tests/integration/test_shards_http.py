@@ -272,6 +272,15 @@ def test_hostile_sets_are_refused_with_a_reason(tmp_path):
         assert d.stop() == 0
 
 
+def quiet_fds(d):
+    """The fewest descriptors over 0.4 s: a baseline without the transient ones."""
+    samples = []
+    for _ in range(20):
+        samples.append(open_fds(d))
+        subprocess.run(["sleep", "0.02"])
+    return min(samples, key=len)
+
+
 def open_fds(d):
     """The daemon's open descriptors, by what they point at."""
     fd_dir = f"/proc/{d.proc.pid}/fd"
@@ -305,7 +314,10 @@ def test_a_set_never_completed_does_not_block_the_round(tmp_path):
                 "--min-nodes", "1", "--round-timeout", "1").start()
     try:
         d.wait_step(0)
-        fds = open_fds(d)
+        # the baseline once step 0's end is over (the thread warming step 1's outputs holds two files, a
+        # scan of the tree its directories): the fewest descriptors over a moment
+        d.wait_log("outputs warmed step=1 ")
+        fds = quiet_fds(d)
         # a starts local step 5, then 6: the newer one replaces the staged set
         assert put(d.url, "a", parts(ia5)[0][0])[0] == 202
         first = staged(d)
@@ -348,10 +360,10 @@ def test_a_set_never_completed_does_not_block_the_round(tmp_path):
         d.wait_log("outputs warmed step=2 ")
         for _ in range(500):
             now = open_fds(d)
-            if len(now) == len(fds):
+            if len(now) <= len(fds):
                 break
             subprocess.run(["sleep", "0.02"])
-        assert len(now) == len(fds), (now, fds)
+        assert len(now) <= len(fds), (now, fds)
         assert not [f for f in now if "/cache/" in f], now
         assert d.alive()
     finally:

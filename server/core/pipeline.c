@@ -1,0 +1,217 @@
+#include "pipeline.h"
+
+#include <inttypes.h>
+#include <string.h>
+#include <time.h>
+
+#include <uv.h>
+
+#include "dl_log.h"
+
+const double PIPELINE_BUCKETS[PIPELINE_NBUCKETS - 1] = {0.001, 0.01, 0.1, 0.5, 1, 5, 30, 300};
+
+static const char *const state_names[STEP_NSTATES] = {
+    [STEP_COLLECTING] = "collecting",
+    [STEP_COMPUTING] = "computing",
+    [STEP_INPUTS_DURABLE] = "inputs_durable",
+    [STEP_COMMITTED] = "committed",
+    [STEP_SERVED] = "served",
+    [STEP_PUBLISHED] = "published",
+    [STEP_DURABLE] = "durable",
+    [STEP_CLEANED] = "cleaned",
+    [STEP_RETRY_WAIT] = "retry_wait",
+    [STEP_FAILED] = "failed",
+};
+
+/* legal[from] is the set of states a step may move to from `from` (bit i: state i). */
+#define TO(s) (1u << (s))
+static const unsigned legal[STEP_NSTATES] = {
+    /* the round closes */
+    [STEP_COLLECTING] = TO(STEP_COMPUTING),
+    /* the outputs are written and the inputs durable; the pass failed (or a bound the step cannot
+     * pass, stepcount.h, stopped it before it ran); a rewritten input reopened the round; the committed
+     * global was rewritten (the daemon stops) */
+    [STEP_COMPUTING] = TO(STEP_INPUTS_DURABLE) | TO(STEP_RETRY_WAIT) | TO(STEP_COLLECTING) | TO(STEP_FAILED),
+    /* the redo record is durable; writing it failed */
+    [STEP_INPUTS_DURABLE] = TO(STEP_COMMITTED) | TO(STEP_RETRY_WAIT),
+    [STEP_COMMITTED] = TO(STEP_SERVED),
+    /* published; durable when it will not be published */
+    [STEP_SERVED] = TO(STEP_PUBLISHED) | TO(STEP_DURABLE),
+    [STEP_PUBLISHED] = TO(STEP_DURABLE),
+    [STEP_DURABLE] = TO(STEP_CLEANED),
+    [STEP_CLEANED] = 0,
+    /* computed again */
+    [STEP_RETRY_WAIT] = TO(STEP_COMPUTING),
+    [STEP_FAILED] = 0,
+};
+
+const char *step_state_name(step_state s)
+{
+    return (unsigned)s < STEP_NSTATES ? state_names[s] : "unknown";
+}
+
+int step_move_legal(step_state from, step_state to)
+{
+    return (unsigned)from < STEP_NSTATES && (unsigned)to < STEP_NSTATES && (legal[from] & TO(to)) != 0;
+}
+
+static double monotonic_seconds(void)
+{
+    return (double)uv_hrtime() / 1e9;
+}
+
+static double unix_seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+void pipeline_init(pipeline *p, double (*clock)(void), double (*wall)(void))
+{
+    memset(p, 0, sizeof(*p));
+    p->clock = clock != NULL ? clock : monotonic_seconds;
+    p->wall = wall != NULL ? wall : unix_seconds;
+}
+
+static step_record *find(pipeline *p, uint64_t step)
+{
+    for (size_t i = 0; i < p->n; i++)
+        if (p->rec[i].step == step)
+            return &p->rec[i];
+    return NULL;
+}
+
+const step_record *pipeline_find(const pipeline *p, uint64_t step)
+{
+    return find((pipeline *)p, step);
+}
+
+static int done(step_state s)
+{
+    return s == STEP_CLEANED || s == STEP_FAILED;
+}
+
+/* Room for one more record: the oldest that is done goes.  0, or -1 when every one is in flight. */
+static int make_room(pipeline *p)
+{
+    if (p->n < PIPELINE_MAX)
+        return 0;
+    for (size_t i = 0; i < p->n; i++) {
+        if (done(p->rec[i].state)) {
+            memmove(&p->rec[i], &p->rec[i + 1], (p->n - i - 1) * sizeof(p->rec[0]));
+            p->n--;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+int pipeline_begin(pipeline *p, uint64_t step, step_state state)
+{
+    size_t at = 0;
+
+    if (find(p, step) != NULL || (unsigned)state >= STEP_NSTATES || make_room(p) != 0) {
+        dl_log(DL_LOG_ERROR, "pipeline", "step not entered", "step=%" PRIu64 " state=%s in_flight=%zu", step,
+               step_state_name(state), p->n);
+        p->illegal++;
+        return -1;
+    }
+    while (at < p->n && p->rec[at].step < step)
+        at++;
+    memmove(&p->rec[at + 1], &p->rec[at], (p->n - at) * sizeof(p->rec[0]));
+    p->n++;
+    memset(&p->rec[at], 0, sizeof(p->rec[at]));
+    p->rec[at].step = step;
+    p->rec[at].state = state;
+    p->rec[at].since = p->clock();
+    p->rec[at].since_wall = p->wall();
+    dl_log(DL_LOG_DEBUG, "pipeline", "step entered", "step=%" PRIu64 " state=%s", step, step_state_name(state));
+    return 0;
+}
+
+static void observe(state_histogram *h, double seconds)
+{
+    for (size_t i = 0; i < PIPELINE_NBUCKETS; i++)
+        if (i == PIPELINE_NBUCKETS - 1 || seconds <= PIPELINE_BUCKETS[i])
+            h->buckets[i]++;
+    h->count++;
+    h->sum += seconds;
+}
+
+static int move(pipeline *p, step_record *r, step_state to)
+{
+    if (!step_move_legal(r->state, to)) {
+        dl_log(DL_LOG_ERROR, "pipeline", "illegal pipeline transition, not made", "step=%" PRIu64 " from=%s to=%s",
+               r->step, step_state_name(r->state), step_state_name(to));
+        p->illegal++;
+        return -1;
+    }
+    double now = p->clock(), spent = now - r->since;
+    if (spent < 0)
+        spent = 0;
+    observe(&p->seconds[r->state], spent);
+    dl_log(DL_LOG_DEBUG, "pipeline", "step moved", "step=%" PRIu64 " from=%s to=%s seconds=%.6f", r->step,
+           step_state_name(r->state), step_state_name(to), spent);
+    r->state = to;
+    r->since = now;
+    r->since_wall = p->wall();
+    return 0;
+}
+
+int pipeline_move(pipeline *p, uint64_t step, step_state to)
+{
+    step_record *r = find(p, step);
+
+    if (r == NULL) {
+        dl_log(DL_LOG_ERROR, "pipeline", "illegal pipeline transition, not made", "step=%" PRIu64 " from=none to=%s",
+               step, step_state_name(to));
+        p->illegal++;
+        return -1;
+    }
+    return move(p, r, to);
+}
+
+void pipeline_published(pipeline *p, uint64_t step)
+{
+    step_record *r = find(p, step);
+
+    /* a step committed whole (adopted, found at startup) is published after it is durable: nothing moves */
+    if (r == NULL || r->state != STEP_SERVED)
+        return;
+    move(p, r, STEP_PUBLISHED);
+    if (r->durable_pending)
+        move(p, r, STEP_DURABLE);
+}
+
+void pipeline_durable(pipeline *p, uint64_t step)
+{
+    step_record *r = find(p, step);
+
+    if (r == NULL)
+        return;
+    if (r->state == STEP_PUBLISHED || (r->state == STEP_SERVED && r->unpublished))
+        move(p, r, STEP_DURABLE);
+    else if (r->state == STEP_SERVED)
+        r->durable_pending = 1;
+    else
+        move(p, r, STEP_DURABLE);       /* from anywhere else the table refuses it, and says so */
+}
+
+void pipeline_unpublished(pipeline *p, uint64_t step)
+{
+    step_record *r = find(p, step);
+
+    if (r == NULL || r->state != STEP_SERVED)
+        return;
+    r->unpublished = 1;
+    if (r->durable_pending)
+        move(p, r, STEP_DURABLE);
+}
+
+void pipeline_cleaned(pipeline *p, uint64_t step)
+{
+    for (size_t i = 0; i < p->n; i++)
+        if (p->rec[i].step <= step && p->rec[i].state == STEP_DURABLE)
+            move(p, &p->rec[i], STEP_CLEANED);
+}

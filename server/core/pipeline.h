@@ -1,0 +1,99 @@
+/* pipeline: the steps in flight, each with one lifecycle state, as data (curl's multistate()/mstate()
+ * idea applied to dilocod's step).  A step is made by a round: it collects deltas, is computed, its
+ * inputs are made durable, its redo record commits it, downloads serve it, the transport publishes it,
+ * it becomes durable (outer_metadata.json names it) and the files before it are cleaned.  Several
+ * steps are in flight at once: step n settles while n+1 collects.
+ *
+ * The state of a record says how far the step has come, in this order:
+ *
+ *   collecting -> computing -> inputs_durable -> committed -> served -> published -> durable -> cleaned
+ *
+ * with retry_wait (the pass or the commit failed; computed again after a backoff) and failed (given
+ * up for good).  Publishing and settling run side by side, so a step's completions can arrive in
+ * either order: a settle that ends before the publish is remembered, and the step enters durable
+ * right after published.  A step that will not be published (no transport, or a later step was
+ * committed before its publish began) goes from served to durable.
+ *
+ * pipeline_move is the only writer of a state: it checks the move against the table of legal ones
+ * (an illegal move is logged at error level and not made), logs each move at debug level with the
+ * time spent in the state it leaves, and adds that time to the state's histogram (/metrics).
+ * Everything here runs on the loop thread. */
+#ifndef PIPELINE_H
+#define PIPELINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum step_state {
+    STEP_COLLECTING,
+    STEP_COMPUTING,
+    STEP_INPUTS_DURABLE,
+    STEP_COMMITTED,
+    STEP_SERVED,
+    STEP_PUBLISHED,
+    STEP_DURABLE,
+    STEP_CLEANED,
+    STEP_RETRY_WAIT,
+    STEP_FAILED,
+    STEP_NSTATES
+} step_state;
+
+#define PIPELINE_MAX 8                  /* records kept: the steps in flight and the last ones done */
+#define PIPELINE_NBUCKETS 9             /* histogram bounds: PIPELINE_BUCKETS below, then +Inf */
+
+typedef struct step_record {
+    uint64_t step;                      /* the step the round makes */
+    step_state state;
+    double since;                       /* when it entered state (the pipeline's clock, seconds) */
+    double since_wall;                  /* the same moment, Unix time (for /status) */
+    int durable_pending;                /* settled while not yet published: durable follows published */
+    int unpublished;                    /* will not be published (no transport, or superseded) */
+} step_record;
+
+typedef struct state_histogram {
+    uint64_t buckets[PIPELINE_NBUCKETS];        /* cumulative counts, as Prometheus wants them */
+    uint64_t count;
+    double sum;
+} state_histogram;
+
+typedef struct pipeline {
+    step_record rec[PIPELINE_MAX];      /* by step, ascending */
+    size_t n;
+    state_histogram seconds[STEP_NSTATES];      /* time spent in each state, by the moves out of it */
+    uint64_t illegal;                   /* moves refused by the table */
+    double (*clock)(void);              /* monotonic seconds */
+    double (*wall)(void);               /* Unix time */
+} pipeline;
+
+extern const double PIPELINE_BUCKETS[PIPELINE_NBUCKETS - 1];
+
+const char *step_state_name(step_state s);
+/* Whether the table allows from -> to. */
+int step_move_legal(step_state from, step_state to);
+
+/* clock and wall NULL: the process's monotonic clock and time(). */
+void pipeline_init(pipeline *p, double (*clock)(void), double (*wall)(void));
+/* A step enters the pipeline at state (collecting for a new round; durable for a step committed
+ * whole: adopted, bootstrapped, recovered or found at startup).  An older record that is done
+ * (cleaned or failed) makes room when the table is full.  0, or -1 when the step is there already or
+ * no room can be made. */
+int pipeline_begin(pipeline *p, uint64_t step, step_state state);
+/* Moves step to state.  0; -1 when the step is not in the pipeline or the move is illegal (logged at
+ * error level, nothing changes). */
+int pipeline_move(pipeline *p, uint64_t step, step_state to);
+/* The record of step, or NULL. */
+const step_record *pipeline_find(const pipeline *p, uint64_t step);
+
+/* The events the daemon reports; each makes the moves they imply. */
+/* The transport holds step: served -> published, then durable if the settle has ended. */
+void pipeline_published(pipeline *p, uint64_t step);
+/* step's outputs are durable: served or published -> durable (from served only when it will not be
+ * published; else remembered until it is). */
+void pipeline_durable(pipeline *p, uint64_t step);
+/* step will not be published (a later step was committed first, or there is no transport): a
+ * remembered settle makes it durable now. */
+void pipeline_unpublished(pipeline *p, uint64_t step);
+/* The files before step were removed: every durable record up to step -> cleaned. */
+void pipeline_cleaned(pipeline *p, uint64_t step);
+
+#endif

@@ -1,0 +1,208 @@
+/* The step pipeline (server/core/pipeline.h): the table of legal moves, pair by pair against a list
+ * written out here; a step driven from collecting to cleaned with its completions in both orders;
+ * retries, reopened rounds and failures; steps entered whole; the histogram of time per state on a
+ * fake clock; and the bounded table of records. */
+#include "test.h"
+
+#include <string.h>
+
+#include "pipeline.h"
+
+static double fake_now;
+
+static double fake_clock(void)
+{
+    return fake_now;
+}
+
+static double fake_wall(void)
+{
+    return 1.7e9 + fake_now;
+}
+
+/* The legal moves, as server/README's state table lists them. */
+static const struct {
+    step_state from, to;
+} legal_moves[] = {
+    {STEP_COLLECTING, STEP_COMPUTING},
+    {STEP_COMPUTING, STEP_INPUTS_DURABLE},
+    {STEP_COMPUTING, STEP_RETRY_WAIT},
+    {STEP_COMPUTING, STEP_COLLECTING},
+    {STEP_COMPUTING, STEP_FAILED},
+    {STEP_INPUTS_DURABLE, STEP_COMMITTED},
+    {STEP_INPUTS_DURABLE, STEP_RETRY_WAIT},
+    {STEP_COMMITTED, STEP_SERVED},
+    {STEP_SERVED, STEP_PUBLISHED},
+    {STEP_SERVED, STEP_DURABLE},
+    {STEP_PUBLISHED, STEP_DURABLE},
+    {STEP_DURABLE, STEP_CLEANED},
+    {STEP_RETRY_WAIT, STEP_COMPUTING},
+};
+
+TEST(pipeline_every_legal_and_illegal_move)
+{
+    unsigned legal = 0, illegal = 0;
+
+    for (int from = 0; from < STEP_NSTATES; from++) {
+        for (int to = 0; to < STEP_NSTATES; to++) {
+            int want = 0;
+            for (size_t i = 0; i < sizeof(legal_moves) / sizeof(legal_moves[0]); i++)
+                want |= legal_moves[i].from == (step_state)from && legal_moves[i].to == (step_state)to;
+            CHECK_EQ(step_move_legal((step_state)from, (step_state)to), want);
+            legal += want;
+            illegal += !want;
+        }
+    }
+    CHECK_EQ(legal, 13);
+    CHECK_EQ(illegal, STEP_NSTATES * STEP_NSTATES - 13);
+    CHECK(!step_move_legal(STEP_NSTATES, STEP_COLLECTING));
+    CHECK(!step_move_legal(STEP_COLLECTING, STEP_NSTATES));
+    CHECK_STR(step_state_name(STEP_INPUTS_DURABLE), "inputs_durable");
+    CHECK_STR(step_state_name(STEP_RETRY_WAIT), "retry_wait");
+    CHECK_STR(step_state_name(STEP_NSTATES), "unknown");
+
+    /* an illegal move through the pipeline changes nothing and is counted */
+    pipeline p;
+    pipeline_init(&p, fake_clock, fake_wall);
+    CHECK_EQ(pipeline_begin(&p, 1, STEP_COLLECTING), 0);
+    CHECK_EQ(pipeline_move(&p, 1, STEP_COMMITTED), -1);
+    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_COLLECTING);
+    CHECK_EQ(pipeline_move(&p, 2, STEP_COMPUTING), -1);        /* not in the pipeline */
+    CHECK_EQ(pipeline_begin(&p, 1, STEP_COLLECTING), -1);      /* there already */
+    CHECK_EQ(p.illegal, 3);
+}
+
+/* Drives step 1 to served; the caller adds what follows. */
+static void to_served(pipeline *p)
+{
+    CHECK_EQ(pipeline_begin(p, 1, STEP_COLLECTING), 0);
+    CHECK_EQ(pipeline_move(p, 1, STEP_COMPUTING), 0);
+    CHECK_EQ(pipeline_move(p, 1, STEP_INPUTS_DURABLE), 0);
+    CHECK_EQ(pipeline_move(p, 1, STEP_COMMITTED), 0);
+    CHECK_EQ(pipeline_move(p, 1, STEP_SERVED), 0);
+}
+
+TEST(pipeline_step_from_collecting_to_cleaned_in_both_orders)
+{
+    pipeline p;
+
+    /* the publish first (file://: the settle follows the publish) */
+    pipeline_init(&p, fake_clock, fake_wall);
+    to_served(&p);
+    pipeline_published(&p, 1);
+    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_PUBLISHED);
+    pipeline_durable(&p, 1);
+    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_DURABLE);
+    pipeline_cleaned(&p, 1);
+    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_CLEANED);
+    CHECK_EQ(p.illegal, 0);
+
+    /* the settle first (hf://, s3://: beside the publish): remembered, durable right after published */
+    pipeline_init(&p, fake_clock, fake_wall);
+    to_served(&p);
+    pipeline_durable(&p, 1);
+    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_SERVED);
+    pipeline_cleaned(&p, 1);                                    /* not durable yet: nothing moves */
+    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_SERVED);
+    pipeline_published(&p, 1);
+    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_DURABLE);
+    pipeline_published(&p, 1);                                  /* again: nothing moves */
+    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_DURABLE);
+    CHECK_EQ(p.illegal, 0);
+
+    /* never published (no transport, or superseded), settled before or after being told so */
+    pipeline_init(&p, fake_clock, fake_wall);
+    to_served(&p);
+    pipeline_durable(&p, 1);
+    pipeline_unpublished(&p, 1);
+    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_DURABLE);
+    pipeline_init(&p, fake_clock, fake_wall);
+    to_served(&p);
+    pipeline_unpublished(&p, 1);
+    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_SERVED);
+    pipeline_durable(&p, 1);
+    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_DURABLE);
+    CHECK_EQ(p.illegal, 0);
+
+    /* a settle reported for a step still computing is refused by the table */
+    pipeline_init(&p, fake_clock, fake_wall);
+    CHECK_EQ(pipeline_begin(&p, 1, STEP_COLLECTING), 0);
+    CHECK_EQ(pipeline_move(&p, 1, STEP_COMPUTING), 0);
+    pipeline_durable(&p, 1);
+    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_COMPUTING);
+    CHECK_EQ(p.illegal, 1);
+}
+
+TEST(pipeline_retries_reopened_rounds_and_failures)
+{
+    pipeline p;
+
+    pipeline_init(&p, fake_clock, fake_wall);
+    CHECK_EQ(pipeline_begin(&p, 4, STEP_COLLECTING), 0);
+    CHECK_EQ(pipeline_move(&p, 4, STEP_COMPUTING), 0);
+    CHECK_EQ(pipeline_move(&p, 4, STEP_RETRY_WAIT), 0);        /* the pass failed */
+    CHECK_EQ(pipeline_move(&p, 4, STEP_COMPUTING), 0);
+    CHECK_EQ(pipeline_move(&p, 4, STEP_COLLECTING), 0);        /* a rewritten input dropped */
+    CHECK_EQ(pipeline_move(&p, 4, STEP_COMPUTING), 0);
+    CHECK_EQ(pipeline_move(&p, 4, STEP_INPUTS_DURABLE), 0);
+    CHECK_EQ(pipeline_move(&p, 4, STEP_RETRY_WAIT), 0);        /* the redo record could not be written */
+    CHECK_EQ(pipeline_move(&p, 4, STEP_COMPUTING), 0);
+    CHECK_EQ(pipeline_move(&p, 4, STEP_FAILED), 0);            /* the committed global was rewritten */
+    CHECK_EQ(pipeline_move(&p, 4, STEP_COMPUTING), -1);        /* failed is final */
+    CHECK_EQ(p.illegal, 1);
+}
+
+TEST(pipeline_steps_in_flight_side_by_side_and_entered_whole)
+{
+    pipeline p;
+
+    pipeline_init(&p, fake_clock, fake_wall);
+    CHECK_EQ(pipeline_begin(&p, 8, STEP_COLLECTING), 0);
+    CHECK_EQ(pipeline_begin(&p, 7, STEP_DURABLE), 0);          /* adopted: committed whole */
+    CHECK_EQ(p.n, 2);
+    CHECK_EQ(p.rec[0].step, 7);                                 /* by step */
+    CHECK_EQ(p.rec[1].step, 8);
+    pipeline_cleaned(&p, 7);
+    CHECK_EQ(pipeline_find(&p, 7)->state, STEP_CLEANED);
+    CHECK_EQ(pipeline_find(&p, 8)->state, STEP_COLLECTING);    /* cleaning is of durable steps only */
+    pipeline_published(&p, 7);                                  /* published after: nothing moves */
+    CHECK_EQ(pipeline_find(&p, 7)->state, STEP_CLEANED);
+    CHECK_EQ(p.illegal, 0);
+
+    /* the table keeps PIPELINE_MAX records: done ones make room, in-flight ones never do */
+    pipeline_init(&p, fake_clock, fake_wall);
+    for (uint64_t s = 0; s < PIPELINE_MAX; s++)
+        CHECK_EQ(pipeline_begin(&p, s, s < 2 ? STEP_DURABLE : STEP_COLLECTING), 0);
+    CHECK_EQ(pipeline_begin(&p, 100, STEP_COLLECTING), -1);
+    pipeline_cleaned(&p, 0);
+    CHECK_EQ(pipeline_begin(&p, 100, STEP_COLLECTING), 0);
+    CHECK(pipeline_find(&p, 0) == NULL);
+    CHECK(pipeline_find(&p, 1) != NULL);
+    CHECK_EQ(p.n, PIPELINE_MAX);
+    CHECK_EQ(p.rec[PIPELINE_MAX - 1].step, 100);
+}
+
+TEST(pipeline_time_per_state_on_a_fake_clock)
+{
+    pipeline p;
+
+    fake_now = 10;
+    pipeline_init(&p, fake_clock, fake_wall);
+    CHECK_EQ(pipeline_begin(&p, 1, STEP_COLLECTING), 0);
+    CHECK(pipeline_find(&p, 1)->since_wall == 1.7e9 + 10);
+    fake_now = 12.5;                                            /* 2.5 s collecting */
+    CHECK_EQ(pipeline_move(&p, 1, STEP_COMPUTING), 0);
+    fake_now = 12.5005;                                         /* 0.5 ms computing */
+    CHECK_EQ(pipeline_move(&p, 1, STEP_INPUTS_DURABLE), 0);
+    const state_histogram *h = &p.seconds[STEP_COLLECTING];
+    CHECK_EQ(h->count, 1);
+    CHECK(h->sum == 2.5);
+    for (int i = 0; i < PIPELINE_NBUCKETS; i++)                 /* bounds 0.001 .. 300, then +Inf */
+        CHECK_EQ(h->buckets[i], i == PIPELINE_NBUCKETS - 1 || PIPELINE_BUCKETS[i] >= 2.5 ? 1u : 0u);
+    h = &p.seconds[STEP_COMPUTING];
+    CHECK_EQ(h->count, 1);
+    for (int i = 0; i < PIPELINE_NBUCKETS; i++)
+        CHECK_EQ(h->buckets[i], 1u);                            /* 0.5 ms is under every bound */
+    CHECK_EQ(p.seconds[STEP_INPUTS_DURABLE].count, 0);         /* not left yet */
+    fake_now = 0;
+}
