@@ -1170,11 +1170,6 @@ static void commit_done(job *j)
     record_round(d);
     serve_step(d, j->flag, d->st.step);
     pipeline_move(&d->pipe, d->st.step, STEP_SERVED);
-    /* the newest step is the one published: the ones before it that still wait will not be */
-    for (uint64_t s = d->st.step > PIPELINE_MAX ? d->st.step - PIPELINE_MAX : 0; s < d->st.step; s++)
-        pipeline_unpublished(&d->pipe, s);
-    if (d->hub == NULL)
-        pipeline_unpublished(&d->pipe, d->st.step);
     ensure_set(d);
     d->committed_at = time(NULL);
     dl_log(DL_LOG_INFO, "store", "committed", "step=%" PRIu64 " global=%s", d->st.step, d->st.global_path);
@@ -2558,7 +2553,8 @@ static void round_open(dilocod *d)
 /* d->st.step's global is committed (at startup, or adopted, or bootstrapped): served and published. */
 static void global_committed(dilocod *d)
 {
-    pipeline_begin(&d->pipe, d->st.step, STEP_DURABLE);         /* committed whole: adopted, recovered, found */
+    if (pipeline_find(&d->pipe, d->st.step) == NULL)             /* committed whole: adopted, bootstrapped */
+        pipeline_begin(&d->pipe, d->st.step, STEP_DURABLE);
     /* one open of the committed global for downloads (a sharded layout once its set is written, which
      * a restart finds already there) */
     serve_step(d, -1, d->st.step);
@@ -2697,6 +2693,10 @@ static int startup(dilocod *d, dl_error *err)
         return rc;
     if (d->st.committed && (rc = store_cleanup(&d->st, 1, err)) != 0)
         return rc;
+    if (d->st.committed) {      /* found (or recovered) durable, and the files before it are gone */
+        pipeline_begin(&d->pipe, d->st.step, STEP_DURABLE);
+        pipeline_cleaned(&d->pipe, d->st.step);
+    }
     if ((rc = history_compact(d->st.dir, d->cfg->history_keep, err)) != 0)
         log_error("store", "cannot compact rounds.jsonl (it keeps growing)", err);
     if ((rc = history_load(&d->history, d->st.dir, d->st.committed ? d->st.step : UINT64_MAX, d->st.round_json,

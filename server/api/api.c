@@ -158,7 +158,7 @@ static void pipeline_json(const dilocod *d, sbuf *b)
         sb_fmt(b, "%s{\"step\":%" PRIu64 ",\"state\":\"%s\",\"since\":", i ? "," : "", r->step,
                step_state_name(r->state));
         sb_num(b, r->since_wall);
-        sb_str(b, "}");
+        sb_fmt(b, ",\"published\":%s}", r->published ? "true" : "false");
     }
     sb_str(b, "]");
 }

@@ -176,37 +176,19 @@ void pipeline_published(pipeline *p, uint64_t step)
 {
     step_record *r = find(p, step);
 
-    /* a step committed whole (adopted, found at startup) is published after it is durable: nothing moves */
-    if (r == NULL || r->state != STEP_SERVED)
+    if (r == NULL)
         return;
-    move(p, r, STEP_PUBLISHED);
-    if (r->durable_pending)
-        move(p, r, STEP_DURABLE);
+    r->published = 1;
+    if (r->state == STEP_SERVED)
+        move(p, r, STEP_PUBLISHED);
 }
 
 void pipeline_durable(pipeline *p, uint64_t step)
 {
     step_record *r = find(p, step);
 
-    if (r == NULL)
-        return;
-    if (r->state == STEP_PUBLISHED || (r->state == STEP_SERVED && r->unpublished))
-        move(p, r, STEP_DURABLE);
-    else if (r->state == STEP_SERVED)
-        r->durable_pending = 1;
-    else
-        move(p, r, STEP_DURABLE);       /* from anywhere else the table refuses it, and says so */
-}
-
-void pipeline_unpublished(pipeline *p, uint64_t step)
-{
-    step_record *r = find(p, step);
-
-    if (r == NULL || r->state != STEP_SERVED)
-        return;
-    r->unpublished = 1;
-    if (r->durable_pending)
-        move(p, r, STEP_DURABLE);
+    if (r != NULL)
+        move(p, r, STEP_DURABLE);       /* from served or published; the table refuses any other */
 }
 
 void pipeline_cleaned(pipeline *p, uint64_t step)

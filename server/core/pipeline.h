@@ -9,10 +9,11 @@
  *   collecting -> computing -> inputs_durable -> committed -> served -> published -> durable -> cleaned
  *
  * with retry_wait (the pass or the commit failed; computed again after a backoff) and failed (given
- * up for good).  Publishing and settling run side by side, so a step's completions can arrive in
- * either order: a settle that ends before the publish is remembered, and the step enters durable
- * right after published.  A step that will not be published (no transport, or a later step was
- * committed before its publish began) goes from served to durable.
+ * up for good).  Publishing and settling run side by side (file:// settles after its publish), so a
+ * step goes from served to published when the publish ends first, or straight to durable when the
+ * settle does; the publish is then recorded in the record (published) without a move, as it is for
+ * a step that entered whole.  A step may never be published (no transport; a later step committed
+ * before its publish began: the newest is the one published).
  *
  * pipeline_move is the only writer of a state: it checks the move against the table of legal ones
  * (an illegal move is logged at error level and not made), logs each move at debug level with the
@@ -46,8 +47,7 @@ typedef struct step_record {
     step_state state;
     double since;                       /* when it entered state (the pipeline's clock, seconds) */
     double since_wall;                  /* the same moment, Unix time (for /status) */
-    int durable_pending;                /* settled while not yet published: durable follows published */
-    int unpublished;                    /* will not be published (no transport, or superseded) */
+    int published;                      /* the transport holds this step */
 } step_record;
 
 typedef struct state_histogram {
@@ -85,14 +85,10 @@ int pipeline_move(pipeline *p, uint64_t step, step_state to);
 const step_record *pipeline_find(const pipeline *p, uint64_t step);
 
 /* The events the daemon reports; each makes the moves they imply. */
-/* The transport holds step: served -> published, then durable if the settle has ended. */
+/* The transport holds step: recorded, and served -> published. */
 void pipeline_published(pipeline *p, uint64_t step);
-/* step's outputs are durable: served or published -> durable (from served only when it will not be
- * published; else remembered until it is). */
+/* step's outputs are durable (outer_metadata.json names it): served or published -> durable. */
 void pipeline_durable(pipeline *p, uint64_t step);
-/* step will not be published (a later step was committed first, or there is no transport): a
- * remembered settle makes it durable now. */
-void pipeline_unpublished(pipeline *p, uint64_t step);
 /* The files before step were removed: every durable record up to step -> cleaned. */
 void pipeline_cleaned(pipeline *p, uint64_t step);
 

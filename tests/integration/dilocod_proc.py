@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -147,35 +148,42 @@ class Dilocod:
             return durable
         return redo if durable is None else max(durable, redo)
 
-    def wait_durable(self, step, timeout=60):
-        """Waits until outer_metadata.json names step (or later) and no redo record is left."""
+    def pipeline(self):
+        """/status's pipeline: [{step, state, since, published}] of the steps in flight and the last ones
+        done (server/core/pipeline.h), or None while it cannot be read."""
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with opener.open(self.url + "/status", timeout=5) as r:
+                return json.loads(r.read())["pipeline"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def wait_pipeline(self, step, states, what, timeout):
+        """Waits until the pipeline has step, or a later one, in one of states (a later step is never
+        further behind: its commit waited for step's settle); -> that record's step."""
         deadline = time.time() + timeout
+        recs = None
         while time.time() < deadline:
-            s = self.durable_step()
-            if s is not None and s >= step and not (self.state_dir / "redo.json").exists():
-                return s
+            recs = self.pipeline()
+            for rec in recs or ():
+                if rec["step"] >= step and rec["state"] in states:
+                    return rec["step"]
             if self.proc is not None and self.proc.poll() is not None:
                 raise AssertionError(f"dilocod exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}")
             time.sleep(0.01)
-        raise AssertionError(f"step {step} not durable within {timeout}s:\n{self.log_text()[-4000:]}")
+        raise AssertionError(f"step {step} not {what} within {timeout}s (pipeline {recs}):\n"
+                             f"{self.log_text()[-4000:]}")
+
+    def wait_durable(self, step, timeout=60):
+        """Waits until step (or a later one) is durable: outer_metadata.json names it, the redo record is
+        gone."""
+        return self.wait_pipeline(step, ("durable", "cleaned"), "durable", timeout)
 
     def wait_settled(self, step, timeout=60):
-        """wait_durable, then waits until the cleanup that follows it (a later job) removed the earlier
-        steps' global, momentum and delta cache: walking the state directory before that races with
-        the removal (a directory gone mid-walk raises FileNotFoundError)."""
-        self.wait_durable(step, timeout)
-
-        def earlier(names, pattern):
-            return [n for n in names if (m := re.fullmatch(pattern, n)) and int(m.group(1)) < step]
-
-        def settled():
-            try:
-                return not (earlier(os.listdir(self.state_dir / "cache/deltas"), r"s(\d+)") or
-                            earlier(os.listdir(self.state_dir / "global"), r"latest-(\d+)\.safetensors") or
-                            earlier(os.listdir(self.state_dir), r"outer_state-(\d+)\.safetensors"))
-            except FileNotFoundError:
-                return False
-        self.wait_until(settled, f"the cleanup after step {step}", timeout)
+        """wait_durable, then the cleanup that follows it (a later job) removed the earlier steps'
+        global, momentum and delta cache: walking the state directory before that races with the
+        removal."""
+        return self.wait_pipeline(step, ("cleaned",), "cleaned", timeout)
 
     def global_state(self):
         return load_file(str(self.hub / "global" / "latest.safetensors"))

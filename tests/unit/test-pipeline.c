@@ -89,39 +89,36 @@ TEST(pipeline_step_from_collecting_to_cleaned_in_both_orders)
     /* the publish first (file://: the settle follows the publish) */
     pipeline_init(&p, fake_clock, fake_wall);
     to_served(&p);
+    CHECK(!pipeline_find(&p, 1)->published);
     pipeline_published(&p, 1);
     CHECK_EQ(pipeline_find(&p, 1)->state, STEP_PUBLISHED);
+    CHECK(pipeline_find(&p, 1)->published);
     pipeline_durable(&p, 1);
     CHECK_EQ(pipeline_find(&p, 1)->state, STEP_DURABLE);
     pipeline_cleaned(&p, 1);
     CHECK_EQ(pipeline_find(&p, 1)->state, STEP_CLEANED);
     CHECK_EQ(p.illegal, 0);
 
-    /* the settle first (hf://, s3://: beside the publish): remembered, durable right after published */
+    /* the settle first (hf://, s3://: beside the publish): durable at once, the publish recorded after */
     pipeline_init(&p, fake_clock, fake_wall);
     to_served(&p);
     pipeline_durable(&p, 1);
-    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_SERVED);
-    pipeline_cleaned(&p, 1);                                    /* not durable yet: nothing moves */
-    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_SERVED);
+    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_DURABLE);
+    CHECK(!pipeline_find(&p, 1)->published);
+    pipeline_cleaned(&p, 1);
+    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_CLEANED);
     pipeline_published(&p, 1);
-    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_DURABLE);
-    pipeline_published(&p, 1);                                  /* again: nothing moves */
-    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_DURABLE);
+    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_CLEANED);
+    CHECK(pipeline_find(&p, 1)->published);
     CHECK_EQ(p.illegal, 0);
 
-    /* never published (no transport, or superseded), settled before or after being told so */
+    /* never published (no transport, or a later step published instead) */
     pipeline_init(&p, fake_clock, fake_wall);
     to_served(&p);
     pipeline_durable(&p, 1);
-    pipeline_unpublished(&p, 1);
-    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_DURABLE);
-    pipeline_init(&p, fake_clock, fake_wall);
-    to_served(&p);
-    pipeline_unpublished(&p, 1);
-    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_SERVED);
-    pipeline_durable(&p, 1);
-    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_DURABLE);
+    pipeline_cleaned(&p, 1);
+    CHECK_EQ(pipeline_find(&p, 1)->state, STEP_CLEANED);
+    CHECK(!pipeline_find(&p, 1)->published);
     CHECK_EQ(p.illegal, 0);
 
     /* a settle reported for a step still computing is refused by the table */
@@ -165,8 +162,9 @@ TEST(pipeline_steps_in_flight_side_by_side_and_entered_whole)
     pipeline_cleaned(&p, 7);
     CHECK_EQ(pipeline_find(&p, 7)->state, STEP_CLEANED);
     CHECK_EQ(pipeline_find(&p, 8)->state, STEP_COLLECTING);    /* cleaning is of durable steps only */
-    pipeline_published(&p, 7);                                  /* published after: nothing moves */
+    pipeline_published(&p, 7);                                  /* published after: recorded, no move */
     CHECK_EQ(pipeline_find(&p, 7)->state, STEP_CLEANED);
+    CHECK(pipeline_find(&p, 7)->published);
     CHECK_EQ(p.illegal, 0);
 
     /* the table keeps PIPELINE_MAX records: done ones make room, in-flight ones never do */
