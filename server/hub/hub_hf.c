@@ -125,7 +125,7 @@ struct hf_hub {
     cuv *curl;
     hub_callbacks cb;
     void *app;
-    char *endpoint, *repo, *rev, *token, *state_dir, *seen_path;
+    char *endpoint, *repo, *rev, *token, *state_dir;
     double poll_interval;
     unsigned max_downloads;
     uint64_t max_header;        /* a delta's header cap */
@@ -139,11 +139,10 @@ struct hf_hub {
     uint64_t step;
     int waiting;
     int polling;                /* a poll cycle is running */
-    seen_map seen;              /* "path\toid" -> SEEN_DONE; in-flight ones SEEN_PENDING */
+    remote_seen seen;           /* every listed (path, version) looked at, the decided ones in a file */
     candidate *queue, *retry;   /* to peek/download; failed ones waiting for the next poll */
     unsigned active_downloads;
     remote rm;                  /* requests: retries, failures, every one in flight */
-    int seen_fd;
     int64_t published_known;    /* the Hub's step_count.json outer_step, -1 unknown */
     int global_download;        /* adoption download in progress */
     int told_none;              /* published_seen(-1) was reported */
@@ -466,101 +465,18 @@ static int json_size(const cJSON *v, uint64_t *out)
 
 /* ---- seen (path, oid) ------------------------------------------------------------------------ */
 
-static char *seen_key(const char *rel, const char *oid)
-{
-    char *k = NULL;
-    if (asprintf(&k, "%s\t%s", rel, oid) < 0)
-        return NULL;
-    return k;
-}
 
-static void seen_load(hf_hub *h)
-{
-    FILE *f = fopen(h->seen_path, "r");
-    char line[512];
-    int created;
 
-    if (f == NULL)
-        return;
-    while (fgets(line, sizeof(line), f) != NULL) {
-        line[strcspn(line, "\n")] = '\0';
-        if (strchr(line, '\t') == NULL)
-            continue;
-        seen_entry *e = seen_get(&h->seen, line, &created);
-        if (e)
-            e->state = SEEN_DONE;
-    }
-    fclose(f);
-}
 
-static void seen_append_cb(uv_fs_t *req)
-{
-    free(req->data);
-    uv_fs_req_cleanup(req);
-    free(req);
-}
 
-static void seen_persist(hf_hub *h, const char *key)
-{
-    uv_fs_t *req;
-    char *line = NULL;
 
-    if (h->seen_fd < 0 || asprintf(&line, "%s\n", key) < 0)
-        return;
-    req = malloc(sizeof(*req));
-    if (req == NULL) {
-        free(line);
-        return;
-    }
-    req->data = line;
-    uv_buf_t buf = uv_buf_init(line, (unsigned)strlen(line));
-    if (uv_fs_write(h->loop, req, h->seen_fd, &buf, 1, -1, seen_append_cb) != 0) {
-        free(line);
-        free(req);
-    }
-}
-
-static void mark_seen(hf_hub *h, const char *rel, const char *oid)
-{
-    char *k = seen_key(rel, oid);
-    int created;
-    seen_entry *e = k ? seen_get(&h->seen, k, &created) : NULL;
-    if (e != NULL && e->state != SEEN_DONE) {
-        e->state = SEEN_DONE;
-        seen_persist(h, k);
-    }
-    free(k);
-}
-
-/* The state of a listed (path, oid) for this run only (not persisted: a restart looks again). */
-static void set_seen_state(hf_hub *h, const char *rel, const char *oid, seen_state state)
-{
-    char *k = seen_key(rel, oid);
-    seen_entry *e = k ? seen_find(&h->seen, k) : NULL;
-    if (e != NULL)
-        e->state = state;
-    free(k);
-}
 
 /* Whatever the daemon decided, a downloaded (path, oid) is never downloaded again.  A download is
  * verified against the listing, so one that intake finds short is final: rejected. */
 static int hf_mark_done(hub *base, const char *rel, hub_outcome outcome, const hub_version *v)
 {
-    hf_hub *h = (hf_hub *)base;
-    size_t rl = strlen(rel);
-
     (void)v;
-    if (outcome == HUB_RETRY)
-        return 0;               /* our own failure: the entry stays pending for this run */
-    /* the daemon knows the path; the oid is the pending entry's */
-    for (size_t i = 0; i < h->seen.cap; i++) {
-        seen_entry *e = &h->seen.slots[i];
-        if (e->key && e->state == SEEN_PENDING && strncmp(e->key, rel, rl) == 0 && e->key[rl] == '\t') {
-            e->state = SEEN_DONE;
-            seen_persist(h, e->key);
-        }
-    }
-    return outcome == HUB_INCOMPLETE;
+    return remote_seen_decided(&((hf_hub *)base)->seen, rel, outcome);
 }
 
 /* ---- downloads ------------------------------------------------------------------------------- */
@@ -724,7 +640,7 @@ static void verify_after(uv_work_t *w, int status)
             retry_later(h, c);      /* a later poll tries it again */
         } else {
             if (c->set == NULL)
-                set_seen_state(h, c->rel, c->ver, SEEN_REJECTED);     /* given up for this run */
+                remote_seen_set(&h->seen, c->rel, c->ver, SEEN_REJECTED);     /* given up for this run */
             if (c->is_global)
                 global_given_up(h);         /* the next poll starts the adoption over */
             candidate_abandon(h, c);
@@ -864,7 +780,7 @@ static void peek_done(hf_hub *h, hf_req *r, int ok)
                    dl_log_q(qp, sizeof(qp), c->rel), dl_log_q(q, sizeof(q), why));
             h->st.errors++;
             snprintf(h->st.last_error, sizeof(h->st.last_error), "%s: %s", c->rel, why);
-            set_seen_state(h, c->rel, c->ver, SEEN_REJECTED);
+            remote_seen_set(&h->seen, c->rel, c->ver, SEEN_REJECTED);
             decided = 1;
         } else if (hd != NULL) {
             size_t vl;
@@ -875,11 +791,11 @@ static void peek_done(hf_hub *h, hf_req *r, int ok)
                     char qp[600];
                     dl_log(DL_LOG_DEBUG, "hub", "stale delta not downloaded", "path=%s base_outer_step=%" PRIu64,
                            dl_log_q(qp, sizeof(qp), c->rel), base);
-                    mark_seen(h, c->rel, c->ver);
+                    remote_seen_done(&h->seen, c->rel, c->ver);
                     decided = 1;
                 } else if (base > h->step) {
                     /* not ours yet (or never): look again at a later poll */
-                    set_seen_state(h, c->rel, c->ver, SEEN_INCOMPLETE);
+                    remote_seen_set(&h->seen, c->rel, c->ver, SEEN_INCOMPLETE);
                     decided = 1;
                 }
             }
@@ -951,7 +867,7 @@ static void dset_finished(hf_hub *h, hub_set *set, int ok)
         if (set->is_global)
             global_given_up(h);
         else
-            set_seen_state(h, set->rel, set->ver, SEEN_REJECTED);
+            remote_seen_set(&h->seen, set->rel, set->ver, SEEN_REJECTED);
         hub_set_drop(&h->sets, set, h->closing);
         return;
     }
@@ -1001,7 +917,7 @@ static void set_drop(hf_hub *h, candidate *c, seen_state state)
     if (c->is_global)
         global_given_up(h);
     else
-        set_seen_state(h, c->rel, c->ver, state);
+        remote_seen_set(&h->seen, c->rel, c->ver, state);
     candidate_free(c);
 }
 
@@ -1017,7 +933,7 @@ static void set_start_shards(hf_hub *h, candidate *c, const st_index *ix, const 
     if (verdict < 0) {
         dl_log(DL_LOG_DEBUG, "hub", "stale delta not downloaded", "path=%s base_outer_step=%" PRIu64,
                dl_log_q(qp, sizeof(qp), c->rel), base);
-        mark_seen(h, c->rel, c->ver);
+        remote_seen_done(&h->seen, c->rel, c->ver);
         candidate_free(c);
         return;
     }
@@ -1259,8 +1175,8 @@ static void sets_from_listing(hf_hub *h)
             listed_free(l, n);
             continue;
         }
-        char *k = seen_key(ix->rel, ver);
-        seen_entry *se = k ? seen_find(&h->seen, k) : NULL;
+        char *k = remote_seen_key(ix->rel, ver);
+        seen_entry *se = k ? seen_find(&h->seen.map, k) : NULL;
         if (k == NULL || (se != NULL && se->state != SEEN_INCOMPLETE) || h->list_new >= MAX_NEW_PER_LISTING) {
             h->list_cut |= k != NULL && se == NULL;
             free(k);
@@ -1268,7 +1184,7 @@ static void sets_from_listing(hf_hub *h)
             continue;
         }
         if (se == NULL)
-            se = seen_get(&h->seen, k, &created);
+            se = seen_get(&h->seen.map, k, &created);
         free(k);
         candidate *c = se ? calloc(1, sizeof(*c)) : NULL;
         if (c == NULL || (c->rel = strdup(ix->rel)) == NULL || (c->oid = strdup(ix->oid)) == NULL) {
@@ -1378,8 +1294,8 @@ static int consider_entry(hf_hub *h, const cJSON *e)
         remember_listed(h, &dp, path, oid, nbytes, cJSON_IsObject(lfs));
         return 0;
     }
-    char *k = seen_key(path, oid);
-    seen_entry *se = k ? seen_find(&h->seen, k) : NULL;
+    char *k = remote_seen_key(path, oid);
+    seen_entry *se = k ? seen_find(&h->seen.map, k) : NULL;
     if (k == NULL || (se != NULL && se->state != SEEN_INCOMPLETE)) {
         free(k);
         return 0;               /* done, rejected for this run, or in flight */
@@ -1390,7 +1306,7 @@ static int consider_entry(hf_hub *h, const cJSON *e)
         return 0;
     }
     if (se == NULL)
-        se = seen_get(&h->seen, k, &created);
+        se = seen_get(&h->seen.map, k, &created);
     free(k);
     if (se == NULL)
         return 0;
@@ -2563,6 +2479,7 @@ static int hf_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
 {
     extern const hub_ops hub_hf_ops;
     hf_hub *h;
+    char *seen_path = NULL;
     int rc;
 
     *out = NULL;
@@ -2592,8 +2509,9 @@ static int hf_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
     while (el > 0 && h->endpoint[el - 1] == '/')
         h->endpoint[--el] = '\0';
     if (h->endpoint == NULL || h->repo == NULL || h->rev == NULL || h->state_dir == NULL ||
-        (cfg->token != NULL && h->token == NULL) || asprintf(&h->seen_path, "%s/hub_seen.tsv", h->state_dir) < 0 ||
+        (cfg->token != NULL && h->token == NULL) || asprintf(&seen_path, "%s/hub_seen.tsv", h->state_dir) < 0 ||
         (h->curl = cuv_new(loop)) == NULL) {
+        free(seen_path);
         free(h->endpoint);
         free(h->repo);
         free(h->rev);
@@ -2603,8 +2521,8 @@ static int hf_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "cannot set up the Hub transport: out of memory");
     }
     remote_init(&h->rm, loop, h->curl, &h->st, &hf_remote_ops, h, &h->closing);
-    seen_load(h);
-    h->seen_fd = open(h->seen_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    remote_seen_open(&h->seen, loop, seen_path);
+    free(seen_path);
     uv_timer_init(loop, &h->poll_timer);
     h->poll_timer.data = h;
     h->handles = 1;
@@ -2626,8 +2544,8 @@ static void hf_set_step(hub *base, uint64_t step, int waiting)
     if (waiting)
         h->st.head[0] = '\0';         /* read the step file again at the next poll */
     /* deltas parked as "future" are worth a new look now */
-    for (size_t i = 0; i < h->seen.cap; i++)
-        if (h->seen.slots[i].key && h->seen.slots[i].state == SEEN_INCOMPLETE)
+    for (size_t i = 0; i < h->seen.map.cap; i++)
+        if (h->seen.map.slots[i].key && h->seen.map.slots[i].state == SEEN_INCOMPLETE)
             h->st.head[0] = '\0';       /* forces the next poll to list again */
 }
 
@@ -2659,9 +2577,7 @@ static void hub_free(hf_hub *h)
     listing_reset(h);
     while (h->sets)
         hub_set_free(&h->sets, h->sets);
-    if (h->seen_fd >= 0)
-        close(h->seen_fd);
-    seen_free(&h->seen);
+    remote_seen_close(&h->seen);
     free(h->endpoint);
     free(h->repo);
     free(h->rev);
@@ -2669,7 +2585,6 @@ static void hub_free(hf_hub *h)
         memset(h->token, 0, strlen(h->token));
     free(h->token);
     free(h->state_dir);
-    free(h->seen_path);
     free(h);
     if (done)
         done(arg);
@@ -2709,7 +2624,7 @@ static void hf_close(hub *base, void (*done)(void *), void *arg)
 static void close_when_idle(uv_timer_t *t)
 {
     hf_hub *h = t->data;
-    if (h->rm.inflight != NULL || h->handles > 1)
+    if (h->rm.inflight != NULL || h->handles > 1 || h->seen.writes > 0)
         return;
     if (h->pub.active)
         pub_finish(h, 0);

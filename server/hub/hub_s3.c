@@ -176,7 +176,7 @@ struct s3_hub {
     cuv *curl;
     hub_callbacks cb;
     void *app;
-    char *endpoint, *bucket, *prefix, *region, *key_id, *secret, *state_dir, *seen_path;
+    char *endpoint, *bucket, *prefix, *region, *key_id, *secret, *state_dir;
     char instance[33];          /* this state root's id in claims */
     int virtual_host;
     uint64_t part_size;
@@ -189,8 +189,7 @@ struct s3_hub {
     hub_status st;
     uint64_t step;
     int waiting;
-    seen_map seen;
-    int seen_fd;
+    remote_seen seen;           /* every listed (path, version) looked at, the decided ones in a file */
     candidate *queue, *retry;
     unsigned active_downloads;
     int global_download;
@@ -320,94 +319,17 @@ static char *full_key(const s3_hub *h, const char *rel)
 
 /* ---- the seen list ----------------------------------------------------------------------------- */
 
-static char *seen_key(const char *rel, const char *etag)
-{
-    char *k = NULL;
-    if (asprintf(&k, "%s\t%s", rel, etag) < 0)
-        return NULL;
-    return k;
-}
 
-static void seen_load(s3_hub *h)
-{
-    FILE *f = fopen(h->seen_path, "r");
-    char line[1200];
-    int created;
 
-    if (f == NULL)
-        return;
-    while (fgets(line, sizeof(line), f) != NULL) {
-        line[strcspn(line, "\n")] = '\0';
-        if (strchr(line, '\t') == NULL)
-            continue;
-        seen_entry *e = seen_get(&h->seen, line, &created);
-        if (e)
-            e->state = SEEN_DONE;
-    }
-    fclose(f);
-}
 
-static void seen_append_done(uv_fs_t *req)
-{
-    s3_hub *h = ((void **)req->data)[0];
-    free(((void **)req->data)[1]);
-    free(req->data);
-    uv_fs_req_cleanup(req);
-    free(req);
-    h->handles--;
-}
 
-static void seen_persist(s3_hub *h, const char *key)
-{
-    uv_fs_t *req = malloc(sizeof(*req));
-    void **ctx = malloc(2 * sizeof(void *));
-    char *line = NULL;
-
-    if (req == NULL || ctx == NULL || h->seen_fd < 0 || asprintf(&line, "%s\n", key) < 0) {
-        free(req);
-        free(ctx);
-        return;
-    }
-    ctx[0] = h;
-    ctx[1] = line;
-    req->data = ctx;
-    uv_buf_t buf = uv_buf_init(line, (unsigned)strlen(line));
-    h->handles++;
-    if (uv_fs_write(h->loop, req, h->seen_fd, &buf, 1, -1, seen_append_done) != 0) {
-        h->handles--;
-        free(line);
-        free(ctx);
-        free(req);
-    }
-}
-
-static void set_seen_state(s3_hub *h, const char *rel, const char *etag, seen_state state)
-{
-    char *k = seen_key(rel, etag);
-    seen_entry *e = k ? seen_find(&h->seen, k) : NULL;
-    if (e != NULL)
-        e->state = state;
-    free(k);
-}
 
 /* Whatever the daemon decided, a handed-over (key, ETag) is not downloaded again; a download is
  * verified against the listing, so one that intake finds short is final. */
 static int s3_mark_done(hub *base, const char *rel, hub_outcome outcome, const hub_version *v)
 {
-    s3_hub *h = (s3_hub *)base;
-    size_t rl = strlen(rel);
-
     (void)v;
-    if (outcome == HUB_RETRY)
-        return 0;
-    for (size_t i = 0; i < h->seen.cap; i++) {
-        seen_entry *e = &h->seen.slots[i];
-        if (e->key && e->state == SEEN_PENDING && strncmp(e->key, rel, rl) == 0 && e->key[rl] == '\t') {
-            e->state = SEEN_DONE;
-            seen_persist(h, e->key);
-        }
-    }
-    return outcome == HUB_INCOMPLETE;
+    return remote_seen_decided(&((s3_hub *)base)->seen, rel, outcome);
 }
 
 /* ---- downloads --------------------------------------------------------------------------------- */
@@ -446,7 +368,7 @@ static void candidate_drop(s3_hub *h, candidate *c, seen_state state)
     else if (c->is_global)
         h->global_download = 0;
     else
-        set_seen_state(h, c->rel, c->ver, state);
+        remote_seen_set(&h->seen, c->rel, c->ver, state);
     candidate_free(c);
 }
 
@@ -798,15 +720,7 @@ static void peek_done(s3_hub *h, s3_req *r, int ok)
         candidate_drop(h, c, SEEN_REJECTED);
     } else if (base != UINT64_MAX && base < h->step) {
         dl_log(DL_LOG_DEBUG, "hub", "stale delta not downloaded", "key=%s base_outer_step=%" PRIu64, c->key, base);
-        char *k = seen_key(c->rel, c->ver);
-        if (k != NULL) {
-            seen_entry *e = seen_find(&h->seen, k);
-            if (e != NULL) {
-                e->state = SEEN_DONE;
-                seen_persist(h, k);
-            }
-        }
-        free(k);
+        remote_seen_done(&h->seen, c->rel, c->ver);
         candidate_free(c);
     } else if (base != UINT64_MAX && base > h->step) {
         /* a later round's (or never ours): looked at again by later polls */
@@ -870,7 +784,7 @@ static void dset_shard_finished(s3_hub *h, hub_set *set, int ok, seen_state fail
         if (set->is_global)
             h->global_download = 0;
         else
-            set_seen_state(h, set->rel, set->ver, set->fail_state);
+            remote_seen_set(&h->seen, set->rel, set->ver, set->fail_state);
         hub_set_drop(&h->sets, set, h->closing);
         return;
     }
@@ -941,11 +855,7 @@ static void set_start_shards(s3_hub *h, candidate *c, const st_index *ix, const 
 
     if (verdict < 0) {
         dl_log(DL_LOG_DEBUG, "hub", "stale delta not downloaded", "key=%s base_outer_step=%" PRIu64, c->key, base);
-        set_seen_state(h, c->rel, c->ver, SEEN_DONE);
-        char *k = seen_key(c->rel, c->ver);
-        if (k != NULL)
-            seen_persist(h, k);
-        free(k);
+        remote_seen_done(&h->seen, c->rel, c->ver);
         candidate_free(c);
         return;
     }
@@ -1386,9 +1296,9 @@ static void listing_complete(s3_hub *h)
         snprintf(ver, sizeof(ver), "%s", b->etag);
         if (b->is_index && set_listed(h, b, &listed, &nlisted, ver, sizeof(ver)) != 0)
             continue;
-        char *k = seen_key(rel, ver);
+        char *k = remote_seen_key(rel, ver);
         int created = 0;
-        seen_entry *e = k ? seen_get(&h->seen, k, &created) : NULL;
+        seen_entry *e = k ? seen_get(&h->seen.map, k, &created) : NULL;
         free(k);
         /* new, or a later round's delta that is looked at again; pending, done or given up: not */
         if (e == NULL || (!created && e->state != SEEN_INCOMPLETE)) {
@@ -1399,7 +1309,7 @@ static void listing_complete(s3_hub *h)
         candidate *c = candidate_new(h, rel, b->key, b->etag, b->size);
         if (c == NULL) {
             listed_free(listed, nlisted);
-            set_seen_state(h, rel, ver, SEEN_REJECTED);
+            remote_seen_set(&h->seen, rel, ver, SEEN_REJECTED);
             continue;
         }
         snprintf(c->ver, sizeof(c->ver), "%s", ver);
@@ -2687,9 +2597,7 @@ static void s3_free(s3_hub *h)
     best_reset(h);
     while (h->sets)
         hub_set_free(&h->sets, h->sets);
-    if (h->seen_fd >= 0)
-        close(h->seen_fd);
-    seen_free(&h->seen);
+    remote_seen_close(&h->seen);
     free(h->endpoint);
     free(h->bucket);
     free(h->prefix);
@@ -2699,7 +2607,6 @@ static void s3_free(s3_hub *h)
         memset(h->secret, 0, strlen(h->secret));
     free(h->secret);
     free(h->state_dir);
-    free(h->seen_path);
     free(h->resume_after);
     free(h);
 }
@@ -2710,12 +2617,12 @@ static int s3_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
     extern const hub_ops hub_s3_ops;
     s3_hub *h;
     int rc;
-    char *incoming = NULL;
+    char *incoming = NULL, *seen_path = NULL;
 
     *out = NULL;
     if ((h = calloc(1, sizeof(*h))) == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-    h->seen_fd = -1;
+    h->seen.fd = -1;
     h->pub.fd = -1;
     if ((rc = s3_parse_url(cfg->url, &h->bucket, &h->prefix, err)) != 0)
         goto fail;
@@ -2770,8 +2677,8 @@ static int s3_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
         goto fail;
     free(incoming);
     incoming = NULL;
-    if (asprintf(&h->seen_path, "%s/s3_seen.tsv", h->state_dir) < 0) {
-        h->seen_path = NULL;
+    if (asprintf(&seen_path, "%s/s3_seen.tsv", h->state_dir) < 0) {
+        seen_path = NULL;
         goto oom;
     }
     if ((h->curl = cuv_new(loop)) == NULL)
@@ -2787,8 +2694,9 @@ static int s3_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
     h->max_header = cfg->max_header_bytes && cfg->max_header_bytes < ST_MAX_HEADER_SIZE ? cfg->max_header_bytes
                                                                                        : ST_MAX_HEADER_SIZE;
     h->published_known = -2;
-    seen_load(h);
-    h->seen_fd = open(h->seen_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    remote_seen_open(&h->seen, loop, seen_path);
+    free(seen_path);
+    seen_path = NULL;
     uv_timer_init(loop, &h->poll_timer);
     h->poll_timer.data = h;
     uv_timer_init(loop, &h->claim_timer);
@@ -2805,6 +2713,7 @@ oom:
     rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "cannot set up the S3 transport: out of memory");
 fail:
     free(incoming);
+    free(seen_path);
     s3_free(h);
     return rc;
 }
@@ -2857,7 +2766,7 @@ static void claim_timer_closed(uv_handle_t *t)
 static void close_when_idle(uv_timer_t *t)
 {
     s3_hub *h = t->data;
-    if (h->rm.inflight != NULL || h->handles > 1)
+    if (h->rm.inflight != NULL || h->handles > 1 || h->seen.writes > 0)
         return;
     if (h->pub.active)
         pub_finish(h, "stopped");

@@ -1,10 +1,12 @@
 #include "remote.h"
 
+#include <fcntl.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "dl_log.h"
 
@@ -261,4 +263,128 @@ void remote_cancel_all(remote *rm)
         else
             complete(r, 0);
     }
+}
+
+/* ---- the seen list ------------------------------------------------------------------------------ */
+
+void remote_seen_open(remote_seen *s, uv_loop_t *loop, const char *path)
+{
+    FILE *f = fopen(path, "r");
+    char line[2048];
+    int created;
+
+    memset(s, 0, sizeof(*s));
+    s->loop = loop;
+    if (f != NULL) {
+        while (fgets(line, sizeof(line), f) != NULL) {
+            size_t n = strcspn(line, "\n");
+            if (line[n] != '\n' && !feof(f)) {
+                /* longer than any key we write: skip the rest of it */
+                int c;
+                while ((c = fgetc(f)) != EOF && c != '\n')
+                    ;
+                continue;
+            }
+            line[n] = '\0';
+            if (strchr(line, '\t') == NULL)
+                continue;
+            seen_entry *e = seen_get(&s->map, line, &created);
+            if (e != NULL)
+                e->state = SEEN_DONE;
+        }
+        fclose(f);
+    }
+    s->fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+}
+
+void remote_seen_close(remote_seen *s)
+{
+    if (s->fd >= 0)
+        close(s->fd);
+    s->fd = -1;
+    seen_free(&s->map);
+}
+
+char *remote_seen_key(const char *rel, const char *version)
+{
+    char *k = NULL;
+    if (asprintf(&k, "%s\t%s", rel, version) < 0)
+        return NULL;
+    return k;
+}
+
+typedef struct seen_append {
+    uv_fs_t req;
+    remote_seen *s;
+    char *line;
+} seen_append;
+
+static void seen_appended(uv_fs_t *req)
+{
+    seen_append *a = req->data;
+
+    a->s->writes--;
+    uv_fs_req_cleanup(req);
+    free(a->line);
+    free(a);
+}
+
+/* A line appended (by the loop's file system pool, never blocking the loop). */
+static void seen_persist(remote_seen *s, const char *key)
+{
+    seen_append *a = malloc(sizeof(*a));
+
+    if (a == NULL || s->fd < 0 || asprintf(&a->line, "%s\n", key) < 0) {
+        free(a);
+        return;
+    }
+    a->s = s;
+    a->req.data = a;
+    uv_buf_t buf = uv_buf_init(a->line, (unsigned)strlen(a->line));
+    s->writes++;
+    if (uv_fs_write(s->loop, &a->req, s->fd, &buf, 1, -1, seen_appended) != 0) {
+        s->writes--;
+        free(a->line);
+        free(a);
+    }
+}
+
+void remote_seen_done(remote_seen *s, const char *rel, const char *version)
+{
+    char *k = remote_seen_key(rel, version);
+    int created;
+    seen_entry *e = k != NULL ? seen_get(&s->map, k, &created) : NULL;
+
+    if (e != NULL && e->state != SEEN_DONE) {
+        e->state = SEEN_DONE;
+        seen_persist(s, k);
+    }
+    free(k);
+}
+
+void remote_seen_set(remote_seen *s, const char *rel, const char *version, seen_state state)
+{
+    char *k = remote_seen_key(rel, version);
+    seen_entry *e = k != NULL ? seen_find(&s->map, k) : NULL;
+
+    if (e != NULL)
+        e->state = state;
+    free(k);
+}
+
+int remote_seen_decided(remote_seen *s, const char *rel, hub_outcome outcome)
+{
+    size_t rl = strlen(rel);
+
+    if (outcome == HUB_RETRY)
+        return 0;
+    /* the daemon knows the path; the version is the pending entry's */
+    for (size_t i = 0; i < s->map.cap; i++) {
+        seen_entry *e = &s->map.slots[i];
+        if (e->key && e->state == SEEN_PENDING && strncmp(e->key, rel, rl) == 0 && e->key[rl] == '\t') {
+            e->state = SEEN_DONE;
+            seen_persist(s, e->key);
+        }
+    }
+    return outcome == HUB_INCOMPLETE;
 }

@@ -20,6 +20,7 @@
 
 #include "curl_uv.h"
 #include "hub.h"
+#include "seen.h"
 
 #define REMOTE_MAX_BACKOFF 60.0        /* seconds */
 
@@ -100,6 +101,32 @@ void remote_go(remote_req *r, remote_fn cb, void *arg);
 void remote_req_end(remote_req *r);
 /* At close: stops every retry timer and cancels every transfer in flight (their callbacks run). */
 void remote_cancel_all(remote *rm);
+
+/* The seen list of a network transport: every listed (path, version) it has looked at, in memory
+ * for this run (seen.h), and the ones decided for good appended to a file, so that a restart does not
+ * download them again.  Each line of the file is "<path>\t<version>". */
+typedef struct remote_seen {
+    seen_map map;
+    uv_loop_t *loop;
+    int fd;                     /* the file, opened for appending (-1: decisions are kept for this run only) */
+    int writes;                 /* appends in flight: the transport's close waits for them */
+} remote_seen;
+
+/* Loads path (every entry done) and opens it for appending; a file that cannot be read or opened
+ * leaves the list in memory only. */
+void remote_seen_open(remote_seen *s, uv_loop_t *loop, const char *path);
+/* Closes the file and frees the list (no append may be in flight: writes is 0). */
+void remote_seen_close(remote_seen *s);
+/* "<rel>\t<version>", malloc'd (NULL when out of memory). */
+char *remote_seen_key(const char *rel, const char *version);
+/* rel's version is decided for good: done, and appended to the file once. */
+void remote_seen_done(remote_seen *s, const char *rel, const char *version);
+/* rel's version takes state for this run only (not written: a restart looks again). */
+void remote_seen_set(remote_seen *s, const char *rel, const char *version, seen_state state);
+/* hub_ops.mark_done: the daemon decided rel, so its pending versions are done for good (unless it
+ * was our own failure, HUB_RETRY: they stay pending for this run).  1 when an HUB_INCOMPLETE outcome
+ * is final (a download was verified against the listing, so one found short stays short). */
+int remote_seen_decided(remote_seen *s, const char *rel, hub_outcome outcome);
 
 /* Records a failure (counted each time, logged when it differs from the last one). */
 void remote_error(remote *rm, const char *fmt, ...) __attribute__((format(printf, 2, 3)));

@@ -14,7 +14,9 @@
 
 #include "hub.h"
 #include "index_parse.h"
+#include "remote.h"
 #include "round.h"
+#include "seen.h"
 #include "st_index.h"
 #include "stepcount.h"
 
@@ -831,4 +833,69 @@ TEST(file_transport_parses_an_index_once_per_version_and_hands_the_parse_over)
     CHECK(hub_get_status(fx.h)->index_parses >= 3);
     index_parse_release(first);
     CHECK_EQ(fixture_close(&fx, &ev), 0);
+}
+
+/* hub/remote.c's seen list, on a real loop: decisions are appended once, a restart loads them done,
+ * the daemon's verdict settles the pending versions of a path only, and an overlong line in the file
+ * is skipped whole. */
+TEST(remote_seen_list_persists_what_is_decided)
+{
+    static char path[400];
+    uv_loop_t loop;
+    remote_seen s;
+    int created;
+    FILE *f;
+
+    snprintf(path, sizeof(path), "%s/seen.tsv", test_dir());
+    CHECK((f = fopen(path, "w")) != NULL);
+    fprintf(f, "nodes/a/delta_1.safetensors\tv1\n");
+    for (int i = 0; i < 3000; i++)
+        fputc('x', f);
+    fprintf(f, "\tlong\nno-tab-line\nnodes/b/delta_1.safetensors\tv9\n");
+    fclose(f);
+    CHECK_EQ(uv_loop_init(&loop), 0);
+    remote_seen_open(&s, &loop, path);
+    CHECK(s.fd >= 0);
+    CHECK_EQ(s.map.count, 2);
+    CHECK_EQ(seen_find(&s.map, "nodes/a/delta_1.safetensors\tv1")->state, SEEN_DONE);
+    CHECK(seen_find(&s.map, "nodes/b/delta_1.safetensors\tv9") != NULL);
+
+    /* listed now: pending, then refused for this run only (not written) */
+    seen_get(&s.map, "nodes/c/delta_2.safetensors\tv2", &created)->state = SEEN_PENDING;
+    remote_seen_set(&s, "nodes/c/delta_2.safetensors", "v2", SEEN_REJECTED);
+    CHECK_EQ(seen_find(&s.map, "nodes/c/delta_2.safetensors\tv2")->state, SEEN_REJECTED);
+    /* decided for good: written once, however often it is said */
+    remote_seen_done(&s, "nodes/d/delta_3.safetensors", "v3");
+    remote_seen_done(&s, "nodes/d/delta_3.safetensors", "v3");
+    /* the daemon's verdict: our own failure keeps it pending; any other settles that path's pending ones */
+    seen_get(&s.map, "nodes/e/delta_4.safetensors\tv4", &created)->state = SEEN_PENDING;
+    seen_get(&s.map, "nodes/e/delta_40.safetensors\tv5", &created)->state = SEEN_PENDING;
+    CHECK_EQ(remote_seen_decided(&s, "nodes/e/delta_4.safetensors", HUB_RETRY), 0);
+    CHECK_EQ(seen_find(&s.map, "nodes/e/delta_4.safetensors\tv4")->state, SEEN_PENDING);
+    CHECK_EQ(remote_seen_decided(&s, "nodes/e/delta_4.safetensors", HUB_INCOMPLETE), 1);
+    CHECK_EQ(seen_find(&s.map, "nodes/e/delta_4.safetensors\tv4")->state, SEEN_DONE);
+    CHECK_EQ(seen_find(&s.map, "nodes/e/delta_40.safetensors\tv5")->state, SEEN_PENDING);
+    CHECK_EQ(remote_seen_decided(&s, "nodes/e/delta_40.safetensors", HUB_TAKEN), 0);
+    CHECK(s.writes > 0);
+    CHECK_EQ(uv_run(&loop, UV_RUN_DEFAULT), 0);                 /* the appends complete */
+    CHECK_EQ(s.writes, 0);
+    remote_seen_close(&s);
+
+    /* a restart: what was decided is done, what was refused for a run is not there */
+    remote_seen_open(&s, &loop, path);
+    CHECK_EQ(seen_find(&s.map, "nodes/d/delta_3.safetensors\tv3")->state, SEEN_DONE);
+    CHECK_EQ(seen_find(&s.map, "nodes/e/delta_4.safetensors\tv4")->state, SEEN_DONE);
+    CHECK_EQ(seen_find(&s.map, "nodes/e/delta_40.safetensors\tv5")->state, SEEN_DONE);
+    CHECK(seen_find(&s.map, "nodes/c/delta_2.safetensors\tv2") == NULL);
+    CHECK_EQ(s.map.count, 5);
+    remote_seen_close(&s);
+    /* the file holds each decision once */
+    CHECK((f = fopen(path, "r")) != NULL);
+    char line[4096];
+    int d3 = 0;
+    while (fgets(line, sizeof(line), f) != NULL)
+        d3 += strcmp(line, "nodes/d/delta_3.safetensors\tv3\n") == 0;
+    fclose(f);
+    CHECK_EQ(d3, 1);
+    CHECK_EQ(uv_loop_close(&loop), 0);
 }
