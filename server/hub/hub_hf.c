@@ -1759,7 +1759,6 @@ static void pub_send(hf_hub *h, hf_req *r, sbuf *b, const char *content_type, hf
     remote_req_header(r, line);
     if (strstr(content_type, "git-lfs") != NULL)
         remote_req_header(r, "Accept: application/vnd.git-lfs+json");
-    r->retry_forever = 1;
     req_go(h, r, cb, NULL);
 }
 
@@ -1844,7 +1843,6 @@ static void pub_after_upload(hf_hub *h)
     r->auth = url_on_endpoint(h->endpoint, href);
     remote_req_header(r, "Content-Type: application/vnd.git-lfs+json");
     remote_req_header(r, "Accept: application/vnd.git-lfs+json");
-    r->retry_forever = 1;
     req_go(h, r, verify_lfs_done, NULL);
 }
 
@@ -1926,7 +1924,6 @@ static void multipart_next(hf_hub *h)
         r->src_len = off + p->chunk <= p->size ? p->chunk : p->size - off;
         r->auth = 0;            /* pre-signed storage URLs: never our token */
         r->api = 0;
-        r->retry_forever = 1;
         req_go(h, r, part_done, NULL);
         return;
     }
@@ -2008,7 +2005,6 @@ static void batch_done(hf_hub *h, hf_req *r, int ok)
     pr->src_len = p->size;
     pr->auth = 0;
     pr->api = 0;
-    pr->retry_forever = 1;
     req_go(h, pr, basic_put_done, NULL);
 }
 
@@ -2105,7 +2101,6 @@ static void pub_batch(hf_hub *h)
     free(body);
     remote_req_header(br, "Content-Type: application/vnd.git-lfs+json");
     remote_req_header(br, "Accept: application/vnd.git-lfs+json");
-    br->retry_forever = 1;
     req_go(h, br, batch_done, NULL);
 }
 
@@ -2205,7 +2200,6 @@ static void pub_list_global(hf_hub *h)
         pub_finish(h, 0);
         return;
     }
-    r->retry_forever = 1;
     req_go(h, r, pub_list_global_done, NULL);
 }
 
@@ -2236,7 +2230,6 @@ static void pub_revision(hf_hub *h)
         pub_finish(h, 0);
         return;
     }
-    r->retry_forever = 1;
     req_go(h, r, pub_revision_done, NULL);
 }
 
@@ -2275,7 +2268,6 @@ static void pub_check(hf_hub *h)
     }
     r->follow = 1;
     r->api = 0;
-    r->retry_forever = 1;
     r->body_cap = STEPFILE_BODY_CAP;
     req_go(h, r, pub_check_done, NULL);
 }

@@ -152,7 +152,7 @@ static void retry_or_fail(remote_req *r, const cuv_xfer *x)
     r->attempt++;
     rm->ops->describe(x, why, sizeof(why));
     remote_error(rm, "%s %s: %s", r->method, r->what, why);
-    if (!r->retry_forever && r->attempt >= r->max_attempts) {
+    if (r->attempt >= r->max_attempts) {
         complete(r, 0);
         return;
     }

@@ -1,8 +1,10 @@
 /* remote: what the network transports (hub_hf.c, hub_s3.c) share of talking to their server, written
  * once so that the two cannot drift apart:
  *   - the retrying request: one policy for what counts as success (a 2xx answer), what is tried
- *     again (no answer, 408, 429, 5xx) and how long to wait (the server's Retry-After, else an
- *     exponential backoff with jitter, at most REMOTE_MAX_BACKOFF);
+ *     again (no answer, 408, 429, 5xx), how long to wait (the server's Retry-After, else an
+ *     exponential backoff with jitter, at most REMOTE_MAX_BACKOFF) and how often (max_attempts: a
+ *     request never retries for ever; a publish that fails is tried again whole by the daemon, with
+ *     its own backoff, for the newest step);
  *   - failures recorded in the transport's hub_status (last_error, errors) and logged at error
  *     level when they change, not at every poll that repeats them.
  * A transport supplies a small table (remote_ops): its credentials for each attempt (a bearer
@@ -77,7 +79,6 @@ struct remote_req {
     int auth;                   /* send the transport's credentials */
     int follow;                 /* follow redirects */
     int api;                    /* count as an API call (else a resolver call: storage, CDN) */
-    int retry_forever;          /* transient failures never end it (publishing) */
     int max_attempts, attempt;
     uv_timer_t timer;
     int timer_open;

@@ -528,6 +528,21 @@ def case_5xx_publishing(run):
     run.check(min_faults=10)
 
 
+def case_publish_outage_retried_whole(run):
+    """The commit endpoint fails 7 times in a row: the publish's commit request gives up after its 5
+    attempts (no request retries for ever), the daemon counts a failed publish and publishes again
+    after its backoff, for the newest step, and the second publish goes through."""
+    def install(prepared):
+        run.fault(status=503, path_regex=COMMIT, count=7)
+    run.round(install)
+    with urllib.request.urlopen(run.d.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    errors = int(re.search(r"^dilocod_publish_errors_total (\d+)$", text, re.M).group(1))
+    assert errors >= 1, text
+    assert "publish failed, will retry" in run.d.log_text(), run.d.diag()
+    run.check(min_faults=7)
+
+
 def case_429_retry_after(run):
     def install(prepared):
         run.fault(status=429, retry_after=2, path_regex=REV, count=1)
@@ -682,6 +697,7 @@ def case_mixed_random(run):
 FAULT_CASES = {
     "5xx_polling": case_5xx_polling,
     "5xx_publishing": case_5xx_publishing,
+    "publish_outage_retried_whole": case_publish_outage_retried_whole,
     "429_retry_after": case_429_retry_after,
     "429_ratelimit_t": case_429_ratelimit_t,
     "drop_mid_body": case_drop_mid_body,
