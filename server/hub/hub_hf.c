@@ -140,6 +140,7 @@ struct hf_hub {
     int waiting;
     int polling;                /* a poll cycle is running */
     remote_seen seen;           /* every listed (path, version) looked at, the decided ones in a file */
+    remote_global_gate gate;    /* the global last handed over: not fetched again at every poll */
     candidate *queue, *retry;   /* to peek/download; failed ones waiting for the next poll */
     unsigned active_downloads;
     remote rm;                  /* requests: retries, failures, every one in flight */
@@ -620,6 +621,7 @@ static void verify_after(uv_work_t *w, int status)
             dset_finished(h, c->set, 1);
         } else if (c->is_global) {
             h->global_download = 0;
+            remote_global_handed(&h->gate, c->step, c->ver, uv_now(h->loop), h->poll_interval);
             h->cb.global_ready(h->app, c->step, c->part);
         } else {
             hub_delta d = {.rel = c->rel, .path = c->part, .root = NULL, .owned = 1};
@@ -873,6 +875,7 @@ static void dset_finished(hf_hub *h, hub_set *set, int ok)
     }
     if (set->is_global) {
         h->global_download = 0;
+        remote_global_handed(&h->gate, set->step, set->ver, uv_now(h->loop), h->poll_interval);
         h->cb.global_ready(h->app, set->step, set->index_path);
     } else {
         hub_set_hand_over(set, &h->cb, h->app);
@@ -1635,6 +1638,12 @@ static void global_list_done(hf_hub *h, hf_req *r, int ok)
     if (c == NULL) {
         set_error(h, "the Hub's global/ listing has no usable %s",
                   h->adopt_sharded ? "latest.safetensors.index.json" : "latest.safetensors");
+        global_given_up(h);
+        return;
+    }
+    if (!remote_global_may_fetch(&h->gate, c->step, c->ver, uv_now(h->loop))) {
+        /* handed over before and not adopted: listed again at later polls, fetched after the backoff */
+        candidate_free(c);
         global_given_up(h);
         return;
     }

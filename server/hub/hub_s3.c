@@ -190,6 +190,7 @@ struct s3_hub {
     uint64_t step;
     int waiting;
     remote_seen seen;           /* every listed (path, version) looked at, the decided ones in a file */
+    remote_global_gate gate;    /* the global last handed over: not fetched again at every poll */
     candidate *queue, *retry;
     unsigned active_downloads;
     int global_download;
@@ -456,6 +457,7 @@ static void adopt_confirm_done(s3_hub *h, s3_req *r, int ok)
         step == c->step) {
         remote_req_end(r);
         h->global_download = 0;
+        remote_global_handed(&h->gate, c->step, c->ver, uv_now(h->loop), h->poll_interval);
         h->cb.global_ready(h->app, c->step, c->part);
         candidate_free(c);
         return;
@@ -1061,6 +1063,16 @@ static void enqueue(s3_hub *h, candidate *c)
     *t = c;
 }
 
+/* A global handed over before and not adopted waits for its backoff (remote_global_gate): listed
+ * again at later polls, fetched once it has passed. */
+static void enqueue_global(s3_hub *h, candidate *c)
+{
+    if (remote_global_may_fetch(&h->gate, c->step, c->ver, uv_now(h->loop)))
+        enqueue(h, c);
+    else
+        candidate_free(c);
+}
+
 /* ---- polling ----------------------------------------------------------------------------------- */
 
 static void poll_finish(s3_hub *h)
@@ -1469,7 +1481,7 @@ static void adopt_set(s3_hub *h, const s3_listing *l, const char *dir, uint64_t 
     c->step = step;
     c->listed = listed;
     c->nlisted = n;
-    enqueue(h, c);
+    enqueue_global(h, c);
 }
 
 static void global_list_done(s3_hub *h, s3_req *r, int ok)
@@ -1501,7 +1513,7 @@ static void global_list_done(s3_hub *h, s3_req *r, int ok)
         if (c != NULL) {
             c->is_global = 1;
             c->step = step;
-            enqueue(h, c);
+            enqueue_global(h, c);
         }
         break;
     }

@@ -388,3 +388,29 @@ int remote_seen_decided(remote_seen *s, const char *rel, hub_outcome outcome)
     }
     return outcome == HUB_INCOMPLETE;
 }
+
+/* ---- the global offered while the daemon waits ---------------------------------------------------- */
+
+static int same_global(const remote_global_gate *g, uint64_t step, const char *version)
+{
+    return g->offers > 0 && g->step == step && strcmp(g->version, version) == 0;
+}
+
+int remote_global_may_fetch(const remote_global_gate *g, uint64_t step, const char *version, uint64_t now_ms)
+{
+    return !same_global(g, step, version) || now_ms >= g->not_before;
+}
+
+void remote_global_handed(remote_global_gate *g, uint64_t step, const char *version, uint64_t now_ms,
+                          double poll_interval)
+{
+    if (same_global(g, step, version)) {
+        g->offers++;
+    } else {
+        snprintf(g->version, sizeof(g->version), "%s", version);
+        g->step = step;
+        g->offers = 1;
+    }
+    double wait = fmax(poll_interval, 0.05) * ldexp(1.0, g->offers < 20 ? (int)g->offers : 20);
+    g->not_before = now_ms + (uint64_t)(fmin(wait, REMOTE_GLOBAL_BACKOFF_MAX) * 1000);
+}

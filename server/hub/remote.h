@@ -129,6 +129,26 @@ void remote_seen_set(remote_seen *s, const char *rel, const char *version, seen_
  * is final (a download was verified against the listing, so one found short stays short). */
 int remote_seen_decided(remote_seen *s, const char *rel, hub_outcome outcome);
 
+/* The global a transport offers while the daemon waits for one.  A global handed over and then
+ * asked for again was not adopted (its step out of bounds, its header over the cap, a damaged
+ * file): the same version at the same step is downloaded again only after a backoff that doubles
+ * from twice the poll interval up to REMOTE_GLOBAL_BACKOFF_MAX, so a planted global that can never be
+ * adopted costs one download per backoff instead of one per poll.  Another version or step is
+ * fetched at once. */
+#define REMOTE_GLOBAL_BACKOFF_MAX 3600.0        /* seconds */
+typedef struct remote_global_gate {
+    char version[96];           /* the one last handed over ("": none) */
+    uint64_t step;
+    unsigned offers;            /* times in a row it was handed over */
+    uint64_t not_before;        /* loop ms: not fetched again before */
+} remote_global_gate;
+
+/* 1 when the global of step and version may be downloaded at now_ms. */
+int remote_global_may_fetch(const remote_global_gate *g, uint64_t step, const char *version, uint64_t now_ms);
+/* The transport hands the global of step and version over (global_ready). */
+void remote_global_handed(remote_global_gate *g, uint64_t step, const char *version, uint64_t now_ms,
+                          double poll_interval);
+
 /* Records a failure (counted each time, logged when it differs from the last one). */
 void remote_error(remote *rm, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* An exponential backoff's step with jitter: base scaled by a factor in [0.75, 1.25). */

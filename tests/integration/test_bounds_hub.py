@@ -352,6 +352,36 @@ def test_s3_step_without_a_writable_successor_is_not_adopted(tmp_path, s3):
         assert d.stop() == 0
 
 
+def hub_requests(d, route):
+    """dilocod_hub_requests_total of one route, every code."""
+    text = requests.get(d.url + "/metrics", timeout=30).text
+    return sum(int(n) for n in re.findall(r'^dilocod_hub_requests_total\{route="%s",code="\d+"\} (\d+)$' % route,
+                                          text, re.M))
+
+
+def test_s3_global_never_adoptable_is_not_downloaded_at_every_poll(tmp_path, s3):
+    """A planted global that can never be adopted (its step past the bound): the transport hands it
+    over, the daemon refuses it, and the same version is fetched again only after a backoff that
+    doubles from twice the poll interval.  Before, it was downloaded at every poll (a 90 MiB global
+    cost 90 MiB a poll).  Counted against the polls themselves (the step file's reads), so no clock is
+    involved: 20 polls see at most a handful of downloads, and at least two refusals (it is still
+    looked at).  A new version is fetched at once."""
+    model = small_model()
+    d = s3_start(tmp_path, s3, "bounds/gate", "--poll-interval", "0.1")
+    s3_publish(d, single_global(model, 2**53 - 1))
+    d.start()
+    try:
+        wait_status(d, lambda st: hub_requests(d, "step_count") >= 20, "20 polls")
+        polls, downloads = hub_requests(d, "step_count"), hub_requests(d, "download")
+        refused = metric(d, "dilocod_adoptions_refused_total") or 0
+        print(f"{polls} polls, {downloads} downloads of the global, {refused} refusals")
+        assert 2 <= refused and downloads <= polls // 3, (polls, downloads, refused)
+        s3_publish(d, single_global(model, 5))
+        wait_adopted(d, 5)
+    finally:
+        assert d.stop() == 0
+
+
 def test_s3_sharded_global_header_over_the_cap_is_refused_unread(tmp_path, s3):
     pad, pattern, read_kib = SHARDED_CASES["one_shard_over_the_cap"]
     model = small_model()
