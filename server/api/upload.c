@@ -1508,54 +1508,24 @@ static void complete_work(daemon_job *j)
     complete_args *a = j->arg;
     const stage *s = a->s;
     st_index *ix = NULL;
-    st_file **files = NULL;
     st_set *set = NULL;
-    char *ipath = NULL, *spath = NULL, name[PART_NAME_MAX];
-    int rc = 0;
+    char *ipath = NULL;
+    uint64_t shard_bytes = 0;
 
     a->st = INTAKE_INVALID;
     if (asprintf(&ipath, "%s/delta_%" PRIu64 ST_INDEX_SUFFIX, s->dir, s->local_step) < 0) {
         ipath = NULL;
-        rc = dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-        goto out;
-    }
-    if ((rc = st_index_load(ipath, &ix, &j->err)) != 0)
-        goto out;
-    if ((files = calloc(ix->nshards, sizeof(*files))) == NULL) {
-        rc = dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-        goto out;
-    }
-    a->size = s->index_bytes;
-    for (uint32_t i = 0; i < ix->nshards && rc == 0; i++) {
-        st_index_shard_name(ix->base, i, ix->nshards, name, sizeof(name));
-        free(spath);
-        if (asprintf(&spath, "%s/%s", s->dir, name) < 0) {
-            spath = NULL;
-            rc = dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-        } else if ((rc = st_open(spath, &files[i], &j->err)) == 0) {
-            a->size += files[i]->file_size;
-        }
-    }
-    if (rc != 0) {
-        for (uint32_t i = 0; i < ix->nshards; i++)
-            st_close(files[i]);
-        free(files);
-        goto out;
-    }
-    rc = st_set_assemble(ipath, ix, files, &set, &j->err);      /* owns ix and files from here */
-    ix = NULL;
-    if (rc != 0)
-        goto out;
-    if ((rc = delta_check_set_header(set, a->gby, a->ngby, a->rel, &a->info, &j->err)) != 0)
-        goto out;
-    a->st = intake_link_set_into_cache(j->d->st.dir, &a->info, s->dir, set->index, &a->cache_path, &j->err);
-out:
-    if (rc != 0 && (j->err.code == DL_E_IO || j->err.code == DL_E_NO_MEMORY))
+        dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
         a->st = INTAKE_IO;
+    } else if (st_index_load(ipath, &ix, &j->err) != 0) {
+        a->st = j->err.code == DL_E_IO || j->err.code == DL_E_NO_MEMORY ? INTAKE_IO : INTAKE_INVALID;
+    } else if ((a->st = intake_check_set_dir(s->dir, ix, a->gby, a->ngby, a->rel, &a->info, &set, &shard_bytes,
+                                             &j->err)) == INTAKE_OK) {
+        a->size = s->index_bytes + shard_bytes;
+        a->st = intake_link_set_into_cache(j->d->st.dir, &a->info, s->dir, set->index, &a->cache_path, &j->err);
+    }
     st_set_close(set);
-    st_index_free(ix);
     free(ipath);
-    free(spath);
 }
 
 static void complete_done(daemon_job *j)

@@ -1063,58 +1063,65 @@ static void remove_stage(const char *stage)
     rmdir(stage);
 }
 
-/* The staged copies opened as one set (takes ix) and checked as a whole against the global. */
-static intake_status check_staged(intake_req *r, const char *stage, st_index *ix, const st_tensor *const *global,
-                                  size_t nglobal, st_set **set)
+/* An open that failed: the set's fault unless it was ours (an I/O error, no memory). */
+static intake_status open_failure(const dl_error *err)
+{
+    return err->code == DL_E_IO || err->code == DL_E_NO_MEMORY ? INTAKE_IO : INTAKE_INVALID;
+}
+
+intake_status intake_check_set_dir(const char *dir, st_index *ix, const st_tensor *const *global, size_t nglobal,
+                                   const char *rel, delta_info *info, st_set **set, uint64_t *shard_bytes,
+                                   dl_error *err)
 {
     char *path = NULL;
     st_file **files;
     uint32_t opened = 0;
+    uint64_t bytes = 0;
 
     *set = NULL;
-    if ((files = calloc(ix->nshards, sizeof(*files))) == NULL) {
+    if ((files = calloc(ix->nshards ? ix->nshards : 1, sizeof(*files))) == NULL) {
         st_index_free(ix);
-        return io_fail(r, ENOMEM, "out of memory");
+        dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        return INTAKE_IO;
     }
     for (; opened < ix->nshards; opened++) {
         char name[ST_INDEX_BASE_MAX + 40];
         st_index_shard_name(ix->base, opened, ix->nshards, name, sizeof(name));
         free(path);
-        if (asprintf(&path, "%s/%s", stage, name) < 0) {
+        if (asprintf(&path, "%s/%s", dir, name) < 0) {
             path = NULL;
+            dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
             break;
         }
-        if (st_open(path, &files[opened], &r->err) != 0)
+        if (st_open(path, &files[opened], err) != 0)
             break;
-        if (st_file_lazy(files[opened], &r->err) != 0) {  /* not every shard's descriptor at once */
+        bytes += files[opened]->file_size;
+        if (st_file_lazy(files[opened], err) != 0) {
             st_close(files[opened]);
             break;
         }
     }
-    if (opened < ix->nshards) {         /* our own copy, just written: our side failed */
-        if (path == NULL)
-            io_fail(r, ENOMEM, "out of memory");
-        for (uint32_t i = 0; i < opened; i++)
-            st_close(files[i]);
-        free(files);
-        free(path);
-        st_index_free(ix);
-        return INTAKE_IO;
-    }
     free(path);
-    if (asprintf(&path, "%s/%s" ST_INDEX_SUFFIX, stage, ix->base) < 0) {
+    path = NULL;
+    if (opened == ix->nshards && asprintf(&path, "%s/%s" ST_INDEX_SUFFIX, dir, ix->base) < 0) {
+        path = NULL;
+        dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    }
+    if (path == NULL) {
         for (uint32_t i = 0; i < opened; i++)
             st_close(files[i]);
         free(files);
         st_index_free(ix);
-        return io_fail(r, ENOMEM, "out of memory");
+        return open_failure(err);
     }
-    int rc = st_set_assemble(path, ix, files, set, &r->err);
+    int rc = st_set_assemble(path, ix, files, set, err);        /* owns ix and files from here */
     free(path);
     if (rc != 0)
+        return open_failure(err);
+    if (delta_check_set_header(*set, global, nglobal, rel, info, err) != 0)
         return INTAKE_INVALID;
-    if (delta_check_set_header(*set, global, nglobal, r->rel_path, NULL, &r->err) != 0)
-        return INTAKE_INVALID;
+    if (shard_bytes != NULL)
+        *shard_bytes = bytes;
     return INTAKE_OK;
 }
 
@@ -1272,7 +1279,7 @@ static intake_status intake_set(intake_req *r)
         st = io_fail(r, ENOMEM, "out of memory");
         goto out;
     }
-    st = check_staged(r, stage, owned, global, nglobal, &set);
+    st = intake_check_set_dir(stage, owned, global, nglobal, r->rel_path, NULL, &set, NULL, &r->err);
     if (st == INTAKE_OK)
         st = intake_link_set_into_cache(r->state_dir, &r->info, stage, set->index, &r->cache_path, &r->err);
 out:

@@ -104,6 +104,16 @@ char *intake_cache_path(const char *state_dir, const delta_info *info);
 /* Cache path of a sharded delta's index:
  * <state_dir>/cache/deltas/s<base>/<node>/delta_<local>.safetensors.index.json */
 char *intake_cache_index_path(const char *state_dir, const delta_info *info);
+/* The shards of a set staged in dir (the files ix names, which it takes) opened as one set, each
+ * shard's descriptor held only while it is read (not every shard's at once: st_file_lazy), and
+ * checked as a whole against the global's tensors: every listed tensor in its shard and in no other,
+ * total_size, the metadata against rel, the keys against the global's floating ones (info, when not
+ * NULL, receives the metadata).  *shard_bytes (when not NULL) receives the shards' sizes together.
+ * The one check of a staged set: intake's (file://, hf://, s3://) and the HTTP upload's.
+ * INTAKE_OK and *set; INTAKE_INVALID (the set's fault) or INTAKE_IO (ours), err says why. */
+intake_status intake_check_set_dir(const char *dir, st_index *ix, const st_tensor *const *global, size_t nglobal,
+                                   const char *rel, delta_info *info, st_set **set, uint64_t *shard_bytes,
+                                   dl_error *err);
 /* Links a checked, fsynced set into the cache: dir/<every shard ix lists>, then
  * dir/<ix->base>.safetensors.index.json, under the same names in the node's cache directory (ix->base
  * must be delta_<local>: the index's text names its shards), then fsyncs that directory.
