@@ -1033,14 +1033,6 @@ static void index_retry(hf_hub *h, candidate *c)
         set_drop(h, c, SEEN_REJECTED);
 }
 
-/* A delta index is bounded by the open round's model (st_index_cap_for); a global's lists every
- * tensor, so it keeps the format's cap. */
-static size_t index_cap(const hf_hub *h, const candidate *c)
-{
-    size_t cap = h->limits.delta_index_bytes;
-    return c->is_global || cap == 0 || cap > ST_INDEX_MAX_BYTES ? ST_INDEX_MAX_BYTES : cap;
-}
-
 /* The index checked and parsed (hub_set_parse_index): the download stays counted in
  * active_downloads until here. */
 static void index_parsed(hub_index_job *j)
@@ -1105,7 +1097,8 @@ static void index_done(hf_hub *h, hf_req *r, int ok)
     size_t len = x->body.len;
     char *text = sb_take(&x->body);
     remote_req_end(r);
-    hub_index_job *j = hub_index_job_new(text, len, c->rel, index_cap(h, c), index_parsed, h, c);
+    size_t cap = hub_set_index_cap(&h->limits, c->is_global);
+    hub_index_job *j = hub_index_job_new(text, len, c->rel, cap, index_parsed, h, c);
     if (j != NULL)
         j->verify = index_matches_listing;
     if (j == NULL || hub_index_job_queue(h->loop, j) != 0) {
@@ -1122,7 +1115,7 @@ static void index_done(hf_hub *h, hf_req *r, int ok)
 static void start_index(hf_hub *h, candidate *c)
 {
     char *url, line[160];
-    size_t cap = index_cap(h, c);
+    size_t cap = hub_set_index_cap(&h->limits, c->is_global);
     hf_req *r;
 
     if (c->size > cap) {

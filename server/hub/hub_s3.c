@@ -910,14 +910,6 @@ static void set_start_shards(s3_hub *h, candidate *c, const st_index *ix, const 
     candidate_free(c);
 }
 
-/* A delta index is bounded by the open round's model (st_index_cap_for); a global's lists every
- * tensor, so it keeps the format's cap. */
-static size_t index_cap(const s3_hub *h, const candidate *c)
-{
-    size_t cap = h->limits.delta_index_bytes;
-    return c->is_global || cap == 0 || cap > ST_INDEX_MAX_BYTES ? ST_INDEX_MAX_BYTES : cap;
-}
-
 /* The index parsed (hub_set_parse_index): the download stays counted in active_downloads until here. */
 static void index_parsed(hub_index_job *j)
 {
@@ -980,7 +972,8 @@ static void index_done(s3_hub *h, s3_req *r, int ok)
     size_t len = r->x->body.len;
     char *text = sb_take(&r->x->body);
     remote_req_end(r);
-    hub_index_job *j = hub_index_job_new(text, len, c->rel, index_cap(h, c), index_parsed, h, c);
+    size_t cap = hub_set_index_cap(&h->limits, c->is_global);
+    hub_index_job *j = hub_index_job_new(text, len, c->rel, cap, index_parsed, h, c);
     if (j == NULL || hub_index_job_queue(h->loop, j) != 0) {
         hub_index_job_free(j);
         h->active_downloads--;
@@ -995,7 +988,7 @@ static void index_done(s3_hub *h, s3_req *r, int ok)
 static void start_index(s3_hub *h, candidate *c)
 {
     char line[160], q[300];
-    size_t cap = index_cap(h, c);
+    size_t cap = hub_set_index_cap(&h->limits, c->is_global);
     s3_req *r;
 
     if (c->size > cap) {

@@ -66,6 +66,12 @@ int hub_set_base_verdict(const st_index *ix, uint64_t step, uint64_t *base)
     return *base != UINT64_MAX && *base > step ? 1 : 0;
 }
 
+size_t hub_set_index_cap(const hub_limits *lim, int is_global)
+{
+    size_t cap = lim->delta_index_bytes;
+    return is_global || cap == 0 || cap > ST_INDEX_MAX_BYTES ? ST_INDEX_MAX_BYTES : cap;
+}
+
 int hub_set_listed_shards(const st_index *ix, int (*listed)(const void *arg, const char *name, uint64_t *bytes),
                           const void *arg, char *name, size_t size, uint64_t *total)
 {

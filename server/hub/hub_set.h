@@ -40,6 +40,10 @@ int hub_set_version_end(hub_set_version *v, char *out, size_t size);
  * one without a usable base (intake judges it). */
 int hub_set_base_verdict(const st_index *ix, uint64_t step, uint64_t *base);
 
+/* The cap on an index a transport fetches: a delta's is bounded by the open round's model
+ * (st_index_cap_for, in lim); a global's lists every tensor, so it keeps the format's cap. */
+size_t hub_set_index_cap(const hub_limits *lim, int is_global);
+
 /* Looks up every shard the index lists with listed(arg, name, &bytes), which says whether the
  * listing shows it and its listed size.  1 and the first missing shard's name in name when the
  * listing lacks one; else 0 and *total the shards' listed sizes together (saturating), for the set's
