@@ -43,6 +43,7 @@
 #include "dl_log.h"
 #include "fsutil.h"
 #include "hub_file.h"
+#include "jobs.h"
 #include "seen.h"
 #include "st_index.h"
 #include "util.h"
@@ -85,7 +86,8 @@ struct file_hub {
     int64_t reported_step;
     int adopt_in_flight, publishing;
     int started;                /* start() ran: polling */
-    unsigned jobs, handles;     /* pool jobs out, handles open */
+    job_owner jobs;             /* pool jobs out (jobs.h) */
+    unsigned handles;           /* handles open */
     int closing;
     void (*close_done)(void *);
     void *close_arg;
@@ -110,65 +112,18 @@ static void set_error(file_hub *fh, const char *what, const dl_error *err)
            dl_log_q(q, sizeof(q), err->message));
 }
 
-/* ---- pool jobs --------------------------------------------------------------------------------- */
+/* ---- pool jobs (jobs.h): each one's file_hub is the owner's ------------------------------------ */
 
-typedef struct fjob fjob;
-typedef void (*fjob_fn)(fjob *);
-struct fjob {
-    uv_work_t req;
-    file_hub *fh;
-    fjob_fn work, done;
-    int rc;
-    dl_error err;
-    void *arg;
-    uint64_t step;
-    int flag;
-    char *path;
-};
+static file_hub *job_hub(const pool_job *j)
+{
+    return container_of(j->owner, file_hub, jobs);
+}
 
 static void maybe_free(file_hub *fh);
 
-static void fjob_work_cb(uv_work_t *req)
+static void jobs_drained(job_owner *o)
 {
-    fjob *j = container_of(req, fjob, req);
-    j->work(j);
-}
-
-static void fjob_after_cb(uv_work_t *req, int status)
-{
-    fjob *j = container_of(req, fjob, req);
-    file_hub *fh = j->fh;
-
-    if (status == UV_ECANCELED && j->rc == 0) {
-        j->rc = -DL_E_IO;
-        dl_fail(&j->err, DL_E_IO, NULL, 0, "cancelled");
-    }
-    fh->jobs--;
-    j->done(j);
-    free(j->path);
-    free(j);
-    maybe_free(fh);
-}
-
-static int queue_job(file_hub *fh, fjob_fn work, fjob_fn done, void *arg, uint64_t step, int flag)
-{
-    fjob *j = calloc(1, sizeof(*j));
-
-    if (j == NULL)
-        return -ENOMEM;
-    j->fh = fh;
-    j->work = work;
-    j->done = done;
-    j->arg = arg;
-    j->step = step;
-    j->flag = flag;
-    dl_error_clear(&j->err);
-    if (uv_queue_work(fh->loop, &j->req, fjob_work_cb, fjob_after_cb) != 0) {
-        free(j);
-        return -ENOMEM;
-    }
-    fh->jobs++;
-    return 0;
+    maybe_free(container_of(o, file_hub, jobs));
 }
 
 /* ---- the seen map: each version of each file is handled once ------------------------------------ */
@@ -419,12 +374,14 @@ typedef struct scan_result {
     dl_error published_err;
 } scan_result;
 
-static void scan_work(fjob *j)
+static void scan_work(pool_job *j)
 {
     scan_result *r = j->arg;
     /* the memo is only read here: the loop replaces it in scan_done, and one scan runs at a time */
-    j->rc = hubfile_scan(j->fh->root, j->fh->memo, j->fh->nmemo, &r->c, &r->n, &r->index_parses, &j->err);
-    r->published_rc = hubfile_read_published(j->fh->root, &r->published_present, &r->published_step,
+    file_hub *fh = job_hub(j);
+
+    j->rc = hubfile_scan(fh->root, fh->memo, fh->nmemo, &r->c, &r->n, &r->index_parses, &j->err);
+    r->published_rc = hubfile_read_published(fh->root, &r->published_present, &r->published_step,
                                              &r->published_sharded, &r->published_err);
 }
 
@@ -450,9 +407,9 @@ static void report_published(file_hub *fh, const scan_result *r)
     fh->cb.published_seen(fh->app, step);
 }
 
-static void scan_done(fjob *j)
+static void scan_done(pool_job *j)
 {
-    file_hub *fh = j->fh;
+    file_hub *fh = job_hub(j);
     scan_result *r = j->arg;
 
     fh->scan_in_flight = 0;
@@ -515,7 +472,7 @@ static void schedule_scan(file_hub *fh)
     }
     if ((r = calloc(1, sizeof(*r))) == NULL)
         return;
-    if (queue_job(fh, scan_work, scan_done, r, 0, 0) != 0) {
+    if (job_queue(&fh->jobs, scan_work, scan_done, r) != 0) {
         free(r);
         return;
     }
@@ -537,85 +494,102 @@ static void set_dir_of(char *index_path)
         *slash = '\0';
 }
 
-static void remove_copy(fjob *j)
+typedef struct adopt_args {
+    uint64_t step;
+    int sharded;
+    char *path;                 /* the copy: the file, or the index in a directory of its own */
+} adopt_args;
+
+static void remove_copy(file_hub *fh, adopt_args *a)
 {
     dl_error e;
 
-    if (!j->flag) {
-        unlink(j->path);
+    if (!a->sharded) {
+        unlink(a->path);
         return;
     }
-    set_dir_of(j->path);
-    if (hubfile_remove_dir(j->path, &e) != 0)
-        set_error(j->fh, "cannot remove a copy of the published global", &e);
+    set_dir_of(a->path);
+    if (hubfile_remove_dir(a->path, &e) != 0)
+        set_error(fh, "cannot remove a copy of the published global", &e);
 }
 
-static void adopt_work(fjob *j)
+static void adopt_work(pool_job *j)
 {
+    file_hub *fh = job_hub(j);
+    adopt_args *a = j->arg;
     /* another writer's files: copied through descriptors that never leave the tree, checked to be
      * safetensors files that did not change during the copy (the daemon then validates the copy); a
      * sharded global into a directory of its own */
-    int n = j->flag ? asprintf(&j->path, "%s/file-global-%" PRIu64 "/latest" ST_INDEX_SUFFIX, j->fh->incoming, j->step)
-                    : asprintf(&j->path, "%s/file-global-%" PRIu64 ".safetensors", j->fh->incoming, j->step);
+    int n = a->sharded ? asprintf(&a->path, "%s/file-global-%" PRIu64 "/latest" ST_INDEX_SUFFIX, fh->incoming, a->step)
+                       : asprintf(&a->path, "%s/file-global-%" PRIu64 ".safetensors", fh->incoming, a->step);
     if (n < 0) {
-        j->path = NULL;
+        a->path = NULL;
         j->rc = dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
         return;
     }
-    if (j->flag) {
-        char *dir = strdup(j->path);
+    if (a->sharded) {
+        char *dir = strdup(a->path);
         if (dir == NULL) {
             j->rc = dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
             return;
         }
         set_dir_of(dir);
-        j->rc = hubfile_copy_global_set(j->fh->root, dir, j->fh->max_header, &j->err);
+        j->rc = hubfile_copy_global_set(fh->root, dir, fh->max_header, &j->err);
         free(dir);
         return;
     }
-    j->rc = hubfile_copy_global(j->fh->root, j->path, j->fh->max_header, &j->err);
+    j->rc = hubfile_copy_global(fh->root, a->path, fh->max_header, &j->err);
 }
 
-static void adopt_done(fjob *j)
+static void adopt_done(pool_job *j)
 {
-    file_hub *fh = j->fh;
+    file_hub *fh = job_hub(j);
+    adopt_args *a = j->arg;
 
     fh->adopt_in_flight = 0;
-    if (j->rc != 0) {
-        set_error(fh, "cannot adopt the published global, will retry", &j->err);
-        return;                 /* still waiting: the next scan tries again */
-    }
-    if (fh->closing || !fh->waiting) {
-        remove_copy(j);
-        return;
-    }
-    fh->cb.global_ready(fh->app, j->step, j->path);
+    if (j->rc != 0)
+        set_error(fh, "cannot adopt the published global, will retry", &j->err);   /* the next scan tries again */
+    else if (fh->closing || !fh->waiting)
+        remove_copy(fh, a);
+    else
+        fh->cb.global_ready(fh->app, a->step, a->path);
+    free(a->path);
+    free(a);
 }
 
 static void start_adopt(file_hub *fh, uint64_t step, int sharded)
 {
-    if (fh->adopt_in_flight || fh->closing)
+    adopt_args *a;
+
+    if (fh->adopt_in_flight || fh->closing || (a = calloc(1, sizeof(*a))) == NULL)
         return;
-    if (queue_job(fh, adopt_work, adopt_done, NULL, step, sharded) == 0)
+    a->step = step;
+    a->sharded = sharded;
+    if (job_queue(&fh->jobs, adopt_work, adopt_done, a) == 0)
         fh->adopt_in_flight = 1;
+    else
+        free(a);
 }
 
 /* ---- publishing ---------------------------------------------------------------------------------- */
 
 typedef struct publish_args {
     char *src, *optimizer;
+    uint64_t step;
+    int bootstrap;
 } publish_args;
 
-static void publish_work(fjob *j)
+static void publish_work(pool_job *j)
 {
     publish_args *a = j->arg;
-    j->rc = hubfile_publish(j->fh->root, a->src, j->step, a->optimizer, j->flag, &j->err);
+    j->rc = hubfile_publish(job_hub(j)->root, a->src, a->step, a->optimizer, a->bootstrap, &j->err);
 }
 
-static void publish_done(fjob *j)
+static void publish_done(pool_job *j)
 {
-    file_hub *fh = j->fh;
+    file_hub *fh = job_hub(j);
     publish_args *a = j->arg;
+    uint64_t step = a->step;
 
     free(a->src);
     free(a->optimizer);
@@ -625,13 +599,13 @@ static void publish_done(fjob *j)
     if (j->rc == 0) {
         fh->st.last_publish = time(NULL);
         fh->reported = 1;               /* our own step: not reported back as a change */
-        fh->reported_step = (int64_t)j->step;
+        fh->reported_step = (int64_t)step;
     } else {
         fh->st.errors++;
         snprintf(fh->st.last_error, sizeof(fh->st.last_error), "publish: %.240s", j->err.message);
     }
     if (!fh->closing)
-        fh->cb.publish_done(fh->app, j->step, j->rc == 0 ? NULL : j->err.message);
+        fh->cb.publish_done(fh->app, step, j->rc == 0 ? NULL : j->err.message);
 }
 
 static void file_publish(hub *h, uint64_t step, const char *global_path, const char *optimizer, int bootstrap)
@@ -644,8 +618,12 @@ static void file_publish(hub *h, uint64_t step, const char *global_path, const c
         free(a);
         return;
     }
+    if (a != NULL) {
+        a->step = step;
+        a->bootstrap = bootstrap;
+    }
     if (a == NULL || (a->src = strdup(global_path)) == NULL || (a->optimizer = strdup(optimizer)) == NULL ||
-        queue_job(fh, publish_work, publish_done, a, step, bootstrap) != 0) {
+        job_queue(&fh->jobs, publish_work, publish_done, a) != 0) {
         if (a != NULL) {
             free(a->src);
             free(a->optimizer);
@@ -667,18 +645,18 @@ typedef struct prune_args {
     int64_t mtime_ns;
 } prune_args;
 
-static void prune_work(fjob *j)
+static void prune_work(pool_job *j)
 {
     prune_args *a = j->arg;
-    j->rc = hubfile_remove_delta(j->fh->root, a->rel, a->size, a->mtime_ns, a->ino, &j->err);
+    j->rc = hubfile_remove_delta(job_hub(j)->root, a->rel, a->size, a->mtime_ns, a->ino, &j->err);
 }
 
-static void prune_done(fjob *j)
+static void prune_done(pool_job *j)
 {
     prune_args *a = j->arg;
 
     if (j->rc < 0)
-        set_error(j->fh, "cannot prune a consumed delta", &j->err);
+        set_error(job_hub(j), "cannot prune a consumed delta", &j->err);
     else if (j->rc == 0)
         dl_log(DL_LOG_DEBUG, "hub", "delta pruned", "path=%s", a->rel);
     else
@@ -703,7 +681,7 @@ static void file_prune(hub *h, const char *rel)
     a->size = e->size;
     a->mtime_ns = e->mtime_ns;
     a->ino = e->ino;
-    if (queue_job(fh, prune_work, prune_done, a, 0, 0) != 0) {
+    if (job_queue(&fh->jobs, prune_work, prune_done, a) != 0) {
         free(a->rel);
         free(a);
     }
@@ -736,7 +714,7 @@ static void free_hub(file_hub *fh)
 
 static void maybe_free(file_hub *fh)
 {
-    if (fh->closing && fh->jobs == 0 && fh->handles == 0)
+    if (fh->closing && fh->jobs.in_flight == 0 && fh->handles == 0)
         free_hub(fh);
 }
 
@@ -762,6 +740,7 @@ static int file_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hu
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     fh->base.ops = &hub_file_ops;
     fh->loop = loop;
+    job_owner_init(&fh->jobs, loop, jobs_drained);
     fh->cb = *cb;
     fh->app = app;
     fh->poll_interval = cfg->poll_interval;
