@@ -1,5 +1,6 @@
 #include "daemon.h"
 #include "daemon_internal.h"
+#include "daemon_parts.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -29,8 +30,6 @@
 #include "stepcount.h"
 #include "store.h"
 
-#define MAX_INTAKE_IN_FLIGHT 2
-#define MAX_RETRY_SECONDS 60.0
 #define PROGRESS_SECONDS 2.0
 
 const char *daemon__state_name(dstate s)
@@ -49,20 +48,7 @@ static double now_s(dilocod *d)
     return (double)uv_now(&d->loop) / 1000.0;
 }
 
-static void maybe_finish_shutdown(dilocod *d);
-static void dispatch_intake(dilocod *d);
-static void maybe_close_round(dilocod *d);
-static void maybe_publish(dilocod *d);
-static void start_aggregation(dilocod *d);
-static void collecting_start(dilocod *d);
-static void round_open(dilocod *d);
-static void global_committed(dilocod *d);
-static void start_warm(dilocod *d);
-static void warm_async_cb(uv_async_t *h);
-
 /* ---- small pool jobs -------------------------------------------------------------------------- */
-
-typedef daemon_job job;
 
 static void job_work_cb(uv_work_t *req)
 {
@@ -81,7 +67,7 @@ static void job_after_cb(uv_work_t *req, int status)
     d->jobs_in_flight--;
     j->done(j);
     free(j);
-    maybe_finish_shutdown(d);
+    daemon__maybe_finish_shutdown(d);
 }
 
 int daemon__queue(dilocod *d, daemon_job_fn work, daemon_job_fn done, void *arg, uint64_t u, int flag)
@@ -106,7 +92,7 @@ int daemon__queue(dilocod *d, daemon_job_fn work, daemon_job_fn done, void *arg,
     return 0;
 }
 
-static void log_error(const char *component, const char *msg, const dl_error *e)
+void daemon__log_error(const char *component, const char *msg, const dl_error *e)
 {
     char m[600], t[300];
     dl_log(DL_LOG_ERROR, component, msg, "code=%s error=%s%s%s", dl_error_name(e->code),
@@ -130,7 +116,7 @@ static void unlink_cb(uv_fs_t *req)
 }
 
 /* Deletes a file without blocking the loop (libuv runs the unlink on its pool). */
-static void unlink_async(dilocod *d, const char *path)
+void daemon__unlink_async(dilocod *d, const char *path)
 {
     uv_fs_t *req = malloc(sizeof(*req));
     if (req == NULL || uv_fs_unlink(&d->loop, req, path, unlink_cb) != 0)
@@ -150,12 +136,12 @@ static void remove_done(job *j)
 /* Deletes a delta or a global of ours without blocking the loop: a file, or a set.  A set in the
  * cache goes as its index and shards; a transport's download (download = 1) as the directory that
  * holds only that set (hub.h). */
-static void discard_local(dilocod *d, const char *path, int download)
+void daemon__discard_local(dilocod *d, const char *path, int download)
 {
     char *p;
 
     if (!st_index_is_index_path(path)) {
-        unlink_async(d, path);
+        daemon__unlink_async(d, path);
         return;
     }
     p = download ? strndup(path, (size_t)(strrchr(path, '/') - path)) : strdup(path);
@@ -197,7 +183,7 @@ static intake_req *enqueue_intake(dilocod *d, const char *path, const char *rel,
 /* A delta the transport found: queued for intake.  A file of a shared tree (root set) is reached
  * from the root, never through a link; a download (owned) is removed after intake.  A set's index the
  * transport already parsed goes along (intake uses it while the file is that version). */
-static void on_delta_ready(void *app, const hub_delta *hd)
+void daemon__on_delta_ready(void *app, const hub_delta *hd)
 {
     dilocod *d = app;
     intake_req *r = enqueue_intake(d, hd->path, hd->rel, 0, hd->owned);
@@ -211,16 +197,16 @@ static void on_delta_ready(void *app, const hub_delta *hd)
     }
     if (r == NULL) {
         if (hd->owned)
-            discard_local(d, hd->path, 1);
+            daemon__discard_local(d, hd->path, 1);
         hub_mark_done(d->hub, hd->rel, HUB_RETRY, NULL);
         return;
     }
-    dispatch_intake(d);
+    daemon__dispatch_intake(d);
 }
 
 static void round_timer_cb(uv_timer_t *t);
 
-static void arm_round_timer(dilocod *d)
+void daemon__arm_round_timer(dilocod *d)
 {
     double deadline = round_deadline(&d->rnd), wait;
 
@@ -259,19 +245,19 @@ static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path,
                d->cfg->expected_nodes);
         stats_delta_taken(&d->m, v);
         if (replaced != NULL) {
-            discard_local(d, replaced, 0);
+            daemon__discard_local(d, replaced, 0);
             free(replaced);
         }
         if (first && d->rnd.timeout > 0)
-            arm_round_timer(d);
-        maybe_close_round(d);
+            daemon__arm_round_timer(d);
+        daemon__maybe_close_round(d);
         return v;
     }
     count_refusal(d, v);
     dl_log(v == ROUND_NOT_NEWER ? DL_LOG_INFO : DL_LOG_WARN, "round", "delta refused",
            "step=%" PRIu64 " node=%s local_step=%" PRIu64 " base_outer_step=%" PRIu64 " reason=%s", d->rnd.step,
            dl_log_q(qn, sizeof(qn), info->node_id), info->local_step, info->base_outer_step, round_verdict_name(v));
-    discard_local(d, cache_path, 0);    /* refused: its cached copy has no use */
+    daemon__discard_local(d, cache_path, 0);    /* refused: its cached copy has no use */
     free(cache_path);
     return v;
 }
@@ -341,7 +327,7 @@ static int pruning(const dilocod *d)
     return d->cfg->prune_consumed && d->hub != NULL && hub_can_prune(d->hub);
 }
 
-static void prune_now(dilocod *d, const char *rel)
+void daemon__prune_now(dilocod *d, const char *rel)
 {
     if (pruning(d))
         hub_prune(d->hub, rel);
@@ -361,7 +347,7 @@ static void remember_consumed(dilocod *d, const char *rel)
         d->nround_rels++;
 }
 
-static void free_rels(char **rels, size_t n)
+void daemon__free_rels(char **rels, size_t n)
 {
     for (size_t i = 0; i < n; i++)
         free(rels[i]);
@@ -393,7 +379,7 @@ static void intake_done(job *j)
         stats_index_parsed(&d->m);
     r->index_parsed = 0;        /* a request run again (below) counts its own parse */
     if (rewritten_in_round(d, r, &retry)) {
-        dispatch_intake(d);     /* taken in again, as the version it is now */
+        daemon__dispatch_intake(d);     /* taken in again, as the version it is now */
         return;
     }
     if (retry) {
@@ -420,7 +406,7 @@ static void intake_done(job *j)
             if (r->rel_path != NULL && (verdict == ROUND_ACCEPTED || verdict == ROUND_REPLACED))
                 remember_consumed(d, r->rel_path);      /* pruned once its step is durable */
             else if (r->rel_path != NULL && (verdict == ROUND_STALE || verdict == ROUND_NOT_NEWER))
-                prune_now(d, r->rel_path);              /* can never count: superseded or too old */
+                daemon__prune_now(d, r->rel_path);              /* can never count: superseded or too old */
         }
         break;
     case INTAKE_STALE:
@@ -437,9 +423,9 @@ static void intake_done(job *j)
                dl_log_q(qn, sizeof(qn), r->info.node_id),
                r->info.base_outer_step, d->rnd.step, intake_status_name(r->status));
         if (r->in_cache)
-            discard_local(d, r->src_path, 0);
+            daemon__discard_local(d, r->src_path, 0);
         if (r->status == INTAKE_STALE && r->rel_path != NULL)
-            prune_now(d, r->rel_path);
+            daemon__prune_now(d, r->rel_path);
         break;
     case INTAKE_DUPLICATE:
         dl_log(DL_LOG_DEBUG, "intake", "delta already taken in", "path=%s", name);
@@ -453,20 +439,20 @@ static void intake_done(job *j)
     case INTAKE_INVALID:
         daemon__rejected(d, name, &r->err);
         if (r->in_cache)
-            discard_local(d, r->src_path, 0);
+            daemon__discard_local(d, r->src_path, 0);
         break;
     case INTAKE_IO:
         if (!retry)
-            log_error("intake", "cannot take in a delta", &r->err);
+            daemon__log_error("intake", "cannot take in a delta", &r->err);
         break;
     }
     if (r->remove_src)
-        discard_local(d, r->src_path, 1);   /* a download: its validated copy is in the cache */
+        daemon__discard_local(d, r->src_path, 1);   /* a download: its validated copy is in the cache */
     intake_req_free(r);
-    dispatch_intake(d);
+    daemon__dispatch_intake(d);
 }
 
-static void dispatch_intake(dilocod *d)
+void daemon__dispatch_intake(dilocod *d)
 {
     while (!d->stopping && d->intake_in_flight < MAX_INTAKE_IN_FLIGHT && d->nqueue > 0 &&
            d->state != S_WAITING_GLOBAL) {
@@ -487,10 +473,10 @@ static void dispatch_intake(dilocod *d)
 
 static void round_timer_cb(uv_timer_t *t)
 {
-    maybe_close_round(container_of(t, dilocod, round_timer));
+    daemon__maybe_close_round(container_of(t, dilocod, round_timer));
 }
 
-static void maybe_close_round(dilocod *d)
+void daemon__maybe_close_round(dilocod *d)
 {
     round_close_reason why;
 
@@ -505,17 +491,16 @@ static void maybe_close_round(dilocod *d)
            d->cfg->expected_nodes, round_close_reason_name(why));
     snprintf(d->pass_reason, sizeof(d->pass_reason), "%s", round_close_reason_name(why));
     d->retry_delay = d->cfg->retry_interval;
-    start_aggregation(d);
+    daemon__start_aggregation(d);
 }
 
 static void stop_writeback(dilocod *d);
 
-static void drop_warm(dilocod *d, char **tmp);
 
-static void pass_release(dilocod *d)
+void daemon__pass_release(dilocod *d)
 {
     stop_writeback(d);
-    drop_warm(d, d->pass_warm);         /* taken over by the pass's writers (gone already), or unused */
+    daemon__drop_warm(d, d->pass_warm);         /* taken over by the pass's writers (gone already), or unused */
     if (d->pass != NULL) {
         outer_free(d->pass);
         free((void *)d->pass->out_global_path);
@@ -540,14 +525,14 @@ static void retry_cb(uv_timer_t *t)
 {
     dilocod *d = container_of(t, dilocod, retry_timer);
     if (!d->stopping && d->state == S_RETRY_WAIT)
-        start_aggregation(d);
+        daemon__start_aggregation(d);
 }
 
-static void aggregation_failed(dilocod *d, const dl_error *err)
+void daemon__aggregation_failed(dilocod *d, const dl_error *err)
 {
     uv_timer_stop(&d->progress_timer);
-    pass_release(d);
-    log_error("aggregate", "outer step failed, not committed", err);
+    daemon__pass_release(d);
+    daemon__log_error("aggregate", "outer step failed, not committed", err);
     if (d->stopping)
         return;
     pipeline_move(&d->pipe, d->rnd.step + 1, STEP_RETRY_WAIT);
@@ -558,7 +543,7 @@ static void aggregation_failed(dilocod *d, const dl_error *err)
 }
 
 /* A descriptor for serving path, or a negative errno. */
-static int open_for_download(const char *path)
+int daemon__open_for_download(const char *path)
 {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     return fd >= 0 ? fd : -errno;
@@ -648,7 +633,7 @@ static void commit_work(job *j)
 
     j->rc = store_redo_write(&j->d->st, &a->redo, &j->err);
     /* opened here, off the loop: downloads of the new global start from this descriptor */
-    j->flag = j->rc == 0 ? open_for_download(a->global_path) : -EINVAL;
+    j->flag = j->rc == 0 ? daemon__open_for_download(a->global_path) : -EINVAL;
 }
 
 /* ---- settling: the committed step's outputs made durable, then outer_metadata.json --------------- */
@@ -664,10 +649,10 @@ typedef struct settle_args {
     size_t nrels;
 } settle_args;
 
-static void settle_free(settle_args *a)
+void daemon__settle_free(settle_args *a)
 {
     if (a != NULL) {
-        free_rels(a->rels, a->nrels);
+        daemon__free_rels(a->rels, a->nrels);
         free(a->global_path);
         free(a->momentum_path);
         free(a->round_json);
@@ -728,12 +713,8 @@ static void settle_work(job *j)
 }
 
 static void queue_commit(dilocod *d);
-static void try_commit(dilocod *d);
-static int reopen_if_rewritten(dilocod *d, int before_pass);
 static int start_sync_inputs(dilocod *d);
-static void schedule_cleanup(dilocod *d);
 static void queue_settle(dilocod *d, settle_args *a);
-static void release_settle(dilocod *d);
 
 static void settle_retry_cb(uv_timer_t *t)
 {
@@ -755,14 +736,14 @@ static void settle_done(job *j)
                "step=%" PRIu64, a->step);
     if (j->rc != 0) {
         /* the step stays committed by its redo record; its durability is retried (the next commit waits) */
-        log_error("store", "cannot make the committed step durable, will retry", &j->err);
+        daemon__log_error("store", "cannot make the committed step durable, will retry", &j->err);
         if (!d->stopping) {
             d->settle_retry = a;
             uv_timer_start(&d->settle_timer, settle_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
             return;
         }
         d->settle_in_flight = 0;
-        settle_free(a);
+        daemon__settle_free(a);
         return;
     }
     d->settle_in_flight = 0;
@@ -771,12 +752,12 @@ static void settle_done(job *j)
     pipeline_durable(&d->pipe, a->step);
     dl_log(DL_LOG_DEBUG, "store", "durable", "step=%" PRIu64, a->step);
     for (size_t i = 0; i < a->nrels && !d->stopping; i++)
-        prune_now(d, a->rels[i]);       /* the step they went into is durable: no restart needs them */
-    settle_free(a);
+        daemon__prune_now(d, a->rels[i]);       /* the step they went into is durable: no restart needs them */
+    daemon__settle_free(a);
     if (d->stopping)
         return;
-    try_commit(d);
-    schedule_cleanup(d);
+    daemon__try_commit(d);
+    daemon__schedule_cleanup(d);
 }
 
 static void queue_settle(dilocod *d, settle_args *a)
@@ -801,7 +782,7 @@ static void start_settle(dilocod *d, uint64_t step)
     if (a == NULL || (a->global_path = strdup(d->pass->out_global_path)) == NULL ||
         (d->pass->out_momentum_path != NULL && (a->momentum_path = strdup(d->pass->out_momentum_path)) == NULL) ||
         (d->pending_round != NULL && (a->round_json = strdup(d->pending_round)) == NULL)) {
-        settle_free(a);
+        daemon__settle_free(a);
         /* the redo record is durable: a restart settles the step; stop rather than run unsettled */
         dl_log(DL_LOG_ERROR, "store", "out of memory settling the commit; restarting is safe", "step=%" PRIu64, step);
         d->exit_code = 1;
@@ -818,7 +799,7 @@ static void start_settle(dilocod *d, uint64_t step)
     if (d->hub != NULL && hub_publish_writes_locally(d->hub) && !d->stopping) {
         /* file://: the publish's small durable writes (step_count.json, the directory) queue at the disk
          * behind the settle's (twice the model size): 0.07-0.2 s after a 256 MiB step when they ran
-         * side by side.  The settle follows the publish (release_settle); the redo record keeps the step
+         * side by side.  The settle follows the publish (daemon__release_settle); the redo record keeps the step
          * safe meanwhile, and the next commit waits for it as for any settle. */
         d->settle_after_publish = a;
         d->settle_in_flight = 1;
@@ -828,7 +809,7 @@ static void start_settle(dilocod *d, uint64_t step)
 }
 
 /* Starts the settle that waited for the publish (the publish ended, none started, or shutdown). */
-static void release_settle(dilocod *d)
+void daemon__release_settle(dilocod *d)
 {
     settle_args *a = d->settle_after_publish;
 
@@ -857,7 +838,7 @@ static void served_file_clear(served_file *f)
     memset(f, 0, sizeof(*f));
 }
 
-static void served_clear(served_global *g)
+void daemon__served_clear(served_global *g)
 {
     served_file_clear(&g->single);
     served_file_clear(&g->index);
@@ -895,7 +876,7 @@ static int served_open_set(dilocod *d, served_global *g, uint64_t step)
     int rc = index != NULL && dir != NULL ? 0 : -ENOMEM;
 
     if (rc == 0)
-        rc = served_file_set(&g->index, open_for_download(index), step);
+        rc = served_file_set(&g->index, daemon__open_for_download(index), step);
     if (rc == 0 && (g->shards = calloc(d->set_nshards, sizeof(*g->shards))) == NULL)
         rc = -ENOMEM;
     for (uint32_t i = 0; rc == 0 && i < d->set_nshards; i++) {
@@ -906,7 +887,7 @@ static int served_open_set(dilocod *d, served_global *g, uint64_t step)
             rc = -ENOMEM;
             break;
         }
-        rc = served_file_set(&g->shards[i], open_for_download(path), step);
+        rc = served_file_set(&g->shards[i], daemon__open_for_download(path), step);
         free(path);
         path = NULL;
     }
@@ -919,7 +900,7 @@ static int served_open_set(dilocod *d, served_global *g, uint64_t step)
  * opened (a commit opens it off the loop), or a negative errno to open it here.  A failure (EMFILE,
  * say) keeps the previous step served, a consistent older step rather than a 503, and
  * daemon__global() tries again.  A sharded layout is served once its set is written. */
-static void serve_step(dilocod *d, int fd, uint64_t step)
+void daemon__serve_step(dilocod *d, int fd, uint64_t step)
 {
     served_global g = {.step = step};
     int rc;
@@ -933,19 +914,19 @@ static void serve_step(dilocod *d, int fd, uint64_t step)
         }
         rc = served_open_set(d, &g, step);
     } else {
-        rc = served_file_set(&g.single, fd >= 0 ? fd : open_for_download(d->st.global_path), step);
+        rc = served_file_set(&g.single, fd >= 0 ? fd : daemon__open_for_download(d->st.global_path), step);
     }
     if (rc != 0) {
         if (!d->global_stale)
             dl_log(DL_LOG_WARN, "http", "cannot open the committed global for downloads, will retry",
                    "step=%" PRIu64 " serving=%s error=%s", step, d->global.available ? "previous step" : "nothing",
                    strerror(-rc));
-        served_clear(&g);
+        daemon__served_clear(&g);
         d->global_stale = 1;
         return;
     }
     g.available = 1;
-    served_clear(&d->global);
+    daemon__served_clear(&d->global);
     d->global = g;
     d->global_stale = 0;
 }
@@ -953,7 +934,7 @@ static void serve_step(dilocod *d, int fd, uint64_t step)
 const served_global *daemon__global(dilocod *d)
 {
     if (d->global_stale && d->st.committed && (d->set_nshards <= 1 || d->set_step == (int64_t)d->st.step))
-        serve_step(d, -1, d->st.step);
+        daemon__serve_step(d, -1, d->st.step);
     return &d->global;
 }
 
@@ -977,11 +958,10 @@ static void set_work(job *j)
     free(dst);
 }
 
-static void ensure_set(dilocod *d);
 
 static void set_retry_cb(uv_timer_t *t)
 {
-    ensure_set(container_of(t, dilocod, set_timer));
+    daemon__ensure_set(container_of(t, dilocod, set_timer));
 }
 
 static void set_done(job *j)
@@ -993,21 +973,21 @@ static void set_done(job *j)
     if (d->stopping)
         return;
     if (j->rc != 0) {
-        log_error("store", "cannot write the sharded global, will retry", &j->err);
+        daemon__log_error("store", "cannot write the sharded global, will retry", &j->err);
         uv_timer_start(&d->set_timer, set_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
         return;
     }
     d->set_step = (int64_t)j->u;
     dl_log(DL_LOG_DEBUG, "store", "sharded global written", "step=%" PRIu64 " shards=%u", j->u, d->set_nshards);
     if (j->u == d->st.step) {
-        serve_step(d, -1, j->u);
-        maybe_publish(d);
+        daemon__serve_step(d, -1, j->u);
+        daemon__maybe_publish(d);
     }
-    ensure_set(d);              /* a newer step may have been committed meanwhile */
+    daemon__ensure_set(d);              /* a newer step may have been committed meanwhile */
 }
 
 /* Above --shard-size, the committed step is published and served as a set: written once per step. */
-static void ensure_set(dilocod *d)
+void daemon__ensure_set(dilocod *d)
 {
     char *src;
 
@@ -1025,7 +1005,7 @@ static void ensure_set(dilocod *d)
 
 /* The published layout of the model: how many shards --shard-size makes (1: the plain file), in
  * the single file's data order, as st_reshard writes them. */
-static void plan_layout(dilocod *d)
+void daemon__plan_layout(dilocod *d)
 {
     st_spec *specs = malloc((d->model->ntensors ? d->model->ntensors : 1) * sizeof(*specs));
     uint32_t *plan = malloc((d->model->ntensors ? d->model->ntensors : 1) * sizeof(*plan)), n = 1;
@@ -1050,7 +1030,7 @@ static void plan_layout(dilocod *d)
 /* The closing round's record, built before its commit (the commit makes it durable with the step):
  * per-node norms and cosines against the mean delta, and the aggregation's time so far.  One JSON
  * line, ready for outer_metadata.json and rounds.jsonl. */
-static int prepare_round_record(dilocod *d, double seconds)
+int daemon__prepare_round_record(dilocod *d, double seconds)
 {
     outer_pass *p = d->pass;
     round_record *r = &d->pending_record;
@@ -1104,14 +1084,14 @@ static void cleanup_done(job *j)
 
     j->d->cleanup_in_flight = 0;
     if (j->rc != 0)
-        log_error("store", "cleanup failed", &j->err);
+        daemon__log_error("store", "cleanup failed", &j->err);
     else
         pipeline_cleaned(&j->d->pipe, snap->step);
     store_free(snap);
     free(snap);
 }
 
-static void schedule_cleanup(dilocod *d)
+void daemon__schedule_cleanup(dilocod *d)
 {
     store *snap;
 
@@ -1153,7 +1133,7 @@ static void commit_done(job *j)
 
     commit_args_free(j->arg);
     if (j->rc != 0) {
-        aggregation_failed(d, &j->err);
+        daemon__aggregation_failed(d, &j->err);
         return;
     }
     uv_timer_stop(&d->progress_timer);
@@ -1168,13 +1148,13 @@ static void commit_done(job *j)
     pipeline_move(&d->pipe, d->st.step, STEP_COMMITTED);
     log_round_stats(d);
     record_round(d);
-    serve_step(d, j->flag, d->st.step);
+    daemon__serve_step(d, j->flag, d->st.step);
     pipeline_move(&d->pipe, d->st.step, STEP_SERVED);
-    ensure_set(d);
+    daemon__ensure_set(d);
     d->committed_at = time(NULL);
     dl_log(DL_LOG_INFO, "store", "committed", "step=%" PRIu64 " global=%s", d->st.step, d->st.global_path);
     start_settle(d, d->st.step);
-    pass_release(d);
+    daemon__pass_release(d);
     round_reset(&d->rnd, d->st.step);
     pipeline_begin(&d->pipe, d->st.step + 1, STEP_COLLECTING);
     if (d->hub != NULL)
@@ -1183,14 +1163,14 @@ static void commit_done(job *j)
            d->cfg->expected_nodes, d->cfg->min_nodes);
     d->state = S_COLLECTING;
     if (d->stopping) {
-        release_settle(d);
+        daemon__release_settle(d);
         return;
     }
-    start_warm(d);
-    maybe_publish(d);
+    daemon__start_warm(d);
+    daemon__maybe_publish(d);
     if (!d->publish_in_flight)
-        release_settle(d);      /* nothing to wait for */
-    dispatch_intake(d);
+        daemon__release_settle(d);      /* nothing to wait for */
+    daemon__dispatch_intake(d);
 }
 
 static void finish_work(job *j)
@@ -1217,15 +1197,15 @@ static void inputs_changed(dilocod *d, const dl_error *err)
                 "with dilocod's uid); no step is made from it. Restore the state from a backup, or start again from "
                 "a fresh state directory and --init-model", d->st.step,
                 outer_input_changed(p, OUTER_INPUT_GLOBAL(p)) ? "global" : "momentum");
-        log_error("store", "cannot aggregate", &e);
-        pass_release(d);
+        daemon__log_error("store", "cannot aggregate", &e);
+        daemon__pass_release(d);
         d->state = S_COLLECTING;
         pipeline_move(&d->pipe, d->rnd.step + 1, STEP_FAILED);
         d->exit_code = 1;
         raise(SIGTERM);
         return;
     }
-    log_error("aggregate", "a linked delta's content changed after it was validated", err);
+    daemon__log_error("aggregate", "a linked delta's content changed after it was validated", err);
     for (size_t i = 0; i < d->pass_n && i < p->ndeltas; i++) {
         char *path;
         if (!outer_input_changed(p, i))
@@ -1234,14 +1214,14 @@ static void inputs_changed(dilocod *d, const dl_error *err)
                "taken in again", "step=%" PRIu64 " node=%s", d->rnd.step,
                dl_log_q(qn, sizeof(qn), d->pass_nodes[i].node_id));
         if (round_drop(&d->rnd, d->pass_nodes[i].node_id, &path) == 0) {
-            discard_local(d, path, 0);
+            daemon__discard_local(d, path, 0);
             free(path);
             d->m.deltas_rewritten++;
             dropped++;
         }
     }
     if (dropped == 0) {
-        aggregation_failed(d, err);
+        daemon__aggregation_failed(d, err);
         return;
     }
     reopen_round(d);
@@ -1256,25 +1236,25 @@ static void finish_done(job *j)
         return;
     }
     if (j->rc != 0) {
-        aggregation_failed(d, &j->err);
+        daemon__aggregation_failed(d, &j->err);
         return;
     }
     dl_log(DL_LOG_DEBUG, "aggregate", "files written", "step=%" PRIu64 " seconds=%.3f", d->rnd.step + 1,
            daemon__clock() - d->pass_started);
-    if (prepare_round_record(d, daemon__clock() - d->pass_started) != 0) {
+    if (daemon__prepare_round_record(d, daemon__clock() - d->pass_started) != 0) {
         dl_error e;
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory for the round's record");
-        aggregation_failed(d, &e);
+        daemon__aggregation_failed(d, &e);
         return;
     }
     d->commit_waiting = 1;
-    try_commit(d);
+    daemon__try_commit(d);
 }
 
 /* The commit of a finished pass waits for the previous step to be durable (this one's redo record
  * names its files as inputs) and for the round's deltas to be durable (they are the other inputs:
  * fsynced by sync_inputs while the pass ran); a delta rewritten in place meanwhile reopens the round. */
-static void try_commit(dilocod *d)
+void daemon__try_commit(dilocod *d)
 {
     if (!d->commit_waiting || d->settle_in_flight || d->inputs_syncing || d->stopping)
         return;
@@ -1283,10 +1263,10 @@ static void try_commit(dilocod *d)
         dl_error e;
         d->inputs_sync_failed = 0;
         dl_fail(&e, DL_E_IO, NULL, 0, "the round's deltas could not be made durable");
-        aggregation_failed(d, &e);
+        daemon__aggregation_failed(d, &e);
         return;
     }
-    if (reopen_if_rewritten(d, 0))
+    if (daemon__reopen_if_rewritten(d, 0))
         return;
     pipeline_move(&d->pipe, d->rnd.step + 1, STEP_INPUTS_DURABLE);
     queue_commit(d);
@@ -1300,7 +1280,7 @@ static void queue_commit(dilocod *d)
         dl_error e;
         commit_args_free(a);
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot queue the commit");
-        aggregation_failed(d, &e);
+        daemon__aggregation_failed(d, &e);
     }
 }
 
@@ -1321,7 +1301,7 @@ static void queue_finish(dilocod *d)
     outer_abort(d->pass);
     outer_finish(d->pass, &e);
     dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot queue the end of the outer step");
-    aggregation_failed(d, &e);
+    daemon__aggregation_failed(d, &e);
 }
 
 static void run_done(job *j)
@@ -1468,7 +1448,7 @@ static void warm_args_free(warm_args *a)
 }
 
 /* Removes warm files that will not be used and forgets them. */
-static void drop_warm(dilocod *d, char **tmp)
+void daemon__drop_warm(dilocod *d, char **tmp)
 {
     for (int i = 0; i < 2; i++) {
         if (tmp[i] == NULL)
@@ -1476,7 +1456,7 @@ static void drop_warm(dilocod *d, char **tmp)
         if (d->stopping)
             unlink(tmp[i]);     /* the loop may not run again to finish an asynchronous one */
         else
-            unlink_async(d, tmp[i]);
+            daemon__unlink_async(d, tmp[i]);
         free(tmp[i]);
         tmp[i] = NULL;
     }
@@ -1494,7 +1474,7 @@ static void busy_check_cb(uv_check_t *h)
 }
 
 /* The warm thread ended: its files go to the round still waiting for them, or away. */
-static void warm_async_cb(uv_async_t *h)
+void daemon__warm_async_cb(uv_async_t *h)
 {
     dilocod *d = container_of(h, dilocod, warm_async);
     warm_args *a = d->warm_job;
@@ -1529,19 +1509,19 @@ static void warm_async_cb(uv_async_t *h)
         }
         d->warm_step = a->step;
     }
-    drop_warm(d, a->tmp);       /* a round that moved on meanwhile */
+    daemon__drop_warm(d, a->tmp);       /* a round that moved on meanwhile */
     warm_args_free(a);
-    maybe_finish_shutdown(d);
+    daemon__maybe_finish_shutdown(d);
 }
 
 /* When a round opens: warms the files its pass will write (the sizes of the committed step's). */
-static void start_warm(dilocod *d)
+void daemon__start_warm(dilocod *d)
 {
     uint64_t step = d->rnd.step + 1;
     warm_args *a;
 
     if (d->warm_step != step)
-        drop_warm(d, d->warm_tmp);
+        daemon__drop_warm(d, d->warm_tmp);
     if (!d->cfg->warm_outputs || d->stopping || d->warm_job != NULL || d->warm_tmp[0] != NULL ||
         d->state != S_COLLECTING || !d->st.committed || (a = calloc(1, sizeof(*a))) == NULL)
         return;
@@ -1567,6 +1547,12 @@ static void start_warm(dilocod *d)
     d->warm_job = a;
     d->jobs_in_flight++;        /* shutdown waits for the thread */
     uv_check_start(&d->busy_check, busy_check_cb);
+}
+
+void daemon__stop_warm(dilocod *d)
+{
+    if (d->warm_job != NULL)
+        atomic_store(&d->warm_job->stop, 1);
 }
 
 /* Gives the pass the files warmed for it: the finished job's, or the running one's that are ready
@@ -1638,7 +1624,7 @@ static void progress_cb(uv_timer_t *t)
 /* The pass of step new_step from the committed step's files: the same settings for a round and for
  * its recomputation at a restart (optimizer, lr and momentum from the redo record then), so both make
  * the same bytes.  meta and step_text must outlive the pass. */
-static int setup_pass(dilocod *d, outer_pass *p, uint64_t new_step, const char *optimizer, double lr,
+int daemon__setup_pass(dilocod *d, outer_pass *p, uint64_t new_step, const char *optimizer, double lr,
                       double momentum, st_kv meta[2], char *step_text, size_t step_text_size)
 {
     snprintf(step_text, step_text_size, "%" PRIu64, new_step);
@@ -1696,7 +1682,7 @@ static size_t drop_rewritten(dilocod *d, int before_pass)
                "step=%" PRIu64 " node=%s local_step=%" PRIu64, d->rnd.step, dl_log_q(qn, sizeof(qn), node),
                e->local_step);
         round_drop(&d->rnd, node, &path);
-        discard_local(d, path, 0);
+        daemon__discard_local(d, path, 0);
         free(path);
         d->m.deltas_rewritten++;
         dropped++;
@@ -1704,12 +1690,7 @@ static size_t drop_rewritten(dilocod *d, int before_pass)
     return dropped;
 }
 
-/* What store_global_intact's answer rc (0 or a negative errno) says, and what the operator can do. */
-#define GLOBAL_CHANGED_HELP                                                                                  \
-    "put that file back as it was (its bytes and its modification time), or start again from an empty state " \
-    "directory"
-
-static const char *global_change(int rc)
+const char *daemon__global_change(int rc)
 {
     return rc == 0 ? "that is no longer the version linked at the bootstrap (rewritten in place, or the state "
                      "directory was copied to another filesystem)"
@@ -1727,8 +1708,8 @@ static int global_rewritten(dilocod *d)
         return 0;
     dl_error e;
     dl_fail(&e, DL_E_IO, NULL, 0, "the committed global of step %" PRIu64 " (%s) is a link to --init-model %s; "
-            GLOBAL_CHANGED_HELP, d->st.step, d->st.global_path, global_change(rc));
-    log_error("store", "cannot aggregate", &e);
+            GLOBAL_CHANGED_HELP, d->st.step, d->st.global_path, daemon__global_change(rc));
+    daemon__log_error("store", "cannot aggregate", &e);
     d->exit_code = 1;
     raise(SIGTERM);
     return 1;
@@ -1737,10 +1718,10 @@ static int global_rewritten(dilocod *d)
 /* Before a pass and before its commit: a round that lost a rewritten delta is open again (a pass never
  * mixes versions of a file, and never commits one that changed under it).  1 when it reopened, or when
  * the global itself changed (global_rewritten: the daemon stops). */
-static int reopen_if_rewritten(dilocod *d, int before_pass)
+int daemon__reopen_if_rewritten(dilocod *d, int before_pass)
 {
     if (global_rewritten(d)) {
-        pass_release(d);
+        daemon__pass_release(d);
         d->commit_waiting = 0;
         d->state = S_COLLECTING;        /* stopping: nothing runs for this round any more */
         pipeline_move(&d->pipe, d->rnd.step + 1, STEP_FAILED);
@@ -1755,15 +1736,15 @@ static int reopen_if_rewritten(dilocod *d, int before_pass)
 static int reopen_round(dilocod *d)
 {
     uv_timer_stop(&d->progress_timer);
-    pass_release(d);
+    daemon__pass_release(d);
     d->commit_waiting = 0;
     d->state = S_COLLECTING;
     pipeline_move(&d->pipe, d->rnd.step + 1, STEP_COLLECTING);
     if (d->rnd.timeout > 0 && d->rnd.n > 0)
-        arm_round_timer(d);
-    start_warm(d);              /* the pass that gave up took the warm files with it */
-    dispatch_intake(d);
-    maybe_close_round(d);
+        daemon__arm_round_timer(d);
+    daemon__start_warm(d);              /* the pass that gave up took the warm files with it */
+    daemon__dispatch_intake(d);
+    daemon__maybe_close_round(d);
     return 1;
 }
 
@@ -1799,19 +1780,19 @@ static void sync_inputs_done(job *j)
         sync_args_free(j->arg);
         if (start_sync_inputs(d) != 0) {
             dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-            log_error("store", "cannot make the round's deltas durable", &j->err);
+            daemon__log_error("store", "cannot make the round's deltas durable", &j->err);
             d->inputs_sync_failed = 1;
-            try_commit(d);
+            daemon__try_commit(d);
         }
         return;
     }
     d->inputs_resync = 0;
     if (j->rc != 0) {
-        log_error("store", "cannot make the round's deltas durable", &j->err);
+        daemon__log_error("store", "cannot make the round's deltas durable", &j->err);
         d->inputs_sync_failed = 1;
     }
     sync_args_free(j->arg);
-    try_commit(d);
+    daemon__try_commit(d);
 }
 
 /* The round's deltas are the redo record's inputs: durable before the commit.  Intake leaves a linked
@@ -1837,7 +1818,7 @@ static int start_sync_inputs(dilocod *d)
     return 0;
 }
 
-static void start_aggregation(dilocod *d)
+void daemon__start_aggregation(dilocod *d)
 {
     outer_pass *p;
 
@@ -1846,11 +1827,11 @@ static void start_aggregation(dilocod *d)
     dl_error be;
     if (stepcount_check(d->rnd.step + 1, "step", &be) != 0) {
         /* never computed, never committed: the step would brick the state (stepcount.h) */
-        aggregation_failed(d, &be);
+        daemon__aggregation_failed(d, &be);
         return;
     }
 
-    if (reopen_if_rewritten(d, 1))
+    if (daemon__reopen_if_rewritten(d, 1))
         return;
     p = calloc(1, sizeof(*p));
     size_t n = d->rnd.n;
@@ -1866,7 +1847,7 @@ static void start_aggregation(dilocod *d)
         d->pass_summed == NULL) {
         free(p);
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-        aggregation_failed(d, &e);
+        daemon__aggregation_failed(d, &e);
         return;
     }
     for (size_t i = 0; i < n; i++) {
@@ -1878,7 +1859,7 @@ static void start_aggregation(dilocod *d)
         d->pass_summed[i] = d->rnd.entries[i].guarded && d->rnd.entries[i].ident.has_sum;
         d->pass_sums[i] = d->rnd.entries[i].ident.sum;
     }
-    int rc = setup_pass(d, p, d->rnd.step + 1, config_optimizer_name(d->cfg->optimizer), d->cfg->lr,
+    int rc = daemon__setup_pass(d, p, d->rnd.step + 1, config_optimizer_name(d->cfg->optimizer), d->cfg->lr,
                         d->cfg->momentum, meta, step_text, sizeof(step_text));
     p->delta_paths = (const char *const *)d->pass_paths;
     p->ndeltas = n;
@@ -1899,7 +1880,7 @@ static void start_aggregation(dilocod *d)
     if (rc != 0 || (!d->inputs_syncing && start_sync_inputs(d) != 0) ||
         daemon__queue(d, prepare_work, prepare_done, NULL, 0, 0) != 0) {
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot start the aggregation");
-        aggregation_failed(d, &e);
+        daemon__aggregation_failed(d, &e);
         return;
     }
     uv_timer_start(&d->progress_timer, progress_cb, (uint64_t)(PROGRESS_SECONDS * 1000),
@@ -1913,7 +1894,7 @@ static void start_aggregation(dilocod *d)
 /* At startup, before anything else reads the state: a redo record naming the step after the committed
  * one is recomputed from its inputs (kept until the outputs were durable), made durable and committed;
  * an older one (its step already named by outer_metadata.json) is only removed. */
-static int recover_redo(dilocod *d, dl_error *err)
+int daemon__recover_redo(dilocod *d, dl_error *err)
 {
     store_redo r;
     int present, rc;
@@ -1952,13 +1933,13 @@ static int recover_redo(dilocod *d, dl_error *err)
     if ((rc = store_global_intact(&d->st)) != 1) {
         rc = dl_fail(err, DL_E_IO, NULL, 0, "cannot recompute step %" PRIu64 ": its base, the global of step %" PRIu64
                      " (%s), is a link to --init-model %s; " GLOBAL_CHANGED_HELP, r.step, r.base, d->st.global_path,
-                     global_change(rc));
+                     daemon__global_change(rc));
         store_redo_free(&r);
         return rc;
     }
     dl_log(DL_LOG_WARN, "store", "recovering a committed step whose files were not durable",
            "step=%" PRIu64 " nodes=%zu", r.step, r.ndeltas);
-    if ((rc = setup_pass(d, &p, r.step, r.optimizer, r.lr, r.momentum, meta, step_text, sizeof(step_text))) != 0) {
+    if ((rc = daemon__setup_pass(d, &p, r.step, r.optimizer, r.lr, r.momentum, meta, step_text, sizeof(step_text))) != 0) {
         rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
         goto out;
     }
@@ -1989,7 +1970,7 @@ static int recover_redo(dilocod *d, dl_error *err)
     if (rc != 0 && p.in_sums != NULL && err->code == DL_E_CHECKSUM_MISMATCH &&
         !outer_input_changed(&p, OUTER_INPUT_GLOBAL(&p)) && !outer_input_changed(&p, OUTER_INPUT_MOMENTUM(&p))) {
         /* a linked delta rewritten in place (its mtime put back) before the step was durable: as above */
-        log_error("store", "a delta of the committed round was rewritten in place before its step was durable: "
+        daemon__log_error("store", "a delta of the committed round was rewritten in place before its step was durable: "
                   "the step is aggregated again", err);
         rc = store_redo_remove(&d->st, err);
         goto out;
@@ -2031,18 +2012,18 @@ out:
 
 static void publish_retry_cb(uv_timer_t *t)
 {
-    maybe_publish(container_of(t, dilocod, publish_timer));
+    daemon__maybe_publish(container_of(t, dilocod, publish_timer));
 }
 
 /* Every transport's publish ends here: the same state, counters, logs and retry (error: why this
  * attempt failed, NULL on success). */
-static void on_publish_done(void *app, uint64_t step, const char *error)
+void daemon__on_publish_done(void *app, uint64_t step, const char *error)
 {
     dilocod *d = app;
     char q[600];
 
     d->publish_in_flight = 0;
-    release_settle(d);
+    daemon__release_settle(d);
     if (error != NULL) {
         d->m.publish_errors++;
         /* the same failure again is no news: said once at error level, then at debug, with the retries
@@ -2068,12 +2049,12 @@ static void on_publish_done(void *app, uint64_t step, const char *error)
     dl_log(DL_LOG_INFO, "hub", "published", "step=%" PRIu64 " hub=%s%s", step, d->cfg->hub,
            d->publishing_bootstrap ? " bootstrap=true" : "");
     if (!d->stopping) {
-        maybe_publish(d);       /* a newer step may have been committed meanwhile */
-        schedule_cleanup(d);
+        daemon__maybe_publish(d);       /* a newer step may have been committed meanwhile */
+        daemon__schedule_cleanup(d);
     }
 }
 
-static void maybe_publish(dilocod *d)
+void daemon__maybe_publish(dilocod *d)
 {
     /* published_known: the transport has told what it holds (its first poll), so a restart does not
      * publish again a step that is already there */
@@ -2081,7 +2062,7 @@ static void maybe_publish(dilocod *d)
         d->published_step == (int64_t)d->st.step)
         return;
     if (d->set_nshards > 1) {
-        /* the sharded layout: its set once written (ensure_set publishes when it is) */
+        /* the sharded layout: its set once written (daemon__ensure_set publishes when it is) */
         char *index = d->set_step == (int64_t)d->st.step ? set_index_path(d, d->st.step) : NULL;
         if (index == NULL)
             return;
@@ -2100,7 +2081,7 @@ static void maybe_publish(dilocod *d)
 /* ---- adopting a global: the transport's (a verified local copy) or --init-model ----------------- */
 
 /* max_header: the cap on the model's header (0: the format's own) */
-static int open_model(dilocod *d, const char *path, uint64_t max_header, dl_error *err)
+int daemon__open_model(dilocod *d, const char *path, uint64_t max_header, dl_error *err)
 {
     st_file *f;
     int rc = st_open_capped(path, max_header, &f, err);
@@ -2147,14 +2128,6 @@ static int same_tensors(const st_header *a, const st_header *b)
     return 1;
 }
 
-/* How a bootstrap took --init-model in: linked (version: the one linked), or copied (link_errno: why
- * not linked). */
-typedef struct model_intake {
-    int linked;
-    int link_errno;
-    fsu_ident version;
-} model_intake;
-
 /* Zero-copy bootstrap: dst becomes a hard link to src's inode, through its descriptor (a rename of src
  * meanwhile cannot swap it), made durable (the inode's fsync, the directory's fsync).  A link names a
  * whole file at once, so no temporary name is needed; dst is a step-0 file of a state with nothing
@@ -2196,7 +2169,7 @@ static int link_model(const char *src, const char *dst, fsu_ident *version)
 }
 
 /* --init-model into the state as dst: linked where it can be (link_model), else copied, made durable.
- * *mi is zeroed by the caller (adopt_sync). */
+ * *mi is zeroed by the caller (daemon__adopt_sync). */
 static int take_model(const char *src, const char *dst, model_intake *mi, dl_error *err)
 {
     if ((mi->link_errno = link_model(src, dst, &mi->version)) == 0) {
@@ -2230,7 +2203,7 @@ static int bootstrap_take(dilocod *d, const char *src, const char *dst, model_in
 /* Makes src the committed global of step.  bootstrap: src is the operator's --init-model, linked or
  * copied (*mi says which); else src is a transport's verified copy in our state directory, moved.
  * header_known: the bootstrap whose round opened on src's header (bootstrap_header_done). */
-static int adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap, int header_known,
+int daemon__adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap, int header_known,
                       model_intake *mi, dl_error *err)
 {
     char *dst = store_global_path(&d->st, step);
@@ -2264,9 +2237,9 @@ static int adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap,
         rc = bootstrap_take(d, src, dst, mi, err);
     } else if (st_index_is_index_path(src)) {
         if ((rc = st_reshard(src, max_header, dst, 0, NULL, 0, NULL, err)) == 0 &&
-            (rc = open_model(d, dst, max_header, err)) != 0)
+            (rc = daemon__open_model(d, dst, max_header, err)) != 0)
             unlink(dst);
-    } else if ((rc = open_model(d, src, max_header, err)) == 0) {
+    } else if ((rc = daemon__open_model(d, src, max_header, err)) == 0) {
         rc = bootstrap ? take_model(src, dst, mi, err) : move_into_place(src, dst, err);
     }
     info.global_version = mi->linked ? &mi->version : NULL;
@@ -2288,11 +2261,11 @@ typedef struct adopt_args {
 static void adopt_work(job *j)
 {
     adopt_args *a = j->arg;
-    j->rc = adopt_sync(j->d, a->path, a->step, a->bootstrap, a->header_known, &a->mi, &j->err);
+    j->rc = daemon__adopt_sync(j->d, a->path, a->step, a->bootstrap, a->header_known, &a->mi, &j->err);
 }
 
 /* The "bootstrapped" line: how --init-model came in (a copy says why it was not linked). */
-static void log_bootstrapped(const dilocod *d, const char *path, const model_intake *mi)
+void daemon__log_bootstrapped(const dilocod *d, const char *path, const model_intake *mi)
 {
     char qp[600], qw[160];
 
@@ -2308,13 +2281,13 @@ static void adopt_done(job *j)
 
     d->bootstrap_in_flight = 0;
     if (!a->bootstrap)
-        discard_local(d, a->path, 1);   /* moved into place, or refused: either way gone */
+        daemon__discard_local(d, a->path, 1);   /* moved into place, or refused: either way gone */
     if (j->rc != 0) {
         if (!a->bootstrap)
             d->adoptions_refused++;
         /* the transport offers a refused global again at each poll: one line per step offered */
         if (a->bootstrap || d->adopt_refused_step != (int64_t)a->step)
-            log_error("store", a->bootstrap ? "cannot bootstrap from --init-model" : "cannot adopt the published global",
+            daemon__log_error("store", a->bootstrap ? "cannot bootstrap from --init-model" : "cannot adopt the published global",
                       &j->err);
         if (!a->bootstrap)
             d->adopt_refused_step = (int64_t)a->step;
@@ -2326,16 +2299,16 @@ static void adopt_done(job *j)
         }
     } else if (!d->stopping) {
         if (a->bootstrap) {
-            log_bootstrapped(d, a->path, &a->mi);
+            daemon__log_bootstrapped(d, a->path, &a->mi);
         } else {
             d->published_step = (int64_t)a->step;
             dl_log(DL_LOG_WARN, "store", "adopted the published global", "step=%" PRIu64 " momentum=fresh", a->step);
         }
         if (a->header_known) {
-            global_committed(d);        /* the round is open already: it may close now */
-            maybe_close_round(d);
+            daemon__global_committed(d);        /* the round is open already: it may close now */
+            daemon__maybe_close_round(d);
         } else {
-            collecting_start(d);
+            daemon__collecting_start(d);
         }
     }
     free(a->path);
@@ -2372,7 +2345,7 @@ static void bootstrap_header_done(job *j)
     d->model = a->header;
     a->header = NULL;
     a->header_known = 1;
-    round_open(d);
+    daemon__round_open(d);
     if (daemon__queue(d, adopt_work, adopt_done, a, 0, 0) != 0) {
         j->rc = dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "cannot queue the copy of --init-model");
         adopt_done(j);
@@ -2388,13 +2361,13 @@ static void adopt_not_queued(dilocod *d, const char *path, int bootstrap)
 
     dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory for the job");
     if (bootstrap) {
-        log_error("store", "cannot bootstrap from --init-model", &e);
+        daemon__log_error("store", "cannot bootstrap from --init-model", &e);
         d->exit_code = 1;
         raise(SIGTERM);
         return;
     }
-    log_error("store", "cannot adopt the published global", &e);
-    discard_local(d, path, 1);
+    daemon__log_error("store", "cannot adopt the published global", &e);
+    daemon__discard_local(d, path, 1);
     hub_set_step(d->hub, 0, 1);
 }
 
@@ -2406,7 +2379,7 @@ static void start_adopt(dilocod *d, const char *path, uint64_t step, int bootstr
 
     if (d->bootstrap_in_flight || d->stopping) {
         if (!bootstrap)
-            discard_local(d, path, 1);
+            daemon__discard_local(d, path, 1);
         return;
     }
     if ((a = calloc(1, sizeof(*a))) == NULL || (a->path = strdup(path)) == NULL) {
@@ -2427,7 +2400,7 @@ static void start_adopt(dilocod *d, const char *path, uint64_t step, int bootstr
 }
 
 /* The transport's published step, when first known (its first poll) or changed. */
-static void on_published_seen(void *app, int64_t step)
+void daemon__on_published_seen(void *app, int64_t step)
 {
     dilocod *d = app;
 
@@ -2438,7 +2411,7 @@ static void on_published_seen(void *app, int64_t step)
         else if (step < 0)
             dl_log(DL_LOG_WARN, "store", "no state, no --init-model, nothing published: waiting for a global",
                    "hub=%s", d->cfg->hub);
-        return;                 /* with a global there, the transport copies it: on_global_ready */
+        return;                 /* with a global there, the transport copies it: daemon__on_global_ready */
     }
     if (step >= 0 && (uint64_t)step == d->st.step && d->republish) {
         dl_log(DL_LOG_WARN, "hub", "publishing the recovered step again",
@@ -2449,26 +2422,27 @@ static void on_published_seen(void *app, int64_t step)
         dl_log(DL_LOG_WARN, "hub", "the hub holds a newer step than our state; ours will be published over it",
                "hub_step=%" PRId64 " step=%" PRIu64, step, d->st.step);
     }
-    maybe_publish(d);
+    daemon__maybe_publish(d);
 }
 
-static void on_global_ready(void *app, uint64_t step, const char *local_path)
+void daemon__on_global_ready(void *app, uint64_t step, const char *local_path)
 {
     dilocod *d = app;
     if (d->state != S_WAITING_GLOBAL) {
-        discard_local(d, local_path, 1);
+        daemon__discard_local(d, local_path, 1);
         return;
     }
     start_adopt(d, local_path, step, 0);
 }
 
-static const hub_callbacks hub_cbs = {on_delta_ready, on_published_seen, on_global_ready, on_publish_done};
+static const hub_callbacks hub_cbs = {daemon__on_delta_ready, daemon__on_published_seen, daemon__on_global_ready,
+                                      daemon__on_publish_done};
 
 static void hub_closed(void *app)
 {
     dilocod *d = app;
     d->hub = NULL;
-    maybe_finish_shutdown(d);
+    daemon__maybe_finish_shutdown(d);
 }
 
 /* ---- startup and shutdown -------------------------------------------------------------------- */
@@ -2528,7 +2502,7 @@ static void model_facts(dilocod *d)
 }
 
 /* The round of d->st.step opens on d->model: deltas are taken in from here on. */
-static void round_open(dilocod *d)
+void daemon__round_open(dilocod *d)
 {
     round_init(&d->rnd, d->st.step, d->cfg->expected_nodes, d->cfg->nodes, d->cfg->nnodes, d->cfg->min_nodes,
                d->cfg->round_timeout);
@@ -2543,41 +2517,41 @@ static void round_open(dilocod *d)
         hub_set_limits(d->hub, &lim);
         hub_set_step(d->hub, d->st.step, 0);
     }
-    plan_layout(d);
+    daemon__plan_layout(d);
     dl_log(DL_LOG_INFO, "round", "opened", "step=%" PRIu64 " expected=%u min_nodes=%u tensors=%zu", d->rnd.step,
            d->cfg->expected_nodes, d->cfg->min_nodes, d->model->ntensors);
     requeue_cache(d);
-    dispatch_intake(d);
+    daemon__dispatch_intake(d);
 }
 
 /* d->st.step's global is committed (at startup, or adopted, or bootstrapped): served and published. */
-static void global_committed(dilocod *d)
+void daemon__global_committed(dilocod *d)
 {
     if (pipeline_find(&d->pipe, d->st.step) == NULL)             /* committed whole: adopted, bootstrapped */
         pipeline_begin(&d->pipe, d->st.step, STEP_DURABLE);
     /* one open of the committed global for downloads (a sharded layout once its set is written, which
      * a restart finds already there) */
-    serve_step(d, -1, d->st.step);
-    ensure_set(d);
+    daemon__serve_step(d, -1, d->st.step);
+    daemon__ensure_set(d);
     struct stat sb;
     if (stat(d->st.global_path, &sb) == 0)
         d->committed_at = sb.st_mtime;      /* the step's file was written when it was committed */
-    start_warm(d);
-    maybe_publish(d);
+    daemon__start_warm(d);
+    daemon__maybe_publish(d);
 }
 
-static void collecting_start(dilocod *d)
+void daemon__collecting_start(dilocod *d)
 {
     dl_error err;
 
-    if (d->model == NULL && open_model(d, d->st.global_path, 0, &err) != 0) {
-        log_error("store", "cannot open the committed global", &err);
+    if (d->model == NULL && daemon__open_model(d, d->st.global_path, 0, &err) != 0) {
+        daemon__log_error("store", "cannot open the committed global", &err);
         d->exit_code = 1;
         uv_stop(&d->loop);
         return;
     }
-    round_open(d);
-    global_committed(d);
+    daemon__round_open(d);
+    daemon__global_committed(d);
 }
 
 static void close_cb(uv_handle_t *h)
@@ -2592,7 +2566,7 @@ static void close_walk_cb(uv_handle_t *h, void *arg)
         uv_close(h, close_cb);
 }
 
-static void maybe_finish_shutdown(dilocod *d)
+void daemon__maybe_finish_shutdown(dilocod *d)
 {
     if (!d->stopping || d->jobs_in_flight > 0 || d->http != NULL || d->hub != NULL)
         return;
@@ -2603,7 +2577,7 @@ static void http_stopped(void *app)
 {
     dilocod *d = app;
     d->http = NULL;
-    maybe_finish_shutdown(d);
+    daemon__maybe_finish_shutdown(d);
 }
 
 static void signal_cb(uv_signal_t *s, int signum)
@@ -2624,14 +2598,13 @@ static void signal_cb(uv_signal_t *s, int signum)
     uv_timer_stop(&d->set_timer);
     if (d->pass != NULL && d->state == S_AGGREGATING)
         outer_abort(d->pass);       /* unfinished: abandoned without a trace (temporary files removed) */
-    if (d->warm_job != NULL)
-        atomic_store(&d->warm_job->stop, 1);
+    daemon__stop_warm(d);
     if (d->http != NULL)
         http_server_stop(d->http, http_stopped);    /* uploads in progress are dropped, nothing kept */
-    release_settle(d);          /* a closing transport reports no publish_done: settle now */
+    daemon__release_settle(d);          /* a closing transport reports no publish_done: settle now */
     if (d->hub != NULL)
         hub_close(d->hub, hub_closed, d);           /* a download resumes from its .part next time */
-    maybe_finish_shutdown(d);
+    daemon__maybe_finish_shutdown(d);
 }
 
 static void sighup_cb(uv_signal_t *s, int signum)
@@ -2645,7 +2618,7 @@ static void sighup_cb(uv_signal_t *s, int signum)
     }
     /* a small file of our own: read on the loop thread, between events */
     if (auth_load(&d->auth, d->cfg->token_file, &err) != 0)
-        log_error("auth", "token file not reloaded, the previous tokens stay in force", &err);
+        daemon__log_error("auth", "token file not reloaded, the previous tokens stay in force", &err);
     else
         dl_log(DL_LOG_INFO, "auth", "tokens reloaded", "file=%s entries=%zu", d->cfg->token_file, d->auth.n);
 }
@@ -2689,7 +2662,7 @@ static int startup(dilocod *d, dl_error *err)
 
     if ((rc = store_open(&d->st, d->cfg->state_root, d->cfg->id, err)) != 0)
         return rc;
-    if ((rc = recover_redo(d, err)) != 0)
+    if ((rc = daemon__recover_redo(d, err)) != 0)
         return rc;
     if (d->st.committed && (rc = store_cleanup(&d->st, 1, err)) != 0)
         return rc;
@@ -2698,7 +2671,7 @@ static int startup(dilocod *d, dl_error *err)
         pipeline_cleaned(&d->pipe, d->st.step);
     }
     if ((rc = history_compact(d->st.dir, d->cfg->history_keep, err)) != 0)
-        log_error("store", "cannot compact rounds.jsonl (it keeps growing)", err);
+        daemon__log_error("store", "cannot compact rounds.jsonl (it keeps growing)", err);
     if ((rc = history_load(&d->history, d->st.dir, d->st.committed ? d->st.step : UINT64_MAX, d->st.round_json,
                            err)) != 0)
         return rc;
@@ -2717,9 +2690,9 @@ static int startup(dilocod *d, dl_error *err)
         return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0,
                        "no state in %s and no --init-model: nothing to start from", d->st.dir);
     model_intake mi;
-    if ((rc = adopt_sync(d, d->cfg->init_model, 0, 1, 0, &mi, err)) != 0)
+    if ((rc = daemon__adopt_sync(d, d->cfg->init_model, 0, 1, 0, &mi, err)) != 0)
         return rc;
-    log_bootstrapped(d, d->cfg->init_model, &mi);
+    daemon__log_bootstrapped(d, d->cfg->init_model, &mi);
     return 0;
 }
 
@@ -2740,7 +2713,7 @@ static int init_handles(dilocod *d)
     uv_timer_init(&d->loop, &d->set_timer);
     uv_signal_init(&d->loop, &d->sighup);
     d->sighup.data = d;
-    if ((rc = uv_async_init(&d->loop, &d->warm_async, warm_async_cb)) != 0)
+    if ((rc = uv_async_init(&d->loop, &d->warm_async, daemon__warm_async_cb)) != 0)
         return rc;
     uv_check_init(&d->loop, &d->busy_check);
     uv_signal_start(&d->sigint, signal_cb, SIGINT);
@@ -2824,19 +2797,19 @@ int daemon_run(config *cfg)
         state_dir = NULL;
     int state_existed = state_dir == NULL || access(state_dir, F_OK) == 0;
     if ((rc = start_http(d, &err)) != 0 || (rc = open_hub(d, &err)) != 0 || (rc = startup(d, &err)) != 0) {
-        log_error("main", "cannot start", &err);
+        daemon__log_error("main", "cannot start", &err);
         d->exit_code = 1;
         d->stopping = 1;
         if (d->hub != NULL)
             hub_close(d->hub, hub_closed, d);
         if (d->http != NULL)
             http_server_stop(d->http, http_stopped);
-        maybe_finish_shutdown(d);
+        daemon__maybe_finish_shutdown(d);
     } else {
         announce_http(d);
         start_watching(d);
         if (d->state != S_WAITING_GLOBAL)
-            collecting_start(d);
+            daemon__collecting_start(d);
     }
     uv_run(&d->loop, UV_RUN_DEFAULT);
     /* uv_stop (fatal error) may leave handles open: close them and run the loop dry */
@@ -2858,20 +2831,20 @@ int daemon_run(config *cfg)
     for (size_t i = 0; i < d->nqueue; i++)
         intake_req_free(d->queue[i]);
     free(d->queue);
-    pass_release(d);
-    drop_warm(d, d->warm_tmp);
+    daemon__pass_release(d);
+    daemon__drop_warm(d, d->warm_tmp);
     round_free(&d->rnd);
     st_header_free(d->model);
     store_free(&d->st);
     auth_free(&d->auth);
-    served_clear(&d->global);
+    daemon__served_clear(&d->global);
     history_free(&d->history);
     history_record_free(&d->pending_record);
     free(d->pending_round);
     free(d->unappended);
-    settle_free(d->settle_retry);
-    settle_free(d->settle_after_publish);
-    free_rels(d->round_rels, d->nround_rels);
+    daemon__settle_free(d->settle_retry);
+    daemon__settle_free(d->settle_after_publish);
+    daemon__free_rels(d->round_rels, d->nround_rels);
     free(d);
     return code;
 }
