@@ -232,8 +232,9 @@ static void adopt_done(job *j)
             d->adoptions_refused++;
         /* the transport offers a refused global again at each poll: one line per step offered */
         if (a->bootstrap || d->adopt_refused_step != (int64_t)a->step)
-            daemon__log_error("store", a->bootstrap ? "cannot bootstrap from --init-model" : "cannot adopt the published global",
-                      &j->err);
+            daemon__log_error("store",
+                              a->bootstrap ? "cannot bootstrap from --init-model" : "cannot adopt the published global",
+                              &j->err);
         if (!a->bootstrap)
             d->adopt_refused_step = (int64_t)a->step;
         if (a->bootstrap) {
