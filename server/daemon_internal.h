@@ -1,5 +1,6 @@
-/* The daemon's state, shared by the files of the server that act on it (daemon.c: the pipeline;
- * api.c: the HTTP routes; upload.c: HTTP uploads).  Everything here runs on the loop thread. */
+/* The daemon's state, shared by the files of the server that act on it (daemon*.c: the pipeline,
+ * one concern per file, calling each other through daemon_parts.h; api.c: the HTTP routes; upload.c:
+ * HTTP uploads).  Everything here runs on the loop thread. */
 #ifndef DAEMON_INTERNAL_H
 #define DAEMON_INTERNAL_H
 
