@@ -1,5 +1,6 @@
-/* The daemon's state, shared by the files of the server that act on it (daemon.c: the pipeline;
- * api.c: the HTTP routes; upload.c: HTTP uploads).  Everything here runs on the loop thread. */
+/* The daemon's state, shared by the files of the server that act on it (daemon*.c: the pipeline,
+ * one concern per file, calling each other through daemon_parts.h; api.c: the HTTP routes; upload.c:
+ * HTTP uploads).  Everything here runs on the loop thread. */
 #ifndef DAEMON_INTERNAL_H
 #define DAEMON_INTERNAL_H
 
@@ -82,7 +83,7 @@ typedef struct dilocod {
     size_t pass_n;
     int pass_jobs;              /* run jobs still out */
     atomic_int *writeback_stop; /* the new global's write-back job (set to 1 to stop it), NULL when none */
-    /* the next pass's output files, warmed while its round collects (start_warm) */
+    /* the next pass's output files, warmed while its round collects (daemon__start_warm) */
     struct warm_args *warm_job; /* the warm thread's job, NULL when none runs */
     uv_thread_t warm_thread;
     uv_async_t warm_async;      /* the warm thread ended */
@@ -107,12 +108,12 @@ typedef struct dilocod {
     int cleanup_in_flight;
     int settle_in_flight;       /* the committed step's outputs are being made durable (redo.json stays) */
     int commit_waiting;         /* a round's outputs are written; its commit waits for the settle above
-                                   and for the round's deltas to be durable (try_commit) */
+                                   and for the round's deltas to be durable (daemon__try_commit) */
     int inputs_syncing;         /* the round's deltas are being fsynced (beside the pass) */
     int inputs_sync_failed;
     int inputs_resync;          /* the round changed while they were: sync again before the commit */
     struct settle_args *settle_retry;   /* a failed settle, retried by settle_timer */
-    struct settle_args *settle_after_publish;   /* a settle waiting for the publish (release_settle) */
+    struct settle_args *settle_after_publish;   /* a settle waiting for the publish (daemon__release_settle) */
     char **round_rels;          /* the transport's files of the open round's deltas (--prune-consumed) */
     size_t nround_rels;
     int jobs_in_flight;         /* every uv_work_t out, for shutdown */

@@ -5,6 +5,9 @@
 #   hub   the transports: knows common/, core/, net/ and hub/
 #   api   the HTTP routes, and server/ itself (daemon, config, main): may know everything
 # A lower layer that includes a higher one fails the build with the file, line and header.
+# Two headers of server/ itself are private to the files that own the daemon's state:
+#   daemon_internal.h  the state (struct dilocod): the daemon's files and api/ (the routes read it)
+#   daemon_parts.h     the calls between the daemon's files: those files only
 set -u
 cd "$(dirname "$0")/../.."
 
@@ -27,6 +30,25 @@ layer_of_header() {     # a quoted include's name -> the layer its file lives in
     echo ""
 }
 
+private_to() {  # a header private to some files of server/ -> the patterns of the files that may include it
+    case "$1" in
+    daemon_internal.h) echo "server/daemon* server/api/*" ;;
+    daemon_parts.h)    echo "server/daemon*" ;;
+    *)                 echo "" ;;
+    esac
+}
+
+may_include_private() {     # file, header: 0 when the header is not private or the file is one of its owners
+    local pats pat
+    pats=$(private_to "$2")
+    [ -z "$pats" ] && return 0
+    for pat in $pats; do
+        # shellcheck disable=SC2053  # pat is a glob on purpose
+        [[ "$1" == $pat ]] && return 0
+    done
+    return 1
+}
+
 bad=0
 checked=0
 for f in server/*.[ch] server/*/*.[ch]; do
@@ -43,6 +65,9 @@ for f in server/*.[ch] server/*/*.[ch]; do
         elif [[ "$ok" != *" $hl "* ]]; then
             echo "$f:$line: the $layer layer includes \"$name\" of the $hl layer (allowed: $(allowed "$layer"))" >&2
             bad=1
+        elif ! may_include_private "$f" "$name"; then
+            echo "$f:$line: includes \"$name\", which only $(private_to "$name") may include" >&2
+            bad=1
         fi
     done < <(grep -n '^[[:space:]]*#[[:space:]]*include[[:space:]]*"' "$f")
 done
@@ -50,4 +75,4 @@ if [ "$bad" != 0 ]; then
     echo "lint-layers: FAILED (see server/README.md, Layers)" >&2
     exit 1
 fi
-echo "lint-layers: $checked includes checked, every layer includes only what it may"
+echo "lint-layers: $checked includes checked, every layer includes only what it may, the daemon's private headers only its own files"

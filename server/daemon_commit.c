@@ -1,0 +1,597 @@
+/* The commit of a round and what follows it.  The commit point is the round's redo record made
+ * durable (commit_work, a few ms); the step is then served, published, and settled in the background
+ * (its files fsynced, outer_metadata.json naming it, its round record in rounds.jsonl, the redo record
+ * gone), and only then are the files before it cleaned up.  Commits are serial: one waits for the
+ * previous step's settle and for its round's deltas to be durable (daemon__try_commit).  At startup a
+ * redo record left by a crash is recomputed from its inputs, bit for bit (daemon__recover_redo). */
+#include "daemon_internal.h"
+#include "daemon_parts.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "dl_log.h"
+#include "fsutil.h"
+#include "history.h"
+#include "hub.h"
+#include "outer.h"
+#include "pipeline.h"
+#include "round.h"
+#include "store.h"
+#include "util.h"
+
+/* What the closing round commits: the same on the pool (which writes it) and on the loop (which
+ * records it in d->st once it is durable). */
+static store_commit_info round_commit_info(const dilocod *d)
+{
+    store_commit_info info = {
+        .step = d->rnd.step + 1,
+        .global_path = d->pass->out_global_path,
+        .momentum_path = d->pass->out_momentum_path,
+        .optimizer = config_optimizer_name(d->cfg->optimizer),
+        .lr = d->cfg->lr,
+        .momentum = d->cfg->momentum,
+        .bootstrap = 0,
+        .origin = "round",
+        .round_json = d->pending_round,
+        .global_sum = &d->pass->out_global_sum,
+        .momentum_sum = d->pass->out_momentum_path != NULL ? &d->pass->out_momentum_sum : NULL,
+    };
+    return info;
+}
+
+/* The commit point of a round: its redo record (the step, its inputs, the optimizer and the round's
+ * record) made durable.  The outputs are already written but not durable; they are served and
+ * published from now on, and made durable in the background (settle_work).  A crash before that
+ * finds the redo record at the restart, which recomputes the step from its inputs, bit for bit. */
+typedef struct commit_args {
+    store_redo redo;            /* owned: copied from the loop's round when the commit is queued */
+    char *global_path;          /* the pass's new global, opened for downloads */
+} commit_args;
+
+static void commit_args_free(commit_args *a)
+{
+    if (a != NULL) {
+        store_redo_free(&a->redo);
+        free(a->global_path);
+        free(a);
+    }
+}
+
+/* The redo record's inputs, copied on the loop: the job reads nothing the loop owns (d->st.dir
+ * excepted, which never changes).  NULL when out of memory. */
+static commit_args *commit_args_new(dilocod *d)
+{
+    commit_args *a = calloc(1, sizeof(*a));
+    size_t n = d->pass_n;
+
+    if (a == NULL)
+        return NULL;
+    a->redo.step = d->rnd.step + 1;
+    a->redo.base = d->rnd.step;
+    a->redo.lr = d->cfg->lr;
+    a->redo.momentum = d->cfg->momentum;
+    a->redo.ndeltas = n;
+    a->redo.deltas = calloc(n ? n : 1, sizeof(char *));
+    a->redo.guarded = calloc(n ? n : 1, 1);
+    a->redo.versions = calloc(n ? n : 1, sizeof(fsu_ident));
+    a->redo.optimizer = strdup(config_optimizer_name(d->cfg->optimizer));
+    a->global_path = strdup(d->pass->out_global_path);
+    int bad = a->redo.deltas == NULL || a->redo.guarded == NULL || a->redo.versions == NULL ||
+              a->redo.optimizer == NULL || a->global_path == NULL ||
+              (d->pending_round != NULL && (a->redo.round_json = strdup(d->pending_round)) == NULL);
+    for (size_t i = 0; !bad && i < n; i++) {
+        bad = (a->redo.deltas[i] = strdup(d->pass_paths[i])) == NULL;
+        if (i < d->rnd.n) {     /* the versions of linked deltas, as the pass aggregated them */
+            a->redo.guarded[i] = (unsigned char)d->rnd.entries[i].guarded;
+            a->redo.versions[i] = d->rnd.entries[i].ident;
+        }
+    }
+    if (bad) {
+        commit_args_free(a);
+        return NULL;
+    }
+    return a;
+}
+
+/* The commit point of a round: its redo record (the step, its inputs, the optimizer and the round's
+ * record) made durable.  The outputs are already written but not durable; they are served and
+ * published from now on, and made durable in the background (settle_work).  A crash before that
+ * finds the redo record at the restart, which recomputes the step from its inputs, bit for bit. */
+static void commit_work(job *j)
+{
+    commit_args *a = j->arg;
+
+    j->rc = store_redo_write(&j->d->st, &a->redo, &j->err);
+    /* opened here, off the loop: downloads of the new global start from this descriptor */
+    j->flag = j->rc == 0 ? daemon__open_for_download(a->global_path) : -EINVAL;
+}
+
+/* ---- settling: the committed step's outputs made durable, then outer_metadata.json --------------- */
+
+typedef struct settle_args {
+    uint64_t step;
+    uint64_t global_sum, momentum_sum;  /* the outputs' checksums, as the pass computed them */
+    char *global_path, *momentum_path, *round_json;
+    int history_failed;
+    char *unappended;           /* earlier records not yet in rounds.jsonl: carried in from the loop, and
+                                   what is still not appended carried back (settle_done) */
+    char **rels;                /* the transport's files of the round's deltas (--prune-consumed) */
+    size_t nrels;
+} settle_args;
+
+void daemon__settle_free(settle_args *a)
+{
+    if (a != NULL) {
+        daemon__free_rels(a->rels, a->nrels);
+        free(a->global_path);
+        free(a->momentum_path);
+        free(a->round_json);
+        free(a->unappended);
+        free(a);
+    }
+}
+
+static void settle_work(job *j)
+{
+    dilocod *d = j->d;
+    settle_args *a = j->arg;
+    store_commit_info info = {
+        .step = a->step,
+        .global_path = a->global_path,
+        .momentum_path = a->momentum_path,
+        .optimizer = config_optimizer_name(d->cfg->optimizer),
+        .lr = d->cfg->lr,
+        .momentum = d->cfg->momentum,
+        .origin = "round",
+        .round_json = a->round_json,
+        .global_sum = &a->global_sum,
+        .momentum_sum = a->momentum_path != NULL ? &a->momentum_sum : NULL,
+    };
+    dl_error herr;
+
+    /* 1. the outputs durable (their directories too: the renames must survive) */
+    if ((j->rc = fsu_fsync_path(a->global_path, &j->err)) != 0 ||
+        (j->rc = fsu_fsync_parent(a->global_path, &j->err)) != 0)
+        return;
+    if (a->momentum_path != NULL && ((j->rc = fsu_fsync_path(a->momentum_path, &j->err)) != 0 ||
+                                     (j->rc = fsu_fsync_parent(a->momentum_path, &j->err)) != 0))
+        return;
+    /* 2. outer_metadata.json names the step: from here the redo record is not needed */
+    if ((j->rc = store_commit_write(&d->st, &info, &j->err)) != 0)
+        return;
+    /* 3. the history, in commit order: a record whose append failed last time goes first.  A kill
+     * before the append is replayed at startup from outer_metadata.json (history_load). */
+    if (a->unappended != NULL && history_append(d->st.dir, a->unappended, &herr) == 0) {
+        free(a->unappended);
+        a->unappended = NULL;
+    }
+    if (a->round_json != NULL) {
+        if (a->unappended == NULL && history_append(d->st.dir, a->round_json, &herr) != 0) {
+            a->unappended = strdup(a->round_json);
+            a->history_failed = 1;
+        } else if (a->unappended != NULL) {
+            char *both = NULL;
+            if (asprintf(&both, "%s%s", a->unappended, a->round_json) >= 0) {
+                free(a->unappended);
+                a->unappended = both;
+            }
+            a->history_failed = 1;
+        }
+    }
+    /* 4. the redo record goes (a kill before: the restart finds it older than the committed step) */
+    j->rc = store_redo_remove(&d->st, &j->err);
+}
+
+static void queue_commit(dilocod *d);
+static void queue_settle(dilocod *d, settle_args *a);
+
+static void settle_retry_cb(uv_timer_t *t)
+{
+    dilocod *d = container_of(t, dilocod, settle_timer);
+    settle_args *a = d->settle_retry;
+
+    d->settle_retry = NULL;
+    if (a != NULL)
+        queue_settle(d, a);
+}
+
+static void settle_done(job *j)
+{
+    dilocod *d = j->d;
+    settle_args *a = j->arg;
+
+    if (a->history_failed)
+        dl_log(DL_LOG_ERROR, "store", "could not append the round to rounds.jsonl; retried at the next commit",
+               "step=%" PRIu64, a->step);
+    if (j->rc != 0) {
+        /* the step stays committed by its redo record; its durability is retried (the next commit waits) */
+        daemon__log_error("store", "cannot make the committed step durable, will retry", &j->err);
+        if (!d->stopping) {
+            d->settle_retry = a;
+            uv_timer_start(&d->settle_timer, settle_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
+            return;
+        }
+        d->settle_in_flight = 0;
+        daemon__settle_free(a);
+        return;
+    }
+    d->settle_in_flight = 0;
+    d->unappended = a->unappended;      /* the records still to append go with the next settle */
+    a->unappended = NULL;
+    pipeline_durable(&d->pipe, a->step);
+    dl_log(DL_LOG_DEBUG, "store", "durable", "step=%" PRIu64, a->step);
+    for (size_t i = 0; i < a->nrels && !d->stopping; i++)
+        daemon__prune_now(d, a->rels[i]);       /* the step they went into is durable: no restart needs them */
+    daemon__settle_free(a);
+    if (d->stopping)
+        return;
+    daemon__try_commit(d);
+    daemon__schedule_cleanup(d);
+}
+
+static void queue_settle(dilocod *d, settle_args *a)
+{
+    if (a->unappended == NULL) {        /* a retried settle carries them already */
+        a->unappended = d->unappended;
+        d->unappended = NULL;
+    }
+    d->settle_in_flight = 1;
+    if (daemon__queue(d, settle_work, settle_done, a, 0, 0) != 0) {
+        /* no memory for a job: try again in a moment (the redo record keeps the step safe meanwhile) */
+        d->settle_retry = a;
+        uv_timer_start(&d->settle_timer, settle_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
+    }
+}
+
+/* After the commit point: the outputs of step become durable in the background. */
+static void start_settle(dilocod *d, uint64_t step)
+{
+    settle_args *a = calloc(1, sizeof(*a));
+
+    if (a == NULL || (a->global_path = strdup(d->pass->out_global_path)) == NULL ||
+        (d->pass->out_momentum_path != NULL && (a->momentum_path = strdup(d->pass->out_momentum_path)) == NULL) ||
+        (d->pending_round != NULL && (a->round_json = strdup(d->pending_round)) == NULL)) {
+        daemon__settle_free(a);
+        /* the redo record is durable: a restart settles the step; stop rather than run unsettled */
+        dl_log(DL_LOG_ERROR, "store", "out of memory settling the commit; restarting is safe", "step=%" PRIu64, step);
+        d->exit_code = 1;
+        raise(SIGTERM);
+        return;
+    }
+    a->step = step;
+    a->global_sum = d->pass->out_global_sum;
+    a->momentum_sum = d->pass->out_momentum_sum;
+    a->rels = d->round_rels;
+    a->nrels = d->nround_rels;
+    d->round_rels = NULL;
+    d->nround_rels = 0;
+    if (d->hub != NULL && hub_publish_writes_locally(d->hub) && !d->stopping) {
+        /* file://: the publish's small durable writes (step_count.json, the directory) queue at the disk
+         * behind the settle's (twice the model size): 0.07-0.2 s after a 256 MiB step when they ran
+         * side by side.  The settle follows the publish (daemon__release_settle); the redo record keeps the step
+         * safe meanwhile, and the next commit waits for it as for any settle. */
+        d->settle_after_publish = a;
+        d->settle_in_flight = 1;
+        return;
+    }
+    queue_settle(d, a);
+}
+
+/* Starts the settle that waited for the publish (the publish ended, none started, or shutdown). */
+void daemon__release_settle(dilocod *d)
+{
+    settle_args *a = d->settle_after_publish;
+
+    if (a == NULL)
+        return;
+    d->settle_after_publish = NULL;
+    queue_settle(d, a);
+}
+
+/* ---- the round's record, cleanup, and the commit on the loop ------------------------------------- */
+
+/* The closing round's record, built before its commit (the commit makes it durable with the step):
+ * per-node norms and cosines against the mean delta, and the aggregation's time so far.  One JSON
+ * line, ready for outer_metadata.json and rounds.jsonl. */
+int daemon__prepare_round_record(dilocod *d, double seconds)
+{
+    outer_pass *p = d->pass;
+    round_record *r = &d->pending_record;
+    double mean_norm = sqrt(p->mean_sumsq);
+    sbuf b = {0};
+
+    for (size_t k = 0; k < p->ndeltas; k++) {
+        double norm = sqrt(p->stats[k].sumsq);
+        d->pass_nodes[k].norm = norm;
+        d->pass_nodes[k].cosine = norm > 0 && mean_norm > 0 ? p->stats[k].dot / (norm * mean_norm) : 0.0;
+    }
+    history_record_free(r);
+    memset(r, 0, sizeof(*r));
+    r->step = d->rnd.step;
+    snprintf(r->reason, sizeof(r->reason), "%s", d->pass_reason);
+    r->seconds = seconds;
+    r->bytes = p->bytes_total;
+    r->gbps = seconds > 0 ? (double)p->bytes_total / seconds / 1e9 : 0;
+    r->mean_norm = mean_norm;
+    r->closed_at = time(NULL);
+    if (d->pass_n > 0 && (r->nodes = malloc(d->pass_n * sizeof(*r->nodes))) == NULL)
+        return -ENOMEM;
+    if (d->pass_n > 0)
+        memcpy(r->nodes, d->pass_nodes, d->pass_n * sizeof(*r->nodes));
+    r->n = d->pass_n;
+    history_record_json(&b, r);
+    sb_add(&b, "\n", 1);
+    free(d->pending_round);
+    d->pending_round = sb_take(&b);
+    return d->pending_round != NULL ? 0 : -ENOMEM;
+}
+
+/* The round is committed: its record joins the in-memory history and the metrics. */
+static void record_round(dilocod *d)
+{
+    double seconds = d->pending_record.seconds;
+
+    history_push(&d->history, &d->pending_record);
+    stats_round_committed(&d->m, seconds);
+}
+
+/* Cleanup works on a copy of the store's names: the loop may commit meanwhile. */
+static void cleanup_work(job *j)
+{
+    j->rc = store_cleanup(j->arg, 0, &j->err);
+}
+
+static void cleanup_done(job *j)
+{
+    store *snap = j->arg;
+
+    j->d->cleanup_in_flight = 0;
+    if (j->rc != 0)
+        daemon__log_error("store", "cleanup failed", &j->err);
+    else
+        pipeline_cleaned(&j->d->pipe, snap->step);
+    store_free(snap);
+    free(snap);
+}
+
+void daemon__schedule_cleanup(dilocod *d)
+{
+    store *snap;
+
+    /* the inputs of a committed step stay until it is durable (its redo record names them) */
+    if (d->cleanup_in_flight || d->publish_in_flight || d->settle_in_flight || d->commit_waiting || !d->st.committed)
+        return;
+    if ((snap = calloc(1, sizeof(*snap))) == NULL)
+        return;
+    snap->committed = 1;
+    snap->step = d->st.step;
+    if ((snap->dir = strdup(d->st.dir)) == NULL || (snap->global_path = strdup(d->st.global_path)) == NULL ||
+        (d->st.momentum_path != NULL && (snap->momentum_path = strdup(d->st.momentum_path)) == NULL) ||
+        daemon__queue(d, cleanup_work, cleanup_done, snap, 0, 0) != 0) {
+        store_free(snap);
+        free(snap);
+        return;
+    }
+    d->cleanup_in_flight = 1;
+}
+
+static void log_round_stats(dilocod *d)
+{
+    const round_record *r = &d->pending_record;
+    char qn[160];
+
+    dl_log(DL_LOG_INFO, "aggregate", "done",
+           "step=%" PRIu64 " nodes=%zu seconds=%.3f gbps=%.2f bytes=%" PRIu64 " mean_norm=%.6g", d->rnd.step + 1,
+           r->n, r->seconds, r->gbps, r->bytes, r->mean_norm);
+    for (size_t k = 0; k < r->n; k++)
+        dl_log(DL_LOG_INFO, "aggregate", "node statistics",
+               "step=%" PRIu64 " node=%s local_step=%" PRIu64 " norm=%.6g cosine=%.6f", d->rnd.step + 1,
+               dl_log_q(qn, sizeof(qn), r->nodes[k].node_id), r->nodes[k].local_step, r->nodes[k].norm,
+               r->nodes[k].cosine);
+}
+
+static void commit_done(job *j)
+{
+    dilocod *d = j->d;
+
+    commit_args_free(j->arg);
+    if (j->rc != 0) {
+        daemon__aggregation_failed(d, &j->err);
+        return;
+    }
+    uv_timer_stop(&d->progress_timer);
+    store_commit_info info = round_commit_info(d);
+    if (store_commit_apply(&d->st, &info) != 0) {
+        /* durable on disk, unknown in memory: a restart reads it back; stop rather than serve a lie */
+        dl_log(DL_LOG_ERROR, "store", "out of memory recording the commit; restarting is safe", "step=%" PRIu64,
+               info.step);
+        d->exit_code = 1;
+        raise(SIGTERM);
+    }
+    pipeline_move(&d->pipe, d->st.step, STEP_COMMITTED);
+    log_round_stats(d);
+    record_round(d);
+    daemon__serve_step(d, j->flag, d->st.step);
+    pipeline_move(&d->pipe, d->st.step, STEP_SERVED);
+    daemon__ensure_set(d);
+    d->committed_at = time(NULL);
+    dl_log(DL_LOG_INFO, "store", "committed", "step=%" PRIu64 " global=%s", d->st.step, d->st.global_path);
+    start_settle(d, d->st.step);
+    daemon__pass_release(d);
+    round_reset(&d->rnd, d->st.step);
+    pipeline_begin(&d->pipe, d->st.step + 1, STEP_COLLECTING);
+    if (d->hub != NULL)
+        hub_set_step(d->hub, d->st.step, 0);      /* the transport looks for the new round's deltas */
+    dl_log(DL_LOG_INFO, "round", "opened", "step=%" PRIu64 " expected=%u min_nodes=%u", d->rnd.step,
+           d->cfg->expected_nodes, d->cfg->min_nodes);
+    d->state = S_COLLECTING;
+    if (d->stopping) {
+        daemon__release_settle(d);
+        return;
+    }
+    daemon__start_warm(d);
+    daemon__maybe_publish(d);
+    if (!d->publish_in_flight)
+        daemon__release_settle(d);      /* nothing to wait for */
+    daemon__dispatch_intake(d);
+}
+
+/* The commit of a finished pass waits for the previous step to be durable (this one's redo record
+ * names its files as inputs) and for the round's deltas to be durable (they are the other inputs:
+ * fsynced by sync_inputs while the pass ran); a delta rewritten in place meanwhile reopens the round. */
+void daemon__try_commit(dilocod *d)
+{
+    if (!d->commit_waiting || d->settle_in_flight || d->inputs_syncing || d->stopping)
+        return;
+    d->commit_waiting = 0;
+    if (d->inputs_sync_failed) {
+        dl_error e;
+        d->inputs_sync_failed = 0;
+        dl_fail(&e, DL_E_IO, NULL, 0, "the round's deltas could not be made durable");
+        daemon__aggregation_failed(d, &e);
+        return;
+    }
+    if (daemon__reopen_if_rewritten(d, 0))
+        return;
+    pipeline_move(&d->pipe, d->rnd.step + 1, STEP_INPUTS_DURABLE);
+    queue_commit(d);
+}
+
+static void queue_commit(dilocod *d)
+{
+    commit_args *a = commit_args_new(d);
+
+    if (a == NULL || daemon__queue(d, commit_work, commit_done, a, 0, 0) != 0) {
+        dl_error e;
+        commit_args_free(a);
+        dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot queue the commit");
+        daemon__aggregation_failed(d, &e);
+    }
+}
+
+/* ---- recovery: a committed round whose outputs were not durable ------------------------------------ */
+
+/* At startup, before anything else reads the state: a redo record naming the step after the committed
+ * one is recomputed from its inputs (kept until the outputs were durable), made durable and committed;
+ * an older one (its step already named by outer_metadata.json) is only removed. */
+int daemon__recover_redo(dilocod *d, dl_error *err)
+{
+    store_redo r;
+    int present, rc;
+    st_kv meta[2];
+    char step_text[24];
+    outer_pass p = {0};
+    uint64_t *sums = NULL;
+    unsigned char *summed = NULL;
+
+    if ((rc = store_redo_read(&d->st, &r, &present, err)) != 0 || !present)
+        return rc;
+    if (d->st.committed && r.step <= d->st.step) {
+        store_redo_free(&r);
+        return store_redo_remove(&d->st, err);
+    }
+    if (!d->st.committed || r.base != d->st.step) {
+        rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
+                     "redo.json in %s makes step %" PRIu64 " from step %" PRIu64 ", but the committed step is %s%"
+                     PRIu64, d->st.dir, r.step, r.base, d->st.committed ? "" : "none ", d->st.step);
+        store_redo_free(&r);
+        return rc;
+    }
+    for (size_t i = 0; r.guarded != NULL && i < r.ndeltas; i++) {
+        if (r.guarded[i] && fsu_ident_check(r.deltas[i], &r.versions[i]) != 1) {
+            /* a worker rewrote a linked delta in place after the commit: the step cannot be made again bit
+             * for bit.  It is given up (the round is aggregated again from what the tree holds now)
+             * rather than recomputed from other bytes than the ones served. */
+            dl_log(DL_LOG_ERROR, "store",
+                   "a delta of the committed round was rewritten in place before its step was durable: the step "
+                   "is aggregated again",
+                   "step=%" PRIu64 " delta=%s", r.step, r.deltas[i]);
+            store_redo_free(&r);
+            return store_redo_remove(&d->st, err);
+        }
+    }
+    if ((rc = store_global_intact(&d->st)) != 1) {
+        rc = dl_fail(err, DL_E_IO, NULL, 0, "cannot recompute step %" PRIu64 ": its base, the global of step %" PRIu64
+                     " (%s), is a link to --init-model %s; " GLOBAL_CHANGED_HELP, r.step, r.base, d->st.global_path,
+                     daemon__global_change(rc));
+        store_redo_free(&r);
+        return rc;
+    }
+    dl_log(DL_LOG_WARN, "store", "recovering a committed step whose files were not durable",
+           "step=%" PRIu64 " nodes=%zu", r.step, r.ndeltas);
+    if ((rc = daemon__setup_pass(d, &p, r.step, r.optimizer, r.lr, r.momentum, meta, step_text,
+                                 sizeof(step_text))) != 0) {
+        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        goto out;
+    }
+    p.delta_paths = (const char *const *)r.deltas;
+    p.ndeltas = r.ndeltas;
+    /* the linked deltas' bytes must be the ones aggregated before the crash */
+    sums = calloc(r.ndeltas ? r.ndeltas : 1, sizeof(*sums));
+    summed = calloc(r.ndeltas ? r.ndeltas : 1, 1);
+    if (sums == NULL || summed == NULL) {
+        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; r.guarded != NULL && i < r.ndeltas; i++) {
+        summed[i] = r.guarded[i] && r.versions[i].has_sum;
+        sums[i] = r.versions[i].sum;
+    }
+    p.delta_sums = sums;
+    p.delta_summed = summed;
+    /* one thread, before the loop runs: the same items, so the same bytes, as the pool made them */
+    rc = outer_prepare(&p, err);
+    if (rc == 0 && (rc = outer_run(&p)) != 0 && err != NULL)
+        *err = p.err;
+    if (rc != 0)
+        outer_abort(&p);
+    int frc = outer_finish(&p, rc == 0 ? err : NULL);
+    if (rc == 0)
+        rc = frc;
+    if (rc != 0 && p.in_sums != NULL && err->code == DL_E_CHECKSUM_MISMATCH &&
+        !outer_input_changed(&p, OUTER_INPUT_GLOBAL(&p)) && !outer_input_changed(&p, OUTER_INPUT_MOMENTUM(&p))) {
+        /* a linked delta rewritten in place (its mtime put back) before the step was durable: as above */
+        daemon__log_error("store", "a delta of the committed round was rewritten in place before its step was durable: "
+                  "the step is aggregated again", err);
+        rc = store_redo_remove(&d->st, err);
+        goto out;
+    }
+    if (rc == 0) {
+        store_commit_info info = {
+            .step = r.step,
+            .global_path = p.out_global_path,
+            .momentum_path = p.out_momentum_path,
+            .optimizer = r.optimizer,
+            .lr = r.lr,
+            .momentum = r.momentum,
+            .origin = "round",
+            .round_json = r.round_json,
+            .global_sum = &p.out_global_sum,
+            .momentum_sum = p.out_momentum_path != NULL ? &p.out_momentum_sum : NULL,
+        };
+        if ((rc = store_commit(&d->st, &info, err)) == 0 && (rc = store_redo_remove(&d->st, err)) == 0) {
+            dl_log(DL_LOG_WARN, "store", "recovered", "step=%" PRIu64 " global=%s", r.step, d->st.global_path);
+            /* it may have been published before its files were durable (file:// links them): the same
+             * bytes go out again */
+            d->republish = 1;
+        }
+    }
+out:
+    outer_free(&p);
+    free(sums);
+    free(summed);
+    free((void *)p.out_global_path);
+    free((void *)p.out_momentum_path);
+    store_redo_free(&r);
+    if (rc != 0)
+        dl_log(DL_LOG_ERROR, "store", "cannot recompute the committed step from its redo record", "code=%s",
+               dl_error_name(err->code));
+    return rc;
+}

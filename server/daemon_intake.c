@@ -1,0 +1,463 @@
+/* Deltas in and the open round: a delta the transport found (or the cache holds at a restart) queued
+ * and taken in on the pool (core/intake.c), offered to the round (core/round.c) and logged, the
+ * transport told the outcome (and, with --prune-consumed, which of its files no step needs again);
+ * the round's timer, its close (which starts the pass) and its opening on the model.  The
+ * transport's delta_ready callback lands here, and the HTTP uploads offer through daemon__offer. */
+#include "daemon_internal.h"
+#include "daemon_parts.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <uv.h>
+
+#include "delta.h"
+#include "dl_log.h"
+#include "fsutil.h"
+#include "hub.h"
+#include "index_parse.h"
+#include "intake.h"
+#include "pipeline.h"
+#include "round.h"
+#include "safetensors.h"
+#include "st_index.h"
+#include "stats.h"
+#include "store.h"
+
+static double now_s(dilocod *d)
+{
+    return (double)uv_now(&d->loop) / 1000.0;
+}
+
+/* ---- intake ---------------------------------------------------------------------------------- */
+
+static void intake_work(job *j)
+{
+    intake_run(j->arg);
+}
+
+static intake_req *enqueue_intake(dilocod *d, const char *path, const char *rel, int in_cache, int remove_src)
+{
+    intake_req *r = calloc(1, sizeof(*r));
+
+    if (r == NULL || (r->src_path = strdup(path)) == NULL || (rel && (r->rel_path = strdup(rel)) == NULL) ||
+        (r->state_dir = strdup(d->st.dir)) == NULL) {
+        if (r)
+            intake_req_free(r);
+        dl_log(DL_LOG_ERROR, "intake", "out of memory", "path=%s", path);
+        return NULL;
+    }
+    r->in_cache = in_cache;
+    r->remove_src = remove_src;
+    r->ck = &d->st.key;         /* never changes after store_open: the pool reads it */
+    /* one header cap whatever brought the delta in (an upload, the shared tree, the Hub) */
+    r->max_header = (uint64_t)d->cfg->max_delta_header_mib << 20;
+    if (d->nqueue == d->cap_queue) {
+        size_t nc = d->cap_queue ? d->cap_queue * 2 : 16;
+        intake_req **nq = realloc(d->queue, nc * sizeof(*nq));
+        if (nq == NULL) {
+            intake_req_free(r);
+            dl_log(DL_LOG_ERROR, "intake", "out of memory", "path=%s", path);
+            return NULL;
+        }
+        d->queue = nq;
+        d->cap_queue = nc;
+    }
+    d->queue[d->nqueue++] = r;
+    return r;
+}
+
+/* A delta the transport found: queued for intake.  A file of a shared tree (root set) is reached
+ * from the root, never through a link; a download (owned) is removed after intake.  A set's index the
+ * transport already parsed goes along (intake uses it while the file is that version). */
+void daemon__on_delta_ready(void *app, const hub_delta *hd)
+{
+    dilocod *d = app;
+    intake_req *r = enqueue_intake(d, hd->path, hd->rel, 0, hd->owned);
+
+    if (r != NULL)
+        r->index = index_parse_ref(hd->index);      /* released with the request */
+    if (r != NULL && hd->root != NULL && (r->hub_root = strdup(hd->root)) == NULL) {
+        d->queue[--d->nqueue] = NULL;
+        intake_req_free(r);
+        r = NULL;
+    }
+    if (r == NULL) {
+        if (hd->owned)
+            daemon__discard_local(d, hd->path, 1);
+        hub_mark_done(d->hub, hd->rel, HUB_RETRY, NULL);
+        return;
+    }
+    daemon__dispatch_intake(d);
+}
+
+static void round_timer_cb(uv_timer_t *t);
+
+void daemon__arm_round_timer(dilocod *d)
+{
+    double deadline = round_deadline(&d->rnd), wait;
+
+    if (deadline < 0 || d->stopping)
+        return;
+    wait = deadline - now_s(d);
+    uv_timer_start(&d->round_timer, round_timer_cb, wait > 0 ? (uint64_t)(wait * 1000) + 1 : 0, 0);
+}
+
+static void count_refusal(dilocod *d, round_verdict v)
+{
+    stats_delta_refused(&d->m, v);
+}
+
+round_verdict daemon__peek(dilocod *d, const delta_info *info)
+{
+    /* no global yet: nothing can be based on a step we do not have */
+    return d->state == S_WAITING_GLOBAL ? ROUND_FUTURE : round_peek(&d->rnd, info);
+}
+
+/* daemon__offer, for a delta linked from a shared tree when guard is non-NULL: the version validated,
+ * which the round checks again before and after its pass. */
+static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path, uint64_t size,
+                           const fsu_ident *guard)
+{
+    char *replaced = NULL, qn[160];
+    round_verdict v = round_offer(&d->rnd, info, cache_path, size, now_s(d), &replaced);
+    int first = d->rnd.n == 1 && v == ROUND_ACCEPTED;
+
+    if ((v == ROUND_ACCEPTED || v == ROUND_REPLACED) && guard != NULL)
+        round_guard(&d->rnd, info->node_id, guard);
+    if (v == ROUND_ACCEPTED || v == ROUND_REPLACED) {
+        dl_log(DL_LOG_INFO, "round", v == ROUND_ACCEPTED ? "delta accepted" : "delta replaced",
+               "step=%" PRIu64 " node=%s local_step=%" PRIu64 " bytes=%" PRIu64 " nodes=%zu expected=%u",
+               d->rnd.step, dl_log_q(qn, sizeof(qn), info->node_id), info->local_step, size, d->rnd.n,
+               d->cfg->expected_nodes);
+        stats_delta_taken(&d->m, v);
+        if (replaced != NULL) {
+            daemon__discard_local(d, replaced, 0);
+            free(replaced);
+        }
+        if (first && d->rnd.timeout > 0)
+            daemon__arm_round_timer(d);
+        daemon__maybe_close_round(d);
+        return v;
+    }
+    count_refusal(d, v);
+    dl_log(v == ROUND_NOT_NEWER ? DL_LOG_INFO : DL_LOG_WARN, "round", "delta refused",
+           "step=%" PRIu64 " node=%s local_step=%" PRIu64 " base_outer_step=%" PRIu64 " reason=%s", d->rnd.step,
+           dl_log_q(qn, sizeof(qn), info->node_id), info->local_step, info->base_outer_step, round_verdict_name(v));
+    daemon__discard_local(d, cache_path, 0);    /* refused: its cached copy has no use */
+    free(cache_path);
+    return v;
+}
+
+round_verdict daemon__offer(dilocod *d, const delta_info *info, char *cache_path, uint64_t size)
+{
+    return offer(d, info, cache_path, size, NULL);
+}
+
+/* A shared tree's file answered DUPLICATE while the round holds a guarded link to it whose version
+ * changed: the worker rewrote the delta in place after it was taken in.  Collecting, the old entry
+ * goes and the request runs again (1); aggregating, or when the round holds no entry for the node
+ * (the cached copy is being dropped or not offered yet), the transport hands it over later
+ * (HUB_RETRY: 0 with *retry set); else 0. */
+static int rewritten_in_round(dilocod *d, intake_req *r, int *retry)
+{
+    const round_entry *e;
+    char *path;
+
+    *retry = 0;
+    if (r->status != INTAKE_DUPLICATE || r->hub_root == NULL || d->stopping)
+        return 0;
+    if ((e = round_find(&d->rnd, r->info.node_id)) == NULL) {
+        /* the cached copy it met is on its way out (a rewritten entry dropped while this ran) or in
+         * (a restart's cached delta not offered yet): the transport hands it over again later */
+        *retry = 1;
+        return 0;
+    }
+    if (!e->guarded || e->local_step != r->info.local_step || fsu_ident_check(e->path, &e->ident) == 1)
+        return 0;
+    if (d->state != S_COLLECTING) {
+        *retry = 1;             /* the pass's checks drop it; the new version comes back after */
+        return 0;
+    }
+    dl_log(DL_LOG_WARN, "round", "delta rewritten in place after it was taken in: dropped, it is taken in again",
+           "step=%" PRIu64 " local_step=%" PRIu64, d->rnd.step, e->local_step);
+    round_drop(&d->rnd, r->info.node_id, &path);
+    (void)unlink(path);         /* our link only (the tree keeps its own name): no data is freed here */
+    free(path);
+    d->m.deltas_rewritten++;
+    r->status = INTAKE_IO;
+    r->linked = 0;
+    r->link_errno = 0;
+    memset(&r->info, 0, sizeof(r->info));
+    dl_error_clear(&r->err);
+    if (d->nqueue == d->cap_queue)
+        return 0;               /* no room to run it again now: the transport hands it over later */
+    d->queue[d->nqueue++] = r;
+    return 1;
+}
+
+void daemon__rejected(dilocod *d, const char *what, const dl_error *err)
+{
+    char m[600], t[300];
+
+    stats_delta_rejected(&d->m, err->code);
+    round_count_rejected(&d->rnd);
+    dl_log(DL_LOG_WARN, "intake", "delta rejected", "path=%s code=%s error=%s%s%s", what, dl_error_name(err->code),
+           dl_log_q(m, sizeof(m), err->message), err->tensor[0] ? " tensor=" : "",
+           err->tensor[0] ? dl_log_q(t, sizeof(t), err->tensor) : "");
+}
+
+/* ---- pruning the transport's consumed deltas (--prune-consumed) -------------------------------------- */
+
+static int pruning(const dilocod *d)
+{
+    return d->cfg->prune_consumed && d->hub != NULL && hub_can_prune(d->hub);
+}
+
+void daemon__prune_now(dilocod *d, const char *rel)
+{
+    if (pruning(d))
+        hub_prune(d->hub, rel);
+}
+
+/* A delta of the open round: pruned when the step it went into is durable. */
+static void remember_consumed(dilocod *d, const char *rel)
+{
+    char **nv;
+
+    if (!pruning(d))
+        return;
+    if ((nv = realloc(d->round_rels, (d->nround_rels + 1) * sizeof(*nv))) == NULL)
+        return;                 /* not pruned: the file stays, nothing else is lost */
+    d->round_rels = nv;
+    if ((d->round_rels[d->nround_rels] = strdup(rel)) != NULL)
+        d->nround_rels++;
+}
+
+void daemon__free_rels(char **rels, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        free(rels[i]);
+    free(rels);
+}
+
+/* What the transport learns of a delta it handed over. */
+static hub_outcome hub_outcome_of(intake_status s)
+{
+    switch (s) {
+    case INTAKE_INVALID: return HUB_INVALID;
+    case INTAKE_INCOMPLETE: return HUB_INCOMPLETE;
+    case INTAKE_IO: return HUB_RETRY;
+    default: return HUB_TAKEN;
+    }
+}
+
+static void intake_done(job *j)
+{
+    dilocod *d = j->d;
+    intake_req *r = j->arg;
+    const char *name = r->rel_path ? r->rel_path : r->src_path;
+    char qn[160], qp[600];
+    hub_version v = {r->size, r->mtime_ns, r->ino};
+    int retry, final;
+
+    d->intake_in_flight--;
+    if (r->index_parsed)
+        stats_index_parsed(&d->m);
+    r->index_parsed = 0;        /* a request run again (below) counts its own parse */
+    if (rewritten_in_round(d, r, &retry)) {
+        daemon__dispatch_intake(d);     /* taken in again, as the version it is now */
+        return;
+    }
+    if (retry) {
+        r->status = INTAKE_IO;
+        dl_log(DL_LOG_DEBUG, "intake", "delta met a cached copy that is changing, taken in again later",
+               "path=%s", name);
+    }
+    if (r->link_errno != 0 && !d->link_refused_said) {
+        char qe[200];
+        d->link_refused_said = 1;
+        dl_log(DL_LOG_WARN, "intake", "deltas are copied into the state, not linked: slower",
+               "reason=%s hint=%s", dl_log_q(qe, sizeof(qe), strerror(r->link_errno)),
+               r->link_errno == EXDEV ? "put --state-root on the shared tree's filesystem for zero-copy intake"
+                                      : "links to the tree's files are refused (protected_hardlinks: run as the files' owner)");
+    }
+    /* a transport's file: it learns the outcome (and says whether a short file is short for good) */
+    final = r->rel_path != NULL && d->hub != NULL ? hub_mark_done(d->hub, r->rel_path, hub_outcome_of(r->status), &v) : 1;
+    switch (r->status) {
+    case INTAKE_OK:
+        /* when stopping, the cached copy stays: the restart offers it again */
+        if (!d->stopping) {
+            round_verdict verdict = offer(d, &r->info, r->cache_path, r->size, r->linked ? &r->ident : NULL);
+            r->cache_path = NULL;
+            if (r->rel_path != NULL && (verdict == ROUND_ACCEPTED || verdict == ROUND_REPLACED))
+                remember_consumed(d, r->rel_path);      /* pruned once its step is durable */
+            else if (r->rel_path != NULL && (verdict == ROUND_STALE || verdict == ROUND_NOT_NEWER))
+                daemon__prune_now(d, r->rel_path);              /* can never count: superseded or too old */
+        }
+        break;
+    case INTAKE_STALE:
+    case INTAKE_FUTURE:
+        round_count_refused(&d->rnd, r->status == INTAKE_STALE ? ROUND_STALE : ROUND_FUTURE);
+        stats_delta_refused(&d->m, r->status == INTAKE_STALE ? ROUND_STALE : ROUND_FUTURE);
+        /* a delta that just missed its round is worth a line; older leftovers in a hub (a restart meets
+         * every one of them) only at debug level: they are counted in dilocod_deltas_refused_total */
+        dl_log(r->status == INTAKE_FUTURE                      ? DL_LOG_WARN
+               : r->info.base_outer_step + 1 >= d->rnd.step    ? DL_LOG_INFO
+                                                               : DL_LOG_DEBUG,
+               "intake", "delta refused",
+               "path=%s node=%s base_outer_step=%" PRIu64 " step=%" PRIu64 " reason=%s", dl_log_q(qp, sizeof(qp), name),
+               dl_log_q(qn, sizeof(qn), r->info.node_id),
+               r->info.base_outer_step, d->rnd.step, intake_status_name(r->status));
+        if (r->in_cache)
+            daemon__discard_local(d, r->src_path, 0);
+        if (r->status == INTAKE_STALE && r->rel_path != NULL)
+            daemon__prune_now(d, r->rel_path);
+        break;
+    case INTAKE_DUPLICATE:
+        dl_log(DL_LOG_DEBUG, "intake", "delta already taken in", "path=%s", name);
+        break;
+    case INTAKE_INCOMPLETE:
+        if (final)      /* it stopped changing and is still short (or cannot grow: a download) */
+            daemon__rejected(d, name, &r->err);
+        else
+            dl_log(DL_LOG_DEBUG, "intake", "delta incomplete, will retry", "path=%s bytes=%" PRIu64, name, r->size);
+        break;
+    case INTAKE_INVALID:
+        daemon__rejected(d, name, &r->err);
+        if (r->in_cache)
+            daemon__discard_local(d, r->src_path, 0);
+        break;
+    case INTAKE_IO:
+        if (!retry)
+            daemon__log_error("intake", "cannot take in a delta", &r->err);
+        break;
+    }
+    if (r->remove_src)
+        daemon__discard_local(d, r->src_path, 1);   /* a download: its validated copy is in the cache */
+    intake_req_free(r);
+    daemon__dispatch_intake(d);
+}
+
+void daemon__dispatch_intake(dilocod *d)
+{
+    while (!d->stopping && d->intake_in_flight < MAX_INTAKE_IN_FLIGHT && d->nqueue > 0 &&
+           d->state != S_WAITING_GLOBAL) {
+        intake_req *r = d->queue[0];
+        memmove(d->queue, d->queue + 1, (d->nqueue - 1) * sizeof(*d->queue));
+        d->nqueue--;
+        r->global = d->model;
+        r->step = d->rnd.step;
+        if (daemon__queue(d, intake_work, intake_done, r, 0, 0) != 0) {
+            intake_req_free(r);
+            continue;
+        }
+        d->intake_in_flight++;
+    }
+}
+
+/* ---- the round: its timer, its close, its opening ------------------------------------------------ */
+
+static void round_timer_cb(uv_timer_t *t)
+{
+    daemon__maybe_close_round(container_of(t, dilocod, round_timer));
+}
+
+void daemon__maybe_close_round(dilocod *d)
+{
+    round_close_reason why;
+
+    /* a bootstrap still copying --init-model: the round takes deltas in, and closes once step 0 is
+     * committed (adopt_done) */
+    if (d->state != S_COLLECTING || d->stopping || d->bootstrap_in_flight ||
+        !round_should_close(&d->rnd, now_s(d), &why))
+        return;
+    d->rnd.closed = 1;
+    uv_timer_stop(&d->round_timer);
+    dl_log(DL_LOG_INFO, "round", "closed", "step=%" PRIu64 " nodes=%zu expected=%u reason=%s", d->rnd.step, d->rnd.n,
+           d->cfg->expected_nodes, round_close_reason_name(why));
+    snprintf(d->pass_reason, sizeof(d->pass_reason), "%s", round_close_reason_name(why));
+    d->retry_delay = d->cfg->retry_interval;
+    daemon__start_aggregation(d);
+}
+
+static void requeue_cache(dilocod *d)
+{
+    char *dir = store_cache_dir(&d->st, d->st.step);
+    uv_fs_t req;
+    uv_dirent_t ent;
+
+    if (dir == NULL)
+        return;
+    /* Runs when collecting starts (startup, or right after adopting a global, when the cache of the
+     * new step is empty): a synchronous scandir of one small directory. */
+    if (uv_fs_scandir(&d->loop, &req, dir, 0, NULL) >= 0) {
+        while (uv_fs_scandir_next(&req, &ent) != UV_EOF) {
+            if (!delta_valid_node_id(ent.name, strlen(ent.name)))
+                continue;
+            char *sub = NULL;
+            uv_fs_t sreq;
+            uv_dirent_t f;
+            if (asprintf(&sub, "%s/%s", dir, ent.name) < 0)
+                continue;
+            if (uv_fs_scandir(&d->loop, &sreq, sub, 0, NULL) >= 0) {
+                while (uv_fs_scandir_next(&sreq, &f) != UV_EOF) {
+                    char *abs = NULL;
+                    char base[ST_INDEX_BASE_MAX + 1];
+                    uint32_t si, sn;
+                    st_name_kind kind = st_index_classify(f.name, strlen(f.name), base, &si, &sn);
+                    /* a set is taken in through its index (its shards go with it) */
+                    if (strncmp(f.name, "delta_", 6) != 0 || (kind != ST_NAME_SINGLE && kind != ST_NAME_INDEX) ||
+                        asprintf(&abs, "%s/%s", sub, f.name) < 0)
+                        continue;
+                    enqueue_intake(d, abs, NULL, 1, 0);
+                    free(abs);
+                }
+            }
+            uv_fs_req_cleanup(&sreq);
+            free(sub);
+        }
+    }
+    uv_fs_req_cleanup(&req);
+    free(dir);
+}
+
+/* Sizes the /status model section and the default upload limit report. */
+static void model_facts(dilocod *d)
+{
+    d->model_params = d->model_bytes = d->delta_bytes = 0;
+    for (size_t i = 0; i < d->model->ntensors; i++) {
+        const st_tensor *t = &d->model->tensors[i];
+        d->model_params += t->nelem;
+        d->model_bytes += st_tensor_bytes(t);
+        if (st_dtype_is_floating(t->dtype))
+            d->delta_bytes += t->nelem * (t->dtype == ST_C64 ? 8 : 4);
+    }
+}
+
+/* The round of d->st.step opens on d->model: deltas are taken in from here on. */
+void daemon__round_open(dilocod *d)
+{
+    round_init(&d->rnd, d->st.step, d->cfg->expected_nodes, d->cfg->nodes, d->cfg->nnodes, d->cfg->min_nodes,
+               d->cfg->round_timeout);
+    d->state = S_COLLECTING;
+    pipeline_begin(&d->pipe, d->st.step + 1, STEP_COLLECTING);
+    model_facts(d);
+    if (d->hub != NULL) {
+        hub_limits lim = {
+            .delta_index_bytes = st_index_cap_for(d->model),
+            .delta_set_bytes = intake_set_budget(d->delta_bytes, (uint64_t)d->cfg->max_delta_header_mib << 20),
+        };
+        hub_set_limits(d->hub, &lim);
+        hub_set_step(d->hub, d->st.step, 0);
+    }
+    daemon__plan_layout(d);
+    dl_log(DL_LOG_INFO, "round", "opened", "step=%" PRIu64 " expected=%u min_nodes=%u tensors=%zu", d->rnd.step,
+           d->cfg->expected_nodes, d->cfg->min_nodes, d->model->ntensors);
+    requeue_cache(d);
+    daemon__dispatch_intake(d);
+}

@@ -1,0 +1,144 @@
+/* What the daemon's own files (server/daemon*.c) share with each other: one concern per file, and
+ * these the calls between them.  Included only by those files (make lint-layers keeps it so); the
+ * state they act on is daemon_internal.h's.  Everything here runs on the loop thread. */
+#ifndef DAEMON_PARTS_H
+#define DAEMON_PARTS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "daemon_internal.h"
+#include "dl_error.h"
+#include "fsutil.h"
+#include "hub.h"
+#include "outer.h"
+#include "safetensors.h"
+
+/* Intake requests in flight at once (the pool is sized for them beside the pass's threads). */
+#define MAX_INTAKE_IN_FLIGHT 2
+/* The longest wait before an aggregation or a publish is tried again. */
+#define MAX_RETRY_SECONDS 60.0
+
+/* A pool job (daemon__queue), by its short name in the daemon's files. */
+typedef daemon_job job;
+
+struct settle_args;
+
+/* ---- daemon.c: wiring and lifecycle ---- */
+
+/* Logs a failure at error level: the component, what failed, and the dl_error's code, message and tensor. */
+void daemon__log_error(const char *component, const char *msg, const dl_error *e);
+/* Deletes a file without blocking the loop (libuv runs the unlink on its pool). */
+void daemon__unlink_async(dilocod *d, const char *path);
+/* Deletes a delta or a global of ours (a file, or a set) without blocking the loop; download: a transport's. */
+void daemon__discard_local(dilocod *d, const char *path, int download);
+/* Collecting starts on the committed global (at startup or after an adoption): the round opens, it is served. */
+void daemon__collecting_start(dilocod *d);
+/* d->st.step's global is committed (at startup, adopted, or bootstrapped): served and published. */
+void daemon__global_committed(dilocod *d);
+/* Shutdown ends here once no job, no HTTP server and no transport is left: every handle is closed. */
+void daemon__maybe_finish_shutdown(dilocod *d);
+
+/* ---- daemon_intake.c: deltas in, the open round ---- */
+
+/* hub_callbacks.delta_ready: a delta the transport found, queued for intake. */
+void daemon__on_delta_ready(void *app, const hub_delta *hd);
+/* Starts queued intakes while there is room (MAX_INTAKE_IN_FLIGHT) and a round to take them. */
+void daemon__dispatch_intake(dilocod *d);
+/* Arms the round timer for the open round's deadline (--round-timeout). */
+void daemon__arm_round_timer(dilocod *d);
+/* Closes the round and starts its aggregation if it is complete (or timed out) and nothing holds it. */
+void daemon__maybe_close_round(dilocod *d);
+/* The round of d->st.step opens on d->model: deltas are taken in from here on. */
+void daemon__round_open(dilocod *d);
+/* --prune-consumed: the transport removes a delta that no step will need again. */
+void daemon__prune_now(dilocod *d, const char *rel);
+/* Frees a list of the transport's file names. */
+void daemon__free_rels(char **rels, size_t n);
+
+/* ---- daemon_pass.c: the aggregation, its warmed outputs, its inputs' durability ---- */
+
+/* What store_global_intact's answer says the operator can do (with daemon__global_change). */
+#define GLOBAL_CHANGED_HELP                                                                                  \
+    "put that file back as it was (its bytes and its modification time), or start again from an empty state " \
+    "directory"
+
+/* The closed round's pass starts on the pool (or fails into a retry). */
+void daemon__start_aggregation(dilocod *d);
+/* The pass or its commit failed: released, and retried after a backoff. */
+void daemon__aggregation_failed(dilocod *d, const dl_error *err);
+/* Frees the pass and what it was given (its warmed files, the pending round record). */
+void daemon__pass_release(dilocod *d);
+/* Sets up the pass of new_step from the committed step's files (a round's, or a redo record's). */
+int daemon__setup_pass(dilocod *d, outer_pass *p, uint64_t new_step, const char *optimizer, double lr,
+                       double momentum, st_kv meta[2], char *step_text, size_t step_text_size);
+/* Before a pass (before_pass) and before its commit: reopens a round that lost a rewritten delta.  1 if so. */
+int daemon__reopen_if_rewritten(dilocod *d, int before_pass);
+/* Why a linked global's check (store_global_intact's rc) failed, for a message. */
+const char *daemon__global_change(int rc);
+/* When a round opens: warms the files its pass will write. */
+void daemon__start_warm(dilocod *d);
+/* Tells a running warm thread to stop (shutdown). */
+void daemon__stop_warm(dilocod *d);
+/* The warm thread ended (its uv_async_t): joined, its files kept for the round or removed. */
+void daemon__warm_async_cb(uv_async_t *h);
+/* Removes warm files that will not be used and forgets them. */
+void daemon__drop_warm(dilocod *d, char **tmp);
+
+/* ---- daemon_commit.c: the commit, settling, cleanup, round records, recovery ---- */
+
+/* The finished pass's record (per-node norms and cosines, its time) as a JSON line.  0 or -ENOMEM. */
+int daemon__prepare_round_record(dilocod *d, double seconds);
+/* Commits the finished pass once the previous step is durable and the round's deltas are. */
+void daemon__try_commit(dilocod *d);
+/* Starts the settle that waited for the publish (the publish ended, none started, or shutdown). */
+void daemon__release_settle(dilocod *d);
+/* Frees a settle job's arguments (NULL: nothing). */
+void daemon__settle_free(struct settle_args *a);
+/* Removes the files of the steps before the durable one, when nothing needs them. */
+void daemon__schedule_cleanup(dilocod *d);
+/* At startup: recomputes and commits the step a redo record names, or removes an old record. */
+int daemon__recover_redo(dilocod *d, dl_error *err);
+
+/* ---- daemon_publish.c: the served global, the published layout, publishing ---- */
+
+/* A descriptor for serving path, or a negative errno. */
+int daemon__open_for_download(const char *path);
+/* Serves step's global in its published layout (fd: its single file already open, or negative). */
+void daemon__serve_step(dilocod *d, int fd, uint64_t step);
+/* Releases what g serves. */
+void daemon__served_clear(served_global *g);
+/* Above --shard-size: writes the committed step's published set, once per step. */
+void daemon__ensure_set(dilocod *d);
+/* How many shards --shard-size makes of the model (1: the plain file). */
+void daemon__plan_layout(dilocod *d);
+/* Publishes the committed step through the transport unless it holds it or a publish is out. */
+void daemon__maybe_publish(dilocod *d);
+/* hub_callbacks.publish_done: every publish ends here (error NULL on success). */
+void daemon__on_publish_done(void *app, uint64_t step, const char *error);
+
+/* ---- daemon_adopt.c: a global from the transport, or --init-model ---- */
+
+/* How a bootstrap took --init-model in: linked (version: the one linked), or copied (link_errno: why
+ * not linked). */
+typedef struct model_intake {
+    int linked;
+    int link_errno;
+    fsu_ident version;
+} model_intake;
+
+/* d->model becomes path's header (max_header: its cap, 0 for the format's own). */
+int daemon__open_model(dilocod *d, const char *path, uint64_t max_header, dl_error *err);
+/* Makes src the committed global of step (bootstrap: --init-model, linked or copied; else moved). */
+int daemon__adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap, int header_known,
+                       model_intake *mi, dl_error *err);
+/* The "bootstrapped" line: how --init-model came in. */
+void daemon__log_bootstrapped(const dilocod *d, const char *path, const model_intake *mi);
+/* hub_callbacks.published_seen: the transport's published step, first known or changed. */
+void daemon__on_published_seen(void *app, int64_t step);
+/* hub_callbacks.global_ready: the transport's verified copy of its global, to adopt. */
+void daemon__on_global_ready(void *app, uint64_t step, const char *local_path);
+
+#endif

@@ -1,0 +1,769 @@
+/* The aggregation of a closed round: the pass (common/outer.c) prepared, run on the pool's threads
+ * and finished, its progress logged and its new global's write-back started while it writes; the next
+ * pass's output files warmed by an idle thread of its own while the round collects; and the round's
+ * inputs, checked before the pass and before the commit for a delta rewritten in place (which reopens
+ * the round) and made durable beside the pass (sync_inputs), since the redo record names them. */
+#include "daemon_internal.h"
+#include "daemon_parts.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "delta.h"
+#include "dl_log.h"
+#include "fsutil.h"
+#include "outer.h"
+#include "pipeline.h"
+#include "round.h"
+#include "safetensors.h"
+#include "stepcount.h"
+#include "store.h"
+
+#define PROGRESS_SECONDS 2.0
+
+static void stop_writeback(dilocod *d);
+static int start_sync_inputs(dilocod *d);
+static int reopen_round(dilocod *d);
+
+/* ---- the pass: its end, its failure, its release, its write-back --------------------------------- */
+
+void daemon__pass_release(dilocod *d)
+{
+    stop_writeback(d);
+    daemon__drop_warm(d, d->pass_warm);         /* taken over by the pass's writers (gone already), or unused */
+    if (d->pass != NULL) {
+        outer_free(d->pass);
+        free((void *)d->pass->out_global_path);
+        free((void *)d->pass->out_momentum_path);
+        free(d->pass);
+        d->pass = NULL;
+    }
+    free(d->pass_paths);
+    d->pass_paths = NULL;
+    free(d->pass_nodes);
+    d->pass_nodes = NULL;
+    free(d->pass_sums);
+    d->pass_sums = NULL;
+    free(d->pass_summed);
+    d->pass_summed = NULL;
+    free(d->pending_round);
+    d->pending_round = NULL;
+    history_record_free(&d->pending_record);
+}
+
+static void retry_cb(uv_timer_t *t)
+{
+    dilocod *d = container_of(t, dilocod, retry_timer);
+    if (!d->stopping && d->state == S_RETRY_WAIT)
+        daemon__start_aggregation(d);
+}
+
+void daemon__aggregation_failed(dilocod *d, const dl_error *err)
+{
+    uv_timer_stop(&d->progress_timer);
+    daemon__pass_release(d);
+    daemon__log_error("aggregate", "outer step failed, not committed", err);
+    if (d->stopping)
+        return;
+    pipeline_move(&d->pipe, d->rnd.step + 1, STEP_RETRY_WAIT);
+    d->state = S_RETRY_WAIT;
+    dl_log(DL_LOG_WARN, "aggregate", "will retry", "step=%" PRIu64 " in_seconds=%.1f", d->rnd.step, d->retry_delay);
+    uv_timer_start(&d->retry_timer, retry_cb, (uint64_t)(d->retry_delay * 1000), 0);
+    d->retry_delay = fmin(d->retry_delay * 2, MAX_RETRY_SECONDS);
+}
+
+static void finish_work(job *j)
+{
+    j->rc = outer_finish(j->d->pass, &j->err);
+}
+
+/* The pass read bytes other than the ones validated or committed (outer_finish: checksum_mismatch).  A
+ * linked delta rewritten in place, even with its mtime put back, is dropped and taken in again (if its
+ * writer still has it in the tree); the committed global or momentum written by someone else cannot be
+ * made good again, so the daemon stops (exit 1) rather than make a step from it. */
+static void inputs_changed(dilocod *d, const dl_error *err)
+{
+    outer_pass *p = d->pass;
+    char qn[160];
+    size_t dropped = 0;
+
+    if (outer_input_changed(p, OUTER_INPUT_GLOBAL(p)) || outer_input_changed(p, OUTER_INPUT_MOMENTUM(p))) {
+        dl_error e;
+        dl_fail(&e, DL_E_CHECKSUM_MISMATCH, NULL, 0, "the committed step %" PRIu64 "'s %s was written in place since "
+                "it was committed (file:// links it into the tree as global/latest.safetensors: a writer of the tree "
+                "with dilocod's uid); no step is made from it. Restore the state from a backup, or start again from "
+                "a fresh state directory and --init-model", d->st.step,
+                outer_input_changed(p, OUTER_INPUT_GLOBAL(p)) ? "global" : "momentum");
+        daemon__log_error("store", "cannot aggregate", &e);
+        daemon__pass_release(d);
+        d->state = S_COLLECTING;
+        pipeline_move(&d->pipe, d->rnd.step + 1, STEP_FAILED);
+        d->exit_code = 1;
+        raise(SIGTERM);
+        return;
+    }
+    daemon__log_error("aggregate", "a linked delta's content changed after it was validated", err);
+    for (size_t i = 0; i < d->pass_n && i < p->ndeltas; i++) {
+        char *path;
+        if (!outer_input_changed(p, i))
+            continue;
+        dl_log(DL_LOG_WARN, "round", "delta rewritten in place after it was taken in (checksum): dropped, it is "
+               "taken in again", "step=%" PRIu64 " node=%s", d->rnd.step,
+               dl_log_q(qn, sizeof(qn), d->pass_nodes[i].node_id));
+        if (round_drop(&d->rnd, d->pass_nodes[i].node_id, &path) == 0) {
+            daemon__discard_local(d, path, 0);
+            free(path);
+            d->m.deltas_rewritten++;
+            dropped++;
+        }
+    }
+    if (dropped == 0) {
+        daemon__aggregation_failed(d, err);
+        return;
+    }
+    reopen_round(d);
+}
+
+static void finish_done(job *j)
+{
+    dilocod *d = j->d;
+
+    if (j->rc != 0 && j->err.code == DL_E_CHECKSUM_MISMATCH && !d->stopping) {
+        inputs_changed(d, &j->err);
+        return;
+    }
+    if (j->rc != 0) {
+        daemon__aggregation_failed(d, &j->err);
+        return;
+    }
+    dl_log(DL_LOG_DEBUG, "aggregate", "files written", "step=%" PRIu64 " seconds=%.3f", d->rnd.step + 1,
+           daemon__clock() - d->pass_started);
+    if (daemon__prepare_round_record(d, daemon__clock() - d->pass_started) != 0) {
+        dl_error e;
+        dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory for the round's record");
+        daemon__aggregation_failed(d, &e);
+        return;
+    }
+    d->commit_waiting = 1;
+    daemon__try_commit(d);
+}
+
+static void run_work(job *j)
+{
+    outer_run(j->d->pass);
+}
+
+/* Ends the pass on the pool (commit, or release of what was opened).  If the pool cannot take the
+ * job, the pass is abandoned here: with abort set, outer_finish only closes and unlinks (no fsync),
+ * so no temporary file or descriptor outlives the attempt. */
+static void queue_finish(dilocod *d)
+{
+    dl_error e;
+
+    if (daemon__queue(d, finish_work, finish_done, NULL, 0, 0) == 0)
+        return;
+    outer_abort(d->pass);
+    outer_finish(d->pass, &e);
+    dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot queue the end of the outer step");
+    daemon__aggregation_failed(d, &e);
+}
+
+static void run_done(job *j)
+{
+    dilocod *d = j->d;
+
+    if (--d->pass_jobs > 0)
+        return;
+    stop_writeback(d);
+    dl_log(DL_LOG_DEBUG, "aggregate", "computed", "step=%" PRIu64 " seconds=%.3f", d->rnd.step + 1,
+           daemon__clock() - d->pass_started);
+    queue_finish(d);
+}
+
+/* The settle makes the new global durable after the commit, and the next step's commit waits for it:
+ * its write-back starts while the pass writes it, from a side thread (sync_file_range in the pass
+ * threads made them wait for a congested disk), so the settle's fsync finds little left.  The job holds
+ * its own descriptor; it stops when the pass ends. */
+static void writeback_work(job *j)
+{
+    atomic_int *stop = j->arg;
+
+    while (!atomic_load(stop)) {
+        (void)sync_file_range(j->flag, 0, 0, SYNC_FILE_RANGE_WRITE);
+        usleep(20000);
+    }
+    (void)sync_file_range(j->flag, 0, 0, SYNC_FILE_RANGE_WRITE);
+    close(j->flag);
+}
+
+static void writeback_done(job *j)
+{
+    free(j->arg);
+}
+
+static void start_writeback(dilocod *d)
+{
+    int fd = outer_global_fd(d->pass);
+    atomic_int *stop;
+
+    if (fd < 0 || (fd = fcntl(fd, F_DUPFD_CLOEXEC, 0)) < 0)
+        return;
+    if ((stop = calloc(1, sizeof(*stop))) == NULL || daemon__queue(d, writeback_work, writeback_done, stop, 0, fd) != 0) {
+        free(stop);
+        close(fd);
+        return;
+    }
+    d->writeback_stop = stop;
+}
+
+static void stop_writeback(dilocod *d)
+{
+    if (d->writeback_stop != NULL)
+        atomic_store(d->writeback_stop, 1);    /* the job frees it when it ends */
+    d->writeback_stop = NULL;
+}
+
+/* ---- the next pass's output pages, made while its round collects -------------------------------
+ *
+ * A pass writes 2 x the model size of new page cache (the new global and momentum).  Each new page
+ * costs an allocation, and on a VM whose balloon hands free pages back to the host (free page
+ * reporting), a fault in the host too: 1.35 s of system time per GiB here after the machine idled,
+ * against 0.09 s to overwrite cached pages.  So when a round opens, a thread creates the pass's output
+ * files early with their space reserved and reads them once (st_writer_warm_*: zero pages of unwritten
+ * space, no disk I/O), and the pass's writers take them over.  The cost moves from the critical path to
+ * the time the round waits for workers, and to idle CPU only: the thread runs under SCHED_IDLE (its own
+ * thread, not the pool's: an unprivileged thread cannot leave SCHED_IDLE again), so a burst of uploads
+ * is not slowed by it (run at normal priority beside 8 concurrent 1 GiB uploads it made them 3 s slower).
+ *
+ * Nothing waits for it.  A file is handed to the loop once its space is reserved (ready[i]); when the
+ * round closes, the pass takes every ready file as it is, warm or not yet, and the thread stops at its
+ * next 1 MiB read (reading a file the pass writes is harmless: the page cache is coherent, and what the
+ * pass already wrote is not replaced).  The loop removes the files nobody took when the thread has
+ * ended; a killed process's are temporary files the startup sweep removes.  The pages are clean page
+ * cache: under memory pressure the kernel drops them and the pass allocates, as without warming. */
+
+typedef struct warm_args {
+    dilocod *d;
+    atomic_int stop;
+    atomic_int ready[2];        /* tmp[i] exists with its space reserved (set by the thread) */
+    atomic_int finished;        /* the thread is about to return */
+    atomic_int busy;            /* deltas are arriving (uploads, intake): the fill waits (busy_check_cb) */
+    int taken[2];               /* the loop gave tmp[i] to a pass (loop only) */
+    uint64_t step;              /* the pass's new step */
+    char *src[2];               /* the committed global and momentum (NULL: none yet): the sizes to make */
+    char *out[2];               /* the pass's outputs (out[1] NULL without momentum) */
+    uint64_t momentum_guess;    /* the momentum file's size when there is none yet (the writer resizes) */
+    char *tmp[2];
+    uint64_t filled;
+    double seconds;
+    int rc;
+    dl_error err;
+} warm_args;
+
+static uint64_t regular_file_size(const char *path)
+{
+    struct stat sb;
+    return path != NULL && stat(path, &sb) == 0 && S_ISREG(sb.st_mode) ? (uint64_t)sb.st_size : 0;
+}
+
+static void warm_thread_main(void *arg)
+{
+    warm_args *a = arg;
+    struct sched_param idle = {0};
+    double t0 = daemon__clock();
+    int fd[2] = {-1, -1};
+
+    /* only CPU time nothing else wants; failing that (no SCHED_IDLE), it runs at normal priority */
+    (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &idle);
+    for (int i = 0; i < 2 && !atomic_load(&a->stop); i++) {
+        uint64_t size = a->src[i] != NULL ? regular_file_size(a->src[i]) : 0;
+        if (a->out[i] == NULL)
+            continue;
+        if (size == 0 && i == 1)
+            size = a->momentum_guess;
+        if (size == 0)
+            continue;
+        if (st_writer_warm_create(a->out[i], size, &a->tmp[i], &fd[i], &a->err) != 0) {
+            a->rc = -1;
+            continue;
+        }
+        atomic_store(&a->ready[i], 1);
+    }
+    /* reserved first, both: a round that closes early still gets the files, cold */
+    for (int i = 0; i < 2; i++) {
+        if (fd[i] >= 0) {
+            a->filled += st_writer_warm_fill(fd[i], regular_file_size(a->tmp[i]), &a->stop, &a->busy);
+            close(fd[i]);
+        }
+    }
+    a->seconds = daemon__clock() - t0;
+    atomic_store(&a->finished, 1);
+    uv_async_send(&a->d->warm_async);
+}
+
+static void warm_args_free(warm_args *a)
+{
+    for (int i = 0; i < 2; i++) {
+        free(a->src[i]);
+        free(a->out[i]);
+        free(a->tmp[i]);
+    }
+    free(a);
+}
+
+/* Removes warm files that will not be used and forgets them. */
+void daemon__drop_warm(dilocod *d, char **tmp)
+{
+    for (int i = 0; i < 2; i++) {
+        if (tmp[i] == NULL)
+            continue;
+        if (d->stopping)
+            unlink(tmp[i]);     /* the loop may not run again to finish an asynchronous one */
+        else
+            daemon__unlink_async(d, tmp[i]);
+        free(tmp[i]);
+        tmp[i] = NULL;
+    }
+}
+
+/* Before the loop sleeps: tells the warm thread whether deltas are arriving.  SCHED_IDLE alone did not
+ * keep it out of their way: beside 8 concurrent uploads it still made the round 15% slower (256 MiB and
+ * 1 GiB), as both fault in new pages from the host at once.  It fills the pages between arrivals. */
+static void busy_check_cb(uv_check_t *h)
+{
+    dilocod *d = container_of(h, dilocod, busy_check);
+    if (d->warm_job != NULL)
+        atomic_store_explicit(&d->warm_job->busy, d->uploads_in_flight > 0 || d->intake_in_flight > 0,
+                              memory_order_relaxed);
+}
+
+/* The warm thread ended: its files go to the round still waiting for them, or away. */
+void daemon__warm_async_cb(uv_async_t *h)
+{
+    dilocod *d = container_of(h, dilocod, warm_async);
+    warm_args *a = d->warm_job;
+
+    if (a == NULL || !atomic_load(&a->finished))
+        return;
+    uv_thread_join(&d->warm_thread);
+    uv_check_stop(&d->busy_check);
+    d->warm_job = NULL;
+    d->jobs_in_flight--;
+    if (a->rc != 0) {
+        char m[600];
+        /* a full disk or a filesystem without fallocate: said once, then at debug level */
+        dl_log(d->warm_failure_said ? DL_LOG_DEBUG : DL_LOG_WARN, "aggregate",
+               "cannot warm the next pass's outputs: it will write new pages", "step=%" PRIu64 " error=%s", a->step,
+               dl_log_q(m, sizeof(m), a->err.message));
+        d->warm_failure_said = 1;
+    }
+    dl_log(DL_LOG_DEBUG, "aggregate", "outputs warmed", "step=%" PRIu64 " bytes=%" PRIu64 " seconds=%.3f stopped=%d",
+           a->step, a->filled, a->seconds, atomic_load(&a->stop));
+    for (int i = 0; i < 2; i++) {
+        if (a->taken[i]) {
+            free(a->tmp[i]);            /* the pass's now */
+            a->tmp[i] = NULL;
+        }
+    }
+    if (!d->stopping && d->state == S_COLLECTING && a->step == d->rnd.step + 1 && !a->taken[0] && !a->taken[1] &&
+        d->warm_tmp[0] == NULL && d->warm_tmp[1] == NULL) {
+        for (int i = 0; i < 2; i++) {
+            d->warm_tmp[i] = a->tmp[i];
+            a->tmp[i] = NULL;
+        }
+        d->warm_step = a->step;
+    }
+    daemon__drop_warm(d, a->tmp);       /* a round that moved on meanwhile */
+    warm_args_free(a);
+    daemon__maybe_finish_shutdown(d);
+}
+
+/* When a round opens: warms the files its pass will write (the sizes of the committed step's). */
+void daemon__start_warm(dilocod *d)
+{
+    uint64_t step = d->rnd.step + 1;
+    warm_args *a;
+
+    if (d->warm_step != step)
+        daemon__drop_warm(d, d->warm_tmp);
+    if (!d->cfg->warm_outputs || d->stopping || d->warm_job != NULL || d->warm_tmp[0] != NULL ||
+        d->state != S_COLLECTING || !d->st.committed || (a = calloc(1, sizeof(*a))) == NULL)
+        return;
+    a->d = d;
+    atomic_init(&a->stop, 0);
+    atomic_init(&a->finished, 0);
+    atomic_init(&a->ready[0], 0);
+    atomic_init(&a->ready[1], 0);
+    atomic_init(&a->busy, d->uploads_in_flight > 0 || d->intake_in_flight > 0);
+    dl_error_clear(&a->err);
+    a->step = step;
+    a->src[0] = strdup(d->st.global_path);
+    a->src[1] = d->st.momentum_path != NULL ? strdup(d->st.momentum_path) : NULL;
+    a->out[0] = store_global_path(&d->st, step);
+    a->out[1] = d->cfg->momentum != 0 ? store_momentum_path(&d->st, step) : NULL;
+    /* the momentum's header is about the global's (the same names and shapes) plus its metadata */
+    a->momentum_guess = d->delta_bytes + 4096;
+    if (a->src[0] == NULL || (d->st.momentum_path != NULL && a->src[1] == NULL) || a->out[0] == NULL ||
+        (d->cfg->momentum != 0 && a->out[1] == NULL) || uv_thread_create(&d->warm_thread, warm_thread_main, a) != 0) {
+        warm_args_free(a);
+        return;
+    }
+    d->warm_job = a;
+    d->jobs_in_flight++;        /* shutdown waits for the thread */
+    uv_check_start(&d->busy_check, busy_check_cb);
+}
+
+void daemon__stop_warm(dilocod *d)
+{
+    if (d->warm_job != NULL)
+        atomic_store(&d->warm_job->stop, 1);
+}
+
+/* Gives the pass the files warmed for it: the finished job's, or the running one's that are ready
+ * (which then stops). */
+static void take_warm(dilocod *d)
+{
+    warm_args *a = d->warm_job;
+
+    if (a != NULL) {
+        atomic_store(&a->stop, 1);
+        for (int i = 0; i < 2; i++) {
+            if (a->step == d->rnd.step + 1 && atomic_load(&a->ready[i]) && (d->pass_warm[i] = strdup(a->tmp[i])))
+                a->taken[i] = 1;
+        }
+    } else if (d->warm_step == d->rnd.step + 1) {
+        for (int i = 0; i < 2; i++) {
+            d->pass_warm[i] = d->warm_tmp[i];
+            d->warm_tmp[i] = NULL;
+        }
+    }
+    d->pass->warm_global_tmp = d->pass_warm[0];
+    d->pass->warm_momentum_tmp = d->pass_warm[1];
+}
+
+/* ---- the pass on the pool: prepared, run by every thread, its progress --------------------------- */
+
+static void prepare_work(job *j)
+{
+    j->rc = outer_prepare(j->d->pass, &j->err);
+}
+
+static void prepare_done(job *j)
+{
+    dilocod *d = j->d;
+
+    if (j->rc != 0 || d->stopping) {
+        if (j->rc == 0)
+            outer_abort(d->pass);
+        queue_finish(d);        /* releases what prepare opened */
+        return;
+    }
+    dl_log(DL_LOG_DEBUG, "aggregate", "prepared", "step=%" PRIu64 " seconds=%.3f items=%zu chunk_elems=%" PRIu64,
+           d->rnd.step + 1, daemon__clock() - d->pass_started, d->pass->nitems, d->pass->chunk_elems);
+    d->pass_jobs = 0;
+    for (unsigned i = 0; i < d->cfg->threads; i++) {
+        if (daemon__queue(d, run_work, run_done, NULL, 0, 0) == 0)
+            d->pass_jobs++;
+    }
+    if (d->pass_jobs == 0) {
+        outer_abort(d->pass);
+        queue_finish(d);
+        return;
+    }
+    start_writeback(d);
+}
+
+static void progress_cb(uv_timer_t *t)
+{
+    dilocod *d = container_of(t, dilocod, progress_timer);
+    if (d->pass == NULL || d->pass->bytes_total == 0)
+        return;
+    uint64_t done = atomic_load(&d->pass->bytes_done);
+    double now = daemon__clock();
+    double rate = now > d->pass_last_time ? (double)(done - d->pass_last_bytes) / (now - d->pass_last_time) : 0;
+    d->pass_last_bytes = done;
+    d->pass_last_time = now;
+    dl_log(DL_LOG_INFO, "aggregate", "progress", "step=%" PRIu64 " percent=%.1f gbps=%.2f", d->rnd.step + 1,
+           100.0 * (double)done / (double)d->pass->bytes_total, rate / 1e9);
+}
+
+/* The pass of step new_step from the committed step's files: the same settings for a round and for
+ * its recomputation at a restart (optimizer, lr and momentum from the redo record then), so both make
+ * the same bytes.  meta and step_text must outlive the pass. */
+int daemon__setup_pass(dilocod *d, outer_pass *p, uint64_t new_step, const char *optimizer, double lr,
+                      double momentum, st_kv meta[2], char *step_text, size_t step_text_size)
+{
+    snprintf(step_text, step_text_size, "%" PRIu64, new_step);
+    meta[0] = (st_kv){"optimizer", optimizer};
+    meta[1] = (st_kv){"outer_step", step_text};
+    p->global_path = d->st.global_path;
+    p->momentum_path = d->st.momentum_path;
+    p->out_global_path = store_global_path(&d->st, new_step);
+    p->out_momentum_path = momentum != 0 ? store_momentum_path(&d->st, new_step) : NULL;
+    p->momentum_meta = meta;
+    p->momentum_nmeta = 2;
+    p->params.nesterov = strcmp(optimizer, "nesterov_sgd") == 0;
+    p->params.lr = (float)lr;
+    p->params.momentum = (float)momentum;
+    p->budget_bytes = (size_t)d->cfg->agg_memory_mib << 20;
+    /* the committed step's files are verified against the checksums the pass that made them computed */
+    p->ck = &d->st.key;
+    p->global_summed = d->st.global_summed;
+    p->global_sum = d->st.global_sum;
+    p->momentum_summed = d->st.momentum_summed;
+    p->momentum_sum = d->st.momentum_sum;
+    return p->out_global_path == NULL || (momentum != 0 && p->out_momentum_path == NULL) ? -ENOMEM : 0;
+}
+
+/* ---- the round's inputs: deltas linked from a shared tree, and their durability ------------------- */
+
+/* Drops from the round every guarded delta whose file changed since it was validated (a worker rewrote
+ * it in place): the transport hands the new version over again.  Before a pass (before_pass), a file
+ * whose only change is its ctime stays, its version moved on: the worker renamed a new file over its name
+ * (the old inode lost a link), chmod'ed it, or rewrote it with its mtime put back, and the pass tells
+ * which by its checksum, over exactly the bytes it aggregates.  Before the commit every ctime change
+ * drops it: a write during the pass, even between a block's checksum and its use, moves ctime.
+ * Returns how many went. */
+static size_t drop_rewritten(dilocod *d, int before_pass)
+{
+    size_t dropped = 0;
+    char node[DELTA_NODE_ID_MAX + 1], qn[160], *path;
+
+    for (size_t i = 0; i < d->rnd.n;) {
+        const round_entry *e = &d->rnd.entries[i];
+        int same = e->guarded ? fsu_ident_check(e->path, &e->ident) : FSU_IDENT_SAME;
+        struct stat sb;
+        if (same == FSU_IDENT_CTIME_MOVED && before_pass && e->ident.has_sum && lstat(e->path, &sb) == 0) {
+            fsu_ident now = e->ident;           /* the checksum validated stays what the pass verifies */
+            fsu_ident_of(&sb, &now);
+            round_guard(&d->rnd, e->node_id, &now);
+            same = FSU_IDENT_SAME;
+        }
+        if (same == FSU_IDENT_SAME) {
+            i++;
+            continue;
+        }
+        memcpy(node, e->node_id, sizeof(node));
+        dl_log(DL_LOG_WARN, "round", "delta rewritten in place after it was taken in: dropped, it is taken in again",
+               "step=%" PRIu64 " node=%s local_step=%" PRIu64, d->rnd.step, dl_log_q(qn, sizeof(qn), node),
+               e->local_step);
+        round_drop(&d->rnd, node, &path);
+        daemon__discard_local(d, path, 0);
+        free(path);
+        d->m.deltas_rewritten++;
+        dropped++;
+    }
+    return dropped;
+}
+
+const char *daemon__global_change(int rc)
+{
+    return rc == 0 ? "that is no longer the version linked at the bootstrap (rewritten in place, or the state "
+                     "directory was copied to another filesystem)"
+                   : "whose version cannot be checked";
+}
+
+/* A committed global linked from --init-model (a bootstrap, until step 1 is durable) that the operator
+ * rewrote in place: the step cannot be made from the version published, nor from another.  Logs it and
+ * stops the daemon (exit 1) rather than mix versions.  1 when it did. */
+static int global_rewritten(dilocod *d)
+{
+    int rc = store_global_intact(&d->st);
+
+    if (rc == 1)
+        return 0;
+    dl_error e;
+    dl_fail(&e, DL_E_IO, NULL, 0, "the committed global of step %" PRIu64 " (%s) is a link to --init-model %s; "
+            GLOBAL_CHANGED_HELP, d->st.step, d->st.global_path, daemon__global_change(rc));
+    daemon__log_error("store", "cannot aggregate", &e);
+    d->exit_code = 1;
+    raise(SIGTERM);
+    return 1;
+}
+
+/* Before a pass and before its commit: a round that lost a rewritten delta is open again (a pass never
+ * mixes versions of a file, and never commits one that changed under it).  1 when it reopened, or when
+ * the global itself changed (global_rewritten: the daemon stops). */
+int daemon__reopen_if_rewritten(dilocod *d, int before_pass)
+{
+    if (global_rewritten(d)) {
+        daemon__pass_release(d);
+        d->commit_waiting = 0;
+        d->state = S_COLLECTING;        /* stopping: nothing runs for this round any more */
+        pipeline_move(&d->pipe, d->rnd.step + 1, STEP_FAILED);
+        return 1;
+    }
+    if (drop_rewritten(d, before_pass) == 0)
+        return 0;
+    return reopen_round(d);
+}
+
+/* A round that lost a rewritten delta collects again: the pass that gave up is released.  Returns 1. */
+static int reopen_round(dilocod *d)
+{
+    uv_timer_stop(&d->progress_timer);
+    daemon__pass_release(d);
+    d->commit_waiting = 0;
+    d->state = S_COLLECTING;
+    pipeline_move(&d->pipe, d->rnd.step + 1, STEP_COLLECTING);
+    if (d->rnd.timeout > 0 && d->rnd.n > 0)
+        daemon__arm_round_timer(d);
+    daemon__start_warm(d);              /* the pass that gave up took the warm files with it */
+    daemon__dispatch_intake(d);
+    daemon__maybe_close_round(d);
+    return 1;
+}
+
+typedef struct sync_args {
+    char **paths;
+    size_t n;
+} sync_args;
+
+static void sync_args_free(sync_args *a)
+{
+    for (size_t i = 0; a != NULL && i < a->n; i++)
+        free(a->paths[i]);
+    if (a != NULL)
+        free(a->paths);
+    free(a);
+}
+
+static void sync_inputs_work(job *j)
+{
+    sync_args *a = j->arg;
+    for (size_t i = 0; i < a->n && j->rc == 0; i++)
+        j->rc = store_sync_delta(a->paths[i], &j->err);
+}
+
+static void sync_inputs_done(job *j)
+{
+    dilocod *d = j->d;
+
+    d->inputs_syncing = 0;
+    if (d->inputs_resync && j->rc == 0 && !d->stopping) {
+        /* the round changed while this ran (a pass restarted): sync what it holds now */
+        d->inputs_resync = 0;
+        sync_args_free(j->arg);
+        if (start_sync_inputs(d) != 0) {
+            dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+            daemon__log_error("store", "cannot make the round's deltas durable", &j->err);
+            d->inputs_sync_failed = 1;
+            daemon__try_commit(d);
+        }
+        return;
+    }
+    d->inputs_resync = 0;
+    if (j->rc != 0) {
+        daemon__log_error("store", "cannot make the round's deltas durable", &j->err);
+        d->inputs_sync_failed = 1;
+    }
+    sync_args_free(j->arg);
+    daemon__try_commit(d);
+}
+
+/* The round's deltas are the redo record's inputs: durable before the commit.  Intake leaves a linked
+ * delta (and a copy it need not fsync) to this job, which runs beside the pass, off the critical path;
+ * an fsync of a file already on disk costs next to nothing. */
+static int start_sync_inputs(dilocod *d)
+{
+    sync_args *a = calloc(1, sizeof(*a));
+
+    if (a == NULL || (a->paths = calloc(d->rnd.n ? d->rnd.n : 1, sizeof(*a->paths))) == NULL) {
+        free(a);
+        return -1;
+    }
+    for (; a->n < d->rnd.n; a->n++)
+        if ((a->paths[a->n] = strdup(d->rnd.entries[a->n].path)) == NULL)
+            break;
+    if (a->n < d->rnd.n || daemon__queue(d, sync_inputs_work, sync_inputs_done, a, 0, 0) != 0) {
+        sync_args_free(a);
+        return -1;
+    }
+    d->inputs_syncing = 1;
+    d->inputs_sync_failed = 0;
+    return 0;
+}
+
+/* ---- the pass of a closed round, started --------------------------------------------------------- */
+
+void daemon__start_aggregation(dilocod *d)
+{
+    outer_pass *p;
+
+    pipeline_move(&d->pipe, d->rnd.step + 1, STEP_COMPUTING);
+
+    dl_error be;
+    if (stepcount_check(d->rnd.step + 1, "step", &be) != 0) {
+        /* never computed, never committed: the step would brick the state (stepcount.h) */
+        daemon__aggregation_failed(d, &be);
+        return;
+    }
+
+    if (daemon__reopen_if_rewritten(d, 1))
+        return;
+    p = calloc(1, sizeof(*p));
+    size_t n = d->rnd.n;
+    static st_kv meta[2];
+    static char step_text[24];
+    dl_error e;
+
+    d->pass_paths = calloc(n, sizeof(*d->pass_paths));
+    d->pass_nodes = calloc(n, sizeof(*d->pass_nodes));
+    d->pass_sums = calloc(n, sizeof(*d->pass_sums));
+    d->pass_summed = calloc(n, sizeof(*d->pass_summed));
+    if (p == NULL || d->pass_paths == NULL || d->pass_nodes == NULL || d->pass_sums == NULL ||
+        d->pass_summed == NULL) {
+        free(p);
+        dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        daemon__aggregation_failed(d, &e);
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        d->pass_paths[i] = d->rnd.entries[i].path;
+        memcpy(d->pass_nodes[i].node_id, d->rnd.entries[i].node_id, sizeof(d->pass_nodes[i].node_id));
+        d->pass_nodes[i].local_step = d->rnd.entries[i].local_step;
+        d->pass_nodes[i].bytes = d->rnd.entries[i].size;
+        /* a linked delta is its writer's file: the pass verifies the bytes intake validated */
+        d->pass_summed[i] = d->rnd.entries[i].guarded && d->rnd.entries[i].ident.has_sum;
+        d->pass_sums[i] = d->rnd.entries[i].ident.sum;
+    }
+    int rc = daemon__setup_pass(d, p, d->rnd.step + 1, config_optimizer_name(d->cfg->optimizer), d->cfg->lr,
+                        d->cfg->momentum, meta, step_text, sizeof(step_text));
+    p->delta_paths = (const char *const *)d->pass_paths;
+    p->ndeltas = n;
+    p->delta_sums = d->pass_sums;
+    p->delta_summed = d->pass_summed;
+    /* durability comes after the commit point (the redo record): off the critical path */
+    p->defer_sync = 1;
+    d->pass = p;
+    d->pass_n = n;
+    d->state = S_AGGREGATING;
+    d->pass_started = daemon__clock();
+    d->pass_last_bytes = 0;
+    d->pass_last_time = d->pass_started;
+    if (d->inputs_syncing)
+        d->inputs_resync = 1;       /* an earlier attempt's sync is still out: it syncs again when done */
+    if (rc == 0)
+        take_warm(d);
+    if (rc != 0 || (!d->inputs_syncing && start_sync_inputs(d) != 0) ||
+        daemon__queue(d, prepare_work, prepare_done, NULL, 0, 0) != 0) {
+        dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot start the aggregation");
+        daemon__aggregation_failed(d, &e);
+        return;
+    }
+    uv_timer_start(&d->progress_timer, progress_cb, (uint64_t)(PROGRESS_SECONDS * 1000),
+                   (uint64_t)(PROGRESS_SECONDS * 1000));
+    dl_log(DL_LOG_INFO, "aggregate", "started", "step=%" PRIu64 " nodes=%zu threads=%u", d->rnd.step + 1, n,
+           d->cfg->threads);
+}
