@@ -49,46 +49,14 @@ const char *daemon__state_name(dstate s)
 
 /* ---- small pool jobs, and removing our files off the loop ---------------------------------------- */
 
-static void job_work_cb(uv_work_t *req)
+static void jobs_drained(job_owner *o)
 {
-    job *j = container_of(req, job, req);
-    j->work(j);
+    daemon__maybe_finish_shutdown(container_of(o, dilocod, jobs));
 }
 
-static void job_after_cb(uv_work_t *req, int status)
+int daemon__queue(dilocod *d, pool_job_fn work, pool_job_fn done, void *arg)
 {
-    job *j = container_of(req, job, req);
-    dilocod *d = j->d;
-    if (status == UV_ECANCELED) {
-        j->rc = -DL_E_IO;
-        dl_fail(&j->err, DL_E_IO, NULL, 0, "cancelled");
-    }
-    d->jobs_in_flight--;
-    j->done(j);
-    free(j);
-    daemon__maybe_finish_shutdown(d);
-}
-
-int daemon__queue(dilocod *d, daemon_job_fn work, daemon_job_fn done, void *arg, uint64_t u, int flag)
-{
-    job *j = calloc(1, sizeof(*j));
-    int rc;
-
-    if (j == NULL)
-        return UV_ENOMEM;
-    j->d = d;
-    j->work = work;
-    j->done = done;
-    j->arg = arg;
-    j->u = u;
-    j->flag = flag;
-    dl_error_clear(&j->err);
-    if ((rc = uv_queue_work(&d->loop, &j->req, job_work_cb, job_after_cb)) != 0) {
-        free(j);
-        return rc;
-    }
-    d->jobs_in_flight++;
-    return 0;
+    return job_queue(&d->jobs, work, done, arg);
 }
 
 void daemon__log_error(const char *component, const char *msg, const dl_error *e)
@@ -113,14 +81,22 @@ void daemon__unlink_async(dilocod *d, const char *path)
         free(req);
 }
 
+typedef struct remove_args {
+    char *path;
+    int tree;                   /* a directory of ours (a download's set), else a cached delta */
+} remove_args;
+
 static void remove_work(job *j)
 {
-    j->rc = j->flag ? store_remove_tree(j->arg) : store_remove_delta(j->arg);
+    remove_args *a = j->arg;
+    j->rc = a->tree ? store_remove_tree(a->path) : store_remove_delta(a->path);
 }
 
 static void remove_done(job *j)
 {
-    free(j->arg);
+    remove_args *a = j->arg;
+    free(a->path);
+    free(a);
 }
 
 /* Deletes a delta or a global of ours without blocking the loop: a file, or a set.  A set in the
@@ -128,15 +104,20 @@ static void remove_done(job *j)
  * holds only that set (hub.h). */
 void daemon__discard_local(dilocod *d, const char *path, int download)
 {
-    char *p;
+    remove_args *a;
 
     if (!st_index_is_index_path(path)) {
         daemon__unlink_async(d, path);
         return;
     }
-    p = download ? strndup(path, (size_t)(strrchr(path, '/') - path)) : strdup(path);
-    if (p == NULL || daemon__queue(d, remove_work, remove_done, p, 0, download) != 0)
-        free(p);
+    if ((a = calloc(1, sizeof(*a))) == NULL)
+        return;
+    a->tree = download;
+    a->path = download ? strndup(path, (size_t)(strrchr(path, '/') - path)) : strdup(path);
+    if (a->path == NULL || daemon__queue(d, remove_work, remove_done, a) != 0) {
+        free(a->path);
+        free(a);
+    }
 }
 
 /* ---- a committed global: collecting on it -------------------------------------------------------- */
@@ -187,7 +168,7 @@ static void close_walk_cb(uv_handle_t *h, void *arg)
 
 void daemon__maybe_finish_shutdown(dilocod *d)
 {
-    if (!d->stopping || d->jobs_in_flight > 0 || d->http != NULL || d->hub != NULL)
+    if (!d->stopping || d->jobs.in_flight > 0 || d->warm_job != NULL || d->http != NULL || d->hub != NULL)
         return;
     uv_walk(&d->loop, close_walk_cb, NULL);
 }
@@ -216,7 +197,7 @@ static void signal_cb(uv_signal_t *s, int signum)
     }
     d->stopping = 1;
     dl_log(DL_LOG_INFO, "main", "shutting down", "signal=%s state=%s jobs=%d", signum == SIGINT ? "SIGINT" : "SIGTERM",
-           daemon__state_name(d->state), d->jobs_in_flight);
+           daemon__state_name(d->state), d->jobs.in_flight);
     uv_timer_stop(&d->round_timer);
     uv_timer_stop(&d->retry_timer);
     uv_timer_stop(&d->publish_timer);
@@ -410,6 +391,7 @@ int daemon_run(config *cfg)
     d->state = S_COLLECTING;            /* startup() switches to S_WAITING_GLOBAL when it must */
     d->retry_delay = cfg->retry_interval;
     pipeline_init(&d->pipe, NULL, NULL);
+    job_owner_init(&d->jobs, &d->loop, jobs_drained);
     /* the pool size is read once, at the first uv_queue_work: set it before anything queues */
     snprintf(threads, sizeof(threads), "%u", cfg->threads + MAX_INTAKE_IN_FLIGHT + 2);
     setenv("UV_THREADPOOL_SIZE", threads, 1);

@@ -206,7 +206,7 @@ typedef struct adopt_args {
 static void adopt_work(job *j)
 {
     adopt_args *a = j->arg;
-    j->rc = daemon__adopt_sync(j->d, a->path, a->step, a->bootstrap, a->header_known, &a->mi, &j->err);
+    j->rc = daemon__adopt_sync(daemon__of_job(j), a->path, a->step, a->bootstrap, a->header_known, &a->mi, &j->err);
 }
 
 /* The "bootstrapped" line: how --init-model came in (a copy says why it was not linked). */
@@ -221,7 +221,7 @@ void daemon__log_bootstrapped(const dilocod *d, const char *path, const model_in
 
 static void adopt_done(job *j)
 {
-    dilocod *d = j->d;
+    dilocod *d = daemon__of_job(j);
     adopt_args *a = j->arg;
 
     d->bootstrap_in_flight = 0;
@@ -280,7 +280,7 @@ static void bootstrap_header_work(job *j)
 
 static void bootstrap_header_done(job *j)
 {
-    dilocod *d = j->d;
+    dilocod *d = daemon__of_job(j);
     adopt_args *a = j->arg;
 
     if (j->rc != 0 || d->stopping) {
@@ -292,7 +292,7 @@ static void bootstrap_header_done(job *j)
     a->header = NULL;
     a->header_known = 1;
     daemon__round_open(d);
-    if (daemon__queue(d, adopt_work, adopt_done, a, 0, 0) != 0) {
+    if (daemon__queue(d, adopt_work, adopt_done, a) != 0) {
         j->rc = dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "cannot queue the copy of --init-model");
         adopt_done(j);
     }
@@ -336,7 +336,7 @@ static void start_adopt(dilocod *d, const char *path, uint64_t step, int bootstr
     a->step = step;
     a->bootstrap = bootstrap;
     if (daemon__queue(d, header_first ? bootstrap_header_work : adopt_work,
-                      header_first ? bootstrap_header_done : adopt_done, a, 0, 0) == 0) {
+                      header_first ? bootstrap_header_done : adopt_done, a) == 0) {
         d->bootstrap_in_flight = 1;
     } else {
         free(a->path);

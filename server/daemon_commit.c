@@ -53,6 +53,7 @@ static store_commit_info round_commit_info(const dilocod *d)
 typedef struct commit_args {
     store_redo redo;            /* owned: copied from the loop's round when the commit is queued */
     char *global_path;          /* the pass's new global, opened for downloads */
+    int download_fd;            /* result: its descriptor for downloads, or a negative errno */
 } commit_args;
 
 static void commit_args_free(commit_args *a)
@@ -108,9 +109,9 @@ static void commit_work(job *j)
 {
     commit_args *a = j->arg;
 
-    j->rc = store_redo_write(&j->d->st, &a->redo, &j->err);
+    j->rc = store_redo_write(&daemon__of_job(j)->st, &a->redo, &j->err);
     /* opened here, off the loop: downloads of the new global start from this descriptor */
-    j->flag = j->rc == 0 ? daemon__open_for_download(a->global_path) : -EINVAL;
+    a->download_fd = j->rc == 0 ? daemon__open_for_download(a->global_path) : -EINVAL;
 }
 
 /* ---- settling: the committed step's outputs made durable, then outer_metadata.json --------------- */
@@ -140,7 +141,7 @@ void daemon__settle_free(settle_args *a)
 
 static void settle_work(job *j)
 {
-    dilocod *d = j->d;
+    dilocod *d = daemon__of_job(j);
     settle_args *a = j->arg;
     store_commit_info info = {
         .step = a->step,
@@ -204,7 +205,7 @@ static void settle_retry_cb(uv_timer_t *t)
 
 static void settle_done(job *j)
 {
-    dilocod *d = j->d;
+    dilocod *d = daemon__of_job(j);
     settle_args *a = j->arg;
 
     if (a->history_failed)
@@ -243,7 +244,7 @@ static void queue_settle(dilocod *d, settle_args *a)
         d->unappended = NULL;
     }
     d->settle_in_flight = 1;
-    if (daemon__queue(d, settle_work, settle_done, a, 0, 0) != 0) {
+    if (daemon__queue(d, settle_work, settle_done, a) != 0) {
         /* no memory for a job: try again in a moment (the redo record keeps the step safe meanwhile) */
         d->settle_retry = a;
         uv_timer_start(&d->settle_timer, settle_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
@@ -352,11 +353,11 @@ static void cleanup_done(job *j)
 {
     store *snap = j->arg;
 
-    j->d->cleanup_in_flight = 0;
+    daemon__of_job(j)->cleanup_in_flight = 0;
     if (j->rc != 0)
         daemon__log_error("store", "cleanup failed", &j->err);
     else
-        pipeline_cleaned(&j->d->pipe, snap->step);
+        pipeline_cleaned(&daemon__of_job(j)->pipe, snap->step);
     store_free(snap);
     free(snap);
 }
@@ -374,7 +375,7 @@ void daemon__schedule_cleanup(dilocod *d)
     snap->step = d->st.step;
     if ((snap->dir = strdup(d->st.dir)) == NULL || (snap->global_path = strdup(d->st.global_path)) == NULL ||
         (d->st.momentum_path != NULL && (snap->momentum_path = strdup(d->st.momentum_path)) == NULL) ||
-        daemon__queue(d, cleanup_work, cleanup_done, snap, 0, 0) != 0) {
+        daemon__queue(d, cleanup_work, cleanup_done, snap) != 0) {
         store_free(snap);
         free(snap);
         return;
@@ -399,7 +400,8 @@ static void log_round_stats(dilocod *d)
 
 static void commit_done(job *j)
 {
-    dilocod *d = j->d;
+    dilocod *d = daemon__of_job(j);
+    int fd = ((commit_args *)j->arg)->download_fd;
 
     commit_args_free(j->arg);
     if (j->rc != 0) {
@@ -418,7 +420,7 @@ static void commit_done(job *j)
     pipeline_move(&d->pipe, d->st.step, STEP_COMMITTED);
     log_round_stats(d);
     record_round(d);
-    daemon__serve_step(d, j->flag, d->st.step);
+    daemon__serve_step(d, fd, d->st.step);
     pipeline_move(&d->pipe, d->st.step, STEP_SERVED);
     daemon__ensure_set(d);
     d->committed_at = time(NULL);
@@ -468,7 +470,7 @@ static void queue_commit(dilocod *d)
 {
     commit_args *a = commit_args_new(d);
 
-    if (a == NULL || daemon__queue(d, commit_work, commit_done, a, 0, 0) != 0) {
+    if (a == NULL || daemon__queue(d, commit_work, commit_done, a) != 0) {
         dl_error e;
         commit_args_free(a);
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot queue the commit");

@@ -258,7 +258,7 @@ static hub_outcome hub_outcome_of(intake_status s)
 
 static void intake_done(job *j)
 {
-    dilocod *d = j->d;
+    dilocod *d = daemon__of_job(j);
     intake_req *r = j->arg;
     const char *name = r->rel_path ? r->rel_path : r->src_path;
     char qn[160], qp[600];
@@ -352,7 +352,7 @@ void daemon__dispatch_intake(dilocod *d)
         d->nqueue--;
         r->global = d->model;
         r->step = d->rnd.step;
-        if (daemon__queue(d, intake_work, intake_done, r, 0, 0) != 0) {
+        if (daemon__queue(d, intake_work, intake_done, r) != 0) {
             intake_req_free(r);
             continue;
         }

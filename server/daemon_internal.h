@@ -17,6 +17,7 @@
 #include "http.h"
 #include "hub.h"
 #include "intake.h"
+#include "jobs.h"
 #include "outer.h"
 #include "pipeline.h"
 #include "round.h"
@@ -116,7 +117,7 @@ typedef struct dilocod {
     struct settle_args *settle_after_publish;   /* a settle waiting for the publish (daemon__release_settle) */
     char **round_rels;          /* the transport's files of the open round's deltas (--prune-consumed) */
     size_t nround_rels;
-    int jobs_in_flight;         /* every uv_work_t out, for shutdown */
+    job_owner jobs;             /* every pool job out (jobs.h), for shutdown */
     time_t committed_at;
 
     hub *hub;                   /* the transport (hub.h), NULL for --hub none */
@@ -171,20 +172,14 @@ round_verdict daemon__offer(dilocod *d, const delta_info *info, char *cache_path
 round_verdict daemon__peek(dilocod *d, const delta_info *info);
 /* Counts and logs a rejected delta. */
 void daemon__rejected(dilocod *d, const char *what, const dl_error *err);
-/* Runs fn on the thread pool, then done on the loop (the daemon waits for it at shutdown). */
-typedef struct daemon_job daemon_job;
-typedef void (*daemon_job_fn)(daemon_job *);
-struct daemon_job {
-    uv_work_t req;
-    dilocod *d;
-    daemon_job_fn work, done;
-    int rc;
-    dl_error err;
-    void *arg;
-    uint64_t u;
-    int flag;
-};
-int daemon__queue(dilocod *d, daemon_job_fn work, daemon_job_fn done, void *arg, uint64_t u, int flag);
+/* Runs work on the thread pool, then done on the loop (jobs.h: arg holds the job's typed arguments and
+ * results; the daemon waits for every job at shutdown).  0, or a negative errno. */
+int daemon__queue(dilocod *d, pool_job_fn work, pool_job_fn done, void *arg);
+/* The daemon a job of daemon__queue's belongs to. */
+static inline dilocod *daemon__of_job(const pool_job *j)
+{
+    return container_of(j->owner, dilocod, jobs);
+}
 
 /* api.c */
 void api_on_request(http_conn *c, http_request *req, void *app);

@@ -21,8 +21,8 @@
 /* The longest wait before an aggregation or a publish is tried again. */
 #define MAX_RETRY_SECONDS 60.0
 
-/* A pool job (daemon__queue), by its short name in the daemon's files. */
-typedef daemon_job job;
+/* A pool job (daemon__queue, jobs.h), by its short name in the daemon's files. */
+typedef pool_job job;
 
 struct settle_args;
 

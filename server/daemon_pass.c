@@ -85,7 +85,7 @@ void daemon__aggregation_failed(dilocod *d, const dl_error *err)
 
 static void finish_work(job *j)
 {
-    j->rc = outer_finish(j->d->pass, &j->err);
+    j->rc = outer_finish(daemon__of_job(j)->pass, &j->err);
 }
 
 /* The pass read bytes other than the ones validated or committed (outer_finish: checksum_mismatch).  A
@@ -137,7 +137,7 @@ static void inputs_changed(dilocod *d, const dl_error *err)
 
 static void finish_done(job *j)
 {
-    dilocod *d = j->d;
+    dilocod *d = daemon__of_job(j);
 
     if (j->rc != 0 && j->err.code == DL_E_CHECKSUM_MISMATCH && !d->stopping) {
         inputs_changed(d, &j->err);
@@ -161,7 +161,7 @@ static void finish_done(job *j)
 
 static void run_work(job *j)
 {
-    outer_run(j->d->pass);
+    outer_run(daemon__of_job(j)->pass);
 }
 
 /* Ends the pass on the pool (commit, or release of what was opened).  If the pool cannot take the
@@ -171,7 +171,7 @@ static void queue_finish(dilocod *d)
 {
     dl_error e;
 
-    if (daemon__queue(d, finish_work, finish_done, NULL, 0, 0) == 0)
+    if (daemon__queue(d, finish_work, finish_done, NULL) == 0)
         return;
     outer_abort(d->pass);
     outer_finish(d->pass, &e);
@@ -181,7 +181,7 @@ static void queue_finish(dilocod *d)
 
 static void run_done(job *j)
 {
-    dilocod *d = j->d;
+    dilocod *d = daemon__of_job(j);
 
     if (--d->pass_jobs > 0)
         return;
@@ -195,16 +195,21 @@ static void run_done(job *j)
  * its write-back starts while the pass writes it, from a side thread (sync_file_range in the pass
  * threads made them wait for a congested disk), so the settle's fsync finds little left.  The job holds
  * its own descriptor; it stops when the pass ends. */
+typedef struct writeback_args {
+    atomic_int stop;            /* set by the loop (stop_writeback) when the pass ends */
+    int fd;                     /* the job's own descriptor of the new global */
+} writeback_args;
+
 static void writeback_work(job *j)
 {
-    atomic_int *stop = j->arg;
+    writeback_args *a = j->arg;
 
-    while (!atomic_load(stop)) {
-        (void)sync_file_range(j->flag, 0, 0, SYNC_FILE_RANGE_WRITE);
+    while (!atomic_load(&a->stop)) {
+        (void)sync_file_range(a->fd, 0, 0, SYNC_FILE_RANGE_WRITE);
         usleep(20000);
     }
-    (void)sync_file_range(j->flag, 0, 0, SYNC_FILE_RANGE_WRITE);
-    close(j->flag);
+    (void)sync_file_range(a->fd, 0, 0, SYNC_FILE_RANGE_WRITE);
+    close(a->fd);
 }
 
 static void writeback_done(job *j)
@@ -215,16 +220,21 @@ static void writeback_done(job *j)
 static void start_writeback(dilocod *d)
 {
     int fd = outer_global_fd(d->pass);
-    atomic_int *stop;
+    writeback_args *a;
 
     if (fd < 0 || (fd = fcntl(fd, F_DUPFD_CLOEXEC, 0)) < 0)
         return;
-    if ((stop = calloc(1, sizeof(*stop))) == NULL || daemon__queue(d, writeback_work, writeback_done, stop, 0, fd) != 0) {
-        free(stop);
+    if ((a = calloc(1, sizeof(*a))) == NULL) {
         close(fd);
         return;
     }
-    d->writeback_stop = stop;
+    a->fd = fd;
+    if (daemon__queue(d, writeback_work, writeback_done, a) != 0) {
+        free(a);
+        close(fd);
+        return;
+    }
+    d->writeback_stop = &a->stop;
 }
 
 static void stop_writeback(dilocod *d)
@@ -358,8 +368,7 @@ void daemon__warm_async_cb(uv_async_t *h)
         return;
     uv_thread_join(&d->warm_thread);
     uv_check_stop(&d->busy_check);
-    d->warm_job = NULL;
-    d->jobs_in_flight--;
+    d->warm_job = NULL;         /* shutdown waited for the thread (daemon__maybe_finish_shutdown) */
     if (a->rc != 0) {
         char m[600];
         /* a full disk or a filesystem without fallocate: said once, then at debug level */
@@ -419,8 +428,7 @@ void daemon__start_warm(dilocod *d)
         warm_args_free(a);
         return;
     }
-    d->warm_job = a;
-    d->jobs_in_flight++;        /* shutdown waits for the thread */
+    d->warm_job = a;            /* shutdown waits for the thread while it is set */
     uv_check_start(&d->busy_check, busy_check_cb);
 }
 
@@ -456,12 +464,12 @@ static void take_warm(dilocod *d)
 
 static void prepare_work(job *j)
 {
-    j->rc = outer_prepare(j->d->pass, &j->err);
+    j->rc = outer_prepare(daemon__of_job(j)->pass, &j->err);
 }
 
 static void prepare_done(job *j)
 {
-    dilocod *d = j->d;
+    dilocod *d = daemon__of_job(j);
 
     if (j->rc != 0 || d->stopping) {
         if (j->rc == 0)
@@ -473,7 +481,7 @@ static void prepare_done(job *j)
            d->rnd.step + 1, daemon__clock() - d->pass_started, d->pass->nitems, d->pass->chunk_elems);
     d->pass_jobs = 0;
     for (unsigned i = 0; i < d->cfg->threads; i++) {
-        if (daemon__queue(d, run_work, run_done, NULL, 0, 0) == 0)
+        if (daemon__queue(d, run_work, run_done, NULL) == 0)
             d->pass_jobs++;
     }
     if (d->pass_jobs == 0) {
@@ -648,7 +656,7 @@ static void sync_inputs_work(job *j)
 
 static void sync_inputs_done(job *j)
 {
-    dilocod *d = j->d;
+    dilocod *d = daemon__of_job(j);
 
     d->inputs_syncing = 0;
     if (d->inputs_resync && j->rc == 0 && !d->stopping) {
@@ -686,7 +694,7 @@ static int start_sync_inputs(dilocod *d)
     for (; a->n < d->rnd.n; a->n++)
         if ((a->paths[a->n] = strdup(d->rnd.entries[a->n].path)) == NULL)
             break;
-    if (a->n < d->rnd.n || daemon__queue(d, sync_inputs_work, sync_inputs_done, a, 0, 0) != 0) {
+    if (a->n < d->rnd.n || daemon__queue(d, sync_inputs_work, sync_inputs_done, a) != 0) {
         sync_args_free(a);
         return -1;
     }
@@ -757,7 +765,7 @@ void daemon__start_aggregation(dilocod *d)
     if (rc == 0)
         take_warm(d);
     if (rc != 0 || (!d->inputs_syncing && start_sync_inputs(d) != 0) ||
-        daemon__queue(d, prepare_work, prepare_done, NULL, 0, 0) != 0) {
+        daemon__queue(d, prepare_work, prepare_done, NULL) != 0) {
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot start the aggregation");
         daemon__aggregation_failed(d, &e);
         return;

@@ -150,12 +150,18 @@ const served_global *daemon__global(dilocod *d)
     return &d->global;
 }
 
-/* Writes the committed step's published set from its single file, on the pool (j->arg: that file,
- * j->u: the step).  An index already there is a complete set (written last). */
+typedef struct set_args {
+    char *src;                  /* the step's single file */
+    uint64_t step;
+} set_args;
+
+/* Writes the committed step's published set from its single file, on the pool.  An index already
+ * there is a complete set (written last). */
 static void set_work(job *j)
 {
-    dilocod *d = j->d;
-    char *dir = store_set_dir(&d->st, j->u), *index = set_index_path(d, j->u), *dst = NULL;
+    dilocod *d = daemon__of_job(j);
+    set_args *a = j->arg;
+    char *dir = store_set_dir(&d->st, a->step), *index = set_index_path(d, a->step), *dst = NULL;
 
     if (dir == NULL || index == NULL || asprintf(&dst, "%s/latest.safetensors", dir) < 0) {
         dst = NULL;
@@ -163,7 +169,7 @@ static void set_work(job *j)
     } else if (access(index, F_OK) == 0) {
         j->rc = 0;
     } else if ((j->rc = fsu_mkdirs(dir, &j->err)) == 0) {
-        j->rc = st_reshard(j->arg, 0, dst, d->cfg->shard_size, NULL, 0, NULL, &j->err);     /* our own global */
+        j->rc = st_reshard(a->src, 0, dst, d->cfg->shard_size, NULL, 0, NULL, &j->err);     /* our own global */
     }
     free(dir);
     free(index);
@@ -177,10 +183,13 @@ static void set_retry_cb(uv_timer_t *t)
 
 static void set_done(job *j)
 {
-    dilocod *d = j->d;
+    dilocod *d = daemon__of_job(j);
+    set_args *a = j->arg;
+    uint64_t step = a->step;
 
     d->set_in_flight = 0;
-    free(j->arg);
+    free(a->src);
+    free(a);
     if (d->stopping)
         return;
     if (j->rc != 0) {
@@ -188,10 +197,10 @@ static void set_done(job *j)
         uv_timer_start(&d->set_timer, set_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
         return;
     }
-    d->set_step = (int64_t)j->u;
-    dl_log(DL_LOG_DEBUG, "store", "sharded global written", "step=%" PRIu64 " shards=%u", j->u, d->set_nshards);
-    if (j->u == d->st.step) {
-        daemon__serve_step(d, -1, j->u);
+    d->set_step = (int64_t)step;
+    dl_log(DL_LOG_DEBUG, "store", "sharded global written", "step=%" PRIu64 " shards=%u", step, d->set_nshards);
+    if (step == d->st.step) {
+        daemon__serve_step(d, -1, step);
         daemon__maybe_publish(d);
     }
     daemon__ensure_set(d);              /* a newer step may have been committed meanwhile */
@@ -200,14 +209,17 @@ static void set_done(job *j)
 /* Above --shard-size, the committed step is published and served as a set: written once per step. */
 void daemon__ensure_set(dilocod *d)
 {
-    char *src;
+    set_args *a;
 
     if (d->set_nshards <= 1 || d->set_in_flight || d->stopping || !d->st.committed ||
         d->set_step == (int64_t)d->st.step)
         return;
-    if ((src = strdup(d->st.global_path)) == NULL ||
-        daemon__queue(d, set_work, set_done, src, d->st.step, 0) != 0) {
-        free(src);
+    if ((a = calloc(1, sizeof(*a))) != NULL)
+        a->step = d->st.step;
+    if (a == NULL || (a->src = strdup(d->st.global_path)) == NULL || daemon__queue(d, set_work, set_done, a) != 0) {
+        if (a != NULL)
+            free(a->src);
+        free(a);
         uv_timer_start(&d->set_timer, set_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
         return;
     }

@@ -75,6 +75,8 @@ typedef struct upload {
     sbuf pending;               /* body bytes that arrived after the header, fed once it is parsed */
     int writeback;              /* writeback jobs in flight */
     uint64_t wb_done;           /* bytes handed to writeback so far */
+    uint64_t wb_off, wb_len;    /* the writeback job's range (set while none is out: it reads them) */
+    uint64_t index_nfloat;      /* for the index's parse: how many floating tensors the global has */
     uv_buf_t wiov;
     /* a part of a sharded delta */
     stage *stage;               /* the set it belongs to (holds a reference until the part is in) */
@@ -172,7 +174,7 @@ static void stage_free(stage *s)
     free(s);
 }
 
-static void stage_remove_work(daemon_job *j)
+static void stage_remove_work(pool_job *j)
 {
     stage *s = j->arg;
     int rc = store_remove_tree(s->dir);
@@ -181,7 +183,7 @@ static void stage_remove_work(daemon_job *j)
     j->rc = rc == -ENOENT ? 0 : rc;
 }
 
-static void stage_remove_done(daemon_job *j)
+static void stage_remove_done(pool_job *j)
 {
     stage *s = j->arg;
     if (j->rc != 0) {
@@ -198,7 +200,7 @@ static void stage_reap(stage *s)
     if (!s->dead || s->refs > 0 || s->completing || s->reaped)
         return;
     s->reaped = 1;
-    if (daemon__queue(s->d, stage_remove_work, stage_remove_done, s, 0, 0) != 0) {
+    if (daemon__queue(s->d, stage_remove_work, stage_remove_done, s) != 0) {
         (void)store_remove_tree(s->dir);        /* the pool refused (out of memory): here, once */
         stage_free(s);
     }
@@ -420,14 +422,14 @@ static void finalize(upload *u);
 
 /* Starts the disk on what is written so far (the final fsync then waits for little), off the loop:
  * sync_file_range may wait for a congested device queue. */
-static void writeback_work(daemon_job *j)
+static void writeback_work(pool_job *j)
 {
     upload *u = j->arg;
-    /* the range travels in the job (u->file_off belongs to the loop thread) */
-    (void)sync_file_range(u->fd, (off64_t)j->u, (off64_t)j->flag, SYNC_FILE_RANGE_WRITE);
+    /* the range is the job's (u->file_off belongs to the loop thread) */
+    (void)sync_file_range(u->fd, (off64_t)u->wb_off, (off64_t)u->wb_len, SYNC_FILE_RANGE_WRITE);
 }
 
-static void writeback_done(daemon_job *j)
+static void writeback_done(pool_job *j)
 {
     upload *u = j->arg;
     u->writeback--;
@@ -442,7 +444,9 @@ static void maybe_writeback(upload *u)
         return;
     if (len > (1u << 30))
         len = 1u << 30;
-    if (daemon__queue(u->d, writeback_work, writeback_done, u, u->wb_done, (int)len) == 0) {
+    u->wb_off = u->wb_done;
+    u->wb_len = len;
+    if (daemon__queue(u->d, writeback_work, writeback_done, u) == 0) {
         u->writeback++;
         u->wb_done += len;
     }
@@ -624,12 +628,12 @@ static int header_verdict(upload *u)
     return 0;
 }
 
-static void header_parsed(daemon_job *j);
+static void header_parsed(pool_job *j);
 static void end_of_body(upload *u);
 
 static int shard_parse_header(upload *u, dl_error *err);
 
-static void header_parse_work(daemon_job *j)
+static void header_parse_work(pool_job *j)
 {
     upload *u = j->arg;
     j->rc = u->kind == UP_SHARD ? shard_parse_header(u, &j->err) : delta_stream_parse_header(&u->ds, &j->err);
@@ -654,7 +658,7 @@ static int validate(upload *u, const char *p, size_t n)
         if (rc == DELTA_STREAM_HEADER_READY) {
             if (n > 0)
                 sb_add(&u->pending, p, n);
-            if (u->pending.oom || daemon__queue(u->d, header_parse_work, header_parsed, u, 0, 0) != 0) {
+            if (u->pending.oom || daemon__queue(u->d, header_parse_work, header_parsed, u) != 0) {
                 reject(u, 500, "out_of_memory", "cannot queue the header's parse", NULL);
                 upload_discard(u);
                 return -1;
@@ -678,7 +682,7 @@ static int read_verdict(upload *u)
     return 1;                   /* both buffers busy: stop reading until the disk catches up */
 }
 
-static void header_parsed(daemon_job *j)
+static void header_parsed(pool_job *j)
 {
     upload *u = j->arg;
     char *rest;
@@ -747,7 +751,7 @@ typedef struct finalize_args {
     intake_status st;
 } finalize_args;
 
-static void finalize_work(daemon_job *j)
+static void finalize_work(pool_job *j)
 {
     finalize_args *a = j->arg;
     upload *u = a->u;
@@ -772,7 +776,7 @@ static void finalize_work(daemon_job *j)
         free(final);
         return;
     }
-    a->st = intake_link_into_cache(j->d->st.dir, &u->ds.info, u->tmp_path, &a->cache_path, &j->err);
+    a->st = intake_link_into_cache(daemon__of_job(j)->st.dir, &u->ds.info, u->tmp_path, &a->cache_path, &j->err);
 }
 
 static void respond_created(upload *u, const delta_info *info, const char *rel, round_verdict v, uint64_t size)
@@ -837,7 +841,7 @@ static void shard_in(upload *u, uint64_t size)
     part_in(u);
 }
 
-static void finalize_done(daemon_job *j)
+static void finalize_done(pool_job *j)
 {
     finalize_args *a = j->arg;
     upload *u = a->u;
@@ -876,7 +880,7 @@ static void finalize(upload *u)
     }
     a->u = u;
     u->finalizing = 1;
-    if (daemon__queue(u->d, finalize_work, finalize_done, a, 0, 0) != 0) {
+    if (daemon__queue(u->d, finalize_work, finalize_done, a) != 0) {
         u->finalizing = 0;
         free(a);
         reject(u, 500, "internal", "cannot queue the upload's final step", NULL);
@@ -1357,11 +1361,11 @@ static int index_reconcile(const upload *u, uint32_t nshards, uint64_t data, dl_
 
 /* On the pool: parse the index strictly, check its metadata against the path and its keys against
  * the global's floating keys, and write it into the set's directory (durable: it is linked into the
- * cache as it is).  j->u: how many floating tensors the global has. */
-static void index_work(daemon_job *j)
+ * cache as it is).  u->index_nfloat: how many floating tensors the global has. */
+static void index_work(pool_job *j)
 {
     upload *u = j->arg;
-    const dilocod *d = j->d;
+    const dilocod *d = daemon__of_job(j);
     st_index *ix = NULL;
     char base[40], *path = NULL;
     int rc;
@@ -1382,9 +1386,9 @@ static void index_work(daemon_job *j)
             goto out;
         }
     }
-    if (ix->nentries != j->u) {
+    if (ix->nentries != u->index_nfloat) {
         rc = dl_fail(&j->err, DL_E_KEY_MISMATCH, NULL, 0, "the index lists %zu tensors; the global has %" PRIu64
-                     " floating tensors", ix->nentries, j->u);
+                     " floating tensors", ix->nentries, u->index_nfloat);
         goto out;
     }
     u->nshards = ix->nshards;
@@ -1409,7 +1413,7 @@ out:
     st_index_free(ix);
 }
 
-static void index_done(daemon_job *j)
+static void index_done(pool_job *j)
 {
     upload *u = j->arg;
     stage *s = u->stage;
@@ -1477,7 +1481,8 @@ static void index_on_end(http_conn *c, void *ctx)
     u->set_nshards = u->stage->nshards;
     u->set_data = u->stage->data;
     u->parsing = 1;
-    if (daemon__queue(u->d, index_work, index_done, u, nfloat, 0) != 0) {
+    u->index_nfloat = nfloat;
+    if (daemon__queue(u->d, index_work, index_done, u) != 0) {
         u->parsing = 0;
         reject(u, 500, "internal", "cannot queue the index's parse", NULL);
         upload_discard(u);
@@ -1503,7 +1508,7 @@ typedef struct complete_args {
 
 /* On the pool: the set as a whole (every listed tensor in its shard and in no other, total_size, the
  * metadata against the path, the union of keys against the global), then linked into the cache. */
-static void complete_work(daemon_job *j)
+static void complete_work(pool_job *j)
 {
     complete_args *a = j->arg;
     const stage *s = a->s;
@@ -1522,18 +1527,18 @@ static void complete_work(daemon_job *j)
     } else if ((a->st = intake_check_set_dir(s->dir, ix, a->gby, a->ngby, a->rel, &a->info, &set, &shard_bytes,
                                              &j->err)) == INTAKE_OK) {
         a->size = s->index_bytes + shard_bytes;
-        a->st = intake_link_set_into_cache(j->d->st.dir, &a->info, s->dir, set->index, &a->cache_path, &j->err);
+        a->st = intake_link_set_into_cache(daemon__of_job(j)->st.dir, &a->info, s->dir, set->index, &a->cache_path, &j->err);
     }
     st_set_close(set);
     free(ipath);
 }
 
-static void complete_done(daemon_job *j)
+static void complete_done(pool_job *j)
 {
     complete_args *a = j->arg;
     stage *s = a->s;
     upload *u = a->u;
-    dilocod *d = j->d;
+    dilocod *d = daemon__of_job(j);
 
     s->completing = 0;
     if (a->st == INTAKE_OK) {
@@ -1590,7 +1595,7 @@ static void set_complete(stage *s, upload *responder)
     s->completing = 1;
     if (responder != NULL)
         responder->completing = 1;
-    if (daemon__queue(d, complete_work, complete_done, a, 0, 0) != 0) {
+    if (daemon__queue(d, complete_work, complete_done, a) != 0) {
         s->completing = 0;
         if (responder != NULL) {
             responder->completing = 0;
