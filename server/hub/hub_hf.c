@@ -20,6 +20,7 @@
 #include "dl_log.h"
 #include "fsutil.h"
 #include "hub_set.h"
+#include "jobs.h"
 #include "remote.h"
 #include "seen.h"
 #include "st_index.h"
@@ -144,6 +145,7 @@ struct hf_hub {
     candidate *queue, *retry;   /* to peek/download; failed ones waiting for the next poll */
     unsigned active_downloads;
     remote rm;                  /* requests: retries, failures, every one in flight */
+    job_owner jobs;             /* pool jobs out (jobs.h): verifies, index parses, hashes */
     int64_t published_known;    /* the Hub's step_count.json outer_step, -1 unknown */
     int global_download;        /* adoption download in progress */
     int told_none;              /* published_seen(-1) was reported */
@@ -530,7 +532,6 @@ static void retry_later(hf_hub *h, candidate *c)
 }
 
 typedef struct verify_job {
-    uv_work_t w;
     hf_hub *h;
     candidate *c;
     int ok;
@@ -579,9 +580,9 @@ out:
     return rc;
 }
 
-static void verify_work(uv_work_t *w)
+static void verify_work(pool_job *pj)
 {
-    verify_job *j = w->data;
+    verify_job *j = pj->arg;
     candidate *c = j->c;
     struct stat sb;
     char hex[130];
@@ -601,14 +602,14 @@ static void verify_work(uv_work_t *w)
     j->ok = 1;
 }
 
-static void verify_after(uv_work_t *w, int status)
+static void verify_after(pool_job *pj)
 {
-    verify_job *j = w->data;
+    verify_job *j = pj->arg;
+    int status = pj->cancelled ? UV_ECANCELED : 0;
     hf_hub *h = j->h;
     candidate *c = j->c;
     char q[300];
 
-    h->handles--;
     h->active_downloads--;
     if (status == 0 && j->ok && !h->closing) {
         h->st.downloads++;
@@ -691,10 +692,7 @@ static void download_done(hf_hub *h, hf_req *r, int ok)
     }
     j->h = h;
     j->c = c;
-    j->w.data = j;
-    h->handles++;
-    if (uv_queue_work(h->loop, &j->w, verify_work, verify_after) != 0) {
-        h->handles--;
+    if (job_queue(&h->jobs, verify_work, verify_after, j) != 0) {
         h->active_downloads--;
         free(j);
         candidate_abandon(h, c);
@@ -1041,7 +1039,6 @@ static void index_parsed(hub_index_job *j)
     candidate *c = j->arg;
     char qp[600];
 
-    h->handles--;
     h->active_downloads--;
     if (h->closing || j->cancelled) {
         candidate_free(c);
@@ -1101,14 +1098,13 @@ static void index_done(hf_hub *h, hf_req *r, int ok)
     hub_index_job *j = hub_index_job_new(text, len, c->rel, cap, index_parsed, h, c);
     if (j != NULL)
         j->verify = index_matches_listing;
-    if (j == NULL || hub_index_job_queue(h->loop, j) != 0) {
+    if (j == NULL || hub_index_job_queue(&h->jobs, j) != 0) {
         hub_index_job_free(j);
         h->active_downloads--;
         set_drop(h, c, SEEN_REJECTED);
         pump_downloads(h);
         return;
     }
-    h->handles++;
 }
 
 /* An index is read whole into memory, capped as huggingface_hub caps it. */
@@ -1673,7 +1669,6 @@ static void b64(sbuf *out, const unsigned char *p, size_t n)
 }
 
 typedef struct hash_job {
-    uv_work_t w;
     hf_hub *h;
     int ok;
 } hash_job;
@@ -1707,9 +1702,9 @@ static int pub_hash_file(pub_file *f, int is_index)
     return 0;
 }
 
-static void pub_hash_work(uv_work_t *w)
+static void pub_hash_work(pool_job *pj)
 {
-    hash_job *j = w->data;
+    hash_job *j = pj->arg;
     pub_state *p = &j->h->pub;
 
     for (unsigned i = 0; i < p->nfiles; i++)
@@ -2274,13 +2269,12 @@ static void pub_check(hf_hub *h)
     req_go(h, r, pub_check_done, NULL);
 }
 
-static void pub_hash_after(uv_work_t *w, int status)
+static void pub_hash_after(pool_job *pj)
 {
-    hash_job *j = w->data;
+    hash_job *j = pj->arg;
     hf_hub *h = j->h;
-    int ok = status == 0 && j->ok;
+    int ok = !pj->cancelled && j->ok;
     free(j);
-    h->handles--;
     if (!ok || h->closing) {
         set_error(h, "cannot read the global of step %" PRIu64, h->pub.step);
         pub_finish(h, 0);
@@ -2416,10 +2410,7 @@ static void hf_publish(hub *base, uint64_t step, const char *global_path, const 
         return;
     }
     j->h = h;
-    j->w.data = j;
-    h->handles++;
-    if (uv_queue_work(h->loop, &j->w, pub_hash_work, pub_hash_after) != 0) {
-        h->handles--;
+    if (job_queue(&h->jobs, pub_hash_work, pub_hash_after, j) != 0) {
         free(j);
         pub_finish(h, 0);
     }
@@ -2515,6 +2506,7 @@ static int hf_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "cannot set up the Hub transport: out of memory");
     }
     remote_init(&h->rm, loop, h->curl, &h->st, &hf_remote_ops, h, &h->closing);
+    job_owner_init(&h->jobs, loop, NULL);
     remote_seen_open(&h->seen, loop, seen_path);
     free(seen_path);
     uv_timer_init(loop, &h->poll_timer);
@@ -2609,7 +2601,7 @@ static void hf_close(hub *base, void (*done)(void *), void *arg)
     h->close_arg = arg;
     uv_timer_stop(&h->poll_timer);
     remote_cancel_all(&h->rm);
-    if (h->pub.active && h->rm.inflight == NULL && h->handles == 1)
+    if (h->pub.active && h->rm.inflight == NULL && h->handles == 1 && h->jobs.in_flight == 0)
         pub_finish(h, 0);
     uv_timer_start(&h->poll_timer, close_when_idle, 10, 10);
 }
@@ -2618,7 +2610,7 @@ static void hf_close(hub *base, void (*done)(void *), void *arg)
 static void close_when_idle(uv_timer_t *t)
 {
     hf_hub *h = t->data;
-    if (h->rm.inflight != NULL || h->handles > 1 || h->seen.writes > 0)
+    if (h->rm.inflight != NULL || h->handles > 1 || h->jobs.in_flight > 0 || h->seen.writes > 0)
         return;
     if (h->pub.active)
         pub_finish(h, 0);

@@ -63,6 +63,7 @@
 #include "dl_log.h"
 #include "fsutil.h"
 #include "hub_set.h"
+#include "jobs.h"
 #include "remote.h"
 #include "safetensors.h"
 #include "seen.h"
@@ -211,6 +212,7 @@ struct s3_hub {
     size_t cur_node_shards;     /* its shards remembered */
     int list_full;              /* a table filled: the poll ends at node_boundary */
     remote rm;                  /* requests: retries, failures, every one in flight */
+    job_owner jobs;             /* pool jobs out (jobs.h): verifies, index parses, hashes */
     pub_state pub;
     unsigned pub_gen;
     double claim_lease;         /* seconds */
@@ -374,7 +376,6 @@ static void candidate_drop(s3_hub *h, candidate *c, seen_state state)
 }
 
 typedef struct verify_job {
-    uv_work_t w;
     s3_hub *h;
     candidate *c;
     int ok;
@@ -395,10 +396,10 @@ static int etag_is_md5(const char *etag)
     return 1;
 }
 
-static void verify_work(uv_work_t *w)
+static void verify_work(pool_job *pj)
 {
     static const char digits[] = "0123456789abcdef";
-    verify_job *j = w->data;
+    verify_job *j = pj->arg;
     candidate *c = j->c;
     struct stat sb;
     int fd = open(c->part, O_RDONLY | O_CLOEXEC);
@@ -497,14 +498,14 @@ static void adopt_confirm(s3_hub *h, candidate *c)
     req_go(h, r, adopt_confirm_done, c);
 }
 
-static void verify_after(uv_work_t *w, int status)
+static void verify_after(pool_job *pj)
 {
-    verify_job *j = w->data;
+    verify_job *j = pj->arg;
+    int status = pj->cancelled ? UV_ECANCELED : 0;
     s3_hub *h = j->h;
     candidate *c = j->c;
     char q[300];
 
-    h->handles--;
     h->active_downloads--;
     if (status == 0 && j->ok && !h->closing) {
         h->st.downloads++;
@@ -583,10 +584,7 @@ static void download_done(s3_hub *h, s3_req *r, int ok)
     }
     j->h = h;
     j->c = c;
-    j->w.data = j;
-    h->handles++;
-    if (uv_queue_work(h->loop, &j->w, verify_work, verify_after) != 0) {
-        h->handles--;
+    if (job_queue(&h->jobs, verify_work, verify_after, j) != 0) {
         h->active_downloads--;
         free(j);
         candidate_drop(h, c, SEEN_REJECTED);
@@ -916,7 +914,6 @@ static void index_parsed(hub_index_job *j)
     s3_hub *h = j->owner;
     candidate *c = j->arg;
 
-    h->handles--;
     h->active_downloads--;
     if (h->closing || j->cancelled) {
         candidate_free(c);
@@ -974,14 +971,13 @@ static void index_done(s3_hub *h, s3_req *r, int ok)
     remote_req_end(r);
     size_t cap = hub_set_index_cap(&h->limits, c->is_global);
     hub_index_job *j = hub_index_job_new(text, len, c->rel, cap, index_parsed, h, c);
-    if (j == NULL || hub_index_job_queue(h->loop, j) != 0) {
+    if (j == NULL || hub_index_job_queue(&h->jobs, j) != 0) {
         hub_index_job_free(j);
         h->active_downloads--;
         candidate_drop(h, c, SEEN_REJECTED);
         pump_downloads(h);
         return;
     }
-    h->handles++;
 }
 
 /* An index is read whole into memory, capped as huggingface_hub caps it. */
@@ -2689,6 +2685,7 @@ static int s3_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
     if ((h->curl = cuv_new(loop)) == NULL)
         goto oom;
     remote_init(&h->rm, loop, h->curl, &h->st, &s3_remote_ops, h, &h->closing);
+    job_owner_init(&h->jobs, loop, NULL);
     h->rm.body_cap = XML_CAP;
     h->base.ops = &hub_s3_ops;
     h->loop = loop;
@@ -2771,7 +2768,7 @@ static void claim_timer_closed(uv_handle_t *t)
 static void close_when_idle(uv_timer_t *t)
 {
     s3_hub *h = t->data;
-    if (h->rm.inflight != NULL || h->handles > 1 || h->seen.writes > 0)
+    if (h->rm.inflight != NULL || h->handles > 1 || h->jobs.in_flight > 0 || h->seen.writes > 0)
         return;
     if (h->pub.active)
         pub_finish(h, "stopped");

@@ -87,9 +87,9 @@ int hub_set_listed_shards(const st_index *ix, int (*listed)(const void *arg, con
     return 0;
 }
 
-static void parse_index_work(uv_work_t *w)
+static void parse_index_work(pool_job *pj)
 {
-    hub_index_job *j = w->data;
+    hub_index_job *j = pj->arg;
 
     if (j->verify != NULL && j->verify(j) != 0) {
         j->mismatch = 1;
@@ -98,11 +98,11 @@ static void parse_index_work(uv_work_t *w)
     j->rc = st_index_parse_capped(j->text, j->len, j->base, j->cap, &j->ix, &j->err);
 }
 
-static void parse_index_after(uv_work_t *w, int status)
+static void parse_index_after(pool_job *pj)
 {
-    hub_index_job *j = w->data;
+    hub_index_job *j = pj->arg;
 
-    j->cancelled = status != 0;
+    j->cancelled = pj->cancelled;
     j->done(j);
 }
 
@@ -122,14 +122,13 @@ hub_index_job *hub_index_job_new(char *text, size_t len, const char *rel, size_t
     j->owner = owner;
     j->arg = arg;
     j->rc = -1;
-    j->w.data = j;
     hub_set_index_base(rel, j->base, sizeof(j->base));
     return j;
 }
 
-int hub_index_job_queue(uv_loop_t *loop, hub_index_job *j)
+int hub_index_job_queue(job_owner *o, hub_index_job *j)
 {
-    return uv_queue_work(loop, &j->w, parse_index_work, parse_index_after) == 0 ? 0 : -1;
+    return job_queue(o, parse_index_work, parse_index_after, j) == 0 ? 0 : -1;
 }
 
 void hub_index_job_free(hub_index_job *j)

@@ -19,6 +19,7 @@
 
 #include "dl_error.h"
 #include "hub.h"
+#include "jobs.h"
 #include "seen.h"
 #include "st_index.h"
 
@@ -59,7 +60,6 @@ int hub_set_listed_shards(const st_index *ix, int (*listed)(const void *arg, con
 typedef struct hub_index_job hub_index_job;
 typedef void (*hub_index_parsed)(hub_index_job *j);
 struct hub_index_job {
-    uv_work_t w;
     char *text;                 /* the index, NUL-terminated (taken from the download) */
     size_t len;
     size_t cap;                 /* st_index_parse_capped's */
@@ -77,8 +77,9 @@ struct hub_index_job {
 /* Takes text (malloc'd, len bytes; freed here when the job cannot be made).  NULL when out of memory. */
 hub_index_job *hub_index_job_new(char *text, size_t len, const char *rel, size_t cap, hub_index_parsed done,
                                  void *owner, void *arg);
-/* 0, or -1 when it could not be queued (the job is still the caller's). */
-int hub_index_job_queue(uv_loop_t *loop, hub_index_job *j);
+/* Queues the check and parse on o's pool jobs (jobs.h).  0, or -1 when it could not be queued (the job
+ * is still the caller's). */
+int hub_index_job_queue(job_owner *o, hub_index_job *j);
 void hub_index_job_free(hub_index_job *j);
 
 /* 1 when path's last component is name ("nodes/a/x" names "x"). */
