@@ -294,6 +294,8 @@ static void pipeline_metrics(const dilocod *d, sbuf *b)
 {
     metric(b, "pipeline_state_seconds", "histogram", "Time a step spent in each pipeline state, by its moves out.");
     for (int s = 0; s < STEP_NSTATES; s++) {
+        if (s == STEP_CLEANED || s == STEP_FAILED)
+            continue;                   /* no step ever leaves these */
         const state_histogram *h = &d->pipe.seconds[s];
         const char *name = step_state_name((step_state)s);
         for (int i = 0; i < PIPELINE_NBUCKETS - 1; i++)

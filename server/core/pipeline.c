@@ -8,7 +8,8 @@
 
 #include "dl_log.h"
 
-const double PIPELINE_BUCKETS[PIPELINE_NBUCKETS - 1] = {0.001, 0.01, 0.1, 0.5, 1, 5, 30, 300};
+/* from a commit's few milliseconds to a round that collects for minutes */
+const double PIPELINE_BUCKETS[PIPELINE_NBUCKETS - 1] = {0.01, 0.1, 1, 10, 60, 600};
 
 static const char *const state_names[STEP_NSTATES] = {
     [STEP_COLLECTING] = "collecting",

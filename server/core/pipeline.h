@@ -40,7 +40,7 @@ typedef enum step_state {
 } step_state;
 
 #define PIPELINE_MAX 8                  /* records kept: the steps in flight and the last ones done */
-#define PIPELINE_NBUCKETS 9             /* histogram bounds: PIPELINE_BUCKETS below, then +Inf */
+#define PIPELINE_NBUCKETS 7             /* histogram bounds: PIPELINE_BUCKETS below, then +Inf */
 
 typedef struct step_record {
     uint64_t step;                      /* the step the round makes */
