@@ -298,11 +298,14 @@ static int startup(dilocod *d, dl_error *err)
     if (d->cfg->init_model == NULL)
         return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0,
                        "no state in %s and no --init-model: nothing to start from", d->st.dir);
-    model_intake mi;
-    if ((rc = daemon__adopt_sync(d, d->cfg->init_model, 0, 1, 0, &mi, err)) != 0)
-        return rc;
-    daemon__log_bootstrapped(d, d->cfg->init_model, &mi);
-    return 0;
+    adopt_result r;
+    rc = daemon__adopt_prepare(d, d->cfg->init_model, 0, 1, NULL, &r, err);
+    if (rc == 0 && daemon__adopt_apply(d, &r) != 0)
+        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    if (rc == 0)
+        daemon__log_bootstrapped(d, d->cfg->init_model, &r.mi);
+    daemon__adopt_result_free(&r);
+    return rc;
 }
 
 static int init_handles(dilocod *d)

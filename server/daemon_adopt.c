@@ -114,7 +114,7 @@ static int link_model(const char *src, const char *dst, fsu_ident *version)
 }
 
 /* --init-model into the state as dst: linked where it can be (link_model), else copied, made durable.
- * *mi is zeroed by the caller (daemon__adopt_sync). */
+ * *mi is zeroed by the caller (daemon__adopt_prepare). */
 static int take_model(const char *src, const char *dst, model_intake *mi, dl_error *err)
 {
     if ((mi->link_errno = link_model(src, dst, &mi->version)) == 0) {
@@ -127,7 +127,8 @@ static int take_model(const char *src, const char *dst, model_intake *mi, dl_err
 /* The bootstrap's intake of --init-model once the round opened on its header (d->model, which the
  * intakes read meanwhile: it is compared, never replaced): linked or copied, made durable, committed as
  * step 0.  A model that changed since its header was read is refused. */
-static int bootstrap_take(dilocod *d, const char *src, const char *dst, model_intake *mi, dl_error *err)
+static int bootstrap_take(const st_header *known, const char *src, const char *dst, model_intake *mi,
+                          dl_error *err)
 {
     st_file *f;
     int rc;
@@ -135,7 +136,7 @@ static int bootstrap_take(dilocod *d, const char *src, const char *dst, model_in
     if ((rc = take_model(src, dst, mi, err)) != 0)
         return rc;
     if ((rc = st_open(dst, &f, err)) == 0) {
-        if (!same_tensors(f->h, d->model))
+        if (!same_tensors(f->h, known))
             rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
                          "%s changed while dilocod started from it (its tensors are not the ones read first)", src);
         st_close(f);
@@ -145,14 +146,27 @@ static int bootstrap_take(dilocod *d, const char *src, const char *dst, model_in
     return rc;
 }
 
-/* Makes src the committed global of step.  bootstrap: src is the operator's --init-model, linked or
- * copied (*mi says which); else src is a transport's verified copy in our state directory, moved.
- * header_known: the bootstrap whose round opened on src's header (bootstrap_header_done). */
-int daemon__adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap, int header_known,
-                      model_intake *mi, dl_error *err)
+/* path's header into *out (max_header: its cap, 0 for the format's own), on whatever thread. */
+static int read_header(const char *path, uint64_t max_header, st_header **out, dl_error *err)
 {
-    char *dst = store_global_path(&d->st, step);
-    store_commit_info info = {
+    st_file *f;
+    int rc = st_open_capped(path, max_header, &f, err);
+
+    if (rc != 0)
+        return rc;
+    *out = f->h;
+    f->h = NULL;
+    st_close(f);
+    return 0;
+}
+
+int daemon__adopt_prepare(const dilocod *d, const char *src, uint64_t step, int bootstrap, const st_header *known,
+                          adopt_result *r, dl_error *err)
+{
+    int rc;
+
+    memset(r, 0, sizeof(*r));
+    r->info = (store_commit_info){
         .step = step,
         .optimizer = config_optimizer_name(d->cfg->optimizer),
         .lr = d->cfg->lr,
@@ -160,38 +174,52 @@ int daemon__adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap
         .bootstrap = bootstrap,
         .origin = bootstrap ? "init_model" : "adopted",
     };
-    int rc;
-
     /* another writer's global: its step and its header bounded as every other input (a step whose
      * successor no delta can name bricks the state; a header no delta of that model could have costs
      * memory for nothing).  A set's shards are held to that cap together, as a delta set's are, each
      * refused from its prefix before it is read (st_set_open_capped) */
     const uint64_t max_header = bootstrap ? 0 : (uint64_t)d->cfg->max_delta_header_mib << 20;
 
-    if (!bootstrap && (rc = stepcount_check(step, "the published step", err)) != 0) {
-        free(dst);
+    if (!bootstrap && (rc = stepcount_check(step, "the published step", err)) != 0)
         return rc;
-    }
-    if (dst == NULL)
+    if ((r->dst = store_global_path(&d->st, step)) == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-    info.global_path = dst;
+    r->info.global_path = r->dst;
     /* validate first: a damaged model must not become our state.  A sharded global (an index and its
      * shards, checked as a set) becomes one file: the state keeps the plain layout whatever the size */
-    memset(mi, 0, sizeof(*mi));
-    if (header_known) {
-        rc = bootstrap_take(d, src, dst, mi, err);
+    if (known != NULL) {
+        rc = bootstrap_take(known, src, r->dst, &r->mi, err);
     } else if (st_index_is_index_path(src)) {
-        if ((rc = st_reshard(src, max_header, dst, 0, NULL, 0, NULL, err)) == 0 &&
-            (rc = daemon__open_model(d, dst, max_header, err)) != 0)
-            unlink(dst);
-    } else if ((rc = daemon__open_model(d, src, max_header, err)) == 0) {
-        rc = bootstrap ? take_model(src, dst, mi, err) : move_into_place(src, dst, err);
+        if ((rc = st_reshard(src, max_header, r->dst, 0, NULL, 0, NULL, err)) == 0 &&
+            (rc = read_header(r->dst, max_header, &r->model, err)) != 0)
+            unlink(r->dst);
+    } else if ((rc = read_header(src, max_header, &r->model, err)) == 0) {
+        rc = bootstrap ? take_model(src, r->dst, &r->mi, err) : move_into_place(src, r->dst, err);
     }
-    info.global_version = mi->linked ? &mi->version : NULL;
-    if (rc == 0 && (rc = store_commit(&d->st, &info, err)) != 0)
-        unlink(dst);            /* not committed: not ours to keep (and never the operator's name) */
-    free(dst);
+    r->info.global_version = r->mi.linked ? &r->mi.version : NULL;
+    /* d->st is the loop's: only its directory, which never changes, is read here */
+    if (rc == 0 && (rc = store_commit_write(&d->st, &r->info, err)) != 0)
+        unlink(r->dst);         /* not committed: not ours to keep (and never the operator's name) */
     return rc;
+}
+
+int daemon__adopt_apply(dilocod *d, adopt_result *r)
+{
+    if (store_commit_apply(&d->st, &r->info) != 0)
+        return -1;
+    if (r->model != NULL) {
+        st_header_free(d->model);
+        d->model = r->model;
+        r->model = NULL;
+    }
+    return 0;
+}
+
+void daemon__adopt_result_free(adopt_result *r)
+{
+    st_header_free(r->model);
+    free(r->dst);
+    memset(r, 0, sizeof(*r));
 }
 
 typedef struct adopt_args {
@@ -200,13 +228,17 @@ typedef struct adopt_args {
     int bootstrap;
     int header_known;           /* the round opened on the model's header (bootstrap_header_done) */
     st_header *header;          /* bootstrap_header_work's result, until the loop takes it */
-    model_intake mi;            /* a bootstrap: linked or copied */
+    adopt_result res;           /* adopt_work's, applied by adopt_done */
 } adopt_args;
 
 static void adopt_work(job *j)
 {
     adopt_args *a = j->arg;
-    j->rc = daemon__adopt_sync(daemon__of_job(j), a->path, a->step, a->bootstrap, a->header_known, &a->mi, &j->err);
+    const dilocod *d = daemon__of_job(j);
+    /* the round's header (bootstrap_header_done set it, and the loop only reads it until adopt_done) */
+    const st_header *known = a->header_known ? d->model : NULL;
+
+    j->rc = daemon__adopt_prepare(d, a->path, a->step, a->bootstrap, known, &a->res, &j->err);
 }
 
 /* The "bootstrapped" line: how --init-model came in (a copy says why it was not linked). */
@@ -243,9 +275,15 @@ static void adopt_done(job *j)
         } else if (!d->stopping) {
             hub_set_step(d->hub, 0, 1);     /* still waiting: the transport offers its global again */
         }
+    } else if (daemon__adopt_apply(d, &a->res) != 0) {
+        /* durable on disk, unknown in memory: a restart reads it back; stop rather than serve a lie */
+        dl_log(DL_LOG_ERROR, "store", "out of memory recording the adoption; restarting is safe", "step=%" PRIu64,
+               a->step);
+        d->exit_code = 1;
+        raise(SIGTERM);
     } else if (!d->stopping) {
         if (a->bootstrap) {
-            daemon__log_bootstrapped(d, a->path, &a->mi);
+            daemon__log_bootstrapped(d, a->path, &a->res.mi);
         } else {
             d->published_step = (int64_t)a->step;
             dl_log(DL_LOG_WARN, "store", "adopted the published global", "step=%" PRIu64 " momentum=fresh", a->step);
@@ -257,6 +295,7 @@ static void adopt_done(job *j)
             daemon__collecting_start(d);
         }
     }
+    daemon__adopt_result_free(&a->res);
     free(a->path);
     st_header_free(a->header);
     free(a);

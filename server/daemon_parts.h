@@ -131,9 +131,26 @@ typedef struct model_intake {
 
 /* d->model becomes path's header (max_header: its cap, 0 for the format's own). */
 int daemon__open_model(dilocod *d, const char *path, uint64_t max_header, dl_error *err);
-/* Makes src the committed global of step (bootstrap: --init-model, linked or copied; else moved). */
-int daemon__adopt_sync(dilocod *d, const char *src, uint64_t step, int bootstrap, int header_known,
-                       model_intake *mi, dl_error *err);
+/* What an adoption made, on the pool, for the loop to apply (daemon__adopt_apply): the pool never
+ * writes the daemon's state. */
+typedef struct adopt_result {
+    st_header *model;           /* the adopted global's header (NULL: the round's own, known before) */
+    char *dst;                  /* the committed global in the state */
+    model_intake mi;            /* a bootstrap: linked or copied */
+    store_commit_info info;     /* what outer_metadata.json now names (durable) */
+} adopt_result;
+
+/* Makes src the committed global of step on disk (bootstrap: --init-model, linked or copied; else
+ * moved): validated, made durable, outer_metadata.json written.  known: the header the open round
+ * already took from src (the bootstrap overlapped with intake), which src must still match; NULL:
+ * src's header is read into r->model.  Reads d's configuration and state directory only: safe on
+ * the pool.  0, or an error (nothing committed; r is freed either way by daemon__adopt_result_free). */
+int daemon__adopt_prepare(const dilocod *d, const char *src, uint64_t step, int bootstrap, const st_header *known,
+                          adopt_result *r, dl_error *err);
+/* On the loop: the commit daemon__adopt_prepare wrote becomes the store's, and its header the model.
+ * 0, or -1 out of memory (durable on disk, unknown in memory: the caller stops; a restart reads it). */
+int daemon__adopt_apply(dilocod *d, adopt_result *r);
+void daemon__adopt_result_free(adopt_result *r);
 /* The "bootstrapped" line: how --init-model came in. */
 void daemon__log_bootstrapped(const dilocod *d, const char *path, const model_intake *mi);
 /* hub_callbacks.published_seen: the transport's published step, first known or changed. */
