@@ -166,6 +166,21 @@ static int ixp_peek(ixp *p)
     return -1;
 }
 
+/* After an object's member: 1 at its closing '}', 0 at the ',' before another member (both consumed),
+ * or an error naming the object (where). */
+static int ixp_member_end(ixp *p, const char *where)
+{
+    char what[64];
+    int c = ixp_peek(p);
+
+    if (c == '}' || c == ',') {
+        p->pos++;
+        return c == '}';
+    }
+    snprintf(what, sizeof(what), "expected ',' or '}'%s", where);
+    return ixp_fail(p, what);
+}
+
 static int ixp_expect(ixp *p, int c, const char *what)
 {
     if (ixp_peek(p) != c)
@@ -502,14 +517,10 @@ static int parse_metadata(ixp *p, st_index *ix)
             }
             ix->meta[ix->nmeta++] = (st_meta){.key = key, .key_len = klen, .value = value, .value_len = vlen};
         }
-        c = ixp_peek(p);
-        p->pos++;
-        if (c == '}')
+        if ((rc = ixp_member_end(p, " in \"metadata\"")) < 0)
+            return rc;
+        if (rc == 1)
             break;
-        if (c != ',') {
-            p->pos--;
-            return ixp_fail(p, "expected ',' or '}' in \"metadata\"");
-        }
     }
     if (!have_total)
         return bad_index(p->err, "\"metadata\" lacks \"total_size\"");
@@ -573,7 +584,7 @@ out:
 static int parse_weight_map(ixp *p, st_index *ix, unsigned char **used)
 {
     size_t cap = 0;
-    int rc = 0, c;
+    int rc = 0;
 
     if (ixp_peek(p) != '{')
         return ixp_fail(p, "\"weight_map\" is not an object");
@@ -585,16 +596,12 @@ static int parse_weight_map(ixp *p, st_index *ix, unsigned char **used)
     for (;;) {
         if ((rc = parse_wm_entry(p, ix, &cap, used)) != 0)
             goto out;
-        c = ixp_peek(p);
-        p->pos++;
-        if (c == '}')
-            break;
-        if (c != ',') {
-            p->pos--;
-            rc = ixp_fail(p, "expected ',' or '}' in \"weight_map\"");
+        if ((rc = ixp_member_end(p, " in \"weight_map\"")) < 0)
             goto out;
-        }
+        if (rc == 1)
+            break;
     }
+    rc = 0;
     if ((ix->by_name = malloc(ix->nentries * sizeof(*ix->by_name))) == NULL) {
         rc = dl_fail(p->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
         goto out;
@@ -652,7 +659,7 @@ int st_index_parse_capped(const char *text, size_t len, const char *base, size_t
     dl_error local;
     st_index *ix = NULL;
     ixp p = {(const unsigned char *)text, len, 0, err ? err : &local};
-    int have_md = 0, have_wm = 0, rc, c;
+    int have_md = 0, have_wm = 0, rc;
     unsigned char *used = NULL;
     size_t bad;
 
@@ -701,16 +708,12 @@ int st_index_parse_capped(const char *text, size_t len, const char *base, size_t
             goto out;
         have_md |= is_md;
         have_wm |= is_wm;
-        c = ixp_peek(&p);
-        p.pos++;
-        if (c == '}')
-            break;
-        if (c != ',') {
-            p.pos--;
-            rc = ixp_fail(&p, "expected ',' or '}'");
+        if ((rc = ixp_member_end(&p, "")) < 0)
             goto out;
-        }
+        if (rc == 1)
+            break;
     }
+    rc = 0;
     if (ixp_peek(&p) != -1) {
         rc = bad_index(p.err, "trailing bytes after the JSON value");
         goto out;
