@@ -28,11 +28,6 @@
 #include "stats.h"
 #include "store.h"
 
-static double now_s(dilocod *d)
-{
-    return (double)uv_now(&d->loop) / 1000.0;
-}
-
 /* ---- intake ---------------------------------------------------------------------------------- */
 
 static void intake_work(job *j)
@@ -103,7 +98,7 @@ void daemon__arm_round_timer(dilocod *d)
 
     if (deadline < 0 || d->stopping)
         return;
-    wait = deadline - now_s(d);
+    wait = deadline - daemon__now(d);
     uv_timer_start(&d->round_timer, round_timer_cb, wait > 0 ? (uint64_t)(wait * 1000) + 1 : 0, 0);
 }
 
@@ -124,7 +119,7 @@ static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path,
                            const fsu_ident *guard)
 {
     char *replaced = NULL, qn[160];
-    round_verdict v = round_offer(&d->rnd, info, cache_path, size, now_s(d), &replaced);
+    round_verdict v = round_offer(&d->rnd, info, cache_path, size, daemon__now(d), &replaced);
     int first = d->rnd.n == 1 && v == ROUND_ACCEPTED;
 
     if ((v == ROUND_ACCEPTED || v == ROUND_REPLACED) && guard != NULL)
@@ -374,7 +369,7 @@ void daemon__maybe_close_round(dilocod *d)
     /* a bootstrap still copying --init-model: the round takes deltas in, and closes once step 0 is
      * committed (adopt_done) */
     if (d->state != S_COLLECTING || d->stopping || d->bootstrap_in_flight ||
-        !round_should_close(&d->rnd, now_s(d), &why))
+        !round_should_close(&d->rnd, daemon__now(d), &why))
         return;
     d->rnd.closed = 1;
     uv_timer_stop(&d->round_timer);
