@@ -71,6 +71,22 @@ void daemon_json_time(sbuf *b, time_t t)
 
 #define metric daemon_metric_family
 
+/* A family of one unlabelled sample. */
+typedef struct family_u64 {
+    const char *name, *type, *help;
+    uint64_t value;
+} family_u64;
+
+static void families_u64(sbuf *b, const family_u64 *f, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        metric(b, f[i].name, f[i].type, f[i].help);
+        sb_printf(b, "dilocod_%s %" PRIu64 "\n", f[i].name, f[i].value);
+    }
+}
+
+#define NFAMILIES(a) (sizeof(a) / sizeof((a)[0]))
+
 /* ---- the process and the committed step ------------------------------------------------------- */
 
 static void process_status(const dilocod *d, sbuf *b)
@@ -364,16 +380,18 @@ static void stats_metrics(const dilocod *d, sbuf *b)
 {
     const stats *m = &d->m;
 
-    metric(b, "rounds_total", "counter", "Rounds aggregated and committed since start.");
-    sb_printf(b, "dilocod_rounds_total %" PRIu64 "\n", m->rounds);
-    metric(b, "deltas_accepted_total", "counter", "Deltas accepted into a round (first of their node).");
-    sb_printf(b, "dilocod_deltas_accepted_total %" PRIu64 "\n", m->deltas_accepted);
-    metric(b, "deltas_replaced_total", "counter", "Deltas that replaced an older one of the same node.");
-    sb_printf(b, "dilocod_deltas_replaced_total %" PRIu64 "\n", m->deltas_replaced);
-    metric(b, "deltas_rewritten_total", "counter",
-           "Deltas of a shared tree rewritten in place after they were taken in (dropped from their round and "
-           "taken in again).");
-    sb_printf(b, "dilocod_deltas_rewritten_total %" PRIu64 "\n", m->deltas_rewritten);
+    const family_u64 f[] = {
+        {"rounds_total", "counter", "Rounds aggregated and committed since start.", m->rounds},
+        {"deltas_accepted_total", "counter", "Deltas accepted into a round (first of their node).",
+         m->deltas_accepted},
+        {"deltas_replaced_total", "counter", "Deltas that replaced an older one of the same node.",
+         m->deltas_replaced},
+        {"deltas_rewritten_total", "counter",
+         "Deltas of a shared tree rewritten in place after they were taken in (dropped from their round and "
+         "taken in again).",
+         m->deltas_rewritten},
+    };
+    families_u64(b, f, NFAMILIES(f));
     metric(b, "deltas_rejected_total", "counter", "Invalid deltas (uploads, file:// and the Hub alike), by error code.");
     for (int c = 1; c < DL_E__COUNT; c++)
         sb_printf(b, "dilocod_deltas_rejected_total{code=\"%s\"} %" PRIu64 "\n", dl_error_name((dl_code)c),
@@ -382,8 +400,9 @@ static void stats_metrics(const dilocod *d, sbuf *b)
     for (int r = 0; r < REFUSED__COUNT; r++)
         sb_printf(b, "dilocod_deltas_refused_total{reason=\"%s\"} %" PRIu64 "\n", stats_refusal_names[r],
                   m->refused[r]);
-    metric(b, "upload_bytes_total", "counter", "Delta bytes received by HTTP uploads.");
-    sb_printf(b, "dilocod_upload_bytes_total %" PRIu64 "\n", m->upload_bytes);
+    const family_u64 uploaded = {"upload_bytes_total", "counter", "Delta bytes received by HTTP uploads.",
+                                 m->upload_bytes};
+    families_u64(b, &uploaded, 1);
     metric(b, "aggregation_seconds", "histogram", "Duration of a round's aggregation, inputs to durable commit.");
     for (int i = 0; i < STATS_AGG_BUCKETS; i++)
         sb_printf(b, "dilocod_aggregation_seconds_bucket{le=\"%g\"} %" PRIu64 "\n", stats_agg_bounds[i],
@@ -436,24 +455,21 @@ static void http_server_metrics(const dilocod *d, sbuf *b)
         return;
     /* not dilocod_http_connections: a gauge of that name collides with the counter
      * dilocod_http_connections_total in one family (prometheus_client, OpenMetrics) */
-    metric(b, "http_open_connections", "gauge", "Open HTTP connections.");
-    sb_printf(b, "dilocod_http_open_connections %" PRIu64 "\n", hs->connections_open);
-    metric(b, "http_connections_total", "counter", "HTTP connections accepted.");
-    sb_printf(b, "dilocod_http_connections_total %" PRIu64 "\n", hs->connections_total);
-    metric(b, "http_connections_rejected_total", "counter", "Connections refused at the connection limit.");
-    sb_printf(b, "dilocod_http_connections_rejected_total %" PRIu64 "\n", hs->rejected_conns);
-    metric(b, "http_timeouts_total", "counter", "Connections closed for a timeout (slow head, stalled transfer).");
-    sb_printf(b, "dilocod_http_timeouts_total %" PRIu64 "\n", hs->timeouts);
-    metric(b, "http_evicted_idle_total", "counter",
-           "Idle connections closed at the connection limit to make room for a new one.");
-    sb_printf(b, "dilocod_http_evicted_idle_total %" PRIu64 "\n", hs->evicted_idle);
-    metric(b, "http_accept_errors_total", "counter",
-           "accept() failures for want of descriptors or memory (the listener backed off).");
-    sb_printf(b, "dilocod_http_accept_errors_total %" PRIu64 "\n", hs->accept_errors);
-    metric(b, "http_received_bytes_total", "counter", "Bytes read from HTTP clients.");
-    sb_printf(b, "dilocod_http_received_bytes_total %" PRIu64 "\n", hs->bytes_received);
-    metric(b, "http_sent_bytes_total", "counter", "Bytes sent to HTTP clients.");
-    sb_printf(b, "dilocod_http_sent_bytes_total %" PRIu64 "\n", hs->bytes_sent);
+    const family_u64 f[] = {
+        {"http_open_connections", "gauge", "Open HTTP connections.", hs->connections_open},
+        {"http_connections_total", "counter", "HTTP connections accepted.", hs->connections_total},
+        {"http_connections_rejected_total", "counter", "Connections refused at the connection limit.",
+         hs->rejected_conns},
+        {"http_timeouts_total", "counter", "Connections closed for a timeout (slow head, stalled transfer).",
+         hs->timeouts},
+        {"http_evicted_idle_total", "counter",
+         "Idle connections closed at the connection limit to make room for a new one.", hs->evicted_idle},
+        {"http_accept_errors_total", "counter",
+         "accept() failures for want of descriptors or memory (the listener backed off).", hs->accept_errors},
+        {"http_received_bytes_total", "counter", "Bytes read from HTTP clients.", hs->bytes_received},
+        {"http_sent_bytes_total", "counter", "Bytes sent to HTTP clients.", hs->bytes_sent},
+    };
+    families_u64(b, f, NFAMILIES(f));
 }
 
 static const daemon_provider http_server_provider = {"http_server", NULL, http_server_metrics};

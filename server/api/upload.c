@@ -448,11 +448,8 @@ static void header_parsed(pool_job *j)
         http_resume(u->c);
 }
 
-static int on_data(http_conn *c, const char *p, size_t n, void *ctx)
+int upload_body_read(upload *u, size_t n)
 {
-    upload *u = ctx;
-
-    (void)c;
     if (u->failed)
         return -1;
     if (u->stage != NULL && u->stage->dead) {
@@ -461,6 +458,16 @@ static int on_data(http_conn *c, const char *p, size_t n, void *ctx)
         return -1;
     }
     stats_upload_received(daemon_stats(u->d), n);
+    return 0;
+}
+
+static int on_data(http_conn *c, const char *p, size_t n, void *ctx)
+{
+    upload *u = ctx;
+
+    (void)c;
+    if (upload_body_read(u, n) != 0)
+        return -1;
     if (u->parsing) {
         /* the rest of the read buffer, parsed by llhttp after we asked to stop: it waits */
         sb_add(&u->pending, p, n);
@@ -509,12 +516,24 @@ static void finalize_work(pool_job *j)
     a->st = intake_link_into_cache(daemon_store(daemon_of_job(j))->dir, &u->ds.info, u->tmp_path, &a->cache_path, &j->err);
 }
 
+void upload_respond_json(upload *u, int status, sbuf *b)
+{
+    size_t len = b->len;
+    char *text = sb_take(b);
+
+    if (text == NULL) {
+        http_respond_error(u->c, 500, "out_of_memory", "out of memory", NULL);
+        return;
+    }
+    http_respond(u->c, status, "application/json", NULL, text, len);
+    free(text);
+}
+
 void upload_respond_created(upload *u, const delta_info *info, const char *rel, round_verdict v, uint64_t size)
 {
     dilocod *d = u->d;
     sbuf b = {0};
     char num[256];
-    char *text;
 
     if (!http_conn_alive(u->c))
         return;
@@ -530,13 +549,7 @@ void upload_respond_created(upload *u, const delta_info *info, const char *rel, 
              info->base_outer_step, daemon_round(d)->step == info->base_outer_step ? daemon_round(d)->n : (size_t)0,
              daemon_config(d)->expected_nodes, daemon_state_name(d));
     sb_str(&b, num);
-    size_t len = b.len;
-    if ((text = sb_take(&b)) == NULL) {
-        http_respond_error(u->c, 500, "out_of_memory", "out of memory", NULL);
-        return;
-    }
-    http_respond(u->c, 201, "application/json", NULL, text, len);
-    free(text);
+    upload_respond_json(u, 201, &b);
 }
 
 static void finalize_done(pool_job *j)
@@ -629,7 +642,7 @@ void upload_on_abort(http_conn *c, void *ctx)
         upload_discard(u);      /* waits for a header parse or a disk operation in flight */
 }
 
-const http_body_ops upload_ops = {on_data, on_end, upload_on_abort};
+static const http_body_ops upload_ops = {on_data, on_end, upload_on_abort};
 
 static int authorize(dilocod *d, http_conn *c, http_request *req, const char *node_id)
 {
@@ -780,9 +793,27 @@ static void mkdir_cb(uv_fs_t *req)
     }
 }
 
+void upload_stream_body(upload *u, http_request *req, char *tmp_path)
+{
+    u->ds.declared_len = req->has_length ? req->content_length : 0;
+    u->tmp_path = tmp_path;
+    if (tmp_path == NULL) {
+        http_respond_error(u->c, 500, "out_of_memory", "out of memory", NULL);
+        upload_discard(u);
+        return;
+    }
+    if (upload_start_open(u) != 0) {
+        http_respond_error(u->c, 500, "io_error", "cannot create the upload file", NULL);
+        upload_discard(u);
+        return;
+    }
+    http_accept_body(u->c, &upload_ops, u);
+}
+
 static void upload_start(dilocod *d, http_conn *c, http_request *req, const char *node_id, const char *path_step)
 {
     upload *u;
+    char *tmp;
     uint64_t step = 0, max_body;
     char msg[200];
 
@@ -808,20 +839,9 @@ static void upload_start(dilocod *d, http_conn *c, http_request *req, const char
     if (u->by_path)
         snprintf(u->rel, sizeof(u->rel), "nodes/%s/delta_%" PRIu64 ".safetensors", node_id, step);
     u->ds.path = u->by_path ? u->rel : NULL;
-    u->ds.declared_len = req->has_length ? req->content_length : 0;
-    if (asprintf(&u->tmp_path, "%s/cache/incoming/upload-%ld-%u", daemon_store(d)->dir, (long)getpid(),
-                 upload_next_id()) < 0) {
-        u->tmp_path = NULL;
-        http_respond_error(c, 500, "out_of_memory", "out of memory", NULL);
-        upload_discard(u);
-        return;
-    }
-    if (upload_start_open(u) != 0) {
-        http_respond_error(c, 500, "io_error", "cannot create the upload file", NULL);
-        upload_discard(u);
-        return;
-    }
-    http_accept_body(c, &upload_ops, u);
+    if (asprintf(&tmp, "%s/cache/incoming/upload-%ld-%u", daemon_store(d)->dir, (long)getpid(), upload_next_id()) < 0)
+        tmp = NULL;
+    upload_stream_body(u, req, tmp);
 }
 
 /* ---- the route ---------------------------------------------------------------------------------- */

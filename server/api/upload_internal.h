@@ -112,9 +112,11 @@ upload *upload_new(dilocod *d, http_conn *c, const char *node_id, upload_kind ki
 void upload_discard(upload *u);
 /* Creates the temporary file (a part: its set's directory first).  0 or a libuv error. */
 int upload_start_open(upload *u);
-/* The body's callbacks of a file that streams to disk (a whole delta, a shard); the abort is the
- * same for every kind of upload. */
-extern const http_body_ops upload_ops;
+/* Streams u's body (a whole delta, a shard) to disk, into the temporary file tmp_path (taken; NULL:
+ * out of memory making it): the file is created, then the body read.  On failure u is answered and
+ * discarded. */
+void upload_stream_body(upload *u, http_request *req, char *tmp_path);
+/* The body's abort callback: the same for every kind of upload. */
 void upload_on_abort(http_conn *c, void *ctx);
 /* A number for a temporary name, unique in the process. */
 unsigned upload_next_id(void);
@@ -135,6 +137,11 @@ void upload_refuse(http_conn *c, const char *node_id, int status, const char *co
 /* upload_refuse for u, marked failed first; _err: the status from the error's code, counted. */
 void upload_reject(upload *u, int status, const char *code, const char *msg, const char *tensor);
 void upload_reject_err(upload *u, const dl_error *err);
+/* A read of n bytes of u's body: 0, they are counted; -1 when u failed or its set was discarded
+ * (answered and discarded). */
+int upload_body_read(upload *u, size_t n);
+/* Sends b (taken) as u's JSON answer of status, or 500 when b ran out of memory. */
+void upload_respond_json(upload *u, int status, sbuf *b);
 /* 201: the delta (or set) of info is in the round. */
 void upload_respond_created(upload *u, const delta_info *info, const char *rel, round_verdict v, uint64_t size);
 

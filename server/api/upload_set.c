@@ -30,6 +30,12 @@
 
 /* ---- staged sets of a sharded delta ------------------------------------------------------------ */
 
+/* Answers a part of a set that was discarded meanwhile, as the discard said. */
+static void reject_dead(upload *u, const stage *s)
+{
+    upload_reject(u, s->dead_status, s->dead_code, s->dead_why, NULL);
+}
+
 /* The staged sets: the uploads' own state (the daemon has no slot for them) and a process runs one
  * daemon, so the table is this file's, bound to the daemon that stages (sets.d). */
 static struct {
@@ -244,7 +250,7 @@ void set_shard_in(upload *u, uint64_t size)
     stage *s = u->stage;
 
     if (s->dead) {              /* renamed into a discarded set: it goes with its directory */
-        upload_reject(u, s->dead_status, s->dead_code, s->dead_why, NULL);
+        reject_dead(u, s);
         return;
     }
     if (u->nshards != s->nshards || u->shard >= s->nshards) {
@@ -327,7 +333,7 @@ int set_shard_verdict(upload *u)
     char msg[240];
 
     if (s->dead) {
-        upload_reject(u, s->dead_status, s->dead_code, s->dead_why, NULL);
+        reject_dead(u, s);
         return -1;
     }
     if (u->nshards != s->nshards || u->shard >= s->nshards) {
@@ -386,7 +392,6 @@ static void respond_partial(upload *u, const stage *s, uint64_t size)
 {
     sbuf b = {0};
     char num[320], name[PART_NAME_MAX], base[40];
-    char *text;
     unsigned named = 0;
     uint64_t received = s->nreceived + (s->index_bytes != 0);
     uint64_t missing = (uint64_t)(s->nshards - s->nreceived) + (s->index_bytes == 0);
@@ -415,13 +420,7 @@ static void respond_partial(upload *u, const stage *s, uint64_t size)
         partial_name(&b, name, &named);
     }
     sb_str(&b, "]}}\n");
-    size_t len = b.len;
-    if ((text = sb_take(&b)) == NULL) {
-        http_respond_error(u->c, 500, "out_of_memory", "out of memory", NULL);
-        return;
-    }
-    http_respond(u->c, 202, "application/json", NULL, text, len);
-    free(text);
+    upload_respond_json(u, 202, &b);
 }
 
 /* A part is in its set: the set is taken in if it is now complete and no other part of it is still
@@ -456,14 +455,8 @@ static int index_on_data(http_conn *c, const char *p, size_t n, void *ctx)
     char msg[160];
 
     (void)c;
-    if (u->failed)
+    if (upload_body_read(u, n) != 0)
         return -1;
-    if (u->stage != NULL && u->stage->dead) {
-        upload_reject(u, u->stage->dead_status, u->stage->dead_code, u->stage->dead_why, NULL);
-        upload_discard(u);
-        return -1;
-    }
-    stats_upload_received(daemon_stats(u->d), n);
     /* the model's cap: an index lists its floating tensors */
     size_t cap = daemon_model(u->d) ? st_index_cap_for(daemon_model(u->d)) : ST_INDEX_MAX_BYTES;
     if (n > cap - u->body.len) {
@@ -571,7 +564,7 @@ static void index_done(pool_job *j)
         return;
     }
     if (s->dead) {
-        upload_reject(u, s->dead_status, s->dead_code, s->dead_why, NULL);
+        reject_dead(u, s);
         upload_discard(u);
         return;
     }
@@ -751,7 +744,7 @@ void set_part_start(dilocod *d, http_conn *c, http_request *req, const delta_pat
     upload *u;
     uint32_t nfloat = 0;
     upload_kind kind = dp->kind == DELTA_PATH_INDEX ? UP_INDEX : UP_SHARD;
-    char base[40], part[PART_NAME_MAX], msg[240];
+    char base[40], part[PART_NAME_MAX], msg[240], *tmp = NULL;
 
     if (upload_admit(d, c, req, dp->node_id) != 0)
         return;
@@ -862,20 +855,10 @@ void set_part_start(dilocod *d, http_conn *c, http_request *req, const delta_pat
         http_accept_body(c, &index_ops, u);
         return;
     }
-    u->ds.declared_len = req->has_length ? req->content_length : 0;
     u->ngby = daemon_model(d)->ntensors;
     if (delta_header_by_name(daemon_model(d), &u->gby, &(dl_error){0}) != 0 ||
-        asprintf(&u->tmp_path, "%s/%s.part-%u", s->dir, part, upload_next_id()) < 0) {
-        u->tmp_path = NULL;
-        http_respond_error(c, 500, "out_of_memory", "out of memory", NULL);
-        upload_discard(u);
-        return;
-    }
-    if (upload_start_open(u) != 0) {
-        http_respond_error(c, 500, "io_error", "cannot create the upload file", NULL);
-        upload_discard(u);
-        return;
-    }
-    http_accept_body(c, &upload_ops, u);
+        asprintf(&tmp, "%s/%s.part-%u", s->dir, part, upload_next_id()) < 0)
+        tmp = NULL;
+    upload_stream_body(u, req, tmp);
 }
 
