@@ -47,6 +47,25 @@ const char *daemon__state_name(dstate s)
     return "?";
 }
 
+dstate daemon__state(const dilocod *d)
+{
+    if (!d->st.committed && d->model == NULL)
+        return S_WAITING_GLOBAL;
+    switch (pipeline_state(&d->pipe, d->rnd.step + 1)) {
+    case STEP_COMPUTING:
+    case STEP_INPUTS_DURABLE:
+    case STEP_COMMITTED:        /* the commit's own callback, before the next round opens */
+    case STEP_SERVED:
+    case STEP_PUBLISHED:
+    case STEP_DURABLE:
+        return S_AGGREGATING;
+    case STEP_RETRY_WAIT:
+        return S_RETRY_WAIT;
+    default:                    /* collecting, failed (the daemon stops), or the round about to open */
+        return S_COLLECTING;
+    }
+}
+
 /* ---- small pool jobs, and removing our files off the loop ---------------------------------------- */
 
 static void jobs_drained(job_owner *o)
@@ -197,13 +216,13 @@ static void signal_cb(uv_signal_t *s, int signum)
     }
     d->stopping = 1;
     dl_log(DL_LOG_INFO, "main", "shutting down", "signal=%s state=%s jobs=%d", signum == SIGINT ? "SIGINT" : "SIGTERM",
-           daemon__state_name(d->state), d->jobs.in_flight);
+           daemon__state_name(daemon__state(d)), d->jobs.in_flight);
     uv_timer_stop(&d->round_timer);
     uv_timer_stop(&d->retry_timer);
     uv_timer_stop(&d->publish_timer);
     uv_timer_stop(&d->settle_timer);
     uv_timer_stop(&d->set_timer);
-    if (d->pass != NULL && d->state == S_AGGREGATING)
+    if (d->pass != NULL && daemon__state(d) == S_AGGREGATING)
         outer_abort(d->pass);       /* unfinished: abandoned without a trace (temporary files removed) */
     daemon__stop_warm(d);
     if (d->http != NULL)
@@ -291,8 +310,8 @@ static int startup(dilocod *d, dl_error *err)
         return 0;               /* the transport's first poll tells whether our step is published */
     }
     if (d->hub != NULL) {
-        /* the first poll tells whether the transport holds a global (adopt it) or not (bootstrap) */
-        d->state = S_WAITING_GLOBAL;
+        /* the first poll tells whether the transport holds a global (adopt it) or not (bootstrap): till
+         * then nothing is committed and there is no model, which daemon__state calls waiting */
         return 0;
     }
     if (d->cfg->init_model == NULL)
@@ -338,7 +357,7 @@ static void start_watching(dilocod *d)
 {
     if (d->hub == NULL)
         return;
-    hub_set_step(d->hub, d->st.step, d->state == S_WAITING_GLOBAL);
+    hub_set_step(d->hub, d->st.step, daemon__state(d) == S_WAITING_GLOBAL);
     hub_start(d->hub);
 }
 
@@ -391,7 +410,6 @@ int daemon_run(config *cfg)
     d->adopt_refused_step = -1;
     d->set_step = -1;
     d->set_nshards = 1;
-    d->state = S_COLLECTING;            /* startup() switches to S_WAITING_GLOBAL when it must */
     d->retry_delay = cfg->retry_interval;
     pipeline_init(&d->pipe, NULL, NULL);
     job_owner_init(&d->jobs, &d->loop, jobs_drained);
@@ -425,7 +443,7 @@ int daemon_run(config *cfg)
     } else {
         announce_http(d);
         start_watching(d);
-        if (d->state != S_WAITING_GLOBAL)
+        if (daemon__state(d) != S_WAITING_GLOBAL)
             daemon__collecting_start(d);
     }
     uv_run(&d->loop, UV_RUN_DEFAULT);

@@ -390,7 +390,7 @@ void daemon__on_published_seen(void *app, int64_t step)
     dilocod *d = app;
 
     d->published_known = 1;
-    if (d->state == S_WAITING_GLOBAL) {
+    if (daemon__state(d) == S_WAITING_GLOBAL) {
         if (step < 0 && d->cfg->init_model != NULL)
             start_adopt(d, d->cfg->init_model, 0, 1);       /* nothing published: our model is step 0 */
         else if (step < 0)
@@ -413,7 +413,7 @@ void daemon__on_published_seen(void *app, int64_t step)
 void daemon__on_global_ready(void *app, uint64_t step, const char *local_path)
 {
     dilocod *d = app;
-    if (d->state != S_WAITING_GLOBAL) {
+    if (daemon__state(d) != S_WAITING_GLOBAL) {
         daemon__discard_local(d, local_path, 1);
         return;
     }

@@ -219,11 +219,9 @@ static void settle_done(job *j)
             uv_timer_start(&d->settle_timer, settle_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
             return;
         }
-        d->settle_in_flight = 0;
         daemon__settle_free(a);
         return;
     }
-    d->settle_in_flight = 0;
     d->unappended = a->unappended;      /* the records still to append go with the next settle */
     a->unappended = NULL;
     pipeline_durable(&d->pipe, a->step);
@@ -243,7 +241,6 @@ static void queue_settle(dilocod *d, settle_args *a)
         a->unappended = d->unappended;
         d->unappended = NULL;
     }
-    d->settle_in_flight = 1;
     if (daemon__queue(d, settle_work, settle_done, a) != 0) {
         /* no memory for a job: try again in a moment (the redo record keeps the step safe meanwhile) */
         d->settle_retry = a;
@@ -279,7 +276,6 @@ static void start_settle(dilocod *d, uint64_t step)
          * side by side.  The settle follows the publish (daemon__release_settle); the redo record keeps the step
          * safe meanwhile, and the next commit waits for it as for any settle. */
         d->settle_after_publish = a;
-        d->settle_in_flight = 1;
         return;
     }
     queue_settle(d, a);
@@ -352,22 +348,32 @@ static void cleanup_work(job *j)
 static void cleanup_done(job *j)
 {
     store *snap = j->arg;
+    pipeline *p = &daemon__of_job(j)->pipe;
 
-    daemon__of_job(j)->cleanup_in_flight = 0;
+    pipeline_end(p, snap->step, STEP_ACT_CLEANUP, j->rc == 0);
     if (j->rc != 0)
         daemon__log_error("store", "cleanup failed", &j->err);
     else
-        pipeline_cleaned(&daemon__of_job(j)->pipe, snap->step);
+        pipeline_cleaned(p, snap->step);
     store_free(snap);
     free(snap);
+}
+
+/* A round's outputs are written and its commit waits (in computing, its pass done: daemon__try_commit). */
+static int commit_waiting(const dilocod *d)
+{
+    return pipeline_state(&d->pipe, d->rnd.step + 1) == STEP_COMPUTING &&
+           !pipeline_busy(&d->pipe, d->rnd.step + 1, STEP_ACT_PASS);
 }
 
 void daemon__schedule_cleanup(dilocod *d)
 {
     store *snap;
 
-    /* the inputs of a committed step stay until it is durable (its redo record names them) */
-    if (d->cleanup_in_flight || d->publish_in_flight || d->settle_in_flight || d->commit_waiting || !d->st.committed)
+    /* the inputs of a committed step stay until it is durable (its redo record names them), and the
+     * files a publish reads stay until it ends */
+    if (!d->st.committed || pipeline_any_busy(&d->pipe, STEP_ACT_CLEANUP) ||
+        pipeline_any_busy(&d->pipe, STEP_ACT_PUBLISH) || pipeline_unsettled(&d->pipe) || commit_waiting(d))
         return;
     if ((snap = calloc(1, sizeof(*snap))) == NULL)
         return;
@@ -375,12 +381,16 @@ void daemon__schedule_cleanup(dilocod *d)
     snap->step = d->st.step;
     if ((snap->dir = strdup(d->st.dir)) == NULL || (snap->global_path = strdup(d->st.global_path)) == NULL ||
         (d->st.momentum_path != NULL && (snap->momentum_path = strdup(d->st.momentum_path)) == NULL) ||
-        daemon__queue(d, cleanup_work, cleanup_done, snap) != 0) {
+        pipeline_start(&d->pipe, snap->step, STEP_ACT_CLEANUP) != 0) {
         store_free(snap);
         free(snap);
         return;
     }
-    d->cleanup_in_flight = 1;
+    if (daemon__queue(d, cleanup_work, cleanup_done, snap) != 0) {
+        pipeline_end(&d->pipe, snap->step, STEP_ACT_CLEANUP, 0);
+        store_free(snap);
+        free(snap);
+    }
 }
 
 static void log_round_stats(dilocod *d)
@@ -433,29 +443,30 @@ static void commit_done(job *j)
         hub_set_step(d->hub, d->st.step, 0);      /* the transport looks for the new round's deltas */
     dl_log(DL_LOG_INFO, "round", "opened", "step=%" PRIu64 " expected=%u min_nodes=%u", d->rnd.step,
            d->cfg->expected_nodes, d->cfg->min_nodes);
-    d->state = S_COLLECTING;
     if (d->stopping) {
         daemon__release_settle(d);
         return;
     }
     daemon__start_warm(d);
     daemon__maybe_publish(d);
-    if (!d->publish_in_flight)
+    if (!pipeline_any_busy(&d->pipe, STEP_ACT_PUBLISH))
         daemon__release_settle(d);      /* nothing to wait for */
     daemon__dispatch_intake(d);
 }
 
-/* The commit of a finished pass waits for the previous step to be durable (this one's redo record
- * names its files as inputs) and for the round's deltas to be durable (they are the other inputs:
- * fsynced by sync_inputs while the pass ran); a delta rewritten in place meanwhile reopens the round. */
+/* The commit of a finished pass (its step in computing, the pass done) waits for the previous step
+ * to be durable (this one's redo record names its files as inputs) and for the round's deltas to be
+ * durable (they are the other inputs: fsynced by sync_inputs while the pass ran); a delta rewritten in
+ * place meanwhile reopens the round.  Moving to inputs_durable is what makes it start only once. */
 void daemon__try_commit(dilocod *d)
 {
-    if (!d->commit_waiting || d->settle_in_flight || d->inputs_syncing || d->stopping)
+    uint64_t step = d->rnd.step + 1;
+
+    if (d->stopping || !commit_waiting(d) || pipeline_busy(&d->pipe, step, STEP_ACT_SYNC) ||
+        pipeline_unsettled(&d->pipe))
         return;
-    d->commit_waiting = 0;
-    if (d->inputs_sync_failed) {
+    if (pipeline_failed(&d->pipe, step, STEP_ACT_SYNC)) {
         dl_error e;
-        d->inputs_sync_failed = 0;
         dl_fail(&e, DL_E_IO, NULL, 0, "the round's deltas could not be made durable");
         daemon__aggregation_failed(d, &e);
         return;

@@ -110,7 +110,7 @@ static void count_refusal(dilocod *d, round_verdict v)
 round_verdict daemon__peek(dilocod *d, const delta_info *info)
 {
     /* no global yet: nothing can be based on a step we do not have */
-    return d->state == S_WAITING_GLOBAL ? ROUND_FUTURE : round_peek(&d->rnd, info);
+    return daemon__state(d) == S_WAITING_GLOBAL ? ROUND_FUTURE : round_peek(&d->rnd, info);
 }
 
 /* daemon__offer, for a delta linked from a shared tree when guard is non-NULL: the version validated,
@@ -174,7 +174,7 @@ static int rewritten_in_round(dilocod *d, intake_req *r, int *retry)
     }
     if (!e->guarded || e->local_step != r->info.local_step || fsu_ident_check(e->path, &e->ident) == 1)
         return 0;
-    if (d->state != S_COLLECTING) {
+    if (daemon__state(d) != S_COLLECTING) {
         *retry = 1;             /* the pass's checks drop it; the new version comes back after */
         return 0;
     }
@@ -341,7 +341,7 @@ static void intake_done(job *j)
 void daemon__dispatch_intake(dilocod *d)
 {
     while (!d->stopping && d->intake_in_flight < MAX_INTAKE_IN_FLIGHT && d->nqueue > 0 &&
-           d->state != S_WAITING_GLOBAL) {
+           daemon__state(d) != S_WAITING_GLOBAL) {
         intake_req *r = d->queue[0];
         memmove(d->queue, d->queue + 1, (d->nqueue - 1) * sizeof(*d->queue));
         d->nqueue--;
@@ -368,7 +368,7 @@ void daemon__maybe_close_round(dilocod *d)
 
     /* a bootstrap still copying --init-model: the round takes deltas in, and closes once step 0 is
      * committed (adopt_done) */
-    if (d->state != S_COLLECTING || d->stopping || d->bootstrap_in_flight ||
+    if (daemon__state(d) != S_COLLECTING || d->stopping || d->bootstrap_in_flight ||
         !round_should_close(&d->rnd, daemon__now(d), &why))
         return;
     d->rnd.closed = 1;
@@ -439,7 +439,6 @@ void daemon__round_open(dilocod *d)
 {
     round_init(&d->rnd, d->st.step, d->cfg->expected_nodes, d->cfg->nodes, d->cfg->nnodes, d->cfg->min_nodes,
                d->cfg->round_timeout);
-    d->state = S_COLLECTING;
     pipeline_begin(&d->pipe, d->st.step + 1, STEP_COLLECTING);
     model_facts(d);
     if (d->hub != NULL) {

@@ -27,6 +27,9 @@
 
 #include "util.h"
 
+/* What the daemon does, as /status names it: derived from the pipeline (daemon__state), never stored.
+ * Waiting for a global: nothing committed and no model to open a round on.  Otherwise the open round's
+ * step says it: collecting, aggregating (computed, its inputs made durable, committed), retry_wait. */
 typedef enum dstate { S_WAITING_GLOBAL, S_COLLECTING, S_AGGREGATING, S_RETRY_WAIT } dstate;
 
 
@@ -56,7 +59,6 @@ typedef struct dilocod {
     uv_loop_t loop;
     config *cfg;
     store st;
-    dstate state;
     int stopping;
     int exit_code;
     time_t started_at;
@@ -101,18 +103,10 @@ typedef struct dilocod {
 
     /* publish */
     int64_t published_step;     /* -1: nothing published by us or unknown */
-    int publish_in_flight;
     int publishing_bootstrap;   /* the publish in flight is the bootstrap's step 0 (the state may have moved on
                                    by the time it is done: a round can close as soon as step 0 is committed) */
     double publish_backoff;     /* seconds before the next publish retry (0: the last one succeeded) */
     char publish_last_error[256];
-    int cleanup_in_flight;
-    int settle_in_flight;       /* the committed step's outputs are being made durable (redo.json stays) */
-    int commit_waiting;         /* a round's outputs are written; its commit waits for the settle above
-                                   and for the round's deltas to be durable (daemon__try_commit) */
-    int inputs_syncing;         /* the round's deltas are being fsynced (beside the pass) */
-    int inputs_sync_failed;
-    int inputs_resync;          /* the round changed while they were: sync again before the commit */
     struct settle_args *settle_retry;   /* a failed settle, retried by settle_timer */
     struct settle_args *settle_after_publish;   /* a settle waiting for the publish (daemon__release_settle) */
     char **round_rels;          /* the transport's files of the open round's deltas (--prune-consumed) */
@@ -136,7 +130,6 @@ typedef struct dilocod {
      * shards, written from the step's single file into global/set-<step>/ after each commit */
     uint32_t set_nshards;       /* 1: the plain file */
     int64_t set_step;           /* the step whose set is written (-1: none yet) */
-    int set_in_flight;
     int global_stale;           /* the committed global could not be opened yet: an older one is served */
 
     history history;            /* committed rounds (the last HISTORY_MAX) */
@@ -163,6 +156,7 @@ static inline double daemon__clock(void)
 }
 
 const char *daemon__state_name(dstate s);
+dstate daemon__state(const dilocod *d);
 /* The global that downloads send now (retries opening a newly committed one that failed to open). */
 const served_global *daemon__global(dilocod *d);
 /* Offers a validated delta (its cache copy) to the round, logs, and closes the round if it is

@@ -40,6 +40,8 @@ static int reopen_round(dilocod *d);
 
 void daemon__pass_release(dilocod *d)
 {
+    if (pipeline_busy(&d->pipe, d->rnd.step + 1, STEP_ACT_PASS))
+        pipeline_end(&d->pipe, d->rnd.step + 1, STEP_ACT_PASS, 0);     /* given up before its outputs */
     stop_writeback(d);
     daemon__drop_warm(d, d->pass_warm);         /* taken over by the pass's writers (gone already), or unused */
     if (d->pass != NULL) {
@@ -65,7 +67,7 @@ void daemon__pass_release(dilocod *d)
 static void retry_cb(uv_timer_t *t)
 {
     dilocod *d = container_of(t, dilocod, retry_timer);
-    if (!d->stopping && d->state == S_RETRY_WAIT)
+    if (!d->stopping && daemon__state(d) == S_RETRY_WAIT)
         daemon__start_aggregation(d);
 }
 
@@ -77,7 +79,6 @@ void daemon__aggregation_failed(dilocod *d, const dl_error *err)
     if (d->stopping)
         return;
     pipeline_move(&d->pipe, d->rnd.step + 1, STEP_RETRY_WAIT);
-    d->state = S_RETRY_WAIT;
     dl_log(DL_LOG_WARN, "aggregate", "will retry", "step=%" PRIu64 " in_seconds=%.1f", d->rnd.step, d->retry_delay);
     uv_timer_start(&d->retry_timer, retry_cb, (uint64_t)(d->retry_delay * 1000), 0);
     d->retry_delay = fmin(d->retry_delay * 2, MAX_RETRY_SECONDS);
@@ -107,7 +108,6 @@ static void inputs_changed(dilocod *d, const dl_error *err)
                 outer_input_changed(p, OUTER_INPUT_GLOBAL(p)) ? "global" : "momentum");
         daemon__log_error("store", "cannot aggregate", &e);
         daemon__pass_release(d);
-        d->state = S_COLLECTING;
         pipeline_move(&d->pipe, d->rnd.step + 1, STEP_FAILED);
         d->exit_code = 1;
         raise(SIGTERM);
@@ -155,7 +155,8 @@ static void finish_done(job *j)
         daemon__aggregation_failed(d, &e);
         return;
     }
-    d->commit_waiting = 1;
+    /* the outputs are written: the commit waits in computing for the inputs and the previous settle */
+    pipeline_end(&d->pipe, d->rnd.step + 1, STEP_ACT_PASS, 1);
     daemon__try_commit(d);
 }
 
@@ -385,7 +386,7 @@ void daemon__warm_async_cb(uv_async_t *h)
             a->tmp[i] = NULL;
         }
     }
-    if (!d->stopping && d->state == S_COLLECTING && a->step == d->rnd.step + 1 && !a->taken[0] && !a->taken[1] &&
+    if (!d->stopping && daemon__state(d) == S_COLLECTING && a->step == d->rnd.step + 1 && !a->taken[0] && !a->taken[1] &&
         d->warm_tmp[0] == NULL && d->warm_tmp[1] == NULL) {
         for (int i = 0; i < 2; i++) {
             d->warm_tmp[i] = a->tmp[i];
@@ -407,7 +408,7 @@ void daemon__start_warm(dilocod *d)
     if (d->warm_step != step)
         daemon__drop_warm(d, d->warm_tmp);
     if (!d->cfg->warm_outputs || d->stopping || d->warm_job != NULL || d->warm_tmp[0] != NULL ||
-        d->state != S_COLLECTING || !d->st.committed || (a = calloc(1, sizeof(*a))) == NULL)
+        daemon__state(d) != S_COLLECTING || !d->st.committed || (a = calloc(1, sizeof(*a))) == NULL)
         return;
     a->d = d;
     atomic_init(&a->stop, 0);
@@ -607,8 +608,6 @@ int daemon__reopen_if_rewritten(dilocod *d, int before_pass)
 {
     if (global_rewritten(d)) {
         daemon__pass_release(d);
-        d->commit_waiting = 0;
-        d->state = S_COLLECTING;        /* stopping: nothing runs for this round any more */
         pipeline_move(&d->pipe, d->rnd.step + 1, STEP_FAILED);
         return 1;
     }
@@ -622,8 +621,6 @@ static int reopen_round(dilocod *d)
 {
     uv_timer_stop(&d->progress_timer);
     daemon__pass_release(d);
-    d->commit_waiting = 0;
-    d->state = S_COLLECTING;
     pipeline_move(&d->pipe, d->rnd.step + 1, STEP_COLLECTING);
     if (d->rnd.timeout > 0 && d->rnd.n > 0)
         daemon__arm_round_timer(d);
@@ -634,6 +631,8 @@ static int reopen_round(dilocod *d)
 }
 
 typedef struct sync_args {
+    uint64_t step;
+    unsigned attempt;           /* the step's attempt whose round this syncs (step_record.attempts) */
     char **paths;
     size_t n;
 } sync_args;
@@ -657,26 +656,23 @@ static void sync_inputs_work(job *j)
 static void sync_inputs_done(job *j)
 {
     dilocod *d = daemon__of_job(j);
+    sync_args *a = j->arg;
+    const step_record *r = pipeline_find(&d->pipe, a->step);
+    int recomputed = r != NULL && r->attempts != a->attempt;
 
-    d->inputs_syncing = 0;
-    if (d->inputs_resync && j->rc == 0 && !d->stopping) {
+    pipeline_end(&d->pipe, a->step, STEP_ACT_SYNC, j->rc == 0);
+    sync_args_free(a);
+    if (recomputed && j->rc == 0 && !d->stopping) {
         /* the round changed while this ran (a pass restarted): sync what it holds now */
-        d->inputs_resync = 0;
-        sync_args_free(j->arg);
         if (start_sync_inputs(d) != 0) {
             dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
             daemon__log_error("store", "cannot make the round's deltas durable", &j->err);
-            d->inputs_sync_failed = 1;
             daemon__try_commit(d);
         }
         return;
     }
-    d->inputs_resync = 0;
-    if (j->rc != 0) {
+    if (j->rc != 0)
         daemon__log_error("store", "cannot make the round's deltas durable", &j->err);
-        d->inputs_sync_failed = 1;
-    }
-    sync_args_free(j->arg);
     daemon__try_commit(d);
 }
 
@@ -685,21 +681,29 @@ static void sync_inputs_done(job *j)
  * an fsync of a file already on disk costs next to nothing. */
 static int start_sync_inputs(dilocod *d)
 {
+    uint64_t step = d->rnd.step + 1;
+    const step_record *r = pipeline_find(&d->pipe, step);
     sync_args *a = calloc(1, sizeof(*a));
 
-    if (a == NULL || (a->paths = calloc(d->rnd.n ? d->rnd.n : 1, sizeof(*a->paths))) == NULL) {
+    if (r == NULL || pipeline_start(&d->pipe, step, STEP_ACT_SYNC) != 0) {
         free(a);
         return -1;
     }
+    if (a == NULL || (a->paths = calloc(d->rnd.n ? d->rnd.n : 1, sizeof(*a->paths))) == NULL) {
+        free(a);
+        pipeline_end(&d->pipe, step, STEP_ACT_SYNC, 0);
+        return -1;
+    }
+    a->step = step;
+    a->attempt = r->attempts;
     for (; a->n < d->rnd.n; a->n++)
         if ((a->paths[a->n] = strdup(d->rnd.entries[a->n].path)) == NULL)
             break;
     if (a->n < d->rnd.n || daemon__queue(d, sync_inputs_work, sync_inputs_done, a) != 0) {
         sync_args_free(a);
+        pipeline_end(&d->pipe, step, STEP_ACT_SYNC, 0);      /* the commit fails on it (daemon__try_commit) */
         return -1;
     }
-    d->inputs_syncing = 1;
-    d->inputs_sync_failed = 0;
     return 0;
 }
 
@@ -710,6 +714,7 @@ void daemon__start_aggregation(dilocod *d)
     outer_pass *p;
 
     pipeline_move(&d->pipe, d->rnd.step + 1, STEP_COMPUTING);
+    pipeline_start(&d->pipe, d->rnd.step + 1, STEP_ACT_PASS);   /* ends when its outputs are written */
 
     dl_error be;
     if (stepcount_check(d->rnd.step + 1, "step", &be) != 0) {
@@ -756,15 +761,13 @@ void daemon__start_aggregation(dilocod *d)
     p->defer_sync = 1;
     d->pass = p;
     d->pass_n = n;
-    d->state = S_AGGREGATING;
     d->pass_started = daemon__clock();
     d->pass_last_bytes = 0;
     d->pass_last_time = d->pass_started;
-    if (d->inputs_syncing)
-        d->inputs_resync = 1;       /* an earlier attempt's sync is still out: it syncs again when done */
     if (rc == 0)
         take_warm(d);
-    if (rc != 0 || (!d->inputs_syncing && start_sync_inputs(d) != 0) ||
+    /* an earlier attempt's sync still out syncs again when done: it sees this attempt (sync_inputs_done) */
+    if (rc != 0 || (!pipeline_busy(&d->pipe, d->rnd.step + 1, STEP_ACT_SYNC) && start_sync_inputs(d) != 0) ||
         daemon__queue(d, prepare_work, prepare_done, NULL) != 0) {
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot start the aggregation");
         daemon__aggregation_failed(d, &e);

@@ -187,7 +187,7 @@ static void set_done(job *j)
     set_args *a = j->arg;
     uint64_t step = a->step;
 
-    d->set_in_flight = 0;
+    pipeline_end(&d->pipe, step, STEP_ACT_SET, j->rc == 0);
     free(a->src);
     free(a);
     if (d->stopping)
@@ -211,19 +211,25 @@ void daemon__ensure_set(dilocod *d)
 {
     set_args *a;
 
-    if (d->set_nshards <= 1 || d->set_in_flight || d->stopping || !d->st.committed ||
+    if (d->set_nshards <= 1 || pipeline_any_busy(&d->pipe, STEP_ACT_SET) || d->stopping || !d->st.committed ||
         d->set_step == (int64_t)d->st.step)
         return;
     if ((a = calloc(1, sizeof(*a))) != NULL)
         a->step = d->st.step;
-    if (a == NULL || (a->src = strdup(d->st.global_path)) == NULL || daemon__queue(d, set_work, set_done, a) != 0) {
+    if (a == NULL || (a->src = strdup(d->st.global_path)) == NULL ||
+        pipeline_start(&d->pipe, d->st.step, STEP_ACT_SET) != 0) {
         if (a != NULL)
             free(a->src);
         free(a);
         uv_timer_start(&d->set_timer, set_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
         return;
     }
-    d->set_in_flight = 1;
+    if (daemon__queue(d, set_work, set_done, a) != 0) {
+        pipeline_end(&d->pipe, d->st.step, STEP_ACT_SET, 0);
+        free(a->src);
+        free(a);
+        uv_timer_start(&d->set_timer, set_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
+    }
 }
 
 /* The published layout of the model: how many shards --shard-size makes (1: the plain file), in
@@ -264,7 +270,7 @@ void daemon__on_publish_done(void *app, uint64_t step, const char *error)
     dilocod *d = app;
     char q[600];
 
-    d->publish_in_flight = 0;
+    pipeline_end(&d->pipe, step, STEP_ACT_PUBLISH, error == NULL);
     daemon__release_settle(d);
     if (error != NULL) {
         d->m.publish_errors++;
@@ -300,21 +306,23 @@ void daemon__maybe_publish(dilocod *d)
 {
     /* published_known: the transport has told what it holds (its first poll), so a restart does not
      * publish again a step that is already there */
-    if (d->hub == NULL || d->publish_in_flight || d->stopping || !d->st.committed || !d->published_known ||
-        d->published_step == (int64_t)d->st.step)
+    if (d->hub == NULL || pipeline_any_busy(&d->pipe, STEP_ACT_PUBLISH) || d->stopping || !d->st.committed ||
+        !d->published_known || d->published_step == (int64_t)d->st.step)
         return;
     if (d->set_nshards > 1) {
         /* the sharded layout: its set once written (daemon__ensure_set publishes when it is) */
         char *index = d->set_step == (int64_t)d->st.step ? set_index_path(d, d->st.step) : NULL;
-        if (index == NULL)
+        if (index == NULL || pipeline_start(&d->pipe, d->st.step, STEP_ACT_PUBLISH) != 0) {
+            free(index);
             return;
-        d->publish_in_flight = 1;
+        }
         d->publishing_bootstrap = d->st.bootstrap && d->st.step == 0;
         hub_publish(d->hub, d->st.step, index, config_optimizer_name(d->cfg->optimizer), d->publishing_bootstrap);
         free(index);
         return;
     }
-    d->publish_in_flight = 1;
+    if (pipeline_start(&d->pipe, d->st.step, STEP_ACT_PUBLISH) != 0)
+        return;
     d->publishing_bootstrap = d->st.bootstrap && d->st.step == 0;
     hub_publish(d->hub, d->st.step, d->st.global_path, config_optimizer_name(d->cfg->optimizer),
                 d->publishing_bootstrap);

@@ -174,7 +174,7 @@ static void status_json(dilocod *d, sbuf *b)
         sb_fmt(b, "%" PRIu64, d->st.step);
     else
         sb_str(b, "null");
-    sb_fmt(b, ",\"state\":\"%s\"", d->stopping ? "stopping" : daemon__state_name(d->state));
+    sb_fmt(b, ",\"state\":\"%s\"", d->stopping ? "stopping" : daemon__state_name(daemon__state(d)));
     pipeline_json(d, b);
     /* the open round: none before there is a global to start from (nothing yet, not "round 0") */
     if (d->st.committed)
@@ -594,7 +594,7 @@ static void get_dashboard(dilocod *d, http_conn *c, http_request *req)
 
 static void healthz_json(dilocod *d, sbuf *b)
 {
-    sb_fmt(b, "{\"status\":\"ok\",\"state\":\"%s\"}\n", d->stopping ? "stopping" : daemon__state_name(d->state));
+    sb_fmt(b, "{\"status\":\"ok\",\"state\":\"%s\"}\n", d->stopping ? "stopping" : daemon__state_name(daemon__state(d)));
 }
 
 static void get_stepfile(dilocod *d, http_conn *c, http_request *req)

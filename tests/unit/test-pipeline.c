@@ -204,3 +204,61 @@ TEST(pipeline_time_per_state_on_a_fake_clock)
     CHECK_EQ(p.seconds[STEP_INPUTS_DURABLE].count, 0);         /* not left yet */
     fake_now = 0;
 }
+
+/* What runs beside a state: started once, ended once, its failure kept until it starts again; the
+ * queries the daemon's guards read (a commit waits for the sync and for every committed step to be
+ * durable; a cleanup for any publish); a record that runs something is never dropped for room. */
+TEST(pipeline_activities_beside_the_states)
+{
+    pipeline p;
+
+    pipeline_init(&p, fake_clock, fake_wall);
+    CHECK_EQ(pipeline_begin(&p, 5, STEP_SERVED), 0);          /* entered at any state (no move) */
+    CHECK_EQ(pipeline_begin(&p, 6, STEP_COLLECTING), 0);
+    CHECK(pipeline_unsettled(&p));                              /* step 5 is served, not durable */
+    CHECK_EQ(pipeline_move(&p, 6, STEP_COMPUTING), 0);
+    CHECK_EQ(pipeline_find(&p, 6)->attempts, 1u);
+    CHECK_EQ(pipeline_start(&p, 6, STEP_ACT_PASS), 0);
+    CHECK_EQ(pipeline_start(&p, 6, STEP_ACT_SYNC), 0);
+    CHECK(pipeline_busy(&p, 6, STEP_ACT_PASS));
+    CHECK(!pipeline_busy(&p, 5, STEP_ACT_PASS));
+    CHECK_EQ(pipeline_start(&p, 6, STEP_ACT_PASS), -1);        /* twice: a guard is wrong */
+    CHECK_EQ(p.illegal, 1);
+    CHECK_EQ(pipeline_end(&p, 6, STEP_ACT_SYNC, 0), 0);        /* failed: kept */
+    CHECK(pipeline_failed(&p, 6, STEP_ACT_SYNC));
+    CHECK(!pipeline_busy(&p, 6, STEP_ACT_SYNC));
+    CHECK_EQ(pipeline_end(&p, 6, STEP_ACT_SYNC, 1), -1);       /* not running */
+    CHECK_EQ(p.illegal, 2);
+    CHECK_EQ(pipeline_start(&p, 6, STEP_ACT_SYNC), 0);         /* again: the failure is forgotten */
+    CHECK(!pipeline_failed(&p, 6, STEP_ACT_SYNC));
+    CHECK_EQ(pipeline_end(&p, 6, STEP_ACT_SYNC, 1), 0);
+    CHECK_EQ(pipeline_end(&p, 6, STEP_ACT_PASS, 1), 0);
+    CHECK_EQ(pipeline_start(&p, 7, STEP_ACT_PASS), -1);        /* no such step */
+    CHECK_EQ(p.illegal, 3);
+
+    CHECK_EQ(pipeline_start(&p, 5, STEP_ACT_PUBLISH), 0);
+    CHECK(pipeline_any_busy(&p, STEP_ACT_PUBLISH));
+    CHECK(!pipeline_any_busy(&p, STEP_ACT_CLEANUP));
+    pipeline_durable(&p, 5);
+    CHECK(!pipeline_unsettled(&p));
+    CHECK_EQ(pipeline_state(&p, 5), STEP_DURABLE);
+    CHECK_EQ(pipeline_state(&p, 42), STEP_NSTATES);
+    CHECK_EQ(pipeline_end(&p, 5, STEP_ACT_PUBLISH, 1), 0);
+    CHECK(!pipeline_any_busy(&p, STEP_ACT_PUBLISH));
+    CHECK_EQ(pipeline_move(&p, 6, STEP_RETRY_WAIT), 0);
+    CHECK_EQ(pipeline_move(&p, 6, STEP_COMPUTING), 0);
+    CHECK_EQ(pipeline_find(&p, 6)->attempts, 2u);               /* a sync of attempt 1 sees the change */
+    CHECK(strcmp(step_activity_name(STEP_ACT_CLEANUP), "cleanup") == 0);
+    CHECK(strcmp(step_activity_name(STEP_NACTS), "unknown") == 0);
+
+    /* a done record still running something (a publish of a cleaned step) keeps its place */
+    pipeline_init(&p, fake_clock, fake_wall);
+    for (uint64_t s = 0; s < PIPELINE_MAX; s++)
+        CHECK_EQ(pipeline_begin(&p, s, s < 2 ? STEP_DURABLE : STEP_COLLECTING), 0);
+    CHECK_EQ(pipeline_start(&p, 0, STEP_ACT_PUBLISH), 0);
+    pipeline_cleaned(&p, 1);
+    CHECK_EQ(pipeline_begin(&p, 100, STEP_COLLECTING), 0);
+    CHECK(pipeline_find(&p, 0) != NULL);                        /* busy: 1 went instead */
+    CHECK(pipeline_find(&p, 1) == NULL);
+    CHECK_EQ(pipeline_begin(&p, 101, STEP_COLLECTING), -1);
+}
