@@ -359,21 +359,13 @@ static void cleanup_done(job *j)
     free(snap);
 }
 
-/* A round's outputs are written and its commit waits (in computing, its pass done: daemon__try_commit). */
-static int commit_waiting(const dilocod *d)
-{
-    return pipeline_state(&d->pipe, d->rnd.step + 1) == STEP_COMPUTING &&
-           !pipeline_busy(&d->pipe, d->rnd.step + 1, STEP_ACT_PASS);
-}
-
 void daemon__schedule_cleanup(dilocod *d)
 {
     store *snap;
 
     /* the inputs of a committed step stay until it is durable (its redo record names them), and the
      * files a publish reads stay until it ends */
-    if (!d->st.committed || pipeline_any_busy(&d->pipe, STEP_ACT_CLEANUP) ||
-        pipeline_any_busy(&d->pipe, STEP_ACT_PUBLISH) || pipeline_unsettled(&d->pipe) || commit_waiting(d))
+    if (!d->st.committed || !pipeline_cleanup_ready(&d->pipe, d->rnd.step + 1))
         return;
     if ((snap = calloc(1, sizeof(*snap))) == NULL)
         return;
@@ -462,8 +454,7 @@ void daemon__try_commit(dilocod *d)
 {
     uint64_t step = d->rnd.step + 1;
 
-    if (d->stopping || !commit_waiting(d) || pipeline_busy(&d->pipe, step, STEP_ACT_SYNC) ||
-        pipeline_unsettled(&d->pipe))
+    if (d->stopping || !pipeline_commit_ready(&d->pipe, step))
         return;
     if (pipeline_failed(&d->pipe, step, STEP_ACT_SYNC)) {
         dl_error e;

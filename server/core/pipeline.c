@@ -288,3 +288,19 @@ step_state pipeline_state(const pipeline *p, uint64_t step)
     const step_record *r = pipeline_find(p, step);
     return r != NULL ? r->state : STEP_NSTATES;
 }
+
+int pipeline_outputs_written(const pipeline *p, uint64_t step)
+{
+    return pipeline_state(p, step) == STEP_COMPUTING && !pipeline_busy(p, step, STEP_ACT_PASS);
+}
+
+int pipeline_commit_ready(const pipeline *p, uint64_t step)
+{
+    return pipeline_outputs_written(p, step) && !pipeline_busy(p, step, STEP_ACT_SYNC) && !pipeline_unsettled(p);
+}
+
+int pipeline_cleanup_ready(const pipeline *p, uint64_t open_step)
+{
+    return !pipeline_any_busy(p, STEP_ACT_CLEANUP) && !pipeline_any_busy(p, STEP_ACT_PUBLISH) &&
+           !pipeline_unsettled(p) && !pipeline_outputs_written(p, open_step);
+}

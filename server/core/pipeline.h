@@ -119,6 +119,16 @@ int pipeline_unsettled(const pipeline *p);
 /* The state of step, or STEP_NSTATES when it is not in the pipeline. */
 step_state pipeline_state(const pipeline *p, uint64_t step);
 
+/* The daemon's guards, as questions about the records (server/README.md, "Activities and guards"). */
+/* step's outputs are written and its commit waits: computing, its pass done. */
+int pipeline_outputs_written(const pipeline *p, uint64_t step);
+/* step's commit may start: its outputs written, its sync done, and no committed step settling (the
+ * redo record's inputs are durable files).  Whether the sync failed is the caller's to check. */
+int pipeline_commit_ready(const pipeline *p, uint64_t step);
+/* The cleanup behind the committed step may start while open_step collects: none runs, no publish
+ * reads the files, no committed step settles and open_step's commit does not wait. */
+int pipeline_cleanup_ready(const pipeline *p, uint64_t open_step);
+
 /* The events the daemon reports; each makes the moves they imply. */
 /* The transport holds step: recorded, and served -> published. */
 void pipeline_published(pipeline *p, uint64_t step);

@@ -262,3 +262,84 @@ TEST(pipeline_activities_beside_the_states)
     CHECK(pipeline_find(&p, 1) == NULL);
     CHECK_EQ(pipeline_begin(&p, 101, STEP_COLLECTING), -1);
 }
+
+/* The daemon's guards driven by a fake pass, a fake sync and a fake transport: step 3 committed and
+ * settling while step 4 collects and computes; step 4's commit waits for its pass, its sync and
+ * step 3's settle (the publish and the settle end in either order), the cleanup for all of it, and a
+ * sync still out when step 4 is computed again sees the new attempt. */
+static void fake_pass_done(pipeline *p, uint64_t step)
+{
+    CHECK_EQ(pipeline_end(p, step, STEP_ACT_PASS, 1), 0);
+}
+
+TEST(pipeline_guards_driven_by_a_fake_pass_and_transport)
+{
+    for (int publish_first = 0; publish_first < 2; publish_first++) {
+        pipeline p;
+
+        pipeline_init(&p, fake_clock, fake_wall);
+        CHECK_EQ(pipeline_begin(&p, 3, STEP_SERVED), 0);       /* committed, served, settling */
+        CHECK_EQ(pipeline_start(&p, 3, STEP_ACT_PUBLISH), 0);
+        CHECK_EQ(pipeline_begin(&p, 4, STEP_COLLECTING), 0);
+        CHECK(!pipeline_cleanup_ready(&p, 4));                  /* step 3 settles and is published */
+        CHECK_EQ(pipeline_move(&p, 4, STEP_COMPUTING), 0);
+        CHECK_EQ(pipeline_start(&p, 4, STEP_ACT_PASS), 0);
+        CHECK_EQ(pipeline_start(&p, 4, STEP_ACT_SYNC), 0);
+        CHECK(!pipeline_outputs_written(&p, 4));
+        fake_pass_done(&p, 4);
+        CHECK(pipeline_outputs_written(&p, 4));
+        CHECK(!pipeline_commit_ready(&p, 4));                   /* the sync, and step 3's settle */
+        CHECK_EQ(pipeline_end(&p, 4, STEP_ACT_SYNC, 1), 0);
+        CHECK(!pipeline_commit_ready(&p, 4));                   /* step 3's settle */
+        if (publish_first) {
+            CHECK_EQ(pipeline_end(&p, 3, STEP_ACT_PUBLISH, 1), 0);
+            pipeline_published(&p, 3);
+            CHECK(!pipeline_commit_ready(&p, 4));
+            pipeline_durable(&p, 3);
+        } else {
+            pipeline_durable(&p, 3);
+            CHECK(pipeline_commit_ready(&p, 4));                /* a publish does not hold the commit */
+            CHECK(!pipeline_cleanup_ready(&p, 4));              /* but it holds the cleanup */
+            CHECK_EQ(pipeline_end(&p, 3, STEP_ACT_PUBLISH, 1), 0);
+            pipeline_published(&p, 3);
+        }
+        CHECK_EQ(pipeline_state(&p, 3), STEP_DURABLE);
+        CHECK(pipeline_find(&p, 3)->published);
+        CHECK(pipeline_commit_ready(&p, 4));
+        CHECK(!pipeline_cleanup_ready(&p, 4));                  /* step 4's commit waits */
+        CHECK_EQ(pipeline_move(&p, 4, STEP_INPUTS_DURABLE), 0); /* the commit queued: once */
+        CHECK(!pipeline_commit_ready(&p, 4));
+        CHECK_EQ(pipeline_move(&p, 4, STEP_COMMITTED), 0);
+        CHECK_EQ(pipeline_move(&p, 4, STEP_SERVED), 0);
+        CHECK_EQ(pipeline_begin(&p, 5, STEP_COLLECTING), 0);
+        CHECK(!pipeline_cleanup_ready(&p, 5));                  /* step 4 settles */
+        pipeline_durable(&p, 4);
+        CHECK(pipeline_cleanup_ready(&p, 5));
+        CHECK_EQ(pipeline_start(&p, 4, STEP_ACT_CLEANUP), 0);
+        CHECK(!pipeline_cleanup_ready(&p, 5));                  /* one at a time */
+        CHECK_EQ(pipeline_end(&p, 4, STEP_ACT_CLEANUP, 1), 0);
+        pipeline_cleaned(&p, 4);
+        CHECK_EQ(pipeline_state(&p, 3), STEP_CLEANED);
+        CHECK_EQ(pipeline_state(&p, 4), STEP_CLEANED);
+
+        /* step 5: its first pass fails while its sync is out; the retry's pass ends first */
+        CHECK_EQ(pipeline_move(&p, 5, STEP_COMPUTING), 0);
+        CHECK_EQ(pipeline_start(&p, 5, STEP_ACT_PASS), 0);
+        CHECK_EQ(pipeline_start(&p, 5, STEP_ACT_SYNC), 0);
+        unsigned synced_attempt = pipeline_find(&p, 5)->attempts;
+        CHECK_EQ(pipeline_end(&p, 5, STEP_ACT_PASS, 0), 0);
+        CHECK_EQ(pipeline_move(&p, 5, STEP_RETRY_WAIT), 0);
+        CHECK(!pipeline_outputs_written(&p, 5));
+        CHECK_EQ(pipeline_move(&p, 5, STEP_COMPUTING), 0);
+        CHECK_EQ(pipeline_start(&p, 5, STEP_ACT_PASS), 0);
+        fake_pass_done(&p, 5);
+        CHECK(!pipeline_commit_ready(&p, 5));                   /* the old sync is out */
+        CHECK(pipeline_find(&p, 5)->attempts != synced_attempt); /* it syncs again when it ends */
+        CHECK_EQ(pipeline_end(&p, 5, STEP_ACT_SYNC, 1), 0);
+        CHECK_EQ(pipeline_start(&p, 5, STEP_ACT_SYNC), 0);
+        CHECK_EQ(pipeline_end(&p, 5, STEP_ACT_SYNC, 0), 0);     /* the new sync fails */
+        CHECK(pipeline_commit_ready(&p, 5));
+        CHECK(pipeline_failed(&p, 5, STEP_ACT_SYNC));           /* the caller retries the step on it */
+        CHECK_EQ(p.illegal, 0);
+    }
+}
