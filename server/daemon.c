@@ -187,7 +187,7 @@ static void close_walk_cb(uv_handle_t *h, void *arg)
 
 void daemon__maybe_finish_shutdown(dilocod *d)
 {
-    if (!d->stopping || d->jobs.in_flight > 0 || d->warm_job != NULL || d->http != NULL || d->hub != NULL)
+    if (!d->stopping || d->jobs.in_flight > 0 || d->warm.job != NULL || d->http != NULL || d->hub != NULL)
         return;
     uv_walk(&d->loop, close_walk_cb, NULL);
 }
@@ -344,9 +344,9 @@ static int init_handles(dilocod *d)
     uv_timer_init(&d->loop, &d->set_timer);
     uv_signal_init(&d->loop, &d->sighup);
     d->sighup.data = d;
-    if ((rc = uv_async_init(&d->loop, &d->warm_async, daemon__warm_async_cb)) != 0)
+    if ((rc = uv_async_init(&d->loop, &d->warm.async, daemon__warm_async_cb)) != 0)
         return rc;
-    uv_check_init(&d->loop, &d->busy_check);
+    uv_check_init(&d->loop, &d->warm.busy_check);
     uv_signal_start(&d->sigint, signal_cb, SIGINT);
     uv_signal_start(&d->sigterm, signal_cb, SIGTERM);
     uv_signal_start(&d->sighup, sighup_cb, SIGHUP);
@@ -408,8 +408,8 @@ int daemon_run(config *cfg)
     d->started_at = time(NULL);
     d->published_step = -1;
     d->adopt_refused_step = -1;
-    d->set_step = -1;
-    d->set_nshards = 1;
+    d->layout.step = -1;
+    d->layout.nshards = 1;
     d->retry_delay = cfg->retry_interval;
     pipeline_init(&d->pipe, NULL, NULL);
     job_owner_init(&d->jobs, &d->loop, jobs_drained);
@@ -463,11 +463,11 @@ int daemon_run(config *cfg)
     free(state_dir);
     dl_log(DL_LOG_INFO, "main", "stopped", "step=%" PRIu64 " exit_code=%d", d->st.step, d->exit_code);
     int code = d->exit_code;
-    for (size_t i = 0; i < d->nqueue; i++)
-        intake_req_free(d->queue[i]);
-    free(d->queue);
+    for (size_t i = 0; i < d->intake.n; i++)
+        intake_req_free(d->intake.queue[i]);
+    free(d->intake.queue);
     daemon__pass_release(d);
-    daemon__drop_warm(d, d->warm_tmp);
+    daemon__drop_warm(d, d->warm.tmp);
     round_free(&d->rnd);
     st_header_free(d->model);
     store_free(&d->st);
@@ -476,9 +476,9 @@ int daemon_run(config *cfg)
     history_free(&d->history);
     history_record_free(&d->pending_record);
     free(d->pending_round);
-    free(d->unappended);
-    daemon__settle_free(d->settle_retry);
-    daemon__settle_free(d->settle_after_publish);
+    free(d->settle.unappended);
+    daemon__settle_free(d->settle.retry);
+    daemon__settle_free(d->settle.after_publish);
     daemon__free_rels(d->round_rels, d->nround_rels);
     free(d);
     return code;

@@ -196,9 +196,9 @@ static void queue_settle(dilocod *d, settle_args *a);
 static void settle_retry_cb(uv_timer_t *t)
 {
     dilocod *d = container_of(t, dilocod, settle_timer);
-    settle_args *a = d->settle_retry;
+    settle_args *a = d->settle.retry;
 
-    d->settle_retry = NULL;
+    d->settle.retry = NULL;
     if (a != NULL)
         queue_settle(d, a);
 }
@@ -215,14 +215,14 @@ static void settle_done(job *j)
         /* the step stays committed by its redo record; its durability is retried (the next commit waits) */
         daemon__log_error("store", "cannot make the committed step durable, will retry", &j->err);
         if (!d->stopping) {
-            d->settle_retry = a;
+            d->settle.retry = a;
             uv_timer_start(&d->settle_timer, settle_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
             return;
         }
         daemon__settle_free(a);
         return;
     }
-    d->unappended = a->unappended;      /* the records still to append go with the next settle */
+    d->settle.unappended = a->unappended;      /* the records still to append go with the next settle */
     a->unappended = NULL;
     pipeline_durable(&d->pipe, a->step);
     dl_log(DL_LOG_DEBUG, "store", "durable", "step=%" PRIu64, a->step);
@@ -238,12 +238,12 @@ static void settle_done(job *j)
 static void queue_settle(dilocod *d, settle_args *a)
 {
     if (a->unappended == NULL) {        /* a retried settle carries them already */
-        a->unappended = d->unappended;
-        d->unappended = NULL;
+        a->unappended = d->settle.unappended;
+        d->settle.unappended = NULL;
     }
     if (daemon__queue(d, settle_work, settle_done, a) != 0) {
         /* no memory for a job: try again in a moment (the redo record keeps the step safe meanwhile) */
-        d->settle_retry = a;
+        d->settle.retry = a;
         uv_timer_start(&d->settle_timer, settle_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
     }
 }
@@ -275,7 +275,7 @@ static void start_settle(dilocod *d, uint64_t step)
          * behind the settle's (twice the model size): 0.07-0.2 s after a 256 MiB step when they ran
          * side by side.  The settle follows the publish (daemon__release_settle); the redo record keeps the step
          * safe meanwhile, and the next commit waits for it as for any settle. */
-        d->settle_after_publish = a;
+        d->settle.after_publish = a;
         return;
     }
     queue_settle(d, a);
@@ -284,11 +284,11 @@ static void start_settle(dilocod *d, uint64_t step)
 /* Starts the settle that waited for the publish (the publish ended, none started, or shutdown). */
 void daemon__release_settle(dilocod *d)
 {
-    settle_args *a = d->settle_after_publish;
+    settle_args *a = d->settle.after_publish;
 
     if (a == NULL)
         return;
-    d->settle_after_publish = NULL;
+    d->settle.after_publish = NULL;
     queue_settle(d, a);
 }
 

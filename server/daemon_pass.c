@@ -43,7 +43,7 @@ void daemon__pass_release(dilocod *d)
     if (pipeline_busy(&d->pipe, d->rnd.step + 1, STEP_ACT_PASS))
         pipeline_end(&d->pipe, d->rnd.step + 1, STEP_ACT_PASS, 0);     /* given up before its outputs */
     stop_writeback(d);
-    daemon__drop_warm(d, d->pass_warm);         /* taken over by the pass's writers (gone already), or unused */
+    daemon__drop_warm(d, d->warm.given);         /* taken over by the pass's writers (gone already), or unused */
     if (d->pass != NULL) {
         outer_free(d->pass);
         free((void *)d->pass->out_global_path);
@@ -320,7 +320,7 @@ static void warm_thread_main(void *arg)
     }
     a->seconds = daemon__clock() - t0;
     atomic_store(&a->finished, 1);
-    uv_async_send(&a->d->warm_async);
+    uv_async_send(&a->d->warm.async);
 }
 
 static void warm_args_free(warm_args *a)
@@ -353,30 +353,30 @@ void daemon__drop_warm(dilocod *d, char **tmp)
  * 1 GiB), as both fault in new pages from the host at once.  It fills the pages between arrivals. */
 static void busy_check_cb(uv_check_t *h)
 {
-    dilocod *d = container_of(h, dilocod, busy_check);
-    if (d->warm_job != NULL)
-        atomic_store_explicit(&d->warm_job->busy, d->uploads_in_flight > 0 || d->intake_in_flight > 0,
+    dilocod *d = container_of(h, dilocod, warm.busy_check);
+    if (d->warm.job != NULL)
+        atomic_store_explicit(&d->warm.job->busy, d->uploads_in_flight > 0 || d->intake.in_flight > 0,
                               memory_order_relaxed);
 }
 
 /* The warm thread ended: its files go to the round still waiting for them, or away. */
 void daemon__warm_async_cb(uv_async_t *h)
 {
-    dilocod *d = container_of(h, dilocod, warm_async);
-    warm_args *a = d->warm_job;
+    dilocod *d = container_of(h, dilocod, warm.async);
+    warm_args *a = d->warm.job;
 
     if (a == NULL || !atomic_load(&a->finished))
         return;
-    uv_thread_join(&d->warm_thread);
-    uv_check_stop(&d->busy_check);
-    d->warm_job = NULL;         /* shutdown waited for the thread (daemon__maybe_finish_shutdown) */
+    uv_thread_join(&d->warm.thread);
+    uv_check_stop(&d->warm.busy_check);
+    d->warm.job = NULL;         /* shutdown waited for the thread (daemon__maybe_finish_shutdown) */
     if (a->rc != 0) {
         char m[600];
         /* a full disk or a filesystem without fallocate: said once, then at debug level */
-        dl_log(d->warm_failure_said ? DL_LOG_DEBUG : DL_LOG_WARN, "aggregate",
+        dl_log(d->warm.failure_said ? DL_LOG_DEBUG : DL_LOG_WARN, "aggregate",
                "cannot warm the next pass's outputs: it will write new pages", "step=%" PRIu64 " error=%s", a->step,
                dl_log_q(m, sizeof(m), a->err.message));
-        d->warm_failure_said = 1;
+        d->warm.failure_said = 1;
     }
     dl_log(DL_LOG_DEBUG, "aggregate", "outputs warmed", "step=%" PRIu64 " bytes=%" PRIu64 " seconds=%.3f stopped=%d",
            a->step, a->filled, a->seconds, atomic_load(&a->stop));
@@ -387,12 +387,12 @@ void daemon__warm_async_cb(uv_async_t *h)
         }
     }
     if (!d->stopping && daemon__state(d) == S_COLLECTING && a->step == d->rnd.step + 1 && !a->taken[0] && !a->taken[1] &&
-        d->warm_tmp[0] == NULL && d->warm_tmp[1] == NULL) {
+        d->warm.tmp[0] == NULL && d->warm.tmp[1] == NULL) {
         for (int i = 0; i < 2; i++) {
-            d->warm_tmp[i] = a->tmp[i];
+            d->warm.tmp[i] = a->tmp[i];
             a->tmp[i] = NULL;
         }
-        d->warm_step = a->step;
+        d->warm.step = a->step;
     }
     daemon__drop_warm(d, a->tmp);       /* a round that moved on meanwhile */
     warm_args_free(a);
@@ -405,9 +405,9 @@ void daemon__start_warm(dilocod *d)
     uint64_t step = d->rnd.step + 1;
     warm_args *a;
 
-    if (d->warm_step != step)
-        daemon__drop_warm(d, d->warm_tmp);
-    if (!d->cfg->warm_outputs || d->stopping || d->warm_job != NULL || d->warm_tmp[0] != NULL ||
+    if (d->warm.step != step)
+        daemon__drop_warm(d, d->warm.tmp);
+    if (!d->cfg->warm_outputs || d->stopping || d->warm.job != NULL || d->warm.tmp[0] != NULL ||
         daemon__state(d) != S_COLLECTING || !d->st.committed || (a = calloc(1, sizeof(*a))) == NULL)
         return;
     a->d = d;
@@ -415,7 +415,7 @@ void daemon__start_warm(dilocod *d)
     atomic_init(&a->finished, 0);
     atomic_init(&a->ready[0], 0);
     atomic_init(&a->ready[1], 0);
-    atomic_init(&a->busy, d->uploads_in_flight > 0 || d->intake_in_flight > 0);
+    atomic_init(&a->busy, d->uploads_in_flight > 0 || d->intake.in_flight > 0);
     dl_error_clear(&a->err);
     a->step = step;
     a->src[0] = strdup(d->st.global_path);
@@ -425,40 +425,40 @@ void daemon__start_warm(dilocod *d)
     /* the momentum's header is about the global's (the same names and shapes) plus its metadata */
     a->momentum_guess = d->delta_bytes + 4096;
     if (a->src[0] == NULL || (d->st.momentum_path != NULL && a->src[1] == NULL) || a->out[0] == NULL ||
-        (d->cfg->momentum != 0 && a->out[1] == NULL) || uv_thread_create(&d->warm_thread, warm_thread_main, a) != 0) {
+        (d->cfg->momentum != 0 && a->out[1] == NULL) || uv_thread_create(&d->warm.thread, warm_thread_main, a) != 0) {
         warm_args_free(a);
         return;
     }
-    d->warm_job = a;            /* shutdown waits for the thread while it is set */
-    uv_check_start(&d->busy_check, busy_check_cb);
+    d->warm.job = a;            /* shutdown waits for the thread while it is set */
+    uv_check_start(&d->warm.busy_check, busy_check_cb);
 }
 
 void daemon__stop_warm(dilocod *d)
 {
-    if (d->warm_job != NULL)
-        atomic_store(&d->warm_job->stop, 1);
+    if (d->warm.job != NULL)
+        atomic_store(&d->warm.job->stop, 1);
 }
 
 /* Gives the pass the files warmed for it: the finished job's, or the running one's that are ready
  * (which then stops). */
 static void take_warm(dilocod *d)
 {
-    warm_args *a = d->warm_job;
+    warm_args *a = d->warm.job;
 
     if (a != NULL) {
         atomic_store(&a->stop, 1);
         for (int i = 0; i < 2; i++) {
-            if (a->step == d->rnd.step + 1 && atomic_load(&a->ready[i]) && (d->pass_warm[i] = strdup(a->tmp[i])))
+            if (a->step == d->rnd.step + 1 && atomic_load(&a->ready[i]) && (d->warm.given[i] = strdup(a->tmp[i])))
                 a->taken[i] = 1;
         }
-    } else if (d->warm_step == d->rnd.step + 1) {
+    } else if (d->warm.step == d->rnd.step + 1) {
         for (int i = 0; i < 2; i++) {
-            d->pass_warm[i] = d->warm_tmp[i];
-            d->warm_tmp[i] = NULL;
+            d->warm.given[i] = d->warm.tmp[i];
+            d->warm.tmp[i] = NULL;
         }
     }
-    d->pass->warm_global_tmp = d->pass_warm[0];
-    d->pass->warm_momentum_tmp = d->pass_warm[1];
+    d->pass->warm_global_tmp = d->warm.given[0];
+    d->pass->warm_momentum_tmp = d->warm.given[1];
 }
 
 /* ---- the pass on the pool: prepared, run by every thread, its progress --------------------------- */
