@@ -18,6 +18,7 @@
 #include "dl_log.h"
 #include "fsutil.h"
 #include "hub.h"
+#include "pipeline.h"
 #include "hub_file.h"          /* hubfile_copy: --init-model, a trusted file, copied into the state */
 #include "safetensors.h"
 #include "st_index.h"
@@ -403,6 +404,7 @@ void daemon__on_published_seen(void *app, int64_t step)
                "step=%" PRId64 " why=the hub's copy was published before the step's files were durable", step);
     } else if (step >= 0 && (uint64_t)step == d->st.step) {
         d->published_step = step;
+        pipeline_published(&d->pipe, d->st.step);      /* found there: /status says so, as after our publish */
     } else if (step > (int64_t)d->st.step) {
         dl_log(DL_LOG_WARN, "hub", "the hub holds a newer step than our state; ours will be published over it",
                "hub_step=%" PRId64 " step=%" PRIu64, step, d->st.step);
