@@ -196,20 +196,6 @@ class Dilocod:
         removal."""
         return self.wait_pipeline(step, ("cleaned",), "cleaned", timeout)
 
-    def wait_published(self, step, timeout=60):
-        """Waits until the pipeline records that the transport holds step (its record's published)."""
-        deadline = time.time() + timeout
-        recs = None
-        while time.time() < deadline:
-            recs = self.pipeline()
-            if any(rec["step"] == step and rec["published"] for rec in recs or ()):
-                return
-            if self.proc is not None and self.proc.poll() is not None:
-                raise AssertionError(f"dilocod exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}")
-            time.sleep(0.01)
-        raise AssertionError(f"step {step} not published within {timeout}s (pipeline {recs}):\n"
-                             f"{self.log_text()[-4000:]}")
-
     def wait_received(self, step, nodes, timeout=60):
         """Waits until step collects with nodes' deltas accepted (/status's pipeline and round)."""
         def collecting():

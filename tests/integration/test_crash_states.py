@@ -12,14 +12,16 @@ must never lose, waiting on /status's pipeline rather than on files:
   dilocod_proc.Oracle) bit for bit, global and momentum, in the state and in the transport;
 - the transport publishes each step (step_count.json names it, its global is the committed one's bytes),
   and the step's record in /status ends cleaned and published;
-- the history (rounds.jsonl and GET /rounds) holds each round exactly once, in order;
+- the history (rounds.jsonl and GET /rounds) holds each round exactly once, in order, each node once;
 - once cleaned, the state holds only the committed step's files (no temporary, no older global, no older
-  delta cache) and the transport's global/ no temporary either;
+  delta cache) and the transport's global/ nothing but the step's files (and on s3 its claims);
+- the restart took the recovery the state calls for (RECOVERY: redone, recomputed, resumed);
 - no move the pipeline's table refuses is logged (conftest's autouse fixture).
 
 Transports: file:// for every state (fast), and s3:// against SeaweedFS (one server for the module) for
-the states around publishing.  test_daemon_durability.py and test_kill9_history.py kill at random or
-log-timed moments under load; this file kills once per state, deterministically, on a tiny model."""
+collecting (its persisted seen list) and the states around publishing.  test_daemon_durability.py and
+test_kill9_history.py kill at random or log-timed moments under load; this file kills once per state,
+deterministically, on a tiny model.  One known bug, outside recovery, is reported as an xfail: KNOWN_BUG."""
 import json
 import time
 
