@@ -1,6 +1,9 @@
 #include "pipeline.h"
 
+#include <errno.h>
 #include <inttypes.h>
+#include <signal.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -81,11 +84,47 @@ static double unix_seconds(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
+/* The test hook (pipeline.h): DILOCOD_TEST_CRASH_AT=<state>[:<step>] into crash_at and crash_step;
+ * anything else is logged and ignored. */
+static void read_crash_hook(pipeline *p)
+{
+    const char *v = getenv("DILOCOD_TEST_CRASH_AT"), *colon;
+    char *end, q[160];
+    unsigned long long step = 0;
+    size_t len;
+
+    p->crash_at = STEP_NSTATES;
+    p->crash_step = -1;
+    if (v == NULL || *v == '\0')
+        return;
+    colon = strchr(v, ':');
+    len = colon != NULL ? (size_t)(colon - v) : strlen(v);
+    if (colon != NULL) {
+        errno = 0;
+        step = strtoull(colon + 1, &end, 10);
+        if (colon[1] < '0' || colon[1] > '9' || *end != '\0' || errno != 0 || step > INT64_MAX)
+            goto bad;
+    }
+    for (int s = 0; s < STEP_NSTATES; s++) {
+        if (strlen(state_names[s]) == len && strncmp(state_names[s], v, len) == 0) {
+            p->crash_at = (step_state)s;
+            p->crash_step = colon != NULL ? (int64_t)step : -1;
+            dl_log(DL_LOG_WARN, "pipeline", "test hook: the process kills itself when a step enters a state",
+                   "state=%s step=%s", state_names[s], colon != NULL ? colon + 1 : "any");
+            return;
+        }
+    }
+bad:
+    dl_log(DL_LOG_ERROR, "pipeline", "DILOCOD_TEST_CRASH_AT ignored: not <state>[:<step>]", "value=%s",
+           dl_log_q(q, sizeof(q), v));
+}
+
 void pipeline_init(pipeline *p, double (*clock)(void), double (*wall)(void))
 {
     memset(p, 0, sizeof(*p));
     p->clock = clock != NULL ? clock : monotonic_seconds;
     p->wall = wall != NULL ? wall : unix_seconds;
+    read_crash_hook(p);
 }
 
 static step_record *find(pipeline *p, uint64_t step)
@@ -172,6 +211,11 @@ static int move(pipeline *p, step_record *r, step_state to)
     r->since_wall = p->wall();
     if (to == STEP_COMPUTING)
         r->attempts++;
+    if (to == p->crash_at && (p->crash_step < 0 || (uint64_t)p->crash_step == r->step)) {
+        dl_log(DL_LOG_WARN, "pipeline", "test hook: killed", "step=%" PRIu64 " state=%s", r->step,
+               step_state_name(to));
+        raise(SIGKILL);
+    }
     return 0;
 }
 

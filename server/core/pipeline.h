@@ -24,7 +24,13 @@
  * pipeline_move is the only writer of a state: it checks the move against the table of legal ones
  * (an illegal move is logged at error level and not made), logs each move at debug level with the
  * time spent in the state it leaves, and adds that time to the state's histogram (/metrics).
- * Everything here runs on the loop thread. */
+ * Everything here runs on the loop thread.
+ *
+ * Test hook: DILOCOD_TEST_CRASH_AT=<state>[:<step>] in the environment, read once by pipeline_init,
+ * makes the process raise SIGKILL right after a move enters that state (after its log line, before
+ * the move returns), for any step or only that one: tests/integration/test_crash_states.py crashes
+ * the daemon exactly in each state and checks the restart's recovery.  An unknown state or a bad step
+ * is logged at error level and ignored.  Unset, it costs one comparison per move. */
 #ifndef PIPELINE_H
 #define PIPELINE_H
 
@@ -82,6 +88,8 @@ typedef struct pipeline {
     uint64_t illegal;                   /* moves refused by the table */
     double (*clock)(void);              /* monotonic seconds */
     double (*wall)(void);               /* Unix time */
+    step_state crash_at;                /* the test hook's state (STEP_NSTATES: none), see above */
+    int64_t crash_step;                 /* and its step, -1: any */
 } pipeline;
 
 extern const double PIPELINE_BUCKETS[PIPELINE_NBUCKETS - 1];
@@ -91,7 +99,7 @@ const char *step_activity_name(step_activity a);
 /* Whether the table allows from -> to. */
 int step_move_legal(step_state from, step_state to);
 
-/* clock and wall NULL: the process's monotonic clock and time(). */
+/* clock and wall NULL: the process's monotonic clock and time().  Reads DILOCOD_TEST_CRASH_AT. */
 void pipeline_init(pipeline *p, double (*clock)(void), double (*wall)(void));
 /* A step enters the pipeline at state (collecting for a new round; durable for a step committed
  * whole: adopted, bootstrapped, recovered or found at startup).  An older record that is done

@@ -4,6 +4,7 @@
  * fake clock; and the bounded table of records. */
 #include "test.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #include "pipeline.h"
@@ -342,4 +343,48 @@ TEST(pipeline_guards_driven_by_a_fake_pass_and_transport)
         CHECK(pipeline_failed(&p, 5, STEP_ACT_SYNC));           /* the caller retries the step on it */
         CHECK_EQ(p.illegal, 0);
     }
+}
+
+/* The test hook's variable (pipeline.h): a state, or a state and a step; anything else is ignored
+ * (logged at error level), so that a typo never kills a daemon at a state nobody meant. */
+TEST(pipeline_crash_hook_is_read_once_and_validated)
+{
+    static const struct {
+        const char *value;
+        step_state at;
+        int64_t step;
+    } cases[] = {
+        {"served", STEP_SERVED, -1},
+        {"inputs_durable:12", STEP_INPUTS_DURABLE, 12},
+        {"collecting:0", STEP_COLLECTING, 0},
+        {"", STEP_NSTATES, -1},
+        {"serve", STEP_NSTATES, -1},
+        {"servedx", STEP_NSTATES, -1},
+        {"served:", STEP_NSTATES, -1},
+        {"served:x", STEP_NSTATES, -1},
+        {"served:-1", STEP_NSTATES, -1},
+        {"served:1x", STEP_NSTATES, -1},
+        {"served:99999999999999999999", STEP_NSTATES, -1},
+        {":3", STEP_NSTATES, -1},
+    };
+    pipeline p;
+
+    pipeline_init(&p, fake_clock, fake_wall);
+    CHECK_EQ(p.crash_at, STEP_NSTATES);                         /* unset: no hook */
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        CHECK_EQ(setenv("DILOCOD_TEST_CRASH_AT", cases[i].value, 1), 0);
+        pipeline_init(&p, fake_clock, fake_wall);
+        CHECK_EQ(p.crash_at, cases[i].at);
+        CHECK_EQ(p.crash_step, cases[i].step);
+    }
+    CHECK_EQ(setenv("DILOCOD_TEST_CRASH_AT", "cleaned:5", 1), 0);
+    pipeline_init(&p, fake_clock, fake_wall);
+    CHECK_EQ(unsetenv("DILOCOD_TEST_CRASH_AT"), 0);
+    /* other steps, and other states of step 5, move as usual (the process is still here) */
+    CHECK_EQ(pipeline_begin(&p, 4, STEP_DURABLE), 0);
+    CHECK_EQ(pipeline_begin(&p, 5, STEP_SERVED), 0);
+    pipeline_cleaned(&p, 4);
+    pipeline_durable(&p, 5);
+    CHECK_EQ(pipeline_find(&p, 4)->state, STEP_CLEANED);
+    CHECK_EQ(pipeline_find(&p, 5)->state, STEP_DURABLE);
 }
