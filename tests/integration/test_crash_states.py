@@ -21,7 +21,7 @@ must never lose, waiting on /status's pipeline rather than on files:
 Transports: file:// for every state (fast), and s3:// against SeaweedFS (one server for the module) for
 collecting (its persisted seen list) and the states around publishing.  test_daemon_durability.py and
 test_kill9_history.py kill at random or log-timed moments under load; this file kills once per state,
-deterministically, on a tiny model.  One known bug, outside recovery, is reported as an xfail: KNOWN_BUG."""
+deterministically, on a tiny model."""
 import json
 import time
 
@@ -127,30 +127,17 @@ def history_steps(d):
     return [x["step"] for x in in_file], [x["step"] for x in served]
 
 
-# The record of a step that entered the pipeline whole at a restart (durable, then cleaned) is never marked
-# published when the transport's first poll finds the step already there: daemon__on_published_seen
-# (server/daemon_adopt.c) sets d->published_step without pipeline_published().  Not a crash bug (any
-# restart on a published step shows it), so a test that meets it ends as an xfail naming it, once every
-# other check passed.  The fix (pipeline_published there) makes them pass; KNOWN_BUG can go with it.
-KNOWN_BUG = ("after a restart on a step its transport already holds, /status's pipeline record of the step "
-             "says published=false (daemon__on_published_seen does not call pipeline_published)")
-
-
 def check_step(t, oracle, step):
     """Step is committed, durable and cleaned: its global and momentum equal torch's bit for bit, the
-    transport publishes it, the history holds rounds 0..step-1 once each, and no file is left over.
-    Returns the known problems seen (KNOWN_BUG), [] when none."""
+    transport publishes it (its pipeline record says so too, also when a restart found it there), the
+    history holds rounds 0..step-1 once each, and no file is left over."""
     d = t.d
-    known = []
     assert d.wait_settled(step) == step, d.pipeline()
     d.wait_until(lambda: (d.get_json("/status") or {}).get("hub", {}).get("published_step") == step,
                  f"the transport holding step {step} (/status hub.published_step)")
     rec = [r for r in d.pipeline() if r["step"] == step]
     assert rec and rec[0]["state"] == "cleaned", d.pipeline()
-    if not rec[0]["published"]:
-        found_there = f"hub: published step={step} hub=" not in d.logs[-1].read_text(errors="replace")
-        assert found_there, f"step {step} published, its pipeline record says otherwise: {d.pipeline()}"
-        known.append(f"step {step}: {KNOWN_BUG}")
+    assert rec[0]["published"], f"step {step} is the transport's, its pipeline record says otherwise: {d.pipeline()}"
     assert_state_equal(load_torch(d.state_dir / f"global/latest-{step}.safetensors"), oracle.state)
     assert_state_equal(load_torch(d.state_dir / f"outer_state-{step}.safetensors"), oracle.momentum())
     published_step, published_bytes = t.published()
@@ -162,7 +149,6 @@ def check_step(t, oracle, step):
     assert not (d.state_dir / "redo.json").exists(), listing(d.state_dir)
     check_clean_state(d.state_dir, step, own_pid=d.proc.pid)
     t.check_published_clean(step)
-    return known
 
 
 # How the restart brings back a step killed in each state, as its log tells:
@@ -212,7 +198,7 @@ def crash_and_recover(tmp_path, transport, state, s3=None, crash_step=CRASH_STEP
     base_env = dict(d.env or {})
     if state != "collecting":
         d.env = dict(base_env, DILOCOD_TEST_CRASH_AT=state if crash_step is None else f"{state}:{crash_step}")
-    crashed, known, r = None, [], 0
+    crashed, r = None, 0
     try:
         d.start()
         d.wait_settled(0)
@@ -238,7 +224,7 @@ def crash_and_recover(tmp_path, transport, state, s3=None, crash_step=CRASH_STEP
                     else:
                         assert crash_step is None or r + 1 < crash_step, f"step {r + 1} never entered {state}"
             oracle.step(deltas)
-            known += check_step(t, oracle, r + 1)
+            check_step(t, oracle, r + 1)
             if crashed == r:
                 path = recovery_path(d.logs[-1].read_text(errors="replace"), r + 1)
                 print(f"\n{t.name} {state}: killed at step {r + 1}, recovered by {path}")
@@ -249,8 +235,6 @@ def crash_and_recover(tmp_path, transport, state, s3=None, crash_step=CRASH_STEP
     finally:
         if d.alive():
             d.kill9()
-    if known:
-        pytest.xfail("; ".join(known))
 
 
 @pytest.mark.parametrize("state", ["collecting"] + HOOK_STATES)
