@@ -97,7 +97,7 @@ static void process_status(const dilocod *d, sbuf *b)
         sb_printf(b, "%" PRIu64, d->st.step);
     else
         sb_str(b, "null");
-    sb_printf(b, ",\"state\":\"%s\"", d->stopping ? "stopping" : daemon__state_name(d->state));
+    sb_printf(b, ",\"state\":\"%s\"", d->stopping ? "stopping" : daemon__state_name(daemon__state(d)));
 }
 
 static void process_metrics(const dilocod *d, sbuf *b)

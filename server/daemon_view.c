@@ -46,12 +46,12 @@ uint64_t daemon_delta_bytes(const dilocod *d)
 
 int daemon_takes_uploads(const dilocod *d)
 {
-    return d->state != S_WAITING_GLOBAL && d->model != NULL;
+    return daemon__state(d) != S_WAITING_GLOBAL && d->model != NULL;
 }
 
 const char *daemon_state_name(const dilocod *d)
 {
-    return daemon__state_name(d->state);
+    return daemon__state_name(daemon__state(d));
 }
 
 int daemon_stopping(const dilocod *d)
