@@ -117,7 +117,7 @@ static void hub_json(dilocod *d, sbuf *b)
         if (endpoint != NULL)
             sb_json_string(b, endpoint, strlen(endpoint));
         else
-            sb_str(b, "null");      /* unset: the transport has a default of its own (on AWS, from the region) */
+            sb_str(b, "null");      /* unset: the transport derives its own (from the region, say) */
     }
     if (hs != NULL) {
         sb_fmt(b, ",\"head\":\"%s\",\"api_calls\":%" PRIu64 ",\"resolver_calls\":%" PRIu64 ",\"downloads\":%" PRIu64
