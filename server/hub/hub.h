@@ -148,9 +148,9 @@ typedef struct hub_options {
     const hub_option *opt;
     size_t n;
     size_t size;                /* of the options struct (calloc'd, then the table's defaults) */
-    /* Config time, when this transport is --hub's (its check_url accepted the URL): fills what the
-     * environment supplies and checks the values together; nothing is created.  0, or -DL_E_* with
-     * err saying why and *key naming the option to blame. */
+    /* Optional.  Config time, when this transport is --hub's (its check_url accepted the URL):
+     * fills what the environment supplies and checks the values together; nothing is created.  0,
+     * or -DL_E_* with err saying why and *key naming the option to blame. */
     int (*load)(void *opts, const char *url, const char **key, dl_error *err);
     /* Optional: the note --check-config prints for key when it is unset, instead of the table's
      * (NULL: the table's). */
