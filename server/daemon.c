@@ -381,16 +381,10 @@ static int open_hub(dilocod *d, dl_error *err)
     hub_config hc = {
         .url = d->cfg->hub,
         .state_dir = dir,
-        .endpoint = d->cfg->hub_endpoint,
-        .token = d->cfg->hub_token,
         .poll_interval = d->cfg->poll_interval,
         .max_downloads = d->cfg->max_downloads,
         .max_header_bytes = (uint64_t)d->cfg->max_delta_header_mib << 20,
-        .region = d->cfg->s3_region,
-        .addressing = d->cfg->s3_addressing,
-        .part_size = (uint64_t)d->cfg->s3_part_mib << 20,
-        .claim_lease = d->cfg->s3_claim_lease,
-        .credentials_file = d->cfg->s3_credentials_file,
+        .options = config_hub_options(d->cfg),    /* the transport's own, read through its table */
     };
     rc = hub_open(&d->hub, &d->loop, &hc, &hub_cbs, d, err);
     free(dir);

@@ -264,12 +264,13 @@ static void hub_status_json(const dilocod *d, sbuf *b)
 
     sb_printf(b, ",\"hub\":{\"kind\":\"%s\",\"url\":", d->hub ? hub_kind(d->hub) : "none");
     sb_json_string(b, d->cfg->hub, strlen(d->cfg->hub));
-    if (hs != NULL && strcmp(hub_kind(d->hub), "file") != 0) {
+    const char *endpoint;
+    if (hs != NULL && config_hub_value(d->cfg, "hub_endpoint", &endpoint)) {
         sb_str(b, ",\"endpoint\":");
-        if (d->cfg->hub_endpoint != NULL)
-            sb_json_string(b, d->cfg->hub_endpoint, strlen(d->cfg->hub_endpoint));
+        if (endpoint != NULL)
+            sb_json_string(b, endpoint, strlen(endpoint));
         else
-            sb_str(b, "null");      /* s3:// on AWS itself: the transport derives it from the region */
+            sb_str(b, "null");      /* unset: the transport derives its own (from the region, say) */
     }
     if (hs != NULL) {
         sb_printf(b, ",\"head\":\"%s\",\"api_calls\":%" PRIu64 ",\"resolver_calls\":%" PRIu64 ",\"downloads\":%" PRIu64
