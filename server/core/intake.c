@@ -20,6 +20,7 @@
 #include "fsutil.h"
 #include "mapread.h"
 #include "st_index.h"
+#include "store.h"
 
 #define COPY_CHUNK (4u << 20)
 /* A file that is only checked (linked, not copied) is read in place, a window of this many bytes at a
@@ -478,8 +479,8 @@ static intake_status link_file(intake_req *r, int src, const struct stat *before
 
     if ((st = check_file(r, src, before, n, h)) != INTAKE_OK)
         return st;
-    if (asprintf(&tmp, "%s/cache/incoming/.link-%d-%" PRIu64, r->state_dir, (int)getpid(), (uint64_t)before->st_ino) <
-        0)
+    if ((tmp = store_path_incoming_file(r->state_dir, ".link-%d-%" PRIu64, (int)getpid(), (uint64_t)before->st_ino)) ==
+        NULL)
         return intake__io_fail(r, ENOMEM, "out of memory");
     (void)unlink(tmp);          /* a leftover of a crash under the same pid and inode */
     if ((r->link_errno = fsu_link_fd(src, AT_FDCWD, tmp)) != 0) {
@@ -581,8 +582,7 @@ static intake_status intake(intake_req *r)
         /* no link here (another filesystem, links refused): copy, the data is read once more */
         dl_error_clear(&r->err);
     }
-    if (asprintf(&tmp, "%s/cache/incoming/delta", r->state_dir) < 0) {
-        tmp = NULL;
+    if ((tmp = store_path_incoming_file(r->state_dir, "delta")) == NULL) {
         st = intake__io_fail(r, ENOMEM, "out of memory");
         goto out;
     }

@@ -16,16 +16,12 @@
 
 #include "fsutil.h"
 #include "st_index.h"
+#include "store.h"
 
 char *intake_cache_path(const char *state_dir, const delta_info *info)
 {
-    char *p = NULL;
-    if (asprintf(&p, "%s/cache/deltas/s%" PRIu64 "/%s/delta_%" PRIu64 ".safetensors", state_dir,
-                 info->base_outer_step, info->node_id, info->local_step) < 0)
-        return NULL;
-    return p;
+    return store_path_cached_delta(state_dir, info->base_outer_step, info->node_id, info->local_step);
 }
-
 
 /* The node's cache directory, created if needed, opened and locked (flock): every link into it
  * runs under this lock, so the existence checks of both layouts and the links that follow are one
@@ -121,11 +117,7 @@ out:
 
 char *intake_cache_index_path(const char *state_dir, const delta_info *info)
 {
-    char *p = NULL;
-    if (asprintf(&p, "%s/cache/deltas/s%" PRIu64 "/%s/delta_%" PRIu64 ST_INDEX_SUFFIX, state_dir,
-                 info->base_outer_step, info->node_id, info->local_step) < 0)
-        return NULL;
-    return p;
+    return store_path_cached_index(state_dir, info->base_outer_step, info->node_id, info->local_step);
 }
 
 /* Removes the first n shards of a set from the cache directory (a link that failed half way). */

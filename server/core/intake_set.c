@@ -18,6 +18,7 @@
 
 #include "fsutil.h"
 #include "st_index.h"
+#include "store.h"
 
 
 /* Prefixes err's message with the shard it concerns (the tensor, if any, stays in err->tensor). */
@@ -419,8 +420,7 @@ intake_status intake__set(intake_req *r)
     }
     if ((st = check_listing(r, dirfd, ix)) != INTAKE_OK)
         goto out;
-    if (asprintf(&stage, "%s/cache/incoming", r->state_dir) < 0) {
-        stage = NULL;
+    if ((stage = store_path_incoming(r->state_dir)) == NULL) {
         st = intake__io_fail(r, ENOMEM, "out of memory");
         goto out;
     }
@@ -429,8 +429,7 @@ intake_status intake__set(intake_req *r)
         goto out;
     }
     free(stage);
-    if (asprintf(&stage, "%s/cache/incoming/intake-XXXXXX", r->state_dir) < 0) {
-        stage = NULL;
+    if ((stage = store_path_incoming_file(r->state_dir, "intake-XXXXXX")) == NULL) {
         st = intake__io_fail(r, ENOMEM, "out of memory");
         goto out;
     }
