@@ -613,14 +613,12 @@ static void publish_done(pool_job *j)
 static void file_publish(hub *h, uint64_t step, const char *global_path, const char *optimizer, int bootstrap)
 {
     file_hub *fh = (file_hub *)h;
-    publish_args *a = calloc(1, sizeof(*a));
+    publish_args *a;
     dl_error e;
 
-    if (fh->publishing || fh->closing) {
-        free(a);
+    if (fh->publishing || fh->closing)
         return;
-    }
-    if (a != NULL) {
+    if ((a = calloc(1, sizeof(*a))) != NULL) {
         a->step = step;
         a->bootstrap = bootstrap;
     }
