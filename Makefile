@@ -201,7 +201,7 @@ $(FUZZ_BUILD)/fuzz-request: $(BUILD)/gen/dashboard.c
 
 # Replays the committed corpus: a regression test, part of `make check`.
 fuzz-regress: $(FUZZ_TARGETS)
-	@for t in $(FUZZ_TARGETS); do n=$${t##*/fuzz-}; \
+	@set -o pipefail; for t in $(FUZZ_TARGETS); do n=$${t##*/fuzz-}; \
 	  $$t -runs=0 tests/fuzz/corpus/$$n 2>&1 | tail -1 || exit 1; done
 
 fuzz: $(FUZZ_TARGETS)
