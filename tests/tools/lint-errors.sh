@@ -309,6 +309,17 @@ if [ "${1:-}" = --self-test ]; then
     exit 0
 fi
 
+# --write-allow: the allow list rewritten to today's findings (its comments kept), for the merge of a
+# branch that moved the lines it names; review its diff: it must only shrink, or name lines moved.
+if [ "${1:-}" = --write-allow ]; then
+    entries=$(ALLOW=/dev/null bash "$0" 2>&1 | grep -E '^[a-z]+/[^:]+:[0-9]+: ' | while IFS=: read -r f n _; do
+        printf '%s:%s\n' "$f" "$(sed -n "${n}p" "$f" | sed 's/^[[:space:]]*//')"
+    done | awk '!seen[$0]++')
+    { grep '^#' "$ALLOW"; [ -n "$entries" ] && echo "$entries"; } >"$ALLOW.new" && mv "$ALLOW.new" "$ALLOW"
+    echo "lint-errors: $ALLOW: $(grep -vc '^#' "$ALLOW") entries"
+    exit 0
+fi
+
 # The tree, or the files named.
 if [ $# -gt 0 ]; then
     files="$*"
