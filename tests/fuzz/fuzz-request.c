@@ -62,10 +62,9 @@ static void setup(void)
     D->global.single.size = 256;
     snprintf(D->global.single.etag, sizeof(D->global.single.etag), "\"s0-fuzz\"");
     D->global.available = 1;
-    D->set_nshards = 1;
-    D->set_step = -1;
+    D->layout.nshards = 1;
+    D->layout.step = -1;
     D->delta_bytes = 24;
-    D->state = S_COLLECTING;
     D->st.committed = 1;
     round_init(&D->rnd, 0, CFG.expected_nodes, NULL, 0, 1, 0);
     http_limits lim = {.max_url = 8192, .max_header_bytes = 4096, .max_headers = 50, .header_timeout = 10,
