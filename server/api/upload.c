@@ -27,6 +27,7 @@
 #include "delta_stream.h"
 #include "dl_log.h"
 #include "intake.h"
+#include "store.h"
 #include "strbuf.h"
 #include "upload_internal.h"
 #include "wbuf.h"
@@ -839,8 +840,7 @@ static void upload_start(dilocod *d, http_conn *c, http_request *req, const char
     if (u->by_path)
         snprintf(u->rel, sizeof(u->rel), "nodes/%s/delta_%" PRIu64 ".safetensors", node_id, step);
     u->ds.path = u->by_path ? u->rel : NULL;
-    if (asprintf(&tmp, "%s/cache/incoming/upload-%ld-%u", daemon_store(d)->dir, (long)getpid(), upload_next_id()) < 0)
-        tmp = NULL;
+    tmp = store_path_incoming_file(daemon_store(d)->dir, "upload-%ld-%u", (long)getpid(), upload_next_id());
     upload_stream_body(u, req, tmp);
 }
 

@@ -25,6 +25,7 @@
 #include "fsutil.h"
 #include "intake.h"
 #include "st_index.h"
+#include "store.h"
 #include "strbuf.h"
 #include "upload_internal.h"
 
@@ -201,9 +202,7 @@ static stage *stage_new(dilocod *d, const char *node_id, uint64_t local_step, ui
     snprintf(s->node_id, sizeof(s->node_id), "%s", node_id);
     s->local_step = local_step;
     s->round_step = daemon_round(d)->step;
-    if (asprintf(&s->dir, "%s/cache/incoming/set-%s-%u", daemon_store(d)->dir, node_id,
-                 upload_next_id()) < 0) {
-        s->dir = NULL;
+    if ((s->dir = store_path_incoming_file(daemon_store(d)->dir, "set-%s-%u", node_id, upload_next_id())) == NULL) {
         stage_free(s);
         return NULL;
     }

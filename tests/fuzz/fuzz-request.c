@@ -47,7 +47,7 @@ static void setup(void)
     D->cfg = &CFG;
     if (uv_loop_init(&D->loop) != 0 || store_open(&D->st, dir, "aggregator", &err) != 0)
         abort();
-    job_owner_init(&D->jobs, &D->loop, NULL);   /* an upload's header parse is a pool job */
+    job_owner_init(&D->jobs, &D->loop, NULL);   /* an upload's validation is a pool job (core/jobs.h) */
     snprintf(global, sizeof(global), "%s/aggregator/global/latest-0.safetensors", dir);
     store_commit_info info = {.step = 0, .global_path = global, .optimizer = "nesterov_sgd", .lr = 0.7,
                               .momentum = 0.9, .bootstrap = 1, .origin = "fuzz"};

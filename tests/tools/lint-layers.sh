@@ -9,7 +9,10 @@
 #   daemon_internal.h  the daemon's state (struct dilocod): the daemon's files only (api/ sees it
 #                      through daemon.h's accessors and status providers)
 #   daemon_parts.h     the calls between the daemon's files: those files only
-#   upload_internal.h  what the two files of HTTP uploads share: api/upload*.c only
+# and three of the layers' private to the files of one component:
+#   http_internal.h    net/: the server and connection structs, the calls between http.c, http_out.c, http_parse.c
+#   intake_internal.h  core/: the calls between intake.c, intake_set.c, intake_cache.c
+#   upload_internal.h  api/: the upload object, a staged set, the calls between upload.c and upload_set.c
 set -u
 cd "$(dirname "$0")/../.."
 
@@ -36,7 +39,9 @@ private_to() {  # a header private to some files of server/ -> the patterns of t
     case "$1" in
     daemon_internal.h) echo "server/daemon*" ;;
     daemon_parts.h)    echo "server/daemon*" ;;
-    upload_internal.h) echo "server/api/upload*" ;;
+    http_internal.h)   echo "server/net/http*.c" ;;
+    intake_internal.h) echo "server/core/intake*.c" ;;
+    upload_internal.h) echo "server/api/upload*.c" ;;
     *)                 echo "" ;;
     esac
 }
