@@ -110,8 +110,19 @@ static const daemon_provider process_provider = {"process", process_status, proc
 
 /* ---- the step pipeline --------------------------------------------------------------------------- */
 
-/* "pipeline": the steps in flight (and the last ones done), by step, each with its state and the
- * Unix time it entered it: what tests and operators wait on instead of files. */
+/* A record's activities in one of its sets (busy, failed): ["pass","sync"]. */
+static void activity_list(sbuf *b, const char *key, unsigned set)
+{
+    sb_printf(b, ",\"%s\":[", key);
+    for (unsigned a = 0, n = 0; a < STEP_NACTS; a++)
+        if (set & (1u << a))
+            sb_printf(b, "%s\"%s\"", n++ ? "," : "", step_activity_name((step_activity)a));
+    sb_str(b, "]");
+}
+
+/* "pipeline": the steps in flight (and the last ones done), by step, each with its state, the Unix
+ * time it entered it, what runs for it and what failed: what tests and operators wait on instead of
+ * files. */
 static void pipeline_status(const dilocod *d, sbuf *b)
 {
     sb_str(b, ",\"pipeline\":[");
@@ -120,7 +131,10 @@ static void pipeline_status(const dilocod *d, sbuf *b)
         sb_printf(b, "%s{\"step\":%" PRIu64 ",\"state\":\"%s\",\"since\":", i ? "," : "", r->step,
                   step_state_name(r->state));
         daemon_json_num(b, r->since_wall);
-        sb_printf(b, ",\"published\":%s}", r->published ? "true" : "false");
+        sb_printf(b, ",\"published\":%s,\"attempts\":%u", r->published ? "true" : "false", r->attempts);
+        activity_list(b, "busy", r->busy);
+        activity_list(b, "failed", r->failed);
+        sb_str(b, "}");
     }
     sb_str(b, "]");
 }

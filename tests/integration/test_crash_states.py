@@ -138,6 +138,7 @@ def check_step(t, oracle, step):
     rec = [r for r in d.pipeline() if r["step"] == step]
     assert rec and rec[0]["state"] == "cleaned", d.pipeline()
     assert rec[0]["published"], f"step {step} is the transport's, its pipeline record says otherwise: {d.pipeline()}"
+    assert rec[0]["busy"] == [] and rec[0]["failed"] == [], rec      # nothing runs for a cleaned step
     assert_state_equal(load_torch(d.state_dir / f"global/latest-{step}.safetensors"), oracle.state)
     assert_state_equal(load_torch(d.state_dir / f"outer_state-{step}.safetensors"), oracle.momentum())
     published_step, published_bytes = t.published()
