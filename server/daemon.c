@@ -223,8 +223,8 @@ static void signal_cb(uv_signal_t *s, int signum)
     uv_timer_stop(&d->publish_timer);
     uv_timer_stop(&d->settle_timer);
     uv_timer_stop(&d->set_timer);
-    if (d->pass != NULL && daemon__state(d) == S_AGGREGATING)
-        outer_abort(d->pass);       /* unfinished: abandoned without a trace (temporary files removed) */
+    if (d->agg.pass != NULL && daemon__state(d) == S_AGGREGATING)
+        outer_abort(d->agg.pass);       /* unfinished: abandoned without a trace (temporary files removed) */
     daemon__stop_warm(d);
     if (d->http != NULL)
         http_server_stop(d->http, http_stopped);    /* uploads in progress are dropped, nothing kept */
@@ -407,7 +407,7 @@ int daemon_run(config *cfg)
     d->adopt_refused_step = -1;
     d->layout.step = -1;
     d->layout.nshards = 1;
-    d->retry_delay = cfg->retry_interval;
+    d->agg.retry_delay = cfg->retry_interval;
     pipeline_init(&d->pipe, NULL, NULL);
     job_owner_init(&d->jobs, &d->loop, jobs_drained);
     /* the pool size is read once, at the first uv_queue_work: set it before anything queues */

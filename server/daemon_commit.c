@@ -32,16 +32,16 @@ static store_commit_info round_commit_info(const dilocod *d)
 {
     store_commit_info info = {
         .step = d->rnd.step + 1,
-        .global_path = d->pass->out_global_path,
-        .momentum_path = d->pass->out_momentum_path,
+        .global_path = d->agg.pass->out_global_path,
+        .momentum_path = d->agg.pass->out_momentum_path,
         .optimizer = config_optimizer_name(d->cfg->optimizer),
         .lr = d->cfg->lr,
         .momentum = d->cfg->momentum,
         .bootstrap = 0,
         .origin = "round",
         .round_json = d->pending_round,
-        .global_sum = &d->pass->out_global_sum,
-        .momentum_sum = d->pass->out_momentum_path != NULL ? &d->pass->out_momentum_sum : NULL,
+        .global_sum = &d->agg.pass->out_global_sum,
+        .momentum_sum = d->agg.pass->out_momentum_path != NULL ? &d->agg.pass->out_momentum_sum : NULL,
     };
     return info;
 }
@@ -70,7 +70,7 @@ static void commit_args_free(commit_args *a)
 static commit_args *commit_args_new(dilocod *d)
 {
     commit_args *a = calloc(1, sizeof(*a));
-    size_t n = d->pass_n;
+    size_t n = d->agg.n;
 
     if (a == NULL)
         return NULL;
@@ -83,12 +83,12 @@ static commit_args *commit_args_new(dilocod *d)
     a->redo.guarded = calloc(n ? n : 1, 1);
     a->redo.versions = calloc(n ? n : 1, sizeof(fsu_ident));
     a->redo.optimizer = strdup(config_optimizer_name(d->cfg->optimizer));
-    a->global_path = strdup(d->pass->out_global_path);
+    a->global_path = strdup(d->agg.pass->out_global_path);
     int bad = a->redo.deltas == NULL || a->redo.guarded == NULL || a->redo.versions == NULL ||
               a->redo.optimizer == NULL || a->global_path == NULL ||
               (d->pending_round != NULL && (a->redo.round_json = strdup(d->pending_round)) == NULL);
     for (size_t i = 0; !bad && i < n; i++) {
-        bad = (a->redo.deltas[i] = strdup(d->pass_paths[i])) == NULL;
+        bad = (a->redo.deltas[i] = strdup(d->agg.paths[i])) == NULL;
         if (i < d->rnd.n) {     /* the versions of linked deltas, as the pass aggregated them */
             a->redo.guarded[i] = (unsigned char)d->rnd.entries[i].guarded;
             a->redo.versions[i] = d->rnd.entries[i].ident;
@@ -270,8 +270,8 @@ static void start_settle(dilocod *d, uint64_t step)
 {
     settle_args *a = calloc(1, sizeof(*a));
 
-    if (a == NULL || (a->global_path = strdup(d->pass->out_global_path)) == NULL ||
-        (d->pass->out_momentum_path != NULL && (a->momentum_path = strdup(d->pass->out_momentum_path)) == NULL) ||
+    if (a == NULL || (a->global_path = strdup(d->agg.pass->out_global_path)) == NULL ||
+        (d->agg.pass->out_momentum_path != NULL && (a->momentum_path = strdup(d->agg.pass->out_momentum_path)) == NULL) ||
         (d->pending_round != NULL && (a->round_json = strdup(d->pending_round)) == NULL)) {
         daemon__settle_free(a);
         /* the redo record is durable: a restart settles the step; stop rather than run unsettled */
@@ -281,8 +281,8 @@ static void start_settle(dilocod *d, uint64_t step)
         return;
     }
     a->step = step;
-    a->global_sum = d->pass->out_global_sum;
-    a->momentum_sum = d->pass->out_momentum_sum;
+    a->global_sum = d->agg.pass->out_global_sum;
+    a->momentum_sum = d->agg.pass->out_momentum_sum;
     a->rels = d->round_rels;
     a->nrels = d->nround_rels;
     d->round_rels = NULL;
@@ -316,30 +316,30 @@ void daemon__release_settle(dilocod *d)
  * line, ready for outer_metadata.json and rounds.jsonl. */
 int daemon__prepare_round_record(dilocod *d, double seconds)
 {
-    outer_pass *p = d->pass;
+    outer_pass *p = d->agg.pass;
     round_record *r = &d->pending_record;
     double mean_norm = sqrt(p->mean_sumsq);
     sbuf b = {0};
 
     for (size_t k = 0; k < p->ndeltas; k++) {
         double norm = sqrt(p->stats[k].sumsq);
-        d->pass_nodes[k].norm = norm;
-        d->pass_nodes[k].cosine = norm > 0 && mean_norm > 0 ? p->stats[k].dot / (norm * mean_norm) : 0.0;
+        d->agg.nodes[k].norm = norm;
+        d->agg.nodes[k].cosine = norm > 0 && mean_norm > 0 ? p->stats[k].dot / (norm * mean_norm) : 0.0;
     }
     history_record_free(r);
     memset(r, 0, sizeof(*r));
     r->step = d->rnd.step;
-    snprintf(r->reason, sizeof(r->reason), "%s", d->pass_reason);
+    snprintf(r->reason, sizeof(r->reason), "%s", d->agg.reason);
     r->seconds = seconds;
     r->bytes = p->bytes_total;
     r->gbps = seconds > 0 ? (double)p->bytes_total / seconds / 1e9 : 0;
     r->mean_norm = mean_norm;
     r->closed_at = time(NULL);
-    if (d->pass_n > 0 && (r->nodes = malloc(d->pass_n * sizeof(*r->nodes))) == NULL)
+    if (d->agg.n > 0 && (r->nodes = malloc(d->agg.n * sizeof(*r->nodes))) == NULL)
         return -ENOMEM;
-    if (d->pass_n > 0)
-        memcpy(r->nodes, d->pass_nodes, d->pass_n * sizeof(*r->nodes));
-    r->n = d->pass_n;
+    if (d->agg.n > 0)
+        memcpy(r->nodes, d->agg.nodes, d->agg.n * sizeof(*r->nodes));
+    r->n = d->agg.n;
     history_record_json(&b, r);
     sb_add(&b, "\n", 1);
     free(d->pending_round);

@@ -375,8 +375,8 @@ void daemon__maybe_close_round(dilocod *d)
     uv_timer_stop(&d->round_timer);
     dl_log(DL_LOG_INFO, "round", "closed", "step=%" PRIu64 " nodes=%zu expected=%u reason=%s", d->rnd.step, d->rnd.n,
            d->cfg->expected_nodes, round_close_reason_name(why));
-    snprintf(d->pass_reason, sizeof(d->pass_reason), "%s", round_close_reason_name(why));
-    d->retry_delay = d->cfg->retry_interval;
+    snprintf(d->agg.reason, sizeof(d->agg.reason), "%s", round_close_reason_name(why));
+    d->agg.retry_delay = d->cfg->retry_interval;
     daemon__start_aggregation(d);
 }
 

@@ -37,6 +37,24 @@ typedef enum dstate { S_WAITING_GLOBAL, S_COLLECTING, S_AGGREGATING, S_RETRY_WAI
 
 /* Each file of the daemon owns a part of its state (the other files call that file's functions). */
 
+/* daemon_pass.c: the pass of the closing round and its retries.  The pass jobs get `pass` as their
+ * argument (it stays until the pass is released, and the loop does not touch it while they run). */
+typedef struct daemon_aggregation {
+    outer_pass *pass;
+    char **paths;
+    node_stat *nodes;
+    uint64_t *sums;             /* [n]: the checksums intake validated (linked deltas), where summed */
+    unsigned char *summed;
+    size_t n;
+    int jobs;                   /* run jobs still out */
+    atomic_int *writeback_stop; /* the new global's write-back job (set to 1 to stop it), NULL when none */
+    double started;
+    double retry_delay;
+    uint64_t last_bytes;        /* progress: bytes and time at the last report */
+    double last_time;
+    char reason[16];            /* why the round closed */
+} daemon_aggregation;
+
 /* daemon_intake.c: what waits for an intake job (at most MAX_INTAKE_IN_FLIGHT run). */
 typedef struct daemon_intake_queue {
     intake_req **queue;
@@ -97,21 +115,8 @@ typedef struct dilocod {
 
     daemon_intake_queue intake; /* daemon_intake.c */
 
-    /* aggregation */
-    outer_pass *pass;
-    char **pass_paths;
-    node_stat *pass_nodes;
-    uint64_t *pass_sums;        /* [pass_n]: the checksums intake validated (linked deltas), where pass_summed */
-    unsigned char *pass_summed;
-    size_t pass_n;
-    int pass_jobs;              /* run jobs still out */
-    atomic_int *writeback_stop; /* the new global's write-back job (set to 1 to stop it), NULL when none */
+    daemon_aggregation agg;     /* daemon_pass.c */
     daemon_warm warm;           /* daemon_pass.c */
-    double pass_started;
-    double retry_delay;
-    uint64_t pass_last_bytes;
-    double pass_last_time;
-    char pass_reason[16];
 
     /* publish */
     int64_t published_step;     /* -1: nothing published by us or unknown */

@@ -45,21 +45,21 @@ void daemon__pass_release(dilocod *d)
         pipeline_end(&d->pipe, d->rnd.step + 1, STEP_ACT_PASS, 0);     /* given up before its outputs */
     stop_writeback(d);
     daemon__drop_warm(d, d->warm.given);         /* taken over by the pass's writers (gone already), or unused */
-    if (d->pass != NULL) {
-        outer_free(d->pass);
-        free((void *)d->pass->out_global_path);
-        free((void *)d->pass->out_momentum_path);
-        free(d->pass);
-        d->pass = NULL;
+    if (d->agg.pass != NULL) {
+        outer_free(d->agg.pass);
+        free((void *)d->agg.pass->out_global_path);
+        free((void *)d->agg.pass->out_momentum_path);
+        free(d->agg.pass);
+        d->agg.pass = NULL;
     }
-    free(d->pass_paths);
-    d->pass_paths = NULL;
-    free(d->pass_nodes);
-    d->pass_nodes = NULL;
-    free(d->pass_sums);
-    d->pass_sums = NULL;
-    free(d->pass_summed);
-    d->pass_summed = NULL;
+    free(d->agg.paths);
+    d->agg.paths = NULL;
+    free(d->agg.nodes);
+    d->agg.nodes = NULL;
+    free(d->agg.sums);
+    d->agg.sums = NULL;
+    free(d->agg.summed);
+    d->agg.summed = NULL;
     free(d->pending_round);
     d->pending_round = NULL;
     history_record_free(&d->pending_record);
@@ -80,14 +80,14 @@ void daemon__aggregation_failed(dilocod *d, const dl_error *err)
     if (d->stopping)
         return;
     pipeline_move(&d->pipe, d->rnd.step + 1, STEP_RETRY_WAIT);
-    dl_log(DL_LOG_WARN, "aggregate", "will retry", "step=%" PRIu64 " in_seconds=%.1f", d->rnd.step, d->retry_delay);
-    uv_timer_start(&d->retry_timer, retry_cb, (uint64_t)(d->retry_delay * 1000), 0);
-    d->retry_delay = fmin(d->retry_delay * 2, MAX_RETRY_SECONDS);
+    dl_log(DL_LOG_WARN, "aggregate", "will retry", "step=%" PRIu64 " in_seconds=%.1f", d->rnd.step, d->agg.retry_delay);
+    uv_timer_start(&d->retry_timer, retry_cb, (uint64_t)(d->agg.retry_delay * 1000), 0);
+    d->agg.retry_delay = fmin(d->agg.retry_delay * 2, MAX_RETRY_SECONDS);
 }
 
 static void finish_work(job *j)
 {
-    j->rc = outer_finish(daemon__of_job(j)->pass, &j->err);
+    j->rc = outer_finish(j->arg, &j->err);
 }
 
 /* The pass read bytes other than the ones validated or committed (outer_finish: checksum_mismatch).  A
@@ -96,7 +96,7 @@ static void finish_work(job *j)
  * made good again, so the daemon stops (exit 1) rather than make a step from it. */
 static void inputs_changed(dilocod *d, const dl_error *err)
 {
-    outer_pass *p = d->pass;
+    outer_pass *p = d->agg.pass;
     char qn[160];
     size_t dropped = 0;
 
@@ -115,14 +115,14 @@ static void inputs_changed(dilocod *d, const dl_error *err)
         return;
     }
     daemon__log_error("aggregate", "a linked delta's content changed after it was validated", err);
-    for (size_t i = 0; i < d->pass_n && i < p->ndeltas; i++) {
+    for (size_t i = 0; i < d->agg.n && i < p->ndeltas; i++) {
         char *path;
         if (!outer_input_changed(p, i))
             continue;
         dl_log(DL_LOG_WARN, "round", "delta rewritten in place after it was taken in (checksum): dropped, it is "
                "taken in again", "step=%" PRIu64 " node=%s", d->rnd.step,
-               dl_log_q(qn, sizeof(qn), d->pass_nodes[i].node_id));
-        if (round_drop(&d->rnd, d->pass_nodes[i].node_id, &path) == 0) {
+               dl_log_q(qn, sizeof(qn), d->agg.nodes[i].node_id));
+        if (round_drop(&d->rnd, d->agg.nodes[i].node_id, &path) == 0) {
             daemon__discard_local(d, path, 0);
             free(path);
             d->m.deltas_rewritten++;
@@ -149,8 +149,8 @@ static void finish_done(job *j)
         return;
     }
     dl_log(DL_LOG_DEBUG, "aggregate", "files written", "step=%" PRIu64 " seconds=%.3f", d->rnd.step + 1,
-           daemon__clock() - d->pass_started);
-    if (daemon__prepare_round_record(d, daemon__clock() - d->pass_started) != 0) {
+           daemon__clock() - d->agg.started);
+    if (daemon__prepare_round_record(d, daemon__clock() - d->agg.started) != 0) {
         dl_error e;
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory for the round's record");
         daemon__aggregation_failed(d, &e);
@@ -163,7 +163,7 @@ static void finish_done(job *j)
 
 static void run_work(job *j)
 {
-    outer_run(daemon__of_job(j)->pass);
+    outer_run(j->arg);
 }
 
 /* Ends the pass on the pool (commit, or release of what was opened).  If the pool cannot take the
@@ -173,10 +173,10 @@ static void queue_finish(dilocod *d)
 {
     dl_error e;
 
-    if (daemon__queue(d, finish_work, finish_done, NULL) == 0)
+    if (daemon__queue(d, finish_work, finish_done, d->agg.pass) == 0)
         return;
-    outer_abort(d->pass);
-    outer_finish(d->pass, &e);
+    outer_abort(d->agg.pass);
+    outer_finish(d->agg.pass, &e);
     dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot queue the end of the outer step");
     daemon__aggregation_failed(d, &e);
 }
@@ -185,11 +185,11 @@ static void run_done(job *j)
 {
     dilocod *d = daemon__of_job(j);
 
-    if (--d->pass_jobs > 0)
+    if (--d->agg.jobs > 0)
         return;
     stop_writeback(d);
     dl_log(DL_LOG_DEBUG, "aggregate", "computed", "step=%" PRIu64 " seconds=%.3f", d->rnd.step + 1,
-           daemon__clock() - d->pass_started);
+           daemon__clock() - d->agg.started);
     queue_finish(d);
 }
 
@@ -221,7 +221,7 @@ static void writeback_done(job *j)
 
 static void start_writeback(dilocod *d)
 {
-    int fd = outer_global_fd(d->pass);
+    int fd = outer_global_fd(d->agg.pass);
     writeback_args *a;
 
     if (fd < 0 || (fd = fcntl(fd, F_DUPFD_CLOEXEC, 0)) < 0)
@@ -236,14 +236,14 @@ static void start_writeback(dilocod *d)
         close(fd);
         return;
     }
-    d->writeback_stop = &a->stop;
+    d->agg.writeback_stop = &a->stop;
 }
 
 static void stop_writeback(dilocod *d)
 {
-    if (d->writeback_stop != NULL)
-        atomic_store(d->writeback_stop, 1);    /* the job frees it when it ends */
-    d->writeback_stop = NULL;
+    if (d->agg.writeback_stop != NULL)
+        atomic_store(d->agg.writeback_stop, 1);    /* the job frees it when it ends */
+    d->agg.writeback_stop = NULL;
 }
 
 /* ---- the next pass's output pages, made while its round collects -------------------------------
@@ -458,15 +458,15 @@ static void take_warm(dilocod *d)
             d->warm.tmp[i] = NULL;
         }
     }
-    d->pass->warm_global_tmp = d->warm.given[0];
-    d->pass->warm_momentum_tmp = d->warm.given[1];
+    d->agg.pass->warm_global_tmp = d->warm.given[0];
+    d->agg.pass->warm_momentum_tmp = d->warm.given[1];
 }
 
 /* ---- the pass on the pool: prepared, run by every thread, its progress --------------------------- */
 
 static void prepare_work(job *j)
 {
-    j->rc = outer_prepare(daemon__of_job(j)->pass, &j->err);
+    j->rc = outer_prepare(j->arg, &j->err);
 }
 
 static void prepare_done(job *j)
@@ -475,19 +475,19 @@ static void prepare_done(job *j)
 
     if (j->rc != 0 || d->stopping) {
         if (j->rc == 0)
-            outer_abort(d->pass);
+            outer_abort(d->agg.pass);
         queue_finish(d);        /* releases what prepare opened */
         return;
     }
     dl_log(DL_LOG_DEBUG, "aggregate", "prepared", "step=%" PRIu64 " seconds=%.3f items=%zu chunk_elems=%" PRIu64,
-           d->rnd.step + 1, daemon__clock() - d->pass_started, d->pass->nitems, d->pass->chunk_elems);
-    d->pass_jobs = 0;
+           d->rnd.step + 1, daemon__clock() - d->agg.started, d->agg.pass->nitems, d->agg.pass->chunk_elems);
+    d->agg.jobs = 0;
     for (unsigned i = 0; i < d->cfg->threads; i++) {
-        if (daemon__queue(d, run_work, run_done, NULL) == 0)
-            d->pass_jobs++;
+        if (daemon__queue(d, run_work, run_done, d->agg.pass) == 0)
+            d->agg.jobs++;
     }
-    if (d->pass_jobs == 0) {
-        outer_abort(d->pass);
+    if (d->agg.jobs == 0) {
+        outer_abort(d->agg.pass);
         queue_finish(d);
         return;
     }
@@ -497,15 +497,15 @@ static void prepare_done(job *j)
 static void progress_cb(uv_timer_t *t)
 {
     dilocod *d = container_of(t, dilocod, progress_timer);
-    if (d->pass == NULL || d->pass->bytes_total == 0)
+    if (d->agg.pass == NULL || d->agg.pass->bytes_total == 0)
         return;
-    uint64_t done = atomic_load(&d->pass->bytes_done);
+    uint64_t done = atomic_load(&d->agg.pass->bytes_done);
     double now = daemon__clock();
-    double rate = now > d->pass_last_time ? (double)(done - d->pass_last_bytes) / (now - d->pass_last_time) : 0;
-    d->pass_last_bytes = done;
-    d->pass_last_time = now;
+    double rate = now > d->agg.last_time ? (double)(done - d->agg.last_bytes) / (now - d->agg.last_time) : 0;
+    d->agg.last_bytes = done;
+    d->agg.last_time = now;
     dl_log(DL_LOG_INFO, "aggregate", "progress", "step=%" PRIu64 " percent=%.1f gbps=%.2f", d->rnd.step + 1,
-           100.0 * (double)done / (double)d->pass->bytes_total, rate / 1e9);
+           100.0 * (double)done / (double)d->agg.pass->bytes_total, rate / 1e9);
 }
 
 /* The pass of step new_step from the committed step's files: the same settings for a round and for
@@ -730,44 +730,44 @@ void daemon__start_aggregation(dilocod *d)
     static char step_text[24];
     dl_error e;
 
-    d->pass_paths = calloc(n, sizeof(*d->pass_paths));
-    d->pass_nodes = calloc(n, sizeof(*d->pass_nodes));
-    d->pass_sums = calloc(n, sizeof(*d->pass_sums));
-    d->pass_summed = calloc(n, sizeof(*d->pass_summed));
-    if (p == NULL || d->pass_paths == NULL || d->pass_nodes == NULL || d->pass_sums == NULL ||
-        d->pass_summed == NULL) {
+    d->agg.paths = calloc(n, sizeof(*d->agg.paths));
+    d->agg.nodes = calloc(n, sizeof(*d->agg.nodes));
+    d->agg.sums = calloc(n, sizeof(*d->agg.sums));
+    d->agg.summed = calloc(n, sizeof(*d->agg.summed));
+    if (p == NULL || d->agg.paths == NULL || d->agg.nodes == NULL || d->agg.sums == NULL ||
+        d->agg.summed == NULL) {
         free(p);
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory");
         daemon__aggregation_failed(d, &e);
         return;
     }
     for (size_t i = 0; i < n; i++) {
-        d->pass_paths[i] = d->rnd.entries[i].path;
-        memcpy(d->pass_nodes[i].node_id, d->rnd.entries[i].node_id, sizeof(d->pass_nodes[i].node_id));
-        d->pass_nodes[i].local_step = d->rnd.entries[i].local_step;
-        d->pass_nodes[i].bytes = d->rnd.entries[i].size;
+        d->agg.paths[i] = d->rnd.entries[i].path;
+        memcpy(d->agg.nodes[i].node_id, d->rnd.entries[i].node_id, sizeof(d->agg.nodes[i].node_id));
+        d->agg.nodes[i].local_step = d->rnd.entries[i].local_step;
+        d->agg.nodes[i].bytes = d->rnd.entries[i].size;
         /* a linked delta is its writer's file: the pass verifies the bytes intake validated */
-        d->pass_summed[i] = d->rnd.entries[i].guarded && d->rnd.entries[i].ident.has_sum;
-        d->pass_sums[i] = d->rnd.entries[i].ident.sum;
+        d->agg.summed[i] = d->rnd.entries[i].guarded && d->rnd.entries[i].ident.has_sum;
+        d->agg.sums[i] = d->rnd.entries[i].ident.sum;
     }
     int rc = daemon__setup_pass(d, p, d->rnd.step + 1, config_optimizer_name(d->cfg->optimizer), d->cfg->lr,
                         d->cfg->momentum, meta, step_text, sizeof(step_text));
-    p->delta_paths = (const char *const *)d->pass_paths;
+    p->delta_paths = (const char *const *)d->agg.paths;
     p->ndeltas = n;
-    p->delta_sums = d->pass_sums;
-    p->delta_summed = d->pass_summed;
+    p->delta_sums = d->agg.sums;
+    p->delta_summed = d->agg.summed;
     /* durability comes after the commit point (the redo record): off the critical path */
     p->defer_sync = 1;
-    d->pass = p;
-    d->pass_n = n;
-    d->pass_started = daemon__clock();
-    d->pass_last_bytes = 0;
-    d->pass_last_time = d->pass_started;
+    d->agg.pass = p;
+    d->agg.n = n;
+    d->agg.started = daemon__clock();
+    d->agg.last_bytes = 0;
+    d->agg.last_time = d->agg.started;
     if (rc == 0)
         take_warm(d);
     /* an earlier attempt's sync still out syncs again when done: it sees this attempt (sync_inputs_done) */
     if (rc != 0 || (!pipeline_busy(&d->pipe, d->rnd.step + 1, STEP_ACT_SYNC) && start_sync_inputs(d) != 0) ||
-        daemon__queue(d, prepare_work, prepare_done, NULL) != 0) {
+        daemon__queue(d, prepare_work, prepare_done, d->agg.pass) != 0) {
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot start the aggregation");
         daemon__aggregation_failed(d, &e);
         return;

@@ -213,16 +213,16 @@ static const daemon_provider round_provider = {"round", round_status, round_metr
 /* The aggregation in progress. */
 static void pass_status(const dilocod *d, sbuf *b)
 {
-    if (d->pass == NULL || d->pass->bytes_total == 0) {
+    if (d->agg.pass == NULL || d->agg.pass->bytes_total == 0) {
         sb_str(b, ",\"aggregation\":null");
         return;
     }
-    uint64_t done = atomic_load(&d->pass->bytes_done);
+    uint64_t done = atomic_load(&d->agg.pass->bytes_done);
     sb_str(b, ",\"aggregation\":{\"percent\":");
-    daemon_json_num(b, 100.0 * (double)done / (double)d->pass->bytes_total);
+    daemon_json_num(b, 100.0 * (double)done / (double)d->agg.pass->bytes_total);
     sb_str(b, ",\"seconds\":");
-    daemon_json_num(b, daemon__clock() - d->pass_started);
-    sb_printf(b, ",\"nodes\":%zu}", d->pass_n);
+    daemon_json_num(b, daemon__clock() - d->agg.started);
+    sb_printf(b, ",\"nodes\":%zu}", d->agg.n);
 }
 
 static const daemon_provider pass_provider = {"pass", pass_status, NULL};
