@@ -34,6 +34,8 @@ private_to() {  # a header private to some files of server/ -> the patterns of t
     case "$1" in
     daemon_internal.h) echo "server/daemon* server/api/*" ;;
     daemon_parts.h)    echo "server/daemon*" ;;
+    hub_hf_internal.h) echo "server/hub/hub_hf.c server/hub/hub_hf_publish.c" ;;
+    hub_s3_internal.h) echo "server/hub/hub_s3.c server/hub/hub_s3_publish.c" ;;
     *)                 echo "" ;;
     esac
 }
