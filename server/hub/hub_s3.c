@@ -21,7 +21,7 @@
  * single file; the shards listed next to it (same node and step) version the set (a hash of every
  * key, ETag and size).  The index is read whole (at most ST_INDEX_MAX_BYTES, If-Match) and parsed
  * (it stands in for the peek); when every shard it lists is listed, each is downloaded like a single
- * delta into cache/incoming/s3-<index>-<version>.set/, and the set is handed over at its index's
+ * delta into cache/incoming/s3-<version>.set/, and the set is handed over at its index's
  * path.  A partial set waits for a listing with another version.  A sharded global is adopted the
  * same way.
  *

@@ -10,6 +10,30 @@
  * A transport supplies a small table (remote_ops): its credentials for each attempt (a bearer
  * token, a SigV4 signature), how it words a failed answer, optionally its own judgment of an answer
  * before the policy (hf://: access problems), and how to call a request's callback as it typed it.
+ * A request held by remote_fetch.c ends through remote_go_done instead, and every request, and every
+ * seen append, holds a reference (remote_refs) for a close that completes when the last one drops.
+ *
+ * The fetch pipeline built on these (remote_fetch.h) is the one both transports run.  Where their two
+ * copies had drifted, one behaviour now holds for both:
+ *   - candidates are taken first in, first out (hf:// took the newest first);
+ *   - a peek asks for at most the listed size (s3:// asked for 64 KiB whatever the size), and a peek
+ *     that cannot be sent gives the candidate up for the run (hf:// left it pending);
+ *   - a part file complete before a restart asks for its last byte again, under the transport's
+ *     conditions (hf:// got a 416 and started over), and a resumed download is logged on both;
+ *   - a failed download or index read is recorded in words ("GET <key>: HTTP 404"; hf:// recorded
+ *     only the retried ones), and a download that does not match the listing is logged at warn level
+ *     and recorded once per change (hf:// wrote last_error without its log line);
+ *   - a verify cut short by a stop keeps the file for the next start (hf:// removed it);
+ *   - an answer 412 to a GET means the object changed since the listing: dropped for the run, the
+ *     next listing has the new version (s3://'s If-Match; the Hub never answers one);
+ *   - an index is read with two attempts, capped at its listed size (s3:// took three, capped at the
+ *     index cap);
+ *   - a set's directory is cache/incoming/<hf-|s3->[global-]<set version>.set on both (s3:// named it
+ *     after the index's key);
+ *   - a given-up adoption lists again at the next poll (hf:// cleared its head; s3:// has none);
+ *   - downloads and download_bytes are counted on both;
+ *   - the close is a reference count on both, no polling timer.
+ * Logs name a candidate by its key as the transport lists it ("path=" on hf://, "key=" on s3://).
  * Everything here runs on the loop thread. */
 #ifndef REMOTE_H
 #define REMOTE_H
