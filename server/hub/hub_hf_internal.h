@@ -11,6 +11,7 @@
 
 #include "curl_uv.h"
 #include "hub.h"
+#include "hub_set.h"
 #include "remote.h"
 #include "remote_fetch.h"
 #include "st_index.h"
@@ -24,11 +25,8 @@ typedef struct hf_hub hf_hub;
 typedef remote_req hf_req;         /* remote.h: the retrying request */
 typedef void (*hf_req_cb)(hf_hub *h, hf_req *r, int ok);
 
+/* What a publish learns of each of its files (pub_state.io[i] is the file itself). */
 typedef struct pub_file {
-    char rel[ST_INDEX_BASE_MAX + 64];   /* global/<name> */
-    char *path;
-    int fd;
-    uint64_t size;
     char sha256[65];
     char sample_b64[700];
     char *content;              /* an index's bytes, for the commit when the Hub wants it inline */
@@ -40,7 +38,8 @@ typedef struct pub_state {
     int active;
     uint64_t step;
     int sharded;
-    pub_file *files;            /* the shards, then the index (or the one file) */
+    hub_pub_file *io;           /* the shards, then the index (or the one file), open (hub_set_publish_open) */
+    pub_file *files;            /* what is learnt of each (io[i]'s) */
     unsigned nfiles, cur;       /* cur: the LFS upload in progress */
     char **deletes;             /* the other layout's files on the Hub, deleted in the commit */
     size_t ndeletes;

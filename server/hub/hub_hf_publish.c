@@ -47,16 +47,14 @@ typedef struct hash_job {
 
 /* sha256, size and the preupload sample of one file (read through its descriptor: the step's
  * file may be unlinked by a later cleanup), and an index's bytes.  0 or -1. */
-static int pub_hash_file(pub_file *f, int is_index)
+static int pub_hash_file(const hub_pub_file *io, pub_file *f, int is_index)
 {
-    struct stat sb;
     unsigned char sample[512];
     sbuf s = {0};
 
-    if (fstat(f->fd, &sb) != 0 || hf_sha256_file(f->path, f->sha256, sizeof(f->sha256)) != 0)
+    if (hf_sha256_file(io->path, f->sha256, sizeof(f->sha256)) != 0)
         return -1;
-    f->size = (uint64_t)sb.st_size;
-    ssize_t n = pread(f->fd, sample, sizeof(sample), 0);
+    ssize_t n = pread(io->fd, sample, sizeof(sample), 0);
     if (n < 0)
         return -1;
     b64(&s, sample, (size_t)n);
@@ -66,10 +64,10 @@ static int pub_hash_file(pub_file *f, int is_index)
     snprintf(f->sample_b64, sizeof(f->sample_b64), "%s", t);
     free(t);
     if (is_index) {
-        if (f->size > ST_INDEX_MAX_BYTES || (f->content = malloc(f->size ? f->size : 1)) == NULL ||
-            fsu_pread_all(f->fd, f->content, f->size, 0) != 0)
+        if (io->size > ST_INDEX_MAX_BYTES || (f->content = malloc(io->size ? io->size : 1)) == NULL ||
+            fsu_pread_all(io->fd, f->content, io->size, 0) != 0)
             return -1;
-        f->content_len = f->size;
+        f->content_len = io->size;
     }
     return 0;
 }
@@ -80,7 +78,7 @@ static void pub_hash_work(pool_job *pj)
     pub_state *p = &j->h->pub;
 
     for (unsigned i = 0; i < p->nfiles; i++)
-        if (pub_hash_file(&p->files[i], p->sharded && i == p->nfiles - 1) != 0)
+        if (pub_hash_file(&p->io[i], &p->files[i], p->sharded && i == p->nfiles - 1) != 0)
             return;
     j->ok = 1;
 }
@@ -156,12 +154,12 @@ static void pub_commit(hf_hub *h)
             snprintf(line, sizeof(line),
                      "{\"key\":\"lfsFile\",\"value\":{\"path\":\"%s\",\"algo\":\"sha256\","
                      "\"oid\":\"%s\",\"size\":%" PRIu64 "}}\n",
-                     f->rel, f->sha256, f->size);
+                     p->io[i].rel, f->sha256, p->io[i].size);
             sb_str(&b, line);
         } else {
             sb_str(&b, "{\"key\":\"file\",\"value\":{\"content\":\"");
             b64(&b, (const unsigned char *)f->content, f->content_len);
-            snprintf(line, sizeof(line), "\",\"path\":\"%s\",\"encoding\":\"base64\"}}\n", f->rel);
+            snprintf(line, sizeof(line), "\",\"path\":\"%s\",\"encoding\":\"base64\"}}\n", p->io[i].rel);
             sb_str(&b, line);
         }
     }
@@ -412,14 +410,14 @@ static void preupload_done(hf_hub *h, hf_req *r, int ok)
         const char *path = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(f, "path"));
         const char *mode = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(f, "uploadMode"));
         for (unsigned i = 0; path && mode && i < p->nfiles; i++)
-            if (strcmp(path, p->files[i].rel) == 0)
+            if (strcmp(path, p->io[i].rel) == 0)
                 p->files[i].lfs = strcmp(mode, "lfs") == 0;
     }
     cJSON_Delete(j);
     for (unsigned i = 0; i < p->nfiles; i++) {
         if (!p->files[i].lfs && p->files[i].content == NULL) {
             /* a regular file would travel inline, base64 in the commit: only sane for small files */
-            set_error(h, "the Hub wants %s as a regular file: not supported, use LFS", p->files[i].rel);
+            set_error(h, "the Hub wants %s as a regular file: not supported, use LFS", p->io[i].rel);
             hf_pub_finish(h, 0);
             return;
         }
@@ -440,8 +438,8 @@ static void pub_batch(hf_hub *h)
         pub_commit(h);
         return;
     }
-    p->fd = p->files[p->cur].fd;
-    p->size = p->files[p->cur].size;
+    p->fd = p->io[p->cur].fd;
+    p->size = p->io[p->cur].size;
     memcpy(p->sha256, p->files[p->cur].sha256, sizeof(p->sha256));
     sbuf b = {0};
     char head[512], *body, *url = NULL;
@@ -490,10 +488,10 @@ static void pub_preupload(hf_hub *h)
     ssample = sb_take(&s);
     sb_str(&b, "{\"files\":[");
     for (unsigned i = 0; i < p->nfiles; i++) {
-        snprintf(part, sizeof(part), "{\"path\":\"%s\",\"sample\":\"", p->files[i].rel);
+        snprintf(part, sizeof(part), "{\"path\":\"%s\",\"sample\":\"", p->io[i].rel);
         sb_str(&b, part);
         sb_str(&b, p->files[i].sample_b64);
-        snprintf(part, sizeof(part), "\",\"size\":%" PRIu64 "},", p->files[i].size);
+        snprintf(part, sizeof(part), "\",\"size\":%" PRIu64 "},", p->io[i].size);
         sb_str(&b, part);
     }
     sb_str(&b, "{\"path\":\"global/step_count.json\",\"sample\":\"");
@@ -660,13 +658,10 @@ void hf_pub_finish(hf_hub *h, int ok)
     pub_state *p = &h->pub;
     uint64_t step = p->step;
 
-    for (unsigned i = 0; p->files && i < p->nfiles; i++) {
-        if (p->files[i].fd >= 0)
-            close(p->files[i].fd);
-        free(p->files[i].path);
+    for (unsigned i = 0; p->files && i < p->nfiles; i++)
         free(p->files[i].content);
-    }
     free(p->files);
+    hub_set_publish_close(p->io, p->nfiles);
     pub_deletes_free(p);
     p->fd = -1;
     free(p->path);
@@ -686,72 +681,19 @@ void hf_pub_finish(hf_hub *h, int ok)
         h->cb.publish_done(h->app, step, ok ? NULL : h->st.last_error[0] ? h->st.last_error : "the Hub commit failed");
 }
 
-/* Opens one file of the publish (the descriptor keeps the step's file readable even if a later
- * cleanup unlinks it).  0 or -1 with errno. */
-static int pub_open_file(pub_file *f, const char *path, const char *name)
-{
-    snprintf(f->rel, sizeof(f->rel), "global/%s", name);
-    if ((f->path = strdup(path)) == NULL)
-        return -1;
-    f->fd = open(path, O_RDONLY | O_CLOEXEC);
-    return f->fd < 0 ? -1 : 0;
-}
-
-/* The files of a publish: global_path alone, or the shards its index lists (in the index's
- * directory) and the index last.  0, or -1 with the reason set. */
+/* The files of a publish (hub_set_publish_open).  0, or -1 with the reason set. */
 static int pub_open_files(hf_hub *h, pub_state *p, const char *global_path)
 {
-    st_index *ix = NULL;
     dl_error err = {0};
-    char path[4096], name[ST_INDEX_BASE_MAX + 48];
-    int rc = -1;
 
     p->sharded = st_index_is_index_path(global_path);
-    if (!p->sharded) {
-        if ((p->files = calloc(1, sizeof(*p->files))) == NULL)
-            return -1;
-        p->nfiles = 1;
-        p->files[0].fd = -1;
-        if (pub_open_file(&p->files[0], global_path, "latest.safetensors") != 0) {
-            set_error(h, "publishing step %" PRIu64 ": cannot read %s: %s", p->step, global_path, strerror(errno));
-            return -1;
-        }
-        return 0;
-    }
-    if (st_index_load(global_path, &ix, &err) != 0) {
+    if (hub_set_publish_open(global_path, &p->io, &p->nfiles, &err) != 0) {
         set_error(h, "publishing step %" PRIu64 ": %s", p->step, err.message);
         return -1;
     }
-    if (strcmp(ix->base, "latest") != 0) {
-        set_error(h, "publishing step %" PRIu64 ": a global's index is latest%s", p->step, ST_INDEX_SUFFIX);
-        goto out;
-    }
-    const char *slash = strrchr(global_path, '/');
-    int dlen = slash ? (int)(slash - global_path) : 1;
-    const char *dir = slash ? global_path : ".";
-    if ((p->files = calloc((size_t)ix->nshards + 1, sizeof(*p->files))) == NULL)
-        goto out;
-    p->nfiles = ix->nshards + 1;
-    for (unsigned i = 0; i < p->nfiles; i++)
-        p->files[i].fd = -1;
-    for (uint32_t i = 0; i <= ix->nshards; i++) {
-        if (i < ix->nshards) {
-            if (st_index_shard_name(ix->base, i, ix->nshards, name, sizeof(name)) != 0 ||
-                snprintf(path, sizeof(path), "%.*s/%s", dlen, dir, name) >= (int)sizeof(path))
-                goto out;
-        } else {
-            snprintf(name, sizeof(name), "latest%s", ST_INDEX_SUFFIX);
-            snprintf(path, sizeof(path), "%s", global_path);
-        }
-        if (pub_open_file(&p->files[i], path, name) != 0) {
-            set_error(h, "publishing step %" PRIu64 ": cannot read %.300s: %s", p->step, path, strerror(errno));
-            goto out;
-        }
-    }
-    rc = 0;
-out:
-    st_index_free(ix);
-    return rc;
+    if ((p->files = calloc(p->nfiles, sizeof(*p->files))) == NULL)
+        return -1;
+    return 0;
 }
 
 void hf_publish(hub *base, uint64_t step, const char *global_path, const char *optimizer, int bootstrap)

@@ -12,6 +12,7 @@
 #include "delta.h"
 #include "hub.h"
 #include "hub_s3.h"
+#include "hub_set.h"
 #include "remote.h"
 #include "remote_fetch.h"
 #include "st_index.h"
@@ -25,11 +26,7 @@ typedef remote_req s3_req;         /* remote.h: the retrying request */
 typedef void (*s3_req_cb)(s3_hub *h, s3_req *r, int ok);
 
 /* One object of a publish: the plain global, or a shard or the index of a sharded one. */
-typedef struct pub_file {
-    char rel[ST_INDEX_BASE_MAX + 64];   /* global/<name> */
-    int fd;
-    uint64_t size;
-} pub_file;
+typedef hub_pub_file pub_file;
 
 typedef struct pub_state {
     int active;

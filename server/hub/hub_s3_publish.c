@@ -36,10 +36,7 @@ void s3_pub_finish(s3_hub *h, const char *error)
 
     if (h->claim_timer.data != NULL)
         uv_timer_stop(&h->claim_timer);
-    for (unsigned i = 0; p->files && i < p->nfiles; i++)
-        if (p->files[i].fd >= 0)
-            close(p->files[i].fd);
-    free(p->files);
+    hub_set_publish_close(p->files, p->nfiles);
     free(p->stepfile);
     free(p->upload_id);
     for (unsigned i = 0; p->etags && i < p->nparts; i++)
@@ -800,86 +797,11 @@ void s3_claim_step_seen(s3_hub *h, int64_t step)
     }
 }
 
-/* Opens one file of the publish (the descriptor keeps the step's file readable even if a later
- * cleanup unlinks it).  0 or -1 with errno. */
-static int pub_open_file(pub_file *f, const char *path, const char *name)
-{
-    struct stat sb;
-
-    snprintf(f->rel, sizeof(f->rel), "global/%s", name);
-    if ((f->fd = open(path, O_RDONLY | O_CLOEXEC)) < 0)
-        return -1;
-    if (fstat(f->fd, &sb) != 0)
-        return -1;
-    f->size = (uint64_t)sb.st_size;
-    return 0;
-}
-
-/* The files of a publish: global_path alone, or the shards its index lists (in the index's
- * directory) and the index last.  0, or -1 with why. */
-static int pub_open_files(pub_state *p, const char *global_path, char *why, size_t why_size)
-{
-    st_index *ix = NULL;
-    dl_error err = {0};
-    char path[4096], name[ST_INDEX_BASE_MAX + 48];
-    int rc = -1;
-
-    p->sharded = st_index_is_index_path(global_path);
-    if (!p->sharded) {
-        if ((p->files = calloc(1, sizeof(*p->files))) == NULL)
-            goto oom;
-        p->nfiles = 1;
-        p->files[0].fd = -1;
-        if (pub_open_file(&p->files[0], global_path, "latest.safetensors") != 0)
-            goto sys;
-        return 0;
-    }
-    if (st_index_load(global_path, &ix, &err) != 0) {
-        snprintf(why, why_size, "%s: %s", global_path, err.message);
-        return -1;
-    }
-    if (strcmp(ix->base, "latest") != 0) {
-        snprintf(why, why_size, "%s: a global's index is latest%s", global_path, ST_INDEX_SUFFIX);
-        goto out;
-    }
-    const char *slash = strrchr(global_path, '/');
-    int dlen = slash ? (int)(slash - global_path) : 1;
-    const char *dir = slash ? global_path : ".";
-    if ((p->files = calloc((size_t)ix->nshards + 1, sizeof(*p->files))) == NULL)
-        goto oom;
-    p->nfiles = ix->nshards + 1;
-    for (unsigned i = 0; i < p->nfiles; i++)
-        p->files[i].fd = -1;
-    for (uint32_t i = 0; i < ix->nshards; i++) {
-        if (st_index_shard_name(ix->base, i, ix->nshards, name, sizeof(name)) != 0 ||
-            snprintf(path, sizeof(path), "%.*s/%s", dlen, dir, name) >= (int)sizeof(path))
-            goto oom;
-        if (pub_open_file(&p->files[i], path, name) != 0)
-            goto sys_path;
-    }
-    if (pub_open_file(&p->files[ix->nshards], global_path, "latest" ST_INDEX_SUFFIX) != 0) {
-        snprintf(path, sizeof(path), "%s", global_path);
-        goto sys_path;
-    }
-    rc = 0;
-    goto out;
-sys:
-    snprintf(path, sizeof(path), "%s", global_path);
-sys_path:
-    snprintf(why, why_size, "cannot read %.400s: %s", path, strerror(errno));
-    goto out;
-oom:
-    snprintf(why, why_size, "out of memory");
-out:
-    st_index_free(ix);
-    return rc;
-}
-
 void s3_publish(hub *base, uint64_t step, const char *global_path, const char *optimizer, int bootstrap)
 {
     s3_hub *h = (s3_hub *)base;
     pub_state *p = &h->pub;
-    char why[600];
+    dl_error err = {0};
 
     if (p->active || h->f.closing)
         return;
@@ -891,8 +813,9 @@ void s3_publish(hub *base, uint64_t step, const char *global_path, const char *o
     p->bootstrap = bootstrap;
     snprintf(p->optimizer, sizeof(p->optimizer), "%s", optimizer);
     h->st.publishing = 1;
-    if (pub_open_files(p, global_path, why, sizeof(why)) != 0) {
-        set_error(h, "publishing step %" PRIu64 ": %s", step, why);
+    p->sharded = st_index_is_index_path(global_path);
+    if (hub_set_publish_open(global_path, &p->files, &p->nfiles, &err) != 0) {
+        set_error(h, "publishing step %" PRIu64 ": %s", step, err.message);
         s3_pub_finish(h, h->st.last_error);
         return;
     }
