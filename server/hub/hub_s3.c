@@ -8,7 +8,7 @@
  * download per node per poll.  A (key, ETag) pair is handed over once: the pairs handled are
  * remembered in <state>/s3_seen.tsv, also across restarts.
  *
- * Peeking: a new delta's first 64 KiB are read first (a Range GET): a header over the header cap
+ * Peeking: a new delta's first 64 KiB (at most its listed size) are read first (a Range GET): a header over the header cap
  * or describing another size than the listing's is refused without a download, a delta of an
  * older step is never downloaded, one of a later step is looked at again by later polls.
  *

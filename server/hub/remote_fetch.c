@@ -517,10 +517,15 @@ static void start_download(remote_fetch *f, remote_cand *c)
         c->part = f->ops->part_path(f, c);
     /* a small open of our own cache file; the data goes through uv_fs_write */
     fd = c->part ? open(c->part, O_WRONLY | O_CREAT | O_CLOEXEC, 0644) : -1;
-    if (fd < 0 || fstat(fd, &sb) != 0 || (r = f->ops->get(f, c, "download")) == NULL) {
-        set_error(f, "cannot open %s: %s", c->part ? c->part : "a download file", r == NULL && fd >= 0 ? "out of memory" : strerror(errno));
+    if (fd < 0 || fstat(fd, &sb) != 0) {
+        set_error(f, "cannot open %s: %s", c->part ? c->part : "a download file", c->part ? strerror(errno) : "out of memory");
         if (fd >= 0)
             close(fd);
+        cand_drop(f, c, SEEN_REJECTED);
+        return;
+    }
+    if ((r = f->ops->get(f, c, "download")) == NULL) {
+        close(fd);
         cand_drop(f, c, SEEN_REJECTED);
         return;
     }
