@@ -456,7 +456,7 @@ static void sets_from_listing(hf_hub *h)
         remote_listed *l = NULL;
         size_t n = 0;
         char ver[80];
-        int created, oom = 0;
+        int oom = 0;
 
         for (size_t k = 0; k < h->nlshards && !oom; k++) {
             const listed_file *e = &h->lshards[k];
@@ -470,24 +470,19 @@ static void sets_from_listing(hf_hub *h)
             remote_listed_free(l, n);
             continue;
         }
-        char *k = remote_seen_key(ix->rel, ver);
-        seen_entry *se = k ? seen_find(&h->f.seen.map, k) : NULL;
-        if (k == NULL || (se != NULL && se->state != SEEN_INCOMPLETE) || h->list_new >= MAX_NEW_PER_LISTING) {
-            h->list_cut |= k != NULL && se == NULL;
-            free(k);
+        int is_new, wanted = remote_fetch_wanted(&h->f, ix->rel, ver, &is_new);
+        if (wanted <= 0 || h->list_new >= MAX_NEW_PER_LISTING) {
+            h->list_cut |= wanted > 0 && is_new;   /* not remembered: the next listing offers it again */
             remote_listed_free(l, n);
             continue;
         }
-        if (se == NULL)
-            se = seen_get(&h->f.seen.map, k, &created);
-        free(k);
-        remote_cand *c = se ? remote_cand_new(ix->rel, ix->rel, ix->oid, ix->size) : NULL;
-        if (c == NULL) {
+        remote_cand *c = remote_cand_new(ix->rel, ix->rel, ix->oid, ix->size);
+        if (c == NULL || remote_fetch_pending(&h->f, ix->rel, ver) != 0) {
+            remote_cand_free(c);
             remote_listed_free(l, n);
             continue;
         }
         h->list_new++;
-        se->state = SEEN_PENDING;
         snprintf(c->ver, sizeof(c->ver), "%s", ver);
         c->lfs = ix->lfs;
         c->is_set = 1;
@@ -551,7 +546,6 @@ static int consider_entry(hf_hub *h, const cJSON *e)
     const cJSON *size = cJSON_GetObjectItemCaseSensitive(e, "size");
     delta_path dp;
     uint64_t nbytes, lfs_bytes;
-    int created;
 
     if (type == NULL || strcmp(type, "file") != 0 || path == NULL || delta_parse_any_path(path, &dp, NULL) != 0)
         return 0;
@@ -576,27 +570,19 @@ static int consider_entry(hf_hub *h, const cJSON *e)
         remember_listed(h, &dp, path, oid, nbytes, cJSON_IsObject(lfs));
         return 0;
     }
-    char *k = remote_seen_key(path, oid);
-    seen_entry *se = k ? seen_find(&h->f.seen.map, k) : NULL;
-    if (k == NULL || (se != NULL && se->state != SEEN_INCOMPLETE)) {
-        free(k);
+    int is_new;
+    if (remote_fetch_wanted(&h->f, path, oid, &is_new) <= 0)
         return 0;               /* done, rejected for this run, or in flight */
-    }
     if (h->list_new >= MAX_NEW_PER_LISTING) {
         h->list_cut = 1;        /* not remembered: the next listing offers it again */
-        free(k);
         return 0;
     }
-    if (se == NULL)
-        se = seen_get(&h->f.seen.map, k, &created);
-    free(k);
-    if (se == NULL)
-        return 0;
-    h->list_new++;
-    se->state = SEEN_PENDING;
     remote_cand *c = remote_cand_new(path, path, oid, nbytes);
-    if (c == NULL)
+    if (c == NULL || remote_fetch_pending(&h->f, path, oid) != 0) {
+        remote_cand_free(c);
         return 0;
+    }
+    h->list_new++;
     c->lfs = cJSON_IsObject(lfs);
     remote_fetch_enqueue(&h->f, c);
     return 0;

@@ -500,20 +500,13 @@ static void listing_complete(s3_hub *h)
         snprintf(ver, sizeof(ver), "%s", b->etag);
         if (b->is_index && set_listed(h, b, &listed, &nlisted, ver, sizeof(ver)) != 0)
             continue;
-        char *k = remote_seen_key(rel, ver);
-        int created = 0;
-        seen_entry *e = k ? seen_get(&h->f.seen.map, k, &created) : NULL;
-        free(k);
+        int is_new;
+        remote_cand *c = NULL;
         /* new, or a later round's delta that is looked at again; pending, done or given up: not */
-        if (e == NULL || (!created && e->state != SEEN_INCOMPLETE)) {
+        if (remote_fetch_wanted(&h->f, rel, ver, &is_new) <= 0 ||
+            (c = remote_cand_new(rel, b->key, b->etag, b->size)) == NULL || remote_fetch_pending(&h->f, rel, ver) != 0) {
+            remote_cand_free(c);
             remote_listed_free(listed, nlisted);
-            continue;
-        }
-        e->state = SEEN_PENDING;
-        remote_cand *c = remote_cand_new(rel, b->key, b->etag, b->size);
-        if (c == NULL) {
-            remote_listed_free(listed, nlisted);
-            remote_seen_set(&h->f.seen, rel, ver, SEEN_REJECTED);
             continue;
         }
         snprintf(c->ver, sizeof(c->ver), "%s", ver);

@@ -161,6 +161,31 @@ int remote_fetch_set_version(const char *index_tag, const remote_listed *l, size
     return hub_set_version_end(&v, out, size);
 }
 
+int remote_fetch_wanted(const remote_fetch *f, const char *rel, const char *ver, int *is_new)
+{
+    char *k = remote_seen_key(rel, ver);
+    const seen_entry *e = k != NULL ? seen_find(&f->seen.map, k) : NULL;
+
+    free(k);
+    *is_new = e == NULL;
+    if (k == NULL)
+        return -1;
+    return e == NULL || e->state == SEEN_INCOMPLETE;
+}
+
+int remote_fetch_pending(remote_fetch *f, const char *rel, const char *ver)
+{
+    char *k = remote_seen_key(rel, ver);
+    int created;
+    seen_entry *e = k != NULL ? seen_get(&f->seen.map, k, &created) : NULL;
+
+    free(k);
+    if (e == NULL)
+        return -1;
+    e->state = SEEN_PENDING;
+    return 0;
+}
+
 void remote_fetch_enqueue(remote_fetch *f, remote_cand *c)
 {
     remote_cand **t = &f->queue;

@@ -164,6 +164,14 @@ int remote_listed_add(remote_listed **l, size_t *n, const remote_listed *e);
 /* A set's version for the seen list (hub_set.h): the index's tag and every listed shard. */
 int remote_fetch_set_version(const char *index_tag, const remote_listed *l, size_t n, char *out, size_t size);
 
+/* Whether a listed (rel, version) is to become a candidate: 1 when it is new (*is_new set) or a
+ * later round's delta looked at again, 0 when it is pending, done or given up for this run, -1 when
+ * out of memory. */
+int remote_fetch_wanted(const remote_fetch *f, const char *rel, const char *ver, int *is_new);
+/* A candidate was made of (rel, version): pending until the daemon decides it.  0, or -1 when out
+ * of memory (no candidate then). */
+int remote_fetch_pending(remote_fetch *f, const char *rel, const char *ver);
+
 void remote_fetch_enqueue(remote_fetch *f, remote_cand *c);
 /* Failed candidates whose wait is over go back into the queue. */
 void remote_fetch_requeue_due(remote_fetch *f);

@@ -616,3 +616,42 @@ TEST(remote_fetch_close_waits_for_everything_in_flight)
     CHECK_EQ(t->ends_at_idle, 3);                       /* idle came after all three */
     free(t);
 }
+
+/* ---- the seen list's say on a listed version ----------------------------------------------------- */
+
+static void close_at_once(uv_timer_t *timer)
+{
+    fetch_test *t = timer->data;
+
+    uv_close((uv_handle_t *)timer, NULL);
+    remote_fetch_close(&t->f);
+}
+
+TEST(remote_fetch_takes_a_listed_version_once)
+{
+    fetch_test *t = calloc(1, sizeof(*t));
+    int is_new = 0;
+
+    CHECK(t != NULL);
+    CHECK_EQ(fetch_setup(t), 0);
+    CHECK_EQ(remote_fetch_wanted(&t->f, "nodes/a/delta_1.safetensors", "v1", &is_new), 1);
+    CHECK_EQ(is_new, 1);
+    CHECK_EQ(remote_fetch_pending(&t->f, "nodes/a/delta_1.safetensors", "v1"), 0);
+    CHECK_EQ(remote_fetch_wanted(&t->f, "nodes/a/delta_1.safetensors", "v1", &is_new), 0);     /* in flight */
+    /* a later round's delta is looked at again, and is not new */
+    remote_seen_set(&t->f.seen, "nodes/a/delta_1.safetensors", "v1", SEEN_INCOMPLETE);
+    CHECK_EQ(remote_fetch_wanted(&t->f, "nodes/a/delta_1.safetensors", "v1", &is_new), 1);
+    CHECK_EQ(is_new, 0);
+    /* given up for this run: not again */
+    remote_seen_set(&t->f.seen, "nodes/a/delta_1.safetensors", "v1", SEEN_REJECTED);
+    CHECK_EQ(remote_fetch_wanted(&t->f, "nodes/a/delta_1.safetensors", "v1", &is_new), 0);
+    /* another version is */
+    CHECK_EQ(remote_fetch_wanted(&t->f, "nodes/a/delta_1.safetensors", "v2", &is_new), 1);
+    uv_timer_init(&t->loop, &t->timer);
+    t->timer.data = t;
+    uv_timer_start(&t->timer, close_at_once, 0, 0);
+    CHECK_EQ(uv_run(&t->loop, UV_RUN_DEFAULT), 0);
+    CHECK_EQ(uv_loop_close(&t->loop), 0);
+    CHECK_EQ(t->idles, 1);
+    free(t);
+}
