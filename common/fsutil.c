@@ -480,3 +480,46 @@ int fsu_write_atomic_at(int dirfd, const char *name, const void *buf, size_t len
     free(tmp);
     return rc;
 }
+
+int fsu_check_regular_file(const char *path, dl_error *err)
+{
+    struct stat sb;
+
+    if (stat(path, &sb) != 0)
+        return dl_fail(err, DL_E_IO, NULL, 0, "cannot read %s: %s", path, strerror(errno));
+    if (!S_ISREG(sb.st_mode))
+        return dl_fail(err, DL_E_IO, NULL, 0, "%s is not a regular file", path);
+    if (access(path, R_OK) != 0)
+        return dl_fail(err, DL_E_IO, NULL, 0, "cannot read %s: %s", path, strerror(errno));
+    return 0;
+}
+
+int fsu_check_dir_path(const char *path, dl_error *err)
+{
+    char *p = strdup(path), *slash;
+    struct stat sb;
+    int rc = 0;
+
+    if (p == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    for (;;) {
+        if (stat(p, &sb) == 0) {
+            if (!S_ISDIR(sb.st_mode))
+                rc = dl_fail(err, DL_E_IO, NULL, 0, "%s: %s is not a directory", path, p);
+            break;
+        }
+        if (errno == ENOTDIR) {
+            rc = dl_fail(err, DL_E_IO, NULL, 0, "%s: a part of the path is not a directory", path);
+            break;
+        }
+        if (errno != ENOENT) {
+            rc = dl_fail(err, DL_E_IO, NULL, 0, "%s: %s", strcmp(p, path) == 0 ? path : p, strerror(errno));
+            break;
+        }
+        if ((slash = strrchr(p, '/')) == NULL || slash == p)
+            break;              /* a relative first part, or /: nothing above it to check */
+        *slash = '\0';
+    }
+    free(p);
+    return rc;
+}

@@ -91,4 +91,11 @@ int fsu_tmp_create_at(int dirfd, const char *name, char **tmp_name, int *fd);
 int fsu_commit_tmp_at(int dirfd, int fd, const char *tmp_name, const char *name);
 int fsu_write_atomic_at(int dirfd, const char *name, const void *buf, size_t len);
 
+/* Configuration checks (nothing is created).  path must be a regular file this process can read: a
+ * FIFO or a device would hold a reader that opens without O_NONBLOCK.  0 or -DL_E_IO with why. */
+int fsu_check_regular_file(const char *path, dl_error *err);
+/* Every part of path that exists must be a directory (so that the directories below it can be
+ * made); writability is not checked.  0 or -DL_E_IO with why. */
+int fsu_check_dir_path(const char *path, dl_error *err);
+
 #endif

@@ -1,7 +1,7 @@
 #include "config.h"
 #include "auth.h"
+#include "fsutil.h"
 #include "hub.h"
-#include "hub_hf.h"
 #include "safetensors.h"
 #include "st_index.h"
 
@@ -34,7 +34,7 @@ typedef struct opt {
 static const opt options[] = {
     {"state_root", T_STR, OFF(state_root), 0, 0, "DIR       local state (one subdirectory per aggregator id)"},
     {"id", T_STR, OFF(id), 0, 0, "NAME              aggregator id: state lives in <state_root>/<id>/"},
-    {"hub", T_STR, OFF(hub), 0, 0, "URL              file:///abs/dir | hf://ns/repo[@rev] | s3://bucket[/prefix] | none"},
+    {"hub", T_STR, OFF(hub), 0, 0, "URL             "},     /* + each transport's URL form (usage) */
     {"init_model", T_OPTSTR, OFF(init_model), 0, 0, "FILE      initial model, published as step 0 when there is no state and no global"},
     {"expected_nodes", T_UINT, OFF(expected_nodes), 0, CONFIG_MAX_NODES, "N     a round closes when N distinct nodes delivered"},
     {"nodes", T_NODES, OFF(nodes), 0, 0, "ID,ID,...      allow-list of node ids (sets expected_nodes)"},
@@ -59,19 +59,87 @@ static const opt options[] = {
     {"header_timeout", T_DOUBLE, OFF(header_timeout), 0.01, 3600, "SECONDS  to receive a request head (slowloris)"},
     {"idle_timeout", T_DOUBLE, OFF(idle_timeout), 0.01, 86400, "SECONDS  without progress on a connection (idle, stalled body or download)"},
     {"max_connections", T_UINT, OFF(max_connections), 1, 1000000, "N    open HTTP connections at most"},
-    {"hub_endpoint", T_OPTSTR, OFF(hub_endpoint), 0, 0, "URL     server of hf:// (default $HF_ENDPOINT or https://huggingface.co) or s3:// (default $AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL or AWS)"},
-    {"hub_token_file", T_OPTSTR, OFF(hub_token_file), 0, 0, "FILE  file holding the Hub token (default $HF_TOKEN)"},
     {"max_downloads", T_UINT, OFF(max_downloads), 1, 64, "N      parallel delta downloads from the Hub"},
     {"prune_consumed", T_UINT, OFF(prune_consumed), 0, 1, "0|1   remove a file:// delta once the step it went into is durable, or once it is stale or superseded"},
     {"warm_outputs", T_UINT, OFF(warm_outputs), 0, 1, "0|1     while a round collects, make the page cache the next pass writes into (2 x model size, reclaimable)"},
     {"history_keep", T_UINT, OFF(history_keep), 16, 100000000, "N   rounds.jsonl keeps the last N round records (compacted at startup)"},
-    {"s3_region", T_OPTSTR, OFF(s3_region), 0, 0, "REGION     s3:// SigV4 region (default $AWS_REGION, $AWS_DEFAULT_REGION or us-east-1)"},
-    {"s3_addressing", T_STR, OFF(s3_addressing), 0, 0, "MODE   s3:// bucket addressing: auto | path | virtual"},
-    {"s3_part_mib", T_UINT, OFF(s3_part_mib), 5, 5120, "MIB      s3:// multipart upload above this size, in parts of this size"},
-    {"s3_claim_lease", T_UINT, OFF(s3_claim_lease), 2, 86400, "SECONDS s3:// a step's claim by another aggregator is honoured this long after its last write"},
     {"shard_size", T_SIZE, OFF(shard_size), 0, 0, "SIZE      publish the global sharded (index + shards) above SIZE: bytes or 5GB, 500MB ... (0 = never)"},
-    {"s3_credentials_file", T_OPTSTR, OFF(s3_credentials_file), 0, 0, "FILE  s3:// AWS credentials file (default $AWS_ACCESS_KEY_ID/$AWS_SECRET_ACCESS_KEY)"},
+    /* then the transports' own options, from their tables (hub.h's hub_options) */
 };
+
+/* ---- options by place ---------------------------------------------------------------------------
+ * Place i is options[i] for i below COUNT_OF(options), then each transport's table in the scheme
+ * table's order.  A key several transports declare is one option, named by its first place (which
+ * holds its origin), and set in every transport that declares it. */
+
+typedef struct slot {
+    size_t index;               /* its place, into c->origin */
+    const char *key;
+    const opt *own;             /* config's own option, or NULL: the transport's */
+    size_t transport;           /* the transport's row in the scheme table */
+    const hub_option *hopt;
+} slot;
+
+static size_t transport_nopts(size_t t)
+{
+    const hub_options *ho = hub_transport(t)->options;
+    return ho != NULL ? ho->n : 0;
+}
+
+static size_t nslots(void)
+{
+    size_t n = COUNT_OF(options);
+    for (size_t t = 0; t < hub_transport_count(); t++)
+        n += transport_nopts(t);
+    return n;
+}
+
+/* 0, or -1 past the last place. */
+static int slot_at(size_t i, slot *s)
+{
+    *s = (slot){.index = i};
+    if (i < COUNT_OF(options)) {
+        s->own = &options[i];
+        s->key = s->own->key;
+        return 0;
+    }
+    i -= COUNT_OF(options);
+    for (size_t t = 0; t < hub_transport_count(); t++) {
+        if (i < transport_nopts(t)) {
+            s->transport = t;
+            s->hopt = &hub_transport(t)->options->opt[i];
+            s->key = s->hopt->key;
+            return 0;
+        }
+        i -= transport_nopts(t);
+    }
+    return -1;
+}
+
+/* Transport t's option key, or NULL when it has none of that name. */
+static const hub_option *transport_option(size_t t, const char *key)
+{
+    const hub_options *ho = hub_transport(t)->options;
+    for (size_t i = 0; ho != NULL && i < ho->n; i++)
+        if (strcmp(ho->opt[i].key, key) == 0)
+            return &ho->opt[i];
+    return NULL;
+}
+
+/* The row of url's transport in the scheme table; hub_transport_count() for none. */
+static size_t transport_of(const char *url)
+{
+    const hub_ops *ops = hub_find(url);
+    size_t t = 0;
+    while (t < hub_transport_count() && hub_transport(t) != ops)
+        t++;
+    return t;
+}
+
+static opt_type plain_type(hub_opt_type t)
+{
+    return t == HUB_OPT_STR ? T_STR : t == HUB_OPT_OPTSTR ? T_OPTSTR : T_UINT;
+}
 
 const char *config_optimizer_name(config_optimizer o)
 {
@@ -96,19 +164,19 @@ static int bad(const char *origin, const char *key, const char *fmt, ...)
     return 2;
 }
 
-static size_t option_index(const char *key)
+static int find_key(const char *key, size_t len, slot *s)
 {
-    for (size_t i = 0; i < COUNT_OF(options); i++)
-        if (strcmp(options[i].key, key) == 0)
-            return i;
-    return COUNT_OF(options);
+    for (size_t i = 0; slot_at(i, s) == 0; i++)
+        if (strlen(s->key) == len && memcmp(s->key, key, len) == 0)
+            return 0;
+    return -1;
 }
 
 /* A check after all sources were read: names the line that set the option, or its flag. */
 static int bad_opt(const config *c, const char *key, const char *fmt, ...)
 {
-    size_t i = option_index(key);
-    const char *where = c->origin != NULL && i < COUNT_OF(options) ? c->origin[i] : NULL;
+    slot s;
+    const char *where = c->origin != NULL && find_key(key, strlen(key), &s) == 0 ? c->origin[s.index] : NULL;
     char name[64];
     va_list ap;
 
@@ -129,15 +197,14 @@ static int bad_opt(const config *c, const char *key, const char *fmt, ...)
 }
 
 /* where: "FILE:LINE" for a file line, NULL for a flag (which overrides whatever the file said). */
-static int set_origin(config *c, const opt *o, const char *where)
+static int set_origin(config *c, const slot *s, const char *where)
 {
-    size_t i = (size_t)(o - options);
     char *copy = NULL;
 
     if (where != NULL && (copy = strdup(where)) == NULL)
-        return bad("", o->key, "out of memory");
-    free(c->origin[i]);
-    c->origin[i] = copy;
+        return bad("", s->key, "out of memory");
+    free(c->origin[s->index]);
+    c->origin[s->index] = copy;
     return 0;
 }
 
@@ -185,16 +252,13 @@ static int set_nodes(config *c, const char *v, const char *origin, const char *k
     return 0;
 }
 
-static int set_option(config *c, const opt *o, const char *v, const char *origin)
+/* The types a transport's option may have too (T_STR, T_OPTSTR, T_UINT, T_DOUBLE), into field. */
+static int set_plain(void *field, opt_type type, double min, double max, const char *key, const char *v,
+                     const char *origin)
 {
-    void *field = (char *)c + o->offset;
     char *end;
 
-    /* values end up in paths, log lines and the printed configuration: no control characters */
-    for (const char *p = v; *p; p++)
-        if ((unsigned char)*p < 0x20 || *p == 0x7f)
-            return bad(origin, o->key, "the value contains a control character (byte 0x%02x)", (unsigned char)*p);
-    switch (o->type) {
+    switch (type) {
     case T_OPTSTR:
         if (*v == '\0') {
             free(*(char **)field);
@@ -206,7 +270,7 @@ static int set_option(config *c, const opt *o, const char *v, const char *origin
         char **s = field;
         char *copy = strdup(v);
         if (copy == NULL)
-            return bad(origin, o->key, "out of memory");
+            return bad(origin, key, "out of memory");
         free(*s);
         *s = copy;
         return 0;
@@ -215,8 +279,8 @@ static int set_option(config *c, const opt *o, const char *v, const char *origin
         unsigned long long x;
         errno = 0;
         if (*v < '0' || *v > '9' || (x = strtoull(v, &end, 10), errno != 0) || *end != '\0' ||
-            (double)x < o->min || (double)x > o->max)
-            return bad(origin, o->key, "'%s' is not an integer in [%g, %g]", v, o->min, o->max);
+            (double)x < min || (double)x > max)
+            return bad(origin, key, "'%s' is not an integer in [%g, %g]", v, min, max);
         *(unsigned *)field = (unsigned)x;
         return 0;
     }
@@ -224,11 +288,26 @@ static int set_option(config *c, const opt *o, const char *v, const char *origin
         double x;
         errno = 0;
         x = strtod(v, &end);
-        if (end == v || *end != '\0' || errno != 0 || !isfinite(x) || x < o->min || x > o->max)
-            return bad(origin, o->key, "'%s' is not a number in [%g, %g]", v, o->min, o->max);
+        if (end == v || *end != '\0' || errno != 0 || !isfinite(x) || x < min || x > max)
+            return bad(origin, key, "'%s' is not a number in [%g, %g]", v, min, max);
         *(double *)field = x;
         return 0;
     }
+    default:
+        return 2;
+    }
+}
+
+static int set_option(config *c, const opt *o, const char *v, const char *origin)
+{
+    void *field = (char *)c + o->offset;
+
+    switch (o->type) {
+    case T_OPTSTR:
+    case T_STR:
+    case T_UINT:
+    case T_DOUBLE:
+        return set_plain(field, o->type, o->min, o->max, o->key, v, origin);
     case T_OPTIMIZER:
         if (strcmp(v, "nesterov_sgd") == 0)
             *(config_optimizer *)field = OPT_NESTEROV_SGD;
@@ -260,26 +339,37 @@ static int set_option(config *c, const opt *o, const char *v, const char *origin
     return 2;
 }
 
-static const opt *find_key(const char *key, size_t len)
+/* A value for the option at s: config's own, or every transport's that declares its key. */
+static int set_value(config *c, const slot *s, const char *v, const char *origin)
 {
-    for (size_t i = 0; i < sizeof(options) / sizeof(options[0]); i++) {
-        if (strlen(options[i].key) == len && memcmp(options[i].key, key, len) == 0)
-            return &options[i];
+    /* values end up in paths, log lines and the printed configuration: no control characters */
+    for (const char *p = v; *p; p++)
+        if ((unsigned char)*p < 0x20 || *p == 0x7f)
+            return bad(origin, s->key, "the value contains a control character (byte 0x%02x)", (unsigned char)*p);
+    if (s->own != NULL)
+        return set_option(c, s->own, v, origin);
+    for (size_t t = 0; t < hub_transport_count(); t++) {
+        const hub_option *h = transport_option(t, s->key);
+        int rc;
+        if (h != NULL && c->hub_opts[t] != NULL &&
+            (rc = set_plain((char *)c->hub_opts[t] + h->offset, plain_type(h->type), h->min, h->max, h->key, v,
+                            origin)) != 0)
+            return rc;
     }
-    return NULL;
+    return 0;
 }
 
 /* "--round-timeout" -> the round_timeout option. */
-static const opt *find_flag(const char *flag)
+static int find_flag(const char *flag, slot *s)
 {
     char key[64];
     size_t n = strlen(flag);
 
     if (n >= sizeof(key))
-        return NULL;
+        return -1;
     for (size_t i = 0; i <= n; i++)
         key[i] = flag[i] == '-' ? '_' : flag[i];
-    return find_key(key, n);
+    return find_key(key, n, s);
 }
 
 static char *trim(char *s)
@@ -295,7 +385,7 @@ static char *trim(char *s)
 
 /* The value after '=', in place: "double quoted" (escapes \\ and \"), 'single quoted' (verbatim) or
  * bare.  A '#' at the start of a bare value or after a blank starts a comment, so a bare value may hold
- * '#' (hf://org/repo#x is not cut) and a quoted one anything.  NULL with *why on a malformed value. */
+ * '#' (a URL's #fragment is not cut) and a quoted one anything.  NULL with *why on a malformed value. */
 static char *parse_value(char *s, const char **why)
 {
     char *w, *r;
@@ -348,7 +438,7 @@ static int load_file(config *c, const char *path)
     }
     while (rc == 0 && fgets(line, sizeof(line), f) != NULL) {
         char *s, *eq, *key, *val;
-        const opt *o;
+        slot o;
         lineno++;
         if (strchr(line, '\n') == NULL && !feof(f)) {
             fprintf(stderr, "dilocod: %s:%d: line too long\n", path, lineno);
@@ -368,18 +458,18 @@ static int load_file(config *c, const char *path)
         key = trim(s);
         snprintf(where, sizeof(where), "%s:%d", path, lineno);
         snprintf(origin, sizeof(origin), "%s: ", where);
-        if ((o = find_key(key, strlen(key))) == NULL) {
+        if (find_key(key, strlen(key), &o) != 0) {
             fprintf(stderr, "dilocod: %sunknown option '%s'\n", origin, key);
             rc = 2;
             break;
         }
         const char *why = NULL;
         if ((val = parse_value(eq + 1, &why)) == NULL) {
-            rc = bad(origin, o->key, "%s", why);
+            rc = bad(origin, o.key, "%s", why);
             break;
         }
-        if ((rc = set_option(c, o, val, origin)) == 0)
-            rc = set_origin(c, o, where);
+        if ((rc = set_value(c, &o, val, origin)) == 0)
+            rc = set_origin(c, &o, where);
     }
     fclose(f);
     return rc;
@@ -390,22 +480,64 @@ static void usage(FILE *out)
     fprintf(out, "usage: dilocod [options]\n\n"
                  "The DiLoCo outer-loop aggregator: collects node deltas, averages them, applies the outer\n"
                  "optimizer and publishes the new global model.\n\noptions (each also a key in the config file):\n");
-    for (size_t i = 0; i < sizeof(options) / sizeof(options[0]); i++) {
+    slot o, first;
+    for (size_t i = 0; slot_at(i, &o) == 0; i++) {
         char flag[64];
-        size_t n = strlen(options[i].key);
+        size_t n = strlen(o.key);
+        if (find_key(o.key, n, &first) != 0 || first.index != i)
+            continue;           /* a transport's key another declared first: listed there */
         for (size_t k = 0; k <= n; k++)
-            flag[k] = options[i].key[k] == '_' ? '-' : options[i].key[k];
-        fprintf(out, "  --%s %s\n", flag, options[i].help);
+            flag[k] = o.key[k] == '_' ? '-' : o.key[k];
+        if (o.own != NULL && strcmp(o.key, "hub") == 0) {
+            fprintf(out, "  --%s %s", flag, o.own->help);
+            for (size_t t = 0; t < hub_transport_count(); t++)
+                fprintf(out, " %s |", hub_transport(t)->url_form);
+            fprintf(out, " none\n");
+            continue;
+        }
+        if (o.own != NULL) {
+            fprintf(out, "  --%s %s\n", flag, o.own->help);
+            continue;
+        }
+        fprintf(out, "  --%s %s", flag, o.hopt->help);
+        for (size_t t = o.transport + 1; t < hub_transport_count(); t++) {
+            const hub_option *h = transport_option(t, o.key);
+            if (h != NULL)
+                fprintf(out, " or %s", h->help);
+        }
+        fputc('\n', out);
     }
     fprintf(out, "  --config FILE          read options from FILE first (key = value, # comments, \"quoted\" values)\n"
                  "  --check-config         validate, print the effective configuration and exit\n"
                  "  --help, --version\n");
 }
 
-static void set_defaults(config *c)
+/* One struct per transport with options, holding its table's defaults.  0 or 2 (said why). */
+static int set_transport_defaults(config *c)
+{
+    if ((c->hub_opts = calloc(hub_transport_count(), sizeof(*c->hub_opts))) == NULL)
+        return bad("", "config", "out of memory");
+    for (size_t t = 0; t < hub_transport_count(); t++) {
+        const hub_options *ho = hub_transport(t)->options;
+        int rc;
+        if (ho == NULL || ho->size == 0)
+            continue;
+        if ((c->hub_opts[t] = calloc(1, ho->size)) == NULL)
+            return bad("", "config", "out of memory");
+        for (size_t i = 0; i < ho->n; i++) {
+            const hub_option *h = &ho->opt[i];
+            if (h->deflt != NULL && (rc = set_plain((char *)c->hub_opts[t] + h->offset, plain_type(h->type), h->min,
+                                                    h->max, h->key, h->deflt, "")) != 0)
+                return rc;
+        }
+    }
+    return 0;
+}
+
+static int set_defaults(config *c)
 {
     memset(c, 0, sizeof(*c));
-    c->origin = calloc(COUNT_OF(options), sizeof(*c->origin));
+    c->origin = calloc(nslots(), sizeof(*c->origin));
     c->state_root = strdup("/var/lib/dilocod");
     c->id = strdup("aggregator");
     c->hub = strdup("none");
@@ -430,98 +562,33 @@ static void set_defaults(config *c)
     c->max_connections = 1024;
     c->max_uploads = 64;
     c->max_downloads = 2;
-    c->s3_addressing = strdup("auto");
     c->history_keep = 100000;
-    c->s3_part_mib = 64;
-    c->s3_claim_lease = 60;
     c->shard_size = ST_SHARD_SIZE_DEFAULT;
+    return set_transport_defaults(c);
 }
 
 /* A file an option names is opened by its reader without O_NONBLOCK: a FIFO or a device there would
  * hold the start (or --check-config) forever, so only a regular file gets that far. */
 static int check_regular_file(const config *c, const char *key, const char *path)
 {
-    struct stat sb;
+    dl_error err;
 
-    if (stat(path, &sb) != 0)
-        return bad_opt(c, key, "cannot read %s: %s", path, strerror(errno));
-    if (!S_ISREG(sb.st_mode))
-        return bad_opt(c, key, "%s is not a regular file", path);
-    if (access(path, R_OK) != 0)
-        return bad_opt(c, key, "cannot read %s: %s", path, strerror(errno));
-    return 0;
+    dl_error_clear(&err);
+    return fsu_check_regular_file(path, &err) != 0 ? bad_opt(c, key, "%s", err.message) : 0;
 }
 
-/* hf://ns/repo[@rev], the endpoint and the token (never printed, never logged). */
-static int load_hf(config *c)
+/* The options of --hub's transport: the environment's fallbacks, then its checks (hub.h). */
+static int load_transport_options(config *c)
 {
-    const char *env;
+    size_t t = transport_of(c->hub);
+    const hub_options *ho = t < hub_transport_count() ? hub_transport(t)->options : NULL;
+    const char *key = "hub";
+    dl_error err;
 
-    free(c->hf_repo);
-    free(c->hf_rev);
-    if (hf_parse_url(c->hub, &c->hf_repo, &c->hf_rev) != 0)
-        return bad_opt(c, "hub", "'%s' is not hf://namespace/repo[@revision]", c->hub);
-    if (c->hub_endpoint == NULL) {
-        env = getenv("HF_ENDPOINT");
-        c->hub_endpoint = strdup(env && *env ? env : "https://huggingface.co");
-    }
-    if (strncmp(c->hub_endpoint, "https://", 8) != 0 && strncmp(c->hub_endpoint, "http://", 7) != 0)
-        return bad_opt(c, "hub_endpoint", "'%s' is not an http(s) URL", c->hub_endpoint);
-    free(c->hub_token);
-    c->hub_token = NULL;
-    if (c->hub_token_file != NULL) {
-        FILE *f;
-        char line[512];
-        int rc = check_regular_file(c, "hub_token_file", c->hub_token_file);
-        if (rc != 0)
-            return rc;
-        if ((f = fopen(c->hub_token_file, "r")) == NULL)
-            return bad_opt(c, "hub_token_file", "cannot read %s: %s", c->hub_token_file, strerror(errno));
-        if (fgets(line, sizeof(line), f) == NULL)
-            line[0] = '\0';
-        fclose(f);
-        line[strcspn(line, "\r\n")] = '\0';
-        if (line[0] == '\0' || strpbrk(line, " \t") != NULL)
-            return bad_opt(c, "hub_token_file", "%s does not hold a token on its first line", c->hub_token_file);
-        c->hub_token = strdup(line);
-        memset(line, 0, sizeof(line));
-    } else if ((env = getenv("HF_TOKEN")) != NULL && *env) {
-        c->hub_token = strdup(env);
-    }
-    return 0;
-}
-
-/* s3://bucket/prefix: region, addressing, endpoint and credentials file (its secrets are read by the
- * transport, never kept here). */
-static int load_s3(config *c)
-{
-    const char *env;
-
-    if (c->s3_region == NULL) {
-        if ((env = getenv("AWS_REGION")) == NULL || *env == '\0')
-            env = getenv("AWS_DEFAULT_REGION");
-        c->s3_region = strdup(env && *env ? env : "us-east-1");
-    }
-    if (c->s3_region == NULL)
-        return bad("", "config", "out of memory");
-    size_t n = strlen(c->s3_region);
-    if (n == 0 || n > 32 || strspn(c->s3_region, "abcdefghijklmnopqrstuvwxyz0123456789-") != n)
-        return bad_opt(c, "s3_region", "'%s' is not a region ([a-z0-9-]{1,32})", c->s3_region);
-    if (strcmp(c->s3_addressing, "auto") != 0 && strcmp(c->s3_addressing, "path") != 0 &&
-        strcmp(c->s3_addressing, "virtual") != 0)
-        return bad_opt(c, "s3_addressing", "'%s' is not auto, path or virtual", c->s3_addressing);
-    if (c->hub_endpoint == NULL) {
-        if ((env = getenv("AWS_ENDPOINT_URL_S3")) == NULL || *env == '\0')
-            env = getenv("AWS_ENDPOINT_URL");
-        if (env != NULL && *env != '\0' && (c->hub_endpoint = strdup(env)) == NULL)
-            return bad("", "config", "out of memory");
-    }
-    if (c->hub_endpoint != NULL && strncmp(c->hub_endpoint, "https://", 8) != 0 &&
-        strncmp(c->hub_endpoint, "http://", 7) != 0)
-        return bad_opt(c, "hub_endpoint", "'%s' is not an http(s) URL", c->hub_endpoint);
-    if (c->s3_credentials_file != NULL)
-        return check_regular_file(c, "s3_credentials_file", c->s3_credentials_file);
-    return 0;
+    if (ho == NULL || ho->load == NULL)
+        return 0;
+    dl_error_clear(&err);
+    return ho->load(c->hub_opts[t], c->hub, &key, &err) != 0 ? bad_opt(c, key, "%s", err.message) : 0;
 }
 
 /* HOST:PORT, [v6]:PORT or none. */
@@ -606,32 +673,10 @@ static int check_token_file(const config *c)
  * Writability is left to the start, which may run as another user (systemd's DynamicUser). */
 static int check_dir_path(const config *c, const char *key, const char *path)
 {
-    char *p = strdup(path), *slash;
-    struct stat sb;
-    int rc = 0;
+    dl_error err;
 
-    if (p == NULL)
-        return bad("", key, "out of memory");
-    for (;;) {
-        if (stat(p, &sb) == 0) {
-            if (!S_ISDIR(sb.st_mode))
-                rc = bad_opt(c, key, "%s: %s is not a directory", path, p);
-            break;
-        }
-        if (errno == ENOTDIR) {
-            rc = bad_opt(c, key, "%s: a part of the path is not a directory", path);
-            break;
-        }
-        if (errno != ENOENT) {
-            rc = bad_opt(c, key, "%s: %s", strcmp(p, path) == 0 ? path : p, strerror(errno));
-            break;
-        }
-        if ((slash = strrchr(p, '/')) == NULL || slash == p)
-            break;              /* a relative first part, or /: nothing above it to check */
-        *slash = '\0';
-    }
-    free(p);
-    return rc;
+    dl_error_clear(&err);
+    return fsu_check_dir_path(path, &err) != 0 ? bad_opt(c, key, "%s", err.message) : 0;
 }
 
 static int state_committed(const config *c)
@@ -676,7 +721,7 @@ static int validate(config *c)
 {
     int rc;
 
-    if (c->origin == NULL || c->state_root == NULL || c->id == NULL || c->hub == NULL)
+    if (c->origin == NULL || c->hub_opts == NULL || c->state_root == NULL || c->id == NULL || c->hub == NULL)
         return bad("", "config", "out of memory");
     if (c->state_root[0] == '\0')
         return bad_opt(c, "state_root", "must not be empty");
@@ -686,10 +731,7 @@ static int validate(config *c)
     dl_error herr;
     if (hub_check_url(c->hub, &herr) != 0)
         return bad_opt(c, "hub", "%s", herr.message);
-    const char *kind = hub_find(c->hub) ? hub_find(c->hub)->kind : "none";
-    if (strcmp(kind, "hf") == 0 && (rc = load_hf(c)) != 0)
-        return rc;
-    if (strcmp(kind, "s3") == 0 && (rc = load_s3(c)) != 0)
+    if ((rc = load_transport_options(c)) != 0)
         return rc;
     if (c->nnodes > 0) {
         if (c->expected_nodes != 0 && c->expected_nodes != c->nnodes)
@@ -711,8 +753,6 @@ static int validate(config *c)
         return rc;
     if ((rc = check_dir_path(c, "state_root", c->state_root)) != 0)
         return rc;
-    if (strcmp(kind, "file") == 0 && (rc = check_dir_path(c, "hub", c->hub + 7)) != 0)
-        return rc;
     /* last: the most expensive check, and the one a test of any other option should not trip over */
     return check_init_model(c);
 }
@@ -721,7 +761,8 @@ int config_load(config *c, int argc, char **argv)
 {
     int rc, check = 0;
 
-    set_defaults(c);
+    if ((rc = set_defaults(c)) != 0)
+        return rc;
     /* the file first, so that flags override it wherever they stand */
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--config") == 0 || strncmp(argv[i], "--config=", 9) == 0) {
@@ -737,7 +778,7 @@ int config_load(config *c, int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *val;
         char name[64];
-        const opt *o;
+        slot o;
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
             usage(stdout);
             return 1;
@@ -772,11 +813,11 @@ int config_load(config *c, int argc, char **argv)
         }
         if (strcmp(name, "config") == 0)
             continue;
-        if ((o = find_flag(name)) == NULL) {
+        if (find_flag(name, &o) != 0) {
             fprintf(stderr, "dilocod: unknown option '--%s' (see --help)\n", name);
             return 2;
         }
-        if ((rc = set_option(c, o, val, "--")) != 0 || (rc = set_origin(c, o, NULL)) != 0)
+        if ((rc = set_value(c, &o, val, "--")) != 0 || (rc = set_origin(c, &o, NULL)) != 0)
             return rc;
     }
     if ((rc = validate(c)) != 0)
@@ -839,6 +880,61 @@ static void print_str(FILE *out, const char *key, const char *v, const char *uns
     fputs("\"\n", out);
 }
 
+/* Why a transport's option is unset: the transport's own word, its table's, else which schemes use it. */
+static void unset_note(const config *c, size_t t, const hub_option *h, char *buf, size_t size)
+{
+    const hub_options *ho = hub_transport(t)->options;
+    const char *note = ho->unset_note != NULL ? ho->unset_note(c->hub_opts[t], h->key) : NULL;
+    size_t n;
+
+    if (note == NULL)
+        note = h->unset;
+    if (note != NULL) {
+        snprintf(buf, size, "%s", note);
+        return;
+    }
+    snprintf(buf, size, " (");
+    for (size_t u = 0, k = 0; u < hub_transport_count(); u++) {
+        if (transport_option(u, h->key) == NULL)
+            continue;
+        n = strlen(buf);
+        snprintf(buf + n, size - n, "%s%s", k++ ? " and " : "", hub_transport(u)->scheme);
+    }
+    n = strlen(buf);
+    snprintf(buf + n, size - n, " only)");
+}
+
+/* Each key once, at its first place, with the value of --hub's transport when it declares the key
+ * (its load() may have filled it), else of the first that does; then each transport's own lines. */
+static void print_transport_options(const config *c, FILE *out)
+{
+    size_t configured = transport_of(c->hub);
+    slot o, first;
+
+    for (size_t i = COUNT_OF(options); slot_at(i, &o) == 0; i++) {
+        size_t t = o.transport;
+        const hub_option *h = o.hopt;
+        char note[128];
+
+        if (find_key(o.key, strlen(o.key), &first) == 0 && first.index == i) {
+            if (configured < hub_transport_count() && transport_option(configured, o.key) != NULL) {
+                t = configured;
+                h = transport_option(t, o.key);
+            }
+            const char *field = (const char *)c->hub_opts[t] + h->offset;
+            if (h->type == HUB_OPT_UINT) {
+                fprintf(out, "%s = %u\n", h->key, *(const unsigned *)field);
+            } else {
+                unset_note(c, t, h, note, sizeof(note));
+                print_str(out, h->key, *(char *const *)field, note);
+            }
+        }
+        const hub_options *ho = hub_transport(o.transport)->options;
+        if (o.hopt == &ho->opt[ho->n - 1] && ho->print != NULL)
+            ho->print(c->hub_opts[o.transport], out);
+    }
+}
+
 void config_print(const config *c, FILE *out)
 {
     fprintf(out, "# dilocod effective configuration (a config file: dilocod --config FILE reads it back)\n");
@@ -874,16 +970,28 @@ void config_print(const config *c, FILE *out)
             c->max_header_bytes, c->max_headers, c->max_body_mib, c->max_delta_header_mib, c->max_uploads);
     print_double(out, "header_timeout", c->header_timeout);
     print_double(out, "idle_timeout", c->idle_timeout);
-    fprintf(out, "max_connections = %u\n", c->max_connections);
-    print_str(out, "hub_endpoint", c->hub_endpoint, " (hf:// and s3:// only)");
-    print_str(out, "hub_token_file", c->hub_token_file, c->hub_token ? " (the token is from $HF_TOKEN)" : "");
-    fprintf(out, "max_downloads = %u\n# hub token: %s\n", c->max_downloads, c->hub_token ? "set" : "not set");
+    fprintf(out, "max_connections = %u\nmax_downloads = %u\n", c->max_connections, c->max_downloads);
     fprintf(out, "prune_consumed = %u\nwarm_outputs = %u\nhistory_keep = %u\n", c->prune_consumed, c->warm_outputs,
             c->history_keep);
-    print_str(out, "s3_region", c->s3_region, " (s3:// only)");
-    print_str(out, "s3_addressing", c->s3_addressing, "");
-    fprintf(out, "s3_part_mib = %u\ns3_claim_lease = %u\nshard_size = %" PRIu64 "\n", c->s3_part_mib, c->s3_claim_lease, c->shard_size);
-    print_str(out, "s3_credentials_file", c->s3_credentials_file, " (s3:// keys from the environment)");
+    fprintf(out, "shard_size = %" PRIu64 "\n", c->shard_size);
+    print_transport_options(c, out);
+}
+
+static void free_transport_options(config *c)
+{
+    for (size_t t = 0; c->hub_opts != NULL && t < hub_transport_count(); t++) {
+        const hub_options *ho = hub_transport(t)->options;
+        if (c->hub_opts[t] == NULL)
+            continue;
+        if (ho->clear != NULL)
+            ho->clear(c->hub_opts[t]);
+        for (size_t i = 0; i < ho->n; i++)
+            if (ho->opt[i].type != HUB_OPT_UINT)
+                free(*(char **)((char *)c->hub_opts[t] + ho->opt[i].offset));
+        free(c->hub_opts[t]);
+    }
+    free(c->hub_opts);
+    c->hub_opts = NULL;
 }
 
 void config_free(config *c)
@@ -896,20 +1004,28 @@ void config_free(config *c)
     free(c->listen);
     free(c->listen_host);
     free(c->token_file);
-    free(c->hub_endpoint);
-    free(c->hub_token_file);
-    if (c->hub_token)
-        memset(c->hub_token, 0, strlen(c->hub_token));
-    free(c->hub_token);
-    free(c->hf_repo);
-    free(c->hf_rev);
-    free(c->s3_region);
-    free(c->s3_addressing);
-    free(c->s3_credentials_file);
     free_nodes(c);
+    free_transport_options(c);
     if (c->origin != NULL)
-        for (size_t i = 0; i < COUNT_OF(options); i++)
+        for (size_t i = 0; i < nslots(); i++)
             free(c->origin[i]);
     free(c->origin);
     c->origin = NULL;
+}
+
+const void *config_hub_options(const config *c)
+{
+    size_t t = transport_of(c->hub);
+    return t < hub_transport_count() && c->hub_opts != NULL ? c->hub_opts[t] : NULL;
+}
+
+int config_hub_value(const config *c, const char *key, const char **value)
+{
+    size_t t = transport_of(c->hub);
+    const hub_option *h = t < hub_transport_count() ? transport_option(t, key) : NULL;
+
+    if (h == NULL || h->type == HUB_OPT_UINT || c->hub_opts == NULL || c->hub_opts[t] == NULL)
+        return 0;
+    *value = *(char *const *)((const char *)c->hub_opts[t] + h->offset);
+    return 1;
 }

@@ -17,7 +17,7 @@ typedef struct config {
     char *config_file;
     char *state_root;
     char *id;
-    char *hub;                  /* "none", "file:///abs/dir", "hf://ns/repo[@rev]" */
+    char *hub;                  /* "none" or a URL of a transport of the scheme table (hub.h) */
     char *init_model;
     unsigned expected_nodes;    /* 0: not set (rounds close by timeout only) */
     char **nodes;               /* allow-list of node ids (sets expected_nodes) */
@@ -46,24 +46,18 @@ typedef struct config {
     double idle_timeout;
     unsigned max_connections;
     unsigned max_uploads;       /* uploads in progress at once (each holds ~2 MiB of buffers + its header) */
-    /* hf:// */
-    char *hub_endpoint;         /* default: $HF_ENDPOINT or https://huggingface.co */
-    char *hub_token_file;       /* default: $HF_TOKEN */
+    /* the transport */
     unsigned max_downloads;
     unsigned prune_consumed;    /* 1: remove the transport's delta files once their step is durable */
     unsigned warm_outputs;      /* 1: make the next pass's output pages while a round collects */
     unsigned history_keep;      /* rounds.jsonl keeps at least this many records (compacted at startup) */
-    char *hub_token;            /* loaded, never printed */
-    char *hf_repo, *hf_rev;     /* parsed from hub */
-    /* s3:// (hub_endpoint: default $AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL, else AWS's own) */
-    char *s3_region;            /* default $AWS_REGION, $AWS_DEFAULT_REGION, else us-east-1 */
-    char *s3_addressing;        /* auto | path | virtual */
-    unsigned s3_part_mib;       /* multipart upload above this, in parts of this size */
-    unsigned s3_claim_lease;    /* seconds a publish claim is honoured (by its Last-Modified) */
-    char *s3_credentials_file;  /* default: $AWS_ACCESS_KEY_ID / $AWS_SECRET_ACCESS_KEY */
     uint64_t shard_size;        /* a published global above this is sharded (index + shards); 0 never */
-    /* per option of the table in config.c: "FILE:LINE" of the file line that set it, NULL when a flag
-     * or the default did, so a check that fails late still points at the line to fix */
+    /* The transports' own options (hub.h's hub_options), one struct of the transport's type per row
+     * of the scheme table, NULL for a transport without options: every one read from the flags and
+     * the file, only --hub's loaded (config_hub_options) */
+    void **hub_opts;
+    /* per option (the table in config.c, then the transports'): "FILE:LINE" of the file line that set
+     * it, NULL when a flag or the default did, so a check that fails late still points at the line to fix */
     char **origin;
 } config;
 
@@ -76,5 +70,9 @@ int config_load(config *c, int argc, char **argv);
 void config_print(const config *c, FILE *out);
 void config_free(config *c);
 const char *config_optimizer_name(config_optimizer o);
+/* --hub's transport's options struct, for its open() (hub_config.options); NULL when none. */
+const void *config_hub_options(const config *c);
+/* 1 with *value (NULL: unset) when --hub's transport has a text option key, else 0. */
+int config_hub_value(const config *c, const char *key, const char **value);
 
 #endif

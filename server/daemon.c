@@ -47,6 +47,25 @@ const char *daemon__state_name(dstate s)
     return "?";
 }
 
+dstate daemon__state(const dilocod *d)
+{
+    if (!d->st.committed && d->model == NULL)
+        return S_WAITING_GLOBAL;
+    switch (pipeline_state(&d->pipe, d->rnd.step + 1)) {
+    case STEP_COMPUTING:
+    case STEP_INPUTS_DURABLE:
+    case STEP_COMMITTED:        /* the commit's own callback, before the next round opens */
+    case STEP_SERVED:
+    case STEP_PUBLISHED:
+    case STEP_DURABLE:
+        return S_AGGREGATING;
+    case STEP_RETRY_WAIT:
+        return S_RETRY_WAIT;
+    default:                    /* collecting, failed (the daemon stops), or the round about to open */
+        return S_COLLECTING;
+    }
+}
+
 /* ---- small pool jobs, and removing our files off the loop ---------------------------------------- */
 
 static void jobs_drained(job_owner *o)
@@ -168,7 +187,7 @@ static void close_walk_cb(uv_handle_t *h, void *arg)
 
 void daemon__maybe_finish_shutdown(dilocod *d)
 {
-    if (!d->stopping || d->jobs.in_flight > 0 || d->warm_job != NULL || d->http != NULL || d->hub != NULL)
+    if (!d->stopping || d->jobs.in_flight > 0 || d->warm.job != NULL || d->http != NULL || d->hub != NULL)
         return;
     uv_walk(&d->loop, close_walk_cb, NULL);
 }
@@ -197,13 +216,13 @@ static void signal_cb(uv_signal_t *s, int signum)
     }
     d->stopping = 1;
     dl_log(DL_LOG_INFO, "main", "shutting down", "signal=%s state=%s jobs=%d", signum == SIGINT ? "SIGINT" : "SIGTERM",
-           daemon__state_name(d->state), d->jobs.in_flight);
+           daemon__state_name(daemon__state(d)), d->jobs.in_flight);
     uv_timer_stop(&d->round_timer);
     uv_timer_stop(&d->retry_timer);
     uv_timer_stop(&d->publish_timer);
     uv_timer_stop(&d->settle_timer);
     uv_timer_stop(&d->set_timer);
-    if (d->pass != NULL && d->state == S_AGGREGATING)
+    if (d->pass != NULL && daemon__state(d) == S_AGGREGATING)
         outer_abort(d->pass);       /* unfinished: abandoned without a trace (temporary files removed) */
     daemon__stop_warm(d);
     if (d->http != NULL)
@@ -291,8 +310,8 @@ static int startup(dilocod *d, dl_error *err)
         return 0;               /* the transport's first poll tells whether our step is published */
     }
     if (d->hub != NULL) {
-        /* the first poll tells whether the transport holds a global (adopt it) or not (bootstrap) */
-        d->state = S_WAITING_GLOBAL;
+        /* the first poll tells whether the transport holds a global (adopt it) or not (bootstrap): till
+         * then nothing is committed and there is no model, which daemon__state calls waiting */
         return 0;
     }
     if (d->cfg->init_model == NULL)
@@ -325,9 +344,9 @@ static int init_handles(dilocod *d)
     uv_timer_init(&d->loop, &d->set_timer);
     uv_signal_init(&d->loop, &d->sighup);
     d->sighup.data = d;
-    if ((rc = uv_async_init(&d->loop, &d->warm_async, daemon__warm_async_cb)) != 0)
+    if ((rc = uv_async_init(&d->loop, &d->warm.async, daemon__warm_async_cb)) != 0)
         return rc;
-    uv_check_init(&d->loop, &d->busy_check);
+    uv_check_init(&d->loop, &d->warm.busy_check);
     uv_signal_start(&d->sigint, signal_cb, SIGINT);
     uv_signal_start(&d->sigterm, signal_cb, SIGTERM);
     uv_signal_start(&d->sighup, sighup_cb, SIGHUP);
@@ -338,7 +357,7 @@ static void start_watching(dilocod *d)
 {
     if (d->hub == NULL)
         return;
-    hub_set_step(d->hub, d->st.step, d->state == S_WAITING_GLOBAL);
+    hub_set_step(d->hub, d->st.step, daemon__state(d) == S_WAITING_GLOBAL);
     hub_start(d->hub);
 }
 
@@ -359,16 +378,10 @@ static int open_hub(dilocod *d, dl_error *err)
     hub_config hc = {
         .url = d->cfg->hub,
         .state_dir = dir,
-        .endpoint = d->cfg->hub_endpoint,
-        .token = d->cfg->hub_token,
         .poll_interval = d->cfg->poll_interval,
         .max_downloads = d->cfg->max_downloads,
         .max_header_bytes = (uint64_t)d->cfg->max_delta_header_mib << 20,
-        .region = d->cfg->s3_region,
-        .addressing = d->cfg->s3_addressing,
-        .part_size = (uint64_t)d->cfg->s3_part_mib << 20,
-        .claim_lease = d->cfg->s3_claim_lease,
-        .credentials_file = d->cfg->s3_credentials_file,
+        .options = config_hub_options(d->cfg),    /* the transport's own, read through its table */
     };
     rc = hub_open(&d->hub, &d->loop, &hc, &hub_cbs, d, err);
     free(dir);
@@ -389,9 +402,8 @@ int daemon_run(config *cfg)
     d->started_at = time(NULL);
     d->published_step = -1;
     d->adopt_refused_step = -1;
-    d->set_step = -1;
-    d->set_nshards = 1;
-    d->state = S_COLLECTING;            /* startup() switches to S_WAITING_GLOBAL when it must */
+    d->layout.step = -1;
+    d->layout.nshards = 1;
     d->retry_delay = cfg->retry_interval;
     pipeline_init(&d->pipe, NULL, NULL);
     job_owner_init(&d->jobs, &d->loop, jobs_drained);
@@ -425,7 +437,7 @@ int daemon_run(config *cfg)
     } else {
         announce_http(d);
         start_watching(d);
-        if (d->state != S_WAITING_GLOBAL)
+        if (daemon__state(d) != S_WAITING_GLOBAL)
             daemon__collecting_start(d);
     }
     uv_run(&d->loop, UV_RUN_DEFAULT);
@@ -445,11 +457,11 @@ int daemon_run(config *cfg)
     free(state_dir);
     dl_log(DL_LOG_INFO, "main", "stopped", "step=%" PRIu64 " exit_code=%d", d->st.step, d->exit_code);
     int code = d->exit_code;
-    for (size_t i = 0; i < d->nqueue; i++)
-        intake_req_free(d->queue[i]);
-    free(d->queue);
+    for (size_t i = 0; i < d->intake.n; i++)
+        intake_req_free(d->intake.queue[i]);
+    free(d->intake.queue);
     daemon__pass_release(d);
-    daemon__drop_warm(d, d->warm_tmp);
+    daemon__drop_warm(d, d->warm.tmp);
     round_free(&d->rnd);
     st_header_free(d->model);
     store_free(&d->st);
@@ -458,9 +470,9 @@ int daemon_run(config *cfg)
     history_free(&d->history);
     history_record_free(&d->pending_record);
     free(d->pending_round);
-    free(d->unappended);
-    daemon__settle_free(d->settle_retry);
-    daemon__settle_free(d->settle_after_publish);
+    free(d->settle.unappended);
+    daemon__settle_free(d->settle.retry);
+    daemon__settle_free(d->settle.after_publish);
     daemon__free_rels(d->round_rels, d->nround_rels);
     free(d);
     return code;

@@ -18,6 +18,7 @@
 #include "dl_log.h"
 #include "fsutil.h"
 #include "hub.h"
+#include "pipeline.h"
 #include "hub_file.h"          /* hubfile_copy: --init-model, a trusted file, copied into the state */
 #include "safetensors.h"
 #include "st_index.h"
@@ -390,7 +391,7 @@ void daemon__on_published_seen(void *app, int64_t step)
     dilocod *d = app;
 
     d->published_known = 1;
-    if (d->state == S_WAITING_GLOBAL) {
+    if (daemon__state(d) == S_WAITING_GLOBAL) {
         if (step < 0 && d->cfg->init_model != NULL)
             start_adopt(d, d->cfg->init_model, 0, 1);       /* nothing published: our model is step 0 */
         else if (step < 0)
@@ -403,6 +404,7 @@ void daemon__on_published_seen(void *app, int64_t step)
                "step=%" PRId64 " why=the hub's copy was published before the step's files were durable", step);
     } else if (step >= 0 && (uint64_t)step == d->st.step) {
         d->published_step = step;
+        pipeline_published(&d->pipe, d->st.step);      /* found there: /status says so, as after our publish */
     } else if (step > (int64_t)d->st.step) {
         dl_log(DL_LOG_WARN, "hub", "the hub holds a newer step than our state; ours will be published over it",
                "hub_step=%" PRId64 " step=%" PRIu64, step, d->st.step);
@@ -413,7 +415,7 @@ void daemon__on_published_seen(void *app, int64_t step)
 void daemon__on_global_ready(void *app, uint64_t step, const char *local_path)
 {
     dilocod *d = app;
-    if (d->state != S_WAITING_GLOBAL) {
+    if (daemon__state(d) != S_WAITING_GLOBAL) {
         daemon__discard_local(d, local_path, 1);
         return;
     }

@@ -196,9 +196,9 @@ static void queue_settle(dilocod *d, settle_args *a);
 static void settle_retry_cb(uv_timer_t *t)
 {
     dilocod *d = container_of(t, dilocod, settle_timer);
-    settle_args *a = d->settle_retry;
+    settle_args *a = d->settle.retry;
 
-    d->settle_retry = NULL;
+    d->settle.retry = NULL;
     if (a != NULL)
         queue_settle(d, a);
 }
@@ -215,16 +215,14 @@ static void settle_done(job *j)
         /* the step stays committed by its redo record; its durability is retried (the next commit waits) */
         daemon__log_error("store", "cannot make the committed step durable, will retry", &j->err);
         if (!d->stopping) {
-            d->settle_retry = a;
+            d->settle.retry = a;
             uv_timer_start(&d->settle_timer, settle_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
             return;
         }
-        d->settle_in_flight = 0;
         daemon__settle_free(a);
         return;
     }
-    d->settle_in_flight = 0;
-    d->unappended = a->unappended;      /* the records still to append go with the next settle */
+    d->settle.unappended = a->unappended;      /* the records still to append go with the next settle */
     a->unappended = NULL;
     pipeline_durable(&d->pipe, a->step);
     dl_log(DL_LOG_DEBUG, "store", "durable", "step=%" PRIu64, a->step);
@@ -240,13 +238,12 @@ static void settle_done(job *j)
 static void queue_settle(dilocod *d, settle_args *a)
 {
     if (a->unappended == NULL) {        /* a retried settle carries them already */
-        a->unappended = d->unappended;
-        d->unappended = NULL;
+        a->unappended = d->settle.unappended;
+        d->settle.unappended = NULL;
     }
-    d->settle_in_flight = 1;
     if (daemon__queue(d, settle_work, settle_done, a) != 0) {
         /* no memory for a job: try again in a moment (the redo record keeps the step safe meanwhile) */
-        d->settle_retry = a;
+        d->settle.retry = a;
         uv_timer_start(&d->settle_timer, settle_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
     }
 }
@@ -278,8 +275,7 @@ static void start_settle(dilocod *d, uint64_t step)
          * behind the settle's (twice the model size): 0.07-0.2 s after a 256 MiB step when they ran
          * side by side.  The settle follows the publish (daemon__release_settle); the redo record keeps the step
          * safe meanwhile, and the next commit waits for it as for any settle. */
-        d->settle_after_publish = a;
-        d->settle_in_flight = 1;
+        d->settle.after_publish = a;
         return;
     }
     queue_settle(d, a);
@@ -288,11 +284,11 @@ static void start_settle(dilocod *d, uint64_t step)
 /* Starts the settle that waited for the publish (the publish ended, none started, or shutdown). */
 void daemon__release_settle(dilocod *d)
 {
-    settle_args *a = d->settle_after_publish;
+    settle_args *a = d->settle.after_publish;
 
     if (a == NULL)
         return;
-    d->settle_after_publish = NULL;
+    d->settle.after_publish = NULL;
     queue_settle(d, a);
 }
 
@@ -352,12 +348,13 @@ static void cleanup_work(job *j)
 static void cleanup_done(job *j)
 {
     store *snap = j->arg;
+    pipeline *p = &daemon__of_job(j)->pipe;
 
-    daemon__of_job(j)->cleanup_in_flight = 0;
+    pipeline_end(p, snap->step, STEP_ACT_CLEANUP, j->rc == 0);
     if (j->rc != 0)
         daemon__log_error("store", "cleanup failed", &j->err);
     else
-        pipeline_cleaned(&daemon__of_job(j)->pipe, snap->step);
+        pipeline_cleaned(p, snap->step);
     store_free(snap);
     free(snap);
 }
@@ -366,8 +363,9 @@ void daemon__schedule_cleanup(dilocod *d)
 {
     store *snap;
 
-    /* the inputs of a committed step stay until it is durable (its redo record names them) */
-    if (d->cleanup_in_flight || d->publish_in_flight || d->settle_in_flight || d->commit_waiting || !d->st.committed)
+    /* the inputs of a committed step stay until it is durable (its redo record names them), and the
+     * files a publish reads stay until it ends */
+    if (!d->st.committed || !pipeline_cleanup_ready(&d->pipe, d->rnd.step + 1))
         return;
     if ((snap = calloc(1, sizeof(*snap))) == NULL)
         return;
@@ -375,12 +373,16 @@ void daemon__schedule_cleanup(dilocod *d)
     snap->step = d->st.step;
     if ((snap->dir = strdup(d->st.dir)) == NULL || (snap->global_path = strdup(d->st.global_path)) == NULL ||
         (d->st.momentum_path != NULL && (snap->momentum_path = strdup(d->st.momentum_path)) == NULL) ||
-        daemon__queue(d, cleanup_work, cleanup_done, snap) != 0) {
+        pipeline_start(&d->pipe, snap->step, STEP_ACT_CLEANUP) != 0) {
         store_free(snap);
         free(snap);
         return;
     }
-    d->cleanup_in_flight = 1;
+    if (daemon__queue(d, cleanup_work, cleanup_done, snap) != 0) {
+        pipeline_end(&d->pipe, snap->step, STEP_ACT_CLEANUP, 0);
+        store_free(snap);
+        free(snap);
+    }
 }
 
 static void log_round_stats(dilocod *d)
@@ -433,29 +435,29 @@ static void commit_done(job *j)
         hub_set_step(d->hub, d->st.step, 0);      /* the transport looks for the new round's deltas */
     dl_log(DL_LOG_INFO, "round", "opened", "step=%" PRIu64 " expected=%u min_nodes=%u", d->rnd.step,
            d->cfg->expected_nodes, d->cfg->min_nodes);
-    d->state = S_COLLECTING;
     if (d->stopping) {
         daemon__release_settle(d);
         return;
     }
     daemon__start_warm(d);
     daemon__maybe_publish(d);
-    if (!d->publish_in_flight)
+    if (!pipeline_any_busy(&d->pipe, STEP_ACT_PUBLISH))
         daemon__release_settle(d);      /* nothing to wait for */
     daemon__dispatch_intake(d);
 }
 
-/* The commit of a finished pass waits for the previous step to be durable (this one's redo record
- * names its files as inputs) and for the round's deltas to be durable (they are the other inputs:
- * fsynced by sync_inputs while the pass ran); a delta rewritten in place meanwhile reopens the round. */
+/* The commit of a finished pass (its step in computing, the pass done) waits for the previous step
+ * to be durable (this one's redo record names its files as inputs) and for the round's deltas to be
+ * durable (they are the other inputs: fsynced by sync_inputs while the pass ran); a delta rewritten in
+ * place meanwhile reopens the round.  Moving to inputs_durable is what makes it start only once. */
 void daemon__try_commit(dilocod *d)
 {
-    if (!d->commit_waiting || d->settle_in_flight || d->inputs_syncing || d->stopping)
+    uint64_t step = d->rnd.step + 1;
+
+    if (d->stopping || !pipeline_commit_ready(&d->pipe, step))
         return;
-    d->commit_waiting = 0;
-    if (d->inputs_sync_failed) {
+    if (pipeline_failed(&d->pipe, step, STEP_ACT_SYNC)) {
         dl_error e;
-        d->inputs_sync_failed = 0;
         dl_fail(&e, DL_E_IO, NULL, 0, "the round's deltas could not be made durable");
         daemon__aggregation_failed(d, &e);
         return;

@@ -51,18 +51,18 @@ static intake_req *enqueue_intake(dilocod *d, const char *path, const char *rel,
     r->ck = &d->st.key;         /* never changes after store_open: the pool reads it */
     /* one header cap whatever brought the delta in (an upload, the shared tree, the Hub) */
     r->max_header = (uint64_t)d->cfg->max_delta_header_mib << 20;
-    if (d->nqueue == d->cap_queue) {
-        size_t nc = d->cap_queue ? d->cap_queue * 2 : 16;
-        intake_req **nq = realloc(d->queue, nc * sizeof(*nq));
+    if (d->intake.n == d->intake.cap) {
+        size_t nc = d->intake.cap ? d->intake.cap * 2 : 16;
+        intake_req **nq = realloc(d->intake.queue, nc * sizeof(*nq));
         if (nq == NULL) {
             intake_req_free(r);
             dl_log(DL_LOG_ERROR, "intake", "out of memory", "path=%s", path);
             return NULL;
         }
-        d->queue = nq;
-        d->cap_queue = nc;
+        d->intake.queue = nq;
+        d->intake.cap = nc;
     }
-    d->queue[d->nqueue++] = r;
+    d->intake.queue[d->intake.n++] = r;
     return r;
 }
 
@@ -77,7 +77,7 @@ void daemon__on_delta_ready(void *app, const hub_delta *hd)
     if (r != NULL)
         r->index = index_parse_ref(hd->index);      /* released with the request */
     if (r != NULL && hd->root != NULL && (r->hub_root = strdup(hd->root)) == NULL) {
-        d->queue[--d->nqueue] = NULL;
+        d->intake.queue[--d->intake.n] = NULL;
         intake_req_free(r);
         r = NULL;
     }
@@ -110,7 +110,7 @@ static void count_refusal(dilocod *d, round_verdict v)
 round_verdict daemon__peek(dilocod *d, const delta_info *info)
 {
     /* no global yet: nothing can be based on a step we do not have */
-    return d->state == S_WAITING_GLOBAL ? ROUND_FUTURE : round_peek(&d->rnd, info);
+    return daemon__state(d) == S_WAITING_GLOBAL ? ROUND_FUTURE : round_peek(&d->rnd, info);
 }
 
 /* daemon__offer, for a delta linked from a shared tree when guard is non-NULL: the version validated,
@@ -174,7 +174,7 @@ static int rewritten_in_round(dilocod *d, intake_req *r, int *retry)
     }
     if (!e->guarded || e->local_step != r->info.local_step || fsu_ident_check(e->path, &e->ident) == 1)
         return 0;
-    if (d->state != S_COLLECTING) {
+    if (daemon__state(d) != S_COLLECTING) {
         *retry = 1;             /* the pass's checks drop it; the new version comes back after */
         return 0;
     }
@@ -189,9 +189,9 @@ static int rewritten_in_round(dilocod *d, intake_req *r, int *retry)
     r->link_errno = 0;
     memset(&r->info, 0, sizeof(r->info));
     dl_error_clear(&r->err);
-    if (d->nqueue == d->cap_queue)
+    if (d->intake.n == d->intake.cap)
         return 0;               /* no room to run it again now: the transport hands it over later */
-    d->queue[d->nqueue++] = r;
+    d->intake.queue[d->intake.n++] = r;
     return 1;
 }
 
@@ -260,7 +260,7 @@ static void intake_done(job *j)
     hub_version v = {r->size, r->mtime_ns, r->ino};
     int retry, final;
 
-    d->intake_in_flight--;
+    d->intake.in_flight--;
     if (r->index_parsed)
         stats_index_parsed(&d->m);
     r->index_parsed = 0;        /* a request run again (below) counts its own parse */
@@ -273,9 +273,9 @@ static void intake_done(job *j)
         dl_log(DL_LOG_DEBUG, "intake", "delta met a cached copy that is changing, taken in again later",
                "path=%s", name);
     }
-    if (r->link_errno != 0 && !d->link_refused_said) {
+    if (r->link_errno != 0 && !d->intake.link_refused_said) {
         char qe[200];
-        d->link_refused_said = 1;
+        d->intake.link_refused_said = 1;
         dl_log(DL_LOG_WARN, "intake", "deltas are copied into the state, not linked: slower",
                "reason=%s hint=%s", dl_log_q(qe, sizeof(qe), strerror(r->link_errno)),
                r->link_errno == EXDEV ? "put --state-root on the shared tree's filesystem for zero-copy intake"
@@ -340,18 +340,18 @@ static void intake_done(job *j)
 
 void daemon__dispatch_intake(dilocod *d)
 {
-    while (!d->stopping && d->intake_in_flight < MAX_INTAKE_IN_FLIGHT && d->nqueue > 0 &&
-           d->state != S_WAITING_GLOBAL) {
-        intake_req *r = d->queue[0];
-        memmove(d->queue, d->queue + 1, (d->nqueue - 1) * sizeof(*d->queue));
-        d->nqueue--;
+    while (!d->stopping && d->intake.in_flight < MAX_INTAKE_IN_FLIGHT && d->intake.n > 0 &&
+           daemon__state(d) != S_WAITING_GLOBAL) {
+        intake_req *r = d->intake.queue[0];
+        memmove(d->intake.queue, d->intake.queue + 1, (d->intake.n - 1) * sizeof(*d->intake.queue));
+        d->intake.n--;
         r->global = d->model;
         r->step = d->rnd.step;
         if (daemon__queue(d, intake_work, intake_done, r) != 0) {
             intake_req_free(r);
             continue;
         }
-        d->intake_in_flight++;
+        d->intake.in_flight++;
     }
 }
 
@@ -368,7 +368,7 @@ void daemon__maybe_close_round(dilocod *d)
 
     /* a bootstrap still copying --init-model: the round takes deltas in, and closes once step 0 is
      * committed (adopt_done) */
-    if (d->state != S_COLLECTING || d->stopping || d->bootstrap_in_flight ||
+    if (daemon__state(d) != S_COLLECTING || d->stopping || d->bootstrap_in_flight ||
         !round_should_close(&d->rnd, daemon__now(d), &why))
         return;
     d->rnd.closed = 1;
@@ -439,7 +439,6 @@ void daemon__round_open(dilocod *d)
 {
     round_init(&d->rnd, d->st.step, d->cfg->expected_nodes, d->cfg->nodes, d->cfg->nnodes, d->cfg->min_nodes,
                d->cfg->round_timeout);
-    d->state = S_COLLECTING;
     pipeline_begin(&d->pipe, d->st.step + 1, STEP_COLLECTING);
     model_facts(d);
     if (d->hub != NULL) {

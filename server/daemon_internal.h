@@ -27,6 +27,9 @@
 
 #include "util.h"
 
+/* What the daemon does, as /status names it: derived from the pipeline (daemon__state), never stored.
+ * Waiting for a global: nothing committed and no model to open a round on.  Otherwise the open round's
+ * step says it: collecting, aggregating (computed, its inputs made durable, committed), retry_wait. */
 typedef enum dstate { S_WAITING_GLOBAL, S_COLLECTING, S_AGGREGATING, S_RETRY_WAIT } dstate;
 
 
@@ -52,11 +55,54 @@ typedef struct served_global {
     uint32_t nshards;
 } served_global;
 
+/* Each file of the daemon owns a part of its state (the other files call that file's functions). */
+
+/* daemon_intake.c: what waits for an intake job (at most MAX_INTAKE_IN_FLIGHT run). */
+typedef struct daemon_intake_queue {
+    intake_req **queue;
+    size_t n, cap;
+    int in_flight;
+    int link_refused_said;      /* zero-copy intake fell back to copying: said once */
+} daemon_intake_queue;
+
+/* daemon_pass.c: the next pass's output files, warmed while its round collects (daemon__start_warm). */
+typedef struct daemon_warm {
+    struct warm_args *job;      /* the warm thread's job, NULL when none runs */
+    uv_thread_t thread;
+    uv_async_t async;           /* the warm thread ended */
+    uv_check_t busy_check;      /* while it runs: tells it whether deltas are arriving */
+    char *tmp[2];               /* global, momentum: warmed for the pass of step `step`, not yet given */
+    uint64_t step;
+    char *given[2];             /* the ones given to the current pass (it takes them over, or they go) */
+    int failure_said;           /* a warm job failed: logged at warn level once */
+} daemon_warm;
+
+/* daemon_publish.c: the publish's retry state (whether one runs is the pipeline's: STEP_ACT_PUBLISH). */
+typedef struct daemon_publishing {
+    int bootstrap;              /* the publish in flight is the bootstrap's step 0 (the state may have moved on
+                                   by the time it is done: a round can close as soon as step 0 is committed) */
+    double backoff;             /* seconds before the next publish retry (0: the last one succeeded) */
+    char last_error[256];
+} daemon_publishing;
+
+/* daemon_publish.c: the published layout.  A global above --shard-size is published and served as
+ * an index and shards, written from the step's single file into global/set-<step>/ after each commit. */
+typedef struct daemon_layout {
+    uint32_t nshards;           /* 1: the plain file */
+    int64_t step;               /* the step whose set is written (-1: none yet) */
+} daemon_layout;
+
+/* daemon_commit.c: the settles that wait (whether a step settles is the pipeline's: pipeline_unsettled). */
+typedef struct daemon_settle {
+    struct settle_args *retry;          /* a failed settle, retried by settle_timer */
+    struct settle_args *after_publish;  /* a settle waiting for the publish (daemon__release_settle) */
+    char *unappended;           /* records committed but not yet in rounds.jsonl: lent to each settle job */
+} daemon_settle;
+
 typedef struct dilocod {
     uv_loop_t loop;
     config *cfg;
     store st;
-    dstate state;
     int stopping;
     int exit_code;
     time_t started_at;
@@ -69,11 +115,7 @@ typedef struct dilocod {
     round_state rnd;
     pipeline pipe;              /* the steps in flight and their lifecycle states (pipeline.h) */
 
-    /* intake */
-    intake_req **queue;
-    size_t nqueue, cap_queue;
-    int intake_in_flight;
-    int link_refused_said;      /* zero-copy intake fell back to copying: said once */
+    daemon_intake_queue intake; /* daemon_intake.c */
 
     /* aggregation */
     outer_pass *pass;
@@ -84,15 +126,7 @@ typedef struct dilocod {
     size_t pass_n;
     int pass_jobs;              /* run jobs still out */
     atomic_int *writeback_stop; /* the new global's write-back job (set to 1 to stop it), NULL when none */
-    /* the next pass's output files, warmed while its round collects (daemon__start_warm) */
-    struct warm_args *warm_job; /* the warm thread's job, NULL when none runs */
-    uv_thread_t warm_thread;
-    uv_async_t warm_async;      /* the warm thread ended */
-    uv_check_t busy_check;      /* while it runs: tells it whether deltas are arriving */
-    char *warm_tmp[2];          /* global, momentum: warmed for the pass of step warm_step, not yet given */
-    uint64_t warm_step;
-    char *pass_warm[2];         /* the ones given to the current pass (it takes them over, or they go) */
-    int warm_failure_said;      /* a warm job failed: logged at warn level once */
+    daemon_warm warm;           /* daemon_pass.c */
     double pass_started;
     double retry_delay;
     uint64_t pass_last_bytes;
@@ -101,20 +135,8 @@ typedef struct dilocod {
 
     /* publish */
     int64_t published_step;     /* -1: nothing published by us or unknown */
-    int publish_in_flight;
-    int publishing_bootstrap;   /* the publish in flight is the bootstrap's step 0 (the state may have moved on
-                                   by the time it is done: a round can close as soon as step 0 is committed) */
-    double publish_backoff;     /* seconds before the next publish retry (0: the last one succeeded) */
-    char publish_last_error[256];
-    int cleanup_in_flight;
-    int settle_in_flight;       /* the committed step's outputs are being made durable (redo.json stays) */
-    int commit_waiting;         /* a round's outputs are written; its commit waits for the settle above
-                                   and for the round's deltas to be durable (daemon__try_commit) */
-    int inputs_syncing;         /* the round's deltas are being fsynced (beside the pass) */
-    int inputs_sync_failed;
-    int inputs_resync;          /* the round changed while they were: sync again before the commit */
-    struct settle_args *settle_retry;   /* a failed settle, retried by settle_timer */
-    struct settle_args *settle_after_publish;   /* a settle waiting for the publish (daemon__release_settle) */
+    daemon_publishing publish;  /* daemon_publish.c */
+    daemon_settle settle;       /* daemon_commit.c */
     char **round_rels;          /* the transport's files of the open round's deltas (--prune-consumed) */
     size_t nround_rels;
     job_owner jobs;             /* every pool job out (jobs.h), for shutdown */
@@ -132,17 +154,12 @@ typedef struct dilocod {
     auth_table auth;
     int uploads_in_flight;
     served_global global;       /* what GET /global/... sends (read it with daemon__global) */
-    /* the published layout: a global above --shard-size is published and served as an index and
-     * shards, written from the step's single file into global/set-<step>/ after each commit */
-    uint32_t set_nshards;       /* 1: the plain file */
-    int64_t set_step;           /* the step whose set is written (-1: none yet) */
-    int set_in_flight;
+    daemon_layout layout;       /* daemon_publish.c */
     int global_stale;           /* the committed global could not be opened yet: an older one is served */
 
     history history;            /* committed rounds (the last HISTORY_MAX) */
     char *pending_round;        /* the closing round's record, committed with its step (a JSON line) */
     round_record pending_record;
-    char *unappended;           /* records committed but not yet in rounds.jsonl: lent to each settle job */
     stats m;                    /* every counter (stats.h) */
     /* adoptions of a published global refused (its step out of bounds, its header over the cap, ...):
      * counted each time, logged once per step offered */
@@ -163,6 +180,7 @@ static inline double daemon__clock(void)
 }
 
 const char *daemon__state_name(dstate s);
+dstate daemon__state(const dilocod *d);
 /* The global that downloads send now (retries opening a newly committed one that failed to open). */
 const served_global *daemon__global(dilocod *d);
 /* Offers a validated delta (its cache copy) to the round, logs, and closes the round if it is

@@ -40,8 +40,10 @@ static int reopen_round(dilocod *d);
 
 void daemon__pass_release(dilocod *d)
 {
+    if (pipeline_busy(&d->pipe, d->rnd.step + 1, STEP_ACT_PASS))
+        pipeline_end(&d->pipe, d->rnd.step + 1, STEP_ACT_PASS, 0);     /* given up before its outputs */
     stop_writeback(d);
-    daemon__drop_warm(d, d->pass_warm);         /* taken over by the pass's writers (gone already), or unused */
+    daemon__drop_warm(d, d->warm.given);         /* taken over by the pass's writers (gone already), or unused */
     if (d->pass != NULL) {
         outer_free(d->pass);
         free((void *)d->pass->out_global_path);
@@ -65,7 +67,7 @@ void daemon__pass_release(dilocod *d)
 static void retry_cb(uv_timer_t *t)
 {
     dilocod *d = container_of(t, dilocod, retry_timer);
-    if (!d->stopping && d->state == S_RETRY_WAIT)
+    if (!d->stopping && daemon__state(d) == S_RETRY_WAIT)
         daemon__start_aggregation(d);
 }
 
@@ -77,7 +79,6 @@ void daemon__aggregation_failed(dilocod *d, const dl_error *err)
     if (d->stopping)
         return;
     pipeline_move(&d->pipe, d->rnd.step + 1, STEP_RETRY_WAIT);
-    d->state = S_RETRY_WAIT;
     dl_log(DL_LOG_WARN, "aggregate", "will retry", "step=%" PRIu64 " in_seconds=%.1f", d->rnd.step, d->retry_delay);
     uv_timer_start(&d->retry_timer, retry_cb, (uint64_t)(d->retry_delay * 1000), 0);
     d->retry_delay = fmin(d->retry_delay * 2, MAX_RETRY_SECONDS);
@@ -107,7 +108,6 @@ static void inputs_changed(dilocod *d, const dl_error *err)
                 outer_input_changed(p, OUTER_INPUT_GLOBAL(p)) ? "global" : "momentum");
         daemon__log_error("store", "cannot aggregate", &e);
         daemon__pass_release(d);
-        d->state = S_COLLECTING;
         pipeline_move(&d->pipe, d->rnd.step + 1, STEP_FAILED);
         d->exit_code = 1;
         raise(SIGTERM);
@@ -155,7 +155,8 @@ static void finish_done(job *j)
         daemon__aggregation_failed(d, &e);
         return;
     }
-    d->commit_waiting = 1;
+    /* the outputs are written: the commit waits in computing for the inputs and the previous settle */
+    pipeline_end(&d->pipe, d->rnd.step + 1, STEP_ACT_PASS, 1);
     daemon__try_commit(d);
 }
 
@@ -319,7 +320,7 @@ static void warm_thread_main(void *arg)
     }
     a->seconds = daemon__clock() - t0;
     atomic_store(&a->finished, 1);
-    uv_async_send(&a->d->warm_async);
+    uv_async_send(&a->d->warm.async);
 }
 
 static void warm_args_free(warm_args *a)
@@ -352,30 +353,30 @@ void daemon__drop_warm(dilocod *d, char **tmp)
  * 1 GiB), as both fault in new pages from the host at once.  It fills the pages between arrivals. */
 static void busy_check_cb(uv_check_t *h)
 {
-    dilocod *d = container_of(h, dilocod, busy_check);
-    if (d->warm_job != NULL)
-        atomic_store_explicit(&d->warm_job->busy, d->uploads_in_flight > 0 || d->intake_in_flight > 0,
+    dilocod *d = container_of(h, dilocod, warm.busy_check);
+    if (d->warm.job != NULL)
+        atomic_store_explicit(&d->warm.job->busy, d->uploads_in_flight > 0 || d->intake.in_flight > 0,
                               memory_order_relaxed);
 }
 
 /* The warm thread ended: its files go to the round still waiting for them, or away. */
 void daemon__warm_async_cb(uv_async_t *h)
 {
-    dilocod *d = container_of(h, dilocod, warm_async);
-    warm_args *a = d->warm_job;
+    dilocod *d = container_of(h, dilocod, warm.async);
+    warm_args *a = d->warm.job;
 
     if (a == NULL || !atomic_load(&a->finished))
         return;
-    uv_thread_join(&d->warm_thread);
-    uv_check_stop(&d->busy_check);
-    d->warm_job = NULL;         /* shutdown waited for the thread (daemon__maybe_finish_shutdown) */
+    uv_thread_join(&d->warm.thread);
+    uv_check_stop(&d->warm.busy_check);
+    d->warm.job = NULL;         /* shutdown waited for the thread (daemon__maybe_finish_shutdown) */
     if (a->rc != 0) {
         char m[600];
         /* a full disk or a filesystem without fallocate: said once, then at debug level */
-        dl_log(d->warm_failure_said ? DL_LOG_DEBUG : DL_LOG_WARN, "aggregate",
+        dl_log(d->warm.failure_said ? DL_LOG_DEBUG : DL_LOG_WARN, "aggregate",
                "cannot warm the next pass's outputs: it will write new pages", "step=%" PRIu64 " error=%s", a->step,
                dl_log_q(m, sizeof(m), a->err.message));
-        d->warm_failure_said = 1;
+        d->warm.failure_said = 1;
     }
     dl_log(DL_LOG_DEBUG, "aggregate", "outputs warmed", "step=%" PRIu64 " bytes=%" PRIu64 " seconds=%.3f stopped=%d",
            a->step, a->filled, a->seconds, atomic_load(&a->stop));
@@ -385,13 +386,13 @@ void daemon__warm_async_cb(uv_async_t *h)
             a->tmp[i] = NULL;
         }
     }
-    if (!d->stopping && d->state == S_COLLECTING && a->step == d->rnd.step + 1 && !a->taken[0] && !a->taken[1] &&
-        d->warm_tmp[0] == NULL && d->warm_tmp[1] == NULL) {
+    if (!d->stopping && daemon__state(d) == S_COLLECTING && a->step == d->rnd.step + 1 && !a->taken[0] && !a->taken[1] &&
+        d->warm.tmp[0] == NULL && d->warm.tmp[1] == NULL) {
         for (int i = 0; i < 2; i++) {
-            d->warm_tmp[i] = a->tmp[i];
+            d->warm.tmp[i] = a->tmp[i];
             a->tmp[i] = NULL;
         }
-        d->warm_step = a->step;
+        d->warm.step = a->step;
     }
     daemon__drop_warm(d, a->tmp);       /* a round that moved on meanwhile */
     warm_args_free(a);
@@ -404,17 +405,17 @@ void daemon__start_warm(dilocod *d)
     uint64_t step = d->rnd.step + 1;
     warm_args *a;
 
-    if (d->warm_step != step)
-        daemon__drop_warm(d, d->warm_tmp);
-    if (!d->cfg->warm_outputs || d->stopping || d->warm_job != NULL || d->warm_tmp[0] != NULL ||
-        d->state != S_COLLECTING || !d->st.committed || (a = calloc(1, sizeof(*a))) == NULL)
+    if (d->warm.step != step)
+        daemon__drop_warm(d, d->warm.tmp);
+    if (!d->cfg->warm_outputs || d->stopping || d->warm.job != NULL || d->warm.tmp[0] != NULL ||
+        daemon__state(d) != S_COLLECTING || !d->st.committed || (a = calloc(1, sizeof(*a))) == NULL)
         return;
     a->d = d;
     atomic_init(&a->stop, 0);
     atomic_init(&a->finished, 0);
     atomic_init(&a->ready[0], 0);
     atomic_init(&a->ready[1], 0);
-    atomic_init(&a->busy, d->uploads_in_flight > 0 || d->intake_in_flight > 0);
+    atomic_init(&a->busy, d->uploads_in_flight > 0 || d->intake.in_flight > 0);
     dl_error_clear(&a->err);
     a->step = step;
     a->src[0] = strdup(d->st.global_path);
@@ -424,40 +425,40 @@ void daemon__start_warm(dilocod *d)
     /* the momentum's header is about the global's (the same names and shapes) plus its metadata */
     a->momentum_guess = d->delta_bytes + 4096;
     if (a->src[0] == NULL || (d->st.momentum_path != NULL && a->src[1] == NULL) || a->out[0] == NULL ||
-        (d->cfg->momentum != 0 && a->out[1] == NULL) || uv_thread_create(&d->warm_thread, warm_thread_main, a) != 0) {
+        (d->cfg->momentum != 0 && a->out[1] == NULL) || uv_thread_create(&d->warm.thread, warm_thread_main, a) != 0) {
         warm_args_free(a);
         return;
     }
-    d->warm_job = a;            /* shutdown waits for the thread while it is set */
-    uv_check_start(&d->busy_check, busy_check_cb);
+    d->warm.job = a;            /* shutdown waits for the thread while it is set */
+    uv_check_start(&d->warm.busy_check, busy_check_cb);
 }
 
 void daemon__stop_warm(dilocod *d)
 {
-    if (d->warm_job != NULL)
-        atomic_store(&d->warm_job->stop, 1);
+    if (d->warm.job != NULL)
+        atomic_store(&d->warm.job->stop, 1);
 }
 
 /* Gives the pass the files warmed for it: the finished job's, or the running one's that are ready
  * (which then stops). */
 static void take_warm(dilocod *d)
 {
-    warm_args *a = d->warm_job;
+    warm_args *a = d->warm.job;
 
     if (a != NULL) {
         atomic_store(&a->stop, 1);
         for (int i = 0; i < 2; i++) {
-            if (a->step == d->rnd.step + 1 && atomic_load(&a->ready[i]) && (d->pass_warm[i] = strdup(a->tmp[i])))
+            if (a->step == d->rnd.step + 1 && atomic_load(&a->ready[i]) && (d->warm.given[i] = strdup(a->tmp[i])))
                 a->taken[i] = 1;
         }
-    } else if (d->warm_step == d->rnd.step + 1) {
+    } else if (d->warm.step == d->rnd.step + 1) {
         for (int i = 0; i < 2; i++) {
-            d->pass_warm[i] = d->warm_tmp[i];
-            d->warm_tmp[i] = NULL;
+            d->warm.given[i] = d->warm.tmp[i];
+            d->warm.tmp[i] = NULL;
         }
     }
-    d->pass->warm_global_tmp = d->pass_warm[0];
-    d->pass->warm_momentum_tmp = d->pass_warm[1];
+    d->pass->warm_global_tmp = d->warm.given[0];
+    d->pass->warm_momentum_tmp = d->warm.given[1];
 }
 
 /* ---- the pass on the pool: prepared, run by every thread, its progress --------------------------- */
@@ -607,8 +608,6 @@ int daemon__reopen_if_rewritten(dilocod *d, int before_pass)
 {
     if (global_rewritten(d)) {
         daemon__pass_release(d);
-        d->commit_waiting = 0;
-        d->state = S_COLLECTING;        /* stopping: nothing runs for this round any more */
         pipeline_move(&d->pipe, d->rnd.step + 1, STEP_FAILED);
         return 1;
     }
@@ -622,8 +621,6 @@ static int reopen_round(dilocod *d)
 {
     uv_timer_stop(&d->progress_timer);
     daemon__pass_release(d);
-    d->commit_waiting = 0;
-    d->state = S_COLLECTING;
     pipeline_move(&d->pipe, d->rnd.step + 1, STEP_COLLECTING);
     if (d->rnd.timeout > 0 && d->rnd.n > 0)
         daemon__arm_round_timer(d);
@@ -634,6 +631,8 @@ static int reopen_round(dilocod *d)
 }
 
 typedef struct sync_args {
+    uint64_t step;
+    unsigned attempt;           /* the step's attempt whose round this syncs (step_record.attempts) */
     char **paths;
     size_t n;
 } sync_args;
@@ -657,26 +656,23 @@ static void sync_inputs_work(job *j)
 static void sync_inputs_done(job *j)
 {
     dilocod *d = daemon__of_job(j);
+    sync_args *a = j->arg;
+    const step_record *r = pipeline_find(&d->pipe, a->step);
+    int recomputed = r != NULL && r->attempts != a->attempt;
 
-    d->inputs_syncing = 0;
-    if (d->inputs_resync && j->rc == 0 && !d->stopping) {
+    pipeline_end(&d->pipe, a->step, STEP_ACT_SYNC, j->rc == 0);
+    sync_args_free(a);
+    if (recomputed && j->rc == 0 && !d->stopping) {
         /* the round changed while this ran (a pass restarted): sync what it holds now */
-        d->inputs_resync = 0;
-        sync_args_free(j->arg);
         if (start_sync_inputs(d) != 0) {
             dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
             daemon__log_error("store", "cannot make the round's deltas durable", &j->err);
-            d->inputs_sync_failed = 1;
             daemon__try_commit(d);
         }
         return;
     }
-    d->inputs_resync = 0;
-    if (j->rc != 0) {
+    if (j->rc != 0)
         daemon__log_error("store", "cannot make the round's deltas durable", &j->err);
-        d->inputs_sync_failed = 1;
-    }
-    sync_args_free(j->arg);
     daemon__try_commit(d);
 }
 
@@ -685,21 +681,29 @@ static void sync_inputs_done(job *j)
  * an fsync of a file already on disk costs next to nothing. */
 static int start_sync_inputs(dilocod *d)
 {
+    uint64_t step = d->rnd.step + 1;
+    const step_record *r = pipeline_find(&d->pipe, step);
     sync_args *a = calloc(1, sizeof(*a));
 
-    if (a == NULL || (a->paths = calloc(d->rnd.n ? d->rnd.n : 1, sizeof(*a->paths))) == NULL) {
+    if (r == NULL || pipeline_start(&d->pipe, step, STEP_ACT_SYNC) != 0) {
         free(a);
         return -1;
     }
+    if (a == NULL || (a->paths = calloc(d->rnd.n ? d->rnd.n : 1, sizeof(*a->paths))) == NULL) {
+        free(a);
+        pipeline_end(&d->pipe, step, STEP_ACT_SYNC, 0);
+        return -1;
+    }
+    a->step = step;
+    a->attempt = r->attempts;
     for (; a->n < d->rnd.n; a->n++)
         if ((a->paths[a->n] = strdup(d->rnd.entries[a->n].path)) == NULL)
             break;
     if (a->n < d->rnd.n || daemon__queue(d, sync_inputs_work, sync_inputs_done, a) != 0) {
         sync_args_free(a);
+        pipeline_end(&d->pipe, step, STEP_ACT_SYNC, 0);      /* the commit fails on it (daemon__try_commit) */
         return -1;
     }
-    d->inputs_syncing = 1;
-    d->inputs_sync_failed = 0;
     return 0;
 }
 
@@ -710,6 +714,7 @@ void daemon__start_aggregation(dilocod *d)
     outer_pass *p;
 
     pipeline_move(&d->pipe, d->rnd.step + 1, STEP_COMPUTING);
+    pipeline_start(&d->pipe, d->rnd.step + 1, STEP_ACT_PASS);   /* ends when its outputs are written */
 
     dl_error be;
     if (stepcount_check(d->rnd.step + 1, "step", &be) != 0) {
@@ -756,15 +761,13 @@ void daemon__start_aggregation(dilocod *d)
     p->defer_sync = 1;
     d->pass = p;
     d->pass_n = n;
-    d->state = S_AGGREGATING;
     d->pass_started = daemon__clock();
     d->pass_last_bytes = 0;
     d->pass_last_time = d->pass_started;
-    if (d->inputs_syncing)
-        d->inputs_resync = 1;       /* an earlier attempt's sync is still out: it syncs again when done */
     if (rc == 0)
         take_warm(d);
-    if (rc != 0 || (!d->inputs_syncing && start_sync_inputs(d) != 0) ||
+    /* an earlier attempt's sync still out syncs again when done: it sees this attempt (sync_inputs_done) */
+    if (rc != 0 || (!pipeline_busy(&d->pipe, d->rnd.step + 1, STEP_ACT_SYNC) && start_sync_inputs(d) != 0) ||
         daemon__queue(d, prepare_work, prepare_done, NULL) != 0) {
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot start the aggregation");
         daemon__aggregation_failed(d, &e);

@@ -89,11 +89,11 @@ static int served_open_set(dilocod *d, served_global *g, uint64_t step)
 
     if (rc == 0)
         rc = served_file_set(&g->index, daemon__open_for_download(index), step);
-    if (rc == 0 && (g->shards = calloc(d->set_nshards, sizeof(*g->shards))) == NULL)
+    if (rc == 0 && (g->shards = calloc(d->layout.nshards, sizeof(*g->shards))) == NULL)
         rc = -ENOMEM;
-    for (uint32_t i = 0; rc == 0 && i < d->set_nshards; i++) {
+    for (uint32_t i = 0; rc == 0 && i < d->layout.nshards; i++) {
         g->nshards = i + 1;
-        if (st_index_shard_name("latest", i, d->set_nshards, name, sizeof(name)) != 0 ||
+        if (st_index_shard_name("latest", i, d->layout.nshards, name, sizeof(name)) != 0 ||
             asprintf(&path, "%s/%s", dir, name) < 0) {
             path = NULL;
             rc = -ENOMEM;
@@ -117,10 +117,10 @@ void daemon__serve_step(dilocod *d, int fd, uint64_t step)
     served_global g = {.step = step};
     int rc;
 
-    if (d->set_nshards > 1) {
+    if (d->layout.nshards > 1) {
         if (fd >= 0)
             close(fd);
-        if (d->set_step != (int64_t)step) {
+        if (d->layout.step != (int64_t)step) {
             d->global_stale = 1;        /* until the set is written: the previous step stays served */
             return;
         }
@@ -145,7 +145,7 @@ void daemon__serve_step(dilocod *d, int fd, uint64_t step)
 
 const served_global *daemon__global(dilocod *d)
 {
-    if (d->global_stale && d->st.committed && (d->set_nshards <= 1 || d->set_step == (int64_t)d->st.step))
+    if (d->global_stale && d->st.committed && (d->layout.nshards <= 1 || d->layout.step == (int64_t)d->st.step))
         daemon__serve_step(d, -1, d->st.step);
     return &d->global;
 }
@@ -187,7 +187,7 @@ static void set_done(job *j)
     set_args *a = j->arg;
     uint64_t step = a->step;
 
-    d->set_in_flight = 0;
+    pipeline_end(&d->pipe, step, STEP_ACT_SET, j->rc == 0);
     free(a->src);
     free(a);
     if (d->stopping)
@@ -197,8 +197,8 @@ static void set_done(job *j)
         uv_timer_start(&d->set_timer, set_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
         return;
     }
-    d->set_step = (int64_t)step;
-    dl_log(DL_LOG_DEBUG, "store", "sharded global written", "step=%" PRIu64 " shards=%u", step, d->set_nshards);
+    d->layout.step = (int64_t)step;
+    dl_log(DL_LOG_DEBUG, "store", "sharded global written", "step=%" PRIu64 " shards=%u", step, d->layout.nshards);
     if (step == d->st.step) {
         daemon__serve_step(d, -1, step);
         daemon__maybe_publish(d);
@@ -211,19 +211,25 @@ void daemon__ensure_set(dilocod *d)
 {
     set_args *a;
 
-    if (d->set_nshards <= 1 || d->set_in_flight || d->stopping || !d->st.committed ||
-        d->set_step == (int64_t)d->st.step)
+    if (d->layout.nshards <= 1 || pipeline_any_busy(&d->pipe, STEP_ACT_SET) || d->stopping || !d->st.committed ||
+        d->layout.step == (int64_t)d->st.step)
         return;
     if ((a = calloc(1, sizeof(*a))) != NULL)
         a->step = d->st.step;
-    if (a == NULL || (a->src = strdup(d->st.global_path)) == NULL || daemon__queue(d, set_work, set_done, a) != 0) {
+    if (a == NULL || (a->src = strdup(d->st.global_path)) == NULL ||
+        pipeline_start(&d->pipe, d->st.step, STEP_ACT_SET) != 0) {
         if (a != NULL)
             free(a->src);
         free(a);
         uv_timer_start(&d->set_timer, set_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
         return;
     }
-    d->set_in_flight = 1;
+    if (daemon__queue(d, set_work, set_done, a) != 0) {
+        pipeline_end(&d->pipe, d->st.step, STEP_ACT_SET, 0);
+        free(a->src);
+        free(a);
+        uv_timer_start(&d->set_timer, set_retry_cb, (uint64_t)(d->cfg->retry_interval * 1000), 0);
+    }
 }
 
 /* The published layout of the model: how many shards --shard-size makes (1: the plain file), in
@@ -244,10 +250,10 @@ void daemon__plan_layout(dilocod *d)
     }
     free(specs);
     free(plan);
-    if (n != d->set_nshards && n > 1)
+    if (n != d->layout.nshards && n > 1)
         dl_log(DL_LOG_INFO, "store", "the global is published sharded", "shards=%u shard_size=%" PRIu64, n,
                d->cfg->shard_size);
-    d->set_nshards = n;
+    d->layout.nshards = n;
 }
 
 /* ---- publishing ------------------------------------------------------------------------------ */
@@ -264,32 +270,32 @@ void daemon__on_publish_done(void *app, uint64_t step, const char *error)
     dilocod *d = app;
     char q[600];
 
-    d->publish_in_flight = 0;
+    pipeline_end(&d->pipe, step, STEP_ACT_PUBLISH, error == NULL);
     daemon__release_settle(d);
     if (error != NULL) {
         d->m.publish_errors++;
         /* the same failure again is no news: said once at error level, then at debug, with the retries
          * backing off up to a minute; a different failure is said again */
-        int same = strcmp(d->publish_last_error, error) == 0;
+        int same = strcmp(d->publish.last_error, error) == 0;
         dl_log(same ? DL_LOG_DEBUG : DL_LOG_ERROR, "hub", "publish failed, will retry",
-               "step=%" PRIu64 " in_seconds=%.1f error=%s", step, d->publish_backoff > 0 ? d->publish_backoff
+               "step=%" PRIu64 " in_seconds=%.1f error=%s", step, d->publish.backoff > 0 ? d->publish.backoff
                                                                                       : d->cfg->retry_interval,
                dl_log_q(q, sizeof(q), error));
-        snprintf(d->publish_last_error, sizeof(d->publish_last_error), "%s", error);
-        d->publish_backoff = d->publish_backoff > 0 ? fmin(d->publish_backoff * 2, MAX_RETRY_SECONDS)
+        snprintf(d->publish.last_error, sizeof(d->publish.last_error), "%s", error);
+        d->publish.backoff = d->publish.backoff > 0 ? fmin(d->publish.backoff * 2, MAX_RETRY_SECONDS)
                                                     : d->cfg->retry_interval;
         if (!d->stopping)
-            uv_timer_start(&d->publish_timer, publish_retry_cb, (uint64_t)(d->publish_backoff * 1000), 0);
+            uv_timer_start(&d->publish_timer, publish_retry_cb, (uint64_t)(d->publish.backoff * 1000), 0);
         return;
     }
-    d->publish_backoff = 0;
-    d->publish_last_error[0] = '\0';
+    d->publish.backoff = 0;
+    d->publish.last_error[0] = '\0';
     d->published_step = (int64_t)step;
     pipeline_published(&d->pipe, step);
     if (step == d->st.step)
         d->republish = 0;
     dl_log(DL_LOG_INFO, "hub", "published", "step=%" PRIu64 " hub=%s%s", step, d->cfg->hub,
-           d->publishing_bootstrap ? " bootstrap=true" : "");
+           d->publish.bootstrap ? " bootstrap=true" : "");
     if (!d->stopping) {
         daemon__maybe_publish(d);       /* a newer step may have been committed meanwhile */
         daemon__schedule_cleanup(d);
@@ -300,22 +306,24 @@ void daemon__maybe_publish(dilocod *d)
 {
     /* published_known: the transport has told what it holds (its first poll), so a restart does not
      * publish again a step that is already there */
-    if (d->hub == NULL || d->publish_in_flight || d->stopping || !d->st.committed || !d->published_known ||
-        d->published_step == (int64_t)d->st.step)
+    if (d->hub == NULL || pipeline_any_busy(&d->pipe, STEP_ACT_PUBLISH) || d->stopping || !d->st.committed ||
+        !d->published_known || d->published_step == (int64_t)d->st.step)
         return;
-    if (d->set_nshards > 1) {
+    if (d->layout.nshards > 1) {
         /* the sharded layout: its set once written (daemon__ensure_set publishes when it is) */
-        char *index = d->set_step == (int64_t)d->st.step ? set_index_path(d, d->st.step) : NULL;
-        if (index == NULL)
+        char *index = d->layout.step == (int64_t)d->st.step ? set_index_path(d, d->st.step) : NULL;
+        if (index == NULL || pipeline_start(&d->pipe, d->st.step, STEP_ACT_PUBLISH) != 0) {
+            free(index);
             return;
-        d->publish_in_flight = 1;
-        d->publishing_bootstrap = d->st.bootstrap && d->st.step == 0;
-        hub_publish(d->hub, d->st.step, index, config_optimizer_name(d->cfg->optimizer), d->publishing_bootstrap);
+        }
+        d->publish.bootstrap = d->st.bootstrap && d->st.step == 0;
+        hub_publish(d->hub, d->st.step, index, config_optimizer_name(d->cfg->optimizer), d->publish.bootstrap);
         free(index);
         return;
     }
-    d->publish_in_flight = 1;
-    d->publishing_bootstrap = d->st.bootstrap && d->st.step == 0;
+    if (pipeline_start(&d->pipe, d->st.step, STEP_ACT_PUBLISH) != 0)
+        return;
+    d->publish.bootstrap = d->st.bootstrap && d->st.step == 0;
     hub_publish(d->hub, d->st.step, d->st.global_path, config_optimizer_name(d->cfg->optimizer),
-                d->publishing_bootstrap);
+                d->publish.bootstrap);
 }

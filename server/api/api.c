@@ -111,12 +111,13 @@ static void hub_json(dilocod *d, sbuf *b)
     iso_time(t2, sizeof(t2), hs ? hs->last_publish : 0);
     sb_fmt(b, ",\"hub\":{\"kind\":\"%s\",\"url\":", d->hub ? hub_kind(d->hub) : "none");
     sb_json_string(b, d->cfg->hub, strlen(d->cfg->hub));
-    if (hs != NULL && strcmp(hub_kind(d->hub), "file") != 0) {
+    const char *endpoint;
+    if (hs != NULL && config_hub_value(d->cfg, "hub_endpoint", &endpoint)) {
         sb_str(b, ",\"endpoint\":");
-        if (d->cfg->hub_endpoint != NULL)
-            sb_json_string(b, d->cfg->hub_endpoint, strlen(d->cfg->hub_endpoint));
+        if (endpoint != NULL)
+            sb_json_string(b, endpoint, strlen(endpoint));
         else
-            sb_str(b, "null");      /* s3:// on AWS itself: the transport derives it from the region */
+            sb_str(b, "null");      /* unset: the transport derives its own (from the region, say) */
     }
     if (hs != NULL) {
         sb_fmt(b, ",\"head\":\"%s\",\"api_calls\":%" PRIu64 ",\"resolver_calls\":%" PRIu64 ",\"downloads\":%" PRIu64
@@ -174,7 +175,7 @@ static void status_json(dilocod *d, sbuf *b)
         sb_fmt(b, "%" PRIu64, d->st.step);
     else
         sb_str(b, "null");
-    sb_fmt(b, ",\"state\":\"%s\"", d->stopping ? "stopping" : daemon__state_name(d->state));
+    sb_fmt(b, ",\"state\":\"%s\"", d->stopping ? "stopping" : daemon__state_name(daemon__state(d)));
     pipeline_json(d, b);
     /* the open round: none before there is a global to start from (nothing yet, not "round 0") */
     if (d->st.committed)
@@ -594,7 +595,7 @@ static void get_dashboard(dilocod *d, http_conn *c, http_request *req)
 
 static void healthz_json(dilocod *d, sbuf *b)
 {
-    sb_fmt(b, "{\"status\":\"ok\",\"state\":\"%s\"}\n", d->stopping ? "stopping" : daemon__state_name(d->state));
+    sb_fmt(b, "{\"status\":\"ok\",\"state\":\"%s\"}\n", d->stopping ? "stopping" : daemon__state_name(daemon__state(d)));
 }
 
 static void get_stepfile(dilocod *d, http_conn *c, http_request *req)

@@ -798,7 +798,7 @@ static void respond_created(upload *u, const delta_info *info, const char *rel, 
     /* the round may already have closed on this very delta */
     snprintf(num, sizeof(num), ",\"round\":{\"step\":%" PRIu64 ",\"received\":%zu,\"expected\":%u,\"state\":\"%s\"}}\n",
              info->base_outer_step, d->rnd.step == info->base_outer_step ? d->rnd.n : (size_t)0,
-             d->cfg->expected_nodes, daemon__state_name(d->state));
+             d->cfg->expected_nodes, daemon__state_name(daemon__state(d)));
     sb_str(&b, num);
     size_t len = b.len;
     if ((text = sb_take(&b)) == NULL) {
@@ -992,7 +992,7 @@ static int admit(dilocod *d, http_conn *c, http_request *req, const char *node_i
         http_respond(c, 503, "application/json", "Retry-After: 1\r\n", body, sizeof(body) - 1);
         return -1;
     }
-    if (d->state == S_WAITING_GLOBAL || d->model == NULL) {
+    if (daemon__state(d) == S_WAITING_GLOBAL || d->model == NULL) {
         http_respond_error(c, 503, "no_global", "no global model yet: nothing to upload deltas against", NULL);
         return -1;
     }

@@ -1,6 +1,9 @@
 #include "pipeline.h"
 
+#include <errno.h>
 #include <inttypes.h>
+#include <signal.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -46,6 +49,19 @@ static const unsigned legal[STEP_NSTATES] = {
     [STEP_FAILED] = 0,
 };
 
+static const char *const activity_names[STEP_NACTS] = {
+    [STEP_ACT_PASS] = "pass",
+    [STEP_ACT_SYNC] = "sync",
+    [STEP_ACT_PUBLISH] = "publish",
+    [STEP_ACT_SET] = "set",
+    [STEP_ACT_CLEANUP] = "cleanup",
+};
+
+const char *step_activity_name(step_activity a)
+{
+    return (unsigned)a < STEP_NACTS ? activity_names[a] : "unknown";
+}
+
 const char *step_state_name(step_state s)
 {
     return (unsigned)s < STEP_NSTATES ? state_names[s] : "unknown";
@@ -68,11 +84,47 @@ static double unix_seconds(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
+/* The test hook (pipeline.h): DILOCOD_TEST_CRASH_AT=<state>[:<step>] into crash_at and crash_step;
+ * anything else is logged and ignored. */
+static void read_crash_hook(pipeline *p)
+{
+    const char *v = getenv("DILOCOD_TEST_CRASH_AT"), *colon;
+    char *end, q[160];
+    unsigned long long step = 0;
+    size_t len;
+
+    p->crash_at = STEP_NSTATES;
+    p->crash_step = -1;
+    if (v == NULL || *v == '\0')
+        return;
+    colon = strchr(v, ':');
+    len = colon != NULL ? (size_t)(colon - v) : strlen(v);
+    if (colon != NULL) {
+        errno = 0;
+        step = strtoull(colon + 1, &end, 10);
+        if (colon[1] < '0' || colon[1] > '9' || *end != '\0' || errno != 0 || step > INT64_MAX)
+            goto bad;
+    }
+    for (int s = 0; s < STEP_NSTATES; s++) {
+        if (strlen(state_names[s]) == len && strncmp(state_names[s], v, len) == 0) {
+            p->crash_at = (step_state)s;
+            p->crash_step = colon != NULL ? (int64_t)step : -1;
+            dl_log(DL_LOG_WARN, "pipeline", "test hook: the process kills itself when a step enters a state",
+                   "state=%s step=%s", state_names[s], colon != NULL ? colon + 1 : "any");
+            return;
+        }
+    }
+bad:
+    dl_log(DL_LOG_ERROR, "pipeline", "DILOCOD_TEST_CRASH_AT ignored: not <state>[:<step>]", "value=%s",
+           dl_log_q(q, sizeof(q), v));
+}
+
 void pipeline_init(pipeline *p, double (*clock)(void), double (*wall)(void))
 {
     memset(p, 0, sizeof(*p));
     p->clock = clock != NULL ? clock : monotonic_seconds;
     p->wall = wall != NULL ? wall : unix_seconds;
+    read_crash_hook(p);
 }
 
 static step_record *find(pipeline *p, uint64_t step)
@@ -93,13 +145,13 @@ static int done(step_state s)
     return s == STEP_CLEANED || s == STEP_FAILED;
 }
 
-/* Room for one more record: the oldest that is done goes.  0, or -1 when every one is in flight. */
+/* Room for one more record: the oldest that is done (and runs nothing) goes.  0, or -1 when every one is in flight. */
 static int make_room(pipeline *p)
 {
     if (p->n < PIPELINE_MAX)
         return 0;
     for (size_t i = 0; i < p->n; i++) {
-        if (done(p->rec[i].state)) {
+        if (done(p->rec[i].state) && p->rec[i].busy == 0) {
             memmove(&p->rec[i], &p->rec[i + 1], (p->n - i - 1) * sizeof(p->rec[0]));
             p->n--;
             return 0;
@@ -157,6 +209,13 @@ static int move(pipeline *p, step_record *r, step_state to)
     r->state = to;
     r->since = now;
     r->since_wall = p->wall();
+    if (to == STEP_COMPUTING)
+        r->attempts++;
+    if (to == p->crash_at && (p->crash_step < 0 || (uint64_t)p->crash_step == r->step)) {
+        dl_log(DL_LOG_WARN, "pipeline", "test hook: killed", "step=%" PRIu64 " state=%s", r->step,
+               step_state_name(to));
+        raise(SIGKILL);
+    }
     return 0;
 }
 
@@ -197,4 +256,95 @@ void pipeline_cleaned(pipeline *p, uint64_t step)
     for (size_t i = 0; i < p->n; i++)
         if (p->rec[i].step <= step && p->rec[i].state == STEP_DURABLE)
             move(p, &p->rec[i], STEP_CLEANED);
+}
+
+/* An activity started twice or ended while not running: a guard is wrong (a bug, like an illegal move). */
+static int activity_refused(pipeline *p, uint64_t step, step_activity a, const char *why)
+{
+    dl_log(DL_LOG_ERROR, "pipeline", "illegal pipeline transition, not made", "step=%" PRIu64 " activity=%s why=%s",
+           step, step_activity_name(a), why);
+    p->illegal++;
+    return -1;
+}
+
+int pipeline_start(pipeline *p, uint64_t step, step_activity a)
+{
+    step_record *r = find(p, step);
+
+    if ((unsigned)a >= STEP_NACTS || r == NULL)
+        return activity_refused(p, step, a, "no such step");
+    if (r->busy & (1u << a))
+        return activity_refused(p, step, a, "already running");
+    r->busy |= 1u << a;
+    r->failed &= ~(1u << a);
+    dl_log(DL_LOG_DEBUG, "pipeline", "activity started", "step=%" PRIu64 " activity=%s", step, step_activity_name(a));
+    return 0;
+}
+
+int pipeline_end(pipeline *p, uint64_t step, step_activity a, int ok)
+{
+    step_record *r = find(p, step);
+
+    if ((unsigned)a >= STEP_NACTS || r == NULL)
+        return activity_refused(p, step, a, "no such step");
+    if (!(r->busy & (1u << a)))
+        return activity_refused(p, step, a, "not running");
+    r->busy &= ~(1u << a);
+    if (!ok)
+        r->failed |= 1u << a;
+    dl_log(DL_LOG_DEBUG, "pipeline", "activity ended", "step=%" PRIu64 " activity=%s ok=%d", step,
+           step_activity_name(a), ok);
+    return 0;
+}
+
+int pipeline_busy(const pipeline *p, uint64_t step, step_activity a)
+{
+    const step_record *r = pipeline_find(p, step);
+    return r != NULL && (unsigned)a < STEP_NACTS && (r->busy & (1u << a)) != 0;
+}
+
+int pipeline_failed(const pipeline *p, uint64_t step, step_activity a)
+{
+    const step_record *r = pipeline_find(p, step);
+    return r != NULL && (unsigned)a < STEP_NACTS && (r->failed & (1u << a)) != 0;
+}
+
+int pipeline_any_busy(const pipeline *p, step_activity a)
+{
+    for (size_t i = 0; i < p->n; i++)
+        if ((unsigned)a < STEP_NACTS && (p->rec[i].busy & (1u << a)))
+            return 1;
+    return 0;
+}
+
+int pipeline_unsettled(const pipeline *p)
+{
+    for (size_t i = 0; i < p->n; i++) {
+        step_state s = p->rec[i].state;
+        if (s == STEP_COMMITTED || s == STEP_SERVED || s == STEP_PUBLISHED)
+            return 1;
+    }
+    return 0;
+}
+
+step_state pipeline_state(const pipeline *p, uint64_t step)
+{
+    const step_record *r = pipeline_find(p, step);
+    return r != NULL ? r->state : STEP_NSTATES;
+}
+
+int pipeline_outputs_written(const pipeline *p, uint64_t step)
+{
+    return pipeline_state(p, step) == STEP_COMPUTING && !pipeline_busy(p, step, STEP_ACT_PASS);
+}
+
+int pipeline_commit_ready(const pipeline *p, uint64_t step)
+{
+    return pipeline_outputs_written(p, step) && !pipeline_busy(p, step, STEP_ACT_SYNC) && !pipeline_unsettled(p);
+}
+
+int pipeline_cleanup_ready(const pipeline *p, uint64_t open_step)
+{
+    return !pipeline_any_busy(p, STEP_ACT_CLEANUP) && !pipeline_any_busy(p, STEP_ACT_PUBLISH) &&
+           !pipeline_unsettled(p) && !pipeline_outputs_written(p, open_step);
 }

@@ -15,10 +15,22 @@
  * a step that entered whole.  A step may never be published (no transport; a later step committed
  * before its publish began: the newest is the one published).
  *
+ * Work runs for a step beside its state: its pass, the sync of its inputs, its publish, its sharded
+ * set, the cleanup behind it.  Each is an activity of the step's record (pipeline_start/_end), so a
+ * guard asks the pipeline "is step n's publish running?" or "is any step not durable yet?" instead
+ * of reading loose flags, and /status shows what each step is waiting on.  An activity ends ok or
+ * failed; the failure is kept on the record until the activity starts again (pipeline_failed).
+ *
  * pipeline_move is the only writer of a state: it checks the move against the table of legal ones
  * (an illegal move is logged at error level and not made), logs each move at debug level with the
  * time spent in the state it leaves, and adds that time to the state's histogram (/metrics).
- * Everything here runs on the loop thread. */
+ * Everything here runs on the loop thread.
+ *
+ * Test hook: DILOCOD_TEST_CRASH_AT=<state>[:<step>] in the environment, read once by pipeline_init,
+ * makes the process raise SIGKILL right after a move enters that state (after its log line, before
+ * the move returns), for any step or only that one: tests/integration/test_crash_states.py crashes
+ * the daemon exactly in each state and checks the restart's recovery.  An unknown state or a bad step
+ * is logged at error level and ignored.  Unset, it costs one comparison per move. */
 #ifndef PIPELINE_H
 #define PIPELINE_H
 
@@ -39,6 +51,16 @@ typedef enum step_state {
     STEP_NSTATES
 } step_state;
 
+/* What runs for a step beside its state (a bit each in step_record.busy and .failed). */
+typedef enum step_activity {
+    STEP_ACT_PASS,              /* the outer step's pass: prepare, run, finish (outputs written) */
+    STEP_ACT_SYNC,              /* the round's deltas fsynced: they are the redo record's inputs */
+    STEP_ACT_PUBLISH,           /* the transport publishes the step */
+    STEP_ACT_SET,               /* the sharded layout of the step's global written */
+    STEP_ACT_CLEANUP,           /* the files before the step removed */
+    STEP_NACTS
+} step_activity;
+
 #define PIPELINE_MAX 8                  /* records kept: the steps in flight and the last ones done */
 #define PIPELINE_NBUCKETS 7             /* histogram bounds: PIPELINE_BUCKETS below, then +Inf */
 
@@ -48,6 +70,9 @@ typedef struct step_record {
     double since;                       /* when it entered state (the pipeline's clock, seconds) */
     double since_wall;                  /* the same moment, Unix time (for /status) */
     int published;                      /* the transport holds this step */
+    unsigned busy;                      /* activities running (bit i: step_activity i) */
+    unsigned failed;                    /* activities whose last run failed (cleared when one starts again) */
+    unsigned attempts;                  /* times the step entered computing */
 } step_record;
 
 typedef struct state_histogram {
@@ -63,15 +88,18 @@ typedef struct pipeline {
     uint64_t illegal;                   /* moves refused by the table */
     double (*clock)(void);              /* monotonic seconds */
     double (*wall)(void);               /* Unix time */
+    step_state crash_at;                /* the test hook's state (STEP_NSTATES: none), see above */
+    int64_t crash_step;                 /* and its step, -1: any */
 } pipeline;
 
 extern const double PIPELINE_BUCKETS[PIPELINE_NBUCKETS - 1];
 
 const char *step_state_name(step_state s);
+const char *step_activity_name(step_activity a);
 /* Whether the table allows from -> to. */
 int step_move_legal(step_state from, step_state to);
 
-/* clock and wall NULL: the process's monotonic clock and time(). */
+/* clock and wall NULL: the process's monotonic clock and time().  Reads DILOCOD_TEST_CRASH_AT. */
 void pipeline_init(pipeline *p, double (*clock)(void), double (*wall)(void));
 /* A step enters the pipeline at state (collecting for a new round; durable for a step committed
  * whole: adopted, bootstrapped, recovered or found at startup).  An older record that is done
@@ -83,6 +111,31 @@ int pipeline_begin(pipeline *p, uint64_t step, step_state state);
 int pipeline_move(pipeline *p, uint64_t step, step_state to);
 /* The record of step, or NULL. */
 const step_record *pipeline_find(const pipeline *p, uint64_t step);
+
+/* An activity of step starts: 0; -1 when the step is not in the pipeline or the activity runs already
+ * (logged at error level and counted with the illegal moves: a guard let it start twice). */
+int pipeline_start(pipeline *p, uint64_t step, step_activity a);
+/* It ends, ok or not.  Ending one that is not running is refused the same way. */
+int pipeline_end(pipeline *p, uint64_t step, step_activity a, int ok);
+/* Whether step's activity runs now / failed the last time it ran (0 when the step is not there). */
+int pipeline_busy(const pipeline *p, uint64_t step, step_activity a);
+int pipeline_failed(const pipeline *p, uint64_t step, step_activity a);
+/* Whether any step's activity runs now. */
+int pipeline_any_busy(const pipeline *p, step_activity a);
+/* Whether a committed step is not durable yet (committed, served or published): it settles. */
+int pipeline_unsettled(const pipeline *p);
+/* The state of step, or STEP_NSTATES when it is not in the pipeline. */
+step_state pipeline_state(const pipeline *p, uint64_t step);
+
+/* The daemon's guards, as questions about the records (server/README.md, "Activities and guards"). */
+/* step's outputs are written and its commit waits: computing, its pass done. */
+int pipeline_outputs_written(const pipeline *p, uint64_t step);
+/* step's commit may start: its outputs written, its sync done, and no committed step settling (the
+ * redo record's inputs are durable files).  Whether the sync failed is the caller's to check. */
+int pipeline_commit_ready(const pipeline *p, uint64_t step);
+/* The cleanup behind the committed step may start while open_step collects: none runs, no publish
+ * reads the files, no committed step settles and open_step's commit does not wait. */
+int pipeline_cleanup_ready(const pipeline *p, uint64_t open_step);
 
 /* The events the daemon reports; each makes the moves they imply. */
 /* The transport holds step: recorded, and served -> published. */

@@ -8,7 +8,8 @@ extern const hub_ops hub_file_ops;
 extern const hub_ops hub_hf_ops;
 extern const hub_ops hub_s3_ops;
 
-/* One row per transport: adding one is a new hub_<scheme>.c and a row here. */
+/* One row per transport: adding one is a new hub_<scheme>.c (its hub_ops and its option table) and a
+ * row here.  The order is --help's and --check-config's for the transports' options. */
 static const hub_ops *const transports[] = {
     &hub_file_ops,
     &hub_hf_ops,
@@ -21,6 +22,16 @@ const hub_ops *hub_find(const char *url)
         if (strncmp(url, transports[i]->scheme, strlen(transports[i]->scheme)) == 0)
             return transports[i];
     return NULL;
+}
+
+size_t hub_transport_count(void)
+{
+    return sizeof(transports) / sizeof(transports[0]);
+}
+
+const hub_ops *hub_transport(size_t i)
+{
+    return i < hub_transport_count() ? transports[i] : NULL;
 }
 
 int hub_check_url(const char *url, dl_error *err)
@@ -68,4 +79,9 @@ void hub_count_call(hub_status *st, const char *route, int code)
         }
     }
     st->calls[i].count++;
+}
+
+int hub_is_http_url(const char *s)
+{
+    return strncmp(s, "https://", 8) == 0 || strncmp(s, "http://", 7) == 0;
 }

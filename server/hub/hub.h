@@ -1,10 +1,10 @@
 /* hub: the transport interface.  A transport is where deltas come from and where the global goes:
- * a shared directory (file://), a Hugging Face Hub repo (hf://), and the next one (s3://).  Every
+ * a shared directory, a Hugging Face Hub repo, a bucket (the scheme table of hub.c lists them).  Every
  * transport implements all of it, asynchronously on the daemon's loop, with the same callbacks, so
  * the daemon has no branch on which transport it talks to.
  *
- * Adding a transport: one file (hub_<scheme>.c) that defines a `const hub_ops hub_<scheme>_ops`,
- * plus one row in the scheme table of hub.c.
+ * Adding a transport: one file (hub_<scheme>.c) that defines a `const hub_ops hub_<scheme>_ops`
+ * with its option table (hub_options, below), plus one row in the scheme table of hub.c.
  *
  * The contract, for every transport:
  *   - open() prepares what must exist (a directory tree, a state subdirectory) and fails with a
@@ -45,7 +45,9 @@
 #ifndef HUB_H
 #define HUB_H
 
+#include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <time.h>
 
 #include <uv.h>
@@ -106,21 +108,58 @@ typedef struct hub_limits {
 } hub_limits;
 
 typedef struct hub_config {
-    const char *url;            /* file:///abs/dir, hf://ns/repo[@rev], ... (hub_find accepted it) */
+    const char *url;            /* <scheme>://... (hub_find accepted it) */
     const char *state_dir;      /* <state_root>/<id>: the transport's own files (downloads, lists) */
-    const char *endpoint;       /* the server for network transports (hf://: the Hub's endpoint) */
-    const char *token;          /* credentials, may be NULL */
     double poll_interval;       /* seconds */
     unsigned max_downloads;     /* parallel downloads */
     uint64_t max_header_bytes;  /* cap on a delta's safetensors header (0: the format's own cap) */
-    /* s3:// (hub_s3.c); endpoint NULL there means AWS's https://s3.<region>.amazonaws.com */
-    const char *region;         /* SigV4 region, NULL: us-east-1 */
-    const char *addressing;     /* "auto" (virtual-host on *.amazonaws.com, else path-style), "path", "virtual"; NULL: auto */
-    uint64_t part_size;         /* multipart upload above this, in parts of this size (0: 64 MiB) */
-    unsigned claim_lease;       /* seconds a publish claim is honoured after its Last-Modified (0: 60) */
-    const char *credentials_file; /* AWS credentials file ([default] aws_access_key_id, aws_secret_access_key);
-                                     NULL: $AWS_ACCESS_KEY_ID and $AWS_SECRET_ACCESS_KEY */
+    /* The transport's own options, its hub_options struct as its table and load() made it (config
+     * time), or NULL: the transport's defaults.  Only the transport reads it. */
+    const void *options;
 } hub_config;
+
+/* ---- a transport's options ----------------------------------------------------------------------
+ * A transport declares its options in a table reached through hub_ops.options; the configuration
+ * (server/config.c) reads them from the command line and the config file, lists them in --help and
+ * prints them in --check-config through the table alone, into one struct per transport of the
+ * transport's own type.  Only the struct of the transport --hub names is loaded (load(): the
+ * environment's fallbacks and the checks) and handed to its open() as hub_config.options; a value
+ * given for another transport's option is checked against the table, then unused.
+ *
+ * A key several transports declare (hub_endpoint) is one option: one value, set in each of their
+ * structs; --help prints the first declarer's help, then " or " and each later declarer's. */
+typedef enum hub_opt_type {
+    HUB_OPT_STR,                /* char *: must not be empty */
+    HUB_OPT_OPTSTR,             /* char *: may be unset (NULL); an empty value unsets it */
+    HUB_OPT_UINT,               /* unsigned, in [min, max] */
+} hub_opt_type;
+
+typedef struct hub_option {
+    const char *key;            /* the file key; the flag is "--" + key with '_' -> '-' */
+    hub_opt_type type;
+    size_t offset;              /* of the field in the transport's options struct */
+    double min, max;            /* HUB_OPT_UINT's bounds */
+    const char *deflt;          /* the default as it would be written in the file; NULL: unset */
+    const char *help;           /* --help: the text after the flag ("URL     where ...") */
+    const char *unset;          /* --check-config's note on an unset value; NULL: " (<schemes> only)" */
+} hub_option;
+
+typedef struct hub_options {
+    const hub_option *opt;
+    size_t n;
+    size_t size;                /* of the options struct (calloc'd, then the table's defaults) */
+    /* Optional.  Config time, when this transport is --hub's (its check_url accepted the URL):
+     * fills what the environment supplies and checks the values together; nothing is created.  0,
+     * or -DL_E_* with err saying why and *key naming the option to blame. */
+    int (*load)(void *opts, const char *url, const char **key, dl_error *err);
+    /* Optional: the note --check-config prints for key when it is unset, instead of the table's
+     * (NULL: the table's). */
+    const char *(*unset_note)(const void *opts, const char *key);
+    /* Optional: comment lines --check-config prints after the transport's options (never a secret). */
+    void (*print)(const void *opts, FILE *out);
+    /* Optional: frees what load() added beyond the table's string fields (which the caller frees). */
+    void (*clear)(void *opts);
+} hub_options;
 
 /* Requests a transport made to its server, by route and status code (for /metrics). */
 #define HUB_MAX_CALL_ROWS 48
@@ -150,10 +189,13 @@ typedef struct hub_status {
 struct hub_ops {
     const char *scheme;         /* "file://" */
     const char *kind;           /* "file", as /status names it */
+    const char *url_form;       /* "file:///abs/dir": the URL's shape, as --help lists it for --hub */
     /* 1: publish() writes to the local disk the daemon's state is on (file://), so its few small
      * durable writes wait behind whatever else that disk is writing: the daemon makes the step's
      * files durable after the publish rather than beside it */
     int publish_writes_locally;
+    /* The transport's options (NULL: it has none): see "a transport's options" above. */
+    const hub_options *options;
     /* Checks a URL of this scheme (config time, nothing touched).  0 or -DL_E_INVALID_ARGUMENT. */
     int (*check_url)(const char *url, dl_error *err);
     int (*open)(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_callbacks *cb, void *app,
@@ -176,6 +218,10 @@ struct hub_ops {
 
 /* The scheme table: the transport for url, or NULL ("none" has no transport). */
 const hub_ops *hub_find(const char *url);
+/* The scheme table's rows in order, for what goes through every transport (their options):
+ * hub_transport(i) for i < hub_transport_count(). */
+size_t hub_transport_count(void);
+const hub_ops *hub_transport(size_t i);
 /* Checks a --hub value: "none" or a URL of a known scheme.  0 or -DL_E_INVALID_ARGUMENT with why. */
 int hub_check_url(const char *url, dl_error *err);
 
@@ -211,5 +257,7 @@ static inline void hub_prune(hub *h, const char *rel)
 /* For transports: counts a request by route and code in st->calls (the table is small and fixed;
  * a row past its end is counted under the last row). */
 void hub_count_call(hub_status *st, const char *route, int code);
+/* For options' load(): 1 if s starts with http:// or https://. */
+int hub_is_http_url(const char *s);
 
 #endif

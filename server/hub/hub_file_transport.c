@@ -697,6 +697,19 @@ static int file_check_url(const char *url, dl_error *err)
     return 0;
 }
 
+/* No options of its own; at config time the directory's path is checked: the start creates what is
+ * missing below it, so every part of it that exists must be a directory. */
+static int file_load_options(void *opts, const char *url, const char **key, dl_error *err)
+{
+    (void)opts;
+    *key = "hub";
+    return fsu_check_dir_path(url + 7, err);
+}
+
+static const hub_options file_options_ops = {
+    .load = file_load_options,
+};
+
 static void free_hub(file_hub *fh)
 {
     void (*done)(void *) = fh->close_done;
@@ -837,7 +850,9 @@ static void file_close(hub *h, void (*done)(void *), void *arg)
 const hub_ops hub_file_ops = {
     .scheme = "file://",
     .kind = "file",
+    .url_form = "file:///abs/dir",
     .publish_writes_locally = 1,
+    .options = &file_options_ops,
     .check_url = file_check_url,
     .open = file_open,
     .start = file_start,

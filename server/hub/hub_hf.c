@@ -921,6 +921,99 @@ static int hf_check_url(const char *url, dl_error *err)
     return 0;
 }
 
+/* ---- options (hub.h's hub_options: config.c reads them through this table) ---- */
+
+typedef struct hf_options {
+    char *endpoint;             /* hub_endpoint; load: else $HF_ENDPOINT, else https://huggingface.co */
+    char *token_file;           /* hub_token_file; else $HF_TOKEN */
+    char *token;                /* loaded by hf_load_options, never printed */
+} hf_options;
+
+static const hub_option hf_option_table[] = {
+    {"hub_endpoint", HUB_OPT_OPTSTR, offsetof(hf_options, endpoint), 0, 0, NULL,
+     "URL     server of hf:// (default $HF_ENDPOINT or https://huggingface.co)", NULL},
+    {"hub_token_file", HUB_OPT_OPTSTR, offsetof(hf_options, token_file), 0, 0, NULL,
+     "FILE  file holding the Hub token (default $HF_TOKEN)", ""},
+};
+
+/* The first line of the token file, which must be one word. */
+static int read_token_file(hf_options *o, dl_error *err)
+{
+    char line[512];
+    FILE *f;
+    int rc;
+
+    if ((rc = fsu_check_regular_file(o->token_file, err)) != 0)
+        return rc;
+    if ((f = fopen(o->token_file, "r")) == NULL)
+        return dl_fail(err, DL_E_IO, NULL, 0, "cannot read %s: %s", o->token_file, strerror(errno));
+    if (fgets(line, sizeof(line), f) == NULL)
+        line[0] = '\0';
+    fclose(f);
+    line[strcspn(line, "\r\n")] = '\0';
+    if (line[0] == '\0' || strpbrk(line, " \t") != NULL)
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "%s does not hold a token on its first line",
+                       o->token_file);
+    o->token = strdup(line);
+    memset(line, 0, sizeof(line));
+    return o->token != NULL ? 0 : dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+}
+
+/* The endpoint and the token (never printed, never logged). */
+static int hf_load_options(void *opts, const char *url, const char **key, dl_error *err)
+{
+    hf_options *o = opts;
+    const char *env;
+
+    (void)url;
+    *key = "hub_endpoint";
+    if (o->endpoint == NULL) {
+        env = getenv("HF_ENDPOINT");
+        if ((o->endpoint = strdup(env && *env ? env : "https://huggingface.co")) == NULL)
+            return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    }
+    if (!hub_is_http_url(o->endpoint))
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "'%s' is not an http(s) URL", o->endpoint);
+    *key = "hub_token_file";
+    free(o->token);
+    o->token = NULL;
+    if (o->token_file != NULL)
+        return read_token_file(o, err);
+    if ((env = getenv("HF_TOKEN")) != NULL && *env && (o->token = strdup(env)) == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    return 0;
+}
+
+static const char *hf_unset_note(const void *opts, const char *key)
+{
+    const hf_options *o = opts;
+    return strcmp(key, "hub_token_file") == 0 && o->token != NULL ? " (the token is from $HF_TOKEN)" : NULL;
+}
+
+static void hf_print_options(const void *opts, FILE *out)
+{
+    fprintf(out, "# hub token: %s\n", ((const hf_options *)opts)->token ? "set" : "not set");
+}
+
+static void hf_clear_options(void *opts)
+{
+    hf_options *o = opts;
+    if (o->token != NULL)
+        memset(o->token, 0, strlen(o->token));
+    free(o->token);
+    o->token = NULL;
+}
+
+static const hub_options hf_options_ops = {
+    .opt = hf_option_table,
+    .n = sizeof(hf_option_table) / sizeof(hf_option_table[0]),
+    .size = sizeof(hf_options),
+    .load = hf_load_options,
+    .unset_note = hf_unset_note,
+    .print = hf_print_options,
+    .clear = hf_clear_options,
+};
+
 static int hf_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_callbacks *cb, void *app,
                    dl_error *err)
 {
@@ -932,7 +1025,9 @@ static int hf_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
     *out = NULL;
     if ((rc = hf_check_url(cfg->url, err)) != 0)
         return rc;
-    if (cfg->endpoint == NULL)
+    const hf_options *o = cfg->options;
+    const char *endpoint = o != NULL ? o->endpoint : NULL, *token = o != NULL ? o->token : NULL;
+    if (endpoint == NULL)
         return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "hf:// needs the Hub's endpoint");
     if ((rc = fsu_mkdirs(cfg->state_dir, err)) != 0)
         return rc;
@@ -942,9 +1037,9 @@ static int hf_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
     h->loop = loop;
     h->cb = *cb;
     h->app = app;
-    h->endpoint = strdup(cfg->endpoint);
+    h->endpoint = strdup(endpoint);
     hf_parse_url(cfg->url, &h->repo, &h->rev);
-    h->token = cfg->token ? strdup(cfg->token) : NULL;
+    h->token = token ? strdup(token) : NULL;
     h->state_dir = strdup(cfg->state_dir);
     h->poll_interval = cfg->poll_interval;
     h->max_downloads = cfg->max_downloads ? cfg->max_downloads : 2;
@@ -956,7 +1051,7 @@ static int hf_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
     while (el > 0 && h->endpoint[el - 1] == '/')
         h->endpoint[--el] = '\0';
     if (h->endpoint == NULL || h->repo == NULL || h->rev == NULL || h->state_dir == NULL ||
-        (cfg->token != NULL && h->token == NULL) || asprintf(&seen_path, "%s/hub_seen.tsv", h->state_dir) < 0 ||
+        (token != NULL && h->token == NULL) || asprintf(&seen_path, "%s/hub_seen.tsv", h->state_dir) < 0 ||
         (h->curl = cuv_new(loop)) == NULL) {
         free(seen_path);
         free(h->endpoint);
@@ -1066,6 +1161,8 @@ const hub_ops hub_hf_ops = {
 
     .scheme = "hf://",
     .kind = "hf",
+    .url_form = "hf://ns/repo[@rev]",
+    .options = &hf_options_ops,
     .check_url = hf_check_url,
     .open = hf_open,
     .start = hf_start,

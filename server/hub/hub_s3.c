@@ -904,6 +904,80 @@ static void s3_free(s3_hub *h)
     free(h);
 }
 
+/* ---- options (hub.h's hub_options: config.c reads them through this table) ---- */
+
+typedef struct s3_options {
+    char *endpoint;             /* hub_endpoint; load: else $AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL; NULL: AWS's own */
+    char *region;               /* s3_region; load: else $AWS_REGION, $AWS_DEFAULT_REGION, else us-east-1 */
+    char *addressing;           /* s3_addressing: auto | path | virtual */
+    unsigned part_mib;          /* s3_part_mib: multipart upload above this, in parts of this size */
+    unsigned claim_lease;       /* s3_claim_lease: seconds a publish claim is honoured (by its Last-Modified) */
+    char *credentials_file;     /* s3_credentials_file; NULL: $AWS_ACCESS_KEY_ID / $AWS_SECRET_ACCESS_KEY */
+} s3_options;
+
+#define S3_OPT(field) offsetof(s3_options, field)
+static const hub_option s3_option_table[] = {
+    {"hub_endpoint", HUB_OPT_OPTSTR, S3_OPT(endpoint), 0, 0, NULL,
+     "s3:// (default $AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL or AWS)", NULL},
+    {"s3_region", HUB_OPT_OPTSTR, S3_OPT(region), 0, 0, NULL,
+     "REGION     s3:// SigV4 region (default $AWS_REGION, $AWS_DEFAULT_REGION or us-east-1)", NULL},
+    {"s3_addressing", HUB_OPT_STR, S3_OPT(addressing), 0, 0, "auto", "MODE   s3:// bucket addressing: auto | path | virtual",
+     ""},
+    {"s3_part_mib", HUB_OPT_UINT, S3_OPT(part_mib), 5, 5120, "64",
+     "MIB      s3:// multipart upload above this size, in parts of this size", NULL},
+    {"s3_claim_lease", HUB_OPT_UINT, S3_OPT(claim_lease), 2, 86400, "60",
+     "SECONDS s3:// a step's claim by another aggregator is honoured this long after its last write", NULL},
+    {"s3_credentials_file", HUB_OPT_OPTSTR, S3_OPT(credentials_file), 0, 0, NULL,
+     "FILE  s3:// AWS credentials file (default $AWS_ACCESS_KEY_ID/$AWS_SECRET_ACCESS_KEY)",
+     " (s3:// keys from the environment)"},
+};
+
+/* $name, else $fallback; NULL when neither is set (or both are empty). */
+static const char *getenv_either(const char *name, const char *fallback)
+{
+    const char *v = getenv(name);
+    if (v == NULL || *v == '\0')
+        v = getenv(fallback);
+    return v != NULL && *v != '\0' ? v : NULL;
+}
+
+/* Region, addressing, endpoint and credentials file (its secrets are read by s3_open, never kept here). */
+static int s3_load_options(void *opts, const char *url, const char **key, dl_error *err)
+{
+    s3_options *o = opts;
+    const char *env;
+
+    (void)url;
+    *key = "s3_region";
+    if (o->region == NULL) {
+        env = getenv_either("AWS_REGION", "AWS_DEFAULT_REGION");
+        if ((o->region = strdup(env ? env : "us-east-1")) == NULL)
+            return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    }
+    size_t n = strlen(o->region);
+    if (n == 0 || n > 32 || strspn(o->region, "abcdefghijklmnopqrstuvwxyz0123456789-") != n)
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "'%s' is not a region ([a-z0-9-]{1,32})", o->region);
+    *key = "s3_addressing";
+    if (strcmp(o->addressing, "auto") != 0 && strcmp(o->addressing, "path") != 0 &&
+        strcmp(o->addressing, "virtual") != 0)
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "'%s' is not auto, path or virtual", o->addressing);
+    *key = "hub_endpoint";
+    if (o->endpoint == NULL && (env = getenv_either("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")) != NULL &&
+        (o->endpoint = strdup(env)) == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    if (o->endpoint != NULL && !hub_is_http_url(o->endpoint))
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "'%s' is not an http(s) URL", o->endpoint);
+    *key = "s3_credentials_file";
+    return o->credentials_file != NULL ? fsu_check_regular_file(o->credentials_file, err) : 0;
+}
+
+static const hub_options s3_options_ops = {
+    .opt = s3_option_table,
+    .n = sizeof(s3_option_table) / sizeof(s3_option_table[0]),
+    .size = sizeof(s3_options),
+    .load = s3_load_options,
+};
+
 static int s3_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_callbacks *cb, void *app,
                    dl_error *err)
 {
@@ -917,13 +991,15 @@ static int s3_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     h->f.seen.fd = -1;
     h->pub.fd = -1;
+    static const s3_options defaults = {0};
+    const s3_options *o = cfg->options != NULL ? cfg->options : &defaults;
     if ((rc = s3_parse_url(cfg->url, &h->bucket, &h->prefix, err)) != 0)
         goto fail;
-    h->region = strdup(cfg->region && cfg->region[0] ? cfg->region : "us-east-1");
+    h->region = strdup(o->region && o->region[0] ? o->region : "us-east-1");
     if (h->region == NULL)
         goto oom;
-    if (cfg->endpoint != NULL && cfg->endpoint[0])
-        h->endpoint = strdup(cfg->endpoint);
+    if (o->endpoint != NULL && o->endpoint[0])
+        h->endpoint = strdup(o->endpoint);
     else if (asprintf(&h->endpoint, "https://s3.%s.amazonaws.com", h->region) < 0)
         h->endpoint = NULL;
     if (h->endpoint == NULL)
@@ -933,9 +1009,9 @@ static int s3_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
                      h->endpoint);
         goto fail;
     }
-    s3_addressing addressing = cfg->addressing == NULL || strcmp(cfg->addressing, "auto") == 0 ? S3_ADDRESSING_AUTO
-                               : strcmp(cfg->addressing, "path") == 0                         ? S3_ADDRESSING_PATH
-                                                                                              : S3_ADDRESSING_VIRTUAL;
+    s3_addressing addressing = o->addressing == NULL || strcmp(o->addressing, "auto") == 0 ? S3_ADDRESSING_AUTO
+                               : strcmp(o->addressing, "path") == 0                       ? S3_ADDRESSING_PATH
+                                                                                          : S3_ADDRESSING_VIRTUAL;
     h->virtual_host = addressing == S3_ADDRESSING_VIRTUAL ||
                       (addressing == S3_ADDRESSING_AUTO && strstr(h->endpoint, ".amazonaws.com") != NULL);
     /* a bucket name with dots breaks TLS on virtual hosts (the certificate is *.s3...) */
@@ -944,13 +1020,13 @@ static int s3_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
                      "bucket '%s' has dots: use path-style addressing for it over https", h->bucket);
         goto fail;
     }
-    h->part_size = cfg->part_size ? cfg->part_size : DEFAULT_PART_SIZE;
+    h->part_size = o->part_mib ? (uint64_t)o->part_mib << 20 : DEFAULT_PART_SIZE;
     if (h->part_size < S3_MIN_PART_SIZE || h->part_size > S3_MAX_PART_SIZE) {
         rc = dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "the S3 part size must be 5 MiB to 5 GiB");
         goto fail;
     }
-    if (cfg->credentials_file != NULL) {
-        if ((rc = load_credentials_file(h, cfg->credentials_file, err)) != 0)
+    if (o->credentials_file != NULL) {
+        if ((rc = load_credentials_file(h, o->credentials_file, err)) != 0)
             goto fail;
     } else {
         const char *k = getenv("AWS_ACCESS_KEY_ID"), *s = getenv("AWS_SECRET_ACCESS_KEY");
@@ -997,7 +1073,7 @@ static int s3_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
     h->poll_timer.data = h;
     uv_timer_init(loop, &h->claim_timer);
     h->claim_timer.data = h;
-    h->claim_lease = cfg->claim_lease ? cfg->claim_lease : 60;
+    h->claim_lease = o->claim_lease ? o->claim_lease : 60;
     remote_fetch_hold(&h->f);   /* the poll timer's and the claim timer's, until they are closed */
     remote_fetch_hold(&h->f);
     snprintf(h->st.head, sizeof(h->st.head), "%s", "");
@@ -1082,6 +1158,8 @@ static void s3_close(hub *base, void (*done)(void *), void *arg)
 const hub_ops hub_s3_ops = {
     .scheme = "s3://",
     .kind = "s3",
+    .url_form = "s3://bucket[/prefix]",
+    .options = &s3_options_ops,
     .check_url = s3_check_url,
     .open = s3_open,
     .start = s3_start,

@@ -148,15 +148,26 @@ class Dilocod:
             return durable
         return redo if durable is None else max(durable, redo)
 
+    def get_json(self, path):
+        """GET path of the HTTP API, parsed, or None while it cannot be read."""
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with opener.open(self.url + path, timeout=5) as r:
+                return json.loads(r.read())
+        except (OSError, ValueError):
+            return None
+
     def pipeline(self):
         """/status's pipeline: [{step, state, since, published}] of the steps in flight and the last ones
         done (server/core/pipeline.h), or None while it cannot be read."""
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        try:
-            with opener.open(self.url + "/status", timeout=5) as r:
-                return json.loads(r.read())["pipeline"]
-        except (OSError, ValueError, KeyError):
-            return None
+        doc = self.get_json("/status")
+        return doc.get("pipeline") if isinstance(doc, dict) else None
+
+    def rounds(self):
+        """GET /rounds's records (the history), in order."""
+        doc = self.get_json("/rounds")
+        assert isinstance(doc, dict), f"GET /rounds failed:\n{self.log_text()[-3000:]}"
+        return doc["rounds"]
 
     def wait_pipeline(self, step, states, what, timeout):
         """Waits until the pipeline has step, or a later one, in one of states (a later step is never
@@ -184,6 +195,30 @@ class Dilocod:
         global, momentum and delta cache: walking the state directory before that races with the
         removal."""
         return self.wait_pipeline(step, ("cleaned",), "cleaned", timeout)
+
+    def wait_received(self, step, nodes, timeout=60):
+        """Waits until step collects with nodes' deltas accepted (/status's pipeline and round)."""
+        def collecting():
+            doc = self.get_json("/status")
+            if not isinstance(doc, dict) or not isinstance(doc.get("round"), dict):
+                return False
+            received = {e["node_id"] for e in doc["round"]["received"]}
+            return doc["round"]["step"] == step - 1 and set(nodes) <= received and \
+                any(rec["step"] == step and rec["state"] == "collecting" for rec in doc["pipeline"])
+        self.wait_until(collecting, f"step {step} collecting with {nodes} accepted", timeout)
+
+    def wait_killed_at(self, state, step, timeout=60):
+        """Waits until the process, started with DILOCOD_TEST_CRASH_AT=<state>:<step> (server/core/pipeline.h),
+        killed itself as step entered state."""
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"not killed at {state} (pipeline {self.pipeline()}):\n"
+                                 f"{self.log_text()[-4000:]}") from None
+        self.proc = None
+        assert rc == -signal.SIGKILL, f"exited with {rc}, not killed at {state}:\n{self.log_text()[-4000:]}"
+        needle = f"pipeline: test hook: killed step={step} state={state}"
+        assert needle in self.logs[-1].read_text(errors="replace"), self.log_text()[-4000:]
 
     def global_state(self):
         return load_file(str(self.hub / "global" / "latest.safetensors"))

@@ -4,6 +4,7 @@
  * fake clock; and the bounded table of records. */
 #include "test.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #include "pipeline.h"
@@ -203,4 +204,187 @@ TEST(pipeline_time_per_state_on_a_fake_clock)
         CHECK_EQ(h->buckets[i], 1u);                            /* 0.5 ms is under every bound */
     CHECK_EQ(p.seconds[STEP_INPUTS_DURABLE].count, 0);         /* not left yet */
     fake_now = 0;
+}
+
+/* What runs beside a state: started once, ended once, its failure kept until it starts again; the
+ * queries the daemon's guards read (a commit waits for the sync and for every committed step to be
+ * durable; a cleanup for any publish); a record that runs something is never dropped for room. */
+TEST(pipeline_activities_beside_the_states)
+{
+    pipeline p;
+
+    pipeline_init(&p, fake_clock, fake_wall);
+    CHECK_EQ(pipeline_begin(&p, 5, STEP_SERVED), 0);          /* entered at any state (no move) */
+    CHECK_EQ(pipeline_begin(&p, 6, STEP_COLLECTING), 0);
+    CHECK(pipeline_unsettled(&p));                              /* step 5 is served, not durable */
+    CHECK_EQ(pipeline_move(&p, 6, STEP_COMPUTING), 0);
+    CHECK_EQ(pipeline_find(&p, 6)->attempts, 1u);
+    CHECK_EQ(pipeline_start(&p, 6, STEP_ACT_PASS), 0);
+    CHECK_EQ(pipeline_start(&p, 6, STEP_ACT_SYNC), 0);
+    CHECK(pipeline_busy(&p, 6, STEP_ACT_PASS));
+    CHECK(!pipeline_busy(&p, 5, STEP_ACT_PASS));
+    CHECK_EQ(pipeline_start(&p, 6, STEP_ACT_PASS), -1);        /* twice: a guard is wrong */
+    CHECK_EQ(p.illegal, 1);
+    CHECK_EQ(pipeline_end(&p, 6, STEP_ACT_SYNC, 0), 0);        /* failed: kept */
+    CHECK(pipeline_failed(&p, 6, STEP_ACT_SYNC));
+    CHECK(!pipeline_busy(&p, 6, STEP_ACT_SYNC));
+    CHECK_EQ(pipeline_end(&p, 6, STEP_ACT_SYNC, 1), -1);       /* not running */
+    CHECK_EQ(p.illegal, 2);
+    CHECK_EQ(pipeline_start(&p, 6, STEP_ACT_SYNC), 0);         /* again: the failure is forgotten */
+    CHECK(!pipeline_failed(&p, 6, STEP_ACT_SYNC));
+    CHECK_EQ(pipeline_end(&p, 6, STEP_ACT_SYNC, 1), 0);
+    CHECK_EQ(pipeline_end(&p, 6, STEP_ACT_PASS, 1), 0);
+    CHECK_EQ(pipeline_start(&p, 7, STEP_ACT_PASS), -1);        /* no such step */
+    CHECK_EQ(p.illegal, 3);
+
+    CHECK_EQ(pipeline_start(&p, 5, STEP_ACT_PUBLISH), 0);
+    CHECK(pipeline_any_busy(&p, STEP_ACT_PUBLISH));
+    CHECK(!pipeline_any_busy(&p, STEP_ACT_CLEANUP));
+    pipeline_durable(&p, 5);
+    CHECK(!pipeline_unsettled(&p));
+    CHECK_EQ(pipeline_state(&p, 5), STEP_DURABLE);
+    CHECK_EQ(pipeline_state(&p, 42), STEP_NSTATES);
+    CHECK_EQ(pipeline_end(&p, 5, STEP_ACT_PUBLISH, 1), 0);
+    CHECK(!pipeline_any_busy(&p, STEP_ACT_PUBLISH));
+    CHECK_EQ(pipeline_move(&p, 6, STEP_RETRY_WAIT), 0);
+    CHECK_EQ(pipeline_move(&p, 6, STEP_COMPUTING), 0);
+    CHECK_EQ(pipeline_find(&p, 6)->attempts, 2u);               /* a sync of attempt 1 sees the change */
+    CHECK(strcmp(step_activity_name(STEP_ACT_CLEANUP), "cleanup") == 0);
+    CHECK(strcmp(step_activity_name(STEP_NACTS), "unknown") == 0);
+
+    /* a done record still running something (a publish of a cleaned step) keeps its place */
+    pipeline_init(&p, fake_clock, fake_wall);
+    for (uint64_t s = 0; s < PIPELINE_MAX; s++)
+        CHECK_EQ(pipeline_begin(&p, s, s < 2 ? STEP_DURABLE : STEP_COLLECTING), 0);
+    CHECK_EQ(pipeline_start(&p, 0, STEP_ACT_PUBLISH), 0);
+    pipeline_cleaned(&p, 1);
+    CHECK_EQ(pipeline_begin(&p, 100, STEP_COLLECTING), 0);
+    CHECK(pipeline_find(&p, 0) != NULL);                        /* busy: 1 went instead */
+    CHECK(pipeline_find(&p, 1) == NULL);
+    CHECK_EQ(pipeline_begin(&p, 101, STEP_COLLECTING), -1);
+}
+
+/* The daemon's guards driven by a fake pass, a fake sync and a fake transport: step 3 committed and
+ * settling while step 4 collects and computes; step 4's commit waits for its pass, its sync and
+ * step 3's settle (the publish and the settle end in either order), the cleanup for all of it, and a
+ * sync still out when step 4 is computed again sees the new attempt. */
+static void fake_pass_done(pipeline *p, uint64_t step)
+{
+    CHECK_EQ(pipeline_end(p, step, STEP_ACT_PASS, 1), 0);
+}
+
+TEST(pipeline_guards_driven_by_a_fake_pass_and_transport)
+{
+    for (int publish_first = 0; publish_first < 2; publish_first++) {
+        pipeline p;
+
+        pipeline_init(&p, fake_clock, fake_wall);
+        CHECK_EQ(pipeline_begin(&p, 3, STEP_SERVED), 0);       /* committed, served, settling */
+        CHECK_EQ(pipeline_start(&p, 3, STEP_ACT_PUBLISH), 0);
+        CHECK_EQ(pipeline_begin(&p, 4, STEP_COLLECTING), 0);
+        CHECK(!pipeline_cleanup_ready(&p, 4));                  /* step 3 settles and is published */
+        CHECK_EQ(pipeline_move(&p, 4, STEP_COMPUTING), 0);
+        CHECK_EQ(pipeline_start(&p, 4, STEP_ACT_PASS), 0);
+        CHECK_EQ(pipeline_start(&p, 4, STEP_ACT_SYNC), 0);
+        CHECK(!pipeline_outputs_written(&p, 4));
+        fake_pass_done(&p, 4);
+        CHECK(pipeline_outputs_written(&p, 4));
+        CHECK(!pipeline_commit_ready(&p, 4));                   /* the sync, and step 3's settle */
+        CHECK_EQ(pipeline_end(&p, 4, STEP_ACT_SYNC, 1), 0);
+        CHECK(!pipeline_commit_ready(&p, 4));                   /* step 3's settle */
+        if (publish_first) {
+            CHECK_EQ(pipeline_end(&p, 3, STEP_ACT_PUBLISH, 1), 0);
+            pipeline_published(&p, 3);
+            CHECK(!pipeline_commit_ready(&p, 4));
+            pipeline_durable(&p, 3);
+        } else {
+            pipeline_durable(&p, 3);
+            CHECK(pipeline_commit_ready(&p, 4));                /* a publish does not hold the commit */
+            CHECK(!pipeline_cleanup_ready(&p, 4));              /* but it holds the cleanup */
+            CHECK_EQ(pipeline_end(&p, 3, STEP_ACT_PUBLISH, 1), 0);
+            pipeline_published(&p, 3);
+        }
+        CHECK_EQ(pipeline_state(&p, 3), STEP_DURABLE);
+        CHECK(pipeline_find(&p, 3)->published);
+        CHECK(pipeline_commit_ready(&p, 4));
+        CHECK(!pipeline_cleanup_ready(&p, 4));                  /* step 4's commit waits */
+        CHECK_EQ(pipeline_move(&p, 4, STEP_INPUTS_DURABLE), 0); /* the commit queued: once */
+        CHECK(!pipeline_commit_ready(&p, 4));
+        CHECK_EQ(pipeline_move(&p, 4, STEP_COMMITTED), 0);
+        CHECK_EQ(pipeline_move(&p, 4, STEP_SERVED), 0);
+        CHECK_EQ(pipeline_begin(&p, 5, STEP_COLLECTING), 0);
+        CHECK(!pipeline_cleanup_ready(&p, 5));                  /* step 4 settles */
+        pipeline_durable(&p, 4);
+        CHECK(pipeline_cleanup_ready(&p, 5));
+        CHECK_EQ(pipeline_start(&p, 4, STEP_ACT_CLEANUP), 0);
+        CHECK(!pipeline_cleanup_ready(&p, 5));                  /* one at a time */
+        CHECK_EQ(pipeline_end(&p, 4, STEP_ACT_CLEANUP, 1), 0);
+        pipeline_cleaned(&p, 4);
+        CHECK_EQ(pipeline_state(&p, 3), STEP_CLEANED);
+        CHECK_EQ(pipeline_state(&p, 4), STEP_CLEANED);
+
+        /* step 5: its first pass fails while its sync is out; the retry's pass ends first */
+        CHECK_EQ(pipeline_move(&p, 5, STEP_COMPUTING), 0);
+        CHECK_EQ(pipeline_start(&p, 5, STEP_ACT_PASS), 0);
+        CHECK_EQ(pipeline_start(&p, 5, STEP_ACT_SYNC), 0);
+        unsigned synced_attempt = pipeline_find(&p, 5)->attempts;
+        CHECK_EQ(pipeline_end(&p, 5, STEP_ACT_PASS, 0), 0);
+        CHECK_EQ(pipeline_move(&p, 5, STEP_RETRY_WAIT), 0);
+        CHECK(!pipeline_outputs_written(&p, 5));
+        CHECK_EQ(pipeline_move(&p, 5, STEP_COMPUTING), 0);
+        CHECK_EQ(pipeline_start(&p, 5, STEP_ACT_PASS), 0);
+        fake_pass_done(&p, 5);
+        CHECK(!pipeline_commit_ready(&p, 5));                   /* the old sync is out */
+        CHECK(pipeline_find(&p, 5)->attempts != synced_attempt); /* it syncs again when it ends */
+        CHECK_EQ(pipeline_end(&p, 5, STEP_ACT_SYNC, 1), 0);
+        CHECK_EQ(pipeline_start(&p, 5, STEP_ACT_SYNC), 0);
+        CHECK_EQ(pipeline_end(&p, 5, STEP_ACT_SYNC, 0), 0);     /* the new sync fails */
+        CHECK(pipeline_commit_ready(&p, 5));
+        CHECK(pipeline_failed(&p, 5, STEP_ACT_SYNC));           /* the caller retries the step on it */
+        CHECK_EQ(p.illegal, 0);
+    }
+}
+
+/* The test hook's variable (pipeline.h): a state, or a state and a step; anything else is ignored
+ * (logged at error level), so that a typo never kills a daemon at a state nobody meant. */
+TEST(pipeline_crash_hook_is_read_once_and_validated)
+{
+    static const struct {
+        const char *value;
+        step_state at;
+        int64_t step;
+    } cases[] = {
+        {"served", STEP_SERVED, -1},
+        {"inputs_durable:12", STEP_INPUTS_DURABLE, 12},
+        {"collecting:0", STEP_COLLECTING, 0},
+        {"", STEP_NSTATES, -1},
+        {"serve", STEP_NSTATES, -1},
+        {"servedx", STEP_NSTATES, -1},
+        {"served:", STEP_NSTATES, -1},
+        {"served:x", STEP_NSTATES, -1},
+        {"served:-1", STEP_NSTATES, -1},
+        {"served:1x", STEP_NSTATES, -1},
+        {"served:99999999999999999999", STEP_NSTATES, -1},
+        {":3", STEP_NSTATES, -1},
+    };
+    pipeline p;
+
+    pipeline_init(&p, fake_clock, fake_wall);
+    CHECK_EQ(p.crash_at, STEP_NSTATES);                         /* unset: no hook */
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        CHECK_EQ(setenv("DILOCOD_TEST_CRASH_AT", cases[i].value, 1), 0);
+        pipeline_init(&p, fake_clock, fake_wall);
+        CHECK_EQ(p.crash_at, cases[i].at);
+        CHECK_EQ(p.crash_step, cases[i].step);
+    }
+    CHECK_EQ(setenv("DILOCOD_TEST_CRASH_AT", "cleaned:5", 1), 0);
+    pipeline_init(&p, fake_clock, fake_wall);
+    CHECK_EQ(unsetenv("DILOCOD_TEST_CRASH_AT"), 0);
+    /* other steps, and other states of step 5, move as usual (the process is still here) */
+    CHECK_EQ(pipeline_begin(&p, 4, STEP_DURABLE), 0);
+    CHECK_EQ(pipeline_begin(&p, 5, STEP_SERVED), 0);
+    pipeline_cleaned(&p, 4);
+    pipeline_durable(&p, 5);
+    CHECK_EQ(pipeline_find(&p, 4)->state, STEP_CLEANED);
+    CHECK_EQ(pipeline_find(&p, 5)->state, STEP_DURABLE);
 }
