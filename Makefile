@@ -59,7 +59,7 @@ DEB_PKGS    := build-essential pkg-config libuv1-dev libcurl4-openssl-dev libcjs
                libopenblas0-pthread libxxhash-dev
 PY_PKGS     := safetensors huggingface_hub pytest pytest-xdist requests prometheus_client boto3
 
-.PHONY: all deps venv seaweedfs check lint-layers unit test-integration fuzz fuzz-regress bench bench-deps soak clean distclean
+.PHONY: all deps venv seaweedfs check lint lint-layers lint-errors unit test-integration fuzz fuzz-regress bench bench-deps soak clean distclean
 
 all: $(BUILD)/libdiloco.a $(BUILD)/libdilocod.a $(BINS)
 
@@ -148,6 +148,13 @@ seaweedfs:
 lint-layers:
 	@bash tests/tools/lint-layers.sh
 
+# the error convention (server/README.md, Error convention): banned calls, exits, unchecked allocations
+lint-errors:
+	@bash tests/tools/lint-errors.sh --self-test
+	@bash tests/tools/lint-errors.sh
+
+lint: lint-layers lint-errors
+
 unit: $(BUILD)/tests/unit-tests
 	$(BUILD)/tests/unit-tests
 
@@ -161,7 +168,7 @@ test-integration: all venv
 	  $(PYTEST_ARGS)
 
 check: deps
-	$(MAKE) lint-layers
+	$(MAKE) lint
 	$(MAKE) venv
 	$(MAKE) all
 	$(MAKE) unit
@@ -194,7 +201,7 @@ $(FUZZ_BUILD)/fuzz-request: $(BUILD)/gen/dashboard.c
 
 # Replays the committed corpus: a regression test, part of `make check`.
 fuzz-regress: $(FUZZ_TARGETS)
-	@for t in $(FUZZ_TARGETS); do n=$${t##*/fuzz-}; \
+	@set -o pipefail; for t in $(FUZZ_TARGETS); do n=$${t##*/fuzz-}; \
 	  $$t -runs=0 tests/fuzz/corpus/$$n 2>&1 | tail -1 || exit 1; done
 
 fuzz: $(FUZZ_TARGETS)

@@ -294,7 +294,11 @@ static char *token_for(const char *path, const char *node)
             continue;
         if (strcmp(id, node) == 0 || (strcmp(id, "*") == 0 && found == NULL)) {
             free(found);
-            found = strdup(tok);
+            if ((found = strdup(tok)) == NULL) {
+                fclose(f);
+                fprintf(stderr, "diloco: out of memory reading %s\n", path);
+                return NULL;
+            }
             if (strcmp(id, node) == 0)
                 break;
         }

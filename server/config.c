@@ -4,6 +4,7 @@
 #include "hub.h"
 #include "safetensors.h"
 #include "st_index.h"
+#include "store.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -537,10 +538,10 @@ static int set_transport_defaults(config *c)
 static int set_defaults(config *c)
 {
     memset(c, 0, sizeof(*c));
-    c->origin = calloc(nslots(), sizeof(*c->origin));
-    c->state_root = strdup("/var/lib/dilocod");
-    c->id = strdup("aggregator");
-    c->hub = strdup("none");
+    if ((c->origin = calloc(nslots(), sizeof(*c->origin))) == NULL ||
+        (c->state_root = strdup("/var/lib/dilocod")) == NULL || (c->id = strdup("aggregator")) == NULL ||
+        (c->hub = strdup("none")) == NULL || (c->listen = strdup("127.0.0.1:8470")) == NULL)
+        return -ENOMEM;
     c->min_nodes = 1;
     c->optimizer = OPT_NESTEROV_SGD;
     c->lr = 0.7;
@@ -553,7 +554,6 @@ static int set_defaults(config *c)
     c->agg_memory_mib = 16;
     c->warm_outputs = 1;
     c->retry_interval = 5.0;
-    c->listen = strdup("127.0.0.1:8470");
     c->max_header_bytes = 16384;
     c->max_headers = 100;
     c->max_delta_header_mib = 16;
@@ -606,20 +606,22 @@ static int parse_listen(config *c)
         const char *close = strchr(v, ']');
         if (close == NULL || close[1] != ':')
             return bad_opt(c, "listen", "'%s' is not HOST:PORT, [V6ADDR]:PORT or none", v);
-        c->listen_host = strndup(v + 1, (size_t)(close - v - 1));
+        if ((c->listen_host = strndup(v + 1, (size_t)(close - v - 1))) == NULL)
+            return bad_opt(c, "listen", "out of memory");
         colon = close + 1;
     } else {
         colon = strrchr(v, ':');
         if (colon == NULL || colon == v)
             return bad_opt(c, "listen", "'%s' is not HOST:PORT, [V6ADDR]:PORT or none", v);
-        c->listen_host = strndup(v, (size_t)(colon - v));
+        if ((c->listen_host = strndup(v, (size_t)(colon - v))) == NULL)
+            return bad_opt(c, "listen", "out of memory");
     }
     errno = 0;
     port = strtol(colon + 1, &end, 10);
     if (colon[1] == '\0' || *end != '\0' || errno != 0 || port < 0 || port > 65535)
         return bad_opt(c, "listen", "'%s': the port must be 0..65535", v);
     c->listen_port = (int)port;
-    return c->listen_host ? 0 : bad_opt(c, "listen", "out of memory");
+    return 0;
 }
 
 /* The address must resolve as the HTTP engine resolves it and belong to this machine.  Bound with
@@ -681,10 +683,12 @@ static int check_dir_path(const config *c, const char *key, const char *path)
 
 static int state_committed(const config *c)
 {
-    char *meta = NULL;
+    char *dir = store_path_state_dir(c->state_root, c->id);
+    char *meta = dir != NULL ? store_path_metadata(dir) : NULL;
     int committed;
 
-    if (asprintf(&meta, "%s/%s/outer_metadata.json", c->state_root, c->id) < 0)
+    free(dir);
+    if (meta == NULL)
         return -1;
     committed = access(meta, F_OK) == 0;
     free(meta);
@@ -770,7 +774,8 @@ int config_load(config *c, int argc, char **argv)
             if (v == NULL)
                 return bad("--", "config", "needs a FILE");
             free(c->config_file);
-            c->config_file = strdup(v);
+            if ((c->config_file = strdup(v)) == NULL)
+                return bad("--", "config", "out of memory");
             if ((rc = load_file(c, v)) != 0)
                 return rc;
         }

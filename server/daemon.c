@@ -373,7 +373,7 @@ static int open_hub(dilocod *d, dl_error *err)
 
     if (hub_find(d->cfg->hub) == NULL)
         return 0;
-    if (asprintf(&dir, "%s/%s", d->cfg->state_root, d->cfg->id) < 0)
+    if ((dir = store_path_state_dir(d->cfg->state_root, d->cfg->id)) == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     hub_config hc = {
         .url = d->cfg->hub,
@@ -422,8 +422,7 @@ int daemon_run(config *cfg)
     /* A start that fails changes nothing on disk: what can fail without touching the state comes first
      * (the listening socket; no request is served before the loop runs), and a state directory this
      * start created is removed again if nothing was committed in it. */
-    if (asprintf(&state_dir, "%s/%s", cfg->state_root, cfg->id) < 0)
-        state_dir = NULL;
+    state_dir = store_path_state_dir(cfg->state_root, cfg->id);
     int state_existed = state_dir == NULL || access(state_dir, F_OK) == 0;
     if ((rc = start_http(d, &err)) != 0 || (rc = open_hub(d, &err)) != 0 || (rc = startup(d, &err)) != 0) {
         daemon__log_error("main", "cannot start", &err);

@@ -175,7 +175,8 @@ static void settle_work(job *j)
     }
     if (a->round_json != NULL) {
         if (a->unappended == NULL && history_append(d->st.dir, a->round_json, &herr) != 0) {
-            a->unappended = strdup(a->round_json);
+            a->unappended = a->round_json;      /* kept for the next settle (nothing reads round_json after) */
+            a->round_json = NULL;
             a->history_failed = 1;
         } else if (a->unappended != NULL) {
             char *both = NULL;

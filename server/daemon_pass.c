@@ -683,13 +683,11 @@ static int start_sync_inputs(dilocod *d)
 {
     uint64_t step = d->rnd.step + 1;
     const step_record *r = pipeline_find(&d->pipe, step);
-    sync_args *a = calloc(1, sizeof(*a));
+    sync_args *a;
 
-    if (r == NULL || pipeline_start(&d->pipe, step, STEP_ACT_SYNC) != 0) {
-        free(a);
+    if (r == NULL || pipeline_start(&d->pipe, step, STEP_ACT_SYNC) != 0)
         return -1;
-    }
-    if (a == NULL || (a->paths = calloc(d->rnd.n ? d->rnd.n : 1, sizeof(*a->paths))) == NULL) {
+    if ((a = calloc(1, sizeof(*a))) == NULL || (a->paths = calloc(d->rnd.n ? d->rnd.n : 1, sizeof(*a->paths))) == NULL) {
         free(a);
         pipeline_end(&d->pipe, step, STEP_ACT_SYNC, 0);
         return -1;

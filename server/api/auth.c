@@ -73,12 +73,12 @@ int auth_load(auth_table *out, const char *path, dl_error *err)
             break;
         }
         t.e = ne;
-        t.e[t.n].node = strdup(node);
-        t.e[t.n].token = strdup(token);
+        t.e[t.n].token = NULL;
         t.e[t.n].token_len = tl;
-        t.n++;
+        int oom = (t.e[t.n].node = strdup(node)) == NULL || (t.e[t.n].token = strdup(token)) == NULL;
+        t.n++;                          /* freed with the table, whole or not */
         OPENSSL_cleanse(token, tl);
-        if (t.e[t.n - 1].node == NULL || t.e[t.n - 1].token == NULL)
+        if (oom)
             rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     }
     fclose(f);

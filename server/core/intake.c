@@ -1,6 +1,10 @@
-#include "intake.h"
+/* Intake of a single delta file (intake.h): opened without links or FIFOs, its header checked first
+ * (a stale or wrong delta costs only its header), then its data checked for finite values on the
+ * way to a temporary copy, or read in place (mapped, in two halves at once when large) and
+ * hard-linked when it is a shared tree's file (zero-copy).  A sharded set is intake_set.c's, the
+ * links into the cache intake_cache.c's; intake_run picks the one or the other. */
+#include "intake_internal.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -9,7 +13,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -17,6 +20,7 @@
 #include "fsutil.h"
 #include "mapread.h"
 #include "st_index.h"
+#include "store.h"
 
 #define COPY_CHUNK (4u << 20)
 /* A file that is only checked (linked, not copied) is read in place, a window of this many bytes at a
@@ -39,15 +43,6 @@ const char *intake_status_name(intake_status s)
     return "?";
 }
 
-char *intake_cache_path(const char *state_dir, const delta_info *info)
-{
-    char *p = NULL;
-    if (asprintf(&p, "%s/cache/deltas/s%" PRIu64 "/%s/delta_%" PRIu64 ".safetensors", state_dir,
-                 info->base_outer_step, info->node_id, info->local_step) < 0)
-        return NULL;
-    return p;
-}
-
 void intake_req_free(intake_req *r)
 {
     free(r->src_path);
@@ -59,12 +54,12 @@ void intake_req_free(intake_req *r)
     free(r);
 }
 
-static int64_t mtime_ns(const struct stat *sb)
+int64_t intake__mtime_ns(const struct stat *sb)
 {
     return (int64_t)sb->st_mtim.tv_sec * 1000000000 + sb->st_mtim.tv_nsec;
 }
 
-static intake_status io_fail(intake_req *r, int e, const char *what)
+intake_status intake__io_fail(intake_req *r, int e, const char *what)
 {
     dl_fail_errno(&r->err, e, "%s", what);
     return INTAKE_IO;
@@ -89,7 +84,7 @@ static intake_status copy_checked(intake_req *r, int src, int dst, const st_head
     uint64_t sum = 0;
 
     if (buf == NULL)
-        return io_fail(r, ENOMEM, "out of memory for the copy buffer");
+        return intake__io_fail(r, ENOMEM, "out of memory for the copy buffer");
     for (size_t i = 0; i < h->ntensors && st == INTAKE_OK; i++) {
         const st_tensor *t = &h->tensors[i];
         size_t esize = st_dtype_bits(t->dtype) / 8;       /* deltas are F32/F16/BF16/C64: whole bytes */
@@ -105,7 +100,7 @@ static intake_status copy_checked(intake_req *r, int src, int dst, const st_head
                 break;
             }
             if (rc != 0) {
-                st = io_fail(r, -rc, "reading the delta");
+                st = intake__io_fail(r, -rc, "reading the delta");
                 break;
             }
             int64_t bad = delta_find_non_finite(t->dtype, buf, n);
@@ -118,7 +113,7 @@ static intake_status copy_checked(intake_req *r, int src, int dst, const st_head
             if (dst < 0 && r->ck != NULL)
                 sum += ck_blocks(r->ck, mt, t->dtype, e, buf, n, esize);
             if (dst >= 0 && (rc = fsu_pwrite_all(dst, buf, n * esize, off)) != 0) {
-                st = io_fail(r, -rc, "writing the cache copy");
+                st = intake__io_fail(r, -rc, "writing the cache copy");
                 break;
             }
         }
@@ -131,210 +126,11 @@ static intake_status copy_checked(intake_req *r, int src, int dst, const st_head
     return st;
 }
 
-/* The node's cache directory, created if needed, opened and locked (flock): every link into it
- * runs under this lock, so the existence checks of both layouts and the links that follow are one
- * step for the uploads, the hub intakes and a set's several links alike.  Returns the descriptor
- * (closing it releases the lock) or -1 with err set. */
-static int lock_node_dir(const char *dir, dl_error *err)
-{
-    int fd;
-
-    if (fsu_mkdirs(dir, err) != 0)
-        return -1;
-    if ((fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) {
-        dl_fail_errno(err, errno, "opening the cache directory %s", dir);
-        return -1;
-    }
-    while (flock(fd, LOCK_EX) != 0) {
-        if (errno != EINTR) {
-            dl_fail_errno(err, errno, "locking the cache directory %s", dir);
-            close(fd);
-            return -1;
-        }
-    }
-    return fd;
-}
-
-/* Whether this node's delta of this local step is cached in either layout (the lock is held). */
-static int cached_in_any_layout(const char *state_dir, const delta_info *info)
-{
-    char *single = intake_cache_path(state_dir, info), *index = intake_cache_index_path(state_dir, info);
-    int found = (single != NULL && access(single, F_OK) == 0) || (index != NULL && access(index, F_OK) == 0);
-
-    free(single);
-    free(index);
-    return found;
-}
-
-static char *dir_of(const char *path)
-{
-    char *dir = strdup(path);
-
-    if (dir != NULL)
-        *strrchr(dir, '/') = '\0';
-    return dir;
-}
-
-intake_status intake_link_into_cache(const char *state_dir, const delta_info *info, const char *tmp,
-                                     char **cache_path, dl_error *err)
-{
-    char *dir = NULL, *path;
-    intake_status st;
-    int lock = -1;
-
-    *cache_path = NULL;
-    path = intake_cache_path(state_dir, info);
-    if (path == NULL || (dir = dir_of(path)) == NULL) {
-        dl_fail_errno(err, ENOMEM, "out of memory");
-        st = INTAKE_IO;
-        goto out;
-    }
-    if ((lock = lock_node_dir(dir, err)) < 0) {
-        st = INTAKE_IO;
-        goto out;
-    }
-    if (cached_in_any_layout(state_dir, info)) {    /* a set of the same step counts too */
-        st = INTAKE_DUPLICATE;
-        goto out;
-    }
-    if (link(tmp, path) != 0) {
-        int e = errno;
-        if (e == EEXIST) {
-            st = INTAKE_DUPLICATE;
-            goto out;
-        }
-        dl_fail_errno(err, e, "linking the delta into the cache");
-        st = INTAKE_IO;
-        goto out;
-    }
-    if (fsu_fsync_parent(path, err) != 0) {
-        unlink(path);
-        st = INTAKE_IO;
-        goto out;
-    }
-    *cache_path = path;
-    path = NULL;
-    st = INTAKE_OK;
-out:
-    if (lock >= 0)
-        close(lock);
-    free(dir);
-    free(path);
-    return st;
-}
-
-char *intake_cache_index_path(const char *state_dir, const delta_info *info)
-{
-    char *p = NULL;
-    if (asprintf(&p, "%s/cache/deltas/s%" PRIu64 "/%s/delta_%" PRIu64 ST_INDEX_SUFFIX, state_dir,
-                 info->base_outer_step, info->node_id, info->local_step) < 0)
-        return NULL;
-    return p;
-}
-
-/* Removes the first n shards of a set from the cache directory (a link that failed half way). */
-static void unlink_shards(const char *cache_dir, const st_index *ix, uint32_t n)
-{
-    char name[ST_INDEX_BASE_MAX + 40], *p;
-
-    for (uint32_t i = 0; i < n; i++) {
-        st_index_shard_name(ix->base, i, ix->nshards, name, sizeof(name));
-        if (asprintf(&p, "%s/%s", cache_dir, name) >= 0) {
-            unlink(p);
-            free(p);
-        }
-    }
-}
-
-/* Links dir/<name> to cache_dir/<name>.  A shard already there without its index (the lock is
- * held and the index is absent) is what a link cut short by a crash left: it is replaced. */
-static int link_one(const char *dir, const char *cache_dir, const char *name, int replace, dl_error *err)
-{
-    char *from = NULL, *to = NULL;
-    int rc = 0;
-
-    if (asprintf(&from, "%s/%s", dir, name) < 0 || asprintf(&to, "%s/%s", cache_dir, name) < 0) {
-        free(from);
-        return dl_fail_errno(err, ENOMEM, "out of memory");
-    }
-    if (link(from, to) != 0 && !(replace && errno == EEXIST && unlink(to) == 0 && link(from, to) == 0))
-        rc = errno == EEXIST ? -EEXIST : dl_fail_errno(err, errno, "linking %s into the cache", name);
-    free(from);
-    free(to);
-    return rc;
-}
-
-intake_status intake_link_set_into_cache(const char *state_dir, const delta_info *info, const char *dir,
-                                         const st_index *ix, char **cache_path, dl_error *err)
-{
-    char *index = NULL, *cache_dir = NULL, base[ST_INDEX_BASE_MAX + 1], name[ST_INDEX_BASE_MAX + 40];
-    uint32_t linked = 0;
-    intake_status st = INTAKE_IO;
-    int lock = -1, rc;
-
-    *cache_path = NULL;
-    /* the index's text names its shards by its base: the cached set keeps the base it was checked with */
-    if (snprintf(base, sizeof(base), "delta_%" PRIu64, info->local_step) >= (int)sizeof(base) ||
-        strcmp(base, ix->base) != 0) {
-        dl_fail(err, DL_E_INVALID_PATH, NULL, 0, "the set's base \"%s\" is not %s, the name its step caches under",
-                ix->base, base);
-        return INTAKE_INVALID;
-    }
-    index = intake_cache_index_path(state_dir, info);
-    if (index == NULL || (cache_dir = dir_of(index)) == NULL) {
-        dl_fail_errno(err, ENOMEM, "out of memory");
-        goto out;
-    }
-    if ((lock = lock_node_dir(cache_dir, err)) < 0)
-        goto out;
-    if (cached_in_any_layout(state_dir, info)) {
-        st = INTAKE_DUPLICATE;
-        goto out;
-    }
-    for (; linked < ix->nshards; linked++) {
-        st_index_shard_name(ix->base, linked, ix->nshards, name, sizeof(name));
-        if (link_one(dir, cache_dir, name, 1, err) != 0)
-            goto out;
-    }
-    /* the shards' names are durable before the index names them: after a crash an index is only
-     * ever found next to its complete set */
-    if (fsu_fsync_parent(index, err) != 0)
-        goto out;
-    if (snprintf(name, sizeof(name), "%s" ST_INDEX_SUFFIX, ix->base) >= (int)sizeof(name)) {
-        dl_fail(err, DL_E_INVALID_PATH, NULL, 0, "the set's base is too long");
-        goto out;
-    }
-    if ((rc = link_one(dir, cache_dir, name, 0, err)) != 0) {
-        if (rc == -EEXIST)      /* cannot happen under the lock, but never replace an index */
-            st = INTAKE_DUPLICATE;
-        goto out;
-    }
-    if (fsu_fsync_parent(index, err) != 0) {
-        unlink(index);
-        goto out;
-    }
-    *cache_path = index;
-    index = NULL;
-    linked = 0;
-    st = INTAKE_OK;
-out:
-    if (st != INTAKE_OK && st != INTAKE_DUPLICATE)
-        unlink_shards(cache_dir, ix, linked);
-    if (lock >= 0)
-        close(lock);
-    free(cache_dir);
-    free(index);
-    return st;
-}
-
-static uint64_t max_header(const intake_req *r)
+uint64_t intake__max_header(const intake_req *r)
 {
     return r->max_header != 0 && r->max_header < ST_MAX_HEADER_SIZE ? r->max_header : ST_MAX_HEADER_SIZE;
 }
 
-/* Opens the source as a regular file, never blocking on a FIFO; a delta of the shared tree only
- * through directories of that tree (no link at any level).  0 or a negative errno; on a refused
- * type sb->st_mode says what was there. */
 uint64_t intake_delta_bytes(const st_header *global)
 {
     uint64_t n = 0;
@@ -354,6 +150,9 @@ uint64_t intake_set_budget(uint64_t delta_bytes, uint64_t header_cap)
     return b;
 }
 
+/* Opens the source as a regular file, never blocking on a FIFO; a delta of the shared tree only
+ * through directories of that tree (no link at any level).  0 or a negative errno; on a refused
+ * type sb->st_mode says what was there. */
 static int open_source(const intake_req *r, int *fd, struct stat *sb)
 {
     int rootfd, rc;
@@ -385,7 +184,7 @@ static int open_source(const intake_req *r, int *fd, struct stat *sb)
 
 /* The refusal for a source that open_source or fsu_open_file_at could not open (rc < 0); mode is
  * what was found there. */
-static intake_status open_refusal(intake_req *r, int rc, mode_t mode)
+intake_status intake__open_refusal(intake_req *r, int rc, mode_t mode)
 {
     if (rc == -ENOENT) {
         dl_fail(&r->err, DL_E_IO, NULL, 0, "the file disappeared");
@@ -403,12 +202,12 @@ static intake_status open_refusal(intake_req *r, int rc, mode_t mode)
                                  : fsu_kind_name(mode));
         return INTAKE_INVALID;
     }
-    return io_fail(r, -rc, "opening the delta");
+    return intake__io_fail(r, -rc, "opening the delta");
 }
 
 /* A safetensors file's header, read from src (size bytes): prefix, the JSON (*json, *n) and the
  * parsed header, checked to describe exactly size bytes.  INTAKE_OK or the refusal. */
-static intake_status read_header(intake_req *r, int src, uint64_t size, unsigned char prefix[8], char **json,
+intake_status intake__read_header(intake_req *r, int src, uint64_t size, unsigned char prefix[8], char **json,
                                  uint64_t *n, st_header **h)
 {
     uint64_t want;
@@ -426,9 +225,9 @@ static intake_status read_header(intake_req *r, int src, uint64_t size, unsigned
         st_prefix_refusal(&r->err, DL_E_HEADER_TOO_LARGE, prefix, *n, size);  /* not a length: text, a ZIP ... */
         return INTAKE_INVALID;
     }
-    if (*n > max_header(r)) {
+    if (*n > intake__max_header(r)) {
         dl_fail(&r->err, DL_E_HEADER_TOO_LARGE, NULL, 0, "header too large: %" PRIu64 " bytes, the cap is %" PRIu64
-                " (max_delta_header_mib)", *n, max_header(r));
+                " (max_delta_header_mib)", *n, intake__max_header(r));
         return INTAKE_INVALID;
     }
     if (8 + *n > size) {
@@ -437,7 +236,7 @@ static intake_status read_header(intake_req *r, int src, uint64_t size, unsigned
     }
     *json = malloc(*n ? *n : 1);
     if (*json == NULL || fsu_pread_all(src, *json, *n, 8) != 0)
-        return io_fail(r, *json ? EIO : ENOMEM, "reading the header");
+        return intake__io_fail(r, *json ? EIO : ENOMEM, "reading the header");
     if (st_header_parse_unsized(*json, *n, h, &r->err) != 0)
         return INTAKE_INVALID;
     if (st_header_file_len(*h, &want) != 0 || want != size) {
@@ -452,7 +251,7 @@ static intake_status read_header(intake_req *r, int src, uint64_t size, unsigned
 
 /* Copies a file whose header was read (before: its fstat then) to dst with the finite check, then
  * checks that it did not change meanwhile and fsyncs the copy. */
-static intake_status copy_file(intake_req *r, int src, const struct stat *before, int dst,
+intake_status intake__copy_file(intake_req *r, int src, const struct stat *before, int dst,
                                const unsigned char prefix[8], const char *json, uint64_t n, const st_header *h)
 {
     struct stat after;
@@ -460,17 +259,17 @@ static intake_status copy_file(intake_req *r, int src, const struct stat *before
     int rc;
 
     if ((rc = posix_fallocate(dst, 0, before->st_size)) != 0 && rc != EOPNOTSUPP && rc != EINVAL)
-        return io_fail(r, rc, "reserving space for the cache copy");
+        return intake__io_fail(r, rc, "reserving space for the cache copy");
     if ((rc = fsu_pwrite_all(dst, prefix, 8, 0)) != 0 || (rc = fsu_pwrite_all(dst, json, n, 8)) != 0)
-        return io_fail(r, -rc, "writing the cache copy");
+        return intake__io_fail(r, -rc, "writing the cache copy");
     if ((st = copy_checked(r, src, dst, h, 8 + n)) != INTAKE_OK)
         return st;
-    if (fstat(src, &after) != 0 || after.st_size != before->st_size || mtime_ns(&after) != mtime_ns(before)) {
+    if (fstat(src, &after) != 0 || after.st_size != before->st_size || intake__mtime_ns(&after) != intake__mtime_ns(before)) {
         dl_fail(&r->err, DL_E_IO, NULL, 0, "the file changed while it was read");
         return INTAKE_INCOMPLETE;
     }
     if (fsync(dst) != 0)
-        return io_fail(r, errno, "fsync of the cache copy");
+        return intake__io_fail(r, errno, "fsync of the cache copy");
     return INTAKE_OK;
 }
 
@@ -662,7 +461,7 @@ static intake_status check_file(intake_req *r, int src, const struct stat *befor
 
     if (st != INTAKE_OK)
         return st;
-    if (fstat(src, &after) != 0 || after.st_size != before->st_size || mtime_ns(&after) != mtime_ns(before)) {
+    if (fstat(src, &after) != 0 || after.st_size != before->st_size || intake__mtime_ns(&after) != intake__mtime_ns(before)) {
         dl_fail(&r->err, DL_E_IO, NULL, 0, "the file changed while it was read");
         return INTAKE_INCOMPLETE;
     }
@@ -680,13 +479,13 @@ static intake_status link_file(intake_req *r, int src, const struct stat *before
 
     if ((st = check_file(r, src, before, n, h)) != INTAKE_OK)
         return st;
-    if (asprintf(&tmp, "%s/cache/incoming/.link-%d-%" PRIu64, r->state_dir, (int)getpid(), (uint64_t)before->st_ino) <
-        0)
-        return io_fail(r, ENOMEM, "out of memory");
+    if ((tmp = store_path_incoming_file(r->state_dir, ".link-%d-%" PRIu64, (int)getpid(), (uint64_t)before->st_ino)) ==
+        NULL)
+        return intake__io_fail(r, ENOMEM, "out of memory");
     (void)unlink(tmp);          /* a leftover of a crash under the same pid and inode */
     if ((r->link_errno = fsu_link_fd(src, AT_FDCWD, tmp)) != 0) {
         free(tmp);
-        return io_fail(r, r->link_errno, "linking the delta into the cache");
+        return intake__io_fail(r, r->link_errno, "linking the delta into the cache");
     }
     st = intake_link_into_cache(r->state_dir, &r->info, tmp, &r->cache_path, &r->err);
     unlink(tmp);
@@ -707,7 +506,7 @@ static intake_status link_file(intake_req *r, int src, const struct stat *before
         free(r->cache_path);
         r->cache_path = NULL;
         if (rc < 0)
-            return io_fail(r, -rc, "checking the linked delta");
+            return intake__io_fail(r, -rc, "checking the linked delta");
         dl_fail(&r->err, DL_E_IO, NULL, 0, "the file changed while it was taken in");
         return INTAKE_INCOMPLETE;
     }
@@ -733,7 +532,6 @@ static intake_status recheck_linked(intake_req *r, int src, const struct stat *b
     return INTAKE_OK;
 }
 
-static intake_status intake_set(intake_req *r);
 
 static intake_status intake(intake_req *r)
 {
@@ -746,13 +544,13 @@ static intake_status intake(intake_req *r)
     intake_status st;
 
     if ((rc = open_source(r, &src, &before)) != 0) {
-        st = open_refusal(r, rc, before.st_mode);
+        st = intake__open_refusal(r, rc, before.st_mode);
         goto out;
     }
     r->size = (uint64_t)before.st_size;
-    r->mtime_ns = mtime_ns(&before);
+    r->mtime_ns = intake__mtime_ns(&before);
     r->ino = (uint64_t)before.st_ino;
-    if ((st = read_header(r, src, r->size, prefix, &json, &n, &h)) != INTAKE_OK)
+    if ((st = intake__read_header(r, src, r->size, prefix, &json, &n, &h)) != INTAKE_OK)
         goto out;
     if (delta_check_header(h, r->global, r->rel_path, &r->info, &r->err) != 0) {
         st = INTAKE_INVALID;
@@ -770,10 +568,10 @@ static intake_status intake(intake_req *r)
         if (before.st_nlink > 1 && (st = recheck_linked(r, src, &before, n, h)) != INTAKE_OK)
             goto out;
         r->cache_path = strdup(r->src_path);
-        st = r->cache_path ? INTAKE_OK : io_fail(r, ENOMEM, "out of memory");
+        st = r->cache_path ? INTAKE_OK : intake__io_fail(r, ENOMEM, "out of memory");
         goto out;
     }
-    if (cached_in_any_layout(r->state_dir, &r->info)) {
+    if (intake__cached_in_any_layout(r->state_dir, &r->info)) {
         st = INTAKE_DUPLICATE;
         goto out;
     }
@@ -784,9 +582,8 @@ static intake_status intake(intake_req *r)
         /* no link here (another filesystem, links refused): copy, the data is read once more */
         dl_error_clear(&r->err);
     }
-    if (asprintf(&tmp, "%s/cache/incoming/delta", r->state_dir) < 0) {
-        tmp = NULL;
-        st = io_fail(r, ENOMEM, "out of memory");
+    if ((tmp = store_path_incoming_file(r->state_dir, "delta")) == NULL) {
+        st = intake__io_fail(r, ENOMEM, "out of memory");
         goto out;
     }
     {
@@ -799,7 +596,7 @@ static intake_status intake(intake_req *r)
             goto out;
         }
     }
-    if ((st = copy_file(r, src, &before, dst, prefix, json, n, h)) != INTAKE_OK)
+    if ((st = intake__copy_file(r, src, &before, dst, prefix, json, n, h)) != INTAKE_OK)
         goto out;
     st = intake_link_into_cache(r->state_dir, &r->info, tmp, &r->cache_path, &r->err);
 out:
@@ -816,489 +613,8 @@ out:
     return st;
 }
 
-/* ---- a sharded delta --------------------------------------------------------------------------- */
-
-/* Prefixes err's message with the shard it concerns (the tensor, if any, stays in err->tensor). */
-static void name_shard(dl_error *err, const char *shard)
-{
-    char msg[sizeof(err->message)];
-
-    if (snprintf(msg, sizeof(msg), "shard %s: %s", shard, err->message) < 0)
-        return;
-    memcpy(err->message, msg, sizeof(msg));
-}
-
-/* Opens the directory that holds the index and its shards, reached as a single delta is: in a
- * shared tree from its root one directory at a time without links, else by path (our own files).
- * *name points at the index's file name.  0 or a negative errno (*mode: what a refused entry was). */
-static int open_set_dir(const intake_req *r, int *dirfd, const char **name, mode_t *mode)
-{
-    const char *rel = r->rel_path, *slash;
-    char comp[256];
-    int cur, next, rc;
-
-    *dirfd = -1;
-    *mode = 0;
-    if (r->hub_root == NULL || rel == NULL) {
-        const char *path = r->src_path;
-        char *dir;
-        *name = (slash = strrchr(path, '/')) != NULL ? slash + 1 : path;
-        if ((dir = slash != NULL ? strndup(path, (size_t)(slash - path) + (slash == path)) : strdup(".")) == NULL)
-            return -ENOMEM;
-        cur = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-        rc = cur < 0 ? -errno : 0;
-        free(dir);
-        *dirfd = cur;
-        return rc;
-    }
-    if ((cur = open(r->hub_root, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0)
-        return -errno;
-    while ((slash = strchr(rel, '/')) != NULL) {
-        size_t len = (size_t)(slash - rel);
-        if (len == 0 || len >= sizeof(comp)) {
-            close(cur);
-            return -EINVAL;
-        }
-        memcpy(comp, rel, len);
-        comp[len] = '\0';
-        rc = fsu_open_dir_at(cur, comp, &next);
-        close(cur);
-        if (rc != 0) {
-            if (rc == -ELOOP)
-                *mode = S_IFLNK;
-            return rc;
-        }
-        cur = next;
-        rel = slash + 1;
-    }
-    *name = rel;
-    *dirfd = cur;
-    return 0;
-}
-
-/* The parse of the index open at fd (sb: its fstat), for its base, capped by the model: the one the
- * request carries when it is of this version (no read, no parse), else read and parsed here.  *p (a
- * reference: ix and the text it was parsed from, for the staged copy) on INTAKE_OK. */
-static intake_status read_index(intake_req *r, int fd, const struct stat *sb, const char *name, index_parse **p)
-{
-    char base[ST_INDEX_BASE_MAX + 1];
-    uint32_t i, n;
-    int rc;
-
-    *p = NULL;
-    if (st_index_classify(name, strlen(name), base, &i, &n) != ST_NAME_INDEX) {
-        dl_fail(&r->err, DL_E_INVALID_PATH, NULL, 0, "an index is named <base>" ST_INDEX_SUFFIX);
-        return INTAKE_INVALID;
-    }
-    /* the cap follows the model: an index lists at most its floating tensors */
-    size_t cap = st_index_cap_for(r->global);
-    if ((uint64_t)sb->st_size > cap) {
-        dl_fail(&r->err, DL_E_HEADER_TOO_LARGE, NULL, 0,
-                "index of %" PRIu64 " bytes is over the %zu-byte cap for this model's %zu tensors",
-                (uint64_t)sb->st_size, cap, r->global->ntensors);
-        return INTAKE_INVALID;
-    }
-    /* a parse, or a refusal, of this very version decides; anything else is read again here (the
-     * cap above is what the parse's own would have said: st_index_parse_capped checks only the size) */
-    if (r->index != NULL && index_parse_is_version(r->index, sb) &&
-        (r->index->ix != NULL || r->index->status == INDEX_REFUSED)) {
-        *p = index_parse_ref(r->index);
-    } else {
-        if ((rc = index_parse_read(fd, sb, base, p)) != 0)
-            return io_fail(r, -rc, "out of memory for the index");
-        r->index_parsed = (*p)->status != INDEX_UNREAD;
-    }
-    if ((*p)->status == INDEX_PARSED)
-        return INTAKE_OK;
-    /* JSON cut short (no closing brace yet), a file changing: an index still being written */
-    index_parse_error(*p, &r->err);
-    if ((*p)->incomplete)
-        return INTAKE_INCOMPLETE;
-    return (*p)->status == INDEX_UNREAD && (*p)->code == DL_E_IO ? INTAKE_IO : INTAKE_INVALID;
-}
-
-/* The names in dirfd's directory, for st_index_check_listing. */
-static intake_status check_listing(intake_req *r, int dirfd, const st_index *ix)
-{
-    char **names = NULL;
-    size_t n = 0, cap = 0;
-    intake_status st = INTAKE_OK;
-    struct dirent *de;
-    int fd = dup(dirfd);
-    DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
-
-    if (d == NULL) {
-        if (fd >= 0)
-            close(fd);
-        return io_fail(r, errno, "listing the set's directory");
-    }
-    rewinddir(d);
-    while ((de = readdir(d)) != NULL) {
-        if (n == cap) {
-            char **more = realloc(names, (cap = cap ? 2 * cap : 64) * sizeof(*names));
-            if (more == NULL) {
-                st = io_fail(r, ENOMEM, "out of memory");
-                goto out;
-            }
-            names = more;
-        }
-        if ((names[n] = strdup(de->d_name)) == NULL) {
-            st = io_fail(r, ENOMEM, "out of memory");
-            goto out;
-        }
-        n++;
-    }
-    if (st_index_check_listing(ix, (const char *const *)names, n, &r->err) != 0)
-        st = INTAKE_INVALID;
-out:
-    for (size_t i = 0; i < n; i++)
-        free(names[i]);
-    free(names);
-    closedir(d);
-    return st;
-}
-
-/* Shard i's header against the index, before its data is copied: it holds exactly the tensors the
- * index lists for it (listed[i] of them).  Checked shard by shard, the copies of a set add up to
- * one delta at most, however many shards a hostile index lists and whatever they hold. */
-static int check_shard_against_index(const st_index *ix, uint32_t i, const uint32_t *listed, const st_header *h,
-                                     dl_error *err)
-{
-    char other[ST_INDEX_BASE_MAX + 40];
-
-    for (size_t k = 0; k < h->ntensors; k++) {
-        const st_tensor *t = &h->tensors[k];
-        const st_index_entry *e = st_index_find(ix, t->name, t->name_len);
-        if (e == NULL)
-            return dl_fail(err, DL_E_KEY_MISMATCH, t->name, t->name_len, "holds a tensor the index does not list");
-        if (e->shard == i)
-            continue;
-        st_index_shard_name(ix->base, e->shard, ix->nshards, other, sizeof(other));
-        /* the shards before this one were found to hold what the index lists for them */
-        return dl_fail(err, DL_E_KEY_MISMATCH, t->name, t->name_len,
-                       e->shard < i ? "tensor is in two shards, %s and this one"
-                                    : "the index lists the tensor in %s but it is in this one", other);
-    }
-    if (h->ntensors == listed[i])
-        return 0;
-    for (size_t k = 0; k < ix->nentries; k++) {
-        const st_index_entry *e = &ix->entries[k];
-        if (e->shard == i && st_header_find(h, e->name, e->name_len) == NULL)
-            return dl_fail(err, DL_E_KEY_MISMATCH, e->name, e->name_len,
-                           "the index lists the tensor in this shard but it does not hold it");
-    }
-    return dl_fail(err, DL_E_KEY_MISMATCH, NULL, 0, "does not hold what the index lists for it");
-}
-
-/* Shard i (name) of ix under dirfd: checked (header against the global and the index, finite
- * values) and copied to stage/name, fsynced.  *bytes receives its size. */
-static intake_status take_shard(intake_req *r, int dirfd, const st_index *ix, uint32_t i, const uint32_t *listed,
-                                const char *name, const char *stage, const st_tensor *const *global, size_t nglobal,
-                                uint64_t room, uint64_t *bytes)
-{
-    struct stat before;
-    unsigned char prefix[8];
-    char *json = NULL, *dst_path = NULL;
-    st_header *h = NULL;
-    uint64_t n;
-    int src = -1, dst = -1, rc;
-    intake_status st;
-
-    if ((rc = fsu_open_file_at(dirfd, name, &src, &before)) != 0) {
-        st = open_refusal(r, rc, before.st_mode);
-        if (rc == -ENOENT)          /* the index came first: its shards are on their way */
-            dl_fail(&r->err, DL_E_IO, NULL, 0, "missing: the index lists it but it is not there (yet)");
-        goto out;
-    }
-    *bytes = (uint64_t)before.st_size;
-    if (*bytes > room) {
-        dl_fail(&r->err, DL_E_HEADER_TOO_LARGE, NULL, 0,
-                "the set's shards hold more than the delta budget (the model's delta bytes plus one header cap)");
-        st = INTAKE_INVALID;
-        goto out;
-    }
-    if ((st = read_header(r, src, *bytes, prefix, &json, &n, &h)) != INTAKE_OK)
-        goto out;
-    if (delta_check_shard_header(h, global, nglobal, &r->err) != 0 ||
-        check_shard_against_index(ix, i, listed, h, &r->err) != 0) {
-        st = INTAKE_INVALID;
-        goto out;
-    }
-    if (asprintf(&dst_path, "%s/%s", stage, name) < 0) {
-        dst_path = NULL;
-        st = io_fail(r, ENOMEM, "out of memory");
-        goto out;
-    }
-    if ((dst = open(dst_path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644)) < 0) {
-        st = io_fail(r, errno, "creating the staged shard");
-        goto out;
-    }
-    st = copy_file(r, src, &before, dst, prefix, json, n, h);
-out:
-    if (st != INTAKE_OK)
-        name_shard(&r->err, name);
-    if (dst >= 0)
-        close(dst);
-    if (src >= 0)
-        close(src);
-    free(dst_path);
-    free(json);
-    st_header_free(h);
-    return st;
-}
-
-/* Empties and removes a staging directory (its entries are plain files we made). */
-static void remove_stage(const char *stage)
-{
-    DIR *d = opendir(stage);
-    struct dirent *de;
-
-    if (d != NULL) {
-        while ((de = readdir(d)) != NULL) {
-            if (strcmp(de->d_name, ".") != 0 && strcmp(de->d_name, "..") != 0)
-                unlinkat(dirfd(d), de->d_name, 0);
-        }
-        closedir(d);
-    }
-    rmdir(stage);
-}
-
-/* An open that failed: the set's fault unless it was ours (an I/O error, no memory). */
-static intake_status open_failure(const dl_error *err)
-{
-    return err->code == DL_E_IO || err->code == DL_E_NO_MEMORY ? INTAKE_IO : INTAKE_INVALID;
-}
-
-intake_status intake_check_set_dir(const char *dir, st_index *ix, const st_tensor *const *global, size_t nglobal,
-                                   const char *rel, delta_info *info, st_set **set, uint64_t *shard_bytes,
-                                   dl_error *err)
-{
-    char *path = NULL;
-    st_file **files;
-    uint32_t opened = 0;
-    uint64_t bytes = 0;
-
-    *set = NULL;
-    if ((files = calloc(ix->nshards ? ix->nshards : 1, sizeof(*files))) == NULL) {
-        st_index_free(ix);
-        dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-        return INTAKE_IO;
-    }
-    for (; opened < ix->nshards; opened++) {
-        char name[ST_INDEX_BASE_MAX + 40];
-        st_index_shard_name(ix->base, opened, ix->nshards, name, sizeof(name));
-        free(path);
-        if (asprintf(&path, "%s/%s", dir, name) < 0) {
-            path = NULL;
-            dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-            break;
-        }
-        if (st_open(path, &files[opened], err) != 0)
-            break;
-        bytes += files[opened]->file_size;
-        if (st_file_lazy(files[opened], err) != 0) {
-            st_close(files[opened]);
-            break;
-        }
-    }
-    free(path);
-    path = NULL;
-    if (opened == ix->nshards && asprintf(&path, "%s/%s" ST_INDEX_SUFFIX, dir, ix->base) < 0) {
-        path = NULL;
-        dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-    }
-    if (path == NULL) {
-        for (uint32_t i = 0; i < opened; i++)
-            st_close(files[i]);
-        free(files);
-        st_index_free(ix);
-        return open_failure(err);
-    }
-    int rc = st_set_assemble(path, ix, files, set, err);        /* owns ix and files from here */
-    free(path);
-    if (rc != 0)
-        return open_failure(err);
-    if (delta_check_set_header(*set, global, nglobal, rel, info, err) != 0)
-        return INTAKE_INVALID;
-    if (shard_bytes != NULL)
-        *shard_bytes = bytes;
-    return INTAKE_OK;
-}
-
-/* A cached set met again at restart: its files were checked when they entered the cache. */
-static intake_status reopen_cached_set(intake_req *r, const st_tensor *const *global, size_t nglobal)
-{
-    st_set *set = NULL;
-    intake_status st = INTAKE_OK;
-
-    if (st_set_open(r->src_path, &set, &r->err) != 0)
-        return INTAKE_INVALID;
-    if (delta_check_set_header(set, global, nglobal, NULL, NULL, &r->err) != 0)
-        st = INTAKE_INVALID;
-    for (size_t i = 0; st == INTAKE_OK && i < set->nfiles; i++)
-        r->size += set->files[i]->file_size;
-    if (st == INTAKE_OK && (r->cache_path = strdup(r->src_path)) == NULL)
-        st = io_fail(r, ENOMEM, "out of memory");
-    st_set_close(set);
-    return st;
-}
-
-/* The shards' sizes together against the set's budget (intake_set_budget), before a byte is copied:
- * a set over it is refused whole, so it never takes room in the state root.  A missing shard is
- * left for take_shard to report. */
-static intake_status check_set_budget(intake_req *r, int dirfd, const st_index *ix, uint64_t budget)
-{
-    uint64_t total = 0;
-
-    for (uint32_t i = 0; i < ix->nshards; i++) {
-        char shard[ST_INDEX_BASE_MAX + 40];
-        struct stat sb;
-        st_index_shard_name(ix->base, i, ix->nshards, shard, sizeof(shard));
-        if (fstatat(dirfd, shard, &sb, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(sb.st_mode))
-            continue;
-        total += (uint64_t)sb.st_size;
-        if (total > budget) {
-            dl_fail(&r->err, DL_E_HEADER_TOO_LARGE, NULL, 0,
-                    "the set's %u shards hold more than %" PRIu64 " bytes, the delta budget (the model's %" PRIu64
-                    " delta bytes plus one header cap)", ix->nshards, budget, intake_delta_bytes(r->global));
-            return INTAKE_INVALID;
-        }
-    }
-    return INTAKE_OK;
-}
-
-static intake_status intake_set(intake_req *r)
-{
-    uint64_t budget = intake_set_budget(intake_delta_bytes(r->global), max_header(r)), taken = 0;
-    struct stat before, after;
-    const char *name = NULL;
-    char *stage = NULL;
-    size_t nglobal = r->global->ntensors;
-    const st_tensor **global = NULL;
-    uint32_t *listed = NULL;
-    index_parse *parse = NULL;
-    const st_index *ix;
-    st_index *owned;
-    st_set *set = NULL;
-    mode_t mode;
-    int dirfd = -1, fd = -1, staged = 0, rc;
-    intake_status st;
-
-    if ((rc = open_set_dir(r, &dirfd, &name, &mode)) != 0 || (rc = fsu_open_file_at(dirfd, name, &fd, &before)) != 0) {
-        st = open_refusal(r, rc, dirfd < 0 ? mode : before.st_mode);
-        goto out;
-    }
-    r->size = (uint64_t)before.st_size;
-    r->mtime_ns = mtime_ns(&before);
-    r->ino = (uint64_t)before.st_ino;
-    if ((st = read_index(r, fd, &before, name, &parse)) != INTAKE_OK)
-        goto out;
-    ix = parse->ix;
-    /* the index alone decides what the set is for: a stale set costs only its index */
-    if (delta_check_meta(ix->meta, ix->nmeta, r->rel_path, &r->info, &r->err) != 0) {
-        st = INTAKE_INVALID;
-        goto out;
-    }
-    if (r->info.base_outer_step != r->step) {
-        st = r->info.base_outer_step < r->step ? INTAKE_STALE : INTAKE_FUTURE;
-        goto out;
-    }
-    if (delta_header_by_name(r->global, &global, &r->err) != 0) {
-        st = io_fail(r, ENOMEM, "out of memory");
-        goto out;
-    }
-    if (r->in_cache) {
-        st = reopen_cached_set(r, global, nglobal);
-        goto out;
-    }
-    if (cached_in_any_layout(r->state_dir, &r->info)) {
-        st = INTAKE_DUPLICATE;
-        goto out;
-    }
-    if ((st = check_listing(r, dirfd, ix)) != INTAKE_OK)
-        goto out;
-    if (asprintf(&stage, "%s/cache/incoming", r->state_dir) < 0) {
-        stage = NULL;
-        st = io_fail(r, ENOMEM, "out of memory");
-        goto out;
-    }
-    if (fsu_mkdirs(stage, &r->err) != 0) {
-        st = INTAKE_IO;
-        goto out;
-    }
-    free(stage);
-    if (asprintf(&stage, "%s/cache/incoming/intake-XXXXXX", r->state_dir) < 0) {
-        stage = NULL;
-        st = io_fail(r, ENOMEM, "out of memory");
-        goto out;
-    }
-    if (mkdtemp(stage) == NULL) {
-        st = io_fail(r, errno, "creating the staging directory");
-        goto out;
-    }
-    staged = 1;
-    if ((listed = calloc(ix->nshards, sizeof(*listed))) == NULL) {
-        st = io_fail(r, ENOMEM, "out of memory");
-        goto out;
-    }
-    for (size_t k = 0; k < ix->nentries; k++)
-        listed[ix->entries[k].shard]++;
-    if ((st = check_set_budget(r, dirfd, ix, budget)) != INTAKE_OK)
-        goto out;
-    for (uint32_t i = 0; i < ix->nshards; i++) {
-        char shard[ST_INDEX_BASE_MAX + 40];
-        uint64_t bytes = 0;
-        st_index_shard_name(ix->base, i, ix->nshards, shard, sizeof(shard));
-        /* the room left is checked again as each shard is opened: one may have grown since */
-        if ((st = take_shard(r, dirfd, ix, i, listed, shard, stage, global, nglobal, budget - taken, &bytes)) !=
-            INTAKE_OK)
-            goto out;
-        r->size += bytes;
-        taken += bytes;
-    }
-    if (fstat(fd, &after) != 0 || after.st_size != before.st_size || mtime_ns(&after) != r->mtime_ns) {
-        dl_fail(&r->err, DL_E_IO, NULL, 0, "the index changed while its set was read");
-        st = INTAKE_INCOMPLETE;
-        goto out;
-    }
-    {
-        char *staged_index = NULL;
-        if (asprintf(&staged_index, "%s/%s" ST_INDEX_SUFFIX, stage, ix->base) < 0) {
-            st = io_fail(r, ENOMEM, "out of memory");
-            goto out;
-        }
-        rc = fsu_write_atomic(staged_index, parse->text, parse->len, &r->err);
-        free(staged_index);
-        if (rc != 0) {
-            st = INTAKE_IO;
-            goto out;
-        }
-    }
-    /* the set takes an index of its own: the parse may be shared (the transport's memo) */
-    if ((owned = st_index_clone(ix)) == NULL) {
-        st = io_fail(r, ENOMEM, "out of memory");
-        goto out;
-    }
-    st = intake_check_set_dir(stage, owned, global, nglobal, r->rel_path, NULL, &set, NULL, &r->err);
-    if (st == INTAKE_OK)
-        st = intake_link_set_into_cache(r->state_dir, &r->info, stage, set->index, &r->cache_path, &r->err);
-out:
-    st_set_close(set);
-    if (staged)
-        remove_stage(stage);    /* linked into the cache or abandoned: the staged names go */
-    free(stage);
-    index_parse_release(parse);
-    free(listed);
-    free(global);
-    if (fd >= 0)
-        close(fd);
-    if (dirfd >= 0)
-        close(dirfd);
-    return st;
-}
-
 void intake_run(intake_req *r)
 {
     dl_error_clear(&r->err);
-    r->status = st_index_is_index_path(r->src_path) ? intake_set(r) : intake(r);
+    r->status = st_index_is_index_path(r->src_path) ? intake__set(r) : intake(r);
 }

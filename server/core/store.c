@@ -55,7 +55,50 @@ char *store_cache_dir(const store *s, uint64_t step)
 
 char *store_incoming_dir(const store *s)
 {
-    return path_fmt("%s/cache/incoming", s->dir);
+    return store_path_incoming(s->dir);
+}
+
+char *store_path_state_dir(const char *state_root, const char *id)
+{
+    return path_fmt("%s/%s", state_root, id);
+}
+
+char *store_path_metadata(const char *state_dir)
+{
+    return path_fmt("%s/outer_metadata.json", state_dir);
+}
+
+char *store_path_incoming(const char *state_dir)
+{
+    return path_fmt("%s/cache/incoming", state_dir);
+}
+
+char *store_path_incoming_file(const char *state_dir, const char *fmt, ...)
+{
+    va_list ap;
+    char *name = NULL, *path;
+
+    va_start(ap, fmt);
+    if (vasprintf(&name, fmt, ap) < 0)
+        name = NULL;
+    va_end(ap);
+    if (name == NULL)
+        return NULL;
+    path = path_fmt("%s/cache/incoming/%s", state_dir, name);
+    free(name);
+    return path;
+}
+
+char *store_path_cached_delta(const char *state_dir, uint64_t base_step, const char *node_id, uint64_t local_step)
+{
+    return path_fmt("%s/cache/deltas/s%" PRIu64 "/%s/delta_%" PRIu64 ".safetensors", state_dir, base_step, node_id,
+                    local_step);
+}
+
+char *store_path_cached_index(const char *state_dir, uint64_t base_step, const char *node_id, uint64_t local_step)
+{
+    return path_fmt("%s/cache/deltas/s%" PRIu64 "/%s/delta_%" PRIu64 ST_INDEX_SUFFIX, state_dir, base_step, node_id,
+                    local_step);
 }
 
 static char *read_small_file(const char *path, size_t max, dl_error *err)
@@ -209,7 +252,7 @@ int store_open(store *s, const char *state_root, const char *id, dl_error *err)
     int rc;
 
     memset(s, 0, sizeof(*s));
-    s->dir = path_fmt("%s/%s", state_root, id);
+    s->dir = store_path_state_dir(state_root, id);
     if (s->dir == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     static const char *const subdirs[] = {"global", "cache/deltas", "cache/incoming"};
@@ -230,7 +273,7 @@ int store_open(store *s, const char *state_root, const char *id, dl_error *err)
     free(key);
     if (rc != 0)
         return rc;
-    meta = path_fmt("%s/outer_metadata.json", s->dir);
+    meta = store_path_metadata(s->dir);
     if (meta == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     rc = access(meta, F_OK) == 0 ? load_metadata(s, meta, err) : 0;
@@ -304,7 +347,7 @@ int store_commit_write(const store *s, const store_commit_info *info, dl_error *
     size_t len = b.len;
     if ((text = sb_take(&b)) == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-    meta = path_fmt("%s/outer_metadata.json", s->dir);
+    meta = store_path_metadata(s->dir);
     if (meta == NULL) {
         free(text);
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");

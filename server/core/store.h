@@ -115,6 +115,19 @@ char *store_momentum_path(const store *s, uint64_t step);
 char *store_set_dir(const store *s, uint64_t step);         /* global/set-<step> */
 char *store_cache_dir(const store *s, uint64_t step);       /* cache/deltas/s<step> */
 char *store_incoming_dir(const store *s);
+/* The same tree's paths from the state directory's name alone, for the code that holds no store (intake,
+ * the transports, the daemon before its store is open, the configuration): every path under the state
+ * directory is made here, none by hand.  malloc'd; NULL when out of memory. */
+char *store_path_state_dir(const char *state_root, const char *id);      /* <state_root>/<id> */
+char *store_path_metadata(const char *state_dir);                         /* outer_metadata.json */
+char *store_path_incoming(const char *state_dir);                         /* cache/incoming */
+/* cache/incoming/<name>, name made from fmt (a temporary file or directory of one writer, named so that
+ * store_cleanup knows what to keep: a transport's partial downloads) */
+char *store_path_incoming_file(const char *state_dir, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* cache/deltas/s<base_step>/<node>/delta_<local_step>.safetensors: a cached single-file delta */
+char *store_path_cached_delta(const char *state_dir, uint64_t base_step, const char *node_id, uint64_t local_step);
+/* cache/deltas/s<base_step>/<node>/delta_<local_step>.safetensors.index.json: a cached set's index */
+char *store_path_cached_index(const char *state_dir, uint64_t base_step, const char *node_id, uint64_t local_step);
 void store_free(store *s);
 /* Removes a cached delta: the file, or a set's index and then every shard of its base next to it
  * (the index first, so a crash in between leaves an incomplete set nobody names, which cleanup

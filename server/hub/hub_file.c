@@ -495,6 +495,7 @@ int hubfile_scan(const char *root, const hub_index_memo *memo, size_t nmemo, hub
             if (fstat(dirfd(top), &sb) != 0 ||
                 asprintf(&why, "more than %d node directories: the others are not read", MAX_NODE_DIRS) < 0)
                 why = NULL;
+            /* lint-errors: allow alloc: push_refused answers a NULL rel with -ENOMEM */
             rc = push_refused(&sc, strdup("nodes"), why, &sb);
             break;
         }

@@ -46,6 +46,7 @@
 #include "jobs.h"
 #include "seen.h"
 #include "st_index.h"
+#include "store.h"
 #include "util.h"
 
 /* inotify watches on node directories: one per directory a scan read, up to this many (a round
@@ -66,7 +67,7 @@ struct file_hub {
     uv_loop_t *loop;
     hub_callbacks cb;
     void *app;
-    char *root, *incoming;
+    char *root, *state_dir, *incoming;
     double poll_interval;
     uint64_t max_header;        /* cap on the published global's header (a delta's: max_delta_header_mib) */
     uv_timer_t poll_timer;
@@ -520,10 +521,11 @@ static void adopt_work(pool_job *j)
     /* another writer's files: copied through descriptors that never leave the tree, checked to be
      * safetensors files that did not change during the copy (the daemon then validates the copy); a
      * sharded global into a directory of its own */
-    int n = a->sharded ? asprintf(&a->path, "%s/file-global-%" PRIu64 "/latest" ST_INDEX_SUFFIX, fh->incoming, a->step)
-                       : asprintf(&a->path, "%s/file-global-%" PRIu64 ".safetensors", fh->incoming, a->step);
-    if (n < 0) {
-        a->path = NULL;
+    if (a->sharded)
+        a->path = store_path_incoming_file(fh->state_dir, "file-global-%" PRIu64 "/latest" ST_INDEX_SUFFIX, a->step);
+    else
+        a->path = store_path_incoming_file(fh->state_dir, "file-global-%" PRIu64 ".safetensors", a->step);
+    if (a->path == NULL) {
         j->rc = dl_fail(&j->err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
         return;
     }
@@ -611,14 +613,12 @@ static void publish_done(pool_job *j)
 static void file_publish(hub *h, uint64_t step, const char *global_path, const char *optimizer, int bootstrap)
 {
     file_hub *fh = (file_hub *)h;
-    publish_args *a = calloc(1, sizeof(*a));
+    publish_args *a;
     dl_error e;
 
-    if (fh->publishing || fh->closing) {
-        free(a);
+    if (fh->publishing || fh->closing)
         return;
-    }
-    if (a != NULL) {
+    if ((a = calloc(1, sizeof(*a))) != NULL) {
         a->step = step;
         a->bootstrap = bootstrap;
     }
@@ -719,6 +719,7 @@ static void free_hub(file_hub *fh)
     hub_index_memo_free(fh->memo, fh->nmemo);
     free(fh->watches);
     free(fh->root);
+    free(fh->state_dir);
     free(fh->incoming);
     free(fh);
     if (done != NULL)
@@ -759,8 +760,8 @@ static int file_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hu
     fh->poll_interval = cfg->poll_interval;
     fh->max_header = cfg->max_header_bytes;
     fh->reported_step = -1;
-    if ((fh->root = strdup(cfg->url + 7)) == NULL || asprintf(&fh->incoming, "%s/cache/incoming", cfg->state_dir) < 0) {
-        fh->incoming = NULL;
+    if ((fh->root = strdup(cfg->url + 7)) == NULL || (fh->state_dir = strdup(cfg->state_dir)) == NULL ||
+        (fh->incoming = store_path_incoming(cfg->state_dir)) == NULL) {
         free_hub(fh);
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     }

@@ -27,6 +27,7 @@
 #include "seen.h"
 #include "st_index.h"
 #include "stepcount.h"
+#include "store.h"
 #include "strbuf.h"
 
 /* One listing: 1,000 pages of 1,000 entries is a million files, far beyond a DiLoCo repo; a Hub
@@ -379,11 +380,7 @@ static remote_req *hf_get(remote_fetch *f, const remote_cand *c, const char *rou
 /* <state>/cache/incoming/hf-<oid>.part: the oid names the content, so a resumed file is the same one. */
 static char *hf_part_path(remote_fetch *f, const remote_cand *c)
 {
-    char *p = NULL;
-
-    if (asprintf(&p, "%s/cache/incoming/hf-%s.part", f->state_dir, c->tag) < 0)
-        return NULL;
-    return p;
+    return store_path_incoming_file(f->state_dir, "hf-%s.part", c->tag);
 }
 
 /* The git blob header, "blob <size>" and its NUL, hashed before a regular file's content. */
@@ -1039,7 +1036,9 @@ static int hf_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
     h->app = app;
     h->endpoint = strdup(endpoint);
     hf_parse_url(cfg->url, &h->repo, &h->rev);
+    /* lint-errors: allow alloc: every copy is tested together below, before anything uses them */
     h->token = token ? strdup(token) : NULL;
+    /* lint-errors: allow alloc: tested with the others below */
     h->state_dir = strdup(cfg->state_dir);
     h->poll_interval = cfg->poll_interval;
     h->max_downloads = cfg->max_downloads ? cfg->max_downloads : 2;

@@ -246,7 +246,11 @@ static void part_done(hf_hub *h, hf_req *r, int ok)
     cuv_xfer *x = r->x;
     if (ok && x != NULL && x->etag[0]) {
         free(p->part_etags[p->part_next]);
-        p->part_etags[p->part_next] = strdup(x->etag);
+        if ((p->part_etags[p->part_next] = strdup(x->etag)) == NULL) {
+            remote_req_end(r);
+            hf_pub_finish(h, 0);
+            return;
+        }
         p->part_next++;
         remote_req_end(r);
         multipart_next(h);

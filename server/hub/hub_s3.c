@@ -68,6 +68,7 @@
 #include "seen.h"
 #include "st_index.h"
 #include "stepcount.h"
+#include "store.h"
 #include "strbuf.h"
 
 #define DEFAULT_PART_SIZE (64ull << 20)
@@ -195,8 +196,13 @@ static remote_req *s3_get(remote_fetch *f, const remote_cand *c, const char *rou
 static char *s3_part_path(remote_fetch *f, const remote_cand *c)
 {
     sbuf b = {0};
-    sb_str(&b, f->state_dir);
-    sb_str(&b, "/cache/incoming/s3-");
+    char *dir = store_path_incoming(f->state_dir);
+
+    if (dir == NULL)
+        return NULL;
+    sb_str(&b, dir);
+    sb_str(&b, "/s3-");
+    free(dir);
     for (const char *s = c->rel; *s; s++)
         sb_add(&b, (*s >= 'a' && *s <= 'z') || (*s >= 'A' && *s <= 'Z') || (*s >= '0' && *s <= '9') || *s == '-' ||
                            *s == '.' || *s == '_' ? s : "_", 1);
@@ -340,6 +346,13 @@ static void forget_node(s3_hub *h, const char *node)
     }
 }
 
+/* A copy of a key the listing walk remembers, NULL for NULL; NULL when out of memory too (then a
+ * poll that stops resumes from the top, as when it knows no boundary). */
+static char *dup_key(const char *key)
+{
+    return key != NULL ? strdup(key) : NULL;
+}
+
 /* The poll stops before the current node: it is forgotten, and the next poll starts with it (after
  * node_boundary); when it is the poll's first node, after the whole node (it alone is over a cap). */
 static void stop_before_node(s3_hub *h)
@@ -347,7 +360,7 @@ static void stop_before_node(s3_hub *h)
     char *next = NULL;
 
     if (h->node_boundary != NULL) {
-        next = strdup(h->node_boundary);
+        next = dup_key(h->node_boundary);
     } else if (h->cur_node[0] != '\0') {
         /* "<prefix>/nodes/<node>0" sorts after every "<prefix>/nodes/<node>/..." and before the next node */
         char *dir = s3_full_key(h, "nodes/");
@@ -371,7 +384,7 @@ static int enter_node(s3_hub *h, const char *key, const char *node)
     if (h->nbest == MAX_NODES_PER_LISTING || h->nshards == MAX_SHARDS_PER_LISTING) {
         /* the previous node is whole; this one starts the next poll */
         free(h->resume_after);
-        h->resume_after = h->prev_key != NULL ? strdup(h->prev_key) : NULL;
+        h->resume_after = dup_key(h->prev_key);
         h->list_full = 1;
         return -1;
     }
@@ -382,7 +395,7 @@ static int enter_node(s3_hub *h, const char *key, const char *node)
     h->cur_node_shards = 0;
 same:
     free(h->prev_key);
-    h->prev_key = strdup(key);
+    h->prev_key = dup_key(key);
     return 0;
 }
 
@@ -1040,7 +1053,7 @@ static int s3_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
         if (h->key_id == NULL || h->secret == NULL)
             goto oom;
     }
-    if ((h->state_dir = strdup(cfg->state_dir)) == NULL || asprintf(&incoming, "%s/cache/incoming", cfg->state_dir) < 0)
+    if ((h->state_dir = strdup(cfg->state_dir)) == NULL || (incoming = store_path_incoming(cfg->state_dir)) == NULL)
         goto oom;
     if ((rc = fsu_mkdirs(incoming, err)) != 0 || (rc = load_instance(h, err)) != 0)
         goto fail;

@@ -16,6 +16,7 @@
 #include "dl_log.h"
 #include "safetensors.h"
 #include "st_index.h"
+#include "store.h"
 #include "strbuf.h"
 #include "util.h"
 
@@ -713,13 +714,11 @@ static void set_shard_finished(remote_fetch *f, hub_set *set, int ok, seen_state
 /* The set's directory, <state>/cache/incoming/<prefix>[global-]<version>.set, with the index in it. */
 static hub_set *set_new(remote_fetch *f, const remote_cand *c, const char *text, size_t len)
 {
-    char *dir = NULL;
+    char *dir = store_path_incoming_file(f->state_dir, "%s%s%s.set", f->ops->set_prefix, c->is_global ? "global-" : "",
+                                         c->ver);
     dl_error err = {0};
     hub_set *set;
 
-    if (asprintf(&dir, "%s/cache/incoming/%s%s%s.set", f->state_dir, f->ops->set_prefix, c->is_global ? "global-" : "",
-                 c->ver) < 0)
-        dir = NULL;
     set = hub_set_new(&f->sets, dir, c->rel, c->ver, c->is_global, c->step, text, len, &err);
     if (set == NULL && err.code != DL_E_NO_MEMORY)
         set_error(f, "cannot store the index of %s: %s", c->key, err.message);

@@ -45,6 +45,7 @@ static void setup(void)
     D->cfg = &CFG;
     if (uv_loop_init(&D->loop) != 0 || store_open(&D->st, dir, "aggregator", &err) != 0)
         abort();
+    job_owner_init(&D->jobs, &D->loop, NULL);   /* an upload's validation is a pool job (core/jobs.h) */
     snprintf(global, sizeof(global), "%s/aggregator/global/latest-0.safetensors", dir);
     store_commit_info info = {.step = 0, .global_path = global, .optimizer = "nesterov_sgd", .lr = 0.7,
                               .momentum = 0.9, .bootstrap = 1, .origin = "fuzz"};
@@ -61,10 +62,9 @@ static void setup(void)
     D->global.single.size = 256;
     snprintf(D->global.single.etag, sizeof(D->global.single.etag), "\"s0-fuzz\"");
     D->global.available = 1;
-    D->set_nshards = 1;
-    D->set_step = -1;
+    D->layout.nshards = 1;
+    D->layout.step = -1;
     D->delta_bytes = 24;
-    D->state = S_COLLECTING;
     D->st.committed = 1;
     round_init(&D->rnd, 0, CFG.expected_nodes, NULL, 0, 1, 0);
     http_limits lim = {.max_url = 8192, .max_header_bytes = 4096, .max_headers = 50, .header_timeout = 10,

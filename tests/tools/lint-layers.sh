@@ -8,6 +8,9 @@
 # Two headers of server/ itself are private to the files that own the daemon's state:
 #   daemon_internal.h  the state (struct dilocod): the daemon's files and api/ (the routes read it)
 #   daemon_parts.h     the calls between the daemon's files: those files only
+# and two of the layers' private to the files of one component:
+#   http_internal.h    net/: the server and connection structs, the calls between http.c, http_out.c, http_parse.c
+#   intake_internal.h  core/: the calls between intake.c, intake_set.c, intake_cache.c
 set -u
 cd "$(dirname "$0")/../.."
 
@@ -34,6 +37,8 @@ private_to() {  # a header private to some files of server/ -> the patterns of t
     case "$1" in
     daemon_internal.h) echo "server/daemon* server/api/*" ;;
     daemon_parts.h)    echo "server/daemon*" ;;
+    http_internal.h)   echo "server/net/http*.c" ;;
+    intake_internal.h) echo "server/core/intake*.c" ;;
     hub_hf_internal.h) echo "server/hub/hub_hf.c server/hub/hub_hf_publish.c" ;;
     hub_s3_internal.h) echo "server/hub/hub_s3.c server/hub/hub_s3_publish.c" ;;
     *)                 echo "" ;;
@@ -77,4 +82,4 @@ if [ "$bad" != 0 ]; then
     echo "lint-layers: FAILED (see server/README.md, Layers)" >&2
     exit 1
 fi
-echo "lint-layers: $checked includes checked, every layer includes only what it may, the daemon's private headers only its own files"
+echo "lint-layers: $checked includes checked, every layer includes only what it may, the private headers only their own files"

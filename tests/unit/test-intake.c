@@ -14,6 +14,7 @@
 #include "index_parse.h"
 #include "intake.h"
 #include "st_index.h"
+#include "store.h"
 
 /* The global: F32 "a" (4), "b" (3), "c" (5) and an I64 "i" (2, not part of a delta).  A delta of
  * node w1, local step 7, based on step 3, holds a, b, c. */
@@ -144,6 +145,27 @@ TEST(intake_cache_index_path_names_the_set)
 {
     char *p = intake_cache_index_path("/st", &INFO);
     CHECK_STR(p, "/st/cache/deltas/s3/w1/delta_7.safetensors.index.json");
+    free(p);
+}
+
+/* Every path under the state directory comes from store.h: intake and the transports name it alone. */
+TEST(store_paths_from_the_state_dir)
+{
+    char *p;
+
+    CHECK_STR(p = store_path_state_dir("/root", "agg"), "/root/agg");
+    free(p);
+    CHECK_STR(p = store_path_metadata("/st"), "/st/outer_metadata.json");
+    free(p);
+    CHECK_STR(p = store_path_incoming("/st"), "/st/cache/incoming");
+    free(p);
+    CHECK_STR(p = store_path_incoming_file("/st", ".link-%d-%u", 12, 34u), "/st/cache/incoming/.link-12-34");
+    free(p);
+    CHECK_STR(p = store_path_cached_delta("/st", 3, "w1", 7), "/st/cache/deltas/s3/w1/delta_7.safetensors");
+    free(p);
+    CHECK_STR(p = intake_cache_path("/st", &INFO), "/st/cache/deltas/s3/w1/delta_7.safetensors");
+    free(p);
+    CHECK_STR(p = store_path_cached_index("/st", 3, "w1", 7), "/st/cache/deltas/s3/w1/delta_7.safetensors.index.json");
     free(p);
 }
 
