@@ -1,5 +1,6 @@
 #include "strbuf.h"
 
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,6 +28,31 @@ void sb_grow(sbuf *b, size_t extra)
     }
     b->p = np;
     b->cap = nc;
+}
+
+void sb_printf(sbuf *b, const char *fmt, ...)
+{
+    char tmp[512];
+    va_list ap;
+    int n;
+
+    va_start(ap, fmt);
+    n = vsnprintf(tmp, sizeof(tmp), fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        return;
+    if ((size_t)n < sizeof(tmp)) {
+        sb_add(b, tmp, (size_t)n);
+        return;
+    }
+    sb_grow(b, (size_t)n + 1);  /* longer than tmp: formatted again, straight into the buffer */
+    if (b->oom)
+        return;
+    va_start(ap, fmt);
+    n = vsnprintf(b->p + b->len, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    if (n > 0)
+        b->len += (size_t)n;
 }
 
 void sb_add(sbuf *b, const char *s, size_t n)

@@ -23,6 +23,7 @@
 
 #include <uv.h>
 
+#include "api.h"
 #include "auth.h"
 #include "dl_log.h"
 #include "history.h"
@@ -267,6 +268,8 @@ static int start_http(dilocod *d, dl_error *err)
         return 0;
     if (d->cfg->token_file != NULL && auth_load(&d->auth, d->cfg->token_file, err) != 0)
         return -DL_E_INVALID_ARGUMENT;
+    if ((rc = daemon__status_register(d)) != 0)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "too many status providers");
     rc = http_server_start(&d->http, &d->loop, d->cfg->listen_host, d->cfg->listen_port, &lim, api_on_request, d);
     if (rc != 0)
         return dl_fail(err, DL_E_IO, NULL, 0, "cannot listen on %s: %s", d->cfg->listen, strerror(-rc));

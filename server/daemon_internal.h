@@ -1,6 +1,6 @@
-/* The daemon's state, shared by the files of the server that act on it (daemon*.c: the pipeline,
- * one concern per file, calling each other through daemon_parts.h; api.c: the HTTP routes; upload.c:
- * HTTP uploads).  Everything here runs on the loop thread. */
+/* The daemon's state, shared by the files that act on it: server/daemon*.c only (the pipeline, one
+ * concern per file, calling each other through daemon_parts.h).  The rest of server/ (api/: the
+ * routes, uploads) sees it through daemon.h.  Everything here runs on the loop thread. */
 #ifndef DAEMON_INTERNAL_H
 #define DAEMON_INTERNAL_H
 
@@ -12,6 +12,7 @@
 
 #include "auth.h"
 #include "config.h"
+#include "daemon.h"
 #include "delta.h"
 #include "history.h"
 #include "http.h"
@@ -33,27 +34,6 @@
 typedef enum dstate { S_WAITING_GLOBAL, S_COLLECTING, S_AGGREGATING, S_RETRY_WAIT } dstate;
 
 
-
-/* One file of the global as downloads see it: the open file and its facts. */
-typedef struct served_file {
-    http_file *file;            /* NULL: not served */
-    uint64_t size;
-    char etag[80];
-} served_file;
-
-/* The global model as downloads see it: the open files and the facts of the same commit, replaced
- * as a whole, so a response's X-Outer-Step, ETag and body always come from one published step.
- * Below --shard-size it is the plain file (GET /global/latest.safetensors); above, the index and
- * its shards (GET /global/latest.safetensors.index.json, /global/latest-0000i-of-0000N.safetensors),
- * as the transports publish it.  Responses in flight keep their own reference on a file. */
-typedef struct served_global {
-    uint64_t step;
-    int available;              /* something is served (the plain file, or the index and every shard) */
-    served_file single;
-    served_file index;
-    served_file *shards;
-    uint32_t nshards;
-} served_global;
 
 /* Each file of the daemon owns a part of its state (the other files call that file's functions). */
 
@@ -152,7 +132,6 @@ typedef struct dilocod {
     http_server *http;
     int http_port;
     auth_table auth;
-    int uploads_in_flight;
     served_global global;       /* what GET /global/... sends (read it with daemon__global) */
     daemon_layout layout;       /* daemon_publish.c */
     int global_stale;           /* the committed global could not be opened yet: an older one is served */
@@ -165,6 +144,10 @@ typedef struct dilocod {
      * counted each time, logged once per step offered */
     uint64_t adoptions_refused;
     int64_t adopt_refused_step; /* the step last refused (-1: none) */
+
+    /* the parts of /status and /metrics, in their order (daemon.h, daemon_status.c) */
+    const daemon_provider *providers[DAEMON_PROVIDERS_MAX];
+    size_t nproviders;
 } dilocod;
 
 static inline double daemon__now(dilocod *d)
@@ -181,39 +164,10 @@ static inline double daemon__clock(void)
 
 const char *daemon__state_name(dstate s);
 dstate daemon__state(const dilocod *d);
-/* The global that downloads send now (retries opening a newly committed one that failed to open). */
-const served_global *daemon__global(dilocod *d);
-/* Offers a validated delta (its cache copy) to the round, logs, and closes the round if it is
- * complete.  Takes ownership of cache_path on ROUND_ACCEPTED/ROUND_REPLACED, else deletes the file. */
-round_verdict daemon__offer(dilocod *d, const delta_info *info, char *cache_path, uint64_t size);
-/* What round_offer would answer for a delta of info now (without offering it). */
-round_verdict daemon__peek(dilocod *d, const delta_info *info);
-/* Counts and logs a rejected delta. */
-void daemon__rejected(dilocod *d, const char *what, const dl_error *err);
-/* Runs work on the thread pool, then done on the loop (jobs.h: arg holds the job's typed arguments and
- * results; the daemon waits for every job at shutdown).  0, or a negative errno. */
-int daemon__queue(dilocod *d, pool_job_fn work, pool_job_fn done, void *arg);
-/* The daemon a job of daemon__queue's belongs to. */
+/* The daemon a job of daemon__queue's belongs to (daemon.h's daemon_of_job, inline for its own files). */
 static inline dilocod *daemon__of_job(const pool_job *j)
 {
     return container_of(j->owner, dilocod, jobs);
 }
-
-/* api.c */
-void api_on_request(http_conn *c, http_request *req, void *app);
-/* http_server_on_response: counts every response by route and status (app is the dilocod). */
-void api_count_response(int route, int status, void *app);
-/* upload.c: /nodes/{id}/delta_{n}.safetensors -> id, "n"; /nodes/{id}/deltas -> id, NULL (is_put 0).  0 or -1. */
-int api_parse_node_path(const char *path, char *id, size_t id_size, char *step, size_t step_size, int *is_put);
-/* Range: "bytes=a-b" | "bytes=a-" | "bytes=-n" (one range) of a file of size bytes.  1: *from, *len
- * set; 0: ignore the header (absent, malformed or several ranges: the whole file, as RFC 9110
- * allows); -1: unsatisfiable (416). */
-int api_parse_range(const char *h, uint64_t size, uint64_t *from, uint64_t *len);
-/* 405 with Allow: allow. */
-void api_not_allowed(http_conn *c, const char *allow);
-/* upload.c */
-/* The /nodes/ route (PUT of a delta file, POST of a multipart upload). */
-void upload_route(dilocod *d, http_conn *c, http_request *req);
-void upload_start(dilocod *d, http_conn *c, http_request *req, const char *node_id, const char *path_step);
 
 #endif

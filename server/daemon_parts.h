@@ -26,6 +26,11 @@ typedef pool_job job;
 
 struct settle_args;
 
+/* ---- daemon_status.c: the parts of /status and /metrics ---- */
+
+/* Registers every provider (the daemon's, then the uploads'), in /status's order.  0, or -ENOSPC. */
+int daemon__status_register(dilocod *d);
+
 /* ---- daemon.c: wiring and lifecycle ---- */
 
 /* Logs a failure at error level: the component, what failed, and the dl_error's code, message and tensor. */

@@ -1,26 +1,21 @@
-/* api: the HTTP routes of dilocod (README.md, HTTP API).  Every error is JSON:
+/* api: the HTTP routes of dilocod (README.md, HTTP API): the route table, the read-only routes and
+ * the global's downloads.  /status and /metrics walk the providers that each subsystem registers
+ * (daemon.h); the daemon is seen through daemon.h only.  Every error is JSON:
  * {"error":{"code":...,"message":...,"tensor"?:...}}. */
 #include <errno.h>
-#include <stdarg.h>
-#include <fcntl.h>
 #include <inttypes.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
-#include <sys/stat.h>
 #include <time.h>
-#include <unistd.h>
 
-#include <cJSON.h>
-
-#include "daemon_internal.h"
-#include "dl_log.h"
-#include "fsutil.h"
+#include "api.h"
+#include "daemon.h"
 #include "stepcount.h"
 #include "st_index.h"
 #include "strbuf.h"
+#include "util.h"
 
 
 
@@ -30,372 +25,46 @@ extern const size_t dashboard_html_len;
 
 void api_count_response(int route, int status, void *app)
 {
-    dilocod *d = app;
-    stats_http_response(&d->m, route, status);
-}
-
-static void iso_time(char *out, size_t size, time_t t)
-{
-    struct tm tm;
-    if (t == 0) {
-        snprintf(out, size, "null");
-        return;
-    }
-    gmtime_r(&t, &tm);
-    strftime(out, size, "\"%Y-%m-%dT%H:%M:%S+00:00\"", &tm);
-}
-
-static void sb_fmt(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void sb_fmt(sbuf *b, const char *fmt, ...)
-{
-    char tmp[512];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(tmp, sizeof(tmp), fmt, ap);
-    va_end(ap);
-    if (n > 0)
-        sb_add(b, tmp, (size_t)n < sizeof(tmp) ? (size_t)n : sizeof(tmp) - 1);
-}
-
-/* JSON numbers for doubles: finite values only (JSON has no NaN). */
-static void sb_num(sbuf *b, double v)
-{
-    if (isfinite(v))
-        sb_fmt(b, "%.9g", v);
-    else
-        sb_str(b, "null");
+    stats_http_response(daemon_stats(app), route, status);
 }
 
 /* ---- GET /status, /rounds, /metrics, /healthz ------------------------------------------------ */
 
-/* The open round, as /status shows it. */
-static void round_json(dilocod *d, sbuf *b, time_t now)
-{
-    char t1[48];
-    const round_state *r = &d->rnd;
-
-    sb_fmt(b, ",\"round\":{\"step\":%" PRIu64 ",\"expected\":%u,\"min_nodes\":%u,\"timeout_seconds\":", r->step,
-           d->cfg->expected_nodes, d->cfg->min_nodes);
-    sb_num(b, d->cfg->round_timeout);
-    double deadline = round_deadline(r);
-    if (deadline >= 0) {
-        time_t wall = now + (time_t)ceil(deadline - daemon__now(d));
-        iso_time(t1, sizeof(t1), wall);
-        sb_fmt(b, ",\"deadline\":%s", t1);
-    } else {
-        sb_str(b, ",\"deadline\":null");
-    }
-    sb_fmt(b, ",\"closed\":%s,\"received\":[", r->closed ? "true" : "false");
-    for (size_t i = 0; i < r->n; i++) {
-        const round_entry *e = &r->entries[i];
-        sb_fmt(b, "%s{\"node_id\":\"%s\",\"local_step\":%" PRIu64 ",\"bytes\":%" PRIu64 ",\"age_seconds\":", i ? "," : "",
-               e->node_id, e->local_step, e->size);
-        sb_num(b, daemon__now(d) - e->received_at);
-        sb_str(b, "}");
-    }
-    sb_str(b, "],\"missing\":[");
-    for (size_t i = 0, k = 0; i < d->cfg->nnodes; i++) {
-        if (round_find(r, d->cfg->nodes[i]) == NULL)
-            sb_fmt(b, "%s\"%s\"", k++ ? "," : "", d->cfg->nodes[i]);
-    }
-    sb_str(b, "]}");
-}
-
-/* The transport, the same fields whatever it is (a field a transport has no use for stays 0/null). */
-static void hub_json(dilocod *d, sbuf *b)
-{
-    char t1[48], t2[48];
-    const hub_status *hs = d->hub ? hub_get_status(d->hub) : NULL;
-
-    iso_time(t1, sizeof(t1), hs ? hs->last_poll : 0);
-    iso_time(t2, sizeof(t2), hs ? hs->last_publish : 0);
-    sb_fmt(b, ",\"hub\":{\"kind\":\"%s\",\"url\":", d->hub ? hub_kind(d->hub) : "none");
-    sb_json_string(b, d->cfg->hub, strlen(d->cfg->hub));
-    const char *endpoint;
-    if (hs != NULL && config_hub_value(d->cfg, "hub_endpoint", &endpoint)) {
-        sb_str(b, ",\"endpoint\":");
-        if (endpoint != NULL)
-            sb_json_string(b, endpoint, strlen(endpoint));
-        else
-            sb_str(b, "null");      /* unset: the transport derives its own (from the region, say) */
-    }
-    if (hs != NULL) {
-        sb_fmt(b, ",\"head\":\"%s\",\"api_calls\":%" PRIu64 ",\"resolver_calls\":%" PRIu64 ",\"downloads\":%" PRIu64
-                  ",\"publishing\":%s,\"transport_errors\":%" PRIu64 ",\"last_transport_error\":",
-               hs->head, hs->api_calls, hs->resolver_calls, hs->downloads, hs->publishing ? "true" : "false",
-               hs->errors);
-        if (hs->last_error[0])
-            sb_json_string(b, hs->last_error, strlen(hs->last_error));
-        else
-            sb_str(b, "null");
-        /* a lasting failure only the operator can fix (a wrong token, a missing repo), as a stable name */
-        sb_str(b, ",\"problem\":");
-        if (hs->problem[0])
-            sb_json_string(b, hs->problem, strlen(hs->problem));
-        else
-            sb_str(b, "null");
-    }
-    sb_fmt(b, ",\"last_poll\":%s,\"last_publish\":%s,\"published_step\":", t1, t2);
-    if (d->published_step >= 0)
-        sb_fmt(b, "%" PRId64, d->published_step);
-    else
-        sb_str(b, "null");
-    sb_fmt(b, ",\"publish_pending\":%s,\"errors\":%" PRIu64 ",\"last_error\":",
-           d->hub != NULL && d->st.committed && d->published_step != (int64_t)d->st.step ? "true" : "false",
-           d->m.publish_errors);
-    if (hs != NULL && hs->last_error[0])
-        sb_json_string(b, hs->last_error, strlen(hs->last_error));
-    else
-        sb_str(b, "null");
-}
-
-/* "pipeline": the steps in flight (and the last ones done), by step, each with its state and the
- * Unix time it entered it: what tests and operators wait on instead of files. */
-static void pipeline_json(const dilocod *d, sbuf *b)
-{
-    sb_str(b, ",\"pipeline\":[");
-    for (size_t i = 0; i < d->pipe.n; i++) {
-        const step_record *r = &d->pipe.rec[i];
-        sb_fmt(b, "%s{\"step\":%" PRIu64 ",\"state\":\"%s\",\"since\":", i ? "," : "", r->step,
-               step_state_name(r->state));
-        sb_num(b, r->since_wall);
-        sb_fmt(b, ",\"published\":%s}", r->published ? "true" : "false");
-    }
-    sb_str(b, "]");
-}
-
+/* /status: every provider's members (daemon.h: each subsystem writes its own), in their order. */
 static void status_json(dilocod *d, sbuf *b)
 {
-    char t3[48];
-    time_t now = time(NULL);
+    size_t n;
+    const daemon_provider *const *p = daemon_providers(d, &n);
 
-    sb_fmt(b, "{\"version\":\"%s\",\"uptime_seconds\":%ld,\"algorithm\":\"%s\",\"outer_step\":", DILOCOD_VERSION,
-           (long)(now - d->started_at), DELTA_ALGORITHM);
-    if (d->st.committed)
-        sb_fmt(b, "%" PRIu64, d->st.step);
-    else
-        sb_str(b, "null");
-    sb_fmt(b, ",\"state\":\"%s\"", d->stopping ? "stopping" : daemon__state_name(daemon__state(d)));
-    pipeline_json(d, b);
-    /* the open round: none before there is a global to start from (nothing yet, not "round 0") */
-    if (d->st.committed)
-        round_json(d, b, now);
-    else
-        sb_str(b, ",\"round\":null");
-    /* the aggregation in progress */
-    if (d->pass != NULL && d->pass->bytes_total > 0) {
-        uint64_t done = atomic_load(&d->pass->bytes_done);
-        sb_str(b, ",\"aggregation\":{\"percent\":");
-        sb_num(b, 100.0 * (double)done / (double)d->pass->bytes_total);
-        sb_str(b, ",\"seconds\":");
-        sb_num(b, daemon__clock() - d->pass_started);
-        sb_fmt(b, ",\"nodes\":%zu}", d->pass_n);
-    } else {
-        sb_str(b, ",\"aggregation\":null");
-    }
-    sb_str(b, ",\"last_round\":");
-    if (history_last(&d->history) != NULL)
-        history_record_json(b, history_last(&d->history));
-    else
-        sb_str(b, "null");
-    sb_fmt(b, ",\"optimizer\":{\"name\":\"%s\",\"lr\":", config_optimizer_name(d->cfg->optimizer));
-    sb_num(b, d->cfg->lr);
-    sb_str(b, ",\"momentum\":");
-    sb_num(b, d->cfg->momentum);
-    sb_str(b, "},\"model\":");
-    if (d->model != NULL)
-        sb_fmt(b, "{\"tensors\":%zu,\"parameters\":%" PRIu64 ",\"bytes\":%" PRIu64 ",\"delta_bytes\":%" PRIu64 "}",
-               d->model->ntensors, d->model_params, d->model_bytes, d->delta_bytes);
-    else
-        sb_str(b, "null");
-    hub_json(d, b);
-    iso_time(t3, sizeof(t3), d->committed_at);
-    sb_fmt(b, "},\"committed_at\":%s", t3);
-    sb_fmt(b, ",\"counters\":{\"accepted\":%" PRIu64 ",\"replaced\":%" PRIu64 ",\"stale\":%" PRIu64
-              ",\"future\":%" PRIu64 ",\"not_newer\":%" PRIu64 ",\"unknown_node\":%" PRIu64 ",\"rejected\":%" PRIu64
-              ",\"rounds\":%" PRIu64 "}",
-           d->m.deltas_accepted, d->m.deltas_replaced, d->m.refused[REFUSED_STALE], d->m.refused[REFUSED_FUTURE],
-           d->m.refused[REFUSED_NOT_NEWER], d->m.refused[REFUSED_UNKNOWN_NODE], stats_rejected_total(&d->m),
-           d->m.rounds);
-    sb_fmt(b, ",\"uploads_in_progress\":%d}\n", d->uploads_in_flight);
+    sb_printf(b, "{\"version\":\"%s\"", DILOCOD_VERSION);
+    for (size_t i = 0; i < n; i++)
+        if (p[i]->status != NULL)
+            p[i]->status(d, b);
+    sb_str(b, "}\n");
+}
+
+/* /metrics: every provider's families. */
+static void metrics_text(dilocod *d, sbuf *b)
+{
+    size_t n;
+    const daemon_provider *const *p = daemon_providers(d, &n);
+
+    for (size_t i = 0; i < n; i++)
+        if (p[i]->metrics != NULL)
+            p[i]->metrics(d, b);
 }
 
 static void rounds_json(dilocod *d, sbuf *b)
 {
+    const history *h = daemon_history(d);
+
     sb_str(b, "{\"rounds\":[");
-    for (size_t i = 0; i < history_count(&d->history); i++) {
+    for (size_t i = 0; i < history_count(h); i++) {
         if (i > 0)
             sb_add(b, ",", 1);
-        history_record_json(b, history_get(&d->history, i));
+        history_record_json(b, history_get(h, i));
     }
     sb_str(b, "]}\n");
-}
-
-static void metric(sbuf *b, const char *name, const char *type, const char *help)
-{
-    sb_fmt(b, "# HELP dilocod_%s %s\n# TYPE dilocod_%s %s\n", name, help, name, type);
-}
-
-/* The transport's families: present for every hub (zeros where a transport has no such thing). */
-static void hub_metrics(dilocod *d, sbuf *b)
-{
-    static const hub_status none;
-    const hub_status *hs = d->hub ? hub_get_status(d->hub) : &none;
-
-    metric(b, "hub_last_poll_timestamp_seconds", "gauge", "When the hub was last listed (Unix time; 0: never).");
-    sb_fmt(b, "dilocod_hub_last_poll_timestamp_seconds %lld\n", (long long)hs->last_poll);
-    metric(b, "hub_last_publish_timestamp_seconds", "gauge", "When a step was last published (Unix time; 0: never).");
-    sb_fmt(b, "dilocod_hub_last_publish_timestamp_seconds %lld\n", (long long)hs->last_publish);
-    metric(b, "hub_api_calls_total", "counter", "Requests to the hub's API (hf://: the Hub API).");
-    sb_fmt(b, "dilocod_hub_api_calls_total %" PRIu64 "\n", hs->api_calls);
-    metric(b, "hub_resolver_calls_total", "counter", "File requests through the hub's resolver (hf://).");
-    sb_fmt(b, "dilocod_hub_resolver_calls_total %" PRIu64 "\n", hs->resolver_calls);
-    metric(b, "hub_requests_total", "counter",
-           "Requests to the hub by route and HTTP status code (code 0: no answer, a network error).");
-    for (unsigned i = 0; i < hs->ncalls; i++)
-        sb_fmt(b, "dilocod_hub_requests_total{route=\"%s\",code=\"%d\"} %" PRIu64 "\n", hs->calls[i].route,
-               hs->calls[i].code, hs->calls[i].count);
-    metric(b, "hub_downloads_total", "counter", "Delta and global files downloaded from the hub.");
-    sb_fmt(b, "dilocod_hub_downloads_total %" PRIu64 "\n", hs->downloads);
-    metric(b, "hub_download_bytes_total", "counter", "Bytes of the files downloaded from the hub.");
-    sb_fmt(b, "dilocod_hub_download_bytes_total %" PRIu64 "\n", hs->download_bytes);
-    metric(b, "hub_transport_errors_total", "counter", "Failed hub operations (requests, scans, publishes), retried.");
-    sb_fmt(b, "dilocod_hub_transport_errors_total %" PRIu64 "\n", hs->errors);
-    metric(b, "hub_problem", "gauge",
-           "1 while the hub refuses us for a reason only the operator can fix (unauthorized, forbidden, gated, "
-           "repo_not_found, revision_not_found).");
-    if (hs->problem[0])
-        sb_fmt(b, "dilocod_hub_problem{problem=\"%s\"} 1\n", hs->problem);
-    metric(b, "hub_rate_limit_reset_seconds", "gauge",
-           "Seconds until the hub's rate budget resets, when it said so (0: not limited or unknown).");
-    time_t now = time(NULL);
-    sb_fmt(b, "dilocod_hub_rate_limit_reset_seconds %lld\n",
-           (long long)(hs->rate_reset_at > now ? hs->rate_reset_at - now : 0));
-}
-
-/* Sharded deltas' indexes: the parses, by where they were made, and what the kept ones hold. */
-static void index_metrics(dilocod *d, sbuf *b)
-{
-    uint64_t by_hub = d->hub ? hub_get_status(d->hub)->index_parses : 0;
-    char help[256];
-
-    metric(b, "index_parses_total", "counter",
-           "Sharded deltas' indexes read and parsed: by the transport (by=\"hub\": file:// scans) and by intake "
-           "(by=\"intake\", whatever brought the set).");
-    sb_fmt(b, "dilocod_index_parses_total{by=\"hub\"} %" PRIu64 "\n", by_hub);
-    sb_fmt(b, "dilocod_index_parses_total{by=\"intake\"} %" PRIu64 "\n", d->m.index_parses);
-    snprintf(help, sizeof(help),
-             "Memory the kept parses of sharded deltas' indexes hold (file://: one per node directory, at most %zu "
-             "MiB in all): a set handed over again does not cost its index again.", INDEX_PARSE_KEPT_MAX >> 20);
-    metric(b, "index_parses_kept_bytes", "gauge", help);
-    sb_fmt(b, "dilocod_index_parses_kept_bytes %zu\n", index_parse_kept_bytes());
-}
-
-static void pipeline_metrics(const dilocod *d, sbuf *b)
-{
-    metric(b, "pipeline_state_seconds", "histogram", "Time a step spent in each pipeline state, by its moves out.");
-    for (int s = 0; s < STEP_NSTATES; s++) {
-        if (s == STEP_CLEANED || s == STEP_FAILED)
-            continue;                   /* no step ever leaves these */
-        const state_histogram *h = &d->pipe.seconds[s];
-        const char *name = step_state_name((step_state)s);
-        for (int i = 0; i < PIPELINE_NBUCKETS - 1; i++)
-            sb_fmt(b, "dilocod_pipeline_state_seconds_bucket{state=\"%s\",le=\"%g\"} %" PRIu64 "\n", name,
-                   PIPELINE_BUCKETS[i], h->buckets[i]);
-        sb_fmt(b, "dilocod_pipeline_state_seconds_bucket{state=\"%s\",le=\"+Inf\"} %" PRIu64 "\n", name,
-               h->buckets[PIPELINE_NBUCKETS - 1]);
-        sb_fmt(b, "dilocod_pipeline_state_seconds_sum{state=\"%s\"} %.6f\n", name, h->sum);
-        sb_fmt(b, "dilocod_pipeline_state_seconds_count{state=\"%s\"} %" PRIu64 "\n", name, h->count);
-    }
-    metric(b, "pipeline_illegal_transitions_total", "counter", "Pipeline moves the state table refused (a bug).");
-    sb_fmt(b, "dilocod_pipeline_illegal_transitions_total %" PRIu64 "\n", d->pipe.illegal);
-}
-
-static void metrics_text(dilocod *d, sbuf *b)
-{
-    const http_stats *hs = d->http ? http_server_stats(d->http) : NULL;
-
-    metric(b, "outer_step", "gauge", "The committed outer step (-1: no global model yet).");
-    sb_fmt(b, "dilocod_outer_step %" PRId64 "\n", d->st.committed ? (int64_t)d->st.step : -1);
-    metric(b, "published_step", "gauge", "The last step published to the hub (-1: none).");
-    sb_fmt(b, "dilocod_published_step %" PRId64 "\n", d->published_step);
-    metric(b, "rounds_total", "counter", "Rounds aggregated and committed since start.");
-    sb_fmt(b, "dilocod_rounds_total %" PRIu64 "\n", d->m.rounds);
-    metric(b, "round_nodes", "gauge", "Nodes that delivered a delta to the open round.");
-    sb_fmt(b, "dilocod_round_nodes %zu\n", d->rnd.n);
-    metric(b, "round_expected_nodes", "gauge", "Nodes a round waits for (0: closes by timeout).");
-    sb_fmt(b, "dilocod_round_expected_nodes %u\n", d->cfg->expected_nodes);
-    metric(b, "deltas_accepted_total", "counter", "Deltas accepted into a round (first of their node).");
-    sb_fmt(b, "dilocod_deltas_accepted_total %" PRIu64 "\n", d->m.deltas_accepted);
-    metric(b, "deltas_replaced_total", "counter", "Deltas that replaced an older one of the same node.");
-    sb_fmt(b, "dilocod_deltas_replaced_total %" PRIu64 "\n", d->m.deltas_replaced);
-    metric(b, "deltas_rewritten_total", "counter",
-           "Deltas of a shared tree rewritten in place after they were taken in (dropped from their round and "
-           "taken in again).");
-    sb_fmt(b, "dilocod_deltas_rewritten_total %" PRIu64 "\n", d->m.deltas_rewritten);
-    metric(b, "adoptions_refused_total", "counter",
-           "Published globals refused for adoption (a step past the bound, a header over max_delta_header_mib, "
-           "a damaged file).");
-    sb_fmt(b, "dilocod_adoptions_refused_total %" PRIu64 "\n", d->adoptions_refused);
-    metric(b, "deltas_rejected_total", "counter", "Invalid deltas (uploads, file:// and the Hub alike), by error code.");
-    for (int c = 1; c < DL_E__COUNT; c++)
-        sb_fmt(b, "dilocod_deltas_rejected_total{code=\"%s\"} %" PRIu64 "\n", dl_error_name((dl_code)c),
-               d->m.rejected[c]);
-    metric(b, "deltas_refused_total", "counter", "Valid deltas the round could not take, by reason.");
-    for (int r = 0; r < REFUSED__COUNT; r++)
-        sb_fmt(b, "dilocod_deltas_refused_total{reason=\"%s\"} %" PRIu64 "\n", stats_refusal_names[r],
-               d->m.refused[r]);
-    metric(b, "upload_bytes_total", "counter", "Delta bytes received by HTTP uploads.");
-    sb_fmt(b, "dilocod_upload_bytes_total %" PRIu64 "\n", d->m.upload_bytes);
-    metric(b, "uploads_in_progress", "gauge", "HTTP uploads being received.");
-    sb_fmt(b, "dilocod_uploads_in_progress %d\n", d->uploads_in_flight);
-    metric(b, "aggregation_seconds", "histogram", "Duration of a round's aggregation, inputs to durable commit.");
-    for (int i = 0; i < STATS_AGG_BUCKETS; i++)
-        sb_fmt(b, "dilocod_aggregation_seconds_bucket{le=\"%g\"} %" PRIu64 "\n", stats_agg_bounds[i],
-               d->m.agg_buckets[i]);
-    sb_fmt(b, "dilocod_aggregation_seconds_bucket{le=\"+Inf\"} %" PRIu64 "\n", d->m.agg_count);
-    sb_fmt(b, "dilocod_aggregation_seconds_sum %.6f\ndilocod_aggregation_seconds_count %" PRIu64 "\n",
-           d->m.agg_seconds_sum, d->m.agg_count);
-    pipeline_metrics(d, b);
-    metric(b, "publish_errors_total", "counter", "Failed publish attempts (retried).");
-    sb_fmt(b, "dilocod_publish_errors_total %" PRIu64 "\n", d->m.publish_errors);
-    /* the transport: the same families whatever the hub (zeros where a transport has no such thing) */
-    hub_metrics(d, b);
-    index_metrics(d, b);
-    metric(b, "http_requests_total", "counter", "HTTP responses by route and status code.");
-    for (int r = 0; r < ROUTE__COUNT; r++)
-        for (int c = 0; c < STATS_HTTP_CODES; c++)
-            if (d->m.http[r][c] > 0 || (c == 0 && r != ROUTE_OTHER)) {
-                char code[16];
-                if (c == STATS_HTTP_CODES - 1 || stats_http_codes[c] == 0)
-                    snprintf(code, sizeof(code), "other");
-                else
-                    snprintf(code, sizeof(code), "%d", stats_http_codes[c]);
-                sb_fmt(b, "dilocod_http_requests_total{route=\"%s\",code=\"%s\"} %" PRIu64 "\n",
-                       stats_route_names[r], code, d->m.http[r][c]);
-            }
-    if (hs != NULL) {
-        /* not dilocod_http_connections: a gauge of that name collides with the counter
-         * dilocod_http_connections_total in one family (prometheus_client, OpenMetrics) */
-        metric(b, "http_open_connections", "gauge", "Open HTTP connections.");
-        sb_fmt(b, "dilocod_http_open_connections %" PRIu64 "\n", hs->connections_open);
-        metric(b, "http_connections_total", "counter", "HTTP connections accepted.");
-        sb_fmt(b, "dilocod_http_connections_total %" PRIu64 "\n", hs->connections_total);
-        metric(b, "http_connections_rejected_total", "counter", "Connections refused at the connection limit.");
-        sb_fmt(b, "dilocod_http_connections_rejected_total %" PRIu64 "\n", hs->rejected_conns);
-        metric(b, "http_timeouts_total", "counter", "Connections closed for a timeout (slow head, stalled transfer).");
-        sb_fmt(b, "dilocod_http_timeouts_total %" PRIu64 "\n", hs->timeouts);
-        metric(b, "http_evicted_idle_total", "counter",
-               "Idle connections closed at the connection limit to make room for a new one.");
-        sb_fmt(b, "dilocod_http_evicted_idle_total %" PRIu64 "\n", hs->evicted_idle);
-        metric(b, "http_accept_errors_total", "counter",
-               "accept() failures for want of descriptors or memory (the listener backed off).");
-        sb_fmt(b, "dilocod_http_accept_errors_total %" PRIu64 "\n", hs->accept_errors);
-        metric(b, "http_received_bytes_total", "counter", "Bytes read from HTTP clients.");
-        sb_fmt(b, "dilocod_http_received_bytes_total %" PRIu64 "\n", hs->bytes_received);
-        metric(b, "http_sent_bytes_total", "counter", "Bytes sent to HTTP clients.");
-        sb_fmt(b, "dilocod_http_sent_bytes_total %" PRIu64 "\n", hs->bytes_sent);
-    }
 }
 
 static void respond_sbuf(http_conn *c, int status, const char *type, sbuf *b)
@@ -500,7 +169,7 @@ static void serve_file(http_conn *c, http_request *req, uint64_t step, const ser
     else
         snprintf(extra, sizeof(extra), "ETag: %s\r\nAccept-Ranges: bytes\r\nX-Outer-Step: %" PRIu64 "\r\n", f->etag,
                  step);
-    /* the response holds its own reference: a commit that replaces d->global does not cut it short */
+    /* the response holds its own reference: a commit that replaces the served global does not cut it short */
     http_respond_file(c, r == 1 ? 206 : 200, type, extra, f->file, from, len);
 }
 
@@ -544,17 +213,18 @@ static void serve_stepfile(dilocod *d, http_conn *c)
 {
     /* the step whose files GET /global/ sends (a sharded step is served once its set is written) */
     const served_global *g = daemon__global(d);
+    const store *st = daemon_store(d);
     char when[48], *text;
     struct tm tm;
-    time_t t = d->committed_at;
+    time_t t = daemon_committed_at(d);
 
-    if (!d->st.committed || !g->available) {
+    if (!st->committed || !g->available) {
         http_respond_error(c, 503, "no_global", "no global model yet", NULL);
         return;
     }
     gmtime_r(&t, &tm);
     strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%S+00:00", &tm);
-    text = stepcount_build(g->step, config_optimizer_name(d->cfg->optimizer), d->st.bootstrap && g->step == 0,
+    text = stepcount_build(g->step, config_optimizer_name(daemon_config(d)->optimizer), st->bootstrap && g->step == 0,
                            g->index.file != NULL, when);
     if (text == NULL) {
         http_respond_error(c, 500, "out_of_memory", "out of memory", NULL);
@@ -595,7 +265,7 @@ static void get_dashboard(dilocod *d, http_conn *c, http_request *req)
 
 static void healthz_json(dilocod *d, sbuf *b)
 {
-    sb_fmt(b, "{\"status\":\"ok\",\"state\":\"%s\"}\n", d->stopping ? "stopping" : daemon__state_name(daemon__state(d)));
+    sb_printf(b, "{\"status\":\"ok\",\"state\":\"%s\"}\n", daemon_stopping(d) ? "stopping" : daemon_state_name(d));
 }
 
 static void get_stepfile(dilocod *d, http_conn *c, http_request *req)

@@ -158,8 +158,8 @@ class Dilocod:
             return None
 
     def pipeline(self):
-        """/status's pipeline: [{step, state, since, published}] of the steps in flight and the last ones
-        done (server/core/pipeline.h), or None while it cannot be read."""
+        """/status's pipeline: [{step, state, since, published, attempts, busy, failed}] of the steps in
+        flight and the last ones done (server/core/pipeline.h), or None while it cannot be read."""
         doc = self.get_json("/status")
         return doc.get("pipeline") if isinstance(doc, dict) else None
 

@@ -138,6 +138,7 @@ def check_step(t, oracle, step):
     rec = [r for r in d.pipeline() if r["step"] == step]
     assert rec and rec[0]["state"] == "cleaned", d.pipeline()
     assert rec[0]["published"], f"step {step} is the transport's, its pipeline record says otherwise: {d.pipeline()}"
+    assert rec[0]["busy"] == [] and rec[0]["failed"] == [], rec      # nothing runs for a cleaned step
     assert_state_equal(load_torch(d.state_dir / f"global/latest-{step}.safetensors"), oracle.state)
     assert_state_equal(load_torch(d.state_dir / f"outer_state-{step}.safetensors"), oracle.momentum())
     published_step, published_bytes = t.published()
@@ -186,9 +187,10 @@ def killed_or_settled(d, state, step, timeout=60):
                          f"(pipeline {d.pipeline()}):\n{d.log_text()[-4000:]}")
 
 
-def crash_and_recover(tmp_path, transport, state, s3=None, crash_step=CRASH_STEP):
+def crash_and_recover(tmp_path, transport, state, s3=None, crash_step=CRASH_STEP, crash_env=None):
     """Rounds until the crash, the restart, then one more round; every step checked (check_step).
-    crash_step None: the hook kills at the first step that enters state, the rounds go on until one does."""
+    crash_step None: the hook kills at the first step that enters state, the rounds go on until one does.
+    crash_env: more environment for the run that crashes (the restart runs without it)."""
     model = tiny_model()
     init = tmp_path / "init.safetensors"
     write_model(init, model)
@@ -197,7 +199,8 @@ def crash_and_recover(tmp_path, transport, state, s3=None, crash_step=CRASH_STEP
     oracle = Oracle(model)
     base_env = dict(d.env or {})
     if state != "collecting":
-        d.env = dict(base_env, DILOCOD_TEST_CRASH_AT=state if crash_step is None else f"{state}:{crash_step}")
+        d.env = dict(base_env, DILOCOD_TEST_CRASH_AT=state if crash_step is None else f"{state}:{crash_step}",
+                     **(crash_env or {}))
     crashed, r = None, 0
     try:
         d.start()
@@ -244,9 +247,11 @@ def test_file_crash_in_state_recovers(tmp_path, state):
 
 @pytest.mark.parametrize("state", S3_STATES)
 def test_s3_crash_in_state_recovers(tmp_path, s3, state):
-    # on s3:// the settle runs beside the publish and ends first about half the time (served -> durable,
-    # the publish recorded without a move): the hook waits for a step whose publish ends first
-    crash_and_recover(tmp_path, S3Transport, state, s3, crash_step=None if state == "published" else CRASH_STEP)
+    # on s3:// the settle runs beside the publish and a small step's ends first (served -> durable, the
+    # publish recorded without a move): for published the crashing run settles after its publish, as
+    # file:// always does (the DILOCOD_TEST_SETTLE_AFTER_PUBLISH hook), so step 2 enters it every time
+    env = {"DILOCOD_TEST_SETTLE_AFTER_PUBLISH": "1"} if state == "published" else None
+    crash_and_recover(tmp_path, S3Transport, state, s3, crash_env=env)
 
 
 def test_unknown_crash_state_is_refused_and_ignored(tmp_path):

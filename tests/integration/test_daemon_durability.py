@@ -447,6 +447,12 @@ def test_enospc_during_outer_step_keeps_last_commit_and_recovers(tmp_path, diloc
         wait_until(lambda: d.committed_step() == 2, 30, "commit of step 2", d)
         assert d.alive()
         d.wait_durable(2)
+        # the pipeline counts the attempts of step 2 (every failed one, then the one committed) and
+        # nothing is left running or failed on it
+        rec = [r for r in d.pipeline() if r["step"] == 2][0]
+        retries = log.count("aggregate: will retry")
+        assert rec["attempts"] >= retries + 1 >= 3, (rec, retries)
+        assert rec["failed"] == [] and "pass" not in rec["busy"] and "sync" not in rec["busy"], rec
         assert check_committed(d.state_dir, diloco_bin) == 2
         check_step_content(d.state_dir, 2, states, moms)
         assert_state_close(load_torch(hub / "global/latest.safetensors"), states[2])

@@ -5,12 +5,14 @@
 #   hub   the transports: knows common/, core/, net/ and hub/
 #   api   the HTTP routes, and server/ itself (daemon, config, main): may know everything
 # A lower layer that includes a higher one fails the build with the file, line and header.
-# Two headers of server/ itself are private to the files that own the daemon's state:
-#   daemon_internal.h  the state (struct dilocod): the daemon's files and api/ (the routes read it)
+# Headers private to the files that own the state they declare:
+#   daemon_internal.h  the daemon's state (struct dilocod): the daemon's files only (api/ sees it
+#                      through daemon.h's accessors and status providers)
 #   daemon_parts.h     the calls between the daemon's files: those files only
-# and two of the layers' private to the files of one component:
+# and three of the layers' private to the files of one component:
 #   http_internal.h    net/: the server and connection structs, the calls between http.c, http_out.c, http_parse.c
 #   intake_internal.h  core/: the calls between intake.c, intake_set.c, intake_cache.c
+#   upload_internal.h  api/: the upload object, a staged set, the calls between upload.c and upload_set.c
 set -u
 cd "$(dirname "$0")/../.."
 
@@ -35,10 +37,11 @@ layer_of_header() {     # a quoted include's name -> the layer its file lives in
 
 private_to() {  # a header private to some files of server/ -> the patterns of the files that may include it
     case "$1" in
-    daemon_internal.h) echo "server/daemon* server/api/*" ;;
+    daemon_internal.h) echo "server/daemon*" ;;
     daemon_parts.h)    echo "server/daemon*" ;;
     http_internal.h)   echo "server/net/http*.c" ;;
     intake_internal.h) echo "server/core/intake*.c" ;;
+    upload_internal.h) echo "server/api/upload*.c" ;;
     hub_hf_internal.h) echo "server/hub/hub_hf.c server/hub/hub_hf_publish.c" ;;
     hub_s3_internal.h) echo "server/hub/hub_s3.c server/hub/hub_s3_publish.c" ;;
     *)                 echo "" ;;

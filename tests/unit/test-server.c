@@ -8,7 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "daemon_internal.h"
+#include "api.h"
 #include "seen.h"
 #include "stats.h"
 #include "store.h"
