@@ -1,10 +1,13 @@
 #include "hub_set.h"
 
 #include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <openssl/evp.h>
@@ -256,4 +259,87 @@ int hub_set_other_layout(const char *name, int sharded, uint32_t nshards)
     if (!sharded)
         return k == ST_NAME_INDEX || k == ST_NAME_SHARD;
     return k == ST_NAME_SINGLE || (k == ST_NAME_SHARD && n != nshards);
+}
+
+typedef struct pub_open {
+    hub_pub_file *files;
+    unsigned n;
+} pub_open;
+
+/* files[i] of n: opened, its size read. */
+static int open_pub_file(pub_open *o, unsigned i, unsigned n, const char *path, const char *name)
+{
+    struct stat sb;
+
+    if (o->files == NULL) {
+        if ((o->files = calloc(n, sizeof(*o->files))) == NULL)
+            return -1;
+        o->n = n;
+        for (unsigned k = 0; k < n; k++)
+            o->files[k].fd = -1;
+    }
+    hub_pub_file *f = &o->files[i];
+    snprintf(f->rel, sizeof(f->rel), "global/%s", name);
+    if ((f->path = strdup(path)) == NULL || (f->fd = open(path, O_RDONLY | O_CLOEXEC)) < 0 || fstat(f->fd, &sb) != 0)
+        return -1;
+    f->size = (uint64_t)sb.st_size;
+    return 0;
+}
+
+void hub_set_publish_close(hub_pub_file *files, unsigned n)
+{
+    for (unsigned i = 0; files != NULL && i < n; i++) {
+        if (files[i].fd >= 0)
+            close(files[i].fd);
+        free(files[i].path);
+    }
+    free(files);
+}
+
+int hub_set_publish_open(const char *global_path, hub_pub_file **files, unsigned *n, dl_error *err)
+{
+    pub_open o = {0};
+    st_index *ix = NULL;
+    char path[4096], name[ST_INDEX_BASE_MAX + 48];
+    int rc = -1;
+
+    *files = NULL;
+    *n = 0;
+    if (!st_index_is_index_path(global_path)) {
+        rc = open_pub_file(&o, 0, 1, global_path, "latest.safetensors") == 0
+                 ? 0
+                 : dl_fail(err, DL_E_IO, NULL, 0, "cannot read %.400s: %s", global_path, strerror(errno));
+        goto out;
+    }
+    if ((rc = st_index_load(global_path, &ix, err)) != 0)
+        goto out;
+    rc = -1;
+    if (strcmp(ix->base, "latest") != 0) {
+        dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "%.400s: a global's index is latest%s", global_path,
+                ST_INDEX_SUFFIX);
+        goto out;
+    }
+    const char *slash = strrchr(global_path, '/');
+    int dlen = slash ? (int)(slash - global_path) : 1;
+    const char *dir = slash ? global_path : ".";
+    for (uint32_t i = 0; i <= ix->nshards; i++) {
+        if (i == ix->nshards) {
+            snprintf(name, sizeof(name), "latest%s", ST_INDEX_SUFFIX);
+            snprintf(path, sizeof(path), "%s", global_path);
+        } else if (st_index_shard_name(ix->base, i, ix->nshards, name, sizeof(name)) != 0 ||
+                   snprintf(path, sizeof(path), "%.*s/%s", dlen, dir, name) >= (int)sizeof(path)) {
+            dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "%.400s: a shard's path is too long", global_path);
+            goto out;
+        }
+        if (open_pub_file(&o, i, ix->nshards + 1, path, name) != 0) {
+            dl_fail(err, DL_E_IO, NULL, 0, "cannot read %.400s: %s", path, strerror(errno));
+            goto out;
+        }
+    }
+    rc = 0;
+out:
+    st_index_free(ix);
+    *files = o.files;
+    *n = o.n;
+    return rc;
 }

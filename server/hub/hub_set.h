@@ -128,6 +128,21 @@ void hub_set_drop(hub_set **list, hub_set *set, int keep_dir);
 /* Takes set off *list and frees it (its directory stays). */
 void hub_set_free(hub_set **list, hub_set *set);
 
+/* One file a publish uploads, open. */
+typedef struct hub_pub_file {
+    char rel[ST_INDEX_BASE_MAX + 64];   /* global/<name> */
+    char *path;
+    int fd;                     /* the step's file stays readable even if a later cleanup unlinks it */
+    uint64_t size;              /* when it was opened */
+} hub_pub_file;
+
+/* Opens the files a publish of global_path uploads, in order: global_path alone (named
+ * latest.safetensors), or for an index (latest.safetensors.index.json) the shards it lists, in its
+ * directory under their own names, then the index.  *files (n of them) is the caller's to
+ * hub_set_publish_close (also on failure).  0, or a negative code with err saying why. */
+int hub_set_publish_open(const char *global_path, hub_pub_file **files, unsigned *n, dl_error *err);
+void hub_set_publish_close(hub_pub_file *files, unsigned n);
+
 /* Whether name, a file in the published global/, belongs to the other layout than the publish's:
  * for a sharded publish of nshards shards the plain file and shards of another count, for a plain
  * one (sharded 0) the index and every shard. */

@@ -45,14 +45,29 @@ double remote_jittered(double base)
     return base * (0.75 + 0.5 * ((double)rand() / RAND_MAX));
 }
 
+void remote_ref(remote_refs *r)
+{
+    if (r != NULL)
+        r->n++;
+}
+
+void remote_unref(remote_refs *r)
+{
+    if (r != NULL && --r->n == 0 && r->check != NULL)
+        r->check(r);
+}
+
 static void req_free(remote_req *r)
 {
+    remote_refs *refs = r->rm != NULL ? r->rm->refs : NULL;
+
     free(r->url);
     free(r->what);
     curl_slist_free_all(r->headers);
     free(r->body);
     cuv_xfer_free(r->x);
     free(r);
+    remote_unref(refs);
 }
 
 remote_req *remote_req_new(remote *rm, const char *method, const char *url, const char *what, const char *route)
@@ -64,10 +79,11 @@ remote_req *remote_req_new(remote *rm, const char *method, const char *url, cons
     r->url = strdup(url);
     r->what = strdup(what != NULL ? what : url);
     if (r->url == NULL || r->what == NULL) {
-        req_free(r);
+        req_free(r);            /* r->rm is NULL: it holds no reference yet */
         return NULL;
     }
     r->rm = rm;
+    remote_ref(rm->refs);
     snprintf(r->method, sizeof(r->method), "%s", method);
     r->route = route;
     r->src_fd = r->sink_fd = -1;
@@ -127,7 +143,10 @@ void remote_req_end(remote_req *r)
 
 static void complete(remote_req *r, int ok)
 {
-    r->rm->ops->complete(r->rm, r, ok);
+    if (r->done != NULL)
+        r->done(r, ok);
+    else
+        r->rm->ops->complete(r->rm, r, ok);
 }
 
 static void send_attempt(remote_req *r);
@@ -252,6 +271,12 @@ void remote_go(remote_req *r, remote_fn cb, void *arg)
     send_attempt(r);
 }
 
+void remote_go_done(remote_req *r, void (*done)(remote_req *r, int ok), void *arg)
+{
+    r->done = done;
+    remote_go(r, NULL, arg);
+}
+
 void remote_cancel_all(remote *rm)
 {
     for (remote_req *r = rm->inflight, *n; r; r = n) {
@@ -323,10 +348,12 @@ static void seen_appended(uv_fs_t *req)
 {
     seen_append *a = req->data;
 
-    a->s->writes--;
+    remote_refs *refs = a->s->refs;
+
     uv_fs_req_cleanup(req);
     free(a->line);
     free(a);
+    remote_unref(refs);
 }
 
 /* A line appended (by the loop's file system pool, never blocking the loop). */
@@ -341,11 +368,11 @@ static void seen_persist(remote_seen *s, const char *key)
     a->s = s;
     a->req.data = a;
     uv_buf_t buf = uv_buf_init(a->line, (unsigned)strlen(a->line));
-    s->writes++;
+    remote_ref(s->refs);
     if (uv_fs_write(s->loop, &a->req, s->fd, &buf, 1, -1, seen_appended) != 0) {
-        s->writes--;
         free(a->line);
         free(a);
+        remote_unref(s->refs);
     }
 }
 

@@ -10,6 +10,30 @@
  * A transport supplies a small table (remote_ops): its credentials for each attempt (a bearer
  * token, a SigV4 signature), how it words a failed answer, optionally its own judgment of an answer
  * before the policy (hf://: access problems), and how to call a request's callback as it typed it.
+ * A request held by remote_fetch.c ends through remote_go_done instead, and every request, and every
+ * seen append, holds a reference (remote_refs) for a close that completes when the last one drops.
+ *
+ * The fetch pipeline built on these (remote_fetch.h) is the one both transports run.  Where their two
+ * copies had drifted, one behaviour now holds for both:
+ *   - candidates are taken first in, first out (hf:// took the newest first);
+ *   - a peek asks for at most the listed size (s3:// asked for 64 KiB whatever the size), and a peek
+ *     that cannot be sent gives the candidate up for the run (hf:// left it pending);
+ *   - a part file complete before a restart asks for its last byte again, under the transport's
+ *     conditions (hf:// got a 416 and started over), and a resumed download is logged on both;
+ *   - a failed download or index read is recorded in words ("GET <key>: HTTP 404"; hf:// recorded
+ *     only the retried ones), and a download that does not match the listing is logged at warn level
+ *     and recorded once per change (hf:// wrote last_error without its log line);
+ *   - a verify cut short by a stop keeps the file for the next start (hf:// removed it);
+ *   - an answer 412 to a GET means the object changed since the listing: dropped for the run, the
+ *     next listing has the new version (s3://'s If-Match; the Hub never answers one);
+ *   - an index is read with two attempts, capped at its listed size (s3:// took three, capped at the
+ *     index cap);
+ *   - a set's directory is cache/incoming/<hf-|s3->[global-]<set version>.set on both (s3:// named it
+ *     after the index's key);
+ *   - a given-up adoption lists again at the next poll (hf:// cleared its head; s3:// has none);
+ *   - downloads and download_bytes are counted on both;
+ *   - the close is a reference count on both, no polling timer.
+ * Logs name a candidate by its key as the transport lists it ("path=" on hf://, "key=" on s3://).
  * Everything here runs on the loop thread. */
 #ifndef REMOTE_H
 #define REMOTE_H
@@ -28,6 +52,17 @@
 
 typedef struct remote remote;
 typedef struct remote_req remote_req;
+
+/* References of what is in flight, for a close that completes when the last one is dropped
+ * (remote_fetch.h): each request holds one from remote_req_new until it is freed, each seen append
+ * one until its write returns.  check runs after every drop that leaves none. */
+typedef struct remote_refs {
+    unsigned n;
+    void (*check)(struct remote_refs *r);
+} remote_refs;
+
+void remote_ref(remote_refs *r);
+void remote_unref(remote_refs *r);
 
 typedef struct remote_ops {
     const char *failure_log;    /* the log line of a failure: "hub request failed", "s3 request failed" */
@@ -56,6 +91,7 @@ struct remote {
     size_t body_cap;            /* answers in memory are capped at this unless a request says (0: curl_uv's) */
     int quiet;                  /* failures are not recorded (the transport is saying one in its own words) */
     remote_req *inflight;       /* every request not ended, for close */
+    remote_refs *refs;          /* optional: each request holds one */
 };
 
 typedef void (*remote_fn)(void);        /* a transport's callback type, cast back by ops->complete */
@@ -84,6 +120,7 @@ struct remote_req {
     int timer_open;
     cuv_xfer *x;                /* the last attempt (valid in the callback) */
     remote_fn cb;
+    void (*done)(remote_req *r, int ok);    /* remote_go_done's: called instead of ops->complete */
     void *arg;
     remote_req *next, *prev;
 };
@@ -98,6 +135,9 @@ void remote_req_header(remote_req *r, const char *line);
 int remote_req_body(remote_req *r, const char *data, size_t len);
 /* Sends r; cb (the transport's type, cast to remote_fn) runs through ops->complete when it ends. */
 void remote_go(remote_req *r, remote_fn cb, void *arg);
+/* Sends r; done(r, ok) runs when it ends (r->arg is arg): for callers that are not the transport,
+ * such as remote_fetch.c, which finds itself from r->rm. */
+void remote_go_done(remote_req *r, void (*done)(remote_req *r, int ok), void *arg);
 /* Takes r off the in-flight list and frees it (after its retry timer is closed). */
 void remote_req_end(remote_req *r);
 /* At close: stops every retry timer and cancels every transfer in flight (their callbacks run). */
@@ -110,13 +150,13 @@ typedef struct remote_seen {
     seen_map map;
     uv_loop_t *loop;
     int fd;                     /* the file, opened for appending (-1: decisions are kept for this run only) */
-    int writes;                 /* appends in flight: the transport's close waits for them */
+    remote_refs *refs;          /* optional: each append in flight holds one (the close waits for them) */
 } remote_seen;
 
 /* Loads path (every entry done) and opens it for appending; a file that cannot be read or opened
  * leaves the list in memory only. */
 void remote_seen_open(remote_seen *s, uv_loop_t *loop, const char *path);
-/* Closes the file and frees the list (no append may be in flight: writes is 0). */
+/* Closes the file and frees the list (no append may be in flight). */
 void remote_seen_close(remote_seen *s);
 /* "<rel>\t<version>", malloc'd (NULL when out of memory). */
 char *remote_seen_key(const char *rel, const char *version);

@@ -42,6 +42,8 @@ private_to() {  # a header private to some files of server/ -> the patterns of t
     http_internal.h)   echo "server/net/http*.c" ;;
     intake_internal.h) echo "server/core/intake*.c" ;;
     upload_internal.h) echo "server/api/upload*.c" ;;
+    hub_hf_internal.h) echo "server/hub/hub_hf.c server/hub/hub_hf_publish.c" ;;
+    hub_s3_internal.h) echo "server/hub/hub_s3.c server/hub/hub_s3_publish.c" ;;
     *)                 echo "" ;;
     esac
 }
