@@ -664,15 +664,9 @@ static void stepfile_done(hf_hub *h, hf_req *r, int ok)
     if (ok && x != NULL && x->status == 200 &&
         stepcount_parse(x->body.p ? x->body.p : "", x->body.len, &step, NULL, &sharded, NULL) == 0) {
         h->adopt_sharded = sharded;
-        if (h->published_known != (int64_t)step) {
-            h->published_known = (int64_t)step;
-            h->cb.published_seen(h->app, (int64_t)step);
-        }
+        remote_report_step(&h->published_known, (int64_t)step, &h->cb, h->app);
     } else if (x != NULL && x->status == 404) {
-        if (!h->told_none) {
-            h->told_none = 1;
-            h->cb.published_seen(h->app, -1);  /* no global on the Hub yet */
-        }
+        remote_report_step(&h->published_known, -1, &h->cb, h->app);     /* no global on the Hub */
     } else {
         h->st.head[0] = '\0';         /* unreadable: look again at the next poll */
     }
@@ -1044,7 +1038,7 @@ static int hf_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
     h->max_downloads = cfg->max_downloads ? cfg->max_downloads : 2;
     h->max_header = cfg->max_header_bytes && cfg->max_header_bytes < ST_MAX_HEADER_SIZE ? cfg->max_header_bytes
                                                                                        : ST_MAX_HEADER_SIZE;
-    h->published_known = -1;
+    h->published_known = REMOTE_STEP_UNREPORTED;
     h->pub.fd = -1;
     size_t el = h->endpoint ? strlen(h->endpoint) : 0;
     while (el > 0 && h->endpoint[el - 1] == '/')

@@ -77,8 +77,7 @@ struct hf_hub {
     hub_status st;
     remote_fetch f;             /* the fetch pipeline (remote_fetch.h): requests, seen list, queue, sets, close */
     int polling;                /* a poll cycle is running */
-    int64_t published_known;    /* the Hub's step_count.json outer_step, -1 unknown */
-    int told_none;              /* published_seen(-1) was reported */
+    int64_t published_known;    /* the step last reported (remote_report_step) */
     uint64_t poll_resume_ms;    /* after a 429 or an access problem: no poll before this loop time */
     double access_backoff;      /* seconds between polls while the Hub refuses access (0: it does not) */
     int problem_status;         /* the HTTP status behind st.problem */

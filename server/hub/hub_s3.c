@@ -741,10 +741,7 @@ static void adopt_global(s3_hub *h, uint64_t step, int sharded)
 static void report_step(s3_hub *h, int64_t step)
 {
     s3_claim_step_seen(h, step);
-    if (step == h->published_known)
-        return;
-    h->published_known = step;
-    h->cb.published_seen(h->app, step);
+    remote_report_step(&h->published_known, step, &h->cb, h->app);
 }
 
 static void stepfile_done(s3_hub *h, s3_req *r, int ok)
@@ -1073,7 +1070,7 @@ static int s3_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_
     h->max_downloads = cfg->max_downloads ? cfg->max_downloads : 2;
     h->max_header = cfg->max_header_bytes && cfg->max_header_bytes < ST_MAX_HEADER_SIZE ? cfg->max_header_bytes
                                                                                        : ST_MAX_HEADER_SIZE;
-    h->published_known = -2;
+    h->published_known = REMOTE_STEP_UNREPORTED;
     remote_fetch_init(&h->f, &(remote_fetch_config){.loop = loop, .curl = h->curl, .st = &h->st,
                                                      .req_ops = &s3_remote_ops, .ops = &s3_fetch_ops, .owner = h,
                                                      .cb = cb, .app = app, .state_dir = h->state_dir,

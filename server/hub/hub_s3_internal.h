@@ -88,7 +88,7 @@ struct s3_hub {
     int polling;
     hub_status st;
     remote_fetch f;             /* the fetch pipeline (remote_fetch.h): requests, seen list, queue, sets, close */
-    int64_t published_known;    /* -2: nothing reported yet */
+    int64_t published_known;    /* the step last reported (remote_report_step) */
     best_entry *best;
     size_t nbest;
     shard_entry *shards;

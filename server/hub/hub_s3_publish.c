@@ -614,7 +614,7 @@ static void claim_lost_to(s3_hub *h, const char *who)
     dl_log(DL_LOG_WARN, "hub", "publish lost to another aggregator", "step=%" PRIu64, p->step);
     snprintf(h->st.last_error, sizeof(h->st.last_error), "%s", msg);
     /* the next poll reports the bucket's step again, even unchanged: the winner's step is adopted */
-    h->published_known = -2;
+    h->published_known = REMOTE_STEP_UNREPORTED;
     s3_pub_finish(h, msg);
 }
 

@@ -441,3 +441,12 @@ void remote_global_handed(remote_global_gate *g, uint64_t step, const char *vers
     double wait = fmax(poll_interval, 0.05) * ldexp(1.0, g->offers < 20 ? (int)g->offers : 20);
     g->not_before = now_ms + (uint64_t)(fmin(wait, REMOTE_GLOBAL_BACKOFF_MAX) * 1000);
 }
+
+int remote_report_step(int64_t *known, int64_t step, const hub_callbacks *cb, void *app)
+{
+    if (step == *known)
+        return 0;
+    *known = step;
+    cb->published_seen(app, step);
+    return 1;
+}

@@ -32,7 +32,9 @@
  *     after the index's key);
  *   - a given-up adoption lists again at the next poll (hf:// cleared its head; s3:// has none);
  *   - downloads and download_bytes are counted on both;
- *   - the close is a reference count on both, no polling timer.
+ *   - the close is a reference count on both, no polling timer;
+ *   - the published step is reported only when it changes, from "not reported yet" (-2) through none
+ *     (-1) to a step, by remote_report_step (hf:// started at -1 and said "none" once per run).
  * Logs name a candidate by its key as the transport lists it ("path=" on hf://, "key=" on s3://).
  * Everything here runs on the loop thread. */
 #ifndef REMOTE_H
@@ -188,6 +190,13 @@ int remote_global_may_fetch(const remote_global_gate *g, uint64_t step, const ch
 /* The transport hands the global of step and version over (global_ready). */
 void remote_global_handed(remote_global_gate *g, uint64_t step, const char *version, uint64_t now_ms,
                           double poll_interval);
+
+/* The step a network transport last reported through published_seen: REMOTE_STEP_UNREPORTED until
+ * its first readable poll, -1 when it found no step file, else the step.  One rule for both: a poll
+ * reports only a change (a publish of ours sets it to its step first, so it is not reported back). */
+#define REMOTE_STEP_UNREPORTED (-2)
+/* Reports step (-1: none) through cb when it differs from *known, and records it.  1 when reported. */
+int remote_report_step(int64_t *known, int64_t step, const hub_callbacks *cb, void *app);
 
 /* Records a failure (counted each time, logged when it differs from the last one). */
 void remote_error(remote *rm, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
