@@ -42,9 +42,11 @@ def test_junk_node_prefixes_do_not_starve_an_honest_node(tmp_path, s3):
         deadline = sent + 120
         while d.published_step() != 1:
             assert d.alive(), d.log_text()[-3000:]
+            # the loop stays live while the junk is listed: a stall detector (a listing parsed on the loop
+            # held it for seconds), not a speed bound, so it allows for a loaded ASan build (1.001 s seen)
             t = time.monotonic()
-            requests.get(f"{d.url}/healthz", timeout=1).raise_for_status()
-            assert time.monotonic() - t < 1.0
+            requests.get(f"{d.url}/healthz", timeout=5).raise_for_status()
+            assert time.monotonic() - t < 5.0
             assert time.monotonic() < deadline, f"the honest node's delta not taken in within 120 s:\n" \
                                                 f"{d.log_text()[-3000:]}"
             time.sleep(0.2)
