@@ -47,7 +47,8 @@ static int bind_tensors(outer_pass *p, dl_error *err)
     p->delta_f = calloc(g->ntensors * p->ndeltas + 1, sizeof(*p->delta_f));
     p->mom_t = calloc(g->ntensors + 1, sizeof(*p->mom_t));
     p->mom_spec = calloc(g->ntensors + 1, sizeof(*p->mom_spec));
-    if (p->delta_t == NULL || p->delta_f == NULL || p->mom_t == NULL || p->mom_spec == NULL)
+    p->acc_t = calloc(g->ntensors + 1, sizeof(*p->acc_t));
+    if (p->delta_t == NULL || p->delta_f == NULL || p->mom_t == NULL || p->mom_spec == NULL || p->acc_t == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     for (size_t ti = 0; ti < g->ntensors; ti++) {
         const st_tensor *t = &g->tensors[ti];
@@ -76,6 +77,13 @@ static int bind_tensors(outer_pass *p, dl_error *err)
                                "momentum file %s does not match the global model", p->momentum_path);
             p->mom_t[ti] = m;
         }
+        if (p->accum != NULL) {
+            const st_tensor *a = st_header_find(p->accum->h, t->name, t->name_len);
+            if (a == NULL || !same_shape(t, a) || a->dtype != delta_dtype_for(t->dtype))
+                return dl_fail(err, DL_E_KEY_MISMATCH, t->name, t->name_len,
+                               "accumulator file %s does not match the global model", p->accum_path);
+            p->acc_t[ti] = a;
+        }
     }
     for (size_t k = 0; k < p->ndeltas; k++) {
         if (p->deltas[k]->ntensors != nfloat)
@@ -85,6 +93,9 @@ static int bind_tensors(outer_pass *p, dl_error *err)
     if (p->momentum != NULL && p->momentum->h->ntensors != nfloat)
         return dl_fail(err, DL_E_KEY_MISMATCH, NULL, 0, "momentum file %s has %zu tensors, expected %zu",
                        p->momentum_path, p->momentum->h->ntensors, nfloat);
+    if (p->accum != NULL && p->accum->h->ntensors != nfloat)
+        return dl_fail(err, DL_E_KEY_MISMATCH, NULL, 0, "accumulator file %s has %zu tensors, expected %zu",
+                       p->accum_path, p->accum->h->ntensors, nfloat);
     return 0;
 }
 
@@ -110,18 +121,27 @@ static int open_writers(outer_pass *p, dl_error *err)
         st_writer_set_writeback(p->w_global, !p->defer_sync);
     if (rc == 0)
         st_writer_set_durable(p->w_global, !p->defer_sync);
-    if (rc == 0 && p->params.momentum != 0.0f) {
-        for (size_t ti = 0; ti < g->ntensors; ti++) {
-            const st_tensor *t = &g->tensors[ti];
-            if (st_dtype_is_floating(t->dtype))
-                specs[nm++] = (st_spec){t->name, t->name_len, delta_dtype_for(t->dtype), t->ndim, t->shape};
-        }
+    for (size_t ti = 0; ti < g->ntensors; ti++) {
+        const st_tensor *t = &g->tensors[ti];
+        if (st_dtype_is_floating(t->dtype))
+            specs[nm++] = (st_spec){t->name, t->name_len, delta_dtype_for(t->dtype), t->ndim, t->shape};
+    }
+    if (rc == 0 && p->write_momentum) {
         rc = st_writer_open_warm(p->out_momentum_path, specs, nm, p->momentum_meta, p->momentum_nmeta,
                                  p->warm_momentum_tmp, &p->w_momentum, err);
         if (rc == 0)
             st_writer_set_writeback(p->w_momentum, !p->defer_sync);
         if (rc == 0)
             st_writer_set_durable(p->w_momentum, !p->defer_sync);
+    }
+    /* the accumulator has the momentum's layout (and its metadata) */
+    if (rc == 0 && p->params.dn_period != 0 && !OUTER_DN_TICK(&p->params)) {
+        rc = st_writer_open_warm(p->out_accum_path, specs, nm, p->momentum_meta, p->momentum_nmeta, NULL,
+                                 &p->w_accum, err);
+        if (rc == 0)
+            st_writer_set_writeback(p->w_accum, !p->defer_sync);
+        if (rc == 0)
+            st_writer_set_durable(p->w_accum, !p->defer_sync);
     }
     free(specs);
     return rc;
@@ -171,6 +191,10 @@ static void plan_items(outer_pass *p)
                 p->bytes_total += mb;
             if (p->w_momentum != NULL)
                 p->bytes_total += mb;
+            if (p->acc_t[ti] != NULL)
+                p->bytes_total += mb;
+            if (p->w_accum != NULL)
+                p->bytes_total += mb;
         }
     }
 }
@@ -203,19 +227,30 @@ static int prepare(outer_pass *p, dl_error *err)
         return dl_fail(err, DL_E_EMPTY_INPUT, NULL, 0, "an outer step needs at least one delta");
     p->stats = calloc(p->ndeltas, sizeof(*p->stats));
     p->deltas = calloc(p->ndeltas, sizeof(*p->deltas));
-    p->in_sums = calloc(p->ndeltas + 2, sizeof(*p->in_sums));
-    p->summing = calloc(p->ndeltas + 2, 1);
-    p->out_global_sum = p->out_momentum_sum = 0;
+    p->in_sums = calloc(OUTER_NINPUTS(p), sizeof(*p->in_sums));
+    p->summing = calloc(OUTER_NINPUTS(p), 1);
+    p->out_global_sum = p->out_momentum_sum = p->out_accum_sum = 0;
     if (p->stats == NULL || p->deltas == NULL || p->in_sums == NULL || p->summing == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-    for (size_t k = 0; p->ck != NULL && k < p->ndeltas + 2; k++)
+    for (size_t k = 0; p->ck != NULL && k < OUTER_NINPUTS(p); k++)
         p->summing[k] = p->sum_every_input ||
                         (k < p->ndeltas ? p->delta_summed != NULL && p->delta_summed[k]
-                                        : k == p->ndeltas ? p->global_summed : p->momentum_summed);
+                         : k == OUTER_INPUT_GLOBAL(p)   ? p->global_summed
+                         : k == OUTER_INPUT_MOMENTUM(p) ? p->momentum_summed
+                                                        : p->accum_summed);
+    /* synchronous: a momentum file whenever there is momentum; Delayed Nesterov: the caller says (none
+     * before the first Nesterov step) */
+    p->write_momentum = p->params.momentum != 0.0f && (p->params.dn_period == 0 || p->out_momentum_path != NULL);
+    if (p->params.dn_period != 0 && (p->params.dn_k >= p->params.dn_period ||
+                                     (!OUTER_DN_TICK(&p->params) && p->out_accum_path == NULL)))
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "Delayed Nesterov: update %u of %u has no accumulator",
+                       p->params.dn_k + 1, p->params.dn_period);
     if ((rc = st_open(p->global_path, &p->global, err)) != 0)
         return rc;
     if (p->momentum_path != NULL && p->params.momentum != 0.0f &&
         (rc = st_open(p->momentum_path, &p->momentum, err)) != 0)
+        return rc;
+    if (p->accum_path != NULL && p->params.dn_period != 0 && (rc = st_open(p->accum_path, &p->accum, err)) != 0)
         return rc;
     /* a delta is one file or a set (its index): the pass reads each tensor from the file that holds it */
     for (size_t k = 0; k < p->ndeltas; k++) {
@@ -269,17 +304,17 @@ typedef struct outer_map {
 typedef struct outer_bufs {
     unsigned char *raw;         /* 8 bytes per element of an item: the encoded output */
     unsigned char *sub_raw;     /* 8 bytes per element of a sub-block: an input as stored */
-    float *param, *buf;         /* 2 lanes per element of an item: new parameters and momentum */
+    float *param, *buf, *acc;   /* 2 lanes per element of an item: new parameters, momentum, accumulator */
     float *g;                   /* 2 lanes per element of a sub-block: the mean */
     float *d;                   /* ndeltas x 2 lanes per element of a sub-block: the deltas read with pread */
     const float **dk;           /* ndeltas: where delta k's lanes of the current sub-block are */
     outer_map *maps;            /* ndeltas: delta k's window over the current run, or none */
-    outer_map gmap, mmap;       /* the previous global's / momentum's window over the run, or none */
+    outer_map gmap, mmap, amap; /* the previous global's / momentum's / accumulator's window, or none */
     int map_units;              /* windows of whole MAPREAD_UNITs (see map_lanes), else of pages */
     outer_node_stats *stats;
     double mean_sumsq;
-    uint64_t *in_sums;          /* ndeltas + 2: the checksum terms of what this thread read */
-    uint64_t out_sums[2];       /* of what it wrote: the global's, the momentum's */
+    uint64_t *in_sums;          /* OUTER_NINPUTS: the checksum terms of what this thread read */
+    uint64_t out_sums[3];       /* of what it wrote: the global's, the momentum's, the accumulator's */
     /* The first non-finite output this thread made.  The pass goes on to the end (nothing of it is
      * committed), so that every input's checksum is complete: a delta rewritten after it was validated
      * is then named as the cause (outer_finish prefers the mismatch), not a step retried forever. */
@@ -377,8 +412,48 @@ static inline __attribute__((always_inline)) void sgd_nesterov_body(float *out, 
         out[j] = fmaf(alpha, fmaf(mu, buf[j], g[j]), in[j]);
 }
 
+/* Delayed Nesterov's accumulator: out = fma(alpha, x, in), a.add_(g, alpha=w), from a zero one when in is NULL
+ * (torch adds to +0: fma(w, g, +0), which is not w * g for a -0 product) */
+static inline __attribute__((always_inline)) void dn_accumulate_body(float *out, const float *in,
+                                                                      const float *restrict x, float alpha, size_t m)
+{
+    if (in == NULL) {
+        for (size_t j = 0; j < m; j++)
+            out[j] = fmaf(alpha, x[j], 0.0f);
+        return;
+    }
+    for (size_t j = 0; j < m; j++)
+        out[j] = fmaf(alpha, x[j], in[j]);
+}
+
+/* Delayed Nesterov's gradient in place of the mean: g = fma(w, g, a) / N (the accumulator's last add, then
+ * p.grad = a / N: a true division, rounded once more) */
+static inline __attribute__((always_inline)) void dn_grad_body(float *restrict g, const float *acc, float w, float n,
+                                                                size_t m)
+{
+    if (acc == NULL) {
+        for (size_t j = 0; j < m; j++)
+            g[j] = fmaf(w, g[j], 0.0f) / n;
+        return;
+    }
+    for (size_t j = 0; j < m; j++)
+        g[j] = fmaf(w, g[j], acc[j]) / n;
+}
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #define HAVE_FMA_PATH 1
+
+__attribute__((target("avx2,fma"))) static void dn_accumulate_fma(float *out, const float *in,
+                                                                   const float *restrict x, float alpha, size_t m)
+{
+    dn_accumulate_body(out, in, x, alpha, m);
+}
+
+__attribute__((target("avx2,fma"))) static void dn_grad_fma(float *restrict g, const float *acc, float w, float n,
+                                                             size_t m)
+{
+    dn_grad_body(g, acc, w, n, m);
+}
 
 __attribute__((target("avx2,fma"))) static void sgd_axpy_fma(float *out, const float *in, const float *restrict x,
                                                               float alpha, size_t m)
@@ -431,6 +506,28 @@ static void sgd_nesterov(float *out, const float *in, const float *restrict buf,
     }
 #endif
     sgd_nesterov_body(out, in, buf, g, mu, alpha, m);
+}
+
+static void dn_accumulate(float *out, const float *in, const float *restrict x, float alpha, size_t m)
+{
+#ifdef HAVE_FMA_PATH
+    if (!outer_force_portable && have_fma()) {
+        dn_accumulate_fma(out, in, x, alpha, m);
+        return;
+    }
+#endif
+    dn_accumulate_body(out, in, x, alpha, m);
+}
+
+static void dn_grad(float *restrict g, const float *acc, float w, float n, size_t m)
+{
+#ifdef HAVE_FMA_PATH
+    if (!outer_force_portable && have_fma()) {
+        dn_grad_fma(g, acc, w, n, m);
+        return;
+    }
+#endif
+    dn_grad_body(g, acc, w, n, m);
 }
 
 /* Lanes per block of the mean and the statistics: the block's mean (8 KiB) stays in L1 while every delta's
@@ -522,8 +619,8 @@ KERNEL_CLONES static void mean_block(const outer_pass *p, const float *const *dk
  * are read from param_in and buf_in, which are either the same buffers (read there with pread) or the
  * previous files mapped in place. */
 typedef struct outer_io {
-    float *param, *buf;
-    const float *param_in, *buf_in;
+    float *param, *buf, *acc;
+    const float *param_in, *buf_in, *acc_in;    /* acc_in NULL: a zero accumulator */
 } outer_io;
 
 /* The mean, the statistics and the optimizer over m lanes of one sub-block: delta k's lanes are at dk[k];
@@ -539,6 +636,17 @@ KERNEL_CLONES static void step_sub(const outer_pass *p, const float *const *dk, 
 
     for (size_t j0 = 0; j0 < m; j0 += STAT_BLOCK)
         mean_block(p, dk, j0, g + j0, m - j0 < STAT_BLOCK ? m - j0 : STAT_BLOCK, b);
+    if (p->params.dn_period != 0) {
+        /* Delayed Nesterov (outer.h): a plain step between Nesterov steps, the momentum carried over */
+        if (!OUTER_DN_TICK(&p->params)) {
+            dn_accumulate(io->acc, io->acc_in, g, p->params.dn_weight, m);
+            sgd_axpy(io->param, io->param_in, g, p->params.dn_plain_alpha, m);
+            if (p->write_momentum && have_buf && buf != buf_in)
+                memcpy(buf, buf_in, m * sizeof(float));
+            return;
+        }
+        dn_grad(g, io->acc_in, p->params.dn_weight, (float)p->params.dn_period, m);
+    }
     /* torch.optim.SGD, as described above the sgd_* loops */
     if (mu == 0.0f) {
         sgd_axpy(io->param, io->param_in, g, -lr, m);
@@ -637,16 +745,18 @@ static __attribute__((noinline)) int step_item(outer_pass *p, const outer_item *
     const st_tensor *t = &p->global->h->tensors[ti], *mt = p->mom_t[ti];
     const size_t n = (size_t)(it->end - it->begin), lanes = cv_lanes(t->dtype);
     const size_t nd = p->ndeltas, sub = SUB_ELEMS;
-    const int mom = p->params.momentum != 0.0f;
+    const int mom = p->params.momentum != 0.0f;     /* the previous momentum is read */
     /* the inputs whose checksum someone verifies: the others' terms are not computed */
     uint64_t *const gsum = p->summing[nd] ? &b->in_sums[nd] : NULL;
     uint64_t *const msum = p->summing[nd + 1] ? &b->in_sums[nd + 1] : NULL;
+    uint64_t *const asum = p->summing[nd + 2] ? &b->in_sums[nd + 2] : NULL;
+    const st_tensor *at = p->acc_t[ti];
     int rc;
 
     for (size_t s = 0; s < n; s += sub) {
         const size_t sn = n - s < sub ? n - s : sub;
         const uint64_t e = it->begin + s;
-        outer_io io = {b->param + s * lanes, b->buf + s * lanes, NULL, NULL};
+        outer_io io = {b->param + s * lanes, b->buf + s * lanes, b->acc + s * lanes, NULL, NULL, NULL};
         if (b->gmap.base != NULL) {
             io.param_in = b->gmap.lanes + s * lanes;
             sum_in(p, ti, t->dtype, e, io.param_in, sn, gsum);
@@ -680,11 +790,24 @@ static __attribute__((noinline)) int step_item(outer_pass *p, const outer_item *
             sum_in(p, ti, mt->dtype, e, io.buf_in, sn, msum);
             *bytes += sn * lanes * 4;
         }
+        if (at != NULL) {
+            if (b->amap.base != NULL) {
+                io.acc_in = b->amap.lanes + s * lanes;
+            } else {
+                if ((rc = st_read(p->accum, at, e * lanes * 4, io.acc, sn * lanes * 4, err)) != 0)
+                    return rc;
+                io.acc_in = io.acc;
+            }
+            sum_in(p, ti, at->dtype, e, io.acc_in, sn, asum);
+            *bytes += sn * lanes * 4;
+        }
         step_sub(p, b->dk, &io, mt != NULL, sn * lanes, b);
         /* never a non-finite output: the inputs are finite, but a sum or a step can overflow */
         int64_t bad = delta_find_non_finite(ST_F32, io.param, sn * lanes);
-        if (bad < 0 && mom)
+        if (bad < 0 && p->write_momentum)
             bad = delta_find_non_finite(ST_F32, io.buf, sn * lanes);
+        if (bad < 0 && p->w_accum != NULL)
+            bad = delta_find_non_finite(ST_F32, io.acc, sn * lanes);
         if (bad >= 0)
             bad_output(b, t, "a non-finite value (the deltas' mean or the step overflowed)", e + (uint64_t)bad / lanes);
     }
@@ -724,6 +847,10 @@ static int step_item_guarded(outer_pass *p, const outer_item *it, uint64_t run_e
         map_item(p->momentum, mt, it, run_end, b->map_units, &b->mmap);     /* mt: as many lanes as t */
     else
         unmap_window(&b->mmap);
+    if (p->acc_t[it->tensor] != NULL)
+        map_item(p->accum, p->acc_t[it->tensor], it, run_end, b->map_units, &b->amap);
+    else
+        unmap_window(&b->amap);
     if ((rc = mapread_guarded(step_item_call, &args)) == MAPREAD_BUS)
         rc = dl_fail_errno(err, EIO, "tensor %.*s could not be read in place (SIGBUS: a delta shrank, or a page "
                            "could not be read)", (int)t->name_len, t->name);
@@ -735,7 +862,7 @@ static int process_floating(outer_pass *p, const outer_item *it, uint64_t run_en
 {
     const st_tensor *t = &p->global->h->tensors[it->tensor];
     const size_t n = (size_t)(it->end - it->begin), lanes = cv_lanes(t->dtype), esize = st_dtype_bits(t->dtype) / 8;
-    const int mom = p->params.momentum != 0.0f;
+    const int mom = p->write_momentum;
     uint64_t bytes = 0;
     int rc;
 
@@ -746,6 +873,13 @@ static int process_floating(outer_pass *p, const outer_item *it, uint64_t run_en
         sum_in(p, it->tensor, delta_dtype_for(t->dtype), it->begin, b->buf, n, &b->out_sums[1]);
         if ((rc = st_writer_write(p->w_momentum, p->mom_spec[it->tensor], it->begin * lanes * 4, b->buf,
                                   n * lanes * 4, err)) != 0)
+            return rc;
+        bytes += (uint64_t)n * lanes * 4;
+    }
+    if (p->w_accum != NULL) {
+        sum_in(p, it->tensor, delta_dtype_for(t->dtype), it->begin, b->acc, n, &b->out_sums[2]);
+        if ((rc = st_writer_write(p->w_accum, p->mom_spec[it->tensor], it->begin * lanes * 4, b->acc, n * lanes * 4,
+                                  err)) != 0)
             return rc;
         bytes += (uint64_t)n * lanes * 4;
     }
@@ -820,17 +954,18 @@ int outer_run(outer_pass *p)
     b.sub_raw = malloc(SUB_ELEMS * 8);
     b.param = malloc(ce * 2 * sizeof(float));
     b.buf = malloc(ce * 2 * sizeof(float));
+    b.acc = malloc(ce * 2 * sizeof(float));
     b.g = malloc(SUB_ELEMS * 2 * sizeof(float));
     b.d = malloc(SUB_ELEMS * 2 * sizeof(float) * p->ndeltas);
     b.dk = calloc(p->ndeltas, sizeof(*b.dk));
     b.maps = calloc(p->ndeltas, sizeof(*b.maps));
     b.stats = calloc(p->ndeltas, sizeof(*b.stats));
-    b.in_sums = calloc(p->ndeltas + 2, sizeof(*b.in_sums));
+    b.in_sums = calloc(OUTER_NINPUTS(p), sizeof(*b.in_sums));
     /* Mapped pages count in RSS while they are mapped: whole units only while one item's windows stay
      * within 4 budgets (8 deltas, the global and the momentum at the default 16 MiB: 55 MiB), else
      * windows of pages, which keep just the item's pages (within one budget, as the items are sized) */
     b.map_units = (p->ndeltas + 2) * (p->chunk_elems * 8 + 2 * MAPREAD_UNIT) <= 4 * (uint64_t)p->budget_bytes;
-    if (!b.raw || !b.sub_raw || !b.param || !b.buf || !b.g || !b.d || !b.dk || !b.maps || !b.stats || !b.in_sums) {
+    if (!b.raw || !b.sub_raw || !b.param || !b.buf || !b.acc || !b.g || !b.d || !b.dk || !b.maps || !b.stats || !b.in_sums) {
         dl_fail(&err, DL_E_NO_MEMORY, NULL, 0, "out of memory for aggregation buffers");
         rc = fail_locked(p, &err);
         goto out;
@@ -843,6 +978,7 @@ int outer_run(outer_pass *p)
         unmap_inputs(b.maps, p->ndeltas);
         unmap_inputs(&b.gmap, 1);
         unmap_inputs(&b.mmap, 1);
+        unmap_inputs(&b.amap, 1);
         if (rc != 0) {
             fail_locked(p, &err);
             goto out;
@@ -854,10 +990,11 @@ int outer_run(outer_pass *p)
         p->stats[k].dot += b.stats[k].dot;
     }
     p->mean_sumsq += b.mean_sumsq;
-    for (size_t k = 0; k < p->ndeltas + 2; k++)
+    for (size_t k = 0; k < OUTER_NINPUTS(p); k++)
         p->in_sums[k] += b.in_sums[k];
     p->out_global_sum += b.out_sums[0];
     p->out_momentum_sum += b.out_sums[1];
+    p->out_accum_sum += b.out_sums[2];
     if (b.bad_output && p->rc == 0) {
         p->rc = -DL_E_NON_FINITE;
         p->err = b.bad_err;
@@ -869,10 +1006,12 @@ out:
         unmap_inputs(b.maps, p->ndeltas);
     unmap_inputs(&b.gmap, 1);
     unmap_inputs(&b.mmap, 1);
+    unmap_inputs(&b.amap, 1);
     free(b.raw);
     free(b.sub_raw);
     free(b.param);
     free(b.buf);
+    free(b.acc);
     free(b.g);
     free(b.d);
     free(b.dk);
@@ -903,6 +1042,8 @@ int outer_input_changed(const outer_pass *p, size_t i)
     if (i == OUTER_INPUT_MOMENTUM(p))
         return p->momentum_summed && p->momentum_path != NULL && p->params.momentum != 0.0f &&
                p->momentum_sum != p->in_sums[i];
+    if (i == OUTER_INPUT_ACCUM(p))
+        return p->accum_summed && p->accum != NULL && p->accum_sum != p->in_sums[i];
     return 0;
 }
 
@@ -910,11 +1051,13 @@ int outer_input_changed(const outer_pass *p, size_t i)
  * committed (the first changed input named; outer_input_changed tells them all). */
 static int verify_inputs(outer_pass *p, dl_error *err)
 {
-    for (size_t i = 0; i < p->ndeltas + 2; i++) {
+    for (size_t i = 0; i < OUTER_NINPUTS(p); i++) {
         if (!outer_input_changed(p, i))
             continue;
-        const char *what = i < p->ndeltas ? p->delta_paths[i] : i == OUTER_INPUT_GLOBAL(p) ? p->global_path
-                                                                                          : p->momentum_path;
+        const char *what = i < p->ndeltas                 ? p->delta_paths[i]
+                           : i == OUTER_INPUT_GLOBAL(p)   ? p->global_path
+                           : i == OUTER_INPUT_MOMENTUM(p) ? p->momentum_path
+                                                          : p->accum_path;
         return dl_fail(err, DL_E_CHECKSUM_MISMATCH, NULL, 0, "%s is not the file that was %s: its content changed "
                        "(rewritten in place); the step is not committed", what,
                        i < p->ndeltas ? "validated" : "committed");
@@ -944,11 +1087,20 @@ int outer_finish(outer_pass *p, dl_error *err)
         rc = st_writer_commit(p->w_momentum, err);
         p->w_momentum = NULL;
     }
+    if (rc == 0 && p->w_accum != NULL) {
+        rc = st_writer_commit(p->w_accum, err);
+        p->w_accum = NULL;
+    }
     st_writer_abort(p->w_global);
     st_writer_abort(p->w_momentum);
-    p->w_global = p->w_momentum = NULL;
+    st_writer_abort(p->w_accum);
+    p->w_global = p->w_momentum = p->w_accum = NULL;
     st_close(p->global);
     st_close(p->momentum);
+    st_close(p->accum);
+    p->accum = NULL;
+    free(p->acc_t);
+    p->acc_t = NULL;
     for (size_t k = 0; p->deltas != NULL && k < p->ndeltas; k++)
         st_set_close(p->deltas[k]);
     free(p->deltas);

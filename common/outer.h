@@ -26,7 +26,19 @@ typedef struct outer_params {
     int nesterov;
     float lr;
     float momentum;             /* 0: plain SGD, no momentum buffers */
+    /* Delayed Nesterov (async mode, README "Asynchronous mode"); dn_period 0: the synchronous step.
+     * With g the mean of the deltas, per update:
+     *     a = fma(w, g, a)                          a.add_(g, alpha=w)   (a: the accumulator, 0 if none)
+     *     k + 1 < N:  p = fma(plain_alpha, g, p)    p.add_(g, alpha=-lr*w), the momentum unchanged
+     *     else:       grad = a / N, the SGD step above on grad, a = 0 */
+    unsigned dn_period;         /* N */
+    unsigned dn_k;              /* updates since the last Nesterov step, before this one (< N) */
+    float dn_weight;            /* w */
+    float dn_plain_alpha;       /* (float)(-lr * w), rounded once from double as torch rounds a Scalar */
 } outer_params;
+
+/* Whether this update is a Nesterov step (dn_period 0: every step is). */
+#define OUTER_DN_TICK(pp) ((pp)->dn_period == 0 || (pp)->dn_k + 1 >= (pp)->dn_period)
 
 typedef struct outer_node_stats {
     double sumsq;               /* sum of squares of the node's delta */
@@ -46,7 +58,10 @@ typedef struct outer_pass {
                                            the index of a set (st_index.h) */
     size_t ndeltas;
     const char *out_global_path;
-    const char *out_momentum_path;      /* NULL when params.momentum == 0 */
+    const char *out_momentum_path;      /* NULL when params.momentum == 0; with Delayed Nesterov NULL when no
+                                           momentum is written (a plain step before the first Nesterov step) */
+    const char *accum_path;     /* Delayed Nesterov: the accumulator (F32 like the momentum), NULL: zero */
+    const char *out_accum_path; /* the new one, NULL when this update is a Nesterov step (a = 0) */
     const st_kv *momentum_meta;         /* metadata for the momentum file */
     size_t momentum_nmeta;
     outer_params params;
@@ -57,13 +72,15 @@ typedef struct outer_pass {
     const char *warm_momentum_tmp;      /* the same for out_momentum_path */
 
     /* state */
-    st_file *global, *momentum;
+    st_file *global, *momentum, *accum;
     struct st_set **deltas;     /* one file or a set each */
     const st_tensor **delta_t;  /* [item tensor][node]: the delta tensor for each global tensor */
     const st_file **delta_f;    /* [item tensor][node]: the file (of its set) that holds it */
     const st_tensor **mom_t;    /* [tensor]: momentum tensor or NULL */
-    size_t *mom_spec;           /* [tensor]: index into the momentum writer's specs */
-    st_writer *w_global, *w_momentum;
+    size_t *mom_spec;           /* [tensor]: index into the momentum writer's specs (the accumulator's too) */
+    const st_tensor **acc_t;    /* [tensor]: accumulator tensor or NULL */
+    st_writer *w_global, *w_momentum, *w_accum;
+    int write_momentum;         /* outputs a momentum file (set by outer_prepare) */
     outer_item *items;
     size_t nitems;
     uint64_t chunk_elems;
@@ -85,17 +102,20 @@ typedef struct outer_pass {
     const ck_key *ck;
     const uint64_t *delta_sums;         /* [ndeltas]: the checksum intake validated, where delta_summed[k] */
     const unsigned char *delta_summed;  /* NULL: no delta's is known */
-    int global_summed, momentum_summed; /* the previous global's and momentum's are known: */
-    uint64_t global_sum, momentum_sum;
-    uint64_t out_global_sum, out_momentum_sum;  /* the outputs', after outer_finish returned 0 */
+    int global_summed, momentum_summed, accum_summed;   /* the previous global's, momentum's, accumulator's: */
+    uint64_t global_sum, momentum_sum, accum_sum;
+    uint64_t out_global_sum, out_momentum_sum, out_accum_sum;   /* the outputs', after outer_finish returned 0 */
     int sum_every_input;        /* also the inputs nobody gave a checksum for (tests, benchmarks) */
-    uint64_t *in_sums;          /* [ndeltas + 2]: what the pass read (the deltas, the global, the momentum) */
-    unsigned char *summing;     /* [ndeltas + 2]: the inputs whose checksum the pass computes */
+    uint64_t *in_sums;          /* [ndeltas + 3]: what the pass read (the deltas, the global, the momentum, the
+                                   accumulator) */
+    unsigned char *summing;     /* [ndeltas + 3]: the inputs whose checksum the pass computes */
 } outer_pass;
 
 /* Input numbers for outer_input_changed beside the deltas' 0 .. ndeltas - 1. */
 #define OUTER_INPUT_GLOBAL(p) ((p)->ndeltas)
 #define OUTER_INPUT_MOMENTUM(p) ((p)->ndeltas + 1)
+#define OUTER_INPUT_ACCUM(p) ((p)->ndeltas + 2)
+#define OUTER_NINPUTS(p) ((p)->ndeltas + 3)
 
 /* Opens inputs, checks that every delta matches the global's floating keys and shapes, plans the
  * work items and opens the writers (reserving the output space: a full disk fails here).  Whatever

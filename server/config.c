@@ -21,7 +21,7 @@
 
 /* T_STR must not be empty; T_OPTSTR may be unset, and an empty value unsets it (a flag can so
  * cancel a file's path: --token-file '') */
-typedef enum opt_type { T_STR, T_OPTSTR, T_UINT, T_DOUBLE, T_OPTIMIZER, T_NODES, T_LOGLEVEL, T_LOGFORMAT, T_SIZE } opt_type;
+typedef enum opt_type { T_STR, T_OPTSTR, T_UINT, T_DOUBLE, T_OPTIMIZER, T_NODES, T_LOGLEVEL, T_LOGFORMAT, T_SIZE, T_MODE, T_WEIGHT, T_BOUND } opt_type;
 
 typedef struct opt {
     const char *key;            /* file key; the flag is "--" + key with '_' -> '-' */
@@ -50,6 +50,14 @@ static const opt options[] = {
     {"log_format", T_LOGFORMAT, OFF(log_json), 0, 0, "FMT      text | json"},
     {"agg_memory_mib", T_UINT, OFF(agg_memory_mib), 1, 65536, "MIB   aggregation buffer budget per thread"},
     {"retry_interval", T_DOUBLE, OFF(retry_interval), 0.01, 86400, "SECONDS  wait before retrying a failed commit or publish"},
+    {"mode", T_MODE, OFF(async), 0, 0, "sync|async       sync: rounds of expected_nodes; async: every delta is an update (Delayed Nesterov)"},
+    {"max_staleness", T_BOUND, OFF(max_staleness), 0, 1000000000, "S|none  async: refuse a delta more than S updates behind (409 stale)"},
+    {"staleness_weight", T_WEIGHT, OFF(staleness_weight), 0, 0, "constant|poly  async: a delta's weight, 1 or (1+tau)^-1/2"},
+    {"dn_period", T_UINT, OFF(dn_period), 0, 1000000, "N           async: a Nesterov step every N updates, plain steps between (0: expected_nodes, or 1)"},
+    {"grace_ms", T_DOUBLE, OFF(grace_ms), 0, 3600000, "MS           async: deltas within MS of the first pending one are averaged into one update"},
+    {"async_queue", T_UINT, OFF(async_queue), 0, 1000000, "N         async: deltas waiting at most (the open update and the queue), 503 beyond (0: 4 x expected_nodes, at least 16)"},
+    {"dylu_base_steps", T_UINT, OFF(dylu_base_steps), 0, 1000000000, "H     async: the fastest node's recommended local steps (0: its own steps per delta)"},
+    {"publish_interval", T_DOUBLE, OFF(publish_interval), -1, 86400, "SECONDS  publish at most this often, the newest step (-1: 30 for hf:// in async mode, else 0)"},
     {"listen", T_STR, OFF(listen), 0, 0, "HOST:PORT     HTTP API address (port 0: any free port); none disables it"},
     {"token_file", T_OPTSTR, OFF(token_file), 0, 0, "FILE      upload tokens, lines 'node_id token' ('*' = any node); without it uploads are loopback-only"},
     {"max_header_bytes", T_UINT, OFF(max_header_bytes), 256, 1 << 24, "N   HTTP request head size limit (431 beyond)"},
@@ -140,6 +148,11 @@ static size_t transport_of(const char *url)
 static opt_type plain_type(hub_opt_type t)
 {
     return t == HUB_OPT_STR ? T_STR : t == HUB_OPT_OPTSTR ? T_OPTSTR : T_UINT;
+}
+
+const char *config_weight_name(config_weight w)
+{
+    return w == WEIGHT_POLY ? "poly" : "constant";
 }
 
 const char *config_optimizer_name(config_optimizer o)
@@ -328,6 +341,26 @@ static int set_option(config *c, const opt *o, const char *v, const char *origin
         if (st_parse_size(v, (uint64_t *)field) != 0)
             return bad(origin, o->key, "'%s' is not a size (bytes, or a number with KB, MB, GB or TB)", v);
         return 0;
+    case T_MODE:
+        if (strcmp(v, "sync") == 0 || strcmp(v, "async") == 0)
+            *(int *)field = v[0] == 'a';
+        else
+            return bad(origin, o->key, "'%s' is not a mode (sync, async)", v);
+        return 0;
+    case T_WEIGHT:
+        if (strcmp(v, "constant") == 0)
+            *(config_weight *)field = WEIGHT_CONSTANT;
+        else if (strcmp(v, "poly") == 0)
+            *(config_weight *)field = WEIGHT_POLY;
+        else
+            return bad(origin, o->key, "'%s' is not a staleness weight (constant, poly)", v);
+        return 0;
+    case T_BOUND:
+        if (strcmp(v, "none") == 0) {
+            *(unsigned *)field = CONFIG_NO_STALENESS_BOUND;
+            return 0;
+        }
+        return set_plain(field, T_UINT, o->min, o->max, o->key, v, origin);
     case T_LOGFORMAT:
         if (strcmp(v, "text") == 0)
             *(int *)field = 0;
@@ -554,6 +587,8 @@ static int set_defaults(config *c)
     c->agg_memory_mib = 16;
     c->warm_outputs = 1;
     c->retry_interval = 5.0;
+    c->max_staleness = CONFIG_NO_STALENESS_BOUND;
+    c->publish_interval = -1;
     c->max_header_bytes = 16384;
     c->max_headers = 100;
     c->max_delta_header_mib = 16;
@@ -743,7 +778,16 @@ static int validate(config *c)
                        c->nnodes);
         c->expected_nodes = (unsigned)c->nnodes;
     }
-    if (c->expected_nodes == 0 && c->round_timeout == 0)
+    if (c->async) {
+        /* an update closes by its grace window: round_timeout and min_nodes do not apply */
+        if (c->dn_period == 0)
+            c->dn_period = c->expected_nodes ? c->expected_nodes : 1;
+        if (c->async_queue == 0)
+            c->async_queue = c->expected_nodes * 4 > 16 ? c->expected_nodes * 4 : 16;
+    }
+    if (c->publish_interval < 0)
+        c->publish_interval = c->async && strncmp(c->hub, "hf://", 5) == 0 ? 30 : 0;
+    if (!c->async && c->expected_nodes == 0 && c->round_timeout == 0)
         return bad_opt(c, "expected_nodes", "rounds would never close: give --expected-nodes/--nodes or --round-timeout");
     if (c->expected_nodes != 0 && c->min_nodes > c->expected_nodes)
         return bad_opt(c, "min_nodes", "%u is more than the %u expected nodes", c->min_nodes, c->expected_nodes);
@@ -968,6 +1012,15 @@ void config_print(const config *c, FILE *out)
     fprintf(out, "log_level = %s\nlog_format = %s\nagg_memory_mib = %u\n", dl_log_level_name(c->log_level),
             c->log_json ? "json" : "text", c->agg_memory_mib);
     print_double(out, "retry_interval", c->retry_interval);
+    fprintf(out, "mode = %s\n", c->async ? "async" : "sync");
+    if (c->max_staleness == CONFIG_NO_STALENESS_BOUND)
+        fprintf(out, "max_staleness = none\n");
+    else
+        fprintf(out, "max_staleness = %u\n", c->max_staleness);
+    fprintf(out, "staleness_weight = %s\ndn_period = %u\n", config_weight_name(c->staleness_weight), c->dn_period);
+    print_double(out, "grace_ms", c->grace_ms);
+    fprintf(out, "async_queue = %u\ndylu_base_steps = %u\n", c->async_queue, c->dylu_base_steps);
+    print_double(out, "publish_interval", c->publish_interval);
     print_str(out, "listen", c->listen, "");
     print_str(out, "token_file", c->token_file, " (uploads from loopback peers only)");
     fprintf(out, "max_header_bytes = %u\nmax_headers = %u\nmax_body_mib = %u\nmax_delta_header_mib = %u\n"

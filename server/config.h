@@ -4,6 +4,7 @@
 #define CONFIG_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 
 #include "delta.h"
@@ -12,6 +13,9 @@
 #define CONFIG_MAX_NODES 4096
 
 typedef enum config_optimizer { OPT_NESTEROV_SGD, OPT_SGD } config_optimizer;
+typedef enum config_weight { WEIGHT_CONSTANT, WEIGHT_POLY } config_weight;
+
+#define CONFIG_NO_STALENESS_BOUND UINT32_MAX      /* max_staleness = none */
 
 typedef struct config {
     char *config_file;
@@ -33,6 +37,15 @@ typedef struct config {
     int log_json;
     unsigned agg_memory_mib;    /* aggregation buffers per worker thread */
     double retry_interval;      /* seconds before retrying a failed commit or publish */
+    /* asynchronous outer steps (README "Asynchronous mode"); none of them changes sync mode */
+    int async;                  /* --mode async: every accepted delta (or grace batch) is one update */
+    unsigned max_staleness;     /* tau above it refused (CONFIG_NO_STALENESS_BOUND: none) */
+    config_weight staleness_weight;
+    unsigned dn_period;         /* Delayed Nesterov period N (0 in the file: expected_nodes, or 1) */
+    double grace_ms;            /* deltas within it of the first pending one make one update */
+    unsigned async_queue;       /* deltas pending at most (the open update and the queue); 503 beyond */
+    unsigned dylu_base_steps;   /* H_base of the recommendation; 0: the fastest node's own steps per delta */
+    double publish_interval;    /* seconds between publishes at least (< 0 unset: 30 s for hf:// async, else 0) */
     /* HTTP */
     char *listen;               /* "HOST:PORT" or "none" */
     char *listen_host;          /* parsed from listen */
@@ -70,6 +83,7 @@ int config_load(config *c, int argc, char **argv);
 void config_print(const config *c, FILE *out);
 void config_free(config *c);
 const char *config_optimizer_name(config_optimizer o);
+const char *config_weight_name(config_weight w);
 /* --hub's transport's options struct, for its open() (hub_config.options); NULL when none. */
 const void *config_hub_options(const config *c);
 /* 1 with *value (NULL: unset) when --hub's transport has a text option key, else 0. */

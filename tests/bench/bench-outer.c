@@ -78,7 +78,7 @@ int main(int argc, char **argv)
     p.ndeltas = (size_t)(argc - 4);
     p.out_global_path = out;
     p.out_momentum_path = mom;
-    p.params = (outer_params){1, 0.7f, 0.9f};
+    p.params = (outer_params){.nesterov = 1, .lr = 0.7f, .momentum = 0.9f};
     p.momentum_path = getenv("MOMENTUM");
     p.defer_sync = getenv("DEFER") != NULL && strcmp(getenv("DEFER"), "0") != 0;
     outer_force_portable = getenv("PORTABLE") != NULL && atoi(getenv("PORTABLE")) != 0;

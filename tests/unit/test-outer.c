@@ -112,7 +112,9 @@ static float t_sgd(outer_params pr, float w, float g, float *buf, int have_buf, 
     return fmaf(-pr.lr, d, w);                                          /* param.add_(d, alpha=-lr) */
 }
 
-static const outer_params NESTEROV = {1, 0.7f, 0.9f}, HEAVY_BALL = {0, 0.7f, 0.9f}, PLAIN = {0, 0.7f, 0.0f};
+static const outer_params NESTEROV = {.nesterov = 1, .lr = 0.7f, .momentum = 0.9f},
+                          HEAVY_BALL = {.nesterov = 0, .lr = 0.7f, .momentum = 0.9f},
+                          PLAIN = {.nesterov = 0, .lr = 0.7f, .momentum = 0.0f};
 
 typedef struct run_cfg {
     size_t budget;
