@@ -241,8 +241,7 @@ static int prepare(outer_pass *p, dl_error *err)
     /* synchronous: a momentum file whenever there is momentum; Delayed Nesterov: the caller says (none
      * before the first Nesterov step) */
     p->write_momentum = p->params.momentum != 0.0f && (p->params.dn_period == 0 || p->out_momentum_path != NULL);
-    if (p->params.dn_period != 0 && (p->params.dn_k >= p->params.dn_period ||
-                                     (!OUTER_DN_TICK(&p->params) && p->out_accum_path == NULL)))
+    if (p->params.dn_period != 0 && !OUTER_DN_TICK(&p->params) && p->out_accum_path == NULL)
         return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "Delayed Nesterov: update %u of %u has no accumulator",
                        p->params.dn_k + 1, p->params.dn_period);
     if ((rc = st_open(p->global_path, &p->global, err)) != 0)
@@ -638,14 +637,32 @@ KERNEL_CLONES static void step_sub(const outer_pass *p, const float *const *dk, 
         mean_block(p, dk, j0, g + j0, m - j0 < STAT_BLOCK ? m - j0 : STAT_BLOCK, b);
     if (p->params.dn_period != 0) {
         /* Delayed Nesterov (outer.h): a plain step between Nesterov steps, the momentum carried over */
-        if (!OUTER_DN_TICK(&p->params)) {
-            dn_accumulate(io->acc, io->acc_in, g, p->params.dn_weight, m);
-            sgd_axpy(io->param, io->param_in, g, p->params.dn_plain_alpha, m);
+        const outer_params *pp = &p->params;
+        if (!OUTER_DN_TICK(pp)) {
+            dn_accumulate(io->acc, io->acc_in, g, pp->dn_weight, m);
+            sgd_axpy(io->param, io->param_in, g, pp->dn_plain_alpha, m);
+            if (pp->dn_paper && pp->dn_c_alpha != 0.0f && have_buf && mu != 0.0f)
+                sgd_axpy(io->param, io->param, buf_in, pp->dn_c_alpha, m);
             if (p->write_momentum && have_buf && buf != buf_in)
                 memcpy(buf, buf_in, m * sizeof(float));
             return;
         }
-        dn_grad(g, io->acc_in, p->params.dn_weight, (float)p->params.dn_period, m);
+        if (pp->dn_paper) {
+            /* the direct step on this update's g first (g becomes a / N below) */
+            sgd_axpy(io->param, io->param_in, g, pp->dn_plain_alpha, m);
+            dn_grad(g, io->acc_in, pp->dn_weight, (float)pp->dn_period, m);
+            if (mu == 0.0f)
+                return;
+            if (have_buf) {
+                for (size_t j = 0; j < m; j++)
+                    buf[j] = mu * buf_in[j] + g[j];         /* mul_ then add_: not fused */
+            } else {
+                memcpy(buf, g, m * sizeof(float));
+            }
+            sgd_axpy(io->param, io->param, buf, pp->dn_m_alpha, m);
+            return;
+        }
+        dn_grad(g, io->acc_in, pp->dn_weight, (float)pp->dn_period, m);
     }
     /* torch.optim.SGD, as described above the sgd_* loops */
     if (mu == 0.0f) {

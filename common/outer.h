@@ -27,14 +27,23 @@ typedef struct outer_params {
     float lr;
     float momentum;             /* 0: plain SGD, no momentum buffers */
     /* Delayed Nesterov (async mode, README "Asynchronous mode"); dn_period 0: the synchronous step.
-     * With g the mean of the deltas, per update:
+     * With g the mean of the deltas, per update (every alpha rounded once from double to F32, as torch
+     * rounds a Scalar):
+     *   "forgather" (dn_paper 0):
      *     a = fma(w, g, a)                          a.add_(g, alpha=w)   (a: the accumulator, 0 if none)
      *     k + 1 < N:  p = fma(plain_alpha, g, p)    p.add_(g, alpha=-lr*w), the momentum unchanged
-     *     else:       grad = a / N, the SGD step above on grad, a = 0 */
+     *     else:       grad = a / N, the SGD step above on grad, a = 0
+     *   "paper" (dn_paper 1, Liu et al. Algorithm 3 with momentum activation c):
+     *     a = fma(w, g, a);  p = fma(plain_alpha, g, p)            p.add_(g, alpha=-lr*w/N)
+     *     k + 1 < N:  p = fma(c_alpha, m, p) when c > 0 and m exists   p.add_(m, alpha=-lr*c*mu)
+     *     else:       m = mu*m + a/N (m = a/N the first time);  p = fma(m_alpha, m, p);  a = 0
+     *                                                              p.add_(m, alpha=-lr*(1-c*N+c)*mu) */
     unsigned dn_period;         /* N */
-    unsigned dn_k;              /* updates since the last Nesterov step, before this one (< N) */
+    unsigned dn_k;              /* updates since the last Nesterov step, before this one */
     float dn_weight;            /* w */
-    float dn_plain_alpha;       /* (float)(-lr * w), rounded once from double as torch rounds a Scalar */
+    float dn_plain_alpha;       /* forgather: -lr*w; paper: -lr*w/N */
+    int dn_paper;
+    float dn_c_alpha, dn_m_alpha;       /* paper: -lr*c*mu, -lr*(1-c*N+c)*mu */
 } outer_params;
 
 /* Whether this update is a Nesterov step (dn_period 0: every step is). */

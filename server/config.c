@@ -21,7 +21,7 @@
 
 /* T_STR must not be empty; T_OPTSTR may be unset, and an empty value unsets it (a flag can so
  * cancel a file's path: --token-file '') */
-typedef enum opt_type { T_STR, T_OPTSTR, T_UINT, T_DOUBLE, T_OPTIMIZER, T_NODES, T_LOGLEVEL, T_LOGFORMAT, T_SIZE, T_MODE, T_WEIGHT, T_BOUND } opt_type;
+typedef enum opt_type { T_STR, T_OPTSTR, T_UINT, T_DOUBLE, T_OPTIMIZER, T_NODES, T_LOGLEVEL, T_LOGFORMAT, T_SIZE, T_MODE, T_WEIGHT, T_BOUND, T_VARIANT } opt_type;
 
 typedef struct opt {
     const char *key;            /* file key; the flag is "--" + key with '_' -> '-' */
@@ -54,6 +54,8 @@ static const opt options[] = {
     {"max_staleness", T_BOUND, OFF(max_staleness), 0, 1000000000, "S|none  async: refuse a delta more than S updates behind (409 stale)"},
     {"staleness_weight", T_WEIGHT, OFF(staleness_weight), 0, 0, "constant|poly  async: a delta's weight, 1 or (1+tau)^-1/2"},
     {"dn_period", T_UINT, OFF(dn_period), 0, 1000000, "N           async: a Nesterov step every N updates, plain steps between (0: expected_nodes, or 1)"},
+    {"dn_variant", T_VARIANT, OFF(dn_paper), 0, 0, "NAME       async: forgather (a plain step of -lr*w*g between Nesterov steps on a/N) | paper (Liu et al. Algorithm 3)"},
+    {"dn_momentum_activation", T_DOUBLE, OFF(dn_c), 0, 1, "C  async, dn_variant paper: the share c of the momentum applied at each plain step, 0 <= C <= 1/N"},
     {"grace_ms", T_DOUBLE, OFF(grace_ms), 0, 3600000, "MS           async: deltas within MS of the first pending one are averaged into one update"},
     {"async_queue", T_UINT, OFF(async_queue), 0, 1000000, "N         async: deltas waiting at most (the open update and the queue), 503 beyond (0: 4 x expected_nodes, at least 16)"},
     {"dylu_base_steps", T_UINT, OFF(dylu_base_steps), 0, 1000000000, "H     async: the fastest node's recommended local steps (0: its own steps per delta)"},
@@ -354,6 +356,12 @@ static int set_option(config *c, const opt *o, const char *v, const char *origin
             *(config_weight *)field = WEIGHT_POLY;
         else
             return bad(origin, o->key, "'%s' is not a staleness weight (constant, poly)", v);
+        return 0;
+    case T_VARIANT:
+        if (strcmp(v, "forgather") == 0 || strcmp(v, "paper") == 0)
+            *(int *)field = v[0] == 'p';
+        else
+            return bad(origin, o->key, "'%s' is not a Delayed Nesterov variant (forgather, paper)", v);
         return 0;
     case T_BOUND:
         if (strcmp(v, "none") == 0) {
@@ -784,6 +792,10 @@ static int validate(config *c)
             c->dn_period = c->expected_nodes ? c->expected_nodes : 1;
         if (c->async_queue == 0)
             c->async_queue = c->expected_nodes * 4 > 16 ? c->expected_nodes * 4 : 16;
+        if (c->dn_c > 1.0 / c->dn_period)
+            return bad_opt(c, "dn_momentum_activation", "%g is above 1/N = 1/%u (dn_period)", c->dn_c, c->dn_period);
+        if (c->dn_c != 0 && !c->dn_paper)
+            return bad_opt(c, "dn_momentum_activation", "applies to dn_variant paper only");
     }
     if (c->publish_interval < 0)
         c->publish_interval = c->async && strncmp(c->hub, "hf://", 5) == 0 ? 30 : 0;
@@ -1017,7 +1029,9 @@ void config_print(const config *c, FILE *out)
         fprintf(out, "max_staleness = none\n");
     else
         fprintf(out, "max_staleness = %u\n", c->max_staleness);
-    fprintf(out, "staleness_weight = %s\ndn_period = %u\n", config_weight_name(c->staleness_weight), c->dn_period);
+    fprintf(out, "staleness_weight = %s\ndn_period = %u\ndn_variant = %s\n", config_weight_name(c->staleness_weight),
+            c->dn_period, c->dn_paper ? "paper" : "forgather");
+    print_double(out, "dn_momentum_activation", c->dn_c);
     print_double(out, "grace_ms", c->grace_ms);
     fprintf(out, "async_queue = %u\ndylu_base_steps = %u\n", c->async_queue, c->dylu_base_steps);
     print_double(out, "publish_interval", c->publish_interval);

@@ -42,6 +42,8 @@ typedef struct config {
     unsigned max_staleness;     /* tau above it refused (CONFIG_NO_STALENESS_BOUND: none) */
     config_weight staleness_weight;
     unsigned dn_period;         /* Delayed Nesterov period N (0 in the file: expected_nodes, or 1) */
+    int dn_paper;               /* --dn-variant paper (Liu et al.'s Algorithm 3), else forgather */
+    double dn_c;                /* the paper variant's momentum activation c, in [0, 1/N] */
     double grace_ms;            /* deltas within it of the first pending one make one update */
     unsigned async_queue;       /* deltas pending at most (the open update and the queue); 503 beyond */
     unsigned dylu_base_steps;   /* H_base of the recommendation; 0: the fastest node's own steps per delta */

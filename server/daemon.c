@@ -295,6 +295,7 @@ static int startup(dilocod *d, dl_error *err)
         return rc;
     if ((rc = daemon__recover_redo(d, err)) != 0)
         return rc;
+    d->st.async_cache = d->cfg->async;  /* async: every cached delta is one acknowledged, offered again */
     if (d->st.committed && (rc = store_cleanup(&d->st, 1, err)) != 0)
         return rc;
     if (d->st.committed) {      /* found (or recovered) durable, and the files before it are gone */

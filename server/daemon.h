@@ -95,6 +95,9 @@ stats *daemon_stats(dilocod *d);
 round_verdict daemon__offer(dilocod *d, const delta_info *info, char *cache_path, uint64_t size);
 /* What round_offer would answer for a delta of info now (without offering it). */
 round_verdict daemon__peek(dilocod *d, const delta_info *info);
+/* Async mode: the local steps recommended to node_id (Dynamic Local Updates); 0 when none (sync mode, or
+ * nothing measured and no --dylu-base-steps). */
+uint64_t daemon__async_recommended(const dilocod *d, const char *node_id);
 /* Counts and logs a rejected delta. */
 void daemon__rejected(dilocod *d, const char *what, const dl_error *err);
 

@@ -27,9 +27,10 @@
 #include "util.h"
 
 /* What the closing round commits: the same on the pool (which writes it) and on the loop (which
- * records it in d->st once it is durable). */
-static store_commit_info round_commit_info(const dilocod *d)
+ * records it in d->st once it is durable).  after: where the update's phase after it goes (async). */
+static store_commit_info round_commit_info(const dilocod *d, store_dn *after)
 {
+    *after = daemon__async_after(&d->agg.dn);
     store_commit_info info = {
         .step = d->rnd.step + 1,
         .global_path = d->agg.pass->out_global_path,
@@ -42,6 +43,9 @@ static store_commit_info round_commit_info(const dilocod *d)
         .round_json = d->pending_round,
         .global_sum = &d->agg.pass->out_global_sum,
         .momentum_sum = d->agg.pass->out_momentum_path != NULL ? &d->agg.pass->out_momentum_sum : NULL,
+        .accum_path = d->agg.pass->out_accum_path,
+        .accum_sum = d->agg.pass->out_accum_path != NULL ? &d->agg.pass->out_accum_sum : NULL,
+        .dn = d->agg.dn.on ? after : NULL,
     };
     return info;
 }
@@ -78,6 +82,7 @@ static commit_args *commit_args_new(dilocod *d)
     a->redo.base = d->rnd.step;
     a->redo.lr = d->cfg->lr;
     a->redo.momentum = d->cfg->momentum;
+    a->redo.dn = d->agg.dn;
     a->redo.ndeltas = n;
     a->redo.deltas = calloc(n ? n : 1, sizeof(char *));
     a->redo.guarded = calloc(n ? n : 1, 1);
@@ -118,8 +123,11 @@ static void commit_work(job *j)
 
 typedef struct settle_args {
     uint64_t step;
-    uint64_t global_sum, momentum_sum;  /* the outputs' checksums, as the pass computed them */
-    char *global_path, *momentum_path, *round_json;
+    uint64_t global_sum, momentum_sum, accum_sum;       /* the outputs' checksums, as the pass computed them */
+    char *global_path, *momentum_path, *accum_path, *round_json;
+    store_dn dn;                /* async: the phase after the step (dn.on 0: sync) */
+    char **consumed;            /* async: the round's cached deltas, removed before the redo record goes */
+    size_t nconsumed;
     int history_failed;
     char *unappended;           /* earlier records not yet in rounds.jsonl: carried in from the loop, and
                                    what is still not appended carried back (settle_done) */
@@ -131,8 +139,10 @@ void daemon__settle_free(settle_args *a)
 {
     if (a != NULL) {
         daemon__free_rels(a->rels, a->nrels);
+        daemon__free_rels(a->consumed, a->nconsumed);
         free(a->global_path);
         free(a->momentum_path);
+        free(a->accum_path);
         free(a->round_json);
         free(a->unappended);
         free(a);
@@ -154,6 +164,9 @@ static void settle_work(job *j)
         .round_json = a->round_json,
         .global_sum = &a->global_sum,
         .momentum_sum = a->momentum_path != NULL ? &a->momentum_sum : NULL,
+        .accum_path = a->accum_path,
+        .accum_sum = a->accum_path != NULL ? &a->accum_sum : NULL,
+        .dn = a->dn.on ? &a->dn : NULL,
     };
     dl_error herr;
 
@@ -163,6 +176,9 @@ static void settle_work(job *j)
         return;
     if (a->momentum_path != NULL && ((j->rc = fsu_fsync_path(a->momentum_path, &j->err)) != 0 ||
                                      (j->rc = fsu_fsync_parent(a->momentum_path, &j->err)) != 0))
+        return;
+    if (a->accum_path != NULL && ((j->rc = fsu_fsync_path(a->accum_path, &j->err)) != 0 ||
+                                  (j->rc = fsu_fsync_parent(a->accum_path, &j->err)) != 0))
         return;
     /* 2. outer_metadata.json names the step: from here the redo record is not needed */
     if ((j->rc = store_commit_write(&d->st, &info, &j->err)) != 0)
@@ -187,7 +203,10 @@ static void settle_work(job *j)
             a->history_failed = 1;
         }
     }
-    /* 4. the redo record goes (a kill before: the restart finds it older than the committed step) */
+    /* 4. async: the round's deltas are consumed (the redo record says so until they are gone) */
+    if (a->nconsumed > 0 && (j->rc = store_remove_consumed(a->consumed, a->nconsumed, &j->err)) != 0)
+        return;
+    /* 5. the redo record goes (a kill before: the restart finds it older than the committed step) */
     j->rc = store_redo_remove(&d->st, &j->err);
 }
 
@@ -283,6 +302,28 @@ static void start_settle(dilocod *d, uint64_t step)
     a->step = step;
     a->global_sum = d->agg.pass->out_global_sum;
     a->momentum_sum = d->agg.pass->out_momentum_sum;
+    a->accum_sum = d->agg.pass->out_accum_sum;
+    if (d->agg.dn.on) {
+        a->dn = daemon__async_after(&d->agg.dn);
+        if ((d->agg.pass->out_accum_path != NULL && (a->accum_path = strdup(d->agg.pass->out_accum_path)) == NULL) ||
+            (a->consumed = calloc(d->agg.n ? d->agg.n : 1, sizeof(char *))) == NULL) {
+            daemon__settle_free(a);
+            dl_log(DL_LOG_ERROR, "store", "out of memory settling the commit; restarting is safe", "step=%" PRIu64, step);
+            d->exit_code = 1;
+            raise(SIGTERM);
+            return;
+        }
+        for (; a->nconsumed < d->agg.n; a->nconsumed++)
+            if ((a->consumed[a->nconsumed] = strdup(d->agg.paths[a->nconsumed])) == NULL)
+                break;
+        if (a->nconsumed < d->agg.n) {  /* one left behind would be taken again after a restart */
+            daemon__settle_free(a);
+            dl_log(DL_LOG_ERROR, "store", "out of memory settling the commit; restarting is safe", "step=%" PRIu64, step);
+            d->exit_code = 1;
+            raise(SIGTERM);
+            return;
+        }
+    }
     a->rels = d->round_rels;
     a->nrels = d->nround_rels;
     d->round_rels = NULL;
@@ -340,6 +381,14 @@ int daemon__prepare_round_record(dilocod *d, double seconds)
     if (d->agg.n > 0)
         memcpy(r->nodes, d->agg.nodes, d->agg.n * sizeof(*r->nodes));
     r->n = d->agg.n;
+    if (d->agg.dn.on) {
+        store_dn after = daemon__async_after(&d->agg.dn);
+        r->async = 1;
+        r->weight = d->agg.dn.weight;
+        r->dn_k = after.k;
+        r->dn_period = d->agg.dn.period;
+        r->dn_tick = d->agg.dn.k + 1 >= d->agg.dn.period;
+    }
     history_record_json(&b, r);
     sb_add(&b, "\n", 1);
     free(d->pending_round);
@@ -388,6 +437,7 @@ void daemon__schedule_cleanup(dilocod *d)
         return;
     snap->committed = 1;
     snap->step = d->st.step;
+    snap->async_cache = d->cfg->async;
     if ((snap->dir = strdup(d->st.dir)) == NULL || (snap->global_path = strdup(d->st.global_path)) == NULL ||
         (d->st.momentum_path != NULL && (snap->momentum_path = strdup(d->st.momentum_path)) == NULL) ||
         pipeline_start(&d->pipe, snap->step, STEP_ACT_CLEANUP) != 0) {
@@ -428,7 +478,8 @@ static void commit_done(job *j)
         return;
     }
     uv_timer_stop(&d->progress_timer);
-    store_commit_info info = round_commit_info(d);
+    store_dn after;
+    store_commit_info info = round_commit_info(d, &after);
     if (store_commit_apply(&d->st, &info) != 0) {
         /* durable on disk, unknown in memory: a restart reads it back; stop rather than serve a lie */
         dl_log(DL_LOG_ERROR, "store", "out of memory recording the commit; restarting is safe", "step=%" PRIu64,
@@ -439,6 +490,7 @@ static void commit_done(job *j)
     pipeline_move(&d->pipe, d->st.step, STEP_COMMITTED);
     log_round_stats(d);
     record_round(d);
+    daemon__async_committed(d, &d->agg.dn);
     daemon__serve_step(d, fd, d->st.step);
     pipeline_move(&d->pipe, d->st.step, STEP_SERVED);
     daemon__ensure_set(d);
@@ -461,6 +513,10 @@ static void commit_done(job *j)
     if (!pipeline_any_busy(&d->pipe, STEP_ACT_PUBLISH))
         daemon__release_settle(d);      /* nothing to wait for */
     daemon__dispatch_intake(d);
+    if (d->rnd.n > 0) {                 /* async: the deltas queued during the pass make the next update */
+        daemon__arm_round_timer(d);
+        daemon__maybe_close_round(d);
+    }
 }
 
 /* The commit of a finished pass (its step in computing, the pass done) waits for the previous step
@@ -515,8 +571,17 @@ int daemon__recover_redo(dilocod *d, dl_error *err)
     if ((rc = store_redo_read(&d->st, &r, &present, err)) != 0 || !present)
         return rc;
     if (d->st.committed && r.step <= d->st.step) {
+        /* its step is durable; async: its deltas are consumed, and go before the record that says so */
+        rc = r.dn.on ? store_remove_consumed(r.deltas, r.ndeltas, err) : 0;
         store_redo_free(&r);
-        return store_redo_remove(&d->st, err);
+        return rc != 0 ? rc : store_redo_remove(&d->st, err);
+    }
+    if (r.dn.on && d->st.committed && r.dn.k != (d->st.dn.on ? d->st.dn.k : 0)) {
+        rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
+                     "redo.json in %s continues Delayed Nesterov phase %u, but the committed step %" PRIu64 " is at %u",
+                     d->st.dir, r.dn.k, d->st.step, d->st.dn.on ? d->st.dn.k : 0);
+        store_redo_free(&r);
+        return rc;
     }
     if (!d->st.committed || r.base != d->st.step) {
         rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
@@ -547,7 +612,7 @@ int daemon__recover_redo(dilocod *d, dl_error *err)
     }
     dl_log(DL_LOG_WARN, "store", "recovering a committed step whose files were not durable",
            "step=%" PRIu64 " nodes=%zu", r.step, r.ndeltas);
-    if ((rc = daemon__setup_pass(d, &p, r.step, r.optimizer, r.lr, r.momentum, meta, step_text,
+    if ((rc = daemon__setup_pass(d, &p, r.step, r.optimizer, r.lr, r.momentum, &r.dn, meta, step_text,
                                  sizeof(step_text))) != 0) {
         rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
         goto out;
@@ -585,6 +650,7 @@ int daemon__recover_redo(dilocod *d, dl_error *err)
         goto out;
     }
     if (rc == 0) {
+        store_dn after = daemon__async_after(&r.dn);
         store_commit_info info = {
             .step = r.step,
             .global_path = p.out_global_path,
@@ -596,8 +662,14 @@ int daemon__recover_redo(dilocod *d, dl_error *err)
             .round_json = r.round_json,
             .global_sum = &p.out_global_sum,
             .momentum_sum = p.out_momentum_path != NULL ? &p.out_momentum_sum : NULL,
+            .accum_path = p.out_accum_path,
+            .accum_sum = p.out_accum_path != NULL ? &p.out_accum_sum : NULL,
+            .dn = r.dn.on ? &after : NULL,
         };
-        if ((rc = store_commit(&d->st, &info, err)) == 0 && (rc = store_redo_remove(&d->st, err)) == 0) {
+        /* outer_finish made the outputs durable (no defer_sync here) */
+        if ((rc = store_commit(&d->st, &info, err)) == 0 &&
+            (rc = r.dn.on ? store_remove_consumed(r.deltas, r.ndeltas, err) : 0) == 0 &&
+            (rc = store_redo_remove(&d->st, err)) == 0) {
             dl_log(DL_LOG_WARN, "store", "recovered", "step=%" PRIu64 " global=%s", r.step, d->st.global_path);
             /* it may have been published before its files were durable (file:// links them): the same
              * bytes go out again */
@@ -610,6 +682,7 @@ out:
     free(summed);
     free((void *)p.out_global_path);
     free((void *)p.out_momentum_path);
+    free((void *)p.out_accum_path);
     store_redo_free(&r);
     if (rc != 0)
         dl_log(DL_LOG_ERROR, "store", "cannot recompute the committed step from its redo record", "code=%s",

@@ -116,26 +116,36 @@ round_verdict daemon__peek(dilocod *d, const delta_info *info)
 /* daemon__offer, for a delta linked from a shared tree when guard is non-NULL: the version validated,
  * which the round checks again before and after its pass. */
 static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path, uint64_t size,
-                           const fsu_ident *guard)
+                           const fsu_ident *guard, int recovered)
 {
     char *replaced = NULL, qn[160];
-    round_verdict v = round_offer(&d->rnd, info, cache_path, size, daemon__now(d), &replaced);
+    double now = daemon__now(d);
+    round_verdict v = round_offer(&d->rnd, info, cache_path, size, now, recovered, &replaced);
     int first = d->rnd.n == 1 && v == ROUND_ACCEPTED;
 
-    if ((v == ROUND_ACCEPTED || v == ROUND_REPLACED) && guard != NULL)
-        round_guard(&d->rnd, info->node_id, guard);
-    if (v == ROUND_ACCEPTED || v == ROUND_REPLACED) {
-        dl_log(DL_LOG_INFO, "round", v == ROUND_ACCEPTED ? "delta accepted" : "delta replaced",
-               "step=%" PRIu64 " node=%s local_step=%" PRIu64 " bytes=%" PRIu64 " nodes=%zu expected=%u",
-               d->rnd.step, dl_log_q(qn, sizeof(qn), info->node_id), info->local_step, size, d->rnd.n,
-               d->cfg->expected_nodes);
+    if (round_verdict_taken(v) && guard != NULL)
+        round_guard(&d->rnd, info, guard);
+    if (round_verdict_taken(v)) {
+        if (d->rnd.async)
+            dl_log(DL_LOG_INFO, "round", v == ROUND_QUEUED ? "delta queued for the next update" : "delta accepted",
+                   "step=%" PRIu64 " node=%s local_step=%" PRIu64 " base_outer_step=%" PRIu64 " tau=%" PRIu64
+                   " bytes=%" PRIu64 " pending=%zu",
+                   d->rnd.step, dl_log_q(qn, sizeof(qn), info->node_id), info->local_step, info->base_outer_step,
+                   d->rnd.step - info->base_outer_step, size, round_pending(&d->rnd));
+        else
+            dl_log(DL_LOG_INFO, "round", v == ROUND_ACCEPTED ? "delta accepted" : "delta replaced",
+                   "step=%" PRIu64 " node=%s local_step=%" PRIu64 " bytes=%" PRIu64 " nodes=%zu expected=%u",
+                   d->rnd.step, dl_log_q(qn, sizeof(qn), info->node_id), info->local_step, size, d->rnd.n,
+                   d->cfg->expected_nodes);
         stats_delta_taken(&d->m, v);
+        if (d->rnd.async)
+            daemon__async_accepted(d, info, d->rnd.step - info->base_outer_step, now);
         if (replaced != NULL) {
             daemon__discard_local(d, replaced, 0);
             free(replaced);
         }
-        if (first && d->rnd.timeout > 0)
-            daemon__arm_round_timer(d);
+        if (first)
+            daemon__arm_round_timer(d);     /* the timeout (sync) or the grace window (async), if any */
         daemon__maybe_close_round(d);
         return v;
     }
@@ -150,7 +160,7 @@ static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path,
 
 round_verdict daemon__offer(dilocod *d, const delta_info *info, char *cache_path, uint64_t size)
 {
-    return offer(d, info, cache_path, size, NULL);
+    return offer(d, info, cache_path, size, NULL, 0);
 }
 
 /* A shared tree's file answered DUPLICATE while the round holds a guarded link to it whose version
@@ -166,7 +176,7 @@ static int rewritten_in_round(dilocod *d, intake_req *r, int *retry)
     *retry = 0;
     if (r->status != INTAKE_DUPLICATE || r->hub_root == NULL || d->stopping)
         return 0;
-    if ((e = round_find(&d->rnd, r->info.node_id)) == NULL) {
+    if ((e = round_find(&d->rnd, &r->info)) == NULL) {
         /* the cached copy it met is on its way out (a rewritten entry dropped while this ran) or in
          * (a restart's cached delta not offered yet): the transport hands it over again later */
         *retry = 1;
@@ -180,7 +190,7 @@ static int rewritten_in_round(dilocod *d, intake_req *r, int *retry)
     }
     dl_log(DL_LOG_WARN, "round", "delta rewritten in place after it was taken in: dropped, it is taken in again",
            "step=%" PRIu64 " local_step=%" PRIu64, d->rnd.step, e->local_step);
-    round_drop(&d->rnd, r->info.node_id, &path);
+    round_drop_at(&d->rnd, (size_t)(e - d->rnd.entries), &path);
     (void)unlink(path);         /* our link only (the tree keeps its own name): no data is freed here */
     free(path);
     d->m.deltas_rewritten++;
@@ -281,15 +291,22 @@ static void intake_done(job *j)
                r->link_errno == EXDEV ? "put --state-root on the shared tree's filesystem for zero-copy intake"
                                       : "links to the tree's files are refused (protected_hardlinks: run as the files' owner)");
     }
-    /* a transport's file: it learns the outcome (and says whether a short file is short for good) */
-    final = r->rel_path != NULL && d->hub != NULL ? hub_mark_done(d->hub, r->rel_path, hub_outcome_of(r->status), &v) : 1;
+    /* when stopping, the cached copy stays: the restart offers it again.  A cached delta offered at a
+     * restart was taken before it (async: its staleness is not bounded again). */
+    round_verdict verdict = ROUND_ACCEPTED;
+    int offered = r->status == INTAKE_OK && !d->stopping;
+    if (offered) {
+        verdict = offer(d, &r->info, r->cache_path, r->size, r->linked ? &r->ident : NULL, r->in_cache);
+        r->cache_path = NULL;
+    }
+    /* a transport's file: it learns the outcome (and says whether a short file is short for good); one the
+     * async queue had no room for is handed over again later */
+    hub_outcome outcome = offered && verdict == ROUND_BUSY ? HUB_RETRY : hub_outcome_of(r->status);
+    final = r->rel_path != NULL && d->hub != NULL ? hub_mark_done(d->hub, r->rel_path, outcome, &v) : 1;
     switch (r->status) {
     case INTAKE_OK:
-        /* when stopping, the cached copy stays: the restart offers it again */
-        if (!d->stopping) {
-            round_verdict verdict = offer(d, &r->info, r->cache_path, r->size, r->linked ? &r->ident : NULL);
-            r->cache_path = NULL;
-            if (r->rel_path != NULL && (verdict == ROUND_ACCEPTED || verdict == ROUND_REPLACED))
+        if (offered) {
+            if (r->rel_path != NULL && round_verdict_taken(verdict))
                 remember_consumed(d, r->rel_path);      /* pruned once its step is durable */
             else if (r->rel_path != NULL && (verdict == ROUND_STALE || verdict == ROUND_NOT_NEWER))
                 daemon__prune_now(d, r->rel_path);              /* can never count: superseded or too old */
@@ -347,6 +364,9 @@ void daemon__dispatch_intake(dilocod *d)
         d->intake.n--;
         r->global = d->model;
         r->step = d->rnd.step;
+        /* sync: this step's deltas only; async: within the staleness bound, and any base for a delta the
+         * cache held at a restart (taken before it) */
+        r->max_staleness = !d->rnd.async ? 0 : r->in_cache ? UINT64_MAX : d->rnd.max_staleness;
         if (daemon__queue(d, intake_work, intake_done, r) != 0) {
             intake_req_free(r);
             continue;
@@ -380,9 +400,42 @@ void daemon__maybe_close_round(dilocod *d)
     daemon__start_aggregation(d);
 }
 
+static void requeue_cache_dir(dilocod *d, uint64_t step);
+
+/* Runs when collecting starts (startup, or right after adopting a global): the cached deltas are
+ * offered again.  Sync: the open round's; async: those of every base up to the committed step (each
+ * one there was taken and not consumed: a consumed one goes before its redo record). */
 static void requeue_cache(dilocod *d)
 {
-    char *dir = store_cache_dir(&d->st, d->st.step);
+    if (!d->rnd.async) {
+        requeue_cache_dir(d, d->st.step);
+        return;
+    }
+    char *top = store_path_cached_delta(d->st.dir, 0, "x", 0), *cut;
+    uv_fs_t req;
+    uv_dirent_t ent;
+
+    /* cache/deltas/s0/x/delta_0.safetensors -> cache/deltas */
+    if (top == NULL || (cut = strstr(top, "/s0/x/")) == NULL) {
+        free(top);
+        return;
+    }
+    *cut = '\0';
+    if (uv_fs_scandir(&d->loop, &req, top, 0, NULL) >= 0) {
+        while (uv_fs_scandir_next(&req, &ent) != UV_EOF) {
+            uint64_t base;
+            if (ent.name[0] == 's' && delta_parse_int(ent.name + 1, strlen(ent.name + 1), &base) == 0 &&
+                base <= d->st.step)
+                requeue_cache_dir(d, base);
+        }
+    }
+    uv_fs_req_cleanup(&req);
+    free(top);
+}
+
+static void requeue_cache_dir(dilocod *d, uint64_t step)
+{
+    char *dir = store_cache_dir(&d->st, step);
     uv_fs_t req;
     uv_dirent_t ent;
 
@@ -439,12 +492,17 @@ void daemon__round_open(dilocod *d)
 {
     round_init(&d->rnd, d->st.step, d->cfg->expected_nodes, d->cfg->nodes, d->cfg->nnodes, d->cfg->min_nodes,
                d->cfg->round_timeout);
+    if (d->cfg->async)
+        round_init_async(&d->rnd, d->cfg->max_staleness == CONFIG_NO_STALENESS_BOUND ? ROUND_NO_STALENESS_BOUND
+                                                                                      : d->cfg->max_staleness,
+                         d->cfg->staleness_weight == WEIGHT_POLY, d->cfg->grace_ms / 1000.0, d->cfg->async_queue);
     pipeline_begin(&d->pipe, d->st.step + 1, STEP_COLLECTING);
     model_facts(d);
     if (d->hub != NULL) {
         hub_limits lim = {
             .delta_index_bytes = st_index_cap_for(d->model),
             .delta_set_bytes = intake_set_budget(d->delta_bytes, (uint64_t)d->cfg->max_delta_header_mib << 20),
+            .max_staleness = d->rnd.async ? d->rnd.max_staleness : 0,
         };
         hub_set_limits(d->hub, &lim);
         hub_set_step(d->hub, d->st.step, 0);

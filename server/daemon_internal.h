@@ -53,6 +53,7 @@ typedef struct daemon_aggregation {
     uint64_t last_bytes;        /* progress: bytes and time at the last report */
     double last_time;
     char reason[16];            /* why the round closed */
+    store_dn dn;                /* async mode: the update's Delayed Nesterov parameters (dn.on 0: sync) */
 } daemon_aggregation;
 
 /* daemon_intake.c: what waits for an intake job (at most MAX_INTAKE_IN_FLIGHT run). */
@@ -97,6 +98,27 @@ typedef struct daemon_settle {
     char *unappended;           /* records committed but not yet in rounds.jsonl: lent to each settle job */
 } daemon_settle;
 
+/* daemon_async.c: asynchronous mode's nodes (speeds, recommendations) and counts. */
+#define ASYNC_NODES_MAX CONFIG_MAX_NODES
+#define ASYNC_TAU_BUCKETS 9
+typedef struct async_node {
+    char node_id[DELTA_NODE_ID_MAX + 1];
+    uint64_t last_local_step;
+    double last_at;             /* when its last delta was accepted (daemon__now); < 0: never */
+    uint64_t steps_per_delta;   /* local steps between its last two deltas (0: not measured) */
+    double speed;               /* local steps per second between them (0: not measured) */
+    uint64_t last_tau;
+    uint64_t deltas;
+} async_node;
+
+typedef struct daemon_async {
+    async_node *nodes;
+    size_t n, cap;
+    uint64_t tau_hist[ASYNC_TAU_BUCKETS];
+    double tau_sum;
+    uint64_t accepted, updates, nesterov_steps;
+} daemon_async;
+
 typedef struct dilocod {
     uv_loop_t loop;
     config *cfg;
@@ -116,6 +138,7 @@ typedef struct dilocod {
     daemon_intake_queue intake; /* daemon_intake.c */
 
     daemon_aggregation agg;     /* daemon_pass.c */
+    daemon_async async;         /* daemon_async.c */
     daemon_warm warm;           /* daemon_pass.c */
 
     /* publish */

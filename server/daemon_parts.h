@@ -31,6 +31,19 @@ struct settle_args;
 /* Registers every provider (the daemon's, then the uploads'), in /status's order.  0, or -ENOSPC. */
 int daemon__status_register(dilocod *d);
 
+/* ---- daemon_async.c: asynchronous mode ---- */
+
+/* A delta taken (accepted or queued) with staleness tau: its node's speed, the staleness histogram. */
+void daemon__async_accepted(dilocod *d, const delta_info *info, uint64_t tau, double now);
+/* The Delayed Nesterov parameters of the update the open round makes (dn->on 0 in sync mode). */
+void daemon__async_update(const dilocod *d, store_dn *dn);
+/* The phase a step is committed with after the update dn. */
+store_dn daemon__async_after(const store_dn *dn);
+/* An update committed: counted. */
+void daemon__async_committed(dilocod *d, const store_dn *dn);
+void daemon__async_free(dilocod *d);
+extern const daemon_provider daemon__async_provider;
+
 /* ---- daemon.c: wiring and lifecycle ---- */
 
 /* Logs a failure at error level: the component, what failed, and the dl_error's code, message and tensor. */
@@ -76,9 +89,10 @@ void daemon__start_aggregation(dilocod *d);
 void daemon__aggregation_failed(dilocod *d, const dl_error *err);
 /* Frees the pass and what it was given (its warmed files, the pending round record). */
 void daemon__pass_release(dilocod *d);
-/* Sets up the pass of new_step from the committed step's files (a round's, or a redo record's). */
+/* Sets up the pass of new_step from the committed step's files (a round's, or a redo record's); dn:
+ * async mode's update (dn->on 0: a synchronous step). */
 int daemon__setup_pass(dilocod *d, outer_pass *p, uint64_t new_step, const char *optimizer, double lr,
-                       double momentum, st_kv meta[2], char *step_text, size_t step_text_size);
+                       double momentum, const store_dn *dn, st_kv meta[2], char *step_text, size_t step_text_size);
 /* Before a pass (before_pass) and before its commit: reopens a round that lost a rewritten delta.  1 if so. */
 int daemon__reopen_if_rewritten(dilocod *d, int before_pass);
 /* Why a linked global's check (store_global_intact's rc) failed, for a message. */

@@ -49,6 +49,7 @@ void daemon__pass_release(dilocod *d)
         outer_free(d->agg.pass);
         free((void *)d->agg.pass->out_global_path);
         free((void *)d->agg.pass->out_momentum_path);
+        free((void *)d->agg.pass->out_accum_path);
         free(d->agg.pass);
         d->agg.pass = NULL;
     }
@@ -115,19 +116,19 @@ static void inputs_changed(dilocod *d, const dl_error *err)
         return;
     }
     daemon__log_error("aggregate", "a linked delta's content changed after it was validated", err);
-    for (size_t i = 0; i < d->agg.n && i < p->ndeltas; i++) {
+    /* the pass's deltas are the round's entries, in order: dropped from the last, the indices hold */
+    for (size_t i = d->agg.n < p->ndeltas ? d->agg.n : p->ndeltas; i-- > 0;) {
         char *path;
-        if (!outer_input_changed(p, i))
+        if (!outer_input_changed(p, i) || i >= d->rnd.n)
             continue;
         dl_log(DL_LOG_WARN, "round", "delta rewritten in place after it was taken in (checksum): dropped, it is "
                "taken in again", "step=%" PRIu64 " node=%s", d->rnd.step,
                dl_log_q(qn, sizeof(qn), d->agg.nodes[i].node_id));
-        if (round_drop(&d->rnd, d->agg.nodes[i].node_id, &path) == 0) {
-            daemon__discard_local(d, path, 0);
-            free(path);
-            d->m.deltas_rewritten++;
-            dropped++;
-        }
+        round_drop_at(&d->rnd, i, &path);
+        daemon__discard_local(d, path, 0);
+        free(path);
+        d->m.deltas_rewritten++;
+        dropped++;
     }
     if (dropped == 0) {
         daemon__aggregation_failed(d, err);
@@ -511,8 +512,34 @@ static void progress_cb(uv_timer_t *t)
 /* The pass of step new_step from the committed step's files: the same settings for a round and for
  * its recomputation at a restart (optimizer, lr and momentum from the redo record then), so both make
  * the same bytes.  meta and step_text must outlive the pass. */
+/* Delayed Nesterov's part of the pass (outer.h): the accumulator in and out, the momentum written only
+ * once it exists or at a Nesterov step, and the alphas rounded once from double as torch rounds them. */
+static int setup_dn(dilocod *d, outer_pass *p, uint64_t new_step, double lr, double momentum, const store_dn *dn)
+{
+    const int tick = dn->k + 1 >= dn->period;
+    const double n = (double)dn->period, w = dn->weight;
+
+    p->params.dn_period = dn->period;
+    p->params.dn_k = dn->k;
+    p->params.dn_weight = (float)w;
+    p->params.dn_paper = dn->paper;
+    p->params.dn_plain_alpha = (float)(dn->paper ? -lr * w / n : -lr * w);
+    p->params.dn_c_alpha = (float)(-lr * dn->c * momentum);
+    p->params.dn_m_alpha = (float)(-lr * (1.0 - dn->c * n + dn->c) * momentum);
+    /* the committed step's accumulator, when its phase is one this update continues */
+    p->accum_path = d->st.dn.on && d->st.dn.k > 0 ? d->st.accum_path : NULL;
+    p->accum_summed = p->accum_path != NULL && d->st.accum_summed;
+    p->accum_sum = d->st.accum_sum;
+    p->out_accum_path = tick ? NULL : store_accum_path(&d->st, new_step);
+    if (momentum != 0 && !tick && d->st.momentum_path == NULL) {
+        free((void *)p->out_momentum_path);     /* no momentum before the first Nesterov step */
+        p->out_momentum_path = NULL;
+    }
+    return !tick && p->out_accum_path == NULL ? -ENOMEM : 0;
+}
+
 int daemon__setup_pass(dilocod *d, outer_pass *p, uint64_t new_step, const char *optimizer, double lr,
-                      double momentum, st_kv meta[2], char *step_text, size_t step_text_size)
+                      double momentum, const store_dn *dn, st_kv meta[2], char *step_text, size_t step_text_size)
 {
     snprintf(step_text, step_text_size, "%" PRIu64, new_step);
     meta[0] = (st_kv){"optimizer", optimizer};
@@ -533,7 +560,9 @@ int daemon__setup_pass(dilocod *d, outer_pass *p, uint64_t new_step, const char 
     p->global_sum = d->st.global_sum;
     p->momentum_summed = d->st.momentum_summed;
     p->momentum_sum = d->st.momentum_sum;
-    return p->out_global_path == NULL || (momentum != 0 && p->out_momentum_path == NULL) ? -ENOMEM : 0;
+    if (p->out_global_path == NULL || (momentum != 0 && p->out_momentum_path == NULL))
+        return -ENOMEM;
+    return dn != NULL && dn->on ? setup_dn(d, p, new_step, lr, momentum, dn) : 0;
 }
 
 /* ---- the round's inputs: deltas linked from a shared tree, and their durability ------------------- */
@@ -557,7 +586,7 @@ static size_t drop_rewritten(dilocod *d, int before_pass)
         if (same == FSU_IDENT_CTIME_MOVED && before_pass && e->ident.has_sum && lstat(e->path, &sb) == 0) {
             fsu_ident now = e->ident;           /* the checksum validated stays what the pass verifies */
             fsu_ident_of(&sb, &now);
-            round_guard(&d->rnd, e->node_id, &now);
+            d->rnd.entries[i].ident = now;
             same = FSU_IDENT_SAME;
         }
         if (same == FSU_IDENT_SAME) {
@@ -568,7 +597,7 @@ static size_t drop_rewritten(dilocod *d, int before_pass)
         dl_log(DL_LOG_WARN, "round", "delta rewritten in place after it was taken in: dropped, it is taken in again",
                "step=%" PRIu64 " node=%s local_step=%" PRIu64, d->rnd.step, dl_log_q(qn, sizeof(qn), node),
                e->local_step);
-        round_drop(&d->rnd, node, &path);
+        round_drop_at(&d->rnd, i, &path);
         daemon__discard_local(d, path, 0);
         free(path);
         d->m.deltas_rewritten++;
@@ -746,12 +775,16 @@ void daemon__start_aggregation(dilocod *d)
         memcpy(d->agg.nodes[i].node_id, d->rnd.entries[i].node_id, sizeof(d->agg.nodes[i].node_id));
         d->agg.nodes[i].local_step = d->rnd.entries[i].local_step;
         d->agg.nodes[i].bytes = d->rnd.entries[i].size;
+        d->agg.nodes[i].base_outer_step = d->rnd.entries[i].base;
+        d->agg.nodes[i].tau = d->rnd.entries[i].tau;
+        d->agg.nodes[i].weight = d->rnd.entries[i].weight;
         /* a linked delta is its writer's file: the pass verifies the bytes intake validated */
         d->agg.summed[i] = d->rnd.entries[i].guarded && d->rnd.entries[i].ident.has_sum;
         d->agg.sums[i] = d->rnd.entries[i].ident.sum;
     }
+    daemon__async_update(d, &d->agg.dn);
     int rc = daemon__setup_pass(d, p, d->rnd.step + 1, config_optimizer_name(d->cfg->optimizer), d->cfg->lr,
-                        d->cfg->momentum, meta, step_text, sizeof(step_text));
+                        d->cfg->momentum, &d->agg.dn, meta, step_text, sizeof(step_text));
     p->delta_paths = (const char *const *)d->agg.paths;
     p->ndeltas = n;
     p->delta_sums = d->agg.sums;

@@ -298,7 +298,7 @@ static int verdict_message(dilocod *d, round_verdict v, const delta_info *info, 
                  daemon_round(d)->step);
         return 409;
     case ROUND_NOT_NEWER:
-        e = round_find(daemon_round(d), info->node_id);
+        e = round_find(daemon_round(d), info);
         snprintf(msg, size, "node %s already delivered local_step %" PRIu64 " or later in this round", info->node_id,
                  e != NULL ? e->local_step : info->local_step);
         return 409;

@@ -30,6 +30,14 @@ static void add_num(sbuf *b, double v)
     sb_str(b, tmp);
 }
 
+/* A weight: every digit, so that an oracle recomputes the update's alpha from the record bit for bit. */
+static void add_num17(sbuf *b, double v)
+{
+    char tmp[40];
+    snprintf(tmp, sizeof(tmp), "%.17g", isfinite(v) ? v : 0.0);
+    sb_str(b, tmp);
+}
+
 static void add_u64(sbuf *b, const char *key, uint64_t v)
 {
     sb_str(b, key);
@@ -74,9 +82,23 @@ void history_record_json(sbuf *b, const round_record *r)
         add_num(b, n->norm);
         sb_str(b, ",\"cosine\":");
         add_num(b, n->cosine);
+        if (r->async) {
+            add_u64(b, ",\"base_outer_step\":", n->base_outer_step);
+            add_u64(b, ",\"tau\":", n->tau);
+            sb_str(b, ",\"weight\":");
+            add_num17(b, n->weight);
+        }
         sb_str(b, "}");
     }
-    sb_str(b, "]}");
+    sb_str(b, "]");
+    if (r->async) {
+        sb_str(b, ",\"mode\":\"async\",\"weight\":");
+        add_num17(b, r->weight);
+        add_u64(b, ",\"dn_k\":", r->dn_k);
+        add_u64(b, ",\"dn_period\":", r->dn_period);
+        sb_str(b, r->dn_tick ? ",\"nesterov_step\":true" : ",\"nesterov_step\":false");
+    }
+    sb_str(b, "}");
 }
 
 /* A JSON number that must be an exact non-negative integer (below 2^53, where doubles are exact). */
@@ -134,7 +156,21 @@ int history_record_parse(round_record *r, const char *json)
             s->bytes = 0;
         s->norm = get_double(n, "norm");
         s->cosine = get_double(n, "cosine");
+        if (get_count(n, "base_outer_step", &s->base_outer_step) != 0)
+            s->base_outer_step = 0;
+        if (get_count(n, "tau", &s->tau) != 0)
+            s->tau = 0;
+        s->weight = get_double(n, "weight");
         r->n++;
+    }
+    const cJSON *mode = cJSON_GetObjectItemCaseSensitive(o, "mode");
+    if (cJSON_IsString(mode) && strcmp(mode->valuestring, "async") == 0) {
+        uint64_t k, per;
+        r->async = 1;
+        r->weight = get_double(o, "weight");
+        r->dn_k = get_count(o, "dn_k", &k) == 0 && k < 1000000 ? (unsigned)k : 0;
+        r->dn_period = get_count(o, "dn_period", &per) == 0 && per <= 1000000 ? (unsigned)per : 0;
+        r->dn_tick = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(o, "nesterov_step"));
     }
     rc = 0;
 out:

@@ -25,6 +25,9 @@ typedef struct node_stat {
     uint64_t local_step;
     uint64_t bytes;
     double norm, cosine;
+    /* async mode's update (record async): the delta's base, staleness at acceptance and weight */
+    uint64_t base_outer_step, tau;
+    double weight;
 } node_stat;
 
 /* One closed and committed round. */
@@ -38,6 +41,12 @@ typedef struct round_record {
     time_t closed_at;
     size_t n;
     node_stat *nodes;           /* owned */
+    /* async mode: one update; its weight (the mean of its deltas'), its Delayed Nesterov phase after it
+     * (k of N) and whether it was a Nesterov step */
+    int async;
+    double weight;
+    unsigned dn_k, dn_period;
+    int dn_tick;
 } round_record;
 
 #define HISTORY_MAX 200

@@ -556,7 +556,7 @@ static intake_status intake(intake_req *r)
         st = INTAKE_INVALID;
         goto out;
     }
-    if (r->info.base_outer_step < r->step) {
+    if (INTAKE_STALE_BASE(r, r->info.base_outer_step)) {
         st = INTAKE_STALE;
         goto out;
     }

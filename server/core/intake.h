@@ -39,7 +39,7 @@
 
 typedef enum intake_status {
     INTAKE_OK,              /* cache_path holds the validated delta */
-    INTAKE_STALE,           /* base_outer_step < step (info filled) */
+    INTAKE_STALE,           /* base_outer_step more than max_staleness before step (info filled) */
     INTAKE_FUTURE,          /* base_outer_step > step (info filled) */
     INTAKE_DUPLICATE,       /* this node's delta of this local step is already in the cache */
     INTAKE_INCOMPLETE,      /* still being written: retry later */
@@ -56,6 +56,9 @@ typedef struct intake_req {
     uint64_t max_header;        /* cap on the safetensors header in bytes (0: the format's own cap) */
     const st_header *global;    /* the global model's header (read-only, shared) */
     uint64_t step;              /* current outer step */
+#define INTAKE_STALE_BASE(r, base) ((base) < (r)->step && (r)->step - (base) > (r)->max_staleness)
+    uint64_t max_staleness;     /* a base this many steps before step is still taken (0: sync mode, step only;
+                                   async: the bound, UINT64_MAX none) */
     char *state_dir;            /* <state_root>/<id> */
     int in_cache;               /* src is already our validated cache copy (restart): check header only */
     int remove_src;             /* src is a download of ours: the daemon removes it afterwards */

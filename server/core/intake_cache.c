@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "fsutil.h"
@@ -29,22 +30,35 @@ char *intake_cache_path(const char *state_dir, const delta_info *info)
  * (closing it releases the lock) or -1 with err set. */
 static int lock_node_dir(const char *dir, dl_error *err)
 {
-    int fd;
-
-    if (fsu_mkdirs(dir, err) != 0)
-        return -1;
-    if ((fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) {
-        dl_fail_errno(err, errno, "opening the cache directory %s", dir);
-        return -1;
-    }
-    while (flock(fd, LOCK_EX) != 0) {
-        if (errno != EINTR) {
-            dl_fail_errno(err, errno, "locking the cache directory %s", dir);
-            close(fd);
+    /* async mode's cleanup removes an empty node directory under this lock (store.c, sweep_empty_cache):
+     * one removed before it was opened, or after, is made again */
+    for (int attempt = 0;; attempt++) {
+        int fd;
+        struct stat sb;
+        if (fsu_mkdirs(dir, err) != 0) {
+            if (attempt < 3)
+                continue;
             return -1;
         }
+        if ((fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) {
+            if (errno == ENOENT && attempt < 3)
+                continue;
+            dl_fail_errno(err, errno, "opening the cache directory %s", dir);
+            return -1;
+        }
+        while (flock(fd, LOCK_EX) != 0) {
+            if (errno != EINTR) {
+                dl_fail_errno(err, errno, "locking the cache directory %s", dir);
+                close(fd);
+                return -1;
+            }
+        }
+        if (fstat(fd, &sb) == 0 && sb.st_nlink == 0 && attempt < 3) {
+            close(fd);
+            continue;
+        }
+        return fd;
     }
-    return fd;
 }
 
 /* Whether this node's delta of this local step is cached in either layout (the lock is held). */

@@ -402,7 +402,7 @@ intake_status intake__set(intake_req *r)
         st = INTAKE_INVALID;
         goto out;
     }
-    if (r->info.base_outer_step != r->step) {
+    if (INTAKE_STALE_BASE(r, r->info.base_outer_step) || r->info.base_outer_step > r->step) {
         st = r->info.base_outer_step < r->step ? INTAKE_STALE : INTAKE_FUTURE;
         goto out;
     }

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -46,6 +47,60 @@ char *store_set_dir(const store *s, uint64_t step)
 char *store_momentum_path(const store *s, uint64_t step)
 {
     return path_fmt("%s/outer_state-%" PRIu64 ".safetensors", s->dir, step);
+}
+
+char *store_accum_path(const store *s, uint64_t step)
+{
+    return path_fmt("%s/outer_accum-%" PRIu64 ".safetensors", s->dir, step);
+}
+
+const char *store_dn_variant_name(int paper)
+{
+    return paper ? "paper" : "forgather";
+}
+
+/* The "dn" object of outer_metadata.json and of the redo record (with_weight: the redo's). */
+static void dn_json(sbuf *b, const store_dn *dn, int with_weight)
+{
+    char num[160];
+
+    snprintf(num, sizeof(num), "{\"period\": %u, \"k\": %u, \"variant\": \"%s\", \"c\": %.17g", dn->period, dn->k,
+             store_dn_variant_name(dn->paper), dn->c);
+    sb_str(b, num);
+    if (with_weight) {
+        snprintf(num, sizeof(num), ", \"weight\": %.17g", dn->weight);
+        sb_str(b, num);
+    }
+    sb_str(b, "}");
+}
+
+/* Reads a "dn" object: 0 (absent: dn->on 0), -1 when damaged. */
+static int dn_parse(const cJSON *v, store_dn *dn, int with_weight)
+{
+    const cJSON *per, *k, *var, *c, *w;
+
+    memset(dn, 0, sizeof(*dn));
+    if (v == NULL || cJSON_IsNull(v))
+        return 0;
+    per = cJSON_GetObjectItemCaseSensitive(v, "period");
+    k = cJSON_GetObjectItemCaseSensitive(v, "k");
+    var = cJSON_GetObjectItemCaseSensitive(v, "variant");
+    c = cJSON_GetObjectItemCaseSensitive(v, "c");
+    w = cJSON_GetObjectItemCaseSensitive(v, "weight");
+    if (!cJSON_IsNumber(per) || per->valuedouble < 1 || per->valuedouble > 1e6 ||
+        per->valuedouble != (double)(unsigned)per->valuedouble || !cJSON_IsNumber(k) || k->valuedouble < 0 ||
+        k->valuedouble > 1e6 || k->valuedouble != (double)(unsigned)k->valuedouble || !cJSON_IsString(var) ||
+        (strcmp(var->valuestring, "paper") != 0 && strcmp(var->valuestring, "forgather") != 0) ||
+        !cJSON_IsNumber(c) || !(c->valuedouble >= 0 && c->valuedouble <= 1) ||
+        (with_weight && (!cJSON_IsNumber(w) || !(w->valuedouble > 0 && w->valuedouble <= 1))))
+        return -1;
+    dn->on = 1;
+    dn->period = (unsigned)per->valuedouble;
+    dn->k = (unsigned)k->valuedouble;
+    dn->paper = var->valuestring[0] == 'p';
+    dn->c = c->valuedouble;
+    dn->weight = with_weight ? w->valuedouble : 0;
+    return 0;
 }
 
 char *store_cache_dir(const store *s, uint64_t step)
@@ -234,11 +289,32 @@ static int load_metadata(store *s, const char *path, dl_error *err)
         rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s is damaged (global_checksum, momentum_checksum)", path);
         goto out;
     }
+    const cJSON *acc = cJSON_GetObjectItemCaseSensitive(root, "accum_file");
+    if (dn_parse(cJSON_GetObjectItemCaseSensitive(root, "dn"), &s->dn, 0) != 0 ||
+        (acc != NULL && !cJSON_IsNull(acc) && !cJSON_IsString(acc))) {
+        rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s is damaged (dn, accum_file)", path);
+        goto out;
+    }
+    if (cJSON_IsString(acc)) {
+        snprintf(expect, sizeof(expect), "outer_accum-%" PRIu64 ".safetensors", s->step);
+        if (strcmp(acc->valuestring, expect) != 0 || !s->dn.on) {
+            rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s names %s for step %" PRIu64 ", expected %s", path,
+                         acc->valuestring, s->step, expect);
+            goto out;
+        }
+        s->accum_path = store_accum_path(s, s->step);
+    }
+    if (sum_field(root, "accum_checksum", &s->accum_summed, &s->accum_sum) != 0 ||
+        (s->accum_summed && s->accum_path == NULL)) {
+        rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s is damaged (accum_checksum)", path);
+        goto out;
+    }
     round = cJSON_GetObjectItemCaseSensitive(root, "round");
     if (cJSON_IsObject(round))
         s->round_json = cJSON_PrintUnformatted(round);     /* NULL on OOM: history only */
     s->committed = 1;
-    if (access(s->global_path, R_OK) != 0 || (s->momentum_path && access(s->momentum_path, R_OK) != 0))
+    if (access(s->global_path, R_OK) != 0 || (s->momentum_path && access(s->momentum_path, R_OK) != 0) ||
+        (s->accum_path && access(s->accum_path, R_OK) != 0))
         rc = dl_fail(err, DL_E_IO, NULL, 0, "committed step %" PRIu64 " is missing its files (%s)", s->step,
                      s->global_path);
 out:
@@ -339,6 +415,23 @@ int store_commit_write(const store *s, const store_commit_info *info, dl_error *
         sb_str(&b, ",\n  \"momentum_checksum\": ");
         sb_json_string(&b, sum, 16);
     }
+    if (info->dn != NULL && info->dn->on) {
+        sb_str(&b, ",\n  \"dn\": ");
+        dn_json(&b, info->dn, 0);
+        sb_str(&b, ",\n  \"accum_file\": ");
+        if (info->accum_path != NULL) {
+            snprintf(num, sizeof(num), "outer_accum-%" PRIu64 ".safetensors", info->step);
+            sb_json_string(&b, num, strlen(num));
+        } else {
+            sb_str(&b, "null");
+        }
+        if (info->accum_path != NULL && info->accum_sum != NULL) {
+            char sum[17];
+            ck_format(*info->accum_sum, sum);
+            sb_str(&b, ",\n  \"accum_checksum\": ");
+            sb_json_string(&b, sum, 16);
+        }
+    }
     if (info->round_json != NULL) {
         sb_str(&b, ",\n  \"round\": ");
         sb_add(&b, info->round_json, strcspn(info->round_json, "\n"));
@@ -363,18 +456,30 @@ int store_commit_apply(store *s, const store_commit_info *info)
     char *g = strdup(info->global_path);
     char *m = info->momentum_path ? strdup(info->momentum_path) : NULL;
     char *r = info->round_json ? strdup(info->round_json) : NULL;
+    char *a = info->accum_path ? strdup(info->accum_path) : NULL;
 
-    if (g == NULL || (info->momentum_path && m == NULL) || (info->round_json && r == NULL)) {
+    if (g == NULL || (info->momentum_path && m == NULL) || (info->round_json && r == NULL) ||
+        (info->accum_path && a == NULL)) {
         free(g);
         free(m);
         free(r);
+        free(a);
         return -DL_E_NO_MEMORY;
     }
     free(s->global_path);
     free(s->momentum_path);
     free(s->round_json);
+    free(s->accum_path);
     s->global_path = g;
     s->momentum_path = m;
+    s->accum_path = a;
+    if (info->dn != NULL)
+        s->dn = *info->dn;
+    else
+        memset(&s->dn, 0, sizeof(s->dn));
+    s->dn.weight = 0;
+    s->accum_summed = info->accum_path != NULL && info->accum_sum != NULL;
+    s->accum_sum = s->accum_summed ? *info->accum_sum : 0;
     s->round_json = r;
     s->step = info->step;
     s->bootstrap = info->bootstrap;
@@ -438,7 +543,12 @@ int store_redo_write(const store *s, const store_redo *r, dl_error *err)
         ident_text(num, sizeof(num), &r->versions[i]);
         sb_str(&b, num);
     }
-    sb_str(&b, "],\n  \"round\": ");
+    sb_str(&b, "]");
+    if (r->dn.on) {
+        sb_str(&b, ",\n  \"async\": ");
+        dn_json(&b, &r->dn, 1);
+    }
+    sb_str(&b, ",\n  \"round\": ");
     if (r->round_json != NULL)
         sb_add(&b, r->round_json, strcspn(r->round_json, "\n"));
     else
@@ -457,16 +567,26 @@ int store_redo_write(const store *s, const store_redo *r, dl_error *err)
 
 /* A delta path of the redo record: cache/deltas/s<base>/<node>/delta_<n>.safetensors (or
  * delta_<n>.safetensors.index.json), nothing else. */
-static int redo_delta_ok(const char *rel, uint64_t base)
+static int redo_delta_ok(const char *rel, uint64_t base, int async)
 {
     char prefix[64], node[DELTA_NODE_ID_MAX + 1], as_hub[300];
     const char *p, *slash;
     delta_path dp;
 
-    snprintf(prefix, sizeof(prefix), "cache/deltas/s%" PRIu64 "/", base);
-    if (strncmp(rel, prefix, strlen(prefix)) != 0)
-        return 0;
-    p = rel + strlen(prefix);
+    if (async) {
+        /* an update's deltas are of any committed base up to its own (async mode) */
+        const char *dir = "cache/deltas/s", *digits = rel + strlen(dir), *end;
+        uint64_t b;
+        if (strncmp(rel, dir, strlen(dir)) != 0 || (end = strchr(digits, '/')) == NULL ||
+            delta_parse_int(digits, (size_t)(end - digits), &b) != 0 || b > base)
+            return 0;
+        p = end + 1;
+    } else {
+        snprintf(prefix, sizeof(prefix), "cache/deltas/s%" PRIu64 "/", base);
+        if (strncmp(rel, prefix, strlen(prefix)) != 0)
+            return 0;
+        p = rel + strlen(prefix);
+    }
     if ((slash = strchr(p, '/')) == NULL || (size_t)(slash - p) > DELTA_NODE_ID_MAX)
         return 0;
     memcpy(node, p, (size_t)(slash - p));
@@ -556,10 +676,14 @@ int store_redo_read(const store *s, store_redo *r, int *present, dl_error *err)
     }
     r->lr = lr->valuedouble;
     r->momentum = mom->valuedouble;
+    if (dn_parse(cJSON_GetObjectItemCaseSensitive(root, "async"), &r->dn, 1) != 0) {
+        rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s is damaged (async)", path);
+        goto out;
+    }
     size_t i = 0;
     const cJSON *e;
     cJSON_ArrayForEach(e, d) {
-        if (!cJSON_IsString(e) || !redo_delta_ok(e->valuestring, r->base)) {
+        if (!cJSON_IsString(e) || !redo_delta_ok(e->valuestring, r->base, r->dn.on)) {
             rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s names a delta that is not a cached delta of step %"
                          PRIu64, path, r->base);
             goto out;
@@ -772,6 +896,8 @@ static int keep_top(const store *s, const char *name)
     uint64_t step;
     if (match_step(name, "outer_state-", ".safetensors", &step) == 0)
         return s->committed && (s->startup ? step == s->step && s->momentum_path != NULL : step >= s->step);
+    if (match_step(name, "outer_accum-", ".safetensors", &step) == 0)
+        return s->committed && (s->startup ? step == s->step && s->accum_path != NULL : step >= s->step);
     return !(s->startup && is_temp(name));
 }
 
@@ -779,7 +905,7 @@ static int keep_cache(const store *s, const char *name)
 {
     uint64_t step;
     if (match_step(name, "s", "", &step) == 0)
-        return !s->committed || step >= s->step;
+        return !s->committed || s->async_cache || step >= s->step;
     return !(s->startup && is_temp(name));
 }
 
@@ -792,6 +918,44 @@ static int keep_incoming(const store *s, const char *name)
     (void)s;
     return (strncmp(name, "hf-", 3) == 0 || strncmp(name, "s3-", 3) == 0) && n > 8 &&
            (strcmp(name + n - 5, ".part") == 0 || strcmp(name + n - 4, ".set") == 0);
+}
+
+/* Async: a node directory of cache/deltas/s<k>/ (k before the committed step) that holds nothing goes,
+ * under the node directory's lock that intake links under (intake_cache.c: it makes the directory again
+ * when it finds its lock on a removed one), then s<k> itself when it is empty. */
+static int sweep_empty_cache(const char *cache, uint64_t committed)
+{
+    DIR *d = opendir(cache);
+    struct dirent *e;
+
+    if (d == NULL)
+        return errno == ENOENT ? 0 : -errno;
+    while ((e = readdir(d)) != NULL) {
+        uint64_t step;
+        if (match_step(e->d_name, "s", "", &step) != 0 || step >= committed)
+            continue;
+        char *sdir = path_fmt("%s/%s", cache, e->d_name);
+        DIR *nd = sdir != NULL ? opendir(sdir) : NULL;
+        struct dirent *n;
+        while (nd != NULL && (n = readdir(nd)) != NULL) {
+            if (n->d_name[0] == '.')
+                continue;
+            char *node = path_fmt("%s/%s", sdir, n->d_name);
+            int fd = node != NULL ? open(node, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC) : -1;
+            if (fd >= 0 && flock(fd, LOCK_EX) == 0)
+                (void)rmdir(node);      /* fails unless empty: nothing but an empty directory goes */
+            if (fd >= 0)
+                close(fd);
+            free(node);
+        }
+        if (nd != NULL)
+            closedir(nd);
+        if (sdir != NULL)
+            (void)rmdir(sdir);
+        free(sdir);
+    }
+    closedir(d);
+    return 0;
 }
 
 int store_cleanup(const store *st, int at_startup, dl_error *err)
@@ -811,6 +975,8 @@ int store_cleanup(const store *st, int at_startup, dl_error *err)
         rc = sweep(s->dir, s, keep_top);
     if (rc == 0)
         rc = sweep(c, s, keep_cache);
+    if (rc == 0 && s->async_cache && s->committed)
+        rc = sweep_empty_cache(c, s->step);
     if (rc == 0 && at_startup)
         rc = sweep(in, s, keep_incoming);
     free(g);
@@ -821,10 +987,28 @@ int store_cleanup(const store *st, int at_startup, dl_error *err)
     return 0;
 }
 
+int store_remove_consumed(char *const *paths, size_t n, dl_error *err)
+{
+    for (size_t i = 0; i < n; i++) {
+        int rc = store_remove_delta(paths[i]);
+        if (rc != 0 && rc != -ENOENT)
+            return dl_fail_errno(err, -rc, "cannot remove the consumed delta %s", paths[i]);
+    }
+    /* the removals durable before the redo record that names them goes (a crash between would apply them
+     * again) */
+    for (size_t i = 0; i < n; i++) {
+        int rc = fsu_fsync_parent(paths[i], err);
+        if (rc != 0 && err->sys_errno != ENOENT)
+            return rc;
+    }
+    return 0;
+}
+
 void store_free(store *s)
 {
     free(s->dir);
     free(s->global_path);
+    free(s->accum_path);
     free(s->momentum_path);
     free(s->round_json);
     memset(s, 0, sizeof(*s));

@@ -5,10 +5,14 @@
  *                                        latest.safetensors.index.json + latest-0000i-of-0000N.safetensors,
  *                                        made from the file above (the index last: its presence = complete)
  *   outer_state-<step>.safetensors       momentum buffers of that step (F32; absent for momentum 0)
+ *   outer_accum-<step>.safetensors       async mode: the Delayed Nesterov accumulator after that step (F32;
+ *                                        absent when its k is 0)
  *   outer_metadata.json                  THE commit point: names the current step and its files, and
  *                                        holds the record of the round that produced it
  *   rounds.jsonl                         one record per committed round (history.h)
- *   cache/deltas/s<step>/<node>/delta_<local_step>.safetensors   validated deltas of the open round
+ *   cache/deltas/s<step>/<node>/delta_<local_step>.safetensors   validated deltas of the open round (async:
+ *                                        of every base within the staleness bound; a consumed one is removed
+ *                                        when its step is durable, before the redo record)
  *   cache/incoming/                      deltas being received or copied (temporary)
  *   redo.json                            a round committed but not yet durable: its inputs and record
  *
@@ -32,12 +36,30 @@
 #include "dl_error.h"
 #include "fsutil.h"
 
+/* Asynchronous mode's Delayed Nesterov state of a step (README "Asynchronous mode"). */
+typedef struct store_dn {
+    int on;                     /* the step was made in async mode */
+    unsigned period;            /* N */
+    unsigned k;                 /* updates since the last Nesterov step: after the step (metadata), before the
+                                   update (redo record) */
+    int paper;                  /* the variant: 0 "forgather", 1 "paper" (Algorithm 3 of Liu et al.) */
+    double c;                   /* the paper variant's momentum activation */
+    double weight;              /* redo record only: the update's staleness weight */
+} store_dn;
+
 typedef struct store {
     char *dir;                  /* <state_root>/<id> */
     int committed;              /* a step is committed */
     uint64_t step;
     char *global_path;          /* absolute paths of the committed step's files */
     char *momentum_path;        /* NULL: no momentum (fresh or momentum 0) */
+    char *accum_path;           /* NULL: no accumulator (sync mode, or dn.k 0) */
+    store_dn dn;
+    int accum_summed;
+    uint64_t accum_sum;
+    /* async mode (set by the caller of store_cleanup): cleanup keeps every cached delta (each is consumed,
+     * removed when its step is durable, or refused, removed at once) and removes only empty directories */
+    int async_cache;
     int bootstrap;              /* the committed step is a bootstrap / adopted model */
     char *round_json;           /* the committed round's record (history.h), NULL for a bootstrap / adoption */
     /* the committed global is a hard link to a file others may rewrite in place (a bootstrap linked from
@@ -66,6 +88,9 @@ typedef struct store_commit_info {
     const fsu_ident *global_version;    /* NULL, or the global is a link others may rewrite: its version */
     const uint64_t *global_sum;         /* NULL, or the global's content checksum */
     const uint64_t *momentum_sum;       /* NULL, or the momentum's */
+    const char *accum_path;             /* store_accum_path(step) or NULL */
+    const uint64_t *accum_sum;
+    const store_dn *dn;                 /* NULL: sync mode */
 } store_commit_info;
 
 /* Creates the tree and loads the committed step (if any). */
@@ -89,6 +114,7 @@ typedef struct store_redo {
     fsu_ident *versions;
     char *optimizer;
     double lr, momentum;
+    store_dn dn;                /* async mode's update (dn.on): its deltas may be of any base up to base */
     char *round_json;           /* the round's record (history.h) */
 } store_redo;
 
@@ -112,6 +138,8 @@ int store_cleanup(const store *s, int at_startup, dl_error *err);
 /* malloc'd absolute paths */
 char *store_global_path(const store *s, uint64_t step);
 char *store_momentum_path(const store *s, uint64_t step);
+char *store_accum_path(const store *s, uint64_t step);     /* outer_accum-<step>.safetensors */
+const char *store_dn_variant_name(int paper);
 char *store_set_dir(const store *s, uint64_t step);         /* global/set-<step> */
 char *store_cache_dir(const store *s, uint64_t step);       /* cache/deltas/s<step> */
 char *store_incoming_dir(const store *s);
@@ -133,6 +161,9 @@ void store_free(store *s);
  * (the index first, so a crash in between leaves an incomplete set nobody names, which cleanup
  * takes with its step).  0 or a negative errno. */
 int store_remove_delta(const char *path);
+/* Async: the consumed deltas of a durable step removed, and their directories made durable (before its
+ * redo record goes: the record is what says they were consumed).  0 or -DL_E_*. */
+int store_remove_consumed(char *const *paths, size_t n, dl_error *err);
 /* fsync of a cached delta: the file, or a set's index and shards. */
 int store_sync_delta(const char *path, dl_error *err);
 /* rm -r of a directory tree we own (never follows symbolic links).  0 or a negative errno. */

@@ -105,7 +105,15 @@ typedef struct hub_callbacks {
 typedef struct hub_limits {
     size_t delta_index_bytes;   /* st_index_cap_for(model); 0: no model yet (ST_INDEX_MAX_BYTES) */
     uint64_t delta_set_bytes;   /* intake_set_budget(delta bytes, header cap); 0: no model yet (no bound) */
+    uint64_t max_staleness;     /* a delta based this many steps before the current one is still taken: 0
+                                   in sync mode, the bound (UINT64_MAX: none) in async mode */
 } hub_limits;
+
+/* Whether a delta based on base is too old for the round of step (hub_limits.max_staleness). */
+static inline int hub_base_stale(const hub_limits *lim, uint64_t step, uint64_t base)
+{
+    return base < step && step - base > lim->max_staleness;
+}
 
 typedef struct hub_config {
     const char *url;            /* <scheme>://... (hub_find accepted it) */

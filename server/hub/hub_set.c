@@ -56,7 +56,7 @@ int hub_set_version_end(hub_set_version *v, char *out, size_t size)
     return 0;
 }
 
-int hub_set_base_verdict(const st_index *ix, uint64_t step, uint64_t *base)
+int hub_set_base_verdict(const st_index *ix, uint64_t step, const hub_limits *lim, uint64_t *base)
 {
     size_t vl;
     const char *v = st_index_meta(ix, "base_outer_step", &vl);
@@ -64,7 +64,7 @@ int hub_set_base_verdict(const st_index *ix, uint64_t step, uint64_t *base)
     *base = UINT64_MAX;
     if (v == NULL)
         return 0;
-    if (delta_parse_int(v, vl, base) == 0 && *base < step)
+    if (delta_parse_int(v, vl, base) == 0 && hub_base_stale(lim, step, *base))
         return -1;
     return *base != UINT64_MAX && *base > step ? 1 : 0;
 }

@@ -39,7 +39,7 @@ int hub_set_version_end(hub_set_version *v, char *out, size_t size);
 /* Where a delta set's index puts it against the transport's step, from its base_outer_step metadata
  * (*base gets it): -1 a stale set (not downloaded), 1 a later round's (it waits), 0 this round's or
  * one without a usable base (intake judges it). */
-int hub_set_base_verdict(const st_index *ix, uint64_t step, uint64_t *base);
+int hub_set_base_verdict(const st_index *ix, uint64_t step, const hub_limits *lim, uint64_t *base);
 
 /* The cap on an index a transport fetches: a delta's is bounded by the open round's model
  * (st_index_cap_for, in lim); a global's lists every tensor, so it keeps the format's cap. */

@@ -639,7 +639,7 @@ static void peek_done(remote_req *r, int ok)
     }
     if (why != NULL) {
         refuse(f, c, why);      /* for this run: a restart (perhaps with another cap) looks again */
-    } else if (base != UINT64_MAX && base < f->step) {
+    } else if (base != UINT64_MAX && hub_base_stale(&f->limits, f->step, base)) {
         stale(f, c, base);
     } else if (base != UINT64_MAX && base > f->step) {
         cand_drop(f, c, SEEN_INCOMPLETE);       /* a later round's (or never ours): later polls look again */
@@ -779,7 +779,7 @@ static void set_start_shards(remote_fetch *f, remote_cand *c, const st_index *ix
 {
     char name[ST_INDEX_BASE_MAX + 48], q[300], qk[600];
     uint64_t base, total;
-    int verdict = c->is_global ? 0 : hub_set_base_verdict(ix, f->step, &base);
+    int verdict = c->is_global ? 0 : hub_set_base_verdict(ix, f->step, &f->limits, &base);
 
     if (verdict < 0) {
         stale(f, c, base);

@@ -85,11 +85,11 @@ TEST(round_peek_answers_what_offer_would_without_changing_anything)
     CHECK_EQ(round_peek(&r, &in), ROUND_ACCEPTED);
     CHECK_EQ(r.n, 0);
     CHECK_EQ(r.counters.accepted, 0);
-    CHECK_EQ(round_offer(&r, &in, strdup("p"), 1, 0, &replaced), ROUND_ACCEPTED);
+    CHECK_EQ(round_offer(&r, &in, strdup("p"), 1, 0, 0, &replaced), ROUND_ACCEPTED);
     CHECK_EQ(round_peek(&r, &in), ROUND_NOT_NEWER);
     in.local_step = 6;
     CHECK_EQ(round_peek(&r, &in), ROUND_REPLACED);
-    CHECK_EQ(round_find(&r, "a")->local_step, 5);
+    CHECK_EQ(round_find(&r, &in)->local_step, 5);
     in.base_outer_step = 2;
     CHECK_EQ(round_peek(&r, &in), ROUND_STALE);
     in.base_outer_step = 4;

@@ -1,5 +1,6 @@
 #include "test.h"
 
+#include <math.h>
 #include <stdlib.h>
 
 #include "round.h"
@@ -21,11 +22,65 @@ static round_verdict offer(round_state *r, const char *node, uint64_t base, uint
     char path[128];
     snprintf(path, sizeof(path), "cache/%s/%llu", node, (unsigned long long)local);
     char *p = strdup(path);
-    round_verdict v = round_offer(r, &i, p, 100, now, &replaced);
-    if (v != ROUND_ACCEPTED && v != ROUND_REPLACED)
+    round_verdict v = round_offer(r, &i, p, 100, now, 0, &replaced);
+    if (!round_verdict_taken(v))
         free(p);
     free(replaced);
     return v;
+}
+
+TEST(round_async_takes_stale_within_bound_and_weights)
+{
+    round_state r;
+    round_close_reason why;
+    round_init(&r, 10, 3, NULL, 0, 1, 0);
+    round_init_async(&r, 4, 1, 0.5, 3);
+    CHECK_EQ(offer(&r, "a", 11, 1, 1.0), ROUND_FUTURE);
+    CHECK_EQ(offer(&r, "a", 5, 1, 1.0), ROUND_STALE);          /* tau 5 > 4 */
+    CHECK_EQ(offer(&r, "b", 6, 1, 1.0), ROUND_ACCEPTED);       /* tau 4 */
+    CHECK_EQ(offer(&r, "b", 6, 1, 1.0), ROUND_NOT_NEWER);      /* the same delta */
+    CHECK_EQ(offer(&r, "b", 10, 2, 1.2), ROUND_ACCEPTED);      /* a node's second delta: another update's worth */
+    CHECK_EQ(offer(&r, "a", 9, 3, 1.3), ROUND_ACCEPTED);
+    CHECK_EQ(offer(&r, "c", 9, 3, 1.3), ROUND_BUSY);           /* three wait: the queue bound */
+    CHECK_EQ(r.n, 3);
+    CHECK_STR(r.entries[0].node_id, "a");
+    CHECK_EQ(r.entries[1].base, 6);                            /* b's by base, then local_step */
+    CHECK_EQ(r.entries[1].tau, 4);
+    CHECK(r.entries[1].weight == 1.0 / sqrt(5.0));
+    CHECK_EQ(r.entries[2].tau, 0);
+    CHECK(r.entries[2].weight == 1.0);
+    CHECK(!round_should_close(&r, 1.4, &why));                /* the grace window runs from the first */
+    CHECK(round_should_close(&r, 1.5, &why));
+    CHECK_EQ(why, ROUND_GRACE);
+    r.closed = 1;                                              /* its pass runs: the next wait in the queue */
+    CHECK_EQ(round_pending(&r), 0);
+    CHECK_EQ(offer(&r, "c", 10, 1, 2.0), ROUND_QUEUED);
+    CHECK_EQ(offer(&r, "d", 10, 1, 2.4), ROUND_QUEUED);
+    CHECK_EQ(offer(&r, "e", 10, 1, 2.6), ROUND_QUEUED);        /* past c's grace: a later update */
+    CHECK_EQ(offer(&r, "f", 10, 1, 2.7), ROUND_BUSY);
+    round_reset(&r, 11);
+    CHECK_EQ(r.n, 2);                                          /* c and d, within 0.5 s of c */
+    CHECK_EQ(r.nqueue, 1);
+    CHECK(r.first_at == 2.0);
+    CHECK_EQ(r.entries[0].tau, 0);                             /* fixed when it was taken */
+    CHECK(round_should_close(&r, 3.0, &why));
+    round_free(&r);
+}
+
+TEST(round_async_recovered_deltas_are_not_bounded_again)
+{
+    round_state r;
+    char *replaced = NULL;
+    round_init(&r, 10, 1, NULL, 0, 1, 0);
+    round_init_async(&r, 0, 0, 0, 1);
+    delta_info i = info("a", 8, 1), j = info("b", 9, 1);
+    char *p = strdup("x"), *q = strdup("y");
+    CHECK_EQ(round_offer(&r, &i, p, 1, 0, 1, &replaced), ROUND_ACCEPTED);   /* tau 2 > 0, and over the bound */
+    CHECK_EQ(round_offer(&r, &j, q, 1, 0, 1, &replaced), ROUND_ACCEPTED);
+    CHECK_EQ(r.n, 2);
+    CHECK_EQ(offer(&r, "c", 9, 1, 0), ROUND_STALE);
+    CHECK_EQ(offer(&r, "c", 10, 1, 0), ROUND_BUSY);
+    round_free(&r);
 }
 
 TEST(round_orders_nodes_and_closes_when_all_arrived)
@@ -56,8 +111,9 @@ TEST(round_stale_future_replace_not_newer)
     CHECK_EQ(offer(&r, "a", 5, 10, 0), ROUND_NOT_NEWER);
     CHECK_EQ(offer(&r, "a", 5, 9, 0), ROUND_NOT_NEWER);
     CHECK_EQ(offer(&r, "a", 5, 11, 0), ROUND_REPLACED);
-    CHECK_EQ(round_find(&r, "a")->local_step, 11);
-    CHECK_STR(round_find(&r, "a")->path, "cache/a/11");
+    delta_info a = info("a", 5, 0);
+    CHECK_EQ(round_find(&r, &a)->local_step, 11);
+    CHECK_STR(round_find(&r, &a)->path, "cache/a/11");
     CHECK_EQ(r.n, 1);
     CHECK_EQ(r.counters.stale, 1);
     CHECK_EQ(r.counters.future, 1);

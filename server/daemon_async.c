@@ -1,0 +1,262 @@
+/* Asynchronous mode (--mode async, README "Asynchronous mode"): what the daemon keeps beside the round
+ * for it (d->async).  The round (core/round.c) takes each delta with its staleness and weight and
+ * closes an update after the grace window; here: the Delayed Nesterov parameters of the next update
+ * (from the committed step's phase k and the update's deltas), each node's speed and the local steps
+ * recommended to it (Dynamic Local Updates), the staleness histogram, and their parts of /status and
+ * /metrics.  Nothing here runs in sync mode. */
+#include "daemon_internal.h"
+#include "daemon_parts.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "round.h"
+#include "strbuf.h"
+
+/* The bucket of a staleness: 0, 1, 2, 3, 4-7, 8-15, 16-31, 32-63, 64 and more. */
+static size_t tau_bucket(uint64_t tau)
+{
+    size_t b = 0;
+
+    if (tau < 4)
+        return (size_t)tau;
+    for (b = 4; b < ASYNC_TAU_BUCKETS - 1 && tau >= (4u << (b - 3)); b++)
+        ;
+    return b;
+}
+
+static const char *const tau_le[ASYNC_TAU_BUCKETS] = {"0", "1", "2", "3", "7", "15", "31", "63", "+Inf"};
+
+/* The node's record, made when first seen; NULL when the table is full of nodes seen more recently
+ * (the least recently seen one goes for a new node, so an attacker's many ids cannot pin it). */
+static async_node *node_of(dilocod *d, const char *node_id, double now)
+{
+    daemon_async *a = &d->async;
+    size_t oldest = 0;
+
+    for (size_t i = 0; i < a->n; i++) {
+        if (strcmp(a->nodes[i].node_id, node_id) == 0)
+            return &a->nodes[i];
+        if (a->nodes[i].last_at < a->nodes[oldest].last_at)
+            oldest = i;
+    }
+    if (a->n == a->cap && a->cap < ASYNC_NODES_MAX) {
+        size_t nc = a->cap ? a->cap * 2 : 16;
+        async_node *nn = realloc(a->nodes, nc * sizeof(*nn));
+        if (nn != NULL) {
+            a->nodes = nn;
+            a->cap = nc;
+        }
+    }
+    async_node *e;
+    if (a->n < a->cap) {
+        e = &a->nodes[a->n++];
+    } else if (a->n > 0 && a->nodes[oldest].last_at < now) {
+        e = &a->nodes[oldest];
+    } else {
+        return NULL;
+    }
+    memset(e, 0, sizeof(*e));
+    snprintf(e->node_id, sizeof(e->node_id), "%s", node_id);
+    e->last_at = -1;
+    return e;
+}
+
+void daemon__async_accepted(dilocod *d, const delta_info *info, uint64_t tau, double now)
+{
+    daemon_async *a = &d->async;
+    async_node *e = node_of(d, info->node_id, now);
+
+    a->tau_hist[tau_bucket(tau)]++;
+    a->tau_sum += (double)tau;
+    a->accepted++;
+    if (e == NULL)
+        return;
+    /* speed: local steps per second between its last two deltas (a worker that started again from a
+     * lower local_step starts a new measure) */
+    if (e->last_at >= 0 && info->local_step > e->last_local_step && now > e->last_at) {
+        e->steps_per_delta = info->local_step - e->last_local_step;
+        e->speed = (double)e->steps_per_delta / (now - e->last_at);
+    } else if (e->last_at >= 0 && info->local_step <= e->last_local_step) {
+        e->speed = 0;
+        e->steps_per_delta = 0;
+    }
+    e->last_local_step = info->local_step;
+    e->last_at = now;
+    e->last_tau = tau;
+    e->deltas++;
+}
+
+/* The fastest measured node (NULL: none measured). */
+static const async_node *fastest(const dilocod *d)
+{
+    const async_node *best = NULL;
+
+    for (size_t i = 0; i < d->async.n; i++)
+        if (d->async.nodes[i].speed > 0 && (best == NULL || d->async.nodes[i].speed > best->speed))
+            best = &d->async.nodes[i];
+    return best;
+}
+
+/* H_base: --dylu-base-steps, or the fastest node's own local steps per delta (0: none known). */
+static uint64_t base_steps(const dilocod *d, const async_node *top)
+{
+    if (d->cfg->dylu_base_steps != 0)
+        return d->cfg->dylu_base_steps;
+    return top != NULL ? top->steps_per_delta : 0;
+}
+
+/* H_w = max(1, floor(v_w / v_max * H_base)); a node not measured yet gets H_base. */
+static uint64_t recommend(const dilocod *d, const async_node *e, const async_node *top)
+{
+    uint64_t h = base_steps(d, top);
+
+    if (h == 0)
+        return 0;
+    if (e == NULL || e->speed <= 0 || top == NULL)
+        return h;
+    double r = floor(e->speed / top->speed * (double)h);
+    return r < 1 ? 1 : (uint64_t)r;
+}
+
+uint64_t daemon__async_recommended(const dilocod *d, const char *node_id)
+{
+    const async_node *e = NULL;
+
+    if (!d->cfg->async)
+        return 0;
+    for (size_t i = 0; i < d->async.n && e == NULL; i++)
+        if (strcmp(d->async.nodes[i].node_id, node_id) == 0)
+            e = &d->async.nodes[i];
+    return recommend(d, e, fastest(d));
+}
+
+/* The update the closing round makes: its weight is the mean of its deltas' (in double, in the round's
+ * order), its phase the committed step's (a sync step's is 0). */
+void daemon__async_update(const dilocod *d, store_dn *dn)
+{
+    double sum = 0;
+
+    memset(dn, 0, sizeof(*dn));
+    if (!d->cfg->async)
+        return;
+    for (size_t i = 0; i < d->rnd.n; i++)
+        sum += d->rnd.entries[i].weight;
+    dn->on = 1;
+    dn->period = d->cfg->dn_period;
+    dn->k = d->st.dn.on ? d->st.dn.k : 0;
+    dn->paper = d->cfg->dn_paper;
+    dn->c = d->cfg->dn_c;
+    dn->weight = d->rnd.n > 0 ? sum / (double)d->rnd.n : 1.0;
+}
+
+/* The DN state a step is committed with: the phase after the update dn made. */
+store_dn daemon__async_after(const store_dn *dn)
+{
+    store_dn after = *dn;
+
+    after.k = dn->k + 1 >= dn->period ? 0 : dn->k + 1;
+    after.weight = 0;
+    return after;
+}
+
+void daemon__async_committed(dilocod *d, const store_dn *dn)
+{
+    if (!dn->on)
+        return;
+    d->async.updates++;
+    if (dn->k + 1 >= dn->period)
+        d->async.nesterov_steps++;
+}
+
+void daemon__async_free(dilocod *d)
+{
+    free(d->async.nodes);
+    memset(&d->async, 0, sizeof(d->async));
+}
+
+/* ---- /status and /metrics ---------------------------------------------------------------------- */
+
+static void async_status(const dilocod *d, sbuf *b)
+{
+    const daemon_async *a = &d->async;
+    const async_node *top = fastest(d);
+    const store_dn *dn = &d->st.dn;
+    double now = daemon__now((dilocod *)d);
+
+    sb_printf(b, ",\"mode\":\"%s\"", d->cfg->async ? "async" : "sync");
+    if (!d->cfg->async)
+        return;
+    sb_str(b, ",\"async\":{\"max_staleness\":");
+    if (d->cfg->max_staleness == CONFIG_NO_STALENESS_BOUND)
+        sb_str(b, "null");
+    else
+        sb_printf(b, "%u", d->cfg->max_staleness);
+    sb_printf(b, ",\"staleness_weight\":\"%s\",\"grace_ms\":", config_weight_name(d->cfg->staleness_weight));
+    daemon_json_num(b, d->cfg->grace_ms);
+    sb_printf(b, ",\"dn\":{\"variant\":\"%s\",\"period\":%u,\"k\":%u,\"c\":", d->cfg->dn_paper ? "paper" : "forgather",
+              d->cfg->dn_period, dn->on ? dn->k : 0);
+    daemon_json_num(b, d->cfg->dn_c);
+    sb_printf(b, "},\"queue\":{\"pending\":%zu,\"queued\":%zu,\"max\":%u},\"updates\":%" PRIu64
+                 ",\"nesterov_steps\":%" PRIu64 ",\"accepted\":%" PRIu64 ",\"staleness\":{\"mean\":",
+              round_pending(&d->rnd), d->rnd.nqueue, d->cfg->async_queue, a->updates, a->nesterov_steps, a->accepted);
+    daemon_json_num(b, a->accepted ? a->tau_sum / (double)a->accepted : 0);
+    sb_str(b, ",\"histogram\":{");
+    for (size_t i = 0; i < ASYNC_TAU_BUCKETS; i++)
+        sb_printf(b, "%s\"%s\":%" PRIu64, i ? "," : "", tau_le[i], a->tau_hist[i]);
+    sb_printf(b, "}},\"dylu_base_steps\":%" PRIu64 ",\"nodes\":[", base_steps(d, top));
+    for (size_t i = 0; i < a->n; i++) {
+        const async_node *e = &a->nodes[i];
+        sb_printf(b, "%s{\"node_id\":\"%s\",\"deltas\":%" PRIu64 ",\"last_local_step\":%" PRIu64
+                     ",\"last_tau\":%" PRIu64 ",\"steps_per_delta\":%" PRIu64 ",\"speed\":",
+                  i ? "," : "", e->node_id, e->deltas, e->last_local_step, e->last_tau, e->steps_per_delta);
+        daemon_json_num(b, e->speed);
+        sb_printf(b, ",\"recommended_local_steps\":%" PRIu64 ",\"age_seconds\":", recommend(d, e, top));
+        daemon_json_num(b, now - e->last_at);
+        sb_str(b, "}");
+    }
+    sb_str(b, "]}");
+}
+
+static void async_metrics(const dilocod *d, sbuf *b)
+{
+    const daemon_async *a = &d->async;
+    const async_node *top = fastest(d);
+    uint64_t cum = 0;
+
+    daemon_metric_family(b, "async_mode", "gauge", "1 in async mode (--mode async), 0 in sync mode");
+    sb_printf(b, "dilocod_async_mode %d\n", d->cfg->async ? 1 : 0);
+    if (!d->cfg->async)
+        return;
+    daemon_metric_family(b, "async_updates_total", "counter", "Updates committed since the start (async mode)");
+    sb_printf(b, "dilocod_async_updates_total %" PRIu64 "\n", a->updates);
+    daemon_metric_family(b, "async_nesterov_steps_total", "counter", "Delayed Nesterov steps among them");
+    sb_printf(b, "dilocod_async_nesterov_steps_total %" PRIu64 "\n", a->nesterov_steps);
+    daemon_metric_family(b, "async_dn_phase", "gauge", "Updates since the last Nesterov step (k of dn_period)");
+    sb_printf(b, "dilocod_async_dn_phase %u\n", d->st.dn.on ? d->st.dn.k : 0);
+    daemon_metric_family(b, "async_dn_period", "gauge", "Delayed Nesterov period N");
+    sb_printf(b, "dilocod_async_dn_period %u\n", d->cfg->dn_period);
+    daemon_metric_family(b, "async_queue_depth", "gauge", "Deltas waiting for an update (the open one's and the queue's)");
+    sb_printf(b, "dilocod_async_queue_depth %zu\n", round_pending(&d->rnd));
+    daemon_metric_family(b, "async_staleness", "histogram", "Staleness (updates behind) of accepted deltas");
+    for (size_t i = 0; i < ASYNC_TAU_BUCKETS; i++) {
+        cum += a->tau_hist[i];
+        sb_printf(b, "dilocod_async_staleness_bucket{le=\"%s\"} %" PRIu64 "\n", tau_le[i], cum);
+    }
+    sb_printf(b, "dilocod_async_staleness_sum %.17g\ndilocod_async_staleness_count %" PRIu64 "\n", a->tau_sum,
+              a->accepted);
+    /* per node: bounded by ASYNC_NODES_MAX (the table replaces the least recently seen) */
+    daemon_metric_family(b, "node_speed_steps_per_second", "gauge", "A node's local steps per second (DyLU)");
+    for (size_t i = 0; i < a->n; i++)
+        sb_printf(b, "dilocod_node_speed_steps_per_second{node=\"%s\"} %.9g\n", a->nodes[i].node_id,
+                  a->nodes[i].speed);
+    daemon_metric_family(b, "node_recommended_local_steps", "gauge", "Local steps recommended to a node (DyLU)");
+    for (size_t i = 0; i < a->n; i++)
+        sb_printf(b, "dilocod_node_recommended_local_steps{node=\"%s\"} %" PRIu64 "\n", a->nodes[i].node_id,
+                  recommend(d, &a->nodes[i], top));
+}
+
+const daemon_provider daemon__async_provider = {"async", async_status, async_metrics};
