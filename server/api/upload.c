@@ -285,8 +285,16 @@ static int verdict_message(dilocod *d, round_verdict v, const delta_info *info, 
 {
     const round_entry *e;
 
+    const round_state *r = daemon_round(d);
+
     switch (v) {
     case ROUND_STALE:
+        if (r->async && known_base) {
+            snprintf(msg, size, "base_outer_step %" PRIu64 " is stale: tau = %" PRIu64 " updates behind step %" PRIu64
+                     ", above max_staleness S = %" PRIu64, info->base_outer_step, r->step - info->base_outer_step,
+                     r->step, r->max_staleness);
+            return 409;
+        }
         if (known_base)
             snprintf(msg, size, "base_outer_step %" PRIu64 " is stale: the round for step %" PRIu64 " is %s",
                      info->base_outer_step, daemon_round(d)->step, info->base_outer_step == daemon_round(d)->step ? "closed" : "open");
@@ -305,6 +313,10 @@ static int verdict_message(dilocod *d, round_verdict v, const delta_info *info, 
     case ROUND_UNKNOWN_NODE:
         snprintf(msg, size, "node %s is not in the allow-list", info->node_id);
         return 403;
+    case ROUND_BUSY:
+        snprintf(msg, size, "%zu deltas already wait for an update (async_queue %zu): retry shortly", round_pending(r),
+                 r->queue_max);
+        return 503;
     default:
         snprintf(msg, size, "the round already has its %u nodes", daemon_config(d)->expected_nodes);
         return 409;
@@ -317,10 +329,12 @@ int upload_peek_or_refuse(dilocod *d, http_conn *c, const delta_info *info, int 
     char msg[240];
     round_verdict v = daemon__peek(d, info);
 
-    if (v == ROUND_ACCEPTED || v == ROUND_REPLACED)
+    if (round_verdict_taken(v))
         return 0;
     int status = verdict_message(d, v, info, known_base, msg, sizeof(msg));
     stats_delta_refused(daemon_stats(d), v);
+    if (status == 503)
+        (void)http_conn_set_response_header(c, "Retry-After", "1");
     upload_refuse(c, info->node_id, status, round_verdict_name(v), msg, NULL);
     return -1;
 }
@@ -538,6 +552,7 @@ void upload_respond_created(upload *u, const delta_info *info, const char *rel, 
 
     if (!http_conn_alive(u->c))
         return;
+    upload_recommend(d, u->c, info->node_id);       /* with this delta's measure */
     snprintf(num, sizeof(num),
              "{\"node_id\":\"%s\",\"local_step\":%" PRIu64 ",\"base_outer_step\":%" PRIu64 ",\"bytes\":%" PRIu64
              ",\"result\":\"%s\",",
@@ -567,11 +582,10 @@ static void finalize_done(pool_job *j)
         /* the file is in the cache: whatever happens to the connection, the round gets it */
         round_verdict v = daemon__offer(d, &u->ds.info, a->cache_path, size);
         a->cache_path = NULL;
-        if (v == ROUND_ACCEPTED || v == ROUND_REPLACED)
+        if (round_verdict_taken(v))
             upload_respond_created(u, &u->ds.info, u->rel, v, size);
         else
-            upload_reject(u, v == ROUND_UNKNOWN_NODE ? 403 : 409, round_verdict_name(v),
-                   "the round changed while the delta was uploaded", NULL);
+            upload_reject_verdict(u, &u->ds.info, v);
     } else if (a->st == INTAKE_DUPLICATE) {
         upload_reject(u, 409, "not_newer", "this node's delta for this local_step is already in the round", NULL);
     } else {
@@ -693,10 +707,34 @@ uint64_t upload_body_limit(const dilocod *d)
 }
 
 /* What every upload must pass before its body is read.  0, or -1 when answered. */
+/* Async mode: every upload answer carries the local steps recommended to its node (DyLU). */
+void upload_recommend(dilocod *d, http_conn *c, const char *node_id)
+{
+    uint64_t h = daemon__async_recommended(d, node_id);
+    char v[24];
+
+    if (h == 0)
+        return;
+    snprintf(v, sizeof(v), "%" PRIu64, h);
+    (void)http_conn_set_response_header(c, "X-Recommended-Local-Steps", v);
+}
+
+/* A delta the round refused once its body was in (the round changed meanwhile). */
+void upload_reject_verdict(upload *u, const delta_info *info, round_verdict v)
+{
+    char msg[240];
+    int status = verdict_message(u->d, v, info, 1, msg, sizeof(msg));
+
+    if (status == 503)
+        (void)http_conn_set_response_header(u->c, "Retry-After", "1");
+    upload_reject(u, status, round_verdict_name(v), msg, NULL);
+}
+
 int upload_admit(dilocod *d, http_conn *c, http_request *req, const char *node_id)
 {
     if (authorize(d, c, req, node_id) != 0)
         return -1;
+    upload_recommend(d, c, node_id);
     if (uploads.in_flight >= (int)daemon_config(d)->max_uploads) {
         /* each upload holds two 1 MiB buffers and up to max_delta_header_mib of header: bounded */
         static const char body[] =

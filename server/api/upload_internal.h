@@ -132,6 +132,10 @@ int upload_peek_or_refuse(dilocod *d, http_conn *c, const delta_info *info, int 
 int upload_peek(upload *u, const delta_info *info);
 
 /* Answers a refused upload (when its client still listens) and logs it. */
+/* Async mode: the X-Recommended-Local-Steps header on every answer to this request. */
+void upload_recommend(dilocod *d, http_conn *c, const char *node_id);
+/* Answers a delta the round refused after its body arrived (verdict v). */
+void upload_reject_verdict(upload *u, const delta_info *info, round_verdict v);
 void upload_refuse(http_conn *c, const char *node_id, int status, const char *code, const char *msg,
                    const char *tensor);
 /* upload_refuse for u, marked failed first; _err: the status from the error's code, counted. */

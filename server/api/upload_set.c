@@ -673,11 +673,10 @@ static void complete_done(pool_job *j)
         /* the set is in the cache: whatever happens to the connection, the round gets it */
         round_verdict v = daemon__offer(d, &a->info, a->cache_path, a->size);
         a->cache_path = NULL;
-        if (u != NULL && (v == ROUND_ACCEPTED || v == ROUND_REPLACED))
+        if (u != NULL && round_verdict_taken(v))
             upload_respond_created(u, &a->info, a->rel, v, a->size);
         else if (u != NULL)
-            upload_reject(u, v == ROUND_UNKNOWN_NODE ? 403 : 409, round_verdict_name(v),
-                   "the round changed while the set was uploaded", NULL);
+            upload_reject_verdict(u, &a->info, v);
         stage_discard(s, 0, "", "");
     } else {
         char why[sizeof(j->err.message) + 32];

@@ -113,6 +113,9 @@ void http_respond(http_conn *c, int status, const char *content_type, const char
                   size_t len);
 /* {"error":{"code":...,"message":...,"tensor":...}} */
 void http_respond_error(http_conn *c, int status, const char *code, const char *message, const char *tensor);
+/* One header line every response to the current request carries (set again: replaced).  0, or -EINVAL
+ * for a name or value that is not one header line. */
+int http_conn_set_response_header(http_conn *c, const char *name, const char *value);
 /* Like http_respond, for a body that outlives the connection (static data): it is not copied. */
 void http_respond_static(http_conn *c, int status, const char *content_type, const char *extra_headers,
                          const char *body, size_t len);

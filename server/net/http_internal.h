@@ -80,6 +80,7 @@ struct http_conn {
     /* current request */
     http_request req;
     int in_request, head_done, responded, message_done;
+    char resp_header[128];      /* one header line ("Name: value\r\n") every response to the request carries */
     size_t header_bytes;
     sbuf url, hname, hval;
     int in_value;

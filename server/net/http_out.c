@@ -305,9 +305,25 @@ static char *response_head(http_conn *c, int status, const char *content_type, c
     }
     if (extra != NULL)
         sb_str(&b, extra);
+    sb_str(&b, c->resp_header);
     sb_str(&b, "\r\n");
     *out_len = b.len;
     return sb_take(&b);
+}
+
+int http_conn_set_response_header(http_conn *c, const char *name, const char *value)
+{
+    size_t n = strlen(name), v = strlen(value);
+
+    /* a header line of ours: a token name and a value without CR or LF */
+    if (n == 0 || strpbrk(name, ": \r\n") != NULL || strpbrk(value, "\r\n") != NULL ||
+        n + v + 5 > sizeof(c->resp_header))
+        return -EINVAL;
+    memcpy(c->resp_header, name, n);
+    memcpy(c->resp_header + n, ": ", 2);
+    memcpy(c->resp_header + n + 2, value, v);
+    memcpy(c->resp_header + n + 2 + v, "\r\n", 3);
+    return 0;
 }
 
 void http_respond(http_conn *c, int status, const char *content_type, const char *extra_headers, const char *body,

@@ -55,6 +55,7 @@ static int on_message_begin(llhttp_t *p)
     memset(&c->hval, 0, sizeof(c->hval));
     c->in_request = 1;
     c->head_done = c->responded = c->message_done = 0;
+    c->resp_header[0] = '\0';
     c->header_bytes = 0;
     c->in_value = 0;
     c->body = NULL;
