@@ -405,6 +405,7 @@ int daemon_run(config *cfg)
     d->cfg = cfg;
     d->started_at = time(NULL);
     d->published_step = -1;
+    d->publish.last_started = -1;
     d->adopt_refused_step = -1;
     d->layout.step = -1;
     d->layout.nshards = 1;

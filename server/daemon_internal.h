@@ -81,6 +81,9 @@ typedef struct daemon_publishing {
     int bootstrap;              /* the publish in flight is the bootstrap's step 0 (the state may have moved on
                                    by the time it is done: a round can close as soon as step 0 is committed) */
     double backoff;             /* seconds before the next publish retry (0: the last one succeeded) */
+    double last_started;        /* when the last publish started (daemon__now; < 0: none yet), for
+                                   --publish-interval */
+    uint64_t coalesced;         /* committed steps never published: a newer one went out instead */
     char last_error[256];
 } daemon_publishing;
 

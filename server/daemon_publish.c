@@ -302,6 +302,15 @@ void daemon__on_publish_done(void *app, uint64_t step, const char *error)
     }
 }
 
+/* A publish of the committed step starts: the steps since the last one published are never published
+ * (coalesced), and the interval runs from now. */
+static void publish_started(dilocod *d)
+{
+    if (d->published_step >= 0 && d->st.step > (uint64_t)d->published_step + 1)
+        d->publish.coalesced += d->st.step - (uint64_t)d->published_step - 1;
+    d->publish.last_started = daemon__now(d);
+}
+
 void daemon__maybe_publish(dilocod *d)
 {
     /* published_known: the transport has told what it holds (its first poll), so a restart does not
@@ -309,6 +318,14 @@ void daemon__maybe_publish(dilocod *d)
     if (d->hub == NULL || pipeline_any_busy(&d->pipe, STEP_ACT_PUBLISH) || d->stopping || !d->st.committed ||
         !d->published_known || d->published_step == (int64_t)d->st.step)
         return;
+    /* --publish-interval: the newest step, at most that often (the Hub allows 128 commits an hour per
+     * repository: async mode commits an update per delta) */
+    double wait = d->publish.last_started >= 0 ? d->publish.last_started + d->cfg->publish_interval - daemon__now(d) : 0;
+    if (d->cfg->publish_interval > 0 && wait > 0) {
+        if (!uv_is_active((uv_handle_t *)&d->publish_timer))
+            uv_timer_start(&d->publish_timer, publish_retry_cb, (uint64_t)(wait * 1000) + 1, 0);
+        return;
+    }
     if (d->layout.nshards > 1) {
         /* the sharded layout: its set once written (daemon__ensure_set publishes when it is) */
         char *index = d->layout.step == (int64_t)d->st.step ? set_index_path(d, d->st.step) : NULL;
@@ -317,6 +334,7 @@ void daemon__maybe_publish(dilocod *d)
             return;
         }
         d->publish.bootstrap = d->st.bootstrap && d->st.step == 0;
+        publish_started(d);
         hub_publish(d->hub, d->st.step, index, config_optimizer_name(d->cfg->optimizer), d->publish.bootstrap);
         free(index);
         return;
@@ -324,6 +342,7 @@ void daemon__maybe_publish(dilocod *d)
     if (pipeline_start(&d->pipe, d->st.step, STEP_ACT_PUBLISH) != 0)
         return;
     d->publish.bootstrap = d->st.bootstrap && d->st.step == 0;
+    publish_started(d);
     hub_publish(d->hub, d->st.step, d->st.global_path, config_optimizer_name(d->cfg->optimizer),
                 d->publish.bootstrap);
 }

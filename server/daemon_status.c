@@ -305,9 +305,10 @@ static void hub_status_json(const dilocod *d, sbuf *b)
         sb_printf(b, "%" PRId64, d->published_step);
     else
         sb_str(b, "null");
-    sb_printf(b, ",\"publish_pending\":%s,\"errors\":%" PRIu64 ",\"last_error\":",
+    sb_printf(b, ",\"publish_pending\":%s,\"publish_interval\":%.9g,\"coalesced\":%" PRIu64 ",\"errors\":%" PRIu64
+                 ",\"last_error\":",
               d->hub != NULL && d->st.committed && d->published_step != (int64_t)d->st.step ? "true" : "false",
-              d->m.publish_errors);
+              d->cfg->publish_interval, d->publish.coalesced, d->m.publish_errors);
     json_string_or_null(b, hs != NULL ? hs->last_error : NULL);
     sb_str(b, "}");
 }
@@ -322,6 +323,9 @@ static void hub_metrics(const dilocod *d, sbuf *b)
     sb_printf(b, "dilocod_published_step %" PRId64 "\n", d->published_step);
     metric(b, "publish_errors_total", "counter", "Failed publish attempts (retried).");
     sb_printf(b, "dilocod_publish_errors_total %" PRIu64 "\n", d->m.publish_errors);
+    metric(b, "publish_coalesced_total", "counter", "Committed steps never published: a newer one went out instead "
+           "(--publish-interval).");
+    sb_printf(b, "dilocod_publish_coalesced_total %" PRIu64 "\n", d->publish.coalesced);
     metric(b, "hub_last_poll_timestamp_seconds", "gauge", "When the hub was last listed (Unix time; 0: never).");
     sb_printf(b, "dilocod_hub_last_poll_timestamp_seconds %lld\n", (long long)hs->last_poll);
     metric(b, "hub_last_publish_timestamp_seconds", "gauge", "When a step was last published (Unix time; 0: never).");
