@@ -411,16 +411,12 @@ static void requeue_cache(dilocod *d)
         requeue_cache_dir(d, d->st.step);
         return;
     }
-    char *top = store_path_cached_delta(d->st.dir, 0, "x", 0), *cut;
+    char *top = store_cache_root(&d->st);
     uv_fs_t req;
     uv_dirent_t ent;
 
-    /* cache/deltas/s0/x/delta_0.safetensors -> cache/deltas */
-    if (top == NULL || (cut = strstr(top, "/s0/x/")) == NULL) {
-        free(top);
+    if (top == NULL)
         return;
-    }
-    *cut = '\0';
     if (uv_fs_scandir(&d->loop, &req, top, 0, NULL) >= 0) {
         while (uv_fs_scandir_next(&req, &ent) != UV_EOF) {
             uint64_t base;

@@ -103,6 +103,11 @@ static int dn_parse(const cJSON *v, store_dn *dn, int with_weight)
     return 0;
 }
 
+char *store_cache_root(const store *s)
+{
+    return path_fmt("%s/cache/deltas", s->dir);
+}
+
 char *store_cache_dir(const store *s, uint64_t step)
 {
     return path_fmt("%s/cache/deltas/s%" PRIu64, s->dir, step);

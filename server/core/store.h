@@ -142,6 +142,7 @@ char *store_accum_path(const store *s, uint64_t step);     /* outer_accum-<step>
 const char *store_dn_variant_name(int paper);
 char *store_set_dir(const store *s, uint64_t step);         /* global/set-<step> */
 char *store_cache_dir(const store *s, uint64_t step);       /* cache/deltas/s<step> */
+char *store_cache_root(const store *s);                     /* cache/deltas */
 char *store_incoming_dir(const store *s);
 /* The same tree's paths from the state directory's name alone, for the code that holds no store (intake,
  * the transports, the daemon before its store is open, the configuration): every path under the state
