@@ -652,8 +652,8 @@ static int reopen_round(dilocod *d)
     uv_timer_stop(&d->progress_timer);
     daemon__pass_release(d);
     pipeline_move(&d->pipe, d->rnd.step + 1, STEP_COLLECTING);
-    if (d->rnd.timeout > 0 && d->rnd.n > 0)
-        daemon__arm_round_timer(d);
+    if (d->rnd.n > 0)
+        daemon__arm_round_timer(d);     /* the timeout (sync) or the grace window (async), if any */
     daemon__start_warm(d);              /* the pass that gave up took the warm files with it */
     daemon__dispatch_intake(d);
     daemon__maybe_close_round(d);
