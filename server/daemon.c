@@ -304,8 +304,9 @@ static int startup(dilocod *d, dl_error *err)
     }
     if ((rc = history_compact(d->st.dir, d->cfg->history_keep, err)) != 0)
         daemon__log_error("store", "cannot compact rounds.jsonl (it keeps growing)", err);
-    if ((rc = history_load(&d->history, d->st.dir, d->st.committed ? d->st.step : UINT64_MAX, d->st.round_json,
-                           err)) != 0)
+    /* async: the deltas the history lists were applied; one that comes again is refused */
+    if ((rc = history_load_each(&d->history, d->st.dir, d->st.committed ? d->st.step : UINT64_MAX, d->st.round_json,
+                                d->cfg->async ? daemon__async_load_record : NULL, d, err)) != 0)
         return rc;
     if (d->st.committed) {
         dl_log(DL_LOG_INFO, "store", "resuming", "step=%" PRIu64 " dir=%s", d->st.step, d->st.dir);
@@ -472,6 +473,7 @@ int daemon_run(config *cfg)
     auth_free(&d->auth);
     daemon__served_clear(&d->global);
     history_free(&d->history);
+    daemon__async_free(d);
     history_record_free(&d->pending_record);
     free(d->pending_round);
     free(d->settle.unappended);

@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <xxhash.h>
+
 #include "round.h"
 #include "strbuf.h"
 
@@ -172,9 +174,104 @@ void daemon__async_committed(dilocod *d, const store_dn *dn)
         d->async.nesterov_steps++;
 }
 
+/* ---- the deltas applied ---------------------------------------------------------------------- */
+
+static uint64_t delta_key(const char *node_id, uint64_t base, uint64_t local_step)
+{
+    char buf[DELTA_NODE_ID_MAX + 1 + 16];
+    size_t n = strlen(node_id);
+
+    memcpy(buf, node_id, n + 1);
+    memcpy(buf + n + 1, &base, 8);
+    memcpy(buf + n + 9, &local_step, 8);
+    uint64_t h = XXH64(buf, n + 17, 0x646c7461u);
+    return h != 0 ? h : 1;
+}
+
+static size_t slot_of(const applied_set *s, uint64_t key)
+{
+    size_t i = (size_t)key & (s->cap - 1);
+    while (s->keys[i] != 0 && s->keys[i] != key)
+        i = (i + 1) & (s->cap - 1);
+    return i;
+}
+
+/* Rebuilt at cap, without the entries of a base below floor.  0, or -1 out of memory (unchanged). */
+static int applied_rebuild(applied_set *s, size_t cap, uint64_t floor)
+{
+    applied_set t = {calloc(cap, sizeof(uint64_t)), calloc(cap, sizeof(uint64_t)), 0, cap};
+
+    if (t.keys == NULL || t.bases == NULL) {
+        free(t.keys);
+        free(t.bases);
+        return -1;
+    }
+    for (size_t i = 0; i < s->cap; i++) {
+        if (s->keys[i] == 0 || s->bases[i] < floor)
+            continue;
+        size_t j = slot_of(&t, s->keys[i]);
+        t.keys[j] = s->keys[i];
+        t.bases[j] = s->bases[i];
+        t.n++;
+    }
+    free(s->keys);
+    free(s->bases);
+    *s = t;
+    return 0;
+}
+
+static void applied_add(dilocod *d, const char *node_id, uint64_t base, uint64_t local_step)
+{
+    applied_set *s = &d->async.applied;
+    uint64_t key = delta_key(node_id, base, local_step);
+
+    if ((s->n + 1) * 2 > s->cap && applied_rebuild(s, s->cap ? s->cap * 2 : 1024, 0) != 0) {
+        /* no memory: not remembered, so a repeat of it would be taken again; said, not fatal */
+        dl_log(DL_LOG_ERROR, "round", "out of memory remembering an applied delta", "node=%s", node_id);
+        return;
+    }
+    size_t i = slot_of(s, key);
+    if (s->keys[i] == 0) {
+        s->keys[i] = key;
+        s->bases[i] = base;
+        s->n++;
+    }
+}
+
+int daemon__async_applied(const dilocod *d, const delta_info *info)
+{
+    const applied_set *s = &d->async.applied;
+
+    if (s->cap == 0)
+        return 0;
+    uint64_t key = delta_key(info->node_id, info->base_outer_step, info->local_step);
+    return s->keys[slot_of(s, key)] == key;
+}
+
+void daemon__async_record_applied(dilocod *d, const round_record *r)
+{
+    if (!r->async)
+        return;
+    for (size_t i = 0; i < r->n; i++)
+        applied_add(d, r->nodes[i].node_id, r->nodes[i].base_outer_step, r->nodes[i].local_step);
+    /* with a staleness bound, a delta more than it behind is refused as stale anyway: forgotten once the
+     * set would grow */
+    applied_set *s = &d->async.applied;
+    uint64_t step = r->step + 1, bound = d->cfg->max_staleness;
+    if (bound != CONFIG_NO_STALENESS_BOUND && step > bound + 1 && (s->n + 1) * 2 > s->cap)
+        (void)applied_rebuild(s, s->cap, step - bound - 1);
+}
+
+void daemon__async_load_record(void *arg, const round_record *r)
+{
+    daemon__async_record_applied(arg, r);
+}
+
 void daemon__async_free(dilocod *d)
 {
     free(d->async.nodes);
+    free(d->async.applied.keys);
+    free(d->async.applied.bases);
     memset(&d->async, 0, sizeof(d->async));
 }
 

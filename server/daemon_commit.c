@@ -489,6 +489,7 @@ static void commit_done(job *j)
     }
     pipeline_move(&d->pipe, d->st.step, STEP_COMMITTED);
     log_round_stats(d);
+    daemon__async_record_applied(d, &d->pending_record);
     record_round(d);
     daemon__async_committed(d, &d->agg.dn);
     daemon__serve_step(d, fd, d->st.step);

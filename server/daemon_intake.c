@@ -110,7 +110,11 @@ static void count_refusal(dilocod *d, round_verdict v)
 round_verdict daemon__peek(dilocod *d, const delta_info *info)
 {
     /* no global yet: nothing can be based on a step we do not have */
-    return daemon__state(d) == S_WAITING_GLOBAL ? ROUND_FUTURE : round_peek(&d->rnd, info);
+    if (daemon__state(d) == S_WAITING_GLOBAL)
+        return ROUND_FUTURE;
+    if (d->rnd.async && daemon__async_applied(d, info))
+        return ROUND_NOT_NEWER;         /* applied already */
+    return round_peek(&d->rnd, info);
 }
 
 /* daemon__offer, for a delta linked from a shared tree when guard is non-NULL: the version validated,
@@ -120,7 +124,12 @@ static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path,
 {
     char *replaced = NULL, qn[160];
     double now = daemon__now(d);
-    round_verdict v = round_offer(&d->rnd, info, cache_path, size, now, recovered, &replaced);
+    /* async: a delta applied already (an upload retried, a tree handed over again) is not newer */
+    round_verdict v = d->rnd.async && daemon__async_applied(d, info)
+                          ? ROUND_NOT_NEWER
+                          : round_offer(&d->rnd, info, cache_path, size, now, recovered, &replaced);
+    if (v == ROUND_NOT_NEWER && d->rnd.async)
+        round_count_refused(&d->rnd, v);
     int first = d->rnd.n == 1 && v == ROUND_ACCEPTED;
 
     if (round_verdict_taken(v) && guard != NULL)

@@ -114,9 +114,18 @@ typedef struct async_node {
     uint64_t deltas;
 } async_node;
 
+/* The deltas applied, by a 64-bit hash of (node, base, local_step), with their base: an open-addressing
+ * set (0 is an empty slot), for refusing one that comes again (an upload retried after its answer was
+ * lost, a file:// tree handed over again at a restart).  Filled at startup from rounds.jsonl. */
+typedef struct applied_set {
+    uint64_t *keys, *bases;
+    size_t n, cap;              /* cap: a power of two, or 0 */
+} applied_set;
+
 typedef struct daemon_async {
     async_node *nodes;
     size_t n, cap;
+    applied_set applied;
     uint64_t tau_hist[ASYNC_TAU_BUCKETS];
     double tau_sum;
     uint64_t accepted, updates, nesterov_steps;

@@ -42,6 +42,12 @@ store_dn daemon__async_after(const store_dn *dn);
 /* An update committed: counted. */
 void daemon__async_committed(dilocod *d, const store_dn *dn);
 void daemon__async_free(dilocod *d);
+/* Whether info's delta was applied already (async mode: it is refused as not newer). */
+int daemon__async_applied(const dilocod *d, const delta_info *info);
+/* The committed update's deltas join the applied set (and deltas too stale to be taken again leave it). */
+void daemon__async_record_applied(dilocod *d, const round_record *r);
+/* For history_load_each at startup: each record's deltas join the applied set. */
+void daemon__async_load_record(void *d, const round_record *r);
 extern const daemon_provider daemon__async_provider;
 
 /* ---- daemon.c: wiring and lifecycle ---- */

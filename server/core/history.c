@@ -285,6 +285,12 @@ static int trim_torn_tail(const char *path, FILE *f, dl_error *err)
 int history_load(history *h, const char *state_dir, uint64_t committed_step, const char *committed_round_json,
                  dl_error *err)
 {
+    return history_load_each(h, state_dir, committed_step, committed_round_json, NULL, NULL, err);
+}
+
+int history_load_each(history *h, const char *state_dir, uint64_t committed_step, const char *committed_round_json,
+                      void (*each)(void *arg, const round_record *r), void *arg, dl_error *err)
+{
     char *path = history_path(state_dir), *line = NULL;
     size_t cap = 0;
     FILE *f = NULL;
@@ -312,6 +318,8 @@ int history_load(history *h, const char *state_dir, uint64_t committed_step, con
         }
         if (committed_step != UINT64_MAX && r.step + 1 == committed_step)
             have_committed = 1;
+        if (each != NULL)
+            each(arg, &r);
         history_push(h, &r);
     }
     if (committed_round_json != NULL && !have_committed && history_record_parse(&r, committed_round_json) == 0) {
@@ -322,6 +330,8 @@ int history_load(history *h, const char *state_dir, uint64_t committed_step, con
                 history_record_free(&r);
                 goto out;
             }
+            if (each != NULL)
+                each(arg, &r);
             history_push(h, &r);
         } else {
             history_record_free(&r);

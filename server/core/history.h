@@ -78,6 +78,9 @@ int history_append(const char *state_dir, const char *lines, dl_error *err);
  * NULL) if the file lacks it.  committed_step is UINT64_MAX when nothing is committed. */
 int history_load(history *h, const char *state_dir, uint64_t committed_step, const char *committed_round_json,
                  dl_error *err);
+/* history_load, calling each(arg, record) for every record it keeps (before the ring may drop it). */
+int history_load_each(history *h, const char *state_dir, uint64_t committed_step, const char *committed_round_json,
+                      void (*each)(void *arg, const round_record *r), void *arg, dl_error *err);
 /* Retention: past 2 x keep records, rounds.jsonl is rewritten with the last keep (startup only). */
 int history_compact(const char *state_dir, size_t keep, dl_error *err);
 

@@ -267,3 +267,36 @@ def test_grace_window_batches_and_max_staleness_refuses(tmp_path):
         assert nodes["w0"]["recommended_local_steps"] >= 1
     finally:
         assert d.stop() == 0
+
+
+def test_a_delta_is_applied_once_across_retries_and_restarts(tmp_path):
+    """An upload retried after its delta was applied, and a file:// tree handed over again at a restart,
+    do not apply a delta twice (async mode takes old bases, so the staleness check cannot tell)."""
+    init = model(5)
+    init_path = tmp_path / "init.safetensors"
+    write_model(init_path, init)
+    hub = tmp_path / "hub"
+    oracle = AsyncOracle(init, 1)
+    rng = np.random.default_rng(3)
+    d = Dilocod(tmp_path, hub, "--init-model", str(init_path), "--mode", "async", "--expected-nodes", "2",
+                "--dn-period", "1", "--threads", "2").start()
+    try:
+        d.wait_step(0)
+        for step in range(3):
+            delta = rand_delta(rng, oracle.state, 0.01)
+            write_delta(hub, f"w{step % 2}", 0, 10 * (step + 1), delta)     # all based on step 0
+            d.wait_step(step + 1)
+            oracle.update([delta], 1.0)
+        again = rand_delta(rng, oracle.state, 0.01)
+        status, _, body = put_delta(d, "w0", 0, 10, again)                  # w0's first delta, once more
+        assert status == 409 and body["error"]["code"] == "not_newer", body
+        assert d.stop() == 0
+        d.start()
+        # the tree's three deltas are handed over again and refused as applied
+        d.wait_until(lambda: ((d.get_json("/status") or {}).get("counters") or {}).get("not_newer", 0) >= 3,
+                     "the tree's deltas refused as applied")
+        st = d.get_json("/status")
+        assert st["outer_step"] == 3 and st["async"]["queue"]["pending"] == 0, st
+        assert_state_equal(load_torch(hub / "global" / "latest.safetensors"), oracle.state)
+    finally:
+        assert d.stop() == 0
