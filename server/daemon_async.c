@@ -199,9 +199,9 @@ static size_t slot_of(const applied_set *s, uint64_t key)
 /* Rebuilt at cap, without the entries of a base below floor.  0, or -1 out of memory (unchanged). */
 static int applied_rebuild(applied_set *s, size_t cap, uint64_t floor)
 {
-    applied_set t = {calloc(cap, sizeof(uint64_t)), calloc(cap, sizeof(uint64_t)), 0, cap};
+    applied_set t = {NULL, NULL, 0, cap};
 
-    if (t.keys == NULL || t.bases == NULL) {
+    if ((t.keys = calloc(cap, sizeof(uint64_t))) == NULL || (t.bases = calloc(cap, sizeof(uint64_t))) == NULL) {
         free(t.keys);
         free(t.bases);
         return -1;
