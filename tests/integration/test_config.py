@@ -49,6 +49,10 @@ ROUND_TRIPS = [
      "--log-format", "json", "--log-level", "debug", "--listen", "none", "--threads", "3"],
     ["--round-timeout", "30", "--hub", "hf://org/model@main", "--hub-endpoint", "http://127.0.0.1:9"],
     ["--expected-nodes", "2", "--listen", "[::1]:0", "--max-body-mib", "7", "--header-timeout", "0.25"],
+    ["--mode", "async", "--max-staleness", "4", "--staleness-weight", "poly", "--dn-period", "3", "--dn-variant",
+     "paper", "--dn-momentum-activation", "0.25", "--grace-ms", "250", "--async-queue", "9", "--dylu-base-steps",
+     "64", "--publish-interval", "2.5"],
+    ["--mode", "async", "--hub", "hf://org/model", "--hub-endpoint", "http://127.0.0.1:9"],
 ]
 
 
@@ -150,12 +154,33 @@ def test_quoted_listen_serves_there(tmp_path):
     ('state_root = "/tmp/a\\qb"\n', "unknown escape"),
     ("listen = 127.0.0.1:99999\n", "port must be"),
     ('min_nodes = "x"\n', "not an integer"),
+    ("mode = asynchronous\n", "not a mode"),
+    ("max_staleness = -1\n", "not an integer"),
+    ("staleness_weight = linear\n", "not a staleness weight"),
+    ("dn_variant = adam\n", "not a Delayed Nesterov variant"),
 ])
 def test_syntax_errors_name_file_line_and_option(tmp_path, line, needle):
     conf = tmp_path / "d.conf"
     conf.write_text("# a comment line\nexpected_nodes = 2\n" + line)
     key = line.split("=")[0].strip()
     assert_fails(dilocod("--config", conf, "--check-config"), re.escape(f"{conf}:3: {key}:"), needle)
+
+
+def test_async_options_checked_and_defaulted(tmp_path):
+    """Async mode's values are checked together (c at most 1/N, for the paper variant only), its defaults
+    derived from the round size, and hf:// publishes at most every 30 s in async mode unless told."""
+    assert_fails(dilocod("--expected-nodes", "4", "--mode", "async", "--dn-variant", "paper",
+                         "--dn-momentum-activation", "0.5", "--check-config"), "dn-momentum-activation", "above 1/N")
+    assert_fails(dilocod("--expected-nodes", "4", "--mode", "async", "--dn-momentum-activation", "0.1",
+                         "--check-config"), "dn-momentum-activation", "paper")
+    out = dilocod("--expected-nodes", "4", "--mode", "async", "--hub", "hf://org/model", "--hub-endpoint",
+                  "http://127.0.0.1:9", "--check-config", check=None).stdout
+    conf = dict(line.split(" = ", 1) for line in out.splitlines() if " = " in line and not line.startswith("#"))
+    assert conf["mode"] == "async" and conf["dn_period"] == "4" and conf["async_queue"] == "16", conf
+    assert conf["publish_interval"] == "30" and conf["max_staleness"] == "none", conf
+    out = dilocod("--expected-nodes", "4", "--check-config", check=None).stdout
+    conf = dict(line.split(" = ", 1) for line in out.splitlines() if " = " in line and not line.startswith("#"))
+    assert conf["mode"] == "sync" and conf["publish_interval"] == "0", conf
 
 
 def test_control_characters_refused(tmp_path):
