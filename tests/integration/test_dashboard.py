@@ -18,6 +18,10 @@ extra package): the layout through the DOM (nothing wider than the viewport, nod
 line), the series' colours and marker shapes, hover highlighting, and the screenshots' pixels (each
 series' marker is drawn in its own colour, the colours differ, dark mode is dark, a dimmed series fades).
 
+In async mode (--mode async) a live page shows the async panel: the mode, the Delayed Nesterov phase
+(k of N), the queue depth (pending of max, non-zero while a long --grace-ms holds deltas), the staleness
+histogram and each node's speed and recommended local steps, all as /status reports them.
+
 Screenshots go to the test's tmp dir, or to $DASHBOARD_SCREENSHOT_DIR when set (to look at them)."""
 import base64
 import io
@@ -38,7 +42,7 @@ import torch
 from PIL import Image
 from safetensors.numpy import save as np_save
 
-from dilocod_proc import Dilocod, delta_metadata, random_deltas, write_model
+from dilocod_proc import Dilocod, delta_metadata, random_deltas, write_delta, write_model
 
 CHROMIUM = Path("/usr/bin/chromium")
 NODES = ("node-a", "node-b")
@@ -229,7 +233,7 @@ def test_dashboard_in_headless_chromium(tmp_path):
             r = s.get(url + "/", timeout=10)
         assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/html"), r.headers
         assert "default-src 'self'" in r.headers["Content-Security-Policy"], r.headers
-        assert len(r.content) < 40_000, len(r.content)
+        assert len(r.content) < 44_000, len(r.content)
         assert r.content == (Path(__file__).resolve().parents[2] / "server" / "api" / "dashboard.html").read_bytes(), \
             "dilocod serves another page than server/api/dashboard.html: rebuild (make)"
         check_self_contained(r.text)
@@ -257,6 +261,8 @@ def test_dashboard_in_headless_chromium(tmp_path):
         assert "http://" not in html and "https://" not in html, "absolute URL in the rendered DOM"
         dom = Dom(html)
         assert dom.by_id("outer-step").text_content().strip() == str(ROUNDS)
+        assert status(url)["mode"] == "sync" and "hidden" in dom.by_id("async").attrs   # sync: no async panel
+        assert dom.by_id("h-round").text_content().strip() == "Current round"
         assert dom.by_id("state").text_content().strip() == "collecting deltas"
         assert dom.by_id("state").attrs.get("data-state") == "collecting"
         assert [c for c in dom.by_id("round-nodes").children] == []
@@ -588,3 +594,103 @@ def test_dashboard_before_any_global(tmp_path):
     finally:
         assert d.stop(timeout=30) == 0, d.log_text()[-3000:]
 
+
+
+ASYNC_JS = r"""(() => {
+  const t = id => document.getElementById(id).textContent.trim();
+  return {hidden: document.getElementById('async').hidden, mode: t('async-mode'), dn: t('async-dn'), queue: t('async-queue'),
+          round: document.getElementById('round-summary').innerText, title: t('h-round'),
+          kv: document.getElementById('async-kv').innerText,
+          bars: [...document.querySelectorAll('#plot-staleness rect.hbar')].map(r => [r.getAttribute('data-le'), +r.getAttribute('data-count')]),
+          nodes: [...document.querySelectorAll('#async-nodes tr')].map(tr => ({node: tr.getAttribute('data-node'),
+            rec: tr.querySelector('td.rec').textContent, cells: [...tr.children].map(c => c.textContent)}))};
+})()"""
+
+
+def test_dashboard_async_panel(tmp_path):
+    """--mode async, five updates from two nodes at different speeds (three deltas written into the
+    file:// hub, two PUT), with mixed staleness: the panel shows the mode, the DN phase "2 of 3", the
+    queue "0 of 5", the staleness histogram bucket by bucket and each node's deltas, speed and
+    recommended local steps, as /status has them; nothing overflows at 1280 or 360 px.  Then a second
+    dilocod with a grace window of an hour holds two PUT deltas: the queue shows "2 of 5"."""
+    shots = Path(os.environ.get("DASHBOARD_SCREENSHOT_DIR") or tmp_path)
+    shots.mkdir(parents=True, exist_ok=True)
+    model = small_model()
+    write_model(tmp_path / "init.safetensors", model)
+    hub = tmp_path / "hub"
+    d = Dilocod(tmp_path, hub, "--init-model", str(tmp_path / "init.safetensors"), "--mode", "async",
+                "--expected-nodes", "2", "--dn-period", "3", "--grace-ms", "0", "--async-queue", "5",
+                "--max-staleness", "4", "--dylu-base-steps", "40").start()
+    try:
+        url = d.url
+        wait_status(url, lambda s: s["outer_step"] == 0, "bootstrap")
+        rng = np.random.default_rng(4)
+        # (node, base step, local step): node-a does 10 local steps per delta, node-b 5; taus 0, 1, 1, 1, 3
+        plan = [("node-a", 0, 10), ("node-b", 0, 5), ("node-a", 1, 20), ("node-a", 2, 30), ("node-b", 1, 10)]
+        for i, (node, base, local) in enumerate(plan):
+            tensors = random_deltas(rng, model, scale=0.01)
+            if i < 3:
+                write_delta(hub, node, base, local, tensors)
+            else:
+                assert upload(url, node, base, local, tensors)["result"] == "accepted"
+            wait_status(url, lambda s, k=i + 1: s["outer_step"] == k and s["async"]["updates"] == k, f"update {i + 1}")
+        st = status(url)
+        a = st["async"]
+        assert st["mode"] == "async" and a["dn"]["k"] == 2 and a["dn"]["period"] == 3, a
+        assert a["queue"]["pending"] == 0 and a["queue"]["max"] == 5, a["queue"]
+        hist = a["staleness"]["histogram"]
+        assert (hist["0"], hist["1"], hist["3"], sum(hist.values())) == (1, 3, 1, 5), hist
+        want_rec = {n["node_id"]: n["recommended_local_steps"] for n in a["nodes"]}
+        assert want_rec["node-a"] >= 1 and want_rec["node-b"] >= 1 and set(want_rec) == {"node-a", "node-b"}, a["nodes"]
+        ready = "document.querySelectorAll('#async-nodes tr').length === 2 && " \
+                "document.querySelectorAll('#plot-staleness rect.hbar').length === 9"
+        for (w, h), dark in (((1280, 1400), False), ((360, 2600), True)):
+            where = f"{w} px {'dark' if dark else 'light'}"
+            page = Page(tmp_path, w, h, dark=dark)
+            try:
+                page.open(url + "/", ready)
+                check_layout(page, where)
+                got = page.js(ASYNC_JS)
+                assert got["hidden"] is False and got["mode"] == "async", (where, got)
+                assert got["dn"] == "2 of 3" and got["queue"] == "0 of 5", (where, got)
+                assert got["title"] == "Open update" and got["round"].startswith("Update 5"), (where, got)
+                assert "max τ\t4" in got["kv"] or "max τ\n4" in got["kv"], (where, got["kv"])
+                assert dict(got["bars"]) == hist and [le for le, _ in got["bars"]] == \
+                    ["0", "1", "2", "3", "7", "15", "31", "63", "+Inf"], (where, got["bars"])
+                rows = {r["node"]: r for r in got["nodes"]}
+                assert {n: r["rec"] for n, r in rows.items()} == {n: str(v) for n, v in want_rec.items()}, (where, rows)
+                # node, deltas, local step, last tau, steps/delta, speed, recommended, last delta
+                assert rows["node-a"]["cells"][1:5] == ["3", "30", "1", "10"], rows["node-a"]
+                assert rows["node-b"]["cells"][1:5] == ["2", "10", "3", "5"], rows["node-b"]
+                assert all(re.fullmatch(r"[\d.e+]+/s", r["cells"][5]) for r in rows.values()), rows
+                page.screenshot(shots / f"dashboard-async-{w}-{'dark' if dark else 'light'}.png")
+            finally:
+                page.close()
+    finally:
+        assert d.stop(timeout=30) == 0, d.log_text()[-3000:]
+
+    # deltas held by a long grace window: the queue depth is theirs
+    tmp2 = tmp_path / "held"
+    tmp2.mkdir()
+    d = Dilocod(tmp2, None, "--init-model", str(tmp_path / "init.safetensors"), "--mode", "async",
+                "--expected-nodes", "2", "--dn-period", "2", "--grace-ms", "3600000", "--async-queue", "5").start()
+    try:
+        url = d.url
+        wait_status(url, lambda s: s["outer_step"] == 0, "bootstrap")
+        for node in ("node-a", "node-b"):
+            assert upload(url, node, 0, 7, random_deltas(rng, model))["result"] == "accepted"
+        st = wait_status(url, lambda s: s["async"]["queue"]["pending"] == 2, "two deltas pending")
+        assert st["outer_step"] == 0 and st["async"]["updates"] == 0, st["async"]
+        page = Page(tmp_path, 1280, 1000)
+        try:
+            page.open(url + "/", "document.getElementById('async-queue').textContent === '2 of 5'")
+            got = page.js(ASYNC_JS)
+            assert got["dn"] == "0 of 2" and got["round"].startswith("Update 0") and "2 deltas" in got["round"], got
+            # the histogram counts deltas when they are accepted, before their update
+            assert st["async"]["staleness"]["histogram"]["0"] == 2, st["async"]
+            assert dict(got["bars"]) == st["async"]["staleness"]["histogram"], got["bars"]
+            check_layout(page, "held deltas")
+        finally:
+            page.close()
+    finally:
+        assert d.stop(timeout=30) == 0, d.log_text()[-3000:]
