@@ -3,12 +3,14 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "convert.h"
 #include "delta.h"
+#include "fsutil.h"
 #include "kernel_clones.h"
 #include "mapread.h"
 #include "st_index.h"
@@ -239,14 +241,20 @@ static int prepare(outer_pass *p, dl_error *err)
                          : k == OUTER_INPUT_MOMENTUM(p) ? p->momentum_summed
                                                         : p->accum_summed);
     /* synchronous: a momentum file whenever there is momentum; Delayed Nesterov: the caller says (none
-     * before the first Nesterov step) */
-    p->write_momentum = p->params.momentum != 0.0f && (p->params.dn_period == 0 || p->out_momentum_path != NULL);
+     * before the first Nesterov step, and a link of the previous one when it is carried) */
+    if (p->carry_momentum && (p->params.dn_period == 0 || OUTER_DN_TICK(&p->params) || p->momentum_path == NULL ||
+                              p->out_momentum_path == NULL))
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "only a plain Delayed Nesterov step carries the momentum");
+    if (p->carry_momentum && p->summing != NULL)
+        p->summing[OUTER_INPUT_MOMENTUM(p)] = 0;        /* not read */
+    p->write_momentum = !p->carry_momentum && p->params.momentum != 0.0f &&
+                        (p->params.dn_period == 0 || p->out_momentum_path != NULL);
     if (p->params.dn_period != 0 && !OUTER_DN_TICK(&p->params) && p->out_accum_path == NULL)
         return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "Delayed Nesterov: update %u of %u has no accumulator",
                        p->params.dn_k + 1, p->params.dn_period);
     if ((rc = st_open(p->global_path, &p->global, err)) != 0)
         return rc;
-    if (p->momentum_path != NULL && p->params.momentum != 0.0f &&
+    if (p->momentum_path != NULL && p->params.momentum != 0.0f && !p->carry_momentum &&
         (rc = st_open(p->momentum_path, &p->momentum, err)) != 0)
         return rc;
     if (p->accum_path != NULL && p->params.dn_period != 0 && (rc = st_open(p->accum_path, &p->accum, err)) != 0)
@@ -1057,7 +1065,7 @@ int outer_input_changed(const outer_pass *p, size_t i)
     if (i == OUTER_INPUT_GLOBAL(p))
         return p->global_summed && p->global_sum != p->in_sums[i];
     if (i == OUTER_INPUT_MOMENTUM(p))
-        return p->momentum_summed && p->momentum_path != NULL && p->params.momentum != 0.0f &&
+        return p->momentum_summed && p->momentum_path != NULL && p->params.momentum != 0.0f && !p->carry_momentum &&
                p->momentum_sum != p->in_sums[i];
     if (i == OUTER_INPUT_ACCUM(p))
         return p->accum_summed && p->accum != NULL && p->accum_sum != p->in_sums[i];
@@ -1080,6 +1088,26 @@ static int verify_inputs(outer_pass *p, dl_error *err)
                        i < p->ndeltas ? "validated" : "committed");
     }
     return 0;
+}
+
+/* The previous momentum linked under the new step's name (a temporary name, then rename: a crash leaves
+ * the name whole or absent), unread: its checksum is the committed one. */
+static int carry_momentum(outer_pass *p, dl_error *err)
+{
+    char tmp[4096];
+
+    if (snprintf(tmp, sizeof(tmp), "%s.link", p->out_momentum_path) >= (int)sizeof(tmp))
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "momentum path too long");
+    (void)unlink(tmp);
+    if (link(p->momentum_path, tmp) != 0)
+        return dl_fail_errno(err, errno, "linking the momentum %s", p->momentum_path);
+    if (rename(tmp, p->out_momentum_path) != 0) {
+        int e = errno;
+        (void)unlink(tmp);
+        return dl_fail_errno(err, e, "renaming the momentum to %s", p->out_momentum_path);
+    }
+    p->out_momentum_sum = p->momentum_sum;
+    return p->defer_sync ? 0 : fsu_fsync_parent(p->out_momentum_path, err);
 }
 
 int outer_finish(outer_pass *p, dl_error *err)
@@ -1108,6 +1136,8 @@ int outer_finish(outer_pass *p, dl_error *err)
         rc = st_writer_commit(p->w_accum, err);
         p->w_accum = NULL;
     }
+    if (rc == 0 && p->carry_momentum)
+        rc = carry_momentum(p, err);
     st_writer_abort(p->w_global);
     st_writer_abort(p->w_momentum);
     st_writer_abort(p->w_accum);

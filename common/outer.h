@@ -69,6 +69,9 @@ typedef struct outer_pass {
     const char *out_global_path;
     const char *out_momentum_path;      /* NULL when params.momentum == 0; with Delayed Nesterov NULL when no
                                            momentum is written (a plain step before the first Nesterov step) */
+    int carry_momentum;         /* a plain Delayed Nesterov step that does not read the momentum: momentum_path
+                                   is linked as out_momentum_path when the outputs are committed, unread
+                                   (its checksum carried over as out_momentum_sum) */
     const char *accum_path;     /* Delayed Nesterov: the accumulator (F32 like the momentum), NULL: zero */
     const char *out_accum_path; /* the new one, NULL when this update is a Nesterov step (a = 0) */
     const st_kv *momentum_meta;         /* metadata for the momentum file */

@@ -535,6 +535,10 @@ static int setup_dn(dilocod *d, outer_pass *p, uint64_t new_step, double lr, dou
         free((void *)p->out_momentum_path);     /* no momentum before the first Nesterov step */
         p->out_momentum_path = NULL;
     }
+    /* a plain step that does not read the momentum links it over, unread and unwritten: its checksum
+     * (which the next Nesterov step verifies) is the committed one */
+    p->carry_momentum = momentum != 0 && !tick && d->st.momentum_path != NULL && d->st.momentum_summed &&
+                        !(dn->paper && dn->c > 0);
     return !tick && p->out_accum_path == NULL ? -ENOMEM : 0;
 }
 
