@@ -160,6 +160,75 @@ TEST(store_commit_write_apply_and_reopen)
     free(m);
 }
 
+/* Async mode's state: the Delayed Nesterov phase and the accumulator are committed with the step, the
+ * redo record's update (k before, the weight) is read back, its deltas may be of older bases (never of a
+ * later one), and damaged values are refused. */
+TEST(store_async_phase_accumulator_and_redo)
+{
+    store s = {0}, again = {0};
+    dl_error err;
+    char dir[600];
+
+    snprintf(dir, sizeof(dir), "%s/async", test_dir());
+    CHECK_EQ(store_open(&s, dir, "agg", &err), 0);
+    char *g = store_global_path(&s, 5), *a = store_accum_path(&s, 5);
+    touch_file(g);
+    touch_file(a);
+    store_dn dn = {.on = 1, .period = 3, .k = 2, .paper = 1, .c = 0.25};
+    uint64_t asum = 0x1234;
+    store_commit_info info = {.step = 5, .global_path = g, .optimizer = "nesterov_sgd", .lr = 0.7, .momentum = 0.9,
+                              .origin = "round", .accum_path = a, .accum_sum = &asum, .dn = &dn};
+    CHECK_EQ(store_commit(&s, &info, &err), 0);
+    CHECK_EQ(store_open(&again, dir, "agg", &err), 0);
+    CHECK(again.dn.on && again.dn.period == 3 && again.dn.k == 2 && again.dn.paper && again.dn.c == 0.25);
+    CHECK(again.accum_path != NULL && again.accum_summed && again.accum_sum == 0x1234);
+    store_free(&again);
+
+    char old[700], cur[700];
+    snprintf(old, sizeof(old), "%s/agg/cache/deltas/s3/w1/delta_10.safetensors", dir);
+    snprintf(cur, sizeof(cur), "%s/agg/cache/deltas/s5/w2/delta_20.safetensors", dir);
+    char *deltas[2] = {old, cur};
+    store_redo r = {.step = 6, .base = 5, .deltas = deltas, .ndeltas = 2, .optimizer = "nesterov_sgd", .lr = 0.7,
+                    .momentum = 0.9, .dn = {.on = 1, .period = 3, .k = 2, .paper = 0, .c = 0, .weight = 0.75}};
+    store_redo back;
+    int present;
+    CHECK_EQ(store_redo_write(&s, &r, &err), 0);
+    CHECK_EQ(store_redo_read(&s, &back, &present, &err), 0);
+    CHECK(present && back.dn.on && back.dn.k == 2 && back.dn.weight == 0.75 && back.ndeltas == 2);
+    CHECK_STR(back.deltas[0], old);
+    store_redo_free(&back);
+    /* a delta of a later base than the update's, or a sync record naming an older base: damaged */
+    char later[700];
+    snprintf(later, sizeof(later), "%s/agg/cache/deltas/s6/w2/delta_20.safetensors", dir);
+    deltas[1] = later;
+    CHECK_EQ(store_redo_write(&s, &r, &err), 0);
+    CHECK(store_redo_read(&s, &back, &present, &err) != 0 && err.code == DL_E_METADATA_INVALID);
+    deltas[1] = cur;
+    r.dn.on = 0;
+    CHECK_EQ(store_redo_write(&s, &r, &err), 0);
+    CHECK(store_redo_read(&s, &back, &present, &err) != 0);
+    /* hand-edited phases: a weight out of (0, 1], an unknown variant */
+    char redo[700];
+    snprintf(redo, sizeof(redo), "%s/agg/redo.json", dir);
+    static const char *const bad[] = {
+        "{\"step\":6,\"base_step\":5,\"optimizer\":\"sgd\",\"lr\":1,\"momentum\":0,\"deltas\":"
+        "[\"cache/deltas/s5/w2/delta_20.safetensors\"],\"async\":{\"period\":3,\"k\":0,\"variant\":\"forgather\","
+        "\"c\":0,\"weight\":2}}",
+        "{\"step\":6,\"base_step\":5,\"optimizer\":\"sgd\",\"lr\":1,\"momentum\":0,\"deltas\":"
+        "[\"cache/deltas/s5/w2/delta_20.safetensors\"],\"async\":{\"period\":3,\"k\":0,\"variant\":\"adam\","
+        "\"c\":0,\"weight\":1}}",
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        FILE *f = fopen(redo, "w");
+        fputs(bad[i], f);
+        fclose(f);
+        CHECK(store_redo_read(&s, &back, &present, &err) != 0 && err.code == DL_E_METADATA_INVALID);
+    }
+    store_free(&s);
+    free(g);
+    free(a);
+}
+
 static int keep_even(const seen_entry *e, void *arg)
 {
     (void)arg;
