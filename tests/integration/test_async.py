@@ -300,3 +300,31 @@ def test_a_delta_is_applied_once_across_retries_and_restarts(tmp_path):
         assert_state_equal(load_torch(hub / "global" / "latest.safetensors"), oracle.state)
     finally:
         assert d.stop() == 0
+
+
+def test_sharded_deltas_of_older_bases_are_updates_too(tmp_path):
+    """A sharded delta (huggingface_hub's save_torch_state_dict into the node directory) based on an older
+    step joins an update like a single file, and leaves the cache, every shard with its index, once the
+    update is durable."""
+    from test_shards_file import write_sharded_delta
+    init = model(9)
+    init_path = tmp_path / "init.safetensors"
+    write_model(init_path, init)
+    hub = tmp_path / "hub"
+    oracle = AsyncOracle(init, 2)
+    rng = np.random.default_rng(9)
+    d = Dilocod(tmp_path, hub, "--init-model", str(init_path), "--mode", "async", "--expected-nodes", "2",
+                "--dn-period", "2", "--threads", "2").start()
+    try:
+        d.wait_step(0)
+        for step, (node, base) in enumerate((("w0", 0), ("w1", 0), ("w0", 1))):
+            delta = rand_delta(rng, oracle.state, 0.01)
+            write_sharded_delta(hub, node, base, 10 * (step + 1), delta, max_shard=400_000)
+            d.wait_step(step + 1)
+            rec = record_of(d, step + 1)
+            assert rec["nodes"][0]["tau"] == step - base, rec
+            check_step(d, hub, oracle, step + 1, oracle.update([delta], rec["weight"]))
+            # consumed: removed by the settle before the step became durable (check_step waited for that)
+            assert not list((d.state_dir / "cache" / "deltas").rglob("delta_*")), step
+    finally:
+        assert d.stop() == 0
