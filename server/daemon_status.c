@@ -369,12 +369,19 @@ static void commit_status(const dilocod *d, sbuf *b)
 
 static const daemon_provider commit_provider = {"commit", commit_status, NULL};
 
+/* Stale deltas: the round's and intake's, and those a transport skipped from their header. */
+static uint64_t stale_total(const dilocod *d)
+{
+    const hub_status *hs = d->hub != NULL ? hub_get_status(d->hub) : NULL;
+    return d->m.refused[REFUSED_STALE] + (hs != NULL ? hs->stale_skipped : 0);
+}
+
 static void stats_status(const dilocod *d, sbuf *b)
 {
     sb_printf(b, ",\"counters\":{\"accepted\":%" PRIu64 ",\"replaced\":%" PRIu64 ",\"stale\":%" PRIu64
                  ",\"future\":%" PRIu64 ",\"not_newer\":%" PRIu64 ",\"unknown_node\":%" PRIu64 ",\"rejected\":%" PRIu64
                  ",\"rounds\":%" PRIu64 "}",
-              d->m.deltas_accepted, d->m.deltas_replaced, d->m.refused[REFUSED_STALE], d->m.refused[REFUSED_FUTURE],
+              d->m.deltas_accepted, d->m.deltas_replaced, stale_total(d), d->m.refused[REFUSED_FUTURE],
               d->m.refused[REFUSED_NOT_NEWER], d->m.refused[REFUSED_UNKNOWN_NODE], stats_rejected_total(&d->m),
               d->m.rounds);
 }
@@ -418,7 +425,7 @@ static void stats_metrics(const dilocod *d, sbuf *b)
     metric(b, "deltas_refused_total", "counter", "Valid deltas the round could not take, by reason.");
     for (int r = 0; r < REFUSED__COUNT; r++)
         sb_printf(b, "dilocod_deltas_refused_total{reason=\"%s\"} %" PRIu64 "\n", stats_refusal_names[r],
-                  m->refused[r]);
+                  r == REFUSED_STALE ? stale_total(d) : m->refused[r]);
     const family_u64 uploaded = {"upload_bytes_total", "counter", "Delta bytes received by HTTP uploads.",
                                  m->upload_bytes};
     families_u64(b, &uploaded, 1);

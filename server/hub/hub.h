@@ -183,6 +183,8 @@ typedef struct hub_status {
     char last_error[256];
     uint64_t errors, api_calls, resolver_calls, downloads, download_bytes;
     uint64_t index_parses;              /* sharded deltas' indexes the transport read and parsed (file://: its scans) */
+    uint64_t stale_skipped;             /* deltas judged stale from their header or index and never downloaded
+                                           (the daemon counts them with its own stale ones) */
     int publishing;
     time_t rate_reset_at;               /* when the server's rate budget resets, if it said (0: unknown) */
     hub_call_count calls[HUB_MAX_CALL_ROWS];

@@ -271,6 +271,7 @@ static void stale(remote_fetch *f, remote_cand *c, uint64_t base)
 
     dl_log(DL_LOG_DEBUG, "hub", "stale delta not downloaded", "%s=%s base_outer_step=%" PRIu64, f->ops->name_field,
            dl_log_q(qk, sizeof(qk), c->key), base);
+    f->st->stale_skipped++;
     remote_seen_done(&f->seen, c->rel, c->ver);
     remote_cand_free(c);
 }
