@@ -14,6 +14,7 @@ every 30 s (/status hub.publish_interval), while step 0 still goes out at once.
 
 Every wait is on a state dilocod reports (/status, /rounds), never a sleep."""
 import json
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -242,11 +243,13 @@ def fetch(url):
 
 
 def test_hf_publishes_are_coalesced_and_the_newest_step_goes_out(tmp_path, procs):
-    hub, api, d, init = hf_run(tmp_path, procs, "--publish-interval", "2", "--dn-period", "2")
+    interval = 2
+    hub, api, d, init = hf_run(tmp_path, procs, "--publish-interval", str(interval), "--dn-period", "2")
+    t0 = time.monotonic()
     d.start()
     d.wait_published(0)
     st = status(d)
-    assert st["hub"]["publish_interval"] == 2 and st["hub"]["coalesced"] == 0, st["hub"]
+    assert st["hub"]["publish_interval"] == interval and st["hub"]["coalesced"] == 0, st["hub"]
     rng = np.random.default_rng(9)
     sent, local = {}, {n: 0 for n in NODES}
     updates = 12
@@ -258,10 +261,13 @@ def test_hf_publishes_are_coalesced_and_the_newest_step_goes_out(tmp_path, procs
         wait_status(d, lambda st, i=i: st["async"]["updates"] == i + 1, f"update {i + 1}")
     final = wait_status(d, lambda st: st["hub"]["published_step"] == st["outer_step"] == updates,
                         "the newest step published", timeout=30)
+    elapsed = time.monotonic() - t0
     commits = dilocod_steps_in_history(api)
-    # the Hub got step 0, a few steps in between and the newest one, in order
+    # the Hub got step 0, some steps in between and the newest one, in order: after step 0 one publish at
+    # most per interval (however fast this machine ran the updates), so fewer commits than updates
     assert commits[0] == 0 and commits[-1] == updates and commits == sorted(set(commits)), commits
-    assert len(commits) - 1 <= updates // 2, f"{len(commits) - 1} commits for {updates} updates: {commits}"
+    assert len(commits) - 1 <= elapsed // interval, (commits, elapsed)
+    assert len(commits) - 1 < updates, commits
     # every committed step the Hub never got is counted as coalesced
     assert final["hub"]["coalesced"] == updates + 1 - len(commits) > 0, (final["hub"], commits)
     m = fetch(d.url + "/metrics").decode()
