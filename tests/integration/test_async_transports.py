@@ -171,8 +171,6 @@ def test_s3_async_updates_equal_the_oracle_and_stale_deltas_are_skipped(tmp_path
         assert d.stop() == 0
 
 
-@pytest.mark.xfail(strict=True, reason="a remote transport's stale delta, refused from its header "
-                   "(server/hub/remote_fetch.c stale()), is not counted in /status counters.stale")
 def test_s3_async_stale_delta_is_counted(tmp_path, s3):
     prefix = "async/stale"
     init = model(22)
