@@ -18,8 +18,9 @@ Prints one JSON line per round on stdout: {"node", "round", "step", "loss", "sec
 Asynchronous dilocod (--mode async, run it with `--mode async` here too): the worker does not wait
 for the other workers.  After each push it waits only until the global moved past the step it trained
 from (its own delta makes that happen within the server's --grace-ms and one pass), pulls the newest
-global and trains from it.  Its JSON lines then also carry "local_step", "inner_steps" (the steps of
-that phase), "result" (accepted or queued) and "recommended_local_steps" when the answer had one.
+global and trains from it.  Its JSON lines then count this worker's phases in "round" ("step" stays
+the outer step it trained from) and also carry "local_step", "inner_steps" (the steps of that phase),
+"result" (accepted or queued) and "recommended_local_steps" when the answer had one.
 
 Dynamic local updates (DyLU): when an upload answer carries X-Recommended-Local-Steps: H, the next
 local phase trains H inner steps instead of --inner-steps (so a slow worker sends its delta as often
