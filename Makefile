@@ -271,11 +271,17 @@ DEMO_ROUNDS  ?= 8
 DEMO_WORKERS ?= 3
 DEMO_PORT    ?= 8470
 DEMO_DIR     ?= demo
+# DEMO_MODE=async: dilocod --mode async, workers that never wait for each other (and follow DyLU);
+# DEMO_SPEEDS=1,1,3: per-worker slowdown factors (empty: all 1), e.g. a straggler three times as slow
+DEMO_MODE    ?= sync
+DEMO_SPEEDS  ?=
+# more demo.py options, e.g. DEMO_ARGS=--target-loss=0.75 (when the global first reaches that loss)
+DEMO_ARGS    ?=
 demo: deps
 	$(MAKE) venv
 	$(MAKE) all
 	$(PY) client/examples/demo.py --build $(BUILD) --rounds $(DEMO_ROUNDS) --workers $(DEMO_WORKERS) \
-	  --port $(DEMO_PORT) --dir $(DEMO_DIR)
+	  --port $(DEMO_PORT) --dir $(DEMO_DIR) --mode $(DEMO_MODE) --speeds '$(DEMO_SPEEDS)' $(DEMO_ARGS)
 
 clean:
 	rm -rf build build-* 

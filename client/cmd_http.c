@@ -33,6 +33,7 @@ typedef struct response {
     char etag[128];
     uint64_t outer_step;
     int has_outer_step;
+    uint64_t recommended;       /* X-Recommended-Local-Steps (async dilocod's DyLU), 0: none */
     FILE *sink;                 /* a 2xx body goes here instead of memory when set */
     long head_status;           /* from the status line, while the body arrives */
 } response;
@@ -63,6 +64,15 @@ static size_t on_header(char *p, size_t size, size_t n, void *arg)
     if (strncmp(line, "HTTP/", 5) == 0) {
         const char *sp = strchr(line, ' ');
         r->head_status = sp ? strtol(sp + 1, NULL, 10) : 0;   /* every response of a redirect chain */
+        r->recommended = 0;                                   /* the last response's header counts */
+    } else if (strncasecmp(line, "X-Recommended-Local-Steps:", 26) == 0) {
+        const char *v = line + 26;
+        char *end;
+        while (*v == ' ')
+            v++;
+        errno = 0;
+        unsigned long long h = strtoull(v, &end, 10);
+        r->recommended = (errno == 0 && end != v && *v != '-' && *end == '\0') ? h : 0;
     } else if (strncasecmp(line, "ETag:", 5) == 0) {
         const char *v = line + 5;
         while (*v == ' ')
@@ -314,11 +324,41 @@ static const char push_help[] =
     "  Uploads DELTA to PUT /nodes/<node_id>/delta_<local_step>.safetensors, node id and step read from\n"
     "  the file's metadata (checked first: a file the server would refuse is not sent).  Streams the\n"
     "  file; retries connection errors and 5xx answers with backoff (never a 4xx); prints the answer.\n"
+    "  An async dilocod's answer naming the local steps to train next (X-Recommended-Local-Steps, DyLU)\n"
+    "  is printed with them as \"recommended_local_steps\": N.\n"
     "  A sharded delta (DELTA = delta_<local_step>.safetensors.index.json, as huggingface_hub writes it)\n"
     "  is checked as a set, then each shard is PUT to /nodes/<node_id>/delta_<n>-0000i-of-0000N.safetensors\n"
     "  and the index last to /nodes/<node_id>/delta_<n>.safetensors.index.json.\n"
     "  --server defaults to $DILOCO_SERVER; the token to $DILOCO_TOKEN when no token file is given.\n"
     "  exit: 0 accepted, 1 refused by the server or an invalid file, 2 usage, 3 I/O, 4 network/server\n";
+
+/* Prints the server's answer to an upload.  When it carried X-Recommended-Local-Steps (an async
+ * dilocod's DyLU: the local steps its next phase should train), a JSON object answer gets it as one more
+ * member, "recommended_local_steps": N, spliced before its closing brace (the server's bytes otherwise). */
+static void print_upload_answer(const response *r)
+{
+    const char *b = r->body.p ? r->body.p : "";
+    size_t n = r->body.len;
+
+    if (r->recommended != 0) {
+        cJSON *j = cJSON_ParseWithLength(b, n);
+        size_t close = n;
+        while (close > 0 && b[close - 1] != '}')
+            close--;
+        if (cJSON_IsObject(j) && close > 0) {
+            fwrite(b, 1, close - 1, stdout);
+            printf("%s\"recommended_local_steps\":%" PRIu64 "}", j->child != NULL ? "," : "", r->recommended);
+            fwrite(b + close, 1, n - close, stdout);
+            cJSON_Delete(j);
+            return;
+        }
+        cJSON_Delete(j);
+        fwrite(b, 1, n, stdout);
+        printf("%srecommended_local_steps=%" PRIu64 "\n", n > 0 && b[n - 1] != '\n' ? "\n" : "", r->recommended);
+        return;
+    }
+    fwrite(b, 1, n, stdout);
+}
 
 /* PUTs the file at path (size bytes) to upath, retrying connection errors and 5xx.  Prints the
  * server's answer.  Returns an exit code. */
@@ -352,13 +392,13 @@ static int put_file(const client_opts *o, const char *upath, const char *path, u
         curl_slist_free_all(h);
         fclose(in);
         if (cc == CURLE_OK && r.status >= 200 && r.status < 300) {
-            fwrite(r.body.p ? r.body.p : "", 1, r.body.len, stdout);
+            print_upload_answer(&r);
             free(r.body.p);
             rc = EXIT_OK;
             break;
         }
         if (cc == CURLE_OK && r.status >= 400 && r.status < 500) {
-            fwrite(r.body.p ? r.body.p : "", 1, r.body.len, stdout);
+            print_upload_answer(&r);
             print_server_error(url, &r);
             free(r.body.p);
             rc = EXIT_INVALID;

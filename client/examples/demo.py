@@ -9,12 +9,26 @@ the dashboard URL.  When run from a terminal it keeps dilocod up after the last 
 dashboard stays live, until Ctrl-C (or SIGTERM), which stops every process it started.  Without a
 terminal (CI) it says that the dashboard stops with it, and exits.  A busy port is refused before
 anything starts, with the DEMO_PORT to use instead.
+
+--mode async (`make demo DEMO_MODE=async`) starts dilocod with --mode async (--dn-period <workers>,
+--grace-ms 20, --dn-variant paper --momentum 0, --dylu-base-steps <inner steps>: see async_args) and
+the workers with --mode async: each delta is one update, and a
+worker trains from the newest global after each push instead of waiting for the others.  The demo
+prints one line per update (its nodes with their staleness tau, the loss of the phases that made it).
+The workers follow dilocod's X-Recommended-Local-Steps (DyLU) unless --ignore-recommended-steps.
+
+--speeds 1,1,3 (DEMO_SPEEDS) slows worker i down by speeds[i]: each of its inner steps lasts that many
+times as long (a straggler), in either mode.  --target-loss L evaluates every global the demo sees (kept
+in memory, evaluated after the run so that takes no CPU from the workers) on the workers' data and on
+held-out data, and prints when the former first reached L, in wall-clock seconds from the workers'
+start.
 """
 import argparse
 import json
 import os
 import errno
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -54,6 +68,72 @@ def busy_message(port):
             f"run `make demo DEMO_PORT={port + 1}`, or DEMO_PORT=0 for any free port")
 
 
+def speeds_of(text, workers):
+    """--speeds: empty for all 1, else one factor >= 1 per worker."""
+    if not text:
+        return [1.0] * workers
+    try:
+        out = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"demo: --speeds {text!r}: give comma-separated numbers, e.g. 1,1,3")
+    if len(out) != workers or any(not f >= 1 for f in out):
+        raise SystemExit(f"demo: --speeds {text!r}: give {workers} factors, each at least 1 (one per worker)")
+    return out
+
+
+def fmt_speed(f):
+    return f"{f:g}"
+
+
+class GlobalWatch:
+    """Keeps every global the server publishes (polled), with when it was seen, for evaluation after the run."""
+
+    def __init__(self, url, t0):
+        self.url, self.t0 = url, t0
+        self.seen = []              # (seconds since t0, step, safetensors bytes)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        last = None
+        while not self.stop.is_set():
+            try:
+                step = get_json(f"{self.url}/status")["outer_step"]
+                if step is not None and step != last:
+                    with urllib.request.urlopen(f"{self.url}/global/latest.safetensors", timeout=30) as r:
+                        t, got, data = time.time() - self.t0, int(r.headers["X-Outer-Step"]), r.read()
+                    if got != last:
+                        self.seen.append((t, got, data))
+                        last = got
+            except (OSError, ValueError, KeyError):
+                pass
+            self.stop.wait(0.02)
+
+    def evaluate(self, target, workers):
+        """Prints the loss of each global seen on the workers' data (the first 1024 examples of each
+        shard: the objective they train) and on held-out data, and when the former first reached target."""
+        import torch
+        from safetensors.torch import load
+        torch.set_num_threads(1)
+        parts = [torch_worker.shard(i, n=1024) for i in range(workers)]
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        hx, hy = torch_worker.shard(99_999, n=2048)
+        model, loss_fn = torch_worker.MLP(), torch.nn.CrossEntropyLoss()
+        reached = None
+        for t, step, data in self.seen:
+            model.load_state_dict(load(data))
+            with torch.no_grad():
+                loss, held = loss_fn(model(x), y).item(), loss_fn(model(hx), hy).item()
+            print(f"global step {step:3d} at {t:6.2f} s: loss {loss:.4f} (held-out {held:.4f})", flush=True)
+            if reached is None and loss <= target:
+                reached = (step, t)
+        if reached:
+            print(f"target loss {target:.4f} reached at step {reached[0]} after {reached[1]:.2f} s", flush=True)
+        else:
+            print(f"target loss {target:.4f} not reached", flush=True)
+        return reached
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", default="build")
@@ -62,7 +142,15 @@ def main():
     ap.add_argument("--inner-steps", type=int, default=30)
     ap.add_argument("--port", type=int, default=8470, help="0 picks a free port")
     ap.add_argument("--dir", default="demo")
+    ap.add_argument("--mode", choices=("sync", "async"), default="sync", help="dilocod's --mode, and the workers'")
+    ap.add_argument("--speeds", default="", help="per-worker slowdown factors, e.g. 1,1,3 (empty: all 1)")
+    ap.add_argument("--ignore-recommended-steps", action="store_true",
+                    help="async: the workers keep --inner-steps, whatever dilocod recommends (no DyLU)")
+    ap.add_argument("--target-loss", type=float, default=None,
+                    help="evaluate the globals on a held-out set; print when the loss first reached this")
+    ap.add_argument("--dilocod-args", default="", help="async: more dilocod options, e.g. '--momentum 0.9'")
     a = ap.parse_args()
+    speeds = speeds_of(a.speeds, a.workers)
     if port_busy(a.port):
         raise SystemExit(busy_message(a.port))
 
@@ -86,7 +174,7 @@ def main():
     dilocod = subprocess.Popen([str(Path(a.build) / "dilocod"), "--state-root", str(root / "state"),
                                 "--hub", f"file://{root / 'hub'}", "--listen", f"127.0.0.1:{a.port}",
                                 "--init-model", str(init), "--expected-nodes", str(a.workers),
-                                "--poll-interval", "0.5", "--threads", "2"], stdout=log, stderr=log)
+                                "--poll-interval", "0.5", "--threads", "2", *async_args(a)], stdout=log, stderr=log)
     procs = [dilocod]
     stopping = threading.Event()
 
@@ -128,10 +216,15 @@ def main():
                 raise SystemExit(f"dilocod did not start (exit {dilocod.poll()})")
             time.sleep(0.05)
         url = f"http://127.0.0.1:{port}"
-        print(f"dilocod is up: {url}   model: MLP, {params / 1e6:.2f}M parameters   workers: {a.workers}", flush=True)
+        how = ("" if a.mode == "sync" else
+               f" (async: dn_period {a.workers}, grace 20 ms, dylu_base_steps {a.inner_steps})")
+        if a.speeds:
+            how += f" speeds {','.join(fmt_speed(f) for f in speeds)}"
+        print(f"dilocod is up: {url}   model: MLP, {params / 1e6:.2f}M parameters   workers: {a.workers}{how}",
+              flush=True)
         print(f"dashboard: {url}/", flush=True)
 
-        losses = {}                 # round -> {node: loss}
+        losses = {}                 # round -> {node: loss}; async: (node, local_step) -> its line
         lock = threading.Lock()
 
         def read(p, node):
@@ -141,16 +234,35 @@ def main():
                 except ValueError:
                     continue
                 with lock:
-                    losses.setdefault(rec["round"], {})[node] = rec["loss"]
+                    if a.mode == "async":
+                        losses[(node, rec["local_step"])] = rec
+                    else:
+                        losses.setdefault(rec["round"], {})[node] = rec["loss"]
 
+        t0 = time.time()
+        watch = GlobalWatch(url, t0) if a.target_loss is not None else None
+        if watch:
+            watch.thread.start()
         env = dict(os.environ, OMP_NUM_THREADS="1")
+        readers = []
         for i in range(a.workers):
             node = f"worker-{i + 1}"
+            extra = ["--slowdown", fmt_speed(speeds[i])] if speeds[i] != 1 else []
+            if a.mode == "async":
+                extra += ["--mode", "async"]
+            if a.ignore_recommended_steps:
+                extra += ["--ignore-recommended-steps"]
             p = subprocess.Popen([sys.executable, str(HERE / "torch_worker.py"), "--server", url, "--node-id", node,
-                                  "--rounds", str(a.rounds), "--inner-steps", str(a.inner_steps), "--seed", str(i)],
+                                  "--rounds", str(a.rounds), "--inner-steps", str(a.inner_steps), "--seed", str(i),
+                                  *extra],
                                  stdout=subprocess.PIPE, text=True, env=env)
             procs.append(p)
-            threading.Thread(target=read, args=(p, node), daemon=True).start()
+            readers.append(threading.Thread(target=read, args=(p, node), daemon=True))
+            readers[-1].start()
+
+        if a.mode == "async":
+            ok = async_report(a, url, procs, readers, root, losses, lock, t0)
+            return finish(a, url, root, dilocod, procs, watch, ok)
 
         printed = 0
         first = last = None
@@ -175,22 +287,97 @@ def main():
               f"({'falling' if last < first else 'NOT falling'})", flush=True)
         for p in procs[1:]:
             p.wait(timeout=120)
-        print(f"dashboard: {url}/   state: {root / 'state'}   log: {root / 'dilocod.log'}", flush=True)
-        if sys.stdin.isatty():
-            print("dilocod keeps serving the dashboard; press Ctrl-C to stop it", flush=True)
-            while dilocod.poll() is None:
-                time.sleep(0.5)
-            raise SystemExit(f"dilocod stopped on its own (exit {dilocod.returncode}); see {root}/dilocod.log")
-        else:
-            # no terminal to press Ctrl-C in: the demo ends here and takes dilocod with it
-            print("not a terminal: the demo ends now and dilocod stops with it, so the dashboard URL above "
-                  "goes dead; run `make demo` from a terminal to keep it serving until Ctrl-C", flush=True)
-        return 0 if last < first else 1
+        if watch:
+            print(f"wall-clock: {time.time() - t0:.2f} s for {a.rounds} rounds", flush=True)
+        return finish(a, url, root, dilocod, procs, watch, last < first)
     except KeyboardInterrupt:
         print("\nstopping...", flush=True)
         return 130
     finally:
         stop_all()
+
+
+def async_args(a):
+    """dilocod's options for --mode async: a momentum step every <workers> updates, deltas within 20 ms
+    averaged into one update, the paper's variant (each delta a step of lr/N, as sync's mean) without
+    momentum: on this small task, with deltas a few updates stale, the outer momentum of 0.9 made every
+    Nesterov step raise the loss (0.5 and 0.3 still did; measured with --target-loss).  DyLU's base is
+    --inner-steps: the fastest worker keeps training that many, the others in proportion to their speed.
+    --dilocod-args comes last, so it can change any of these."""
+    if a.mode != "async":
+        return []
+    return ["--mode", "async", "--dn-period", str(a.workers), "--grace-ms", "20", "--dn-variant", "paper",
+            "--momentum", "0", "--dylu-base-steps", str(a.inner_steps), *shlex.split(a.dilocod_args)]
+
+
+def async_report(a, url, procs, readers, root, lines, lock, t0):
+    """Prints each update dilocod records (in step order) once the workers' lines for its deltas are in,
+    until every worker is done and every delta it sent is in an update.  Whether the loss fell: the
+    mean over the first <workers> deltas against the last <workers>."""
+    printed, pushes, per_delta = 0, 0, []
+    while True:
+        for p in procs:
+            if p.poll() not in (None, 0):
+                raise SystemExit(f"a demo process failed (exit {p.returncode}); see {root}/dilocod.log")
+        # every worker gone and its last line read
+        done = all(p.poll() == 0 for p in procs[1:]) and not any(t.is_alive() for t in readers)
+        with lock:
+            sent = len(lines)
+        rounds = get_json(f"{url}/rounds")["rounds"]
+        if rounds and rounds[0]["step"] > printed:    # left the server's record ring already
+            print(f"(updates {printed} to {rounds[0]['step'] - 1} are no longer in /rounds)", flush=True)
+            printed = rounds[0]["step"]
+        for r in rounds:
+            if r["step"] != printed:
+                continue
+            with lock:
+                got = [lines.get((n["node_id"], n["local_step"])) for n in r["nodes"]]
+            if None in got:
+                break               # that worker's line is on its way
+            loss = sum(g["loss"] for g in got) / len(got)
+            per_delta += [g["loss"] for g in got]
+            who = " + ".join(f"{n['node_id']} (tau {n['tau']}, {g['inner_steps']} steps)"
+                             for n, g in zip(r["nodes"], got))
+            print(f"update {r['step']:3d}: step {r['step']} -> {r['outer_step']}, {who}, "
+                  f"aggregation {r['seconds'] * 1000:.1f} ms, loss {loss:.4f}", flush=True)
+            printed += 1
+            pushes += len(r["nodes"])
+        if done and pushes >= sent:
+            break
+        time.sleep(0.1)
+    w = min(a.workers, len(per_delta))
+    first, last = sum(per_delta[:w]) / w, sum(per_delta[-w:]) / w
+    with lock:
+        steps = sum(g["inner_steps"] for g in lines.values())
+    print(f"loss {first:.4f} -> {last:.4f} over {printed} updates, {pushes} deltas "
+          f"({'falling' if last < first else 'NOT falling'})", flush=True)
+    print(f"wall-clock: {time.time() - t0:.2f} s for {pushes} deltas, {steps} worker inner steps", flush=True)
+    for i in range(a.workers):
+        node = f"worker-{i + 1}"
+        with lock:
+            mine = [lines[k] for k in sorted(k for k in lines if k[0] == node)]
+        print(f"{node}: inner steps {' '.join(str(g['inner_steps']) for g in mine)}, recommended after each push "
+              f"{' '.join(str(g.get('recommended_local_steps', '-')) for g in mine)}", flush=True)
+    return last < first
+
+
+def finish(a, url, root, dilocod, procs, watch, ok):
+    """After the last round: the evaluation (--target-loss), then the dashboard (until Ctrl-C from a terminal)."""
+    if watch:
+        watch.stop.set()
+        watch.thread.join(timeout=30)
+        watch.evaluate(a.target_loss, a.workers)
+    print(f"dashboard: {url}/   state: {root / 'state'}   log: {root / 'dilocod.log'}", flush=True)
+    if sys.stdin.isatty():
+        print("dilocod keeps serving the dashboard; press Ctrl-C to stop it", flush=True)
+        while dilocod.poll() is None:
+            time.sleep(0.5)
+        raise SystemExit(f"dilocod stopped on its own (exit {dilocod.returncode}); see {root}/dilocod.log")
+    else:
+        # no terminal to press Ctrl-C in: the demo ends here and takes dilocod with it
+        print("not a terminal: the demo ends now and dilocod stops with it, so the dashboard URL above "
+              "goes dead; run `make demo` from a terminal to keep it serving until Ctrl-C", flush=True)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

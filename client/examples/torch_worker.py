@@ -14,6 +14,19 @@ save it with safetensors and the reference metadata, upload it, and wait for the
 The model and task are the demo's: an MLP of about 1.2M parameters learning a synthetic
 classification task given by a fixed random "teacher" network (learnable, so the loss falls).
 Prints one JSON line per round on stdout: {"node", "round", "step", "loss", "seconds"}.
+
+Asynchronous dilocod (--mode async, run it with `--mode async` here too): the worker does not wait
+for the other workers.  After each push it waits only until the global moved past the step it trained
+from (its own delta makes that happen within the server's --grace-ms and one pass), pulls the newest
+global and trains from it.  Its JSON lines then count this worker's phases in "round" ("step" stays
+the outer step it trained from) and also carry "local_step", "inner_steps" (the steps of that phase),
+"result" (accepted or queued) and "recommended_local_steps" when the answer had one.
+
+Dynamic local updates (DyLU): when an upload answer carries X-Recommended-Local-Steps: H, the next
+local phase trains H inner steps instead of --inner-steps (so a slow worker sends its delta as often
+as the fast ones); --ignore-recommended-steps keeps --inner-steps always.  --slowdown F makes this
+worker a straggler: after every inner step it sleeps (F - 1) times the time that step took, so each
+inner step lasts F times as long.
 """
 import argparse
 import io
@@ -82,11 +95,12 @@ class HttpTransport:
         self.server = server.rstrip("/")
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.etag, self.cached = None, None
+        self.recommended = None     # X-Recommended-Local-Steps of the last upload answer (DyLU)
 
     def step(self):
         return self.s.get(f"{self.server}/status", timeout=30).json()["outer_step"]
 
-    def wait(self, step, timeout=3600):
+    def wait(self, step, timeout=3600, poll=0.2):
         deadline = time.time() + timeout
         while time.time() < deadline:
             try:
@@ -95,7 +109,7 @@ class HttpTransport:
                     return s
             except Exception:       # the server restarting: keep waiting
                 pass
-            time.sleep(0.2)
+            time.sleep(poll)
         raise TimeoutError(f"step {step} not reached")
 
     def pull(self):
@@ -120,6 +134,8 @@ class HttpTransport:
                 continue
             if r.status_code != 201:
                 raise RuntimeError(f"upload refused: {r.status_code} {r.text}")
+            h = r.headers.get("X-Recommended-Local-Steps")
+            self.recommended = int(h) if h and h.isdigit() and int(h) > 0 else None
             return r.json()
         raise RuntimeError("upload failed after retries")
 
@@ -129,6 +145,8 @@ class HubTransport:
         from huggingface_hub import HfApi
         self.api = HfApi(endpoint=endpoint, token=token)
         self.repo, self.endpoint, self.token = repo, endpoint, token
+        self.recommended = None     # the Hub's answers carry no recommendation
+
 
     def _get(self, path):
         from huggingface_hub import hf_hub_download
@@ -138,7 +156,7 @@ class HubTransport:
         with open(self._get("global/step_count.json")) as f:
             return json.load(f)["outer_step"]
 
-    def wait(self, step, timeout=3600):
+    def wait(self, step, timeout=3600, poll=1.0):
         deadline = time.time() + timeout
         while time.time() < deadline:
             try:
@@ -146,7 +164,7 @@ class HubTransport:
                     return
             except Exception:
                 pass
-            time.sleep(1.0)
+            time.sleep(poll)
         raise TimeoutError(f"step {step} not reached")
 
     def pull(self):
@@ -173,9 +191,17 @@ def main():
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--mode", choices=("sync", "async"), default="sync",
+                    help="async: after each push, train from the newest global without waiting for the others")
+    ap.add_argument("--ignore-recommended-steps", action="store_true",
+                    help="train --inner-steps every phase, whatever X-Recommended-Local-Steps says (no DyLU)")
+    ap.add_argument("--slowdown", type=float, default=1.0,
+                    help="F >= 1: each inner step lasts F times as long (sleeps (F-1) x its compute time)")
     a = ap.parse_args()
     if bool(a.server) == bool(a.hub):
         ap.error("give exactly one of --server and --hub")
+    if a.slowdown < 1:
+        ap.error("--slowdown is at least 1")
     torch.set_num_threads(a.threads)
     seed = a.seed if a.seed is not None else sum(map(ord, a.node_id))
     x, y = shard(seed)
@@ -185,15 +211,17 @@ def main():
     t = HttpTransport(a.server, a.token) if a.server else HubTransport(a.hub, a.hub_endpoint, a.token)
     g = torch.Generator().manual_seed(seed)
     local_step = 0
+    steps = a.inner_steps       # this phase's inner steps: --inner-steps, or the server's recommendation
     step = t.wait(0) or 0
-    for _ in range(a.rounds):
+    for phase in range(a.rounds):
         t0 = time.time()
         step, state = t.pull()
         # install: permissive, as the reference (matching keys and shapes load)
         model.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()}, strict=False)
         baseline = {k: v.detach().clone() for k, v in model.state_dict().items()}
         losses = []
-        for _ in range(a.inner_steps):
+        for _ in range(steps):
+            ts = time.perf_counter()
             idx = torch.randint(0, x.shape[0], (a.batch,), generator=g)
             loss = loss_fn(model(x[idx]), y[idx])
             inner.zero_grad()
@@ -201,12 +229,27 @@ def main():
             inner.step()
             losses.append(loss.item())
             local_step += 1
+            if a.slowdown > 1:
+                time.sleep((a.slowdown - 1) * (time.perf_counter() - ts))
         delta = pseudo_gradient(baseline, {k: v.detach() for k, v in model.state_dict().items()})
         data = save(delta, metadata=metadata(a.node_id, step, local_step))
-        t.push(a.node_id, local_step, data)
-        print(json.dumps({"node": a.node_id, "round": step, "step": step, "loss": sum(losses) / len(losses),
-                          "seconds": round(time.time() - t0, 3)}), flush=True)
-        t.wait(step + 1)
+        answer = t.push(a.node_id, local_step, data)
+        rec = {"node": a.node_id, "round": step, "step": step, "loss": sum(losses) / len(losses),
+               "seconds": round(time.time() - t0, 3)}
+        if a.mode == "async":
+            rec.update(round=phase, local_step=local_step, inner_steps=steps, result=answer.get("result"))
+            if t.recommended is not None:
+                rec["recommended_local_steps"] = t.recommended
+        print(json.dumps(rec), flush=True)
+        if t.recommended is not None and not a.ignore_recommended_steps:
+            steps = t.recommended
+        if a.mode == "async":
+            # only until the global moved past the one this phase trained from: this worker's own
+            # delta moves it (one update within --grace-ms and a pass), the others are not waited for
+            if phase + 1 < a.rounds:
+                t.wait(step + 1, poll=0.02)
+        else:
+            t.wait(step + 1)
     return 0
 
 

@@ -162,3 +162,37 @@ def test_pull_before_any_global_says_why_while_it_waits(tmp_path, diloco_bin):
     finally:
         if d.alive():
             d.kill9()
+
+
+def test_push_prints_the_recommended_local_steps_of_an_async_dilocod(tmp_path, diloco_bin):
+    """Against --mode async, once dilocod has measured the node (two of its deltas), the upload answer
+    carries X-Recommended-Local-Steps and `diloco push` prints it as "recommended_local_steps"."""
+    from safetensors.torch import save_file
+    m = model()
+    write_model(tmp_path / "init.safetensors", m)
+    d = Dilocod(tmp_path, None, "--init-model", tmp_path / "init.safetensors", "--expected-nodes", "1",
+                "--mode", "async", "--grace-ms", "0").start()
+    try:
+        url = d.url
+        answers = []
+        for i in range(3):
+            run([diloco_bin, "pull", "--server", url, "-o", tmp_path / "global"], check=0)
+            step = json.loads((tmp_path / "global" / "step_count.json").read_text())["outer_step"]
+            base = load_torch(tmp_path / "global" / "latest.safetensors")
+            save_file({k: v + 0.01 if v.is_floating_point() else v for k, v in base.items()},
+                      str(tmp_path / "cur.safetensors"))
+            delta = tmp_path / f"delta_{i}.safetensors"
+            run([diloco_bin, "delta", "--baseline", tmp_path / "global" / "latest.safetensors", "--current",
+                 tmp_path / "cur.safetensors", "--node-id", "w0", "--base-step", str(step),
+                 "--local-step", str(10 * (i + 1)), "-o", delta], check=0)
+            answers.append(json.loads(run([diloco_bin, "push", "--server", url, delta], check=0).stdout))
+            run([diloco_bin, "wait", "--server", url, "--step", str(i + 1), "--timeout", "60"], check=0)
+        # nothing measured at the first answer: no recommendation, and the answer is the server's own
+        assert answers[0]["result"] == "accepted" and "recommended_local_steps" not in answers[0], answers
+        node = d.get_json("/status")["async"]["nodes"][0]
+        assert node["node_id"] == "w0" and node["steps_per_delta"] == 10, node
+        # the only node is the fastest: its own steps per delta (H_base) are recommended back
+        assert answers[-1]["result"] == "accepted" and answers[-1]["recommended_local_steps"] == 10, answers
+        assert node["recommended_local_steps"] == 10, node
+    finally:
+        assert d.stop() == 0

@@ -1,7 +1,9 @@
 """`make demo DEMO_ROUNDS=3` runs non-interactively, trains a real model through dilocod with
-PyTorch workers, and its output shows the loss falling.  From a terminal (a pty here) the dashboard
-keeps being served until Ctrl-C; without one the demo says that the dashboard stops with it; a busy
-port is refused up front with the DEMO_PORT to use."""
+PyTorch workers, and its output shows the loss falling; so does `make demo DEMO_MODE=async` with a
+straggler (DEMO_SPEEDS=1,1,3), whose workers follow dilocod's recommended local steps.  From a
+terminal (a pty here) the dashboard keeps being served until Ctrl-C; without one the demo says that
+the dashboard stops with it; a busy port is refused up front with the DEMO_PORT to use."""
+import json
 import os
 import pty
 import re
@@ -35,6 +37,41 @@ def test_make_demo_three_rounds(tmp_path):
     # every process the demo started is gone, and dilocod stopped cleanly
     log = (tmp_path / "demo" / "dilocod.log").read_text()
     assert "main: stopped step=3 exit_code=0" in log, log[-2000:]
+
+
+def test_make_demo_async_with_a_straggler(tmp_path):
+    """Three rounds a worker against dilocod --mode async, worker-3 three times as slow: every delta is
+    in an update the demo prints, the loss falls, and each worker's next phase trains the local steps the
+    previous upload answer recommended (DyLU)."""
+    p = subprocess.run(["make", "-C", str(ROOT), "--no-print-directory", "demo", "DEMO_MODE=async",
+                        "DEMO_SPEEDS=1,1,3", "DEMO_ROUNDS=3", "DEMO_WORKERS=3", "DEMO_PORT=0",
+                        f"DEMO_DIR={tmp_path / 'demo'}", f"BUILD={BUILD}"],
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
+    out = p.stdout
+    assert p.returncode == 0, out[-3000:] + p.stderr[-3000:]
+    assert "(async: dn_period 3, grace 20 ms, dylu_base_steps 30) speeds 1,1,3" in out, out
+    updates = re.findall(r"update +(\d+): step (\d+) -> (\d+), (.*), aggregation ([\d.]+) ms, loss ([\d.]+)", out)
+    assert [int(u[0]) for u in updates] == list(range(len(updates))), out
+    assert all(int(u[2]) == int(u[1]) + 1 for u in updates), out
+    nodes = [re.findall(r"(worker-\d) \(tau (\d+), (\d+) steps\)", u[3]) for u in updates]
+    sent = sorted(n for ns in nodes for n, _, _ in ns)
+    assert sent == ["worker-1"] * 3 + ["worker-2"] * 3 + ["worker-3"] * 3, out
+    m = re.search(r"loss ([\d.]+) -> ([\d.]+) over (\d+) updates, 9 deltas \(falling\)", out)
+    assert m and float(m.group(2)) < float(m.group(1)) and int(m.group(3)) == len(updates), out
+    for w in ("worker-1", "worker-2", "worker-3"):
+        m = re.search(rf"{w}: inner steps ([\d ]+), recommended after each push ([\d -]+)\n", out)
+        assert m, out
+        steps, rec = m.group(1).split(), m.group(2).split()
+        assert steps[0] == "30" and len(steps) == len(rec) == 3, (w, steps, rec)
+        # the phase after an answer with a recommendation trains that many steps; without one, as before
+        for i in range(2):
+            assert steps[i + 1] == (rec[i] if rec[i] != "-" else steps[i]), (w, steps, rec)
+    # dilocod ran in async mode: its round records say so, one per update the demo printed
+    jsonl = tmp_path / "demo" / "state" / "aggregator" / "rounds.jsonl"
+    recs = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert len(recs) == len(updates) and all(r["mode"] == "async" for r in recs), recs
+    log = (tmp_path / "demo" / "dilocod.log").read_text()
+    assert f"main: stopped step={len(updates)} exit_code=0" in log, log[-2000:]
 
 
 def test_demo_refuses_to_delete_a_directory_it_did_not_make(tmp_path):
