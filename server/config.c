@@ -58,7 +58,7 @@ static const opt options[] = {
     {"dn_momentum_activation", T_DOUBLE, OFF(dn_c), 0, 1, "C  async, dn_variant paper: the share c of the momentum applied at each plain step, 0 <= C <= 1/N"},
     {"grace_ms", T_DOUBLE, OFF(grace_ms), 0, 3600000, "MS           async: deltas within MS of the first pending one are averaged into one update"},
     {"async_queue", T_UINT, OFF(async_queue), 0, 1000000, "N         async: deltas waiting at most (the open update and the queue), 503 beyond (0: 4 x expected_nodes, at least 16)"},
-    {"dylu_base_steps", T_UINT, OFF(dylu_base_steps), 0, 1000000000, "H     async: the fastest node's recommended local steps (0: its own steps per delta)"},
+    {"dylu_base_steps", T_UINT, OFF(dylu_base_steps), 0, 1000000000, "H     async: the fastest node's recommended local steps (0: the most any node ran per delta)"},
     {"publish_interval", T_DOUBLE, OFF(publish_interval), -1, 86400, "SECONDS  publish at most this often, the newest step (-1: 30 for hf:// in async mode, else 0)"},
     {"listen", T_STR, OFF(listen), 0, 0, "HOST:PORT     HTTP API address (port 0: any free port); none disables it"},
     {"token_file", T_OPTSTR, OFF(token_file), 0, 0, "FILE      upload tokens, lines 'node_id token' ('*' = any node); without it uploads are loopback-only"},

@@ -103,12 +103,19 @@ static const async_node *fastest(const dilocod *d)
     return best;
 }
 
-/* H_base: --dylu-base-steps, or the fastest node's own local steps per delta (0: none known). */
+/* H_base: --dylu-base-steps, or the most local steps per delta any node ran (0: none known).  Not the
+ * fastest node's own: with workers that follow the recommendation, the node that is fastest by the
+ * noise of one measure may be one told fewer steps, and the base would only ever shrink. */
 static uint64_t base_steps(const dilocod *d, const async_node *top)
 {
+    uint64_t most = 0;
+
     if (d->cfg->dylu_base_steps != 0)
         return d->cfg->dylu_base_steps;
-    return top != NULL ? top->steps_per_delta : 0;
+    for (size_t i = 0; top != NULL && i < d->async.n; i++)
+        if (d->async.nodes[i].steps_per_delta > most)
+            most = d->async.nodes[i].steps_per_delta;
+    return most;
 }
 
 /* H_w = max(1, floor(v_w / v_max * H_base)); a node not measured yet gets H_base. */
