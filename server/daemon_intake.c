@@ -7,6 +7,7 @@
 #include "daemon_parts.h"
 
 #include <errno.h>
+#include <math.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -99,7 +100,9 @@ void daemon__arm_round_timer(dilocod *d)
     if (deadline < 0 || d->stopping)
         return;
     wait = deadline - daemon__now(d);
-    uv_timer_start(&d->round_timer, round_timer_cb, wait > 0 ? (uint64_t)(wait * 1000) + 1 : 0, 0);
+    /* rounded up, and a millisecond more: the loop's clock is in milliseconds, and a timer that fired on
+     * the deadline itself could find now - first_at a rounding below the window, and never fire again */
+    uv_timer_start(&d->round_timer, round_timer_cb, wait > 0 ? (uint64_t)ceil(wait * 1000) + 1 : 0, 0);
 }
 
 static void count_refusal(dilocod *d, round_verdict v)

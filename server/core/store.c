@@ -239,6 +239,33 @@ static int sum_field(const cJSON *root, const char *name, int *have, uint64_t *s
     return 0;
 }
 
+/* The "round" record of outer_metadata.json or redo.json (root's member round, an object), as text: the
+ * raw text of the file when it is the last member as we write it (`"round": {...}` then `}`), checked to
+ * parse alone as an object; else printed again by cJSON.  Raw, because cJSON prints a double with 15
+ * digits when those come "close enough" back, and a record's weight keeps all 17 (history.h).  NULL when
+ * out of memory. */
+static char *round_text(const char *text, const cJSON *round)
+{
+    static const char key[] = "\n  \"round\": ";
+    const char *at = NULL, *p = text, *end;
+
+    while ((p = strstr(p, key)) != NULL)
+        at = p++;
+    if (at != NULL && (end = strrchr(text, '}')) != NULL && end > at + sizeof(key) - 1) {
+        const char *v = at + sizeof(key) - 1;
+        while (end > v && (end[-1] == '\n' || end[-1] == ' '))
+            end--;
+        char *raw = strndup(v, (size_t)(end - v));
+        cJSON *o = raw != NULL ? cJSON_Parse(raw) : NULL;
+        int ok = cJSON_IsObject(o);
+        cJSON_Delete(o);
+        if (ok)
+            return raw;
+        free(raw);
+    }
+    return cJSON_PrintUnformatted(round);
+}
+
 /* The metadata file is ours, but a damaged or hand-edited one must not crash us: validate it. */
 static int load_metadata(store *s, const char *path, dl_error *err)
 {
@@ -249,7 +276,6 @@ static int load_metadata(store *s, const char *path, dl_error *err)
     if (text == NULL)
         return -DL_E_IO;
     root = cJSON_Parse(text);
-    free(text);
     step = cJSON_GetObjectItemCaseSensitive(root, "outer_step");
     g = cJSON_GetObjectItemCaseSensitive(root, "global_file");
     m = cJSON_GetObjectItemCaseSensitive(root, "outer_state_file");
@@ -316,7 +342,7 @@ static int load_metadata(store *s, const char *path, dl_error *err)
     }
     round = cJSON_GetObjectItemCaseSensitive(root, "round");
     if (cJSON_IsObject(round))
-        s->round_json = cJSON_PrintUnformatted(round);     /* NULL on OOM: history only */
+        s->round_json = round_text(text, round);       /* NULL on OOM: history only */
     s->committed = 1;
     if (access(s->global_path, R_OK) != 0 || (s->momentum_path && access(s->momentum_path, R_OK) != 0) ||
         (s->accum_path && access(s->accum_path, R_OK) != 0))
@@ -324,6 +350,7 @@ static int load_metadata(store *s, const char *path, dl_error *err)
                      s->global_path);
 out:
     cJSON_Delete(root);
+    free(text);
     return rc;
 }
 
@@ -660,7 +687,6 @@ int store_redo_read(const store *s, store_redo *r, int *present, dl_error *err)
         return -DL_E_IO;
     }
     root = cJSON_Parse(text);
-    free(text);
     d = cJSON_GetObjectItemCaseSensitive(root, "deltas");
     o = cJSON_GetObjectItemCaseSensitive(root, "optimizer");
     lr = cJSON_GetObjectItemCaseSensitive(root, "lr");
@@ -700,10 +726,11 @@ int store_redo_read(const store *s, store_redo *r, int *present, dl_error *err)
     }
     if ((rc = read_versions(r, cJSON_GetObjectItemCaseSensitive(root, "versions"), path, err)) != 0)
         goto out;
-    if (cJSON_IsObject(round) && (r->round_json = cJSON_PrintUnformatted(round)) == NULL)
+    if (cJSON_IsObject(round) && (r->round_json = round_text(text, round)) == NULL)
         rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
 out:
     cJSON_Delete(root);
+    free(text);
     free(path);
     if (rc != 0)
         store_redo_free(r);

@@ -177,9 +177,12 @@ TEST(store_async_phase_accumulator_and_redo)
     store_dn dn = {.on = 1, .period = 3, .k = 2, .paper = 1, .c = 0.25};
     uint64_t asum = 0x1234;
     store_commit_info info = {.step = 5, .global_path = g, .optimizer = "nesterov_sgd", .lr = 0.7, .momentum = 0.9,
-                              .origin = "round", .accum_path = a, .accum_sum = &asum, .dn = &dn};
+                              .origin = "round", .accum_path = a, .accum_sum = &asum, .dn = &dn,
+                              .round_json = "{\"step\":4,\"mode\":\"async\",\"weight\":0.57735026918962584}\n"};
     CHECK_EQ(store_commit(&s, &info, &err), 0);
     CHECK_EQ(store_open(&again, dir, "agg", &err), 0);
+    /* every digit of the record kept (cJSON would print 0.577350269189626) */
+    CHECK_STR(again.round_json, "{\"step\":4,\"mode\":\"async\",\"weight\":0.57735026918962584}");
     CHECK(again.dn.on && again.dn.period == 3 && again.dn.k == 2 && again.dn.paper && again.dn.c == 0.25);
     CHECK(again.accum_path != NULL && again.accum_summed && again.accum_sum == 0x1234);
     store_free(&again);
@@ -189,13 +192,15 @@ TEST(store_async_phase_accumulator_and_redo)
     snprintf(cur, sizeof(cur), "%s/agg/cache/deltas/s5/w2/delta_20.safetensors", dir);
     char *deltas[2] = {old, cur};
     store_redo r = {.step = 6, .base = 5, .deltas = deltas, .ndeltas = 2, .optimizer = "nesterov_sgd", .lr = 0.7,
-                    .momentum = 0.9, .dn = {.on = 1, .period = 3, .k = 2, .paper = 0, .c = 0, .weight = 0.75}};
+                    .momentum = 0.9, .dn = {.on = 1, .period = 3, .k = 2, .paper = 0, .c = 0, .weight = 0.75},
+                    .round_json = "{\"step\":5,\"weight\":0.70710678118654757}\n"};
     store_redo back;
     int present;
     CHECK_EQ(store_redo_write(&s, &r, &err), 0);
     CHECK_EQ(store_redo_read(&s, &back, &present, &err), 0);
     CHECK(present && back.dn.on && back.dn.k == 2 && back.dn.weight == 0.75 && back.ndeltas == 2);
     CHECK_STR(back.deltas[0], old);
+    CHECK_STR(back.round_json, "{\"step\":5,\"weight\":0.70710678118654757}");
     store_redo_free(&back);
     /* a delta of a later base than the update's, or a sync record naming an older base: damaged */
     char later[700];
