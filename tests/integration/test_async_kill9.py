@@ -158,7 +158,7 @@ class Torture:
                 files["momentum"] = (sd / meta["outer_state_file"]).read_bytes()
             if meta.get("accum_file"):
                 files["accum"] = (sd / meta["accum_file"]).read_bytes()
-            files["k"] = meta["dn"]["k"]
+            files["k"] = meta.get("dn", {}).get("k", 0)       # step 0 (the bootstrap) has no phase
             self.snapshots[meta["outer_step"]] = files
         pub = self.d.published_step()
         if pub is not None and pub > 0:
@@ -190,7 +190,11 @@ class Torture:
     def put_until_taken(self, node, base, local, blob):
         """Uploads until the daemon has the delta: 201, or 409 not_newer (the restart re-took the copy a
         killed process cached before it could answer)."""
+        deadline = time.time() + 20
         while True:
+            assert time.time() < deadline, \
+                f"{node} delta_{local} not taken within 20 s ({dict(self.counts)}; status {self.d.get_json('/status')}):\n" \
+                f"{self.d.log_text()[-2000:]}"
             self.reap()
             port = self.port()
             if port is None:
@@ -259,7 +263,7 @@ class Torture:
             self.kill("to arm the hook", hook=self.rnd.choice(HOOK_STATES))
 
     # -- the end -----------------------------------------------------------------------------------
-    def settle(self, timeout=60):
+    def settle(self, timeout=20):
         """Waits until every fed delta is in the history, nothing is pending, and the last step is durable
         and published (a process still armed with its hook is replaced first)."""
         if self.hook is not None:
