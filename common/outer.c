@@ -491,50 +491,40 @@ static int have_fma(void)
 #endif
 
 /* out = fma(alpha, x, in): torch's param.add_(x, alpha=alpha) */
+/* The AVX2+FMA copy of a loop where the CPU runs it (and outer_force_portable is off), else the portable one:
+ * the same bits either way. */
+#ifdef HAVE_FMA_PATH
+#define FMA_OR_PORTABLE(loop, ...)                                                                              \
+    do {                                                                                                        \
+        if (!outer_force_portable && have_fma())                                                               \
+            loop##_fma(__VA_ARGS__);                                                                            \
+        else                                                                                                    \
+            loop##_body(__VA_ARGS__);                                                                           \
+    } while (0)
+#else
+#define FMA_OR_PORTABLE(loop, ...) loop##_body(__VA_ARGS__)
+#endif
+
 static void sgd_axpy(float *out, const float *in, const float *restrict x, float alpha, size_t m)
 {
-#ifdef HAVE_FMA_PATH
-    if (!outer_force_portable && have_fma()) {
-        sgd_axpy_fma(out, in, x, alpha, m);
-        return;
-    }
-#endif
-    sgd_axpy_body(out, in, x, alpha, m);
+    FMA_OR_PORTABLE(sgd_axpy, out, in, x, alpha, m);
 }
 
 /* out = fma(alpha, fma(mu, buf, g), in): torch's d = g.add(buf, alpha=mu); param.add_(d, alpha=alpha) */
 static void sgd_nesterov(float *out, const float *in, const float *restrict buf, const float *restrict g, float mu,
                          float alpha, size_t m)
 {
-#ifdef HAVE_FMA_PATH
-    if (!outer_force_portable && have_fma()) {
-        sgd_nesterov_fma(out, in, buf, g, mu, alpha, m);
-        return;
-    }
-#endif
-    sgd_nesterov_body(out, in, buf, g, mu, alpha, m);
+    FMA_OR_PORTABLE(sgd_nesterov, out, in, buf, g, mu, alpha, m);
 }
 
 static void dn_accumulate(float *out, const float *in, const float *restrict x, float alpha, size_t m)
 {
-#ifdef HAVE_FMA_PATH
-    if (!outer_force_portable && have_fma()) {
-        dn_accumulate_fma(out, in, x, alpha, m);
-        return;
-    }
-#endif
-    dn_accumulate_body(out, in, x, alpha, m);
+    FMA_OR_PORTABLE(dn_accumulate, out, in, x, alpha, m);
 }
 
 static void dn_grad(float *restrict g, const float *acc, float w, float n, size_t m)
 {
-#ifdef HAVE_FMA_PATH
-    if (!outer_force_portable && have_fma()) {
-        dn_grad_fma(g, acc, w, n, m);
-        return;
-    }
-#endif
-    dn_grad_body(g, acc, w, n, m);
+    FMA_OR_PORTABLE(dn_grad, g, acc, w, n, m);
 }
 
 /* Lanes per block of the mean and the statistics: the block's mean (8 KiB) stays in L1 while every delta's
