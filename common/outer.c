@@ -750,6 +750,26 @@ static void unmap_inputs(outer_map *maps, size_t n)
         unmap_window(&maps[k]);
 }
 
+/* A state file's F32 lanes (the momentum's or the accumulator's, t of f) for sub-block s of the item at
+ * element e: in place from its window m, or read into buf; *in points at them, their checksum terms
+ * added to *sum. */
+static int state_lanes(const outer_pass *p, size_t ti, const st_file *f, const st_tensor *t, const outer_map *m,
+                       size_t s, uint64_t e, size_t sn, float *buf, uint64_t *sum, const float **in, dl_error *err)
+{
+    const size_t lanes = cv_lanes(p->global->h->tensors[ti].dtype);
+    int rc;
+
+    if (m->base != NULL) {
+        *in = m->lanes + s * lanes;
+    } else {
+        if ((rc = st_read(f, t, e * lanes * 4, buf, sn * lanes * 4, err)) != 0)
+            return rc;
+        *in = buf;
+    }
+    sum_in(p, ti, t->dtype, e, *in, sn, sum);
+    return 0;
+}
+
 /* The sub-blocks of item it: the global's and the momentum's lanes in place or into param and buf, the
  * deltas' in place or into b->d, and the step over them into param and buf.  Adds the bytes it read to
  * *bytes. */
@@ -794,28 +814,15 @@ static __attribute__((noinline)) int step_item(outer_pass *p, const outer_item *
             }
             *bytes += sn * (st_dtype_bits(dt->dtype) / 8);
         }
-        if (mom && mt != NULL) {
-            if (b->mmap.base != NULL) {
-                io.buf_in = b->mmap.lanes + s * lanes;
-            } else {
-                if ((rc = st_read(p->momentum, mt, e * lanes * 4, io.buf, sn * lanes * 4, err)) != 0)
-                    return rc;
-                io.buf_in = io.buf;
-            }
-            sum_in(p, ti, mt->dtype, e, io.buf_in, sn, msum);
+        if (mom && mt != NULL &&
+            (rc = state_lanes(p, ti, p->momentum, mt, &b->mmap, s, e, sn, io.buf, msum, &io.buf_in, err)) != 0)
+            return rc;
+        if (at != NULL && (rc = state_lanes(p, ti, p->accum, at, &b->amap, s, e, sn, io.acc, asum, &io.acc_in, err)) != 0)
+            return rc;
+        if (mom && mt != NULL)
             *bytes += sn * lanes * 4;
-        }
-        if (at != NULL) {
-            if (b->amap.base != NULL) {
-                io.acc_in = b->amap.lanes + s * lanes;
-            } else {
-                if ((rc = st_read(p->accum, at, e * lanes * 4, io.acc, sn * lanes * 4, err)) != 0)
-                    return rc;
-                io.acc_in = io.acc;
-            }
-            sum_in(p, ti, at->dtype, e, io.acc_in, sn, asum);
+        if (at != NULL)
             *bytes += sn * lanes * 4;
-        }
         step_sub(p, b->dk, &io, mt != NULL, sn * lanes, b);
         /* never a non-finite output: the inputs are finite, but a sum or a step can overflow */
         int64_t bad = delta_find_non_finite(ST_F32, io.param, sn * lanes);
