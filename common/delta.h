@@ -31,6 +31,9 @@ typedef struct delta_info {
     char node_id[DELTA_NODE_ID_MAX + 1];
     uint64_t base_outer_step;
     uint64_t local_step;
+    /* the delta's L2 norm (delta_norm.h), when its values were read (intake, an upload): has_norm */
+    double norm;
+    int has_norm;
 } delta_info;
 
 /* [A-Za-z0-9._-]{1,64}, not "." or "..". */

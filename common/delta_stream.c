@@ -1,6 +1,7 @@
 #include "delta_stream.h"
 
 #include <inttypes.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -18,8 +19,10 @@ static int scan_data(delta_stream *s, const unsigned char *p, size_t n, dl_error
     uint64_t data_pos = s->pos - 8 - s->n;      /* offset in the data section of p[0] */
 
     while (n > 0) {
-        while (s->tensor < s->h->ntensors && s->h->tensors[s->tensor].end <= data_pos)
+        while (s->tensor < s->h->ntensors && s->h->tensors[s->tensor].end <= data_pos) {
+            delta_norm_flush(&s->norm, &s->norm_block);        /* the tensor's last block */
             s->tensor++;
+        }
         if (s->tensor >= s->h->ntensors)
             return dl_fail(err, DL_E_METADATA_INCOMPLETE_BUFFER, NULL, 0,
                            "incomplete metadata, file not fully covered: bytes after the last tensor");
@@ -40,6 +43,7 @@ static int scan_data(delta_stream *s, const unsigned char *p, size_t n, dl_error
                     return dl_fail(err, DL_E_NON_FINITE, t->name, t->name_len,
                                    "delta tensor holds a non-finite value (NaN or Inf) at element %" PRIu64,
                                    (data_pos - t->begin) / esize);
+                delta_norm_feed(&s->norm, &s->norm_block, t->dtype, s->carry, 1);
                 s->carry_len = 0;
             }
         }
@@ -49,7 +53,7 @@ static int scan_data(delta_stream *s, const unsigned char *p, size_t n, dl_error
             const unsigned char *q = p + i;
             int64_t bad;
             if (((uintptr_t)q % esize) != 0) {
-                unsigned char tmp[4096];
+                _Alignas(8) unsigned char tmp[4096];
                 size_t done = 0;
                 bad = -1;
                 while (done < whole && bad < 0) {
@@ -58,10 +62,14 @@ static int scan_data(delta_stream *s, const unsigned char *p, size_t n, dl_error
                     bad = delta_find_non_finite(t->dtype, tmp, chunk);
                     if (bad >= 0)
                         bad += (int64_t)done;
+                    else
+                        delta_norm_feed(&s->norm, &s->norm_block, t->dtype, tmp, chunk);
                     done += chunk;
                 }
             } else {
                 bad = delta_find_non_finite(t->dtype, q, whole);
+                if (bad < 0)
+                    delta_norm_feed(&s->norm, &s->norm_block, t->dtype, q, whole);
             }
             if (bad >= 0)
                 return dl_fail(err, DL_E_NON_FINITE, t->name, t->name_len,
@@ -210,5 +218,8 @@ int delta_stream_finish(delta_stream *s, dl_error *err)
                        "incomplete metadata, file not fully covered: the header describes %" PRIu64
                        " bytes, the body had %" PRIu64,
                        s->file_len, s->pos);
+    delta_norm_flush(&s->norm, &s->norm_block);
+    s->info.norm = sqrt(delta_norm_sumsq(&s->norm));
+    s->info.has_norm = 1;
     return 0;
 }

@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "delta.h"
+#include "delta_norm.h"
 #include "dl_error.h"
 #include "safetensors.h"
 
@@ -30,6 +31,8 @@ typedef struct delta_stream {
     size_t tensor;              /* data section: current tensor (offset order) */
     unsigned char carry[8];     /* bytes of an element split between two feeds */
     size_t carry_len;
+    delta_norm norm;            /* the values' sums of squares (delta_norm.h): info.norm once finished */
+    delta_norm_block norm_block;
 } delta_stream;
 
 enum { DELTA_STREAM_MORE = 0, DELTA_STREAM_HEADER = 1, DELTA_STREAM_HEADER_READY = 2 };

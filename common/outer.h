@@ -22,7 +22,11 @@
 /* Tests set this to run the portable fmaf() loops where the CPU has AVX2 and FMA (same bits, slower). */
 extern int outer_force_portable;
 
+typedef enum outer_rule { OUTER_RULE_MEAN = 0, OUTER_RULE_WEIGHTED, OUTER_RULE_CLIPPED, OUTER_RULE_TRIMMED, OUTER_RULE_MEDIAN } outer_rule;
+
 typedef struct outer_params {
+    outer_rule rule;
+    unsigned trim_k;
     int nesterov;
     float lr;
     float momentum;             /* 0: plain SGD, no momentum buffers */
@@ -66,6 +70,8 @@ typedef struct outer_pass {
     const char *const *delta_paths;     /* in aggregation order (ascending node id); each a single file or
                                            the index of a set (st_index.h) */
     size_t ndeltas;
+    const float *delta_scale;
+    int stats_only;
     const char *out_global_path;
     const char *out_momentum_path;      /* NULL when params.momentum == 0; with Delayed Nesterov NULL when no
                                            momentum is written (a plain step before the first Nesterov step) */

@@ -21,7 +21,7 @@
 
 /* T_STR must not be empty; T_OPTSTR may be unset, and an empty value unsets it (a flag can so
  * cancel a file's path: --token-file '') */
-typedef enum opt_type { T_STR, T_OPTSTR, T_UINT, T_DOUBLE, T_OPTIMIZER, T_NODES, T_LOGLEVEL, T_LOGFORMAT, T_SIZE, T_MODE, T_WEIGHT, T_BOUND, T_VARIANT } opt_type;
+typedef enum opt_type { T_STR, T_OPTSTR, T_UINT, T_DOUBLE, T_OPTIMIZER, T_NODES, T_LOGLEVEL, T_LOGFORMAT, T_SIZE, T_MODE, T_WEIGHT, T_BOUND, T_VARIANT, T_RULE, T_SCREEN } opt_type;
 
 typedef struct opt {
     const char *key;            /* file key; the flag is "--" + key with '_' -> '-' */
@@ -60,6 +60,10 @@ static const opt options[] = {
     {"async_queue", T_UINT, OFF(async_queue), 0, 1000000, "N         async: deltas waiting at most (the open update and the queue), 503 beyond (0: 4 x expected_nodes, at least 16)"},
     {"dylu_base_steps", T_UINT, OFF(dylu_base_steps), 0, 1000000000, "H     async: the fastest node's recommended local steps (0: the most any node ran per delta)"},
     {"publish_interval", T_DOUBLE, OFF(publish_interval), -1, 86400, "SECONDS  publish at most this often, the newest step (-1: 30 for hf:// in async mode, else 0)"},
+    {"aggregate", T_RULE, OFF(aggregate), 0, 1000, "RULE     mean | weighted_mean | trimmed_mean:K | median | clipped_mean (README, Robust aggregation)"},
+    {"max_norm_ratio", T_DOUBLE, OFF(max_norm_ratio), 0, 1e30, "R    quarantine a delta whose norm is above R x the median norm of the others (0: off; R >= 1)"},
+    {"max_norm", T_DOUBLE, OFF(max_norm), 0, 1e300, "X          quarantine a delta whose L2 norm is above X (0: off)"},
+    {"screen", T_SCREEN, OFF(screen_cosine), 0, 0, "none|cosine:MIN  two passes: drop the deltas whose cosine with the round's mean is below MIN"},
     {"listen", T_STR, OFF(listen), 0, 0, "HOST:PORT     HTTP API address (port 0: any free port); none disables it"},
     {"token_file", T_OPTSTR, OFF(token_file), 0, 0, "FILE      upload tokens, lines 'node_id token' ('*' = any node); without it uploads are loopback-only"},
     {"max_header_bytes", T_UINT, OFF(max_header_bytes), 256, 1 << 24, "N   HTTP request head size limit (431 beyond)"},
@@ -233,6 +237,63 @@ static void free_nodes(config *c)
     c->nnodes = 0;
 }
 
+static const char *const rule_names[] = {"mean", "weighted_mean", "clipped_mean", "trimmed_mean", "median"};
+
+const char *config_rule_name(config_rule r)
+{
+    return (size_t)r < COUNT_OF(rule_names) ? rule_names[r] : "?";
+}
+
+/* --aggregate RULE: one of rule_names, trimmed_mean with its ":K" (1 <= K <= CONFIG_MAX_NODES). */
+static int set_rule(config *c, const char *v, const char *origin, const char *key)
+{
+    for (size_t i = 0; i < COUNT_OF(rule_names); i++) {
+        size_t n = strlen(rule_names[i]);
+        if (strncmp(v, rule_names[i], n) != 0)
+            continue;
+        if (i == RULE_TRIMMED) {
+            char *end;
+            unsigned long k;
+            if (v[n] != ':' || v[n + 1] < '1' || v[n + 1] > '9')
+                return bad(origin, key, "'%s': trimmed_mean takes the count to trim from each end, trimmed_mean:K", v);
+            errno = 0;
+            k = strtoul(v + n + 1, &end, 10);
+            if (*end != '\0' || errno != 0 || k > CONFIG_MAX_NODES)
+                return bad(origin, key, "'%s': K must be an integer from 1 to %u", v, CONFIG_MAX_NODES);
+            c->trim_k = (unsigned)k;
+        } else if (v[n] != '\0') {
+            continue;
+        } else {
+            c->trim_k = 0;
+        }
+        c->aggregate = (config_rule)i;
+        return 0;
+    }
+    return bad(origin, key, "'%s' is not an aggregation rule (mean, weighted_mean, trimmed_mean:K, median, clipped_mean)",
+               v);
+}
+
+/* --screen none | cosine:MIN, -1 <= MIN <= 1. */
+static int set_screen(config *c, const char *v, const char *origin, const char *key)
+{
+    char *end;
+    double m;
+
+    if (strcmp(v, "none") == 0) {
+        c->screen = 0;
+        return 0;
+    }
+    if (strncmp(v, "cosine:", 7) != 0 || v[7] == '\0')
+        return bad(origin, key, "'%s' is not a screen (none, cosine:MIN)", v);
+    errno = 0;
+    m = strtod(v + 7, &end);
+    if (*end != '\0' || errno != 0 || !(m >= -1 && m <= 1))
+        return bad(origin, key, "'%s': MIN must be a number from -1 to 1", v);
+    c->screen = 1;
+    c->screen_cosine = m;
+    return 0;
+}
+
 static int set_nodes(config *c, const char *v, const char *origin, const char *key)
 {
     const char *p = v;
@@ -369,6 +430,10 @@ static int set_option(config *c, const opt *o, const char *v, const char *origin
             return 0;
         }
         return set_plain(field, T_UINT, o->min, o->max, o->key, v, origin);
+    case T_RULE:
+        return set_rule(c, v, origin, o->key);
+    case T_SCREEN:
+        return set_screen(c, v, origin, o->key);
     case T_LOGFORMAT:
         if (strcmp(v, "text") == 0)
             *(int *)field = 0;
@@ -797,6 +862,12 @@ static int validate(config *c)
         if (c->dn_c != 0 && !c->dn_paper)
             return bad_opt(c, "dn_momentum_activation", "applies to dn_variant paper only");
     }
+    if (c->max_norm_ratio != 0 && c->max_norm_ratio < 1)
+        return bad_opt(c, "max_norm_ratio", "%g would quarantine deltas below the median: give 0 (off) or R >= 1",
+                       c->max_norm_ratio);
+    if (c->aggregate == RULE_TRIMMED && c->expected_nodes != 0 && 2 * c->trim_k >= c->expected_nodes)
+        return bad_opt(c, "aggregate", "trimmed_mean:%u trims every value of a round of %u nodes (2K must be below it)",
+                       c->trim_k, c->expected_nodes);
     if (c->publish_interval < 0)
         c->publish_interval = c->async && strncmp(c->hub, "hf://", 5) == 0 ? 30 : 0;
     if (!c->async && c->expected_nodes == 0 && c->round_timeout == 0)
@@ -1035,6 +1106,16 @@ void config_print(const config *c, FILE *out)
     print_double(out, "grace_ms", c->grace_ms);
     fprintf(out, "async_queue = %u\ndylu_base_steps = %u\n", c->async_queue, c->dylu_base_steps);
     print_double(out, "publish_interval", c->publish_interval);
+    if (c->aggregate == RULE_TRIMMED)
+        fprintf(out, "aggregate = trimmed_mean:%u\n", c->trim_k);
+    else
+        fprintf(out, "aggregate = %s\n", config_rule_name(c->aggregate));
+    print_double(out, "max_norm_ratio", c->max_norm_ratio);
+    print_double(out, "max_norm", c->max_norm);
+    if (c->screen)
+        fprintf(out, "screen = cosine:%.17g\n", c->screen_cosine);
+    else
+        fprintf(out, "screen = none\n");
     print_str(out, "listen", c->listen, "");
     print_str(out, "token_file", c->token_file, " (uploads from loopback peers only)");
     fprintf(out, "max_header_bytes = %u\nmax_headers = %u\nmax_body_mib = %u\nmax_delta_header_mib = %u\n"

@@ -14,6 +14,8 @@
 
 typedef enum config_optimizer { OPT_NESTEROV_SGD, OPT_SGD } config_optimizer;
 typedef enum config_weight { WEIGHT_CONSTANT, WEIGHT_POLY } config_weight;
+/* --aggregate: in outer_rule's order (common/outer.h) */
+typedef enum config_rule { RULE_MEAN, RULE_WEIGHTED, RULE_CLIPPED, RULE_TRIMMED, RULE_MEDIAN } config_rule;
 
 #define CONFIG_NO_STALENESS_BOUND UINT32_MAX      /* max_staleness = none */
 
@@ -48,6 +50,13 @@ typedef struct config {
     unsigned async_queue;       /* deltas pending at most (the open update and the queue); 503 beyond */
     unsigned dylu_base_steps;   /* H_base of the recommendation; 0: the fastest node's own steps per delta */
     double publish_interval;    /* seconds between publishes at least (< 0 unset: 30 s for hf:// async, else 0) */
+    /* robust aggregation (README "Robust aggregation") */
+    config_rule aggregate;
+    unsigned trim_k;            /* trimmed_mean:K */
+    double max_norm_ratio;      /* 0: off */
+    double max_norm;            /* 0: off */
+    int screen;                 /* --screen cosine:MIN */
+    double screen_cosine;
     /* HTTP */
     char *listen;               /* "HOST:PORT" or "none" */
     char *listen_host;          /* parsed from listen */
@@ -90,5 +99,7 @@ const char *config_weight_name(config_weight w);
 const void *config_hub_options(const config *c);
 /* 1 with *value (NULL: unset) when --hub's transport has a text option key, else 0. */
 int config_hub_value(const config *c, const char *key, const char **value);
+
+const char *config_rule_name(config_rule r);
 
 #endif

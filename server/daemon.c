@@ -308,6 +308,7 @@ static int startup(dilocod *d, dl_error *err)
     if ((rc = history_load_each(&d->history, d->st.dir, d->st.committed ? d->st.step : UINT64_MAX, d->st.round_json,
                                 d->cfg->async ? daemon__async_load_record : NULL, d, err)) != 0)
         return rc;
+    daemon__robust_load(d);     /* the nodes' trailing norms, from the records kept */
     if (d->st.committed) {
         dl_log(DL_LOG_INFO, "store", "resuming", "step=%" PRIu64 " dir=%s", d->st.step, d->st.dir);
         if (d->cfg->init_model != NULL)
@@ -474,6 +475,7 @@ int daemon_run(config *cfg)
     daemon__served_clear(&d->global);
     history_free(&d->history);
     daemon__async_free(d);
+    daemon__robust_free(d);
     history_record_free(&d->pending_record);
     free(d->pending_round);
     free(d->settle.unappended);

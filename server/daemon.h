@@ -72,6 +72,10 @@ const store *daemon_store(const dilocod *d);
 time_t daemon_committed_at(const dilocod *d);
 /* The open round, as the round module keeps it (round.h). */
 const round_state *daemon_round(const dilocod *d);
+/* The newest quarantine of node_id (its norm, or cosine, and the bound it broke; the reason, and what
+ * the bound compared with): 0, or -1 when none. */
+int daemon_quarantine_detail(const dilocod *d, const char *node_id, double *norm, double *bound, const char **reason,
+                             const char **basis);
 /* The committed rounds (the last HISTORY_MAX). */
 const history *daemon_history(const dilocod *d);
 /* The global model's header, the same for every step: deltas are checked against it (NULL until there

@@ -83,20 +83,25 @@ static commit_args *commit_args_new(dilocod *d)
     a->redo.lr = d->cfg->lr;
     a->redo.momentum = d->cfg->momentum;
     a->redo.dn = d->agg.dn;
+    a->redo.rule = (int)d->cfg->aggregate;
+    a->redo.trim_k = d->cfg->trim_k;
+    if (d->agg.pass->delta_scale != NULL && (a->redo.scales = malloc((n ? n : 1) * sizeof(float))) != NULL)
+        memcpy(a->redo.scales, d->agg.pass->delta_scale, n * sizeof(float));
+    int no_scales = d->agg.pass->delta_scale != NULL && a->redo.scales == NULL;
     a->redo.ndeltas = n;
     a->redo.deltas = calloc(n ? n : 1, sizeof(char *));
     a->redo.guarded = calloc(n ? n : 1, 1);
     a->redo.versions = calloc(n ? n : 1, sizeof(fsu_ident));
     a->redo.optimizer = strdup(config_optimizer_name(d->cfg->optimizer));
     a->global_path = strdup(d->agg.pass->out_global_path);
-    int bad = a->redo.deltas == NULL || a->redo.guarded == NULL || a->redo.versions == NULL ||
+    int bad = no_scales || a->redo.deltas == NULL || a->redo.guarded == NULL || a->redo.versions == NULL ||
               a->redo.optimizer == NULL || a->global_path == NULL ||
               (d->pending_round != NULL && (a->redo.round_json = strdup(d->pending_round)) == NULL);
     for (size_t i = 0; !bad && i < n; i++) {
         bad = (a->redo.deltas[i] = strdup(d->agg.paths[i])) == NULL;
         if (i < d->rnd.n) {     /* the versions of linked deltas, as the pass aggregated them */
-            a->redo.guarded[i] = (unsigned char)d->rnd.entries[i].guarded;
-            a->redo.versions[i] = d->rnd.entries[i].ident;
+            a->redo.guarded[i] = (unsigned char)d->rnd.entries[d->agg.entry[i]].guarded;
+            a->redo.versions[i] = d->rnd.entries[d->agg.entry[i]].ident;
         }
     }
     if (bad) {
@@ -355,6 +360,32 @@ void daemon__release_settle(dilocod *d)
 /* The closing round's record, built before its commit (the commit makes it durable with the step):
  * per-node norms and cosines against the mean delta, and the aggregation's time so far.  One JSON
  * line, ready for outer_metadata.json and rounds.jsonl. */
+/* The round's quarantined entries (at its close, or by the cosine screen) into its record. */
+static int record_quarantined(const dilocod *d, round_record *r)
+{
+    size_t nq = 0;
+
+    for (size_t i = 0; i < d->rnd.n; i++)
+        nq += d->rnd.entries[i].quarantined != 0;
+    if (nq == 0)
+        return 0;
+    if ((r->quarantined = calloc(nq, sizeof(*r->quarantined))) == NULL)
+        return -1;
+    for (size_t i = 0; i < d->rnd.n; i++) {
+        const round_entry *e = &d->rnd.entries[i];
+        if (!e->quarantined)
+            continue;
+        node_stat *q = &r->quarantined[r->nquarantined++];
+        memcpy(q->node_id, e->node_id, sizeof(q->node_id));
+        q->local_step = e->local_step;
+        snprintf(q->quarantine_reason, sizeof(q->quarantine_reason), "%s", e->quarantine_reason);
+        const robust_event *ev = strcmp(e->quarantine_reason, "cosine") == 0 ? daemon__robust_last(d, e->node_id) : NULL;
+        q->norm = ev != NULL ? ev->norm : e->norm;
+        q->bound = e->quarantine_bound;
+    }
+    return 0;
+}
+
 int daemon__prepare_round_record(dilocod *d, double seconds)
 {
     outer_pass *p = d->agg.pass;
@@ -381,6 +412,12 @@ int daemon__prepare_round_record(dilocod *d, double seconds)
     if (d->agg.n > 0)
         memcpy(r->nodes, d->agg.nodes, d->agg.n * sizeof(*r->nodes));
     r->n = d->agg.n;
+    if (d->cfg->aggregate == RULE_TRIMMED)
+        snprintf(r->aggregate, sizeof(r->aggregate), "trimmed_mean:%u", d->cfg->trim_k);
+    else
+        snprintf(r->aggregate, sizeof(r->aggregate), "%s", config_rule_name(d->cfg->aggregate));
+    if (record_quarantined(d, r) != 0)
+        return -ENOMEM;
     if (d->agg.dn.on) {
         store_dn after = daemon__async_after(&d->agg.dn);
         r->async = 1;
@@ -490,6 +527,7 @@ static void commit_done(job *j)
     pipeline_move(&d->pipe, d->st.step, STEP_COMMITTED);
     log_round_stats(d);
     daemon__async_record_applied(d, &d->pending_record);
+    daemon__robust_aggregated(d, d->pending_record.nodes, d->pending_record.n);
     record_round(d);
     daemon__async_committed(d, &d->agg.dn);
     daemon__serve_step(d, fd, d->st.step);
@@ -620,6 +658,10 @@ int daemon__recover_redo(dilocod *d, dl_error *err)
     }
     p.delta_paths = (const char *const *)r.deltas;
     p.ndeltas = r.ndeltas;
+    /* the round's rule and scales as the pass used them (the screens' verdicts are in the inputs) */
+    p.params.rule = (outer_rule)r.rule;
+    p.params.trim_k = r.trim_k;
+    p.delta_scale = r.scales;
     /* the linked deltas' bytes must be the ones aggregated before the crash */
     sums = calloc(r.ndeltas ? r.ndeltas : 1, sizeof(*sums));
     summed = calloc(r.ndeltas ? r.ndeltas : 1, 1);

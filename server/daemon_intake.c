@@ -128,10 +128,13 @@ static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path,
     char *replaced = NULL, qn[160];
     double now = daemon__now(d);
     /* async: a delta applied already (an upload retried, a tree handed over again) is not newer */
-    round_verdict v = d->rnd.async && daemon__async_applied(d, info)
-                          ? ROUND_NOT_NEWER
-                          : round_offer(&d->rnd, info, cache_path, size, now, recovered, &replaced);
-    if (v == ROUND_NOT_NEWER && d->rnd.async)
+    round_verdict v = d->rnd.async && daemon__async_applied(d, info) ? ROUND_NOT_NEWER : round_peek(&d->rnd, info);
+    /* the norm screen judges a delta the round would take (one taken before a restart was judged then) */
+    if (round_verdict_taken(v) && !recovered && daemon__robust_screen_offer(d, info))
+        v = ROUND_OUTLIER;
+    else if (v != ROUND_NOT_NEWER || !d->rnd.async)
+        v = round_offer(&d->rnd, info, cache_path, size, now, recovered, &replaced);
+    if ((v == ROUND_NOT_NEWER && d->rnd.async) || v == ROUND_OUTLIER)
         round_count_refused(&d->rnd, v);
     int first = d->rnd.n == 1 && v == ROUND_ACCEPTED;
 

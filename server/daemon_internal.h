@@ -54,6 +54,10 @@ typedef struct daemon_aggregation {
     double last_time;
     char reason[16];            /* why the round closed */
     store_dn dn;                /* async mode: the update's Delayed Nesterov parameters (dn.on 0: sync) */
+    size_t *entry;              /* [round entries]: the aggregated ones' indexes in the round, in order */
+    float *scales;              /* [n]: weighted_mean's and clipped_mean's per-delta scales (daemon_robust.c) */
+    int screening;              /* the pass out is the cosine screen's first (stats only) */
+    uint64_t screened_step;     /* the step whose round the cosine screen judged (0: none) */
 } daemon_aggregation;
 
 /* daemon_intake.c: what waits for an intake job (at most MAX_INTAKE_IN_FLIGHT run). */
@@ -131,6 +135,37 @@ typedef struct daemon_async {
     uint64_t accepted, updates, nesterov_steps;
 } daemon_async;
 
+/* daemon_robust.c: the norm screen's memory of each node (its trailing aggregated norms, and its latest
+ * one for async mode's comparison) and the quarantined deltas, newest last. */
+#define ROBUST_TRAIL 8
+#define ROBUST_NODES_MAX 4096
+#define ROBUST_RECENT 32
+typedef struct robust_node {
+    char node_id[DELTA_NODE_ID_MAX + 1];
+    double trail[ROBUST_TRAIL]; /* ring of its last aggregated norms */
+    unsigned ntrail, head;
+    double seen_at;             /* loop clock, for replacing the least recently seen */
+} robust_node;
+
+typedef struct robust_event {
+    char node_id[DELTA_NODE_ID_MAX + 1];
+    uint64_t step, local_step;
+    double norm, bound;
+    char reason[16];            /* max_norm | norm_ratio | cosine */
+    char basis[16];             /* what the bound compared with: round | trailing | absolute | mean */
+    double at;                  /* unix time */
+} robust_event;
+
+enum { ROBUST_MAX_NORM, ROBUST_NORM_RATIO, ROBUST_COSINE, ROBUST_REASONS };
+
+typedef struct daemon_robust {
+    robust_node *nodes;
+    size_t n, cap;
+    robust_event recent[ROBUST_RECENT];         /* ring */
+    size_t nrecent, head;
+    uint64_t quarantined[ROBUST_REASONS];
+} daemon_robust;
+
 typedef struct dilocod {
     uv_loop_t loop;
     config *cfg;
@@ -151,6 +186,7 @@ typedef struct dilocod {
 
     daemon_aggregation agg;     /* daemon_pass.c */
     daemon_async async;         /* daemon_async.c */
+    daemon_robust robust;       /* daemon_robust.c */
     daemon_warm warm;           /* daemon_pass.c */
 
     /* publish */

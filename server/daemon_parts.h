@@ -50,6 +50,24 @@ void daemon__async_record_applied(dilocod *d, const round_record *r);
 void daemon__async_load_record(void *d, const round_record *r);
 extern const daemon_provider daemon__async_provider;
 
+/* daemon_robust.c: the norm and cosine screens, the rules' per-delta scales (README, Robust aggregation) */
+/* Whether a delta offered is quarantined by the norm screen (counted, logged and remembered if so). */
+int daemon__robust_screen_offer(dilocod *d, const delta_info *info);
+/* Sync: the norm screen again over the closed round, every delta against all the others. */
+void daemon__robust_screen_close(dilocod *d);
+/* The cosine screen's verdict on an entry (quarantined below --screen cosine:MIN). */
+void daemon__robust_cosine(dilocod *d, round_entry *e, double cosine);
+/* weighted_mean's normalized weights or clipped_mean's clip factors of the n aggregated entries (1 for
+ * the other rules); 0, or -1 without memory. */
+int daemon__robust_scales(const dilocod *d, const round_entry *const *e, size_t n, float *scale);
+/* A committed round's aggregated deltas join their nodes' trailing norms; at startup, the history's. */
+void daemon__robust_aggregated(dilocod *d, const node_stat *nodes, size_t n);
+void daemon__robust_load(dilocod *d);
+/* The newest quarantine of node_id, or NULL. */
+const robust_event *daemon__robust_last(const dilocod *d, const char *node_id);
+void daemon__robust_free(dilocod *d);
+extern const daemon_provider daemon__robust_provider;
+
 /* ---- daemon.c: wiring and lifecycle ---- */
 
 /* Logs a failure at error level: the component, what failed, and the dl_error's code, message and tensor. */

@@ -36,6 +36,8 @@
 static void stop_writeback(dilocod *d);
 static int start_sync_inputs(dilocod *d);
 static int reopen_round(dilocod *d);
+static void begin_pass(dilocod *d);
+static void screen_done(dilocod *d);
 
 /* ---- the pass: its end, its failure, its release, its write-back --------------------------------- */
 
@@ -61,6 +63,11 @@ void daemon__pass_release(dilocod *d)
     d->agg.sums = NULL;
     free(d->agg.summed);
     d->agg.summed = NULL;
+    free(d->agg.scales);
+    d->agg.scales = NULL;
+    free(d->agg.entry);
+    d->agg.entry = NULL;
+    d->agg.screening = 0;
     free(d->pending_round);
     d->pending_round = NULL;
     history_record_free(&d->pending_record);
@@ -116,15 +123,16 @@ static void inputs_changed(dilocod *d, const dl_error *err)
         return;
     }
     daemon__log_error("aggregate", "a linked delta's content changed after it was validated", err);
-    /* the pass's deltas are the round's entries, in order: dropped from the last, the indices hold */
+    /* the pass's deltas are the round's aggregated entries, in order: dropped from the last, the indices
+     * hold */
     for (size_t i = d->agg.n < p->ndeltas ? d->agg.n : p->ndeltas; i-- > 0;) {
         char *path;
-        if (!outer_input_changed(p, i) || i >= d->rnd.n)
+        if (!outer_input_changed(p, i) || d->agg.entry[i] >= d->rnd.n)
             continue;
         dl_log(DL_LOG_WARN, "round", "delta rewritten in place after it was taken in (checksum): dropped, it is "
                "taken in again", "step=%" PRIu64 " node=%s", d->rnd.step,
                dl_log_q(qn, sizeof(qn), d->agg.nodes[i].node_id));
-        round_drop_at(&d->rnd, i, &path);
+        round_drop_at(&d->rnd, d->agg.entry[i], &path);
         daemon__discard_local(d, path, 0);
         free(path);
         d->m.deltas_rewritten++;
@@ -147,6 +155,10 @@ static void finish_done(job *j)
     }
     if (j->rc != 0) {
         daemon__aggregation_failed(d, &j->err);
+        return;
+    }
+    if (d->agg.screening) {
+        screen_done(d);
         return;
     }
     dl_log(DL_LOG_DEBUG, "aggregate", "files written", "step=%" PRIu64 " seconds=%.3f", d->rnd.step + 1,
@@ -653,6 +665,7 @@ int daemon__reopen_if_rewritten(dilocod *d, int before_pass)
 /* A round that lost a rewritten delta collects again: the pass that gave up is released.  Returns 1. */
 static int reopen_round(dilocod *d)
 {
+    d->agg.screened_step = 0;           /* the round changes: the cosine screen runs again */
     uv_timer_stop(&d->progress_timer);
     daemon__pass_release(d);
     pipeline_move(&d->pipe, d->rnd.step + 1, STEP_COLLECTING);
@@ -741,10 +754,140 @@ static int start_sync_inputs(dilocod *d)
 
 /* ---- the pass of a closed round, started --------------------------------------------------------- */
 
+/* The round's entries that are aggregated (not quarantined), in aggregation order, into d->agg.entry. */
+static size_t select_entries(dilocod *d)
+{
+    size_t n = 0;
+
+    for (size_t i = 0; i < d->rnd.n; i++)
+        if (!d->rnd.entries[i].quarantined)
+            d->agg.entry[n++] = i;
+    return n;
+}
+
+/* Every delta of the round was quarantined: nothing is committed.  The round's deltas go and it
+ * collects again (its workers may send better ones); /status says why (robust.quarantined). */
+static void all_quarantined(dilocod *d)
+{
+    char *path;
+
+    dl_log(DL_LOG_WARN, "aggregate", "every delta of the round was quarantined: nothing committed, the round collects again",
+           "step=%" PRIu64 " quarantined=%zu", d->rnd.step, d->rnd.n);
+    d->m.rounds_all_quarantined++;
+    while (d->rnd.n > 0) {
+        round_drop_at(&d->rnd, d->rnd.n - 1, &path);
+        daemon__discard_local(d, path, 0);
+        free(path);
+    }
+    reopen_round(d);
+}
+
+/* The cosine screen's first pass (--screen cosine:MIN): the plain mean of the aggregated deltas and
+ * each one's dot product with it, no output; its end (screen_done) quarantines the ones below MIN and
+ * starts the pass. */
+static void screen_done(dilocod *d)
+{
+    outer_pass *p = d->agg.pass;
+    double mean_norm = sqrt(p->mean_sumsq);
+
+    for (size_t k = 0; k < p->ndeltas; k++) {
+        double norm = sqrt(p->stats[k].sumsq);
+        double cosine = norm > 0 && mean_norm > 0 ? p->stats[k].dot / (norm * mean_norm) : 0.0;
+        round_entry *e = &d->rnd.entries[d->agg.entry[k]];
+        daemon__robust_cosine(d, e, cosine);
+        /* async: the settle removes the consumed deltas only; a quarantined one goes now, or a restart
+         * would offer it again (sync: the round's cache directory goes with its step) */
+        if (e->quarantined && d->rnd.async)
+            daemon__discard_local(d, e->path, 0);
+    }
+    d->agg.screened_step = d->rnd.step + 1;
+    dl_log(DL_LOG_INFO, "aggregate", "cosine screen done", "step=%" PRIu64 " seconds=%.3f", d->rnd.step + 1,
+           daemon__clock() - d->agg.started);
+    outer_free(p);
+    free(p);
+    d->agg.pass = NULL;
+    free(d->agg.paths);
+    d->agg.paths = NULL;
+    free(d->agg.sums);
+    d->agg.sums = NULL;
+    free(d->agg.summed);
+    d->agg.summed = NULL;
+    free(d->agg.nodes);
+    d->agg.nodes = NULL;
+    free(d->agg.scales);
+    d->agg.scales = NULL;
+    begin_pass(d);
+}
+
+/* The inputs of the pass over the selected entries (paths, checksums, the record's node list). */
+static int fill_inputs(dilocod *d, size_t n)
+{
+    d->agg.paths = calloc(n ? n : 1, sizeof(*d->agg.paths));
+    d->agg.nodes = calloc(n ? n : 1, sizeof(*d->agg.nodes));
+    d->agg.sums = calloc(n ? n : 1, sizeof(*d->agg.sums));
+    d->agg.summed = calloc(n ? n : 1, sizeof(*d->agg.summed));
+    d->agg.scales = calloc(n ? n : 1, sizeof(*d->agg.scales));
+    if (d->agg.paths == NULL || d->agg.nodes == NULL || d->agg.sums == NULL || d->agg.summed == NULL ||
+        d->agg.scales == NULL)
+        return -ENOMEM;
+    const round_entry **sel = calloc(n ? n : 1, sizeof(*sel));
+    if (sel == NULL)
+        return -ENOMEM;
+    for (size_t k = 0; k < n; k++) {
+        const round_entry *e = &d->rnd.entries[d->agg.entry[k]];
+        sel[k] = e;
+        d->agg.paths[k] = e->path;
+        memcpy(d->agg.nodes[k].node_id, e->node_id, sizeof(d->agg.nodes[k].node_id));
+        d->agg.nodes[k].local_step = e->local_step;
+        d->agg.nodes[k].bytes = e->size;
+        d->agg.nodes[k].base_outer_step = e->base;
+        d->agg.nodes[k].tau = e->tau;
+        d->agg.nodes[k].weight = e->weight;
+        d->agg.nodes[k].intake_norm = e->has_norm ? e->norm : NAN;
+        /* a linked delta is its writer's file: the pass verifies the bytes intake validated */
+        d->agg.summed[k] = e->guarded && e->ident.has_sum;
+        d->agg.sums[k] = e->ident.sum;
+    }
+    int rc = daemon__robust_scales(d, sel, n, d->agg.scales);
+    free(sel);
+    for (size_t k = 0; rc == 0 && k < n; k++)
+        d->agg.nodes[k].scale = d->agg.scales[k];
+    return rc;
+}
+
+static void start_screen(dilocod *d, size_t n)
+{
+    outer_pass *p = calloc(1, sizeof(*p));
+    dl_error e;
+
+    if (p == NULL || fill_inputs(d, n) != 0) {
+        free(p);
+        dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        daemon__aggregation_failed(d, &e);
+        return;
+    }
+    p->stats_only = 1;
+    p->global_path = d->st.global_path;
+    p->delta_paths = (const char *const *)d->agg.paths;
+    p->ndeltas = n;
+    p->delta_sums = d->agg.sums;
+    p->delta_summed = d->agg.summed;
+    p->ck = &d->st.key;
+    p->budget_bytes = (size_t)d->cfg->agg_memory_mib << 20;
+    d->agg.pass = p;
+    d->agg.n = n;
+    d->agg.screening = 1;
+    d->agg.started = daemon__clock();
+    if (daemon__queue(d, prepare_work, prepare_done, d->agg.pass) != 0) {
+        dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot start the cosine screen");
+        daemon__aggregation_failed(d, &e);
+        return;
+    }
+    dl_log(DL_LOG_INFO, "aggregate", "cosine screen started", "step=%" PRIu64 " nodes=%zu", d->rnd.step + 1, n);
+}
+
 void daemon__start_aggregation(dilocod *d)
 {
-    outer_pass *p;
-
     pipeline_move(&d->pipe, d->rnd.step + 1, STEP_COMPUTING);
     pipeline_start(&d->pipe, d->rnd.step + 1, STEP_ACT_PASS);   /* ends when its outputs are written */
 
@@ -757,34 +900,45 @@ void daemon__start_aggregation(dilocod *d)
 
     if (daemon__reopen_if_rewritten(d, 1))
         return;
-    p = calloc(1, sizeof(*p));
-    size_t n = d->rnd.n;
+    free(d->agg.entry);
+    if ((d->agg.entry = calloc(d->rnd.n ? d->rnd.n : 1, sizeof(*d->agg.entry))) == NULL) {
+        dl_fail(&be, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        daemon__aggregation_failed(d, &be);
+        return;
+    }
+    daemon__robust_screen_close(d);     /* the norm screen over the whole round (sync) */
+    size_t n = select_entries(d);
+    if (n == 0) {
+        all_quarantined(d);
+        return;
+    }
+    if (d->cfg->screen && d->agg.screened_step != d->rnd.step + 1) {
+        start_screen(d, n);
+        return;
+    }
+    begin_pass(d);
+}
+
+/* The pass itself, over the round's entries the screens kept. */
+static void begin_pass(dilocod *d)
+{
+    outer_pass *p;
+    size_t n = select_entries(d);
     static st_kv meta[2];
     static char step_text[24];
     dl_error e;
 
-    d->agg.paths = calloc(n, sizeof(*d->agg.paths));
-    d->agg.nodes = calloc(n, sizeof(*d->agg.nodes));
-    d->agg.sums = calloc(n, sizeof(*d->agg.sums));
-    d->agg.summed = calloc(n, sizeof(*d->agg.summed));
-    if (p == NULL || d->agg.paths == NULL || d->agg.nodes == NULL || d->agg.sums == NULL ||
-        d->agg.summed == NULL) {
+    if (n == 0) {
+        all_quarantined(d);     /* the cosine screen dropped every one */
+        return;
+    }
+    d->agg.screening = 0;
+    p = calloc(1, sizeof(*p));
+    if (p == NULL || fill_inputs(d, n) != 0) {
         free(p);
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory");
         daemon__aggregation_failed(d, &e);
         return;
-    }
-    for (size_t i = 0; i < n; i++) {
-        d->agg.paths[i] = d->rnd.entries[i].path;
-        memcpy(d->agg.nodes[i].node_id, d->rnd.entries[i].node_id, sizeof(d->agg.nodes[i].node_id));
-        d->agg.nodes[i].local_step = d->rnd.entries[i].local_step;
-        d->agg.nodes[i].bytes = d->rnd.entries[i].size;
-        d->agg.nodes[i].base_outer_step = d->rnd.entries[i].base;
-        d->agg.nodes[i].tau = d->rnd.entries[i].tau;
-        d->agg.nodes[i].weight = d->rnd.entries[i].weight;
-        /* a linked delta is its writer's file: the pass verifies the bytes intake validated */
-        d->agg.summed[i] = d->rnd.entries[i].guarded && d->rnd.entries[i].ident.has_sum;
-        d->agg.sums[i] = d->rnd.entries[i].ident.sum;
     }
     daemon__async_update(d, &d->agg.dn);
     int rc = daemon__setup_pass(d, p, d->rnd.step + 1, config_optimizer_name(d->cfg->optimizer), d->cfg->lr,
@@ -793,6 +947,9 @@ void daemon__start_aggregation(dilocod *d)
     p->ndeltas = n;
     p->delta_sums = d->agg.sums;
     p->delta_summed = d->agg.summed;
+    p->params.rule = (outer_rule)d->cfg->aggregate;
+    p->params.trim_k = d->cfg->trim_k;
+    p->delta_scale = d->cfg->aggregate == RULE_WEIGHTED || d->cfg->aggregate == RULE_CLIPPED ? d->agg.scales : NULL;
     /* durability comes after the commit point (the redo record): off the critical path */
     p->defer_sync = 1;
     d->agg.pass = p;
@@ -811,6 +968,6 @@ void daemon__start_aggregation(dilocod *d)
     }
     uv_timer_start(&d->progress_timer, progress_cb, (uint64_t)(PROGRESS_SECONDS * 1000),
                    (uint64_t)(PROGRESS_SECONDS * 1000));
-    dl_log(DL_LOG_INFO, "aggregate", "started", "step=%" PRIu64 " nodes=%zu threads=%u", d->rnd.step + 1, n,
-           d->cfg->threads);
+    dl_log(DL_LOG_INFO, "aggregate", "started", "step=%" PRIu64 " nodes=%zu threads=%u rule=%s", d->rnd.step + 1, n,
+           d->cfg->threads, config_rule_name(d->cfg->aggregate));
 }

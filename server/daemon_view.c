@@ -3,6 +3,7 @@
  * lifecycle, say) changes these and nothing in api/. */
 #include "daemon.h"
 #include "daemon_internal.h"
+#include "daemon_parts.h"
 
 const config *daemon_config(const dilocod *d)
 {
@@ -72,4 +73,17 @@ stats *daemon_stats(dilocod *d)
 dilocod *daemon_of_job(const pool_job *j)
 {
     return daemon__of_job(j);
+}
+
+int daemon_quarantine_detail(const dilocod *d, const char *node_id, double *norm, double *bound, const char **reason,
+                             const char **basis)
+{
+    const robust_event *e = daemon__robust_last(d, node_id);
+    if (e == NULL)
+        return -1;
+    *norm = e->norm;
+    *bound = e->bound;
+    *reason = e->reason;
+    *basis = e->basis;
+    return 0;
 }

@@ -313,6 +313,18 @@ static int verdict_message(dilocod *d, round_verdict v, const delta_info *info, 
     case ROUND_UNKNOWN_NODE:
         snprintf(msg, size, "node %s is not in the allow-list", info->node_id);
         return 403;
+    case ROUND_OUTLIER: {
+        double norm = 0, bound = 0;
+        const char *reason = "norm_ratio", *basis = "round";
+        daemon_quarantine_detail(d, info->node_id, &norm, &bound, &reason, &basis);
+        if (strcmp(reason, "max_norm") == 0)
+            snprintf(msg, size, "quarantined: the delta's L2 norm %.9g is above max_norm %.9g", norm, bound);
+        else
+            snprintf(msg, size, "quarantined: the delta's L2 norm %.9g is above the bound %.9g (max_norm_ratio x the "
+                     "median norm of the %s)", norm, bound, strcmp(basis, "trailing") == 0 ? "node's last rounds"
+                                                                                            : "round's other deltas");
+        return 422;
+    }
     case ROUND_BUSY:
         snprintf(msg, size, "%zu deltas already wait for an update (async_queue %zu): retry shortly", round_pending(r),
                  r->queue_max);

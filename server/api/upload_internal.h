@@ -88,6 +88,7 @@ struct stage {
     uint32_t nshards;           /* 0 until a part names the count */
     uint64_t *part_bytes;       /* per shard: its size once in, 0 before */
     uint64_t *part_data;        /* per shard: its tensor bytes once in */
+    delta_norm *part_norm;      /* per shard: its values' sums of squares (delta_norm.h) once in */
     uint64_t data;              /* sum of part_data: never above the index's total_size */
     uint32_t nreceived;
     uint64_t index_bytes;       /* 0 until the index is in */

@@ -16,6 +16,7 @@
  * node, and goes (directory and memory) when its round moves on or it is refused. */
 #include <errno.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,6 +60,7 @@ static void stage_free(stage *s)
     free(s->dir);
     free(s->part_bytes);
     free(s->part_data);
+    free(s->part_norm);
     free(s);
 }
 
@@ -180,14 +182,17 @@ static size_t stage_limit(const dilocod *d)
 static int stage_fix_count(stage *s, uint32_t nshards)
 {
     uint64_t *bytes = calloc(nshards, sizeof(*bytes)), *data = calloc(nshards, sizeof(*data));
+    delta_norm *norms = calloc(nshards, sizeof(*norms));
 
-    if (bytes == NULL || data == NULL) {
+    if (bytes == NULL || data == NULL || norms == NULL) {
         free(bytes);
         free(data);
+        free(norms);
         return -ENOMEM;
     }
     s->part_bytes = bytes;
     s->part_data = data;
+    s->part_norm = norms;
     s->nshards = nshards;
     return 0;
 }
@@ -263,6 +268,7 @@ void set_shard_in(upload *u, uint64_t size)
     s->part_bytes[u->shard] = size;
     s->data = s->data - s->part_data[u->shard] + shard_data_bytes(u);
     s->part_data[u->shard] = shard_data_bytes(u);
+    s->part_norm[u->shard] = u->ds.norm;        /* a shard sent again replaces its part */
     s->reserved -= u->reserved;
     u->reserved = 0;
     part_in(u);
@@ -670,6 +676,13 @@ static void complete_done(pool_job *j)
 
     s->completing = 0;
     if (a->st == INTAKE_OK) {
+        /* the set's norm: its shards' exact sums merged (delta_norm.h) */
+        delta_norm total;
+        delta_norm_init(&total);
+        for (uint32_t i = 0; i < s->nshards; i++)
+            delta_norm_merge(&total, &s->part_norm[i]);
+        a->info.norm = sqrt(delta_norm_sumsq(&total));
+        a->info.has_norm = 1;
         /* the set is in the cache: whatever happens to the connection, the round gets it */
         round_verdict v = daemon__offer(d, &a->info, a->cache_path, a->size);
         a->cache_path = NULL;

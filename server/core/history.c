@@ -38,6 +38,15 @@ static void add_num17(sbuf *b, double v)
     sb_str(b, tmp);
 }
 
+/* %.17g, or null for a figure not known (NaN) */
+static void add_opt17(sbuf *b, double v)
+{
+    if (isfinite(v))
+        add_num17(b, v);
+    else
+        sb_str(b, "null");
+}
+
 static void add_u64(sbuf *b, const char *key, uint64_t v)
 {
     sb_str(b, key);
@@ -82,6 +91,10 @@ void history_record_json(sbuf *b, const round_record *r)
         add_num(b, n->norm);
         sb_str(b, ",\"cosine\":");
         add_num(b, n->cosine);
+        sb_str(b, ",\"intake_norm\":");
+        add_opt17(b, n->intake_norm);
+        sb_str(b, ",\"scale\":");
+        add_opt17(b, n->scale);
         if (r->async) {
             add_u64(b, ",\"base_outer_step\":", n->base_outer_step);
             add_u64(b, ",\"tau\":", n->tau);
@@ -98,7 +111,25 @@ void history_record_json(sbuf *b, const round_record *r)
         add_u64(b, ",\"dn_period\":", r->dn_period);
         sb_str(b, r->dn_tick ? ",\"nesterov_step\":true" : ",\"nesterov_step\":false");
     }
-    sb_str(b, "}");
+    if (r->aggregate[0] != '\0') {
+        sb_str(b, ",\"aggregate\":");
+        sb_json_string(b, r->aggregate, strlen(r->aggregate));
+    }
+    sb_str(b, ",\"quarantined\":[");
+    for (size_t i = 0; i < r->nquarantined; i++) {
+        const node_stat *q = &r->quarantined[i];
+        sb_str(b, i ? ",{\"node_id\":" : "{\"node_id\":");
+        sb_json_string(b, q->node_id, strlen(q->node_id));
+        add_u64(b, ",\"local_step\":", q->local_step);
+        sb_str(b, strcmp(q->quarantine_reason, "cosine") == 0 ? ",\"cosine\":" : ",\"norm\":");
+        add_opt17(b, q->norm);
+        sb_str(b, ",\"bound\":");
+        add_opt17(b, q->bound);
+        sb_str(b, ",\"reason\":");
+        sb_json_string(b, q->quarantine_reason, strlen(q->quarantine_reason));
+        sb_str(b, "}");
+    }
+    sb_str(b, "]}");
 }
 
 /* A JSON number that must be an exact non-negative integer (below 2^53, where doubles are exact). */
@@ -116,6 +147,34 @@ static double get_double(const cJSON *o, const char *key)
 {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
     return cJSON_IsNumber(v) ? v->valuedouble : NAN;
+}
+
+/* The record's quarantined deltas (history_record_json's "quarantined"), at most MAX_NODES_PER_RECORD. */
+static int parse_quarantined(round_record *r, const cJSON *o)
+{
+    const cJSON *list = cJSON_GetObjectItemCaseSensitive(o, "quarantined"), *q;
+    int count;
+
+    if (!cJSON_IsArray(list) || (count = cJSON_GetArraySize(list)) == 0)
+        return 0;
+    if (count > MAX_NODES_PER_RECORD || (r->quarantined = calloc((size_t)count, sizeof(*r->quarantined))) == NULL)
+        return -1;
+    cJSON_ArrayForEach(q, list) {
+        const cJSON *id = cJSON_GetObjectItemCaseSensitive(q, "node_id");
+        const cJSON *why = cJSON_GetObjectItemCaseSensitive(q, "reason");
+        node_stat *s = &r->quarantined[r->nquarantined];
+        if (!cJSON_IsString(id) || !delta_valid_node_id(id->valuestring, strlen(id->valuestring)) ||
+            !cJSON_IsString(why))
+            continue;
+        snprintf(s->node_id, sizeof(s->node_id), "%s", id->valuestring);
+        snprintf(s->quarantine_reason, sizeof(s->quarantine_reason), "%s", why->valuestring);
+        if (get_count(q, "local_step", &s->local_step) != 0)
+            s->local_step = 0;
+        s->norm = get_double(q, strcmp(s->quarantine_reason, "cosine") == 0 ? "cosine" : "norm");
+        s->bound = get_double(q, "bound");
+        r->nquarantined++;
+    }
+    return 0;
 }
 
 int history_record_parse(round_record *r, const char *json)
@@ -161,8 +220,15 @@ int history_record_parse(round_record *r, const char *json)
         if (get_count(n, "tau", &s->tau) != 0)
             s->tau = 0;
         s->weight = get_double(n, "weight");
+        s->intake_norm = get_double(n, "intake_norm");
+        s->scale = get_double(n, "scale");
         r->n++;
     }
+    const cJSON *rule = cJSON_GetObjectItemCaseSensitive(o, "aggregate");
+    if (cJSON_IsString(rule))
+        snprintf(r->aggregate, sizeof(r->aggregate), "%s", rule->valuestring);
+    if (parse_quarantined(r, o) != 0)
+        goto out;
     const cJSON *mode = cJSON_GetObjectItemCaseSensitive(o, "mode");
     if (cJSON_IsString(mode) && strcmp(mode->valuestring, "async") == 0) {
         uint64_t k, per;
@@ -185,6 +251,9 @@ void history_record_free(round_record *r)
     free(r->nodes);
     r->nodes = NULL;
     r->n = 0;
+    free(r->quarantined);
+    r->quarantined = NULL;
+    r->nquarantined = 0;
 }
 
 /* ---- the ring ---------------------------------------------------------------------------------- */
@@ -200,6 +269,8 @@ void history_push(history *h, round_record *r)
     h->n++;
     r->nodes = NULL;
     r->n = 0;
+    r->quarantined = NULL;
+    r->nquarantined = 0;
 }
 
 size_t history_count(const history *h)

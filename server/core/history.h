@@ -28,6 +28,13 @@ typedef struct node_stat {
     /* async mode's update (record async): the delta's base, staleness at acceptance and weight */
     uint64_t base_outer_step, tau;
     double weight;
+    /* robust aggregation: the norm intake read (delta_norm.h; NaN: not known), the scale the rule gave
+     * the delta (clip factor or normalized weight; 1 otherwise); for a quarantined delta (the record's
+     * quarantined[]) why, and the bound its norm (or cosine, in norm) broke */
+    double intake_norm;
+    double scale;
+    char quarantine_reason[16];
+    double bound;
 } node_stat;
 
 /* One closed and committed round. */
@@ -47,6 +54,10 @@ typedef struct round_record {
     double weight;
     unsigned dn_k, dn_period;
     int dn_tick;
+    /* robust aggregation: the rule (--aggregate), and the round's quarantined deltas (owned) */
+    char aggregate[24];
+    size_t nquarantined;
+    node_stat *quarantined;
 } round_record;
 
 #define HISTORY_MAX 200

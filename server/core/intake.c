@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -17,6 +18,7 @@
 #include <unistd.h>
 
 #include "checksum.h"
+#include "delta_norm.h"
 #include "fsutil.h"
 #include "mapread.h"
 #include "st_index.h"
@@ -90,6 +92,7 @@ static intake_status copy_checked(intake_req *r, int src, int dst, const st_head
         size_t esize = st_dtype_bits(t->dtype) / 8;       /* deltas are F32/F16/BF16/C64: whole bytes */
         uint64_t per = COPY_CHUNK / esize;                /* a multiple of CK_BLOCK_ELEMS */
         uint32_t mt = model_index(r, t);
+        delta_norm_block nb = {{0}, 0};
         for (uint64_t e = 0; e < t->nelem; e += per) {
             size_t n = (size_t)(t->nelem - e < per ? t->nelem - e : per);
             uint64_t off = data_start + t->begin + e * esize;
@@ -110,6 +113,7 @@ static intake_status copy_checked(intake_req *r, int src, int dst, const st_head
                 st = INTAKE_INVALID;
                 break;
             }
+            delta_norm_feed(&r->norm, &nb, t->dtype, buf, n);
             if (dst < 0 && r->ck != NULL)
                 sum += ck_blocks(r->ck, mt, t->dtype, e, buf, n, esize);
             if (dst >= 0 && (rc = fsu_pwrite_all(dst, buf, n * esize, off)) != 0) {
@@ -117,6 +121,7 @@ static intake_status copy_checked(intake_req *r, int src, int dst, const st_head
                 break;
             }
         }
+        delta_norm_flush(&r->norm, &nb);
     }
     free(buf);
     if (st == INTAKE_OK && dst < 0 && r->ck != NULL) {
@@ -285,12 +290,19 @@ typedef struct window_check {
     uint64_t first, elems;
     size_t esize;
     uint64_t sum;
+    delta_norm norm;            /* the window's blocks' sums of squares (delta_norm.h) */
 } window_check;
 
 static int window_check_call(void *arg)
 {
     window_check *w = arg;
     w->bad = delta_find_non_finite(w->dtype, w->data, w->nelem);
+    if (w->bad < 0) {
+        /* a window holds whole blocks of its tensor (or ends with the tensor) */
+        delta_norm_block nb = {{0}, 0};
+        delta_norm_feed(&w->norm, &nb, w->block_dtype, w->data, w->elems);
+        delta_norm_flush(&w->norm, &nb);
+    }
     if (w->bad < 0 && w->ck != NULL)
         w->sum = ck_blocks(w->ck, w->tensor, w->block_dtype, w->first, w->data, w->elems, w->esize);
     return 0;
@@ -313,6 +325,7 @@ typedef struct check_part {
     size_t bad_tensor;          /* the tensor of the first non-finite value, h->ntensors when none */
     uint64_t bad_elem;          /* its element */
     uint64_t sum;               /* the checksum terms of the part's blocks */
+    delta_norm norm;            /* its blocks' sums of squares */
 } check_part;
 
 /* The blocks of tensor ti that begin within [c->lo, c->hi): 1 when the part found something (or must
@@ -348,6 +361,7 @@ static int check_tensor_part(check_part *c, size_t ti)
             .elems = (end - off) / esize,
             .esize = esize,
         };
+        delta_norm_init(&w.norm);
         if (w.data == NULL)
             return c->unmappable = 1;
         int rc = mapread_guarded(window_check_call, &w);
@@ -360,6 +374,7 @@ static int check_tensor_part(check_part *c, size_t ti)
             return 1;
         }
         c->sum += w.sum;
+        delta_norm_merge(&c->norm, &w.norm);
         off = end;
     }
     return 0;
@@ -406,6 +421,8 @@ static intake_status merge_parts(intake_req *r, int src, const check_part *parts
         sum += parts[k].sum;
     }
     if (bad == NULL) {
+        for (size_t k = 0; k < n; k++)
+            delta_norm_merge(&r->norm, &parts[k].norm);
         r->ident.sum = sum;
         r->ident.has_sum = r->ck != NULL;
         return INTAKE_OK;
@@ -514,6 +531,19 @@ static intake_status link_file(intake_req *r, int src, const struct stat *before
     return INTAKE_OK;
 }
 
+/* Restart: our own copy in the cache, validated when it entered, is read once more for its norm
+ * (delta_norm.h), which is not kept on disk.  No checksum: nobody else writes our copy. */
+static intake_status read_norm(intake_req *r, int src, const st_header *h, uint64_t data_start)
+{
+    const ck_key *ck = r->ck;
+    intake_status st;
+
+    r->ck = NULL;               /* copy_checked's check only, which leaves ident alone without a key */
+    st = copy_checked(r, src, -1, h, data_start);
+    r->ck = ck;
+    return st;
+}
+
 /* Restart: a cache entry that is still linked to a file others write may have changed while we were
  * down: read it in full again and guard it. */
 static intake_status recheck_linked(intake_req *r, int src, const struct stat *before, uint64_t n,
@@ -565,8 +595,12 @@ static intake_status intake(intake_req *r)
         goto out;
     }
     if (r->in_cache) {          /* validated when it entered the cache: the header check suffices */
-        if (before.st_nlink > 1 && (st = recheck_linked(r, src, &before, n, h)) != INTAKE_OK)
+        if (before.st_nlink > 1) {
+            if ((st = recheck_linked(r, src, &before, n, h)) != INTAKE_OK)
+                goto out;
+        } else if ((st = read_norm(r, src, h, 8 + n)) != INTAKE_OK) {
             goto out;
+        }
         r->cache_path = strdup(r->src_path);
         st = r->cache_path ? INTAKE_OK : intake__io_fail(r, ENOMEM, "out of memory");
         goto out;
@@ -581,6 +615,7 @@ static intake_status intake(intake_req *r)
             goto out;
         /* no link here (another filesystem, links refused): copy, the data is read once more */
         dl_error_clear(&r->err);
+        delta_norm_init(&r->norm);
     }
     if ((tmp = store_path_incoming_file(r->state_dir, "delta")) == NULL) {
         st = intake__io_fail(r, ENOMEM, "out of memory");
@@ -616,5 +651,9 @@ out:
 void intake_run(intake_req *r)
 {
     dl_error_clear(&r->err);
+    delta_norm_init(&r->norm);
     r->status = st_index_is_index_path(r->src_path) ? intake__set(r) : intake(r);
+    /* every value was read (a cached copy taken back at a restart is read again for it) */
+    r->info.has_norm = r->status == INTAKE_OK && !r->norm_unknown;
+    r->info.norm = r->info.has_norm ? sqrt(delta_norm_sumsq(&r->norm)) : 0.0;
 }

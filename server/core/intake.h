@@ -32,6 +32,7 @@
 
 #include "checksum.h"
 #include "delta.h"
+#include "delta_norm.h"
 #include "dl_error.h"
 #include "fsutil.h"
 #include "index_parse.h"
@@ -78,6 +79,8 @@ typedef struct intake_req {
     fsu_ident ident;            /* the version validated, with its data's checksum (linked only) */
     int link_errno;             /* a link was tried and refused (EXDEV, EPERM ...): copied instead */
     int index_parsed;           /* a set's index was read and parsed (counted in dilocod_index_parses_total) */
+    delta_norm norm;            /* the sums of squares of the values read (delta_norm.h): info.norm */
+    int norm_unknown;           /* the data was not read (a cached set at a restart): info.has_norm 0 */
 } intake_req;
 
 /* Delta data at least this large is checked in place in two halves at once, the second on a thread of

@@ -411,6 +411,7 @@ intake_status intake__set(intake_req *r)
         goto out;
     }
     if (r->in_cache) {
+        r->norm_unknown = 1;    /* not read again at a restart: the set's norm is not known */
         st = reopen_cached_set(r, global, nglobal);
         goto out;
     }

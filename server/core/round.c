@@ -235,6 +235,7 @@ static void count(round_state *r, round_verdict v)
     case ROUND_ACCEPTED: r->counters.accepted++; break;
     case ROUND_QUEUED: r->counters.queued++; break;
     case ROUND_BUSY: r->counters.busy++; break;
+    case ROUND_OUTLIER: r->counters.outlier++; break;
     }
 }
 
@@ -263,6 +264,8 @@ round_verdict round_offer(round_state *r, const delta_info *info, char *path, ui
         e->local_step = info->local_step;
         e->size = size;
         e->received_at = now;
+        e->norm = info->norm;
+        e->has_norm = info->has_norm;
     }
     if (v != ROUND_ACCEPTED && v != ROUND_QUEUED) {
         count(r, v);
@@ -278,6 +281,8 @@ round_verdict round_offer(round_state *r, const delta_info *info, char *path, ui
     e.size = size;
     e.received_at = now;
     e.path = path;
+    e.norm = info->norm;
+    e.has_norm = info->has_norm;
     if (v == ROUND_QUEUED) {
         if (grow(&r->queue, r->nqueue, &r->qcap) != 0) {
             r->counters.busy++;         /* cannot hold it: refuse rather than lose state */
@@ -364,6 +369,7 @@ const char *round_verdict_name(round_verdict v)
     case ROUND_FULL: return "round_full";
     case ROUND_QUEUED: return "queued";
     case ROUND_BUSY: return "busy";
+    case ROUND_OUTLIER: return "outlier";
     }
     return "?";
 }

@@ -30,6 +30,12 @@ typedef struct round_entry {
     uint64_t base;              /* base_outer_step */
     uint64_t tau;               /* async: staleness at acceptance (the committed step - base) */
     double weight;              /* async: its staleness weight */
+    double norm;                /* the delta's L2 norm as intake read it (delta_norm.h), when has_norm */
+    int has_norm;
+    /* robust aggregation: set when the round closed (daemon_robust.c), the entry then not aggregated */
+    int quarantined;
+    char quarantine_reason[16];
+    double quarantine_bound;
     int guarded;                /* path is a link to a file others may rewrite in place: ident is the version
                                    that was validated, checked again before and after the pass */
     fsu_ident ident;
@@ -45,12 +51,13 @@ typedef enum round_verdict {
     ROUND_FULL,                 /* expected_nodes distinct nodes already delivered */
     ROUND_QUEUED,               /* async: taken, for the update after the one being computed */
     ROUND_BUSY,                 /* async: queue_max deltas already wait: send it again later */
+    ROUND_OUTLIER,              /* quarantined by the norm screen (daemon_robust.c): never offered to the round */
 } round_verdict;
 
 typedef enum round_close_reason { ROUND_OPEN = 0, ROUND_ALL_NODES, ROUND_TIMEOUT, ROUND_GRACE } round_close_reason;
 
 typedef struct round_counters {
-    uint64_t accepted, replaced, not_newer, stale, future, unknown_node, full, rejected, queued, busy;
+    uint64_t accepted, replaced, not_newer, stale, future, unknown_node, full, rejected, queued, busy, outlier;
 } round_counters;
 
 /* A taken delta: the round (or the queue) owns its path. */

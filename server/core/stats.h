@@ -21,7 +21,7 @@ typedef enum stats_route {
 } stats_route;
 
 typedef enum stats_refusal {
-    REFUSED_STALE, REFUSED_FUTURE, REFUSED_NOT_NEWER, REFUSED_UNKNOWN_NODE, REFUSED_FULL, REFUSED_BUSY, REFUSED__COUNT
+    REFUSED_STALE, REFUSED_FUTURE, REFUSED_NOT_NEWER, REFUSED_UNKNOWN_NODE, REFUSED_FULL, REFUSED_BUSY, REFUSED_OUTLIER, REFUSED__COUNT
 } stats_refusal;
 
 #define STATS_AGG_BUCKETS 12
@@ -29,6 +29,7 @@ typedef enum stats_refusal {
 
 typedef struct stats {
     uint64_t deltas_accepted, deltas_replaced;
+    uint64_t rounds_all_quarantined;                /* rounds whose every delta was quarantined: not committed */
     uint64_t deltas_rewritten;                      /* taken in, then rewritten in place: dropped, taken again */
     uint64_t rejected[DL_E__COUNT];                 /* by error code */
     uint64_t refused[REFUSED__COUNT];

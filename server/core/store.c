@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -544,6 +545,63 @@ int store_commit(store *s, const store_commit_info *info, dl_error *err)
 
 /* ---- the redo record ------------------------------------------------------------------------------ */
 
+/* outer.h's outer_rule, in its order */
+static const char *const rule_names[] = {"mean", "weighted_mean", "clipped_mean", "trimmed_mean", "median"};
+
+/* The redo record's "aggregate": {"rule", "k", "scales"} (absent: mean). */
+static void aggregate_json(sbuf *b, const store_redo *r)
+{
+    char num[64];
+
+    if (r->rule <= 0 || (size_t)r->rule >= sizeof(rule_names) / sizeof(rule_names[0]))
+        return;
+    snprintf(num, sizeof(num), ",\n  \"aggregate\": {\"rule\": \"%s\", \"k\": %u", rule_names[r->rule], r->trim_k);
+    sb_str(b, num);
+    if (r->scales != NULL) {
+        sb_str(b, ", \"scales\": [");
+        for (size_t i = 0; i < r->ndeltas; i++) {
+            snprintf(num, sizeof(num), "%s%.9g", i ? ", " : "", (double)r->scales[i]);
+            sb_str(b, num);
+        }
+        sb_str(b, "]");
+    }
+    sb_str(b, "}");
+}
+
+/* The redo record's "aggregate", read back: its rule, K, and one finite scale per delta. */
+static int aggregate_parse(const cJSON *a, store_redo *r)
+{
+    const cJSON *rule, *k, *scales, *e;
+    size_t i = 0;
+
+    if (a == NULL)
+        return 0;
+    rule = cJSON_GetObjectItemCaseSensitive(a, "rule");
+    k = cJSON_GetObjectItemCaseSensitive(a, "k");
+    scales = cJSON_GetObjectItemCaseSensitive(a, "scales");
+    if (!cJSON_IsObject(a) || !cJSON_IsString(rule) || !cJSON_IsNumber(k) || !(k->valuedouble >= 0) ||
+        k->valuedouble > 1e6)
+        return -1;
+    r->rule = -1;
+    for (size_t n = 1; n < sizeof(rule_names) / sizeof(rule_names[0]); n++)
+        if (strcmp(rule->valuestring, rule_names[n]) == 0)
+            r->rule = (int)n;
+    if (r->rule < 0)
+        return -1;
+    r->trim_k = (unsigned)k->valuedouble;
+    if (scales == NULL)
+        return 0;
+    if (!cJSON_IsArray(scales) || (size_t)cJSON_GetArraySize(scales) != r->ndeltas ||
+        (r->scales = calloc(r->ndeltas ? r->ndeltas : 1, sizeof(*r->scales))) == NULL)
+        return -1;
+    cJSON_ArrayForEach(e, scales) {
+        if (!cJSON_IsNumber(e) || !isfinite(e->valuedouble))
+            return -1;
+        r->scales[i++] = (float)e->valuedouble;
+    }
+    return 0;
+}
+
 int store_redo_write(const store *s, const store_redo *r, dl_error *err)
 {
     sbuf b = {0};
@@ -580,6 +638,7 @@ int store_redo_write(const store *s, const store_redo *r, dl_error *err)
         sb_str(&b, ",\n  \"async\": ");
         dn_json(&b, &r->dn, 1);
     }
+    aggregate_json(&b, r);
     sb_str(&b, ",\n  \"round\": ");
     if (r->round_json != NULL)
         sb_add(&b, r->round_json, strcspn(r->round_json, "\n"));
@@ -726,6 +785,10 @@ int store_redo_read(const store *s, store_redo *r, int *present, dl_error *err)
     }
     if ((rc = read_versions(r, cJSON_GetObjectItemCaseSensitive(root, "versions"), path, err)) != 0)
         goto out;
+    if (aggregate_parse(cJSON_GetObjectItemCaseSensitive(root, "aggregate"), r) != 0) {
+        rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s is damaged (aggregate)", path);
+        goto out;
+    }
     if (cJSON_IsObject(round) && (r->round_json = round_text(text, round)) == NULL)
         rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
 out:
@@ -761,6 +824,7 @@ void store_redo_free(store_redo *r)
     free(r->versions);
     free(r->optimizer);
     free(r->round_json);
+    free(r->scales);
     memset(r, 0, sizeof(*r));
 }
 

@@ -115,6 +115,12 @@ typedef struct store_redo {
     char *optimizer;
     double lr, momentum;
     store_dn dn;                /* async mode's update (dn.on): its deltas may be of any base up to base */
+    /* the aggregation rule (outer.h's outer_rule: mean, weighted_mean, clipped_mean, trimmed_mean, median)
+     * with its K, and the per-delta scales weighted_mean and clipped_mean used (NULL: none), so that a
+     * restart recomputes the same bytes whatever the screens would judge now */
+    int rule;
+    unsigned trim_k;
+    float *scales;
     char *round_json;           /* the round's record (history.h) */
 } store_redo;
 

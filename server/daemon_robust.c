@@ -1,0 +1,351 @@
+/* Robust aggregation beside the round (README, "Robust aggregation"): the norm screen that quarantines
+ * a delta whose L2 norm (intake's, delta_norm.h) is above --max-norm, or above --max-norm-ratio times
+ * the median norm of the others; the per-delta scales of weighted_mean and clipped_mean; the cosine
+ * screen's verdicts after its first pass; the quarantined deltas' record, and their /status and
+ * /metrics provider.
+ *
+ * The median the ratio compares with, in this order of preference:
+ *   - "round": the other deltas of the open round (sync; at a delta's arrival the ones in so far, and
+ *     again when the round closes over all of them), or in async mode each other node's last aggregated
+ *     norm (an update holds one delta, or a grace batch);
+ *   - "trailing": the node's own last ROBUST_TRAIL aggregated norms, when there are no others;
+ *   - none: only --max-norm applies (the first delta of the first round).
+ * The median of an even count is the lower one, as everywhere here. */
+#include <inttypes.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "daemon_internal.h"
+#include "daemon_parts.h"
+#include "dl_log.h"
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* The lower median of v[0 .. n), n > 0 (v is sorted in place). */
+static double lower_median(double *v, size_t n)
+{
+    qsort(v, n, sizeof(*v), cmp_double);
+    return v[(n - 1) / 2];
+}
+
+static robust_node *find_node(const daemon_robust *r, const char *node_id)
+{
+    for (size_t i = 0; i < r->n; i++)
+        if (strcmp(r->nodes[i].node_id, node_id) == 0)
+            return &r->nodes[i];
+    return NULL;
+}
+
+/* The node's record, made (the least recently seen replaced when the table is full); NULL without memory. */
+static robust_node *node_for(daemon_robust *r, const char *node_id, double now)
+{
+    robust_node *e = find_node(r, node_id);
+
+    if (e == NULL) {
+        if (r->n == r->cap && r->cap < ROBUST_NODES_MAX) {
+            size_t cap = r->cap ? r->cap * 2 : 16;
+            robust_node *v = realloc(r->nodes, cap * sizeof(*v));
+            if (v == NULL)
+                return NULL;
+            r->nodes = v;
+            r->cap = cap;
+        }
+        if (r->n < r->cap) {
+            e = &r->nodes[r->n++];
+        } else {
+            e = &r->nodes[0];
+            for (size_t i = 1; i < r->n; i++)
+                if (r->nodes[i].seen_at < e->seen_at)
+                    e = &r->nodes[i];
+        }
+        memset(e, 0, sizeof(*e));
+        snprintf(e->node_id, sizeof(e->node_id), "%s", node_id);
+    }
+    e->seen_at = now;
+    return e;
+}
+
+static double last_trail(const robust_node *e)
+{
+    return e->trail[(e->head + ROBUST_TRAIL - 1) % ROBUST_TRAIL];
+}
+
+/* The norms the ratio compares a delta of node_id with (module comment), into v (at least
+ * max(round entries, nodes, ROBUST_TRAIL) long); *basis names them.  exclude_quarantined: the close's
+ * recheck compares with every delta of the round, quarantined or not, so that its verdicts do not
+ * depend on the order it meets them in. */
+static size_t reference_norms(const dilocod *d, const char *node_id, double *v, const char **basis)
+{
+    size_t n = 0;
+
+    if (!d->rnd.async) {
+        for (size_t i = 0; i < d->rnd.n; i++) {
+            const round_entry *e = &d->rnd.entries[i];
+            if (e->has_norm && strcmp(e->node_id, node_id) != 0)
+                v[n++] = e->norm;
+        }
+    } else {
+        for (size_t i = 0; i < d->robust.n; i++) {
+            const robust_node *e = &d->robust.nodes[i];
+            if (e->ntrail > 0 && strcmp(e->node_id, node_id) != 0)
+                v[n++] = last_trail(e);
+        }
+    }
+    *basis = "round";
+    if (n > 0)
+        return n;
+    const robust_node *self = find_node(&d->robust, node_id);
+    *basis = "trailing";
+    for (unsigned i = 0; self != NULL && i < self->ntrail; i++)
+        v[n++] = self->trail[i];
+    return n;
+}
+
+/* Whether a delta of norm from node_id is quarantined; fills reason, bound and basis. */
+static int judge(const dilocod *d, const char *node_id, double norm, const char **reason, double *bound,
+                 const char **basis)
+{
+    const config *c = d->cfg;
+
+    if (c->max_norm > 0 && norm > c->max_norm) {
+        *reason = "max_norm";
+        *bound = c->max_norm;
+        *basis = "absolute";
+        return 1;
+    }
+    if (c->max_norm_ratio <= 0)
+        return 0;
+    size_t cap = d->rnd.n + d->robust.n + ROBUST_TRAIL;
+    double *v = malloc(cap * sizeof(*v));
+    if (v == NULL)
+        return 0;               /* no memory for the comparison: the absolute bound stood */
+    size_t n = reference_norms(d, node_id, v, basis);
+    int out = 0;
+    if (n > 0) {
+        *bound = c->max_norm_ratio * lower_median(v, n);
+        *reason = "norm_ratio";
+        out = norm > *bound;
+    }
+    free(v);
+    return out;
+}
+
+static int reason_index(const char *reason)
+{
+    return strcmp(reason, "max_norm") == 0 ? ROBUST_MAX_NORM : strcmp(reason, "cosine") == 0 ? ROBUST_COSINE
+                                                                                             : ROBUST_NORM_RATIO;
+}
+
+/* Counts, remembers and logs (once: each delta is judged once) a quarantined delta. */
+static void record(dilocod *d, const char *node_id, uint64_t local_step, double norm, double bound,
+                   const char *reason, const char *basis)
+{
+    daemon_robust *r = &d->robust;
+    robust_event *e = &r->recent[(r->head + r->nrecent) % ROBUST_RECENT];
+    char qn[160];
+
+    if (r->nrecent == ROBUST_RECENT)
+        r->head = (r->head + 1) % ROBUST_RECENT;
+    else
+        r->nrecent++;
+    memset(e, 0, sizeof(*e));
+    snprintf(e->node_id, sizeof(e->node_id), "%s", node_id);
+    e->step = d->rnd.step;
+    e->local_step = local_step;
+    e->norm = norm;
+    e->bound = bound;
+    snprintf(e->reason, sizeof(e->reason), "%s", reason);
+    snprintf(e->basis, sizeof(e->basis), "%s", basis);
+    e->at = (double)time(NULL);
+    r->quarantined[reason_index(reason)]++;
+    dl_log(DL_LOG_WARN, "robust", "delta quarantined: not aggregated",
+           "step=%" PRIu64 " node=%s local_step=%" PRIu64 " reason=%s %s=%.9g bound=%.9g basis=%s", d->rnd.step,
+           dl_log_q(qn, sizeof(qn), node_id), local_step, reason, strcmp(reason, "cosine") == 0 ? "cosine" : "norm",
+           norm, bound, basis);
+}
+
+int daemon__robust_screen_offer(dilocod *d, const delta_info *info)
+{
+    const char *reason = NULL, *basis = NULL;
+    double bound = 0;
+
+    if (!info->has_norm || !judge(d, info->node_id, info->norm, &reason, &bound, &basis))
+        return 0;
+    record(d, info->node_id, info->local_step, info->norm, bound, reason, basis);
+    return 1;
+}
+
+static void quarantine_entry(dilocod *d, round_entry *e, double value, double bound, const char *reason,
+                             const char *basis)
+{
+    e->quarantined = 1;
+    e->quarantine_bound = bound;
+    snprintf(e->quarantine_reason, sizeof(e->quarantine_reason), "%s", reason);
+    record(d, e->node_id, e->local_step, value, bound, reason, basis);
+}
+
+void daemon__robust_screen_close(dilocod *d)
+{
+    const char *reason, *basis;
+    double bound;
+    int *bad;
+
+    if (d->rnd.async || (d->cfg->max_norm <= 0 && d->cfg->max_norm_ratio <= 0) || d->rnd.n == 0)
+        return;
+    /* every verdict against the same round, then applied: independent of the order */
+    if ((bad = calloc(d->rnd.n, sizeof(*bad))) == NULL)
+        return;
+    double *bounds = calloc(d->rnd.n, sizeof(*bounds));
+    const char **reasons = calloc(d->rnd.n, sizeof(*reasons)), **bases = calloc(d->rnd.n, sizeof(*bases));
+    for (size_t i = 0; bounds != NULL && reasons != NULL && bases != NULL && i < d->rnd.n; i++) {
+        const round_entry *e = &d->rnd.entries[i];
+        if (e->quarantined || !e->has_norm)
+            continue;
+        bad[i] = judge(d, e->node_id, e->norm, &reason, &bound, &basis);
+        bounds[i] = bound;
+        reasons[i] = reason;
+        bases[i] = basis;
+    }
+    for (size_t i = 0; bounds != NULL && reasons != NULL && bases != NULL && i < d->rnd.n; i++)
+        if (bad[i])
+            quarantine_entry(d, &d->rnd.entries[i], d->rnd.entries[i].norm, bounds[i], reasons[i], bases[i]);
+    free(bad);
+    free(bounds);
+    free((void *)reasons);
+    free((void *)bases);
+}
+
+void daemon__robust_cosine(dilocod *d, round_entry *e, double cosine)
+{
+    if (cosine < d->cfg->screen_cosine)
+        quarantine_entry(d, e, cosine, d->cfg->screen_cosine, "cosine", "mean");
+}
+
+int daemon__robust_scales(const dilocod *d, const round_entry *const *e, size_t n, float *scale)
+{
+    if (d->cfg->aggregate == RULE_CLIPPED) {
+        /* s_k = min(1, m / n_k), m the lower median of the aggregated deltas' norms */
+        double *v = malloc((n ? n : 1) * sizeof(*v)), m;
+        size_t nv = 0;
+        if (v == NULL)
+            return -1;
+        for (size_t k = 0; k < n; k++)
+            if (e[k]->has_norm)
+                v[nv++] = e[k]->norm;
+        m = nv > 0 ? lower_median(v, nv) : 0;
+        free(v);
+        for (size_t k = 0; k < n; k++)
+            scale[k] = e[k]->has_norm && e[k]->norm > 0 ? (float)fmin(1.0, m / e[k]->norm) : 1.0f;
+        return 0;
+    }
+    for (size_t k = 0; k < n; k++)
+        scale[k] = 1.0f;
+    return 0;
+}
+
+void daemon__robust_aggregated(dilocod *d, const node_stat *nodes, size_t n)
+{
+    double now = daemon__now(d);
+
+    for (size_t k = 0; k < n; k++) {
+        if (!(nodes[k].intake_norm >= 0))
+            continue;           /* not known (NaN): a set taken back from the cache at a restart */
+        robust_node *e = node_for(&d->robust, nodes[k].node_id, now);
+        if (e == NULL)
+            return;
+        e->trail[e->head] = nodes[k].intake_norm;
+        e->head = (e->head + 1) % ROBUST_TRAIL;
+        if (e->ntrail < ROBUST_TRAIL)
+            e->ntrail++;
+    }
+}
+
+void daemon__robust_load(dilocod *d)
+{
+    for (size_t i = 0; i < history_count(&d->history); i++) {
+        const round_record *r = history_get(&d->history, i);
+        daemon__robust_aggregated(d, r->nodes, r->n);
+    }
+}
+
+const robust_event *daemon__robust_last(const dilocod *d, const char *node_id)
+{
+    const daemon_robust *r = &d->robust;
+    for (size_t i = r->nrecent; i > 0; i--) {
+        const robust_event *e = &r->recent[(r->head + i - 1) % ROBUST_RECENT];
+        if (strcmp(e->node_id, node_id) == 0)
+            return e;
+    }
+    return NULL;
+}
+
+void daemon__robust_free(dilocod *d)
+{
+    free(d->robust.nodes);
+    memset(&d->robust, 0, sizeof(d->robust));
+}
+
+/* ---- /status and /metrics ------------------------------------------------------------------------ */
+
+static void opt_num(sbuf *b, const char *key, double v)
+{
+    sb_printf(b, ",\"%s\":", key);
+    if (v > 0)
+        daemon_json_num(b, v);
+    else
+        sb_str(b, "null");
+}
+
+static void robust_status(const dilocod *d, sbuf *b)
+{
+    const daemon_robust *r = &d->robust;
+    const config *c = d->cfg;
+    uint64_t total = 0;
+
+    for (int i = 0; i < ROBUST_REASONS; i++)
+        total += r->quarantined[i];
+    if (c->aggregate == RULE_TRIMMED)
+        sb_printf(b, ",\"robust\":{\"aggregate\":\"trimmed_mean:%u\"", c->trim_k);
+    else
+        sb_printf(b, ",\"robust\":{\"aggregate\":\"%s\"", config_rule_name(c->aggregate));
+    if (c->screen) {
+        sb_str(b, ",\"screen\":\"cosine:");
+        sb_printf(b, "%.17g\"", c->screen_cosine);
+    } else {
+        sb_str(b, ",\"screen\":null");
+    }
+    opt_num(b, "max_norm_ratio", c->max_norm_ratio);
+    opt_num(b, "max_norm", c->max_norm);
+    sb_printf(b, ",\"quarantined_total\":%" PRIu64 ",\"quarantined_by_reason\":{\"max_norm\":%" PRIu64
+                 ",\"norm_ratio\":%" PRIu64 ",\"cosine\":%" PRIu64 "},\"quarantined\":[",
+              total, r->quarantined[ROBUST_MAX_NORM], r->quarantined[ROBUST_NORM_RATIO], r->quarantined[ROBUST_COSINE]);
+    for (size_t i = 0; i < r->nrecent; i++) {
+        const robust_event *e = &r->recent[(r->head + i) % ROBUST_RECENT];
+        sb_printf(b, "%s{\"node_id\":\"%s\",\"step\":%" PRIu64 ",\"local_step\":%" PRIu64 ",\"%s\":", i ? "," : "",
+                  e->node_id, e->step, e->local_step, strcmp(e->reason, "cosine") == 0 ? "cosine" : "norm");
+        daemon_json_num(b, e->norm);
+        sb_str(b, ",\"bound\":");
+        daemon_json_num(b, e->bound);
+        sb_printf(b, ",\"reason\":\"%s\",\"basis\":\"%s\",\"at\":%.0f}", e->reason, e->basis, e->at);
+    }
+    sb_str(b, "]}");
+}
+
+static void robust_metrics(const dilocod *d, sbuf *b)
+{
+    static const char *const names[ROBUST_REASONS] = {"max_norm", "norm_ratio", "cosine"};
+
+    daemon_metric_family(b, "deltas_quarantined_total", "counter",
+                         "Deltas quarantined (not aggregated) by the norm or cosine screen, by reason");
+    for (int i = 0; i < ROBUST_REASONS; i++)
+        sb_printf(b, "dilocod_deltas_quarantined_total{reason=\"%s\"} %" PRIu64 "\n", names[i],
+                  d->robust.quarantined[i]);
+}
+
+const daemon_provider daemon__robust_provider = {"robust", robust_status, robust_metrics};
