@@ -416,6 +416,9 @@ static void stats_metrics(const dilocod *d, sbuf *b)
          "Deltas of a shared tree rewritten in place after they were taken in (dropped from their round and "
          "taken in again).",
          m->deltas_rewritten},
+        {"rounds_all_quarantined_total", "counter",
+         "Rounds whose every delta the cosine screen quarantined: nothing committed, the round collected again.",
+         m->rounds_all_quarantined},
     };
     families_u64(b, f, NFAMILIES(f));
     metric(b, "deltas_rejected_total", "counter", "Invalid deltas (uploads, file:// and the Hub alike), by error code.");
