@@ -73,13 +73,17 @@ class AsyncOracle:
                 out[k] = buf.clone()
         return out
 
-    def update(self, deltas, w):
-        """deltas: the update's deltas ({key: array}) in the record's order; w: the record's weight."""
+    def update(self, deltas, w, aggregate=None):
+        """deltas: the update's deltas ({key: array}) in the record's order; w: the record's weight;
+        aggregate(list of F32 arrays) -> the update's g in place of the mean (--aggregate)."""
         n, lr, mu, c = self.n, self.lr, self.mu, self.c
         self.k += 1
         tick = self.k >= n
         for key in self.floating:
-            g = sum(torch.from_numpy(np.asarray(d[key])).to(torch.float32) for d in deltas) / len(deltas)
+            if aggregate is not None:
+                g = torch.from_numpy(aggregate([np.asarray(d[key], dtype=np.float32) for d in deltas]))
+            else:
+                g = sum(torch.from_numpy(np.asarray(d[key])).to(torch.float32) for d in deltas) / len(deltas)
             with torch.no_grad():
                 p = self.params[key]
                 p.copy_(self.state[key].to(torch.float32))

@@ -53,6 +53,9 @@ ROUND_TRIPS = [
      "paper", "--dn-momentum-activation", "0.25", "--grace-ms", "250", "--async-queue", "9", "--dylu-base-steps",
      "64", "--publish-interval", "2.5"],
     ["--mode", "async", "--hub", "hf://org/model", "--hub-endpoint", "http://127.0.0.1:9"],
+    ["--expected-nodes", "5", "--aggregate", "trimmed_mean:2", "--max-norm-ratio", "8.5", "--max-norm", "1e6",
+     "--screen", "cosine:-0.25"],
+    ["--expected-nodes", "3", "--aggregate", "clipped_mean"],
 ]
 
 
@@ -181,6 +184,25 @@ def test_async_options_checked_and_defaulted(tmp_path):
     out = dilocod("--expected-nodes", "4", "--check-config", check=None).stdout
     conf = dict(line.split(" = ", 1) for line in out.splitlines() if " = " in line and not line.startswith("#"))
     assert conf["mode"] == "sync" and conf["publish_interval"] == "0", conf
+
+
+def test_robust_options_checked(tmp_path):
+    """--aggregate, --max-norm-ratio and --screen refuse what they cannot mean, naming the option."""
+    assert_fails(dilocod("--expected-nodes", "4", "--aggregate", "krum", "--check-config"), "aggregate",
+                 "not an aggregation rule")
+    assert_fails(dilocod("--expected-nodes", "4", "--aggregate", "trimmed_mean", "--check-config"), "aggregate",
+                 "trimmed_mean:K")
+    assert_fails(dilocod("--expected-nodes", "4", "--aggregate", "trimmed_mean:2", "--check-config"), "aggregate",
+                 "trims every value")
+    assert_fails(dilocod("--expected-nodes", "4", "--aggregate", "median:1", "--check-config"), "aggregate",
+                 "not an aggregation rule")
+    assert_fails(dilocod("--expected-nodes", "4", "--max-norm-ratio", "0.5", "--check-config"), "max-norm-ratio",
+                 "R >= 1")
+    assert_fails(dilocod("--expected-nodes", "4", "--screen", "cosine:2", "--check-config"), "screen", "from -1 to 1")
+    assert_fails(dilocod("--expected-nodes", "4", "--screen", "norm:1", "--check-config"), "screen", "not a screen")
+    out = dilocod("--expected-nodes", "4", "--check-config", check=None).stdout
+    conf = dict(line.split(" = ", 1) for line in out.splitlines() if " = " in line and not line.startswith("#"))
+    assert conf["aggregate"] == "mean" and conf["screen"] == "none" and conf["max_norm_ratio"] == "0", conf
 
 
 def test_control_characters_refused(tmp_path):

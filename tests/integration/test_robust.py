@@ -384,3 +384,33 @@ def test_cosine_screen_dropping_every_delta_commits_nothing(tmp_path):
         assert "every delta of the round was quarantined" in d.log_text()
     finally:
         assert d.stop() == 0
+
+
+# ---- async mode -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rule", ["median", "trimmed_mean:1", "clipped_mean"])
+def test_rules_in_async_mode(tmp_path, rule):
+    """Async mode with a grace window: each update's batch of three deltas is aggregated by the rule,
+    then Delayed Nesterov; every update's global equals the async oracle fed the rule's aggregate."""
+    from test_async import AsyncOracle
+    init = model(8)
+    oracle = AsyncOracle(init, 2, lr=LR, mu=MU)
+    d = start(tmp_path, init, "--mode", "async", "--expected-nodes", "3", "--dn-period", "2", "--grace-ms", "1500",
+              "--aggregate", rule)
+    try:
+        rng = np.random.default_rng(17)
+        for step in range(4):
+            batch = {f"w{i}": rand_delta(rng, oracle.state, 0.01 * (10 if i == 2 else 1), ties=True)
+                     for i in range(3)}
+            for node, delta in batch.items():
+                code, body = put(d, node, step + 1, body_of(as_wire(delta), node, step, step + 1))
+                assert code == 201, body
+            wait_step(d, step + 1)
+            rec = record_of(d, step + 1)
+            assert [n["node_id"] for n in rec["nodes"]] == ["w0", "w1", "w2"], rec
+            ds = [decoded(batch[n]) for n in ("w0", "w1", "w2")]
+            scales = clip_scales([norm_oracle(x) for x in ds]) if rule == "clipped_mean" else None
+            oracle.update(ds, rec["weight"], aggregate=lambda xs: rule_oracle(rule, xs, scales))
+            check_global(d, oracle.state)
+    finally:
+        assert d.stop() == 0
