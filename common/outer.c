@@ -104,11 +104,13 @@ static int bind_tensors(outer_pass *p, dl_error *err)
 static int open_writers(outer_pass *p, dl_error *err)
 {
     const st_header *g = p->global->h;
-    st_spec *specs = calloc(g->ntensors + 1, sizeof(*specs));
+    st_spec *specs;
     size_t nm = 0;
     int rc;
 
-    if (specs == NULL)
+    if (p->stats_only)
+        return 0;               /* the cosine screen's first pass writes nothing */
+    if ((specs = calloc(g->ntensors + 1, sizeof(*specs))) == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     for (size_t ti = 0; ti < g->ntensors; ti++) {
         const st_tensor *t = &g->tensors[ti];
@@ -227,6 +229,12 @@ static int prepare(outer_pass *p, dl_error *err)
 
     if (p->ndeltas == 0)
         return dl_fail(err, DL_E_EMPTY_INPUT, NULL, 0, "an outer step needs at least one delta");
+    if ((p->params.rule == OUTER_RULE_WEIGHTED || p->params.rule == OUTER_RULE_CLIPPED) && p->delta_scale == NULL)
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "weighted_mean and clipped_mean need each delta's scale");
+    if (p->params.rule > OUTER_RULE_MEDIAN)
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "unknown aggregation rule %d", (int)p->params.rule);
+    if (p->stats_only && (p->params.rule != OUTER_RULE_MEAN || p->params.momentum != 0.0f || p->params.dn_period != 0))
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "a statistics-only pass takes the plain mean, no step");
     p->stats = calloc(p->ndeltas, sizeof(*p->stats));
     p->deltas = calloc(p->ndeltas, sizeof(*p->deltas));
     p->in_sums = calloc(OUTER_NINPUTS(p), sizeof(*p->in_sums));
@@ -313,6 +321,7 @@ typedef struct outer_bufs {
     unsigned char *sub_raw;     /* 8 bytes per element of a sub-block: an input as stored */
     float *param, *buf, *acc;   /* 2 lanes per element of an item: new parameters, momentum, accumulator */
     float *g;                   /* 2 lanes per element of a sub-block: the mean */
+    int32_t *keys;              /* ndeltas: a lane's values as sorted totalOrder keys (trimmed_mean, median) */
     float *d;                   /* ndeltas x 2 lanes per element of a sub-block: the deltas read with pread */
     const float **dk;           /* ndeltas: where delta k's lanes of the current sub-block are */
     outer_map *maps;            /* ndeltas: delta k's window over the current run, or none */
@@ -576,12 +585,91 @@ KERNEL_CLONES STATS_CONTRACT static void sumsq_dot(const float *restrict x, cons
     *dot += b;
 }
 
-/* The mean and the statistics over m lanes (m <= STAT_BLOCK): delta k's lanes at dk[k] + j0. */
+/* IEEE-754 totalOrder as a signed integer order (finite values: -0 before +0); its own inverse. */
+static inline int32_t total_order_key(int32_t i)
+{
+    return i ^ (int32_t)((uint32_t)(i >> 31) >> 1);
+}
+
+/* The sorted keys of the N values of lane j (insertion sort: N is a round's node count). */
+static void sorted_keys(const float *const *dk, size_t j, size_t nd, int32_t *keys)
+{
+    for (size_t k = 0; k < nd; k++) {
+        int32_t bits, key;
+        memcpy(&bits, dk[k] + j, sizeof(bits));
+        key = total_order_key(bits);
+        size_t i = k;
+        for (; i > 0 && keys[i - 1] > key; i--)
+            keys[i] = keys[i - 1];
+        keys[i] = key;
+    }
+}
+
+static inline float key_value(int32_t key)
+{
+    int32_t bits = total_order_key(key);
+    float v;
+    memcpy(&v, &bits, sizeof(v));
+    return v;
+}
+
+/* The rules other than the mean over m lanes (README, "Robust aggregation"; every operation in F32, in
+ * node order for the sums, the file built with -ffp-contract=off so no product is fused). */
+static void rule_block(const outer_pass *p, const float *const *dk, size_t j0, float *restrict g, size_t m,
+                       outer_bufs *b)
+{
+    const size_t nd = p->ndeltas;
+    const float *s = p->delta_scale;
+
+    switch (p->params.rule) {
+    case OUTER_RULE_WEIGHTED:
+    case OUTER_RULE_CLIPPED: {
+        /* g = ((+0 + s0*d0) + s1*d1) + ...; clipped_mean then / N */
+        const int divide = p->params.rule == OUTER_RULE_CLIPPED;
+        const float count = (float)nd;
+        for (size_t j = 0; j < m; j++) {
+            float acc = 0.0f + s[0] * dk[0][j0 + j];
+            for (size_t k = 1; k < nd; k++)
+                acc = acc + s[k] * dk[k][j0 + j];
+            g[j] = divide ? acc / count : acc;
+        }
+        return;
+    }
+    case OUTER_RULE_MEDIAN:
+        for (size_t j = 0; j < m; j++) {
+            sorted_keys(dk, j0 + j, nd, b->keys);
+            g[j] = key_value(b->keys[(nd - 1) / 2]);
+        }
+        return;
+    case OUTER_RULE_TRIMMED: {
+        const size_t k = p->params.trim_k < (nd - 1) / 2 ? p->params.trim_k : (nd - 1) / 2;
+        const float kept = (float)(nd - 2 * k);
+        for (size_t j = 0; j < m; j++) {
+            sorted_keys(dk, j0 + j, nd, b->keys);
+            float acc = 0.0f + key_value(b->keys[k]);
+            for (size_t i = k + 1; i < nd - k; i++)
+                acc = acc + key_value(b->keys[i]);
+            g[j] = acc / kept;
+        }
+        return;
+    }
+    case OUTER_RULE_MEAN:
+        return;
+    }
+}
+
+/* The mean (or the rule's aggregate) and the statistics over m lanes (m <= STAT_BLOCK): delta k's lanes
+ * at dk[k] + j0. */
 KERNEL_CLONES static void mean_block(const outer_pass *p, const float *const *dk, size_t j0, float *restrict g,
                                      size_t m, outer_bufs *b)
 {
     const float count = (float)p->ndeltas;
     const float *restrict d0 = dk[0] + j0;
+
+    if (p->params.rule != OUTER_RULE_MEAN) {
+        rule_block(p, dk, j0, g, m, b);
+        goto stats;
+    }
 
     /* mean: sum(deltas) / len(deltas) in torch, F32, in node order.  Python's sum() starts from the
      * integer 0, and 0 + -0.0 is +0.0: the first term is added to +0, not copied.  The division is a
@@ -606,6 +694,7 @@ KERNEL_CLONES static void mean_block(const outer_pass *p, const float *const *dk
             acc += dk[k][j0 + j];
         g[j] = acc / count;
     }
+stats:
     for (size_t k = 0; k < p->ndeltas; k++)
         sumsq_dot(dk[k] + j0, g, m, &b->stats[k].sumsq, &b->stats[k].dot);
     double unused = 0;
@@ -633,6 +722,8 @@ KERNEL_CLONES static void step_sub(const outer_pass *p, const float *const *dk, 
 
     for (size_t j0 = 0; j0 < m; j0 += STAT_BLOCK)
         mean_block(p, dk, j0, g + j0, m - j0 < STAT_BLOCK ? m - j0 : STAT_BLOCK, b);
+    if (p->stats_only)
+        return;
     if (p->params.dn_period != 0) {
         /* Delayed Nesterov (outer.h): a plain step between Nesterov steps, the momentum carried over */
         const outer_params *pp = &p->params;
@@ -792,7 +883,9 @@ static __attribute__((noinline)) int step_item(outer_pass *p, const outer_item *
         const size_t sn = n - s < sub ? n - s : sub;
         const uint64_t e = it->begin + s;
         outer_io io = {b->param + s * lanes, b->buf + s * lanes, b->acc + s * lanes, NULL, NULL, NULL};
-        if (b->gmap.base != NULL) {
+        if (p->stats_only) {
+            io.param_in = io.param;     /* the previous global is not read: no step */
+        } else if (b->gmap.base != NULL) {
             io.param_in = b->gmap.lanes + s * lanes;
             sum_in(p, ti, t->dtype, e, io.param_in, sn, gsum);
         } else {
@@ -824,6 +917,8 @@ static __attribute__((noinline)) int step_item(outer_pass *p, const outer_item *
         if (at != NULL)
             *bytes += sn * lanes * 4;
         step_sub(p, b->dk, &io, mt != NULL, sn * lanes, b);
+        if (p->stats_only)
+            continue;
         /* never a non-finite output: the inputs are finite, but a sum or a step can overflow */
         int64_t bad = delta_find_non_finite(ST_F32, io.param, sn * lanes);
         if (bad < 0 && p->write_momentum)
@@ -864,7 +959,8 @@ static int step_item_guarded(outer_pass *p, const outer_item *it, uint64_t run_e
         map_item(p->delta_f[it->tensor * nd + k], p->delta_t[it->tensor * nd + k], it, run_end, b->map_units,
                  &b->maps[k]);
     /* the previous global and momentum read in place too, into the step's loops (the same windows) */
-    map_item(p->global, t, it, run_end, b->map_units, &b->gmap);
+    if (!p->stats_only)
+        map_item(p->global, t, it, run_end, b->map_units, &b->gmap);
     if (p->params.momentum != 0.0f && mt != NULL)
         map_item(p->momentum, mt, it, run_end, b->map_units, &b->mmap);     /* mt: as many lanes as t */
     else
@@ -890,6 +986,10 @@ static int process_floating(outer_pass *p, const outer_item *it, uint64_t run_en
 
     if ((rc = step_item_guarded(p, it, run_end, b, &bytes, err)) != 0)
         return rc;
+    if (p->stats_only) {
+        atomic_fetch_add(&p->bytes_done, bytes);
+        return 0;
+    }
     bytes += 2 * (uint64_t)n * esize;
     if (mom) {
         sum_in(p, it->tensor, delta_dtype_for(t->dtype), it->begin, b->buf, n, &b->out_sums[1]);
@@ -929,6 +1029,8 @@ static int process_copy(outer_pass *p, const outer_item *it, outer_bufs *b, dl_e
     size_t len = (size_t)(it->end - it->begin) * esize;
     int rc;
 
+    if (p->stats_only)
+        return 0;               /* nothing written: nothing to copy */
     if ((rc = st_read(p->global, t, it->begin * esize, b->raw, len, err)) != 0)
         return rc;
     /* the same bytes in and out: the same terms */
@@ -983,11 +1085,13 @@ int outer_run(outer_pass *p)
     b.maps = calloc(p->ndeltas, sizeof(*b.maps));
     b.stats = calloc(p->ndeltas, sizeof(*b.stats));
     b.in_sums = calloc(OUTER_NINPUTS(p), sizeof(*b.in_sums));
+    b.keys = calloc(p->ndeltas, sizeof(*b.keys));
     /* Mapped pages count in RSS while they are mapped: whole units only while one item's windows stay
      * within 4 budgets (8 deltas, the global and the momentum at the default 16 MiB: 55 MiB), else
      * windows of pages, which keep just the item's pages (within one budget, as the items are sized) */
     b.map_units = (p->ndeltas + 2) * (p->chunk_elems * 8 + 2 * MAPREAD_UNIT) <= 4 * (uint64_t)p->budget_bytes;
-    if (!b.raw || !b.sub_raw || !b.param || !b.buf || !b.acc || !b.g || !b.d || !b.dk || !b.maps || !b.stats || !b.in_sums) {
+    if (!b.raw || !b.sub_raw || !b.param || !b.buf || !b.acc || !b.g || !b.d || !b.dk || !b.maps || !b.stats || !b.in_sums ||
+        !b.keys) {
         dl_fail(&err, DL_E_NO_MEMORY, NULL, 0, "out of memory for aggregation buffers");
         rc = fail_locked(p, &err);
         goto out;
@@ -1040,6 +1144,7 @@ out:
     free(b.maps);
     free(b.stats);
     free(b.in_sums);
+    free(b.keys);
     return rc;
 }
 

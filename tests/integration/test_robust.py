@@ -219,7 +219,7 @@ def test_intake_norm_matches_its_definition_on_every_path(tmp_path):
 
 # ---- the rules ------------------------------------------------------------------------------------
 
-RULES = ["mean", "clipped_mean", "trimmed_mean:1", "trimmed_mean:3", "median"]
+RULES = ["mean", "clipped_mean", "trimmed_mean:1", "trimmed_mean:2", "median"]
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -228,7 +228,7 @@ def test_rule_matches_its_oracle_over_rounds(tmp_path, rule, nodes):
     """Three rounds of each rule over an even and an odd node count (ties, +-0, one delta 20x larger),
     then Nesterov SGD: every published global byte for byte as the oracle's, and the record names the
     rule and each delta's scale."""
-    if rule == "trimmed_mean:3" and nodes == 4:
+    if rule == "trimmed_mean:2" and nodes == 4:
         pytest.skip("2K >= N is refused by the configuration (test_config covers it)")
     init = model(2)
     oracle = RuleOracle(init, rule)
