@@ -128,7 +128,7 @@ static int write_text(const char *dir, const char *file, const char *text)
 
 /* ---- linking a staged set into the cache ------------------------------------------------------- */
 
-static const delta_info INFO = {"w1", 3, 7};
+static const delta_info INFO = {.node_id = "w1", .base_outer_step = 3, .local_step = 7};
 
 static st_index *load_index(const char *dir)
 {
@@ -257,7 +257,7 @@ TEST(intake_link_set_refuses_another_base)
 {
     char staged[512], state[512], *cache = NULL;
     dl_error err;
-    delta_info other = {"w1", 3, 8};
+    delta_info other = {.node_id = "w1", .base_outer_step = 3, .local_step = 8};
 
     snprintf(staged, sizeof(staged), "%s/staged", test_dir());
     snprintf(state, sizeof(state), "%s/state", test_dir());
