@@ -782,6 +782,7 @@ void daemon__start_aggregation(dilocod *d)
         d->agg.nodes[i].base_outer_step = d->rnd.entries[i].base;
         d->agg.nodes[i].tau = d->rnd.entries[i].tau;
         d->agg.nodes[i].weight = d->rnd.entries[i].weight;
+        d->agg.nodes[i].metrics = d->rnd.entries[i].metrics;
         /* a linked delta is its writer's file: the pass verifies the bytes intake validated */
         d->agg.summed[i] = d->rnd.entries[i].guarded && d->rnd.entries[i].ident.has_sum;
         d->agg.sums[i] = d->rnd.entries[i].ident.sum;

@@ -56,6 +56,45 @@ static void add_time(sbuf *b, time_t t)
     sb_str(b, when);
 }
 
+void history_metrics_json(sbuf *b, const delta_metrics *m)
+{
+    const char *sep = "{";
+
+    if (m->have & DELTA_M_LOSS) {
+        sb_printf(b, "%s\"loss\":", sep);
+        add_num17(b, m->loss);
+        sep = ",";
+    }
+    if (m->have & DELTA_M_NUM_TOKENS) {
+        sb_printf(b, "%s\"num_tokens\":%" PRIu64, sep, m->num_tokens);
+        sep = ",";
+    }
+    if (m->have & DELTA_M_INNER_STEPS) {
+        sb_printf(b, "%s\"inner_steps\":%" PRIu64, sep, m->inner_steps);
+        sep = ",";
+    }
+    if (m->have & DELTA_M_TOKENS_PER_SECOND) {
+        sb_printf(b, "%s\"tokens_per_second\":", sep);
+        add_num17(b, m->tokens_per_second);
+        sep = ",";
+    }
+    if (m->have & DELTA_M_WEIGHT) {
+        sb_printf(b, "%s\"weight\":", sep);
+        add_num17(b, m->weight);
+        sep = ",";
+    }
+    if (m->nnamed > 0) {
+        sb_printf(b, "%s\"metric\":{", sep);
+        for (size_t i = 0; i < m->nnamed; i++) {
+            sb_printf(b, "%s\"%s\":", i ? "," : "", m->name[i]);   /* [A-Za-z0-9_]: nothing to escape */
+            add_num17(b, m->value[i]);
+        }
+        sb_str(b, "}");
+        sep = ",";
+    }
+    sb_str(b, sep[0] == '{' ? "{}" : "}");
+}
+
 void history_record_json(sbuf *b, const round_record *r)
 {
     add_u64(b, "{\"step\":", r->step);
@@ -88,6 +127,10 @@ void history_record_json(sbuf *b, const round_record *r)
             sb_str(b, ",\"weight\":");
             add_num17(b, n->weight);
         }
+        if (n->metrics.have != 0 || n->metrics.nnamed != 0) {
+            sb_str(b, ",\"metrics\":");
+            history_metrics_json(b, &n->metrics);
+        }
         sb_str(b, "}");
     }
     sb_str(b, "]");
@@ -116,6 +159,41 @@ static double get_double(const cJSON *o, const char *key)
 {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
     return cJSON_IsNumber(v) ? v->valuedouble : NAN;
+}
+
+/* The "metrics" object history_metrics_json writes; a member that breaks the delta rules is dropped. */
+static void parse_metrics(const cJSON *o, delta_metrics *m)
+{
+    const cJSON *v, *named;
+    double x;
+
+    memset(m, 0, sizeof(*m));
+    if (!cJSON_IsObject(o))
+        return;
+    if (isfinite(x = get_double(o, "loss"))) {
+        m->loss = x;
+        m->have |= DELTA_M_LOSS;
+    }
+    if (get_count(o, "num_tokens", &m->num_tokens) == 0)
+        m->have |= DELTA_M_NUM_TOKENS;
+    if (get_count(o, "inner_steps", &m->inner_steps) == 0)
+        m->have |= DELTA_M_INNER_STEPS;
+    if (isfinite(x = get_double(o, "tokens_per_second")) && x >= 0) {
+        m->tokens_per_second = x;
+        m->have |= DELTA_M_TOKENS_PER_SECOND;
+    }
+    if (isfinite(x = get_double(o, "weight")) && x > 0) {
+        m->weight = x;
+        m->have |= DELTA_M_WEIGHT;
+    }
+    named = cJSON_GetObjectItemCaseSensitive(o, "metric");
+    if (!cJSON_IsObject(named))
+        return;
+    cJSON_ArrayForEach(v, named) {
+        size_t len = v->string != NULL ? strlen(v->string) : 0;
+        if (cJSON_IsNumber(v) && isfinite(v->valuedouble) && delta_valid_metric_name(v->string, len))
+            (void)delta_metrics_add(m, v->string, len, v->valuedouble);   /* past the cap, or twice: dropped */
+    }
 }
 
 int history_record_parse(round_record *r, const char *json)
@@ -161,6 +239,7 @@ int history_record_parse(round_record *r, const char *json)
         if (get_count(n, "tau", &s->tau) != 0)
             s->tau = 0;
         s->weight = get_double(n, "weight");
+        parse_metrics(cJSON_GetObjectItemCaseSensitive(n, "metrics"), &s->metrics);
         r->n++;
     }
     const cJSON *mode = cJSON_GetObjectItemCaseSensitive(o, "mode");

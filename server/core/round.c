@@ -263,6 +263,7 @@ round_verdict round_offer(round_state *r, const delta_info *info, char *path, ui
         e->local_step = info->local_step;
         e->size = size;
         e->received_at = now;
+        e->metrics = info->metrics;
     }
     if (v != ROUND_ACCEPTED && v != ROUND_QUEUED) {
         count(r, v);
@@ -277,6 +278,7 @@ round_verdict round_offer(round_state *r, const delta_info *info, char *path, ui
     e.weight = round_staleness_weight(r->poly_weight, e.tau);
     e.size = size;
     e.received_at = now;
+    e.metrics = info->metrics;
     e.path = path;
     if (v == ROUND_QUEUED) {
         if (grow(&r->queue, r->nqueue, &r->qcap) != 0) {

@@ -30,6 +30,7 @@ typedef struct round_entry {
     uint64_t base;              /* base_outer_step */
     uint64_t tau;               /* async: staleness at acceptance (the committed step - base) */
     double weight;              /* async: its staleness weight */
+    delta_metrics metrics;      /* what the worker reported in the delta's metadata */
     int guarded;                /* path is a link to a file others may rewrite in place: ident is the version
                                    that was validated, checked again before and after the pass */
     fsu_ident ident;
