@@ -38,6 +38,19 @@ static void add_num17(sbuf *b, double v)
     sb_str(b, tmp);
 }
 
+/* A reported metric: the fewest of 15, 16 or 17 significant digits that read back as the same double
+ * (what the worker wrote, 2.4, stays 2.4; 17 digits always round-trip). */
+static void add_exact(sbuf *b, double v)
+{
+    char tmp[40];
+    for (int digits = 15; digits <= 17; digits++) {
+        snprintf(tmp, sizeof(tmp), "%.*g", digits, v);
+        if (strtod(tmp, NULL) == v)
+            break;
+    }
+    sb_str(b, tmp);
+}
+
 static void add_u64(sbuf *b, const char *key, uint64_t v)
 {
     sb_str(b, key);
@@ -62,7 +75,7 @@ void history_metrics_json(sbuf *b, const delta_metrics *m)
 
     if (m->have & DELTA_M_LOSS) {
         sb_printf(b, "%s\"loss\":", sep);
-        add_num17(b, m->loss);
+        add_exact(b, m->loss);
         sep = ",";
     }
     if (m->have & DELTA_M_NUM_TOKENS) {
@@ -75,19 +88,19 @@ void history_metrics_json(sbuf *b, const delta_metrics *m)
     }
     if (m->have & DELTA_M_TOKENS_PER_SECOND) {
         sb_printf(b, "%s\"tokens_per_second\":", sep);
-        add_num17(b, m->tokens_per_second);
+        add_exact(b, m->tokens_per_second);
         sep = ",";
     }
     if (m->have & DELTA_M_WEIGHT) {
         sb_printf(b, "%s\"weight\":", sep);
-        add_num17(b, m->weight);
+        add_exact(b, m->weight);
         sep = ",";
     }
     if (m->nnamed > 0) {
         sb_printf(b, "%s\"metric\":{", sep);
         for (size_t i = 0; i < m->nnamed; i++) {
             sb_printf(b, "%s\"%s\":", i ? "," : "", m->name[i]);   /* [A-Za-z0-9_]: nothing to escape */
-            add_num17(b, m->value[i]);
+            add_exact(b, m->value[i]);
         }
         sb_str(b, "}");
         sep = ",";

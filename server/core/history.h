@@ -58,8 +58,8 @@ typedef struct history {
 } history;
 
 /* A worker's reported metrics as one JSON object, the keys it carries only ({} for none): "loss",
- * "num_tokens", "inner_steps", "tokens_per_second", "weight", "metric": {name: value}; every double with
- * 17 significant digits (it parses back to the same bits). */
+ * "num_tokens", "inner_steps", "tokens_per_second", "weight", "metric": {name: value}; every double in the
+ * fewest of 15..17 significant digits that parse back to the same bits. */
 void history_metrics_json(sbuf *b, const delta_metrics *m);
 /* The record as one JSON object (no newline): the line format of rounds.jsonl and of /rounds. */
 void history_record_json(sbuf *b, const round_record *r);
