@@ -275,13 +275,15 @@ DEMO_DIR     ?= demo
 # DEMO_SPEEDS=1,1,3: per-worker slowdown factors (empty: all 1), e.g. a straggler three times as slow
 DEMO_MODE    ?= sync
 DEMO_SPEEDS  ?=
+# DEMO_FAULTY=N: worker N sends its delta x 100 (dilocod quarantines it; 0: none)
+DEMO_FAULTY  ?= 0
 # more demo.py options, e.g. DEMO_ARGS=--target-loss=0.75 (when the global first reaches that loss)
 DEMO_ARGS    ?=
 demo: deps
 	$(MAKE) venv
 	$(MAKE) all
 	$(PY) client/examples/demo.py --build $(BUILD) --rounds $(DEMO_ROUNDS) --workers $(DEMO_WORKERS) \
-	  --port $(DEMO_PORT) --dir $(DEMO_DIR) --mode $(DEMO_MODE) --speeds '$(DEMO_SPEEDS)' $(DEMO_ARGS)
+	  --port $(DEMO_PORT) --dir $(DEMO_DIR) --mode $(DEMO_MODE) --speeds '$(DEMO_SPEEDS)' --faulty $(DEMO_FAULTY) $(DEMO_ARGS)
 
 clean:
 	rm -rf build build-* 

@@ -2,6 +2,7 @@
 #include "convert.h"
 #include "kernel_clones.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -141,6 +142,161 @@ static const char *meta_find(const st_meta *meta, size_t n, const char *key, siz
     return NULL;
 }
 
+int delta_valid_metric_name(const char *s, size_t len)
+{
+    if (len == 0 || len > DELTA_METRIC_NAME_MAX)
+        return 0;
+    for (size_t i = 0; i < len; i++) {
+        char c = s[i];
+        if (!((c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_'))
+            return 0;
+    }
+    return 1;
+}
+
+static size_t digits(const char *s, size_t i, size_t len)
+{
+    size_t j = i;
+    while (j < len && s[j] >= '0' && s[j] <= '9')
+        j++;
+    return j - i;
+}
+
+int delta_parse_metric_value(const char *s, size_t len, double *out)
+{
+    char buf[DELTA_METRIC_VALUE_MAX + 1];
+    size_t i = 0, k;
+    char *end;
+    double v;
+
+    if (len == 0 || len > DELTA_METRIC_VALUE_MAX)
+        return -1;
+    /* the grammar first: strtod alone would take hex, inf, nan, spaces and a locale's decimal mark */
+    if (s[i] == '-')
+        i++;
+    if ((k = digits(s, i, len)) == 0)
+        return -1;
+    i += k;
+    if (i < len && s[i] == '.') {
+        if ((k = digits(s, i + 1, len)) == 0)
+            return -1;
+        i += 1 + k;
+    }
+    if (i < len && (s[i] == 'e' || s[i] == 'E')) {
+        i++;
+        if (i < len && (s[i] == '+' || s[i] == '-'))
+            i++;
+        if ((k = digits(s, i, len)) == 0)
+            return -1;
+        i += k;
+    }
+    if (i != len)
+        return -1;
+    memcpy(buf, s, len);
+    buf[len] = '\0';
+    v = strtod(buf, &end);
+    if (end != buf + len || !isfinite(v))
+        return -1;      /* 1e999: out of range (an underflow to 0 or a subnormal is a finite value) */
+    *out = v;
+    return 0;
+}
+
+int delta_metrics_add(delta_metrics *m, const char *name, size_t len, double v)
+{
+    char key[DELTA_METRIC_NAME_MAX + 1];
+    size_t at = 0;
+
+    if (m->nnamed >= DELTA_METRICS_MAX || len == 0 || len > DELTA_METRIC_NAME_MAX || memchr(name, '\0', len) != NULL)
+        return -1;
+    memcpy(key, name, len);
+    key[len] = '\0';
+    while (at < m->nnamed && strcmp(m->name[at], key) < 0)
+        at++;
+    if (at < m->nnamed && strcmp(m->name[at], key) == 0)
+        return -1;
+    memmove(m->name[at + 1], m->name[at], (m->nnamed - at) * sizeof(m->name[0]));
+    memmove(&m->value[at + 1], &m->value[at], (m->nnamed - at) * sizeof(m->value[0]));
+    memcpy(m->name[at], key, len + 1);
+    m->value[at] = v;
+    m->nnamed++;
+    return 0;
+}
+
+/* The worker-reported keys of a delta's metadata (delta.h, delta_metrics); other keys pass untouched. */
+static int check_metrics(const st_meta *meta, size_t nmeta, delta_metrics *m, dl_error *err)
+{
+    static const struct {
+        const char *key;
+        unsigned bit;
+    } known[] = {
+        {"loss", DELTA_M_LOSS}, {"num_tokens", DELTA_M_NUM_TOKENS}, {"inner_steps", DELTA_M_INNER_STEPS},
+        {"tokens_per_second", DELTA_M_TOKENS_PER_SECOND}, {"weight", DELTA_M_WEIGHT},
+    };
+    static const char prefix[] = "metric.";
+    const size_t plen = sizeof(prefix) - 1;
+
+    memset(m, 0, sizeof(*m));
+    for (size_t i = 0; i < nmeta; i++) {
+        const char *key = meta[i].key, *v = meta[i].value;
+        size_t kl = meta[i].key_len, vl = meta[i].value_len, k;
+        uint64_t n;
+        double x;
+
+        for (k = 0; k < sizeof(known) / sizeof(known[0]); k++)
+            if (kl == strlen(known[k].key) && memcmp(key, known[k].key, kl) == 0)
+                break;
+        if (k < sizeof(known) / sizeof(known[0])) {
+            unsigned bit = known[k].bit;
+            if (bit == DELTA_M_NUM_TOKENS || bit == DELTA_M_INNER_STEPS) {
+                if (delta_parse_int(v, vl, &n) != 0)
+                    return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
+                                   "delta metadata %s \"%.32s\" is not a canonical non-negative integer", known[k].key,
+                                   v);
+                if (bit == DELTA_M_NUM_TOKENS)
+                    m->num_tokens = n;
+                else
+                    m->inner_steps = n;
+            } else {
+                if (delta_parse_metric_value(v, vl, &x) != 0)
+                    return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
+                                   "delta metadata %s \"%.32s\" is not a finite decimal number (-?digits[.digits]"
+                                   "[e[+-]digits], at most %d characters)", known[k].key, v, DELTA_METRIC_VALUE_MAX);
+                if (bit == DELTA_M_WEIGHT && !(x > 0))
+                    return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
+                                   "delta metadata weight \"%.32s\" is not above 0", v);
+                if (bit == DELTA_M_TOKENS_PER_SECOND && x < 0)
+                    return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
+                                   "delta metadata tokens_per_second \"%.32s\" is negative", v);
+                x += 0.0;       /* -0 is 0 */
+                if (bit == DELTA_M_LOSS)
+                    m->loss = x;
+                else if (bit == DELTA_M_WEIGHT)
+                    m->weight = x;
+                else
+                    m->tokens_per_second = x;
+            }
+            m->have |= bit;
+            continue;
+        }
+        if (kl < plen || memcmp(key, prefix, plen) != 0)
+            continue;
+        if (!delta_valid_metric_name(key + plen, kl - plen))
+            return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
+                           "delta metadata key \"%.48s\" is not a metric name (metric.<name>, name [A-Za-z0-9_]{1,%d})",
+                           key, DELTA_METRIC_NAME_MAX);
+        if (delta_parse_metric_value(v, vl, &x) != 0)
+            return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
+                           "delta metadata %.48s \"%.32s\" is not a finite decimal number (-?digits[.digits]"
+                           "[e[+-]digits], at most %d characters)", key, v, DELTA_METRIC_VALUE_MAX);
+        if (m->nnamed == DELTA_METRICS_MAX)
+            return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
+                           "delta metadata %.48s: more than %d metric.<name> keys", key, DELTA_METRICS_MAX);
+        if (delta_metrics_add(m, key + plen, kl - plen, x + 0.0) != 0)
+            return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "delta metadata %.48s is given twice", key);
+    }
+    return 0;
+}
+
 static int check_metadata(const st_meta *meta, size_t nmeta, delta_info *info, dl_error *err)
 {
     static const char *const required[] = {"algorithm", "base_outer_step", "local_step", "node_id"};
@@ -169,7 +325,7 @@ static int check_metadata(const st_meta *meta, size_t nmeta, delta_info *info, d
                        "delta metadata node_id \"%.64s\" is not a valid node id ([A-Za-z0-9._-]{1,64})", v);
     memcpy(info->node_id, v, len);
     info->node_id[len] = '\0';
-    return 0;
+    return check_metrics(meta, nmeta, &info->metrics, err);
 }
 
 int delta_parse_any_path(const char *path, delta_path *out, dl_error *err)

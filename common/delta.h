@@ -27,6 +27,31 @@
 /* Integers in paths and metadata are canonical decimals up to this value (fits JSON and int64). */
 #define DELTA_INT_MAX 9007199254740991ULL   /* 2^53 - 1: exact in every JSON reader */
 
+/* What a worker may report about its round in the delta's metadata, all optional (README, "Worker
+ * metrics"): loss, num_tokens, inner_steps, tokens_per_second, weight and up to DELTA_METRICS_MAX
+ * free-form metric.<name> keys.  Each value is a decimal string of at most DELTA_METRIC_VALUE_MAX
+ * characters: -?[0-9]+(\.[0-9]+)?([eE][+-]?[0-9]+)?, finite as a double; num_tokens and inner_steps
+ * are canonical non-negative integers (delta_parse_int), tokens_per_second is not negative, weight is
+ * above 0.  Fixed-size, no pointers: a delta_info copies by value. */
+#define DELTA_METRICS_MAX 16
+#define DELTA_METRIC_NAME_MAX 32
+#define DELTA_METRIC_VALUE_MAX 32
+enum {
+    DELTA_M_LOSS = 1u << 0,
+    DELTA_M_NUM_TOKENS = 1u << 1,
+    DELTA_M_INNER_STEPS = 1u << 2,
+    DELTA_M_TOKENS_PER_SECOND = 1u << 3,
+    DELTA_M_WEIGHT = 1u << 4,
+};
+typedef struct delta_metrics {
+    unsigned have;              /* DELTA_M_* bits: which known keys the delta carries */
+    double loss, tokens_per_second, weight;
+    uint64_t num_tokens, inner_steps;
+    size_t nnamed;              /* metric.<name> keys, in ascending name bytes */
+    char name[DELTA_METRICS_MAX][DELTA_METRIC_NAME_MAX + 1];
+    double value[DELTA_METRICS_MAX];
+} delta_metrics;
+
 typedef struct delta_info {
     char node_id[DELTA_NODE_ID_MAX + 1];
     uint64_t base_outer_step;
@@ -34,7 +59,16 @@ typedef struct delta_info {
     /* the delta's L2 norm (delta_norm.h), when its values were read (intake, an upload): has_norm */
     double norm;
     int has_norm;
+    delta_metrics metrics;
 } delta_info;
+
+/* [A-Za-z0-9_]{1,DELTA_METRIC_NAME_MAX}: the <name> of a metric.<name> key. */
+int delta_valid_metric_name(const char *s, size_t len);
+/* A metric value (the grammar above, at most DELTA_METRIC_VALUE_MAX characters, finite): 0 and *out,
+ * or -1. */
+int delta_parse_metric_value(const char *s, size_t len, double *out);
+/* Adds name = v to m, in name order (the caller checked the name); -1 when m is full or holds the name. */
+int delta_metrics_add(delta_metrics *m, const char *name, size_t len, double v);
 
 /* [A-Za-z0-9._-]{1,64}, not "." or "..". */
 int delta_valid_node_id(const char *s, size_t len);

@@ -287,6 +287,17 @@ static void announce_http(dilocod *d)
                d->cfg->token_file ? "tokens" : "loopback-only");
 }
 
+/* Each record rounds.jsonl holds, at startup: the workers' last reports and tokens come back; async,
+ * its deltas join the applied set. */
+static void load_record(void *arg, const round_record *r)
+{
+    dilocod *d = arg;
+
+    workers_committed(&d->workers, r, 1);
+    if (d->cfg->async)
+        daemon__async_load_record(d, r);
+}
+
 static int startup(dilocod *d, dl_error *err)
 {
     int rc;
@@ -306,7 +317,7 @@ static int startup(dilocod *d, dl_error *err)
         daemon__log_error("store", "cannot compact rounds.jsonl (it keeps growing)", err);
     /* async: the deltas the history lists were applied; one that comes again is refused */
     if ((rc = history_load_each(&d->history, d->st.dir, d->st.committed ? d->st.step : UINT64_MAX, d->st.round_json,
-                                d->cfg->async ? daemon__async_load_record : NULL, d, err)) != 0)
+                                load_record, d, err)) != 0)
         return rc;
     daemon__robust_load(d);     /* the nodes' trailing norms, from the records kept */
     if (d->st.committed) {

@@ -117,6 +117,8 @@ round_verdict daemon__peek(dilocod *d, const delta_info *info)
         return ROUND_FUTURE;
     if (d->rnd.async && daemon__async_applied(d, info))
         return ROUND_NOT_NEWER;         /* applied already */
+    if (!daemon__robust_weighable(d, info))
+        return ROUND_NO_WEIGHT;
     return round_peek(&d->rnd, info);
 }
 
@@ -130,11 +132,13 @@ static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path,
     /* async: a delta applied already (an upload retried, a tree handed over again) is not newer */
     round_verdict v = d->rnd.async && daemon__async_applied(d, info) ? ROUND_NOT_NEWER : round_peek(&d->rnd, info);
     /* the norm screen judges a delta the round would take (one taken before a restart was judged then) */
-    if (round_verdict_taken(v) && !recovered && daemon__robust_screen_offer(d, info))
+    if (round_verdict_taken(v) && !daemon__robust_weighable(d, info))
+        v = ROUND_NO_WEIGHT;
+    else if (round_verdict_taken(v) && !recovered && daemon__robust_screen_offer(d, info))
         v = ROUND_OUTLIER;
     else if (v != ROUND_NOT_NEWER || !d->rnd.async)
         v = round_offer(&d->rnd, info, cache_path, size, now, recovered, &replaced);
-    if ((v == ROUND_NOT_NEWER && d->rnd.async) || v == ROUND_OUTLIER)
+    if ((v == ROUND_NOT_NEWER && d->rnd.async) || v == ROUND_OUTLIER || v == ROUND_NO_WEIGHT)
         round_count_refused(&d->rnd, v);
     int first = d->rnd.n == 1 && v == ROUND_ACCEPTED;
 
@@ -153,6 +157,7 @@ static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path,
                    d->rnd.step, dl_log_q(qn, sizeof(qn), info->node_id), info->local_step, size, d->rnd.n,
                    d->cfg->expected_nodes);
         stats_delta_taken(&d->m, v);
+        workers_report(&d->workers, info->node_id, info->base_outer_step, info->local_step, time(NULL), &info->metrics);
         if (d->rnd.async)
             daemon__async_accepted(d, info, d->rnd.step - info->base_outer_step, now);
         if (replaced != NULL) {

@@ -25,6 +25,7 @@
 #include "safetensors.h"
 #include "stats.h"
 #include "store.h"
+#include "workers.h"
 
 #include "util.h"
 
@@ -216,6 +217,7 @@ typedef struct dilocod {
     char *pending_round;        /* the closing round's record, committed with its step (a JSON line) */
     round_record pending_record;
     stats m;                    /* every counter (stats.h) */
+    workers workers;            /* what each worker last reported with its deltas (workers.h) */
     /* adoptions of a published global refused (its step out of bounds, its header over the cap, ...):
      * counted each time, logged once per step offered */
     uint64_t adoptions_refused;

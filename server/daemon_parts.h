@@ -53,6 +53,8 @@ extern const daemon_provider daemon__async_provider;
 /* daemon_robust.c: the norm and cosine screens, the rules' per-delta scales (README, Robust aggregation) */
 /* Whether a delta offered is quarantined by the norm screen (counted, logged and remembered if so). */
 int daemon__robust_screen_offer(dilocod *d, const delta_info *info);
+/* Whether the rule can weigh the delta: weighted_mean needs its weight or num_tokens metadata. */
+int daemon__robust_weighable(const dilocod *d, const delta_info *info);
 /* Sync: the norm screen again over the closed round, every delta against all the others. */
 void daemon__robust_screen_close(dilocod *d);
 /* The cosine screen's verdict on an entry (quarantined below --screen cosine:MIN). */

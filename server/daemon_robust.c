@@ -227,8 +227,33 @@ void daemon__robust_cosine(dilocod *d, round_entry *e, double cosine)
         quarantine_entry(d, e, cosine, d->cfg->screen_cosine, "cosine", "mean");
 }
 
+/* weighted_mean's w_k: the delta's weight, else its num_tokens; 0 when it reports neither. */
+static double weight_of(const delta_metrics *m)
+{
+    if (m->have & DELTA_M_WEIGHT)
+        return m->weight;
+    if (m->have & DELTA_M_NUM_TOKENS)
+        return (double)m->num_tokens;
+    return 0;
+}
+
+int daemon__robust_weighable(const dilocod *d, const delta_info *info)
+{
+    return d->cfg->aggregate != RULE_WEIGHTED || weight_of(&info->metrics) > 0;
+}
+
 int daemon__robust_scales(const dilocod *d, const round_entry *const *e, size_t n, float *scale)
 {
+    if (d->cfg->aggregate == RULE_WEIGHTED) {
+        /* a_k = float(w_k / W), W the sum in node order in double; a delta of weight 0 (num_tokens 0)
+         * counts for nothing, and a round of only those falls back to the mean's weights */
+        double total = 0;
+        for (size_t k = 0; k < n; k++)
+            total += weight_of(&e[k]->metrics);
+        for (size_t k = 0; k < n; k++)
+            scale[k] = total > 0 ? (float)(weight_of(&e[k]->metrics) / total) : (float)(1.0 / (double)n);
+        return 0;
+    }
     if (d->cfg->aggregate == RULE_CLIPPED) {
         /* s_k = min(1, m / n_k), m the lower median of the aggregated deltas' norms */
         double *v = malloc((n ? n : 1) * sizeof(*v)), m;

@@ -25,6 +25,7 @@
 #include "round.h"
 #include "stats.h"
 #include "strbuf.h"
+#include "workers.h"
 
 /* ---- the registry ------------------------------------------------------------------------------ */
 
@@ -359,6 +360,71 @@ static void hub_metrics(const dilocod *d, sbuf *b)
 
 static const daemon_provider hub_provider = {"transport", hub_status_json, hub_metrics};
 
+/* ---- the workers' reports ----------------------------------------------------------------------- */
+
+/* "workers": each worker's last report (workers.h: the WORKERS_MAX seen most recently), by node_id. */
+static void workers_status(const dilocod *d, sbuf *b)
+{
+    const workers *w = &d->workers;
+
+    sb_str(b, ",\"workers\":[");
+    for (size_t i = 0; i < w->n; i++) {
+        const worker_report *e = &w->w[i];
+        sb_printf(b, "%s{\"node_id\":\"%s\",\"base_outer_step\":%" PRIu64 ",\"local_step\":%" PRIu64
+                     ",\"tokens_total\":%" PRIu64 ",\"at\":",
+                  i ? "," : "", e->node_id, e->base_outer_step, e->local_step, e->tokens_total);
+        daemon_json_time(b, e->at);
+        sb_str(b, ",\"metrics\":");
+        history_metrics_json(b, &e->metrics);
+        sb_str(b, "}");
+    }
+    sb_str(b, "]");
+}
+
+/* One gauge per worker that reported the key. */
+static void worker_gauge(const workers *w, sbuf *b, const char *name, unsigned bit, const char *help)
+{
+    metric(b, name, "gauge", help);
+    for (size_t i = 0; i < w->n; i++) {
+        const delta_metrics *m = &w->w[i].metrics;
+        if (!(m->have & bit))
+            continue;
+        double v = bit == DELTA_M_LOSS ? m->loss : bit == DELTA_M_TOKENS_PER_SECOND ? m->tokens_per_second
+                                                                                  : (double)m->inner_steps;
+        sb_printf(b, "dilocod_%s{node=\"%s\"} %.17g\n", name, w->w[i].node_id, v);
+    }
+}
+
+static void workers_metrics(const dilocod *d, sbuf *b)
+{
+    const workers *w = &d->workers;
+
+    worker_gauge(w, b, "node_loss", DELTA_M_LOSS, "The loss a worker last reported (delta metadata \"loss\").");
+    metric(b, "node_tokens_total", "counter",
+           "Tokens a worker trained into committed rounds (the num_tokens of its aggregated deltas).");
+    for (size_t i = 0; i < w->n; i++)
+        sb_printf(b, "dilocod_node_tokens_total{node=\"%s\"} %" PRIu64 "\n", w->w[i].node_id, w->w[i].tokens_total);
+    worker_gauge(w, b, "node_tokens_per_second", DELTA_M_TOKENS_PER_SECOND,
+                 "The training speed a worker last reported (delta metadata \"tokens_per_second\").");
+    worker_gauge(w, b, "node_inner_steps", DELTA_M_INNER_STEPS,
+                 "The inner steps a worker last reported for its round (delta metadata \"inner_steps\").");
+    metric(b, "node_metric", "gauge",
+           "The metric.<name> values a worker last reported, under the first 16 names the process saw.");
+    for (size_t i = 0; i < w->n; i++) {
+        const delta_metrics *m = &w->w[i].metrics;
+        for (size_t k = 0; k < m->nnamed; k++)
+            sb_printf(b, "dilocod_node_metric{node=\"%s\",name=\"%s\"} %.17g\n", w->w[i].node_id, m->name[k],
+                      m->value[k]);
+    }
+    metric(b, "node_metrics_dropped_total", "counter",
+           "Worker reports not shown, to bound the labels: metric.<name> values past the first 16 names "
+           "(reason=\"name\"), workers forgotten past the 64 seen most recently (reason=\"node\").");
+    sb_printf(b, "dilocod_node_metrics_dropped_total{reason=\"name\"} %" PRIu64 "\n", w->dropped_names);
+    sb_printf(b, "dilocod_node_metrics_dropped_total{reason=\"node\"} %" PRIu64 "\n", w->dropped_nodes);
+}
+
+static const daemon_provider workers_provider = {"workers", workers_status, workers_metrics};
+
 /* ---- the commit, the counters, adoptions -------------------------------------------------------- */
 
 static void commit_status(const dilocod *d, sbuf *b)
@@ -511,7 +577,8 @@ int daemon__status_register(dilocod *d)
     static const daemon_provider *const order[] = {
         &process_provider, &pipeline_provider, &round_provider, &pass_provider,  &history_provider,
         &optimizer_provider, &model_provider, &hub_provider,    &commit_provider, &stats_provider,
-        &adopt_provider,   &index_provider,  &http_server_provider, &daemon__async_provider, &daemon__robust_provider, &upload_provider,
+        &adopt_provider,   &index_provider,  &http_server_provider, &daemon__async_provider, &daemon__robust_provider,
+        &workers_provider, &upload_provider,
     };
     for (size_t i = 0; i < sizeof(order) / sizeof(order[0]); i++) {
         int rc = daemon_provide(d, order[i]);

@@ -22,6 +22,11 @@ times as long (a straggler), in either mode.  --target-loss L evaluates every gl
 in memory, evaluated after the run so that takes no CPU from the workers) on the workers' data and on
 held-out data, and prints when the former first reached L, in wall-clock seconds from the workers'
 start.
+
+--faulty N (DEMO_FAULTY=N) makes worker N (1-based; 0: none) faulty: it sends its delta x 100.  dilocod
+then runs with --max-norm-ratio 10, which quarantines it, and (sync) --min-nodes <workers - 1> with a
+--round-timeout of 5 s, so each round closes without it; the dashboard shows it quarantined, and the
+loss, of the other workers, still falls.
 """
 import argparse
 import json
@@ -148,9 +153,13 @@ def main():
                     help="async: the workers keep --inner-steps, whatever dilocod recommends (no DyLU)")
     ap.add_argument("--target-loss", type=float, default=None,
                     help="evaluate the globals on a held-out set; print when the loss first reached this")
+    ap.add_argument("--faulty", type=int, default=0, help="worker N (1-based) sends its delta x 100 (0: none)")
     ap.add_argument("--dilocod-args", default="", help="async: more dilocod options, e.g. '--momentum 0.9'")
     a = ap.parse_args()
     speeds = speeds_of(a.speeds, a.workers)
+    if not 0 <= a.faulty <= a.workers or (a.faulty and a.workers < 3):
+        raise SystemExit(f"demo: --faulty {a.faulty}: give 0 (none) or a worker 1..{a.workers}, with 3 workers or more "
+                         f"(the norm screen takes the median of the others)")
     if port_busy(a.port):
         raise SystemExit(busy_message(a.port))
 
@@ -174,7 +183,8 @@ def main():
     dilocod = subprocess.Popen([str(Path(a.build) / "dilocod"), "--state-root", str(root / "state"),
                                 "--hub", f"file://{root / 'hub'}", "--listen", f"127.0.0.1:{a.port}",
                                 "--init-model", str(init), "--expected-nodes", str(a.workers),
-                                "--poll-interval", "0.5", "--threads", "2", *async_args(a)], stdout=log, stderr=log)
+                                "--poll-interval", "0.5", "--threads", "2", *async_args(a), *faulty_args(a)],
+                               stdout=log, stderr=log)
     procs = [dilocod]
     stopping = threading.Event()
 
@@ -252,6 +262,8 @@ def main():
                 extra += ["--mode", "async"]
             if a.ignore_recommended_steps:
                 extra += ["--ignore-recommended-steps"]
+            if a.faulty == i + 1:
+                extra += ["--faulty"]
             p = subprocess.Popen([sys.executable, str(HERE / "torch_worker.py"), "--server", url, "--node-id", node,
                                   "--rounds", str(a.rounds), "--inner-steps", str(a.inner_steps), "--seed", str(i),
                                   *extra],
@@ -295,6 +307,17 @@ def main():
         return 130
     finally:
         stop_all()
+
+
+def faulty_args(a):
+    """With a faulty worker: quarantine a delta past 10 x the median norm; sync, close each round with the
+    others (the faulty one's delta never joins it)."""
+    if not a.faulty:
+        return []
+    out = ["--max-norm-ratio", "10"]
+    if a.mode == "sync":
+        out += ["--min-nodes", str(a.workers - 1), "--round-timeout", "5"]
+    return out
 
 
 def async_args(a):

@@ -13,7 +13,10 @@ save it with safetensors and the reference metadata, upload it, and wait for the
 
 The model and task are the demo's: an MLP of about 1.2M parameters learning a synthetic
 classification task given by a fixed random "teacher" network (learnable, so the loss falls).
-Prints one JSON line per round on stdout: {"node", "round", "step", "loss", "seconds"}.
+Prints one JSON line per round on stdout: {"node", "round", "step", "loss", "seconds"}.  Each delta's
+metadata reports the round's last inner loss ("loss") and the samples it trained on ("num_tokens": inner
+steps x batch), as decimal strings.  --faulty sends each delta x 100 (a broken worker, to be quarantined;
+a 422 "outlier" answer is printed and the worker goes on).
 
 Asynchronous dilocod (--mode async, run it with `--mode async` here too): the worker does not wait
 for the other workers.  After each push it waits only until the global moved past the step it trained
@@ -31,6 +34,7 @@ inner step lasts F times as long.
 import argparse
 import io
 import json
+import math
 import os
 import sys
 import time
@@ -83,9 +87,16 @@ def pseudo_gradient(baseline, current):
     return {k: (baseline[k].float() - current[k].float()).contiguous() for k in floating(baseline)}
 
 
-def metadata(node, base_step, local_step):
-    return {"algorithm": "dumb_diloco", "base_outer_step": str(base_step), "local_step": str(local_step),
+def metadata(node, base_step, local_step, loss=None, num_tokens=None):
+    """The reference's metadata, plus what the worker reports (dilocod keeps it per node and round): the
+    last inner loss and the samples trained this round, as decimal strings (str(float) is one, when finite)."""
+    meta = {"algorithm": "dumb_diloco", "base_outer_step": str(base_step), "local_step": str(local_step),
             "node_id": node}
+    if loss is not None and math.isfinite(loss):
+        meta["loss"] = str(float(loss))
+    if num_tokens is not None:
+        meta["num_tokens"] = str(int(num_tokens))
+    return meta
 
 
 class HttpTransport:
@@ -132,6 +143,10 @@ class HttpTransport:
             if r.status_code >= 500:
                 time.sleep(0.5 * 2 ** attempt)
                 continue
+            if r.status_code == 422 and r.json().get("error", {}).get("code") == "outlier":
+                # quarantined: the round goes on without it; so does this worker, from the next global
+                print(f"{node}: delta quarantined: {r.json()['error'].get('message')}", file=sys.stderr, flush=True)
+                return {"result": "quarantined"}
             if r.status_code != 201:
                 raise RuntimeError(f"upload refused: {r.status_code} {r.text}")
             h = r.headers.get("X-Recommended-Local-Steps")
@@ -197,6 +212,8 @@ def main():
                     help="train --inner-steps every phase, whatever X-Recommended-Local-Steps says (no DyLU)")
     ap.add_argument("--slowdown", type=float, default=1.0,
                     help="F >= 1: each inner step lasts F times as long (sleeps (F-1) x its compute time)")
+    ap.add_argument("--faulty", action="store_true",
+                    help="a broken worker: multiplies its delta by 100 before sending it (dilocod should quarantine it)")
     a = ap.parse_args()
     if bool(a.server) == bool(a.hub):
         ap.error("give exactly one of --server and --hub")
@@ -232,7 +249,10 @@ def main():
             if a.slowdown > 1:
                 time.sleep((a.slowdown - 1) * (time.perf_counter() - ts))
         delta = pseudo_gradient(baseline, {k: v.detach() for k, v in model.state_dict().items()})
-        data = save(delta, metadata=metadata(a.node_id, step, local_step))
+        if a.faulty:
+            delta = {k: v * 100 for k, v in delta.items()}
+        data = save(delta, metadata=metadata(a.node_id, step, local_step, losses[-1] if losses else None,
+                                             steps * a.batch))
         answer = t.push(a.node_id, local_step, data)
         rec = {"node": a.node_id, "round": step, "step": step, "loss": sum(losses) / len(losses),
                "seconds": round(time.time() - t0, 3)}

@@ -325,6 +325,10 @@ static int verdict_message(dilocod *d, round_verdict v, const delta_info *info, 
                                                                                             : "round's other deltas");
         return 422;
     }
+    case ROUND_NO_WEIGHT:
+        snprintf(msg, size, "--aggregate weighted_mean weighs each delta by its \"weight\" or \"num_tokens\" "
+                 "metadata, and this delta has neither (or num_tokens 0)");
+        return 422;
     case ROUND_BUSY:
         snprintf(msg, size, "%zu deltas already wait for an update (async_queue %zu): retry shortly", round_pending(r),
                  r->queue_max);

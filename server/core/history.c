@@ -47,6 +47,19 @@ static void add_opt17(sbuf *b, double v)
         sb_str(b, "null");
 }
 
+/* A reported metric: the fewest of 15, 16 or 17 significant digits that read back as the same double
+ * (what the worker wrote, 2.4, stays 2.4; 17 digits always round-trip). */
+static void add_exact(sbuf *b, double v)
+{
+    char tmp[40];
+    for (int digits = 15; digits <= 17; digits++) {
+        snprintf(tmp, sizeof(tmp), "%.*g", digits, v);
+        if (strtod(tmp, NULL) == v)
+            break;
+    }
+    sb_str(b, tmp);
+}
+
 static void add_u64(sbuf *b, const char *key, uint64_t v)
 {
     sb_str(b, key);
@@ -63,6 +76,45 @@ static void add_time(sbuf *b, time_t t)
     }
     strftime(when, sizeof(when), "\"%Y-%m-%dT%H:%M:%S+00:00\"", &tm);
     sb_str(b, when);
+}
+
+void history_metrics_json(sbuf *b, const delta_metrics *m)
+{
+    const char *sep = "{";
+
+    if (m->have & DELTA_M_LOSS) {
+        sb_printf(b, "%s\"loss\":", sep);
+        add_exact(b, m->loss);
+        sep = ",";
+    }
+    if (m->have & DELTA_M_NUM_TOKENS) {
+        sb_printf(b, "%s\"num_tokens\":%" PRIu64, sep, m->num_tokens);
+        sep = ",";
+    }
+    if (m->have & DELTA_M_INNER_STEPS) {
+        sb_printf(b, "%s\"inner_steps\":%" PRIu64, sep, m->inner_steps);
+        sep = ",";
+    }
+    if (m->have & DELTA_M_TOKENS_PER_SECOND) {
+        sb_printf(b, "%s\"tokens_per_second\":", sep);
+        add_exact(b, m->tokens_per_second);
+        sep = ",";
+    }
+    if (m->have & DELTA_M_WEIGHT) {
+        sb_printf(b, "%s\"weight\":", sep);
+        add_exact(b, m->weight);
+        sep = ",";
+    }
+    if (m->nnamed > 0) {
+        sb_printf(b, "%s\"metric\":{", sep);
+        for (size_t i = 0; i < m->nnamed; i++) {
+            sb_printf(b, "%s\"%s\":", i ? "," : "", m->name[i]);   /* [A-Za-z0-9_]: nothing to escape */
+            add_exact(b, m->value[i]);
+        }
+        sb_str(b, "}");
+        sep = ",";
+    }
+    sb_str(b, sep[0] == '{' ? "{}" : "}");
 }
 
 void history_record_json(sbuf *b, const round_record *r)
@@ -100,6 +152,10 @@ void history_record_json(sbuf *b, const round_record *r)
             add_u64(b, ",\"tau\":", n->tau);
             sb_str(b, ",\"weight\":");
             add_num17(b, n->weight);
+        }
+        if (n->metrics.have != 0 || n->metrics.nnamed != 0) {
+            sb_str(b, ",\"metrics\":");
+            history_metrics_json(b, &n->metrics);
         }
         sb_str(b, "}");
     }
@@ -177,6 +233,41 @@ static int parse_quarantined(round_record *r, const cJSON *o)
     return 0;
 }
 
+/* The "metrics" object history_metrics_json writes; a member that breaks the delta rules is dropped. */
+static void parse_metrics(const cJSON *o, delta_metrics *m)
+{
+    const cJSON *v, *named;
+    double x;
+
+    memset(m, 0, sizeof(*m));
+    if (!cJSON_IsObject(o))
+        return;
+    if (isfinite(x = get_double(o, "loss"))) {
+        m->loss = x;
+        m->have |= DELTA_M_LOSS;
+    }
+    if (get_count(o, "num_tokens", &m->num_tokens) == 0)
+        m->have |= DELTA_M_NUM_TOKENS;
+    if (get_count(o, "inner_steps", &m->inner_steps) == 0)
+        m->have |= DELTA_M_INNER_STEPS;
+    if (isfinite(x = get_double(o, "tokens_per_second")) && x >= 0) {
+        m->tokens_per_second = x;
+        m->have |= DELTA_M_TOKENS_PER_SECOND;
+    }
+    if (isfinite(x = get_double(o, "weight")) && x > 0) {
+        m->weight = x;
+        m->have |= DELTA_M_WEIGHT;
+    }
+    named = cJSON_GetObjectItemCaseSensitive(o, "metric");
+    if (!cJSON_IsObject(named))
+        return;
+    cJSON_ArrayForEach(v, named) {
+        size_t len = v->string != NULL ? strlen(v->string) : 0;
+        if (cJSON_IsNumber(v) && isfinite(v->valuedouble) && delta_valid_metric_name(v->string, len))
+            (void)delta_metrics_add(m, v->string, len, v->valuedouble);   /* past the cap, or twice: dropped */
+    }
+}
+
 int history_record_parse(round_record *r, const char *json)
 {
     cJSON *o = cJSON_Parse(json);
@@ -222,6 +313,7 @@ int history_record_parse(round_record *r, const char *json)
         s->weight = get_double(n, "weight");
         s->intake_norm = get_double(n, "intake_norm");
         s->scale = get_double(n, "scale");
+        parse_metrics(cJSON_GetObjectItemCaseSensitive(n, "metrics"), &s->metrics);
         r->n++;
     }
     const cJSON *rule = cJSON_GetObjectItemCaseSensitive(o, "aggregate");

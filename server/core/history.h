@@ -35,6 +35,7 @@ typedef struct node_stat {
     double scale;
     char quarantine_reason[16];
     double bound;
+    delta_metrics metrics;      /* what the worker reported with the delta (JSON "metrics", when any) */
 } node_stat;
 
 /* One closed and committed round. */
@@ -67,6 +68,10 @@ typedef struct history {
     size_t n, head;             /* ring: oldest at head */
 } history;
 
+/* A worker's reported metrics as one JSON object, the keys it carries only ({} for none): "loss",
+ * "num_tokens", "inner_steps", "tokens_per_second", "weight", "metric": {name: value}; every double in the
+ * fewest of 15..17 significant digits that parse back to the same bits. */
+void history_metrics_json(sbuf *b, const delta_metrics *m);
 /* The record as one JSON object (no newline): the line format of rounds.jsonl and of /rounds. */
 void history_record_json(sbuf *b, const round_record *r);
 /* Parses one such object; 0, or -1 when it is not a record. */

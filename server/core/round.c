@@ -236,6 +236,7 @@ static void count(round_state *r, round_verdict v)
     case ROUND_QUEUED: r->counters.queued++; break;
     case ROUND_BUSY: r->counters.busy++; break;
     case ROUND_OUTLIER: r->counters.outlier++; break;
+    case ROUND_NO_WEIGHT: r->counters.no_weight++; break;
     }
 }
 
@@ -266,6 +267,7 @@ round_verdict round_offer(round_state *r, const delta_info *info, char *path, ui
         e->received_at = now;
         e->norm = info->norm;
         e->has_norm = info->has_norm;
+        e->metrics = info->metrics;
     }
     if (v != ROUND_ACCEPTED && v != ROUND_QUEUED) {
         count(r, v);
@@ -280,6 +282,7 @@ round_verdict round_offer(round_state *r, const delta_info *info, char *path, ui
     e.weight = round_staleness_weight(r->poly_weight, e.tau);
     e.size = size;
     e.received_at = now;
+    e.metrics = info->metrics;
     e.path = path;
     e.norm = info->norm;
     e.has_norm = info->has_norm;
@@ -370,6 +373,7 @@ const char *round_verdict_name(round_verdict v)
     case ROUND_QUEUED: return "queued";
     case ROUND_BUSY: return "busy";
     case ROUND_OUTLIER: return "outlier";
+    case ROUND_NO_WEIGHT: return "missing_weight";
     }
     return "?";
 }

@@ -36,6 +36,7 @@ typedef struct round_entry {
     int quarantined;
     char quarantine_reason[16];
     double quarantine_bound;
+    delta_metrics metrics;      /* what the worker reported in the delta's metadata */
     int guarded;                /* path is a link to a file others may rewrite in place: ident is the version
                                    that was validated, checked again before and after the pass */
     fsu_ident ident;
@@ -52,12 +53,13 @@ typedef enum round_verdict {
     ROUND_QUEUED,               /* async: taken, for the update after the one being computed */
     ROUND_BUSY,                 /* async: queue_max deltas already wait: send it again later */
     ROUND_OUTLIER,              /* quarantined by the norm screen (daemon_robust.c): never offered to the round */
+    ROUND_NO_WEIGHT,            /* --aggregate weighted_mean and the delta reports neither weight nor num_tokens */
 } round_verdict;
 
 typedef enum round_close_reason { ROUND_OPEN = 0, ROUND_ALL_NODES, ROUND_TIMEOUT, ROUND_GRACE } round_close_reason;
 
 typedef struct round_counters {
-    uint64_t accepted, replaced, not_newer, stale, future, unknown_node, full, rejected, queued, busy, outlier;
+    uint64_t accepted, replaced, not_newer, stale, future, unknown_node, full, rejected, queued, busy, outlier, no_weight;
 } round_counters;
 
 /* A taken delta: the round (or the queue) owns its path. */

@@ -12,7 +12,7 @@ const char *const stats_route_names[ROUTE__COUNT] = {
 
 const char *const stats_refusal_names[REFUSED__COUNT] = {
     [REFUSED_STALE] = "stale", [REFUSED_FUTURE] = "future", [REFUSED_NOT_NEWER] = "not_newer",
-    [REFUSED_UNKNOWN_NODE] = "unknown_node", [REFUSED_FULL] = "round_full", [REFUSED_BUSY] = "busy", [REFUSED_OUTLIER] = "outlier",
+    [REFUSED_UNKNOWN_NODE] = "unknown_node", [REFUSED_FULL] = "round_full", [REFUSED_BUSY] = "busy", [REFUSED_OUTLIER] = "outlier", [REFUSED_NO_WEIGHT] = "missing_weight",
 };
 
 const double stats_agg_bounds[STATS_AGG_BUCKETS] = {0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300};
@@ -63,6 +63,7 @@ stats_refusal stats_delta_refused(stats *s, round_verdict v)
     case ROUND_FULL: r = REFUSED_FULL; break;
     case ROUND_BUSY: r = REFUSED_BUSY; break;
     case ROUND_OUTLIER: r = REFUSED_OUTLIER; break;
+    case ROUND_NO_WEIGHT: r = REFUSED_NO_WEIGHT; break;
     default: return REFUSED__COUNT;
     }
     s->refused[r]++;

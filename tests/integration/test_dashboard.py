@@ -4,8 +4,9 @@ dilocod runs with --hub none, a small model, --expected-nodes 2 (with --nodes no
 also has a `missing` list to show, and --round-timeout 600, so it has a deadline to count down; rounds
 still close as soon as both nodes delivered).  Three rounds are uploaded over HTTP, then Chromium loads
 the page: the DOM after the scripts ran (--dump-dom) is parsed with html.parser and checked through its
-test hooks (#outer-step, #state, #round-nodes, the four plot SVGs whose data points have class "point",
-data-series and data-step), and screenshots are taken in the light and the dark color scheme.  Plot
+test hooks (#outer-step, #state, #round-nodes, the five plot SVGs whose data points have class "point",
+data-series and data-step; the deltas report a loss, and #plot-loss draws one series per node and their
+mean), and screenshots are taken in the light and the dark color scheme.  Plot
 points are indexed by the round's BASE step (/rounds "step"): after three rounds, steps 0, 1, 2 (which
 produced outer steps 1, 2, 3).  A second load while a round is half full checks #round-nodes.
 
@@ -47,6 +48,9 @@ from dilocod_proc import Dilocod, delta_metadata, random_deltas, write_delta, wr
 CHROMIUM = Path("/usr/bin/chromium")
 NODES = ("node-a", "node-b")
 ROUNDS = 3
+# the loss each node reports with its delta of each round, and their mean per round
+LOSS = {(s, n): round(3.0 - 0.5 * s + 0.25 * i, 2) for s in range(ROUNDS) for i, n in enumerate(NODES)}
+LOSS_MEAN = {s: sum(LOSS[(s, n)] for n in NODES) / len(NODES) for s in range(ROUNDS)}
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
 
 
@@ -177,8 +181,8 @@ def wait_status(url, pred, what, timeout=30):
         time.sleep(0.02)
 
 
-def upload(url, node, base_step, local_step, tensors):
-    blob = np_save(tensors, metadata=delta_metadata(node, base_step, local_step))
+def upload(url, node, base_step, local_step, tensors, metrics=None):
+    blob = np_save(tensors, metadata=dict(delta_metadata(node, base_step, local_step), **(metrics or {})))
     with session() as s:
         r = s.put(f"{url}/nodes/{node}/delta_{local_step}.safetensors", data=blob, timeout=30)
     assert r.status_code == 201, (r.status_code, r.text)
@@ -243,7 +247,7 @@ def test_dashboard_in_headless_chromium(tmp_path):
         for step in range(ROUNDS):
             for i, node in enumerate(NODES):
                 t = random_deltas(rng, model, scale=0.01 * (i + 1))
-                upload(url, node, step, 100 * (step + 1) + i, t)
+                upload(url, node, step, 100 * (step + 1) + i, t, {"loss": str(LOSS[(step, node)]), "num_tokens": "512"})
             wait_status(url, lambda s, n=step + 1: s["outer_step"] == n and s["last_round"] is not None
                         and s["last_round"]["outer_step"] == n, f"outer step {step + 1}")
         with session() as s:
@@ -278,6 +282,24 @@ def test_dashboard_in_headless_chromium(tmp_path):
             assert any(c.tag == "title" and c.text_content().strip() for c in svg.children), plot
         legend = dom.by_id("leg-norm").text_content()
         assert all(n in legend for n in NODES), legend
+        # the loss plot: one series per node and the mean, one point per round each, the mean dashed
+        loss = dom.by_id("plot-loss")
+        groups = {g.attrs["data-series"]: g for g in loss.iter() if "series" in g.classes()}
+        assert set(groups) == {*NODES, "mean"}, groups.keys()
+        assert "mean" in groups["mean"].classes() and not any("mean" in groups[n].classes() for n in NODES)
+        assert sorted(dom.points("plot-loss")) == sorted(want_nodes + [("mean", str(s)) for s in range(ROUNDS)])
+        for p in loss.iter():
+            if "point" in p.classes():
+                want = LOSS_MEAN[int(p.attrs["data-step"])] if p.attrs["data-series"] == "mean" else \
+                    LOSS[(int(p.attrs["data-step"]), p.attrs["data-series"])]
+                shown = float(p.text_content().rsplit(":", 1)[1])      # its title: "<series>, round s: value"
+                assert abs(shown - want) <= 1e-4 * abs(want), (p.attrs, p.text_content(), want)
+        lines = [g for g in groups["mean"].iter() if g.tag == "polyline"]
+        assert len(lines) == 1 and len(lines[0].attrs["points"].split()) == ROUNDS, lines
+        assert [c.text_content() for c in dom.by_id("leg-loss").children] == [*NODES, "mean"]
+        # no /status robust.quarantined (no quarantine configured): no quarantine panel
+        assert "robust" not in status(url) or not status(url)["robust"].get("quarantined")
+        assert "hidden" in dom.by_id("quarantined").attrs
 
         # a half-full round: node-a delivered, node-b missing, a deadline counting down
         upload(url, "node-a", ROUNDS, 1000, random_deltas(rng, model))

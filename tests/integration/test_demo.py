@@ -37,6 +37,13 @@ def test_make_demo_three_rounds(tmp_path):
     # every process the demo started is gone, and dilocod stopped cleanly
     log = (tmp_path / "demo" / "dilocod.log").read_text()
     assert "main: stopped step=3 exit_code=0" in log, log[-2000:]
+    # the workers reported their last inner loss and the samples they trained (30 steps x 128) with each delta
+    jsonl = (tmp_path / "demo" / "state" / "aggregator" / "rounds.jsonl").read_text().splitlines()
+    for rec in map(json.loads, jsonl):
+        assert sorted(n["node_id"] for n in rec["nodes"]) == ["worker-1", "worker-2", "worker-3"], rec
+        for n in rec["nodes"]:
+            assert set(n["metrics"]) == {"loss", "num_tokens"} and n["metrics"]["num_tokens"] == 30 * 128, n
+            assert 0 < n["metrics"]["loss"] < 10, n
 
 
 def test_make_demo_async_with_a_straggler(tmp_path):

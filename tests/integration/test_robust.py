@@ -254,6 +254,32 @@ def test_rule_matches_its_oracle_over_rounds(tmp_path, rule, nodes):
         assert d.stop() == 0
 
 
+def test_weighted_mean_by_reported_weights(tmp_path):
+    """--aggregate weighted_mean: a_k = float32(w_k / W), w_k the delta's "weight" metadata (else its
+    "num_tokens"), W their double sum in node order; g = sum of a_k * d_k in F32.  A delta reporting
+    neither is refused with 422 at its header."""
+    init = model(9)
+    oracle = RuleOracle(init, "weighted_mean")
+    d = start(tmp_path, init, "--expected-nodes", "3", "--aggregate", "weighted_mean")
+    try:
+        rng = np.random.default_rng(19)
+        code, body = put(d, "w9", 1, body_of(as_wire(rand_delta(rng, init, 0.01)), "w9", 0, 1))
+        assert code == 422 and body["error"]["code"] == "missing_weight", body
+        reports = [{"weight": "2.5"}, {"num_tokens": "1000"}, {"weight": "0.125", "num_tokens": "7"}]
+        for step in range(2):
+            deltas = {f"w{i}": rand_delta(rng, oracle.state, 0.01, ties=True) for i in range(3)}
+            for i, (node, delta) in enumerate(deltas.items()):
+                assert put(d, node, step + 1, body_of(as_wire(delta), node, step, step + 1, reports[i]))[0] == 201
+            wait_step(d, step + 1)
+            w = [2.5, 1000.0, 0.125]
+            total = (w[0] + w[1]) + w[2]        # in node order, in double
+            oracle.scales = [np.float32(x / total) for x in w]
+            check_global(d, oracle.step({n: decoded(v) for n, v in deltas.items()}))
+            assert [np.float32(n["scale"]) for n in record_of(d, step + 1)["nodes"]] == oracle.scales
+    finally:
+        assert d.stop() == 0
+
+
 def test_median_agrees_with_torch_median():
     """The median's definition is torch.median's (the lower of the two middle values for an even count):
     the oracle above equals torch's on every value (== treats -0 and +0 alike; torch does not define

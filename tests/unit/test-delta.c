@@ -188,3 +188,137 @@ TEST(average_empty_refused)
     CHECK(delta_average(NULL, 0, test_path("o"), &err) < 0);
     CHECK_EQ(err.code, DL_E_EMPTY_INPUT);
 }
+
+/* ---- worker-reported metrics ------------------------------------------------------------------- */
+
+/* delta_check_meta on the required keys plus one extra key = value. */
+static int meta_with(const char *key, const char *value, delta_info *info, dl_error *err)
+{
+    st_meta m[5] = {
+        {(char *)"algorithm", 9, (char *)DELTA_ALGORITHM, strlen(DELTA_ALGORITHM)},
+        {(char *)"base_outer_step", 15, (char *)"3", 1},
+        {(char *)"local_step", 10, (char *)"5", 1},
+        {(char *)"node_id", 7, (char *)"w1", 2},
+        {(char *)key, strlen(key), (char *)value, strlen(value)},
+    };
+    return delta_check_meta(m, 5, NULL, info, err);
+}
+
+TEST(metrics_values_parsed)
+{
+    static const struct {
+        const char *text;
+        double want;
+    } good[] = {
+        {"0", 0.0}, {"-0", 0.0}, {"1", 1.0}, {"2.5", 2.5}, {"-3.25", -3.25}, {"1e-05", 1e-05}, {"1E+20", 1e20},
+        {"0.1", 0.1}, {"007", 7.0}, {"2.302585092994046", 2.302585092994046}, {"1e-400", 0.0},
+        {"12345678901234567890123456789012", 12345678901234567890123456789012.0},
+    };
+    for (size_t i = 0; i < sizeof(good) / sizeof(good[0]); i++) {
+        double v = -1;
+        if (delta_parse_metric_value(good[i].text, strlen(good[i].text), &v) != 0 || v != good[i].want) {
+            fprintf(stderr, "  value \"%s\": got %.17g, want %.17g\n", good[i].text, v, good[i].want);
+            CHECK(0);
+        }
+    }
+    delta_info info;
+    dl_error err;
+    CHECK_EQ(meta_with("loss", "2.75", &info, &err), 0);
+    CHECK_HEX(info.metrics.have, DELTA_M_LOSS);
+    CHECK(info.metrics.loss == 2.75);
+    CHECK_EQ(meta_with("num_tokens", "4096", &info, &err), 0);
+    CHECK_HEX(info.metrics.have, DELTA_M_NUM_TOKENS);
+    CHECK_EQ(info.metrics.num_tokens, 4096);
+    CHECK_EQ(meta_with("inner_steps", "0", &info, &err), 0);
+    CHECK_HEX(info.metrics.have, DELTA_M_INNER_STEPS);
+    CHECK_EQ(meta_with("tokens_per_second", "1234.5", &info, &err), 0);
+    CHECK(info.metrics.tokens_per_second == 1234.5);
+    CHECK_EQ(meta_with("weight", "1e-3", &info, &err), 0);
+    CHECK(info.metrics.weight == 1e-3);
+    CHECK_EQ(meta_with("metric.grad_norm", "-0.5", &info, &err), 0);
+    CHECK_EQ(info.metrics.nnamed, 1);
+    CHECK_STR(info.metrics.name[0], "grad_norm");
+    CHECK(info.metrics.value[0] == -0.5);
+    /* other keys stay accepted, and the metrics of an earlier parse do not leak into the next */
+    CHECK_EQ(meta_with("format", "pt", &info, &err), 0);
+    CHECK_EQ(info.metrics.have, 0);
+    CHECK_EQ(info.metrics.nnamed, 0);
+    CHECK_EQ(meta_with("metricx", "nan", &info, &err), 0);
+    CHECK_EQ(meta_with("metrics.a", "nan", &info, &err), 0);
+    CHECK_EQ(info.metrics.nnamed, 0);
+}
+
+TEST(metrics_bad_values_refused)
+{
+    static const struct {
+        const char *key, *value;
+    } bad[] = {
+        {"loss", ""}, {"loss", "nan"}, {"loss", "NaN"}, {"loss", "inf"}, {"loss", "-inf"}, {"loss", "Infinity"},
+        {"loss", "0x1p3"}, {"loss", " 1"}, {"loss", "1 "}, {"loss", "+1"}, {"loss", ".5"}, {"loss", "5."},
+        {"loss", "1e"}, {"loss", "1e+"}, {"loss", "1.e5"}, {"loss", "--1"}, {"loss", "1,5"}, {"loss", "1e999"},
+        {"loss", "-1e309"}, {"loss", "123456789012345678901234567890123"}, {"loss", "\"1\""}, {"loss", "1\n"},
+        {"num_tokens", "-1"}, {"num_tokens", "1.0"}, {"num_tokens", "01"}, {"num_tokens", "1e3"},
+        {"num_tokens", "9007199254740992"}, {"num_tokens", ""}, {"inner_steps", "-0"}, {"inner_steps", "x"},
+        {"tokens_per_second", "-1"}, {"tokens_per_second", "nan"}, {"weight", "0"}, {"weight", "-0"},
+        {"weight", "-2"}, {"weight", "0e5"}, {"weight", "inf"}, {"metric.", "1"}, {"metric.a-b", "1"},
+        {"metric.a.b", "1"}, {"metric.abcdefghijabcdefghijabcdefghijabc", "1"}, {"metric.x", "nan"},
+        {"metric.x", ""}, {"metric.x", "1e400"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        delta_info info;
+        dl_error err;
+        int rc = meta_with(bad[i].key, bad[i].value, &info, &err);
+        const char *name = bad[i].key;
+        if (rc == 0 || err.code != DL_E_METADATA_INVALID || strstr(err.message, name) == NULL) {
+            fprintf(stderr, "  %s = \"%s\": rc %d code %d message \"%s\"\n", bad[i].key, bad[i].value, rc,
+                    rc ? (int)err.code : 0, rc ? err.message : "");
+            CHECK(0);
+        }
+    }
+    /* the longest name is taken, one more character is not */
+    delta_info info;
+    dl_error err;
+    CHECK_EQ(meta_with("metric.abcdefghijabcdefghijabcdefghijab", "1", &info, &err), 0);
+    CHECK_STR(info.metrics.name[0], "abcdefghijabcdefghijabcdefghijab");
+}
+
+TEST(metrics_named_cap_and_order)
+{
+    st_meta m[4 + DELTA_METRICS_MAX + 1];
+    char keys[DELTA_METRICS_MAX + 1][16], vals[DELTA_METRICS_MAX + 1][8];
+    delta_info info;
+    dl_error err;
+
+    m[0] = (st_meta){(char *)"algorithm", 9, (char *)DELTA_ALGORITHM, strlen(DELTA_ALGORITHM)};
+    m[1] = (st_meta){(char *)"base_outer_step", 15, (char *)"3", 1};
+    m[2] = (st_meta){(char *)"local_step", 10, (char *)"5", 1};
+    m[3] = (st_meta){(char *)"node_id", 7, (char *)"w1", 2};
+    /* in descending name order: the parse keeps them ascending */
+    for (int i = 0; i <= DELTA_METRICS_MAX; i++) {
+        snprintf(keys[i], sizeof(keys[i]), "metric.m%02d", DELTA_METRICS_MAX - i);
+        snprintf(vals[i], sizeof(vals[i]), "%d", DELTA_METRICS_MAX - i);
+        m[4 + i] = (st_meta){keys[i], strlen(keys[i]), vals[i], strlen(vals[i])};
+    }
+    CHECK_EQ(delta_check_meta(m, 4 + DELTA_METRICS_MAX, NULL, &info, &err), 0);
+    CHECK_EQ(info.metrics.nnamed, DELTA_METRICS_MAX);
+    for (int i = 0; i < DELTA_METRICS_MAX; i++) {
+        char want[8];
+        snprintf(want, sizeof(want), "m%02d", i + 1);
+        CHECK_STR(info.metrics.name[i], want);
+        CHECK(info.metrics.value[i] == (double)(i + 1));
+    }
+    CHECK(delta_check_meta(m, 4 + DELTA_METRICS_MAX + 1, NULL, &info, &err) != 0);
+    CHECK_EQ(err.code, DL_E_METADATA_INVALID);
+    CHECK(strstr(err.message, "metric.m00") != NULL);
+    CHECK(strstr(err.message, "more than 16") != NULL);
+    /* a delta_info copies by value */
+    CHECK_EQ(delta_check_meta(m, 4 + DELTA_METRICS_MAX, NULL, &info, &err), 0);
+    delta_info copy = info;
+    CHECK_STR(copy.metrics.name[DELTA_METRICS_MAX - 1], "m16");
+    CHECK(delta_metrics_add(&copy.metrics, "z", 1, 1.0) != 0);  /* full */
+    copy.metrics.nnamed = 1;
+    CHECK(delta_metrics_add(&copy.metrics, "m01", 3, 1.0) != 0);  /* already there */
+    CHECK_EQ(delta_metrics_add(&copy.metrics, "a", 1, 2.0), 0);
+    CHECK_STR(copy.metrics.name[0], "a");
+    CHECK_STR(copy.metrics.name[1], "m01");
+}

@@ -123,3 +123,75 @@ TEST(history_load_trims_a_torn_line_and_drops_duplicates_and_uncommitted_steps)
     free(r1);
     free(r5);
 }
+
+/* A record's nodes' reported metrics come back from its JSON bit for bit, and the JSON again is the
+ * same text (history_record_json and history_record_parse are each other's inverse). */
+TEST(history_metrics_round_trip)
+{
+    node_stat n[3] = {{.local_step = 5, .bytes = 64, .norm = 1, .cosine = 1},
+                      {.local_step = 6, .bytes = 64, .norm = 2, .cosine = 1},
+                      {.local_step = 7, .bytes = 64, .norm = 3, .cosine = 1}};
+    round_record r = {.step = 3, .closed_at = 1764460800, .n = 3, .nodes = n}, back;
+    sbuf b = {0}, again = {0};
+
+    snprintf(r.reason, sizeof(r.reason), "all_nodes");
+    snprintf(n[0].node_id, sizeof(n[0].node_id), "a");
+    snprintf(n[1].node_id, sizeof(n[1].node_id), "b");
+    snprintf(n[2].node_id, sizeof(n[2].node_id), "c");
+    n[0].metrics.have = DELTA_M_LOSS | DELTA_M_NUM_TOKENS | DELTA_M_INNER_STEPS | DELTA_M_TOKENS_PER_SECOND |
+                        DELTA_M_WEIGHT;
+    n[0].metrics.loss = 0.1 + 0.2;                      /* 0.30000000000000004: needs 17 digits */
+    n[0].metrics.num_tokens = 9007199254740991ULL;
+    n[0].metrics.inner_steps = 500;
+    n[0].metrics.tokens_per_second = 12345.678901234567;
+    n[0].metrics.weight = 1e-300;
+    CHECK_EQ(delta_metrics_add(&n[0].metrics, "lr", 2, 3e-4), 0);
+    CHECK_EQ(delta_metrics_add(&n[0].metrics, "grad_norm", 9, -1.0 / 3.0), 0);
+    n[1].metrics.have = DELTA_M_LOSS;
+    n[1].metrics.loss = -2.5e-320;                      /* subnormal */
+    /* n[2] reported nothing: no "metrics" member */
+    history_record_json(&b, &r);
+    CHECK(strstr(b.p, "\"metrics\":{\"loss\":0.30000000000000004,\"num_tokens\":9007199254740991,"
+                         "\"inner_steps\":500,") != NULL);
+    CHECK(strstr(b.p, "\"metric\":{\"grad_norm\":-0.3333333333333333,\"lr\":0.0003}") != NULL);
+    CHECK(strstr(strstr(b.p, "\"node_id\":\"c\""), "metrics") == NULL);
+    CHECK_EQ(history_record_parse(&back, b.p), 0);
+    CHECK_EQ(back.n, 3);
+    const delta_metrics *m = &back.nodes[0].metrics;
+    CHECK_HEX(m->have, n[0].metrics.have);
+    CHECK(m->loss == n[0].metrics.loss);
+    CHECK_EQ(m->num_tokens, 9007199254740991ULL);
+    CHECK_EQ(m->inner_steps, 500);
+    CHECK(m->tokens_per_second == n[0].metrics.tokens_per_second);
+    CHECK(m->weight == 1e-300);
+    CHECK_EQ(m->nnamed, 2);
+    CHECK_STR(m->name[0], "grad_norm");
+    CHECK(m->value[0] == -1.0 / 3.0);
+    CHECK_STR(m->name[1], "lr");
+    CHECK(m->value[1] == 3e-4);
+    CHECK_HEX(back.nodes[1].metrics.have, DELTA_M_LOSS);
+    CHECK(back.nodes[1].metrics.loss == -2.5e-320);
+    CHECK_EQ(back.nodes[2].metrics.have, 0);
+    CHECK_EQ(back.nodes[2].metrics.nnamed, 0);
+    history_record_json(&again, &back);
+    CHECK_STR(again.p, b.p);
+    history_record_free(&back);
+    free(sb_take(&b));
+    free(sb_take(&again));
+}
+
+/* A hand-edited or damaged "metrics" member loses the values that break the delta rules, not the record. */
+TEST(history_metrics_damaged_members_dropped)
+{
+    round_record r;
+    CHECK_EQ(history_record_parse(&r, "{\"step\":1,\"nodes\":[{\"node_id\":\"a\",\"metrics\":{\"loss\":\"1\","
+                                      "\"num_tokens\":-3,\"inner_steps\":1.5,\"tokens_per_second\":-1,\"weight\":0,"
+                                      "\"metric\":{\"ok\":2,\"bad-name\":1,\"s\":\"x\"}}},"
+                                      "{\"node_id\":\"b\",\"metrics\":[1]}]}"), 0);
+    CHECK_EQ(r.n, 2);
+    CHECK_EQ(r.nodes[0].metrics.have, 0);
+    CHECK_EQ(r.nodes[0].metrics.nnamed, 1);
+    CHECK_STR(r.nodes[0].metrics.name[0], "ok");
+    CHECK_EQ(r.nodes[1].metrics.have, 0);
+    history_record_free(&r);
+}

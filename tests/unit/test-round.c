@@ -156,3 +156,29 @@ TEST(round_allow_list_and_full)
     CHECK_EQ(offer(&r, "y", 0, 1, 0), ROUND_FULL);
     round_free(&r);
 }
+
+/* The worker's reported metrics travel with its entry: a replacing delta brings its own. */
+TEST(round_entry_keeps_the_reported_metrics)
+{
+    round_state r;
+    char *replaced = NULL;
+    delta_info i = info("a", 4, 1);
+    round_init(&r, 4, 2, NULL, 0, 1, 0);
+    i.metrics.have = DELTA_M_LOSS | DELTA_M_NUM_TOKENS;
+    i.metrics.loss = 2.5;
+    i.metrics.num_tokens = 100;
+    CHECK_EQ(delta_metrics_add(&i.metrics, "acc", 3, 0.75), 0);
+    CHECK_EQ(round_offer(&r, &i, strdup("p1"), 10, 1.0, 0, &replaced), ROUND_ACCEPTED);
+    CHECK_HEX(r.entries[0].metrics.have, DELTA_M_LOSS | DELTA_M_NUM_TOKENS);
+    CHECK(r.entries[0].metrics.loss == 2.5);
+    CHECK_STR(r.entries[0].metrics.name[0], "acc");
+    i = info("a", 4, 2);
+    i.metrics.have = DELTA_M_LOSS;
+    i.metrics.loss = 1.25;
+    CHECK_EQ(round_offer(&r, &i, strdup("p2"), 10, 2.0, 0, &replaced), ROUND_REPLACED);
+    free(replaced);
+    CHECK_HEX(r.entries[0].metrics.have, DELTA_M_LOSS);
+    CHECK(r.entries[0].metrics.loss == 1.25);
+    CHECK_EQ(r.entries[0].metrics.nnamed, 0);
+    round_free(&r);
+}
