@@ -352,8 +352,9 @@ static void robust_status(const dilocod *d, sbuf *b)
               total, r->quarantined[ROBUST_MAX_NORM], r->quarantined[ROBUST_NORM_RATIO], r->quarantined[ROBUST_COSINE]);
     for (size_t i = 0; i < r->nrecent; i++) {
         const robust_event *e = &r->recent[(r->head + i) % ROBUST_RECENT];
+        /* a cosine quarantine's figure is its cosine, "norm" null */
         sb_printf(b, "%s{\"node_id\":\"%s\",\"step\":%" PRIu64 ",\"local_step\":%" PRIu64 ",\"%s\":", i ? "," : "",
-                  e->node_id, e->step, e->local_step, strcmp(e->reason, "cosine") == 0 ? "cosine" : "norm");
+                  e->node_id, e->step, e->local_step, strcmp(e->reason, "cosine") == 0 ? "norm\":null,\"cosine" : "norm");
         daemon_json_num(b, e->norm);
         sb_str(b, ",\"bound\":");
         daemon_json_num(b, e->bound);

@@ -716,3 +716,42 @@ def test_dashboard_async_panel(tmp_path):
             page.close()
     finally:
         assert d.stop(timeout=30) == 0, d.log_text()[-3000:]
+
+
+def test_dashboard_shows_a_quarantined_node_and_the_loss_plot(tmp_path):
+    """--max-norm-ratio 10 and three nodes, one sending its delta x 100 (refused 422 outlier): the page
+    shows the quarantined panel with that node, its norm above its bound and the reason, and the loss
+    plot still draws the honest nodes' series and their mean."""
+    chromium_binary()
+    model = small_model()
+    write_model(tmp_path / "init.safetensors", model)
+    d = Dilocod(tmp_path, None, "--init-model", str(tmp_path / "init.safetensors"), "--expected-nodes", "3",
+                "--round-timeout", "0.5", "--min-nodes", "2", "--max-norm-ratio", "10").start()
+    try:
+        url = d.url
+        wait_status(url, lambda s: s["outer_step"] == 0, "bootstrap")
+        rng = np.random.default_rng(4)
+        for step in range(2):
+            for i, node in enumerate(("n0", "n1")):
+                upload(url, node, step, step + 1, random_deltas(rng, model), {"loss": str(2.0 - step + i / 10)})
+            bad = {k: v * np.float32(100) for k, v in random_deltas(rng, model).items()}
+            blob = np_save(bad, metadata=dict(delta_metadata("bad", step, step + 1), loss="2.0"))
+            with session() as s:
+                r = s.put(f"{url}/nodes/bad/delta_{step + 1}.safetensors", data=blob, timeout=30)
+            assert r.status_code == 422 and r.json()["error"]["code"] == "outlier", r.text
+            wait_status(url, lambda s, n=step + 1: s["outer_step"] == n, f"outer step {step + 1}")
+        st = status(url)["robust"]
+        assert st["quarantined_total"] == 2 and {q["node_id"] for q in st["quarantined"]} == {"bad"}
+        dom = Dom(dump_dom(tmp_path, url + "/"))
+        panel = dom.by_id("quarantined")
+        assert panel is not None and "hidden" not in panel.attrs, panel.attrs if panel else None
+        assert dom.by_id("quar-n").text_content().strip() == "2"
+        rows = [n for n in dom.by_id("quar-rows").iter() if n.tag == "tr"]
+        assert [r.attrs.get("data-node") for r in rows] == ["bad", "bad"]
+        cells = [c.text_content() for c in rows[0].children]
+        assert "norm ratio" in cells and float(cells[3]) > float(cells[4]) > 0, cells
+        series = {p.attrs.get("data-series") for p in dom.by_id("plot-loss").iter() if "point" in p.classes()}
+        assert {"n0", "n1"} <= series and "bad" not in series, series
+        assert len(series) == 3, series          # n0, n1 and their mean
+    finally:
+        assert d.stop(timeout=30) == 0, d.log_text()[-3000:]
