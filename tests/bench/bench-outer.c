@@ -7,7 +7,10 @@
  * outputs are renamed without fsync, as the daemon's redo-record commit does).  WARM=1 warms the output files
  * first (st_writer_warm_*, untimed: the daemon does it while the round collects) and the pass writes into
  * them.  CHECKSUM=0 leaves out the content checksums of every input and output (checksum.h), which the daemon
- * computes.  Prints the peak RSS (VmHWM) at the end. */
+ * computes.  RULE=mean|weighted_mean|clipped_mean|trimmed_mean|median (TRIM_K=K, 1 by default) aggregates by
+ * that rule (the scales of weighted_mean and clipped_mean all 1/N and 1: the same arithmetic as any other
+ * scales); STATS_ONLY=1 runs the cosine screen's first pass (the plain mean and the statistics, no output).
+ * Prints the peak RSS (VmHWM) at the end. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -79,7 +82,27 @@ int main(int argc, char **argv)
     p.out_global_path = out;
     p.out_momentum_path = mom;
     p.params = (outer_params){.nesterov = 1, .lr = 0.7f, .momentum = 0.9f};
+    if (argc - 4 > 64) {
+        fprintf(stderr, "bench-outer: at most 64 deltas\n");
+        return 2;
+    }
     p.momentum_path = getenv("MOMENTUM");
+    static const char *const rules[] = {"mean", "weighted_mean", "clipped_mean", "trimmed_mean", "median"};
+    const char *rule = getenv("RULE");
+    static float scales[64];
+    for (int r = 0; rule != NULL && r < 5; r++)
+        if (strcmp(rule, rules[r]) == 0)
+            p.params.rule = (outer_rule)r;
+    p.params.trim_k = getenv("TRIM_K") ? (unsigned)atoi(getenv("TRIM_K")) : 1;
+    for (size_t k = 0; k < p.ndeltas && k < 64; k++)
+        scales[k] = p.params.rule == OUTER_RULE_WEIGHTED ? 1.0f / (float)p.ndeltas : 1.0f;
+    if (p.params.rule == OUTER_RULE_WEIGHTED || p.params.rule == OUTER_RULE_CLIPPED)
+        p.delta_scale = scales;
+    if (getenv("STATS_ONLY") != NULL && atoi(getenv("STATS_ONLY")) != 0) {
+        p.stats_only = 1;
+        p.params = (outer_params){0};
+        p.momentum_path = NULL;
+    }
     p.defer_sync = getenv("DEFER") != NULL && strcmp(getenv("DEFER"), "0") != 0;
     outer_force_portable = getenv("PORTABLE") != NULL && atoi(getenv("PORTABLE")) != 0;
     p.budget_bytes = getenv("BUDGET_MIB") ? (size_t)atoi(getenv("BUDGET_MIB")) << 20 : 16 << 20;
