@@ -1086,16 +1086,16 @@ int outer_run(outer_pass *p)
     b.stats = calloc(p->ndeltas, sizeof(*b.stats));
     b.in_sums = calloc(OUTER_NINPUTS(p), sizeof(*b.in_sums));
     b.keys = calloc(p->ndeltas, sizeof(*b.keys));
-    /* Mapped pages count in RSS while they are mapped: whole units only while one item's windows stay
-     * within 4 budgets (8 deltas, the global and the momentum at the default 16 MiB: 55 MiB), else
-     * windows of pages, which keep just the item's pages (within one budget, as the items are sized) */
-    b.map_units = (p->ndeltas + 2) * (p->chunk_elems * 8 + 2 * MAPREAD_UNIT) <= 4 * (uint64_t)p->budget_bytes;
     if (!b.raw || !b.sub_raw || !b.param || !b.buf || !b.acc || !b.g || !b.d || !b.dk || !b.maps || !b.stats || !b.in_sums ||
         !b.keys) {
         dl_fail(&err, DL_E_NO_MEMORY, NULL, 0, "out of memory for aggregation buffers");
         rc = fail_locked(p, &err);
         goto out;
     }
+    /* Mapped pages count in RSS while they are mapped: whole units only while one item's windows stay
+     * within 4 budgets (8 deltas, the global and the momentum at the default 16 MiB: 55 MiB), else
+     * windows of pages, which keep just the item's pages (within one budget, as the items are sized) */
+    b.map_units = (p->ndeltas + 2) * (p->chunk_elems * 8 + 2 * MAPREAD_UNIT) <= 4 * (uint64_t)p->budget_bytes;
     while (!atomic_load(&p->abort)) {
         size_t i0 = atomic_fetch_add(&p->next_item, p->run_items);
         if (i0 >= p->nitems)
