@@ -41,6 +41,21 @@ static void screen_done(dilocod *d);
 
 /* ---- the pass: its end, its failure, its release, its write-back --------------------------------- */
 
+/* The pass's per-delta inputs (fill_inputs). */
+static void free_inputs(dilocod *d)
+{
+    free(d->agg.paths);
+    d->agg.paths = NULL;
+    free(d->agg.nodes);
+    d->agg.nodes = NULL;
+    free(d->agg.sums);
+    d->agg.sums = NULL;
+    free(d->agg.summed);
+    d->agg.summed = NULL;
+    free(d->agg.scales);
+    d->agg.scales = NULL;
+}
+
 void daemon__pass_release(dilocod *d)
 {
     if (pipeline_busy(&d->pipe, d->rnd.step + 1, STEP_ACT_PASS))
@@ -55,16 +70,7 @@ void daemon__pass_release(dilocod *d)
         free(d->agg.pass);
         d->agg.pass = NULL;
     }
-    free(d->agg.paths);
-    d->agg.paths = NULL;
-    free(d->agg.nodes);
-    d->agg.nodes = NULL;
-    free(d->agg.sums);
-    d->agg.sums = NULL;
-    free(d->agg.summed);
-    d->agg.summed = NULL;
-    free(d->agg.scales);
-    d->agg.scales = NULL;
+    free_inputs(d);
     free(d->agg.entry);
     d->agg.entry = NULL;
     d->agg.screening = 0;
@@ -806,16 +812,7 @@ static void screen_done(dilocod *d)
     outer_free(p);
     free(p);
     d->agg.pass = NULL;
-    free(d->agg.paths);
-    d->agg.paths = NULL;
-    free(d->agg.sums);
-    d->agg.sums = NULL;
-    free(d->agg.summed);
-    d->agg.summed = NULL;
-    free(d->agg.nodes);
-    d->agg.nodes = NULL;
-    free(d->agg.scales);
-    d->agg.scales = NULL;
+    free_inputs(d);             /* fill_inputs makes them again for the pass */
     begin_pass(d);
 }
 
