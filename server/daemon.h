@@ -136,8 +136,10 @@ const daemon_provider *const *daemon_providers(const dilocod *d, size_t *n);
 
 /* Helpers for a provider's text. */
 void daemon_metric_family(sbuf *b, const char *name, const char *type, const char *help);
-/* A JSON number for a double: finite values only (JSON has no NaN: null). */
+/* A JSON number for a double: finite values only (JSON has no NaN: null).  _exact: all 17 digits, so
+ * that it reads back as the same double (a norm /status shows equals the record's). */
 void daemon_json_num(sbuf *b, double v);
+void daemon_json_num_exact(sbuf *b, double v);
 /* A JSON date ("2026-01-02T03:04:05+00:00"), or null for 0. */
 void daemon_json_time(sbuf *b, time_t t);
 

@@ -355,9 +355,9 @@ static void robust_status(const dilocod *d, sbuf *b)
         /* a cosine quarantine's figure is its cosine, "norm" null */
         sb_printf(b, "%s{\"node_id\":\"%s\",\"step\":%" PRIu64 ",\"local_step\":%" PRIu64 ",\"%s\":", i ? "," : "",
                   e->node_id, e->step, e->local_step, strcmp(e->reason, "cosine") == 0 ? "norm\":null,\"cosine" : "norm");
-        daemon_json_num(b, e->norm);
+        daemon_json_num_exact(b, e->norm);
         sb_str(b, ",\"bound\":");
-        daemon_json_num(b, e->bound);
+        daemon_json_num_exact(b, e->bound);
         sb_printf(b, ",\"reason\":\"%s\",\"basis\":\"%s\",\"at\":%.0f}", e->reason, e->basis, e->at);
     }
     sb_str(b, "]}");

@@ -56,6 +56,14 @@ void daemon_json_num(sbuf *b, double v)
         sb_str(b, "null");
 }
 
+void daemon_json_num_exact(sbuf *b, double v)
+{
+    if (isfinite(v))
+        sb_printf(b, "%.17g", v);
+    else
+        sb_str(b, "null");
+}
+
 void daemon_json_time(sbuf *b, time_t t)
 {
     char out[48];
