@@ -222,14 +222,12 @@ def test_intake_norm_matches_its_definition_on_every_path(tmp_path):
 RULES = ["mean", "clipped_mean", "trimmed_mean:1", "trimmed_mean:2", "median"]
 
 
-@pytest.mark.parametrize("rule", RULES)
-@pytest.mark.parametrize("nodes", [4, 5])
+# trimmed_mean:2 over 4 nodes is not a run: 2K >= N is refused by the configuration (test_config)
+@pytest.mark.parametrize("rule,nodes", [(r, n) for r in RULES for n in (4, 5) if (r, n) != ("trimmed_mean:2", 4)])
 def test_rule_matches_its_oracle_over_rounds(tmp_path, rule, nodes):
     """Three rounds of each rule over an even and an odd node count (ties, +-0, one delta 20x larger),
     then Nesterov SGD: every published global byte for byte as the oracle's, and the record names the
     rule and each delta's scale."""
-    if rule == "trimmed_mean:2" and nodes == 4:
-        pytest.skip("2K >= N is refused by the configuration (test_config covers it)")
     init = model(2)
     oracle = RuleOracle(init, rule)
     d = start(tmp_path, init, "--expected-nodes", str(nodes), "--aggregate", rule)
