@@ -29,7 +29,7 @@ from safetensors.torch import load as torch_load_bytes  # noqa: E402
 
 from dilocod_proc import assert_state_equal, delta_metadata, random_deltas, write_model  # noqa: E402
 from s3server import SeaweedS3  # noqa: E402
-from test_daemon_hf import REPO, TOKEN, WREV, HfDilocod, HubSim  # noqa: E402
+from test_daemon_hf import REPO, TOKEN, WREV, HfDilocod, HubSim, _hf_home, procs  # noqa: E402,F401 (fixtures)
 from test_robust import LR, MU, RuleOracle, norm_oracle, pytestmark  # noqa: E402,F401
 from test_s3 import S3Dilocod  # noqa: E402
 from test_shards_hub import model, s3_list_requests, save_set  # noqa: E402
@@ -119,25 +119,6 @@ def test_s3_outlier_is_skipped_and_judged_once(tmp_path, s3):
 
 
 # ---- hf:// ----------------------------------------------------------------------------------------
-
-@pytest.fixture(autouse=True)
-def _hf_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # never the user's cache or token
-
-
-@pytest.fixture
-def procs():
-    items = []
-    yield items
-    for p in reversed(items):
-        try:
-            if isinstance(p, HubSim):
-                p.stop()
-            elif p.alive():
-                p.kill9()
-        except Exception:  # noqa: BLE001 - best-effort cleanup
-            pass
-
 
 def hf_upload(api, node, base, local, tensors):
     api.upload_file(path_or_fileobj=np_save(tensors, metadata=delta_metadata(node, base, local)),
