@@ -565,7 +565,13 @@ static const char delta_help[] =
     "  A and B may be sharded checkpoints (their .safetensors.index.json).  Past SIZE (bytes, or\n"
     "  huggingface_hub's units: 5GB, 500MB; default 5GB; 0: never) OUT=<dir>/<base>.safetensors is\n"
     "  written as huggingface_hub.save_torch_state_dict writes it: <base>-0000i-of-0000N.safetensors\n"
-    "  and <base>.safetensors.index.json (the metadata in the index), the index last.\n";
+    "  and <base>.safetensors.index.json (the metadata in the index), the index last.\n"
+    "  --encode int8_block|mxfp8|mxfp4 [--block N] [--residual R]: a compressed delta (README,\n"
+    "  \"Compressed deltas\"), one file: each key's codes and its scales (key + \".__scales__\"), N values\n"
+    "  per scale (int8_block: a power of two from 32 to 4096, default 32; mx: 32).  With --residual, error\n"
+    "  feedback: e = (A - B) + R, OUT = encode(e), R = e - decode(OUT); R starts at zero when the file\n"
+    "  does not exist and is rewritten atomically after OUT.  C64 keys (and, for mxfp4, keys with an odd\n"
+    "  number of values) stay plain F32.\n";
 
 static int parse_step(const char *s, uint64_t *out)
 {
@@ -581,9 +587,14 @@ int cmd_delta(int argc, char **argv)
                                          {"local-step", required_argument, NULL, 'l'},
                                          {"output", required_argument, NULL, 'o'},
                                          {"shard-size", required_argument, NULL, 'S'},
+                                         {"encode", required_argument, NULL, 'e'},
+                                         {"block", required_argument, NULL, 'B'},
+                                         {"residual", required_argument, NULL, 'r'},
                                          {NULL, 0, NULL, 0}};
     const char *baseline = NULL, *current = NULL, *node = NULL, *out = NULL, *bs = NULL, *ls = NULL;
-    uint64_t base_step, local_step, shard_size = ST_SHARD_SIZE_DEFAULT;
+    const char *residual = NULL, *block = NULL;
+    uint64_t base_step, local_step, shard_size = ST_SHARD_SIZE_DEFAULT, b = 0;
+    cz_spec cz = {CZ_NONE, 0};
     dl_error err;
     int c;
 
@@ -601,8 +612,27 @@ int cmd_delta(int argc, char **argv)
             if (st_parse_size(optarg, &shard_size) != 0)
                 return usage_error(delta_help, "invalid --shard-size '%s' (bytes, or a number with KB, MB, GB, TB)", optarg);
             break;
+        case 'e':
+            if (cz_encoding_parse(optarg, strlen(optarg), &cz.enc) != 0)
+                return usage_error(delta_help, "invalid --encode '%s' (int8_block, mxfp8, mxfp4)", optarg);
+            break;
+        case 'B': block = optarg; break;
+        case 'r': residual = optarg; break;
         default: return usage_error(delta_help, "%s", "bad option");
         }
+    }
+    if ((block != NULL || residual != NULL) && cz.enc == CZ_NONE)
+        return usage_error(delta_help, "%s", "--block and --residual go with --encode");
+    if (cz.enc != CZ_NONE) {
+        cz.block = CZ_MX_BLOCK;
+        if (block != NULL) {
+            if (delta_parse_int(block, strlen(block), &b) != 0 || b > CZ_BLOCK_MAX)
+                return usage_error(delta_help, "invalid --block '%s'", block);
+            cz.block = (uint32_t)b;
+        }
+        if (!cz_spec_valid(&cz))
+            return usage_error(delta_help, "invalid --block '%s' (int8_block: a power of two from 32 to 4096; "
+                               "mxfp8, mxfp4: 32)", block != NULL ? block : "32");
     }
     if (!baseline || !current || !node || !bs || !ls || !out || optind != argc)
         return usage_error(delta_help, "%s", "delta needs --baseline --current --node-id --base-step --local-step -o");
@@ -613,7 +643,9 @@ int cmd_delta(int argc, char **argv)
     if (parse_step(ls, &local_step) != 0)
         return usage_error(delta_help, "invalid --local-step '%s'", ls);
     dl_error_clear(&err);
-    if (delta_compute_set(baseline, current, out, node, base_step, local_step, shard_size, &err) != 0)
+    if (cz.enc != CZ_NONE ? delta_compute_encoded(baseline, current, out, node, base_step, local_step, &cz, residual,
+                                                  &err) != 0
+                          : delta_compute_set(baseline, current, out, node, base_step, local_step, shard_size, &err) != 0)
         return cli_report(out, &err);
     return EXIT_OK;
 }

@@ -109,17 +109,23 @@ static uint64_t block_term(const ck_key *key, uint32_t tensor, int dtype, uint64
     return XXH3_64bits_withSeed(&at, sizeof(at), key->seed);
 }
 
+uint64_t ck_blocks_of(const ck_key *key, uint32_t tensor, int dtype, uint64_t first, const void *data, uint64_t nelem,
+                      unsigned bits, uint64_t block_elems)
+{
+    const unsigned char *p = data;
+    uint64_t sum = 0, block = first / block_elems;
+
+    for (uint64_t e = 0; e < nelem; e += block_elems, block++) {
+        uint64_t n = nelem - e < block_elems ? nelem - e : block_elems;
+        sum += block_term(key, tensor, dtype, block, p + e * bits / 8, (size_t)(n * bits / 8));
+    }
+    return sum;
+}
+
 uint64_t ck_blocks(const ck_key *key, uint32_t tensor, int dtype, uint64_t first, const void *data, uint64_t nelem,
                    size_t esize)
 {
-    const unsigned char *p = data;
-    uint64_t sum = 0, block = first / CK_BLOCK_ELEMS;
-
-    for (uint64_t e = 0; e < nelem; e += CK_BLOCK_ELEMS, block++) {
-        uint64_t n = nelem - e < CK_BLOCK_ELEMS ? nelem - e : CK_BLOCK_ELEMS;
-        sum += block_term(key, tensor, dtype, block, p + e * esize, (size_t)(n * esize));
-    }
-    return sum;
+    return ck_blocks_of(key, tensor, dtype, first, data, nelem, (unsigned)esize * 8, CK_BLOCK_ELEMS);
 }
 
 void ck_format(uint64_t sum, char out[17])

@@ -44,6 +44,12 @@ int ck_key_random(ck_key *key, dl_error *err);
  * unless the range ends at the tensor's end. */
 uint64_t ck_blocks(const ck_key *key, uint32_t tensor, int dtype, uint64_t first, const void *data, uint64_t nelem,
                    size_t esize);
+/* The same with blocks of block_elems elements of bits each (F4 codes: 4 bits; a compressed key's
+ * scales: blocks of the scales of CK_BLOCK_ELEMS values, delta_ck_compressed). */
+uint64_t ck_blocks_of(const ck_key *key, uint32_t tensor, int dtype, uint64_t first, const void *data, uint64_t nelem,
+                      unsigned bits, uint64_t block_elems);
+/* The tensor number of the scales of the model's tensor t in the terms (t's own number is t). */
+#define CK_SCALES_OF(t) ((uint32_t)(t) | 0x80000000u)
 
 /* Checksums as text in JSON records: 16 lowercase hex digits. */
 void ck_format(uint64_t sum, char out[17]);

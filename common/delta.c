@@ -325,7 +325,8 @@ static int check_metadata(const st_meta *meta, size_t nmeta, delta_info *info, d
                        "delta metadata node_id \"%.64s\" is not a valid node id ([A-Za-z0-9._-]{1,64})", v);
     memcpy(info->node_id, v, len);
     info->node_id[len] = '\0';
-    return check_metrics(meta, nmeta, &info->metrics, err);
+    int rc = check_metrics(meta, nmeta, &info->metrics, err);
+    return rc != 0 ? rc : cz_spec_from_meta(meta, nmeta, &info->cz, err);
 }
 
 int delta_parse_any_path(const char *path, delta_path *out, dl_error *err)
@@ -427,32 +428,107 @@ static const st_tensor *by_name_find(const st_tensor *const *v, size_t n, const 
     return NULL;
 }
 
-/* One delta tensor against its global tensor g: shape and dtype. */
-static int check_one(const st_tensor *g, const st_tensor *d, dl_error *err)
+static int compressed(const cz_spec *cz)
+{
+    return cz != NULL && cz->enc != CZ_NONE;
+}
+
+/* One delta tensor against its global tensor g: shape and dtype (codes of the encoding too, when the
+ * delta has one: a complex key stays plain). */
+static int check_one(const st_tensor *g, const st_tensor *d, const cz_spec *cz, dl_error *err)
 {
     if (!same_shape(g, d))
         return shape_mismatch(err, g, d, "delta tensor");
     st_dtype expect = delta_dtype_for(g->dtype);
     int ok = expect == ST_C64 ? d->dtype == ST_C64 : (d->dtype == ST_F32 || d->dtype == ST_F16 || d->dtype == ST_BF16);
+    if (!ok && compressed(cz) && expect != ST_C64 && d->dtype == cz_code_dtype(cz->enc))
+        ok = 1;
     if (!ok)
         return dl_fail(err, DL_E_DTYPE_MISMATCH, d->name, d->name_len,
-                       "delta tensor has dtype %s, expected %s for a %s weight", st_dtype_name(d->dtype),
-                       expect == ST_C64 ? "C64" : "F32 (or F16/BF16)", st_dtype_name(g->dtype));
+                       "delta tensor has dtype %s, expected %s%s%s for a %s weight", st_dtype_name(d->dtype),
+                       expect == ST_C64 ? "C64" : "F32 (or F16/BF16)",
+                       compressed(cz) && expect != ST_C64 ? " or the codes of " : "",
+                       compressed(cz) && expect != ST_C64 ? cz_encoding_name(cz->enc) : "", st_dtype_name(g->dtype));
+    return 0;
+}
+
+/* The tensor named name (len bytes) + suffix (slen bytes) in v (n tensors in name order), or NULL (and
+ * *oom when the name could not be built). */
+static const st_tensor *find_joined(const st_tensor *const *v, size_t n, const char *name, size_t len,
+                                    const char *suffix, size_t slen, int *oom)
+{
+    char *buf = malloc(len + slen + 1);
+    if (buf == NULL) {
+        *oom = 1;
+        return NULL;
+    }
+    memcpy(buf, name, len);
+    memcpy(buf + len, suffix, slen);
+    buf[len + slen] = '\0';
+    st_tensor key = {.name = buf, .name_len = len + slen};
+    const st_tensor *t = by_name_find(v, n, &key);
+    free(buf);
+    return t;
+}
+
+/* The scales rules of a compressed delta: each key with codes has its scales (dtype, one per block),
+ * every scales tensor belongs to a key with codes, and no model key looks like a scales tensor. */
+static int check_scales(const st_tensor *const *delta, size_t nd, const st_tensor *const *global, size_t ng,
+                        const cz_spec *cz, dl_error *err)
+{
+    const st_dtype code = cz_code_dtype(cz->enc), scale = cz_scale_dtype(cz->enc);
+    int oom = 0;
+
+    for (size_t k = 0; k < ng; k++)
+        if (cz_is_scales_name(global[k]->name, global[k]->name_len))
+            return dl_fail(err, DL_E_KEY_MISMATCH, global[k]->name, global[k]->name_len,
+                           "the model's key ends in %s, which compressed deltas reserve for scales: this model "
+                           "takes plain deltas only", CZ_SCALES_SUFFIX);
+    for (size_t i = 0; i < nd; i++) {
+        const st_tensor *d = delta[i];
+        if (cz_is_scales_name(d->name, d->name_len)) {
+            const st_tensor *c = find_joined(delta, nd, d->name, d->name_len - CZ_SCALES_SUFFIX_LEN, "", 0, &oom);
+            if (c == NULL || c->dtype != code)
+                return oom ? dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory")
+                           : dl_fail(err, DL_E_KEY_MISMATCH, d->name, d->name_len,
+                                     "scales for a key that holds no %s codes", cz_encoding_name(cz->enc));
+            continue;
+        }
+        if (d->dtype != code)
+            continue;
+        const st_tensor *sc = find_joined(delta, nd, d->name, d->name_len, CZ_SCALES_SUFFIX, CZ_SCALES_SUFFIX_LEN, &oom);
+        if (sc == NULL)
+            return oom ? dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory")
+                       : dl_fail(err, DL_E_KEY_MISMATCH, d->name, d->name_len,
+                                 "delta tensor holds %s codes but its scales (the key + \"%s\") are missing",
+                                 cz_encoding_name(cz->enc), CZ_SCALES_SUFFIX);
+        uint64_t want = cz_nscales(d->nelem, cz->block);
+        if (sc->dtype != scale)
+            return dl_fail(err, DL_E_DTYPE_MISMATCH, sc->name, sc->name_len, "scales have dtype %s, expected %s for %s",
+                           st_dtype_name(sc->dtype), st_dtype_name(scale), cz_encoding_name(cz->enc));
+        if (sc->ndim != 1 || sc->shape[0] != want)
+            return dl_fail(err, DL_E_SHAPE_MISMATCH, sc->name, sc->name_len,
+                           "scales must have shape [%llu] (one per block of %u of the key's %llu values)",
+                           (unsigned long long)want, cz->block, (unsigned long long)d->nelem);
+    }
     return 0;
 }
 
 int delta_check_tensors(const st_tensor *const *delta, size_t nd, const st_tensor *const *global, size_t ng,
-                        dl_error *err)
+                        const cz_spec *cz, dl_error *err)
 {
     size_t i = 0, k = 0;
 
     /* Both lists are in name order: walk them together to name the first missing or extra key;
-     * the global's non-floating tensors are stepped over. */
+     * the global's non-floating tensors are stepped over, and a compressed delta's scales (checked
+     * after the walk). */
     for (;;) {
         while (k < ng && !st_dtype_is_floating(global[k]->dtype))
             k++;
+        while (i < nd && compressed(cz) && cz_is_scales_name(delta[i]->name, delta[i]->name_len))
+            i++;
         if (i == nd && k == ng)
-            return 0;
+            return compressed(cz) ? check_scales(delta, nd, global, ng, cz, err) : 0;
         const st_tensor *d = i < nd ? delta[i] : NULL, *g = k < ng ? global[k] : NULL;
         int c = d == NULL ? 1 : g == NULL ? -1 : name_cmp(d, g);
         if (c < 0)
@@ -461,7 +537,7 @@ int delta_check_tensors(const st_tensor *const *delta, size_t nd, const st_tenso
                                                                : "delta carries a key the global model does not have");
         if (c > 0)
             return dl_fail(err, DL_E_KEY_MISMATCH, g->name, g->name_len, "delta lacks a floating key of the global model");
-        int rc = check_one(g, d, err);
+        int rc = check_one(g, d, cz, err);
         if (rc != 0)
             return rc;
         i++;
@@ -473,12 +549,15 @@ int delta_check_header(const st_header *delta, const st_header *global, const ch
                        delta_info *info, dl_error *err)
 {
     const st_tensor **d = NULL, **g = NULL;
+    delta_info local;
     int rc;
 
+    if (info == NULL)
+        info = &local;
     if ((rc = delta_check_meta(delta->meta, delta->nmeta, path, info, err)) != 0)
         return rc;
     if ((rc = delta_header_by_name(delta, &d, err)) == 0 && (rc = delta_header_by_name(global, &g, err)) == 0)
-        rc = delta_check_tensors(d, delta->ntensors, g, global->ntensors, err);
+        rc = delta_check_tensors(d, delta->ntensors, g, global->ntensors, &info->cz, err);
     free(d);
     free(g);
     return rc;
@@ -494,7 +573,7 @@ int delta_check_shard_header(const st_header *shard, const st_tensor *const *glo
             return dl_fail(err, DL_E_KEY_MISMATCH, d->name, d->name_len,
                            g != NULL ? "delta carries a non-floating key of the global model"
                                      : "delta carries a key the global model does not have");
-        if ((rc = check_one(g, d, err)) != 0)
+        if ((rc = check_one(g, d, NULL, err)) != 0)
             return rc;
     }
     return 0;
@@ -507,10 +586,19 @@ int delta_check_set_header(const st_set *delta, const st_tensor *const *global, 
     size_t nmeta;
     int rc;
 
+    delta_info local;
+
+    if (info == NULL)
+        info = &local;
     st_set_metadata(delta, &meta, &nmeta);
     if ((rc = delta_check_meta(meta, nmeta, path, info, err)) != 0)
         return rc;
-    return delta_check_tensors(delta->by_name, delta->ntensors, global, nglobal, err);
+    /* a set's shards are checked one by one as they arrive, before the index names the encoding */
+    if (info->cz.enc != CZ_NONE && delta->nfiles > 1)
+        return dl_fail(err, DL_E_UNSUPPORTED_DTYPE, NULL, 0,
+                       "a compressed delta (encoding %s) is one file: sharded compressed deltas are not taken",
+                       cz_encoding_name(info->cz.enc));
+    return delta_check_tensors(delta->by_name, delta->ntensors, global, nglobal, &info->cz, err);
 }
 
 /* Whether any of n lanes has an all-ones exponent: a branch-free OR the compiler vectorises, in an
@@ -561,53 +649,127 @@ int64_t delta_find_non_finite(st_dtype dt, const void *data, size_t nelem)
     return -1;
 }
 
-/* Every value of every tensor of f is finite (NaN and Inf are refused with the element named). */
-static int scan_finite(const st_file *f, dl_error *err)
+const st_tensor *delta_scales_of(const st_header *h, const st_tensor *t)
 {
-    unsigned char *buf = malloc((size_t)CHUNK_ELEMS * 8);
-    int rc = 0;
+    char *buf = malloc(t->name_len + CZ_SCALES_SUFFIX_LEN + 1);
+    const st_tensor *sc;
 
     if (buf == NULL)
-        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        return NULL;
+    memcpy(buf, t->name, t->name_len);
+    memcpy(buf + t->name_len, CZ_SCALES_SUFFIX, CZ_SCALES_SUFFIX_LEN + 1);
+    sc = st_header_find(h, buf, t->name_len + CZ_SCALES_SUFFIX_LEN);
+    free(buf);
+    return sc;
+}
+
+void delta_scales_range(const cz_spec *cz, uint64_t first, uint64_t n, uint64_t *off, uint64_t *len)
+{
+    const uint64_t b0 = first / cz->block, b1 = (first + n + cz->block - 1) / cz->block;
+    const uint64_t size = st_dtype_bits(cz_scale_dtype(cz->enc)) / 8;
+
+    *off = b0 * size;
+    *len = (b1 - b0) * size;
+}
+
+uint64_t delta_ck_compressed(const ck_key *key, uint32_t mt, const cz_spec *cz, uint64_t first, const void *codes,
+                             const void *scales, uint64_t n)
+{
+    const st_dtype cd = cz_code_dtype(cz->enc), sd = cz_scale_dtype(cz->enc);
+    const uint64_t per = CK_BLOCK_ELEMS / cz->block;        /* scales per checksum block of values */
+
+    return ck_blocks_of(key, mt, cd, first, codes, n, st_dtype_bits(cd), CK_BLOCK_ELEMS) +
+           ck_blocks_of(key, CK_SCALES_OF(mt), sd, first / cz->block, scales, cz_nscales(n, cz->block),
+                        st_dtype_bits(sd), per);
+}
+
+int delta_decode_checked(const cz_spec *cz, const st_tensor *t, const void *codes, const void *scales,
+                         uint64_t first, float *out, size_t n, delta_norm *norm, delta_norm_block *nb, dl_error *err)
+{
+    int64_t bad = cz_decode(cz, codes, scales, first, out, n);
+
+    if (bad >= 0)
+        return dl_fail(err, DL_E_NON_FINITE, t->name, t->name_len,
+                       "delta tensor's %s codes decode to a non-finite value (NaN or Inf) at element %llu: a NaN "
+                       "code or scale, a negative scale, or a scale that overflows",
+                       cz_encoding_name(cz->enc), (unsigned long long)(first + (uint64_t)bad));
+    if (norm != NULL)
+        delta_norm_feed(norm, nb, ST_F32, out, n);
+    return 0;
+}
+
+/* Every value of every tensor of f is finite (NaN and Inf are refused with the element named); a
+ * compressed key's values as they decode (its scales are read with its codes). */
+static int scan_finite(const st_file *f, const cz_spec *cz, dl_error *err)
+{
+    unsigned char *buf = malloc((size_t)CHUNK_ELEMS * 8), *scales = malloc((size_t)CHUNK_ELEMS * 4 / CZ_BLOCK_MIN + 4);
+    float *out = malloc((size_t)CHUNK_ELEMS * sizeof(float));
+    int rc = 0;
+
+    if (buf == NULL || scales == NULL || out == NULL)
+        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     for (size_t i = 0; i < f->h->ntensors && rc == 0; i++) {
-        const st_tensor *t = &f->h->tensors[i];
-        size_t esize = st_dtype_bits(t->dtype) / 8;
-        for (uint64_t e = 0; e < t->nelem; e += CHUNK_ELEMS) {
-            size_t n = (size_t)(t->nelem - e < CHUNK_ELEMS ? t->nelem - e : CHUNK_ELEMS);
-            int64_t bad;
-            if ((rc = st_read(f, t, e * esize, buf, n * esize, err)) != 0)
-                break;
-            if ((bad = delta_find_non_finite(t->dtype, buf, n)) >= 0) {
-                rc = dl_fail(err, DL_E_NON_FINITE, t->name, t->name_len,
-                             "delta tensor holds a non-finite value (NaN or Inf) at element %llu",
-                             (unsigned long long)(e + (uint64_t)bad));
+        const st_tensor *t = &f->h->tensors[i], *sc = NULL;
+        if (!delta_plain_dtype(t->dtype)) {
+            if (cz->enc == CZ_NONE || t->dtype != cz_code_dtype(cz->enc))
+                continue;               /* scales: read with their codes */
+            if ((sc = delta_scales_of(f->h, t)) == NULL) {
+                rc = dl_fail(err, DL_E_KEY_MISMATCH, t->name, t->name_len, "the codes' scales are missing");
                 break;
             }
         }
+        size_t esize = st_dtype_bits(t->dtype) / 8;
+        for (uint64_t e = 0; e < t->nelem && rc == 0; e += CHUNK_ELEMS) {
+            size_t n = (size_t)(t->nelem - e < CHUNK_ELEMS ? t->nelem - e : CHUNK_ELEMS);
+            int64_t bad;
+            if (sc != NULL) {
+                uint64_t soff, slen;
+                delta_scales_range(cz, e, n, &soff, &slen);
+                if ((rc = st_read(f, t, cz_code_bytes(cz->enc, e), buf, (size_t)cz_code_bytes(cz->enc, n), err)) != 0 ||
+                    (rc = st_read(f, sc, soff, scales, (size_t)slen, err)) != 0)
+                    break;
+                rc = delta_decode_checked(cz, t, buf, scales, e, out, n, NULL, NULL, err);
+                continue;
+            }
+            if ((rc = st_read(f, t, e * esize, buf, n * esize, err)) != 0)
+                break;
+            if ((bad = delta_find_non_finite(t->dtype, buf, n)) >= 0)
+                rc = dl_fail(err, DL_E_NON_FINITE, t->name, t->name_len,
+                             "delta tensor holds a non-finite value (NaN or Inf) at element %llu",
+                             (unsigned long long)(e + (uint64_t)bad));
+        }
     }
     free(buf);
+    free(scales);
+    free(out);
     return rc;
 }
 
 int delta_validate(const st_file *delta, const st_header *global, const char *path, delta_info *info,
                    dl_error *err)
 {
+    delta_info local;
     int rc;
 
+    if (info == NULL)
+        info = &local;
     if ((rc = delta_check_header(delta->h, global, path, info, err)) != 0)
         return rc;
-    return scan_finite(delta, err);
+    return scan_finite(delta, &info->cz, err);
 }
 
 int delta_validate_set(const st_set *delta, const st_tensor *const *global, size_t nglobal, const char *path,
                        delta_info *info, dl_error *err)
 {
+    delta_info local;
     int rc;
 
+    if (info == NULL)
+        info = &local;
     if ((rc = delta_check_set_header(delta, global, nglobal, path, info, err)) != 0)
         return rc;
     for (size_t f = 0; f < delta->nfiles && rc == 0; f++)
-        rc = scan_finite(delta->files[f], err);
+        rc = scan_finite(delta->files[f], &info->cz, err);
     return rc;
 }
 
@@ -648,6 +810,33 @@ static void bufs_free(chunk_bufs *c)
     free(c->b);
 }
 
+int delta_check_pair(const st_set *fb, const st_set *fc, dl_error *err)
+{
+    /* exact key-set and shape equality over the whole state */
+    if (fb->ntensors != fc->ntensors)
+        return dl_fail(err, DL_E_KEY_MISMATCH, NULL, 0, "baseline has %zu tensors, current has %zu", fb->ntensors,
+                       fc->ntensors);
+    for (size_t i = 0; i < fb->ntensors; i++) {
+        const st_tensor *b = fb->by_name[i];
+        const st_tensor *c = st_set_find(fc, b->name, b->name_len, NULL);
+        if (c == NULL)
+            return dl_fail(err, DL_E_KEY_MISMATCH, b->name, b->name_len, "current model lacks this key");
+        if (!same_shape(b, c))
+            return shape_mismatch(err, b, c, "current tensor");
+        if (st_dtype_is_floating(b->dtype) != st_dtype_is_floating(c->dtype) ||
+            (b->dtype == ST_C64) != (c->dtype == ST_C64))
+            return dl_fail(err, DL_E_DTYPE_MISMATCH, b->name, b->name_len, "baseline is %s, current is %s",
+                           st_dtype_name(b->dtype), st_dtype_name(c->dtype));
+    }
+    return 0;
+}
+
+int delta_read_f32(const st_set *s, uint32_t file, const st_tensor *t, uint64_t e, size_t n, void *raw, float *out,
+                   dl_error *err)
+{
+    return read_f32(s, file, t, e, n, raw, out, err);
+}
+
 int delta_compute_set(const char *baseline, const char *current, const char *out, const char *node_id,
                       uint64_t base_outer_step, uint64_t local_step, uint64_t shard_size, dl_error *err)
 {
@@ -665,32 +854,9 @@ int delta_compute_set(const char *baseline, const char *current, const char *out
         return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "invalid node id \"%.64s\"", node_id);
     if (base_outer_step > DELTA_INT_MAX || local_step > DELTA_INT_MAX)
         return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "step out of range");
-    if ((rc = st_set_open(baseline, &fb, err)) != 0 || (rc = st_set_open(current, &fc, err)) != 0)
+    if ((rc = st_set_open(baseline, &fb, err)) != 0 || (rc = st_set_open(current, &fc, err)) != 0 ||
+        (rc = delta_check_pair(fb, fc, err)) != 0)
         goto out;
-    /* exact key-set and shape equality over the whole state */
-    if (fb->ntensors != fc->ntensors) {
-        rc = dl_fail(err, DL_E_KEY_MISMATCH, NULL, 0, "baseline has %zu tensors, current has %zu", fb->ntensors,
-                     fc->ntensors);
-        goto out;
-    }
-    for (size_t i = 0; i < fb->ntensors; i++) {
-        const st_tensor *b = fb->by_name[i];
-        const st_tensor *c = st_set_find(fc, b->name, b->name_len, NULL);
-        if (c == NULL) {
-            rc = dl_fail(err, DL_E_KEY_MISMATCH, b->name, b->name_len, "current model lacks this key");
-            goto out;
-        }
-        if (!same_shape(b, c)) {
-            rc = shape_mismatch(err, b, c, "current tensor");
-            goto out;
-        }
-        if (st_dtype_is_floating(b->dtype) != st_dtype_is_floating(c->dtype) ||
-            (b->dtype == ST_C64) != (c->dtype == ST_C64)) {
-            rc = dl_fail(err, DL_E_DTYPE_MISMATCH, b->name, b->name_len, "baseline is %s, current is %s",
-                         st_dtype_name(b->dtype), st_dtype_name(c->dtype));
-            goto out;
-        }
-    }
     /* the floating keys in the baseline's save order (a set's index order; name order for a file),
      * so a sharded delta splits where huggingface_hub would split the same state dict */
     keys = malloc((fb->ntensors ? fb->ntensors : 1) * sizeof(*keys));

@@ -18,6 +18,9 @@
 
 #include <cJSON.h>
 
+#include "checksum.h"
+#include "compress.h"
+#include "delta_norm.h"
 #include "dl_error.h"
 #include "safetensors.h"
 #include "st_index.h"
@@ -60,6 +63,7 @@ typedef struct delta_info {
     double norm;
     int has_norm;
     delta_metrics metrics;
+    cz_spec cz;                 /* its encoding (compress.h): CZ_NONE for a plain delta */
 } delta_info;
 
 /* [A-Za-z0-9_]{1,DELTA_METRIC_NAME_MAX}: the <name> of a metric.<name> key. */
@@ -105,9 +109,11 @@ int delta_check_header(const st_header *delta, const st_header *global, const ch
  * SINGLE or INDEX delta path.  Fills info when non-NULL. */
 int delta_check_meta(const st_meta *meta, size_t nmeta, const char *path, delta_info *info, dl_error *err);
 /* The tensors' rules: delta (nd tensors in name order) holds exactly the floating keys of global (ng
- * tensors in name order, all of the model's), with the same shapes and delta dtypes. */
+ * tensors in name order, all of the model's), with the same shapes and delta dtypes; with an encoding
+ * (cz not NULL nor CZ_NONE), a key may hold codes instead, and then its scales tensor (compress.h) is
+ * there too, each scales tensor belonging to a key with codes. */
 int delta_check_tensors(const st_tensor *const *delta, size_t nd, const st_tensor *const *global, size_t ng,
-                        dl_error *err);
+                        const cz_spec *cz, dl_error *err);
 /* A header's tensors in name order (malloc'd array to free()), for the two functions above. */
 int delta_header_by_name(const st_header *h, const st_tensor ***out, dl_error *err);
 /* One shard of a delta set, on its own (as it arrives, before the others and the index): every
@@ -119,6 +125,25 @@ int delta_check_shard_header(const st_header *shard, const st_tensor *const *glo
  * takes a one-file st_set (st_set_wrap), with the file's metadata. */
 int delta_check_set_header(const st_set *delta, const st_tensor *const *global, size_t nglobal, const char *path,
                            delta_info *info, dl_error *err);
+/* Whether dt is a plain delta dtype (F32, F16, BF16, C64), whose values are read as they are stored;
+ * the other tensors of a valid delta are a compressed key's codes or scales. */
+static inline int delta_plain_dtype(st_dtype dt) { return dt == ST_F32 || dt == ST_F16 || dt == ST_BF16 || dt == ST_C64; }
+/* The scales tensor of codes tensor t in h (compress.h), or NULL. */
+const st_tensor *delta_scales_of(const st_header *h, const st_tensor *t);
+/* Decodes n values of codes tensor t from value first (a multiple of the block) into out: codes and
+ * scales are the bytes of that range (cz_decode); a value that does not decode to a finite F32 is
+ * refused with the element named; the values are fed to norm's block nb when norm is not NULL. */
+int delta_decode_checked(const cz_spec *cz, const st_tensor *t, const void *codes, const void *scales,
+                         uint64_t first, float *out, size_t n, delta_norm *norm, delta_norm_block *nb, dl_error *err);
+/* The checksum terms (checksum.h) of values [first, first + n) of a compressed key, the model's tensor
+ * mt: its codes' blocks of CK_BLOCK_ELEMS values, and its scales' blocks (the scales of each
+ * CK_BLOCK_ELEMS values, as tensor CK_SCALES_OF(mt)); first a multiple of CK_BLOCK_ELEMS, n too unless
+ * the range ends the tensor.  codes and scales as read for the range (delta_scales_range). */
+uint64_t delta_ck_compressed(const ck_key *key, uint32_t mt, const cz_spec *cz, uint64_t first, const void *codes,
+                             const void *scales, uint64_t n);
+/* The bytes of scales for values [first, first + n) of a tensor of nelem values: from byte
+ * *off on, *len bytes (first a multiple of the block). */
+void delta_scales_range(const cz_spec *cz, uint64_t first, uint64_t n, uint64_t *off, uint64_t *len);
 /* Index of the first non-finite lane in n elements of dt (F32, F16, BF16, C64), or -1 if none. */
 int64_t delta_find_non_finite(st_dtype dt, const void *data, size_t nelem);
 /* delta_check_header plus a full scan of the data for NaN/Inf. */
@@ -134,6 +159,19 @@ int delta_validate_set(const st_set *delta, const st_tensor *const *global, size
  * (st_set_writer_open), split in the baseline's save order. */
 int delta_compute_set(const char *baseline, const char *current, const char *out, const char *node_id,
                       uint64_t base_outer_step, uint64_t local_step, uint64_t shard_size, dl_error *err);
+/* The rules of a baseline and current pair: the same keys and shapes, floating where the other is. */
+int delta_check_pair(const st_set *fb, const st_set *fc, dl_error *err);
+/* n elements of t (in file `file` of s) from element e on, decoded to F32 lanes in out (raw: 8 bytes
+ * per element of room). */
+int delta_read_f32(const st_set *s, uint32_t file, const st_tensor *t, uint64_t e, size_t n, void *raw, float *out,
+                   dl_error *err);
+/* delta_compute_set encoded (compress.h) with error feedback: e = (baseline - current) + R, q =
+ * encode(e), R = e - decode(q), R read from residual (zero when the file does not exist) and written
+ * back there; out is one file.  A key the encoding cannot hold (C64; an odd count for mxfp4) goes in
+ * plain F32 (its residual stays 0).  out and residual are each written atomically, out first. */
+int delta_compute_encoded(const char *baseline, const char *current, const char *out, const char *node_id,
+                          uint64_t base_outer_step, uint64_t local_step, const cz_spec *cz, const char *residual,
+                          dl_error *err);
 /* delta_compute_set that never shards. */
 int delta_compute(const char *baseline, const char *current, const char *out, const char *node_id,
                   uint64_t base_outer_step, uint64_t local_step, dl_error *err);

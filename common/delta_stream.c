@@ -31,6 +31,15 @@ static int scan_data(delta_stream *s, const unsigned char *p, size_t n, dl_error
         uint64_t in_tensor = t->end - data_pos;
         size_t take = n < in_tensor ? n : (size_t)in_tensor;
         size_t i = 0;
+        if (!delta_plain_dtype(t->dtype)) {
+            /* a compressed key's codes or scales: decoded together once the file is whole
+             * (delta_stream_finish leaves the norm to that check) */
+            p += take;
+            n -= take;
+            s->pos += take;
+            data_pos += take;
+            continue;
+        }
         /* complete an element split by the previous feed */
         if (s->carry_len > 0) {
             size_t need = esize - s->carry_len;
@@ -219,7 +228,9 @@ int delta_stream_finish(delta_stream *s, dl_error *err)
                        " bytes, the body had %" PRIu64,
                        s->file_len, s->pos);
     delta_norm_flush(&s->norm, &s->norm_block);
-    s->info.norm = sqrt(delta_norm_sumsq(&s->norm));
-    s->info.has_norm = 1;
+    if (s->info.cz.enc == CZ_NONE) {
+        s->info.norm = sqrt(delta_norm_sumsq(&s->norm));
+        s->info.has_norm = 1;
+    }
     return 0;
 }

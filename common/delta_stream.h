@@ -51,7 +51,9 @@ int delta_stream_parse_header(delta_stream *s, dl_error *err);
 /* The same parse without the rules of a whole delta (metadata, every key): for one shard of a set,
  * which the caller checks on its own (delta_check_shard_header). */
 int delta_stream_parse_header_only(delta_stream *s, dl_error *err);
-/* After the last byte: the file must be exactly as long as its header says. */
+/* After the last byte: the file must be exactly as long as its header says.  A compressed delta's codes
+ * and scales are not checked here (they stream by in any order): the caller decodes them from the file
+ * (delta_check_compressed_fd), merging norm (the plain keys' sums) with theirs. */
 int delta_stream_finish(delta_stream *s, dl_error *err);
 void delta_stream_free(delta_stream *s);
 

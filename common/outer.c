@@ -39,19 +39,49 @@ static int same_shape(const st_tensor *a, const st_tensor *b)
     return a->ndim == b->ndim && (a->ndim == 0 || memcmp(a->shape, b->shape, a->ndim * sizeof(uint64_t)) == 0);
 }
 
+static int bind_deltas(outer_pass *p, size_t *nscales, dl_error *err);
+
 /* Matches every delta (and the momentum file) against the global's floating tensors. */
 static int bind_tensors(outer_pass *p, dl_error *err)
 {
     const st_header *g = p->global->h;
-    size_t nfloat = 0;
 
     p->delta_t = calloc(g->ntensors * p->ndeltas + 1, sizeof(*p->delta_t));
     p->delta_f = calloc(g->ntensors * p->ndeltas + 1, sizeof(*p->delta_f));
+    p->delta_s = calloc(g->ntensors * p->ndeltas + 1, sizeof(*p->delta_s));
+    p->delta_cz = calloc(p->ndeltas + 1, sizeof(*p->delta_cz));
+    size_t *nscales = calloc(p->ndeltas + 1, sizeof(*nscales));
     p->mom_t = calloc(g->ntensors + 1, sizeof(*p->mom_t));
     p->mom_spec = calloc(g->ntensors + 1, sizeof(*p->mom_spec));
     p->acc_t = calloc(g->ntensors + 1, sizeof(*p->acc_t));
-    if (p->delta_t == NULL || p->delta_f == NULL || p->mom_t == NULL || p->mom_spec == NULL || p->acc_t == NULL)
+    if (p->delta_t == NULL || p->delta_f == NULL || p->delta_s == NULL || p->delta_cz == NULL || nscales == NULL ||
+        p->mom_t == NULL || p->mom_spec == NULL || p->acc_t == NULL) {
+        free(nscales);
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    }
+    int rc = bind_deltas(p, nscales, err);
+    free(nscales);
+    return rc;
+}
+
+/* bind_tensors for the deltas, the momentum and the accumulator; nscales[k]: delta k's scales tensors. */
+static int bind_deltas(outer_pass *p, size_t *nscales, dl_error *err)
+{
+    const st_header *g = p->global->h;
+    size_t nfloat = 0;
+
+    /* each delta's encoding, read from the metadata of the file the pass opened (its intake checked it) */
+    for (size_t k = 0; k < p->ndeltas; k++) {
+        const st_meta *meta;
+        size_t nmeta;
+        st_set_metadata(p->deltas[k], &meta, &nmeta);
+        int rc = cz_spec_from_meta(meta, nmeta, &p->delta_cz[k], err);
+        if (rc != 0)
+            return rc;
+        if (p->delta_cz[k].enc != CZ_NONE && p->deltas[k]->nfiles != 1)
+            return dl_fail(err, DL_E_UNSUPPORTED_DTYPE, NULL, 0, "%s: a compressed delta is one file",
+                           p->delta_paths[k]);
+    }
     for (size_t ti = 0; ti < g->ntensors; ti++) {
         const st_tensor *t = &g->tensors[ti];
         if (!st_dtype_is_floating(t->dtype))
@@ -66,11 +96,22 @@ static int bind_tensors(outer_pass *p, dl_error *err)
             const st_tensor *d = st_set_find(p->deltas[k], t->name, t->name_len, &file);
             if (d == NULL)
                 return dl_fail(err, DL_E_KEY_MISMATCH, t->name, t->name_len, "%s lacks this key", p->delta_paths[k]);
-            if (!same_shape(t, d) || !delta_dtype_ok(t->dtype, d->dtype))
+            const cz_spec *cz = &p->delta_cz[k];
+            const st_tensor *sc = NULL;
+            if (cz->enc != CZ_NONE && t->dtype != ST_C64 && d->dtype == cz_code_dtype(cz->enc)) {
+                sc = delta_scales_of(p->deltas[k]->files[file]->h, d);
+                if (sc == NULL || sc->dtype != cz_scale_dtype(cz->enc) || sc->ndim != 1 ||
+                    sc->shape[0] != cz_nscales(d->nelem, cz->block))
+                    return dl_fail(err, DL_E_KEY_MISMATCH, t->name, t->name_len, "%s: the key's scales do not match it",
+                                   p->delta_paths[k]);
+                nscales[k]++;
+            }
+            if (!same_shape(t, d) || (sc == NULL && !delta_dtype_ok(t->dtype, d->dtype)))
                 return dl_fail(err, DL_E_SHAPE_MISMATCH, t->name, t->name_len,
                                "%s: tensor does not match the global model", p->delta_paths[k]);
             p->delta_t[ti * p->ndeltas + k] = d;
             p->delta_f[ti * p->ndeltas + k] = p->deltas[k]->files[file];
+            p->delta_s[ti * p->ndeltas + k] = sc;
         }
         if (p->momentum != NULL) {
             const st_tensor *m = st_header_find(p->momentum->h, t->name, t->name_len);
@@ -88,9 +129,10 @@ static int bind_tensors(outer_pass *p, dl_error *err)
         }
     }
     for (size_t k = 0; k < p->ndeltas; k++) {
-        if (p->deltas[k]->ntensors != nfloat)
-            return dl_fail(err, DL_E_KEY_MISMATCH, NULL, 0, "%s has %zu tensors, the global model %zu floating ones",
-                           p->delta_paths[k], p->deltas[k]->ntensors, nfloat);
+        if (p->deltas[k]->ntensors != nfloat + nscales[k])
+            return dl_fail(err, DL_E_KEY_MISMATCH, NULL, 0,
+                           "%s has %zu tensors, the global model %zu floating ones (and %zu compressed keys' scales)",
+                           p->delta_paths[k], p->deltas[k]->ntensors, nfloat, nscales[k]);
     }
     if (p->momentum != NULL && p->momentum->h->ntensors != nfloat)
         return dl_fail(err, DL_E_KEY_MISMATCH, NULL, 0, "momentum file %s has %zu tensors, expected %zu",
@@ -190,7 +232,8 @@ static void plan_items(outer_pass *p)
         if (st_dtype_is_floating(t->dtype)) {
             uint64_t mb = t->nelem * cv_lanes(t->dtype) * 4;
             for (size_t k = 0; k < p->ndeltas; k++)
-                p->bytes_total += st_tensor_bytes(p->delta_t[ti * p->ndeltas + k]);
+                p->bytes_total += st_tensor_bytes(p->delta_t[ti * p->ndeltas + k]) +
+                                  (p->delta_s[ti * p->ndeltas + k] ? st_tensor_bytes(p->delta_s[ti * p->ndeltas + k]) : 0);
             if (p->mom_t[ti] != NULL)
                 p->bytes_total += mb;
             if (p->w_momentum != NULL)
@@ -376,6 +419,43 @@ static int read_lanes(const outer_pass *p, size_t ti, const st_file *f, const st
     if (cv_decode(t->dtype, raw, out, n) != 0)
         return dl_fail(err, DL_E_UNSUPPORTED_DTYPE, t->name, t->name_len, "cannot decode %s", st_dtype_name(t->dtype));
     return 0;
+}
+
+/* n values of delta k's compressed key (the model's tensor ti) from value e on, decoded into out: its
+ * codes into raw, its scales after them (raw holds SUB_ELEMS * 8 bytes); the checksum terms of both
+ * added to *sum.  A value that decodes to NaN or Inf (the file changed since its intake checked it)
+ * goes into the step, whose output check refuses it, while the checksum names the change. */
+static int read_codes(const outer_pass *p, size_t ti, size_t k, uint64_t e, size_t n, unsigned char *raw, float *out,
+                      uint64_t *sum, dl_error *err)
+{
+    const size_t at = ti * p->ndeltas + k;
+    const cz_spec *cz = &p->delta_cz[k];
+    const st_file *f = p->delta_f[at];
+    unsigned char *scales = raw + SUB_ELEMS;
+    uint64_t soff, slen;
+    int rc;
+
+    delta_scales_range(cz, e, n, &soff, &slen);
+    if ((rc = st_read(f, p->delta_t[at], cz_code_bytes(cz->enc, e), raw, (size_t)cz_code_bytes(cz->enc, n), err)) != 0 ||
+        (rc = st_read(f, p->delta_s[at], soff, scales, (size_t)slen, err)) != 0)
+        return rc;
+    if (p->ck != NULL && sum != NULL)
+        *sum += delta_ck_compressed(p->ck, (uint32_t)ti, cz, e, raw, scales, n);
+    (void)cz_decode(cz, raw, scales, e, out, n);
+    return 0;
+}
+
+/* The bytes read for n values of delta k's tensor of the model's tensor ti. */
+static uint64_t delta_bytes_of(const outer_pass *p, size_t ti, size_t k, size_t n)
+{
+    const size_t at = ti * p->ndeltas + k;
+    const cz_spec *cz = &p->delta_cz[k];
+    uint64_t soff, slen;
+
+    if (p->delta_s[at] == NULL)
+        return (uint64_t)n * (st_dtype_bits(p->delta_t[at]->dtype) / 8);
+    delta_scales_range(cz, 0, n, &soff, &slen);
+    return cz_code_bytes(cz->enc, n) + slen;
 }
 
 /* Sums in double over 8 independent lanes, so the compiler vectorises them without reassociating a
@@ -900,12 +980,16 @@ static __attribute__((noinline)) int step_item(outer_pass *p, const outer_item *
             if (b->maps[k].base != NULL) {
                 b->dk[k] = b->maps[k].lanes + s * lanes;
                 sum_in(p, ti, dt->dtype, e, b->dk[k], sn, dsum);
+            } else if (p->delta_s[ti * nd + k] != NULL) {
+                if ((rc = read_codes(p, ti, k, e, sn, b->sub_raw, b->d + k * sub * 2, dsum, err)) != 0)
+                    return rc;
+                b->dk[k] = b->d + k * sub * 2;
             } else {
                 if ((rc = read_lanes(p, ti, df, dt, e, sn, b->sub_raw, b->d + k * sub * 2, dsum, err)) != 0)
                     return rc;
                 b->dk[k] = b->d + k * sub * 2;
             }
-            *bytes += sn * (st_dtype_bits(dt->dtype) / 8);
+            *bytes += delta_bytes_of(p, ti, k, sn);
         }
         if (mom && mt != NULL &&
             (rc = state_lanes(p, ti, p->momentum, mt, &b->mmap, s, e, sn, io.buf, msum, &io.buf_in, err)) != 0)
@@ -1255,6 +1339,10 @@ int outer_finish(outer_pass *p, dl_error *err)
     free(p->deltas);
     free(p->delta_t);
     free(p->delta_f);
+    free(p->delta_s);
+    free(p->delta_cz);
+    p->delta_s = NULL;
+    p->delta_cz = NULL;
     free(p->mom_t);
     free(p->mom_spec);
     free(p->items);

@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "checksum.h"
+#include "compress.h"
 #include "dl_error.h"
 #include "safetensors.h"
 
@@ -94,6 +95,8 @@ typedef struct outer_pass {
     struct st_set **deltas;     /* one file or a set each */
     const st_tensor **delta_t;  /* [item tensor][node]: the delta tensor for each global tensor */
     const st_file **delta_f;    /* [item tensor][node]: the file (of its set) that holds it */
+    const st_tensor **delta_s;  /* [item tensor][node]: a compressed key's scales (in the same file), or NULL */
+    cz_spec *delta_cz;          /* [node]: each delta's encoding, from its own metadata (compress.h) */
     const st_tensor **mom_t;    /* [tensor]: momentum tensor or NULL */
     size_t *mom_spec;           /* [tensor]: index into the momentum writer's specs (the accumulator's too) */
     const st_tensor **acc_t;    /* [tensor]: accumulator tensor or NULL */

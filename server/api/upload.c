@@ -16,6 +16,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -524,6 +525,14 @@ static void finalize_work(pool_job *j)
     finalize_args *a = j->arg;
     upload *u = a->u;
 
+    /* a compressed delta's codes decode with their scales, which the stream saw apart: read back from
+     * our own file (nobody else writes it) */
+    if (u->ds.info.cz.enc != CZ_NONE) {
+        if ((a->st = intake_check_codes(u->ds.global, u->fd, u->ds.h, &u->ds.info, &u->ds.norm, &j->err)) != INTAKE_OK)
+            return;
+        u->ds.info.norm = sqrt(delta_norm_sumsq(&u->ds.norm));
+        u->ds.info.has_norm = 1;
+    }
     if (fsync(u->fd) != 0) {
         dl_fail_errno(&j->err, errno, "fsync of the upload");
         a->st = INTAKE_IO;
@@ -812,7 +821,7 @@ int upload_start_open(upload *u)
     if (u->stage != NULL && !u->stage->dir_made)
         rc = uv_fs_mkdir(daemon_loop(u->d), &u->open_req, u->stage->dir, 0755, mkdir_cb);
     else
-        rc = uv_fs_open(daemon_loop(u->d), &u->open_req, u->tmp_path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644,
+        rc = uv_fs_open(daemon_loop(u->d), &u->open_req, u->tmp_path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644,
                         open_cb);
     if (rc != 0)
         u->opening = 0;

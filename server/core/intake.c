@@ -75,59 +75,147 @@ static uint32_t model_index(const intake_req *r, const st_tensor *t)
     return g != NULL ? (uint32_t)(g - r->global->tensors) : UINT32_MAX;
 }
 
-/* Streams the data section from src to dst (both at data_start) tensor by tensor, checking finite
- * values; dst < 0 only checks (a file that is linked, not copied), and then adds the data's checksum to
- * r->ident (a linked file stays its writer's: the pass verifies what was checked).  Returns INTAKE_OK or
- * the failure. */
-static intake_status copy_checked(intake_req *r, int src, int dst, const st_header *h, uint64_t data_start)
+/* Reads len bytes at off of src into buf: 0, or the failure's status (a file that shrank is being
+ * rewritten: INTAKE_INCOMPLETE). */
+static intake_status read_at(intake_req *r, int src, void *buf, uint64_t len, uint64_t off)
 {
-    unsigned char *buf = malloc(COPY_CHUNK);
+    int rc = fsu_pread_all(src, buf, (size_t)len, off);
+    if (rc == -ENODATA) {
+        dl_fail(&r->err, DL_E_METADATA_INCOMPLETE_BUFFER, NULL, 0, "file shrank while being read");
+        return INTAKE_INCOMPLETE;
+    }
+    return rc != 0 ? intake__io_fail(r, -rc, "reading the delta") : INTAKE_OK;
+}
+
+static intake_status write_at(intake_req *r, int dst, const void *buf, uint64_t len, uint64_t off)
+{
+    int rc = dst >= 0 ? fsu_pwrite_all(dst, buf, (size_t)len, off) : 0;
+    return rc != 0 ? intake__io_fail(r, -rc, "writing the cache copy") : INTAKE_OK;
+}
+
+/* The buffers of copy_checked: a chunk of a tensor's data, and for a compressed key its scales and its
+ * decoded values. */
+typedef struct copy_bufs {
+    unsigned char *data, *scales;
+    float *values;
+} copy_bufs;
+
+/* A compressed key t (codes; its scales sc) chunk by chunk, both read once: decoded and checked
+ * finite, its values' norm, the checksum terms of what was read, copied to dst when dst >= 0. */
+static intake_status copy_compressed(intake_req *r, int src, int dst, const st_tensor *t, const st_tensor *sc,
+                                     uint64_t data_start, const copy_bufs *cb, uint64_t *sum)
+{
+    const cz_spec *cz = &r->info.cz;
+    const uint64_t per = COPY_CHUNK / sizeof(float);    /* values: a multiple of CK_BLOCK_ELEMS */
+    const uint32_t mt = model_index(r, t);
+    delta_norm_block nb = {{0}, 0};
+    intake_status st = INTAKE_OK;
+
+    for (uint64_t e = 0; e < t->nelem && st == INTAKE_OK; e += per) {
+        uint64_t n = t->nelem - e < per ? t->nelem - e : per, soff, slen;
+        uint64_t coff = data_start + t->begin + cz_code_bytes(cz->enc, e), clen = cz_code_bytes(cz->enc, n);
+        delta_scales_range(cz, e, n, &soff, &slen);
+        soff += data_start + sc->begin;
+        if ((st = read_at(r, src, cb->data, clen, coff)) != INTAKE_OK ||
+            (st = read_at(r, src, cb->scales, slen, soff)) != INTAKE_OK)
+            break;
+        if (delta_decode_checked(cz, t, cb->data, cb->scales, e, cb->values, (size_t)n, &r->norm, &nb, &r->err) != 0)
+            return INTAKE_INVALID;
+        if (dst < 0 && r->ck != NULL)
+            *sum += delta_ck_compressed(r->ck, mt, cz, e, cb->data, cb->scales, n);
+        if ((st = write_at(r, dst, cb->data, clen, coff)) == INTAKE_OK)
+            st = write_at(r, dst, cb->scales, slen, soff);
+    }
+    delta_norm_flush(&r->norm, &nb);
+    return st;
+}
+
+/* A plain delta tensor t chunk by chunk: checked finite, its norm, its checksum terms (dst < 0), copied
+ * to dst when dst >= 0. */
+static intake_status copy_plain(intake_req *r, int src, int dst, const st_tensor *t, uint64_t data_start,
+                                const copy_bufs *cb, uint64_t *sum)
+{
+    const size_t esize = st_dtype_bits(t->dtype) / 8;
+    const uint64_t per = COPY_CHUNK / esize;            /* a multiple of CK_BLOCK_ELEMS */
+    const uint32_t mt = model_index(r, t);
+    delta_norm_block nb = {{0}, 0};
+    intake_status st = INTAKE_OK;
+
+    for (uint64_t e = 0; e < t->nelem && st == INTAKE_OK; e += per) {
+        size_t n = (size_t)(t->nelem - e < per ? t->nelem - e : per);
+        uint64_t off = data_start + t->begin + e * esize;
+        if ((st = read_at(r, src, cb->data, n * esize, off)) != INTAKE_OK)
+            break;
+        int64_t bad = delta_find_non_finite(t->dtype, cb->data, n);
+        if (bad >= 0) {
+            dl_fail(&r->err, DL_E_NON_FINITE, t->name, t->name_len,
+                    "delta tensor holds a non-finite value (NaN or Inf) at element %" PRIu64, e + (uint64_t)bad);
+            return INTAKE_INVALID;
+        }
+        delta_norm_feed(&r->norm, &nb, t->dtype, cb->data, n);
+        if (dst < 0 && r->ck != NULL)
+            *sum += ck_blocks(r->ck, mt, t->dtype, e, cb->data, n, esize);
+        st = write_at(r, dst, cb->data, n * esize, off);
+    }
+    delta_norm_flush(&r->norm, &nb);
+    return st;
+}
+
+/* Streams the data section from src to dst (both at data_start) tensor by tensor, checking finite
+ * values (a compressed key's as they decode, its scales read with its codes); dst < 0 only checks (a
+ * file that is linked, not copied), and then adds the data's checksum to r->ident (a linked file stays
+ * its writer's: the pass verifies what was checked).  Returns INTAKE_OK or the failure. */
+static intake_status copy_tensors(intake_req *r, int src, int dst, const st_header *h, uint64_t data_start,
+                                  int codes_only)
+{
+    copy_bufs cb = {malloc(COPY_CHUNK), NULL, NULL};
     intake_status st = INTAKE_OK;
     uint64_t sum = 0;
 
-    if (buf == NULL)
-        return intake__io_fail(r, ENOMEM, "out of memory for the copy buffer");
+    if (r->info.cz.enc != CZ_NONE) {
+        cb.scales = malloc(COPY_CHUNK / sizeof(float) / CZ_BLOCK_MIN * 4 + 4);
+        cb.values = malloc(COPY_CHUNK);
+    }
+    if (cb.data == NULL || (r->info.cz.enc != CZ_NONE && (cb.scales == NULL || cb.values == NULL)))
+        st = intake__io_fail(r, ENOMEM, "out of memory for the copy buffer");
     for (size_t i = 0; i < h->ntensors && st == INTAKE_OK; i++) {
         const st_tensor *t = &h->tensors[i];
-        size_t esize = st_dtype_bits(t->dtype) / 8;       /* deltas are F32/F16/BF16/C64: whole bytes */
-        uint64_t per = COPY_CHUNK / esize;                /* a multiple of CK_BLOCK_ELEMS */
-        uint32_t mt = model_index(r, t);
-        delta_norm_block nb = {{0}, 0};
-        for (uint64_t e = 0; e < t->nelem; e += per) {
-            size_t n = (size_t)(t->nelem - e < per ? t->nelem - e : per);
-            uint64_t off = data_start + t->begin + e * esize;
-            int rc = fsu_pread_all(src, buf, n * esize, off);
-            if (rc == -ENODATA) {
-                st = INTAKE_INCOMPLETE;         /* it shrank: being rewritten */
-                dl_fail(&r->err, DL_E_METADATA_INCOMPLETE_BUFFER, NULL, 0, "file shrank while being read");
-                break;
-            }
-            if (rc != 0) {
-                st = intake__io_fail(r, -rc, "reading the delta");
-                break;
-            }
-            int64_t bad = delta_find_non_finite(t->dtype, buf, n);
-            if (bad >= 0) {
-                dl_fail(&r->err, DL_E_NON_FINITE, t->name, t->name_len,
-                        "delta tensor holds a non-finite value (NaN or Inf) at element %" PRIu64, e + (uint64_t)bad);
-                st = INTAKE_INVALID;
-                break;
-            }
-            delta_norm_feed(&r->norm, &nb, t->dtype, buf, n);
-            if (dst < 0 && r->ck != NULL)
-                sum += ck_blocks(r->ck, mt, t->dtype, e, buf, n, esize);
-            if (dst >= 0 && (rc = fsu_pwrite_all(dst, buf, n * esize, off)) != 0) {
-                st = intake__io_fail(r, -rc, "writing the cache copy");
-                break;
-            }
+        if (delta_plain_dtype(t->dtype)) {
+            if (!codes_only)
+                st = copy_plain(r, src, dst, t, data_start, &cb, &sum);
+        } else if (t->dtype == cz_code_dtype(r->info.cz.enc)) {
+            /* delta_check_header matched the scales to their codes */
+            const st_tensor *sc = delta_scales_of(h, t);
+            st = sc != NULL ? copy_compressed(r, src, dst, t, sc, data_start, &cb, &sum)
+                            : intake__io_fail(r, ENOMEM, "out of memory");
         }
-        delta_norm_flush(&r->norm, &nb);
+        /* else the scales of a compressed key: read with its codes */
     }
-    free(buf);
+    free(cb.data);
+    free(cb.scales);
+    free(cb.values);
     if (st == INTAKE_OK && dst < 0 && r->ck != NULL) {
         r->ident.sum = sum;
         r->ident.has_sum = 1;
     }
+    return st;
+}
+
+static intake_status copy_checked(intake_req *r, int src, int dst, const st_header *h, uint64_t data_start)
+{
+    return copy_tensors(r, src, dst, h, data_start, 0);
+}
+
+intake_status intake_check_codes(const st_header *global, int fd, const st_header *h, delta_info *info,
+                                 delta_norm *norm, dl_error *err)
+{
+    intake_req r = {.global = global, .info = *info, .norm = *norm};
+    intake_status st = copy_tensors(&r, fd, -1, h, 8 + h->header_len, 1);
+
+    if (st == INTAKE_OK)
+        *norm = r.norm;
+    else
+        *err = r.err;
     return st;
 }
 
@@ -444,6 +532,9 @@ static intake_status check_values(intake_req *r, int src, uint64_t size, const s
     pthread_t helper;
     int helped = 0;
 
+    /* a compressed key's codes decode with its scales, read together (copy_checked) */
+    if (r->info.cz.enc != CZ_NONE)
+        return copy_checked(r, src, -1, h, data_start);
     for (size_t i = 0; i < h->ntensors; i++) {
         const st_tensor *t = &h->tensors[i];
         size_t esize = st_dtype_bits(t->dtype) / 8;

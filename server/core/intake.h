@@ -98,6 +98,11 @@ extern uint64_t intake_split_min;
 uint64_t intake_delta_bytes(const st_header *global);
 uint64_t intake_set_budget(uint64_t delta_bytes, uint64_t max_header);
 void intake_run(intake_req *r);
+/* A compressed delta's codes in the file fd (header h, validated against global with info): each key
+ * decoded with its scales and checked finite, its values' sums added to norm.  For an upload, whose
+ * plain keys the stream checked (delta_stream.h).  INTAKE_OK, or the failure with err. */
+intake_status intake_check_codes(const st_header *global, int fd, const st_header *h, delta_info *info,
+                                 delta_norm *norm, dl_error *err);
 const char *intake_status_name(intake_status s);
 void intake_req_free(intake_req *r);
 /* Links a finished, fsynced temporary file into the cache under the delta's final name (never

@@ -1,0 +1,287 @@
+#include "compress.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <string.h>
+
+#include "delta.h"
+
+static const char *const enc_names[] = {"none", "int8_block", "mxfp8", "mxfp4"};
+
+const char *cz_encoding_name(cz_encoding enc)
+{
+    return (unsigned)enc < sizeof(enc_names) / sizeof(enc_names[0]) ? enc_names[enc] : "?";
+}
+
+int cz_encoding_parse(const char *s, size_t len, cz_encoding *out)
+{
+    for (unsigned i = CZ_INT8_BLOCK; i <= CZ_MXFP4; i++) {
+        if (strlen(enc_names[i]) == len && memcmp(enc_names[i], s, len) == 0) {
+            *out = (cz_encoding)i;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+int cz_spec_valid(const cz_spec *s)
+{
+    switch (s->enc) {
+    case CZ_NONE: return s->block == 0;
+    case CZ_INT8_BLOCK:
+        return s->block >= CZ_BLOCK_MIN && s->block <= CZ_BLOCK_MAX && (s->block & (s->block - 1)) == 0;
+    case CZ_MXFP8:
+    case CZ_MXFP4: return s->block == CZ_MX_BLOCK;
+    }
+    return 0;
+}
+
+static const st_meta *find_meta(const st_meta *meta, size_t n, const char *key)
+{
+    size_t kl = strlen(key);
+    for (size_t i = 0; i < n; i++)
+        if (meta[i].key_len == kl && memcmp(meta[i].key, key, kl) == 0)
+            return &meta[i];
+    return NULL;
+}
+
+int cz_spec_from_meta(const st_meta *meta, size_t nmeta, cz_spec *out, dl_error *err)
+{
+    const st_meta *enc = find_meta(meta, nmeta, "encoding"), *block = find_meta(meta, nmeta, "block");
+    uint64_t b = 0;
+
+    *out = (cz_spec){CZ_NONE, 0};
+    if (enc == NULL) {
+        if (block != NULL)
+            return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "delta metadata has block but no encoding");
+        return 0;
+    }
+    if (cz_encoding_parse(enc->value, enc->value_len, &out->enc) != 0)
+        return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
+                       "delta metadata encoding \"%.32s\" is not int8_block, mxfp8 or mxfp4", enc->value);
+    if (block == NULL)
+        return dl_fail(err, DL_E_METADATA_MISSING, NULL, 0, "delta metadata lacks \"block\" (encoding %s)",
+                       cz_encoding_name(out->enc));
+    if (delta_parse_int(block->value, block->value_len, &b) != 0 || b > CZ_BLOCK_MAX)
+        return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
+                       "delta metadata block \"%.32s\" is not a canonical integer up to %u", block->value,
+                       CZ_BLOCK_MAX);
+    out->block = (uint32_t)b;
+    if (!cz_spec_valid(out))
+        return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0,
+                       out->enc == CZ_INT8_BLOCK ? "delta metadata block %u: int8_block takes a power of two "
+                                                   "from 32 to 4096"
+                                                 : "delta metadata block %u: the mx formats take 32",
+                       out->block);
+    return 0;
+}
+
+st_dtype cz_code_dtype(cz_encoding enc)
+{
+    return enc == CZ_INT8_BLOCK ? ST_I8 : enc == CZ_MXFP8 ? ST_F8_E4M3 : ST_F4;
+}
+
+st_dtype cz_scale_dtype(cz_encoding enc)
+{
+    return enc == CZ_INT8_BLOCK ? ST_F32 : ST_F8_E8M0;
+}
+
+int cz_is_scales_name(const char *name, size_t len)
+{
+    return len > CZ_SCALES_SUFFIX_LEN &&
+           memcmp(name + len - CZ_SCALES_SUFFIX_LEN, CZ_SCALES_SUFFIX, CZ_SCALES_SUFFIX_LEN) == 0;
+}
+
+uint64_t cz_code_bytes(cz_encoding enc, uint64_t n)
+{
+    return enc == CZ_MXFP4 ? n / 2 : n;
+}
+
+/* ---- the element formats -------------------------------------------------------------------------- */
+
+static float e4m3_table[256], e2m1_table[16], e8m0_table[256];
+static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
+
+static void tables_build(void)
+{
+    for (unsigned b = 0; b < 256; b++) {
+        unsigned e = (b >> 3) & 15, m = b & 7;
+        float v = e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 | m), (int)e - 10);
+        if ((b & 0x7f) == 0x7f)
+            v = NAN;
+        e4m3_table[b] = b & 0x80 ? -v : v;
+        e8m0_table[b] = b == 0xff ? NAN : ldexpf(1.0f, (int)b - 127);
+    }
+    for (unsigned b = 0; b < 16; b++) {
+        unsigned e = (b >> 1) & 3, m = b & 1;
+        float v = e == 0 ? 0.5f * (float)m : ldexpf((float)(2 | m), (int)e - 2);
+        e2m1_table[b] = b & 8 ? -v : v;
+    }
+}
+
+float cz_e4m3_value(uint8_t code)
+{
+    pthread_once(&tables_once, tables_build);
+    return e4m3_table[code];
+}
+
+float cz_e2m1_value(uint8_t code)
+{
+    pthread_once(&tables_once, tables_build);
+    return e2m1_table[code & 15];
+}
+
+float cz_e8m0_value(uint8_t code)
+{
+    pthread_once(&tables_once, tables_build);
+    return e8m0_table[code];
+}
+
+/* ---- decoding ------------------------------------------------------------------------------------- */
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* The first of n floats that is not finite, or -1. */
+static int64_t first_non_finite(const float *v, size_t n)
+{
+    uint32_t acc = 0;
+    for (size_t i = 0; i < n; i++)
+        acc |= (uint32_t)((f2u(v[i]) & 0x7f800000u) == 0x7f800000u);
+    if (acc == 0)
+        return -1;
+    for (size_t i = 0; i < n; i++)
+        if ((f2u(v[i]) & 0x7f800000u) == 0x7f800000u)
+            return (int64_t)i;
+    return -1;
+}
+
+int64_t cz_decode(const cz_spec *s, const void *codes, const void *scales, uint64_t first, float *out, size_t n)
+{
+    const uint32_t B = s->block;
+    const unsigned char *q = codes;
+    size_t i = 0;
+    int64_t bad_scale = -1;
+
+    pthread_once(&tables_once, tables_build);
+    /* block by block: the scale is one value for the run of its block's values in [first, first + n) */
+    while (i < n) {
+        uint64_t v = first + i, blk = v / B - first / B;
+        size_t run = (size_t)((v / B + 1) * B - v);
+        if (run > n - i)
+            run = n - i;
+        if (s->enc == CZ_INT8_BLOCK) {
+            float sc;
+            memcpy(&sc, (const unsigned char *)scales + blk * 4, 4);
+            /* a negative scale (or -0) is not what the encoder writes: its values count as not finite */
+            if (bad_scale < 0 && (f2u(sc) >> 31) != 0)
+                bad_scale = (int64_t)i;
+            const int8_t *c = (const int8_t *)q + i;
+            for (size_t j = 0; j < run; j++)
+                out[i + j] = (float)c[j] * sc;
+        } else {
+            float sc = e8m0_table[((const unsigned char *)scales)[blk]];
+            if (s->enc == CZ_MXFP8) {
+                const unsigned char *c = q + i;
+                for (size_t j = 0; j < run; j++)
+                    out[i + j] = e4m3_table[c[j]] * sc;
+            } else {
+                /* value v is nibble v & 1 of byte v / 2 (low first); first and i are even, run may be odd */
+                for (size_t j = 0; j < run; j++) {
+                    size_t at = i + j;
+                    unsigned byte = q[at / 2];
+                    out[at] = e2m1_table[at & 1 ? byte >> 4 : byte & 15] * sc;
+                }
+            }
+        }
+        i += run;
+    }
+    int64_t bad = first_non_finite(out, n);
+    if (bad_scale >= 0 && (bad < 0 || bad_scale < bad))
+        bad = bad_scale;
+    return bad;
+}
+
+/* ---- encoding ------------------------------------------------------------------------------------- */
+
+/* The code of the element value nearest |w| (ties to the even code), saturating at the last of the
+ * ncodes non-negative codes; values[c] ascending for c < ncodes. */
+static unsigned nearest_code(const float *values, unsigned ncodes, double w)
+{
+    unsigned lo = 0, hi = ncodes - 1;
+    if (w >= values[hi])
+        return hi;
+    /* the largest c with values[c] <= w */
+    while (lo < hi) {
+        unsigned mid = (lo + hi + 1) / 2;
+        if ((double)values[mid] <= w)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    double below = w - values[lo], above = (double)values[lo + 1] - w;  /* exact: few significant bits */
+    if (below < above)
+        return lo;
+    if (below > above)
+        return lo + 1;
+    return lo % 2 == 0 ? lo : lo + 1;
+}
+
+static void encode_mx(const cz_spec *s, const float *in, size_t n, unsigned char *codes, unsigned char *scales)
+{
+    const int fp4 = s->enc == CZ_MXFP4, emax = fp4 ? 2 : 8;
+    const float *values = fp4 ? e2m1_table : e4m3_table;
+    const unsigned ncodes = fp4 ? 8 : 127;          /* E4M3: 0x00..0x7e (0x7f is NaN) */
+
+    if (fp4)
+        memset(codes, 0, (n + 1) / 2);
+    for (size_t b0 = 0, k = 0; b0 < n; b0 += s->block, k++) {
+        size_t m = n - b0 < s->block ? n - b0 : s->block;
+        float amax = 0;
+        for (size_t j = 0; j < m; j++)
+            amax = fmaxf(amax, fabsf(in[b0 + j]));
+        int shared = -127;
+        if (amax > 0) {
+            int ex;
+            frexpf(amax, &ex);                      /* amax = f * 2^ex, f in [0.5, 1) */
+            shared = ex - 1 - emax;
+            shared = shared < -127 ? -127 : shared > 127 ? 127 : shared;
+        }
+        scales[k] = (unsigned char)(shared + 127);
+        for (size_t j = 0; j < m; j++) {
+            float v = in[b0 + j];
+            double w = ldexp(fabs((double)v), -shared);     /* exact in double */
+            unsigned c = nearest_code(values, ncodes, w);
+            unsigned sign = signbit(v) ? (fp4 ? 8u : 0x80u) : 0u;
+            size_t at = b0 + j;
+            if (fp4)
+                codes[at / 2] |= (unsigned char)((c | sign) << (at & 1 ? 4 : 0));
+            else
+                codes[at] = (unsigned char)(c | sign);
+        }
+    }
+}
+
+static void encode_int8(const cz_spec *s, const float *in, size_t n, int8_t *codes, float *scales)
+{
+    for (size_t b0 = 0, k = 0; b0 < n; b0 += s->block, k++) {
+        size_t m = n - b0 < s->block ? n - b0 : s->block;
+        float amax = 0;
+        for (size_t j = 0; j < m; j++)
+            amax = fmaxf(amax, fabsf(in[b0 + j]));
+        float sc = amax / 127.0f;
+        scales[k] = sc;
+        for (size_t j = 0; j < m; j++) {
+            float r = sc > 0 ? rintf(in[b0 + j] / sc) : 0.0f;
+            codes[b0 + j] = (int8_t)(r > 127.0f ? 127 : r < -127.0f ? -127 : (int)r);
+        }
+    }
+}
+
+void cz_encode(const cz_spec *s, const float *in, size_t n, void *codes, void *scales)
+{
+    pthread_once(&tables_once, tables_build);
+    if (s->enc == CZ_INT8_BLOCK)
+        encode_int8(s, in, n, codes, scales);
+    else
+        encode_mx(s, in, n, codes, scales);
+}
