@@ -473,17 +473,11 @@ static const st_tensor *find_joined(const st_tensor *const *v, size_t n, const c
 
 /* The scales rules of a compressed delta: each key with codes has its scales (dtype, one per block),
  * every scales tensor belongs to a key with codes, and no model key looks like a scales tensor. */
-static int check_scales(const st_tensor *const *delta, size_t nd, const st_tensor *const *global, size_t ng,
-                        const cz_spec *cz, dl_error *err)
+static int check_scales(const st_tensor *const *delta, size_t nd, const cz_spec *cz, dl_error *err)
 {
     const st_dtype code = cz_code_dtype(cz->enc), scale = cz_scale_dtype(cz->enc);
     int oom = 0;
 
-    for (size_t k = 0; k < ng; k++)
-        if (cz_is_scales_name(global[k]->name, global[k]->name_len))
-            return dl_fail(err, DL_E_KEY_MISMATCH, global[k]->name, global[k]->name_len,
-                           "the model's key ends in %s, which compressed deltas reserve for scales: this model "
-                           "takes plain deltas only", CZ_SCALES_SUFFIX);
     for (size_t i = 0; i < nd; i++) {
         const st_tensor *d = delta[i];
         if (cz_is_scales_name(d->name, d->name_len)) {
@@ -519,6 +513,11 @@ int delta_check_tensors(const st_tensor *const *delta, size_t nd, const st_tenso
 {
     size_t i = 0, k = 0;
 
+    for (size_t j = 0; compressed(cz) && j < ng; j++)
+        if (cz_is_scales_name(global[j]->name, global[j]->name_len))
+            return dl_fail(err, DL_E_KEY_MISMATCH, global[j]->name, global[j]->name_len,
+                           "the model's key ends in %s, which compressed deltas reserve for scales: this model "
+                           "takes plain deltas only", CZ_SCALES_SUFFIX);
     /* Both lists are in name order: walk them together to name the first missing or extra key;
      * the global's non-floating tensors are stepped over, and a compressed delta's scales (checked
      * after the walk). */
@@ -528,7 +527,7 @@ int delta_check_tensors(const st_tensor *const *delta, size_t nd, const st_tenso
         while (i < nd && compressed(cz) && cz_is_scales_name(delta[i]->name, delta[i]->name_len))
             i++;
         if (i == nd && k == ng)
-            return compressed(cz) ? check_scales(delta, nd, global, ng, cz, err) : 0;
+            return compressed(cz) ? check_scales(delta, nd, cz, err) : 0;
         const st_tensor *d = i < nd ? delta[i] : NULL, *g = k < ng ? global[k] : NULL;
         int c = d == NULL ? 1 : g == NULL ? -1 : name_cmp(d, g);
         if (c < 0)
@@ -710,9 +709,11 @@ static int scan_finite(const st_file *f, const cz_spec *cz, dl_error *err)
         rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     for (size_t i = 0; i < f->h->ntensors && rc == 0; i++) {
         const st_tensor *t = &f->h->tensors[i], *sc = NULL;
+        if (delta_is_scales(cz, t))
+            continue;                   /* read with their codes */
         if (!delta_plain_dtype(t->dtype)) {
             if (cz->enc == CZ_NONE || t->dtype != cz_code_dtype(cz->enc))
-                continue;               /* scales: read with their codes */
+                continue;               /* delta_check_header refused it */
             if ((sc = delta_scales_of(f->h, t)) == NULL) {
                 rc = dl_fail(err, DL_E_KEY_MISMATCH, t->name, t->name_len, "the codes' scales are missing");
                 break;

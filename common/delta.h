@@ -128,6 +128,12 @@ int delta_check_set_header(const st_set *delta, const st_tensor *const *global, 
 /* Whether dt is a plain delta dtype (F32, F16, BF16, C64), whose values are read as they are stored;
  * the other tensors of a valid delta are a compressed key's codes or scales. */
 static inline int delta_plain_dtype(st_dtype dt) { return dt == ST_F32 || dt == ST_F16 || dt == ST_BF16 || dt == ST_C64; }
+/* Whether t is a compressed key's scales in a delta of encoding cz (delta_check_tensors made every
+ * tensor so named one): read with its codes, never as a plain tensor (int8_block's are F32). */
+static inline int delta_is_scales(const cz_spec *cz, const st_tensor *t)
+{
+    return cz->enc != CZ_NONE && cz_is_scales_name(t->name, t->name_len);
+}
 /* The scales tensor of codes tensor t in h (compress.h), or NULL. */
 const st_tensor *delta_scales_of(const st_header *h, const st_tensor *t);
 /* Decodes n values of codes tensor t from value first (a multiple of the block) into out: codes and

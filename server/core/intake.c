@@ -180,7 +180,9 @@ static intake_status copy_tensors(intake_req *r, int src, int dst, const st_head
         st = intake__io_fail(r, ENOMEM, "out of memory for the copy buffer");
     for (size_t i = 0; i < h->ntensors && st == INTAKE_OK; i++) {
         const st_tensor *t = &h->tensors[i];
-        if (delta_plain_dtype(t->dtype)) {
+        if (delta_is_scales(&r->info.cz, t)) {
+            continue;           /* read with its codes */
+        } else if (delta_plain_dtype(t->dtype)) {
             if (!codes_only)
                 st = copy_plain(r, src, dst, t, data_start, &cb, &sum);
         } else if (t->dtype == cz_code_dtype(r->info.cz.enc)) {
@@ -189,7 +191,6 @@ static intake_status copy_tensors(intake_req *r, int src, int dst, const st_head
             st = sc != NULL ? copy_compressed(r, src, dst, t, sc, data_start, &cb, &sum)
                             : intake__io_fail(r, ENOMEM, "out of memory");
         }
-        /* else the scales of a compressed key: read with its codes */
     }
     free(cb.data);
     free(cb.scales);

@@ -127,11 +127,37 @@ CODE_DTYPE = {"int8_block": "I8", "mxfp8": "F8_E4M3", "mxfp4": "F4"}
 SCALE_DTYPE = {"int8_block": "F32", "mxfp8": "F8_E8M0", "mxfp4": "F8_E8M0"}
 
 
+_ORDER = ["BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ",
+          "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64"]
+
+
+def serialize_by_hand(tensors, metadata=None):
+    """The writer's layout (dtype descending, then name; compact JSON padded with spaces), for what the
+    reference's binding cannot express: an F4 tensor whose last dimension is odd ([40, 13] holds 520
+    values, 260 whole bytes: the format takes it, torch's float4_e2m1fn_x2 pairs cannot shape it)."""
+    import json
+    names = sorted(tensors, key=lambda k: (-_ORDER.index(tensors[k][0]), k.encode()))
+    header, data, off = {}, [], 0
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    for k in names:
+        dt, shape, arr = tensors[k]
+        b = np.ascontiguousarray(arr).view(np.uint8).tobytes()
+        header[k] = {"dtype": dt, "shape": list(shape), "data_offsets": [off, off + len(b)]}
+        data.append(b)
+        off += len(b)
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-(8 + len(h)) % 8)
+    return len(h).to_bytes(8, "little") + h + b"".join(data)
+
+
 def serialize(tensors, metadata=None):
     """tensors: {name: (dtype, shape, array)} in safetensors dtype names, F4 shapes in values (the
     reference's Python binding takes float4_e2m1fn_x2 pairs and doubles the last dimension)."""
     from safetensors import TensorSpec
     from safetensors import serialize as st_serialize
+    if any(dt == "F4" and (not shape or shape[-1] % 2) for dt, shape, _ in tensors.values()):
+        return serialize_by_hand(tensors, metadata)
     keep, specs = [], {}
     for name, (dt, shape, arr) in tensors.items():
         a = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)

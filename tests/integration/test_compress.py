@@ -1,0 +1,371 @@
+"""Compressed deltas (README, "Compressed deltas") against the numpy oracle (compress_oracle.py) and
+torch.optim.SGD, bit for bit.
+
+- Decoding: every E4M3 code and every E2M1 code under every finite E8M0 scale, and all 256 int8 codes
+  under F32 scales from 0 and subnormals to the largest that cannot overflow, read back from the global
+  of a plain SGD step (lr 1, momentum 0, a zero model: the global is -decoded).
+- The encoder: diloco delta --encode, with and without --residual, three calls in a row: the codes,
+  the scales and the residual equal the oracle's error feedback byte for byte.
+- Rounds: four workers (F32, int8_block, mxfp8, mxfp4; over HTTP and file://) make their deltas with
+  diloco delta --encode --residual; three Nesterov rounds equal torch on the decoded deltas.
+- Hostile files: each refused with its reason (HTTP 422; file:// skipped), the service unharmed."""
+import json
+import subprocess
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+from safetensors import deserialize
+from safetensors.torch import load as torch_load_bytes
+from safetensors.torch import save as st_save
+
+import compress_oracle as co
+from conftest import BUILD
+from dilocod_proc import Dilocod, Oracle, assert_state_equal, delta_metadata, write_model
+from test_robust import norm_oracle
+from test_torch_exact import torch_cpu_capability
+
+pytestmark = pytest.mark.skipif(
+    torch_cpu_capability() not in ("AVX2", "AVX512"),
+    reason="torch fuses add(x, alpha=...) only in its AVX2/AVX-512 kernels (see test_torch_exact.py)")
+
+LR, MU = 0.7, 0.9
+
+
+def opener():
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def put(d, node, local, body):
+    req = urllib.request.Request(f"{d.url}/nodes/{node}/delta_{local}.safetensors", data=body, method="PUT")
+    try:
+        with opener().open(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def status(d):
+    return d.get_json("/status") or {}
+
+
+def record_of(d, step):
+    return next((r for r in (d.get_json("/rounds") or {}).get("rounds", []) if r.get("outer_step") == step), None)
+
+
+def wait_step(d, step, timeout=60):
+    d.wait_until(lambda: status(d).get("outer_step") == step, f"step {step}", timeout=timeout)
+
+
+def served(d):
+    with opener().open(d.url + "/global/latest.safetensors", timeout=30) as r:
+        return r.read()
+
+
+def start(tmp_path, init, *args, hub=None):
+    write_model(tmp_path / "init.safetensors", init)
+    d = Dilocod(tmp_path, hub, "--init-model", str(tmp_path / "init.safetensors"), "--threads", "2", *args).start()
+    wait_step(d, 0)
+    return d
+
+
+def read_raw(data):
+    """{name: (dtype, shape, bytes)} of a safetensors file, by the reference's reader."""
+    return {k: (v["dtype"], v["shape"], bytes(v["data"])) for k, v in deserialize(data)}
+
+
+# ---- decoding -------------------------------------------------------------------------------------
+
+def exhaustive_mx(enc):
+    """Codes and scales holding every code of enc under every finite scale e (0..254), a code whose
+    product would overflow (or is E4M3's NaN) replaced by code 0; one scale block per (e, 32 codes)."""
+    table = co.E4M3 if enc == "mxfp8" else co.E2M1
+    ncodes = 256 if enc == "mxfp8" else 16
+    per_e = max(1, ncodes // 32)                          # scale blocks per e: 8 (E4M3), 1 (E2M1)
+    codes = np.tile(np.arange(ncodes, dtype=np.uint8), (255, 32 * per_e // ncodes))
+    e = np.repeat(np.arange(255, dtype=np.uint8), per_e)
+    with np.errstate(over="ignore", invalid="ignore"):
+        prod = table[codes].astype(np.float32) * np.repeat(co.E8M0[:255], 32 * per_e).reshape(255, -1)
+    codes[~np.isfinite(prod)] = 0
+    return codes, e
+
+
+def test_decoding_is_the_oracle_for_every_code_and_scale(tmp_path):
+    e4, s4 = exhaustive_mx("mxfp8")           # [255, 256] codes, 2040 scales
+    e2, s2 = exhaustive_mx("mxfp4")           # [255, 32] codes, 255 scales
+    assert (e4 != 0).sum() > 255 * 200 and set(np.unique(e4[:128])) == set(range(256)) - {0x7f, 0xff}
+    q8 = np.tile(np.arange(-128, 128, dtype=np.int8), (64, 1))       # every int8 code, one block each row
+    rng = np.random.default_rng(3)
+    s8 = np.concatenate([[0.0, 1.4e-45, 1e-40, 1.1754944e-38, 1.0, 0.5, 3.0],
+                         rng.uniform(1e-6, 10, 54), [1e30, np.finfo(np.float32).max / 128,
+                                                     np.nextafter(np.float32(np.finfo(np.float32).max / 128), 0)]])
+    s8 = s8.astype(np.float32)
+    assert s8.size == 64
+    init = {"e4m3": torch.zeros(255, 256), "e2m1": torch.zeros(255, 32), "i8": torch.zeros(64, 256)}
+    d = start(tmp_path, init, "--optimizer", "sgd", "--lr", "1", "--momentum", "0", "--expected-nodes", "1")
+    zeros = {k: np.zeros(tuple(v.shape), np.float32) for k, v in init.items()}
+    rounds = [("mxfp8", 32, "e4m3", e4, s4), ("mxfp4", 32, "e2m1", co.pack_f4(e2), s2), ("int8_block", 256, "i8", q8, s8)]
+    want = {k: torch.zeros(tuple(v.shape)) for k, v in init.items()}
+    try:
+        for step, (enc, block, key, codes, scales) in enumerate(rounds, 1):
+            tensors = {k: ("F32", z.shape, z) for k, z in zeros.items() if k != key}
+            tensors[key] = (co.CODE_DTYPE[enc], zeros[key].shape, codes)
+            tensors[key + co.SUFFIX] = (co.SCALE_DTYPE[enc], (scales.size,), scales)
+            body = co.serialize(tensors, dict(delta_metadata("w0", step - 1, step), encoding=enc, block=str(block)))
+            code, resp = put(d, "w0", step, body)
+            assert code == 201, resp
+            wait_step(d, step)
+            dec = co.decode(enc, codes, scales, block, zeros[key].shape)
+            assert np.isfinite(dec).all()
+            want[key] = torch.from_numpy((-dec + np.float32(0)).astype(np.float32))   # fma(-1, dec, 0)
+            got = torch_load_bytes(served(d))
+            assert_state_equal(got, want)
+            rec = record_of(d, step)
+            assert rec["nodes"][0]["intake_norm"] == norm_oracle(dict(zeros, **{key: dec})), rec
+    finally:
+        assert d.stop() == 0
+
+
+# ---- the encoder ----------------------------------------------------------------------------------
+
+def model(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"a.w": torch.randn(40, 13, generator=g),               # 520 values: a short last block
+            "b.big": torch.randn(3, 4100, generator=g),            # 12300: past a checksum block
+            "c.bf16": torch.randn(29, 7, generator=g).to(torch.bfloat16),   # 203, odd: plain for mxfp4
+            "d.count": torch.tensor([3, 1], dtype=torch.int64)}
+
+
+def f32_delta(base, cur):
+    return {k: (base[k].to(torch.float32) - cur[k].to(torch.float32)).numpy() for k in base if base[k].is_floating_point()}
+
+
+def diloco_delta(tmp, base, cur, node, bstep, lstep, out, *enc_args):
+    write_model(tmp / "baseline.safetensors", base)
+    write_model(tmp / "current.safetensors", cur)
+    r = subprocess.run([str(BUILD / "diloco"), "delta", "--baseline", str(tmp / "baseline.safetensors"),
+                        "--current", str(tmp / "current.safetensors"), "--node-id", node, "--base-step", str(bstep),
+                        "--local-step", str(lstep), "-o", str(out), *enc_args], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return out.read_bytes()
+
+
+def step_model(rng, state, scale):
+    return {k: (v - torch.from_numpy((rng.standard_normal(tuple(v.shape)) * scale).astype(np.float32)).to(v.dtype)
+                if v.is_floating_point() else v.clone()) for k, v in state.items()}
+
+
+def check_file_against_oracle(data, enc, block, delta, residual):
+    """data (diloco's output) against the oracle's error feedback from residual: -> (decoded, new R)."""
+    raw = read_raw(data)
+    dec, new_r = {}, {}
+    for k, v in delta.items():
+        if enc == "mxfp4" and v.size % 2:
+            assert raw[k][0] == "F32" and k + co.SUFFIX not in raw       # plain: nothing left over
+            dec[k] = np.frombuffer(raw[k][2], np.float32).reshape(v.shape)
+            assert np.array_equal(dec[k].view(np.uint32), (v + residual[k]).astype(np.float32).view(np.uint32))
+            new_r[k] = np.zeros_like(v)
+            continue
+        codes, scales, dk, rk = co.error_feedback(enc, block, v, residual[k])
+        assert raw[k][:2] == (co.CODE_DTYPE[enc], list(v.shape)), (k, raw[k][:2])
+        assert raw[k][2] == codes.tobytes(), f"{enc} {k}: codes differ from the oracle's"
+        assert raw[k + co.SUFFIX][2] == scales.tobytes(), f"{enc} {k}: scales differ from the oracle's"
+        dec[k], new_r[k] = dk, rk
+    return dec, new_r
+
+
+@pytest.mark.parametrize("enc,block", [("int8_block", 32), ("int8_block", 4096), ("mxfp8", 32), ("mxfp4", 32)])
+def test_encoder_and_residual_equal_the_oracle(tmp_path, enc, block):
+    rng = np.random.default_rng(11)
+    base = model(1)
+    residual = {k: np.zeros(tuple(v.shape), np.float32) for k, v in base.items() if v.is_floating_point()}
+    rpath = tmp_path / "residual.safetensors"
+    for call in range(3):
+        cur = step_model(rng, base, 0.01 * (call + 1))
+        delta = f32_delta(base, cur)
+        data = diloco_delta(tmp_path, base, cur, "w1", call, call + 1, tmp_path / f"d{call}.safetensors",
+                            "--encode", enc, "--block", str(block), "--residual", str(rpath))
+        _, residual = check_file_against_oracle(data, enc, block, delta, residual)
+        got = {k: (v[0], v[2]) for k, v in read_raw(rpath.read_bytes()).items()}
+        assert set(got) == set(residual)
+        for k, r in residual.items():
+            assert got[k] == ("F32", r.tobytes()), f"call {call}: residual of {k} differs from the oracle's"
+        verify = subprocess.run([str(BUILD / "diloco"), "verify", str(tmp_path / f"d{call}.safetensors"), "--against",
+                                 str(tmp_path / "baseline.safetensors")], capture_output=True, text=True)
+        assert verify.returncode == 0, verify.stderr
+        base = cur
+    # without --residual: plain encoding, no file left
+    data = diloco_delta(tmp_path, base, step_model(rng, base, 0.01), "w1", 9, 10, tmp_path / "plain.safetensors",
+                        "--encode", enc, "--block", str(block))
+    assert json.loads(data[8:8 + int.from_bytes(data[:8], "little")])["__metadata__"]["encoding"] == enc
+    # a residual left by another encoding is refused, not mixed in
+    other = "mxfp8" if enc != "mxfp8" else "int8_block"
+    r = subprocess.run([str(BUILD / "diloco"), "delta", "--baseline", str(tmp_path / "baseline.safetensors"),
+                        "--current", str(tmp_path / "current.safetensors"), "--node-id", "w1", "--base-step", "0",
+                        "--local-step", "1", "-o", str(tmp_path / "x.safetensors"), "--encode", other,
+                        "--residual", str(rpath)], capture_output=True, text=True)
+    assert r.returncode != 0 and "residual" in r.stderr and enc in r.stderr, r.stderr
+
+
+# ---- rounds ---------------------------------------------------------------------------------------
+
+WORKERS = {"w0": None, "w1": ("int8_block", 64), "w2": ("mxfp8", 32), "w3": ("mxfp4", 32)}
+
+
+def test_rounds_mixing_encodings_equal_torch_over_http_and_file(tmp_path):
+    """w0 sends F32 and w1 int8_block over HTTP; w2 (mxfp8) and w3 (mxfp4) write into the file:// tree.
+    Each makes its delta with diloco delta from the global it trained from; three Nesterov rounds equal
+    torch.optim.SGD on the decoded deltas, byte for byte, and the records name each node's encoding."""
+    init = model(2)
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    d = start(tmp_path, init, "--expected-nodes", "4", "--lr", str(LR), "--momentum", str(MU), hub=hub)
+    oracle = Oracle(init, lr=LR, momentum=MU)
+    rng = np.random.default_rng(21)
+    residual = {n: {k: np.zeros(tuple(v.shape), np.float32) for k, v in init.items() if v.is_floating_point()}
+                for n in WORKERS}
+    try:
+        for step in range(1, 4):
+            glob = torch_load_bytes(served(d))
+            decoded = {}
+            for node, spec in WORKERS.items():
+                wdir = tmp_path / node
+                wdir.mkdir(exist_ok=True)
+                cur = step_model(rng, glob, 0.01 * (1 + int(node[1])))
+                delta = f32_delta(glob, cur)
+                extra = [] if spec is None else ["--encode", spec[0], "--block", str(spec[1]),
+                                                  "--residual", str(wdir / "residual.safetensors")]
+                out = wdir / f"delta_{step}.safetensors"
+                data = diloco_delta(wdir, glob, cur, node, step - 1, step, out, *extra)
+                if spec is None:
+                    decoded[node] = delta
+                else:
+                    decoded[node], residual[node] = check_file_against_oracle(data, spec[0], spec[1], delta,
+                                                                              residual[node])
+                if node in ("w0", "w1"):
+                    code, resp = put(d, node, step, data)
+                    assert code == 201, resp
+                else:
+                    ndir = hub / "nodes" / node
+                    ndir.mkdir(parents=True, exist_ok=True)
+                    (ndir / f".tmp_{step}").write_bytes(data)
+                    (ndir / f".tmp_{step}").rename(ndir / f"delta_{step}.safetensors")
+            wait_step(d, step)
+            want = oracle.step({n: {k: torch.from_numpy(v.copy()) for k, v in dd.items()} for n, dd in decoded.items()})
+            raw = served(d)
+            assert_state_equal(torch_load_bytes(raw), want)
+            assert raw == st_save({k: v.contiguous() for k, v in want.items()})
+            rec = record_of(d, step)
+            for n in rec["nodes"]:
+                assert n["intake_norm"] == norm_oracle(decoded[n["node_id"]]), n
+    finally:
+        assert d.stop() == 0
+
+
+# ---- hostile files --------------------------------------------------------------------------------
+
+def hostile_cases(init):
+    """(name, body, expected error code, a word of the message) for a model of init's keys."""
+    zeros = {k: np.zeros(tuple(v.shape), np.float32) for k, v in init.items() if v.is_floating_point()}
+    meta = delta_metadata("w1", 0, 1)
+    good, _ = co.compressed_delta("mxfp8", 32, zeros, meta)
+    parts = read_raw(good)
+
+    def rebuild(mutate, enc="mxfp8", block="32", metadata=None):
+        t = {k: [dt, list(shape), np.frombuffer(b, np.uint8).copy()] for k, (dt, shape, b) in parts.items()}
+        mutate(t)
+        m = dict(meta, encoding=enc, block=block) if metadata is None else metadata
+        return co.serialize({k: (dt, shape, a) for k, (dt, shape, a) in t.items()}, m)
+
+    def set_(key, i, value):
+        return lambda t: t[key][2].__setitem__(i, value)
+
+    def few_scales(t):
+        t["a.w" + co.SUFFIX][1] = [t["a.w" + co.SUFFIX][1][0] - 1]
+        t["a.w" + co.SUFFIX][2] = t["a.w" + co.SUFFIX][2][:-1]
+
+    def overflow(t):
+        t["a.w" + co.SUFFIX][2][0] = 254                 # 2^127
+        t["a.w"][2][0] = 0x7e                            # 448: 448 * 2^127 overflows F32
+
+    def int8_parts(scale):
+        q = np.full(520, 3, np.int8)
+        return co.serialize({"a.w": ("I8", [40, 13], q), "a.w" + co.SUFFIX: ("F32", [17], np.full(17, scale, np.float32)),
+                             "b.big": ("F32", [3, 4100], zeros["b.big"]), "c.bf16": ("F32", [29, 7], zeros["c.bf16"])},
+                            dict(meta, encoding="int8_block", block="32"))
+
+    return [
+        ("a wrong scale count", rebuild(few_scales), "shape_mismatch", "scales must have shape"),
+        ("the E8M0 NaN scale", rebuild(set_("b.big" + co.SUFFIX, 5, 0xff)), "non_finite", "decode"),
+        ("an E4M3 NaN code", rebuild(set_("b.big", 77, 0x7f)), "non_finite", "decode"),
+        ("a product that overflows", rebuild(overflow), "non_finite", "overflows"),
+        ("a NaN int8 scale", int8_parts(np.nan), "non_finite", "decode"),
+        ("a negative int8 scale", int8_parts(-1.0), "non_finite", "negative"),
+        ("a huge block", rebuild(lambda t: None, block="1099511627776"), "metadata_invalid", "block"),
+        ("a block that is not a power of two", rebuild(lambda t: None, enc="int8_block", block="48"),
+         "metadata_invalid", "power of two"),
+        ("mx with another block", rebuild(lambda t: None, block="64"), "metadata_invalid", "32"),
+        ("an unknown encoding", rebuild(lambda t: None, enc="fp2"), "metadata_invalid", "encoding"),
+        ("codes without their scales", rebuild(lambda t: t.pop("a.w" + co.SUFFIX)), "key_mismatch", "scales"),
+        ("scales without codes", rebuild(lambda t: t.__setitem__("c.bf16", ["F32", [29, 7], zeros["c.bf16"].view(np.uint8)])),
+         "key_mismatch", "no mxfp8 codes"),
+        ("codes of another encoding", rebuild(lambda t: None, enc="int8_block", block="32"), "dtype_mismatch", "F8_E4M3"),
+        ("codes without an encoding", rebuild(lambda t: None, metadata=meta), "dtype_mismatch", "F8_E4M3"),
+    ]
+
+
+def odd_f4_file(meta):
+    """An F4 tensor of 3 values (12 bits): the reference's writer cannot make it, so the header is
+    written by hand.  The format itself refuses it (MisalignedSlice)."""
+    header = {"__metadata__": dict(meta, encoding="mxfp4", block="32"),
+              "x": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]},
+              "x" + co.SUFFIX: {"dtype": "F8_E8M0", "shape": [1], "data_offsets": [2, 3]}}
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-(8 + len(h)) % 8)
+    return len(h).to_bytes(8, "little") + h + bytes([0x11, 0x01, 127])
+
+
+def test_hostile_compressed_files_are_refused_with_their_reason(tmp_path):
+    init = model(3)
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    d = start(tmp_path, init, "--expected-nodes", "2", hub=hub)
+    try:
+        for name, body, code_name, word in hostile_cases(init):
+            code, resp = put(d, "w1", 1, body)
+            assert code == 422, (name, resp)
+            assert resp["error"]["code"] == code_name and word in resp["error"]["message"], (name, resp)
+        code, resp = put(d, "w1", 1, odd_f4_file(delta_metadata("w1", 0, 1)))
+        # the container's own rule (a 400, as every malformed safetensors file)
+        assert code == 400 and resp["error"]["code"] == "misaligned_slice" and "F4" in resp["error"]["message"], resp
+        # the same refusals from the file:// tree: skipped with the reason, the round still open
+        cases = hostile_cases(init)
+        (hub / "nodes" / "w2").mkdir(parents=True)
+        (hub / "nodes" / "w2" / "delta_1.safetensors").write_bytes(cases[3][1])      # the overflow
+        d.wait_log("decode to a non-finite value")
+        st = status(d)
+        assert st["outer_step"] == 0 and st["round"]["received"] == [] and d.alive(), st["round"]
+        # and a good compressed delta after them all is taken
+        good, _ = co.compressed_delta("mxfp4", 32, {k: np.full(tuple(v.shape), 0.01, np.float32)
+                                                     for k, v in init.items() if v.is_floating_point()},
+                                      delta_metadata("w1", 0, 1), plain=("c.bf16",))
+        code, resp = put(d, "w1", 1, good)
+        assert code == 201, resp
+    finally:
+        assert d.stop() == 0
+
+
+def test_a_model_with_a_scales_like_key_takes_plain_deltas_only(tmp_path):
+    init = {"w": torch.zeros(64), "w" + co.SUFFIX: torch.zeros(2)}
+    d = start(tmp_path, init, "--expected-nodes", "1")
+    try:
+        body, _ = co.compressed_delta("mxfp8", 32, {"w": np.zeros(64, np.float32)}, delta_metadata("w1", 0, 1))
+        code, resp = put(d, "w1", 1, body)
+        assert code == 422 and resp["error"]["code"] == "key_mismatch" and "reserve" in resp["error"]["message"], resp
+        plain = st_save({"w": torch.zeros(64), "w" + co.SUFFIX: torch.zeros(2)}, metadata=delta_metadata("w1", 0, 1))
+        code, resp = put(d, "w1", 1, plain)
+        assert code == 201, resp
+    finally:
+        assert d.stop() == 0
