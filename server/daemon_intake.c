@@ -157,7 +157,8 @@ static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path,
                    d->rnd.step, dl_log_q(qn, sizeof(qn), info->node_id), info->local_step, size, d->rnd.n,
                    d->cfg->expected_nodes);
         stats_delta_taken(&d->m, v);
-        workers_report(&d->workers, info->node_id, info->base_outer_step, info->local_step, time(NULL), &info->metrics);
+        workers_report(&d->workers, info->node_id, info->base_outer_step, info->local_step, time(NULL), &info->metrics,
+                       &info->cz, size);
         if (d->rnd.async)
             daemon__async_accepted(d, info, d->rnd.step - info->base_outer_step, now);
         if (replaced != NULL) {

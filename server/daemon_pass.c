@@ -842,6 +842,7 @@ static int fill_inputs(dilocod *d, size_t n)
         d->agg.nodes[k].weight = e->weight;
         d->agg.nodes[k].intake_norm = e->has_norm ? e->norm : NAN;
         d->agg.nodes[k].metrics = e->metrics;
+        d->agg.nodes[k].cz = e->cz;
         /* a linked delta is its writer's file: the pass verifies the bytes intake validated */
         d->agg.summed[k] = e->guarded && e->ident.has_sum;
         d->agg.sums[k] = e->ident.sum;

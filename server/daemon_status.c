@@ -379,8 +379,9 @@ static void workers_status(const dilocod *d, sbuf *b)
     for (size_t i = 0; i < w->n; i++) {
         const worker_report *e = &w->w[i];
         sb_printf(b, "%s{\"node_id\":\"%s\",\"base_outer_step\":%" PRIu64 ",\"local_step\":%" PRIu64
-                     ",\"tokens_total\":%" PRIu64 ",\"at\":",
-                  i ? "," : "", e->node_id, e->base_outer_step, e->local_step, e->tokens_total);
+                     ",\"tokens_total\":%" PRIu64 ",\"encoding\":\"%s\",\"block\":%u,\"bytes\":%" PRIu64 ",\"at\":",
+                  i ? "," : "", e->node_id, e->base_outer_step, e->local_step, e->tokens_total,
+                  cz_encoding_name(e->cz.enc), e->cz.block, e->bytes);
         daemon_json_time(b, e->at);
         sb_str(b, ",\"metrics\":");
         history_metrics_json(b, &e->metrics);
@@ -424,6 +425,19 @@ static void workers_metrics(const dilocod *d, sbuf *b)
             sb_printf(b, "dilocod_node_metric{node=\"%s\",name=\"%s\"} %.17g\n", w->w[i].node_id, m->name[k],
                       m->value[k]);
     }
+    metric(b, "node_delta_bytes", "gauge",
+           "The bytes on the wire of a worker's last delta taken, with its encoding (none: F32/F16/BF16).");
+    for (size_t i = 0; i < w->n; i++)
+        sb_printf(b, "dilocod_node_delta_bytes{node=\"%s\",encoding=\"%s\"} %" PRIu64 "\n", w->w[i].node_id,
+                  cz_encoding_name(w->w[i].cz.enc), w->w[i].bytes);
+    metric(b, "delta_wire_bytes_total", "counter", "Bytes of the deltas taken, by encoding.");
+    for (unsigned k = 0; k <= CZ_MXFP4; k++)
+        sb_printf(b, "dilocod_delta_wire_bytes_total{encoding=\"%s\"} %" PRIu64 "\n", cz_encoding_name((cz_encoding)k),
+                  w->wire_bytes[k]);
+    metric(b, "deltas_by_encoding_total", "counter", "Deltas taken, by encoding.");
+    for (unsigned k = 0; k <= CZ_MXFP4; k++)
+        sb_printf(b, "dilocod_deltas_by_encoding_total{encoding=\"%s\"} %" PRIu64 "\n", cz_encoding_name((cz_encoding)k),
+                  w->wire_deltas[k]);
     metric(b, "node_metrics_dropped_total", "counter",
            "Worker reports not shown, to bound the labels: metric.<name> values past the first 16 names "
            "(reason=\"name\"), workers forgotten past the 64 seen most recently (reason=\"node\").");

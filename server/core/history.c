@@ -157,6 +157,8 @@ void history_record_json(sbuf *b, const round_record *r)
             sb_str(b, ",\"metrics\":");
             history_metrics_json(b, &n->metrics);
         }
+        if (n->cz.enc != CZ_NONE)
+            sb_printf(b, ",\"encoding\":\"%s\",\"block\":%u", cz_encoding_name(n->cz.enc), n->cz.block);
         sb_str(b, "}");
     }
     sb_str(b, "]");
@@ -268,6 +270,23 @@ static void parse_metrics(const cJSON *o, delta_metrics *m)
     }
 }
 
+/* A node's "encoding" and "block", kept only when they make a valid spec (a hand-edited record loses
+ * them, not the round). */
+static void parse_encoding(const cJSON *n, cz_spec *out)
+{
+    const cJSON *enc = cJSON_GetObjectItemCaseSensitive(n, "encoding");
+    uint64_t block;
+    cz_spec cz = {CZ_NONE, 0};
+
+    *out = cz;
+    if (!cJSON_IsString(enc) || cz_encoding_parse(enc->valuestring, strlen(enc->valuestring), &cz.enc) != 0 ||
+        get_count(n, "block", &block) != 0 || block > CZ_BLOCK_MAX)
+        return;
+    cz.block = (uint32_t)block;
+    if (cz_spec_valid(&cz))
+        *out = cz;
+}
+
 int history_record_parse(round_record *r, const char *json)
 {
     cJSON *o = cJSON_Parse(json);
@@ -314,6 +333,7 @@ int history_record_parse(round_record *r, const char *json)
         s->intake_norm = get_double(n, "intake_norm");
         s->scale = get_double(n, "scale");
         parse_metrics(cJSON_GetObjectItemCaseSensitive(n, "metrics"), &s->metrics);
+        parse_encoding(n, &s->cz);
         r->n++;
     }
     const cJSON *rule = cJSON_GetObjectItemCaseSensitive(o, "aggregate");

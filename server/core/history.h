@@ -36,6 +36,7 @@ typedef struct node_stat {
     char quarantine_reason[16];
     double bound;
     delta_metrics metrics;      /* what the worker reported with the delta (JSON "metrics", when any) */
+    cz_spec cz;                 /* its encoding (JSON "encoding" and "block", when compressed) */
 } node_stat;
 
 /* One closed and committed round. */

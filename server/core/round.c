@@ -268,6 +268,7 @@ round_verdict round_offer(round_state *r, const delta_info *info, char *path, ui
         e->norm = info->norm;
         e->has_norm = info->has_norm;
         e->metrics = info->metrics;
+        e->cz = info->cz;
     }
     if (v != ROUND_ACCEPTED && v != ROUND_QUEUED) {
         count(r, v);
@@ -283,6 +284,7 @@ round_verdict round_offer(round_state *r, const delta_info *info, char *path, ui
     e.size = size;
     e.received_at = now;
     e.metrics = info->metrics;
+    e.cz = info->cz;
     e.path = path;
     e.norm = info->norm;
     e.has_norm = info->has_norm;

@@ -37,6 +37,7 @@ typedef struct round_entry {
     char quarantine_reason[16];
     double quarantine_bound;
     delta_metrics metrics;      /* what the worker reported in the delta's metadata */
+    cz_spec cz;                 /* its encoding (compress.h): CZ_NONE for a plain delta */
     int guarded;                /* path is a link to a file others may rewrite in place: ident is the version
                                    that was validated, checked again before and after the pass */
     fsu_ident ident;

@@ -59,8 +59,10 @@ static int name_kept(workers *w, const char *name)
 }
 
 static void set_latest(workers *w, worker_report *e, uint64_t base, uint64_t local_step, time_t at,
-                       const delta_metrics *m)
+                       const delta_metrics *m, const cz_spec *cz, uint64_t bytes)
 {
+    e->cz = *cz;
+    e->bytes = bytes;
     e->base_outer_step = base;
     e->local_step = local_step;
     e->at = at;
@@ -76,9 +78,13 @@ static void set_latest(workers *w, worker_report *e, uint64_t base, uint64_t loc
 }
 
 void workers_report(workers *w, const char *node_id, uint64_t base, uint64_t local_step, time_t at,
-                    const delta_metrics *m)
+                    const delta_metrics *m, const cz_spec *cz, uint64_t bytes)
 {
-    set_latest(w, entry(w, node_id, 1), base, local_step, at, m);
+    set_latest(w, entry(w, node_id, 1), base, local_step, at, m, cz, bytes);
+    if ((unsigned)cz->enc <= CZ_MXFP4) {
+        w->wire_bytes[cz->enc] += bytes;
+        w->wire_deltas[cz->enc]++;
+    }
 }
 
 void workers_committed(workers *w, const round_record *r, int latest)
@@ -89,7 +95,8 @@ void workers_committed(workers *w, const round_record *r, int latest)
         if (e == NULL)
             continue;           /* forgotten since its delta was taken: its tokens stay in the history */
         if (latest)
-            set_latest(w, e, r->async ? s->base_outer_step : r->step, s->local_step, r->closed_at, &s->metrics);
+            set_latest(w, e, r->async ? s->base_outer_step : r->step, s->local_step, r->closed_at, &s->metrics, &s->cz,
+                       s->bytes);
         if (s->metrics.have & DELTA_M_NUM_TOKENS)
             e->tokens_total += s->metrics.num_tokens;
     }

@@ -30,6 +30,8 @@ typedef struct worker_report {
     uint64_t seen;              /* the table's clock at the report: the largest is the most recent */
     uint64_t tokens_total;      /* num_tokens of its deltas in committed rounds */
     delta_metrics metrics;      /* the named ones: only those under the table's names */
+    cz_spec cz;                 /* the encoding of its last delta (compress.h) */
+    uint64_t bytes;             /* and its bytes on the wire (the file, or the set's files) */
 } worker_report;
 
 typedef struct workers {
@@ -40,12 +42,13 @@ typedef struct workers {
     size_t nnames;
     uint64_t dropped_names;     /* metric.<name> values not kept: their name came past the cap */
     uint64_t dropped_nodes;     /* workers forgotten for a more recent one */
+    uint64_t wire_bytes[CZ_MXFP4 + 1], wire_deltas[CZ_MXFP4 + 1];      /* the deltas taken, by encoding */
 } workers;
 
 void workers_init(workers *w);
-/* node_id's delta (base, local_step) was taken with metrics m. */
+/* node_id's delta (base, local_step) was taken with metrics m, in encoding cz, bytes on the wire. */
 void workers_report(workers *w, const char *node_id, uint64_t base, uint64_t local_step, time_t at,
-                    const delta_metrics *m);
+                    const delta_metrics *m, const cz_spec *cz, uint64_t bytes);
 /* Round r was committed: its nodes' tokens count; latest (the startup's replay of the history): their
  * reports become the latest too. */
 void workers_committed(workers *w, const round_record *r, int latest);

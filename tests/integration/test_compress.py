@@ -226,6 +226,7 @@ def test_rounds_mixing_encodings_equal_torch_over_http_and_file(tmp_path):
     rng = np.random.default_rng(21)
     residual = {n: {k: np.zeros(tuple(v.shape), np.float32) for k, v in init.items() if v.is_floating_point()}
                 for n in WORKERS}
+    sent = {}
     try:
         for step in range(1, 4):
             glob = torch_load_bytes(served(d))
@@ -239,6 +240,7 @@ def test_rounds_mixing_encodings_equal_torch_over_http_and_file(tmp_path):
                                                   "--residual", str(wdir / "residual.safetensors")]
                 out = wdir / f"delta_{step}.safetensors"
                 data = diloco_delta(wdir, glob, cur, node, step - 1, step, out, *extra)
+                sent[node] = data
                 if spec is None:
                     decoded[node] = delta
                 else:
@@ -260,6 +262,20 @@ def test_rounds_mixing_encodings_equal_torch_over_http_and_file(tmp_path):
             rec = record_of(d, step)
             for n in rec["nodes"]:
                 assert n["intake_norm"] == norm_oracle(decoded[n["node_id"]]), n
+                spec = WORKERS[n["node_id"]]
+                assert (n.get("encoding"), n.get("block")) == ((spec[0], spec[1]) if spec else (None, None)), n
+                assert n["bytes"] == len(sent[n["node_id"]]), n
+        # /status and /metrics: each node's encoding and bytes on the wire
+        workers = {w["node_id"]: w for w in status(d)["workers"]}
+        metrics = opener().open(d.url + "/metrics", timeout=10).read().decode()
+        for node, spec in WORKERS.items():
+            enc = spec[0] if spec else "none"
+            assert (workers[node]["encoding"], workers[node]["bytes"]) == (enc, len(sent[node])), workers[node]
+            assert f'dilocod_node_delta_bytes{{node="{node}",encoding="{enc}"}} {len(sent[node])}' in metrics
+        f32 = len(sent["w0"])
+        assert len(sent["w1"]) < f32 / 3 and len(sent["w2"]) < f32 / 3 and len(sent["w3"]) < f32 / 1.9, \
+            {n: len(b) for n, b in sent.items()}
+        assert 'dilocod_deltas_by_encoding_total{encoding="mxfp4"} 3' in metrics
     finally:
         assert d.stop() == 0
 

@@ -5,6 +5,8 @@
 
 #include "workers.h"
 
+static const cz_spec plain = {CZ_NONE, 0};
+
 static delta_metrics loss(double v)
 {
     delta_metrics m;
@@ -19,11 +21,11 @@ TEST(workers_keep_the_latest_report_sorted)
     workers *w = malloc(sizeof(*w));
     delta_metrics m = loss(3.0);
     workers_init(w);
-    workers_report(w, "b", 1, 10, 100, &m);
+    workers_report(w, "b", 1, 10, 100, &m, &plain, 100);
     m = loss(2.0);
-    workers_report(w, "a", 1, 11, 101, &m);
+    workers_report(w, "a", 1, 11, 101, &m, &plain, 100);
     m = loss(1.5);
-    workers_report(w, "b", 2, 12, 102, &m);
+    workers_report(w, "b", 2, 12, 102, &m, &plain, 100);
     CHECK_EQ(w->n, 2);
     CHECK_STR(w->w[0].node_id, "a");
     CHECK_STR(w->w[1].node_id, "b");
@@ -44,10 +46,10 @@ TEST(workers_forget_the_least_recent_past_the_cap)
     workers_init(w);
     for (int i = 0; i < WORKERS_MAX; i++) {
         snprintf(id, sizeof(id), "n%03d", i);
-        workers_report(w, id, 0, 1, 0, &m);
+        workers_report(w, id, 0, 1, 0, &m, &plain, 100);
     }
-    workers_report(w, "n000", 0, 2, 0, &m);     /* n000 seen again: n001 is now the least recent */
-    workers_report(w, "z", 0, 1, 0, &m);
+    workers_report(w, "n000", 0, 2, 0, &m, &plain, 100);     /* n000 seen again: n001 is now the least recent */
+    workers_report(w, "z", 0, 1, 0, &m, &plain, 100);
     CHECK_EQ(w->n, WORKERS_MAX);
     CHECK_EQ(w->dropped_nodes, 1);
     CHECK(workers_find(w, "n001") == NULL);
@@ -69,13 +71,13 @@ TEST(workers_keep_the_first_metric_names)
         snprintf(name, sizeof(name), "m%02d", i);
         CHECK_EQ(delta_metrics_add(&m, name, strlen(name), i), 0);
     }
-    workers_report(w, "a", 0, 1, 0, &m);
+    workers_report(w, "a", 0, 1, 0, &m, &plain, 100);
     CHECK_EQ(w->nnames, WORKERS_NAMES_MAX);
     CHECK_EQ(w->dropped_names, 0);
     memset(&m, 0, sizeof(m));
     CHECK_EQ(delta_metrics_add(&m, "m03", 3, 7.0), 0);
     CHECK_EQ(delta_metrics_add(&m, "new", 3, 8.0), 0);
-    workers_report(w, "b", 0, 1, 0, &m);
+    workers_report(w, "b", 0, 1, 0, &m, &plain, 100);
     CHECK_EQ(w->dropped_names, 1);
     const worker_report *b = workers_find(w, "b");
     CHECK_EQ(b->metrics.nnamed, 1);
@@ -100,7 +102,7 @@ TEST(workers_count_committed_tokens_and_replay_the_history)
     n[1].metrics.have = DELTA_M_LOSS;
     /* at runtime: only the workers the table holds count; the latest report is the take's */
     delta_metrics m = loss(9.0);
-    workers_report(w, "a", 4, 10, 0, &m);
+    workers_report(w, "a", 4, 10, 0, &m, &plain, 100);
     workers_committed(w, &r, 0);
     CHECK_EQ(w->n, 1);
     CHECK_EQ(w->w[0].tokens_total, 1000);
@@ -118,5 +120,26 @@ TEST(workers_count_committed_tokens_and_replay_the_history)
     CHECK_EQ(w->w[0].local_step, 9);
     CHECK_EQ((long)w->w[0].at, 500L);
     CHECK_EQ(w->w[1].tokens_total, 0);
+    free(w);
+}
+
+/* Each worker's last encoding and bytes, and the bytes taken by encoding. */
+TEST(workers_keep_the_encoding_and_the_bytes_on_the_wire)
+{
+    workers *w = malloc(sizeof(*w));
+    delta_metrics m = loss(1.0);
+    const cz_spec fp4 = {CZ_MXFP4, 32}, i8 = {CZ_INT8_BLOCK, 64};
+    workers_init(w);
+    workers_report(w, "a", 0, 1, 0, &m, &fp4, 1000);
+    workers_report(w, "b", 0, 1, 0, &m, &plain, 7000);
+    workers_report(w, "a", 1, 2, 0, &m, &i8, 2000);
+    CHECK_EQ(w->w[0].cz.enc, CZ_INT8_BLOCK);
+    CHECK_EQ(w->w[0].cz.block, 64);
+    CHECK_EQ(w->w[0].bytes, 2000);
+    CHECK_EQ(w->w[1].cz.enc, CZ_NONE);
+    CHECK_EQ(w->wire_bytes[CZ_MXFP4], 1000);
+    CHECK_EQ(w->wire_bytes[CZ_INT8_BLOCK], 2000);
+    CHECK_EQ(w->wire_bytes[CZ_NONE], 7000);
+    CHECK_EQ(w->wire_deltas[CZ_MXFP4], 1);
     free(w);
 }
