@@ -1,0 +1,126 @@
+"""Compressed deltas on the remote transports: s3:// on SeaweedFS with boto3 workers, hf:// on the Hub
+emulator with the stock huggingface_hub client.  Workers make their deltas with diloco delta --encode
+--residual; two rounds mixing F32, int8_block, mxfp8 and mxfp4 equal torch.optim.SGD on the decoded
+deltas bit for bit, and a hostile one (a NaN scale) is skipped with its reason, judged once."""
+import os
+
+os.environ["HF_HUB_DISABLE_XET"] = "1"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import requests  # noqa: E402
+import torch  # noqa: E402
+from huggingface_hub import HfApi  # noqa: E402
+from safetensors.torch import load as torch_load_bytes  # noqa: E402
+
+import compress_oracle as co  # noqa: E402
+from dilocod_proc import Oracle, assert_state_equal, delta_metadata, write_model  # noqa: E402
+from s3server import SeaweedS3  # noqa: E402
+from test_compress import (LR, MU, WORKERS, check_file_against_oracle, diloco_delta, f32_delta, model,  # noqa: E402
+                           pytestmark, read_raw, step_model)
+from test_daemon_hf import REPO, TOKEN, WREV, HfDilocod, HubSim, _hf_home, procs  # noqa: E402,F401 (fixtures)
+from test_s3 import S3Dilocod  # noqa: E402
+
+assert pytestmark is not None
+
+
+def served(d):
+    return torch_load_bytes(requests.get(f"{d.url}/global/latest.safetensors", timeout=30).content)
+
+
+def status(d):
+    return requests.get(f"{d.url}/status", timeout=10).json()
+
+
+def worker_round(tmp, glob, rng, step, residual):
+    """Every worker's delta for step from glob: {node: file bytes}, {node: decoded}."""
+    bodies, decoded = {}, {}
+    for node, spec in WORKERS.items():
+        wdir = tmp / node
+        wdir.mkdir(exist_ok=True)
+        cur = step_model(rng, glob, 0.01 * (1 + int(node[1])))
+        delta = f32_delta(glob, cur)
+        extra = [] if spec is None else ["--encode", spec[0], "--block", str(spec[1]),
+                                          "--residual", str(wdir / "residual.safetensors")]
+        bodies[node] = diloco_delta(wdir, glob, cur, node, step - 1, step, wdir / f"delta_{step}.safetensors", *extra)
+        if spec is None:
+            decoded[node] = delta
+        else:
+            decoded[node], residual[node] = check_file_against_oracle(bodies[node], spec[0], spec[1], delta,
+                                                                      residual[node])
+    return bodies, decoded
+
+
+def nan_scale_delta(init, step):
+    zeros = {k: np.zeros(tuple(v.shape), np.float32) for k, v in init.items() if v.is_floating_point()}
+    good, _ = co.compressed_delta("mxfp8", 32, zeros, delta_metadata("w9", step - 1, step))
+    raw = {k: (dt, shape, np.frombuffer(b, np.uint8).copy()) for k, (dt, shape, b) in read_raw(good).items()}
+    raw["a.w" + co.SUFFIX][2][0] = 0xff
+    return co.serialize(raw, dict(delta_metadata("w9", step - 1, step), encoding="mxfp8", block="32"))
+
+
+def run_rounds(tmp, d, put, wait_published, init):
+    oracle = Oracle(init, lr=LR, momentum=MU)
+    rng = np.random.default_rng(31)
+    residual = {n: {k: np.zeros(tuple(v.shape), np.float32) for k, v in init.items() if v.is_floating_point()}
+                for n in WORKERS}
+    for step in (1, 2):
+        if step == 1:
+            put("w9", 1, nan_scale_delta(init, 1))          # first: skipped with its reason
+            d.wait_log("decode to a non-finite value")
+        bodies, decoded = worker_round(tmp, served(d), rng, step, residual)
+        for node, body in bodies.items():
+            put(node, step, body)
+        wait_published(step)
+        want = oracle.step({n: {k: torch.from_numpy(v.copy()) for k, v in dd.items()} for n, dd in decoded.items()})
+        assert_state_equal(served(d), want)
+    workers = {w["node_id"]: w["encoding"] for w in status(d)["workers"]}
+    assert workers == {n: (s[0] if s else "none") for n, s in WORKERS.items()}, workers
+    assert d.log_text().count("decode to a non-finite value") == 1       # judged once
+    assert status(d)["counters"]["rejected"] >= 1
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs")).start()
+    yield server
+    server.stop()
+
+
+def test_s3_rounds_of_compressed_deltas(tmp_path, s3):
+    init = model(5)
+    write_model(tmp_path / "init.safetensors", init)
+    d = S3Dilocod(tmp_path, s3, "compress/s3", "--init-model", tmp_path / "init.safetensors", "--lr", str(LR),
+                  "--momentum", str(MU), "--expected-nodes", "4").start()
+
+    def put(node, step, body):
+        d.client.put_object(Bucket=s3.bucket, Key=d.key(f"nodes/{node}/delta_{step}.safetensors"), Body=body)
+
+    try:
+        d.wait_step(0)
+        run_rounds(tmp_path, d, put, d.wait_step, init)
+    finally:
+        assert d.stop() == 0
+
+
+def test_hf_rounds_of_compressed_deltas(tmp_path, procs):
+    hub = HubSim(tmp_path)
+    procs.append(hub)
+    api = HfApi(endpoint=hub.wendpoint, token=TOKEN)
+    api.create_repo(REPO)
+    init = model(6)
+    write_model(tmp_path / "init.safetensors", init)
+    d = HfDilocod(tmp_path, hub, "--init-model", tmp_path / "init.safetensors", "--lr", str(LR), "--momentum",
+                  str(MU), "--expected-nodes", "4", "--retry-interval", "0.5", poll=0.2)
+    procs.append(d)
+
+    def put(node, step, body):
+        api.upload_file(path_or_fileobj=body, path_in_repo=f"nodes/{node}/delta_{step}.safetensors", repo_id=REPO,
+                        revision=WREV, commit_message=f"{node} {step}")
+
+    d.start()
+    d.wait_published(0)
+    run_rounds(tmp_path, d, put, d.wait_published, init)
+    assert d.stop() == 0
