@@ -203,6 +203,29 @@ static cJSON *inspect_json(const st_file *f, int hash, dl_error *err)
     return root;
 }
 
+/* A compressed delta (README, "Compressed deltas"): its encoding, how many keys it compresses, and its
+ * data against the same delta in F32. */
+static void inspect_encoding(const st_file *f)
+{
+    cz_spec cz;
+    uint64_t f32 = 0;
+    size_t keys = 0, compressed = 0;
+
+    if (cz_spec_from_meta(f->h->meta, f->h->nmeta, &cz, NULL) != 0 || cz.enc == CZ_NONE)
+        return;
+    for (size_t i = 0; i < f->h->ntensors; i++) {
+        const st_tensor *t = &f->h->tensors[i];
+        if (cz_is_scales_name(t->name, t->name_len))
+            continue;
+        keys++;
+        compressed += t->dtype == cz_code_dtype(cz.enc);
+        f32 += t->nelem * (t->dtype == ST_C64 ? 8 : 4);
+    }
+    printf("encoding: %s, block %u: %zu of %zu keys compressed, %" PRIu64 " data bytes against %" PRIu64
+           " in F32 (%.2fx fewer)\n", cz_encoding_name(cz.enc), cz.block, compressed, keys, f->h->data_len, f32,
+           f->h->data_len ? (double)f32 / (double)f->h->data_len : 0.0);
+}
+
 static void inspect_text(const st_file *f)
 {
     uint64_t params = 0;
@@ -229,6 +252,7 @@ static void inspect_text(const st_file *f)
     }
     printf("total:    %zu tensors, %" PRIu64 " parameters, %" PRIu64 " data bytes\n", f->h->ntensors, params,
            f->h->data_len);
+    inspect_encoding(f);
 }
 
 static const char *shard_file_name(const st_set *s, uint32_t file)
@@ -481,14 +505,49 @@ int cmd_inspect(int argc, char **argv)
 static const char verify_help[] =
     "usage: diloco verify DELTA [--against GLOBAL] [--path nodes/ID/delta_N.safetensors] [--json]\n"
     "  Checks a delta as dilocod does: the container, the metadata (algorithm, base_outer_step,\n"
-    "  local_step, node_id), dtypes (F32, F16, BF16; C64 for complex keys), finite values; with\n"
+    "  local_step, node_id), dtypes (F32, F16, BF16; C64 for complex keys), finite values (a compressed\n"
+    "  delta's as they decode, with its encoding and scales checked); with\n"
     "  --against, the key set and shapes against the global model's floating tensors; with --path,\n"
     "  that the metadata agrees with the Hub path.  Exit 0 when valid, 1 with the error code otherwise.\n"
     "  DELTA (and GLOBAL) may be a sharded set's delta_N.safetensors.index.json: the metadata is the\n"
     "  index's, every shard must be present and listed (no other shard of the set in its directory),\n"
     "  no tensor in two shards, total_size exact, a shard's own metadata must agree with the index.\n";
 
-/* Without a global, check the delta against itself: its own keys are the expected key set. */
+/* Without a global, check the delta against itself: its own keys are the expected key set (a compressed
+ * delta's: each key, its codes standing for an F32 weight, and not its scales). */
+static int verify_alone(const st_set *delta, const char *path, delta_info *info, dl_error *err)
+{
+    const st_meta *meta;
+    size_t nmeta, n = 0;
+    cz_spec cz;
+    int rc;
+
+    st_set_metadata(delta, &meta, &nmeta);
+    if (cz_spec_from_meta(meta, nmeta, &cz, NULL) != 0 || cz.enc == CZ_NONE)
+        return delta_validate_set(delta, delta->by_name, delta->ntensors, path, info, err);
+    st_tensor *model = calloc(delta->ntensors + 1, sizeof(*model));
+    const st_tensor **by_name = calloc(delta->ntensors + 1, sizeof(*by_name));
+    if (model == NULL || by_name == NULL) {
+        free(model);
+        free(by_name);
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    }
+    for (size_t i = 0; i < delta->ntensors; i++) {
+        const st_tensor *t = delta->by_name[i];
+        if (cz_is_scales_name(t->name, t->name_len))
+            continue;
+        model[n] = *t;
+        if (t->dtype == cz_code_dtype(cz.enc))
+            model[n].dtype = ST_F32;
+        by_name[n] = &model[n];
+        n++;
+    }
+    rc = delta_validate_set(delta, by_name, n, path, info, err);
+    free(by_name);
+    free(model);
+    return rc;
+}
+
 int cmd_verify(int argc, char **argv)
 {
     static const struct option opts[] = {{"against", required_argument, NULL, 'a'},
@@ -518,10 +577,10 @@ int cmd_verify(int argc, char **argv)
         if (against != NULL && (rc = open_any(against, &global, &err)) != 0)
             what = against;
     }
-    if (rc == 0) {
-        const st_set *g = global ? global : delta;
-        rc = delta_validate_set(delta, g->by_name, g->ntensors, path, &info, &err);
-    }
+    if (rc == 0 && global != NULL)
+        rc = delta_validate_set(delta, global->by_name, global->ntensors, path, &info, &err);
+    else if (rc == 0)
+        rc = verify_alone(delta, path, &info, &err);
     if (rc != 0) {
         if (json) {
             cJSON *root = cJSON_CreateObject(), *e = cli_error_object(&err);
@@ -541,6 +600,10 @@ int cmd_verify(int argc, char **argv)
         cJSON_AddStringToObject(root, "node_id", info.node_id);
         add(root, "base_outer_step", json_u64(info.base_outer_step));
         add(root, "local_step", json_u64(info.local_step));
+        if (info.cz.enc != CZ_NONE) {
+            cJSON_AddStringToObject(root, "encoding", cz_encoding_name(info.cz.enc));
+            add(root, "block", json_u64(info.cz.block));
+        }
         if (delta->index != NULL)
             add(root, "shards", json_u64(delta->nfiles));
         cli_print_json(root);
@@ -548,6 +611,11 @@ int cmd_verify(int argc, char **argv)
     else if (delta->index != NULL)
         printf("%s: valid delta from node %s, base_outer_step %" PRIu64 ", local_step %" PRIu64 ", %zu shards\n",
                argv[optind], info.node_id, info.base_outer_step, info.local_step, delta->nfiles);
+    else if (info.cz.enc != CZ_NONE)
+        printf("%s: valid delta from node %s, base_outer_step %" PRIu64 ", local_step %" PRIu64
+               ", encoding %s (block %u)\n",
+               argv[optind], info.node_id, info.base_outer_step, info.local_step, cz_encoding_name(info.cz.enc),
+               info.cz.block);
     else
         printf("%s: valid delta from node %s, base_outer_step %" PRIu64 ", local_step %" PRIu64 "\n",
                argv[optind], info.node_id, info.base_outer_step, info.local_step);

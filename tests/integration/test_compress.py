@@ -195,6 +195,12 @@ def test_encoder_and_residual_equal_the_oracle(tmp_path, enc, block):
         verify = subprocess.run([str(BUILD / "diloco"), "verify", str(tmp_path / f"d{call}.safetensors"), "--against",
                                  str(tmp_path / "baseline.safetensors")], capture_output=True, text=True)
         assert verify.returncode == 0, verify.stderr
+        alone = subprocess.run([str(BUILD / "diloco"), "verify", "--json", str(tmp_path / f"d{call}.safetensors")],
+                               capture_output=True, text=True)
+        assert alone.returncode == 0 and json.loads(alone.stdout)["encoding"] == enc, (alone.stdout, alone.stderr)
+        inspect = subprocess.run([str(BUILD / "diloco"), "inspect", str(tmp_path / f"d{call}.safetensors")],
+                                 capture_output=True, text=True)
+        assert f"encoding: {enc}, block {block}:" in inspect.stdout, inspect.stdout
         base = cur
     # without --residual: plain encoding, no file left
     data = diloco_delta(tmp_path, base, step_model(rng, base, 0.01), "w1", 9, 10, tmp_path / "plain.safetensors",
@@ -363,6 +369,13 @@ def test_hostile_compressed_files_are_refused_with_their_reason(tmp_path):
         d.wait_log("decode to a non-finite value")
         st = status(d)
         assert st["outer_step"] == 0 and st["round"]["received"] == [] and d.alive(), st["round"]
+        # diloco verify refuses them the same way
+        bad = tmp_path / "bad.safetensors"
+        bad.write_bytes(cases[1][1])                                                 # the NaN scale
+        write_model(tmp_path / "global.safetensors", init)
+        v = subprocess.run([str(BUILD / "diloco"), "verify", "--json", str(bad), "--against",
+                            str(tmp_path / "global.safetensors")], capture_output=True, text=True)
+        assert v.returncode == 1 and json.loads(v.stdout)["error"]["code"] == "non_finite", (v.stdout, v.stderr)
         # and a good compressed delta after them all is taken
         good, _ = co.compressed_delta("mxfp4", 32, {k: np.full(tuple(v.shape), 0.01, np.float32)
                                                      for k, v in init.items() if v.is_floating_point()},
