@@ -278,13 +278,18 @@ DEMO_MODE    ?= sync
 DEMO_SPEEDS  ?=
 # DEMO_FAULTY=N: worker N sends its delta x 100 (dilocod quarantines it; 0: none)
 DEMO_FAULTY  ?= 0
+# DEMO_ENCODE=int8_block|mxfp8|mxfp4: compressed deltas (README, "Compressed deltas"); DEMO_EF=0: without
+# the workers' error feedback
+DEMO_ENCODE  ?=
+DEMO_EF      ?= 1
 # more demo.py options, e.g. DEMO_ARGS=--target-loss=0.75 (when the global first reaches that loss)
 DEMO_ARGS    ?=
 demo: deps
 	$(MAKE) venv
 	$(MAKE) all
 	$(PY) client/examples/demo.py --build $(BUILD) --rounds $(DEMO_ROUNDS) --workers $(DEMO_WORKERS) \
-	  --port $(DEMO_PORT) --dir $(DEMO_DIR) --mode $(DEMO_MODE) --speeds '$(DEMO_SPEEDS)' --faulty $(DEMO_FAULTY) $(DEMO_ARGS)
+	  --port $(DEMO_PORT) --dir $(DEMO_DIR) --mode $(DEMO_MODE) --speeds '$(DEMO_SPEEDS)' --faulty $(DEMO_FAULTY) \
+	  --encode '$(DEMO_ENCODE)' $(if $(filter 0,$(DEMO_EF)),--no-error-feedback) $(DEMO_ARGS)
 
 clean:
 	rm -rf build build-* 

@@ -639,7 +639,8 @@ static const char delta_help[] =
     "  per scale (int8_block: a power of two from 32 to 4096, default 32; mx: 32).  With --residual, error\n"
     "  feedback: e = (A - B) + R, OUT = encode(e), R = e - decode(OUT); R starts at zero when the file\n"
     "  does not exist and is rewritten atomically after OUT.  C64 keys (and, for mxfp4, keys with an odd\n"
-    "  number of values) stay plain F32.\n";
+    "  number of values) stay plain F32.  --meta KEY=VALUE (repeatable) adds metadata, e.g. the worker\n"
+    "  metrics loss=0.52 num_tokens=4096, checked as dilocod checks them.\n";
 
 static int parse_step(const char *s, uint64_t *out)
 {
@@ -658,7 +659,11 @@ int cmd_delta(int argc, char **argv)
                                          {"encode", required_argument, NULL, 'e'},
                                          {"block", required_argument, NULL, 'B'},
                                          {"residual", required_argument, NULL, 'r'},
+                                         {"meta", required_argument, NULL, 'm'},
                                          {NULL, 0, NULL, 0}};
+    enum { EXTRA_MAX = 32 };
+    st_kv extra[EXTRA_MAX];
+    size_t nextra = 0;
     const char *baseline = NULL, *current = NULL, *node = NULL, *out = NULL, *bs = NULL, *ls = NULL;
     const char *residual = NULL, *block = NULL;
     uint64_t base_step, local_step, shard_size = ST_SHARD_SIZE_DEFAULT, b = 0;
@@ -686,11 +691,20 @@ int cmd_delta(int argc, char **argv)
             break;
         case 'B': block = optarg; break;
         case 'r': residual = optarg; break;
+        case 'm': {
+            char *eq = strchr(optarg, '=');
+            if (eq == NULL || eq == optarg || nextra == EXTRA_MAX)
+                return usage_error(delta_help, "invalid --meta '%s' (KEY=VALUE, at most 32)", optarg);
+            /* the argument is the process's own: split it in place */
+            *eq = '\0';
+            extra[nextra++] = (st_kv){optarg, eq + 1};
+            break;
+        }
         default: return usage_error(delta_help, "%s", "bad option");
         }
     }
-    if ((block != NULL || residual != NULL) && cz.enc == CZ_NONE)
-        return usage_error(delta_help, "%s", "--block and --residual go with --encode");
+    if ((block != NULL || residual != NULL || nextra > 0) && cz.enc == CZ_NONE)
+        return usage_error(delta_help, "%s", "--block, --residual and --meta go with --encode");
     if (cz.enc != CZ_NONE) {
         cz.block = CZ_MX_BLOCK;
         if (block != NULL) {
@@ -712,7 +726,7 @@ int cmd_delta(int argc, char **argv)
         return usage_error(delta_help, "invalid --local-step '%s'", ls);
     dl_error_clear(&err);
     if (cz.enc != CZ_NONE ? delta_compute_encoded(baseline, current, out, node, base_step, local_step, &cz, residual,
-                                                  &err) != 0
+                                                  extra, nextra, &err) != 0
                           : delta_compute_set(baseline, current, out, node, base_step, local_step, shard_size, &err) != 0)
         return cli_report(out, &err);
     return EXIT_OK;

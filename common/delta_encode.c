@@ -207,9 +207,31 @@ static void state_free(enc_state *s)
     st_set_close(s->fc);
 }
 
+/* The metadata as dilocod will judge it (delta_check_meta): no key twice, the worker metrics' values. */
+static int check_extra(const st_kv *meta, size_t n, dl_error *err)
+{
+    st_meta *m = calloc(n + 1, sizeof(*m));
+    delta_info info;
+    int rc;
+
+    if (m == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        for (size_t j = 0; j < i; j++)
+            if (strcmp(meta[i].key, meta[j].key) == 0) {
+                free(m);
+                return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "metadata key \"%.48s\" given twice", meta[i].key);
+            }
+        m[i] = (st_meta){(char *)meta[i].key, strlen(meta[i].key), (char *)meta[i].value, strlen(meta[i].value)};
+    }
+    rc = delta_check_meta(m, n, NULL, &info, err);
+    free(m);
+    return rc;
+}
+
 int delta_compute_encoded(const char *baseline, const char *current, const char *out, const char *node_id,
                           uint64_t base_outer_step, uint64_t local_step, const cz_spec *cz, const char *residual,
-                          dl_error *err)
+                          const st_kv *extra, size_t nextra, dl_error *err)
 {
     enc_state s = {.cz = cz};
     st_set_writer *w = NULL;
@@ -227,14 +249,23 @@ int delta_compute_encoded(const char *baseline, const char *current, const char 
     snprintf(bstep, sizeof(bstep), "%llu", (unsigned long long)base_outer_step);
     snprintf(lstep, sizeof(lstep), "%llu", (unsigned long long)local_step);
     snprintf(block, sizeof(block), "%u", cz->block);
-    st_kv meta[] = {{"algorithm", DELTA_ALGORITHM}, {"base_outer_step", bstep}, {"block", block},
-                    {"encoding", cz_encoding_name(cz->enc)}, {"local_step", lstep}, {"node_id", node_id}};
+    st_kv own[] = {{"algorithm", DELTA_ALGORITHM}, {"base_outer_step", bstep}, {"block", block},
+                   {"encoding", cz_encoding_name(cz->enc)}, {"local_step", lstep}, {"node_id", node_id}};
+    const size_t nown = sizeof(own) / sizeof(own[0]);
     st_kv rmeta[] = {{"block", block}, {"encoding", cz_encoding_name(cz->enc)}};
+    st_kv *meta = calloc(nown + nextra, sizeof(*meta));
+    if (meta == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    memcpy(meta, own, sizeof(own));
+    for (size_t i = 0; i < nextra; i++)
+        meta[nown + i] = extra[i];
+    if ((rc = check_extra(meta, nown + nextra, err)) != 0)
+        goto out;
     if ((rc = st_set_open(baseline, &s.fb, err)) != 0 || (rc = st_set_open(current, &s.fc, err)) != 0 ||
         (rc = delta_check_pair(s.fb, s.fc, err)) != 0 || (rc = plan(&s, err)) != 0 ||
         (rc = open_residual(&s, residual, err)) != 0 || (rc = alloc_bufs(&s, err)) != 0)
         goto out;
-    if ((rc = st_set_writer_open(out, s.specs, s.nspecs, meta, 6, 0, &w, err)) != 0 ||
+    if ((rc = st_set_writer_open(out, s.specs, s.nspecs, meta, nown + nextra, 0, &w, err)) != 0 ||
         (residual != NULL && (rc = st_writer_open(residual, s.rspecs, s.nkeys, rmeta, 2, &rw, err)) != 0))
         goto out;
     for (size_t i = 0; i < s.nkeys && rc == 0; i++)
@@ -249,5 +280,6 @@ out:
     st_set_writer_abort(w);
     st_writer_abort(rw);
     state_free(&s);
+    free(meta);
     return rc;
 }

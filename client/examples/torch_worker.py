@@ -16,7 +16,9 @@ classification task given by a fixed random "teacher" network (learnable, so the
 Prints one JSON line per round on stdout: {"node", "round", "step", "loss", "seconds"}.  Each delta's
 metadata reports the round's last inner loss ("loss") and the samples it trained on ("num_tokens": inner
 steps x batch), as decimal strings.  --faulty sends each delta x 100 (a broken worker, to be quarantined;
-a 422 "outlier" answer is printed and the worker goes on).
+a 422 "outlier" answer is printed and the worker goes on).  --encode int8_block|mxfp8|mxfp4 sends
+compressed deltas made by `diloco delta --encode --residual` (error feedback; --no-error-feedback
+without it; --diloco names the tool).
 
 Asynchronous dilocod (--mode async, run it with `--mode async` here too): the worker does not wait
 for the other workers.  After each push it waits only until the global moved past the step it trained
@@ -36,7 +38,9 @@ import io
 import json
 import math
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -97,6 +101,32 @@ def metadata(node, base_step, local_step, loss=None, num_tokens=None):
     if num_tokens is not None:
         meta["num_tokens"] = str(int(num_tokens))
     return meta
+
+
+def encoded_delta(diloco, workdir, node, base_step, local_step, baseline, current, meta, encode, block,
+                  error_feedback):
+    """The delta compressed by `diloco delta --encode` (README, "Compressed deltas"), with error feedback
+    through the residual file it keeps in workdir unless error_feedback is off: -> the file's bytes."""
+    base_path, cur_path = os.path.join(workdir, "baseline.safetensors"), os.path.join(workdir, "current.safetensors")
+    out = os.path.join(workdir, f"delta_{local_step}.safetensors")
+    with open(base_path, "wb") as f:
+        f.write(save({k: v.contiguous() for k, v in baseline.items()}))
+    with open(cur_path, "wb") as f:
+        f.write(save({k: v.contiguous() for k, v in current.items()}))
+    cmd = [diloco, "delta", "--baseline", base_path, "--current", cur_path, "--node-id", node,
+           "--base-step", str(base_step), "--local-step", str(local_step), "-o", out, "--encode", encode]
+    if block:
+        cmd += ["--block", str(block)]
+    if error_feedback:
+        cmd += ["--residual", os.path.join(workdir, "residual.safetensors")]
+    for k in ("loss", "num_tokens"):
+        if k in meta:
+            cmd += ["--meta", f"{k}={meta[k]}"]
+    subprocess.run(cmd, check=True)
+    with open(out, "rb") as f:
+        data = f.read()
+    os.unlink(out)
+    return data
 
 
 class HttpTransport:
@@ -212,6 +242,11 @@ def main():
                     help="train --inner-steps every phase, whatever X-Recommended-Local-Steps says (no DyLU)")
     ap.add_argument("--slowdown", type=float, default=1.0,
                     help="F >= 1: each inner step lasts F times as long (sleeps (F-1) x its compute time)")
+    ap.add_argument("--encode", choices=("int8_block", "mxfp8", "mxfp4"),
+                    help="send compressed deltas made by `diloco delta --encode` (error feedback on)")
+    ap.add_argument("--block", type=int, default=None, help="--encode int8_block: values per scale (default 32)")
+    ap.add_argument("--no-error-feedback", action="store_true", help="--encode without the residual")
+    ap.add_argument("--diloco", default=os.environ.get("DILOCO", "diloco"), help="the diloco tool (--encode)")
     ap.add_argument("--faulty", action="store_true",
                     help="a broken worker: multiplies its delta by 100 before sending it (dilocod should quarantine it)")
     a = ap.parse_args()
@@ -227,6 +262,7 @@ def main():
     loss_fn = nn.CrossEntropyLoss()
     t = HttpTransport(a.server, a.token) if a.server else HubTransport(a.hub, a.hub_endpoint, a.token)
     g = torch.Generator().manual_seed(seed)
+    workdir = tempfile.mkdtemp(prefix=f"diloco-{a.node_id}-") if a.encode else None
     local_step = 0
     steps = a.inner_steps       # this phase's inner steps: --inner-steps, or the server's recommendation
     step = t.wait(0) or 0
@@ -248,11 +284,18 @@ def main():
             local_step += 1
             if a.slowdown > 1:
                 time.sleep((a.slowdown - 1) * (time.perf_counter() - ts))
-        delta = pseudo_gradient(baseline, {k: v.detach() for k, v in model.state_dict().items()})
+        current = {k: v.detach() for k, v in model.state_dict().items()}
+        delta = pseudo_gradient(baseline, current)
         if a.faulty:
             delta = {k: v * 100 for k, v in delta.items()}
-        data = save(delta, metadata=metadata(a.node_id, step, local_step, losses[-1] if losses else None,
-                                             steps * a.batch))
+        meta = metadata(a.node_id, step, local_step, losses[-1] if losses else None, steps * a.batch)
+        if a.encode:
+            if a.faulty:        # the current model that makes the delta x 100
+                current = dict(current, **{k: baseline[k].float() - d for k, d in delta.items()})
+            data = encoded_delta(a.diloco, workdir, a.node_id, step, local_step, baseline, current, meta, a.encode,
+                                 a.block, not a.no_error_feedback)
+        else:
+            data = save(delta, metadata=meta)
         answer = t.push(a.node_id, local_step, data)
         rec = {"node": a.node_id, "round": step, "step": step, "loss": sum(losses) / len(losses),
                "seconds": round(time.time() - t0, 3)}

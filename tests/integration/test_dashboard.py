@@ -755,3 +755,33 @@ def test_dashboard_shows_a_quarantined_node_and_the_loss_plot(tmp_path):
         assert len(series) == 3, series          # n0, n1 and their mean
     finally:
         assert d.stop(timeout=30) == 0, d.log_text()[-3000:]
+
+
+def test_dashboard_shows_each_nodes_encoding_and_bytes(tmp_path):
+    """A round of one mxfp4 node (diloco's format, compress_oracle.py) and one F32 node: the last round's
+    table names each node's encoding ("plain" for F32) and its bytes on the wire."""
+    import compress_oracle as co
+    chromium_binary()
+    model = small_model()
+    write_model(tmp_path / "init.safetensors", model)
+    d = Dilocod(tmp_path, None, "--init-model", str(tmp_path / "init.safetensors"), "--expected-nodes", "2").start()
+    try:
+        url = d.url
+        wait_status(url, lambda s: s["outer_step"] == 0, "bootstrap")
+        rng = np.random.default_rng(8)
+        upload(url, "f32", 0, 1, random_deltas(rng, model))
+        blob, _ = co.compressed_delta("mxfp4", 32, random_deltas(rng, model), delta_metadata("fp4", 0, 1))
+        with session() as s:
+            r = s.put(f"{url}/nodes/fp4/delta_1.safetensors", data=blob, timeout=30)
+        assert r.status_code == 201, r.text
+        wait_status(url, lambda s: s["outer_step"] == 1, "outer step 1")
+        dom = Dom(dump_dom(tmp_path, url + "/"))
+        rows = {r.attrs.get("data-node"): r for r in dom.by_id("last-nodes").iter() if r.tag == "tr" and r.attrs.get("data-node")}
+        assert set(rows) == {"f32", "fp4"}, rows
+        enc = {n: [c for c in r.children if "enc" in c.classes()][0].text_content() for n, r in rows.items()}
+        assert enc == {"f32": "plain", "fp4": "mxfp4"}, enc
+        sizes = {n: int([c for c in r.children if c.attrs.get("title", "").endswith(" bytes")][0].attrs["title"].split()[0])
+                 for n, r in rows.items()}
+        assert sizes["fp4"] == len(blob) and sizes["fp4"] * 5 < sizes["f32"], sizes
+    finally:
+        assert d.stop(timeout=30) == 0, d.log_text()[-3000:]
