@@ -2,7 +2,8 @@
 #   make                      build/libdiloco.a build/diloco (and build/dilocod once server/ has a main)
 #   make check                install deps + venv, build, C unit tests (plain and ASan/UBSan), pytest
 #   make SANITIZE=address,undefined check   the same suite on instrumented binaries
-#   make fuzz FUZZ_SECONDS=60 libFuzzer on the safetensors header parser
+#   make fuzz FUZZ_SECONDS=60 libFuzzer on the safetensors header parser, the request path and the
+#                              compressed-delta validator
 #   make deps                 install missing Debian packages (no-op when all present)
 
 SHELL       := /bin/bash
@@ -184,10 +185,15 @@ FUZZ_SECONDS ?= 60
 FUZZ_BUILD   := build-fuzz
 FUZZ_FLAGS   := -std=c11 -D_GNU_SOURCE -O1 -g -Icommon $(shell pkg-config --cflags libcjson) \
                 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all
-FUZZ_TARGETS := $(FUZZ_BUILD)/fuzz-header $(FUZZ_BUILD)/fuzz-request
+FUZZ_TARGETS := $(FUZZ_BUILD)/fuzz-header $(FUZZ_BUILD)/fuzz-request $(FUZZ_BUILD)/fuzz-compressed
 FUZZ_SERVER  := $(filter-out server/main.c,$(SERVER_SRC))
 
 $(FUZZ_BUILD)/fuzz-header: tests/fuzz/fuzz-header.c $(COMMON_SRC) $(wildcard common/*.h)
+	@mkdir -p $(@D)
+	clang $(FUZZ_FLAGS) -o $@ $< $(COMMON_SRC) $(shell pkg-config --libs libcjson libcrypto libxxhash) -lm
+
+# The compressed-delta validator (README, "Compressed deltas"): the common sources only.
+$(FUZZ_BUILD)/fuzz-compressed: tests/fuzz/fuzz-compressed.c $(COMMON_SRC) $(wildcard common/*.h)
 	@mkdir -p $(@D)
 	clang $(FUZZ_FLAGS) -o $@ $< $(COMMON_SRC) $(shell pkg-config --libs libcjson libcrypto libxxhash) -lm
 
