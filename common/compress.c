@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "delta.h"
+#include "kernel_clones.h"
 
 static const char *const enc_names[] = {"none", "int8_block", "mxfp8", "mxfp4"};
 
@@ -100,6 +101,7 @@ uint64_t cz_code_bytes(cz_encoding enc, uint64_t n)
 /* ---- the element formats -------------------------------------------------------------------------- */
 
 static float e4m3_table[256], e2m1_table[16], e8m0_table[256];
+static float e2m1_pairs[256][2];        /* byte b: the values of its low and its high nibble */
 static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
 
 static void tables_build(void)
@@ -116,6 +118,10 @@ static void tables_build(void)
         unsigned e = (b >> 1) & 3, m = b & 1;
         float v = e == 0 ? 0.5f * (float)m : ldexpf((float)(2 | m), (int)e - 2);
         e2m1_table[b] = b & 8 ? -v : v;
+    }
+    for (unsigned b = 0; b < 256; b++) {
+        e2m1_pairs[b][0] = e2m1_table[b & 15];
+        e2m1_pairs[b][1] = e2m1_table[b >> 4];
     }
 }
 
@@ -155,14 +161,95 @@ static int64_t first_non_finite(const float *v, size_t n)
     return -1;
 }
 
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* The decoding loops: a code's value from its table (sign and NaN included) times the block's scale,
+ * one F32 multiplication, without branches on values so that they vectorise (KERNEL_CLONES: an
+ * AVX-512 or AVX2 copy where the CPU has it; tests/integration/test_compress.py compares every code
+ * under every scale with numpy).  Each returns whether a value it wrote is not finite (an OR beside the
+ * work, so that a valid delta is read once; the rare failure is then located). */
+#define NOT_FINITE(u) ((uint32_t)(((u) & 0x7f800000u) == 0x7f800000u))
+
+/* 2^(e - 127) as F32 bits: e << 23 for e >= 1, the subnormal 2^-127 for 0, a NaN for 0xFF. */
+static inline uint32_t e8m0_bits(uint32_t e)
+{
+    return e == 255u ? 0x7fc00000u : e == 0 ? 0x00400000u : e << 23;
+}
+
+/* Whole blocks of CZ_MX_BLOCK values, one E8M0 scale each: the inner loop's constant count vectorises
+ * without a remainder. */
+KERNEL_CLONES static uint32_t decode_e4m3_blocks(const unsigned char *restrict c, const unsigned char *restrict e,
+                                                 float *restrict out, size_t nblocks)
+{
+    /* per lane, reduced once at the end: a reduction per block would cost more than the block */
+    uint32_t bad[CZ_MX_BLOCK] = {0}, any = 0;
+    for (size_t k = 0; k < nblocks; k++) {
+        float sc = u2f(e8m0_bits(e[k]));
+        for (size_t j = 0; j < CZ_MX_BLOCK; j++) {
+            float x = e4m3_table[c[k * CZ_MX_BLOCK + j]] * sc;
+            bad[j] |= NOT_FINITE(f2u(x));
+            out[k * CZ_MX_BLOCK + j] = x;
+        }
+    }
+    for (size_t j = 0; j < CZ_MX_BLOCK; j++)
+        any |= bad[j];
+    return any;
+}
+
+static uint32_t decode_e4m3_run(const unsigned char *c, float sc, float *out, size_t n)
+{
+    uint32_t bad = 0;
+    for (size_t j = 0; j < n; j++) {
+        out[j] = e4m3_table[c[j]] * sc;
+        bad |= NOT_FINITE(f2u(out[j]));
+    }
+    return bad;
+}
+
+/* n values from an even value index: byte j holds values 2j (low nibble) and 2j + 1; n may be odd.
+ * Through a table of the 256 bytes' value pairs (2 KiB, in L1): one load per two values. */
+static uint32_t decode_e2m1_run(const unsigned char *restrict c, float sc, float *restrict out, size_t n)
+{
+    size_t pairs = n / 2;
+    uint32_t bad = 0;
+    for (size_t j = 0; j < pairs; j++) {
+        const float *v = e2m1_pairs[c[j]];
+        out[2 * j] = v[0] * sc;
+        out[2 * j + 1] = v[1] * sc;
+    }
+    if (n % 2)
+        out[n - 1] = e2m1_pairs[c[pairs]][0] * sc;
+    /* E2M1 has no NaN: only the scale (NaN, or one that overflows 6 x it) makes a value not finite */
+    float top = 6.0f * sc;
+    bad |= NOT_FINITE(f2u(top));
+    return bad;
+}
+
+KERNEL_CLONES static uint32_t decode_i8_run(const int8_t *restrict c, float sc, float *restrict out, size_t n)
+{
+    uint32_t bad = 0;
+    for (size_t j = 0; j < n; j++) {
+        out[j] = (float)c[j] * sc;
+        bad |= NOT_FINITE(f2u(out[j]));
+    }
+    return bad;
+}
+
 int64_t cz_decode(const cz_spec *s, const void *codes, const void *scales, uint64_t first, float *out, size_t n)
 {
     const uint32_t B = s->block;
-    const unsigned char *q = codes;
+    const unsigned char *q = codes, *sb = scales;
     size_t i = 0;
     int64_t bad_scale = -1;
+    uint32_t bad = 0;
 
     pthread_once(&tables_once, tables_build);
+    if (s->enc == CZ_MXFP8 && first % B == 0) {
+        /* the whole blocks at once */
+        size_t whole = n / CZ_MX_BLOCK;
+        bad |= decode_e4m3_blocks(q, sb, out, whole);
+        i = whole * CZ_MX_BLOCK;
+    }
     /* block by block: the scale is one value for the run of its block's values in [first, first + n) */
     while (i < n) {
         uint64_t v = first + i, blk = v / B - first / B;
@@ -171,34 +258,23 @@ int64_t cz_decode(const cz_spec *s, const void *codes, const void *scales, uint6
             run = n - i;
         if (s->enc == CZ_INT8_BLOCK) {
             float sc;
-            memcpy(&sc, (const unsigned char *)scales + blk * 4, 4);
+            memcpy(&sc, sb + blk * 4, 4);
             /* a negative scale (or -0) is not what the encoder writes: its values count as not finite */
             if (bad_scale < 0 && (f2u(sc) >> 31) != 0)
                 bad_scale = (int64_t)i;
-            const int8_t *c = (const int8_t *)q + i;
-            for (size_t j = 0; j < run; j++)
-                out[i + j] = (float)c[j] * sc;
+            bad |= decode_i8_run((const int8_t *)q + i, sc, out + i, run);
+        } else if (s->enc == CZ_MXFP8) {
+            bad |= decode_e4m3_run(q + i, u2f(e8m0_bits(sb[blk])), out + i, run);
         } else {
-            float sc = e8m0_table[((const unsigned char *)scales)[blk]];
-            if (s->enc == CZ_MXFP8) {
-                const unsigned char *c = q + i;
-                for (size_t j = 0; j < run; j++)
-                    out[i + j] = e4m3_table[c[j]] * sc;
-            } else {
-                /* value v is nibble v & 1 of byte v / 2 (low first); first and i are even, run may be odd */
-                for (size_t j = 0; j < run; j++) {
-                    size_t at = i + j;
-                    unsigned byte = q[at / 2];
-                    out[at] = e2m1_table[at & 1 ? byte >> 4 : byte & 15] * sc;
-                }
-            }
+            /* i is even: first and B are */
+            bad |= decode_e2m1_run(q + i / 2, u2f(e8m0_bits(sb[blk])), out + i, run);
         }
         i += run;
     }
-    int64_t bad = first_non_finite(out, n);
-    if (bad_scale >= 0 && (bad < 0 || bad_scale < bad))
-        bad = bad_scale;
-    return bad;
+    if (!bad)
+        return bad_scale;
+    int64_t at = first_non_finite(out, n);
+    return bad_scale >= 0 && (at < 0 || bad_scale < at) ? bad_scale : at;
 }
 
 /* ---- encoding ------------------------------------------------------------------------------------- */

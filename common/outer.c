@@ -362,6 +362,11 @@ typedef struct outer_map {
 typedef struct outer_bufs {
     unsigned char *raw;         /* 8 bytes per element of an item: the encoded output */
     unsigned char *sub_raw;     /* 8 bytes per element of a sub-block: an input as stored */
+    /* the compressed deltas' codes and scales of the item, read once per item (one pread each, not one
+     * per sub-block): delta k's at zcodes + k * chunk_elems, zscales + k * zscale_room; NULL when no
+     * delta of the pass is compressed */
+    unsigned char *zcodes, *zscales;
+    size_t zscale_room;
     float *param, *buf, *acc;   /* 2 lanes per element of an item: new parameters, momentum, accumulator */
     float *g;                   /* 2 lanes per element of a sub-block: the mean */
     int32_t *keys;              /* ndeltas: a lane's values as sorted totalOrder keys (trimmed_mean, median) */
@@ -421,28 +426,39 @@ static int read_lanes(const outer_pass *p, size_t ti, const st_file *f, const st
     return 0;
 }
 
-/* n values of delta k's compressed key (the model's tensor ti) from value e on, decoded into out: its
- * codes into raw, its scales after them (raw holds SUB_ELEMS * 8 bytes); the checksum terms of both
- * added to *sum.  A value that decodes to NaN or Inf (the file changed since its intake checked it)
- * goes into the step, whose output check refuses it, while the checksum names the change. */
-static int read_codes(const outer_pass *p, size_t ti, size_t k, uint64_t e, size_t n, unsigned char *raw, float *out,
-                      uint64_t *sum, dl_error *err)
+/* Delta k's compressed key (the model's tensor ti) for the item it: its codes and scales into the item's
+ * buffers, one read each. */
+static int read_item_codes(const outer_pass *p, const outer_item *it, size_t k, outer_bufs *b, dl_error *err)
 {
-    const size_t at = ti * p->ndeltas + k;
+    const size_t at = it->tensor * p->ndeltas + k;
     const cz_spec *cz = &p->delta_cz[k];
-    const st_file *f = p->delta_f[at];
-    unsigned char *scales = raw + SUB_ELEMS;
+    const uint64_t n = it->end - it->begin;
     uint64_t soff, slen;
     int rc;
 
-    delta_scales_range(cz, e, n, &soff, &slen);
-    if ((rc = st_read(f, p->delta_t[at], cz_code_bytes(cz->enc, e), raw, (size_t)cz_code_bytes(cz->enc, n), err)) != 0 ||
-        (rc = st_read(f, p->delta_s[at], soff, scales, (size_t)slen, err)) != 0)
+    delta_scales_range(cz, it->begin, n, &soff, &slen);
+    if ((rc = st_read(p->delta_f[at], p->delta_t[at], cz_code_bytes(cz->enc, it->begin), b->zcodes + k * p->chunk_elems,
+                      (size_t)cz_code_bytes(cz->enc, n), err)) != 0)
         return rc;
+    return st_read(p->delta_f[at], p->delta_s[at], soff, b->zscales + k * b->zscale_room, (size_t)slen, err);
+}
+
+/* n values of delta k's compressed key from value e on (s values into the item it), decoded into out
+ * from the item's buffers; the checksum terms of its codes and scales added to *sum.  A value that
+ * decodes to NaN or Inf (the file changed since its intake checked it) goes into the step, whose output
+ * check refuses it, while the checksum names the change. */
+static void decode_codes(const outer_pass *p, size_t ti, size_t k, const outer_bufs *b, size_t s, uint64_t e, size_t n,
+                         float *out, uint64_t *sum)
+{
+    const cz_spec *cz = &p->delta_cz[k];
+    const unsigned char *codes = b->zcodes + k * p->chunk_elems + cz_code_bytes(cz->enc, s);
+    uint64_t soff, slen;
+
+    delta_scales_range(cz, s, n, &soff, &slen);         /* s: a multiple of the block, as e */
+    const unsigned char *scales = b->zscales + k * b->zscale_room + soff;
     if (p->ck != NULL && sum != NULL)
-        *sum += delta_ck_compressed(p->ck, (uint32_t)ti, cz, e, raw, scales, n);
-    (void)cz_decode(cz, raw, scales, e, out, n);
-    return 0;
+        *sum += delta_ck_compressed(p->ck, (uint32_t)ti, cz, e, codes, scales, n);
+    (void)cz_decode(cz, codes, scales, e, out, n);
 }
 
 /* The bytes read for n values of delta k's tensor of the model's tensor ti. */
@@ -959,6 +975,9 @@ static __attribute__((noinline)) int step_item(outer_pass *p, const outer_item *
     const st_tensor *at = p->acc_t[ti];
     int rc;
 
+    for (size_t k = 0; k < nd; k++)
+        if (p->delta_s[ti * nd + k] != NULL && (rc = read_item_codes(p, it, k, b, err)) != 0)
+            return rc;
     for (size_t s = 0; s < n; s += sub) {
         const size_t sn = n - s < sub ? n - s : sub;
         const uint64_t e = it->begin + s;
@@ -981,8 +1000,7 @@ static __attribute__((noinline)) int step_item(outer_pass *p, const outer_item *
                 b->dk[k] = b->maps[k].lanes + s * lanes;
                 sum_in(p, ti, dt->dtype, e, b->dk[k], sn, dsum);
             } else if (p->delta_s[ti * nd + k] != NULL) {
-                if ((rc = read_codes(p, ti, k, e, sn, b->sub_raw, b->d + k * sub * 2, dsum, err)) != 0)
-                    return rc;
+                decode_codes(p, ti, k, b, s, e, sn, b->d + k * sub * 2, dsum);
                 b->dk[k] = b->d + k * sub * 2;
             } else {
                 if ((rc = read_lanes(p, ti, df, dt, e, sn, b->sub_raw, b->d + k * sub * 2, dsum, err)) != 0)
@@ -1160,6 +1178,15 @@ int outer_run(outer_pass *p)
     dl_error_clear(&err);
     b.raw = malloc(ce * 8);
     b.sub_raw = malloc(SUB_ELEMS * 8);
+    for (size_t k = 0; k < p->ndeltas; k++) {
+        if (p->delta_cz[k].enc != CZ_NONE && b.zcodes == NULL) {
+            b.zscale_room = (size_t)(ce / CZ_BLOCK_MIN * 4 + 4);
+            b.zcodes = malloc(ce * p->ndeltas);
+            b.zscales = malloc(b.zscale_room * p->ndeltas);
+            if (b.zcodes == NULL || b.zscales == NULL)
+                b.sub_raw = (free(b.sub_raw), NULL);     /* reported with the others below */
+        }
+    }
     b.param = malloc(ce * 2 * sizeof(float));
     b.buf = malloc(ce * 2 * sizeof(float));
     b.acc = malloc(ce * 2 * sizeof(float));
@@ -1219,6 +1246,8 @@ out:
     unmap_inputs(&b.amap, 1);
     free(b.raw);
     free(b.sub_raw);
+    free(b.zcodes);
+    free(b.zscales);
     free(b.param);
     free(b.buf);
     free(b.acc);
