@@ -1178,15 +1178,6 @@ int outer_run(outer_pass *p)
     dl_error_clear(&err);
     b.raw = malloc(ce * 8);
     b.sub_raw = malloc(SUB_ELEMS * 8);
-    for (size_t k = 0; k < p->ndeltas; k++) {
-        if (p->delta_cz[k].enc != CZ_NONE && b.zcodes == NULL) {
-            b.zscale_room = (size_t)(ce / CZ_BLOCK_MIN * 4 + 4);
-            b.zcodes = malloc(ce * p->ndeltas);
-            b.zscales = malloc(b.zscale_room * p->ndeltas);
-            if (b.zcodes == NULL || b.zscales == NULL)
-                b.sub_raw = (free(b.sub_raw), NULL);     /* reported with the others below */
-        }
-    }
     b.param = malloc(ce * 2 * sizeof(float));
     b.buf = malloc(ce * 2 * sizeof(float));
     b.acc = malloc(ce * 2 * sizeof(float));
@@ -1202,6 +1193,16 @@ int outer_run(outer_pass *p)
         dl_fail(&err, DL_E_NO_MEMORY, NULL, 0, "out of memory for aggregation buffers");
         rc = fail_locked(p, &err);
         goto out;
+    }
+    for (size_t k = 0; k < p->ndeltas && b.zcodes == NULL; k++) {
+        if (p->delta_cz[k].enc == CZ_NONE)
+            continue;
+        b.zscale_room = (size_t)(ce / CZ_BLOCK_MIN * 4 + 4);
+        if ((b.zcodes = malloc(ce * p->ndeltas)) == NULL || (b.zscales = malloc(b.zscale_room * p->ndeltas)) == NULL) {
+            dl_fail(&err, DL_E_NO_MEMORY, NULL, 0, "out of memory for the compressed deltas' buffers");
+            rc = fail_locked(p, &err);
+            goto out;
+        }
     }
     /* Mapped pages count in RSS while they are mapped: whole units only while one item's windows stay
      * within 4 budgets (8 deltas, the global and the momentum at the default 16 MiB: 55 MiB), else

@@ -168,15 +168,16 @@ static intake_status copy_plain(intake_req *r, int src, int dst, const st_tensor
 static intake_status copy_tensors(intake_req *r, int src, int dst, const st_header *h, uint64_t data_start,
                                   int codes_only)
 {
-    copy_bufs cb = {malloc(COPY_CHUNK), NULL, NULL};
+    copy_bufs cb = {NULL, NULL, NULL};
     intake_status st = INTAKE_OK;
     uint64_t sum = 0;
+    int oom = (cb.data = malloc(COPY_CHUNK)) == NULL;
 
-    if (r->info.cz.enc != CZ_NONE) {
-        cb.scales = malloc(COPY_CHUNK / sizeof(float) / CZ_BLOCK_MIN * 4 + 4);
-        cb.values = malloc(COPY_CHUNK);
+    if (!oom && r->info.cz.enc != CZ_NONE) {
+        oom = (cb.scales = malloc(COPY_CHUNK / sizeof(float) / CZ_BLOCK_MIN * 4 + 4)) == NULL;
+        oom = oom || (cb.values = malloc(COPY_CHUNK)) == NULL;
     }
-    if (cb.data == NULL || (r->info.cz.enc != CZ_NONE && (cb.scales == NULL || cb.values == NULL)))
+    if (oom)
         st = intake__io_fail(r, ENOMEM, "out of memory for the copy buffer");
     for (size_t i = 0; i < h->ntensors && st == INTAKE_OK; i++) {
         const st_tensor *t = &h->tensors[i];

@@ -398,3 +398,36 @@ def test_a_model_with_a_scales_like_key_takes_plain_deltas_only(tmp_path):
         assert code == 201, resp
     finally:
         assert d.stop() == 0
+
+
+def test_compressed_deltas_in_async_mode(tmp_path):
+    """--mode async with a grace window: each update's batch (int8_block, mxfp8 and mxfp4, sent in that
+    order) is decoded and aggregated, then Delayed Nesterov; every update equals the async oracle fed the
+    decoded deltas, and median composes with it."""
+    from test_async import AsyncOracle
+    from test_robust import rule_oracle
+    init = model(4)
+    oracle = AsyncOracle(init, 2, lr=LR, mu=MU)
+    d = start(tmp_path, init, "--mode", "async", "--expected-nodes", "3", "--dn-period", "2", "--grace-ms", "1500",
+              "--lr", str(LR), "--momentum", str(MU), "--aggregate", "median")
+    encs = {"w0": ("int8_block", 128), "w1": ("mxfp8", 32), "w2": ("mxfp4", 32)}
+    rng = np.random.default_rng(23)
+    try:
+        for step in range(3):
+            batch = {}
+            for node, (enc, block) in encs.items():
+                delta = {k: (rng.standard_normal(tuple(v.shape)) * 0.01).astype(np.float32)
+                         for k, v in init.items() if v.is_floating_point()}
+                plain = tuple(k for k, v in delta.items() if enc == "mxfp4" and v.size % 2)
+                body, batch[node] = co.compressed_delta(enc, block, delta, delta_metadata(node, step, step + 1), plain)
+                code, resp = put(d, node, step + 1, body)
+                assert code == 201, resp
+            wait_step(d, step + 1)
+            rec = record_of(d, step + 1)
+            assert [n["node_id"] for n in rec["nodes"]] == ["w0", "w1", "w2"], rec
+            oracle.update([batch[n] for n in ("w0", "w1", "w2")], rec["weight"],
+                          aggregate=lambda xs: rule_oracle("median", xs))
+            raw = served(d)
+            assert raw == st_save({k: v.contiguous() for k, v in oracle.state.items()})
+    finally:
+        assert d.stop() == 0
