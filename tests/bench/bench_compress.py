@@ -25,6 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration"))
 import compress_oracle as co  # noqa: E402
+from bench_robust import run as run_variant  # noqa: E402
 from bench_round import TENSORS, write_delta, write_model  # noqa: E402
 
 BUILD = Path(sys.argv[1] if len(sys.argv) > 1 else "build").resolve()
@@ -58,13 +59,7 @@ def write_compressed(path, enc, n, rng, node):
 
 
 def run(init, out, deltas, momentum):
-    env = dict(os.environ, DEFER="1")
-    if momentum is not None:
-        env["MOMENTUM"] = str(momentum)
-    p = subprocess.run([str(BUILD / "tests" / "bench-outer"), str(os.cpu_count()), str(init), str(out),
-                        *map(str, deltas)], env=env, capture_output=True, text=True, check=True)
-    m = re.search(r"compute ([\d.]+) s \(([\d.]+) GB/s; ([\d.]+) CPU s\)", p.stdout)
-    return float(m.group(1)), float(m.group(3))
+    return run_variant({}, init, out, deltas, momentum)
 
 
 def triad_gbps():

@@ -220,6 +220,27 @@ def test_encoder_and_residual_equal_the_oracle(tmp_path, enc, block):
 WORKERS = {"w0": None, "w1": ("int8_block", 64), "w2": ("mxfp8", 32), "w3": ("mxfp4", 32)}
 
 
+def worker_round(tmp, glob, rng, step, residual):
+    """Every worker of WORKERS trains from glob and makes its delta for step with diloco delta (F32, or
+    --encode with its residual), checked against the oracle's error feedback: -> ({node: file bytes},
+    {node: decoded values}); residual is updated."""
+    bodies, decoded = {}, {}
+    for node, spec in WORKERS.items():
+        wdir = tmp / node
+        wdir.mkdir(exist_ok=True)
+        cur = step_model(rng, glob, 0.01 * (1 + int(node[1])))
+        delta = f32_delta(glob, cur)
+        extra = [] if spec is None else ["--encode", spec[0], "--block", str(spec[1]),
+                                          "--residual", str(wdir / "residual.safetensors")]
+        bodies[node] = diloco_delta(wdir, glob, cur, node, step - 1, step, wdir / f"delta_{step}.safetensors", *extra)
+        if spec is None:
+            decoded[node] = delta
+        else:
+            decoded[node], residual[node] = check_file_against_oracle(bodies[node], spec[0], spec[1], delta,
+                                                                      residual[node])
+    return bodies, decoded
+
+
 def test_rounds_mixing_encodings_equal_torch_over_http_and_file(tmp_path):
     """w0 sends F32 and w1 int8_block over HTTP; w2 (mxfp8) and w3 (mxfp4) write into the file:// tree.
     Each makes its delta with diloco delta from the global it trained from; three Nesterov rounds equal
@@ -235,23 +256,9 @@ def test_rounds_mixing_encodings_equal_torch_over_http_and_file(tmp_path):
     sent = {}
     try:
         for step in range(1, 4):
-            glob = torch_load_bytes(served(d))
-            decoded = {}
-            for node, spec in WORKERS.items():
-                wdir = tmp_path / node
-                wdir.mkdir(exist_ok=True)
-                cur = step_model(rng, glob, 0.01 * (1 + int(node[1])))
-                delta = f32_delta(glob, cur)
-                extra = [] if spec is None else ["--encode", spec[0], "--block", str(spec[1]),
-                                                  "--residual", str(wdir / "residual.safetensors")]
-                out = wdir / f"delta_{step}.safetensors"
-                data = diloco_delta(wdir, glob, cur, node, step - 1, step, out, *extra)
-                sent[node] = data
-                if spec is None:
-                    decoded[node] = delta
-                else:
-                    decoded[node], residual[node] = check_file_against_oracle(data, spec[0], spec[1], delta,
-                                                                              residual[node])
+            bodies, decoded = worker_round(tmp_path, torch_load_bytes(served(d)), rng, step, residual)
+            sent.update(bodies)
+            for node, data in bodies.items():
                 if node in ("w0", "w1"):
                     code, resp = put(d, node, step, data)
                     assert code == 201, resp

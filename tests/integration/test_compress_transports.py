@@ -9,7 +9,6 @@ os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 
 import numpy as np  # noqa: E402
-import pytest  # noqa: E402
 import requests  # noqa: E402
 import torch  # noqa: E402
 from huggingface_hub import HfApi  # noqa: E402
@@ -17,11 +16,9 @@ from safetensors.torch import load as torch_load_bytes  # noqa: E402
 
 import compress_oracle as co  # noqa: E402
 from dilocod_proc import Oracle, assert_state_equal, delta_metadata, write_model  # noqa: E402
-from s3server import SeaweedS3  # noqa: E402
-from test_compress import (LR, MU, WORKERS, check_file_against_oracle, diloco_delta, f32_delta, model,  # noqa: E402
-                           pytestmark, read_raw, step_model)
+from test_compress import LR, MU, WORKERS, model, pytestmark, read_raw, worker_round  # noqa: E402
 from test_daemon_hf import REPO, TOKEN, WREV, HfDilocod, HubSim, _hf_home, procs  # noqa: E402,F401 (fixtures)
-from test_s3 import S3Dilocod  # noqa: E402
+from test_s3 import S3Dilocod, s3  # noqa: E402,F401 (the fixture)
 
 assert pytestmark is not None
 
@@ -32,25 +29,6 @@ def served(d):
 
 def status(d):
     return requests.get(f"{d.url}/status", timeout=10).json()
-
-
-def worker_round(tmp, glob, rng, step, residual):
-    """Every worker's delta for step from glob: {node: file bytes}, {node: decoded}."""
-    bodies, decoded = {}, {}
-    for node, spec in WORKERS.items():
-        wdir = tmp / node
-        wdir.mkdir(exist_ok=True)
-        cur = step_model(rng, glob, 0.01 * (1 + int(node[1])))
-        delta = f32_delta(glob, cur)
-        extra = [] if spec is None else ["--encode", spec[0], "--block", str(spec[1]),
-                                          "--residual", str(wdir / "residual.safetensors")]
-        bodies[node] = diloco_delta(wdir, glob, cur, node, step - 1, step, wdir / f"delta_{step}.safetensors", *extra)
-        if spec is None:
-            decoded[node] = delta
-        else:
-            decoded[node], residual[node] = check_file_against_oracle(bodies[node], spec[0], spec[1], delta,
-                                                                      residual[node])
-    return bodies, decoded
 
 
 def nan_scale_delta(init, step):
@@ -80,13 +58,6 @@ def run_rounds(tmp, d, put, wait_published, init):
     assert workers == {n: (s[0] if s else "none") for n, s in WORKERS.items()}, workers
     assert d.log_text().count("decode to a non-finite value") == 1       # judged once
     assert status(d)["counters"]["rejected"] >= 1
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs")).start()
-    yield server
-    server.stop()
 
 
 def test_s3_rounds_of_compressed_deltas(tmp_path, s3):

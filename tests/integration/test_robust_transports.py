@@ -28,10 +28,9 @@ from safetensors.numpy import save as np_save  # noqa: E402
 from safetensors.torch import load as torch_load_bytes  # noqa: E402
 
 from dilocod_proc import assert_state_equal, delta_metadata, random_deltas, write_model  # noqa: E402
-from s3server import SeaweedS3  # noqa: E402
 from test_daemon_hf import REPO, TOKEN, WREV, HfDilocod, HubSim, _hf_home, procs  # noqa: E402,F401 (fixtures)
 from test_robust import LR, MU, RuleOracle, norm_oracle, pytestmark  # noqa: E402,F401
-from test_s3 import S3Dilocod  # noqa: E402
+from test_s3 import S3Dilocod, s3  # noqa: E402,F401 (the fixture)
 from test_shards_hub import model, s3_list_requests, save_set  # noqa: E402
 
 RATIO = 10
@@ -68,13 +67,6 @@ def check_quarantine(d, step, node, reason_basis, norm):
 
 
 # ---- s3:// ----------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs")).start()
-    yield server
-    server.stop()
-
 
 def test_s3_outlier_is_skipped_and_judged_once(tmp_path, s3):
     init = model()
