@@ -562,18 +562,67 @@ int delta_check_header(const st_header *delta, const st_header *global, const ch
     return rc;
 }
 
-int delta_check_shard_header(const st_header *shard, const st_tensor *const *global, size_t nglobal, dl_error *err)
+int delta_may_be_scales(const st_header *global, const st_tensor *t)
 {
+    return cz_is_scales_name(t->name, t->name_len) && st_header_find(global, t->name, t->name_len) == NULL;
+}
+
+/* A shard's scales tensor d (named K + suffix, K not NULL when it is a model's floating key): against
+ * the encoding when it is known, else the dtypes of every encoding's scales; its codes in this shard. */
+static int check_shard_scales(const st_header *shard, const st_tensor *d, const st_tensor *k, const cz_spec *cz,
+                              dl_error *err)
+{
+    const st_tensor *codes = k != NULL ? st_header_find(shard, k->name, k->name_len) : NULL;
+    int dtype_ok = cz != NULL ? d->dtype == cz_scale_dtype(cz->enc) : (d->dtype == ST_F32 || d->dtype == ST_F8_E8M0);
+
+    if (k == NULL || k->dtype == ST_C64)
+        return dl_fail(err, DL_E_KEY_MISMATCH, d->name, d->name_len, "scales for a key the model has no floating weight for");
+    if (codes == NULL || delta_plain_dtype(codes->dtype))
+        return dl_fail(err, DL_E_KEY_MISMATCH, d->name, d->name_len,
+                       "scales without their key's codes in this shard: a key's codes and scales must be in one shard");
+    if (!dtype_ok || d->ndim != 1)
+        return dl_fail(err, DL_E_DTYPE_MISMATCH, d->name, d->name_len, "scales have dtype %s and %zu dimensions",
+                       st_dtype_name(d->dtype), d->ndim);
+    if (cz != NULL && d->shape[0] != cz_nscales(codes->nelem, cz->block))
+        return dl_fail(err, DL_E_SHAPE_MISMATCH, d->name, d->name_len,
+                       "scales must have shape [%llu] (one per block of %u of the key's %llu values)",
+                       (unsigned long long)cz_nscales(codes->nelem, cz->block), cz->block,
+                       (unsigned long long)codes->nelem);
+    return 0;
+}
+
+int delta_check_shard_header(const st_header *shard, const st_tensor *const *global, size_t nglobal,
+                             const cz_spec *cz, dl_error *err)
+{
+    int compressed_ok = cz == NULL || cz->enc != CZ_NONE;
+    int oom = 0;
+
     for (size_t i = 0; i < shard->ntensors; i++) {
         const st_tensor *d = &shard->tensors[shard->by_name[i]];
         const st_tensor *g = by_name_find(global, nglobal, d);
         int rc;
+        if (g == NULL && compressed_ok && cz_is_scales_name(d->name, d->name_len)) {
+            const st_tensor *k = find_joined(global, nglobal, d->name, d->name_len - CZ_SCALES_SUFFIX_LEN, "", 0, &oom);
+            if (oom)
+                return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+            if ((rc = check_shard_scales(shard, d, k != NULL && st_dtype_is_floating(k->dtype) ? k : NULL, cz, err)) != 0)
+                return rc;
+            continue;
+        }
         if (g == NULL || !st_dtype_is_floating(g->dtype))
             return dl_fail(err, DL_E_KEY_MISMATCH, d->name, d->name_len,
                            g != NULL ? "delta carries a non-floating key of the global model"
                                      : "delta carries a key the global model does not have");
-        if ((rc = check_one(g, d, NULL, err)) != 0)
+        /* codes: of the set's encoding, or (not known yet) of the encoding their dtype belongs to */
+        const cz_spec guess = {d->dtype == ST_F8_E4M3 ? CZ_MXFP8 : d->dtype == ST_F4 ? CZ_MXFP4 : CZ_INT8_BLOCK, 0};
+        if ((rc = check_one(g, d, cz != NULL ? cz : &guess, err)) != 0)
             return rc;
+        if (!delta_plain_dtype(d->dtype)) {
+            const st_tensor *sc = delta_scales_of(shard, d);
+            if (sc == NULL)
+                return dl_fail(err, DL_E_KEY_MISMATCH, d->name, d->name_len,
+                               "codes without their scales in this shard: a key's codes and scales must be in one shard");
+        }
     }
     return 0;
 }
@@ -592,12 +641,21 @@ int delta_check_set_header(const st_set *delta, const st_tensor *const *global, 
     st_set_metadata(delta, &meta, &nmeta);
     if ((rc = delta_check_meta(meta, nmeta, path, info, err)) != 0)
         return rc;
-    /* a set's shards are checked one by one as they arrive, before the index names the encoding */
-    if (info->cz.enc != CZ_NONE && delta->nfiles > 1)
-        return dl_fail(err, DL_E_UNSUPPORTED_DTYPE, NULL, 0,
-                       "a compressed delta (encoding %s) is one file: sharded compressed deltas are not taken",
-                       cz_encoding_name(info->cz.enc));
-    return delta_check_tensors(delta->by_name, delta->ntensors, global, nglobal, &info->cz, err);
+    if ((rc = delta_check_tensors(delta->by_name, delta->ntensors, global, nglobal, &info->cz, err)) != 0)
+        return rc;
+    /* each compressed key's codes and scales in one shard: each shard decodes on its own */
+    for (size_t i = 0; info->cz.enc != CZ_NONE && i < delta->ntensors; i++) {
+        const st_tensor *t = delta->by_name[i];
+        uint32_t fc = 0, fs = 0;
+        if (!delta_is_scales(&info->cz, t))
+            continue;
+        (void)st_set_find(delta, t->name, t->name_len, &fs);
+        if (st_set_find(delta, t->name, t->name_len - CZ_SCALES_SUFFIX_LEN, &fc) != NULL && fc != fs)
+            return dl_fail(err, DL_E_KEY_MISMATCH, t->name, t->name_len,
+                           "the scales are in shard %u, their codes in shard %u: a key's codes and scales must be in "
+                           "one shard", fs + 1, fc + 1);
+    }
+    return 0;
 }
 
 /* Whether any of n lanes has an all-ones exponent: a branch-free OR the compiler vectorises, in an

@@ -117,9 +117,12 @@ int delta_check_tensors(const st_tensor *const *delta, size_t nd, const st_tenso
 /* A header's tensors in name order (malloc'd array to free()), for the two functions above. */
 int delta_header_by_name(const st_header *h, const st_tensor ***out, dl_error *err);
 /* One shard of a delta set, on its own (as it arrives, before the others and the index): every
- * tensor is a floating key of global with its shape and a delta dtype. */
+ * tensor is a floating key of global with its shape and a delta dtype, or (compressed deltas,
+ * compress.h) a key's codes with its scales in this same shard.  cz is the set's encoding when the
+ * index was read first, or NULL when it is not known yet (an upload's shard): then codes of any
+ * encoding and scales are taken provisionally, and delta_check_set_header decides. */
 int delta_check_shard_header(const st_header *shard, const st_tensor *const *global, size_t nglobal,
-                             dl_error *err);
+                             const cz_spec *cz, dl_error *err);
 /* A whole set (st_set_assemble/st_set_open already checked it is consistent): metadata from the
  * index against path, then the union of keys and shapes against the global's floating set.  Also
  * takes a one-file st_set (st_set_wrap), with the file's metadata. */
@@ -134,6 +137,9 @@ static inline int delta_is_scales(const cz_spec *cz, const st_tensor *t)
 {
     return cz->enc != CZ_NONE && cz_is_scales_name(t->name, t->name_len);
 }
+/* The same for a tensor whose delta's encoding is not known yet (an uploaded shard before its index):
+ * named as scales and not a key of the model (a model with such a key takes plain deltas only). */
+int delta_may_be_scales(const st_header *global, const st_tensor *t);
 /* The scales tensor of codes tensor t in h (compress.h), or NULL. */
 const st_tensor *delta_scales_of(const st_header *h, const st_tensor *t);
 /* Decodes n values of codes tensor t from value first (a multiple of the block) into out: codes and

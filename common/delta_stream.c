@@ -31,7 +31,7 @@ static int scan_data(delta_stream *s, const unsigned char *p, size_t n, dl_error
         uint64_t in_tensor = t->end - data_pos;
         size_t take = n < in_tensor ? n : (size_t)in_tensor;
         size_t i = 0;
-        if (!delta_plain_dtype(t->dtype) || delta_is_scales(&s->info.cz, t)) {
+        if (!delta_plain_dtype(t->dtype) || delta_may_be_scales(s->global, t)) {
             /* a compressed key's codes or scales: decoded together once the file is whole
              * (delta_stream_finish leaves the norm to that check) */
             p += take;

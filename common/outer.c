@@ -78,9 +78,6 @@ static int bind_deltas(outer_pass *p, size_t *nscales, dl_error *err)
         int rc = cz_spec_from_meta(meta, nmeta, &p->delta_cz[k], err);
         if (rc != 0)
             return rc;
-        if (p->delta_cz[k].enc != CZ_NONE && p->deltas[k]->nfiles != 1)
-            return dl_fail(err, DL_E_UNSUPPORTED_DTYPE, NULL, 0, "%s: a compressed delta is one file",
-                           p->delta_paths[k]);
     }
     for (size_t ti = 0; ti < g->ntensors; ti++) {
         const st_tensor *t = &g->tensors[ti];

@@ -284,7 +284,7 @@ int set_shard_parse_header(upload *u, dl_error *err)
 
     if (rc != 0)
         return rc;
-    return delta_check_shard_header(u->ds.h, u->gby, u->ngby, err);
+    return delta_check_shard_header(u->ds.h, u->gby, u->ngby, NULL, err);     /* before the index: not known */
 }
 
 /* A shard's own metadata, when it carries the delta's (huggingface_hub's shards carry only
@@ -510,9 +510,19 @@ static void index_work(pool_job *j)
         goto out;
     if ((rc = delta_check_meta(ix->meta, ix->nmeta, u->rel, &u->ds.info, &j->err)) != 0)
         goto out;
+    uint64_t nscales = 0;
     for (size_t i = 0; i < ix->nentries; i++) {
         const st_index_entry *e = &ix->entries[i];
         const st_tensor *t = st_header_find(daemon_model(d), e->name, e->name_len);
+        /* a compressed set's scales: named after a floating key (the set's check matches them to its codes) */
+        if (t == NULL && u->ds.info.cz.enc != CZ_NONE && cz_is_scales_name(e->name, e->name_len)) {
+            t = st_header_find(daemon_model(d), e->name, e->name_len - CZ_SCALES_SUFFIX_LEN);
+            if (t != NULL && st_dtype_is_floating(t->dtype)) {
+                nscales++;
+                continue;
+            }
+            t = NULL;
+        }
         if (t == NULL || !st_dtype_is_floating(t->dtype)) {
             rc = dl_fail(&j->err, DL_E_KEY_MISMATCH, e->name, e->name_len,
                          t != NULL ? "the index lists a non-floating key of the global model"
@@ -520,9 +530,10 @@ static void index_work(pool_job *j)
             goto out;
         }
     }
-    if (ix->nentries != u->index_nfloat) {
+    if (ix->nentries != u->index_nfloat + nscales) {
         rc = dl_fail(&j->err, DL_E_KEY_MISMATCH, NULL, 0, "the index lists %zu tensors; the global has %" PRIu64
-                     " floating tensors", ix->nentries, u->index_nfloat);
+                     " floating tensors (and the index %" PRIu64 " compressed keys' scales)", ix->nentries,
+                     u->index_nfloat, nscales);
         goto out;
     }
     u->nshards = ix->nshards;
@@ -635,10 +646,29 @@ typedef struct complete_args {
     size_t ngby;
     char rel[160];              /* nodes/<id>/delta_<n>.safetensors.index.json */
     delta_info info;
+    delta_norm codes_norm;      /* a compressed set's: its codes' values (the shards' streams skipped them) */
     char *cache_path;
     uint64_t size;
     intake_status st;
 } complete_args;
+
+/* A compressed set's codes, shard by shard (each holds its keys' codes and scales, delta_check_set_header):
+ * decoded and checked finite from our staged copies, their norm into *norm. */
+static intake_status check_set_codes(const st_header *global, const st_set *set, delta_info *info, delta_norm *norm,
+                                     dl_error *err)
+{
+    intake_status st = INTAKE_OK;
+
+    for (size_t i = 0; i < set->nfiles && st == INTAKE_OK; i++) {
+        const st_file *f = set->files[i];
+        int fd;
+        if (st_file_acquire(f, &fd, err) != 0)
+            return INTAKE_IO;
+        st = intake_check_codes(global, fd, f->h, info, norm, err);
+        st_file_release(f);
+    }
+    return st;
+}
 
 /* On the pool: the set as a whole (every listed tensor in its shard and in no other, total_size, the
  * metadata against the path, the union of keys against the global), then linked into the cache. */
@@ -659,7 +689,10 @@ static void complete_work(pool_job *j)
     } else if (st_index_load(ipath, &ix, &j->err) != 0) {
         a->st = j->err.code == DL_E_IO || j->err.code == DL_E_NO_MEMORY ? INTAKE_IO : INTAKE_INVALID;
     } else if ((a->st = intake_check_set_dir(s->dir, ix, a->gby, a->ngby, a->rel, &a->info, &set, &shard_bytes,
-                                             &j->err)) == INTAKE_OK) {
+                                             &j->err)) == INTAKE_OK &&
+               (a->info.cz.enc == CZ_NONE ||
+                (a->st = check_set_codes(daemon_model(daemon_of_job(j)), set, &a->info, &a->codes_norm, &j->err)) ==
+                    INTAKE_OK)) {
         a->size = s->index_bytes + shard_bytes;
         a->st = intake_link_set_into_cache(daemon_store(daemon_of_job(j))->dir, &a->info, s->dir, set->index, &a->cache_path, &j->err);
     }
@@ -677,8 +710,7 @@ static void complete_done(pool_job *j)
     s->completing = 0;
     if (a->st == INTAKE_OK) {
         /* the set's norm: its shards' exact sums merged (delta_norm.h) */
-        delta_norm total;
-        delta_norm_init(&total);
+        delta_norm total = a->codes_norm;
         for (uint32_t i = 0; i < s->nshards; i++)
             delta_norm_merge(&total, &s->part_norm[i]);
         a->info.norm = sqrt(delta_norm_sumsq(&total));

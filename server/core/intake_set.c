@@ -222,7 +222,7 @@ static intake_status take_shard(intake_req *r, int dirfd, const st_index *ix, ui
     }
     if ((st = intake__read_header(r, src, *bytes, prefix, &json, &n, &h)) != INTAKE_OK)
         goto out;
-    if (delta_check_shard_header(h, global, nglobal, &r->err) != 0 ||
+    if (delta_check_shard_header(h, global, nglobal, &r->info.cz, &r->err) != 0 ||
         check_shard_against_index(ix, i, listed, h, &r->err) != 0) {
         st = INTAKE_INVALID;
         goto out;

@@ -438,3 +438,92 @@ def test_compressed_deltas_in_async_mode(tmp_path):
             assert raw == st_save({k: v.contiguous() for k, v in oracle.state.items()})
     finally:
         assert d.stop() == 0
+
+
+# ---- sharded compressed sets ----------------------------------------------------------------------
+
+def compressed_set(enc, block, delta, meta, groups):
+    """A sharded compressed delta as huggingface_hub lays a set out: shards delta_<n>-0000i-of-0000N
+    holding the keys of groups[i] (each key with its scales), and the index with the delta metadata
+    (encoding and block too) and total_size.  -> ({file name: bytes}, {key: decoded})."""
+    local = meta["local_step"]
+    files, decoded, weight_map, total = {}, {}, {}, 0
+    n = len(groups)
+    for i, keys in enumerate(groups):
+        name = f"delta_{local}-{i + 1:05d}-of-{n:05d}.safetensors"
+        tensors = {}
+        for k in keys:
+            v = np.asarray(delta[k], dtype=np.float32)
+            codes, scales = co.encode(enc, v, block)
+            tensors[k] = (co.CODE_DTYPE[enc], v.shape, codes)
+            tensors[k + co.SUFFIX] = (co.SCALE_DTYPE[enc], (scales.size,), scales)
+            decoded[k] = co.decode(enc, codes, scales, block, v.shape)
+            for t in (k, k + co.SUFFIX):
+                weight_map[t] = name
+                total += np.asarray(tensors[t][2]).nbytes
+        files[name] = co.serialize(tensors, {"format": "pt"})
+    index = {"metadata": dict(meta, encoding=enc, block=str(block), total_size=total), "weight_map": weight_map}
+    files[f"delta_{local}.safetensors.index.json"] = json.dumps(index).encode()
+    return files, decoded
+
+
+def put_file(d, node, name, body):
+    req = urllib.request.Request(f"{d.url}/nodes/{node}/{name}", data=body, method="PUT")
+    try:
+        with opener().open(req, timeout=30) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_sharded_compressed_sets_over_http_and_file(tmp_path):
+    """Two nodes send sharded compressed sets (each key's codes and scales in one shard): w1 uploads its
+    shards and then its index over HTTP, w2 writes its set into the file:// tree; a third sends one file.
+    The round equals torch on the decoded deltas, the records' intake norms are the decoded deltas'; a set
+    that splits a key's codes from its scales is refused, naming the rule."""
+    init = {"a.w": torch.randn(40, 16, generator=torch.Generator().manual_seed(3)),
+            "b.big": torch.randn(3, 4100, generator=torch.Generator().manual_seed(4)),
+            "c.v": torch.randn(64, generator=torch.Generator().manual_seed(5))}
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    d = start(tmp_path, init, "--expected-nodes", "3", "--lr", str(LR), "--momentum", str(MU), hub=hub)
+    oracle = Oracle(init, lr=LR, momentum=MU)
+    rng = np.random.default_rng(31)
+    delta = {n: {k: (rng.standard_normal(tuple(v.shape)) * 0.01).astype(np.float32) for k, v in init.items()}
+             for n in ("w0", "w1", "w2")}
+    try:
+        # a set whose b.big codes and scales are in two shards: refused at the index
+        files, _ = compressed_set("mxfp8", 32, delta["w1"], delta_metadata("w1", 0, 1), [["a.w", "b.big", "c.v"]])
+        shard = read_raw(files["delta_1-00001-of-00001.safetensors"])
+        split = {"delta_1-00001-of-00002.safetensors": co.serialize({k: (dt, s, np.frombuffer(b, np.uint8))
+                                                                   for k, (dt, s, b) in shard.items() if k != "b.big.__scales__"}),
+                 "delta_1-00002-of-00002.safetensors": co.serialize({"b.big.__scales__": (shard["b.big.__scales__"][0], shard["b.big.__scales__"][1],
+                                                                                         np.frombuffer(shard["b.big.__scales__"][2], np.uint8))})}
+        code, resp = put_file(d, "w1", "delta_1-00001-of-00002.safetensors", split["delta_1-00001-of-00002.safetensors"])
+        assert code == 422 and "one shard" in resp["error"]["message"], resp
+        # w1 over HTTP: shards first, the index last
+        files, dec1 = compressed_set("mxfp4", 32, delta["w1"], delta_metadata("w1", 0, 1), [["a.w", "c.v"], ["b.big"]])
+        for name, body in files.items():
+            code, resp = put_file(d, "w1", name, body)
+            assert code in (201, 202), (name, code, resp)
+        # w2 into the tree: shards, then the index
+        files2, dec2 = compressed_set("int8_block", 64, delta["w2"], delta_metadata("w2", 0, 1), [["b.big"], ["a.w", "c.v"]])
+        ndir = hub / "nodes" / "w2"
+        ndir.mkdir(parents=True)
+        for name, body in files2.items():
+            (ndir / f".{name}.tmp").write_bytes(body)
+            (ndir / f".{name}.tmp").rename(ndir / name)
+        # w0: one mxfp8 file
+        body0, dec0 = co.compressed_delta("mxfp8", 32, delta["w0"], delta_metadata("w0", 0, 1))
+        code, resp = put(d, "w0", 1, body0)
+        assert code == 201, resp
+        wait_step(d, 1)
+        decoded = {"w0": dec0, "w1": dec1, "w2": dec2}
+        want = oracle.step({n: {k: torch.from_numpy(v.copy()) for k, v in dd.items()} for n, dd in decoded.items()})
+        assert served(d) == st_save({k: v.contiguous() for k, v in want.items()})
+        rec = record_of(d, 1)
+        for n in rec["nodes"]:
+            assert n["intake_norm"] == norm_oracle(decoded[n["node_id"]]), n
+        assert {n["node_id"]: n.get("encoding") for n in rec["nodes"]} == {"w0": "mxfp8", "w1": "mxfp4", "w2": "int8_block"}
+    finally:
+        assert d.stop() == 0

@@ -238,8 +238,8 @@ TEST(writer_and_set_view)
     CHECK_EQ(delta_check_set_header(s, s->by_name, s->ntensors, "nodes/w1/delta_5-00001-of-00002.safetensors", &info,
                                     &err), -DL_E_INVALID_PATH);
     /* each shard on its own is a subset of the floating keys */
-    CHECK_EQ(delta_check_shard_header(s->files[1]->h, s->by_name, s->ntensors, &err), 0);
-    CHECK_EQ(delta_check_shard_header(s->files[1]->h, s->by_name, 2, &err), -DL_E_KEY_MISMATCH);
+    CHECK_EQ(delta_check_shard_header(s->files[1]->h, s->by_name, s->ntensors, NULL, &err), 0);
+    CHECK_EQ(delta_check_shard_header(s->files[1]->h, s->by_name, 2, NULL, &err), -DL_E_KEY_MISMATCH);
     st_set_close(s);
     /* writing the plain file replaces the set */
     CHECK_EQ(write_set(path, 0), 0);
