@@ -95,3 +95,32 @@ def test_hf_rounds_of_compressed_deltas(tmp_path, procs):
     d.wait_published(0)
     run_rounds(tmp_path, d, put, d.wait_published, init)
     assert d.stop() == 0
+
+
+def test_s3_sharded_compressed_set(tmp_path, s3):
+    """A sharded mxfp4 set (each key's codes and scales in one shard) put with boto3, shards then index,
+    beside a single int8_block file: the round equals torch on the decoded deltas."""
+    from test_compress import compressed_set
+    from safetensors.torch import save as st_save
+    init = {"a.w": torch.randn(40, 16, generator=torch.Generator().manual_seed(7)),
+            "b.big": torch.randn(3, 4100, generator=torch.Generator().manual_seed(8))}
+    write_model(tmp_path / "init.safetensors", init)
+    d = S3Dilocod(tmp_path, s3, "compress/set", "--init-model", tmp_path / "init.safetensors", "--lr", str(LR),
+                  "--momentum", str(MU), "--expected-nodes", "2").start()
+    rng = np.random.default_rng(41)
+    delta = {n: {k: (rng.standard_normal(tuple(v.shape)) * 0.01).astype(np.float32) for k, v in init.items()}
+             for n in ("w0", "w1")}
+    try:
+        d.wait_step(0)
+        files, dec0 = compressed_set("mxfp4", 32, delta["w0"], delta_metadata("w0", 0, 1), [["a.w"], ["b.big"]])
+        for name, body in files.items():         # dict order: the shards, then the index
+            d.client.put_object(Bucket=s3.bucket, Key=d.key(f"nodes/w0/{name}"), Body=body)
+        body1, dec1 = co.compressed_delta("int8_block", 32, delta["w1"], delta_metadata("w1", 0, 1))
+        d.client.put_object(Bucket=s3.bucket, Key=d.key("nodes/w1/delta_1.safetensors"), Body=body1)
+        d.wait_step(1)
+        want = Oracle(init, lr=LR, momentum=MU).step({n: {k: torch.from_numpy(v.copy()) for k, v in dd.items()}
+                                                      for n, dd in (("w0", dec0), ("w1", dec1))})
+        assert requests.get(f"{d.url}/global/latest.safetensors", timeout=30).content == \
+            st_save({k: v.contiguous() for k, v in want.items()})
+    finally:
+        assert d.stop() == 0
