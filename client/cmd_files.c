@@ -635,7 +635,8 @@ static const char delta_help[] =
     "  written as huggingface_hub.save_torch_state_dict writes it: <base>-0000i-of-0000N.safetensors\n"
     "  and <base>.safetensors.index.json (the metadata in the index), the index last.\n"
     "  --encode int8_block|mxfp8|mxfp4 [--block N] [--residual R]: a compressed delta (README,\n"
-    "  \"Compressed deltas\"), one file: each key's codes and its scales (key + \".__scales__\"), N values\n"
+    "  \"Compressed deltas\"; sharded as above, each key's codes and scales in one shard): each key's codes\n"
+    "  and its scales (key + \".__scales__\"), N values\n"
     "  per scale (int8_block: a power of two from 32 to 4096, default 32; mx: 32).  With --residual, error\n"
     "  feedback: e = (A - B) + R, OUT = encode(e), R = e - decode(OUT); R starts at zero when the file\n"
     "  does not exist and is rewritten atomically after OUT.  C64 keys (and, for mxfp4, keys with an odd\n"
@@ -726,7 +727,7 @@ int cmd_delta(int argc, char **argv)
         return usage_error(delta_help, "invalid --local-step '%s'", ls);
     dl_error_clear(&err);
     if (cz.enc != CZ_NONE ? delta_compute_encoded(baseline, current, out, node, base_step, local_step, &cz, residual,
-                                                  extra, nextra, &err) != 0
+                                                  extra, nextra, shard_size, &err) != 0
                           : delta_compute_set(baseline, current, out, node, base_step, local_step, shard_size, &err) != 0)
         return cli_report(out, &err);
     return EXIT_OK;

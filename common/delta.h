@@ -178,14 +178,15 @@ int delta_check_pair(const st_set *fb, const st_set *fc, dl_error *err);
 int delta_read_f32(const st_set *s, uint32_t file, const st_tensor *t, uint64_t e, size_t n, void *raw, float *out,
                    dl_error *err);
 /* delta_compute_set encoded (compress.h) with error feedback: e = (baseline - current) + R, q =
- * (extra: more metadata, e.g. the worker metrics, checked by delta_check_meta's rules before anything
- * is written; a key of the delta's own is refused) 
- * encode(e), R = e - decode(q), R read from residual (zero when the file does not exist) and written
- * back there; out is one file.  A key the encoding cannot hold (C64; an odd count for mxfp4) goes in
- * plain F32 (its residual stays 0).  out and residual are each written atomically, out first. */
+ * encode(e), R = e - decode(q), R read from residual (zero when the file does not exist; NULL: none)
+ * and written back there.  out is one file, or past shard_size bytes (0: never) a set whose shards keep
+ * each key's codes and scales together.  A key the encoding cannot hold (C64; an odd count for mxfp4)
+ * goes in plain F32 (its residual stays 0).  extra: more metadata (e.g. the worker metrics), checked by
+ * delta_check_meta's rules before anything is written; a key of the delta's own is refused.  out and
+ * residual are each written atomically, out first. */
 int delta_compute_encoded(const char *baseline, const char *current, const char *out, const char *node_id,
                           uint64_t base_outer_step, uint64_t local_step, const cz_spec *cz, const char *residual,
-                          const st_kv *extra, size_t nextra, dl_error *err);
+                          const st_kv *extra, size_t nextra, uint64_t shard_size, dl_error *err);
 /* delta_compute_set that never shards. */
 int delta_compute(const char *baseline, const char *current, const char *out, const char *node_id,
                   uint64_t base_outer_step, uint64_t local_step, dl_error *err);

@@ -25,6 +25,7 @@ typedef struct enc_state {
     enc_key *keys;
     size_t nkeys;
     st_spec *specs, *rspecs;
+    unsigned char *glue;        /* [spec]: a scales spec, glued to its codes' shard */
     size_t nspecs;
     uint64_t *scale_shape;      /* [nkeys]: the scales' shapes */
     unsigned char *raw, *codes, *scales;
@@ -76,9 +77,10 @@ static int plan(enc_state *s, dl_error *err)
 
     s->keys = calloc(n, sizeof(*s->keys));
     s->specs = calloc(2 * n, sizeof(*s->specs));
+    s->glue = calloc(2 * n, 1);
     s->rspecs = calloc(n, sizeof(*s->rspecs));
     s->scale_shape = calloc(n, sizeof(*s->scale_shape));
-    if (s->keys == NULL || s->specs == NULL || s->rspecs == NULL || s->scale_shape == NULL)
+    if (s->keys == NULL || s->specs == NULL || s->glue == NULL || s->rspecs == NULL || s->scale_shape == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     for (size_t i = 0; i < s->fb->ntensors; i++) {
         const st_tensor *t = s->fb->order[i];
@@ -103,6 +105,7 @@ static int plan(enc_state *s, dl_error *err)
             memcpy(k->scales_name + t->name_len, CZ_SCALES_SUFFIX, CZ_SCALES_SUFFIX_LEN + 1);
             s->scale_shape[s->nkeys] = cz_nscales(t->nelem, s->cz->block);
             s->specs[s->nspecs++] = (st_spec){t->name, t->name_len, cz_code_dtype(s->cz->enc), t->ndim, t->shape};
+            s->glue[s->nspecs] = 1;
             s->specs[s->nspecs++] = (st_spec){k->scales_name, t->name_len + CZ_SCALES_SUFFIX_LEN,
                                               cz_scale_dtype(s->cz->enc), 1, &s->scale_shape[s->nkeys]};
         }
@@ -194,6 +197,7 @@ static void state_free(enc_state *s)
         free(s->keys[i].scales_name);
     free(s->keys);
     free(s->specs);
+    free(s->glue);
     free(s->rspecs);
     free(s->scale_shape);
     free(s->raw);
@@ -231,7 +235,7 @@ static int check_extra(const st_kv *meta, size_t n, dl_error *err)
 
 int delta_compute_encoded(const char *baseline, const char *current, const char *out, const char *node_id,
                           uint64_t base_outer_step, uint64_t local_step, const cz_spec *cz, const char *residual,
-                          const st_kv *extra, size_t nextra, dl_error *err)
+                          const st_kv *extra, size_t nextra, uint64_t shard_size, dl_error *err)
 {
     enc_state s = {.cz = cz};
     st_set_writer *w = NULL;
@@ -265,7 +269,7 @@ int delta_compute_encoded(const char *baseline, const char *current, const char 
         (rc = delta_check_pair(s.fb, s.fc, err)) != 0 || (rc = plan(&s, err)) != 0 ||
         (rc = open_residual(&s, residual, err)) != 0 || (rc = alloc_bufs(&s, err)) != 0)
         goto out;
-    if ((rc = st_set_writer_open(out, s.specs, s.nspecs, meta, nown + nextra, 0, &w, err)) != 0 ||
+    if ((rc = st_set_writer_open_glued(out, s.specs, s.nspecs, s.glue, meta, nown + nextra, shard_size, &w, err)) != 0 ||
         (residual != NULL && (rc = st_writer_open(residual, s.rspecs, s.nkeys, rmeta, 2, &rw, err)) != 0))
         goto out;
     for (size_t i = 0; i < s.nkeys && rc == 0; i++)

@@ -1224,8 +1224,9 @@ void st_set_metadata(const st_set *s, const st_meta **meta, size_t *n)
 
 /* ---- writing --------------------------------------------------------------------------------- */
 
-int st_index_plan(const st_spec *specs, size_t n, uint64_t max_shard_size, uint32_t *shard_of,
-                  uint32_t *nshards, dl_error *err)
+/* The split of n items of the given sizes (st_index_plan's rule). */
+static int plan_by_size(const uint64_t *sizes, size_t n, uint64_t max_shard_size, uint32_t *shard_of,
+                        uint32_t *nshards, dl_error *err)
 {
     /* huggingface_hub's split_state_dict_into_shards_factory: a tensor over the limit is appended
      * as its own shard AT ONCE, while the shard being filled is appended only when it closes, so
@@ -1249,10 +1250,7 @@ int st_index_plan(const st_spec *specs, size_t n, uint64_t max_shard_size, uint3
         goto out;
     }
     for (size_t i = 0; i < n; i++) {
-        uint64_t nelem, size;
-        if ((rc = st_nbytes(specs[i].dtype, specs[i].shape, specs[i].ndim, &nelem, &size, err, specs[i].name,
-                            specs[i].name_len)) != 0)
-            goto out;
+        uint64_t size = sizes[i];
         if (size > max_shard_size) {
             token[i] = ntok;
             pos[ntok++] = appended++;
@@ -1282,6 +1280,51 @@ out:
     free(token);
     free(pos);
     return rc;
+}
+
+int st_index_plan_glued(const st_spec *specs, size_t n, const unsigned char *glue, uint64_t max_shard_size,
+                        uint32_t *shard_of, uint32_t *nshards, dl_error *err)
+{
+    uint64_t *sizes = malloc((n ? n : 1) * sizeof(*sizes));
+    uint32_t *unit_of = malloc((n ? n : 1) * sizeof(*unit_of)), *unit_shard = NULL;
+    size_t nunits = 0;
+    int rc = 0;
+
+    if (sizes == NULL || unit_of == NULL) {
+        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        goto out;
+    }
+    /* a spec glued to the one before it is one item with it: they go in one shard */
+    for (size_t i = 0; i < n; i++) {
+        uint64_t nelem, size;
+        if ((rc = st_nbytes(specs[i].dtype, specs[i].shape, specs[i].ndim, &nelem, &size, err, specs[i].name,
+                            specs[i].name_len)) != 0)
+            goto out;
+        if (glue != NULL && glue[i] && nunits > 0 && sizes[nunits - 1] <= UINT64_MAX - size)
+            sizes[nunits - 1] += size;
+        else
+            sizes[nunits++] = size;
+        unit_of[i] = (uint32_t)(nunits - 1);
+    }
+    if ((unit_shard = malloc((nunits ? nunits : 1) * sizeof(*unit_shard))) == NULL) {
+        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        goto out;
+    }
+    if ((rc = plan_by_size(sizes, nunits, max_shard_size, unit_shard, nshards, err)) != 0)
+        goto out;
+    for (size_t i = 0; i < n; i++)
+        shard_of[i] = unit_shard[unit_of[i]];
+out:
+    free(sizes);
+    free(unit_of);
+    free(unit_shard);
+    return rc;
+}
+
+int st_index_plan(const st_spec *specs, size_t n, uint64_t max_shard_size, uint32_t *shard_of, uint32_t *nshards,
+                  dl_error *err)
+{
+    return st_index_plan_glued(specs, n, NULL, max_shard_size, shard_of, nshards, err);
 }
 
 /* A JSON string as Python's json.dumps(ensure_ascii=True) writes it: '"' and '\\' escaped, the
@@ -1446,6 +1489,13 @@ static int writer_names(st_set_writer *w, const char *path)
 int st_set_writer_open(const char *path, const st_spec *specs, size_t n, const st_kv *meta, size_t nmeta,
                        uint64_t max_shard_size, st_set_writer **out, dl_error *err)
 {
+    return st_set_writer_open_glued(path, specs, n, NULL, meta, nmeta, max_shard_size, out, err);
+}
+
+int st_set_writer_open_glued(const char *path, const st_spec *specs, size_t n, const unsigned char *glue,
+                             const st_kv *meta, size_t nmeta, uint64_t max_shard_size, st_set_writer **out,
+                             dl_error *err)
+{
     st_set_writer *w = calloc(1, sizeof(*w));
     st_spec *part = NULL;
     int rc;
@@ -1463,7 +1513,7 @@ int st_set_writer_open(const char *path, const st_spec *specs, size_t n, const s
             goto fail;
         }
     }
-    if ((rc = st_index_plan(specs, n, max_shard_size, w->shard_of, &w->nshards, err)) != 0)
+    if ((rc = st_index_plan_glued(specs, n, glue, max_shard_size, w->shard_of, &w->nshards, err)) != 0)
         goto fail;
     if (w->nshards > 1 && !w->has_base) {
         rc = dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0,

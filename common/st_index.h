@@ -157,6 +157,9 @@ void st_set_metadata(const st_set *s, const st_meta **meta, size_t *n);
 /* ---- writing --------------------------------------------------------------------------------- */
 /* huggingface_hub's split: shard_of[i] (0-based) for specs in the given order, *nshards.
  * max_shard_size 0 means one shard.  Sizes with st_nbytes (errors for invalid specs). */
+/* st_index_plan with glue (st_set_writer_open_glued). */
+int st_index_plan_glued(const st_spec *specs, size_t n, const unsigned char *glue, uint64_t max_shard_size,
+                        uint32_t *shard_of, uint32_t *nshards, dl_error *err);
 int st_index_plan(const st_spec *specs, size_t n, uint64_t max_shard_size, uint32_t *shard_of,
                   uint32_t *nshards, dl_error *err);
 /* The index text exactly as json.dump(index, f, indent=2) writes it (ensure_ascii escapes), for
@@ -172,6 +175,11 @@ typedef struct st_set_writer st_set_writer;
  * st_writer_open.  Data is written per spec as with st_writer_write (any order, any thread). */
 int st_set_writer_open(const char *path, const st_spec *specs, size_t n, const st_kv *meta, size_t nmeta,
                        uint64_t max_shard_size, st_set_writer **out, dl_error *err);
+/* The same, spec i in the shard of spec i - 1 wherever glue[i] is set (a compressed key's scales with
+ * its codes): glued specs are split as one tensor of their total size.  glue NULL: none. */
+int st_set_writer_open_glued(const char *path, const st_spec *specs, size_t n, const unsigned char *glue,
+                             const st_kv *meta, size_t nmeta, uint64_t max_shard_size, st_set_writer **out,
+                             dl_error *err);
 int st_set_writer_write(st_set_writer *w, size_t spec_index, uint64_t off, const void *buf, size_t len,
                         dl_error *err);
 /* 1 for a plain file, else the shard count. */

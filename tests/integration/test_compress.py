@@ -527,3 +527,56 @@ def test_sharded_compressed_sets_over_http_and_file(tmp_path):
         assert {n["node_id"]: n.get("encoding") for n in rec["nodes"]} == {"w0": "mxfp8", "w1": "mxfp4", "w2": "int8_block"}
     finally:
         assert d.stop() == 0
+
+
+def test_diloco_writes_a_sharded_compressed_set_that_dilocod_takes(tmp_path):
+    """diloco delta --encode mxfp8 --shard-size: a set whose every shard holds whole keys (codes and
+    scales together), diloco verify passes it, and dilocod takes it from the file:// tree: the round
+    equals torch on its decoded values."""
+    init = model(9)
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    d = start(tmp_path, init, "--expected-nodes", "1", "--lr", str(LR), "--momentum", str(MU), hub=hub)
+    try:
+        cur = step_model(np.random.default_rng(5), init, 0.01)
+        wdir = tmp_path / "w1"
+        wdir.mkdir()
+        out = tmp_path / "set" / "delta_1.safetensors"
+        out.parent.mkdir()
+        write_model(wdir / "baseline.safetensors", init)
+        write_model(wdir / "current.safetensors", cur)
+        r = subprocess.run([str(BUILD / "diloco"), "delta", "--baseline", str(wdir / "baseline.safetensors"), "--current",
+                            str(wdir / "current.safetensors"), "--node-id", "w1", "--base-step", "0", "--local-step", "1",
+                            "-o", str(out), "--encode", "mxfp8", "--shard-size", "6000"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        index = json.loads((out.parent / "delta_1.safetensors.index.json").read_text())
+        shards = sorted(set(index["weight_map"].values()))
+        assert len(shards) >= 2, shards
+        assert index["metadata"]["encoding"] == "mxfp8"
+        for k, shard in index["weight_map"].items():
+            if k.endswith(co.SUFFIX):
+                assert index["weight_map"][k[:-len(co.SUFFIX)]] == shard, (k, shard)
+        v = subprocess.run([str(BUILD / "diloco"), "verify", str(out.parent / "delta_1.safetensors.index.json"),
+                            "--against", str(wdir / "baseline.safetensors")], capture_output=True, text=True)
+        assert v.returncode == 0, v.stderr
+        decoded = {}
+        for name in shards:
+            raw = read_raw((out.parent / name).read_bytes())
+            for k, (dt, shape, b) in raw.items():
+                if k.endswith(co.SUFFIX):
+                    continue
+                if dt == "F32":
+                    decoded[k] = np.frombuffer(b, np.float32).reshape(shape)
+                else:
+                    decoded[k] = co.decode("mxfp8", np.frombuffer(b, np.uint8), np.frombuffer(raw[k + co.SUFFIX][2], np.uint8),
+                                           32, tuple(shape))
+        ndir = hub / "nodes" / "w1"
+        ndir.mkdir(parents=True)
+        for name in shards + ["delta_1.safetensors.index.json"]:
+            (ndir / f".{name}").write_bytes((out.parent / name).read_bytes())
+            (ndir / f".{name}").rename(ndir / name)
+        wait_step(d, 1)
+        want = Oracle(init, lr=LR, momentum=MU).step({"w1": {k: torch.from_numpy(v.copy()) for k, v in decoded.items()}})
+        assert served(d) == st_save({k: v.contiguous() for k, v in want.items()})
+    finally:
+        assert d.stop() == 0

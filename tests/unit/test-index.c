@@ -176,6 +176,12 @@ TEST(plan_matches_huggingface_hub)
     CHECK_EQ(n, 1);
     CHECK_EQ(st_index_plan(specs, 5, 100, shard_of, &n, &err), 0);
     CHECK_EQ(n, 1);
+    /* d glued to c: the pair is split as one 8-byte item, so [big], [a], [c, d], [e] */
+    unsigned char glue[5] = {0, 0, 0, 1, 0};
+    CHECK_EQ(st_index_plan_glued(specs, 5, glue, 10, shard_of, &n, &err), 0);
+    CHECK_EQ(shard_of[2], shard_of[3]);                  /* c and d together */
+    CHECK(shard_of[0] != shard_of[2]);                   /* a (4) + c, d (8) > 10 */
+    CHECK_EQ(n, 4);
 
     size_t len;
     st_kv meta[] = {{"node_id", "w\xc3\xa9\"1"}};
