@@ -60,7 +60,8 @@ static int open_residual(enc_state *s, const char *path, dl_error *err)
     for (size_t i = 0; i < s->nkeys; i++) {
         const st_tensor *t = s->keys[i].base;
         const st_tensor *r = st_header_find(s->residual->h, t->name, t->name_len);
-        if (r == NULL || r->dtype != delta_dtype_for(t->dtype) || r->nelem != t->nelem)
+        if (r == NULL || r->dtype != delta_dtype_for(t->dtype) || r->ndim != t->ndim ||
+            (t->ndim > 0 && memcmp(r->shape, t->shape, t->ndim * sizeof(*t->shape)) != 0))
             return dl_fail(err, DL_E_KEY_MISMATCH, t->name, t->name_len, "residual %s does not match the model", path);
     }
     if (s->residual->h->ntensors != s->nkeys)
@@ -274,12 +275,15 @@ int delta_compute_encoded(const char *baseline, const char *current, const char 
         goto out;
     for (size_t i = 0; i < s.nkeys && rc == 0; i++)
         rc = encode_key(&s, &s.keys[i], w, rw, err);
-    if (rc == 0)
+    /* a commit frees its writer, whatever it returns; a failure before it leaves both to abort below */
+    if (rc == 0) {
         rc = st_set_writer_commit(w, err);
-    w = NULL;
-    if (rc == 0 && rw != NULL)
+        w = NULL;
+    }
+    if (rc == 0 && rw != NULL) {
         rc = st_writer_commit(rw, err);
-    rw = NULL;
+        rw = NULL;
+    }
 out:
     st_set_writer_abort(w);
     st_writer_abort(rw);

@@ -580,3 +580,32 @@ def test_diloco_writes_a_sharded_compressed_set_that_dilocod_takes(tmp_path):
         assert served(d) == st_save({k: v.contiguous() for k, v in want.items()})
     finally:
         assert d.stop() == 0
+
+
+def test_encoder_refusals_leave_nothing_behind(tmp_path):
+    """diloco delta --encode refuses a non-finite delta and a residual of another shape, leaving no
+    temporary file next to OUT or R and the previous residual untouched."""
+    base = {"w": torch.tensor([[1.0, float("inf"), 0.5]]), "v": torch.zeros(2, 3)}
+    cur = {"w": torch.zeros(1, 3), "v": torch.ones(2, 3)}
+    write_model(tmp_path / "a.safetensors", base)
+    write_model(tmp_path / "b.safetensors", cur)
+    rpath = tmp_path / "r.safetensors"
+
+    def encode(*extra):
+        return subprocess.run([str(BUILD / "diloco"), "delta", "--baseline", str(tmp_path / "a.safetensors"),
+                               "--current", str(tmp_path / "b.safetensors"), "--node-id", "w1", "--base-step", "0",
+                               "--local-step", "1", "-o", str(tmp_path / "out.safetensors"), "--encode", "int8_block",
+                               "--residual", str(rpath), *extra], capture_output=True, text=True)
+
+    r = encode()
+    assert r.returncode == 1 and "non_finite" in r.stderr, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.safetensors"]
+    base["w"] = torch.tensor([[1.0, 2.0, 0.5]])
+    write_model(tmp_path / "a.safetensors", base)
+    from safetensors.torch import save_file
+    save_file({"w": torch.zeros(3, 1), "v": torch.zeros(2, 3)}, str(rpath), metadata={"encoding": "int8_block", "block": "32"})
+    before = rpath.read_bytes()
+    r = encode()
+    assert r.returncode == 1 and "residual" in r.stderr and "does not match" in r.stderr, r.stderr
+    assert rpath.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.safetensors", "r.safetensors"]
