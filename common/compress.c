@@ -2,8 +2,10 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "convert.h"
 #include "delta.h"
 #include "kernel_clones.h"
 
@@ -93,6 +95,17 @@ int cz_is_scales_name(const char *name, size_t len)
            memcmp(name + len - CZ_SCALES_SUFFIX_LEN, CZ_SCALES_SUFFIX, CZ_SCALES_SUFFIX_LEN) == 0;
 }
 
+char *cz_scales_name(const char *name, size_t len)
+{
+    char *out = malloc(len + CZ_SCALES_SUFFIX_LEN + 1);
+
+    if (out == NULL)
+        return NULL;
+    memcpy(out, name, len);
+    memcpy(out + len, CZ_SCALES_SUFFIX, CZ_SCALES_SUFFIX_LEN + 1);
+    return out;
+}
+
 uint64_t cz_code_bytes(cz_encoding enc, uint64_t n)
 {
     return enc == CZ_MXFP4 ? n / 2 : n;
@@ -100,20 +113,17 @@ uint64_t cz_code_bytes(cz_encoding enc, uint64_t n)
 
 /* ---- the element formats -------------------------------------------------------------------------- */
 
-static float e4m3_table[256], e2m1_table[16], e8m0_table[256];
+/* E4M3 and E8M0 are convert.c's tables (cv_f8_table); E2M1, which convert.c does not decode, is here,
+ * with the pairs of values of each byte of packed F4. */
+static const float *e4m3_table, *e8m0_table;
+static float e2m1_table[16];
 static float e2m1_pairs[256][2];        /* byte b: the values of its low and its high nibble */
 static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
 
 static void tables_build(void)
 {
-    for (unsigned b = 0; b < 256; b++) {
-        unsigned e = (b >> 3) & 15, m = b & 7;
-        float v = e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 | m), (int)e - 10);
-        if ((b & 0x7f) == 0x7f)
-            v = NAN;
-        e4m3_table[b] = b & 0x80 ? -v : v;
-        e8m0_table[b] = b == 0xff ? NAN : ldexpf(1.0f, (int)b - 127);
-    }
+    e4m3_table = cv_f8_table(ST_F8_E4M3);
+    e8m0_table = cv_f8_table(ST_F8_E8M0);
     for (unsigned b = 0; b < 16; b++) {
         unsigned e = (b >> 1) & 3, m = b & 1;
         float v = e == 0 ? 0.5f * (float)m : ldexpf((float)(2 | m), (int)e - 2);
@@ -147,34 +157,12 @@ float cz_e8m0_value(uint8_t code)
 
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 
-/* The first of n floats that is not finite, or -1. */
-static int64_t first_non_finite(const float *v, size_t n)
-{
-    uint32_t acc = 0;
-    for (size_t i = 0; i < n; i++)
-        acc |= (uint32_t)((f2u(v[i]) & 0x7f800000u) == 0x7f800000u);
-    if (acc == 0)
-        return -1;
-    for (size_t i = 0; i < n; i++)
-        if ((f2u(v[i]) & 0x7f800000u) == 0x7f800000u)
-            return (int64_t)i;
-    return -1;
-}
-
-static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-
 /* The decoding loops: a code's value from its table (sign and NaN included) times the block's scale,
  * one F32 multiplication, without branches on values so that they vectorise (KERNEL_CLONES: an
  * AVX-512 or AVX2 copy where the CPU has it; tests/integration/test_compress.py compares every code
  * under every scale with numpy).  Each returns whether a value it wrote is not finite (an OR beside the
  * work, so that a valid delta is read once; the rare failure is then located). */
 #define NOT_FINITE(u) ((uint32_t)(((u) & 0x7f800000u) == 0x7f800000u))
-
-/* 2^(e - 127) as F32 bits: e << 23 for e >= 1, the subnormal 2^-127 for 0, a NaN for 0xFF. */
-static inline uint32_t e8m0_bits(uint32_t e)
-{
-    return e == 255u ? 0x7fc00000u : e == 0 ? 0x00400000u : e << 23;
-}
 
 /* Whole blocks of CZ_MX_BLOCK values, one E8M0 scale each: the inner loop's constant count vectorises
  * without a remainder. */
@@ -184,7 +172,7 @@ KERNEL_CLONES static uint32_t decode_e4m3_blocks(const unsigned char *restrict c
     /* per lane, reduced once at the end: a reduction per block would cost more than the block */
     uint32_t bad[CZ_MX_BLOCK] = {0}, any = 0;
     for (size_t k = 0; k < nblocks; k++) {
-        float sc = u2f(e8m0_bits(e[k]));
+        float sc = e8m0_table[e[k]];
         for (size_t j = 0; j < CZ_MX_BLOCK; j++) {
             float x = e4m3_table[c[k * CZ_MX_BLOCK + j]] * sc;
             bad[j] |= NOT_FINITE(f2u(x));
@@ -264,16 +252,16 @@ int64_t cz_decode(const cz_spec *s, const void *codes, const void *scales, uint6
                 bad_scale = (int64_t)i;
             bad |= decode_i8_run((const int8_t *)q + i, sc, out + i, run);
         } else if (s->enc == CZ_MXFP8) {
-            bad |= decode_e4m3_run(q + i, u2f(e8m0_bits(sb[blk])), out + i, run);
+            bad |= decode_e4m3_run(q + i, e8m0_table[sb[blk]], out + i, run);
         } else {
             /* i is even: first and B are */
-            bad |= decode_e2m1_run(q + i / 2, u2f(e8m0_bits(sb[blk])), out + i, run);
+            bad |= decode_e2m1_run(q + i / 2, e8m0_table[sb[blk]], out + i, run);
         }
         i += run;
     }
     if (!bad)
         return bad_scale;
-    int64_t at = first_non_finite(out, n);
+    int64_t at = delta_find_non_finite(ST_F32, out, n);
     return bad_scale >= 0 && (at < 0 || bad_scale < at) ? bad_scale : at;
 }
 

@@ -59,6 +59,9 @@ st_dtype cz_scale_dtype(cz_encoding enc);
 int cz_is_scales_name(const char *name, size_t len);
 /* The scales' count for nelem values. */
 static inline uint64_t cz_nscales(uint64_t nelem, uint32_t block) { return (nelem + block - 1) / block; }
+/* The scales' name of the key name (len bytes, may hold NUL): malloc'd, NUL-terminated (length len +
+ * CZ_SCALES_SUFFIX_LEN), or NULL. */
+char *cz_scales_name(const char *name, size_t len);
 /* Bytes of n codes (F4: n / 2, n even). */
 uint64_t cz_code_bytes(cz_encoding enc, uint64_t n);
 

@@ -194,6 +194,16 @@ static int f8_index(st_dtype dt)
     }
 }
 
+const float *cv_f8_table(st_dtype dt)
+{
+    int f8 = f8_index(dt);
+
+    if (f8 < 0)
+        return NULL;
+    pthread_once(&f8_once, f8_build);
+    return f8_table[f8];
+}
+
 int cv_can_decode(st_dtype dt)
 {
     return dt == ST_F16 || dt == ST_BF16 || dt == ST_F32 || dt == ST_F64 || dt == ST_C64 ||

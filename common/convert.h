@@ -28,6 +28,8 @@ int cv_can_decode(st_dtype dt);
 int cv_can_encode(st_dtype dt);
 /* nelem elements of dt at in -> nelem * cv_lanes(dt) floats.  Returns 0 or -DL_E_UNSUPPORTED_DTYPE. */
 int cv_decode(st_dtype dt, const void *restrict in, float *restrict out, size_t nelem);
+/* The 256 values of a byte-sized F8 dtype (NaN codes included), or NULL for another dtype. */
+const float *cv_f8_table(st_dtype dt);
 int cv_encode(st_dtype dt, const float *restrict in, void *restrict out, size_t nelem);
 
 #endif

@@ -452,23 +452,23 @@ static int check_one(const st_tensor *g, const st_tensor *d, const cz_spec *cz, 
     return 0;
 }
 
-/* The tensor named name (len bytes) + suffix (slen bytes) in v (n tensors in name order), or NULL (and
- * *oom when the name could not be built). */
-static const st_tensor *find_joined(const st_tensor *const *v, size_t n, const char *name, size_t len,
-                                    const char *suffix, size_t slen, int *oom)
+/* The tensor named by the first len bytes of name in v (n tensors in name order), or NULL. */
+static const st_tensor *find_prefix(const st_tensor *const *v, size_t n, const char *name, size_t len)
 {
-    char *buf = malloc(len + slen + 1);
-    if (buf == NULL) {
-        *oom = 1;
-        return NULL;
-    }
-    memcpy(buf, name, len);
-    memcpy(buf + len, suffix, slen);
-    buf[len + slen] = '\0';
-    st_tensor key = {.name = buf, .name_len = len + slen};
-    const st_tensor *t = by_name_find(v, n, &key);
-    free(buf);
-    return t;
+    st_tensor key = {.name = (char *)name, .name_len = len};
+    return by_name_find(v, n, &key);
+}
+
+/* The scales of key t in v (n tensors in name order), or NULL (and *oom when the name could not be
+ * built). */
+static const st_tensor *find_scales(const st_tensor *const *v, size_t n, const st_tensor *t, int *oom)
+{
+    char *name = cz_scales_name(t->name, t->name_len);
+    const st_tensor *sc = name != NULL ? find_prefix(v, n, name, t->name_len + CZ_SCALES_SUFFIX_LEN) : NULL;
+
+    *oom = name == NULL;
+    free(name);
+    return sc;
 }
 
 /* The scales rules of a compressed delta: each key with codes has its scales (dtype, one per block),
@@ -481,16 +481,15 @@ static int check_scales(const st_tensor *const *delta, size_t nd, const cz_spec 
     for (size_t i = 0; i < nd; i++) {
         const st_tensor *d = delta[i];
         if (cz_is_scales_name(d->name, d->name_len)) {
-            const st_tensor *c = find_joined(delta, nd, d->name, d->name_len - CZ_SCALES_SUFFIX_LEN, "", 0, &oom);
+            const st_tensor *c = find_prefix(delta, nd, d->name, d->name_len - CZ_SCALES_SUFFIX_LEN);
             if (c == NULL || c->dtype != code)
-                return oom ? dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory")
-                           : dl_fail(err, DL_E_KEY_MISMATCH, d->name, d->name_len,
-                                     "scales for a key that holds no %s codes", cz_encoding_name(cz->enc));
+                return dl_fail(err, DL_E_KEY_MISMATCH, d->name, d->name_len, "scales for a key that holds no %s codes",
+                               cz_encoding_name(cz->enc));
             continue;
         }
         if (d->dtype != code)
             continue;
-        const st_tensor *sc = find_joined(delta, nd, d->name, d->name_len, CZ_SCALES_SUFFIX, CZ_SCALES_SUFFIX_LEN, &oom);
+        const st_tensor *sc = find_scales(delta, nd, d, &oom);
         if (sc == NULL)
             return oom ? dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory")
                        : dl_fail(err, DL_E_KEY_MISMATCH, d->name, d->name_len,
@@ -595,16 +594,13 @@ int delta_check_shard_header(const st_header *shard, const st_tensor *const *glo
                              const cz_spec *cz, dl_error *err)
 {
     int compressed_ok = cz == NULL || cz->enc != CZ_NONE;
-    int oom = 0;
 
     for (size_t i = 0; i < shard->ntensors; i++) {
         const st_tensor *d = &shard->tensors[shard->by_name[i]];
         const st_tensor *g = by_name_find(global, nglobal, d);
         int rc;
         if (g == NULL && compressed_ok && cz_is_scales_name(d->name, d->name_len)) {
-            const st_tensor *k = find_joined(global, nglobal, d->name, d->name_len - CZ_SCALES_SUFFIX_LEN, "", 0, &oom);
-            if (oom)
-                return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+            const st_tensor *k = find_prefix(global, nglobal, d->name, d->name_len - CZ_SCALES_SUFFIX_LEN);
             if ((rc = check_shard_scales(shard, d, k != NULL && st_dtype_is_floating(k->dtype) ? k : NULL, cz, err)) != 0)
                 return rc;
             continue;
@@ -708,15 +704,10 @@ int64_t delta_find_non_finite(st_dtype dt, const void *data, size_t nelem)
 
 const st_tensor *delta_scales_of(const st_header *h, const st_tensor *t)
 {
-    char *buf = malloc(t->name_len + CZ_SCALES_SUFFIX_LEN + 1);
-    const st_tensor *sc;
+    char *name = cz_scales_name(t->name, t->name_len);
+    const st_tensor *sc = name != NULL ? st_header_find(h, name, t->name_len + CZ_SCALES_SUFFIX_LEN) : NULL;
 
-    if (buf == NULL)
-        return NULL;
-    memcpy(buf, t->name, t->name_len);
-    memcpy(buf + t->name_len, CZ_SCALES_SUFFIX, CZ_SCALES_SUFFIX_LEN + 1);
-    sc = st_header_find(h, buf, t->name_len + CZ_SCALES_SUFFIX_LEN);
-    free(buf);
+    free(name);
     return sc;
 }
 
@@ -833,7 +824,7 @@ int delta_validate_set(const st_set *delta, const st_tensor *const *global, size
 }
 
 /* Reads n elements of t starting at element e and decodes them into out (F32 lanes). */
-static int read_f32(const st_set *s, uint32_t file, const st_tensor *t, uint64_t e, size_t n, void *raw,
+int delta_read_f32(const st_set *s, uint32_t file, const st_tensor *t, uint64_t e, size_t n, void *raw,
                     float *out, dl_error *err)
 {
     size_t esize = st_dtype_bits(t->dtype) / 8;
@@ -890,12 +881,6 @@ int delta_check_pair(const st_set *fb, const st_set *fc, dl_error *err)
     return 0;
 }
 
-int delta_read_f32(const st_set *s, uint32_t file, const st_tensor *t, uint64_t e, size_t n, void *raw, float *out,
-                   dl_error *err)
-{
-    return read_f32(s, file, t, e, n, raw, out, err);
-}
-
 int delta_compute_set(const char *baseline, const char *current, const char *out, const char *node_id,
                       uint64_t base_outer_step, uint64_t local_step, uint64_t shard_size, dl_error *err)
 {
@@ -948,8 +933,8 @@ int delta_compute_set(const char *baseline, const char *current, const char *out
         size_t lanes = cv_lanes(b->dtype);
         for (uint64_t e = 0; e < b->nelem; e += CHUNK_ELEMS) {
             size_t n = (size_t)(b->nelem - e < CHUNK_ELEMS ? b->nelem - e : CHUNK_ELEMS);
-            if ((rc = read_f32(fb, bfile[i], b, e, n, cb.raw, cb.a, err)) != 0 ||
-                (rc = read_f32(fc, cfile, c, e, n, cb.raw, cb.b, err)) != 0)
+            if ((rc = delta_read_f32(fb, bfile[i], b, e, n, cb.raw, cb.a, err)) != 0 ||
+                (rc = delta_read_f32(fc, cfile, c, e, n, cb.raw, cb.b, err)) != 0)
                 goto out;
             for (size_t j = 0; j < n * lanes; j++)
                 cb.a[j] -= cb.b[j];
@@ -1050,12 +1035,12 @@ int delta_average_set(const char *const *paths, size_t n, const char *out, uint6
         size_t lanes = cv_lanes(r->dtype);
         for (uint64_t e = 0; e < r->nelem; e += CHUNK_ELEMS) {
             size_t m = (size_t)(r->nelem - e < CHUNK_ELEMS ? r->nelem - e : CHUNK_ELEMS);
-            if ((rc = read_f32(ref, ref->order_file[i], r, e, m, cb.raw, cb.a, err)) != 0)
+            if ((rc = delta_read_f32(ref, ref->order_file[i], r, e, m, cb.raw, cb.a, err)) != 0)
                 goto out;
             for (size_t k = 1; k < n; k++) {
                 uint32_t file;
                 const st_tensor *t = st_set_find(f[k], r->name, r->name_len, &file);
-                if ((rc = read_f32(f[k], file, t, e, m, cb.raw, cb.b, err)) != 0)
+                if ((rc = delta_read_f32(f[k], file, t, e, m, cb.raw, cb.b, err)) != 0)
                     goto out;
                 for (size_t j = 0; j < m * lanes; j++)
                     cb.a[j] += cb.b[j];

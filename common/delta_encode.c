@@ -1,8 +1,10 @@
 /* delta_compute_encoded (delta.h): a worker's compressed delta with error feedback (README, "Compressed
  * deltas"), chunk by chunk: memory is a few chunks whatever the model's size. */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "convert.h"
 #include "delta.h"
@@ -45,10 +47,9 @@ static int open_residual(enc_state *s, const char *path, dl_error *err)
 
     if (path == NULL)
         return 0;
-    FILE *probe = fopen(path, "rb");
-    if (probe == NULL)
-        return 0;               /* the first call: R = 0 */
-    fclose(probe);
+    /* the first call: R = 0; a residual that exists but cannot be read is an error, not a zero */
+    if (access(path, F_OK) != 0 && errno == ENOENT)
+        return 0;
     if ((rc = st_open(path, &s->residual, err)) != 0)
         return rc;
     if ((rc = cz_spec_from_meta(s->residual->h->meta, s->residual->h->nmeta, &was, err)) != 0)
@@ -100,10 +101,8 @@ static int plan(enc_state *s, dl_error *err)
         if (!k->compressed) {
             s->specs[s->nspecs++] = (st_spec){t->name, t->name_len, delta_dtype_for(t->dtype), t->ndim, t->shape};
         } else {
-            if ((k->scales_name = malloc(t->name_len + CZ_SCALES_SUFFIX_LEN + 1)) == NULL)
+            if ((k->scales_name = cz_scales_name(t->name, t->name_len)) == NULL)
                 return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-            memcpy(k->scales_name, t->name, t->name_len);
-            memcpy(k->scales_name + t->name_len, CZ_SCALES_SUFFIX, CZ_SCALES_SUFFIX_LEN + 1);
             s->scale_shape[s->nkeys] = cz_nscales(t->nelem, s->cz->block);
             s->specs[s->nspecs++] = (st_spec){t->name, t->name_len, cz_code_dtype(s->cz->enc), t->ndim, t->shape};
             s->glue[s->nspecs] = 1;
