@@ -1327,6 +1327,42 @@ int st_index_plan(const st_spec *specs, size_t n, uint64_t max_shard_size, uint3
     return st_index_plan_glued(specs, n, NULL, max_shard_size, shard_of, nshards, err);
 }
 
+/* Cut after tensor t once the bytes so far reach the next k/S of the total (exact in 128 bits), and
+ * wherever the tensors left are just enough for one per shard left. */
+int st_index_plan_even(const st_spec *specs, size_t n, uint32_t nshards, uint32_t *shard_of, dl_error *err)
+{
+    uint64_t *bytes = n ? malloc(n * sizeof(*bytes)) : NULL;
+    unsigned __int128 total = 0, acc = 0;
+    uint32_t k = 0;
+
+    if (n > 0 && bytes == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    if (nshards == 0 || nshards > ST_INDEX_MAX_SHARDS || n < nshards) {
+        free(bytes);
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "%u shards of whole tensors cannot be cut from %zu tensors",
+                       nshards, n);
+    }
+    for (size_t i = 0; i < n; i++) {
+        uint64_t ne;
+        int rc = st_nbytes(specs[i].dtype, specs[i].shape, specs[i].ndim, &ne, &bytes[i], err, specs[i].name,
+                           specs[i].name_len);
+        if (rc != 0) {
+            free(bytes);
+            return rc;
+        }
+        total += bytes[i];
+    }
+    for (size_t i = 0; i < n; i++) {
+        shard_of[i] = k;
+        acc += bytes[i];
+        if (k + 1 < nshards &&
+            (n - 1 - i == nshards - 1 - k || acc * nshards >= (unsigned __int128)(k + 1) * total))
+            k++;
+    }
+    free(bytes);
+    return 0;
+}
+
 /* A JSON string as Python's json.dumps(ensure_ascii=True) writes it: '"' and '\\' escaped, the
  * short escapes \b \f \n \r \t, everything else outside ' '..'~' as \uxxxx (lowercase hex,
  * surrogate pairs above U+FFFF).  s is valid UTF-8 (checked by the callers). */

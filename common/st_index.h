@@ -162,6 +162,10 @@ int st_index_plan_glued(const st_spec *specs, size_t n, const unsigned char *glu
                         uint32_t *shard_of, uint32_t *nshards, dl_error *err);
 int st_index_plan(const st_spec *specs, size_t n, uint64_t max_shard_size, uint32_t *shard_of,
                   uint32_t *nshards, dl_error *err);
+/* A cluster's plan (README, "Scaling out"): specs in the given order cut into exactly nshards
+ * contiguous runs of whole tensors of about equal bytes; every aggregator computes the same.
+ * -DL_E_INVALID_ARGUMENT when there are fewer tensors than shards. */
+int st_index_plan_even(const st_spec *specs, size_t n, uint32_t nshards, uint32_t *shard_of, dl_error *err);
 /* The index text exactly as json.dump(index, f, indent=2) writes it (ensure_ascii escapes), for
  * the plan and specs above and the metadata in the given order.  malloc'd, *len set; NULL on OOM. */
 char *st_index_build_json(const char *base, const st_spec *specs, size_t n, const uint32_t *shard_of,

@@ -14,6 +14,13 @@
 
 char *stepcount_build(uint64_t outer_step, const char *optimizer, int bootstrap, int sharded, const char *updated_at)
 {
+    return stepcount_build_file(outer_step, optimizer, bootstrap, sharded ? STEPCOUNT_MODEL_INDEX : STEPCOUNT_MODEL_SINGLE,
+                                updated_at);
+}
+
+char *stepcount_build_file(uint64_t outer_step, const char *optimizer, int bootstrap, const char *model_file,
+                           const char *updated_at)
+{
     sbuf b = {0};
     char when[40];
 
@@ -25,7 +32,7 @@ char *stepcount_build(uint64_t outer_step, const char *optimizer, int bootstrap,
         updated_at = when;
     }
     sb_str(&b, "{\n  \"algorithm\": \"" DELTA_ALGORITHM "\",\n  \"model_file\": \"");
-    sb_str(&b, sharded ? STEPCOUNT_MODEL_INDEX : STEPCOUNT_MODEL_SINGLE);
+    sb_str(&b, model_file);
     sb_str(&b, "\",\n  \"optimizer\": ");
     sb_json_string(&b, optimizer, strlen(optimizer));
     sb_str(&b, ",\n  \"outer_step\": ");
@@ -39,6 +46,27 @@ char *stepcount_build(uint64_t outer_step, const char *optimizer, int bootstrap,
 }
 
 int stepcount_parse(const char *text, size_t len, uint64_t *outer_step, int *bootstrap, int *sharded, dl_error *err)
+{
+    int kind = 0;
+    int rc = stepcount_parse_file(text, len, outer_step, bootstrap, &kind, NULL, 0, err);
+    if (rc == 0 && kind == 2)
+        return dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "step_count.json names a cluster's per-step index "
+                       "(global/steps/<step>/...): only an aggregator with --cluster-shards reads it");
+    if (sharded != NULL)
+        *sharded = kind;
+    return rc;
+}
+
+/* global/steps/<outer_step>/model.safetensors.index.json, exactly (a cluster's publish) */
+static int is_step_index(const char *m, uint64_t step)
+{
+    char want[96];
+    snprintf(want, sizeof(want), STEPCOUNT_STEP_INDEX_FMT, step);
+    return strcmp(m, want) == 0;
+}
+
+int stepcount_parse_file(const char *text, size_t len, uint64_t *outer_step, int *bootstrap, int *sharded,
+                         char *model_file, size_t model_file_size, dl_error *err)
 {
     cJSON *root = cJSON_ParseWithLength(text, len), *step, *boot, *model;
     int rc = 0;
@@ -61,6 +89,18 @@ int stepcount_parse(const char *text, size_t len, uint64_t *outer_step, int *boo
     model = cJSON_GetObjectItemCaseSensitive(root, "model_file");
     if (sharded != NULL)
         *sharded = cJSON_IsString(model) && strcmp(model->valuestring, STEPCOUNT_MODEL_INDEX) == 0;
+    if (cJSON_IsString(model) && is_step_index(model->valuestring, *outer_step)) {
+        if (sharded != NULL)
+            *sharded = 2;
+    } else if (model != NULL && (!cJSON_IsString(model) || (strcmp(model->valuestring, STEPCOUNT_MODEL_INDEX) != 0 &&
+                                                            strcmp(model->valuestring, STEPCOUNT_MODEL_SINGLE) != 0))) {
+        /* a model file we would not read is not taken for the plain one */
+        rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "step_count.json: model_file is none of %s, %s or "
+                     STEPCOUNT_STEP_INDEX_FMT, STEPCOUNT_MODEL_SINGLE, STEPCOUNT_MODEL_INDEX, *outer_step);
+        goto out;
+    }
+    if (model_file != NULL)
+        snprintf(model_file, model_file_size, "%s", cJSON_IsString(model) ? model->valuestring : STEPCOUNT_MODEL_SINGLE);
 out:
     cJSON_Delete(root);
     return rc;

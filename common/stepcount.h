@@ -7,6 +7,7 @@
 #define STEPCOUNT_H
 
 #include <stddef.h>
+#include <inttypes.h>
 #include <stdint.h>
 
 #include "dl_error.h"
@@ -31,9 +32,20 @@ int stepcount_check(uint64_t step, const char *what, dl_error *err);
 /* malloc'd text; sharded names STEPCOUNT_MODEL_INDEX as model_file; updated_at NULL means now (UTC,
  * seconds). */
 char *stepcount_build(uint64_t outer_step, const char *optimizer, int bootstrap, int sharded, const char *updated_at);
+/* The same naming model_file (a path of the bucket, JSON-safe: no quote or backslash). */
+char *stepcount_build_file(uint64_t outer_step, const char *optimizer, int bootstrap, const char *model_file,
+                           const char *updated_at);
+/* A cluster's publish (README, "Scaling out"): the step's own index, so that a reader never mixes shards
+ * of two steps. */
+#define STEPCOUNT_STEP_INDEX_FMT "global/steps/%" PRIu64 "/model.safetensors.index.json"
 /* Strict parse of a published file: outer_step must be a non-negative integer <= 2^53-1.  *sharded
  * (when non-NULL) is 1 when model_file names STEPCOUNT_MODEL_INDEX, 0 otherwise (absent or the plain
  * file: the reference's files). */
 int stepcount_parse(const char *text, size_t len, uint64_t *outer_step, int *bootstrap, int *sharded, dl_error *err);
+/* The same, *sharded 2 for a cluster's per-step index (STEPCOUNT_STEP_INDEX_FMT of outer_step), and
+ * model_file (when non-NULL) receiving the model file named (the plain one when absent).  A model_file
+ * that is none of the three is refused. */
+int stepcount_parse_file(const char *text, size_t len, uint64_t *outer_step, int *bootstrap, int *sharded,
+                         char *model_file, size_t model_file_size, dl_error *err);
 
 #endif

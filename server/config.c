@@ -79,6 +79,8 @@ static const opt options[] = {
     {"warm_outputs", T_UINT, OFF(warm_outputs), 0, 1, "0|1     while a round collects, make the page cache the next pass writes into (2 x model size, reclaimable)"},
     {"history_keep", T_UINT, OFF(history_keep), 16, 100000000, "N   rounds.jsonl keeps the last N round records (compacted at startup)"},
     {"shard_size", T_SIZE, OFF(shard_size), 0, 0, "SIZE      publish the global sharded (index + shards) above SIZE: bytes or 5GB, 500MB ... (0 = never)"},
+    {"cluster_shards", T_UINT, OFF(cluster_shards), 0, 4096, "S     s3:// only: share each round with the other aggregators of the bucket, in S shards (0: alone; README, Scaling out)"},
+    {"cluster_lease", T_DOUBLE, OFF(cluster_lease), 1, 3600, "SECONDS  cluster: a shard claim's lease (renewed by its holder; taken over once it is over)"},
     /* then the transports' own options, from their tables (hub.h's hub_options) */
 };
 
@@ -662,6 +664,7 @@ static int set_defaults(config *c)
     c->retry_interval = 5.0;
     c->max_staleness = CONFIG_NO_STALENESS_BOUND;
     c->publish_interval = -1;
+    c->cluster_lease = 30;
     c->max_header_bytes = 16384;
     c->max_headers = 100;
     c->max_delta_header_mib = 16;
@@ -829,6 +832,28 @@ static int check_init_model(const config *c)
     return 0;
 }
 
+/* A cluster (README, "Scaling out") shares one bucket's rounds: synchronous, and only rules whose every
+ * figure is per element (the others need whole-delta norms, which no aggregator of a cluster reads). */
+static int check_cluster(const config *c)
+{
+    if (c->cluster_shards == 0)
+        return 0;
+    if (strncmp(c->hub, "s3://", 5) != 0)
+        return bad_opt(c, "cluster_shards", "needs --hub s3://...: the bucket is what the aggregators share");
+    if (c->async)
+        return bad_opt(c, "cluster_shards", "takes --mode sync only (an asynchronous cluster is not built yet)");
+    if (c->aggregate != RULE_MEAN && c->aggregate != RULE_MEDIAN && c->aggregate != RULE_TRIMMED)
+        return bad_opt(c, "aggregate", "%s needs each delta's whole norm: a cluster takes mean, median or trimmed_mean:K",
+                       config_rule_name(c->aggregate));
+    if (c->max_norm != 0 || c->max_norm_ratio != 0 || c->screen)
+        return bad_opt(c, c->screen ? "screen" : c->max_norm != 0 ? "max_norm" : "max_norm_ratio",
+                       "the norm and cosine screens need whole deltas: not with --cluster-shards");
+    if (c->init_model != NULL)
+        return bad_opt(c, "init_model", "a cluster never bootstraps: publish step 0 with one aggregator (or the "
+                       "reference) first");
+    return 0;
+}
+
 static int validate(config *c)
 {
     int rc;
@@ -870,6 +895,8 @@ static int validate(config *c)
                        c->trim_k, c->expected_nodes);
     if (c->publish_interval < 0)
         c->publish_interval = c->async && strncmp(c->hub, "hf://", 5) == 0 ? 30 : 0;
+    if ((rc = check_cluster(c)) != 0)
+        return rc;
     if (!c->async && c->expected_nodes == 0 && c->round_timeout == 0)
         return bad_opt(c, "expected_nodes", "rounds would never close: give --expected-nodes/--nodes or --round-timeout");
     if (c->expected_nodes != 0 && c->min_nodes > c->expected_nodes)
@@ -1127,6 +1154,8 @@ void config_print(const config *c, FILE *out)
     fprintf(out, "prune_consumed = %u\nwarm_outputs = %u\nhistory_keep = %u\n", c->prune_consumed, c->warm_outputs,
             c->history_keep);
     fprintf(out, "shard_size = %" PRIu64 "\n", c->shard_size);
+    fprintf(out, "cluster_shards = %u\n", c->cluster_shards);
+    print_double(out, "cluster_lease", c->cluster_lease);
     print_transport_options(c, out);
 }
 

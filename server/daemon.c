@@ -188,7 +188,8 @@ static void close_walk_cb(uv_handle_t *h, void *arg)
 
 void daemon__maybe_finish_shutdown(dilocod *d)
 {
-    if (!d->stopping || d->jobs.in_flight > 0 || d->warm.job != NULL || d->http != NULL || d->hub != NULL)
+    if (!d->stopping || d->jobs.in_flight > 0 || d->warm.job != NULL || d->http != NULL || d->hub != NULL ||
+        d->cluster != NULL)
         return;
     uv_walk(&d->loop, close_walk_cb, NULL);
 }
@@ -205,6 +206,11 @@ static void hub_closed(void *app)
     dilocod *d = app;
     d->hub = NULL;
     daemon__maybe_finish_shutdown(d);
+}
+
+void daemon__close_hub(dilocod *d)
+{
+    hub_close(d->hub, hub_closed, d);
 }
 
 static void signal_cb(uv_signal_t *s, int signum)
@@ -229,7 +235,9 @@ static void signal_cb(uv_signal_t *s, int signum)
     if (d->http != NULL)
         http_server_stop(d->http, http_stopped);    /* uploads in progress are dropped, nothing kept */
     daemon__release_settle(d);          /* a closing transport reports no publish_done: settle now */
-    if (d->hub != NULL)
+    if (d->cluster != NULL)
+        daemon__cluster_stop(d);        /* its end closes the transport it borrows */
+    else if (d->hub != NULL)
         hub_close(d->hub, hub_closed, d);           /* a download resumes from its .part next time */
     daemon__maybe_finish_shutdown(d);
 }
@@ -442,7 +450,8 @@ int daemon_run(config *cfg)
      * start created is removed again if nothing was committed in it. */
     state_dir = store_path_state_dir(cfg->state_root, cfg->id);
     int state_existed = state_dir == NULL || access(state_dir, F_OK) == 0;
-    if ((rc = start_http(d, &err)) != 0 || (rc = open_hub(d, &err)) != 0 || (rc = startup(d, &err)) != 0) {
+    if ((rc = start_http(d, &err)) != 0 || (rc = open_hub(d, &err)) != 0 ||
+        (rc = cfg->cluster_shards ? daemon__cluster_start(d, &err) : startup(d, &err)) != 0) {
         daemon__log_error("main", "cannot start", &err);
         d->exit_code = 1;
         d->stopping = 1;
@@ -451,6 +460,8 @@ int daemon_run(config *cfg)
         if (d->http != NULL)
             http_server_stop(d->http, http_stopped);
         daemon__maybe_finish_shutdown(d);
+    } else if (cfg->cluster_shards) {
+        announce_http(d);       /* the cluster's thread runs: no local pipeline, the transport never starts */
     } else {
         announce_http(d);
         start_watching(d);

@@ -167,9 +167,12 @@ typedef struct daemon_robust {
     uint64_t quarantined[ROBUST_REASONS];
 } daemon_robust;
 
+struct cluster;
+
 typedef struct dilocod {
     uv_loop_t loop;
     config *cfg;
+    struct cluster *cluster;    /* --cluster-shards (daemon_cluster.c): the bucket is the state, no pipeline runs */
     store st;
     int stopping;
     int exit_code;

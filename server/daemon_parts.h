@@ -50,6 +50,13 @@ void daemon__async_record_applied(dilocod *d, const round_record *r);
 void daemon__async_load_record(void *d, const round_record *r);
 extern const daemon_provider daemon__async_provider;
 
+/* daemon_cluster.c: K aggregators over one bucket (README, Scaling out; hub/s3_cluster.h) */
+int daemon__cluster_start(dilocod *d, dl_error *err);
+void daemon__cluster_stop(dilocod *d);
+extern const daemon_provider daemon__cluster_provider;
+/* daemon.c: closes the transport (shutdown) */
+void daemon__close_hub(dilocod *d);
+
 /* daemon_robust.c: the norm and cosine screens, the rules' per-delta scales (README, Robust aggregation) */
 /* Whether a delta offered is quarantined by the norm screen (counted, logged and remembered if so). */
 int daemon__robust_screen_offer(dilocod *d, const delta_info *info);

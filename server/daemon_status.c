@@ -600,7 +600,7 @@ int daemon__status_register(dilocod *d)
         &process_provider, &pipeline_provider, &round_provider, &pass_provider,  &history_provider,
         &optimizer_provider, &model_provider, &hub_provider,    &commit_provider, &stats_provider,
         &adopt_provider,   &index_provider,  &http_server_provider, &daemon__async_provider, &daemon__robust_provider,
-        &workers_provider, &upload_provider,
+        &workers_provider, &upload_provider, &daemon__cluster_provider,
     };
     for (size_t i = 0; i < sizeof(order) / sizeof(order[0]); i++) {
         int rc = daemon_provide(d, order[i]);

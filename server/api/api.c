@@ -190,6 +190,11 @@ static void serve_global(dilocod *d, http_conn *c, http_request *req)
                            NULL);
         return;
     }
+    if (daemon_config(d)->cluster_shards) {
+        http_respond_error(c, 404, "cluster", "a cluster (--cluster-shards) publishes to the bucket only: read "
+                           "global/step_count.json and the model_file it names there", NULL);
+        return;
+    }
     if (!g->available) {
         http_respond_error(c, 503, "no_global", "no global model yet", NULL);
         return;

@@ -767,6 +767,11 @@ int upload_admit(dilocod *d, http_conn *c, http_request *req, const char *node_i
         http_respond(c, 503, "application/json", "Retry-After: 1\r\n", body, sizeof(body) - 1);
         return -1;
     }
+    if (daemon_config(d)->cluster_shards) {
+        http_respond_error(c, 409, "cluster", "this aggregator is one of a cluster (--cluster-shards): workers "
+                           "upload their deltas to the bucket's nodes/<id>/", NULL);
+        return -1;
+    }
     if (!daemon_takes_uploads(d)) {
         http_respond_error(c, 503, "no_global", "no global model yet: nothing to upload deltas against", NULL);
         return -1;

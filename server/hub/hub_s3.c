@@ -1165,6 +1165,16 @@ static void s3_close(hub *base, void (*done)(void *), void *arg)
     remote_fetch_close(&h->f);
 }
 
+int hub_s3_access(const hub *base, s3_access *out)
+{
+    extern const hub_ops hub_s3_ops;
+    const s3_hub *h = (const s3_hub *)base;
+    if (base == NULL || base->ops != &hub_s3_ops)
+        return -1;
+    *out = (s3_access){h->endpoint, h->bucket, h->prefix, h->region, h->key_id, h->secret, h->virtual_host};
+    return 0;
+}
+
 const hub_ops hub_s3_ops = {
     .scheme = "s3://",
     .kind = "s3",

@@ -88,4 +88,15 @@ int s3_parse_credentials(const char *text, size_t len, char **key_id, char **sec
  * 64 characters.  Copies it without the quotes.  0 or -1. */
 int s3_clean_etag(const char *in, size_t len, char *out, size_t out_size);
 
+/* What a cluster (s3_cluster.h) needs of an opened s3:// transport to talk to the same bucket: its
+ * endpoint, bucket, prefix ("" when none), region, addressing and credentials, as open() resolved them
+ * (the environment, a credentials file, the instance's).  Borrowed: valid while the hub is open.
+ * 0, or -1 when h is not an s3:// transport. */
+struct hub;
+typedef struct s3_access {
+    const char *endpoint, *bucket, *prefix, *region, *key_id, *secret;
+    int virtual_host;
+} s3_access;
+int hub_s3_access(const struct hub *h, s3_access *out);
+
 #endif

@@ -1,0 +1,92 @@
+/* The daemon's side of a cluster (--cluster-shards; README, "Scaling out"; hub/s3_cluster.h): the bucket is
+ * the state, so none of the local pipeline runs.  The s3:// transport is opened for its access (endpoint,
+ * credentials) and never started; the cluster's thread does the rest; /status and /metrics show its view. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon_internal.h"
+#include "daemon_parts.h"
+#include "dl_log.h"
+#include "hub_s3.h"
+#include "s3_cluster.h"
+#include "store.h"
+
+static void cluster_stopped(void *arg)
+{
+    dilocod *d = arg;
+    cluster_free(d->cluster);
+    d->cluster = NULL;
+    /* the transport's access strings were the cluster's: close it only now */
+    if (d->hub != NULL)
+        daemon__close_hub(d);
+    daemon__maybe_finish_shutdown(d);
+}
+
+int daemon__cluster_start(dilocod *d, dl_error *err)
+{
+    const config *cfg = d->cfg;
+    s3_access a;
+    char *state = store_path_state_dir(cfg->state_root, cfg->id);
+    size_t scratch_size = state ? strlen(state) + 32 : 0;
+    char *scratch = state ? malloc(scratch_size) : NULL;
+    int rc;
+
+    if (scratch == NULL) {
+        free(state);
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    }
+    if (d->hub == NULL || hub_s3_access(d->hub, &a) != 0) {
+        free(state);
+        free(scratch);
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "--cluster-shards needs an s3:// transport");
+    }
+    snprintf(scratch, scratch_size, "%s/cache/cluster", state);
+    cluster_config cc = {
+        .shards = cfg->cluster_shards,
+        .lease = cfg->cluster_lease,
+        .poll_interval = cfg->poll_interval,
+        .expected_nodes = cfg->expected_nodes,
+        .allow = cfg->nodes,
+        .nallow = cfg->nnodes,
+        .min_nodes = cfg->min_nodes,
+        .round_timeout = cfg->round_timeout,
+        .optimizer = config_optimizer_name(cfg->optimizer),
+        .lr = cfg->lr,
+        .momentum = cfg->momentum,
+        .rule = (outer_rule)cfg->aggregate,
+        .trim_k = cfg->trim_k,
+        .threads = cfg->threads,
+        .budget_bytes = (size_t)cfg->agg_memory_mib << 20,
+        .max_header = (uint64_t)cfg->max_delta_header_mib << 20,
+        .scratch_dir = scratch,
+        .id = cfg->id,
+    };
+    rc = cluster_start(&d->cluster, &d->loop, &cc, &a, cluster_stopped, d, err);
+    free(state);
+    free(scratch);
+    return rc;
+}
+
+/* Shutdown: the thread stops (its requests aborted), then the transport closes (cluster_stopped). */
+void daemon__cluster_stop(dilocod *d)
+{
+    if (d->cluster != NULL)
+        cluster_stop(d->cluster);
+}
+
+static void cluster_status(const dilocod *d, sbuf *b)
+{
+    if (d->cluster == NULL)
+        return;
+    sb_str(b, ",\"cluster\":");
+    cluster_status_json(d->cluster, b);
+}
+
+static void cluster_metrics_cb(const dilocod *d, sbuf *b)
+{
+    if (d->cluster != NULL)
+        cluster_metrics(d->cluster, b);
+}
+
+const daemon_provider daemon__cluster_provider = {"cluster", cluster_status, cluster_metrics_cb};
