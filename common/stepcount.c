@@ -12,6 +12,8 @@
 #include "delta.h"
 #include "strbuf.h"
 
+#define ST_INDEX_SUFFIX_TEXT ".safetensors.index.json"
+
 char *stepcount_build(uint64_t outer_step, const char *optimizer, int bootstrap, int sharded, const char *updated_at)
 {
     return stepcount_build_file(outer_step, optimizer, bootstrap, sharded ? STEPCOUNT_MODEL_INDEX : STEPCOUNT_MODEL_SINGLE,
@@ -57,12 +59,23 @@ int stepcount_parse(const char *text, size_t len, uint64_t *outer_step, int *boo
     return rc;
 }
 
-/* global/steps/<outer_step>/model.safetensors.index.json, exactly (a cluster's publish) */
+/* global/steps/<outer_step>/model[.g<n>].safetensors.index.json, exactly (a cluster's publish; n: the
+ * generation of its manifest, after a delta was refused for its values) */
 static int is_step_index(const char *m, uint64_t step)
 {
     char want[96];
-    snprintf(want, sizeof(want), STEPCOUNT_STEP_INDEX_FMT, step);
-    return strcmp(m, want) == 0;
+    snprintf(want, sizeof(want), "global/steps/%" PRIu64 "/model", step);
+    size_t wl = strlen(want);
+    if (strncmp(m, want, wl) != 0)
+        return 0;
+    m += wl;
+    if (m[0] == '.' && m[1] == 'g' && m[2] >= '1' && m[2] <= '9') {
+        size_t d = 2;
+        while (d < 12 && m[d] >= '0' && m[d] <= '9')
+            d++;
+        m += d;
+    }
+    return strcmp(m, ST_INDEX_SUFFIX_TEXT) == 0;
 }
 
 int stepcount_parse_file(const char *text, size_t len, uint64_t *outer_step, int *bootstrap, int *sharded,
@@ -96,7 +109,8 @@ int stepcount_parse_file(const char *text, size_t len, uint64_t *outer_step, int
                                                             strcmp(model->valuestring, STEPCOUNT_MODEL_SINGLE) != 0))) {
         /* a model file we would not read is not taken for the plain one */
         rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "step_count.json: model_file is none of %s, %s or "
-                     STEPCOUNT_STEP_INDEX_FMT, STEPCOUNT_MODEL_SINGLE, STEPCOUNT_MODEL_INDEX, *outer_step);
+                     "global/steps/%" PRIu64 "/model[.g<n>].safetensors.index.json", STEPCOUNT_MODEL_SINGLE,
+                     STEPCOUNT_MODEL_INDEX, *outer_step);
         goto out;
     }
     if (model_file != NULL)

@@ -35,14 +35,14 @@ char *stepcount_build(uint64_t outer_step, const char *optimizer, int bootstrap,
 /* The same naming model_file (a path of the bucket, JSON-safe: no quote or backslash). */
 char *stepcount_build_file(uint64_t outer_step, const char *optimizer, int bootstrap, const char *model_file,
                            const char *updated_at);
-/* A cluster's publish (README, "Scaling out"): the step's own index, so that a reader never mixes shards
- * of two steps. */
-#define STEPCOUNT_STEP_INDEX_FMT "global/steps/%" PRIu64 "/model.safetensors.index.json"
+/* A cluster's publish (README, "Scaling out") names the step's own index,
+ * global/steps/<outer_step>/model[.g<n>].safetensors.index.json, so that a reader never mixes shards of two
+ * steps (n: its manifest's generation, after a delta was refused for its values). */
 /* Strict parse of a published file: outer_step must be a non-negative integer <= 2^53-1.  *sharded
  * (when non-NULL) is 1 when model_file names STEPCOUNT_MODEL_INDEX, 0 otherwise (absent or the plain
  * file: the reference's files). */
 int stepcount_parse(const char *text, size_t len, uint64_t *outer_step, int *bootstrap, int *sharded, dl_error *err);
-/* The same, *sharded 2 for a cluster's per-step index (STEPCOUNT_STEP_INDEX_FMT of outer_step), and
+/* The same, *sharded 2 for a cluster's per-step index (see above), and
  * model_file (when non-NULL) receiving the model file named (the plain one when absent).  A model_file
  * that is none of the three is refused. */
 int stepcount_parse_file(const char *text, size_t len, uint64_t *outer_step, int *bootstrap, int *sharded,

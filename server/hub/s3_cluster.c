@@ -66,6 +66,7 @@ typedef struct gmodel {
     char stepfile_etag[80];
     char model_file[160];
     int ours;                   /* a cluster's per-step index: the momentum is in the bucket */
+    unsigned gen;               /* ours: the generation of the manifest it was computed from */
     source *src;
     size_t nsrc;
     st_header *h;               /* every tensor, in the sources' order (a synthetic header) */
@@ -116,6 +117,8 @@ struct cluster {
     size_t nrefused;
     node_delta *m;              /* the manifest's nodes, in its order */
     size_t nm;
+    unsigned gen;               /* the manifest's generation: 0, then one more per delta refused for its values */
+    char refusal_ignored[80];   /* the ETag of a refusal found unfounded (not verified again) */
     double last_renew;
     char claim_etag[80];
     unsigned claim_renewal;
@@ -207,6 +210,53 @@ static char *rel_printf(const char *fmt, ...)
 static int hex_sha256(const void *p, size_t n, char out[65])
 {
     return remote_hash_mem(p, n, REMOTE_SHA256, NULL, 0, out, 65);
+}
+
+/* ---- names ------------------------------------------------------------------------------------- */
+
+/* global/steps/<step>/<stem>[.g<gen>]<suffix>: every object of a generation after the first has its own
+ * name, so that nothing of a manifest a refusal replaced is taken for the new one's */
+static char *step_rel(uint64_t step, const char *stem, unsigned gen, const char *suffix)
+{
+    if (gen == 0)
+        return rel_printf("global/steps/%" PRIu64 "/%s%s", step, stem, suffix);
+    return rel_printf("global/steps/%" PRIu64 "/%s.g%u%s", step, stem, gen, suffix);
+}
+
+static char *shard_rel(uint64_t step, unsigned gen, uint32_t i, const char *suffix)
+{
+    char stem[32];
+    snprintf(stem, sizeof(stem), "shard-%" PRIu32, i);
+    return step_rel(step, stem, gen, suffix);
+}
+
+static char *claim_rel(uint64_t step, unsigned gen, uint32_t i) { return shard_rel(step, gen, i, ".claim"); }
+static char *manifest_rel(uint64_t step, unsigned gen) { return step_rel(step, "manifest", gen, ".json"); }
+static char *refusal_rel(uint64_t step, unsigned gen) { return step_rel(step, "refused", gen, ".json"); }
+static char *index_rel(uint64_t step, unsigned gen) { return step_rel(step, "model", gen, ST_INDEX_SUFFIX); }
+
+static char *done_rel(uint64_t step, unsigned gen, uint32_t i) { return shard_rel(step, gen, i, ".done"); }
+
+static int gen_base(const char *stem, unsigned gen, char *out, size_t size)
+{
+    int n = gen ? snprintf(out, size, "%s.g%u", stem, gen) : snprintf(out, size, "%s", stem);
+    return n > 0 && (size_t)n < size ? 0 : -1;
+}
+
+static char *output_rel(uint64_t step, unsigned gen, uint32_t i, uint32_t n)
+{
+    char base[32], name[96];
+    if (gen_base("model", gen, base, sizeof(base)) != 0 || st_index_shard_name(base, i, n, name, sizeof(name)) != 0)
+        return NULL;
+    return rel_printf("global/steps/%" PRIu64 "/%s", step, name);
+}
+
+static char *momentum_rel(uint64_t step, unsigned gen, uint32_t i, uint32_t n)
+{
+    char base[32], name[96];
+    if (gen_base("shard", gen, base, sizeof(base)) != 0 || st_index_shard_name(base, i, n, name, sizeof(name)) != 0)
+        return NULL;
+    return rel_printf("state/momentum/%" PRIu64 "/%s", step, name);
 }
 
 /* ---- requests --------------------------------------------------------------------------------- */
@@ -603,6 +653,11 @@ static int sync_global(cluster *c, char *why, size_t why_size)
     gmodel g = {0};
     g.step = step;
     g.ours = kind == 2;
+    if (g.ours) {
+        /* model[.g<n>]: the generation whose momentum shards the next step reads */
+        const char *b = strrchr(model_file, '/');
+        g.gen = b && strncmp(b, "/model.g", 8) == 0 ? (unsigned)strtoul(b + 8, NULL, 10) : 0;
+    }
     snprintf(g.stepfile_etag, sizeof(g.stepfile_etag), "%s", r.etag);
     snprintf(g.model_file, sizeof(g.model_file), "%s", model_file);
     s3s_resp_free(&r);
@@ -814,20 +869,15 @@ static void poll_deltas(cluster *c, uint64_t step)
 
 /* ---- the manifest --------------------------------------------------------------------------------- */
 
-static char *manifest_build(cluster *c, uint64_t step)
+/* A manifest's text from its nodes (in node order): the same bytes from every aggregator that derives it */
+static char *manifest_text(const cluster *c, uint64_t step, unsigned gen, const node_delta *const *nodes, size_t n)
 {
     sbuf b = {0};
-    sb_printf(&b, "{\n  \"outer_step\": %" PRIu64 ",\n  \"base_step\": %" PRIu64 ",\n  \"shards\": %u,\n  \"plan\": \"%s\",\n"
-              "  \"instance\": ", step, c->g.step, c->cfg.shards, c->g.plan_sha);
-    sb_json_string(&b, c->instance, strlen(c->instance));
-    sb_str(&b, ",\n  \"nodes\": [");
-    size_t listed = 0;
-    for (size_t i = 0; i < c->rnd.n; i++) {
-        const round_entry *e = &c->rnd.entries[i];
-        const node_delta *d = nd_find(c, e->node_id);
-        if (d == NULL)
-            continue;
-        sb_str(&b, listed++ ? ",\n    {\"node\": " : "\n    {\"node\": ");
+    sb_printf(&b, "{\n  \"outer_step\": %" PRIu64 ",\n  \"base_step\": %" PRIu64 ",\n  \"generation\": %u,\n"
+              "  \"shards\": %u,\n  \"plan\": \"%s\",\n  \"nodes\": [", step, c->g.step, gen, c->cfg.shards, c->g.plan_sha);
+    for (size_t i = 0; i < n; i++) {
+        const node_delta *d = nodes[i];
+        sb_str(&b, i ? ",\n    {\"node\": " : "\n    {\"node\": ");
         sb_json_string(&b, d->node, strlen(d->node));
         sb_str(&b, ", \"key\": ");
         sb_json_string(&b, d->s.rel, strlen(d->s.rel));
@@ -836,6 +886,23 @@ static char *manifest_build(cluster *c, uint64_t step)
     }
     sb_str(&b, "\n  ]\n}\n");
     return sb_take(&b);
+}
+
+/* The closed round's manifest (generation 0). */
+static char *manifest_build(cluster *c, uint64_t step)
+{
+    const node_delta **nodes = calloc(c->rnd.n ? c->rnd.n : 1, sizeof(*nodes));
+    size_t n = 0;
+    if (nodes == NULL)
+        return NULL;
+    for (size_t i = 0; i < c->rnd.n; i++) {
+        const node_delta *d = nd_find(c, c->rnd.entries[i].node_id);
+        if (d != NULL)
+            nodes[n++] = d;
+    }
+    char *text = manifest_text(c, step, 0, nodes, n);
+    free(nodes);
+    return text;
 }
 
 static int json_u64(const cJSON *o, const char *k, uint64_t *out)
@@ -861,13 +928,17 @@ static int manifest_adopt(cluster *c, uint64_t step, const char *text, size_t le
 {
     cJSON *j = cJSON_ParseWithLength(text, len);
     const cJSON *nodes = cJSON_GetObjectItemCaseSensitive(j, "nodes");
-    uint64_t ms, shards;
+    uint64_t ms, shards, gen;
     const char *plan = json_str(j, "plan");
     int rc = -1;
 
     if (!cJSON_IsObject(j) || json_u64(j, "outer_step", &ms) != 0 || json_u64(j, "shards", &shards) != 0 ||
         plan == NULL || !cJSON_IsArray(nodes)) {
         snprintf(why, why_size, "the manifest is not one (outer_step, shards, plan, nodes)");
+        goto out;
+    }
+    if (json_u64(j, "generation", &gen) != 0 || gen != 0) {
+        snprintf(why, why_size, "the manifest is not of the round's first generation");
         goto out;
     }
     if (ms != step || shards != c->cfg.shards || strcmp(plan, c->g.plan_sha) != 0) {
@@ -934,7 +1005,7 @@ out:
 /* The manifest of step: 1 adopted, 0 none yet, -1 refused or unreadable (why). */
 static int manifest_read(cluster *c, uint64_t step, char *why, size_t why_size)
 {
-    char *rel = rel_printf("global/steps/%" PRIu64 "/manifest.json", step);
+    char *rel = manifest_rel(step, 0);
     s3s_resp r;
     size_t cap = 4096 + (size_t)2048 * (c->cfg.expected_nodes ? c->cfg.expected_nodes : NODES_MAX);
     int got = rel ? get_small(c, rel, cap, &r, why, why_size) : -1;
@@ -949,7 +1020,7 @@ static int manifest_read(cluster *c, uint64_t step, char *why, size_t why_size)
 static int manifest_write(cluster *c, uint64_t step, char *why, size_t why_size)
 {
     char *text = manifest_build(c, step);
-    char *rel = rel_printf("global/steps/%" PRIu64 "/manifest.json", step);
+    char *rel = manifest_rel(step, 0);
     s3s_resp r;
     int rc = -1;
 
@@ -990,11 +1061,6 @@ out:
 
 /* ---- claims --------------------------------------------------------------------------------------- */
 
-static char *claim_rel(uint64_t step, uint32_t i)
-{
-    return rel_printf("global/steps/%" PRIu64 "/shard-%" PRIu32 ".claim", step, i);
-}
-
 static int claim_body(cluster *c, uint64_t step, uint32_t i, unsigned epoch, char *out, size_t size)
 {
     int n = snprintf(out, size, "{\"outer_step\": %" PRIu64 ", \"shard\": %" PRIu32 ", \"instance\": \"%s\", "
@@ -1007,7 +1073,7 @@ typedef enum claim_result { CLAIM_OURS, CLAIM_BUSY, CLAIM_FAILED } claim_result;
 /* Claims shard i: a new claim, or an expired one taken over.  CLAIM_OURS with c->claim_etag and *epoch. */
 static claim_result claim_try(cluster *c, uint64_t step, uint32_t i, unsigned *epoch)
 {
-    char *rel = claim_rel(step, i);
+    char *rel = claim_rel(step, c->gen, i);
     char body[512], why[300];
     s3s_resp r;
     claim_result out = CLAIM_FAILED;
@@ -1083,7 +1149,7 @@ out:
 /* Renews our claim (If-Match on our ETag): 0 still ours, -1 fenced out (another holds it now). */
 static int claim_renew(cluster *c, uint64_t step, uint32_t i, unsigned epoch)
 {
-    char *rel = claim_rel(step, i);
+    char *rel = claim_rel(step, c->gen, i);
     char body[512], why[300];
     s3s_resp r;
     int rc = -1, len;
@@ -1120,9 +1186,10 @@ out:
     return rc;
 }
 
+/* epoch 0: no claim of ours (a refusal verified) */
 static void renew_if_due(cluster *c, uint64_t step, uint32_t i, unsigned epoch, int *fenced)
 {
-    if (!*fenced && mono() - c->last_renew >= c->cfg.lease / 3 && claim_renew(c, step, i, epoch) != 0)
+    if (epoch != 0 && !*fenced && mono() - c->last_renew >= c->cfg.lease / 3 && claim_renew(c, step, i, epoch) != 0)
         *fenced = 1;
 }
 
@@ -1483,27 +1550,6 @@ out:
     return rc;
 }
 
-static char *done_rel(uint64_t step, uint32_t i)
-{
-    return rel_printf("global/steps/%" PRIu64 "/shard-%" PRIu32 ".done", step, i);
-}
-
-static char *output_rel(uint64_t step, uint32_t i, uint32_t n)
-{
-    char name[64];
-    if (st_index_shard_name("model", i, n, name, sizeof(name)) != 0)
-        return NULL;
-    return rel_printf("global/steps/%" PRIu64 "/%s", step, name);
-}
-
-static char *momentum_rel(uint64_t step, uint32_t i, uint32_t n)
-{
-    char name[64];
-    if (st_index_shard_name("shard", i, n, name, sizeof(name)) != 0)
-        return NULL;
-    return rel_printf("state/momentum/%" PRIu64 "/%s", step, name);
-}
-
 static long test_hook(const char *name)
 {
     const char *v = getenv(name);
@@ -1514,14 +1560,64 @@ static long test_hook(const char *name)
     return *end == '\0' && x >= 0 ? x : -1;
 }
 
+/* Node k's delta's slice of shard i into path, its values checked against the global's slice header gh as
+ * intake checks a whole delta (finite, decodable).  0, -1 failed (why), -3 its values are refused (why). */
+static int slice_and_check(cluster *c, const char *path, const st_header *gh, size_t k, uint32_t i, uint64_t step,
+                           unsigned epoch, int *fenced, char *why, size_t why_size)
+{
+    node_delta *d = &c->m[k];
+    delta_info info;
+    dl_error err;
+    const st_meta *mm = d->s.h->meta;
+    st_kv *kv = calloc(d->s.h->nmeta ? d->s.h->nmeta : 1, sizeof(*kv));
+    const st_tensor **ts = calloc(d->s.h->ntensors ? d->s.h->ntensors : 1, sizeof(*ts));
+    const source **srcs = calloc(d->s.h->ntensors ? d->s.h->ntensors : 1, sizeof(*srcs));
+    st_file *df = NULL;
+    int rc = -1;
+
+    if (kv == NULL || ts == NULL || srcs == NULL) {
+        snprintf(why, why_size, "out of memory");
+        goto out;
+    }
+    memset(&info, 0, sizeof(info));
+    for (size_t x = 0; x < d->s.h->nmeta; x++)
+        kv[x] = (st_kv){mm[x].key, mm[x].value};
+    cz_spec cz = {0};
+    if (st_header_meta(d->s.h, "encoding", NULL) != NULL &&
+        delta_check_meta(d->s.h->meta, d->s.h->nmeta, NULL, &info, &err) == 0)
+        cz = info.cz;
+    size_t nt = delta_tensors(&c->g, i, d->s.h, &cz, ts);
+    for (size_t x = 0; x < nt; x++)
+        srcs[x] = &d->s;
+    if (build_slice(c, path, srcs, ts, nt, kv, d->s.h->nmeta, i, fenced, step, epoch, why, why_size) != 0)
+        goto out;
+    if (st_open(path, &df, &err) != 0) {
+        snprintf(why, why_size, "%.300s", err.message);
+        goto out;
+    }
+    if (delta_validate(df, gh, NULL, &info, &err) != 0) {
+        snprintf(why, why_size, "node %.100s's delta %.300s: %.300s%.20s%.200s", d->node, d->s.rel, err.message,
+                 err.tensor[0] ? " tensor=" : "", err.tensor);
+        rc = -3;
+        goto out;
+    }
+    rc = 0;
+out:
+    st_close(df);
+    free(kv);
+    free(ts);
+    free(srcs);
+    return rc;
+}
+
 /* Computes and completes shard i, whose claim we hold.  0 done (by us or, meanwhile, another), -1 failed
- * for now (the claim expires and anyone tries again), -2 refused for good (a delta's values, a conflict). */
-static int shard_work(cluster *c, uint64_t step, uint32_t i, unsigned epoch)
+ * for now (the claim expires and anyone tries again), -2 refused for good (a conflict, a missing momentum),
+ * -3 the values of the manifest's delta *bad are refused (aggregate() writes the refusal). */
+static int shard_work(cluster *c, uint64_t step, uint32_t i, unsigned epoch, size_t *bad)
 {
     shard_io io;
     char why[1024];
     int fenced = 0, rc = -1, have_momentum = 0;
-    const st_tensor **ts = NULL;
     outer_node_stats *stats = calloc(c->nm ? c->nm : 1, sizeof(*stats));
     char gmd5[33] = "", mmd5[33] = "";
     uint64_t gsize = 0, msize = 0;
@@ -1555,7 +1651,7 @@ static int shard_work(cluster *c, uint64_t step, uint32_t i, unsigned epoch)
         goto out;
     if (c->g.ours && c->cfg.momentum != 0) {
         /* the previous step's momentum shard: a cluster always writes it */
-        if ((prev_mom = momentum_rel(c->g.step, i, c->cfg.shards)) == NULL)
+        if ((prev_mom = momentum_rel(c->g.step, c->g.gen, i, c->cfg.shards)) == NULL)
             goto out;
         int got = fetch_whole(c, prev_mom, io.momentum, i, why, sizeof(why));
         if (got < 0)
@@ -1574,48 +1670,16 @@ static int shard_work(cluster *c, uint64_t step, uint32_t i, unsigned epoch)
     if ((io.deltas = calloc(c->nm ? c->nm : 1, sizeof(*io.deltas))) == NULL)
         goto out;
     for (size_t k = 0; k < c->nm; k++) {
-        node_delta *d = &c->m[k];
-        delta_info info;
-        const st_meta *mm = d->s.h->meta;
-        st_kv *kv = calloc(d->s.h->nmeta ? d->s.h->nmeta : 1, sizeof(*kv));
-        free(ts);
-        ts = calloc(d->s.h->ntensors ? d->s.h->ntensors : 1, sizeof(*ts));
-        if (kv == NULL || ts == NULL) {
-            free(kv);
+        if ((io.deltas[k] = rel_printf("%s/delta-%zu.safetensors", io.dir, k)) == NULL)
             goto out;
-        }
-        memset(&info, 0, sizeof(info));
-        for (size_t x = 0; x < d->s.h->nmeta; x++)
-            kv[x] = (st_kv){mm[x].key, mm[x].value};
-        const char *enc = st_header_meta(d->s.h, "encoding", NULL);
-        cz_spec cz = {0};
-        if (enc != NULL && delta_check_meta(d->s.h->meta, d->s.h->nmeta, NULL, &info, &err) == 0)
-            cz = info.cz;
-        size_t nt = delta_tensors(&c->g, i, d->s.h, &cz, ts);
-        if ((io.deltas[k] = rel_printf("%s/delta-%zu.safetensors", io.dir, k)) == NULL) {
-            free(kv);
-            goto out;
-        }
         io.ndeltas = k + 1;
-        const source **srcs = calloc(nt ? nt : 1, sizeof(*srcs));
-        for (size_t x = 0; srcs != NULL && x < nt; x++)
-            srcs[x] = &d->s;
-        int brc = srcs == NULL ? -1 : build_slice(c, io.deltas[k], srcs, ts, nt, kv, d->s.h->nmeta, i, &fenced, step,
-                                                  epoch, why, sizeof(why));
-        free(srcs);
-        free(kv);
-        if (brc != 0)
-            goto out;
-        /* the slice's values checked as intake checks a whole delta (finite, decodable) */
-        st_file *df = NULL;
-        if (st_open(io.deltas[k], &df, &err) != 0 || delta_validate(df, gf->h, NULL, &info, &err) != 0) {
-            snprintf(why, sizeof(why), "node %.300s's delta %.300s: %.300s%.300s%.300s", d->node, d->s.rel, err.message,
-                     err.tensor[0] ? " tensor=" : "", err.tensor);
-            st_close(df);
-            rc = -2;
-            goto out;
+        int v = slice_and_check(c, io.deltas[k], gf->h, k, i, step, epoch, &fenced, why, sizeof(why));
+        if (v == -3) {
+            *bad = k;
+            rc = -3;
         }
-        st_close(df);
+        if (v != 0)
+            goto out;
     }
     st_close(gf);
     gf = NULL;
@@ -1631,8 +1695,8 @@ static int shard_work(cluster *c, uint64_t step, uint32_t i, unsigned epoch)
         snprintf(why, sizeof(why), "fenced out: the claim is another's now");
         goto out;
     }
-    if ((out_rel = output_rel(step, i, c->cfg.shards)) == NULL || (mom_rel = momentum_rel(step, i, c->cfg.shards)) == NULL ||
-        (drel = done_rel(step, i)) == NULL)
+    if ((out_rel = output_rel(step, c->gen, i, c->cfg.shards)) == NULL || (mom_rel = momentum_rel(step, c->gen, i, c->cfg.shards)) == NULL ||
+        (drel = done_rel(step, c->gen, i)) == NULL)
         goto out;
     int prc = put_once(c, out_rel, io.out_global, gmd5, &gsize, why, sizeof(why));
     if (prc == 0 && c->cfg.momentum != 0)
@@ -1671,13 +1735,12 @@ out:
             shard_set(c, i, SH_UNCLAIMED, epoch, -1);
         }
         if (!fenced && why[0]) {
-            dl_log(rc == -2 ? DL_LOG_ERROR : DL_LOG_WARN, "cluster", rc == -2 ? "shard refused" : "shard failed",
+            dl_log(rc <= -2 ? DL_LOG_ERROR : DL_LOG_WARN, "cluster", rc <= -2 ? "shard refused" : "shard failed",
                    "step=%" PRIu64 " shard=%" PRIu32 " why=%s", step, i, why);
             fail_view(c, "step %" PRIu64 " shard %" PRIu32 ": %s", step, i, why);
         }
     }
     st_close(gf);
-    free(ts);
     free(stats);
     free(out_rel);
     free(mom_rel);
@@ -1691,7 +1754,7 @@ out:
 /* Whether shard i's done marker exists: 1 yes, 0 no, -1 unknown. */
 static int shard_is_done(cluster *c, uint64_t step, uint32_t i)
 {
-    char *rel = done_rel(step, i);
+    char *rel = done_rel(step, c->gen, i);
     s3s_req q = S3S_REQ_INIT;
     s3s_resp r;
     char why[200];
@@ -1714,7 +1777,7 @@ static int shard_is_done(cluster *c, uint64_t step, uint32_t i)
 static int check_outputs(cluster *c, uint64_t step, double *sumsq, char *why, size_t why_size)
 {
     for (uint32_t i = 0; i < c->cfg.shards; i++) {
-        char *drel = done_rel(step, i), *orel = output_rel(step, i, c->cfg.shards);
+        char *drel = done_rel(step, c->gen, i), *orel = output_rel(step, c->gen, i, c->cfg.shards);
         s3s_resp r;
         int rc = -1;
         memset(&r, 0, sizeof(r));
@@ -1768,7 +1831,8 @@ static int write_index(cluster *c, uint64_t step, char *why, size_t why_size)
 {
     size_t n = c->g.h->ntensors, len = 0;
     st_spec *specs = calloc(n ? n : 1, sizeof(*specs));
-    char *text = NULL, *rel = rel_printf("global/steps/%" PRIu64 "/model.safetensors.index.json", step);
+    char *text = NULL, *rel = index_rel(step, c->gen);
+    char base[32];
     s3s_resp r;
     int rc = -1;
 
@@ -1779,7 +1843,8 @@ static int write_index(cluster *c, uint64_t step, char *why, size_t why_size)
         const st_tensor *x = &c->g.h->tensors[t];
         specs[t] = (st_spec){x->name, x->name_len, x->dtype, x->ndim, x->shape};
     }
-    if ((text = st_index_build_json("model", specs, n, c->g.shard_of, c->cfg.shards, NULL, 0, &len)) == NULL)
+    if (gen_base("model", c->gen, base, sizeof(base)) != 0 ||
+        (text = st_index_build_json(base, specs, n, c->g.shard_of, c->cfg.shards, NULL, 0, &len)) == NULL)
         goto out;
     long st = put_small(c, rel, text, len, NULL, 0, &r, why, why_size);
     if (st == 200)
@@ -1798,34 +1863,36 @@ out:
  * (by us or meanwhile by another), -1 failed. */
 static int write_stepfile(cluster *c, uint64_t step, char *why, size_t why_size)
 {
-    char model_file[128], etag[80];
-    snprintf(model_file, sizeof(model_file), STEPCOUNT_STEP_INDEX_FMT, step);
+    char *model_file = index_rel(step, c->gen), etag[80];
+    if (model_file == NULL)
+        return -1;
     snprintf(etag, sizeof(etag), "%s", c->g.stepfile_etag);
     for (int attempt = 0; attempt < 5; attempt++) {
         char *text = stepcount_build_file(step, c->cfg.optimizer, 0, model_file, NULL);
         s3s_resp r;
         if (text == NULL)
-            return -1;
+            break;
         long st = put_small(c, "global/step_count.json", text, strlen(text), etag, 0, &r, why, why_size);
         free(text);
         s3s_resp_free(&r);
-        if (st == 200)
+        int64_t now = st == 200 ? (int64_t)step : bucket_step(c, etag, sizeof(etag));
+        if (now >= (int64_t)step) {
+            free(model_file);
             return 0;
-        int64_t now = bucket_step(c, etag, sizeof(etag));
-        if (now >= (int64_t)step)
-            return 0;
+        }
         if (now != (int64_t)step - 1) {
             snprintf(why, why_size, "the bucket's step is %" PRId64 ", not %" PRIu64, now, step - 1);
-            return -1;
+            break;
         }
+        if (attempt == 4)
+            snprintf(why, why_size, "step_count.json keeps changing");
     }
-    snprintf(why, why_size, "step_count.json keeps changing");
+    free(model_file);
     return -1;
 }
 
 static void collect_garbage(cluster *c, uint64_t step)
 {
-    static const char *const control[] = {"manifest.json", ".claim", ".done", "published"};
     char *prefixes[3] = {
         step >= 2 ? rel_printf("global/steps/%" PRIu64 "/", step - 2) : NULL,
         step >= 1 ? rel_printf("state/momentum/%" PRIu64 "/", step - 1) : NULL,
@@ -1840,11 +1907,9 @@ static void collect_garbage(cluster *c, uint64_t step)
             continue;
         }
         for (size_t k = 0; k < n && !stopping(c); k++) {
-            int del = p < 2;
-            for (size_t x = 0; !del && x < sizeof(control) / sizeof(control[0]); x++) {
-                size_t kl = strlen(keys[k]), cl = strlen(control[x]);
-                del = kl >= cl && strcmp(keys[k] + kl - cl, control[x]) == 0;
-            }
+            /* of the previous step, only its model stays (a reader may still be fetching it) */
+            const char *name = strrchr(keys[k], '/');
+            int del = p < 2 || strncmp(name ? name + 1 : keys[k], "model", 5) != 0;
             if (del)
                 delete_key(c, keys[k]);
         }
@@ -1869,7 +1934,8 @@ static int publish(cluster *c, uint64_t step)
     set_state(c, "publishing");
     if (check_outputs(c, step, sumsq, why, sizeof(why)) != 0)
         goto out;
-    snprintf(body, sizeof(body), "{\"outer_step\": %" PRIu64 ", \"instance\": \"%s\"}\n", step, c->instance);
+    snprintf(body, sizeof(body), "{\"outer_step\": %" PRIu64 ", \"generation\": %u, \"instance\": \"%s\"}\n", step,
+             c->gen, c->instance);
     long st = put_small(c, rel, body, strlen(body), NULL, 1, &r, why, sizeof(why));
     if (st == 412) {
         s3s_resp_free(&r);
@@ -1911,6 +1977,145 @@ out:
 
 /* ---- the step ------------------------------------------------------------------------------------- */
 
+static void step_reset_view(cluster *c, uint64_t step);
+
+/* ---- a delta refused for its values ----------------------------------------------------------------
+ * Its values are only read shard by shard, after the manifest is fixed: whoever finds a value intake would
+ * refuse writes refused[.g<g>].json once, naming the node and the shard; every aggregator checks it by
+ * reading that node's slice of that shard itself (a refusal a bucket writer planted names a valid slice, and
+ * is ignored), then the next generation's manifest is the same one without that node, the same bytes from
+ * whoever derives it, written once.  Every shard is computed again under the new generation's names. */
+
+static void write_refusal(cluster *c, uint64_t step, uint32_t i, size_t k)
+{
+    char *rel = refusal_rel(step, c->gen);
+    sbuf b = {0};
+    s3s_resp r;
+    char why[1024];
+    if (rel == NULL)
+        return;
+    sb_printf(&b, "{\"outer_step\": %" PRIu64 ", \"generation\": %u, \"shard\": %" PRIu32 ", \"node\": ", step,
+              c->gen, i);
+    sb_json_string(&b, c->m[k].node, strlen(c->m[k].node));
+    sb_str(&b, "}\n");
+    if (!b.oom) {
+        long st = put_small(c, rel, b.p, b.len, NULL, 1, &r, why, sizeof(why));
+        if (st == 200)
+            dl_log(DL_LOG_WARN, "cluster", "refusal written", "step=%" PRIu64 " generation=%u shard=%" PRIu32
+                   " node=%s", step, c->gen, i, c->m[k].node);
+        s3s_resp_free(&r);
+    }
+    free(b.p);
+    free(rel);
+}
+
+/* Reads node k's slice of shard i again: 1 its values are refused, 0 they are not, -1 unknown. */
+static int verify_refusal(cluster *c, uint64_t step, uint32_t i, size_t k)
+{
+    char dir[600], gpath[700], dpath[700], why[1024];
+    st_file *gf = NULL;
+    dl_error err;
+    int fenced = 0, rc = -1;
+
+    snprintf(dir, sizeof(dir), "%s/%" PRIu64 "-%" PRIu32 "-verify", c->scratch, step, i);
+    store_remove_tree(dir);
+    if (fsu_mkdirs(dir, &err) != 0)
+        return -1;
+    snprintf(gpath, sizeof(gpath), "%s/global.safetensors", dir);
+    snprintf(dpath, sizeof(dpath), "%s/delta.safetensors", dir);
+    if (fetch_global_slice(c, i, gpath, &fenced, step, 0, why, sizeof(why)) == 0 && st_open(gpath, &gf, &err) == 0) {
+        int v = slice_and_check(c, dpath, gf->h, k, i, step, 0, &fenced, why, sizeof(why));
+        rc = v == -3 ? 1 : v == 0 ? 0 : -1;
+        if (v == -3)
+            dl_log(DL_LOG_ERROR, "cluster", "delta refused for its values", "step=%" PRIu64 " shard=%" PRIu32 " why=%s",
+                   step, i, why);
+    }
+    st_close(gf);
+    store_remove_tree(dir);
+    return rc;
+}
+
+/* 1: a refusal of this generation was verified and the next generation adopted; 0: none (or an unfounded
+ * one, ignored); -1: the step cannot go on (too few nodes left, or a next manifest that is not ours). */
+static int check_refusal(cluster *c, uint64_t step)
+{
+    char *rel = refusal_rel(step, c->gen), *next = NULL, *text = NULL;
+    char why[1024];
+    s3s_resp r;
+    const node_delta **keep = NULL;
+    int rc = 0;
+
+    memset(&r, 0, sizeof(r));
+    if (rel == NULL || get_small(c, rel, CLAIM_CAP, &r, why, sizeof(why)) != 1 ||
+        strcmp(r.etag, c->refusal_ignored) == 0)
+        goto out;
+    cJSON *j = cJSON_ParseWithLength(r.body.p, r.body.len);
+    const char *node = json_str(j, "node");
+    uint64_t s = 0, g = 0, shard = 0;
+    size_t k = c->nm;
+    if (node != NULL && json_u64(j, "outer_step", &s) == 0 && json_u64(j, "generation", &g) == 0 &&
+        json_u64(j, "shard", &shard) == 0 && s == step && g == c->gen && shard < c->cfg.shards)
+        for (k = 0; k < c->nm && strcmp(c->m[k].node, node) != 0; k++)
+            ;
+    cJSON_Delete(j);
+    int v = k < c->nm ? verify_refusal(c, step, (uint32_t)shard, k) : 0;
+    if (v <= 0) {
+        if (v == 0) {
+            dl_log(DL_LOG_ERROR, "cluster", "a refusal names a delta whose values are valid: ignored", "key=%s", rel);
+            snprintf(c->refusal_ignored, sizeof(c->refusal_ignored), "%s", r.etag);
+        }
+        goto out;
+    }
+    size_t left = c->nm - 1, min = c->cfg.min_nodes ? c->cfg.min_nodes : 1;
+    if (left < min) {
+        dl_log(DL_LOG_ERROR, "cluster", "step refused: too few nodes are left without the refused delta",
+               "step=%" PRIu64 " nodes_left=%zu min_nodes=%zu", step, left, min);
+        fail_view(c, "step %" PRIu64 ": node %s's delta refused, %zu nodes left (min_nodes %zu)", step, c->m[k].node,
+                  left, min);
+        rc = -1;
+        goto out;
+    }
+    if ((keep = calloc(left ? left : 1, sizeof(*keep))) == NULL)
+        goto out;
+    for (size_t x = 0, n = 0; x < c->nm; x++)
+        if (x != k)
+            keep[n++] = &c->m[x];
+    if ((text = manifest_text(c, step, c->gen + 1, keep, left)) == NULL || (next = manifest_rel(step, c->gen + 1)) == NULL)
+        goto out;
+    s3s_resp_free(&r);
+    long st = put_small(c, next, text, strlen(text), NULL, 1, &r, why, sizeof(why));
+    if (st == 412) {
+        s3s_resp_free(&r);
+        if (get_small(c, next, strlen(text) + 1, &r, why, sizeof(why)) != 1 || r.body.len != strlen(text) ||
+            memcmp(r.body.p, text, r.body.len) != 0) {
+            dl_log(DL_LOG_ERROR, "cluster", "the next generation's manifest is not the one derived: step refused",
+                   "key=%s", next);
+            fail_view(c, "step %" PRIu64 ": %s is not the manifest derived from the refusal", step, next);
+            rc = -1;
+            goto out;
+        }
+    } else if (st != 200) {
+        goto out;
+    }
+    dl_log(DL_LOG_WARN, "cluster", "a delta refused for its values: the round goes on without it",
+           "step=%" PRIu64 " node=%s generation=%u nodes=%zu", step, c->m[k].node, c->gen + 1, left);
+    source_free(&c->m[k].s);
+    memmove(&c->m[k], &c->m[k + 1], (c->nm - k - 1) * sizeof(*c->m));
+    c->nm--;
+    c->gen++;
+    count(c, &c->refusals, 1);
+    step_reset_view(c, step);
+    set_state(c, "aggregating");
+    rc = 1;
+out:
+    s3s_resp_free(&r);
+    free(rel);
+    free(next);
+    free(text);
+    free(keep);
+    return rc;
+}
+
 /* Shards until every one is done, then the publish; returns once the bucket's step reached step, or a
  * refusal stops the step (then it waits for the bucket to move on). */
 static void aggregate(cluster *c, uint64_t step)
@@ -1949,16 +2154,30 @@ static void aggregate(cluster *c, uint64_t step)
             if (d < 0)
                 continue;
             unsigned epoch;
+            size_t bad = 0;
             if (claim_try(c, step, i, &epoch) != CLAIM_OURS)
                 continue;
-            int w = shard_work(c, step, i, epoch);
+            int w = shard_work(c, step, i, epoch, &bad);
             if (w == 0) {
                 done[i] = 1;
                 ndone++;
                 progressed = 1;
             } else if (w == -2) {
                 refused = 1;
+            } else if (w == -3) {
+                write_refusal(c, step, i, bad);
+                break;
             }
+        }
+        if (!refused) {
+            /* a delta refused in any shard (by us or another) starts the next generation without it */
+            int r = check_refusal(c, step);
+            if (r > 0) {
+                memset(done, 0, S);
+                continue;
+            }
+            if (r < 0)
+                refused = 1;
         }
         if (refused) {
             set_state(c, "refused");
@@ -2004,6 +2223,8 @@ static void run_step(cluster *c, uint64_t step)
     int warned = 0;
 
     round_forget(c);
+    c->gen = 0;
+    c->refusal_ignored[0] = '\0';
     round_reset(&c->rnd, step - 1);   /* round.c's step: the base its deltas name */
     step_reset_view(c, step);
     set_state(c, "collecting");

@@ -901,3 +901,40 @@ TEST(remote_seen_list_persists_what_is_decided)
     CHECK_EQ(d3, 1);
     CHECK_EQ(uv_loop_close(&loop), 0);
 }
+
+/* A cluster's step file names the step's own index; only stepcount_parse_file reads it, and a model_file
+ * that is none of the three is refused rather than taken for the plain file. */
+TEST(stepcount_model_files)
+{
+    uint64_t step;
+    int boot, kind;
+    char mf[128];
+    dl_error err;
+    char *t = stepcount_build_file(5, "nesterov_sgd", 0, "global/steps/5/model.safetensors.index.json", NULL);
+    CHECK(t != NULL);
+    CHECK_EQ(stepcount_parse_file(t, strlen(t), &step, &boot, &kind, mf, sizeof(mf), &err), 0);
+    CHECK(step == 5 && kind == 2);
+    CHECK_STR(mf, "global/steps/5/model.safetensors.index.json");
+    CHECK(stepcount_parse(t, strlen(t), &step, &boot, &kind, &err) != 0);
+    CHECK(strstr(err.message, "cluster") != NULL);
+    free(t);
+    /* another step's index is not this step's */
+    t = stepcount_build_file(6, "nesterov_sgd", 0, "global/steps/5/model.safetensors.index.json", NULL);
+    CHECK(t != NULL);
+    CHECK(stepcount_parse_file(t, strlen(t), &step, &boot, &kind, mf, sizeof(mf), &err) != 0);
+    free(t);
+    t = stepcount_build_file(6, "sgd", 0, "global/other.bin", NULL);
+    CHECK(t != NULL);
+    CHECK(stepcount_parse(t, strlen(t), &step, &boot, &kind, &err) != 0);
+    free(t);
+    t = stepcount_build(6, "sgd", 0, 1, NULL);
+    CHECK(t != NULL);
+    CHECK_EQ(stepcount_parse_file(t, strlen(t), &step, &boot, &kind, mf, sizeof(mf), &err), 0);
+    CHECK(kind == 1);
+    CHECK_STR(mf, STEPCOUNT_MODEL_INDEX);
+    free(t);
+    const char *reference = "{\"algorithm\": \"dumb_diloco\", \"outer_step\": 3}";
+    CHECK_EQ(stepcount_parse_file(reference, strlen(reference), &step, &boot, &kind, mf, sizeof(mf), &err), 0);
+    CHECK(kind == 0);
+    CHECK_STR(mf, STEPCOUNT_MODEL_SINGLE);
+}

@@ -158,6 +158,36 @@ TEST(sizes)
     CHECK(st_parse_size("99999999999999999999", &v) != 0);
 }
 
+/* A cluster's plan: exactly S contiguous shards of whole tensors, about equal bytes, every shard non-empty
+ * even when one tensor is most of the model; fewer tensors than shards is refused. */
+TEST(plan_even_cuts_exactly_s_shards)
+{
+    static const uint64_t s4[] = {1}, s40[] = {10}, s400[] = {100};
+    st_spec specs[] = {{"a", 1, ST_F32, 1, s4}, {"b", 1, ST_F32, 1, s4}, {"c", 1, ST_F32, 1, s4},
+                       {"d", 1, ST_F32, 1, s4}, {"e", 1, ST_F32, 1, s4}, {"f", 1, ST_F32, 1, s4}};
+    uint32_t shard_of[6];
+    dl_error err;
+    CHECK_EQ(st_index_plan_even(specs, 6, 3, shard_of, &err), 0);
+    for (int i = 0; i < 6; i++)
+        CHECK_EQ(shard_of[i], (uint32_t)(i / 2));
+    CHECK_EQ(st_index_plan_even(specs, 6, 6, shard_of, &err), 0);
+    for (int i = 0; i < 6; i++)
+        CHECK_EQ(shard_of[i], (uint32_t)i);
+    CHECK_EQ(st_index_plan_even(specs, 6, 1, shard_of, &err), 0);
+    for (int i = 0; i < 6; i++)
+        CHECK_EQ(shard_of[i], 0);
+    CHECK(st_index_plan_even(specs, 6, 7, shard_of, &err) != 0);
+    CHECK(st_index_plan_even(specs, 6, 0, shard_of, &err) != 0);
+    /* one big tensor first: a shard of its own; the cut falls once the bytes reach each k/S of the total */
+    st_spec big[] = {{"a", 1, ST_F32, 1, s400}, {"b", 1, ST_F32, 1, s40}, {"c", 1, ST_F32, 1, s4},
+                     {"d", 1, ST_F32, 1, s4}};
+    CHECK_EQ(st_index_plan_even(big, 4, 3, shard_of, &err), 0);
+    CHECK(shard_of[0] == 0 && shard_of[1] == 1 && shard_of[2] == 2 && shard_of[3] == 2);
+    /* contiguous and non-decreasing, ending at S - 1 */
+    CHECK_EQ(st_index_plan_even(big, 4, 4, shard_of, &err), 0);
+    CHECK(shard_of[0] == 0 && shard_of[1] == 1 && shard_of[2] == 2 && shard_of[3] == 3);
+}
+
 /* huggingface_hub's split: a tensor over the limit gets its own shard at once, numbered before the
  * shard still being filled (sizes 4, 16(big), 4, 4, 4 with limit 10 -> [big], [a, c], [d, e]). */
 TEST(plan_matches_huggingface_hub)
