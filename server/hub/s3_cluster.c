@@ -106,6 +106,7 @@ struct cluster {
     const char *manifest;       /* NULL, "written", "adopted" */
     shard_view *sv;
     uint64_t bytes_read, bytes_written, shards_done, takeovers, publishes, refusals, fenced;
+    double read_s, pass_s, write_s;     /* the shards' time reading, in the pass, writing back (all steps) */
     char last_error[300];
 
     /* the thread's */
@@ -723,18 +724,21 @@ static int is_refused(const cluster *c, const char *key, const char *etag)
     return 0;
 }
 
-static void refuse(cluster *c, const char *key, const char *etag, const char *why)
+/* A delta not to look at again this step: refused (counted, at warn level), or stale (a previous round's). */
+static void refuse(cluster *c, const char *key, const char *etag, const char *why, int stale)
 {
     char *e = rel_printf("%s|%s", key, etag);
     char **grown = e ? realloc(c->refused, (c->nrefused + 1) * sizeof(*grown)) : NULL;
-    dl_log(DL_LOG_WARN, "cluster", "delta refused", "key=%s why=%s", key, why);
+    dl_log(stale ? DL_LOG_DEBUG : DL_LOG_WARN, "cluster", stale ? "delta of an earlier round" : "delta refused",
+           "key=%s why=%s", key, why);
     if (grown == NULL) {
         free(e);
         return;
     }
     c->refused = grown;
     c->refused[c->nrefused++] = e;
-    count(c, &c->refusals, 1);
+    if (!stale)
+        count(c, &c->refusals, 1);
 }
 
 static node_delta *nd_find(cluster *c, const char *node)
@@ -746,7 +750,7 @@ static node_delta *nd_find(cluster *c, const char *node)
 }
 
 /* Checks one delta's header against the global and the round's step (rel, etag from the listing):
- * 0 with s's header read, -1 refused (why), -2 not of this round yet (a later one). */
+ * 0 with s's header read, -1 refused (why), -2 not of this round yet (a later one), -4 of an earlier one. */
 static int check_delta(cluster *c, uint64_t step, source *s, const char *etag, delta_info *info, char *why,
                        size_t why_size)
 {
@@ -763,7 +767,7 @@ static int check_delta(cluster *c, uint64_t step, source *s, const char *etag, d
     if (info->base_outer_step < step - 1) {
         snprintf(why, why_size, "based on step %" PRIu64 ", the round builds on %" PRIu64, info->base_outer_step,
                  step - 1);
-        return -1;
+        return -4;
     }
     return 0;
 }
@@ -820,8 +824,8 @@ static void poll_deltas(cluster *c, uint64_t step)
             if ((s.rel = strdup(rel)) == NULL)
                 continue;
             int v = check_delta(c, step, &s, o->etag, &info, why, sizeof(why));
-            if (v == -1)
-                refuse(c, rel, o->etag, why);
+            if (v == -1 || v == -4)
+                refuse(c, rel, o->etag, why, v == -4);
             if (v != 0 || strcmp(s.etag, o->etag) != 0) {
                 source_free(&s);
                 continue;
@@ -837,7 +841,7 @@ static void poll_deltas(cluster *c, uint64_t step)
                 free(path);
                 source_free(&s);
                 if (verdict != ROUND_NOT_NEWER)
-                    refuse(c, rel, o->etag, round_verdict_name(verdict));
+                    refuse(c, rel, o->etag, round_verdict_name(verdict), 0);
                 continue;
             }
             dl_log(DL_LOG_INFO, "cluster", "delta taken", "step=%" PRIu64 " node=%s local_step=%" PRIu64 " verdict=%s",
@@ -1628,6 +1632,7 @@ static int shard_work(cluster *c, uint64_t step, uint32_t i, unsigned epoch, siz
 
     memset(&io, 0, sizeof(io));
     c->last_renew = mono();
+    double t0 = c->last_renew, t_read = 0, t_pass = 0;
     shard_set(c, i, SH_OURS, epoch, 0);
     why[0] = '\0';
     if (stats == NULL)
@@ -1683,8 +1688,10 @@ static int shard_work(cluster *c, uint64_t step, uint32_t i, unsigned epoch, siz
     }
     st_close(gf);
     gf = NULL;
+    t_read = mono();
     if (run_pass(c, &io, have_momentum, step, i, epoch, &fenced, stats, why, sizeof(why)) != 0)
         goto out;
+    t_pass = mono();
     if (c->stall_after_pass == (long)i) {
         dl_log(DL_LOG_WARN, "cluster", "test hook: pausing after the pass", "shard=%" PRIu32, i);
         nap(c, 2);
@@ -1720,8 +1727,15 @@ static int shard_work(cluster *c, uint64_t step, uint32_t i, unsigned epoch, siz
         goto out;
     /* 412: done already (another finished it meanwhile, or our own first attempt): either is the shard */
     count(c, &c->shards_done, 1);
-    dl_log(DL_LOG_INFO, "cluster", "shard done", "step=%" PRIu64 " shard=%" PRIu32 " epoch=%u bytes_read=%" PRIu64, step,
-           i, epoch, c->sv[i].bytes_read);
+    double t_end = mono();
+    dl_log(DL_LOG_INFO, "cluster", "shard done", "step=%" PRIu64 " shard=%" PRIu32 " epoch=%u bytes_read=%" PRIu64
+           " read_s=%.3f pass_s=%.3f write_s=%.3f", step, i, epoch, c->sv[i].bytes_read, t_read - t0, t_pass - t_read,
+           t_end - t_pass);
+    pthread_mutex_lock(&c->mu);
+    c->read_s += t_read - t0;
+    c->pass_s += t_pass - t_read;
+    c->write_s += t_end - t_pass;
+    pthread_mutex_unlock(&c->mu);
     shard_set(c, i, SH_DONE, epoch, -1);
     rc = 0;
 out:
@@ -2430,9 +2444,11 @@ void cluster_status_json(cluster *c, sbuf *b)
     }
     sb_printf(b, "], \"bytes_read\": %" PRIu64 ", \"bytes_written\": %" PRIu64 ", \"shards_done\": %" PRIu64
               ", \"takeovers\": %" PRIu64 ", \"fenced\": %" PRIu64 ", \"publishes\": %" PRIu64 ", \"refusals\": %" PRIu64
-              ", \"requests\": %" PRIu64 ", \"retries\": %" PRIu64 ", \"last_error\": ",
+              ", \"requests\": %" PRIu64 ", \"retries\": %" PRIu64 ", \"seconds\": {\"read\": %.3f, \"pass\": %.3f, "
+              "\"write\": %.3f}, \"last_error\": ",
               c->bytes_read, c->bytes_written, c->shards_done, c->takeovers, c->fenced, c->publishes, c->refusals,
-              (uint64_t)atomic_load(&c->s3.requests), (uint64_t)atomic_load(&c->s3.retries));
+              (uint64_t)atomic_load(&c->s3.requests), (uint64_t)atomic_load(&c->s3.retries), c->read_s, c->pass_s,
+              c->write_s);
     sb_json_string(b, c->last_error, strlen(c->last_error));
     sb_str(b, "}");
     pthread_mutex_unlock(&c->mu);

@@ -111,7 +111,7 @@ def scenario(tmp, s3, model, deltas_per_round, label, k):
     times, last_bytes = [], None
     try:
         for r, deltas in enumerate(deltas_per_round):
-            before = [status(p)["cluster"]["bytes_read"] if k else 0 for _, p in procs]
+            before = [status(p)["cluster"] if k else None for _, p in procs]
             for node, body in deltas.items():
                 b.put(f"nodes/{node}/delta_{r + 1}.safetensors", body)
             t0 = time.perf_counter()
@@ -122,7 +122,10 @@ def scenario(tmp, s3, model, deltas_per_round, label, k):
             times.append(time.perf_counter() - t0)
             if k:
                 time.sleep(0.3)
-                last_bytes = [status(p)["cluster"]["bytes_read"] - x for (_, p), x in zip(procs, before)]
+                after = [status(p)["cluster"] for _, p in procs]
+                last_bytes = [(a["bytes_read"] - b_["bytes_read"],
+                               {x: a["seconds"][x] - b_["seconds"][x] for x in ("read", "pass", "write")})
+                              for a, b_ in zip(after, before)]
     finally:
         for proc, _ in procs:
             proc.terminate()
@@ -152,9 +155,15 @@ def main():
         ref = results[0][2]
         print(f"{'scenario':<20} {'round s':>8} {'vs plain':>8}  bytes read per aggregator (MiB, last round)")
         for label, k, secs, per in results:
-            share = "" if per is None else ", ".join(f"{x / 2**20:.0f}" for x in per) + \
-                f"  (sum {sum(per) / 2**20:.0f}; MB/s per aggregator {statistics.mean(per) / secs / 1e6:.0f})"
-            print(f"{label:<20} {secs:8.2f} {secs / ref:7.2f}x  {share}")
+            if per is None:
+                print(f"{label:<20} {secs:8.2f} {secs / ref:7.2f}x")
+                continue
+            nbytes = [b for b, _ in per]
+            print(f"{label:<20} {secs:8.2f} {secs / ref:7.2f}x  " + ", ".join(f"{x / 2**20:.0f}" for x in nbytes) +
+                  f"  (sum {sum(nbytes) / 2**20:.0f}; {statistics.mean(nbytes) / secs / 1e6:.0f} MB/s per aggregator)")
+            for i, (_, t) in enumerate(per):
+                print(f"{'':<20}   aggregator {i}: reading {t['read']:.2f} s, pass {t['pass']:.2f} s, "
+                      f"writing back {t['write']:.2f} s")
     finally:
         s3.stop()
         shutil.rmtree(base, ignore_errors=True)
