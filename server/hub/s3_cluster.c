@@ -1907,6 +1907,9 @@ static int write_stepfile(cluster *c, uint64_t step, char *why, size_t why_size)
 
 static void collect_garbage(cluster *c, uint64_t step)
 {
+    char kept[32];              /* the base of step - 1's published files: model, or model.g<n> */
+    if (gen_base("model", c->g.gen, kept, sizeof(kept)) != 0)
+        return;
     char *prefixes[3] = {
         step >= 2 ? rel_printf("global/steps/%" PRIu64 "/", step - 2) : NULL,
         step >= 1 ? rel_printf("state/momentum/%" PRIu64 "/", step - 1) : NULL,
@@ -1921,9 +1924,12 @@ static void collect_garbage(cluster *c, uint64_t step)
             continue;
         }
         for (size_t k = 0; k < n && !stopping(c); k++) {
-            /* of the previous step, only its model stays (a reader may still be fetching it) */
+            /* of the previous step, only its published model stays (a reader may still be fetching it) */
             const char *name = strrchr(keys[k], '/');
-            int del = p < 2 || strncmp(name ? name + 1 : keys[k], "model", 5) != 0;
+            name = name ? name + 1 : keys[k];
+            size_t bl = strlen(kept);
+            int del = p < 2 || strncmp(name, kept, bl) != 0 || (name[bl] != '-' && name[bl] != '.') ||
+                      (c->g.gen == 0 && strncmp(name + bl, ".g", 2) == 0);
             if (del)
                 delete_key(c, keys[k]);
         }
@@ -1970,12 +1976,13 @@ static int publish(cluster *c, uint64_t step)
     if (write_index(c, step, why, sizeof(why)) != 0 || write_stepfile(c, step, why, sizeof(why)) != 0)
         goto out;
     count(c, &c->publishes, 1);
-    sbuf norms = {0};
+    sbuf nb = {0};
     for (size_t k = 0; k < c->nm; k++)
-        sb_printf(&norms, "%s%s:%.6g", k ? "," : "", c->m[k].node, sqrt(sumsq[k]));
-    dl_log(DL_LOG_INFO, "cluster", "published", "step=%" PRIu64 " nodes=%zu shards=%u norms=%s", step, c->nm,
-           c->cfg.shards, norms.p ? norms.p : "");
-    free(norms.p);
+        sb_printf(&nb, "%s%s:%.6g", k ? "," : "", c->m[k].node, sqrt(sumsq[k]));
+    char *norms = sb_take(&nb);
+    dl_log(DL_LOG_INFO, "cluster", "published", "step=%" PRIu64 " generation=%u nodes=%zu shards=%u norms=%s", step,
+           c->gen, c->nm, c->cfg.shards, norms ? norms : "");
+    free(norms);
     collect_garbage(c, step);
     rc = 0;
 out:
