@@ -548,6 +548,22 @@ static int gmodel_plan(cluster *c, gmodel *g, char *why, size_t why_size)
         snprintf(why, why_size, "--cluster-shards %u: %.300s", c->cfg.shards, err.message);
         goto out;
     }
+    /* each shard's outputs are single PUTs: S3 takes at most 5 GiB in one */
+    uint64_t *shard_bytes = calloc(c->cfg.shards, sizeof(*shard_bytes));
+    if (shard_bytes == NULL) {
+        snprintf(why, why_size, "out of memory");
+        goto out;
+    }
+    for (size_t t = 0; t < n; t++)
+        shard_bytes[g->shard_of[t]] += st_tensor_bytes(&g->h->tensors[t]);
+    for (uint32_t i = 0; i < c->cfg.shards; i++)
+        if (shard_bytes[i] > S3_MAX_PART_SIZE) {
+            snprintf(why, why_size, "--cluster-shards %u: shard %" PRIu32 " holds %" PRIu64 " bytes, over the 5 GiB "
+                     "of one PUT: give more shards", c->cfg.shards, i, shard_bytes[i]);
+            free(shard_bytes);
+            goto out;
+        }
+    free(shard_bytes);
     /* the plan's fingerprint, which the manifest carries: every aggregator must cut the same shards */
     for (size_t t = 0; t < n; t++) {
         sb_add(&b, g->h->tensors[t].name, g->h->tensors[t].name_len);
@@ -810,8 +826,14 @@ static void poll_deltas(cluster *c, uint64_t step)
             uint64_t local;
             if (pl && (strncmp(o->key, c->a.prefix, pl) != 0 || o->key[pl] != '/'))
                 continue;
-            if (delta_parse_path(rel, node, &local, NULL) != 0 || is_refused(c, rel, o->etag))
+            if (is_refused(c, rel, o->etag))
                 continue;
+            if (delta_parse_path(rel, node, &local, NULL) != 0) {
+                delta_path dp;
+                if (delta_parse_any_path(rel, &dp, NULL) == 0 && dp.kind == DELTA_PATH_INDEX)
+                    refuse(c, rel, o->etag, "a cluster takes single-file deltas, not sets", 0);
+                continue;
+            }
             node_delta *have = nd_find(c, node);
             if (have != NULL && (have->local_step > local ||
                                  (have->local_step == local && strcmp(have->s.etag, o->etag) == 0)))
