@@ -245,6 +245,7 @@ bench: all venv bench-deps $(BENCH_BINS)
 	$(PY) tests/bench/bench_async.py $(BUILD) $(BENCH_SIZES)
 	$(PY) tests/bench/bench_robust.py $(BUILD) 256
 	$(PY) tests/bench/bench_compress.py $(BUILD) 1024
+	$(PY) tests/bench/bench_cluster.py $(BUILD) 256
 	$(PY) tests/bench/bench_http.py $(BUILD)
 
 # Soak: 1,000 rounds over HTTP and file:// with the chaos client beside them (tests/integration/test_soak.py);

@@ -166,7 +166,8 @@ def main():
                       f"writing back {t['write']:.2f} s")
     finally:
         s3.stop()
-        shutil.rmtree(base, ignore_errors=True)
+        if not os.environ.get("BENCH_KEEP"):
+            shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":
