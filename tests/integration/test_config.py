@@ -205,6 +205,32 @@ def test_robust_options_checked(tmp_path):
     assert conf["aggregate"] == "mean" and conf["screen"] == "none" and conf["max_norm_ratio"] == "0", conf
 
 
+def test_cluster_options_checked(tmp_path):
+    """--cluster-shards refuses what a cluster cannot do, naming the option; its values print back."""
+    s3 = ["--hub", "s3://bucket/run", "--hub-endpoint", "http://127.0.0.1:9", "--expected-nodes", "4"]
+    env = {"AWS_ACCESS_KEY_ID": "AKIAEXAMPLE", "AWS_SECRET_ACCESS_KEY": "secret"}
+    assert_fails(dilocod("--expected-nodes", "4", "--cluster-shards", "4", "--check-config"), "cluster-shards",
+                 "needs --hub s3://")
+    assert_fails(dilocod(*s3, "--cluster-shards", "4", "--mode", "async", "--check-config", env=env),
+                 "cluster-shards", "--mode sync")
+    for rule in ("weighted_mean", "clipped_mean"):
+        assert_fails(dilocod(*s3, "--cluster-shards", "4", "--aggregate", rule, "--check-config", env=env),
+                     "aggregate", "mean, median or trimmed_mean")
+    assert_fails(dilocod(*s3, "--cluster-shards", "4", "--max-norm", "10", "--check-config", env=env), "max-norm",
+                 "whole deltas")
+    assert_fails(dilocod(*s3, "--cluster-shards", "4", "--screen", "cosine:0", "--check-config", env=env), "screen",
+                 "whole deltas")
+    assert_fails(dilocod(*s3, "--cluster-shards", "4", "--init-model", str(model(tmp_path / "m.safetensors")),
+                         "--check-config", env=env), "init-model", "never bootstraps")
+    assert_fails(dilocod(*s3, "--cluster-shards", "5000", "--check-config", env=env), "cluster-shards")
+    assert_fails(dilocod(*s3, "--cluster-shards", "4", "--cluster-lease", "0.5", "--check-config", env=env),
+                 "cluster-lease")
+    out = dilocod(*s3, "--cluster-shards", "4", "--aggregate", "median", "--cluster-lease", "7", "--check-config",
+                  env=env, check=None).stdout
+    conf = dict(line.split(" = ", 1) for line in out.splitlines() if " = " in line and not line.startswith("#"))
+    assert conf["cluster_shards"] == "4" and conf["cluster_lease"] == "7", conf
+
+
 def test_control_characters_refused(tmp_path):
     assert_fails(dilocod("--expected-nodes", "2", "--state-root", "/tmp/a\tb", "--check-config"),
                  "state-root", "control character")
