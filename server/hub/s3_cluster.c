@@ -527,10 +527,21 @@ out:
     return rc;
 }
 
+/* The specs of h's tensors in its order (malloc'd), or NULL when out of memory. */
+static st_spec *header_specs(const st_header *h)
+{
+    st_spec *specs = calloc(h->ntensors ? h->ntensors : 1, sizeof(*specs));
+    for (size_t t = 0; specs != NULL && t < h->ntensors; t++) {
+        const st_tensor *x = &h->tensors[t];
+        specs[t] = (st_spec){x->name, x->name_len, x->dtype, x->ndim, x->shape};
+    }
+    return specs;
+}
+
 static int gmodel_plan(cluster *c, gmodel *g, char *why, size_t why_size)
 {
     size_t n = g->h->ntensors;
-    st_spec *specs = calloc(n ? n : 1, sizeof(*specs));
+    st_spec *specs = header_specs(g->h);
     sbuf b = {0};
     dl_error err;
     int rc = -1;
@@ -539,10 +550,6 @@ static int gmodel_plan(cluster *c, gmodel *g, char *why, size_t why_size)
     if (specs == NULL || g->shard_of == NULL) {
         snprintf(why, why_size, "out of memory");
         goto out;
-    }
-    for (size_t t = 0; t < n; t++) {
-        const st_tensor *x = &g->h->tensors[t];
-        specs[t] = (st_spec){x->name, x->name_len, x->dtype, x->ndim, x->shape};
     }
     if (st_index_plan_even(specs, n, c->cfg.shards, g->shard_of, &err) != 0) {
         snprintf(why, why_size, "--cluster-shards %u: %.300s", c->cfg.shards, err.message);
@@ -1866,7 +1873,7 @@ static int check_outputs(cluster *c, uint64_t step, double *sumsq, char *why, si
 static int write_index(cluster *c, uint64_t step, char *why, size_t why_size)
 {
     size_t n = c->g.h->ntensors, len = 0;
-    st_spec *specs = calloc(n ? n : 1, sizeof(*specs));
+    st_spec *specs = header_specs(c->g.h);
     char *text = NULL, *rel = index_rel(step, c->gen);
     char base[32];
     s3s_resp r;
@@ -1875,10 +1882,6 @@ static int write_index(cluster *c, uint64_t step, char *why, size_t why_size)
     memset(&r, 0, sizeof(r));
     if (specs == NULL || rel == NULL)
         goto out;
-    for (size_t t = 0; t < n; t++) {
-        const st_tensor *x = &c->g.h->tensors[t];
-        specs[t] = (st_spec){x->name, x->name_len, x->dtype, x->ndim, x->shape};
-    }
     if (gen_base("model", c->gen, base, sizeof(base)) != 0 ||
         (text = st_index_build_json(base, specs, n, c->g.shard_of, c->cfg.shards, NULL, 0, &len)) == NULL)
         goto out;
