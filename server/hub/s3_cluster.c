@@ -1112,6 +1112,7 @@ static claim_result claim_try(cluster *c, uint64_t step, uint32_t i, unsigned *e
     claim_result out = CLAIM_FAILED;
     int len;
 
+    memset(&r, 0, sizeof(r));
     if (rel == NULL)
         return CLAIM_FAILED;
     c->claim_renewal = 0;
@@ -1164,6 +1165,13 @@ static claim_result claim_try(cluster *c, uint64_t step, uint32_t i, unsigned *e
     if ((len = claim_body(c, step, i, *epoch, body, sizeof(body))) < 0)
         goto out;
     st = put_small(c, rel, body, (size_t)len, stale, 0, &r, why, sizeof(why));
+    if (st == 412) {
+        /* an ambiguous 412: a retried takeover meets its own first attempt; read back and compare */
+        s3s_resp_free(&r);
+        if (get_small(c, rel, CLAIM_CAP, &r, why, sizeof(why)) == 1 && r.body.len == (size_t)len &&
+            memcmp(r.body.p, body, (size_t)len) == 0)
+            st = 200;
+    }
     if (st == 200) {
         dl_log(DL_LOG_WARN, "cluster", "took over an expired shard claim", "step=%" PRIu64 " shard=%" PRIu32
                " epoch=%u age_s=%.1f", step, i, *epoch, age);
@@ -1246,7 +1254,8 @@ static int range_cmp(const void *a, const void *b)
 /* Writes path: a safetensors file of tensors ts (specs in that order), ts[k] read from the object srcs[k]
  * holds it in (at data_start + begin: ts[k] is of that object's header), with metadata meta; the reads
  * coalesced where they are contiguous, each a ranged GET with If-Match on the object's ETag, straight into
- * the file (no buffer but curl's).  Counted in the shard's bytes read.  0 or -1 (why). */
+ * the file (no buffer but curl's).  Counted in the shard's bytes read.  0, -1 (why), or -3 when an object
+ * is no longer the version listed (412, 404). */
 static int build_slice(cluster *c, const char *path, const source *const *srcs, const st_tensor *const *ts, size_t n,
                        const st_kv *meta, size_t nmeta, uint32_t shard, int *fenced, uint64_t step, unsigned epoch,
                        char *why, size_t why_size)
@@ -1301,13 +1310,16 @@ static int build_slice(cluster *c, const char *path, const source *const *srcs, 
         int got = s3s_do(&c->s3, &q, &r, why, why_size);
         if (got == 0 && r.status != 206 && r.status != 200) {
             s3s_describe(&r, why, why_size);
-            got = -1;
+            /* the object is not the one listed any more (rewritten, removed): no retry brings it back */
+            got = r.status == 412 || r.status == 404 ? -3 : -1;
         }
         s3s_resp_free(&r);
         if (got != 0) {
             char inner[200];
             snprintf(inner, sizeof(inner), "%s", why);
-            snprintf(why, why_size, "reading %s: %s", rg[k].s->rel, inner);
+            snprintf(why, why_size, "reading %s: %s%s", rg[k].s->rel, inner,
+                     got == -3 ? " (it changed since the manifest listed it)" : "");
+            rc = got;
             goto out;
         }
         pthread_mutex_lock(&c->mu);
@@ -1594,7 +1606,8 @@ static long test_hook(const char *name)
 }
 
 /* Node k's delta's slice of shard i into path, its values checked against the global's slice header gh as
- * intake checks a whole delta (finite, decodable).  0, -1 failed (why), -3 its values are refused (why). */
+ * intake checks a whole delta (finite, decodable).  0, -1 failed (why), -3 its values are refused, or it
+ * is not the version the manifest names any more (why). */
 static int slice_and_check(cluster *c, const char *path, const st_header *gh, size_t k, uint32_t i, uint64_t step,
                            unsigned epoch, int *fenced, char *why, size_t why_size)
 {
@@ -1622,8 +1635,12 @@ static int slice_and_check(cluster *c, const char *path, const st_header *gh, si
     size_t nt = delta_tensors(&c->g, i, d->s.h, &cz, ts);
     for (size_t x = 0; x < nt; x++)
         srcs[x] = &d->s;
-    if (build_slice(c, path, srcs, ts, nt, kv, d->s.h->nmeta, i, fenced, step, epoch, why, why_size) != 0)
+    /* a delta rewritten or removed since the manifest is refused like one whose values are */
+    if ((rc = build_slice(c, path, srcs, ts, nt, kv, d->s.h->nmeta, i, fenced, step, epoch, why, why_size)) != 0) {
+        rc = rc == -3 ? -3 : -1;
         goto out;
+    }
+    rc = -1;
     if (st_open(path, &df, &err) != 0) {
         snprintf(why, why_size, "%.300s", err.message);
         goto out;

@@ -97,3 +97,29 @@ def test_planted_refusal_of_a_valid_delta_is_ignored(tmp_path, s3):
         assert "a refusal names a delta whose values are valid: ignored" in logs, cl.logs()
     finally:
         cl.stop()
+
+
+def test_delta_rewritten_after_the_manifest_is_dropped(tmp_path, s3):
+    """A worker that rewrites its delta once the manifest names it: every ranged read of it answers 412
+    (If-Match on the manifest's ETag), and the round goes on without that node instead of stalling."""
+    init = cluster_model(5)
+    cl = Cluster(tmp_path, s3, "refusal-rewritten", S, 5)
+    plan = Plan(publish_step0(cl.bucket, init), S)
+    rng = np.random.default_rng(28)
+    try:
+        # one aggregator, which pauses 2 s after computing shard 0: the manifest is fixed by then
+        a = cl.add("agg-a", env={"DILOCOD_TEST_CLUSTER_STALL_AFTER_PASS": "0"})
+        cl.wait_ready()
+        oracle = Oracle(init, lr=0.7, momentum=0.9)
+        deltas = {n: random_deltas(rng, init) for n in NODES}
+        upload_round(cl.bucket, deltas, 1)
+        cl.wait(lambda: "test hook: pausing after the pass shard=0" in a.log_text(), "agg-a to compute shard 0", 20,
+                interval=0.01)
+        assert cl.bucket.exists("global/steps/1/manifest.json")
+        upload_round(cl.bucket, {"w2": random_deltas(rng, init)}, 1)      # same key, other bytes
+        cl.wait_published(1, 60)
+        oracle.step(tensors_of({n: d for n, d in deltas.items() if n != "w2"}))
+        assert_state_equal(read_generation(cl, plan, 1, 1), oracle.state)
+        assert "it changed since the manifest listed it" in a.log_text(), cl.logs()
+    finally:
+        cl.stop()
