@@ -8,6 +8,7 @@ torch's SGD)."""
 import json
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from dilocod_proc import Oracle, assert_state_equal
 from safetensors.torch import load as st_torch_load
@@ -95,6 +96,18 @@ def test_planted_refusal_of_a_valid_delta_is_ignored(tmp_path, s3):
         assert not cl.bucket.exists("global/steps/1/manifest.g1.json")
         logs = "".join(d.log_text() for d in cl.procs.values())
         assert "a refusal names a delta whose values are valid: ignored" in logs, cl.logs()
+        # /metrics in cluster mode parses as Prometheus text, the cluster's families with the work done
+        cl.wait_publishes(1)
+        fams = {}
+        for d in cl.procs.values():
+            text = d.http.get(f"{d.url}/metrics", timeout=10).text
+            for f in text_string_to_metric_families(text):
+                for smp in f.samples:
+                    fams.setdefault(smp.name, []).append(smp.value)
+        assert sum(fams["dilocod_cluster_shards_done_total"]) == S, fams["dilocod_cluster_shards_done_total"]
+        assert sum(fams["dilocod_cluster_publishes_total"]) == 1
+        assert sum(fams["dilocod_cluster_bytes_read_total"]) >= len(NODES) * plan.f32_bytes()
+        assert sum(fams["dilocod_cluster_bytes_written_total"]) >= plan.total
     finally:
         cl.stop()
 
