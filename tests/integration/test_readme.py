@@ -36,6 +36,10 @@ HUB_TOKEN = "hf_readme_test_token_0123456789"
 
 # Commands that are not run, and why.  Keys are the README's text (continuations joined, comments cut).
 NOT_RUN = {
+    "dilocod --id agg-a --state-root /var/lib/dilocod --hub s3://runs/exp-1 --hub-endpoint https://s3.example "
+    "--expected-nodes 16 --cluster-shards 64 --cluster-lease 30 --listen 0.0.0.0:8080":
+        "one aggregator of a cluster of many against a bucket of 16 workers; tests/integration/test_cluster.py runs "
+        "K = 3 of them with these flags against SeaweedFS",
     "make check": "the test command itself: it runs this file, so a test cannot run it",
     "sudo make install PREFIX=/usr": "installs into this machine's /usr; test_deploy.py runs the same install "
                                      "into a DESTDIR and checks every installed file and the unit",
