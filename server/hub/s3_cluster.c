@@ -2179,34 +2179,97 @@ out:
     return rc;
 }
 
+/* Who takes part in step: each aggregator that agreed on the manifest announces itself
+ * (global/steps/<s>/join-<instance>), waits a window of four polls, and reads who did: K and its rank among
+ * them decide which shards it takes first (i % K == rank), so that the work is shared evenly instead of
+ * going to whoever saw the manifest first.  Only a preference: the others' shards are taken too once
+ * they are still unclaimed a moment later (a member that died, or joined late), and claims decide. */
+static void join_step(cluster *c, uint64_t step, unsigned *k, unsigned *rank)
+{
+    char *rel = rel_printf("global/steps/%" PRIu64 "/join-%s", step, c->instance);
+    char *dir = rel_printf("global/steps/%" PRIu64 "/", step);
+    char why[1024], **keys = NULL;
+    size_t n = 0;
+    s3s_resp r;
+
+    *k = 1;
+    *rank = 0;
+    if (rel == NULL || dir == NULL)
+        goto out;
+    if (put_small(c, rel, "{}\n", 3, NULL, 0, &r, why, sizeof(why)) != 200) {
+        s3s_resp_free(&r);
+        goto out;
+    }
+    s3s_resp_free(&r);
+    /* the last to adopt the manifest may be a poll behind the others, and a poll more if it was still
+     * seeing the previous step published */
+    double window = 4 * c->cfg.poll_interval + 0.2;
+    nap(c, window < c->cfg.lease / 4 ? window : c->cfg.lease / 4);
+    if (list_keys(c, dir, &keys, &n, why, sizeof(why)) != 0)
+        goto out;
+    unsigned members = 0, mine = 0;
+    const char *me = strrchr(rel, '/') + 1;
+    for (size_t x = 0; x < n; x++) {
+        const char *name = strrchr(keys[x], '/');
+        name = name ? name + 1 : keys[x];
+        if (strncmp(name, "join-", 5) != 0)
+            continue;
+        if (strcmp(name, me) < 0)
+            mine++;
+        members++;
+    }
+    if (members > 0 && mine < members) {
+        *k = members;
+        *rank = mine;
+    }
+out:
+    keys_free(keys, n);
+    free(rel);
+    free(dir);
+}
+
 /* Shards until every one is done, then the publish; returns once the bucket's step reached step, or a
  * refusal stops the step (then it waits for the bucket to move on). */
 static void aggregate(cluster *c, uint64_t step)
 {
     uint32_t S = c->cfg.shards;
     unsigned char *done = calloc(S, 1);
-    uint32_t start = 0;
+    uint32_t *order = calloc(S, sizeof(*order));
+    unsigned members, rank;
     int refused = 0;
 
-    if (done == NULL)
+    if (done == NULL || order == NULL) {
+        free(done);
+        free(order);
         return;
-    for (const char *p = c->instance; *p; p++)
-        start = start * 31u + (unsigned char)*p;
-    start %= S;
-    if (c->stall_shard >= 0 && (uint64_t)c->stall_shard < S)
-        start = (uint32_t)c->stall_shard;
-    else if (c->stall_after_pass >= 0 && (uint64_t)c->stall_after_pass < S)
-        start = (uint32_t)c->stall_after_pass;
+    }
+    join_step(c, step, &members, &rank);
+    /* our shards first (a test hook's shard before them), then everyone else's, each from our rank on */
+    long hooked = c->stall_shard >= 0 ? c->stall_shard : c->stall_after_pass;
+    uint32_t no = 0;
+    if (hooked >= 0 && (uint64_t)hooked < S)
+        order[no++] = (uint32_t)hooked;
+    for (int pass = 0; pass < 2; pass++)
+        for (uint32_t x = 0; x < S; x++) {
+            uint32_t i = (x + rank) % S;
+            if ((i % members == rank) == (pass == 0) && (long)i != hooked)
+                order[no++] = i;
+        }
+    double steal_at = mono() + 1.0;
+    dl_log(DL_LOG_DEBUG, "cluster", "joined the step", "step=%" PRIu64 " members=%u rank=%u", step, members, rank);
     set_state(c, "aggregating");
     while (!stopping(c)) {
         int progressed = 0;
         uint32_t ndone = 0;
         for (uint32_t k = 0; k < S && !stopping(c) && !refused; k++) {
-            uint32_t i = (start + k) % S;
+            uint32_t i = order[k];
             if (done[i]) {
                 ndone++;
                 continue;
             }
+            /* another member's shard: its own first, ours only once it is still left a moment later */
+            if (i % members != rank && (long)i != hooked && mono() < steal_at)
+                continue;
             int d = shard_is_done(c, step, i);
             if (d == 1) {
                 done[i] = 1;
@@ -2257,6 +2320,7 @@ static void aggregate(cluster *c, uint64_t step)
             nap(c, c->cfg.poll_interval < c->cfg.lease / 4 ? c->cfg.poll_interval : c->cfg.lease / 4);
     }
     free(done);
+    free(order);
     if (refused) {
         /* a clear refusal: nothing more is done for this step until the bucket moves on */
         while (!stopping(c) && bucket_step(c, NULL, 0) < (int64_t)step)
