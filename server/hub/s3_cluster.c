@@ -32,7 +32,6 @@
 #define PEEK_BYTES 65536u
 #define STEPFILE_CAP (64u << 10)
 #define CLAIM_CAP 4096u
-#define DONE_CAP (1u << 20)
 #define LIST_PAGES_MAX 1000u
 #define NODES_MAX 4096u
 
@@ -1040,7 +1039,9 @@ static int manifest_read(cluster *c, uint64_t step, char *why, size_t why_size)
 {
     char *rel = manifest_rel(step, 0);
     s3s_resp r;
-    size_t cap = 4096 + (size_t)2048 * (c->cfg.expected_nodes ? c->cfg.expected_nodes : NODES_MAX);
+    /* an entry is at most ~450 bytes (a 64-byte id, its key, an ETag, a sha256): the text, and its cJSON tree,
+     * stay within a few MB whatever a bucket writer puts there */
+    size_t cap = 4096 + (size_t)640 * (c->cfg.expected_nodes ? c->cfg.expected_nodes : NODES_MAX);
     int got = rel ? get_small(c, rel, cap, &r, why, why_size) : -1;
     free(rel);
     if (got == 1)
@@ -1843,7 +1844,7 @@ static int check_outputs(cluster *c, uint64_t step, double *sumsq, char *why, si
         memset(&r, 0, sizeof(r));
         if (drel == NULL || orel == NULL)
             goto next;
-        if (get_small(c, drel, DONE_CAP, &r, why, why_size) != 1)
+        if (get_small(c, drel, 1024 + 96 * c->nm, &r, why, why_size) != 1)
             goto next;
         cJSON *j = cJSON_ParseWithLength(r.body.p, r.body.len);
         const char *md5 = json_str(j, "global_md5");
