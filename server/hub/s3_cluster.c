@@ -2488,6 +2488,8 @@ int cluster_start(cluster **out, uv_loop_t *loop, const cluster_config *cfg, con
     close(fd);
     snprintf(c->instance, sizeof(c->instance), "%.64s-%02x%02x%02x%02x%02x%02x", cfg->id, rnd[0], rnd[1], rnd[2],
              rnd[3], rnd[4], rnd[5]);
+    /* what a killed run left there is of no use: every slice is read again from the bucket */
+    store_remove_tree(c->scratch);
     if (fsu_mkdirs(c->scratch, err) != 0) {
         cluster_free(c);
         return -err->code;
