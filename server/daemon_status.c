@@ -6,6 +6,7 @@
  * shown its members.  Each writes only what it reads, on the loop thread. */
 #include "daemon.h"
 #include "daemon_internal.h"
+#include "s3_cluster.h"
 #include "daemon_parts.h"
 
 #include <errno.h>
@@ -102,6 +103,17 @@ static void process_status(const dilocod *d, sbuf *b)
 {
     sb_printf(b, ",\"uptime_seconds\":%ld,\"algorithm\":\"%s\",\"outer_step\":", (long)(time(NULL) - d->started_at),
               DELTA_ALGORITHM);
+    if (d->cluster != NULL) {
+        /* a cluster's step is the bucket's, and its state the cluster's (README, Scaling out) */
+        int64_t step;
+        const char *state = cluster_state(d->cluster, &step);
+        if (step >= 0)
+            sb_printf(b, "%" PRId64, step);
+        else
+            sb_str(b, "null");
+        sb_printf(b, ",\"state\":\"%s\"", d->stopping ? "stopping" : state);
+        return;
+    }
     if (d->st.committed)
         sb_printf(b, "%" PRIu64, d->st.step);
     else

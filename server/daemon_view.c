@@ -3,6 +3,7 @@
  * lifecycle, say) changes these and nothing in api/. */
 #include "daemon.h"
 #include "daemon_internal.h"
+#include "s3_cluster.h"
 #include "daemon_parts.h"
 
 const config *daemon_config(const dilocod *d)
@@ -52,6 +53,9 @@ int daemon_takes_uploads(const dilocod *d)
 
 const char *daemon_state_name(const dilocod *d)
 {
+    int64_t step;
+    if (d->cluster != NULL)
+        return cluster_state(d->cluster, &step);
     return daemon__state_name(daemon__state(d));
 }
 

@@ -2529,6 +2529,15 @@ void cluster_free(cluster *c)
     free(c);
 }
 
+const char *cluster_state(cluster *c, int64_t *published_step)
+{
+    pthread_mutex_lock(&c->mu);
+    const char *s = c->state;
+    *published_step = c->published_step;
+    pthread_mutex_unlock(&c->mu);
+    return s;
+}
+
 void cluster_status_json(cluster *c, sbuf *b)
 {
     pthread_mutex_lock(&c->mu);

@@ -62,6 +62,9 @@ int cluster_start(cluster **out, uv_loop_t *loop, const cluster_config *cfg, con
 void cluster_stop(cluster *c);
 /* After stopped(): frees it. */
 void cluster_free(cluster *c);
+/* The cluster's state (a static name: waiting_for_global, collecting, aggregating, publishing, refused) and
+ * the bucket's step it last read (-1: none), for /status's top level. */
+const char *cluster_state(cluster *c, int64_t *published_step);
 /* /status's "cluster" member (the value only) and /metrics' families. */
 void cluster_status_json(cluster *c, sbuf *b);
 void cluster_metrics(cluster *c, sbuf *b);
