@@ -1004,3 +1004,32 @@ def test_planted_claim_waits_for_lease(tmp_path, s3):
     finally:
         watcher.stop()
         cl.stop()
+
+
+# ---------------------------------------------------------------------------------------------------
+# 6. an aggregator restarted between rounds takes part again from the bucket alone
+
+def test_restarted_aggregator_takes_part_again(tmp_path, s3):
+    S = 4
+    prefix = "cluster/restarted"
+    init = cluster_model(6)
+    cl = Cluster(tmp_path, s3, prefix, S, 5)
+    plan = Plan(publish_step0(cl.bucket, init), S)
+    oracle = oracle_for(init)
+    rng = np.random.default_rng(2606)
+    try:
+        a, b = cl.add("agg-a"), cl.add("agg-b")
+        cl.wait_ready()
+        run_round(cl, plan, oracle, {n: random_deltas(rng, init) for n in NODES}, 1)
+        first = b.cluster()["instance"]
+        # b stops (SIGTERM) and starts again on the same state root: a new instance, the bucket's step
+        assert b.stop() == 0
+        b.start()
+        cl.wait_ready([b], step=1)
+        assert b.cluster()["instance"] != first
+        run_round(cl, plan, oracle, {n: random_deltas(rng, init) for n in NODES}, 2)
+        sts = cl.statuses()
+        assert sts["agg-b"]["shards_done"] >= 1, sts       # it took part in step 2 (its own share first)
+        assert sts["agg-b"]["published_step"] == 2 and sts["agg-a"]["published_step"] == 2, sts
+    finally:
+        cl.stop()
