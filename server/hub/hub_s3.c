@@ -72,7 +72,7 @@
 #include "strbuf.h"
 
 #define DEFAULT_PART_SIZE (64ull << 20)
-#define XML_CAP (4u << 20)
+#define XML_CAP S3_LIST_PAGE_CAP
 /* listing bytes read per poll: a page of 1,000 keys is about 300 KiB, so this is some 200 pages; a
  * server that sends 4 MiB pages (or loops its token) costs at most this much XML per poll */
 #define MAX_LIST_BYTES_PER_POLL (64ull << 20)

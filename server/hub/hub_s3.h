@@ -19,6 +19,9 @@
 #define S3_MAX_KEY 1024
 /* ListObjectsV2 answers at most 1000 keys per page (max-keys); more is a hostile answer. */
 #define S3_MAX_KEYS_PER_PAGE 1000
+/* The largest page a server may answer for them: 1000 keys of 1024 bytes each escaped as XML (up to 6
+ * bytes a byte, "&quot;") with their ETag, size and date; a bigger answer is refused. */
+#define S3_LIST_PAGE_CAP (8u << 20)
 /* A part of a multipart upload: S3 takes 1..10,000 parts of 5 MiB..5 GiB (the last may be smaller). */
 #define S3_MIN_PART_SIZE (5ull << 20)
 #define S3_MAX_PART_SIZE (5ull << 30)

@@ -56,6 +56,7 @@ typedef struct source {
     st_header *h;
     uint64_t data_start;        /* 8 + N */
     char header_sha[65];        /* of its first 8 + N bytes */
+    long status;                /* the last header read's answer (404, 412: not the version asked for) */
 } source;
 
 /* The published global the next round builds on. */
@@ -80,6 +81,7 @@ typedef struct node_delta {
     char node[DELTA_NODE_ID_MAX + 1];
     uint64_t local_step;
     source s;
+    int gone;                   /* a manifest's delta the bucket no longer holds in that version (s.h NULL) */
 } node_delta;
 
 struct cluster {
@@ -312,8 +314,10 @@ static int read_header(cluster *c, source *s, const char *etag, char *why, size_
     q.range_off = 0;
     q.range_len = PEEK_BYTES;
     q.body_cap = PEEK_BYTES;
+    s->status = 0;
     if (s3s_do(&c->s3, &q, &r, why, why_size) != 0)
         goto out;
+    s->status = r.status;
     if (r.status != 206 && r.status != 200) {
         s3s_describe(&r, why, why_size);
         goto out;
@@ -345,7 +349,9 @@ static int read_header(cluster *c, source *s, const char *etag, char *why, size_
         q2.range_off = have;
         q2.range_len = 8 + n - have;
         q2.body_cap = (size_t)q2.range_len;
-        if (s3s_do(&c->s3, &q2, &r2, why, why_size) != 0 || r2.status != 206 || r2.got != q2.range_len) {
+        int got2 = s3s_do(&c->s3, &q2, &r2, why, why_size);
+        s->status = r2.status;
+        if (got2 != 0 || r2.status != 206 || r2.got != q2.range_len) {
             if (r2.status != 0)
                 s3s_describe(&r2, why, why_size);
             s3s_resp_free(&r2);
@@ -392,7 +398,7 @@ static int list_keys(cluster *c, const char *rel_prefix, char ***keys, size_t *n
             goto out;
         q.method = "GET";
         q.query = query;
-        q.body_cap = 4u << 20;
+        q.body_cap = S3_LIST_PAGE_CAP;
         int got = s3s_do(&c->s3, &q, &r, why, why_size);
         free(query);
         if (got != 0 || r.status != 200) {
@@ -814,7 +820,7 @@ static void poll_deltas(cluster *c, uint64_t step)
             break;
         q.method = "GET";
         q.query = query;
-        q.body_cap = 4u << 20;
+        q.body_cap = S3_LIST_PAGE_CAP;
         int got = s3s_do(&c->s3, &q, &r, why, sizeof(why));
         free(query);
         if (got != 0 || r.status != 200 || s3_parse_listing(r.body.p, r.body.len, &l, &err) != 0) {
@@ -1017,16 +1023,34 @@ static int manifest_adopt(cluster *c, uint64_t step, const char *text, size_t le
             goto out;
         c->nm++;
         memset(&info, 0, sizeof(info));
-        if (check_delta(c, step, &d->s, etag, &info, why, why_size) != 0) {
-            char inner[200];
-            snprintf(inner, sizeof(inner), "%s", why);
-            snprintf(why, why_size, "the manifest's delta %s: %s", key, inner);
+        uint64_t size = 0;
+        if (json_u64(e, "size", &size) != 0 || strlen(hs) != 64) {
+            snprintf(why, why_size, "the manifest's node entry %d has no size or header hash", i);
             goto out;
         }
-        if (strcmp(d->s.etag, etag) != 0 || strcmp(d->s.header_sha, hs) != 0) {
+        if (check_delta(c, step, &d->s, etag, &info, why, why_size) != 0) {
+            if (d->s.status == 404 || d->s.status == 412) {
+                /* rewritten or removed since the manifest was written: the manifest holds, and that node's
+                 * delta is refused once the step is aggregated (check_refusal), as a rewrite found later is */
+                dl_log(DL_LOG_WARN, "cluster", "a delta of the manifest is gone from the bucket", "key=%s status=%ld",
+                       key, d->s.status);
+                st_header_free(d->s.h);
+                d->s.h = NULL;
+                d->gone = 1;
+            } else {
+                char inner[200];
+                snprintf(inner, sizeof(inner), "%s", why);
+                snprintf(why, why_size, "the manifest's delta %s: %s", key, inner);
+                goto out;
+            }
+        } else if (strcmp(d->s.etag, etag) != 0 || strcmp(d->s.header_sha, hs) != 0) {
             snprintf(why, why_size, "the manifest's delta %s is not the one the bucket holds (ETag or header)", key);
             goto out;
         }
+        /* the manifest's own values, so that a manifest derived from this one has the same bytes anywhere */
+        snprintf(d->s.etag, sizeof(d->s.etag), "%s", etag);
+        snprintf(d->s.header_sha, sizeof(d->s.header_sha), "%s", hs);
+        d->s.size = size;
     }
     rc = 0;
 out:
@@ -1613,6 +1637,11 @@ static int slice_and_check(cluster *c, const char *path, const st_header *gh, si
                            unsigned epoch, int *fenced, char *why, size_t why_size)
 {
     node_delta *d = &c->m[k];
+    if (d->gone) {
+        snprintf(why, why_size, "node %.100s's delta %.300s is not the version the manifest names (HTTP %ld)", d->node,
+                 d->s.rel, d->s.status);
+        return -3;
+    }
     delta_info info;
     dl_error err;
     const st_meta *mm = d->s.h->meta;
@@ -2081,6 +2110,18 @@ static int verify_refusal(cluster *c, uint64_t step, uint32_t i, size_t k)
     dl_error err;
     int fenced = 0, rc = -1;
 
+    if (c->m[k].gone) {
+        /* confirmed by the bucket itself: the manifest's version of it is still not there */
+        source probe = {0};
+        char etag[80];
+        snprintf(etag, sizeof(etag), "%s", c->m[k].s.etag);
+        if ((probe.rel = strdup(c->m[k].s.rel)) == NULL)
+            return -1;
+        int r = read_header(c, &probe, etag, why, sizeof(why));
+        long status = probe.status;
+        source_free(&probe);
+        return r != 0 && (status == 404 || status == 412) ? 1 : -1;
+    }
     snprintf(dir, sizeof(dir), "%s/%" PRIu64 "-%" PRIu32 "-verify", c->scratch, step, i);
     store_remove_tree(dir);
     if (fsu_mkdirs(dir, &err) != 0)

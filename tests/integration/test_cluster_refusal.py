@@ -136,3 +136,30 @@ def test_delta_rewritten_after_the_manifest_is_dropped(tmp_path, s3):
         assert "it changed since the manifest listed it" in a.log_text(), cl.logs()
     finally:
         cl.stop()
+
+
+def test_delta_removed_after_the_manifest_does_not_stop_a_late_member(tmp_path, s3):
+    """A worker removes its delta once the manifest names it: an aggregator that adopts the manifest only
+    then cannot read that header any more, and still adopts it (the delta is refused in the aggregation,
+    the round goes on without it) instead of refusing the manifest and waiting for ever."""
+    init = cluster_model(7)
+    cl = Cluster(tmp_path, s3, "refusal-removed", S, 5)
+    plan = Plan(publish_step0(cl.bucket, init), S)
+    rng = np.random.default_rng(29)
+    try:
+        a = cl.add("agg-a", env={"DILOCOD_TEST_CLUSTER_STALL_AFTER_PASS": "0"})
+        cl.wait_ready()
+        oracle = Oracle(init, lr=0.7, momentum=0.9)
+        deltas = {n: random_deltas(rng, init) for n in NODES}
+        upload_round(cl.bucket, deltas, 1)
+        cl.wait(lambda: "test hook: pausing after the pass shard=0" in a.log_text(), "agg-a to compute shard 0", 20,
+                interval=0.01)
+        cl.bucket.c.delete_object(Bucket=cl.bucket.name, Key=cl.bucket.key("nodes/w4/delta_100.safetensors"))
+        b = cl.add("agg-b")
+        cl.wait_published(1, 60)
+        oracle.step(tensors_of({n: d for n, d in deltas.items() if n != "w4"}))
+        assert_state_equal(read_generation(cl, plan, 1, 1), oracle.state)
+        assert "a delta of the manifest is gone from the bucket" in b.log_text(), cl.logs()
+        assert "manifest refused" not in b.log_text(), cl.logs()
+    finally:
+        cl.stop()
