@@ -850,6 +850,27 @@ static void poll_deltas(cluster *c, uint64_t step)
             if (have != NULL && (have->local_step > local ||
                                  (have->local_step == local && strcmp(have->s.etag, o->etag) == 0)))
                 continue;
+            if (have != NULL && have->local_step == local) {
+                /* the same delta uploaded again with other bytes before the round closed: the round keeps
+                 * its entry, the manifest will name this version */
+                source again = {0};
+                delta_info ai;
+                memset(&ai, 0, sizeof(ai));
+                if ((again.rel = strdup(rel)) == NULL)
+                    continue;
+                int v = check_delta(c, step, &again, o->etag, &ai, why, sizeof(why));
+                if (v == 0 && strcmp(again.etag, o->etag) == 0 && ai.local_step == local) {
+                    source_free(&have->s);
+                    have->s = again;
+                    dl_log(DL_LOG_INFO, "cluster", "delta rewritten before the round closed: its new version taken",
+                           "key=%s", rel);
+                } else {
+                    if (v == -1)
+                        refuse(c, rel, o->etag, why, 0);
+                    source_free(&again);
+                }
+                continue;
+            }
             if (have == NULL && c->nnd >= NODES_MAX)
                 continue;
             source s = {0};
@@ -1630,6 +1651,9 @@ static long test_hook(const char *name)
     return *end == '\0' && x >= 0 ? x : -1;
 }
 
+static int read_done(cluster *c, uint64_t step, uint32_t i, double *sumsq, char *etag, size_t etag_size, char *why,
+                     size_t why_size);
+
 /* Node k's delta's slice of shard i into path, its values checked against the global's slice header gh as
  * intake checks a whole delta (finite, decodable).  0, -1 failed (why), -3 its values are refused, or it
  * is not the version the manifest names any more (why). */
@@ -1799,9 +1823,22 @@ static int shard_work(cluster *c, uint64_t step, uint32_t i, unsigned epoch, siz
     s3s_resp r;
     long st = put_small(c, drel, b.p, b.len, NULL, 1, &r, why, sizeof(why));
     s3s_resp_free(&r);
+    if (st == 412) {
+        /* done already (another finished it meanwhile, or our own first attempt): either is the shard; a
+         * marker that does not hold (a writer's) is replaced, If-Match on its ETag */
+        char etag[80] = "";
+        int d = read_done(c, step, i, NULL, etag, sizeof(etag), why, sizeof(why));
+        if (d == -1 && etag[0]) {
+            dl_log(DL_LOG_WARN, "cluster", "replacing a done marker that does not hold", "step=%" PRIu64
+                   " shard=%" PRIu32 " why=%s", step, i, why);
+            st = put_small(c, drel, b.p, b.len, etag, 0, &r, why, sizeof(why));
+            s3s_resp_free(&r);
+        } else if (d != 1) {
+            goto out;
+        }
+    }
     if (st != 200 && st != 412)
         goto out;
-    /* 412: done already (another finished it meanwhile, or our own first attempt): either is the shard */
     count(c, &c->shards_done, 1);
     double t_end = mono();
     dl_log(DL_LOG_INFO, "cluster", "shard done", "step=%" PRIu64 " shard=%" PRIu32 " epoch=%u bytes_read=%" PRIu64
@@ -1841,81 +1878,88 @@ out:
     return rc;
 }
 
-/* Whether shard i's done marker exists: 1 yes, 0 no, -1 unknown. */
-static int shard_is_done(cluster *c, uint64_t step, uint32_t i)
+/* Shard i's done marker: 1 a valid one, its output there as it names it (its per-node sums added to sumsq
+ * when not NULL), 0 none, -1 one that does not hold (etag set: a writer's garbage, replaced by whoever
+ * completes the shard), -2 unknown for now (why). */
+static int read_done(cluster *c, uint64_t step, uint32_t i, double *sumsq, char *etag, size_t etag_size, char *why,
+                     size_t why_size)
 {
-    char *rel = done_rel(step, c->gen, i);
-    s3s_req q = S3S_REQ_INIT;
+    char *drel = done_rel(step, c->gen, i), *orel = output_rel(step, c->gen, i, c->cfg.shards);
     s3s_resp r;
-    char why[200];
-    int rc = -1;
-    if (rel == NULL)
-        return -1;
-    q.method = "HEAD";
-    q.rel = rel;
-    if (s3s_do(&c->s3, &q, &r, why, sizeof(why)) == 0)
-        rc = r.status == 200 ? 1 : r.status == 404 ? 0 : -1;
+    int rc = -2;
+
+    memset(&r, 0, sizeof(r));
+    if (drel == NULL || orel == NULL)
+        goto out;
+    int got = get_small(c, drel, 1024 + 96 * c->nm, &r, why, why_size);
+    if (etag != NULL)
+        snprintf(etag, etag_size, "%s", r.etag);
+    if (got <= 0) {
+        /* absent, or unreadable: over its cap (an answer 200) is a writer's garbage, else a failure for now */
+        rc = got == 0 ? 0 : r.status == 200 ? -1 : -2;
+        goto out;
+    }
+    rc = -1;
+    cJSON *j = cJSON_ParseWithLength(r.body.p, r.body.len);
+    const char *md5 = json_str(j, "global_md5");
+    const cJSON *stats = cJSON_GetObjectItemCaseSensitive(j, "stats");
+    uint64_t size = 0, st = 0, sh = 0;
+    char want[33];
+    if (md5 == NULL || json_u64(j, "global_size", &size) != 0 || json_u64(j, "outer_step", &st) != 0 ||
+        json_u64(j, "shard", &sh) != 0 || st != step || sh != i || strlen(md5) != 32 || !cJSON_IsArray(stats) ||
+        cJSON_GetArraySize(stats) != (int)c->nm) {
+        snprintf(why, why_size, "%s is not a done marker of this step and manifest", drel);
+        cJSON_Delete(j);
+        goto out;
+    }
+    /* the marker's statistics are indexed by the manifest's nodes: its count was checked above */
+    for (size_t k = 0; sumsq != NULL && k < c->nm; k++) {
+        const cJSON *x = cJSON_GetArrayItem(cJSON_GetArrayItem(stats, (int)k), 0);
+        if (cJSON_IsNumber(x))
+            sumsq[k] += x->valuedouble;
+    }
+    snprintf(want, sizeof(want), "%s", md5);
+    cJSON_Delete(j);
     s3s_resp_free(&r);
-    free(rel);
+    s3s_req q = S3S_REQ_INIT;
+    q.method = "HEAD";
+    q.rel = orel;
+    if (s3s_do(&c->s3, &q, &r, why, why_size) != 0) {
+        rc = -2;
+        goto out;
+    }
+    if (r.status != 200 || strcmp(r.etag, want) != 0 || r.total != size) {
+        snprintf(why, why_size, "%s is not the output its done marker names", orel);
+        rc = r.status == 200 || r.status == 404 ? -1 : -2;
+        goto out;
+    }
+    rc = 1;
+out:
+    s3s_resp_free(&r);
+    free(drel);
+    free(orel);
     return rc;
 }
 
-/* ---- the publish ---------------------------------------------------------------------------------- */
+/* Whether shard i is done: 1 yes, 0 no (no marker, or one that does not hold: the shard is computed
+ * again), -1 unknown. */
+static int shard_is_done(cluster *c, uint64_t step, uint32_t i)
+{
+    char why[1024];
+    int d = read_done(c, step, i, NULL, NULL, 0, why, sizeof(why));
+    return d == 1 ? 1 : d == -2 ? -1 : 0;
+}
 
-/* Checks every done marker against its output (the ETag is the MD5 the marker names, the size too) and
- * sums the per-node statistics in shard order.  0 or -1 (why). */
+/* Checks every done marker against its output and sums the per-node statistics in shard order.  0 or -1. */
 static int check_outputs(cluster *c, uint64_t step, double *sumsq, char *why, size_t why_size)
 {
-    for (uint32_t i = 0; i < c->cfg.shards; i++) {
-        char *drel = done_rel(step, c->gen, i), *orel = output_rel(step, c->gen, i, c->cfg.shards);
-        s3s_resp r;
-        int rc = -1;
-        memset(&r, 0, sizeof(r));
-        if (drel == NULL || orel == NULL)
-            goto next;
-        if (get_small(c, drel, 1024 + 96 * c->nm, &r, why, why_size) != 1)
-            goto next;
-        cJSON *j = cJSON_ParseWithLength(r.body.p, r.body.len);
-        const char *md5 = json_str(j, "global_md5");
-        const cJSON *stats = cJSON_GetObjectItemCaseSensitive(j, "stats");
-        uint64_t size = 0, s = 0, sh = 0;
-        char want[33];
-        if (md5 == NULL || json_u64(j, "global_size", &size) != 0 || json_u64(j, "outer_step", &s) != 0 ||
-            json_u64(j, "shard", &sh) != 0 || s != step || sh != i || strlen(md5) != 32 || !cJSON_IsArray(stats) ||
-            cJSON_GetArraySize(stats) != (int)c->nm) {
-            snprintf(why, why_size, "%s is not a done marker of this step and manifest", drel);
-            cJSON_Delete(j);
-            goto next;
-        }
-        /* the marker's statistics are indexed by the manifest's nodes: its count was checked above */
-        for (size_t k = 0; k < c->nm; k++) {
-            const cJSON *pair = cJSON_GetArrayItem(stats, (int)k);
-            const cJSON *x = cJSON_GetArrayItem(pair, 0);
-            if (cJSON_IsNumber(x))
-                sumsq[k] += x->valuedouble;
-        }
-        snprintf(want, sizeof(want), "%s", md5);
-        cJSON_Delete(j);
-        s3s_resp_free(&r);
-        s3s_req q = S3S_REQ_INIT;
-        q.method = "HEAD";
-        q.rel = orel;
-        if (s3s_do(&c->s3, &q, &r, why, why_size) != 0)
-            goto next;
-        if (r.status != 200 || strcmp(r.etag, want) != 0 || r.total != size) {
-            snprintf(why, why_size, "%s is not the output its done marker names", orel);
-            goto next;
-        }
-        rc = 0;
-    next:
-        s3s_resp_free(&r);
-        free(drel);
-        free(orel);
-        if (rc != 0)
+    for (uint32_t i = 0; i < c->cfg.shards; i++)
+        if (read_done(c, step, i, sumsq, NULL, 0, why, why_size) != 1)
             return -1;
-    }
     return 0;
 }
+
+/* ---- the publish ---------------------------------------------------------------------------------- */
 
 static int write_index(cluster *c, uint64_t step, char *why, size_t why_size)
 {
@@ -1945,8 +1989,8 @@ out:
     return rc;
 }
 
-/* step_count.json last, If-Match on the one the step was built on: it never moves back.  0 published
- * (by us or meanwhile by another), -1 failed. */
+/* step_count.json last, If-Match on the one the step was built on: it never moves back.  1 published by
+ * us, 0 meanwhile by another (a completer of the same publish), -1 failed. */
 static int write_stepfile(cluster *c, uint64_t step, char *why, size_t why_size)
 {
     char *model_file = index_rel(step, c->gen), etag[80];
@@ -1964,7 +2008,7 @@ static int write_stepfile(cluster *c, uint64_t step, char *why, size_t why_size)
         int64_t now = st == 200 ? (int64_t)step : bucket_step(c, etag, sizeof(etag));
         if (now >= (int64_t)step) {
             free(model_file);
-            return 0;
+            return st == 200 ? 1 : 0;
         }
         if (now != (int64_t)step - 1) {
             snprintf(why, why_size, "the bucket's step is %" PRId64 ", not %" PRIu64, now, step - 1);
@@ -2045,8 +2089,13 @@ static int publish(cluster *c, uint64_t step)
     } else if (st != 200) {
         goto out;
     }
-    if (write_index(c, step, why, sizeof(why)) != 0 || write_stepfile(c, step, why, sizeof(why)) != 0)
+    int wrote;
+    if (write_index(c, step, why, sizeof(why)) != 0 || (wrote = write_stepfile(c, step, why, sizeof(why))) < 0)
         goto out;
+    if (wrote == 0) {
+        rc = 0;                 /* another completed this same publish first */
+        goto out;
+    }
     count(c, &c->publishes, 1);
     sbuf nb = {0};
     for (size_t k = 0; k < c->nm; k++)

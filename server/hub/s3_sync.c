@@ -290,8 +290,15 @@ static int attempt(s3s_client *c, const s3s_req *q, const char *url, s3s_resp *r
     atomic_fetch_add(&c->requests, 1);
     CURLcode cc = curl_easy_perform(e);
     curl_slist_free_all(hl);
-    if (cc != CURLE_OK || t.failed) {
-        snprintf(why, why_size, "%s", t.failed ? t.why : curl_easy_strerror(cc));
+    if (t.failed) {
+        /* an answer we refuse to keep (over its cap, longer than asked, not writable here): no retry brings
+         * another; its status says what the server answered */
+        snprintf(why, why_size, "%s", t.why);
+        curl_easy_getinfo(e, CURLINFO_RESPONSE_CODE, &r->status);
+        return -2;
+    }
+    if (cc != CURLE_OK) {
+        snprintf(why, why_size, "%s", curl_easy_strerror(cc));
         r->status = 0;
         return -1;
     }
@@ -333,6 +340,10 @@ int s3s_do(s3s_client *c, const s3s_req *q, s3s_resp *r, char *why, size_t why_s
     }
     for (;;) {
         rc = attempt(c, q, url, r, why, why_size);
+        if (rc == -2) {
+            rc = -1;
+            break;
+        }
         int again = rc != 0 || r->status == 408 || r->status == 429 || r->status >= 500;
         if (!again)
             break;

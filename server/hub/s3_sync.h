@@ -62,7 +62,8 @@ typedef struct s3s_resp {
 int s3s_init(s3s_client *c, const s3_access *a, const atomic_int *stop);
 void s3s_free(s3s_client *c);
 /* Runs q.  0 when an answer came (any status: r->status says which), -1 when none did within the
- * retries or a file body could not be written (why says so).  r is reset first; s3s_resp_free after. */
+ * retries, or one came that is not kept (over its cap, longer than asked, a file body not written:
+ * r->status is its status, and it is not retried); why says so.  r is reset first; s3s_resp_free after. */
 int s3s_do(s3s_client *c, const s3s_req *q, s3s_resp *r, char *why, size_t why_size);
 void s3s_resp_free(s3s_resp *r);
 /* "HTTP 412 PreconditionFailed: ..." of an answer, for logs. */

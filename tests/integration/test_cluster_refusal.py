@@ -163,3 +163,35 @@ def test_delta_removed_after_the_manifest_does_not_stop_a_late_member(tmp_path, 
         assert "manifest refused" not in b.log_text(), cl.logs()
     finally:
         cl.stop()
+
+
+def test_rewrite_before_close_garbage_done_marker_and_huge_refusal(tmp_path, s3):
+    """Three things an outside attack stalled the cluster with, each now handled: a worker uploading its
+    delta again (same key, other bytes) before the round closes (the manifest names the new version), a
+    done marker planted by a bucket writer (it does not hold, so the shard is computed and the marker
+    replaced), and a refusal over its size cap (refused at once, not retried for minutes)."""
+    init = cluster_model(8)
+    cl = Cluster(tmp_path, s3, "refusal-planted-done", S, 5)
+    plan = Plan(publish_step0(cl.bucket, init), S)
+    rng = np.random.default_rng(30)
+    try:
+        cl.bucket.put("global/steps/1/shard-1.done", b'{"outer_step": 1, "shard": 1, "global_md5": "x"}')
+        cl.bucket.put("global/steps/1/refused.json", b" " * 100000)
+        for i in ("a", "b"):
+            cl.add(f"agg-{i}")
+        cl.wait_ready()
+        oracle = Oracle(init, lr=0.7, momentum=0.9)
+        deltas = {n: random_deltas(rng, init) for n in NODES}
+        upload_round(cl.bucket, deltas, 1, nodes=["w1", "w2", "w3"])
+        cl.wait(lambda: all("delta taken step=1 node=w2" in d.log_text() for d in cl.procs.values()),
+                "w2's first version taken", 20)
+        deltas["w2"] = random_deltas(rng, init)
+        upload_round(cl.bucket, deltas, 1, nodes=["w2", "w4"])
+        cl.wait_published(1, 30)
+        oracle.step(tensors_of(deltas))
+        assert_state_equal(read_generation(cl, plan, 1, 0), oracle.state)
+        done = json.loads(cl.bucket.get("global/steps/1/shard-1.done"))
+        assert done["shard"] == 1 and len(done["global_md5"]) == 32, done
+        cl.wait_publishes(1)
+    finally:
+        cl.stop()
