@@ -286,6 +286,11 @@ static char *response_head(http_conn *c, int status, const char *content_type, c
 
     if (c->body != NULL && !c->body_done)
         c->close_after = 1;
+    /* answered while the request head is handled, with a body no consumer takes (an early refusal): the
+     * connection closes after it (http_parse.c), which the client must be told, or it reuses it */
+    if (c->body == NULL && c->in_request && !c->message_done &&
+        ((c->req.has_length && c->req.content_length > 0) || c->req.chunked))
+        c->close_after = 1;
     if (c->srv->on_response != NULL)
         c->srv->on_response(c->route, status, c->srv->app);
     n = snprintf(line, sizeof(line), "HTTP/1.1 %d %s\r\n", status, http_reason(status));

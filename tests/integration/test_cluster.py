@@ -647,11 +647,17 @@ def test_k3_equals_k1_and_torch(tmp_path, s3):
         # in cluster mode uploads are refused and the global is not served
         d = cl3.procs["agg-a"]
         body = st_save_bytes(all_deltas[0]["w1"], metadata=delta_metadata("w1", rounds, 999))
+        # a fresh connection each (the status session's may have been closed idle by the server meanwhile)
+        fresh = requests.Session()
+        fresh.trust_env = False
+        r = fresh.post(f"{d.url}/nodes/w1/deltas", data=body, timeout=10, headers={"Connection": "close"})
+        assert r.status_code == 409, (r.status_code, r.text)
+        # refused before its body was read: the server says it closes (a client must not reuse the connection)
         r = d.http.post(f"{d.url}/nodes/w1/deltas", data=body, timeout=10)
+        assert r.status_code == 409 and r.headers.get("Connection") == "close", (r.status_code, r.headers)
+        r = fresh.put(f"{d.url}/nodes/w1/delta_999.safetensors", data=body, timeout=10, headers={"Connection": "close"})
         assert r.status_code == 409, (r.status_code, r.text)
-        r = d.http.put(f"{d.url}/nodes/w1/delta_999.safetensors", data=body, timeout=10)
-        assert r.status_code == 409, (r.status_code, r.text)
-        r = d.http.get(f"{d.url}/global/latest.safetensors", timeout=10)
+        r = fresh.get(f"{d.url}/global/latest.safetensors", timeout=10, headers={"Connection": "close"})
         assert r.status_code == 404 and r.text, (r.status_code, r.text)
         # huggingface_hub loads the step's directory (index + shards) into a module: torch's weights
         from huggingface_hub import load_torch_model
