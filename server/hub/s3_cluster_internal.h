@@ -1,0 +1,158 @@
+/* s3_cluster_internal: what the cluster's three files share (s3_cluster.h has the protocol): the
+ * cluster's state and the calls between s3_cluster_bucket.c (requests, names, the published global),
+ * s3_cluster_shard.c (claims, a shard's inputs, its pass and outputs) and s3_cluster.c (the round, the
+ * manifest, refusals, the publish, the step, the thread, the view).  Private to those three files. */
+#ifndef S3_CLUSTER_INTERNAL_H
+#define S3_CLUSTER_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cJSON.h>
+#include <uv.h>
+
+#include "round.h"
+#include "s3_cluster.h"
+#include "s3_sync.h"
+
+#define PEEK_BYTES 65536u
+#define STEPFILE_CAP (64u << 10)
+#define CLAIM_CAP 4096u
+#define LIST_PAGES_MAX 1000u
+#define NODES_MAX 4096u
+
+enum shard_state { SH_UNCLAIMED, SH_OURS, SH_FOREIGN, SH_DONE };
+
+typedef struct shard_view {
+    int state;
+    unsigned epoch;
+    double lease_age;           /* < 0: unknown */
+    uint64_t bytes_read;
+    /* the thread's own: a foreign claim's version and since when we have seen it (monotonic s) */
+    char foreign_etag[80];
+    double foreign_since;
+} shard_view;
+
+/* One object a tensor is read from: the previous global's file or shard, or a delta. */
+typedef struct source {
+    char *rel;
+    char etag[80];
+    uint64_t size;
+    st_header *h;
+    uint64_t data_start;        /* 8 + N */
+    char header_sha[65];        /* of its first 8 + N bytes */
+    long status;                /* the last header read's answer (404, 412: not the version asked for) */
+} source;
+
+/* The published global the next round builds on. */
+typedef struct gmodel {
+    int loaded;
+    uint64_t step;
+    char stepfile_etag[80];
+    char model_file[160];
+    int ours;                   /* a cluster's per-step index: the momentum is in the bucket */
+    unsigned gen;               /* ours: the generation of the manifest it was computed from */
+    source *src;
+    size_t nsrc;
+    st_header *h;               /* every tensor, in the sources' order (a synthetic header) */
+    uint32_t *src_of;           /* [tensor of h]: its source */
+    uint64_t *src_off;          /* [tensor of h]: its offset in the source */
+    uint32_t *shard_of;         /* [tensor of h]: the plan */
+    char plan_sha[65];
+} gmodel;
+
+/* A node's delta in the round: its listing and its header. */
+typedef struct node_delta {
+    char node[DELTA_NODE_ID_MAX + 1];
+    uint64_t local_step;
+    source s;
+    int gone;                   /* a manifest's delta the bucket no longer holds in that version (s.h NULL) */
+} node_delta;
+
+struct cluster {
+    cluster_config cfg;
+    char **allow;
+    char *scratch;
+    char instance[96];
+    s3_access a;
+    uv_loop_t *loop;
+    uv_async_t done_async;
+    void (*stopped)(void *);
+    void *stopped_arg;
+    pthread_t thread;
+    atomic_int stop;
+    s3s_client s3;
+    const char *stall_env;
+    long stall_shard, stall_after_pass;
+
+    /* the view, under mu */
+    pthread_mutex_t mu;
+    const char *state;
+    int64_t step, published_step;
+    const char *manifest;       /* NULL, "written", "adopted" */
+    shard_view *sv;
+    uint64_t bytes_read, bytes_written, shards_done, takeovers, publishes, refusals, fenced;
+    double read_s, pass_s, write_s;     /* the shards' time reading, in the pass, writing back (all steps) */
+    char last_error[300];
+
+    /* the thread's */
+    gmodel g;
+    round_state rnd;
+    node_delta *nd;
+    size_t nnd;
+    char **refused;             /* "key|etag" of deltas refused this step */
+    size_t nrefused;
+    node_delta *m;              /* the manifest's nodes, in its order */
+    size_t nm;
+    unsigned gen;               /* the manifest's generation: 0, then one more per delta refused for its values */
+    char refusal_ignored[80];   /* the ETag of a refusal found unfounded (not verified again) */
+    double last_renew;
+    char claim_etag[80];
+    unsigned claim_renewal;
+};
+
+double cl_mono(void);
+int cl_stopping(cluster *c);
+void cl_nap(cluster *c, double seconds);
+void cl_set_state(cluster *c, const char *state);
+void cl_fail_view(cluster *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void cl_count(cluster *c, uint64_t *field, uint64_t n);
+void cl_shard_set(cluster *c, uint32_t i, int state, unsigned epoch, double age);
+void cl_source_free(source *s);
+void cl_gmodel_free(gmodel *g);
+char *cl_rel_printf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+char *cl_claim_rel(uint64_t step, unsigned gen, uint32_t i);
+char *cl_manifest_rel(uint64_t step, unsigned gen);
+char *cl_refusal_rel(uint64_t step, unsigned gen);
+char *cl_index_rel(uint64_t step, unsigned gen);
+char *cl_done_rel(uint64_t step, unsigned gen, uint32_t i);
+int cl_gen_base(const char *stem, unsigned gen, char *out, size_t size);
+char *cl_output_rel(uint64_t step, unsigned gen, uint32_t i, uint32_t n);
+char *cl_momentum_rel(uint64_t step, unsigned gen, uint32_t i, uint32_t n);
+int cl_get_small(cluster *c, const char *rel, size_t cap, s3s_resp *r, char *why, size_t why_size);
+long cl_put_small(cluster *c, const char *rel, const char *body, size_t len, const char *if_match, int if_none,
+    s3s_resp *r, char *why, size_t why_size);
+int cl_read_header(cluster *c, source *s, const char *etag, char *why, size_t why_size);
+int cl_list_keys(cluster *c, const char *rel_prefix, char ***keys, size_t *n, char *why, size_t why_size);
+void cl_keys_free(char **k, size_t n);
+void cl_delete_key(cluster *c, const char *rel);
+st_spec *cl_header_specs(const st_header *h);
+int cl_sync_global(cluster *c, char *why, size_t why_size);
+int64_t cl_bucket_step(cluster *c, char *etag, size_t etag_size);
+/* claims (s3_cluster_shard.c) */
+typedef enum claim_result { CLAIM_OURS, CLAIM_BUSY, CLAIM_FAILED } claim_result;
+claim_result cl_claim_try(cluster *c, uint64_t step, uint32_t i, unsigned *epoch);
+int cl_fetch_global_slice(cluster *c, uint32_t i, const char *path, int *fenced, uint64_t step, unsigned epoch,
+    char *why, size_t why_size);
+long cl_test_hook(const char *name);
+int cl_slice_and_check(cluster *c, const char *path, const st_header *gh, size_t k, uint32_t i, uint64_t step,
+    unsigned epoch, int *fenced, char *why, size_t why_size);
+int cl_shard_work(cluster *c, uint64_t step, uint32_t i, unsigned epoch, size_t *bad);
+int cl_shard_is_done(cluster *c, uint64_t step, uint32_t i);
+int cl_check_outputs(cluster *c, uint64_t step, double *sumsq, char *why, size_t why_size);
+int cl_json_u64(const cJSON *o, const char *k, uint64_t *out);
+const char *cl_json_str(const cJSON *o, const char *k);
+
+#endif
