@@ -162,7 +162,8 @@ static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
  * AVX-512 or AVX2 copy where the CPU has it; tests/integration/test_compress.py compares every code
  * under every scale with numpy).  Each returns whether a value it wrote is not finite (an OR beside the
  * work, so that a valid delta is read once; the rare failure is then located). */
-#define NOT_FINITE(u) ((uint32_t)(((u) & 0x7f800000u) == 0x7f800000u))
+/* not finite, or of magnitude 2^64 or more: a delta's bad values (delta_find_bad_value) */
+#define NOT_FINITE(u) ((uint32_t)(((u) & 0x7fffffffu) >= DELTA_VALUE_BOUND_F32_BITS))
 
 /* Whole blocks of CZ_MX_BLOCK values, one E8M0 scale each: the inner loop's constant count vectorises
  * without a remainder. */
@@ -261,7 +262,7 @@ int64_t cz_decode(const cz_spec *s, const void *codes, const void *scales, uint6
     }
     if (!bad)
         return bad_scale;
-    int64_t at = delta_find_non_finite(ST_F32, out, n);
+    int64_t at = delta_find_bad_value(ST_F32, out, n);
     return bad_scale >= 0 && (at < 0 || bad_scale < at) ? bad_scale : at;
 }
 

@@ -654,26 +654,30 @@ int delta_check_set_header(const st_set *delta, const st_tensor *const *global, 
     return 0;
 }
 
-/* Whether any of n lanes has an all-ones exponent: a branch-free OR the compiler vectorises, in an
- * AVX-512 or AVX2 copy where the CPU has it (a 1 GiB mapped delta checked at 8.6-9.1 GB/s on one thread
- * here, against 7.2-7.4 GB/s in SSE2: the finite check of every delta an intake takes in). */
-KERNEL_CLONES static int any_special32(const uint32_t *u, size_t n)
+/* Whether any of n lanes is at or above bound once its sign is cleared (an all-ones exponent: NaN, Inf,
+ * is above every finite bound): a branch-free OR the compiler vectorises, in an AVX-512 or AVX2 copy
+ * where the CPU has it (a 1 GiB mapped delta checked at 8.6-9.1 GB/s on one thread here, against
+ * 7.2-7.4 GB/s in SSE2: the value check of every delta an intake takes in). */
+KERNEL_CLONES static int any_at_or_above32(const uint32_t *u, size_t n, uint32_t bound)
 {
     uint32_t acc = 0;
     for (size_t i = 0; i < n; i++)
-        acc |= (uint32_t)((u[i] & 0x7f800000u) == 0x7f800000u);
+        acc |= (uint32_t)((u[i] & 0x7fffffffu) >= bound);
     return acc != 0;
 }
 
-KERNEL_CLONES static int any_special16(const uint16_t *h, size_t n, uint16_t mask)
+KERNEL_CLONES static int any_at_or_above16(const uint16_t *h, size_t n, uint16_t bound)
 {
     uint32_t acc = 0;
     for (size_t i = 0; i < n; i++)
-        acc |= (uint32_t)((h[i] & mask) == mask);
+        acc |= (uint32_t)((h[i] & 0x7fffu) >= bound);
     return acc != 0;
 }
 
-int64_t delta_find_non_finite(st_dtype dt, const void *data, size_t nelem)
+/* The first element of n of dt whose magnitude's bits reach the bound (F32 and C64 lanes: bound32;
+ * F16, BF16: their own), or -1. */
+static int64_t find_at_or_above(st_dtype dt, const void *data, size_t nelem, uint32_t bound32, uint16_t bound_f16,
+                                uint16_t bound_bf16)
 {
     enum { BLOCK = 4096 };
     if (dt == ST_F32 || dt == ST_C64) {
@@ -681,25 +685,37 @@ int64_t delta_find_non_finite(st_dtype dt, const void *data, size_t nelem)
         size_t lanes = nelem * cv_lanes(dt);
         for (size_t b = 0; b < lanes; b += BLOCK) {
             size_t n = lanes - b < BLOCK ? lanes - b : BLOCK;
-            if (!any_special32(u + b, n))
+            if (!any_at_or_above32(u + b, n, bound32))
                 continue;
             for (size_t i = b; i < b + n; i++)      /* rare: find the element to name it */
-                if ((u[i] & 0x7f800000u) == 0x7f800000u)
+                if ((u[i] & 0x7fffffffu) >= bound32)
                     return (int64_t)(i / cv_lanes(dt));
         }
     } else if (dt == ST_F16 || dt == ST_BF16) {
         const uint16_t *h = data;
-        uint16_t mask = dt == ST_F16 ? 0x7c00u : 0x7f80u;
+        uint16_t bound = dt == ST_F16 ? bound_f16 : bound_bf16;
         for (size_t b = 0; b < nelem; b += BLOCK) {
             size_t n = nelem - b < BLOCK ? nelem - b : BLOCK;
-            if (!any_special16(h + b, n, mask))
+            if (!any_at_or_above16(h + b, n, bound))
                 continue;
             for (size_t i = b; i < b + n; i++)
-                if ((h[i] & mask) == mask)
+                if ((h[i] & 0x7fffu) >= bound)
                     return (int64_t)i;
         }
     }
     return -1;
+}
+
+int64_t delta_find_non_finite(st_dtype dt, const void *data, size_t nelem)
+{
+    /* the all-ones exponent and anything above it in magnitude order: Inf, then the NaNs */
+    return find_at_or_above(dt, data, nelem, 0x7f800000u, 0x7c00u, 0x7f80u);
+}
+
+int64_t delta_find_bad_value(st_dtype dt, const void *data, size_t nelem)
+{
+    /* 2^64 and up (and NaN, Inf): F32 and BF16 share the exponent field; every finite F16 is below it */
+    return find_at_or_above(dt, data, nelem, DELTA_VALUE_BOUND_F32_BITS, 0x7c00u, 0x5f80u);
 }
 
 const st_tensor *delta_scales_of(const st_header *h, const st_tensor *t)
@@ -738,8 +754,8 @@ int delta_decode_checked(const cz_spec *cz, const st_tensor *t, const void *code
 
     if (bad >= 0)
         return dl_fail(err, DL_E_NON_FINITE, t->name, t->name_len,
-                       "delta tensor's %s codes decode to a non-finite value (NaN or Inf) at element %llu: a NaN "
-                       "code or scale, a negative scale, or a scale that overflows",
+                       "delta tensor's %s codes decode to " DELTA_BAD_VALUE_TEXT " at element %llu: a NaN code or "
+                       "scale, a negative scale, or a scale that overflows or passes the bound",
                        cz_encoding_name(cz->enc), (unsigned long long)(first + (uint64_t)bad));
     if (norm != NULL)
         delta_norm_feed(norm, nb, ST_F32, out, n);
@@ -783,9 +799,9 @@ static int scan_finite(const st_file *f, const cz_spec *cz, dl_error *err)
             }
             if ((rc = st_read(f, t, e * esize, buf, n * esize, err)) != 0)
                 break;
-            if ((bad = delta_find_non_finite(t->dtype, buf, n)) >= 0)
+            if ((bad = delta_find_bad_value(t->dtype, buf, n)) >= 0)
                 rc = dl_fail(err, DL_E_NON_FINITE, t->name, t->name_len,
-                             "delta tensor holds a non-finite value (NaN or Inf) at element %llu",
+                             "delta tensor holds " DELTA_BAD_VALUE_TEXT " at element %llu",
                              (unsigned long long)(e + (uint64_t)bad));
         }
     }

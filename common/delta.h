@@ -158,11 +158,21 @@ uint64_t delta_ck_compressed(const ck_key *key, uint32_t mt, const cz_spec *cz, 
 void delta_scales_range(const cz_spec *cz, uint64_t first, uint64_t n, uint64_t *off, uint64_t *len);
 /* Index of the first non-finite lane in n elements of dt (F32, F16, BF16, C64), or -1 if none. */
 int64_t delta_find_non_finite(st_dtype dt, const void *data, size_t nelem);
-/* delta_check_header plus a full scan of the data for NaN/Inf. */
+/* A delta's values are finite and of magnitude below 2^64 (README, "Delta rules"): beyond it the pass's
+ * squares overflow F32, and a handful of such deltas push the sums, the momentum and then the global
+ * to Inf in later steps, from inputs that were each finite.  No trained model's pseudo-gradient comes
+ * near it (BF16 models' weights are O(1)). */
+#define DELTA_VALUE_BOUND 0x1p64
+#define DELTA_VALUE_BOUND_F32_BITS 0x5f800000u
+#define DELTA_BAD_VALUE_TEXT "a non-finite value (NaN or Inf) or one of magnitude 2^64 or more"
+/* Index of the first element of n of dt that is not finite or reaches DELTA_VALUE_BOUND in magnitude,
+ * or -1 if none: the value check of every delta taken in. */
+int64_t delta_find_bad_value(st_dtype dt, const void *data, size_t nelem);
+/* delta_check_header plus a full scan of the data for bad values (delta_find_bad_value). */
 int delta_validate(const st_file *delta, const st_header *global, const char *path, delta_info *info,
                    dl_error *err);
 
-/* delta_check_set_header plus a full scan of every file for NaN/Inf. */
+/* delta_check_set_header plus a full scan of every file for bad values (delta_find_bad_value). */
 int delta_validate_set(const st_set *delta, const st_tensor *const *global, size_t nglobal, const char *path,
                        delta_info *info, dl_error *err);
 

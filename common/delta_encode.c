@@ -148,10 +148,10 @@ static int error_chunk(enc_state *s, const enc_key *k, uint64_t e0, size_t n, dl
         for (size_t j = 0; j < n * lanes; j++)
             s->a[j] += s->b[j];
     }
-    int64_t bad = delta_find_non_finite(ST_F32, s->a, n * lanes);
+    int64_t bad = delta_find_bad_value(ST_F32, s->a, n * lanes);
     if (bad >= 0)
         return dl_fail(err, DL_E_NON_FINITE, t->name, t->name_len,
-                       "the delta (with the residual) holds a non-finite value at element %llu",
+                       "the delta (with the residual) holds " DELTA_BAD_VALUE_TEXT " at element %llu",
                        (unsigned long long)(e0 + (uint64_t)bad / lanes));
     return 0;
 }

@@ -48,9 +48,9 @@ static int scan_data(delta_stream *s, const unsigned char *p, size_t n, dl_error
             s->carry_len += k;
             i = k;
             if (s->carry_len == esize) {
-                if (delta_find_non_finite(t->dtype, s->carry, 1) >= 0)
+                if (delta_find_bad_value(t->dtype, s->carry, 1) >= 0)
                     return dl_fail(err, DL_E_NON_FINITE, t->name, t->name_len,
-                                   "delta tensor holds a non-finite value (NaN or Inf) at element %" PRIu64,
+                                   "delta tensor holds " DELTA_BAD_VALUE_TEXT " at element %" PRIu64,
                                    (data_pos - t->begin) / esize);
                 delta_norm_feed(&s->norm, &s->norm_block, t->dtype, s->carry, 1);
                 s->carry_len = 0;
@@ -68,7 +68,7 @@ static int scan_data(delta_stream *s, const unsigned char *p, size_t n, dl_error
                 while (done < whole && bad < 0) {
                     size_t chunk = (whole - done) * esize > sizeof(tmp) ? sizeof(tmp) / esize : whole - done;
                     memcpy(tmp, q + done * esize, chunk * esize);
-                    bad = delta_find_non_finite(t->dtype, tmp, chunk);
+                    bad = delta_find_bad_value(t->dtype, tmp, chunk);
                     if (bad >= 0)
                         bad += (int64_t)done;
                     else
@@ -76,13 +76,13 @@ static int scan_data(delta_stream *s, const unsigned char *p, size_t n, dl_error
                     done += chunk;
                 }
             } else {
-                bad = delta_find_non_finite(t->dtype, q, whole);
+                bad = delta_find_bad_value(t->dtype, q, whole);
                 if (bad < 0)
                     delta_norm_feed(&s->norm, &s->norm_block, t->dtype, q, whole);
             }
             if (bad >= 0)
                 return dl_fail(err, DL_E_NON_FINITE, t->name, t->name_len,
-                               "delta tensor holds a non-finite value (NaN or Inf) at element %" PRIu64,
+                               "delta tensor holds " DELTA_BAD_VALUE_TEXT " at element %" PRIu64,
                                (data_pos + i - t->begin) / esize + (uint64_t)bad);
             i += whole * esize;
         }

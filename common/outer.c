@@ -273,8 +273,10 @@ static int prepare(outer_pass *p, dl_error *err)
         return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "weighted_mean and clipped_mean need each delta's scale");
     if (p->params.rule > OUTER_RULE_MEDIAN)
         return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "unknown aggregation rule %d", (int)p->params.rule);
-    if (p->stats_only && (p->params.rule != OUTER_RULE_MEAN || p->params.momentum != 0.0f || p->params.dn_period != 0))
-        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "a statistics-only pass takes the plain mean, no step");
+    if (p->stats_only && ((p->params.rule != OUTER_RULE_MEAN && p->params.rule != OUTER_RULE_MEDIAN) ||
+                          p->params.momentum != 0.0f || p->params.dn_period != 0))
+        return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0,
+                       "a statistics-only pass takes the plain mean or the coordinate median, no step");
     p->stats = calloc(p->ndeltas, sizeof(*p->stats));
     p->deltas = calloc(p->ndeltas, sizeof(*p->deltas));
     p->in_sums = calloc(OUTER_NINPUTS(p), sizeof(*p->in_sums));
@@ -646,6 +648,21 @@ typedef float lane_vec __attribute__((vector_size(LANE_W * sizeof(float))));
  * 1.734 -> 1.593 s and 1.616 -> 1.525 s (the statistics cost 0.29 s: 1.447 s without them); four
  * accumulators per sum instead of two measured no better (1.589 s).  (In double throughout, the
  * conversions made this a quarter of the pass's CPU.) */
+/* The block again in double, when an F32 square or sum overflowed (finite values of magnitude above
+ * about 1.8e19 do): a square of any finite F32 fits a double, so the statistics stay finite for every
+ * finite input, and a screen or a done marker never meets an inf the deltas did not hold.  Rare, so
+ * plain scalar code. */
+static void sumsq_dot_double(const float *x, const float *y, size_t m, double *ss, double *dot)
+{
+    double a = 0, b = 0;
+    for (size_t j = 0; j < m; j++) {
+        a += (double)x[j] * x[j];
+        b += (double)x[j] * y[j];
+    }
+    *ss = a;
+    *dot = b;
+}
+
 KERNEL_CLONES STATS_CONTRACT static void sumsq_dot(const float *restrict x, const float *restrict y, size_t m,
                                                    double *ss, double *dot)
 {
@@ -674,6 +691,8 @@ KERNEL_CLONES STATS_CONTRACT static void sumsq_dot(const float *restrict x, cons
         a += s0[l];
         b += d0[l];
     }
+    if (!isfinite(a) || !isfinite(b))
+        sumsq_dot_double(x, y, m, &a, &b);
     *ss += a;
     *dot += b;
 }

@@ -72,7 +72,8 @@ typedef struct outer_pass {
                                            the index of a set (st_index.h) */
     size_t ndeltas;
     const float *delta_scale;
-    int stats_only;
+    int stats_only;             /* no output: each delta's norm and its dot product with the center, the
+                                   rule's aggregate (params.rule: the plain mean, or the coordinate median) */
     const char *out_global_path;
     const char *out_momentum_path;      /* NULL when params.momentum == 0; with Delayed Nesterov NULL when no
                                            momentum is written (a plain step before the first Nesterov step) */
@@ -114,7 +115,7 @@ typedef struct outer_pass {
     int rc;
     dl_error err;
     outer_node_stats *stats;    /* [ndeltas] */
-    double mean_sumsq;
+    double mean_sumsq;          /* of the aggregate (the mean, or the rule's) */
 
     /* Content checksums (checksum.h).  The pass computes the checksum of the inputs it reads (each
      * delta, the previous global, the momentum) and of both outputs; outer_finish commits only if every

@@ -59,6 +59,7 @@ typedef struct daemon_aggregation {
     float *scales;              /* [n]: weighted_mean's and clipped_mean's per-delta scales (daemon_robust.c) */
     int screening;              /* the pass out is the cosine screen's first (stats only) */
     uint64_t screened_step;     /* the step whose round the cosine screen judged (0: none) */
+    int overflow_problem;       /* the last round was discarded: no subset of its deltas made a finite step */
 } daemon_aggregation;
 
 /* daemon_intake.c: what waits for an intake job (at most MAX_INTAKE_IN_FLIGHT run). */
@@ -157,7 +158,7 @@ typedef struct robust_event {
     double at;                  /* unix time */
 } robust_event;
 
-enum { ROBUST_MAX_NORM, ROBUST_NORM_RATIO, ROBUST_COSINE, ROBUST_REASONS };
+enum { ROBUST_MAX_NORM, ROBUST_NORM_RATIO, ROBUST_COSINE, ROBUST_OVERFLOW, ROBUST_REASONS };
 
 typedef struct daemon_robust {
     robust_node *nodes;

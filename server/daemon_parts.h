@@ -66,6 +66,8 @@ int daemon__robust_weighable(const dilocod *d, const delta_info *info);
 void daemon__robust_screen_close(dilocod *d);
 /* The cosine screen's verdict on an entry (quarantined below --screen cosine:MIN). */
 void daemon__robust_cosine(dilocod *d, round_entry *e, double cosine);
+/* An entry left out because the step overflowed with it (its norm the largest of the pass's deltas). */
+void daemon__robust_overflow(dilocod *d, round_entry *e, double norm);
 /* weighted_mean's normalized weights or clipped_mean's clip factors of the n aggregated entries (1 for
  * the other rules); 0, or -1 without memory. */
 int daemon__robust_scales(const dilocod *d, const round_entry *const *e, size_t n, float *scale);

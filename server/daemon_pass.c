@@ -38,6 +38,7 @@ static int start_sync_inputs(dilocod *d);
 static int reopen_round(dilocod *d);
 static void begin_pass(dilocod *d);
 static void screen_done(dilocod *d);
+static void discard_overflowed_round(dilocod *d);
 
 /* ---- the pass: its end, its failure, its release, its write-back --------------------------------- */
 
@@ -56,10 +57,9 @@ static void free_inputs(dilocod *d)
     d->agg.scales = NULL;
 }
 
-void daemon__pass_release(dilocod *d)
+/* The pass (finished or never started) and its per-delta inputs, freed; the step's records stay. */
+static void free_pass(dilocod *d)
 {
-    if (pipeline_busy(&d->pipe, d->rnd.step + 1, STEP_ACT_PASS))
-        pipeline_end(&d->pipe, d->rnd.step + 1, STEP_ACT_PASS, 0);     /* given up before its outputs */
     stop_writeback(d);
     daemon__drop_warm(d, d->warm.given);         /* taken over by the pass's writers (gone already), or unused */
     if (d->agg.pass != NULL) {
@@ -71,6 +71,13 @@ void daemon__pass_release(dilocod *d)
         d->agg.pass = NULL;
     }
     free_inputs(d);
+}
+
+void daemon__pass_release(dilocod *d)
+{
+    if (pipeline_busy(&d->pipe, d->rnd.step + 1, STEP_ACT_PASS))
+        pipeline_end(&d->pipe, d->rnd.step + 1, STEP_ACT_PASS, 0);     /* given up before its outputs */
+    free_pass(d);
     free(d->agg.entry);
     d->agg.entry = NULL;
     d->agg.screening = 0;
@@ -151,12 +158,61 @@ static void inputs_changed(dilocod *d, const dl_error *err)
     reopen_round(d);
 }
 
+/* The index, among the pass's deltas, of the one of largest norm (the first of equals).  The pass's
+ * statistics are finite for finite inputs (outer.c, sumsq_dot), and cover every delta: a pass that makes
+ * a non-finite value still runs to its end. */
+static size_t largest_delta(const outer_pass *p, size_t n)
+{
+    size_t worst = 0;
+
+    for (size_t k = 1; k < n; k++)
+        if (p->stats[k].sumsq > p->stats[worst].sumsq)
+            worst = k;
+    return worst;
+}
+
+/* The pass made a non-finite value from finite deltas: their sum, the momentum or the stored dtype
+ * overflowed.  The same inputs overflow again, so the step is never retried on them: it is computed
+ * again without the delta of largest norm (quarantined, reason `overflow`) while at least the round's
+ * floor remains (--min-nodes; 1 in async mode).  Below it, no subset made a finite step: the state
+ * itself is near its dtype's limit (an F16 global at 65504), and the round is discarded. */
+static void output_overflowed(dilocod *d, const dl_error *err)
+{
+    const outer_pass *p = d->agg.pass;
+    size_t n = d->agg.n < p->ndeltas ? d->agg.n : p->ndeltas;
+    unsigned floor = d->rnd.async ? 1 : d->cfg->min_nodes;
+
+    uv_timer_stop(&d->progress_timer);
+    daemon__log_error("aggregate", "the outer step overflowed: not committed, and never computed again from the "
+                      "same deltas", err);
+    if (n == 0) {
+        discard_overflowed_round(d);
+        return;
+    }
+    size_t worst = largest_delta(p, n);
+    round_entry *e = &d->rnd.entries[d->agg.entry[worst]];
+    daemon__robust_overflow(d, e, sqrt(p->stats[worst].sumsq));
+    /* async: the settle removes consumed deltas only; this one goes now, or a restart offers it again */
+    if (d->rnd.async)
+        daemon__discard_local(d, e->path, 0);
+    if (n - 1 < floor) {
+        discard_overflowed_round(d);
+        return;
+    }
+    free_pass(d);
+    begin_pass(d);      /* the pass activity still runs: the step is computed again, not retried */
+}
+
 static void finish_done(job *j)
 {
     dilocod *d = daemon__of_job(j);
 
     if (j->rc != 0 && j->err.code == DL_E_CHECKSUM_MISMATCH && !d->stopping) {
         inputs_changed(d, &j->err);
+        return;
+    }
+    if (j->rc != 0 && j->err.code == DL_E_NON_FINITE && !d->agg.screening && !d->stopping) {
+        output_overflowed(d, &j->err);
         return;
     }
     if (j->rc != 0) {
@@ -169,6 +225,11 @@ static void finish_done(job *j)
     }
     dl_log(DL_LOG_DEBUG, "aggregate", "files written", "step=%" PRIu64 " seconds=%.3f", d->rnd.step + 1,
            daemon__clock() - d->agg.started);
+    if (d->agg.overflow_problem) {
+        d->agg.overflow_problem = 0;
+        dl_log(DL_LOG_INFO, "aggregate", "a step is finite again: problem output_overflow is over", "step=%" PRIu64,
+               d->rnd.step + 1);
+    }
     if (daemon__prepare_round_record(d, daemon__clock() - d->agg.started) != 0) {
         dl_error e;
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory for the round's record");
@@ -771,34 +832,62 @@ static size_t select_entries(dilocod *d)
     return n;
 }
 
-/* Every delta of the round was quarantined: nothing is committed.  The round's deltas go and it
- * collects again (its workers may send better ones); /status says why (robust.quarantined). */
-static void all_quarantined(dilocod *d)
+/* The round's deltas go, and it collects again (its workers may send better ones).  Async: the deltas
+ * queued while it was computed join the update now (round_reset on the same step), as a commit would
+ * have them join the next: no commit comes to do it. */
+static void discard_round(dilocod *d)
 {
     char *path;
 
-    dl_log(DL_LOG_WARN, "aggregate", "every delta of the round was quarantined: nothing committed, the round collects again",
-           "step=%" PRIu64 " quarantined=%zu", d->rnd.step, d->rnd.n);
-    d->m.rounds_all_quarantined++;
     while (d->rnd.n > 0) {
         round_drop_at(&d->rnd, d->rnd.n - 1, &path);
         daemon__discard_local(d, path, 0);
         free(path);
     }
+    if (d->rnd.async)
+        round_reset(&d->rnd, d->rnd.step);
     reopen_round(d);
 }
 
-/* The cosine screen's first pass (--screen cosine:MIN): the plain mean of the aggregated deltas and
- * each one's dot product with it, no output; its end (screen_done) quarantines the ones below MIN and
- * starts the pass. */
+/* Every delta of the round was quarantined: nothing is committed; /status says why
+ * (robust.quarantined). */
+static void all_quarantined(dilocod *d)
+{
+    dl_log(DL_LOG_WARN, "aggregate", "every delta of the round was quarantined: nothing committed, the round collects again",
+           "step=%" PRIu64 " quarantined=%zu", d->rnd.step, d->rnd.n);
+    d->m.rounds_all_quarantined++;
+    discard_round(d);
+}
+
+/* No subset of the round's deltas down to its floor made a finite step (output_overflowed): the round
+ * is discarded, the committed step stays served, and /status says output_overflow until a step is
+ * finite again.  Logged at warning level once per episode: the same state overflows every round. */
+static void discard_overflowed_round(dilocod *d)
+{
+    d->m.rounds_overflowed++;
+    dl_log(d->agg.overflow_problem ? DL_LOG_DEBUG : DL_LOG_WARN, "aggregate",
+           "no subset of the round's deltas makes a finite step (the committed state is near its dtype's limit): "
+           "the round is discarded, the committed step stays served; problem=output_overflow",
+           "step=%" PRIu64 " deltas=%zu", d->rnd.step, d->rnd.n);
+    d->agg.overflow_problem = 1;
+    free_pass(d);
+    discard_round(d);
+}
+
+/* The cosine screen's first pass (--screen cosine:MIN): the coordinate median of the aggregated
+ * deltas and each one's dot product with it, no output; its end (screen_done) quarantines the ones
+ * below MIN and starts the pass.  The center is the median, not the mean: a minority's delta of
+ * -1000x the honest ones dominated the mean, so that every honest cosine was -1 and the outlier's +1;
+ * each coordinate's median is one of the majority's values (the robust center of the literature,
+ * Yin et al. 2018, "Byzantine-robust distributed learning": coordinate-wise median). */
 static void screen_done(dilocod *d)
 {
     outer_pass *p = d->agg.pass;
-    double mean_norm = sqrt(p->mean_sumsq);
+    double center_norm = sqrt(p->mean_sumsq);
 
     for (size_t k = 0; k < p->ndeltas; k++) {
         double norm = sqrt(p->stats[k].sumsq);
-        double cosine = norm > 0 && mean_norm > 0 ? p->stats[k].dot / (norm * mean_norm) : 0.0;
+        double cosine = norm > 0 && center_norm > 0 ? p->stats[k].dot / (norm * center_norm) : 0.0;
         round_entry *e = &d->rnd.entries[d->agg.entry[k]];
         daemon__robust_cosine(d, e, cosine);
         /* async: the settle removes the consumed deltas only; a quarantined one goes now, or a restart
@@ -866,6 +955,7 @@ static void start_screen(dilocod *d, size_t n)
         return;
     }
     p->stats_only = 1;
+    p->params.rule = OUTER_RULE_MEDIAN;
     p->global_path = d->st.global_path;
     p->delta_paths = (const char *const *)d->agg.paths;
     p->ndeltas = n;

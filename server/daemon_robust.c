@@ -138,8 +138,10 @@ static int judge(const dilocod *d, const char *node_id, double norm, const char 
 
 static int reason_index(const char *reason)
 {
-    return strcmp(reason, "max_norm") == 0 ? ROBUST_MAX_NORM : strcmp(reason, "cosine") == 0 ? ROBUST_COSINE
-                                                                                             : ROBUST_NORM_RATIO;
+    return strcmp(reason, "max_norm") == 0   ? ROBUST_MAX_NORM
+           : strcmp(reason, "cosine") == 0   ? ROBUST_COSINE
+           : strcmp(reason, "overflow") == 0 ? ROBUST_OVERFLOW
+                                             : ROBUST_NORM_RATIO;
 }
 
 /* Counts, remembers and logs (once: each delta is judged once) a quarantined delta. */
@@ -224,7 +226,12 @@ void daemon__robust_screen_close(dilocod *d)
 void daemon__robust_cosine(dilocod *d, round_entry *e, double cosine)
 {
     if (cosine < d->cfg->screen_cosine)
-        quarantine_entry(d, e, cosine, d->cfg->screen_cosine, "cosine", "mean");
+        quarantine_entry(d, e, cosine, d->cfg->screen_cosine, "cosine", "median");
+}
+
+void daemon__robust_overflow(dilocod *d, round_entry *e, double norm)
+{
+    quarantine_entry(d, e, norm, 0, "overflow", "largest");
 }
 
 /* weighted_mean's w_k: the delta's weight, else its num_tokens; 0 when it reports neither. */
@@ -348,8 +355,9 @@ static void robust_status(const dilocod *d, sbuf *b)
     opt_num(b, "max_norm_ratio", c->max_norm_ratio);
     opt_num(b, "max_norm", c->max_norm);
     sb_printf(b, ",\"quarantined_total\":%" PRIu64 ",\"quarantined_by_reason\":{\"max_norm\":%" PRIu64
-                 ",\"norm_ratio\":%" PRIu64 ",\"cosine\":%" PRIu64 "},\"quarantined\":[",
-              total, r->quarantined[ROBUST_MAX_NORM], r->quarantined[ROBUST_NORM_RATIO], r->quarantined[ROBUST_COSINE]);
+                 ",\"norm_ratio\":%" PRIu64 ",\"cosine\":%" PRIu64 ",\"overflow\":%" PRIu64 "},\"quarantined\":[",
+              total, r->quarantined[ROBUST_MAX_NORM], r->quarantined[ROBUST_NORM_RATIO], r->quarantined[ROBUST_COSINE],
+              r->quarantined[ROBUST_OVERFLOW]);
     for (size_t i = 0; i < r->nrecent; i++) {
         const robust_event *e = &r->recent[(r->head + i) % ROBUST_RECENT];
         /* a cosine quarantine's figure is its cosine, "norm" null */
@@ -365,10 +373,10 @@ static void robust_status(const dilocod *d, sbuf *b)
 
 static void robust_metrics(const dilocod *d, sbuf *b)
 {
-    static const char *const names[ROBUST_REASONS] = {"max_norm", "norm_ratio", "cosine"};
+    static const char *const names[ROBUST_REASONS] = {"max_norm", "norm_ratio", "cosine", "overflow"};
 
     daemon_metric_family(b, "deltas_quarantined_total", "counter",
-                         "Deltas quarantined (not aggregated) by the norm or cosine screen, by reason");
+                         "Deltas quarantined (not aggregated) by the norm or cosine screen or an overflowed step, by reason");
     for (int i = 0; i < ROBUST_REASONS; i++)
         sb_printf(b, "dilocod_deltas_quarantined_total{reason=\"%s\"} %" PRIu64 "\n", names[i],
                   d->robust.quarantined[i]);

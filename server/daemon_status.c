@@ -119,6 +119,8 @@ static void process_status(const dilocod *d, sbuf *b)
     else
         sb_str(b, "null");
     sb_printf(b, ",\"state\":\"%s\"", d->stopping ? "stopping" : daemon__state_name(daemon__state(d)));
+    /* a lasting condition the operator must look at, as a stable name (README, "Robust aggregation") */
+    sb_printf(b, ",\"problem\":%s", d->agg.overflow_problem ? "\"output_overflow\"" : "null");
 }
 
 static void process_metrics(const dilocod *d, sbuf *b)
@@ -519,6 +521,10 @@ static void stats_metrics(const dilocod *d, sbuf *b)
         {"rounds_all_quarantined_total", "counter",
          "Rounds whose every delta the cosine screen quarantined: nothing committed, the round collected again.",
          m->rounds_all_quarantined},
+        {"rounds_overflowed_total", "counter",
+         "Rounds discarded because no subset of their deltas made a finite step (the state is near its dtype's "
+         "limit): nothing committed, the round collected again.",
+         m->rounds_overflowed},
     };
     families_u64(b, f, NFAMILIES(f));
     metric(b, "deltas_rejected_total", "counter", "Invalid deltas (uploads, file:// and the Hub alike), by error code.");

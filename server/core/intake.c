@@ -146,10 +146,10 @@ static intake_status copy_plain(intake_req *r, int src, int dst, const st_tensor
         uint64_t off = data_start + t->begin + e * esize;
         if ((st = read_at(r, src, cb->data, n * esize, off)) != INTAKE_OK)
             break;
-        int64_t bad = delta_find_non_finite(t->dtype, cb->data, n);
+        int64_t bad = delta_find_bad_value(t->dtype, cb->data, n);
         if (bad >= 0) {
             dl_fail(&r->err, DL_E_NON_FINITE, t->name, t->name_len,
-                    "delta tensor holds a non-finite value (NaN or Inf) at element %" PRIu64, e + (uint64_t)bad);
+                    "delta tensor holds " DELTA_BAD_VALUE_TEXT " at element %" PRIu64, e + (uint64_t)bad);
             return INTAKE_INVALID;
         }
         delta_norm_feed(&r->norm, &nb, t->dtype, cb->data, n);
@@ -386,7 +386,7 @@ typedef struct window_check {
 static int window_check_call(void *arg)
 {
     window_check *w = arg;
-    w->bad = delta_find_non_finite(w->dtype, w->data, w->nelem);
+    w->bad = delta_find_bad_value(w->dtype, w->data, w->nelem);
     if (w->bad < 0) {
         /* a window holds whole blocks of its tensor (or ends with the tensor) */
         delta_norm_block nb = {{0}, 0};
@@ -519,7 +519,7 @@ static intake_status merge_parts(intake_req *r, int src, const check_part *parts
     }
     const st_tensor *t = &bad->h->tensors[bad->bad_tensor];
     dl_fail(&r->err, DL_E_NON_FINITE, t->name, t->name_len,
-            "delta tensor holds a non-finite value (NaN or Inf) at element %" PRIu64, bad->bad_elem);
+            "delta tensor holds " DELTA_BAD_VALUE_TEXT " at element %" PRIu64, bad->bad_elem);
     return INTAKE_INVALID;
 }
 

@@ -30,6 +30,7 @@ typedef enum stats_refusal {
 typedef struct stats {
     uint64_t deltas_accepted, deltas_replaced;
     uint64_t rounds_all_quarantined;                /* rounds whose every delta was quarantined: not committed */
+    uint64_t rounds_overflowed;                     /* rounds discarded: no subset of their deltas made a finite step */
     uint64_t deltas_rewritten;                      /* taken in, then rewritten in place: dropped, taken again */
     uint64_t rejected[DL_E__COUNT];                 /* by error code */
     uint64_t refused[REFUSED__COUNT];

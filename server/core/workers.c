@@ -97,8 +97,11 @@ void workers_committed(workers *w, const round_record *r, int latest)
         if (latest)
             set_latest(w, e, r->async ? s->base_outer_step : r->step, s->local_step, r->closed_at, &s->metrics, &s->cz,
                        s->bytes);
-        if (s->metrics.have & DELTA_M_NUM_TOKENS)
-            e->tokens_total += s->metrics.num_tokens;
+        /* saturating: a worker reports any num_tokens up to 2^64 - 1, and a wrapped sum made the
+         * counter dilocod_node_tokens_total go down (a Prometheus counter never does) */
+        if ((s->metrics.have & DELTA_M_NUM_TOKENS) &&
+            __builtin_add_overflow(e->tokens_total, s->metrics.num_tokens, &e->tokens_total))
+            e->tokens_total = UINT64_MAX;
     }
 }
 

@@ -88,19 +88,20 @@ def exhaustive_mx(enc):
     e = np.repeat(np.arange(255, dtype=np.uint8), per_e)
     with np.errstate(over="ignore", invalid="ignore"):
         prod = table[codes].astype(np.float32) * np.repeat(co.E8M0[:255], 32 * per_e).reshape(255, -1)
-    codes[~np.isfinite(prod)] = 0
+    codes[~(np.abs(prod) < 2.0 ** 64)] = 0        # a delta's values are below 2^64 (README, "Delta rules")
     return codes, e
 
 
 def test_decoding_is_the_oracle_for_every_code_and_scale(tmp_path):
     e4, s4 = exhaustive_mx("mxfp8")           # [255, 256] codes, 2040 scales
     e2, s2 = exhaustive_mx("mxfp4")           # [255, 32] codes, 255 scales
-    assert (e4 != 0).sum() > 255 * 200 and set(np.unique(e4[:128])) == set(range(256)) - {0x7f, 0xff}
+    assert (e4 != 0).sum() > 255 * 180 and set(np.unique(e4[:128])) == set(range(256)) - {0x7f, 0xff}
     q8 = np.tile(np.arange(-128, 128, dtype=np.int8), (64, 1))       # every int8 code, one block each row
     rng = np.random.default_rng(3)
+    # the largest scales: -128 x scale stays below 2^64 in magnitude (README, "Delta rules")
     s8 = np.concatenate([[0.0, 1.4e-45, 1e-40, 1.1754944e-38, 1.0, 0.5, 3.0],
-                         rng.uniform(1e-6, 10, 54), [1e30, np.finfo(np.float32).max / 128,
-                                                     np.nextafter(np.float32(np.finfo(np.float32).max / 128), 0)]])
+                         rng.uniform(1e-6, 10, 54), [1e15, np.nextafter(np.float32(2.0 ** 57), np.float32(0)),
+                                                     np.float32(2.0 ** 56)]])
     s8 = s8.astype(np.float32)
     assert s8.size == 64
     init = {"e4m3": torch.zeros(255, 256), "e2m1": torch.zeros(255, 32), "i8": torch.zeros(64, 256)}

@@ -26,14 +26,15 @@ FLOAT_NP = (np.float16, np.float32, np.float64, np.complex64)
 # helpers
 
 def finite_bits(rng, dtype, shape):
-    """Random finite values of a 16-bit float format over its whole range (subnormals, -0.0 included),
-    as raw uint16 bits.  dtype: 'f16' or 'bf16'."""
+    """Random values of a 16-bit float format over the whole range a delta may hold (README, "Delta
+    rules": finite and of magnitude below 2^64; subnormals, -0.0 included), as raw uint16 bits.
+    dtype: 'f16' (all of its finite range) or 'bf16'."""
     n = int(np.prod(shape, dtype=np.int64))
     bits = rng.integers(0, 1 << 16, size=n, dtype=np.uint32).astype(np.uint16)
-    mask = 0x7C00 if dtype == "f16" else 0x7F80
-    bad = (bits & mask) == mask
+    bound = 0x7C00 if dtype == "f16" else 0x5F80
+    bad = (bits & 0x7FFF) >= bound
     bits[bad] &= np.uint16(0xBFFF)    # clear the top exponent bit (bit 14 in both formats)
-    assert not np.any((bits & mask) == mask)
+    assert not np.any((bits & 0x7FFF) >= bound)
     return bits.reshape(shape)
 
 

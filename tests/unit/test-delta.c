@@ -164,6 +164,33 @@ TEST(non_finite_scan)
     CHECK_EQ(delta_find_non_finite(ST_F32, f, 4), 2);
 }
 
+/* A delta's values: finite and of magnitude below 2^64 (delta.h); the output check stays finiteness. */
+TEST(bad_value_bound)
+{
+    float f[5] = {1, -0x1.fffffep63f, 3e38f, 5, -0x1p64f};
+    CHECK_EQ(delta_find_bad_value(ST_F32, f, 2), -1);       /* the largest F32 below 2^64, negated */
+    CHECK_EQ(delta_find_bad_value(ST_F32, f, 5), 2);        /* finite, near F32's limit */
+    CHECK_EQ(delta_find_non_finite(ST_F32, f, 5), -1);
+    f[2] = 0;
+    CHECK_EQ(delta_find_bad_value(ST_F32, f, 5), 4);        /* exactly -2^64 */
+    CHECK_EQ(delta_find_bad_value(ST_C64, f, 2), -1);
+    f[1] = NAN;
+    CHECK_EQ(delta_find_bad_value(ST_C64, f, 2), 0);        /* the first complex element holds the NaN */
+    uint16_t b[3] = {0x5f7f, 0xdf7f, 0x5f80};               /* BF16: below 2^64, its negation, 2^64 */
+    CHECK_EQ(delta_find_bad_value(ST_BF16, b, 2), -1);
+    CHECK_EQ(delta_find_bad_value(ST_BF16, b, 3), 2);
+    uint16_t h[3] = {0x7bff, 0xfbff, 0xfc00};               /* F16: 65504, -65504, -Inf */
+    CHECK_EQ(delta_find_bad_value(ST_F16, h, 2), -1);
+    CHECK_EQ(delta_find_bad_value(ST_F16, h, 3), 2);
+    /* many lanes (the vector path), the bad one last */
+    float many[9000];
+    for (size_t i = 0; i < 9000; i++)
+        many[i] = (float)i;
+    CHECK_EQ(delta_find_bad_value(ST_F32, many, 9000), -1);
+    many[8999] = 1e20f;
+    CHECK_EQ(delta_find_bad_value(ST_F32, many, 9000), 8999);
+}
+
 TEST(metadata_json_all_or_nothing)
 {
     st_header *h = header("{\"__metadata__\":{\"a\":\"1\",\"b\":\"[1,2]\",\"c\":\"\\\"s\\\"\"}}", 0);

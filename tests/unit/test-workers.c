@@ -123,6 +123,30 @@ TEST(workers_count_committed_tokens_and_replay_the_history)
     free(w);
 }
 
+/* A worker's tokens_total saturates: num_tokens may be any uint64, and a sum that wrapped made the
+ * counter dilocod_node_tokens_total go down. */
+TEST(workers_tokens_total_saturates)
+{
+    workers *w = malloc(sizeof(*w));
+    node_stat n;
+    round_record r = {.step = 1, .closed_at = 1, .n = 1, .nodes = &n};
+    workers_init(w);
+    memset(&n, 0, sizeof(n));
+    snprintf(n.node_id, sizeof(n.node_id), "a");
+    n.metrics.have = DELTA_M_NUM_TOKENS;
+    n.metrics.num_tokens = UINT64_MAX - 5;
+    workers_committed(w, &r, 1);
+    CHECK_EQ(w->w[0].tokens_total, UINT64_MAX - 5);
+    uint64_t before = w->w[0].tokens_total;
+    for (int i = 0; i < 2049; i++) {
+        workers_committed(w, &r, 1);
+        CHECK(w->w[0].tokens_total >= before);
+        before = w->w[0].tokens_total;
+    }
+    CHECK_EQ(w->w[0].tokens_total, UINT64_MAX);
+    free(w);
+}
+
 /* Each worker's last encoding and bytes, and the bytes taken by encoding. */
 TEST(workers_keep_the_encoding_and_the_bytes_on_the_wire)
 {
