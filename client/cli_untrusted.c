@@ -78,19 +78,32 @@ void cli_untrusted_append(sbuf *b, const char *s, size_t len)
     }
 }
 
+/* Bytes of the shown form of s[0..len). */
+static size_t shown_len(const unsigned char *u, size_t len)
+{
+    size_t total = 0;
+
+    for (size_t i = 0; i < len;) {
+        char unit[CLI_UNTRUSTED_UNIT_MAX];
+        size_t ulen;
+        i += shown_unit(u + i, len - i, unit, &ulen);
+        total += ulen;
+    }
+    return total;
+}
+
 const char *cli_untrusted(char *out, size_t size, const char *s, size_t len)
 {
     const unsigned char *u = (const unsigned char *)s;
-    size_t o = 0;
+    /* all of it when it fits with its NUL; else whole characters while "..." and the NUL still fit */
+    size_t o = 0, limit = shown_len(u, len) < size ? size : size - (size < 4 ? size : 4);
 
     if (size == 0)
         return out;
     for (size_t i = 0; i < len;) {
         char unit[CLI_UNTRUSTED_UNIT_MAX];
         size_t ulen, used = shown_unit(u + i, len - i, unit, &ulen);
-        /* the last character goes in when it fits with the NUL; any other needs room for "..." too */
-        size_t room = i + used == len ? 1 : 4;
-        if (o + ulen + room > size) {
+        if (o + ulen > limit) {
             if (o + 4 <= size) {
                 memcpy(out + o, "...", 3);
                 o += 3;
