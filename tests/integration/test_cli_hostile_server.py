@@ -286,6 +286,34 @@ def test_pull_refuses_a_header_length_over_the_formats_cap_at_its_first_8_bytes(
     assert_nothing_kept(out)
 
 
+def test_pull_of_a_sharded_global_stops_each_shard_at_its_declared_size(tmp_path, diloco_bin):
+    """No single file, an index naming one shard: the shard followed by 96 MiB is refused the same way,
+    and neither the shard nor the index is left in the output directory."""
+    src = tmp_path / "shard.safetensors"
+    save_file({"w": np.ones(2, dtype=np.float32)}, str(src))
+    shard = src.read_bytes()
+    index = json.dumps({"metadata": {"total_size": 8},
+                        "weight_map": {"w": "latest-00001-of-00001.safetensors"}}).encode()
+    out = tmp_path / "out"
+    watch = DirWatch(out)
+    srv = HostileServer({("GET", "/global/latest.safetensors.index.json"):
+                         lambda w, _b: w.send(answer(200, index, headers=['ETag: "i1"', "X-Outer-Step: 1"])),
+                         ("GET", "/global/latest-00001-of-00001.safetensors"):
+                         lambda w, _b: w.stream(model_head(), shard, EXTRA, watch),
+                         ("GET", "/global/step_count.json"): step_count})
+    try:
+        p = pull(diloco_bin, srv, out)
+    finally:
+        srv.close()
+    sent = srv.sent["/global/latest-00001-of-00001.safetensors"]
+    assert sent < IN_FLIGHT, f"the server sent {sent} bytes of a {len(shard)}-byte shard"
+    assert watch.max <= len(shard), f"{watch.max} bytes on disk for a {len(shard)}-byte shard"
+    assert p.returncode == 1 and "Sanitizer" not in p.stderr, (p.returncode, p.stderr)
+    assert f"more than the {len(shard)} bytes the model's header declares" in p.stderr, p.stderr
+    assert srv.count("GET", "/global/latest-00001-of-00001.safetensors") == 1, srv.requests
+    assert_nothing_kept(out)
+
+
 def test_pull_of_an_honest_answer_is_taken_whole(tmp_path, diloco_bin):
     """The bounds refuse nothing of a real model: with Content-Length, and ending at the close."""
     src = tmp_path / "model.safetensors"
