@@ -42,6 +42,8 @@ SERVER_OBJ  := $(SERVER_SRC:%.c=$(BUILD)/%.o)
 # the server minus main(): a static library that dilocod, the unit tests and the fuzzers link
 SERVER_LIB_OBJ := $(filter-out $(BUILD)/server/main.o,$(SERVER_OBJ))
 UNIT_OBJ    := $(UNIT_SRC:%.c=$(BUILD)/%.o) $(BUILD)/tests/unit/runner.o
+# the client's pieces that hold no command, unit-tested too (the rest of client/ is the binary's)
+CLIENT_UNIT_OBJ := $(BUILD)/client/cli_untrusted.o $(BUILD)/client/cli_body.o
 
 LLHTTP_OBJ  := $(BUILD)/llhttp/llhttp.o $(BUILD)/llhttp/api.o $(BUILD)/llhttp/http.o
 BINS        := $(BUILD)/diloco $(BUILD)/tests/st-write $(BUILD)/tests/unit-tests
@@ -85,8 +87,8 @@ $(BUILD)/tests/st-write: $(BUILD)/tests/tools/st-write.o $(BUILD)/libdiloco.a
 	@mkdir -p $(@D)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
-$(UNIT_OBJ): ALL_CFLAGS += $(SERVER_INC) -I$(LLHTTP_INC)
-$(BUILD)/tests/unit-tests: $(UNIT_OBJ) $(BUILD)/libdilocod.a $(BUILD)/libdiloco.a
+$(UNIT_OBJ): ALL_CFLAGS += $(SERVER_INC) -I$(LLHTTP_INC) -Iclient
+$(BUILD)/tests/unit-tests: $(UNIT_OBJ) $(CLIENT_UNIT_OBJ) $(BUILD)/libdilocod.a $(BUILD)/libdiloco.a
 	@mkdir -p $(@D)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 

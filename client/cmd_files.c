@@ -11,6 +11,7 @@
 #include <openssl/evp.h>
 
 #include "cli.h"
+#include "cli_untrusted.h"
 #include "delta.h"
 #include "safetensors.h"
 #include "st_index.h"
@@ -73,6 +74,18 @@ out:
     EVP_MD_CTX_free(ctx);
     free(buf);
     return rc;
+}
+
+/* A file's name or metadata for the terminal: dl_printable's form (a backslash doubled, C0, DEL and bytes
+ * that are not UTF-8 escaped, cut with "..." past printable_size), then the shown form, which escapes C1
+ * (U+0080..U+009F) too (cli_untrusted.h).  out holds 3 x printable_size: a C1 character's 2 bytes show as 6. */
+#define FILE_TEXT_MAX 512
+static const char *file_text(char out[3 * FILE_TEXT_MAX], size_t printable_size, const char *s, size_t len)
+{
+    char printable[FILE_TEXT_MAX];
+
+    dl_printable(printable, printable_size < sizeof(printable) ? printable_size : sizeof(printable), s, len);
+    return cli_untrusted(out, 3 * FILE_TEXT_MAX, printable, strlen(printable));
 }
 
 static void shape_text(char *out, size_t size, const st_tensor *t)
@@ -235,16 +248,16 @@ static void inspect_text(const st_file *f)
     if (!f->h->has_metadata)
         printf("metadata: none\n");
     for (size_t i = 0; i < f->h->nmeta; i++) {
-        char k[256], v[512];
-        dl_printable(k, sizeof(k), f->h->meta[i].key, f->h->meta[i].key_len);
-        dl_printable(v, sizeof(v), f->h->meta[i].value, f->h->meta[i].value_len);
-        printf("%s%s = %s\n", i == 0 ? "metadata: " : "          ", k, v);
+        char k[3 * FILE_TEXT_MAX], v[3 * FILE_TEXT_MAX];
+        printf("%s%s = %s\n", i == 0 ? "metadata: " : "          ",
+               file_text(k, 256, f->h->meta[i].key, f->h->meta[i].key_len),
+               file_text(v, 512, f->h->meta[i].value, f->h->meta[i].value_len));
     }
     printf("%-40s %-11s %-20s %14s  %s\n", "tensor", "dtype", "shape", "bytes", "data offsets");
     for (size_t i = 0; i < f->h->ntensors; i++) {
         const st_tensor *t = &f->h->tensors[i];
-        char name[256], shape[128];
-        dl_printable(name, sizeof(name), t->name, t->name_len);
+        char name[3 * FILE_TEXT_MAX], shape[128];
+        file_text(name, 256, t->name, t->name_len);
         shape_text(shape, sizeof(shape), t);
         printf("%-40s %-11s %-20s %14" PRIu64 "  [%" PRIu64 ", %" PRIu64 "]\n", name, st_dtype_name(t->dtype),
                shape, st_tensor_bytes(t), t->begin, t->end);
@@ -342,10 +355,10 @@ static void inspect_set_text(const st_set *s, int hash)
 
     printf("index:    %s (%zu shards, total_size %" PRIu64 ")\n", s->path, s->nfiles, s->index->total_size);
     for (size_t i = 0; i < s->index->nmeta; i++) {
-        char k[256], v[512];
-        dl_printable(k, sizeof(k), s->index->meta[i].key, s->index->meta[i].key_len);
-        dl_printable(v, sizeof(v), s->index->meta[i].value, s->index->meta[i].value_len);
-        printf("%s%s = %s\n", i == 0 ? "metadata: " : "          ", k, v);
+        char k[3 * FILE_TEXT_MAX], v[3 * FILE_TEXT_MAX];
+        printf("%s%s = %s\n", i == 0 ? "metadata: " : "          ",
+               file_text(k, 256, s->index->meta[i].key, s->index->meta[i].key_len),
+               file_text(v, 512, s->index->meta[i].value, s->index->meta[i].value_len));
     }
     for (size_t f = 0; f < s->nfiles; f++)
         printf("shard:    %s (%" PRIu64 " bytes, %zu tensors)\n", shard_file_name(s, f), s->files[f]->file_size,
@@ -353,8 +366,8 @@ static void inspect_set_text(const st_set *s, int hash)
     printf("%-40s %-11s %-20s %14s  %s\n", "tensor", "dtype", "shape", "bytes", "shard");
     for (size_t i = 0; i < s->ntensors; i++) {
         const st_tensor *t = s->order[i];
-        char name[256], shape[128];
-        dl_printable(name, sizeof(name), t->name, t->name_len);
+        char name[3 * FILE_TEXT_MAX], shape[128];
+        file_text(name, 256, t->name, t->name_len);
         shape_text(shape, sizeof(shape), t);
         printf("%-40s %-11s %-20s %14" PRIu64 "  %s\n", name, st_dtype_name(t->dtype), shape, st_tensor_bytes(t),
                shard_file_name(s, s->order_file[i]));
@@ -363,11 +376,11 @@ static void inspect_set_text(const st_set *s, int hash)
     printf("total:    %zu tensors, %" PRIu64 " parameters, %" PRIu64 " data bytes\n", s->ntensors, params,
            s->data_bytes);
     for (size_t i = 0; hash && i < s->ntensors; i++) {
-        char hex[65], name[256];
+        char hex[65], name[3 * FILE_TEXT_MAX];
         dl_error err;
         if (tensor_sha256(s->files[s->order_file[i]], s->order[i], hex, &err) != 0)
             break;
-        dl_printable(name, sizeof(name), s->order[i]->name, s->order[i]->name_len);
+        file_text(name, 256, s->order[i]->name, s->order[i]->name_len);
         printf("sha256 %s  %s\n", hex, name);
     }
 }
@@ -481,17 +494,18 @@ int cmd_inspect(int argc, char **argv)
             return cli_report(argv[optind], &err);
         }
         if (json) {
-            printf("%s\n", text);
+            cli_print_untrusted(stdout, text, strlen(text));    /* names hold C1 as cJSON leaves it */
+            putchar('\n');
         } else {
             inspect_text(f);
         }
         cJSON_free(text);
         if (!json && hash) {
             for (size_t i = 0; i < f->h->ntensors; i++) {
-                char hex[65], name[256];
+                char hex[65], name[3 * FILE_TEXT_MAX];
                 if (tensor_sha256(f, &f->h->tensors[i], hex, &err) != 0)
                     break;
-                dl_printable(name, sizeof(name), f->h->tensors[i].name, f->h->tensors[i].name_len);
+                file_text(name, 256, f->h->tensors[i].name, f->h->tensors[i].name_len);
                 printf("sha256 %s  %s\n", hex, name);
             }
         }

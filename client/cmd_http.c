@@ -17,6 +17,8 @@
 #include <curl/curl.h>
 
 #include "cli.h"
+#include "cli_body.h"
+#include "cli_untrusted.h"
 #include "delta.h"
 #include "fsutil.h"
 #include "safetensors.h"
@@ -24,31 +26,102 @@
 #include "stepcount.h"
 #include "strbuf.h"
 
-#define MAX_RESPONSE (16u << 20)
+/* Caps of the answers kept in memory: a server answer over its cap is not one of dilocod's, and is
+ * refused at its Content-Length, or at the first byte past the cap, without a retry. */
+#define MAX_RESPONSE (16u << 20)        /* /status, the largest (every node of a round, async's nodes) */
+#define MAX_ANSWER (64u << 10)          /* an upload's answer, step_count.json, an error's JSON */
 #define AUTH_HEADER_MAX 320
 
 typedef struct response {
     long status;
     sbuf body;
+    size_t cap;                 /* bytes of body kept in memory at most (0: MAX_RESPONSE) */
     char etag[128];
     uint64_t outer_step;
     int has_outer_step;
     uint64_t recommended;       /* X-Recommended-Local-Steps (async dilocod's DyLU), 0: none */
     FILE *sink;                 /* a 2xx body goes here instead of memory when set */
+    cli_body *guard;            /* with sink: the body is a safetensors file, taken up to its own size */
     long head_status;           /* from the status line, while the body arrives */
+    uint64_t content_length;    /* the answer's Content-Length, when has_content_length */
+    int has_content_length;
+    int body_started;
+    int refused;                /* the answer broke its bounds: why says how (shown form), no retry */
+    char why[512];
 } response;
+
+static size_t answer_cap(const response *r)
+{
+    return r->cap != 0 ? r->cap : MAX_RESPONSE;
+}
+
+static int to_sink(const response *r)
+{
+    return r->sink != NULL && r->head_status >= 200 && r->head_status < 300;
+}
+
+static size_t refuse(response *r, const char *why)
+{
+    r->refused = 1;
+    snprintf(r->why, sizeof(r->why), "%s", why);
+    return 0;                   /* curl aborts the transfer */
+}
+
+static size_t refuse_over_cap(response *r)
+{
+    char why[160];
+    snprintf(why, sizeof(why), "refused: the answer (HTTP %ld) is over %zu bytes, more than any answer of dilocod's",
+             r->head_status, answer_cap(r));
+    return refuse(r, why);
+}
+
+/* The first byte of an answer: a model's body is declared to its guard. */
+static void body_start(response *r)
+{
+    r->body_started = 1;
+    if (r->guard != NULL && to_sink(r) && r->has_content_length)
+        cli_body_declare(r->guard, r->content_length);
+}
 
 static size_t on_body(char *p, size_t size, size_t n, void *arg)
 {
     response *r = arg;
     size_t len = size * n;
+    if (!r->body_started)
+        body_start(r);
     /* an error answer ({"error":{...}}) is kept in memory, so its code can be shown, not saved as the model */
-    if (r->sink != NULL && r->head_status >= 200 && r->head_status < 300)
+    if (to_sink(r)) {
+        dl_error err;
+        dl_error_clear(&err);
+        if (r->guard != NULL && cli_body_take(r->guard, p, len, &err) != 0) {
+            char msg[sizeof(r->why)];
+            snprintf(r->why, sizeof(r->why), "%s: %s", dl_error_name(err.code),
+                     cli_untrusted(msg, sizeof(msg), err.message, strlen(err.message)));
+            r->refused = 1;
+            return 0;
+        }
         return fwrite(p, 1, len, r->sink);
-    if (r->body.len + len > MAX_RESPONSE)
-        return 0;               /* a server answer this large is not one of ours: abort the transfer */
+    }
+    if (r->body.len + len > answer_cap(r))
+        return refuse_over_cap(r);
     sb_add(&r->body, p, len);
     return r->body.oom ? 0 : len;
+}
+
+/* A Content-Length the answer declares: digits only (curl frames the body by it; this is for the caps). */
+static void take_content_length(response *r, const char *v)
+{
+    char *end;
+    while (*v == ' ' || *v == '\t')
+        v++;
+    errno = 0;
+    unsigned long long cl = strtoull(v, &end, 10);
+    while (*end == ' ' || *end == '\t')
+        end++;
+    if (errno == 0 && end != v && *v >= '0' && *v <= '9' && *end == '\0') {
+        r->content_length = cl;
+        r->has_content_length = 1;
+    }
 }
 
 static size_t on_header(char *p, size_t size, size_t n, void *arg)
@@ -65,6 +138,12 @@ static size_t on_header(char *p, size_t size, size_t n, void *arg)
         const char *sp = strchr(line, ' ');
         r->head_status = sp ? strtol(sp + 1, NULL, 10) : 0;   /* every response of a redirect chain */
         r->recommended = 0;                                   /* the last response's header counts */
+        r->has_content_length = 0;
+    } else if (strncasecmp(line, "Content-Length:", 15) == 0) {
+        take_content_length(r, line + 15);
+        /* an answer kept in memory that says it is over its cap: refused before its first byte */
+        if (r->has_content_length && !to_sink(r) && r->content_length > answer_cap(r))
+            return refuse_over_cap(r);
     } else if (strncasecmp(line, "X-Recommended-Local-Steps:", 26) == 0) {
         const char *v = line + 26;
         char *end;
@@ -151,37 +230,58 @@ static double backoff(int attempt)
     return base * (0.75 + 0.5 * ((double)rand() / RAND_MAX));
 }
 
-static void print_server_error(const char *what, const response *r)
+/* An answer's {"error":{"code","message","tensor"}}, in its shown form (cli_untrusted.h): a server's
+ * strings are printed only so. */
+typedef struct server_error {
+    int found;                  /* the answer has an error code */
+    char code[72];
+    char message[240];          /* "" when absent */
+    char tensor[240];           /* "" when absent */
+} server_error;
+
+static void server_error_of(const response *r, server_error *se)
 {
     cJSON *j = cJSON_ParseWithLength(r->body.p ? r->body.p : "", r->body.len);
     const cJSON *e = cJSON_GetObjectItemCaseSensitive(j, "error");
-    const char *code = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "code"));
-    const char *msg = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "message"));
-    const char *tensor = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "tensor"));
-    if (code != NULL)
-        fprintf(stderr, "diloco: %s: HTTP %ld %s: %s%s%s%s\n", what, r->status, code, msg ? msg : "",
-                tensor ? " (tensor \"" : "", tensor ? tensor : "", tensor ? "\")" : "");
+    const char *c = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "code"));
+    const char *m = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "message"));
+    const char *t = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "tensor"));
+
+    se->found = c != NULL;
+    cli_untrusted_str(se->code, sizeof(se->code), c);
+    cli_untrusted(se->message, sizeof(se->message), m ? m : "", m ? strlen(m) : 0);
+    cli_untrusted(se->tensor, sizeof(se->tensor), t ? t : "", t ? strlen(t) : 0);
+    cJSON_Delete(j);
+}
+
+static void print_server_error(const char *what, const response *r)
+{
+    server_error se;
+
+    server_error_of(r, &se);
+    if (se.found && se.tensor[0] != '\0')
+        fprintf(stderr, "diloco: %s: HTTP %ld %s: %s (tensor \"%s\")\n", what, r->status, se.code, se.message,
+                se.tensor);
+    else if (se.found)
+        fprintf(stderr, "diloco: %s: HTTP %ld %s: %s\n", what, r->status, se.code, se.message);
     else
         fprintf(stderr, "diloco: %s: HTTP %ld\n", what, r->status);
-    cJSON_Delete(j);
 }
 
 /* One line for a failed attempt: "HTTP 503 no_global: no global model yet" or curl's error text. */
 static void describe_failure(CURLcode cc, const response *r, char *out, size_t size)
 {
+    server_error se;
+
     if (cc != CURLE_OK) {
         snprintf(out, size, "%s", curl_easy_strerror(cc));
         return;
     }
-    cJSON *j = cJSON_ParseWithLength(r->body.p ? r->body.p : "", r->body.len);
-    const cJSON *e = cJSON_GetObjectItemCaseSensitive(j, "error");
-    const char *code = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "code"));
-    const char *msg = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(e, "message"));
-    if (code != NULL)
-        snprintf(out, size, "HTTP %ld %.64s: %.160s", r->status, code, msg ? msg : "");
+    server_error_of(r, &se);
+    if (se.found)
+        snprintf(out, size, "HTTP %ld %s: %s", r->status, se.code, se.message);
     else
         snprintf(out, size, "HTTP %ld", r->status);
-    cJSON_Delete(j);
 }
 
 /* GET path into r (memory), retrying connection errors and 5xx.  Returns 0 when an HTTP answer
@@ -201,7 +301,12 @@ static int get(const client_opts *o, const char *path, response *r, const char *
         r->etag[0] = '\0';
         r->has_outer_step = 0;
         r->head_status = 0;
+        r->has_content_length = 0;
+        r->body_started = 0;
+        r->refused = 0;
         r->sink = sink;
+        if (r->guard != NULL)
+            cli_body_reset(r->guard);
         if (sink != NULL && (fflush(sink) != 0 || ftruncate(fileno(sink), 0) != 0 || fseek(sink, 0, SEEK_SET) != 0)) {
             rc = EXIT_IO;
             break;
@@ -216,6 +321,12 @@ static int get(const client_opts *o, const char *path, response *r, const char *
             curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &r->status);
         curl_easy_cleanup(c);
         curl_slist_free_all(h);
+        if (r->refused) {
+            /* a body past its bounds is the server's doing, not the network's: asking again gets the same */
+            fprintf(stderr, "diloco: GET %s: %s\n", url, r->why);
+            rc = EXIT_INVALID;
+            break;
+        }
         if (cc == CURLE_OK && r->status < 500) {
             rc = 0;
             break;
@@ -229,7 +340,7 @@ static int get(const client_opts *o, const char *path, response *r, const char *
         }
         /* say why we wait, as push does: the server's code (no_global...) or the network error */
         double wait = backoff(attempt);
-        char why[300];
+        char why[400];
         describe_failure(cc, r, why, sizeof(why));
         fprintf(stderr, "diloco: GET %s: %s, retrying in %.1f s (%d of %d)\n", url, why, wait, attempt + 1,
                 o->retries);
@@ -332,7 +443,9 @@ static const char push_help[] =
     "  --server defaults to $DILOCO_SERVER; the token to $DILOCO_TOKEN when no token file is given.\n"
     "  exit: 0 accepted, 1 refused by the server or an invalid file, 2 usage, 3 I/O, 4 network/server\n";
 
-/* Prints the server's answer to an upload.  When it carried X-Recommended-Local-Steps (an async
+/* Prints the server's answer to an upload in its shown form (cli_untrusted.h) on one line: the answer's
+ * own final newline ends it, any other newline in it is a server's byte like the rest, shown escaped
+ * (a line of its own could pass for ours).  When it carried X-Recommended-Local-Steps (an async
  * dilocod's DyLU: the local steps its next phase should train), a JSON object answer gets it as one more
  * member, "recommended_local_steps": N, spliced before its closing brace (the server's bytes otherwise). */
 static void print_upload_answer(const response *r)
@@ -340,24 +453,29 @@ static void print_upload_answer(const response *r)
     const char *b = r->body.p ? r->body.p : "";
     size_t n = r->body.len;
 
+    if (n > 0 && b[n - 1] == '\n')
+        n--;
     if (r->recommended != 0) {
         cJSON *j = cJSON_ParseWithLength(b, n);
         size_t close = n;
         while (close > 0 && b[close - 1] != '}')
             close--;
-        if (cJSON_IsObject(j) && close > 0) {
-            fwrite(b, 1, close - 1, stdout);
-            printf("%s\"recommended_local_steps\":%" PRIu64 "}", j->child != NULL ? "," : "", r->recommended);
-            fwrite(b + close, 1, n - close, stdout);
-            cJSON_Delete(j);
+        int object = cJSON_IsObject(j) && close > 0, members = object && j->child != NULL;
+        cJSON_Delete(j);
+        if (object) {
+            cli_print_untrusted(stdout, b, close - 1);
+            printf("%s\"recommended_local_steps\":%" PRIu64 "}", members ? "," : "", r->recommended);
+            cli_print_untrusted(stdout, b + close, n - close);
+            putchar('\n');
             return;
         }
-        cJSON_Delete(j);
-        fwrite(b, 1, n, stdout);
-        printf("%srecommended_local_steps=%" PRIu64 "\n", n > 0 && b[n - 1] != '\n' ? "\n" : "", r->recommended);
+        cli_print_untrusted(stdout, b, n);
+        printf("%srecommended_local_steps=%" PRIu64 "\n", n > 0 ? "\n" : "", r->recommended);
         return;
     }
-    fwrite(b, 1, n, stdout);
+    cli_print_untrusted(stdout, b, n);
+    if (r->body.len > 0)
+        putchar('\n');
 }
 
 /* PUTs the file at path (size bytes) to upath, retrying connection errors and 5xx.  Prints the
@@ -370,7 +488,7 @@ static int put_file(const client_opts *o, const char *upath, const char *path, u
     if (url == NULL)
         return EXIT_IO;
     for (int attempt = 0;; attempt++) {
-        response r = {0};
+        response r = {.cap = MAX_ANSWER};
         struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/octet-stream");
         FILE *in = fopen(path, "rb");
         if (in == NULL) {
@@ -391,6 +509,12 @@ static int put_file(const client_opts *o, const char *upath, const char *path, u
         curl_easy_cleanup(e);
         curl_slist_free_all(h);
         fclose(in);
+        if (r.refused) {
+            fprintf(stderr, "diloco: PUT %s: %s\n", url, r.why);
+            free(r.body.p);
+            rc = EXIT_INVALID;
+            break;
+        }
         if (cc == CURLE_OK && r.status >= 200 && r.status < 300) {
             print_upload_answer(&r);
             free(r.body.p);
@@ -414,7 +538,7 @@ static int put_file(const client_opts *o, const char *upath, const char *path, u
             break;
         }
         double wait = backoff(attempt);
-        char why[300];
+        char why[400];
         describe_failure(cc, &r, why, sizeof(why));
         free(r.body.p);
         fprintf(stderr, "diloco: PUT %s: %s, retrying in %.1f s (%d of %d)\n", url, why, wait, attempt + 1, o->retries);
@@ -579,7 +703,7 @@ static int pull_sharded(const client_opts *o, const char *dir, const response *i
     st_set *set = NULL;
     st_file **files = NULL;
     char **tmps = NULL, *index_path = join(dir, "latest" ST_INDEX_SUFFIX);
-    response s = {0};
+    response s = {.cap = MAX_ANSWER};
     uint32_t n = 0;
     uint64_t step;
     dl_error err;
@@ -601,7 +725,8 @@ static int pull_sharded(const client_opts *o, const char *dir, const response *i
     }
     for (uint32_t i = 0; i < n; i++) {
         char name[ST_INDEX_BASE_MAX + 40], rpath[ST_INDEX_BASE_MAX + 48], *final = NULL;
-        response r = {0};
+        cli_body guard = {0};
+        response r = {.cap = MAX_ANSWER, .guard = &guard};
         FILE *sink = NULL;
         int fd = -1;
         st_index_shard_name("latest", i, n, name, sizeof(name));
@@ -628,6 +753,7 @@ static int pull_sharded(const client_opts *o, const char *dir, const response *i
         }
         fclose(sink);
         free(r.body.p);
+        cli_body_reset(&guard);
         if (rc != 0)
             goto out;
         if (st_open(tmps[i], &files[i], &err) != 0) {
@@ -718,7 +844,8 @@ int cmd_pull(int argc, char **argv)
     const char *dir = NULL;
     char *model = NULL, *stepfile = NULL, *etagfile = NULL, *tmp = NULL;
     char etag[128] = "";
-    response r = {0}, s = {0};
+    cli_body guard = {0};
+    response r = {.cap = MAX_ANSWER, .guard = &guard}, s = {.cap = MAX_ANSWER};
     dl_error err;
     int c, rc, fd = -1;
     FILE *sink = NULL;
@@ -776,7 +903,7 @@ int cmd_pull(int argc, char **argv)
     }
     if (r.status == 404) {
         /* no single file: a global past the shard size is published as an index and its shards */
-        response ix = {0};
+        response ix = {.cap = ST_INDEX_MAX_BYTES};
         if ((rc = get(&o, "/global/latest" ST_INDEX_SUFFIX, &ix, etag, NULL)) == 0) {
             if (ix.status == 304) {
                 printf("step %" PRIu64 " (unchanged)\n", ix.outer_step);
@@ -853,6 +980,7 @@ out:
     free(etagfile);
     free(r.body.p);
     free(s.body.p);
+    cli_body_reset(&guard);
     return rc;
 }
 
@@ -884,10 +1012,21 @@ static int has_num(const cJSON *o, const char *k)
     return cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(o, k));
 }
 
-static const char *str(const cJSON *o, const char *k)
+/* A string of /status as the server sent it, "-" when absent: for comparisons, never printed. */
+static const char *raw_str(const cJSON *o, const char *k)
 {
     const char *s = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(o, k));
     return s ? s : "-";
+}
+
+/* A string of /status in its shown form (cli_untrusted.h), "-" when absent: the only way one is printed. */
+typedef struct shown_text {
+    char s[512];
+} shown_text;
+
+static const char *shown(const cJSON *o, const char *k, shown_text *t)
+{
+    return cli_untrusted_str(t->s, sizeof(t->s), cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(o, k)));
 }
 
 /* A number for a person: "-" when the server sent none (null, absent), never "-nan". */
@@ -899,7 +1038,8 @@ static const char *num_text(const cJSON *o, const char *k, const char *fmt, char
     return buf;
 }
 
-/* The daemon's state in words (the same words as the dashboard); an unknown name is shown as sent. */
+/* The daemon's state in words (the same words as the dashboard); an unknown name is given back (the caller
+ * passes its shown form). */
 static const char *state_words(const char *state)
 {
     static const char *const words[][2] = {
@@ -919,12 +1059,13 @@ static const char *state_words(const char *state)
 /* No global model yet: say so, and how one comes (it depends on the hub), instead of a step. */
 static void print_no_global(const cJSON *hub)
 {
-    const char *kind = str(hub, "kind");
+    const char *kind = raw_str(hub, "kind");
+    shown_text url;
     printf("outer step: none: no global model yet, waiting for one (");
     if (strcmp(kind, "none") == 0)
         printf("restart dilocod with --init-model FILE to bootstrap one");
     else
-        printf("bootstrap with --init-model, or publish global/latest.safetensors to %s", str(hub, "url"));
+        printf("bootstrap with --init-model, or publish global/latest.safetensors to %s", shown(hub, "url", &url));
     printf(")\n");
 }
 
@@ -932,6 +1073,7 @@ static void print_round(const cJSON *round)
 {
     const cJSON *recv = cJSON_GetObjectItemCaseSensitive(round, "received"), *e;
     char a[32], b[32], c[32];
+    shown_text t;
 
     printf("round %s (-> step ", num_text(round, "step", "%.0f", a, sizeof(a)));
     if (has_num(round, "step"))
@@ -941,16 +1083,16 @@ static void print_round(const cJSON *round)
     printf("): %d of %s nodes delivered (min %s)", cJSON_GetArraySize(recv),
            num_text(round, "expected", "%.0f", b, sizeof(b)), num_text(round, "min_nodes", "%.0f", c, sizeof(c)));
     if (cJSON_IsString(cJSON_GetObjectItemCaseSensitive(round, "deadline")))
-        printf(", deadline %s", str(round, "deadline"));
+        printf(", deadline %s", shown(round, "deadline", &t));
     printf("\n");
     cJSON_ArrayForEach(e, recv)
-        printf("  %-24s local_step %-10s %12s bytes\n", str(e, "node_id"), num_text(e, "local_step", "%.0f", a, sizeof(a)),
+        printf("  %-24s local_step %-10s %12s bytes\n", shown(e, "node_id", &t), num_text(e, "local_step", "%.0f", a, sizeof(a)),
                num_text(e, "bytes", "%.0f", b, sizeof(b)));
     const cJSON *missing = cJSON_GetObjectItemCaseSensitive(round, "missing");
     if (cJSON_GetArraySize(missing) > 0) {
         printf("  missing:");
         cJSON_ArrayForEach(e, missing)
-            printf(" %s", cJSON_IsString(e) ? e->valuestring : "?");
+            printf(" %s", cJSON_IsString(e) ? cli_untrusted_str(t.s, sizeof(t.s), e->valuestring) : "?");
         printf("\n");
     }
 }
@@ -965,14 +1107,15 @@ static void print_status(const cJSON *j)
     /* "nothing yet" is outer_step null: no round is open then, whatever else the server sends */
     int have_global = has_num(j, "outer_step");
     char a[32], b[32], c[32], d[32];
+    shown_text t, u;
 
-    printf("dilocod %s, up %s s, %s\n", str(j, "version"), num_text(j, "uptime_seconds", "%.0f", a, sizeof(a)),
-           state_words(str(j, "state")));
+    printf("dilocod %s, up %s s, %s\n", shown(j, "version", &t), num_text(j, "uptime_seconds", "%.0f", a, sizeof(a)),
+           state_words(shown(j, "state", &u)));
     if (have_global)
         printf("outer step: %.0f\n", num(j, "outer_step"));
     else
         print_no_global(hub);
-    printf("optimizer: %s lr=%s momentum=%s\n", str(opt, "name"), num_text(opt, "lr", "%g", a, sizeof(a)),
+    printf("optimizer: %s lr=%s momentum=%s\n", shown(opt, "name", &t), num_text(opt, "lr", "%g", a, sizeof(a)),
            num_text(opt, "momentum", "%g", b, sizeof(b)));
     if (have_global && cJSON_IsObject(round))
         print_round(round);
@@ -986,20 +1129,20 @@ static void print_status(const cJSON *j)
         printf("last round: step %s -> %s, %d nodes, %s s (%s GB/s), closed by %s\n",
                num_text(last, "step", "%.0f", a, sizeof(a)), num_text(last, "outer_step", "%.0f", b, sizeof(b)),
                cJSON_GetArraySize(nodes), num_text(last, "seconds", "%.3f", c, sizeof(c)),
-               num_text(last, "gbps", "%.2f", d, sizeof(d)), str(last, "reason"));
+               num_text(last, "gbps", "%.2f", d, sizeof(d)), shown(last, "reason", &t));
         cJSON_ArrayForEach(e, nodes)
-            printf("  %-24s norm %-12s cosine to mean %s\n", str(e, "node_id"), num_text(e, "norm", "%.6g", a, sizeof(a)),
+            printf("  %-24s norm %-12s cosine to mean %s\n", shown(e, "node_id", &t), num_text(e, "norm", "%.6g", a, sizeof(a)),
                    num_text(e, "cosine", "%.4f", b, sizeof(b)));
     } else {
         printf("last round: none closed yet\n");
     }
-    printf("hub: %s", str(hub, "kind"));
+    printf("hub: %s", shown(hub, "kind", &t));
     if (has_num(hub, "published_step"))
         printf(", published step %.0f", num(hub, "published_step"));
-    else if (strcmp(str(hub, "kind"), "none") != 0)
+    else if (strcmp(raw_str(hub, "kind"), "none") != 0)
         printf(", nothing published yet");
     if (cJSON_IsString(cJSON_GetObjectItemCaseSensitive(hub, "last_error")))
-        printf(", last error: %s", str(hub, "last_error"));
+        printf(", last error: %s", shown(hub, "last_error", &t));
     printf("\n");
 }
 
@@ -1039,8 +1182,10 @@ int cmd_status(int argc, char **argv)
     if ((j = fetch_status(&o, &rc)) == NULL)
         return rc;
     if (json) {
+        /* cJSON escapes C0 in strings, not DEL, C1 or bytes that are not UTF-8 */
         char *t = cJSON_PrintUnformatted(j);
-        printf("%s\n", t ? t : "null");
+        cli_print_untrusted(stdout, t ? t : "null", t ? strlen(t) : 4);
+        putchar('\n');
         cJSON_free(t);
     } else {
         print_status(j);

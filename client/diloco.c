@@ -6,6 +6,7 @@
 #include <curl/curl.h>
 
 #include "cli.h"
+#include "cli_untrusted.h"
 
 #ifndef DILOCO_VERSION
 #define DILOCO_VERSION "0.1.0"
@@ -49,13 +50,18 @@ int cli_exit_code(dl_code code)
     }
 }
 
+/* The message and the tensor name can quote a file's or a server's bytes: printed in their shown form. */
 int cli_report(const char *what, const dl_error *err)
 {
-    if (err->tensor[0] != '\0')
-        fprintf(stderr, "diloco: %s: %s: %s (tensor \"%s\")\n", what, dl_error_name(err->code), err->message,
-                err->tensor);
+    /* a shown form is at most 6 bytes for each byte of a field (cli_untrusted.h): nothing is cut */
+    char message[6 * sizeof(err->message)], tensor[6 * sizeof(err->tensor)];
+
+    cli_untrusted(message, sizeof(message), err->message, strnlen(err->message, sizeof(err->message)));
+    cli_untrusted(tensor, sizeof(tensor), err->tensor, strnlen(err->tensor, sizeof(err->tensor)));
+    if (tensor[0] != '\0')
+        fprintf(stderr, "diloco: %s: %s: %s (tensor \"%s\")\n", what, dl_error_name(err->code), message, tensor);
     else
-        fprintf(stderr, "diloco: %s: %s: %s\n", what, dl_error_name(err->code), err->message);
+        fprintf(stderr, "diloco: %s: %s: %s\n", what, dl_error_name(err->code), message);
     return cli_exit_code(err->code);
 }
 
@@ -72,13 +78,16 @@ cJSON *cli_error_object(const dl_error *err)
     return e;
 }
 
+/* In its shown form: cJSON escapes C0 in strings, not DEL, C1 or bytes that are not UTF-8 (a file's
+ * names and metadata, a server's messages can hold them). */
 void cli_print_json(cJSON *root)
 {
     char *text = root ? cJSON_PrintUnformatted(root) : NULL;
 
-    if (text != NULL)
-        printf("%s\n", text);
-    else
+    if (text != NULL) {
+        cli_print_untrusted(stdout, text, strlen(text));
+        putchar('\n');
+    } else
         fprintf(stderr, "diloco: out of memory printing JSON\n");
     cJSON_free(text);
     cJSON_Delete(root);
