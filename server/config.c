@@ -892,6 +892,11 @@ static int validate(config *c)
     if (c->max_norm_ratio != 0 && c->max_norm_ratio < 1)
         return bad_opt(c, "max_norm_ratio", "%g would quarantine deltas below the median: give 0 (off) or R >= 1",
                        c->max_norm_ratio);
+    /* async mode judges a delta against the nodes seen so far, the ones not seen yet counted as larger
+     * norms: without their count, the first few nodes (an attacker that hurries) would set the bound */
+    if (c->max_norm_ratio != 0 && c->async && c->expected_nodes == 0)
+        return bad_opt(c, "max_norm_ratio", "in async mode needs --expected-nodes (or --nodes): the nodes not seen "
+                       "yet must count, or the first ones to send would set the median every delta is judged by");
     if (c->aggregate == RULE_TRIMMED && c->expected_nodes != 0 && 2 * c->trim_k >= c->expected_nodes)
         return bad_opt(c, "aggregate", "trimmed_mean:%u trims every value of a round of %u nodes (2K must be below it)",
                        c->trim_k, c->expected_nodes);

@@ -26,7 +26,8 @@
  *     close over all of them), or in async mode each other node's last aggregated norm and the judged
  *     one.  At an arrival, each expected node not in yet counts as a norm above every other, so that
  *     the deltas in first (the attacker's, when it hurries) never make the median: a delta refused at
- *     its arrival is one the full round would have quarantined too, whatever the others send;
+ *     its arrival is one the full round would have quarantined too, whatever the others send (a sync
+ *     round without --expected-nodes is judged at its close only);
  *   - "trailing": the node's own last ROBUST_TRAIL aggregated norms and the judged one, when there are
  *     no others;
  *   - none: only --max-norm applies (the first delta of the first round). */
@@ -152,9 +153,18 @@ static int reference_median(const dilocod *d, const char *node_id, double norm, 
     }
     v[n++] = norm;
     /* the expected nodes not in yet, at an arrival: neither a trailing basis (the node's own past) nor
-     * a set larger than the expected count has any */
-    if (!closing && strcmp(*basis, "round") == 0 && d->cfg->expected_nodes > n)
-        unknown = d->cfg->expected_nodes - n;
+     * a set larger than the expected count has any.  A sync round without an expected count could be
+     * outvoted by any number still to come: its close alone judges (async mode requires the count,
+     * config.c) */
+    if (!closing && strcmp(*basis, "round") == 0) {
+        if (d->cfg->expected_nodes == 0 && !d->rnd.async) {
+            free(v);
+            *median = INFINITY;
+            return 0;
+        }
+        if (d->cfg->expected_nodes > n)
+            unknown = d->cfg->expected_nodes - n;
+    }
     *median = lower_median_of(v, n, unknown);
     free(v);
     return 0;
@@ -238,8 +248,8 @@ static void quarantine_entry(dilocod *d, round_entry *e, double value, double bo
 
 void daemon__robust_screen_close(dilocod *d)
 {
-    const char *reason, *basis;
-    double bound;
+    const char *reason = NULL, *basis = NULL;
+    double bound = 0;
     int *bad;
 
     if (d->rnd.async || (d->cfg->max_norm <= 0 && d->cfg->max_norm_ratio <= 0) || d->rnd.n == 0)

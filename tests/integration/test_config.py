@@ -199,6 +199,8 @@ def test_robust_options_checked(tmp_path):
                  "not an aggregation rule")
     assert_fails(dilocod("--expected-nodes", "4", "--max-norm-ratio", "0.5", "--check-config"), "max-norm-ratio",
                  "R >= 1")
+    assert_fails(dilocod("--mode", "async", "--max-norm-ratio", "10", "--check-config"), "max-norm-ratio",
+                 "needs --expected-nodes")
     assert_fails(dilocod("--expected-nodes", "4", "--screen", "cosine:2", "--check-config"), "screen", "from -1 to 1")
     assert_fails(dilocod("--expected-nodes", "4", "--screen", "norm:1", "--check-config"), "screen", "not a screen")
     out = dilocod("--expected-nodes", "4", "--check-config", check=None).stdout

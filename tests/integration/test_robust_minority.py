@@ -97,6 +97,28 @@ def test_norm_screen_sync_keeps_the_honest_majority(tmp_path, nodes, kind):
         assert d.stop() == 0
 
 
+@pytest.mark.parametrize("kind", ["tiny", "huge"])
+def test_norm_screen_without_expected_nodes_judges_at_the_close(tmp_path, kind):
+    """A sync round closed by its timeout (no --expected-nodes) could always be outvoted by nodes still to
+    come, so only its close judges by ratio: the tiny attacker sent first refuses no honest delta at its
+    arrival, and the huge one is quarantined at the close."""
+    init = model(45)
+    oracle = RuleOracle(init, "mean")
+    attackers, honest = cast(3)
+    d = start(tmp_path, init, "--round-timeout", "0.5", "--min-nodes", "3", "--max-norm-ratio", str(RATIO))
+    try:
+        deltas = round_deltas(np.random.default_rng(145), oracle.state, attackers, honest, kind)
+        upload_all(d, deltas, attackers + honest, 0, 1)
+        wait_step(d, 1)
+        kept = honest if kind == "huge" else attackers + honest
+        check_global(d, oracle.step({n: decoded(deltas[n]) for n in kept}))
+        rec = record_of(d, 1)
+        assert [n["node_id"] for n in rec["nodes"]] == sorted(kept), rec
+        assert [q["node_id"] for q in rec["quarantined"]] == (attackers if kind == "huge" else []), rec
+    finally:
+        assert d.stop() == 0
+
+
 # ---- the norm screen, async: judged at each arrival against the other nodes' last norms ------------
 
 def async_start(tmp_path, init, nodes, *args):
