@@ -302,7 +302,7 @@ int daemon__robust_weighable(const dilocod *d, const delta_info *info)
  * a_k = float(u_k / U) with U the sum of the u_k in node order, in double.  A worker's weight is its own
  * claim: uncapped, one weight of 1e308 gave its delta scale 1 and every honest one 0, and two of them
  * summed to inf and committed a zero step.  Capped at R times the median (which a minority cannot move
- * out of the honest weights), each u_k is at most R, so U is at most R x CONFIG_MAX_NODES: finite, and
+ * out of the honest weights), each u_k is at most R, so U is at most R x the deltas' count: finite, and
  * at least 1 (the median's own u).  Weights are taken in units of m so that no sum of finite ones
  * overflows.  A delta of weight 0 (num_tokens 0) counts for nothing and has no say in the median; a
  * round of only those falls back to the mean's weights. */
