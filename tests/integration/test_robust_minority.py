@@ -4,7 +4,8 @@ aggregation"; issue 33, items 3 to 5), at N = 3, 4 and 5 nodes of which floor((N
 Each attacker sends either a *tiny* delta (the honest direction scaled to a norm near 2e-20, which once
 made the median every honest delta was compared with), a *huge* one (the honest direction flipped and
 1000x larger), or, for weighted_mean, a claimed weight of 1e308.  The attackers upload first, which is
-the worst case for a verdict made at a delta's arrival.  In every case the honest deltas are aggregated
+the worst case for a verdict made at a delta's arrival (except a huge delta in async mode, which comes
+after the honest nodes are known: before, there is nothing to compare it with).  In every case the honest deltas are aggregated
 and the attackers' are quarantined or bounded, and the published global is, byte for byte, what torch
 computes from the deltas the rule keeps (the oracles of test_robust.py).
 
