@@ -61,8 +61,9 @@ static const opt options[] = {
     {"dylu_base_steps", T_UINT, OFF(dylu_base_steps), 0, 1000000000, "H     async: the fastest node's recommended local steps (0: the most any node ran per delta)"},
     {"publish_interval", T_DOUBLE, OFF(publish_interval), -1, 86400, "SECONDS  publish at most this often, the newest step (-1: 30 for hf:// in async mode, else 0)"},
     {"aggregate", T_RULE, OFF(aggregate), 0, 1000, "RULE     mean | weighted_mean | trimmed_mean:K | median | clipped_mean (README, Robust aggregation)"},
-    {"max_norm_ratio", T_DOUBLE, OFF(max_norm_ratio), 0, 1e30, "R    quarantine a delta whose norm is above R x the median norm of the others (0: off; R >= 1)"},
+    {"max_norm_ratio", T_DOUBLE, OFF(max_norm_ratio), 0, 1e30, "R    quarantine a delta whose norm is above R x the median norm of its round, its own included (0: off; R >= 1)"},
     {"max_norm", T_DOUBLE, OFF(max_norm), 0, 1e300, "X          quarantine a delta whose L2 norm is above X (0: off)"},
+    {"max_weight_ratio", T_DOUBLE, OFF(max_weight_ratio), 1, 1e30, "R  weighted_mean: cap each delta's weight at R x the round's median weight (R >= 1)"},
     {"screen", T_SCREEN, OFF(screen_cosine), 0, 0, "none|cosine:MIN  two passes: drop the deltas whose cosine with the round's mean is below MIN"},
     {"listen", T_STR, OFF(listen), 0, 0, "HOST:PORT     HTTP API address (port 0: any free port); none disables it"},
     {"token_file", T_OPTSTR, OFF(token_file), 0, 0, "FILE      upload tokens, lines 'node_id token' ('*' = any node); without it uploads are loopback-only"},
@@ -675,6 +676,7 @@ static int set_defaults(config *c)
     c->max_downloads = 2;
     c->history_keep = 100000;
     c->shard_size = ST_SHARD_SIZE_DEFAULT;
+    c->max_weight_ratio = 10;
     return set_transport_defaults(c);
 }
 
@@ -890,6 +892,11 @@ static int validate(config *c)
     if (c->max_norm_ratio != 0 && c->max_norm_ratio < 1)
         return bad_opt(c, "max_norm_ratio", "%g would quarantine deltas below the median: give 0 (off) or R >= 1",
                        c->max_norm_ratio);
+    /* async mode judges a delta against the nodes seen so far, the ones not seen yet counted as larger
+     * norms: without their count, the first few nodes (an attacker that hurries) would set the bound */
+    if (c->max_norm_ratio != 0 && c->async && c->expected_nodes == 0)
+        return bad_opt(c, "max_norm_ratio", "in async mode needs --expected-nodes (or --nodes): the nodes not seen "
+                       "yet must count, or the first ones to send would set the median every delta is judged by");
     if (c->aggregate == RULE_TRIMMED && c->expected_nodes != 0 && 2 * c->trim_k >= c->expected_nodes)
         return bad_opt(c, "aggregate", "trimmed_mean:%u trims every value of a round of %u nodes (2K must be below it)",
                        c->trim_k, c->expected_nodes);
@@ -1139,6 +1146,7 @@ void config_print(const config *c, FILE *out)
         fprintf(out, "aggregate = %s\n", config_rule_name(c->aggregate));
     print_double(out, "max_norm_ratio", c->max_norm_ratio);
     print_double(out, "max_norm", c->max_norm);
+    print_double(out, "max_weight_ratio", c->max_weight_ratio);
     if (c->screen)
         fprintf(out, "screen = cosine:%.17g\n", c->screen_cosine);
     else

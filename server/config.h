@@ -55,6 +55,7 @@ typedef struct config {
     unsigned trim_k;            /* trimmed_mean:K */
     double max_norm_ratio;      /* 0: off */
     double max_norm;            /* 0: off */
+    double max_weight_ratio;    /* weighted_mean: a weight is capped at R x the round's median weight (R >= 1) */
     int screen;                 /* --screen cosine:MIN */
     double screen_cosine;
     /* HTTP */

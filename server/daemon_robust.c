@@ -1,16 +1,37 @@
 /* Robust aggregation beside the round (README, "Robust aggregation"): the norm screen that quarantines
  * a delta whose L2 norm (intake's, delta_norm.h) is above --max-norm, or above --max-norm-ratio times
- * the median norm of the others; the per-delta scales of weighted_mean and clipped_mean; the cosine
- * screen's verdicts after its first pass; the quarantined deltas' record, and their /status and
- * /metrics provider.
+ * the median norm of its round; the per-delta scales of weighted_mean (weights capped by
+ * --max-weight-ratio) and clipped_mean; the cosine screen's verdicts after its first pass; the
+ * quarantined deltas' record, and their /status and /metrics provider.
  *
- * The median the ratio compares with, in this order of preference:
- *   - "round": the other deltas of the open round (sync; at a delta's arrival the ones in so far, and
- *     again when the round closes over all of them), or in async mode each other node's last aggregated
- *     norm (an update holds one delta, or a grace batch);
- *   - "trailing": the node's own last ROBUST_TRAIL aggregated norms, when there are no others;
- *   - none: only --max-norm applies (the first delta of the first round).
- * The median of an even count is the lower one, as everywhere here. */
+ * Every median here is taken over a set that holds the judged delta's own figure.  The median of
+ * the *others* (what this file once took) hands a minority the screen: with 3 nodes an honest delta's
+ * others are one honest and one faulty norm, half of them the attacker's, and their lower median is
+ * the attacker's 2e-20, so both honest deltas were quarantined and the attacker's aggregated alone.
+ * With its own figure in, the set has N values of which fewer than half are a minority's, and its
+ * median lies between two honest values whichever way the minority lies (the median's breakdown point
+ * of 1/2; robust rules that compare an update with a reference it is part of: Karimireddy, He & Jaggi,
+ * "Learning from History for Byzantine Robust Optimization" (centered clipping, ICML 2021); Andrew et
+ * al., "Differentially Private Learning with Adaptive Clipping" (the clipping bound a quantile of every
+ * update's norm, NeurIPS 2021)).  Only large norms are bounded: a small one moves the global little,
+ * and an honest node that ran fewer local steps (async mode's DyLU recommends it) sends one.
+ *
+ * The median of an even count is the lower one, as torch.median's and the median rule's.  That choice
+ * only matters when exactly half the nodes lie: then the lower median lets tiny norms stall a step
+ * (the honest deltas quarantined or clipped down), where the upper one would let huge norms through
+ * unbounded, which a step cannot take back.
+ *
+ * The norm screen's set, in this order of preference:
+ *   - "round": the deltas of the open round, the judged one's in place of its node's (sync; at the
+ *     close over all of them), or in async mode each other node's last aggregated norm and the judged
+ *     one.  At an arrival, each expected node not in yet counts as a norm above every other, so that
+ *     the deltas in first (the attacker's, when it hurries) never make the median: a delta refused at
+ *     its arrival is one the full round would have quarantined too, whatever the others send (a sync
+ *     round without --expected-nodes is judged at its close only);
+ *   - "trailing": the node's own last ROBUST_TRAIL aggregated norms and the judged one, when there are
+ *     no others;
+ *   - none: only --max-norm applies (the first delta of the first round). */
+#include <errno.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdlib.h>
@@ -27,11 +48,19 @@ static int cmp_double(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-/* The lower median of v[0 .. n), n > 0 (v is sorted in place). */
+/* The lower median of v[0 .. n) and `unknown` more values above all of them (n + unknown > 0): +inf
+ * when it falls among the unknown ones.  v is sorted in place. */
+static double lower_median_of(double *v, size_t n, size_t unknown)
+{
+    size_t at = (n + unknown - 1) / 2;
+
+    qsort(v, n, sizeof(*v), cmp_double);
+    return at < n ? v[at] : INFINITY;
+}
+
 static double lower_median(double *v, size_t n)
 {
-    qsort(v, n, sizeof(*v), cmp_double);
-    return v[(n - 1) / 2];
+    return lower_median_of(v, n, 0);
 }
 
 static robust_node *find_node(const daemon_robust *r, const char *node_id)
@@ -76,11 +105,9 @@ static double last_trail(const robust_node *e)
     return e->trail[(e->head + ROBUST_TRAIL - 1) % ROBUST_TRAIL];
 }
 
-/* The norms the ratio compares a delta of node_id with (module comment), into v (at least
- * max(round entries, nodes, ROBUST_TRAIL) long); *basis names them.  exclude_quarantined: the close's
- * recheck compares with every delta of the round, quarantined or not, so that its verdicts do not
- * depend on the order it meets them in. */
-static size_t reference_norms(const dilocod *d, const char *node_id, double *v, const char **basis)
+/* The norms of the other nodes the ratio compares a delta of node_id with (module comment), into v (at
+ * least max(round entries, nodes, ROBUST_TRAIL) + 1 long); *basis names them. */
+static size_t other_norms(const dilocod *d, const char *node_id, double *v, const char **basis)
 {
     size_t n = 0;
 
@@ -107,11 +134,48 @@ static size_t reference_norms(const dilocod *d, const char *node_id, double *v, 
     return n;
 }
 
+/* The median the ratio multiplies for a delta of norm from node_id, its own norm among the set
+ * (module comment); +inf when there is nothing to compare with yet.  closing: the sync close's
+ * verdict over the whole round, where no node is still to come. */
+static int reference_median(const dilocod *d, const char *node_id, double norm, int closing, double *median,
+                            const char **basis)
+{
+    size_t cap = d->rnd.n + d->robust.n + ROBUST_TRAIL + 1, unknown = 0;
+    double *v = malloc(cap * sizeof(*v));
+
+    if (v == NULL)
+        return -ENOMEM;
+    size_t n = other_norms(d, node_id, v, basis);
+    if (n == 0) {
+        free(v);
+        *median = INFINITY;
+        return 0;
+    }
+    v[n++] = norm;
+    /* the expected nodes not in yet, at an arrival: neither a trailing basis (the node's own past) nor
+     * a set larger than the expected count has any.  A sync round without an expected count could be
+     * outvoted by any number still to come: its close alone judges (async mode requires the count,
+     * config.c) */
+    if (!closing && strcmp(*basis, "round") == 0) {
+        if (d->cfg->expected_nodes == 0 && !d->rnd.async) {
+            free(v);
+            *median = INFINITY;
+            return 0;
+        }
+        if (d->cfg->expected_nodes > n)
+            unknown = d->cfg->expected_nodes - n;
+    }
+    *median = lower_median_of(v, n, unknown);
+    free(v);
+    return 0;
+}
+
 /* Whether a delta of norm from node_id is quarantined; fills reason, bound and basis. */
-static int judge(const dilocod *d, const char *node_id, double norm, const char **reason, double *bound,
-                 const char **basis)
+static int judge(const dilocod *d, const char *node_id, double norm, int closing, const char **reason,
+                 double *bound, const char **basis)
 {
     const config *c = d->cfg;
+    double median;
 
     if (c->max_norm > 0 && norm > c->max_norm) {
         *reason = "max_norm";
@@ -121,19 +185,11 @@ static int judge(const dilocod *d, const char *node_id, double norm, const char 
     }
     if (c->max_norm_ratio <= 0)
         return 0;
-    size_t cap = d->rnd.n + d->robust.n + ROBUST_TRAIL;
-    double *v = malloc(cap * sizeof(*v));
-    if (v == NULL)
-        return 0;               /* no memory for the comparison: the absolute bound stood */
-    size_t n = reference_norms(d, node_id, v, basis);
-    int out = 0;
-    if (n > 0) {
-        *bound = c->max_norm_ratio * lower_median(v, n);
-        *reason = "norm_ratio";
-        out = norm > *bound;
-    }
-    free(v);
-    return out;
+    if (reference_median(d, node_id, norm, closing, &median, basis) != 0 || !isfinite(median))
+        return 0;               /* nothing to compare with (or no memory for it): the absolute bound stood */
+    *bound = c->max_norm_ratio * median;
+    *reason = "norm_ratio";
+    return norm > *bound;
 }
 
 static int reason_index(const char *reason)
@@ -177,7 +233,7 @@ int daemon__robust_screen_offer(dilocod *d, const delta_info *info)
     const char *reason = NULL, *basis = NULL;
     double bound = 0;
 
-    if (!info->has_norm || !judge(d, info->node_id, info->norm, &reason, &bound, &basis))
+    if (!info->has_norm || !judge(d, info->node_id, info->norm, 0, &reason, &bound, &basis))
         return 0;
     record(d, info->node_id, info->local_step, info->norm, bound, reason, basis);
     return 1;
@@ -194,8 +250,8 @@ static void quarantine_entry(dilocod *d, round_entry *e, double value, double bo
 
 void daemon__robust_screen_close(dilocod *d)
 {
-    const char *reason, *basis;
-    double bound;
+    const char *reason = NULL, *basis = NULL;
+    double bound = 0;
     int *bad;
 
     if (d->rnd.async || (d->cfg->max_norm <= 0 && d->cfg->max_norm_ratio <= 0) || d->rnd.n == 0)
@@ -209,7 +265,7 @@ void daemon__robust_screen_close(dilocod *d)
         const round_entry *e = &d->rnd.entries[i];
         if (e->quarantined || !e->has_norm)
             continue;
-        bad[i] = judge(d, e->node_id, e->norm, &reason, &bound, &basis);
+        bad[i] = judge(d, e->node_id, e->norm, 1, &reason, &bound, &basis);
         bounds[i] = bound;
         reasons[i] = reason;
         bases[i] = basis;
@@ -249,33 +305,72 @@ int daemon__robust_weighable(const dilocod *d, const delta_info *info)
     return d->cfg->aggregate != RULE_WEIGHTED || weight_of(&info->metrics) > 0;
 }
 
+/* weighted_mean's a_k (README): m the lower median of the round's positive weights, u_k = min(w_k / m, R),
+ * a_k = float(u_k / U) with U the sum of the u_k in node order, in double.  A worker's weight is its own
+ * claim: uncapped, one weight of 1e308 gave its delta scale 1 and every honest one 0, and two of them
+ * summed to inf and committed a zero step.  Capped at R times the median (which a minority cannot move
+ * out of the honest weights), each u_k is at most R, so U is at most R x the deltas' count: finite, and
+ * at least 1 (the median's own u).  Weights are taken in units of m so that no sum of finite ones
+ * overflows.  A delta of weight 0 (num_tokens 0) counts for nothing and has no say in the median; a
+ * round of only those falls back to the mean's weights. */
+static int weighted_scales(const dilocod *d, const round_entry *const *e, size_t n, float *scale)
+{
+    double *v = malloc((n ? n : 1) * sizeof(*v)), m = 0, total = 0;
+    size_t nv = 0;
+
+    if (v == NULL)
+        return -ENOMEM;
+    for (size_t k = 0; k < n; k++)
+        if (weight_of(&e[k]->metrics) > 0)
+            v[nv++] = weight_of(&e[k]->metrics);
+    if (nv > 0)
+        m = lower_median(v, nv);
+    for (size_t k = 0; k < n; k++) {
+        /* w / m is +inf for a huge weight over a tiny median: fmin caps it at R all the same */
+        v[k] = nv > 0 ? fmin(weight_of(&e[k]->metrics) / m, d->cfg->max_weight_ratio) : 0;
+        total += v[k];
+    }
+    for (size_t k = 0; k < n; k++)
+        scale[k] = total > 0 ? (float)(v[k] / total) : (float)(1.0 / (double)n);
+    free(v);
+    return 0;
+}
+
+/* clipped_mean's s_k = min(1, m / n_k) (README), m the lower median of the update's norms (each delta's
+ * own among them, as the norm screen's).  An async update holds one delta (or a grace batch): its own
+ * norm alone would clip nothing, so the set also has each other node's last aggregated norm, the norm
+ * screen's reference in async mode. */
+static int clipped_scales(const dilocod *d, const round_entry *const *e, size_t n, float *scale)
+{
+    size_t cap = n + (d->rnd.async ? d->robust.n : 0), nv = 0;
+    double *v = malloc((cap ? cap : 1) * sizeof(*v)), m;
+
+    if (v == NULL)
+        return -ENOMEM;
+    for (size_t k = 0; k < n; k++)
+        if (e[k]->has_norm)
+            v[nv++] = e[k]->norm;
+    for (size_t i = 0; d->rnd.async && i < d->robust.n; i++) {
+        const robust_node *r = &d->robust.nodes[i];
+        size_t k = 0;
+        while (k < n && strcmp(e[k]->node_id, r->node_id) != 0)
+            k++;
+        if (k == n && r->ntrail > 0)
+            v[nv++] = last_trail(r);
+    }
+    m = nv > 0 ? lower_median(v, nv) : 0;
+    free(v);
+    for (size_t k = 0; k < n; k++)
+        scale[k] = e[k]->has_norm && e[k]->norm > 0 ? (float)fmin(1.0, m / e[k]->norm) : 1.0f;
+    return 0;
+}
+
 int daemon__robust_scales(const dilocod *d, const round_entry *const *e, size_t n, float *scale)
 {
-    if (d->cfg->aggregate == RULE_WEIGHTED) {
-        /* a_k = float(w_k / W), W the sum in node order in double; a delta of weight 0 (num_tokens 0)
-         * counts for nothing, and a round of only those falls back to the mean's weights */
-        double total = 0;
-        for (size_t k = 0; k < n; k++)
-            total += weight_of(&e[k]->metrics);
-        for (size_t k = 0; k < n; k++)
-            scale[k] = total > 0 ? (float)(weight_of(&e[k]->metrics) / total) : (float)(1.0 / (double)n);
-        return 0;
-    }
-    if (d->cfg->aggregate == RULE_CLIPPED) {
-        /* s_k = min(1, m / n_k), m the lower median of the aggregated deltas' norms */
-        double *v = malloc((n ? n : 1) * sizeof(*v)), m;
-        size_t nv = 0;
-        if (v == NULL)
-            return -1;
-        for (size_t k = 0; k < n; k++)
-            if (e[k]->has_norm)
-                v[nv++] = e[k]->norm;
-        m = nv > 0 ? lower_median(v, nv) : 0;
-        free(v);
-        for (size_t k = 0; k < n; k++)
-            scale[k] = e[k]->has_norm && e[k]->norm > 0 ? (float)fmin(1.0, m / e[k]->norm) : 1.0f;
-        return 0;
-    }
+    if (d->cfg->aggregate == RULE_WEIGHTED)
+        return weighted_scales(d, e, n, scale);
+    if (d->cfg->aggregate == RULE_CLIPPED)
+        return clipped_scales(d, e, n, scale);
     for (size_t k = 0; k < n; k++)
         scale[k] = 1.0f;
     return 0;
@@ -354,6 +449,7 @@ static void robust_status(const dilocod *d, sbuf *b)
     }
     opt_num(b, "max_norm_ratio", c->max_norm_ratio);
     opt_num(b, "max_norm", c->max_norm);
+    opt_num(b, "max_weight_ratio", c->max_weight_ratio);
     sb_printf(b, ",\"quarantined_total\":%" PRIu64 ",\"quarantined_by_reason\":{\"max_norm\":%" PRIu64
                  ",\"norm_ratio\":%" PRIu64 ",\"cosine\":%" PRIu64 ",\"overflow\":%" PRIu64 "},\"quarantined\":[",
               total, r->quarantined[ROBUST_MAX_NORM], r->quarantined[ROBUST_NORM_RATIO], r->quarantined[ROBUST_COSINE],

@@ -56,6 +56,7 @@ ROUND_TRIPS = [
     ["--expected-nodes", "5", "--aggregate", "trimmed_mean:2", "--max-norm-ratio", "8.5", "--max-norm", "1e6",
      "--screen", "cosine:-0.25"],
     ["--expected-nodes", "3", "--aggregate", "clipped_mean"],
+    ["--expected-nodes", "3", "--aggregate", "weighted_mean", "--max-weight-ratio", "2.5"],
 ]
 
 
@@ -198,11 +199,32 @@ def test_robust_options_checked(tmp_path):
                  "not an aggregation rule")
     assert_fails(dilocod("--expected-nodes", "4", "--max-norm-ratio", "0.5", "--check-config"), "max-norm-ratio",
                  "R >= 1")
+    assert_fails(dilocod("--mode", "async", "--max-norm-ratio", "10", "--check-config"), "max-norm-ratio",
+                 "needs --expected-nodes")
     assert_fails(dilocod("--expected-nodes", "4", "--screen", "cosine:2", "--check-config"), "screen", "from -1 to 1")
     assert_fails(dilocod("--expected-nodes", "4", "--screen", "norm:1", "--check-config"), "screen", "not a screen")
     out = dilocod("--expected-nodes", "4", "--check-config", check=None).stdout
     conf = dict(line.split(" = ", 1) for line in out.splitlines() if " = " in line and not line.startswith("#"))
     assert conf["aggregate"] == "mean" and conf["screen"] == "none" and conf["max_norm_ratio"] == "0", conf
+    assert conf["max_weight_ratio"] == "10", conf
+
+
+@pytest.mark.parametrize("value", ["0.5", "0", "-1", "nan", "inf", "1e31", "ten", ""])
+def test_max_weight_ratio_refuses_what_cannot_cap(tmp_path, value):
+    """--max-weight-ratio R (weighted_mean's cap, R x the round's median weight) is finite and at least 1:
+    anything else exits 2 naming the option, as a flag and as FILE:LINE in a config file."""
+    assert_fails(dilocod("--expected-nodes", "4", "--max-weight-ratio", value, "--check-config"),
+                 "max-weight-ratio", "not a number in \\[1, 1e\\+30\\]")
+    conf = tmp_path / "w.conf"
+    conf.write_text(f"expected_nodes = 4\naggregate = weighted_mean\nmax_weight_ratio = '{value}'\n")
+    assert_fails(dilocod("--config", conf, "--check-config"), re.escape(f"{conf}:3: max_weight_ratio"),
+                 "not a number")
+
+
+def test_max_weight_ratio_prints_and_reads_back(tmp_path):
+    out = dilocod("--expected-nodes", "4", "--aggregate", "weighted_mean", "--max-weight-ratio", "1",
+                  "--check-config", check=0).stdout
+    assert re.search(r"^max_weight_ratio = 1$", out, re.M), out
 
 
 def test_cluster_options_checked(tmp_path):

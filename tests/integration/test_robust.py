@@ -86,6 +86,18 @@ def rule_oracle(rule, ds, scales=None):
     return (acc / np.float32(n - 2 * k)).astype(np.float32)
 
 
+def weight_scales(weights, ratio=10):
+    """weighted_mean's a_k: m the lower median of the positive weights, u_k = min(w_k / m, R) (R is
+    --max-weight-ratio), U their sum in node order in double, a_k = float32(u_k / U)."""
+    pos = sorted(w for w in weights if w > 0)
+    m = pos[(len(pos) - 1) // 2]
+    u = [min(w / m, ratio) for w in weights]
+    total = 0.0
+    for x in u:
+        total += x
+    return [np.float32(x / total) for x in u]
+
+
 def clip_scales(norms):
     m = sorted(norms)[(len(norms) - 1) // 2]
     return [np.float32(min(1.0, m / x)) if x > 0 else np.float32(1.0) for x in norms]
@@ -253,9 +265,10 @@ def test_rule_matches_its_oracle_over_rounds(tmp_path, rule, nodes):
 
 
 def test_weighted_mean_by_reported_weights(tmp_path):
-    """--aggregate weighted_mean: a_k = float32(w_k / W), w_k the delta's "weight" metadata (else its
-    "num_tokens"), W their double sum in node order; g = sum of a_k * d_k in F32.  A delta reporting
-    neither is refused with 422 at its header."""
+    """--aggregate weighted_mean: w_k the delta's "weight" metadata (else its "num_tokens"), capped at
+    --max-weight-ratio (default 10) x the round's lower median weight, u_k = min(w_k / m, R), a_k =
+    float32(u_k / U) with U their double sum in node order; g = sum of a_k * d_k in F32.  The 1000 here
+    is capped at 10 x 2.5.  A delta reporting neither is refused with 422 at its header."""
     init = model(9)
     oracle = RuleOracle(init, "weighted_mean")
     d = start(tmp_path, init, "--expected-nodes", "3", "--aggregate", "weighted_mean")
@@ -269,11 +282,11 @@ def test_weighted_mean_by_reported_weights(tmp_path):
             for i, (node, delta) in enumerate(deltas.items()):
                 assert put(d, node, step + 1, body_of(as_wire(delta), node, step, step + 1, reports[i]))[0] == 201
             wait_step(d, step + 1)
-            w = [2.5, 1000.0, 0.125]
-            total = (w[0] + w[1]) + w[2]        # in node order, in double
-            oracle.scales = [np.float32(x / total) for x in w]
+            oracle.scales = weight_scales([2.5, 1000.0, 0.125])
+            assert oracle.scales[1] / oracle.scales[0] == pytest.approx(10)      # capped: 10 x the median 2.5
             check_global(d, oracle.step({n: decoded(v) for n, v in deltas.items()}))
             assert [np.float32(n["scale"]) for n in record_of(d, step + 1)["nodes"]] == oracle.scales
+        assert status(d)["robust"]["max_weight_ratio"] == 10
     finally:
         assert d.stop() == 0
 

@@ -213,3 +213,42 @@ TEST(transport_options_in_help)
     CHECK_HAS(r.out, "  --hub URL              file:///abs/dir | hf://ns/repo[@rev] | s3://bucket[/prefix] | none\n");
     config_free(&r.c);
 }
+
+/* --max-weight-ratio (weighted_mean's cap: README, "Robust aggregation"): 10 unless set, at least 1 and
+ * finite, refused with the option's name as a flag and with FILE:LINE from a file, printed back. */
+TEST(max_weight_ratio_default_bounds_and_print)
+{
+    static run r;
+    char conf[4096], want[4200];
+    FILE *f;
+
+    clear_env();
+    load(&r, "--expected-nodes", "3", NULL);
+    CHECK_EQ(r.rc, 0);
+    CHECK(r.c.max_weight_ratio == 10);
+    CHECK_HAS(r.out, "\nmax_weight_ratio = 10\n");
+    config_free(&r.c);
+    load(&r, "--expected-nodes", "3", "--aggregate", "weighted_mean", "--max-weight-ratio", "1", NULL);
+    CHECK_EQ(r.rc, 0);
+    CHECK(r.c.max_weight_ratio == 1);
+    CHECK_HAS(r.out, "\nmax_weight_ratio = 1\n");
+    config_free(&r.c);
+    const char *bad_values[] = {"0.999", "0", "-2", "nan", "inf", "1e400", "2x"};
+    for (size_t i = 0; i < sizeof(bad_values) / sizeof(bad_values[0]); i++) {
+        load(&r, "--expected-nodes", "3", "--max-weight-ratio", bad_values[i], NULL);
+        CHECK_EQ(r.rc, 2);
+        snprintf(want, sizeof(want), "dilocod: --max-weight-ratio: '%s' is not a number in [1, 1e+30]",
+                 bad_values[i]);
+        CHECK_HAS(r.err, want);
+        config_free(&r.c);
+    }
+    snprintf(conf, sizeof(conf), "%s", test_path("w.conf"));
+    CHECK((f = fopen(conf, "w")) != NULL);
+    fputs("expected_nodes = 3\naggregate = weighted_mean\nmax_weight_ratio = 0.5\n", f);
+    fclose(f);
+    load(&r, "--config", conf, NULL);
+    CHECK_EQ(r.rc, 2);
+    snprintf(want, sizeof(want), "dilocod: %s:3: max_weight_ratio: '0.5' is not a number in [1, 1e+30]", conf);
+    CHECK_HAS(r.err, want);
+    config_free(&r.c);
+}
