@@ -869,11 +869,13 @@ TEST(remote_seen_list_persists_what_is_decided)
     /* decided for good: written once, however often it is said */
     remote_seen_done(&s, "nodes/d/delta_3.safetensors", "v3");
     remote_seen_done(&s, "nodes/d/delta_3.safetensors", "v3");
-    /* the daemon's verdict: our own failure keeps it pending; any other settles that path's pending ones */
+    /* the daemon's verdict: our own failure (or async's busy) makes it looked at again by a later listing,
+     * not written; any other settles that path's pending ones */
     seen_get(&s.map, "nodes/e/delta_4.safetensors\tv4", &created)->state = SEEN_PENDING;
     seen_get(&s.map, "nodes/e/delta_40.safetensors\tv5", &created)->state = SEEN_PENDING;
     CHECK_EQ(remote_seen_decided(&s, "nodes/e/delta_4.safetensors", HUB_RETRY), 0);
-    CHECK_EQ(seen_find(&s.map, "nodes/e/delta_4.safetensors\tv4")->state, SEEN_PENDING);
+    CHECK_EQ(seen_find(&s.map, "nodes/e/delta_4.safetensors\tv4")->state, SEEN_INCOMPLETE);
+    seen_find(&s.map, "nodes/e/delta_4.safetensors\tv4")->state = SEEN_PENDING;      /* listed and handed again */
     CHECK_EQ(remote_seen_decided(&s, "nodes/e/delta_4.safetensors", HUB_INCOMPLETE), 1);
     CHECK_EQ(seen_find(&s.map, "nodes/e/delta_4.safetensors\tv4")->state, SEEN_DONE);
     CHECK_EQ(seen_find(&s.map, "nodes/e/delta_40.safetensors\tv5")->state, SEEN_PENDING);
