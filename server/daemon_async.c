@@ -374,12 +374,16 @@ void daemon__async_round_opened(dilocod *d)
 {
     daemon_async *a = &d->async;
 
-    if (!d->cfg->async || a->floor_known)
+    if (!d->cfg->async)
         return;
-    /* nothing before this step was applied by this state: a tree of an older run's deltas (or
-     * leftovers from before an adoption) is stale below it */
-    a->floor = d->st.step;
-    a->floor_known = 1;
+    /* nothing before this step was applied by this state, as far as it knows: a tree of an older run's
+     * deltas is stale below it, and after an adoption (a later open) so are the deltas the global's
+     * writer may have applied */
+    if (!a->floor_known || a->opened) {
+        a->floor = d->st.step;
+        a->floor_known = 1;
+    }
+    a->opened = 1;
 }
 
 uint64_t daemon__async_bound(dilocod *d)

@@ -136,9 +136,10 @@ typedef struct daemon_async {
      * first step of the unbroken run of async records rounds.jsonl holds up to the committed step, or
      * the step the state started from.  A delta based below it may have gone into an update that
      * compaction forgot, so it is refused as stale (unless the cache held it: acknowledged, not
-     * applied).  floor_known 0: set when the first round opens. */
+     * applied).  floor_known 0: set when the first round opens; an adoption sets it again. */
     uint64_t floor;
     int floor_known;
+    int opened;                         /* a round was opened on a committed step (a later open is an adoption) */
     uint64_t run_start, run_next;       /* startup: the run of async records loaded so far */
     int run_on;
     uint64_t below_floor;               /* deltas refused for a base below the floor */

@@ -14,7 +14,10 @@
  *     only when it changes.
  *   - Each delta file found is handed over once per version with delta_ready().  The daemon takes it
  *     in and answers with hub_mark_done() and the outcome; a transport never hands over the same
- *     version again after HUB_TAKEN or HUB_INVALID.
+ *     version again after HUB_TAKEN or HUB_INVALID, and always does after HUB_RETRY.
+ *   - Sync mode needs a node's newest delta only; in async mode (hub_limits.async) every delta is an
+ *     update: a transport hands over each one, in local-step order per node, a capped few per poll,
+ *     the next poll going on where the last stopped (hub_status.deltas_waiting counts what waits).
  *   - While set_step(..., waiting_for_global = 1), the transport does not hand over deltas; when it
  *     holds a global it copies it into state_dir and reports global_ready() (the daemon owns the copy).
  *   - publish() writes global/latest.safetensors, then global/step_count.json (last, so a reader never
@@ -79,7 +82,8 @@ typedef enum hub_outcome {
     HUB_TAKEN,                  /* decided for good: accepted, replaced, stale, future, duplicate, refused */
     HUB_INVALID,                /* refused by validation (the daemon counted and logged it) */
     HUB_INCOMPLETE,             /* shorter than its header says: it may still be being written */
-    HUB_RETRY,                  /* our own failure (disk full, ...): hand it over again later */
+    HUB_RETRY,                  /* our own failure (disk full, ...), or async mode's queue full (busy):
+                                   hand it over again later, whichever transport */
 } hub_outcome;
 
 /* The version of a file that intake read (for transports that see files change in place). */

@@ -25,8 +25,9 @@
 
 /* Work and memory per scan stay bounded whatever a writer plants: node directories read (twice the
  * most nodes a round can have; a writer who makes more can hide the rest, and that is logged), delta
- * files looked at per node directory (the newest by local step: one delta per node counts, and a
- * lower local step than one already taken is refused anyway), and refused entries reported.
+ * files looked at per node directory (sync: the newest by local step, as one delta per node counts;
+ * async: the lowest from the node's resume point, as every delta is an update and the next scan goes
+ * on), and refused entries reported.
  * Entries whose names are not valid cost one directory record each and nothing else. */
 #define MAX_NODE_DIRS 8192
 #define MAX_DELTAS_PER_NODE HUBFILE_DELTAS_PER_NODE

@@ -12,6 +12,11 @@
  * (a link, a FIFO, a misnamed file, an unreadable step file) is logged once per version.  The map
  * follows the tree: entries no longer listed are forgotten after each complete scan.
  *
+ * In async mode (hub_limits.async) every delta is an update: each node directory is listed in
+ * local-step order from its resume point (hub_file.h's hub_resume), which moves past the decided
+ * deltas that begin its listing after each complete scan; a node with more deltas than a scan lists
+ * is scanned again as they are decided.  Sync mode lists each node's newest few, as ever.
+ *
  * A sharded delta (hub.h, "Sharded checkpoints") is one entry of the seen map, under its index's
  * path, with an identity that covers every file of the set (hub_candidate in hub_file.h: sizes
  * summed, the latest mtime, the index's inode mixed with each shard's inode, size and mtime): a

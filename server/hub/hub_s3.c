@@ -2,11 +2,13 @@
  * request signed with libcurl's SigV4.
  *
  * Polling: every poll interval, global/step_count.json (a GET); then, while the daemon is not
- * waiting for a global, ListObjectsV2 of <prefix>/nodes/ (every page, by continuation token).  Of
- * each node directory only the delta with the highest local step matters (a worker's later delta
- * replaces its earlier ones in a round, and is never based on an older step), so at most one
- * download per node per poll.  A (key, ETag) pair is handed over once: the pairs handled are
- * remembered in <state>/s3_seen.tsv, also across restarts.
+ * waiting for a global, ListObjectsV2 of <prefix>/nodes/ (every page, by continuation token).  In
+ * sync mode only each node directory's delta with the highest local step matters (a worker's later
+ * delta replaces its earlier ones in a round, and is never based on an older step), so at most one
+ * download per node per poll; in async mode every delta is an update, and a node's single files not
+ * handled yet are taken in local-step order, ASYNC_DELTAS_PER_NODE per poll (consider_async).  A
+ * (key, ETag) pair is handed over once (again after a HUB_RETRY): the pairs handled are remembered in
+ * <state>/s3_seen.tsv, also across restarts.
  *
  * Peeking: a new delta's first 64 KiB (at most its listed size) are read first (a Range GET): a header over the header cap
  * or describing another size than the listing's is refused without a download, a delta of an
