@@ -248,7 +248,7 @@ def test_one_worker_claim_does_not_set_the_recommendations(tmp_path, base_steps)
         h_after = st["async"]["dylu_base_steps"]
         assert h_after <= 2 * 100, st["async"]     # the median node's jump is 100
         for node in ("w0", "w1"):
-            assert after[node] >= before[node] // 2, (before, after)
+            assert after[node] >= before[node] // 2 - 1, (before, after)     # halved at most (each floored)
             assert max(1, h_after // 16) <= after[node] <= h_after, (h_after, after)
         assert after["evil"] <= h_after, after
         # what an honest worker is told in its upload answer: within the documented range too
