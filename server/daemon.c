@@ -327,6 +327,8 @@ static int startup(dilocod *d, dl_error *err)
     if ((rc = history_load_each(&d->history, d->st.dir, d->st.committed ? d->st.step : UINT64_MAX, d->st.round_json,
                                 load_record, d, err)) != 0)
         return rc;
+    if (d->cfg->async)
+        daemon__async_loaded(d);
     daemon__robust_load(d);     /* the nodes' trailing norms, from the records kept */
     if (d->st.committed) {
         dl_log(DL_LOG_INFO, "store", "resuming", "step=%" PRIu64 " dir=%s", d->st.step, d->st.dir);

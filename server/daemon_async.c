@@ -15,6 +15,8 @@
 
 #include <xxhash.h>
 
+#include "dl_log.h"
+#include "hub.h"
 #include "round.h"
 #include "strbuf.h"
 
@@ -67,6 +69,54 @@ static async_node *node_of(dilocod *d, const char *node_id, double now)
     return e;
 }
 
+/* Dynamic Local Updates from bounded evidence (README "Asynchronous mode"): one worker's claim (its
+ * local_step, when it sends) must not set the others' recommendations.  A node's measured jump is
+ * clamped by --dylu-base-steps, or else by DYLU_CLAMP times the median node's; its speed by DYLU_CLAMP
+ * times the median node's speed; a measure counts for DYLU_TTL_FACTOR times its own interval (at least
+ * DYLU_TTL_MIN seconds) after its delta; and a recommendation lies in [max(1, H_base / DYLU_MIN_DIV),
+ * H_base]. */
+#define DYLU_CLAMP 2.0
+#define DYLU_TTL_FACTOR 16.0
+#define DYLU_TTL_MIN 300.0
+#define DYLU_MIN_DIV 16
+
+/* Whether e's measure still counts at now. */
+static int measure_live(const async_node *e, double now)
+{
+    if (e->speed <= 0)
+        return 0;
+    double ttl = DYLU_TTL_FACTOR * e->interval;
+    return now - e->last_at <= (ttl > DYLU_TTL_MIN ? ttl : DYLU_TTL_MIN);
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* The lower median of the live measures' jumps (jumps = 1) or speeds (jumps = 0); 0 when none.  The
+ * lower one: a minority of high claims never moves it up. */
+static double median_of(const dilocod *d, int jumps, double now)
+{
+    const daemon_async *a = &d->async;
+    double *v = a->n > 0 ? malloc(a->n * sizeof(*v)) : NULL;
+    size_t k = 0;
+    double m = 0;
+
+    if (v == NULL)
+        return 0;               /* none, or no memory: no clamp by the median this time */
+    for (size_t i = 0; i < a->n; i++)
+        if (measure_live(&a->nodes[i], now))
+            v[k++] = jumps ? (double)a->nodes[i].steps_per_delta : a->nodes[i].speed;
+    if (k > 0) {
+        qsort(v, k, sizeof(*v), cmp_double);
+        m = v[(k - 1) / 2];
+    }
+    free(v);
+    return m;
+}
+
 void daemon__async_accepted(dilocod *d, const delta_info *info, uint64_t tau, double now)
 {
     daemon_async *a = &d->async;
@@ -78,10 +128,15 @@ void daemon__async_accepted(dilocod *d, const delta_info *info, uint64_t tau, do
     if (e == NULL)
         return;
     /* speed: local steps per second between its last two deltas (a worker that started again from a
-     * lower local_step starts a new measure) */
+     * lower local_step starts a new measure); the jump clamped by --dylu-base-steps before it makes a
+     * speed (by the median node when the recommendations are computed: dylu_of) */
     if (e->last_at >= 0 && info->local_step > e->last_local_step && now > e->last_at) {
-        e->steps_per_delta = info->local_step - e->last_local_step;
-        e->speed = (double)e->steps_per_delta / (now - e->last_at);
+        uint64_t jump = info->local_step - e->last_local_step;
+        if (d->cfg->dylu_base_steps != 0 && jump > d->cfg->dylu_base_steps)
+            jump = d->cfg->dylu_base_steps;     /* no node is told more: more is a claim, not evidence */
+        e->steps_per_delta = jump;
+        e->interval = now - e->last_at;
+        e->speed = (double)jump / e->interval;
     } else if (e->last_at >= 0 && info->local_step <= e->last_local_step) {
         e->speed = 0;
         e->steps_per_delta = 0;
@@ -92,43 +147,57 @@ void daemon__async_accepted(dilocod *d, const delta_info *info, uint64_t tau, do
     e->deltas++;
 }
 
-/* The fastest measured node (NULL: none measured). */
-static const async_node *fastest(const dilocod *d)
-{
-    const async_node *best = NULL;
+/* What the recommendations are computed from, once per call: the speed cap, the fastest live speed
+ * under it, and H_base (a jump counts up to DYLU_CLAMP times the median node's). */
+typedef struct dylu_view {
+    double now, cap, top;       /* top 0: no live measure */
+    uint64_t base;
+} dylu_view;
 
-    for (size_t i = 0; i < d->async.n; i++)
-        if (d->async.nodes[i].speed > 0 && (best == NULL || d->async.nodes[i].speed > best->speed))
-            best = &d->async.nodes[i];
-    return best;
+/* A live measure's speed under the cap (0: none). */
+static double capped_speed(const dylu_view *v, const async_node *e)
+{
+    if (!measure_live(e, v->now))
+        return 0;
+    return v->cap > 0 && e->speed > v->cap ? v->cap : e->speed;
 }
 
-/* H_base: --dylu-base-steps, or the most local steps per delta any node ran (0: none known).  Not the
- * fastest node's own: with workers that follow the recommendation, the node that is fastest by the
- * noise of one measure may be one told fewer steps, and the base would only ever shrink. */
-static uint64_t base_steps(const dilocod *d, const async_node *top)
+/* H_base: --dylu-base-steps, or the most local steps per delta a live measure ran (its jump clamped:
+ * above).  Not the fastest node's own: with workers that follow the recommendation, the node that is
+ * fastest by the noise of one measure may be one told fewer steps, and the base would only shrink. */
+static dylu_view dylu_of(const dilocod *d)
 {
-    uint64_t most = 0;
+    dylu_view v = {.now = daemon__now((dilocod *)d)};
+    double jump_cap = DYLU_CLAMP * median_of(d, 1, v.now);
 
+    v.cap = DYLU_CLAMP * median_of(d, 0, v.now);
+    for (size_t i = 0; i < d->async.n; i++) {
+        const async_node *e = &d->async.nodes[i];
+        double s = capped_speed(&v, e);
+        uint64_t jump = (double)e->steps_per_delta > jump_cap ? (uint64_t)jump_cap : e->steps_per_delta;
+        if (s > v.top)
+            v.top = s;
+        if (s > 0 && jump > v.base)
+            v.base = jump;
+    }
     if (d->cfg->dylu_base_steps != 0)
-        return d->cfg->dylu_base_steps;
-    for (size_t i = 0; top != NULL && i < d->async.n; i++)
-        if (d->async.nodes[i].steps_per_delta > most)
-            most = d->async.nodes[i].steps_per_delta;
-    return most;
+        v.base = d->cfg->dylu_base_steps;
+    return v;
 }
 
-/* H_w = max(1, floor(v_w / v_max * H_base)); a node not measured yet gets H_base. */
-static uint64_t recommend(const dilocod *d, const async_node *e, const async_node *top)
+/* H_w = floor(v_w / v_max * H_base) within [max(1, H_base / DYLU_MIN_DIV), H_base]; a node without a
+ * live measure gets H_base. */
+static uint64_t recommend(const dylu_view *v, const async_node *e)
 {
-    uint64_t h = base_steps(d, top);
+    uint64_t h = v->base, lo = v->base / DYLU_MIN_DIV > 1 ? v->base / DYLU_MIN_DIV : 1;
+    double s = e != NULL ? capped_speed(v, e) : 0;
 
     if (h == 0)
         return 0;
-    if (e == NULL || e->speed <= 0 || top == NULL)
+    if (s <= 0 || v->top <= 0)
         return h;
-    double r = floor(e->speed / top->speed * (double)h);
-    return r < 1 ? 1 : (uint64_t)r;
+    double r = floor(s / v->top * (double)h);
+    return r < (double)lo ? lo : r > (double)h ? h : (uint64_t)r;
 }
 
 uint64_t daemon__async_recommended(const dilocod *d, const char *node_id)
@@ -140,7 +209,8 @@ uint64_t daemon__async_recommended(const dilocod *d, const char *node_id)
     for (size_t i = 0; i < d->async.n && e == NULL; i++)
         if (strcmp(d->async.nodes[i].node_id, node_id) == 0)
             e = &d->async.nodes[i];
-    return recommend(d, e, fastest(d));
+    dylu_view v = dylu_of(d);
+    return recommend(&v, e);
 }
 
 /* The update the closing round makes: its weight is the mean of its deltas' (in double, in the round's
@@ -271,7 +341,82 @@ void daemon__async_record_applied(dilocod *d, const round_record *r)
 
 void daemon__async_load_record(void *arg, const round_record *r)
 {
-    daemon__async_record_applied(arg, r);
+    dilocod *d = arg;
+    daemon_async *a = &d->async;
+
+    /* the run of async records, unbroken, that the floor comes from: a sync record (the mode was
+     * switched) or a gap (compaction, a lost append) starts it over */
+    if (!r->async) {
+        a->run_on = 0;
+    } else {
+        if (!a->run_on || r->step != a->run_next)
+            a->run_start = r->step;
+        a->run_on = 1;
+        a->run_next = r->step + 1;
+    }
+    daemon__async_record_applied(d, r);
+}
+
+void daemon__async_loaded(dilocod *d)
+{
+    daemon_async *a = &d->async;
+
+    /* the run must reach the committed step: records that stop before it (the last ones lost, or a
+     * state adopted after them) tell nothing of the steps since, and the floor is then the step the
+     * state starts from (daemon__async_round_opened) */
+    if (d->st.committed && a->run_on && a->run_next == d->st.step) {
+        a->floor = a->run_start;
+        a->floor_known = 1;
+    }
+}
+
+void daemon__async_round_opened(dilocod *d)
+{
+    daemon_async *a = &d->async;
+
+    if (!d->cfg->async)
+        return;
+    /* nothing before this step was applied by this state, as far as it knows: a tree of an older run's
+     * deltas is stale below it, and after an adoption (a later open) so are the deltas the global's
+     * writer may have applied */
+    if (!a->floor_known || a->opened) {
+        a->floor = d->st.step;
+        a->floor_known = 1;
+    }
+    a->opened = 1;
+}
+
+uint64_t daemon__async_bound(dilocod *d)
+{
+    const daemon_async *a = &d->async;
+    uint64_t bound = d->cfg->max_staleness == CONFIG_NO_STALENESS_BOUND ? ROUND_NO_STALENESS_BOUND
+                                                                        : d->cfg->max_staleness;
+
+    if (!d->cfg->async)
+        return 0;
+    if (a->floor_known && d->rnd.step >= a->floor && d->rnd.step - a->floor < bound)
+        bound = d->rnd.step - a->floor;
+    d->rnd.max_staleness = bound;
+    return bound;
+}
+
+int daemon__async_below_floor(dilocod *d, const delta_info *info, int count)
+{
+    daemon_async *a = &d->async;
+    char qn[160];
+
+    if (!d->cfg->async || !a->floor_known || info->base_outer_step >= a->floor)
+        return 0;
+    if (!count)
+        return 1;
+    /* a restart meets every old file of a tree: the first one says why, the others are counted */
+    dl_log(a->below_floor == 0 ? DL_LOG_WARN : DL_LOG_DEBUG, "round",
+           "delta refused: based before the oldest update whose deltas are known (rounds.jsonl keeps "
+           "--history-keep records), it may have been applied already",
+           "node=%s local_step=%" PRIu64 " base_outer_step=%" PRIu64 " floor=%" PRIu64,
+           dl_log_q(qn, sizeof(qn), info->node_id), info->local_step, info->base_outer_step, a->floor);
+    a->below_floor++;
+    return 1;
 }
 
 void daemon__async_free(dilocod *d)
@@ -287,8 +432,8 @@ void daemon__async_free(dilocod *d)
 static void async_status(const dilocod *d, sbuf *b)
 {
     const daemon_async *a = &d->async;
-    const async_node *top = fastest(d);
     const store_dn *dn = &d->st.dn;
+    const hub_status *hs = d->hub != NULL ? hub_get_status(d->hub) : NULL;
     double now = daemon__now((dilocod *)d);
 
     sb_printf(b, ",\"mode\":\"%s\"", d->cfg->async ? "async" : "sync");
@@ -305,20 +450,25 @@ static void async_status(const dilocod *d, sbuf *b)
               d->cfg->dn_period, dn->on ? dn->k : 0);
     daemon_json_num(b, d->cfg->dn_c);
     sb_printf(b, "},\"queue\":{\"pending\":%zu,\"queued\":%zu,\"max\":%u},\"updates\":%" PRIu64
-                 ",\"nesterov_steps\":%" PRIu64 ",\"accepted\":%" PRIu64 ",\"staleness\":{\"mean\":",
-              round_pending(&d->rnd), d->rnd.nqueue, d->cfg->async_queue, a->updates, a->nesterov_steps, a->accepted);
+                 ",\"nesterov_steps\":%" PRIu64 ",\"accepted\":%" PRIu64 ",\"applied_floor\":%" PRIu64
+                 ",\"refused_below_floor\":%" PRIu64 ",\"listing\":{\"waiting\":%" PRIu64
+                 ",\"deferred\":%" PRIu64 "},\"staleness\":{\"mean\":",
+              round_pending(&d->rnd), d->rnd.nqueue, d->cfg->async_queue, a->updates, a->nesterov_steps, a->accepted,
+              a->floor, a->below_floor, hs != NULL ? hs->deltas_waiting : 0, hs != NULL ? hs->deltas_deferred : 0);
     daemon_json_num(b, a->accepted ? a->tau_sum / (double)a->accepted : 0);
     sb_str(b, ",\"histogram\":{");
     for (size_t i = 0; i < ASYNC_TAU_BUCKETS; i++)
         sb_printf(b, "%s\"%s\":%" PRIu64, i ? "," : "", tau_le[i], a->tau_hist[i]);
-    sb_printf(b, "}},\"dylu_base_steps\":%" PRIu64 ",\"nodes\":[", base_steps(d, top));
+    dylu_view v = dylu_of(d);
+    sb_printf(b, "}},\"dylu_base_steps\":%" PRIu64 ",\"nodes\":[", v.base);
     for (size_t i = 0; i < a->n; i++) {
         const async_node *e = &a->nodes[i];
         sb_printf(b, "%s{\"node_id\":\"%s\",\"deltas\":%" PRIu64 ",\"last_local_step\":%" PRIu64
                      ",\"last_tau\":%" PRIu64 ",\"steps_per_delta\":%" PRIu64 ",\"speed\":",
                   i ? "," : "", e->node_id, e->deltas, e->last_local_step, e->last_tau, e->steps_per_delta);
         daemon_json_num(b, e->speed);
-        sb_printf(b, ",\"recommended_local_steps\":%" PRIu64 ",\"age_seconds\":", recommend(d, e, top));
+        sb_printf(b, ",\"live\":%s,\"recommended_local_steps\":%" PRIu64 ",\"age_seconds\":",
+                  measure_live(e, v.now) ? "true" : "false", recommend(&v, e));
         daemon_json_num(b, now - e->last_at);
         sb_str(b, "}");
     }
@@ -328,7 +478,6 @@ static void async_status(const dilocod *d, sbuf *b)
 static void async_metrics(const dilocod *d, sbuf *b)
 {
     const daemon_async *a = &d->async;
-    const async_node *top = fastest(d);
     uint64_t cum = 0;
 
     daemon_metric_family(b, "async_mode", "gauge", "1 in async mode (--mode async), 0 in sync mode");
@@ -343,6 +492,16 @@ static void async_metrics(const dilocod *d, sbuf *b)
     sb_printf(b, "dilocod_async_dn_phase %u\n", d->st.dn.on ? d->st.dn.k : 0);
     daemon_metric_family(b, "async_dn_period", "gauge", "Delayed Nesterov period N");
     sb_printf(b, "dilocod_async_dn_period %u\n", d->cfg->dn_period);
+    daemon_metric_family(b, "async_refused_below_floor_total", "counter",
+                         "Deltas refused as stale for a base below the oldest update whose deltas are known");
+    sb_printf(b, "dilocod_async_refused_below_floor_total %" PRIu64 "\n", a->below_floor);
+    const hub_status *hs = d->hub != NULL ? hub_get_status(d->hub) : NULL;
+    daemon_metric_family(b, "async_listing_waiting", "gauge",
+                         "Deltas the transport's last listing left for a later one (a node's beyond its per-poll cap)");
+    sb_printf(b, "dilocod_async_listing_waiting %" PRIu64 "\n", hs != NULL ? hs->deltas_waiting : 0);
+    daemon_metric_family(b, "async_listing_deferred_total", "counter",
+                         "Times a listing left a delta for a later one (each is handed over in a later poll)");
+    sb_printf(b, "dilocod_async_listing_deferred_total %" PRIu64 "\n", hs != NULL ? hs->deltas_deferred : 0);
     daemon_metric_family(b, "async_queue_depth", "gauge", "Deltas waiting for an update (the open one's and the queue's)");
     sb_printf(b, "dilocod_async_queue_depth %zu\n", round_pending(&d->rnd));
     daemon_metric_family(b, "async_staleness", "histogram", "Staleness (updates behind) of accepted deltas");
@@ -358,9 +517,10 @@ static void async_metrics(const dilocod *d, sbuf *b)
         sb_printf(b, "dilocod_node_speed_steps_per_second{node=\"%s\"} %.9g\n", a->nodes[i].node_id,
                   a->nodes[i].speed);
     daemon_metric_family(b, "node_recommended_local_steps", "gauge", "Local steps recommended to a node (DyLU)");
+    dylu_view v = dylu_of(d);
     for (size_t i = 0; i < a->n; i++)
         sb_printf(b, "dilocod_node_recommended_local_steps{node=\"%s\"} %" PRIu64 "\n", a->nodes[i].node_id,
-                  recommend(d, &a->nodes[i], top));
+                  recommend(&v, &a->nodes[i]));
 }
 
 const daemon_provider daemon__async_provider = {"async", async_status, async_metrics};

@@ -117,6 +117,8 @@ round_verdict daemon__peek(dilocod *d, const delta_info *info)
         return ROUND_FUTURE;
     if (d->rnd.async && daemon__async_applied(d, info))
         return ROUND_NOT_NEWER;         /* applied already */
+    if (d->rnd.async)
+        (void)daemon__async_bound(d);   /* no base below the applied set's floor: stale */
     if (!daemon__robust_weighable(d, info))
         return ROUND_NO_WEIGHT;
     return round_peek(&d->rnd, info);
@@ -129,6 +131,14 @@ static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path,
 {
     char *replaced = NULL, qn[160];
     double now = daemon__now(d);
+
+    if (d->rnd.async) {
+        /* a base below the applied set's floor is stale (the round's bound says so; said here why),
+         * unless the cache held the delta at a restart: acknowledged and never applied */
+        (void)daemon__async_bound(d);
+        if (!recovered && !daemon__async_applied(d, info))
+            (void)daemon__async_below_floor(d, info, 1);
+    }
     /* async: a delta applied already (an upload retried, a tree handed over again) is not newer */
     round_verdict v = d->rnd.async && daemon__async_applied(d, info) ? ROUND_NOT_NEWER : round_peek(&d->rnd, info);
     /* the norm screen judges a delta the round would take (one taken before a restart was judged then) */
@@ -350,6 +360,8 @@ static void intake_done(job *j)
             daemon__discard_local(d, r->src_path, 0);
         if (r->status == INTAKE_STALE && r->rel_path != NULL)
             daemon__prune_now(d, r->rel_path);
+        if (r->status == INTAKE_STALE && d->rnd.async)
+            (void)daemon__async_below_floor(d, &r->info, 1);    /* counted and said when that is why */
         break;
     case INTAKE_DUPLICATE:
         dl_log(DL_LOG_DEBUG, "intake", "delta already taken in", "path=%s", name);
@@ -387,7 +399,7 @@ void daemon__dispatch_intake(dilocod *d)
         r->step = d->rnd.step;
         /* sync: this step's deltas only; async: within the staleness bound, and any base for a delta the
          * cache held at a restart (taken before it) */
-        r->max_staleness = !d->rnd.async ? 0 : r->in_cache ? UINT64_MAX : d->rnd.max_staleness;
+        r->max_staleness = !d->rnd.async ? 0 : r->in_cache ? UINT64_MAX : daemon__async_bound(d);
         if (daemon__queue(d, intake_work, intake_done, r) != 0) {
             intake_req_free(r);
             continue;
@@ -513,6 +525,8 @@ void daemon__round_open(dilocod *d)
         round_init_async(&d->rnd, d->cfg->max_staleness == CONFIG_NO_STALENESS_BOUND ? ROUND_NO_STALENESS_BOUND
                                                                                       : d->cfg->max_staleness,
                          d->cfg->staleness_weight == WEIGHT_POLY, d->cfg->grace_ms / 1000.0, d->cfg->async_queue);
+    if (d->cfg->async)
+        daemon__async_round_opened(d);
     pipeline_begin(&d->pipe, d->st.step + 1, STEP_COLLECTING);
     model_facts(d);
     if (d->hub != NULL) {
@@ -520,10 +534,14 @@ void daemon__round_open(dilocod *d)
             .delta_index_bytes = st_index_cap_for(d->model),
             .delta_set_bytes = intake_set_budget(d->delta_bytes, (uint64_t)d->cfg->max_delta_header_mib << 20),
             .max_staleness = d->rnd.async ? d->rnd.max_staleness : 0,
+            .async = d->rnd.async,
+            .min_base = d->rnd.async ? d->async.floor : 0,
         };
         hub_set_limits(d->hub, &lim);
         hub_set_step(d->hub, d->st.step, 0);
     }
+    if (d->rnd.async)
+        (void)daemon__async_bound(d);
     daemon__plan_layout(d);
     dl_log(DL_LOG_INFO, "round", "opened", "step=%" PRIu64 " expected=%u min_nodes=%u tensors=%zu", d->rnd.step,
            d->cfg->expected_nodes, d->cfg->min_nodes, d->model->ntensors);

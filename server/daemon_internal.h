@@ -114,8 +114,9 @@ typedef struct async_node {
     char node_id[DELTA_NODE_ID_MAX + 1];
     uint64_t last_local_step;
     double last_at;             /* when its last delta was accepted (daemon__now); < 0: never */
-    uint64_t steps_per_delta;   /* local steps between its last two deltas (0: not measured) */
+    uint64_t steps_per_delta;   /* local steps between its last two deltas, clamped (0: not measured) */
     double speed;               /* local steps per second between them (0: not measured) */
+    double interval;            /* seconds between them: how long the measure counts (DYLU_TTL_*) */
     uint64_t last_tau;
     uint64_t deltas;
 } async_node;
@@ -132,6 +133,17 @@ typedef struct daemon_async {
     async_node *nodes;
     size_t n, cap;
     applied_set applied;
+    /* The lowest base the applied set knows every applied delta of (README "Asynchronous mode"): the
+     * first step of the unbroken run of async records rounds.jsonl holds up to the committed step, or
+     * the step the state started from.  A delta based below it may have gone into an update that
+     * compaction forgot, so it is refused as stale (unless the cache held it: acknowledged, not
+     * applied).  floor_known 0: set when the first round opens; an adoption sets it again. */
+    uint64_t floor;
+    int floor_known;
+    int opened;                         /* a round was opened on a committed step (a later open is an adoption) */
+    uint64_t run_start, run_next;       /* startup: the run of async records loaded so far */
+    int run_on;
+    uint64_t below_floor;               /* deltas refused for a base below the floor */
     uint64_t tau_hist[ASYNC_TAU_BUCKETS];
     double tau_sum;
     uint64_t accepted, updates, nesterov_steps;

@@ -48,6 +48,15 @@ int daemon__async_applied(const dilocod *d, const delta_info *info);
 void daemon__async_record_applied(dilocod *d, const round_record *r);
 /* For history_load_each at startup: each record's deltas join the applied set. */
 void daemon__async_load_record(void *d, const round_record *r);
+/* Startup, after the records are loaded: the applied set's floor, if the records tell it. */
+void daemon__async_loaded(dilocod *d);
+/* A round opens: the floor, if the records did not tell it, is the step the state starts from. */
+void daemon__async_round_opened(dilocod *d);
+/* The staleness bound the round applies now (ROUND_NO_STALENESS_BOUND: none): --max-staleness,
+ * tightened so that no base below the applied set's floor is taken; also set in d->rnd. */
+uint64_t daemon__async_bound(dilocod *d);
+/* Whether info's base is below the floor (counted and logged when count is set). */
+int daemon__async_below_floor(dilocod *d, const delta_info *info, int count);
 extern const daemon_provider daemon__async_provider;
 
 /* daemon_cluster.c: K aggregators over one bucket (README, Scaling out; hub/s3_cluster.h) */

@@ -29,7 +29,9 @@ the outer step it trained from) and also carry "local_step", "inner_steps" (the 
 
 Dynamic local updates (DyLU): when an upload answer carries X-Recommended-Local-Steps: H, the next
 local phase trains H inner steps instead of --inner-steps (so a slow worker sends its delta as often
-as the fast ones); --ignore-recommended-steps keeps --inner-steps always.  --slowdown F makes this
+as the fast ones), bounded to [max(1, --inner-steps / 16), 4 x --inner-steps] (followed_steps: a
+server's answer never makes a phase run for ever or shrink to nothing); --ignore-recommended-steps
+keeps --inner-steps always.  --slowdown F makes this
 worker a straggler: after every inner step it sleeps (F - 1) times the time that step took, so each
 inner step lasts F times as long.
 """
@@ -89,6 +91,15 @@ def pseudo_gradient(baseline, current):
     if baseline.keys() != current.keys():
         raise ValueError("key sets differ")
     return {k: (baseline[k].float() - current[k].float()).contiguous() for k in floating(baseline)}
+
+
+def followed_steps(recommended, inner_steps):
+    """The inner steps of the next phase when the server recommends `recommended` (None: none): the
+    recommendation within [max(1, inner_steps // 16), 4 * inner_steps], the range dilocod itself keeps
+    a recommendation in when --dylu-base-steps is this worker's --inner-steps."""
+    if recommended is None:
+        return inner_steps
+    return min(max(int(recommended), max(1, inner_steps // 16)), 4 * inner_steps)
 
 
 def metadata(node, base_step, local_step, loss=None, num_tokens=None):
@@ -305,7 +316,7 @@ def main():
                 rec["recommended_local_steps"] = t.recommended
         print(json.dumps(rec), flush=True)
         if t.recommended is not None and not a.ignore_recommended_steps:
-            steps = t.recommended
+            steps = followed_steps(t.recommended, a.inner_steps)
         if a.mode == "async":
             # only until the global moved past the one this phase trained from: this worker's own
             # delta moves it (one update within --grace-ms and a pass), the others are not waited for

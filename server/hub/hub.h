@@ -14,7 +14,10 @@
  *     only when it changes.
  *   - Each delta file found is handed over once per version with delta_ready().  The daemon takes it
  *     in and answers with hub_mark_done() and the outcome; a transport never hands over the same
- *     version again after HUB_TAKEN or HUB_INVALID.
+ *     version again after HUB_TAKEN or HUB_INVALID, and always does after HUB_RETRY.
+ *   - Sync mode needs a node's newest delta only; in async mode (hub_limits.async) every delta is an
+ *     update: a transport hands over each one, in local-step order per node, a capped few per poll,
+ *     the next poll going on where the last stopped (hub_status.deltas_waiting counts what waits).
  *   - While set_step(..., waiting_for_global = 1), the transport does not hand over deltas; when it
  *     holds a global it copies it into state_dir and reports global_ready() (the daemon owns the copy).
  *   - publish() writes global/latest.safetensors, then global/step_count.json (last, so a reader never
@@ -79,7 +82,8 @@ typedef enum hub_outcome {
     HUB_TAKEN,                  /* decided for good: accepted, replaced, stale, future, duplicate, refused */
     HUB_INVALID,                /* refused by validation (the daemon counted and logged it) */
     HUB_INCOMPLETE,             /* shorter than its header says: it may still be being written */
-    HUB_RETRY,                  /* our own failure (disk full, ...): hand it over again later */
+    HUB_RETRY,                  /* our own failure (disk full, ...), or async mode's queue full (busy):
+                                   hand it over again later, whichever transport */
 } hub_outcome;
 
 /* The version of a file that intake read (for transports that see files change in place). */
@@ -107,12 +111,16 @@ typedef struct hub_limits {
     uint64_t delta_set_bytes;   /* intake_set_budget(delta bytes, header cap); 0: no model yet (no bound) */
     uint64_t max_staleness;     /* a delta based this many steps before the current one is still taken: 0
                                    in sync mode, the bound (UINT64_MAX: none) in async mode */
+    int async;                  /* async mode: every delta is an update, none supersedes another (a polled
+                                   transport hands each over, in local-step order per node) */
+    uint64_t min_base;          /* async: a base below it is stale whatever the bound (the daemon's applied
+                                   set does not reach below it) */
 } hub_limits;
 
-/* Whether a delta based on base is too old for the round of step (hub_limits.max_staleness). */
+/* Whether a delta based on base is too old for the round of step (hub_limits.max_staleness, min_base). */
 static inline int hub_base_stale(const hub_limits *lim, uint64_t step, uint64_t base)
 {
-    return base < step && step - base > lim->max_staleness;
+    return (base < step && step - base > lim->max_staleness) || base < lim->min_base;
 }
 
 typedef struct hub_config {
@@ -185,6 +193,9 @@ typedef struct hub_status {
     uint64_t index_parses;              /* sharded deltas' indexes the transport read and parsed (file://: its scans) */
     uint64_t stale_skipped;             /* deltas judged stale from their header or index and never downloaded
                                            (the daemon counts them with its own stale ones) */
+    uint64_t deltas_waiting;            /* async: deltas the last listing left for a later one (beyond a node's
+                                           per-poll cap: they come in local-step order) */
+    uint64_t deltas_deferred;           /* async: times a listing left a delta for a later one (a counter) */
     int publishing;
     time_t rate_reset_at;               /* when the server's rate budget resets, if it said (0: unknown) */
     hub_call_count calls[HUB_MAX_CALL_ROWS];
@@ -221,8 +232,9 @@ struct hub_ops {
     /* Optional (NULL: the transport keeps every file): removes a delta the daemon is done with (used
      * in a durable step, or stale, or superseded), if it is still the version that was handed over. */
     void (*prune)(hub *h, const char *rel);
-    /* Optional (NULL: intake alone applies them, as file:// reads in place): the bounds of the open
-     * round's model, set when a round opens. */
+    /* Optional (NULL: intake alone applies them): the bounds of the open round's model and its mode,
+     * set when a round opens (file:// reads in place and takes only the mode: async lists each node
+     * directory in local-step order). */
     void (*set_limits)(hub *h, const hub_limits *lim);
 };
 

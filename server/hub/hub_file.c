@@ -25,11 +25,12 @@
 
 /* Work and memory per scan stay bounded whatever a writer plants: node directories read (twice the
  * most nodes a round can have; a writer who makes more can hide the rest, and that is logged), delta
- * files looked at per node directory (the newest by local step: one delta per node counts, and a
- * lower local step than one already taken is refused anyway), and refused entries reported.
+ * files looked at per node directory (sync: the newest by local step, as one delta per node counts;
+ * async: the lowest from the node's resume point, as every delta is an update and the next scan goes
+ * on), and refused entries reported.
  * Entries whose names are not valid cost one directory record each and nothing else. */
 #define MAX_NODE_DIRS 8192
-#define MAX_DELTAS_PER_NODE 16
+#define MAX_DELTAS_PER_NODE HUBFILE_DELTAS_PER_NODE
 #define MAX_REFUSED 256
 #define STEP_FILE_MAX 4095
 
@@ -77,6 +78,7 @@ typedef struct scan {
     const char *root;
     const hub_index_memo *memo;
     size_t nmemo;
+    const hub_scan_opts *opts;  /* NULL: sync */
     hub_candidate *v;
     size_t n, cap, nrefused;
     size_t index_parses;        /* indexes read and parsed (the memo spared the others) */
@@ -177,6 +179,56 @@ static void keep_newest(newest *best, size_t *nbest, uint64_t step, const char *
     }
     best[slot].step = step;
     memcpy(best[slot].name, name, len + 1);
+}
+
+/* Async: keeps the MAX_DELTAS_PER_NODE delta names of lowest local step seen so far (the caller
+ * leaves out those below the resume point).  0 when kept, 1 when one was left out (the new one
+ * or the one it displaced): it waits for a later scan. */
+static int keep_lowest(newest *best, size_t *nbest, uint64_t step, const char *name)
+{
+    size_t slot = *nbest, len = strlen(name);
+
+    if (len >= sizeof(best->name))
+        return 0;
+    if (*nbest == MAX_DELTAS_PER_NODE) {
+        slot = 0;
+        for (size_t i = 1; i < *nbest; i++)
+            if (best[i].step > best[slot].step)
+                slot = i;
+        if (best[slot].step <= step)
+            return 1;
+        best[slot].step = step;
+        memcpy(best[slot].name, name, len + 1);
+        return 1;
+    }
+    (*nbest)++;
+    best[slot].step = step;
+    memcpy(best[slot].name, name, len + 1);
+    return 0;
+}
+
+static int newest_cmp(const void *a, const void *b)
+{
+    const newest *x = a, *y = b;
+    return x->step < y->step ? -1 : x->step > y->step ? 1 : strcmp(x->name, y->name);
+}
+
+/* The resume point of node id (0: from the start). */
+static uint64_t resume_of(const scan *sc, const char *id)
+{
+    size_t lo = 0, hi = sc->opts != NULL ? sc->opts->nresume : 0;
+
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        int c = strcmp(sc->opts->resume[mid].node, id);
+        if (c == 0)
+            return sc->opts->resume[mid].from;
+        if (c < 0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return 0;
 }
 
 static int ends_with(const char *s, const char *suffix)
@@ -316,10 +368,10 @@ static size_t newest_set(const newest *best, size_t nbest)
     return k;
 }
 
-/* The node directory itself, for the transport to watch. */
-static int push_node_dir(scan *sc, const char *id)
+/* The node directory itself, for the transport to watch (and, async, to resume). */
+static int push_node_dir(scan *sc, const char *id, uint64_t waiting)
 {
-    hub_candidate c = {.node_dir = 1};
+    hub_candidate c = {.node_dir = 1, .waiting = waiting};
 
     if (asprintf(&c.rel, "nodes/%s", id) < 0) {
         c.rel = NULL;
@@ -344,7 +396,8 @@ static int scan_node(scan *sc, const char *id, int nodefd)
     struct dirent *f;
     newest best[MAX_DELTAS_PER_NODE];
     size_t nbest = 0;
-    int rc = 0;
+    int rc = 0, async = sc->opts != NULL && sc->opts->async;
+    uint64_t from = async ? resume_of(sc, id) : 0, waiting = 0;
 
     if (d == NULL) {
         rc = -errno;
@@ -365,10 +418,15 @@ static int scan_node(scan *sc, const char *id, int nodefd)
         }
         if (dp.kind == DELTA_PATH_SHARD)
             continue;           /* part of a set: looked at through its index, never alone */
-        keep_newest(best, &nbest, dp.local_step, f->d_name);
+        if (!async)
+            keep_newest(best, &nbest, dp.local_step, f->d_name);
+        else if (dp.local_step >= from)     /* below: decided by earlier scans */
+            waiting += (uint64_t)keep_lowest(best, &nbest, dp.local_step, f->d_name);
     }
+    if (async && nbest > 1)
+        qsort(best, nbest, sizeof(*best), newest_cmp);   /* handed over in local-step order */
     if (rc == 0)
-        rc = push_node_dir(sc, id);
+        rc = push_node_dir(sc, id, waiting);
     size_t keeper = newest_set(best, nbest);
     for (size_t i = 0; i < nbest && rc == 0; i++) {
         hub_candidate c = {0};
@@ -390,6 +448,7 @@ static int scan_node(scan *sc, const char *id, int nodefd)
         c.size = (uint64_t)sb.st_size;
         c.mtime_ns = mtime_ns(&sb);
         c.ino = (uint64_t)sb.st_ino;
+        c.local_step = best[i].step;
         if (ends_with(best[i].name, ST_INDEX_SUFFIX))
             look_at_set(sc, dirfd(d), best[i].name, &sb, i == keeper, &c);
         if ((rc = push(sc, &c)) != 0) {
@@ -446,10 +505,10 @@ fail:
     return -ENOMEM;
 }
 
-int hubfile_scan(const char *root, const hub_index_memo *memo, size_t nmemo, hub_candidate **out, size_t *count,
-                 size_t *index_parses, dl_error *err)
+int hubfile_scan(const char *root, const hub_index_memo *memo, size_t nmemo, const hub_scan_opts *opts,
+                 hub_candidate **out, size_t *count, size_t *index_parses, dl_error *err)
 {
-    scan sc = {.root = root, .memo = memo, .nmemo = nmemo};
+    scan sc = {.root = root, .memo = memo, .nmemo = nmemo, .opts = opts};
     DIR *top = NULL;
     struct dirent *e;
     size_t dirs = 0;

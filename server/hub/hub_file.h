@@ -12,6 +12,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "delta.h"
 #include "dl_error.h"
 #include "index_parse.h"
 
@@ -36,7 +37,27 @@ typedef struct hub_candidate {
     char *refused;              /* non-NULL: junk in the tree (a link, a FIFO, ...), never read: why */
     int node_dir;               /* 1: not a delta but a node directory the scan read (rel nodes/<id>),
                                    for the transport to watch */
+    uint64_t local_step;        /* a delta's */
+    uint64_t waiting;           /* a node directory's (async scan): deltas from its resume point on beyond the
+                                   per-node cap, left for a later scan */
 } hub_candidate;
+
+/* Async mode's listing (hub_limits.async): every delta is an update, so a node directory is read in
+ * local-step order from where the decided ones end, the lowest HUBFILE_DELTAS_PER_NODE from that point
+ * per scan, rather than its newest few.  One per node directory whose lower local steps are all decided
+ * (handed over and answered for good): those below from are not listed again. */
+typedef struct hub_resume {
+    char node[DELTA_NODE_ID_MAX + 1];
+    uint64_t from;
+} hub_resume;
+
+typedef struct hub_scan_opts {
+    int async;
+    const hub_resume *resume;   /* sorted by node (strcmp), nresume entries; may be NULL */
+    size_t nresume;
+} hub_scan_opts;
+
+#define HUBFILE_DELTAS_PER_NODE 16
 
 /* What an earlier scan learnt from a version of an index (index_parse.h: the version's identity, its
  * verdict, and the parse itself when kept).  An index is read and parsed once per version, not at
@@ -49,14 +70,15 @@ typedef struct hub_index_memo {
     index_parse *index;         /* a reference */
 } hub_index_memo;
 
-/* Lists the deltas under root/nodes (per node directory the newest few by local step: single files and
+/* Lists the deltas under root/nodes (per node directory the newest few by local step, or with
+ * opts->async the lowest few above its resume point, in ascending local-step order: single files and
  * set indexes; shards are looked at through their index, never listed alone), the node directories it
  * read, and the entries it refused to read (a node directory that is a link, a delta that is a FIFO, a
  * file whose name is not a delta's, ...).  memo (sorted by rel, nmemo entries, may be NULL) is only
- * read: what earlier scans learnt of the indexes.  *index_parses: the indexes it read and parsed (set
- * also when the scan fails). */
-int hubfile_scan(const char *root, const hub_index_memo *memo, size_t nmemo, hub_candidate **out, size_t *n,
-                 size_t *index_parses, dl_error *err);
+ * read: what earlier scans learnt of the indexes; so is opts (NULL: sync).  *index_parses: the indexes
+ * it read and parsed (set also when the scan fails). */
+int hubfile_scan(const char *root, const hub_index_memo *memo, size_t nmemo, const hub_scan_opts *opts,
+                 hub_candidate **out, size_t *n, size_t *index_parses, dl_error *err);
 void hub_candidates_free(hub_candidate *c, size_t n);
 /* The memo of a scan's candidates, sorted by rel (replaces *memo; the old one is freed).  0 or -ENOMEM
  * (the old memo is kept). */

@@ -12,6 +12,11 @@
  * (a link, a FIFO, a misnamed file, an unreadable step file) is logged once per version.  The map
  * follows the tree: entries no longer listed are forgotten after each complete scan.
  *
+ * In async mode (hub_limits.async) every delta is an update: each node directory is listed in
+ * local-step order from its resume point (hub_file.h's hub_resume), which moves past the decided
+ * deltas that begin its listing after each complete scan; a node with more deltas than a scan lists
+ * is scanned again as they are decided.  Sync mode lists each node's newest few, as ever.
+ *
  * A sharded delta (hub.h, "Sharded checkpoints") is one entry of the seen map, under its index's
  * path, with an identity that covers every file of the set (hub_candidate in hub_file.h: sizes
  * summed, the latest mtime, the index's inode mixed with each shard's inode, size and mtime): a
@@ -40,6 +45,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "delta.h"
 #include "dl_log.h"
 #include "fsutil.h"
 #include "hub_file.h"
@@ -79,6 +85,10 @@ struct file_hub {
     hub_index_memo *memo;       /* read by the scan in flight, replaced only when it is done (the parses it
                                    holds are shared by reference with that scan and with intakes) */
     size_t nmemo;
+    int async;                  /* hub_limits.async: each node directory listed from its resume point */
+    hub_resume *resume;         /* async: where each node's listing resumes; like the memo, read by the scan
+                                   in flight and replaced only when it is done */
+    size_t nresume;
     uint64_t scan_gen;          /* scans completed (seen entries are stamped with the last listing) */
     int scan_in_flight, scan_again;
     uint64_t step;
@@ -241,6 +251,8 @@ static int is_set_rel(const char *rel)
     return n >= m && memcmp(rel + n - m, ST_INDEX_SUFFIX, m) == 0;
 }
 
+static void schedule_scan(file_hub *fh);
+
 static int file_mark_done(hub *h, const char *rel, hub_outcome outcome, const hub_version *v)
 {
     file_hub *fh = (file_hub *)h;
@@ -256,10 +268,10 @@ static int file_mark_done(hub *h, const char *rel, hub_outcome outcome, const hu
     changed = v != NULL && (e->size != v->size || e->mtime_ns != v->mtime_ns || e->ino != v->ino);
     switch (outcome) {
     case HUB_TAKEN:
-        e->state = SEEN_DONE;
-        break;
     case HUB_INVALID:
-        e->state = SEEN_REJECTED;
+        e->state = outcome == HUB_TAKEN ? SEEN_DONE : SEEN_REJECTED;
+        if (fh->async && fh->st.deltas_waiting > 0)
+            schedule_scan(fh);  /* a node's listing may move on to the deltas that wait */
         break;
     case HUB_INCOMPLETE:
         if (e->since < 0) {
@@ -284,8 +296,6 @@ static int file_mark_done(hub *h, const char *rel, hub_outcome outcome, const hu
 }
 
 /* ---- watching node directories ------------------------------------------------------------------ */
-
-static void schedule_scan(file_hub *fh);
 
 static void watch_event_cb(uv_fs_event_t *h, const char *filename, int events, int status)
 {
@@ -381,7 +391,8 @@ static void scan_work(pool_job *j)
     /* the memo is only read here: the loop replaces it in scan_done, and one scan runs at a time */
     file_hub *fh = job_hub(j);
 
-    j->rc = hubfile_scan(fh->root, fh->memo, fh->nmemo, &r->c, &r->n, &r->index_parses, &j->err);
+    hub_scan_opts opts = {.async = fh->async, .resume = fh->resume, .nresume = fh->nresume};
+    j->rc = hubfile_scan(fh->root, fh->memo, fh->nmemo, &opts, &r->c, &r->n, &r->index_parses, &j->err);
     r->published_rc = hubfile_read_published(fh->root, &r->published_present, &r->published_step,
                                              &r->published_sharded, &r->published_err);
 }
@@ -406,6 +417,92 @@ static void report_published(file_hub *fh, const scan_result *r)
     fh->reported = 1;
     fh->reported_step = step;
     fh->cb.published_seen(fh->app, step);
+}
+
+/* ---- async: where each node directory's listing resumes ----------------------------------------- */
+
+static int resume_cmp(const void *a, const void *b)
+{
+    return strcmp(((const hub_resume *)a)->node, ((const hub_resume *)b)->node);
+}
+
+static uint64_t resume_from(const file_hub *fh, const char *node)
+{
+    hub_resume key;
+    const hub_resume *e;
+
+    snprintf(key.node, sizeof(key.node), "%s", node);
+    e = fh->nresume ? bsearch(&key, fh->resume, fh->nresume, sizeof(key), resume_cmp) : NULL;
+    return e != NULL ? e->from : 0;
+}
+
+/* Handed over and answered for good (a junk entry reported, too): no later scan needs to list it. */
+static int decided(const file_hub *fh, const hub_candidate *c)
+{
+    const seen_entry *e;
+
+    if (c->refused != NULL)
+        return 1;
+    e = seen_find(&fh->seen, c->rel);
+    return e != NULL && (e->state == SEEN_DONE || (e->state == SEEN_REJECTED && e->since != SINCE_PARTIAL));
+}
+
+/* After a complete async scan: each node directory it read resumes past the decided deltas that begin
+ * its listing (in local-step order; the first one still pending, incomplete or retried stops it).  A
+ * directory no longer read is forgotten.  1 when a node with deltas waiting moved on (scan again). */
+static int update_resume(file_hub *fh, const scan_result *r)
+{
+    hub_resume *nv = NULL;
+    size_t n = 0, cap = 0;
+    int blocked = 1, again = 0;
+    uint64_t waiting = 0, node_waiting = 0;
+
+    for (size_t i = 0; i < r->n; i++) {
+        const hub_candidate *c = &r->c[i];
+        delta_path dp;
+        if (c->node_dir) {
+            if (n == cap) {
+                size_t nc = cap ? 2 * cap : 64;
+                hub_resume *t = realloc(nv, nc * sizeof(*t));
+                if (t == NULL) {
+                    free(nv);
+                    dl_log(DL_LOG_WARN, "hub", "out of memory remembering where listings resume", "count=%zu", n);
+                    return 0;   /* the old points stay: nothing is skipped, only listed again */
+                }
+                nv = t;
+                cap = nc;
+            }
+            snprintf(nv[n].node, sizeof(nv[n].node), "%s", c->rel + strlen("nodes/"));
+            nv[n].from = resume_from(fh, nv[n].node);
+            n++;
+            blocked = 0;
+            node_waiting = c->waiting;
+            waiting += c->waiting;
+            continue;
+        }
+        if (blocked || n == 0 || delta_parse_any_path(c->rel, &dp, NULL) != 0 || strcmp(dp.node_id, nv[n - 1].node) != 0)
+            continue;
+        if (!decided(fh, c) || dp.local_step == UINT64_MAX) {
+            blocked = 1;
+            continue;
+        }
+        if (dp.local_step >= nv[n - 1].from) {
+            nv[n - 1].from = dp.local_step + 1;
+            again |= node_waiting > 0;
+        }
+    }
+    if (n > 1)
+        qsort(nv, n, sizeof(*nv), resume_cmp);
+    free(fh->resume);
+    fh->resume = nv;
+    fh->nresume = n;
+    if (waiting != fh->st.deltas_waiting && waiting > 0)
+        dl_log(DL_LOG_INFO, "hub", "deltas wait for a later scan (each node directory is read in local-step order, "
+                                   "a few at a time)",
+               "waiting=%" PRIu64 " per_node=%d", waiting, HUBFILE_DELTAS_PER_NODE);
+    fh->st.deltas_deferred += waiting;
+    fh->st.deltas_waiting = waiting;
+    return again;
 }
 
 static void scan_done(pool_job *j)
@@ -448,6 +545,8 @@ static void scan_done(pool_job *j)
         if (j->rc == 0) {
             if (hub_index_memo_build(r->c, r->n, &fh->memo, &fh->nmemo) != 0)
                 dl_log(DL_LOG_WARN, "hub", "out of memory remembering the indexes", "count=%zu", r->n);
+            if (fh->async && !fh->waiting && update_resume(fh, r))
+                fh->scan_again = 1;     /* the next deltas of a node that has more */
             if (seen_prune(&fh->seen, still_listed, fh) != 0)
                 dl_log(DL_LOG_WARN, "hub", "out of memory pruning the seen files", "count=%zu", fh->seen.count);
             prune_watches(fh);
@@ -717,6 +816,7 @@ static void free_hub(file_hub *fh)
 
     seen_free(&fh->seen);
     hub_index_memo_free(fh->memo, fh->nmemo);
+    free(fh->resume);
     free(fh->watches);
     free(fh->root);
     free(fh->state_dir);
@@ -825,6 +925,11 @@ static void file_set_step(hub *h, uint64_t step, int waiting)
         schedule_scan(fh);
 }
 
+static void file_set_limits(hub *h, const hub_limits *lim)
+{
+    ((file_hub *)h)->async = lim->async;
+}
+
 static const hub_status *file_status(const hub *h)
 {
     return &((const file_hub *)h)->st;
@@ -863,4 +968,5 @@ const hub_ops hub_file_ops = {
     .status = file_status,
     .close = file_close,
     .prune = file_prune,
+    .set_limits = file_set_limits,
 };

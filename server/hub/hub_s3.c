@@ -2,11 +2,13 @@
  * request signed with libcurl's SigV4.
  *
  * Polling: every poll interval, global/step_count.json (a GET); then, while the daemon is not
- * waiting for a global, ListObjectsV2 of <prefix>/nodes/ (every page, by continuation token).  Of
- * each node directory only the delta with the highest local step matters (a worker's later delta
- * replaces its earlier ones in a round, and is never based on an older step), so at most one
- * download per node per poll.  A (key, ETag) pair is handed over once: the pairs handled are
- * remembered in <state>/s3_seen.tsv, also across restarts.
+ * waiting for a global, ListObjectsV2 of <prefix>/nodes/ (every page, by continuation token).  In
+ * sync mode only each node directory's delta with the highest local step matters (a worker's later
+ * delta replaces its earlier ones in a round, and is never based on an older step), so at most one
+ * download per node per poll; in async mode every delta is an update, and a node's single files not
+ * handled yet are taken in local-step order, ASYNC_DELTAS_PER_NODE per poll (consider_async).  A
+ * (key, ETag) pair is handed over once (again after a HUB_RETRY): the pairs handled are remembered in
+ * <state>/s3_seen.tsv, also across restarts.
  *
  * Peeking: a new delta's first 64 KiB (at most its listed size) are read first (a Range GET): a header over the header cap
  * or describing another size than the listing's is refused without a download, a delta of an
@@ -84,6 +86,9 @@
 /* shards remembered of one node: its one set's (more than any model's tensors need; a node that lists
  * more has its extra shards ignored, and its set is incomplete) */
 #define MAX_SHARDS_PER_NODE 16384
+/* async mode: a node's deltas handed over per poll, the lowest local steps not handled yet (the others
+ * wait for the next polls, and are counted) */
+#define ASYNC_DELTAS_PER_NODE 16
 #define CREDENTIALS_FILE_CAP (64u << 10)
 #define EMPTY_SHA256 "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
@@ -323,6 +328,8 @@ static void best_reset(s3_hub *h)
     h->cur_node[0] = '\0';
     h->cur_node_shards = 0;
     h->list_full = 0;
+    h->list_waiting = 0;
+    h->cur_node_in_flight = 0;
 }
 
 /* Forgets what this poll remembered of node (a node the poll stops in: the next one lists it whole). */
@@ -393,6 +400,7 @@ static int enter_node(s3_hub *h, const char *key, const char *node)
     h->prev_key = NULL;
     snprintf(h->cur_node, sizeof(h->cur_node), "%s", node);
     h->cur_node_shards = 0;
+    h->cur_node_in_flight = 0;
 same:
     free(h->prev_key);
     h->prev_key = dup_key(key);
@@ -427,8 +435,84 @@ static int remember_shard(s3_hub *h, const s3_object *o, const delta_path *dp)
     return 0;
 }
 
+static int best_set(best_entry *b, const s3_object *o, const delta_path *dp)
+{
+    char *k = strdup(o->key);
+
+    if (k == NULL)
+        return -1;
+    free(b->key);
+    b->key = k;
+    b->local_step = dp->local_step;
+    b->is_index = dp->kind == DELTA_PATH_INDEX;
+    b->size = o->size;
+    snprintf(b->etag, sizeof(b->etag), "%s", o->etag);
+    return 0;
+}
+
+/* A new entry of node at the end of the table (NULL: full, or out of memory). */
+static best_entry *best_append(s3_hub *h, const char *node)
+{
+    if (h->nbest >= MAX_NODES_PER_LISTING)
+        return NULL;
+    best_entry *nb = realloc(h->best, (h->nbest + 1) * sizeof(*nb));
+    if (nb == NULL)
+        return NULL;
+    h->best = nb;
+    memset(&h->best[h->nbest], 0, sizeof(h->best[h->nbest]));
+    snprintf(h->best[h->nbest].node, sizeof(h->best[h->nbest].node), "%s", node);
+    return &h->best[h->nbest++];
+}
+
+/* Async mode: every delta is an update, none supersedes another, so a node's single files not handled
+ * yet are kept, its ASYNC_DELTAS_PER_NODE lowest local steps per poll (the others are counted and
+ * wait: the seen list knows the handled ones, so the next poll resumes where this one stopped).  A
+ * set is kept as in sync mode: the node's newest index. */
+static void consider_async(s3_hub *h, const s3_object *o, const char *rel, const delta_path *dp)
+{
+    size_t mine = 0, worst = SIZE_MAX, index = SIZE_MAX;
+    int is_new;
+
+    for (size_t i = 0; i < h->nbest; i++) {
+        if (strcmp(h->best[i].node, dp->node_id) != 0)
+            continue;
+        if (h->best[i].is_index) {
+            index = i;
+            continue;
+        }
+        mine++;
+        if (worst == SIZE_MAX || h->best[i].local_step > h->best[worst].local_step)
+            worst = i;
+    }
+    if (dp->kind == DELTA_PATH_INDEX) {
+        best_entry *b = index != SIZE_MAX ? &h->best[index] : NULL;
+        if (b != NULL && dp->local_step <= b->local_step)
+            return;
+        if (b == NULL && (b = best_append(h, dp->node_id)) == NULL)
+            return;
+        (void)best_set(b, o, dp);       /* out of memory: its old key stays, or an empty entry is skipped */
+        return;
+    }
+    if (remote_fetch_wanted(&h->f, rel, o->etag, &is_new) <= 0) {
+        /* handled: the poll goes past it; in flight: it holds one of the node's places, so a busy
+         * daemon is not sent more of a node's deltas than that */
+        if (remote_fetch_in_flight(&h->f, rel, o->etag))
+            h->cur_node_in_flight++;
+        return;
+    }
+    if (mine + h->cur_node_in_flight < ASYNC_DELTAS_PER_NODE) {
+        best_entry *b = best_append(h, dp->node_id);
+        if (b == NULL || best_set(b, o, dp) != 0)
+            h->list_waiting++;  /* the table is full: the next poll */
+        return;
+    }
+    h->list_waiting++;          /* this one, or the one it displaces */
+    if (worst != SIZE_MAX && dp->local_step < h->best[worst].local_step)
+        (void)best_set(&h->best[worst], o, dp);
+}
+
 /* Keeps obj if it is the highest local step of its node seen in this listing (a file or an index;
- * shards are kept aside for their index). */
+ * shards are kept aside for their index); async mode: consider_async. */
 static void consider_object(s3_hub *h, const s3_object *o, const char *rel)
 {
     const char *node;
@@ -443,6 +527,10 @@ static void consider_object(s3_hub *h, const s3_object *o, const char *rel)
     if (dp.kind == DELTA_PATH_SHARD) {
         if (h->cur_node_shards < MAX_SHARDS_PER_NODE && remember_shard(h, o, &dp) == 0)
             h->cur_node_shards++;
+        return;
+    }
+    if (h->f.limits.async) {
+        consider_async(h, o, rel, &dp);
         return;
     }
     node = dp.node_id;
@@ -500,12 +588,33 @@ static int set_listed(s3_hub *h, const best_entry *b, remote_listed **out, size_
     return 0;
 }
 
-/* After the last page: each node's newest delta, unless it was handled already. */
+static int best_cmp(const void *a, const void *b)
+{
+    const best_entry *x = a, *y = b;
+    int c = strcmp(x->node, y->node);
+    return c != 0 ? c : x->local_step < y->local_step ? -1 : x->local_step > y->local_step;
+}
+
+/* After the last page: each node's newest delta (async: its deltas kept, in local-step order), unless
+ * it was handled already. */
 static void listing_complete(s3_hub *h)
 {
     size_t plen = h->prefix[0] ? strlen(h->prefix) + 1 : 0;
+
+    if (h->f.limits.async) {
+        if (h->nbest > 1)
+            qsort(h->best, h->nbest, sizeof(*h->best), best_cmp);
+        if (h->list_waiting > 0 && h->list_waiting != h->st.deltas_waiting)
+            dl_log(DL_LOG_INFO, "hub", "deltas wait for a later poll (each node's are taken in local-step order, "
+                                       "a few per poll)",
+                   "waiting=%" PRIu64 " per_node=%d", h->list_waiting, ASYNC_DELTAS_PER_NODE);
+        h->st.deltas_waiting = h->list_waiting;
+        h->st.deltas_deferred += h->list_waiting;
+    }
     for (size_t i = 0; i < h->nbest; i++) {
         best_entry *b = &h->best[i];
+        if (b->key == NULL)
+            continue;           /* an entry whose key could not be copied */
         const char *rel = b->key + plen;
         remote_listed *listed = NULL;
         size_t nlisted = 0;

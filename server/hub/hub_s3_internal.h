@@ -102,6 +102,8 @@ struct s3_hub {
     char *prev_key;             /* this poll: the last delta key considered */
     char cur_node[DELTA_NODE_ID_MAX + 1];   /* this poll: the node of prev_key */
     size_t cur_node_shards;     /* its shards remembered */
+    uint64_t list_waiting;      /* this poll, async: deltas beyond a node's per-poll cap (the next polls') */
+    size_t cur_node_in_flight;  /* this poll, async: the current node's deltas listed and not decided yet */
     int list_full;              /* a table filled: the poll ends at node_boundary */
     pub_state pub;
     unsigned pub_gen;

@@ -403,14 +403,15 @@ int remote_seen_decided(remote_seen *s, const char *rel, hub_outcome outcome)
 {
     size_t rl = strlen(rel);
 
-    if (outcome == HUB_RETRY)
-        return 0;
-    /* the daemon knows the path; the version is the pending entry's */
+    /* the daemon knows the path; the version is the pending entry's.  A retry (our own failure, or
+     * async mode's queue full: busy) is looked at again by a later listing, never persisted; it was
+     * left pending once, and a delta refused busy never came back */
     for (size_t i = 0; i < s->map.cap; i++) {
         seen_entry *e = &s->map.slots[i];
         if (e->key && e->state == SEEN_PENDING && strncmp(e->key, rel, rl) == 0 && e->key[rl] == '\t') {
-            e->state = SEEN_DONE;
-            seen_persist(s, e->key);
+            e->state = outcome == HUB_RETRY ? SEEN_INCOMPLETE : SEEN_DONE;
+            if (outcome != HUB_RETRY)
+                seen_persist(s, e->key);
         }
     }
     return outcome == HUB_INCOMPLETE;

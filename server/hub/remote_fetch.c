@@ -174,6 +174,15 @@ int remote_fetch_wanted(const remote_fetch *f, const char *rel, const char *ver,
     return e == NULL || e->state == SEEN_INCOMPLETE;
 }
 
+int remote_fetch_in_flight(const remote_fetch *f, const char *rel, const char *ver)
+{
+    char *k = remote_seen_key(rel, ver);
+    const seen_entry *e = k != NULL ? seen_find(&f->seen.map, k) : NULL;
+
+    free(k);
+    return e != NULL && e->state == SEEN_PENDING;
+}
+
 int remote_fetch_pending(remote_fetch *f, const char *rel, const char *ver)
 {
     char *k = remote_seen_key(rel, ver);

@@ -168,6 +168,8 @@ int remote_fetch_set_version(const char *index_tag, const remote_listed *l, size
  * later round's delta looked at again, 0 when it is pending, done or given up for this run, -1 when
  * out of memory. */
 int remote_fetch_wanted(const remote_fetch *f, const char *rel, const char *ver, int *is_new);
+/* 1 when (rel, version) is a candidate the daemon has not decided yet (pending). */
+int remote_fetch_in_flight(const remote_fetch *f, const char *rel, const char *ver);
 /* A candidate was made of (rel, version): pending until the daemon decides it.  0, or -1 when out
  * of memory (no candidate then). */
 int remote_fetch_pending(remote_fetch *f, const char *rel, const char *ver);

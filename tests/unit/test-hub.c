@@ -13,6 +13,7 @@
 #include <uv.h>
 
 #include "hub.h"
+#include "hub_file.h"
 #include "index_parse.h"
 #include "remote.h"
 #include "round.h"
@@ -838,6 +839,76 @@ TEST(file_transport_parses_an_index_once_per_version_and_hands_the_parse_over)
 /* hub/remote.c's seen list, on a real loop: decisions are appended once, a restart loads them done,
  * the daemon's verdict settles the pending versions of a path only, and an overlong line in the file
  * is skipped whole. */
+/* The deltas of node "a" a scan lists, in its order, into steps (returns how many; -1 on failure), and
+ * the node directory's waiting count. */
+static int scan_steps(const char *root, const hub_scan_opts *opts, uint64_t *steps, size_t max, uint64_t *waiting)
+{
+    hub_candidate *c = NULL;
+    size_t n = 0, parses, k = 0;
+    dl_error e;
+
+    if (hubfile_scan(root, NULL, 0, opts, &c, &n, &parses, &e) != 0)
+        return -1;
+    for (size_t i = 0; i < n; i++) {
+        if (c[i].node_dir)
+            *waiting = c[i].waiting;
+        else if (c[i].refused == NULL && k < max)
+            steps[k++] = c[i].local_step;
+    }
+    hub_candidates_free(c, n);
+    return (int)k;
+}
+
+/* Sync mode lists a node's newest deltas; async mode its lowest from the resume point, in local-step
+ * order, and counts the ones left for a later scan. */
+TEST(file_scan_lists_a_node_newest_in_sync_and_in_local_step_order_in_async)
+{
+    char root[] = "/tmp/dilocod-test-scan-XXXXXX", path[256];
+    uint64_t steps[64], waiting = 0;
+
+    CHECK(mkdtemp(root) != NULL);
+    snprintf(path, sizeof(path), "%s/nodes", root);
+    CHECK_EQ(mkdir(path, 0755), 0);
+    snprintf(path, sizeof(path), "%s/nodes/a", root);
+    CHECK_EQ(mkdir(path, 0755), 0);
+    for (int i = 1; i <= 30; i++) {
+        snprintf(path, sizeof(path), "%s/nodes/a/delta_%d.safetensors", root, i);
+        CHECK_EQ(write_model(path), 0);
+    }
+    int n = scan_steps(root, NULL, steps, 64, &waiting);
+    CHECK_EQ(n, HUBFILE_DELTAS_PER_NODE);
+    uint64_t lo = UINT64_MAX;
+    for (int i = 0; i < n; i++)
+        lo = steps[i] < lo ? steps[i] : lo;
+    CHECK_EQ(lo, 15u);                          /* the 16 newest: 15..30 */
+    hub_scan_opts async = {.async = 1};
+    n = scan_steps(root, &async, steps, 64, &waiting);
+    CHECK_EQ(n, HUBFILE_DELTAS_PER_NODE);
+    for (int i = 0; i < n; i++)
+        CHECK_EQ(steps[i], (uint64_t)(i + 1));  /* 1..16, ascending */
+    CHECK_EQ(waiting, 14u);
+    hub_resume r = {.node = "a", .from = 10};
+    hub_scan_opts resumed = {.async = 1, .resume = &r, .nresume = 1};
+    n = scan_steps(root, &resumed, steps, 64, &waiting);
+    CHECK_EQ(n, HUBFILE_DELTAS_PER_NODE);
+    for (int i = 0; i < n; i++)
+        CHECK_EQ(steps[i], (uint64_t)(i + 10)); /* 10..25 */
+    CHECK_EQ(waiting, 5u);
+    r.from = 28;
+    n = scan_steps(root, &resumed, steps, 64, &waiting);
+    CHECK_EQ(n, 3);
+    CHECK_EQ(waiting, 0u);
+    for (int i = 1; i <= 30; i++) {
+        snprintf(path, sizeof(path), "%s/nodes/a/delta_%d.safetensors", root, i);
+        unlink(path);
+    }
+    snprintf(path, sizeof(path), "%s/nodes/a", root);
+    rmdir(path);
+    snprintf(path, sizeof(path), "%s/nodes", root);
+    rmdir(path);
+    rmdir(root);
+}
+
 TEST(remote_seen_list_persists_what_is_decided)
 {
     static char path[400];
@@ -869,11 +940,13 @@ TEST(remote_seen_list_persists_what_is_decided)
     /* decided for good: written once, however often it is said */
     remote_seen_done(&s, "nodes/d/delta_3.safetensors", "v3");
     remote_seen_done(&s, "nodes/d/delta_3.safetensors", "v3");
-    /* the daemon's verdict: our own failure keeps it pending; any other settles that path's pending ones */
+    /* the daemon's verdict: our own failure (or async's busy) makes it looked at again by a later listing,
+     * not written; any other settles that path's pending ones */
     seen_get(&s.map, "nodes/e/delta_4.safetensors\tv4", &created)->state = SEEN_PENDING;
     seen_get(&s.map, "nodes/e/delta_40.safetensors\tv5", &created)->state = SEEN_PENDING;
     CHECK_EQ(remote_seen_decided(&s, "nodes/e/delta_4.safetensors", HUB_RETRY), 0);
-    CHECK_EQ(seen_find(&s.map, "nodes/e/delta_4.safetensors\tv4")->state, SEEN_PENDING);
+    CHECK_EQ(seen_find(&s.map, "nodes/e/delta_4.safetensors\tv4")->state, SEEN_INCOMPLETE);
+    seen_find(&s.map, "nodes/e/delta_4.safetensors\tv4")->state = SEEN_PENDING;      /* listed and handed again */
     CHECK_EQ(remote_seen_decided(&s, "nodes/e/delta_4.safetensors", HUB_INCOMPLETE), 1);
     CHECK_EQ(seen_find(&s.map, "nodes/e/delta_4.safetensors\tv4")->state, SEEN_DONE);
     CHECK_EQ(seen_find(&s.map, "nodes/e/delta_40.safetensors\tv5")->state, SEEN_PENDING);
