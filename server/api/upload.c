@@ -323,7 +323,7 @@ static int verdict_message(dilocod *d, round_verdict v, const delta_info *info, 
         else
             snprintf(msg, size, "quarantined: the delta's L2 norm %.9g is above the bound %.9g (max_norm_ratio x the "
                      "median norm of the %s)", norm, bound, strcmp(basis, "trailing") == 0 ? "node's last rounds"
-                                                                                            : "round's other deltas");
+                                                                                            : "round's deltas, its own included");
         return 422;
     }
     case ROUND_NO_WEIGHT:
