@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <cJSON.h>
+#include <xxhash.h>
 
 #include "delta.h"
 #include "dl_log.h"
@@ -41,9 +42,6 @@ static void round_forget(cluster *c)
     free(c->nd);
     c->nd = NULL;
     c->nnd = 0;
-    cl_keys_free(c->refused, c->nrefused);
-    c->refused = NULL;
-    c->nrefused = 0;
     for (size_t i = 0; i < c->nm; i++)
         cl_source_free(&c->m[i].s);
     free(c->m);
@@ -51,31 +49,104 @@ static void round_forget(cluster *c)
     c->nm = 0;
 }
 
-static int is_refused(const cluster *c, const char *key, const char *etag)
+/* ---- deltas not to look at again -------------------------------------------------------------------
+ * A delta refused (its header, a set, its values, an overflow) or stale is not peeked at again in that
+ * version, across steps: a nodes/ writer's junk, or a worker's own old deltas, cost their entry in the
+ * listing and nothing more, and are logged once.  The entries are seen.h's map (the one the s3://
+ * transport's seen list is), keyed by a seeded XXH3-128 of "key\tETag" in hex: 33 bytes whatever a key's
+ * length, and a writer who picks key names cannot aim them at one probe chain (the seed is this start's).
+ * The map follows the bucket (an entry that a complete listing no longer holds is dropped) and holds at
+ * most REFUSED_MAX entries (about 10 MiB); past that a refusal is not remembered, and its delta is peeked
+ * at in every poll (logged at debug level), which a warning says once. */
+#define REFUSED_MAX 100000u
+
+enum refusal_kind {
+    REFUSED_FOR_GOOD = SEEN_REJECTED,   /* its header, a set, its values, an overflow: warn, counted */
+    REFUSED_STALE = SEEN_DONE,          /* an earlier round's: debug */
+    REFUSED_THIS_ROUND = SEEN_PENDING,  /* the round's rules (full, not allowed): until the round collects again */
+};
+
+static int refused_id(const cluster *c, const char *key, const char *etag, char out[33])
 {
-    for (size_t i = 0; i < c->nrefused; i++) {
-        size_t kl = strlen(key);
-        if (strncmp(c->refused[i], key, kl) == 0 && c->refused[i][kl] == '|' && strcmp(c->refused[i] + kl + 1, etag) == 0)
-            return 1;
-    }
+    char *s = cl_rel_printf("%s\t%s", key, etag);
+    if (s == NULL)
+        return -1;
+    XXH128_hash_t h = XXH3_128bits_withSeed(s, strlen(s), c->refused_seed);
+    free(s);
+    snprintf(out, 33, "%016" PRIx64 "%016" PRIx64, (uint64_t)h.high64, (uint64_t)h.low64);
     return 0;
 }
 
-/* A delta not to look at again this step: refused (counted, at warn level), or stale (a previous round's). */
-static void refuse(cluster *c, const char *key, const char *etag, const char *why, int stale)
+/* Whether (key, etag) is remembered; one that is stays for as long as listings hold it. */
+static int is_refused(cluster *c, const char *key, const char *etag)
 {
-    char *e = cl_rel_printf("%s|%s", key, etag);
-    char **grown = e ? realloc(c->refused, (c->nrefused + 1) * sizeof(*grown)) : NULL;
-    dl_log(stale ? DL_LOG_DEBUG : DL_LOG_WARN, "cluster", stale ? "delta of an earlier round" : "delta refused",
-           "key=%s why=%s", key, why);
-    if (grown == NULL) {
-        free(e);
-        return;
+    char id[33];
+    seen_entry *e = refused_id(c, key, etag, id) == 0 ? seen_find(&c->refused, id) : NULL;
+    if (e == NULL)
+        return 0;
+    e->listed = c->polls;
+    return 1;
+}
+
+/* The view's count of remembered deltas (the map is the thread's). */
+static void refused_view(cluster *c)
+{
+    pthread_mutex_lock(&c->mu);
+    c->refused_count = c->refused.count;
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* Remembers (key, etag): 1 newly, 0 already, -1 not (the map is full, or out of memory). */
+static int remember(cluster *c, const char *key, const char *etag, enum refusal_kind kind)
+{
+    char id[33];
+    int created = 0;
+    seen_entry *e = NULL;
+
+    if (refused_id(c, key, etag, id) != 0)
+        return -1;
+    if ((e = seen_find(&c->refused, id)) == NULL) {
+        if (c->refused.count >= REFUSED_MAX) {
+            if (!c->refused_full_warned)
+                dl_log(DL_LOG_WARN, "cluster", "too many refused deltas to remember: the others are looked at again "
+                       "at every poll", "max=%u", REFUSED_MAX);
+            c->refused_full_warned = 1;
+            return -1;
+        }
+        if ((e = seen_get(&c->refused, id, &created)) == NULL)
+            return -1;
     }
-    c->refused = grown;
-    c->refused[c->nrefused++] = e;
-    if (!stale)
+    /* a refusal for good outranks one for this round */
+    if (created || kind == REFUSED_FOR_GOOD)
+        e->state = (seen_state)kind;
+    e->listed = c->polls;
+    if (created)
+        refused_view(c);
+    return created;
+}
+
+/* A delta not to look at again: refused (counted, at warn level, once), or stale (a previous round's). */
+static void refuse(cluster *c, const char *key, const char *etag, const char *why, enum refusal_kind kind)
+{
+    int fresh = remember(c, key, etag, kind);
+    if (fresh == 0)
+        return;
+    /* one not remembered would be logged at every poll */
+    dl_log(kind == REFUSED_STALE || fresh < 0 ? DL_LOG_DEBUG : DL_LOG_WARN, "cluster",
+           kind == REFUSED_STALE ? "delta of an earlier round" : "delta refused", "key=%s why=%s", key, why);
+    if (kind != REFUSED_STALE)
         cl_count(c, &c->refusals, 1);
+}
+
+static int keep_not_this_round(const seen_entry *e, void *arg)
+{
+    (void)arg;
+    return e->state != (seen_state)REFUSED_THIS_ROUND;
+}
+
+static int keep_listed(const seen_entry *e, void *arg)
+{
+    return e->listed == *(const uint64_t *)arg;
 }
 
 static node_delta *nd_find(cluster *c, const char *node)
@@ -87,13 +158,19 @@ static node_delta *nd_find(cluster *c, const char *node)
 }
 
 /* Checks one delta's header against the global and the round's step (rel, etag from the listing):
- * 0 with s's header read, -1 refused (why), -2 not of this round yet (a later one), -4 of an earlier one. */
+ * 0 with s's header read, -1 refused (why), -2 not of this round yet (a later one), -3 not read (no answer,
+ * or not that version any more: nothing to remember it by), -4 of an earlier one. */
 static int check_delta(cluster *c, uint64_t step, source *s, const char *etag, delta_info *info, char *why,
                        size_t why_size)
 {
     dl_error err;
-    if (cl_read_header(c, s, etag, why, why_size) != 0)
-        return -1;
+    if (cl_read_header(c, s, etag, why, why_size) != 0) {
+        /* no answer, or one that may change (gone, rewritten, throttled, the server's): looked at again; any
+         * other is this version's for good (its bytes, an empty object's 416) */
+        long st = s->status;
+        int again = st == 0 || st == 403 || st == 404 || st == 408 || st == 412 || st == 429 || st >= 500;
+        return again ? -3 : -1;
+    }
     if (delta_check_header(s->h, c->g.h, s->rel, info, &err) != 0) {
         snprintf(why, why_size, "%.300s%.300s%.300s", err.message, err.tensor[0] ? " tensor=" : "", err.tensor);
         return -1;
@@ -117,8 +194,10 @@ static void poll_deltas(cluster *c, uint64_t step)
     /* the listing's ETags are wanted here (list_keys keeps only the names) */
     char *token = NULL;
     char *full = pl ? cl_rel_printf("%s/nodes/", c->a.prefix) : strdup("nodes/");
+    int complete = 0;
     if (full == NULL)
         return;
+    c->polls++;
     for (unsigned page = 0; page < LIST_PAGES_MAX && !cl_stopping(c); page++) {
         char *query = s3_list_query(full, token, NULL, 1000);
         s3s_req q = S3S_REQ_INIT;
@@ -152,7 +231,7 @@ static void poll_deltas(cluster *c, uint64_t step)
             if (delta_parse_path(rel, node, &local, NULL) != 0) {
                 delta_path dp;
                 if (delta_parse_any_path(rel, &dp, NULL) == 0 && dp.kind == DELTA_PATH_INDEX)
-                    refuse(c, rel, o->etag, "a cluster takes single-file deltas, not sets", 0);
+                    refuse(c, rel, o->etag, "a cluster takes single-file deltas, not sets", REFUSED_FOR_GOOD);
                 continue;
             }
             node_delta *have = nd_find(c, node);
@@ -175,7 +254,7 @@ static void poll_deltas(cluster *c, uint64_t step)
                            "key=%s", rel);
                 } else {
                     if (v == -1)
-                        refuse(c, rel, o->etag, why, 0);
+                        refuse(c, rel, o->etag, why, REFUSED_FOR_GOOD);
                     cl_source_free(&again);
                 }
                 continue;
@@ -189,7 +268,7 @@ static void poll_deltas(cluster *c, uint64_t step)
                 continue;
             int v = check_delta(c, step, &s, o->etag, &info, why, sizeof(why));
             if (v == -1 || v == -4)
-                refuse(c, rel, o->etag, why, v == -4);
+                refuse(c, rel, o->etag, why, v == -4 ? REFUSED_STALE : REFUSED_FOR_GOOD);
             if (v != 0 || strcmp(s.etag, o->etag) != 0) {
                 cl_source_free(&s);
                 continue;
@@ -205,7 +284,7 @@ static void poll_deltas(cluster *c, uint64_t step)
                 free(path);
                 cl_source_free(&s);
                 if (verdict != ROUND_NOT_NEWER)
-                    refuse(c, rel, o->etag, round_verdict_name(verdict), 0);
+                    refuse(c, rel, o->etag, round_verdict_name(verdict), REFUSED_THIS_ROUND);
                 continue;
             }
             dl_log(DL_LOG_INFO, "cluster", "delta taken", "step=%" PRIu64 " node=%s local_step=%" PRIu64 " verdict=%s",
@@ -228,11 +307,18 @@ static void poll_deltas(cluster *c, uint64_t step)
         free(token);
         token = l.truncated && l.next_token ? strdup(l.next_token) : NULL;
         s3_listing_free(&l);
-        if (token == NULL)
+        if (token == NULL) {
+            complete = !cl_stopping(c);
             break;
+        }
     }
     free(token);
     free(full);
+    /* what the whole listing no longer holds is forgotten: the map follows the bucket */
+    if (complete) {
+        seen_prune(&c->refused, keep_listed, &c->polls);
+        refused_view(c);
+    }
 }
 
 /* ---- the manifest --------------------------------------------------------------------------------- */
@@ -256,7 +342,8 @@ static char *manifest_text(const cluster *c, uint64_t step, unsigned gen, const 
     return sb_take(&b);
 }
 
-/* The closed round's manifest (generation 0). */
+/* The closed round's manifest (generation 0, or the one after a refusal that sent the step back to
+ * collecting). */
 static char *manifest_build(cluster *c, uint64_t step)
 {
     const node_delta **nodes = calloc(c->rnd.n ? c->rnd.n : 1, sizeof(*nodes));
@@ -268,7 +355,7 @@ static char *manifest_build(cluster *c, uint64_t step)
         if (d != NULL)
             nodes[n++] = d;
     }
-    char *text = manifest_text(c, step, 0, nodes, n);
+    char *text = manifest_text(c, step, c->gen, nodes, n);
     free(nodes);
     return text;
 }
@@ -305,8 +392,8 @@ static int manifest_adopt(cluster *c, uint64_t step, const char *text, size_t le
         snprintf(why, why_size, "the manifest is not one (outer_step, shards, plan, nodes)");
         goto out;
     }
-    if (cl_json_u64(j, "generation", &gen) != 0 || gen != 0) {
-        snprintf(why, why_size, "the manifest is not of the round's first generation");
+    if (cl_json_u64(j, "generation", &gen) != 0 || gen != c->gen) {
+        snprintf(why, why_size, "the manifest is not of generation %u", c->gen);
         goto out;
     }
     if (ms != step || shards != c->cfg.shards || strcmp(plan, c->g.plan_sha) != 0) {
@@ -391,7 +478,7 @@ out:
 /* The manifest of step: 1 adopted, 0 none yet, -1 refused or unreadable (why). */
 static int manifest_read(cluster *c, uint64_t step, char *why, size_t why_size)
 {
-    char *rel = cl_manifest_rel(step, 0);
+    char *rel = cl_manifest_rel(step, c->gen);
     s3s_resp r;
     /* an entry is at most ~450 bytes (a 64-byte id, its key, an ETag, a sha256): the text, and its cJSON tree,
      * stay within a few MB whatever a bucket writer puts there */
@@ -408,7 +495,7 @@ static int manifest_read(cluster *c, uint64_t step, char *why, size_t why_size)
 static int manifest_write(cluster *c, uint64_t step, char *why, size_t why_size)
 {
     char *text = manifest_build(c, step);
-    char *rel = cl_manifest_rel(step, 0);
+    char *rel = cl_manifest_rel(step, c->gen);
     s3s_resp r;
     int rc = -1;
 
@@ -427,7 +514,8 @@ static int manifest_write(cluster *c, uint64_t step, char *why, size_t why_size)
             pthread_mutex_lock(&c->mu);
             c->manifest = "written";
             pthread_mutex_unlock(&c->mu);
-            dl_log(DL_LOG_INFO, "cluster", "manifest written", "step=%" PRIu64 " nodes=%zu", step, c->nm);
+            dl_log(DL_LOG_INFO, "cluster", "manifest written", "step=%" PRIu64 " generation=%u nodes=%zu", step, c->gen,
+                   c->nm);
         }
         goto out;
     }
@@ -439,7 +527,8 @@ static int manifest_write(cluster *c, uint64_t step, char *why, size_t why_size)
         pthread_mutex_lock(&c->mu);
         c->manifest = "adopted";
         pthread_mutex_unlock(&c->mu);
-        dl_log(DL_LOG_INFO, "cluster", "manifest adopted", "step=%" PRIu64 " nodes=%zu", step, c->nm);
+        dl_log(DL_LOG_INFO, "cluster", "manifest adopted", "step=%" PRIu64 " generation=%u nodes=%zu", step, c->gen,
+                       c->nm);
     }
 out:
     free(text);
@@ -542,7 +631,10 @@ static void collect_garbage(cluster *c, uint64_t step)
     }
 }
 
-/* Every shard is done: publish once.  0 published (by anyone), -1 not yet. */
+static void write_overflow_refusal(cluster *c, uint64_t step, const double *sumsq, uint32_t overflowed);
+
+/* Every shard is done: publish once.  0 published (by anyone), -1 not yet, 1 a shard's step overflowed
+ * (nothing to publish: the overflow's refusal is written, and the next check_refusal takes it). */
 static int publish(cluster *c, uint64_t step)
 {
     char why[1024] = "";
@@ -550,14 +642,21 @@ static int publish(cluster *c, uint64_t step)
     char *rel = cl_rel_printf("global/steps/%" PRIu64 "/published", step);
     char body[256];
     s3s_resp r;
+    uint32_t overflowed = 0;
     int rc = -1;
 
     memset(&r, 0, sizeof(r));
     if (sumsq == NULL || rel == NULL)
         goto out;
     cl_set_state(c, "publishing");
-    if (cl_check_outputs(c, step, sumsq, why, sizeof(why)) != 0)
+    if (cl_check_outputs(c, step, sumsq, &overflowed, why, sizeof(why)) != 0)
         goto out;
+    if (overflowed > 0) {
+        write_overflow_refusal(c, step, sumsq, overflowed);
+        cl_set_state(c, "aggregating");
+        rc = 1;
+        goto out;
+    }
     snprintf(body, sizeof(body), "{\"outer_step\": %" PRIu64 ", \"generation\": %u, \"instance\": \"%s\"}\n", step,
              c->gen, c->instance);
     long st = cl_put_small(c, rel, body, strlen(body), NULL, 1, &r, why, sizeof(why));
@@ -639,6 +738,63 @@ static void write_refusal(cluster *c, uint64_t step, uint32_t i, size_t k)
     free(rel);
 }
 
+/* The delta of largest norm by the markers' sums (the first of equals in the manifest's, node id, order: the
+ * single aggregator's choice). */
+static size_t largest_delta(const double *sumsq, size_t n)
+{
+    size_t worst = 0;
+    for (size_t k = 1; k < n; k++)
+        if (sumsq[k] > sumsq[worst])
+            worst = k;
+    return worst;
+}
+
+/* Every shard has its marker and at least one pass overflowed: the step is computed again without the delta
+ * of largest norm, which refused[.g<g>].json names (reason "overflow"), written once; every aggregator checks
+ * it against the markers itself (verify_overflow), so all agree on the verdict. */
+static void write_overflow_refusal(cluster *c, uint64_t step, const double *sumsq, uint32_t overflowed)
+{
+    char *rel = cl_refusal_rel(step, c->gen);
+    size_t k = largest_delta(sumsq, c->nm);
+    sbuf b = {0};
+    s3s_resp r;
+    char why[1024];
+    if (rel == NULL || c->nm == 0) {
+        free(rel);
+        return;
+    }
+    sb_printf(&b, "{\"outer_step\": %" PRIu64 ", \"generation\": %u, \"reason\": \"overflow\", \"node\": ", step,
+              c->gen);
+    sb_json_string(&b, c->m[k].node, strlen(c->m[k].node));
+    sb_str(&b, "}\n");
+    if (!b.oom) {
+        long st = cl_put_small(c, rel, b.p, b.len, NULL, 1, &r, why, sizeof(why));
+        if (st == 200)
+            dl_log(DL_LOG_WARN, "cluster", "the step overflowed: refusal of the delta of largest norm written",
+                   "step=%" PRIu64 " generation=%u shards_overflowed=%" PRIu32 " node=%s norm=%.6g", step, c->gen,
+                   overflowed, c->m[k].node, sqrt(sumsq[k]));
+        s3s_resp_free(&r);
+    }
+    free(b.p);
+    free(rel);
+}
+
+/* An overflow's refusal naming node k holds when every shard of this generation has its marker, at least one
+ * of them an overflow, and k's delta is the one of largest norm by the markers' sums: 1 it holds, 0 it does
+ * not, -1 unknown for now (a marker missing or unreadable). */
+static int verify_overflow(cluster *c, uint64_t step, size_t k)
+{
+    double *sumsq = calloc(c->nm ? c->nm : 1, sizeof(*sumsq));
+    uint32_t overflowed = 0;
+    char why[1024];
+    int rc = -1;
+
+    if (sumsq != NULL && cl_check_outputs(c, step, sumsq, &overflowed, why, sizeof(why)) == 0)
+        rc = overflowed > 0 && largest_delta(sumsq, c->nm) == k;
+    free(sumsq);
+    return rc;
+}
+
 /* Reads node k's slice of shard i again: 1 its values are refused, 0 they are not, -1 unknown. */
 static int verify_refusal(cluster *c, uint64_t step, uint32_t i, size_t k)
 {
@@ -677,30 +833,53 @@ static int verify_refusal(cluster *c, uint64_t step, uint32_t i, size_t k)
     return rc;
 }
 
-/* 1: a refusal of this generation was verified and the next generation adopted; 0: none (or an unfounded
- * one, ignored); -1: the step cannot go on (too few nodes left, or a next manifest that is not ours). */
+/* No subset of the round's deltas down to --min-nodes made a finite step: the round is discarded (every one
+ * of its deltas remembered, so the same inputs never run again), the published step stays, and /status says
+ * output_overflow until a later step is published.  Logged at warning level once per episode. */
+static void round_overflowed(cluster *c, uint64_t step)
+{
+    for (size_t x = 0; x < c->nm; x++)
+        remember(c, c->m[x].s.rel, c->m[x].s.etag, REFUSED_FOR_GOOD);
+    pthread_mutex_lock(&c->mu);
+    int again = c->problem != NULL;
+    c->problem = "output_overflow";
+    pthread_mutex_unlock(&c->mu);
+    c->problem_step = step;
+    dl_log(again ? DL_LOG_DEBUG : DL_LOG_WARN, "cluster", "no subset of the round's deltas makes a finite step (the "
+           "published state is near its dtype's limit): the round is discarded, the published step stays; "
+           "problem=output_overflow", "step=%" PRIu64 " generation=%u nodes=%zu", step, c->gen, c->nm);
+    cl_fail_view(c, "step %" PRIu64 ": no subset of the round's deltas makes a finite step", step);
+}
+
+/* A refusal of this generation: 1 verified, and the next generation (the manifest without the refused
+ * delta) adopted; 2 verified, but fewer than --min-nodes would be left: the step goes back to collecting
+ * (the next generation's manifest is a new round's, written by whoever closes it), the refused delta (for
+ * an overflow, the whole round) remembered so that only new uploads are taken, as a single dilocod keeps
+ * collecting; 0 none (or an unfounded one, ignored); -1 the step cannot go on (a next manifest that is not
+ * the one derived). */
 static int check_refusal(cluster *c, uint64_t step)
 {
     char *rel = cl_refusal_rel(step, c->gen), *next = NULL, *text = NULL;
     char why[1024];
     s3s_resp r;
     const node_delta **keep = NULL;
-    int rc = 0;
+    int rc = 0, overflow = 0;
 
     memset(&r, 0, sizeof(r));
     if (rel == NULL || cl_get_small(c, rel, CLAIM_CAP, &r, why, sizeof(why)) != 1 ||
         strcmp(r.etag, c->refusal_ignored) == 0)
         goto out;
     cJSON *j = cJSON_ParseWithLength(r.body.p, r.body.len);
-    const char *node = cl_json_str(j, "node");
+    const char *node = cl_json_str(j, "node"), *reason = cl_json_str(j, "reason");
     uint64_t s = 0, g = 0, shard = 0;
     size_t k = c->nm;
+    overflow = reason != NULL && strcmp(reason, "overflow") == 0;
     if (node != NULL && cl_json_u64(j, "outer_step", &s) == 0 && cl_json_u64(j, "generation", &g) == 0 &&
-        cl_json_u64(j, "shard", &shard) == 0 && s == step && g == c->gen && shard < c->cfg.shards)
+        (overflow || (cl_json_u64(j, "shard", &shard) == 0 && shard < c->cfg.shards)) && s == step && g == c->gen)
         for (k = 0; k < c->nm && strcmp(c->m[k].node, node) != 0; k++)
             ;
     cJSON_Delete(j);
-    int v = k < c->nm ? verify_refusal(c, step, (uint32_t)shard, k) : 0;
+    int v = k >= c->nm ? 0 : overflow ? verify_overflow(c, step, k) : verify_refusal(c, step, (uint32_t)shard, k);
     if (v <= 0) {
         if (v == 0) {
             dl_log(DL_LOG_ERROR, "cluster", "a refusal names a delta whose values are valid: ignored", "key=%s", rel);
@@ -708,13 +887,22 @@ static int check_refusal(cluster *c, uint64_t step)
         }
         goto out;
     }
+    /* that version of the delta is never taken again, whatever comes next */
+    remember(c, c->m[k].s.rel, c->m[k].s.etag, REFUSED_FOR_GOOD);
     size_t left = c->nm - 1, min = c->cfg.min_nodes ? c->cfg.min_nodes : 1;
     if (left < min) {
-        dl_log(DL_LOG_ERROR, "cluster", "step refused: too few nodes are left without the refused delta",
-               "step=%" PRIu64 " nodes_left=%zu min_nodes=%zu", step, left, min);
-        cl_fail_view(c, "step %" PRIu64 ": node %s's delta refused, %zu nodes left (min_nodes %zu)", step, c->m[k].node,
-                  left, min);
-        rc = -1;
+        if (overflow) {
+            round_overflowed(c, step);
+        } else {
+            dl_log(DL_LOG_WARN, "cluster", "too few nodes are left without the refused delta: the step collects again",
+                   "step=%" PRIu64 " node=%s nodes_left=%zu min_nodes=%zu generation=%u", step, c->m[k].node, left, min,
+                   c->gen + 1);
+            cl_fail_view(c, "step %" PRIu64 ": node %s's delta refused, %zu nodes left (min_nodes %zu): collecting "
+                         "again", step, c->m[k].node, left, min);
+        }
+        cl_count(c, &c->refusals, 1);
+        c->gen++;
+        rc = 2;
         goto out;
     }
     if ((keep = calloc(left ? left : 1, sizeof(*keep))) == NULL)
@@ -739,8 +927,10 @@ static int check_refusal(cluster *c, uint64_t step)
     } else if (st != 200) {
         goto out;
     }
-    dl_log(DL_LOG_WARN, "cluster", "a delta refused for its values: the round goes on without it",
-           "step=%" PRIu64 " node=%s generation=%u nodes=%zu", step, c->m[k].node, c->gen + 1, left);
+    dl_log(DL_LOG_WARN, "cluster", overflow ? "the step overflowed: the round goes on without the delta of largest norm"
+           : "a delta refused for its values: the round goes on without it",
+           "step=%" PRIu64 " node=%s generation=%u nodes=%zu reason=%s", step, c->m[k].node, c->gen + 1, left,
+           overflow ? "overflow" : "values");
     cl_source_free(&c->m[k].s);
     memmove(&c->m[k], &c->m[k + 1], (c->nm - k - 1) * sizeof(*c->m));
     c->nm--;
@@ -807,20 +997,21 @@ out:
     free(dir);
 }
 
-/* Shards until every one is done, then the publish; returns once the bucket's step reached step, or a
- * refusal stops the step (then it waits for the bucket to move on). */
-static void aggregate(cluster *c, uint64_t step)
+/* Shards until every one is done, then the publish; returns 0 once the bucket's step reached step (or a
+ * refusal stopped the step: then once the bucket moved on), 1 when a refusal sends the step back to
+ * collecting (c->gen is the next generation's). */
+static int aggregate(cluster *c, uint64_t step)
 {
     uint32_t S = c->cfg.shards;
     unsigned char *done = calloc(S, 1);
     uint32_t *order = calloc(S, sizeof(*order));
     unsigned members, rank;
-    int refused = 0;
+    int refused = 0, reopen = 0;
 
     if (done == NULL || order == NULL) {
         free(done);
         free(order);
-        return;
+        return 0;
     }
     join_step(c, step, &members, &rank);
     /* our shards first (a test hook's shard before them), then everyone else's, each from our rank on */
@@ -877,9 +1068,13 @@ static void aggregate(cluster *c, uint64_t step)
         if (!refused) {
             /* a delta refused in any shard (by us or another) starts the next generation without it */
             int r = check_refusal(c, step);
-            if (r > 0) {
+            if (r == 1) {
                 memset(done, 0, S);
                 continue;
+            }
+            if (r == 2) {
+                reopen = 1;
+                break;
             }
             if (r < 0)
                 refused = 1;
@@ -905,6 +1100,7 @@ static void aggregate(cluster *c, uint64_t step)
         while (!cl_stopping(c) && cl_bucket_step(c, NULL, 0) < (int64_t)step)
             cl_nap(c, c->cfg.poll_interval > 1 ? c->cfg.poll_interval : 1);
     }
+    return reopen;
 }
 
 static void step_reset_view(cluster *c, uint64_t step)
@@ -922,15 +1118,17 @@ static void step_reset_view(cluster *c, uint64_t step)
     pthread_mutex_unlock(&c->mu);
 }
 
-/* Collects round step until its manifest is agreed, then aggregates it. */
-static void run_step(cluster *c, uint64_t step)
+/* Collects round step (generation c->gen) until its manifest is agreed: 0, or -1 when the bucket's step
+ * reached step meanwhile or the thread stops. */
+static int collect(cluster *c, uint64_t step)
 {
     char why[1024];
     int warned = 0;
 
     round_forget(c);
-    c->gen = 0;
-    c->refusal_ignored[0] = '\0';
+    /* what the round's rules refused is looked at again by a new round */
+    seen_prune(&c->refused, keep_not_this_round, NULL);
+    refused_view(c);
     round_reset(&c->rnd, step - 1);   /* round.c's step: the base its deltas name */
     step_reset_view(c, step);
     cl_set_state(c, "collecting");
@@ -940,7 +1138,8 @@ static void run_step(cluster *c, uint64_t step)
             pthread_mutex_lock(&c->mu);
             c->manifest = "adopted";
             pthread_mutex_unlock(&c->mu);
-            dl_log(DL_LOG_INFO, "cluster", "manifest adopted", "step=%" PRIu64 " nodes=%zu", step, c->nm);
+            dl_log(DL_LOG_INFO, "cluster", "manifest adopted", "step=%" PRIu64 " generation=%u nodes=%zu", step, c->gen,
+                       c->nm);
             break;
         }
         if (m < 0) {
@@ -957,7 +1156,7 @@ static void run_step(cluster *c, uint64_t step)
             c->nm = 0;
             cl_nap(c, c->cfg.poll_interval > 1 ? c->cfg.poll_interval : 1);
             if (cl_bucket_step(c, NULL, 0) >= (int64_t)step)
-                return;
+                return -1;
             continue;
         }
         poll_deltas(c, step);
@@ -975,11 +1174,27 @@ static void run_step(cluster *c, uint64_t step)
             c->nm = 0;
         }
         if (cl_bucket_step(c, NULL, 0) >= (int64_t)step)
-            return;
+            return -1;
         cl_nap(c, c->cfg.poll_interval);
     }
-    if (!cl_stopping(c))
-        aggregate(c, step);
+    return cl_stopping(c) ? -1 : 0;
+}
+
+/* Step's rounds: collected, aggregated, and collected again while a refusal sends it back. */
+static void run_step(cluster *c, uint64_t step)
+{
+    c->gen = 0;
+    c->refusal_ignored[0] = '\0';
+    if (c->problem_step < step) {
+        pthread_mutex_lock(&c->mu);
+        if (c->problem != NULL)
+            dl_log(DL_LOG_INFO, "cluster", "a step was published: problem output_overflow is over", "step=%" PRIu64,
+                   step - 1);
+        c->problem = NULL;
+        pthread_mutex_unlock(&c->mu);
+    }
+    while (collect(c, step) == 0 && aggregate(c, step) == 1)
+        ;
 }
 
 static void *cluster_main(void *arg)
@@ -1032,7 +1247,7 @@ int cluster_start(cluster **out, uv_loop_t *loop, const cluster_config *cfg, con
                   void (*stopped)(void *), void *arg, dl_error *err)
 {
     cluster *c = calloc(1, sizeof(*c));
-    unsigned char rnd[6];
+    unsigned char rnd[14];
 
     *out = NULL;
     if (c == NULL)
@@ -1064,6 +1279,7 @@ int cluster_start(cluster **out, uv_loop_t *loop, const cluster_config *cfg, con
         return dl_fail_errno(err, errno ? errno : EIO, "reading /dev/urandom");
     }
     close(fd);
+    memcpy(&c->refused_seed, rnd + 6, sizeof(c->refused_seed));
     snprintf(c->instance, sizeof(c->instance), "%.64s-%02x%02x%02x%02x%02x%02x", cfg->id, rnd[0], rnd[1], rnd[2],
              rnd[3], rnd[4], rnd[5]);
     /* what a killed run left there is of no use: every slice is read again from the bucket */
@@ -1098,6 +1314,7 @@ void cluster_free(cluster *c)
     if (c == NULL)
         return;
     round_forget(c);
+    seen_free(&c->refused);
     round_free(&c->rnd);
     cl_gmodel_free(&c->g);
     s3s_free(&c->s3);
@@ -1153,7 +1370,12 @@ void cluster_status_json(cluster *c, sbuf *b)
               (uint64_t)atomic_load(&c->s3.requests), (uint64_t)atomic_load(&c->s3.retries), c->read_s, c->pass_s,
               c->write_s);
     sb_json_string(b, c->last_error, strlen(c->last_error));
-    sb_str(b, "}");
+    sb_str(b, ", \"problem\": ");
+    if (c->problem != NULL)
+        sb_printf(b, "\"%s\"", c->problem);
+    else
+        sb_str(b, "null");
+    sb_printf(b, ", \"refused_remembered\": %zu}", c->refused_count);
     pthread_mutex_unlock(&c->mu);
 }
 

@@ -15,6 +15,7 @@
 
 #include "round.h"
 #include "s3_cluster.h"
+#include "seen.h"
 #include "s3_sync.h"
 
 #define PEEK_BYTES 65536u
@@ -96,17 +97,24 @@ struct cluster {
     uint64_t bytes_read, bytes_written, shards_done, takeovers, publishes, refusals, fenced;
     double read_s, pass_s, write_s;     /* the shards' time reading, in the pass, writing back (all steps) */
     char last_error[300];
+    const char *problem;        /* NULL, or "output_overflow": no subset of a round made a finite step */
+    size_t refused_count;       /* deltas remembered as refused (the thread's refused map) */
 
     /* the thread's */
     gmodel g;
     round_state rnd;
     node_delta *nd;
     size_t nnd;
-    char **refused;             /* "key|etag" of deltas refused this step */
-    size_t nrefused;
+    seen_map refused;           /* the deltas not to look at again, across steps (refused_*, s3_cluster.c) */
+    uint64_t refused_seed;      /* this start's: a worker cannot aim its key names at one probe chain */
+    uint64_t polls;             /* listings of nodes/ so far: an entry's last listing (seen_entry.listed) */
+    int refused_full_warned;
+    uint64_t problem_step;      /* the step whose rounds made problem output_overflow */
     node_delta *m;              /* the manifest's nodes, in its order */
     size_t nm;
-    unsigned gen;               /* the manifest's generation: 0, then one more per delta refused for its values */
+    unsigned gen;               /* the manifest's generation: 0, then one more per refusal (a delta refused for its
+                                   values or dropped for an overflow: the manifest without it; or, when too few
+                                   nodes would be left, the round collected again) */
     char refusal_ignored[80];   /* the ETag of a refusal found unfounded (not verified again) */
     double last_renew;
     char claim_etag[80];
@@ -151,7 +159,7 @@ int cl_slice_and_check(cluster *c, const char *path, const st_header *gh, size_t
     unsigned epoch, int *fenced, char *why, size_t why_size);
 int cl_shard_work(cluster *c, uint64_t step, uint32_t i, unsigned epoch, size_t *bad);
 int cl_shard_is_done(cluster *c, uint64_t step, uint32_t i);
-int cl_check_outputs(cluster *c, uint64_t step, double *sumsq, char *why, size_t why_size);
+int cl_check_outputs(cluster *c, uint64_t step, double *sumsq, uint32_t *overflowed, char *why, size_t why_size);
 int cl_json_u64(const cJSON *o, const char *k, uint64_t *out);
 const char *cl_json_str(const cJSON *o, const char *k);
 

@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <float.h>
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
@@ -402,7 +403,8 @@ static void *pass_main(void *arg)
     return NULL;
 }
 
-/* The pass over the slices on cfg.threads threads, our claim renewed meanwhile.  0 or -1 (why). */
+/* The pass over the slices on cfg.threads threads, our claim renewed meanwhile.  0, -DL_E_NON_FINITE (the
+ * step overflowed: stats still set), or another failure (why). */
 static int run_pass(cluster *c, shard_io *io, int have_momentum, uint64_t step, uint32_t i, unsigned epoch,
                     int *fenced, outer_node_stats *stats, char *why, size_t why_size)
 {
@@ -464,7 +466,8 @@ static int run_pass(cluster *c, shard_io *io, int have_momentum, uint64_t step, 
         rc = frc;
         err = ferr;
     }
-    if (rc == 0 && stats != NULL && p.stats != NULL)
+    /* a non-finite output still read every element: its statistics are whole (the overflow's verdict) */
+    if ((rc == 0 || (rc == -DL_E_NON_FINITE && !*fenced && !cl_stopping(c))) && stats != NULL && p.stats != NULL)
         memcpy(stats, p.stats, io->ndeltas * sizeof(*stats));
     if (rc != 0)
         snprintf(why, why_size, "%.300s%.300s", *fenced ? "fenced out: " : "", err.message[0] ? err.message : "the pass failed");
@@ -543,6 +546,83 @@ long cl_test_hook(const char *name)
 
 static int read_done(cluster *c, uint64_t step, uint32_t i, double *sumsq, char *etag, size_t etag_size, char *why,
                      size_t why_size);
+
+/* A statistic as JSON: never inf nor nan, which are not JSON (a marker holding one was refused by every
+ * reader, and the step stalled).  A sum of squares that overflowed saturates at the largest double, the
+ * order the overflow's verdict needs; a dot product that did is null (nothing reads it). */
+static void sb_stat(sbuf *b, double v, int saturate)
+{
+    if (isfinite(v))
+        sb_printf(b, "%.17g", v);
+    else if (saturate)
+        sb_str(b, "1.7976931348623157e308");
+    else
+        sb_str(b, "null");
+}
+
+/* Ends the marker b (its fields up to "stats": ) with the per-node statistics and writes it as drel, once: a
+ * marker already there is ours or another's of the same shard (either is the shard), or one that does not
+ * hold (a writer's, or of a build that wrote inf), which is replaced, If-Match on its ETag.  0 or -1 (why). */
+static int write_marker(cluster *c, uint64_t step, uint32_t i, const char *drel, sbuf *b, const outer_node_stats *stats,
+                        char *why, size_t why_size)
+{
+    s3s_resp r;
+    sb_str(b, "[");
+    for (size_t k = 0; k < c->nm; k++) {
+        sb_str(b, k ? ", [" : "[");
+        sb_stat(b, stats[k].sumsq, 1);
+        sb_str(b, ", ");
+        sb_stat(b, stats[k].dot, 0);
+        sb_str(b, "]");
+    }
+    sb_str(b, "]}\n");
+    if (b->oom) {
+        snprintf(why, why_size, "out of memory");
+        return -1;
+    }
+    long st = cl_put_small(c, drel, b->p, b->len, NULL, 1, &r, why, why_size);
+    s3s_resp_free(&r);
+    if (st == 412) {
+        char etag[80] = "";
+        int d = read_done(c, step, i, NULL, etag, sizeof(etag), why, why_size);
+        if (d == -1 && etag[0]) {
+            dl_log(DL_LOG_WARN, "cluster", "replacing a done marker that does not hold", "step=%" PRIu64
+                   " shard=%" PRIu32 " why=%s", step, i, why);
+            st = cl_put_small(c, drel, b->p, b->len, etag, 0, &r, why, why_size);
+            s3s_resp_free(&r);
+        } else if (d != 1 && d != 2) {
+            return -1;
+        }
+    }
+    return st == 200 || st == 412 ? 0 : -1;
+}
+
+/* The pass over shard i made a non-finite value from finite deltas (their mean, the momentum or the step
+ * overflowed): nothing is written but the shard's marker, which says so and carries the per-node sums of
+ * squares, so that once every shard has its marker anyone can name the delta of largest norm (the
+ * overflow's refusal, s3_cluster.c) from the same numbers.  0 or -1 (why). */
+static int shard_overflowed(cluster *c, uint64_t step, uint32_t i, unsigned epoch, const outer_node_stats *stats,
+                            char *why, size_t why_size)
+{
+    char *drel = NULL;
+    sbuf b = {0};
+    int rc = -1;
+
+    dl_log(DL_LOG_WARN, "cluster", "the shard's step overflowed: no output, the round's verdict waits for every shard",
+           "step=%" PRIu64 " shard=%" PRIu32 " why=%s", step, i, why);
+    if ((drel = cl_done_rel(step, c->gen, i)) == NULL)
+        goto out;
+    sb_printf(&b, "{\"outer_step\": %" PRIu64 ", \"shard\": %" PRIu32 ", \"instance\": \"%s\", \"epoch\": %u, "
+              "\"overflow\": true, \"stats\": ", step, i, c->instance, epoch);
+    if (write_marker(c, step, i, drel, &b, stats, why, why_size) != 0)
+        goto out;
+    cl_shard_set(c, i, SH_DONE, epoch, -1);
+    rc = 0;
+out:
+    free(drel);
+    free(b.p);
+    return rc;
+}
 
 /* Node k's delta's slice of shard i into path, its values checked against the global's slice header gh as
  * intake checks a whole delta (finite, decodable).  0, -1 failed (why), -3 its values are refused, or it
@@ -679,7 +759,17 @@ int cl_shard_work(cluster *c, uint64_t step, uint32_t i, unsigned epoch, size_t 
     st_close(gf);
     gf = NULL;
     t_read = cl_mono();
-    if (run_pass(c, &io, have_momentum, step, i, epoch, &fenced, stats, why, sizeof(why)) != 0)
+    int pass = run_pass(c, &io, have_momentum, step, i, epoch, &fenced, stats, why, sizeof(why));
+    if (pass == -DL_E_NON_FINITE && !fenced && !cl_stopping(c)) {
+        if (claim_renew(c, step, i, epoch) != 0) {
+            fenced = 1;
+            snprintf(why, sizeof(why), "fenced out: the claim is another's now");
+            goto out;
+        }
+        rc = shard_overflowed(c, step, i, epoch, stats, why, sizeof(why));
+        goto out;
+    }
+    if (pass != 0)
         goto out;
     t_pass = cl_mono();
     if (c->stall_after_pass == (long)i) {
@@ -703,31 +793,9 @@ int cl_shard_work(cluster *c, uint64_t step, uint32_t i, unsigned epoch, size_t 
         goto out;
     }
     sb_printf(&b, "{\"outer_step\": %" PRIu64 ", \"shard\": %" PRIu32 ", \"instance\": \"%s\", \"epoch\": %u, "
-              "\"global_md5\": \"%s\", \"global_size\": %" PRIu64 ", \"momentum_md5\": \"%s\", \"stats\": [",
+              "\"global_md5\": \"%s\", \"global_size\": %" PRIu64 ", \"momentum_md5\": \"%s\", \"stats\": ",
               step, i, c->instance, epoch, gmd5, gsize, mmd5);
-    for (size_t k = 0; k < c->nm; k++)
-        sb_printf(&b, "%s[%.17g, %.17g]", k ? ", " : "", stats[k].sumsq, stats[k].dot);
-    sb_str(&b, "]}\n");
-    if (b.oom)
-        goto out;
-    s3s_resp r;
-    long st = cl_put_small(c, drel, b.p, b.len, NULL, 1, &r, why, sizeof(why));
-    s3s_resp_free(&r);
-    if (st == 412) {
-        /* done already (another finished it meanwhile, or our own first attempt): either is the shard; a
-         * marker that does not hold (a writer's) is replaced, If-Match on its ETag */
-        char etag[80] = "";
-        int d = read_done(c, step, i, NULL, etag, sizeof(etag), why, sizeof(why));
-        if (d == -1 && etag[0]) {
-            dl_log(DL_LOG_WARN, "cluster", "replacing a done marker that does not hold", "step=%" PRIu64
-                   " shard=%" PRIu32 " why=%s", step, i, why);
-            st = cl_put_small(c, drel, b.p, b.len, etag, 0, &r, why, sizeof(why));
-            s3s_resp_free(&r);
-        } else if (d != 1) {
-            goto out;
-        }
-    }
-    if (st != 200 && st != 412)
+    if (write_marker(c, step, i, drel, &b, stats, why, sizeof(why)) != 0)
         goto out;
     cl_count(c, &c->shards_done, 1);
     double t_end = cl_mono();
@@ -768,9 +836,26 @@ out:
     return rc;
 }
 
-/* Shard i's done marker: 1 a valid one, its output there as it names it (its per-node sums added to sumsq
- * when not NULL), 0 none, -1 one that does not hold (etag set: a writer's garbage, replaced by whoever
- * completes the shard), -2 unknown for now (why). */
+/* Shard i's done marker: 1 a valid one, its output there as it names it, 2 a valid one of a pass that
+ * overflowed (no output), either with its per-node sums of squares added to sumsq when not NULL; 0 none, -1
+ * one that does not hold (etag set: a writer's garbage, replaced by whoever completes the shard), -2 unknown
+ * for now (why). */
+/* The marker's per-node sums of squares (indexed by the manifest's nodes: the caller checked the count),
+ * each a finite number >= 0, added to sumsq when not NULL, saturating: 0, or -1 when one is not. */
+static int marker_sums(const cluster *c, const cJSON *stats, double *sumsq)
+{
+    for (size_t k = 0; k < c->nm; k++) {
+        const cJSON *x = cJSON_GetArrayItem(cJSON_GetArrayItem(stats, (int)k), 0);
+        if (!cJSON_IsNumber(x) || !(x->valuedouble >= 0) || !isfinite(x->valuedouble))
+            return -1;
+    }
+    for (size_t k = 0; sumsq != NULL && k < c->nm; k++) {
+        double v = sumsq[k] + cJSON_GetArrayItem(cJSON_GetArrayItem(stats, (int)k), 0)->valuedouble;
+        sumsq[k] = isfinite(v) ? v : DBL_MAX;
+    }
+    return 0;
+}
+
 static int read_done(cluster *c, uint64_t step, uint32_t i, double *sumsq, char *etag, size_t etag_size, char *why,
                      size_t why_size)
 {
@@ -793,20 +878,20 @@ static int read_done(cluster *c, uint64_t step, uint32_t i, double *sumsq, char 
     cJSON *j = cJSON_ParseWithLength(r.body.p, r.body.len);
     const char *md5 = cl_json_str(j, "global_md5");
     const cJSON *stats = cJSON_GetObjectItemCaseSensitive(j, "stats");
+    int overflow = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(j, "overflow"));
     uint64_t size = 0, st = 0, sh = 0;
     char want[33];
-    if (md5 == NULL || cl_json_u64(j, "global_size", &size) != 0 || cl_json_u64(j, "outer_step", &st) != 0 ||
-        cl_json_u64(j, "shard", &sh) != 0 || st != step || sh != i || strlen(md5) != 32 || !cJSON_IsArray(stats) ||
-        cJSON_GetArraySize(stats) != (int)c->nm) {
+    if ((!overflow && (md5 == NULL || cl_json_u64(j, "global_size", &size) != 0 || strlen(md5) != 32)) ||
+        cl_json_u64(j, "outer_step", &st) != 0 || cl_json_u64(j, "shard", &sh) != 0 || st != step || sh != i ||
+        !cJSON_IsArray(stats) || cJSON_GetArraySize(stats) != (int)c->nm || marker_sums(c, stats, sumsq) != 0) {
         snprintf(why, why_size, "%s is not a done marker of this step and manifest", drel);
         cJSON_Delete(j);
         goto out;
     }
-    /* the marker's statistics are indexed by the manifest's nodes: its count was checked above */
-    for (size_t k = 0; sumsq != NULL && k < c->nm; k++) {
-        const cJSON *x = cJSON_GetArrayItem(cJSON_GetArrayItem(stats, (int)k), 0);
-        if (cJSON_IsNumber(x))
-            sumsq[k] += x->valuedouble;
+    if (overflow) {
+        cJSON_Delete(j);
+        rc = 2;
+        goto out;
     }
     snprintf(want, sizeof(want), "%s", md5);
     cJSON_Delete(j);
@@ -831,20 +916,25 @@ out:
     return rc;
 }
 
-/* Whether shard i is done: 1 yes, 0 no (no marker, or one that does not hold: the shard is computed
- * again), -1 unknown. */
+/* Whether shard i is done (its output, or its overflow, marked): 1 yes, 0 no (no marker, or one that does not
+ * hold: the shard is computed again), -1 unknown. */
 int cl_shard_is_done(cluster *c, uint64_t step, uint32_t i)
 {
     char why[1024];
     int d = read_done(c, step, i, NULL, NULL, 0, why, sizeof(why));
-    return d == 1 ? 1 : d == -2 ? -1 : 0;
+    return d == 1 || d == 2 ? 1 : d == -2 ? -1 : 0;
 }
 
-/* Checks every done marker against its output and sums the per-node statistics in shard order.  0 or -1. */
-int cl_check_outputs(cluster *c, uint64_t step, double *sumsq, char *why, size_t why_size)
+/* Checks every done marker against its output and sums the per-node statistics in shard order.  0, with
+ * *overflowed the number of shards whose pass overflowed (then the step has no output to publish), or -1. */
+int cl_check_outputs(cluster *c, uint64_t step, double *sumsq, uint32_t *overflowed, char *why, size_t why_size)
 {
-    for (uint32_t i = 0; i < c->cfg.shards; i++)
-        if (read_done(c, step, i, sumsq, NULL, 0, why, why_size) != 1)
+    *overflowed = 0;
+    for (uint32_t i = 0; i < c->cfg.shards; i++) {
+        int d = read_done(c, step, i, sumsq, NULL, 0, why, why_size);
+        if (d != 1 && d != 2)
             return -1;
+        *overflowed += d == 2;
+    }
     return 0;
 }
