@@ -112,6 +112,11 @@ static void process_status(const dilocod *d, sbuf *b)
         else
             sb_str(b, "null");
         sb_printf(b, ",\"state\":\"%s\"", d->stopping ? "stopping" : state);
+        const char *problem = cluster_problem(d->cluster);      /* a static name, no escaping needed */
+        if (problem != NULL)
+            sb_printf(b, ",\"problem\":\"%s\"", problem);
+        else
+            sb_str(b, ",\"problem\":null");
         return;
     }
     if (d->st.committed)

@@ -927,10 +927,13 @@ static int check_refusal(cluster *c, uint64_t step)
     } else if (st != 200) {
         goto out;
     }
+    /* a delta gone from the bucket in the manifest's version (removed, rewritten, or a manifest naming
+     * versions that never were) is not a verdict on its values: the log says which it was */
     dl_log(DL_LOG_WARN, "cluster", overflow ? "the step overflowed: the round goes on without the delta of largest norm"
+           : c->m[k].gone ? "a delta of the manifest is not in the bucket in its version: the round goes on without it"
            : "a delta refused for its values: the round goes on without it",
            "step=%" PRIu64 " node=%s generation=%u nodes=%zu reason=%s", step, c->m[k].node, c->gen + 1, left,
-           overflow ? "overflow" : "values");
+           overflow ? "overflow" : c->m[k].gone ? "changed" : "values");
     cl_source_free(&c->m[k].s);
     memmove(&c->m[k], &c->m[k + 1], (c->nm - k - 1) * sizeof(*c->m));
     c->nm--;
@@ -1331,6 +1334,14 @@ const char *cluster_state(cluster *c, int64_t *published_step)
     *published_step = c->published_step;
     pthread_mutex_unlock(&c->mu);
     return s;
+}
+
+const char *cluster_problem(cluster *c)
+{
+    pthread_mutex_lock(&c->mu);
+    const char *p = c->problem;
+    pthread_mutex_unlock(&c->mu);
+    return p;
 }
 
 void cluster_status_json(cluster *c, sbuf *b)

@@ -65,6 +65,9 @@ void cluster_free(cluster *c);
 /* The cluster's state (a static name: waiting_for_global, collecting, aggregating, publishing, refused) and
  * the bucket's step it last read (-1: none), for /status's top level. */
 const char *cluster_state(cluster *c, int64_t *published_step);
+/* A lasting condition the operator must look at, as a static name ("output_overflow"), or NULL: /status's
+ * top-level "problem", as a single dilocod reports it. */
+const char *cluster_problem(cluster *c);
 /* /status's "cluster" member (the value only) and /metrics' families. */
 void cluster_status_json(cluster *c, sbuf *b);
 void cluster_metrics(cluster *c, sbuf *b);

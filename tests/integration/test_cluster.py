@@ -951,7 +951,11 @@ def test_planted_manifest_is_refused(tmp_path, s3):
     finally:
         cl.stop()
 
-    # (b) a well-formed manifest for step 2 whose ETags match no delta (made from step 1's real one)
+    # (b) a well-formed manifest for step 2 whose ETags match no delta (made from step 1's real one): every
+    # delta it names is not in the bucket in that version, as if each had been rewritten after the manifest.
+    # Each is left out in turn (reason "changed", never "values"), the step collects again (issue 33: the
+    # cluster never waits on the impossible), and step 2 is published from the deltas really uploaded, as
+    # torch computes it; nothing is ever computed from the planted manifest, which stays as planted.
     cl = Cluster(tmp_path / "etag", s3, "cluster/manifest-etag", S, lease)
     try:
         plan = Plan(publish_step0(cl.bucket, init), S)
@@ -969,9 +973,22 @@ def test_planted_manifest_is_refused(tmp_path, s3):
                                           etags)
         assert replaced >= len(NODES), f"step 1's manifest does not show the deltas' ETags: {real[:2000]!r}"
         cl.bucket.put("global/steps/2/manifest.json", forged)
-        upload_round(cl.bucket, {n: random_deltas(rng, init) for n in NODES}, 2)
-        wait_refused(cl, 2)
-        assert_not_published(cl, 2, forged)
+        deltas = {n: random_deltas(rng, init) for n in NODES}
+        upload_round(cl.bucket, deltas, 2)
+        cl.wait_published(2, 60)
+        oracle.step(tensors_of(deltas))
+        sc = cl.bucket.step_count()
+        gen = len(NODES)             # one generation per node left out, then the round collected again
+        assert sc["model_file"] == f"global/steps/2/model.g{gen}.safetensors.index.json", sc
+        index = json.loads(cl.bucket.get(sc["model_file"]))
+        state = {}
+        for f in sorted(set(index["weight_map"].values())):
+            state.update(st_torch_load(cl.bucket.get(f"global/steps/2/{f}")))
+        assert_state_equal(state, oracle.state)
+        assert cl.bucket.get("global/steps/2/manifest.json") == forged
+        assert not any(k.startswith("global/steps/2/model-") for k in cl.bucket.listing())
+        logs = "".join(d.log_text() for d in cl.procs.values())
+        assert "reason=changed" in logs and "reason=values" not in logs, cl.logs()
     finally:
         cl.stop()
 

@@ -1,9 +1,9 @@
 """The cluster's answers to issue 33's attacks (README, "Scaling out": a delta refused for its values, an
 overflow, the deltas not looked at again), each through the real build/dilocod against SeaweedFS:
 
-- values of 2e19 (their squares overflow F32): the done markers carry only JSON numbers, and the step is
-  published with that node;
-- finite deltas whose Nesterov step overflows the stored F32: the step is computed again without the delta of
+- values of 1.5e19 (below the intake bound of 2^64, but their sums of squares overflow F32 lanes): the done
+  markers carry only JSON numbers, and the step is published with that node;
+- deltas in range whose Nesterov step overflows the stored F16 (65504 at most): the step is computed again without the delta of
   largest norm (reason "overflow"), again while --min-nodes remain, and when no subset is finite the round is
   discarded (problem "output_overflow") and the step collects again;
 - a NaN that leaves fewer than --min-nodes: the step collects again and the worker's valid re-upload is taken;
@@ -13,6 +13,7 @@ Harness: tests/integration/test_cluster.py (SeaweedFS, boto3, torch's SGD)."""
 import json
 
 import numpy as np
+import torch
 
 from dilocod_proc import Oracle, assert_state_equal
 from test_cluster import (NODES, Cluster, ClusterDilocod, Plan, cluster_model, publish_step0, random_deltas,
@@ -21,7 +22,10 @@ from test_cluster_refusal import read_generation
 from test_s3 import put_delta, s3  # noqa: F401 (the module's SeaweedFS fixture)
 
 S = 4
-BIG_ELEMENT = 3.0e38        # one element of the global near F32's limit (3.4028e38)
+NEAR_F16_MAX = 65000.0      # one element of an F16 tensor of the global near F16's limit (65504)
+# The outer step moves a weight by -lr * (1 + momentum) * mean = -1.33 x the mean on a first step: a mean of
+# -5e4 or less at that element pushes it past F16's largest value, one of a few units leaves it finite.
+PUSH = {"w3": -3.0e5, "w4": -1.5e5}
 
 
 def add_aggregators(cl, ids, nodes, *args):
@@ -55,10 +59,11 @@ def logs_of(cl):
 
 
 def test_values_whose_squares_overflow_f32_are_published(tmp_path, s3):
-    """2e19 is finite, and so is the step, but its square is not a float: the pass's statistics were inf and
-    every done marker said `inf` (not JSON), so no aggregator could ever publish."""
+    """1.5e19 is below the intake bound, and so is the step, but the sum of a few of its squares is not an F32
+    (2.25e38 each): the pass's statistics were inf and every done marker said `inf` (not JSON), so no aggregator
+    could ever publish."""
     init = cluster_model(40)
-    cl = Cluster(tmp_path, s3, "hardening-2e19", S, 5)
+    cl = Cluster(tmp_path, s3, "hardening-big-values", S, 5)
     plan = Plan(publish_step0(cl.bucket, init), S)
     rng = np.random.default_rng(40)
     try:
@@ -68,7 +73,7 @@ def test_values_whose_squares_overflow_f32_are_published(tmp_path, s3):
         oracle = Oracle(init, lr=0.7, momentum=0.9)
         deltas = {n: random_deltas(rng, init) for n in NODES}
         for k in deltas["w2"]:
-            deltas["w2"][k][...] = np.float32(2e19)
+            deltas["w2"][k][...] = np.float32(1.5e19)
         upload_round(cl.bucket, deltas, 1)
         cl.wait_published(1, 60)
         oracle.step(tensors_of(deltas))
@@ -81,14 +86,16 @@ def test_values_whose_squares_overflow_f32_are_published(tmp_path, s3):
 
 
 def near_limit_model(seed):
+    """cluster_model with head.bias stored in F16, its first element at 65000."""
     init = cluster_model(seed)
-    init["head.bias"][0] = BIG_ELEMENT
+    init["head.bias"] = init["head.bias"].to(torch.float16)
+    init["head.bias"][0] = NEAR_F16_MAX
     return init
 
 
 def test_overflow_drops_the_largest_norm_until_finite(tmp_path, s3):
-    """The global holds 3e38 in one element; w3 and w4 send finite deltas of -1.7e38 and -1e38 there.  The
-    Nesterov step overflows F32 with both (and with w4 alone): the step is computed without w3 (the largest
+    """The F16 head.bias holds 65000 in one element; w3 and w4 send deltas of -3e5 and -1.5e5 there (in range
+    for intake).  The Nesterov step overflows F16 with both (and with w4 alone): the step is computed without w3 (the largest
     norm), then without w4, and published from w1 and w2, as torch computes it."""
     init = near_limit_model(41)
     cl = Cluster(tmp_path, s3, "hardening-overflow", S, 5)
@@ -100,8 +107,8 @@ def test_overflow_drops_the_largest_norm_until_finite(tmp_path, s3):
         cl.wait_ready()
         oracle = Oracle(init, lr=0.7, momentum=0.9)
         deltas = {n: random_deltas(rng, init) for n in NODES}
-        deltas["w3"]["head.bias"][0] = np.float32(-1.7e38)
-        deltas["w4"]["head.bias"][0] = np.float32(-1.0e38)
+        for n, v in PUSH.items():
+            deltas[n]["head.bias"][0] = np.float32(v)
         upload_round(cl.bucket, deltas, 1)
         cl.wait_published(1, 90)
         good = {n: d for n, d in deltas.items() if n in ("w1", "w2")}
@@ -139,12 +146,15 @@ def test_overflow_of_every_subset_discards_the_round(tmp_path, s3):
         cl.wait_ready()
         oracle = Oracle(init, lr=0.7, momentum=0.9)
         deltas = {n: random_deltas(rng, init) for n in ("w1", "w2")}
-        deltas["w1"]["head.bias"][0] = np.float32(-1.7e38)
+        deltas["w1"]["head.bias"][0] = np.float32(PUSH["w3"])
         upload_round(cl.bucket, deltas, 1)
         cl.wait(lambda: all((d.cluster() or {}).get("problem") == "output_overflow" for d in cl.procs.values()),
                 "problem output_overflow in every /status", 60)
         assert cl.bucket.published_step() == 0
         assert cl.bucket.exists("global/steps/1/refused.json")
+        # the top level of /status says it as a single dilocod does
+        for d in cl.procs.values():
+            assert d.http.get(f"{d.url}/status", timeout=5).json()["problem"] == "output_overflow"
         # collecting again: the same deltas are never aggregated again, new ones are
         cl.wait(lambda: all((d.cluster() or {}).get("state") == "collecting" for d in cl.procs.values()),
                 "every aggregator collecting again", 30)
@@ -161,6 +171,8 @@ def test_overflow_of_every_subset_discards_the_round(tmp_path, s3):
         assert [(e["node"], e["local_step"]) for e in m1["nodes"]] == [("w1", 101), ("w2", 101)], m1
         cl.wait(lambda: all((d.cluster() or {}).get("problem") is None for d in cl.procs.values()),
                 "problem output_overflow over once step 1 is published", 30)
+        for d in cl.procs.values():
+            assert d.http.get(f"{d.url}/status", timeout=5).json()["problem"] is None
     finally:
         cl.stop()
 
