@@ -163,4 +163,34 @@ int cl_check_outputs(cluster *c, uint64_t step, double *sumsq, uint32_t *overflo
 int cl_json_u64(const cJSON *o, const char *k, uint64_t *out);
 const char *cl_json_str(const cJSON *o, const char *k);
 
+/* s3_cluster_refusal.c: the deltas not taken.  A refusal's kind, as the refused map's entry state. */
+enum refusal_kind {
+    REFUSED_FOR_GOOD = SEEN_REJECTED,   /* its header, a set, its values, an overflow: warn, counted */
+    REFUSED_STALE = SEEN_DONE,          /* an earlier round's: debug */
+    REFUSED_THIS_ROUND = SEEN_PENDING,  /* the round's rules (full, not allowed): until the round collects again */
+};
+/* Whether (key, etag) is remembered as not to look at again (its entry stays while listings hold it). */
+int cl_is_refused(cluster *c, const char *key, const char *etag);
+/* Remembers (key, etag): 1 newly, 0 already, -1 not (the map is full, or out of memory). */
+int cl_remember(cluster *c, const char *key, const char *etag, enum refusal_kind kind);
+/* Remembers a delta not to look at again, logged once (refused: warn and counted; stale: debug). */
+void cl_refuse(cluster *c, const char *key, const char *etag, const char *why, enum refusal_kind kind);
+/* The view's count of remembered deltas. */
+void cl_refused_view(cluster *c);
+/* Forgets the refusals for this round's rules only (the round collects again). */
+void cl_forget_this_round(cluster *c);
+/* Forgets what the last complete listing no longer holds. */
+void cl_forget_unlisted(cluster *c);
+/* Node k's values in shard i are refused: writes refused[.g<gen>].json once. */
+void cl_write_refusal(cluster *c, uint64_t step, uint32_t i, size_t k);
+/* Every shard's marker is in and one overflowed: writes the refusal of the delta of largest norm. */
+void cl_write_overflow_refusal(cluster *c, uint64_t step, const double *sumsq, uint32_t overflowed);
+/* A refusal of this generation, checked: 1 verified, the next generation adopted; 2 verified, the step
+ * collects again; 0 none (or an unfounded one, ignored); -1 the step cannot go on. */
+int cl_check_refusal(cluster *c, uint64_t step);
+
+/* s3_cluster.c, for the verdicts: a manifest's text, and the view reset for a new generation. */
+char *cl_manifest_text(const cluster *c, uint64_t step, unsigned gen, const node_delta *const *nodes, size_t n);
+void cl_step_reset_view(cluster *c, uint64_t step);
+
 #endif
