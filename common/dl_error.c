@@ -113,6 +113,9 @@ void dl_printable(char *out, size_t out_size, const char *s, size_t len)
             tlen = 2;
         } else if (adv == 1) {
             tlen = (size_t)snprintf(tmp, sizeof(tmp), "\\u%04x", *u);
+        } else if (adv == 2 && u[0] == 0xc2 && u[1] < 0xa0) {
+            /* a C1 control (U+0080..U+009F): U+009B is a CSI to terminals that take 8-bit controls */
+            tlen = (size_t)snprintf(tmp, sizeof(tmp), "\\u%04x", u[1]);
         } else if (adv == 0) {
             tlen = (size_t)snprintf(tmp, sizeof(tmp), "\\x%02x", *u);
             adv = 1;

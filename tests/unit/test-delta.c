@@ -5,6 +5,14 @@
 
 #include "delta.h"
 
+/* What a log line or an error shows of a hostile string: controls escaped, C0, DEL and C1 alike. */
+TEST(printable_escapes_controls)
+{
+    char out[64];
+    dl_printable(out, sizeof(out), "a\x1b[2J\xc2\x9b" "31m\xc2\x85\xc2\xa0\\", 15);
+    CHECK_STR(out, "a\\u001b[2J\\u009b31m\\u0085\xc2\xa0\\\\");
+}
+
 TEST(node_ids)
 {
     CHECK(delta_valid_node_id("worker-1", 8));
