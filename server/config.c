@@ -844,9 +844,9 @@ static int check_cluster(const config *c)
         return bad_opt(c, "cluster_shards", "needs --hub s3://...: the bucket is what the aggregators share");
     if (c->async)
         return bad_opt(c, "cluster_shards", "takes --mode sync only (an asynchronous cluster is not built yet)");
-    if (c->aggregate != RULE_MEAN && c->aggregate != RULE_MEDIAN && c->aggregate != RULE_TRIMMED)
-        return bad_opt(c, "aggregate", "%s needs each delta's whole norm: a cluster takes mean, median or trimmed_mean:K",
-                       config_rule_name(c->aggregate));
+    if (c->aggregate == RULE_CLIPPED)
+        return bad_opt(c, "aggregate", "%s needs each delta's whole norm: a cluster takes mean, weighted_mean, median "
+                       "or trimmed_mean:K", config_rule_name(c->aggregate));
     if (c->max_norm != 0 || c->max_norm_ratio != 0 || c->screen)
         return bad_opt(c, c->screen ? "screen" : c->max_norm != 0 ? "max_norm" : "max_norm_ratio",
                        "the norm and cosine screens need whole deltas: not with --cluster-shards");

@@ -56,6 +56,7 @@ int daemon__cluster_start(dilocod *d, dl_error *err)
         .momentum = cfg->momentum,
         .rule = (outer_rule)cfg->aggregate,
         .trim_k = cfg->trim_k,
+        .max_weight_ratio = cfg->max_weight_ratio,
         .threads = cfg->threads,
         .budget_bytes = (size_t)cfg->agg_memory_mib << 20,
         .max_header = (uint64_t)cfg->max_delta_header_mib << 20,

@@ -41,6 +41,7 @@
 #include "daemon_internal.h"
 #include "daemon_parts.h"
 #include "dl_log.h"
+#include "weights.h"
 
 static int cmp_double(const void *a, const void *b)
 {
@@ -290,50 +291,23 @@ void daemon__robust_overflow(dilocod *d, round_entry *e, double norm)
     quarantine_entry(d, e, norm, 0, "overflow", "largest");
 }
 
-/* weighted_mean's w_k: the delta's weight, else its num_tokens; 0 when it reports neither. */
-static double weight_of(const delta_metrics *m)
-{
-    if (m->have & DELTA_M_WEIGHT)
-        return m->weight;
-    if (m->have & DELTA_M_NUM_TOKENS)
-        return (double)m->num_tokens;
-    return 0;
-}
-
 int daemon__robust_weighable(const dilocod *d, const delta_info *info)
 {
-    return d->cfg->aggregate != RULE_WEIGHTED || weight_of(&info->metrics) > 0;
+    return d->cfg->aggregate != RULE_WEIGHTED || weights_of(&info->metrics) > 0;
 }
 
-/* weighted_mean's a_k (README): m the lower median of the round's positive weights, u_k = min(w_k / m, R),
- * a_k = float(u_k / U) with U the sum of the u_k in node order, in double.  A worker's weight is its own
- * claim: uncapped, one weight of 1e308 gave its delta scale 1 and every honest one 0, and two of them
- * summed to inf and committed a zero step.  Capped at R times the median (which a minority cannot move
- * out of the honest weights), each u_k is at most R, so U is at most R x the deltas' count: finite, and
- * at least 1 (the median's own u).  Weights are taken in units of m so that no sum of finite ones
- * overflows.  A delta of weight 0 (num_tokens 0) counts for nothing and has no say in the median; a
- * round of only those falls back to the mean's weights. */
+/* weighted_mean's a_k (README): core/weights.c's definition, over the round's deltas in node order. */
 static int weighted_scales(const dilocod *d, const round_entry *const *e, size_t n, float *scale)
 {
-    double *v = malloc((n ? n : 1) * sizeof(*v)), m = 0, total = 0;
-    size_t nv = 0;
+    double *w = malloc((n ? n : 1) * sizeof(*w));
 
-    if (v == NULL)
+    if (w == NULL)
         return -ENOMEM;
     for (size_t k = 0; k < n; k++)
-        if (weight_of(&e[k]->metrics) > 0)
-            v[nv++] = weight_of(&e[k]->metrics);
-    if (nv > 0)
-        m = lower_median(v, nv);
-    for (size_t k = 0; k < n; k++) {
-        /* w / m is +inf for a huge weight over a tiny median: fmin caps it at R all the same */
-        v[k] = nv > 0 ? fmin(weight_of(&e[k]->metrics) / m, d->cfg->max_weight_ratio) : 0;
-        total += v[k];
-    }
-    for (size_t k = 0; k < n; k++)
-        scale[k] = total > 0 ? (float)(v[k] / total) : (float)(1.0 / (double)n);
-    free(v);
-    return 0;
+        w[k] = weights_of(&e[k]->metrics);
+    int rc = weights_scales(w, n, d->cfg->max_weight_ratio, scale);
+    free(w);
+    return rc;
 }
 
 /* clipped_mean's s_k = min(1, m / n_k) (README), m the lower median of the update's norms (each delta's

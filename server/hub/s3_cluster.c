@@ -30,6 +30,7 @@
 #include "st_index.h"
 #include "stepcount.h"
 #include "store.h"
+#include "weights.h"
 
 static const char *const shard_state_name[] = {"unclaimed", "ours", "foreign", "done"};
 
@@ -73,6 +74,12 @@ static int check_delta(cluster *c, uint64_t step, source *s, const char *etag, d
     }
     if (delta_check_header(s->h, c->g.h, s->rel, info, &err) != 0) {
         snprintf(why, why_size, "%.300s%.300s%.300s", err.message, err.tensor[0] ? " tensor=" : "", err.tensor);
+        return -1;
+    }
+    /* weighted_mean takes only deltas that report their weight, as a single dilocod (no_weight) */
+    if (c->cfg.rule == OUTER_RULE_WEIGHTED && !(weights_of(&info->metrics) > 0)) {
+        snprintf(why, why_size, "missing_weight: --aggregate weighted_mean weighs each delta by its \"weight\" or "
+                 "\"num_tokens\" metadata, and this delta has neither (or num_tokens 0)");
         return -1;
     }
     /* the round of step s takes the deltas based on the published step s - 1 */
@@ -362,6 +369,8 @@ static int manifest_adopt(cluster *c, uint64_t step, const char *text, size_t le
         } else if (strcmp(d->s.etag, etag) != 0 || strcmp(d->s.header_sha, hs) != 0) {
             snprintf(why, why_size, "the manifest's delta %s is not the one the bucket holds (ETag or header)", key);
             goto out;
+        } else {
+            d->weight = weights_of(&info.metrics);
         }
         /* the manifest's own values, so that a manifest derived from this one has the same bytes anywhere */
         snprintf(d->s.etag, sizeof(d->s.etag), "%s", etag);

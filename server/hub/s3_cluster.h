@@ -45,6 +45,7 @@ typedef struct cluster_config {
     double lr, momentum;
     outer_rule rule;
     unsigned trim_k;
+    double max_weight_ratio;    /* weighted_mean's cap on a weight, in medians of the round's (core/weights.h) */
     unsigned threads;
     size_t budget_bytes;        /* per pass thread */
     uint64_t max_header;        /* a delta's header cap */

@@ -70,6 +70,7 @@ typedef struct node_delta {
     uint64_t local_step;
     source s;
     int gone;                   /* a manifest's delta the bucket no longer holds in that version (s.h NULL) */
+    double weight;              /* weighted_mean's w_k, read from its header (core/weights.h) */
 } node_delta;
 
 struct cluster {

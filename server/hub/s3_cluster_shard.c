@@ -29,6 +29,7 @@
 #include "st_index.h"
 #include "stepcount.h"
 #include "store.h"
+#include "weights.h"
 
 /* ---- claims --------------------------------------------------------------------------------------- */
 
@@ -416,6 +417,7 @@ static int run_pass(cluster *c, shard_io *io, int have_momentum, uint64_t step, 
     pthread_t *th = calloc(nt, sizeof(*th));
     pass_thread pt;
     atomic_int left;
+    float *scales = NULL;
     int rc;
 
     if (th == NULL)
@@ -434,6 +436,28 @@ static int run_pass(cluster *c, shard_io *io, int have_momentum, uint64_t step, 
     p.momentum_nmeta = 2;
     p.params.rule = c->cfg.rule;
     p.params.trim_k = c->cfg.trim_k;
+    /* weighted_mean's a_k from the manifest's deltas (their headers, which every aggregator read and the
+     * manifest pins by hash): every shard, on any aggregator, scales by the same bits */
+    if (c->cfg.rule == OUTER_RULE_WEIGHTED) {
+        double *w = malloc((io->ndeltas ? io->ndeltas : 1) * sizeof(*w));
+        if (w == NULL || (scales = malloc((io->ndeltas ? io->ndeltas : 1) * sizeof(*scales))) == NULL) {
+            free(w);
+            free(th);
+            snprintf(why, why_size, "out of memory");
+            return -1;
+        }
+        for (size_t k = 0; k < io->ndeltas; k++)
+            w[k] = c->m[k].weight;
+        int wrc = weights_scales(w, io->ndeltas, c->cfg.max_weight_ratio, scales);
+        free(w);
+        if (wrc != 0) {
+            free(scales);
+            free(th);
+            snprintf(why, why_size, "out of memory");
+            return -1;
+        }
+        p.delta_scale = scales;
+    }
     p.params.nesterov = strcmp(c->cfg.optimizer, "nesterov_sgd") == 0;
     p.params.lr = (float)c->cfg.lr;
     p.params.momentum = (float)c->cfg.momentum;
@@ -472,6 +496,7 @@ static int run_pass(cluster *c, shard_io *io, int have_momentum, uint64_t step, 
     if (rc != 0)
         snprintf(why, why_size, "%.300s%.300s", *fenced ? "fenced out: " : "", err.message[0] ? err.message : "the pass failed");
     outer_free(&p);
+    free(scales);
     free(th);
     return rc;
 }
