@@ -507,9 +507,54 @@ static int check_scales(const st_tensor *const *delta, size_t nd, const cz_spec 
     return 0;
 }
 
+/* Whether every key of a (its scales and, in the global, its non-floating keys included) starts with the
+ * len bytes of p. */
+static int all_start_with(const st_tensor *const *a, size_t n, const char *p, size_t len)
+{
+    for (size_t i = 0; i < n; i++)
+        if (a[i]->name_len <= len || memcmp(a[i]->name, p, len) != 0)
+            return 0;
+    return n > 0;
+}
+
+/* A key mismatch where one side's keys all carry a prefix ending in '.' that the other's lack: the state_dict
+ * of a wrapped model (DDP and DataParallel add "module.", torch.compile "_orig_mod.").  Writes the advice into
+ * out, or "" when the keys differ otherwise. */
+static void prefix_hint(const st_tensor *const *delta, size_t nd, const st_tensor *const *global, size_t ng,
+                        char *out, size_t size)
+{
+    out[0] = '\0';
+    if (nd == 0 || ng == 0)
+        return;
+    for (int side = 0; side < 2; side++) {
+        /* side 0: the delta's keys are longer (P + the global's); side 1: the global's are */
+        const st_tensor *const *longer = side == 0 ? delta : global, *const *shorter = side == 0 ? global : delta;
+        size_t nl = side == 0 ? nd : ng, ns = side == 0 ? ng : nd;
+        const st_tensor *l = longer[0];
+        for (size_t j = 0; j < ns; j++) {
+            const st_tensor *t = shorter[j];
+            if (l->name_len <= t->name_len + 1)
+                continue;
+            size_t plen = l->name_len - t->name_len;
+            if (l->name[plen - 1] != '.' || memcmp(l->name + plen, t->name, t->name_len) != 0 ||
+                plen > 64 || !all_start_with(longer, nl, l->name, plen) || all_start_with(shorter, ns, l->name, plen))
+                continue;
+            snprintf(out, size, side == 0 ? "; every key of the delta starts with \"%.*s\", which the global model's "
+                     "keys do not: a wrapped model's state_dict (DDP adds \"module.\", torch.compile \"_orig_mod.\"): "
+                     "take the unwrapped model's (model.module, model._orig_mod)"
+                     : "; every key of the global model starts with \"%.*s\", which the delta's keys do not: the "
+                     "global was saved from a wrapped model: compute the delta from a model with the same keys",
+                     (int)plen, l->name);
+            return;
+        }
+    }
+}
+
 int delta_check_tensors(const st_tensor *const *delta, size_t nd, const st_tensor *const *global, size_t ng,
                         const cz_spec *cz, dl_error *err)
 {
+    char hint[400];
+
     size_t i = 0, k = 0;
 
     for (size_t j = 0; compressed(cz) && j < ng; j++)
@@ -529,12 +574,16 @@ int delta_check_tensors(const st_tensor *const *delta, size_t nd, const st_tenso
             return compressed(cz) ? check_scales(delta, nd, cz, err) : 0;
         const st_tensor *d = i < nd ? delta[i] : NULL, *g = k < ng ? global[k] : NULL;
         int c = d == NULL ? 1 : g == NULL ? -1 : name_cmp(d, g);
+        if (c != 0)
+            prefix_hint(delta, nd, global, ng, hint, sizeof(hint));
         if (c < 0)
-            return dl_fail(err, DL_E_KEY_MISMATCH, d->name, d->name_len,
+            return dl_fail(err, DL_E_KEY_MISMATCH, d->name, d->name_len, "%s%s",
                            by_name_find(global, ng, d) != NULL ? "delta carries a non-floating key of the global model"
-                                                               : "delta carries a key the global model does not have");
+                                                               : "delta carries a key the global model does not have",
+                           hint);
         if (c > 0)
-            return dl_fail(err, DL_E_KEY_MISMATCH, g->name, g->name_len, "delta lacks a floating key of the global model");
+            return dl_fail(err, DL_E_KEY_MISMATCH, g->name, g->name_len, "delta lacks a floating key of the global "
+                           "model%s", hint);
         int rc = check_one(g, d, cz, err);
         if (rc != 0)
             return rc;

@@ -357,3 +357,44 @@ TEST(metrics_named_cap_and_order)
     CHECK_STR(copy.metrics.name[0], "a");
     CHECK_STR(copy.metrics.name[1], "m01");
 }
+
+/* A key mismatch from a wrapped model's state_dict names the prefix and the fix; any other names neither. */
+static void mismatch_message(const char *global_json, size_t glen, const char *delta_json, size_t dlen, char *out,
+                             size_t size)
+{
+    st_header *g = header(global_json, glen), *d = header(delta_json, dlen);
+    dl_error err;
+    delta_info info;
+    out[0] = '\0';
+    if (g != NULL && d != NULL && delta_check_header(d, g, NULL, &info, &err) == -DL_E_KEY_MISMATCH)
+        snprintf(out, size, "%s", err.message);
+    st_header_free(g);
+    st_header_free(d);
+}
+
+#define T(name, b, e) "\"" name "\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[" b "," e "]}"
+
+TEST(key_mismatch_names_a_wrapper_prefix)
+{
+    char msg[512];
+    const char *g = "{" T("a.weight", "0", "8") "," T("b.bias", "8", "16") "}";
+    mismatch_message(g, 16, "{" META("3", "5", "w1") "," T("module.a.weight", "0", "8") "," T("module.b.bias", "8", "16")
+                     "}", 16, msg, sizeof(msg));
+    CHECK(strstr(msg, "every key of the delta starts with \"module.\"") != NULL);
+    CHECK(strstr(msg, "model.module") != NULL);
+    mismatch_message(g, 16, "{" META("3", "5", "w1") "," T("_orig_mod.a.weight", "0", "8") ","
+                     T("_orig_mod.b.bias", "8", "16") "}", 16, msg, sizeof(msg));
+    CHECK(strstr(msg, "\"_orig_mod.\"") != NULL);
+    /* the global saved from the wrapped model */
+    mismatch_message("{" T("module.a.weight", "0", "8") "," T("module.b.bias", "8", "16") "}", 16,
+                     "{" META("3", "5", "w1") "," T("a.weight", "0", "8") "," T("b.bias", "8", "16") "}", 16, msg,
+                     sizeof(msg));
+    CHECK(strstr(msg, "every key of the global model starts with \"module.\"") != NULL);
+    /* keys that differ otherwise: no advice */
+    mismatch_message(g, 16, "{" META("3", "5", "w1") "," T("a.weight", "0", "8") "," T("c.bias", "8", "16") "}", 16,
+                     msg, sizeof(msg));
+    CHECK(msg[0] != '\0' && strstr(msg, "starts with") == NULL);
+    mismatch_message(g, 16, "{" META("3", "5", "w1") "," T("module.a.weight", "0", "8") "," T("b.bias", "8", "16")
+                     "}", 16, msg, sizeof(msg));
+    CHECK(msg[0] != '\0' && strstr(msg, "starts with") == NULL);
+}
