@@ -17,6 +17,7 @@
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <errno.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -310,8 +311,15 @@ static int startup(dilocod *d, dl_error *err)
 {
     int rc;
 
-    if ((rc = store_open(&d->st, d->cfg->state_root, d->cfg->id, err)) != 0)
+    if ((rc = store_open(&d->st, d->cfg->state_root, d->cfg->id, err)) != 0) {
+        /* the default state root is root's: a user's first start should say what to give instead */
+        size_t used = strlen(err->message);
+        if (err->code == DL_E_IO && (err->sys_errno == EACCES || err->sys_errno == EPERM || err->sys_errno == EROFS))
+            snprintf(err->message + used, sizeof(err->message) - used,
+                     " (give --state-root DIR, or state_root in the config file: a directory this user may write; "
+                     "the default, /var/lib/dilocod, is the service user's)");
         return rc;
+    }
     if ((rc = daemon__recover_redo(d, err)) != 0)
         return rc;
     d->st.async_cache = d->cfg->async;  /* async: every cached delta is one acknowledged, offered again */
@@ -480,7 +488,7 @@ int daemon_run(config *cfg)
         dl_log(DL_LOG_ERROR, "main", "event loop did not close cleanly", "error=%s", uv_strerror(rc));
         d->exit_code = d->exit_code ? d->exit_code : 1;
     }
-    if (d->exit_code != 0 && !state_existed && !d->st.committed) {
+    if (d->exit_code != 0 && !state_existed && !d->st.committed && access(state_dir, F_OK) == 0) {
         store_remove_tree(state_dir);   /* this start made it and committed nothing: leave no skeleton */
         dl_log(DL_LOG_INFO, "main", "removed the state directory this failed start created", "dir=%s", state_dir);
     }

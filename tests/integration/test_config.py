@@ -416,3 +416,29 @@ def test_nothing_to_start_from_is_noted(tmp_path):
     p = dilocod("--expected-nodes", "2", "--state-root", tmp_path / "s", "--init-model",
                 model(tmp_path / "init.safetensors"), "--check-config", check=0)
     assert p.stderr == "", p.stderr
+
+
+def test_non_root_start_says_what_to_do(tmp_path):
+    """A user's first start without --state-root (the default /var/lib/dilocod is the service user's) says
+    which option to give, and never claims to have removed a directory it did not make."""
+    assert os.geteuid() == 0, "the test runs dilocod as nobody, which needs root (make check runs as root)"
+    import shutil
+    import tempfile
+    bindir = tempfile.mkdtemp(prefix="dilocod-nobody-")
+    try:
+        os.chmod(bindir, 0o755)
+        binary = os.path.join(bindir, "dilocod")
+        shutil.copy2(BUILD / "dilocod", binary)
+        os.chmod(binary, 0o755)
+
+        def as_nobody():
+            os.setgid(65534)
+            os.setuid(65534)
+        p = subprocess.run([binary, "--expected-nodes", "2", "--listen", "127.0.0.1:0"], cwd=bindir,
+                           capture_output=True, text=True, timeout=30, preexec_fn=as_nobody,
+                           env={"PATH": os.environ.get("PATH", "/usr/bin")})
+    finally:
+        shutil.rmtree(bindir, ignore_errors=True)
+    assert p.returncode == 1, (p.returncode, p.stderr)
+    assert "Permission denied (give --state-root DIR" in p.stderr, p.stderr
+    assert "removed the state directory" not in p.stderr, p.stderr
