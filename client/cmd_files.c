@@ -1,11 +1,14 @@
 /* diloco inspect / verify / delta / average: commands on local files. */
 #include <dirent.h>
+#include <fcntl.h>
 #include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cJSON.h>
 #include <openssl/evp.h>
@@ -13,8 +16,10 @@
 #include "cli.h"
 #include "cli_untrusted.h"
 #include "delta.h"
+#include "fsutil.h"
 #include "safetensors.h"
 #include "st_index.h"
+#include "stepcount.h"
 #include "strbuf.h"
 
 static int want_help(int argc, char **argv, const char *text)
@@ -517,12 +522,15 @@ int cmd_inspect(int argc, char **argv)
 }
 
 static const char verify_help[] =
-    "usage: diloco verify DELTA [--against GLOBAL] [--path nodes/ID/delta_N.safetensors] [--json]\n"
+    "usage: diloco verify DELTA [--against GLOBAL [--step N]] [--path nodes/ID/delta_N.safetensors] [--json]\n"
     "  Checks a delta as dilocod does: the container, the metadata (algorithm, base_outer_step,\n"
     "  local_step, node_id), dtypes (F32, F16, BF16; C64 for complex keys), finite values (a compressed\n"
     "  delta's as they decode, with its encoding and scales checked); with\n"
     "  --against, the key set and shapes against the global model's floating tensors; with --path,\n"
-    "  that the metadata agrees with the Hub path.  Exit 0 when valid, 1 with the error code otherwise.\n"
+    "  that the metadata agrees with the Hub path.  With --against, the delta must also be based on the\n"
+    "  global's outer step (--step N, else the step_count.json beside GLOBAL, as diloco pull and a tree\n"
+    "  keep it): a delta of an older step is reported stale, as dilocod answers it (409 stale).\n"
+    "  Exit 0 when valid, 1 with the error code otherwise.\n"
     "  DELTA (and GLOBAL) may be a sharded set's delta_N.safetensors.index.json: the metadata is the\n"
     "  index's, every shard must be present and listed (no other shard of the set in its directory),\n"
     "  no tensor in two shards, total_size exact, a shard's own metadata must agree with the index.\n";
@@ -562,14 +570,74 @@ static int verify_alone(const st_set *delta, const char *path, delta_info *info,
     return rc;
 }
 
+/* The outer step of GLOBAL: the step_count.json in its directory (diloco pull's -o DIR, a tree's global/).
+ * 1 found (*step), 0 none there, -1 one that cannot be read or parsed (err). */
+static int global_step_beside(const char *global, uint64_t *step, dl_error *err)
+{
+    const char *slash = strrchr(global, '/');
+    char *dir = slash == NULL ? strdup(".") : strndup(global, (size_t)(slash - global) + (slash == global));
+    char text[4096];
+    size_t len = 0;
+    struct stat sb;
+    int dfd = -1, rc;
+
+    if (dir == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory"), -1;
+    dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    free(dir);
+    if (dfd < 0)
+        return dl_fail_errno(err, errno, "%s's directory", global), -1;
+    rc = fsu_read_small_at(dfd, "step_count.json", text, sizeof(text) - 1, &len, &sb);
+    close(dfd);
+    if (rc == -ENOENT)
+        return 0;
+    if (rc != 0)
+        return dl_fail_errno(err, -rc, "step_count.json beside %s", global), -1;
+    if (stepcount_parse_file(text, len, step, NULL, NULL, NULL, 0, err) != 0)
+        return -1;
+    return 1;
+}
+
+/* Whether a valid delta is based on the global's step: 0 yes (or the step unknown: *checked 0), 1 stale or
+ * from the future (err's message says which; code "stale"), -1 the step file is unreadable (err). */
+static int check_base(const char *against, const char *step_opt, const delta_info *info, int *checked, uint64_t *gstep,
+                      dl_error *err)
+{
+    *checked = 0;
+    if (step_opt != NULL) {
+        char *end;
+        errno = 0;
+        unsigned long long v = strtoull(step_opt, &end, 10);
+        if (errno != 0 || end == step_opt || *end != '\0' || step_opt[0] == '-')
+            return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "--step %s is not an outer step", step_opt), -1;
+        *gstep = v;
+    } else {
+        int got = global_step_beside(against, gstep, err);
+        if (got <= 0)
+            return got;
+    }
+    *checked = 1;
+    if (info->base_outer_step == *gstep)
+        return 0;
+    snprintf(err->message, sizeof(err->message), info->base_outer_step < *gstep
+             ? "the delta is based on outer step %" PRIu64 ", the global is at step %" PRIu64 ": dilocod answers "
+               "409 stale (pull the new global, train from it, push again)"
+             : "the delta is based on outer step %" PRIu64 ", after the global's step %" PRIu64 ": a newer global "
+               "than this one, or a wrong base_outer_step",
+             info->base_outer_step, *gstep);
+    return 1;
+}
+
 int cmd_verify(int argc, char **argv)
 {
     static const struct option opts[] = {{"against", required_argument, NULL, 'a'},
+                                         {"step", required_argument, NULL, 's'},
                                          {"path", required_argument, NULL, 'p'},
                                          {"json", no_argument, NULL, 'j'},
                                          {NULL, 0, NULL, 0}};
-    const char *against = NULL, *path = NULL;
-    int json = 0, c, rc;
+    const char *against = NULL, *path = NULL, *step_opt = NULL;
+    int json = 0, c, rc, checked = 0, stale = 0;
+    uint64_t gstep = 0;
     st_set *delta = NULL, *global = NULL;
     delta_info info;
     dl_error err;
@@ -579,12 +647,15 @@ int cmd_verify(int argc, char **argv)
         return EXIT_OK;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         if (c == 'a') against = optarg;
+        else if (c == 's') step_opt = optarg;
         else if (c == 'p') path = optarg;
         else if (c == 'j') json = 1;
         else return usage_error(verify_help, "%s", "bad option");
     }
     if (optind != argc - 1)
         return usage_error(verify_help, "%s", "verify takes exactly one DELTA");
+    if (step_opt != NULL && against == NULL)
+        return usage_error(verify_help, "%s", "--step is the --against global's step: give --against GLOBAL");
     dl_error_clear(&err);
     what = argv[optind];
     if ((rc = open_any(argv[optind], &delta, &err)) == 0) {
@@ -595,6 +666,34 @@ int cmd_verify(int argc, char **argv)
         rc = delta_validate_set(delta, global->by_name, global->ntensors, path, &info, &err);
     else if (rc == 0)
         rc = verify_alone(delta, path, &info, &err);
+    if (rc == 0 && against != NULL) {
+        dl_error_clear(&err);
+        int b = check_base(against, step_opt, &info, &checked, &gstep, &err);
+        if (b < 0) {
+            what = against;
+            rc = -1;
+        } else if (b > 0) {
+            stale = 1;
+        }
+    }
+    if (stale) {
+        if (json) {
+            cJSON *root = cJSON_CreateObject(), *e = cJSON_CreateObject();
+            if (root != NULL && e != NULL && cJSON_AddStringToObject(e, "code", "stale") &&
+                cJSON_AddStringToObject(e, "message", err.message) && cJSON_AddFalseToObject(root, "valid") &&
+                cJSON_AddItemToObject(root, "error", e))
+                e = NULL;
+            cJSON_Delete(e);
+            cli_print_json(root);
+        } else {
+            char shown[600];
+            fprintf(stderr, "diloco: %s: stale: %s\n", cli_untrusted(shown, sizeof(shown), argv[optind],
+                                                                     strlen(argv[optind])), err.message);
+        }
+        st_set_close(delta);
+        st_set_close(global);
+        return EXIT_INVALID;
+    }
     if (rc != 0) {
         if (json) {
             cJSON *root = cJSON_CreateObject(), *e = cli_error_object(&err);

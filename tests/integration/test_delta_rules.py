@@ -801,3 +801,34 @@ def test_delta_path_invalid(diloco_bin, tmp_path, global_file, path):
     delta = save_state(tmp_path / "delta.safetensors", valid_delta(), metadata=valid_meta())
     p, out = verify(diloco_bin, delta, against=global_file, path=path)
     assert_invalid(p, out, "invalid_path")
+
+
+def test_verify_against_a_newer_global_says_stale(diloco_bin, tmp_path):
+    """verify --against checks the delta's base against the global's step: the step_count.json beside it
+    (as diloco pull -o DIR and a tree keep it) or --step N.  A delta of an older step is stale, as dilocod
+    answers it (409), not "valid"; one of the same step is valid; a step file that does not parse is an
+    error naming it."""
+    gdir = tmp_path / "pulled"
+    gdir.mkdir()
+    g = save_state(gdir / "latest.safetensors", global_state())
+    delta = save_state(tmp_path / "delta.safetensors", valid_delta(), metadata=valid_meta())
+    step_file = gdir / "step_count.json"
+    step_file.write_text(json.dumps({"algorithm": "dumb_diloco", "model_file": "global/latest.safetensors",
+                                     "optimizer": "nesterov_sgd", "outer_step": int(BASE_STEP) + 2,
+                                     "updated_at": "2026-01-01T12:00:00+00:00"}))
+    p, out = verify(diloco_bin, delta, against=g)
+    assert p.returncode == 1 and out["valid"] is False and out["error"]["code"] == "stale", out
+    assert f"based on outer step {BASE_STEP}, the global is at step {int(BASE_STEP) + 2}" in out["error"]["message"]
+    p = run([diloco_bin, "verify", delta, "--against", g])
+    assert p.returncode == 1 and "stale" in p.stderr and "409" in p.stderr, p.stderr
+    # --step overrides the file; the same step is valid
+    p = run([diloco_bin, "verify", delta, "--against", g, "--step", BASE_STEP, "--json"])
+    assert p.returncode == 0 and json.loads(p.stdout)["valid"] is True, (p.stdout, p.stderr)
+    step_file.write_text(step_file.read_text().replace(f'"outer_step": {int(BASE_STEP) + 2}',
+                                                       f'"outer_step": {BASE_STEP}'))
+    assert_valid(*verify(diloco_bin, delta, against=g))
+    step_file.write_text("{not json")
+    p = run([diloco_bin, "verify", delta, "--against", g])
+    assert p.returncode == 1 and "step_count.json" in p.stderr, p.stderr
+    p = run([diloco_bin, "verify", delta, "--step", "3"])
+    assert p.returncode == 2, p.stderr
