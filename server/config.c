@@ -850,9 +850,10 @@ static int check_cluster(const config *c)
     if (c->max_norm != 0 || c->max_norm_ratio != 0 || c->screen)
         return bad_opt(c, c->screen ? "screen" : c->max_norm != 0 ? "max_norm" : "max_norm_ratio",
                        "the norm and cosine screens need whole deltas: not with --cluster-shards");
-    if (c->init_model != NULL)
-        return bad_opt(c, "init_model", "a cluster never bootstraps: publish step 0 with one aggregator (or the "
-                       "reference) first");
+    /* a cluster bootstraps an empty bucket from one file, written once (README, Scaling out) */
+    if (c->init_model != NULL && st_index_is_index_path(c->init_model))
+        return bad_opt(c, "init_model", "a cluster bootstraps from one safetensors file, not a sharded checkpoint's "
+                       "index: merge its shards into one file first, or publish step 0 with one aggregator");
     return 0;
 }
 

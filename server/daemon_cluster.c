@@ -62,6 +62,7 @@ int daemon__cluster_start(dilocod *d, dl_error *err)
         .max_header = (uint64_t)cfg->max_delta_header_mib << 20,
         .scratch_dir = scratch,
         .id = cfg->id,
+        .init_model = cfg->init_model,
     };
     rc = cluster_start(&d->cluster, &d->loop, &cc, &a, cluster_stopped, d, err);
     free(state);

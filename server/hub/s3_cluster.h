@@ -51,6 +51,8 @@ typedef struct cluster_config {
     uint64_t max_header;        /* a delta's header cap */
     const char *scratch_dir;    /* local slices: <state>/cache/cluster */
     const char *id;             /* the aggregator's id (its instance adds a random part) */
+    const char *init_model;     /* NULL, or a safetensors file published as step 0 into a bucket with no
+                                   step_count.json (written once: whoever is first, the others check the bytes) */
 } cluster_config;
 
 typedef struct cluster cluster;

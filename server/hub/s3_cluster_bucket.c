@@ -554,7 +554,7 @@ out:
 }
 
 /* Reads global/step_count.json: 1 when it names a step other than the one loaded (g replaced), 0 when
- * unchanged, -1 on failure (why). */
+ * unchanged, -2 when the bucket holds no step file (an empty bucket), -1 on another failure (why). */
 int cl_sync_global(cluster *c, char *why, size_t why_size)
 {
     s3s_resp r;
@@ -565,9 +565,11 @@ int cl_sync_global(cluster *c, char *why, size_t why_size)
 
     int got = cl_get_small(c, "global/step_count.json", STEPFILE_CAP, &r, why, why_size);
     if (got <= 0) {
-        if (got == 0)
-            snprintf(why, why_size, "the bucket holds no global/step_count.json yet");
         s3s_resp_free(&r);
+        if (got == 0) {
+            snprintf(why, why_size, "the bucket holds no global/step_count.json yet");
+            return -2;
+        }
         return -1;
     }
     if (stepcount_parse_file(r.body.p, r.body.len, &step, &bootstrap, &kind, model_file, sizeof(model_file), &err) != 0) {

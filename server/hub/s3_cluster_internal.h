@@ -148,6 +148,7 @@ int cl_list_keys(cluster *c, const char *rel_prefix, char ***keys, size_t *n, ch
 void cl_keys_free(char **k, size_t n);
 void cl_delete_key(cluster *c, const char *rel);
 st_spec *cl_header_specs(const st_header *h);
+/* 1 a new step loaded, 0 unchanged, -2 no step file in the bucket, -1 failed (why). */
 int cl_sync_global(cluster *c, char *why, size_t why_size);
 int64_t cl_bucket_step(cluster *c, char *etag, size_t etag_size);
 /* claims (s3_cluster_shard.c) */
@@ -189,6 +190,11 @@ void cl_write_overflow_refusal(cluster *c, uint64_t step, const double *sumsq, u
 /* A refusal of this generation, checked: 1 verified, the next generation adopted; 2 verified, the step
  * collects again; 0 none (or an unfounded one, ignored); -1 the step cannot go on. */
 int cl_check_refusal(cluster *c, uint64_t step);
+
+/* Uploads the file at path as rel, written once (If-None-Match): 0 when rel holds exactly our bytes (ours,
+ * or an identical earlier writer's), -1 failed, -2 rel holds other bytes (a conflict no retry mends). */
+int cl_put_once(cluster *c, const char *rel, const char *path, char md5[33], uint64_t *size, char *why,
+                size_t why_size);
 
 /* s3_cluster.c, for the verdicts: a manifest's text, and the view reset for a new generation. */
 char *cl_manifest_text(const cluster *c, uint64_t step, unsigned gen, const node_delta *const *nodes, size_t n);

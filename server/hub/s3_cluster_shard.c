@@ -503,8 +503,8 @@ static int run_pass(cluster *c, shard_io *io, int have_momentum, uint64_t step, 
 
 /* Uploads path as rel, written once: 0 when rel holds exactly our bytes (ours, or an identical earlier
  * writer's), -1 failed, -2 rel holds other bytes (a conflict no retry mends). */
-static int put_once(cluster *c, const char *rel, const char *path, char md5[33], uint64_t *size, char *why,
-                    size_t why_size)
+int cl_put_once(cluster *c, const char *rel, const char *path, char md5[33], uint64_t *size, char *why,
+                size_t why_size)
 {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     struct stat sb;
@@ -810,9 +810,9 @@ int cl_shard_work(cluster *c, uint64_t step, uint32_t i, unsigned epoch, size_t 
     if ((out_rel = cl_output_rel(step, c->gen, i, c->cfg.shards)) == NULL || (mom_rel = cl_momentum_rel(step, c->gen, i, c->cfg.shards)) == NULL ||
         (drel = cl_done_rel(step, c->gen, i)) == NULL)
         goto out;
-    int prc = put_once(c, out_rel, io.out_global, gmd5, &gsize, why, sizeof(why));
+    int prc = cl_put_once(c, out_rel, io.out_global, gmd5, &gsize, why, sizeof(why));
     if (prc == 0 && c->cfg.momentum != 0)
-        prc = put_once(c, mom_rel, io.out_momentum, mmd5, &msize, why, sizeof(why));
+        prc = cl_put_once(c, mom_rel, io.out_momentum, mmd5, &msize, why, sizeof(why));
     if (prc != 0) {
         rc = prc;
         goto out;

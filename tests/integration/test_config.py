@@ -3,6 +3,7 @@ checking what a start checks (the init model, the token file, the listen address
 paths) with the option name and FILE:LINE, the printed configuration read back as a config file, and a
 failed start leaving nothing on disk.  Runs the real dilocod; model files are written with the
 safetensors package."""
+import json
 import os
 import re
 import socket
@@ -245,8 +246,16 @@ def test_cluster_options_checked(tmp_path):
                  "whole deltas")
     assert_fails(dilocod(*s3, "--cluster-shards", "4", "--screen", "cosine:0", "--check-config", env=env), "screen",
                  "whole deltas")
-    assert_fails(dilocod(*s3, "--cluster-shards", "4", "--init-model", str(model(tmp_path / "m.safetensors")),
-                         "--check-config", env=env), "init-model", "never bootstraps")
+    # a cluster bootstraps an empty bucket from one file (test_cluster_bootstrap.py), not from a set's index
+    ok = dilocod(*s3, "--cluster-shards", "4", "--init-model", str(model(tmp_path / "m.safetensors")),
+                 "--check-config", env=env, check=None)
+    assert ok.returncode == 0, ok.stderr
+    model(tmp_path / "s-00001-of-00001.safetensors")
+    (tmp_path / "s.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": 36}, "weight_map": {"b": "s-00001-of-00001.safetensors",
+                                                        "w": "s-00001-of-00001.safetensors"}}))
+    assert_fails(dilocod(*s3, "--cluster-shards", "4", "--init-model", str(tmp_path / "s.safetensors.index.json"),
+                         "--check-config", env=env), "init-model", "one safetensors file")
     assert_fails(dilocod(*s3, "--cluster-shards", "5000", "--check-config", env=env), "cluster-shards")
     assert_fails(dilocod(*s3, "--cluster-shards", "4", "--cluster-lease", "0.5", "--check-config", env=env),
                  "cluster-lease")
