@@ -9,6 +9,8 @@
 #   daemon_internal.h  the daemon's state (struct dilocod): the daemon's files only (api/ sees it
 #                      through daemon.h's accessors and status providers)
 #   daemon_parts.h     the calls between the daemon's files: those files only
+#   config_internal.h  the options' table types and the calls between config.c, config_check.c and
+#                      config_print.c: those files only
 # and three of the layers' private to the files of one component:
 #   http_internal.h    net/: the server and connection structs, the calls between http.c, http_out.c, http_parse.c
 #   intake_internal.h  core/: the calls between intake.c, intake_set.c, intake_cache.c
@@ -39,6 +41,7 @@ private_to() {  # a header private to some files of server/ -> the patterns of t
     case "$1" in
     daemon_internal.h) echo "server/daemon*" ;;
     daemon_parts.h)    echo "server/daemon*" ;;
+    config_internal.h) echo "server/config*.c" ;;
     http_internal.h)   echo "server/net/http*.c" ;;
     intake_internal.h) echo "server/core/intake*.c" ;;
     upload_internal.h) echo "server/api/upload*.c" ;;
