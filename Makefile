@@ -120,8 +120,8 @@ $(SERVER_OBJ): ALL_CFLAGS += $(SERVER_INC) -I$(LLHTTP_INC)
 # are only if-converted when float operations may be speculated (we never read FP exception flags).
 # -ffp-contract=off: a multiply-add is fused only where the code calls fmaf(), as torch fuses it (gcc
 # already defaults to off with -std=c11, clang does not; the outer step's bits depend on it).
-KERNEL_OBJ  := $(BUILD)/common/convert.o $(BUILD)/common/outer.o $(BUILD)/common/delta.o $(BUILD)/common/delta_norm.o \
-               $(BUILD)/common/compress.o
+KERNEL_OBJ  := $(BUILD)/common/convert.o $(BUILD)/common/outer.o $(BUILD)/common/outer_run.o $(BUILD)/common/delta.o \
+               $(BUILD)/common/delta_norm.o $(BUILD)/common/compress.o
 $(KERNEL_OBJ): ALL_CFLAGS += -ftree-vectorize -fvect-cost-model=dynamic -fno-trapping-math -ffp-contract=off
 
 # ---- dependencies -------------------------------------------------------------------------------

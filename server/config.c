@@ -1,35 +1,18 @@
+/* config: dilocod's options (config.h): the table of its own and the transports' (hub_options), their sources (a
+ * config file, then flags), setting each value, the defaults, config_load; config_check.c validates them
+ * together, config_print.c prints the effective configuration. */
 #include "config.h"
-#include "auth.h"
-#include "fsutil.h"
+#include "config_internal.h"
 #include "hub.h"
-#include "safetensors.h"
 #include "st_index.h"
-#include "store.h"
 
 #include <errno.h>
-#include <inttypes.h>
 #include <math.h>
-#include <netdb.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include "util.h"
-
-/* T_STR must not be empty; T_OPTSTR may be unset, and an empty value unsets it (a flag can so
- * cancel a file's path: --token-file '') */
-typedef enum opt_type { T_STR, T_OPTSTR, T_UINT, T_DOUBLE, T_OPTIMIZER, T_NODES, T_LOGLEVEL, T_LOGFORMAT, T_SIZE, T_MODE, T_WEIGHT, T_BOUND, T_VARIANT, T_RULE, T_SCREEN } opt_type;
-
-typedef struct opt {
-    const char *key;            /* file key; the flag is "--" + key with '_' -> '-' */
-    opt_type type;
-    size_t offset;
-    double min, max;            /* numeric range */
-    const char *help;
-} opt;
 
 #define OFF(f) offsetof(config, f)
 static const opt options[] = {
@@ -90,14 +73,6 @@ static const opt options[] = {
  * table's order.  A key several transports declare is one option, named by its first place (which
  * holds its origin), and set in every transport that declares it. */
 
-typedef struct slot {
-    size_t index;               /* its place, into c->origin */
-    const char *key;
-    const opt *own;             /* config's own option, or NULL: the transport's */
-    size_t transport;           /* the transport's row in the scheme table */
-    const hub_option *hopt;
-} slot;
-
 static size_t transport_nopts(size_t t)
 {
     const hub_options *ho = hub_transport(t)->options;
@@ -112,8 +87,13 @@ static size_t nslots(void)
     return n;
 }
 
+size_t config__nown(void)
+{
+    return COUNT_OF(options);
+}
+
 /* 0, or -1 past the last place. */
-static int slot_at(size_t i, slot *s)
+int config__slot_at(size_t i, slot *s)
 {
     *s = (slot){.index = i};
     if (i < COUNT_OF(options)) {
@@ -135,7 +115,7 @@ static int slot_at(size_t i, slot *s)
 }
 
 /* Transport t's option key, or NULL when it has none of that name. */
-static const hub_option *transport_option(size_t t, const char *key)
+const hub_option *config__transport_option(size_t t, const char *key)
 {
     const hub_options *ho = hub_transport(t)->options;
     for (size_t i = 0; ho != NULL && i < ho->n; i++)
@@ -145,7 +125,7 @@ static const hub_option *transport_option(size_t t, const char *key)
 }
 
 /* The row of url's transport in the scheme table; hub_transport_count() for none. */
-static size_t transport_of(const char *url)
+size_t config__transport_of(const char *url)
 {
     const hub_ops *ops = hub_find(url);
     size_t t = 0;
@@ -169,7 +149,7 @@ const char *config_optimizer_name(config_optimizer o)
     return o == OPT_SGD ? "sgd" : "nesterov_sgd";
 }
 
-static int bad(const char *origin, const char *key, const char *fmt, ...)
+int config__bad(const char *origin, const char *key, const char *fmt, ...)
 {
     va_list ap;
     char name[64];
@@ -187,19 +167,19 @@ static int bad(const char *origin, const char *key, const char *fmt, ...)
     return 2;
 }
 
-static int find_key(const char *key, size_t len, slot *s)
+int config__find_key(const char *key, size_t len, slot *s)
 {
-    for (size_t i = 0; slot_at(i, s) == 0; i++)
+    for (size_t i = 0; config__slot_at(i, s) == 0; i++)
         if (strlen(s->key) == len && memcmp(s->key, key, len) == 0)
             return 0;
     return -1;
 }
 
 /* A check after all sources were read: names the line that set the option, or its flag. */
-static int bad_opt(const config *c, const char *key, const char *fmt, ...)
+int config__bad_opt(const config *c, const char *key, const char *fmt, ...)
 {
     slot s;
-    const char *where = c->origin != NULL && find_key(key, strlen(key), &s) == 0 ? c->origin[s.index] : NULL;
+    const char *where = c->origin != NULL && config__find_key(key, strlen(key), &s) == 0 ? c->origin[s.index] : NULL;
     char name[64];
     va_list ap;
 
@@ -225,7 +205,7 @@ static int set_origin(config *c, const slot *s, const char *where)
     char *copy = NULL;
 
     if (where != NULL && (copy = strdup(where)) == NULL)
-        return bad("", s->key, "out of memory");
+        return config__bad("", s->key, "out of memory");
     free(c->origin[s->index]);
     c->origin[s->index] = copy;
     return 0;
@@ -258,11 +238,11 @@ static int set_rule(config *c, const char *v, const char *origin, const char *ke
             char *end;
             unsigned long k;
             if (v[n] != ':' || v[n + 1] < '1' || v[n + 1] > '9')
-                return bad(origin, key, "'%s': trimmed_mean takes the count to trim from each end, trimmed_mean:K", v);
+                return config__bad(origin, key, "'%s': trimmed_mean takes the count to trim from each end, trimmed_mean:K", v);
             errno = 0;
             k = strtoul(v + n + 1, &end, 10);
             if (*end != '\0' || errno != 0 || k > CONFIG_MAX_NODES)
-                return bad(origin, key, "'%s': K must be an integer from 1 to %u", v, CONFIG_MAX_NODES);
+                return config__bad(origin, key, "'%s': K must be an integer from 1 to %u", v, CONFIG_MAX_NODES);
             c->trim_k = (unsigned)k;
         } else if (v[n] != '\0') {
             continue;
@@ -272,7 +252,7 @@ static int set_rule(config *c, const char *v, const char *origin, const char *ke
         c->aggregate = (config_rule)i;
         return 0;
     }
-    return bad(origin, key, "'%s' is not an aggregation rule (mean, weighted_mean, trimmed_mean:K, median, clipped_mean)",
+    return config__bad(origin, key, "'%s' is not an aggregation rule (mean, weighted_mean, trimmed_mean:K, median, clipped_mean)",
                v);
 }
 
@@ -287,11 +267,11 @@ static int set_screen(config *c, const char *v, const char *origin, const char *
         return 0;
     }
     if (strncmp(v, "cosine:", 7) != 0 || v[7] == '\0')
-        return bad(origin, key, "'%s' is not a screen (none, cosine:MIN)", v);
+        return config__bad(origin, key, "'%s' is not a screen (none, cosine:MIN)", v);
     errno = 0;
     m = strtod(v + 7, &end);
     if (*end != '\0' || errno != 0 || !(m >= -1 && m <= 1))
-        return bad(origin, key, "'%s': MIN must be a number from -1 to 1", v);
+        return config__bad(origin, key, "'%s': MIN must be a number from -1 to 1", v);
     c->screen = 1;
     c->screen_cosine = m;
     return 0;
@@ -310,18 +290,18 @@ static int set_nodes(config *c, const char *v, const char *origin, const char *k
         while (len > 0 && *p == ' ') { p++; len--; }
         while (len > 0 && p[len - 1] == ' ') len--;
         if (!delta_valid_node_id(p, len))
-            return bad(origin, key, "invalid node id '%.*s' (allowed: [A-Za-z0-9._-]{1,64}, not . or ..)", (int)len, p);
+            return config__bad(origin, key, "invalid node id '%.*s' (allowed: [A-Za-z0-9._-]{1,64}, not . or ..)", (int)len, p);
         for (size_t i = 0; i < c->nnodes; i++) {
             if (strlen(c->nodes[i]) == len && memcmp(c->nodes[i], p, len) == 0)
-                return bad(origin, key, "node id '%.*s' listed twice", (int)len, p);
+                return config__bad(origin, key, "node id '%.*s' listed twice", (int)len, p);
         }
         if (c->nnodes >= CONFIG_MAX_NODES)
-            return bad(origin, key, "more than %d nodes", CONFIG_MAX_NODES);
+            return config__bad(origin, key, "more than %d nodes", CONFIG_MAX_NODES);
         char **nv = realloc(c->nodes, (c->nnodes + 1) * sizeof(*nv));
         if (nv == NULL || (nv[c->nnodes] = strndup(p, len)) == NULL) {
             if (nv != NULL)
                 c->nodes = nv;
-            return bad(origin, key, "out of memory");
+            return config__bad(origin, key, "out of memory");
         }
         c->nodes = nv;
         c->nnodes++;
@@ -350,7 +330,7 @@ static int set_plain(void *field, opt_type type, double min, double max, const c
         char **s = field;
         char *copy = strdup(v);
         if (copy == NULL)
-            return bad(origin, key, "out of memory");
+            return config__bad(origin, key, "out of memory");
         free(*s);
         *s = copy;
         return 0;
@@ -360,7 +340,7 @@ static int set_plain(void *field, opt_type type, double min, double max, const c
         errno = 0;
         if (*v < '0' || *v > '9' || (x = strtoull(v, &end, 10), errno != 0) || *end != '\0' ||
             (double)x < min || (double)x > max)
-            return bad(origin, key, "'%s' is not an integer in [%g, %g]", v, min, max);
+            return config__bad(origin, key, "'%s' is not an integer in [%g, %g]", v, min, max);
         *(unsigned *)field = (unsigned)x;
         return 0;
     }
@@ -369,7 +349,7 @@ static int set_plain(void *field, opt_type type, double min, double max, const c
         errno = 0;
         x = strtod(v, &end);
         if (end == v || *end != '\0' || errno != 0 || !isfinite(x) || x < min || x > max)
-            return bad(origin, key, "'%s' is not a number in [%g, %g]", v, min, max);
+            return config__bad(origin, key, "'%s' is not a number in [%g, %g]", v, min, max);
         *(double *)field = x;
         return 0;
     }
@@ -394,24 +374,24 @@ static int set_option(config *c, const opt *o, const char *v, const char *origin
         else if (strcmp(v, "sgd") == 0)
             *(config_optimizer *)field = OPT_SGD;
         else
-            return bad(origin, o->key, "'%s' is not an optimizer (nesterov_sgd, sgd)", v);
+            return config__bad(origin, o->key, "'%s' is not an optimizer (nesterov_sgd, sgd)", v);
         return 0;
     case T_NODES:
         return set_nodes(c, v, origin, o->key);
     case T_LOGLEVEL:
         if (dl_log_parse_level(v, (dl_log_level *)field) != 0)
-            return bad(origin, o->key, "'%s' is not a log level (error, warn, info, debug)", v);
+            return config__bad(origin, o->key, "'%s' is not a log level (error, warn, info, debug)", v);
         return 0;
     case T_SIZE:
         /* huggingface_hub's max_shard_size spelling: "5GB" is 5 * 10^9 */
         if (st_parse_size(v, (uint64_t *)field) != 0)
-            return bad(origin, o->key, "'%s' is not a size (bytes, or a number with KB, MB, GB or TB)", v);
+            return config__bad(origin, o->key, "'%s' is not a size (bytes, or a number with KB, MB, GB or TB)", v);
         return 0;
     case T_MODE:
         if (strcmp(v, "sync") == 0 || strcmp(v, "async") == 0)
             *(int *)field = v[0] == 'a';
         else
-            return bad(origin, o->key, "'%s' is not a mode (sync, async)", v);
+            return config__bad(origin, o->key, "'%s' is not a mode (sync, async)", v);
         return 0;
     case T_WEIGHT:
         if (strcmp(v, "constant") == 0)
@@ -419,13 +399,13 @@ static int set_option(config *c, const opt *o, const char *v, const char *origin
         else if (strcmp(v, "poly") == 0)
             *(config_weight *)field = WEIGHT_POLY;
         else
-            return bad(origin, o->key, "'%s' is not a staleness weight (constant, poly)", v);
+            return config__bad(origin, o->key, "'%s' is not a staleness weight (constant, poly)", v);
         return 0;
     case T_VARIANT:
         if (strcmp(v, "forgather") == 0 || strcmp(v, "paper") == 0)
             *(int *)field = v[0] == 'p';
         else
-            return bad(origin, o->key, "'%s' is not a Delayed Nesterov variant (forgather, paper)", v);
+            return config__bad(origin, o->key, "'%s' is not a Delayed Nesterov variant (forgather, paper)", v);
         return 0;
     case T_BOUND:
         if (strcmp(v, "none") == 0) {
@@ -443,7 +423,7 @@ static int set_option(config *c, const opt *o, const char *v, const char *origin
         else if (strcmp(v, "json") == 0)
             *(int *)field = 1;
         else
-            return bad(origin, o->key, "'%s' is not a log format (text, json)", v);
+            return config__bad(origin, o->key, "'%s' is not a log format (text, json)", v);
         return 0;
     }
     return 2;
@@ -455,11 +435,11 @@ static int set_value(config *c, const slot *s, const char *v, const char *origin
     /* values end up in paths, log lines and the printed configuration: no control characters */
     for (const char *p = v; *p; p++)
         if ((unsigned char)*p < 0x20 || *p == 0x7f)
-            return bad(origin, s->key, "the value contains a control character (byte 0x%02x)", (unsigned char)*p);
+            return config__bad(origin, s->key, "the value contains a control character (byte 0x%02x)", (unsigned char)*p);
     if (s->own != NULL)
         return set_option(c, s->own, v, origin);
     for (size_t t = 0; t < hub_transport_count(); t++) {
-        const hub_option *h = transport_option(t, s->key);
+        const hub_option *h = config__transport_option(t, s->key);
         int rc;
         if (h != NULL && c->hub_opts[t] != NULL &&
             (rc = set_plain((char *)c->hub_opts[t] + h->offset, plain_type(h->type), h->min, h->max, h->key, v,
@@ -479,7 +459,7 @@ static int find_flag(const char *flag, slot *s)
         return -1;
     for (size_t i = 0; i <= n; i++)
         key[i] = flag[i] == '-' ? '_' : flag[i];
-    return find_key(key, n, s);
+    return config__find_key(key, n, s);
 }
 
 static char *trim(char *s)
@@ -568,14 +548,14 @@ static int load_file(config *c, const char *path)
         key = trim(s);
         snprintf(where, sizeof(where), "%s:%d", path, lineno);
         snprintf(origin, sizeof(origin), "%s: ", where);
-        if (find_key(key, strlen(key), &o) != 0) {
+        if (config__find_key(key, strlen(key), &o) != 0) {
             fprintf(stderr, "dilocod: %sunknown option '%s'\n", origin, key);
             rc = 2;
             break;
         }
         const char *why = NULL;
         if ((val = parse_value(eq + 1, &why)) == NULL) {
-            rc = bad(origin, o.key, "%s", why);
+            rc = config__bad(origin, o.key, "%s", why);
             break;
         }
         if ((rc = set_value(c, &o, val, origin)) == 0)
@@ -591,10 +571,10 @@ static void usage(FILE *out)
                  "The DiLoCo outer-loop aggregator: collects node deltas, averages them, applies the outer\n"
                  "optimizer and publishes the new global model.\n\noptions (each also a key in the config file):\n");
     slot o, first;
-    for (size_t i = 0; slot_at(i, &o) == 0; i++) {
+    for (size_t i = 0; config__slot_at(i, &o) == 0; i++) {
         char flag[64];
         size_t n = strlen(o.key);
-        if (find_key(o.key, n, &first) != 0 || first.index != i)
+        if (config__find_key(o.key, n, &first) != 0 || first.index != i)
             continue;           /* a transport's key another declared first: listed there */
         for (size_t k = 0; k <= n; k++)
             flag[k] = o.key[k] == '_' ? '-' : o.key[k];
@@ -611,7 +591,7 @@ static void usage(FILE *out)
         }
         fprintf(out, "  --%s %s", flag, o.hopt->help);
         for (size_t t = o.transport + 1; t < hub_transport_count(); t++) {
-            const hub_option *h = transport_option(t, o.key);
+            const hub_option *h = config__transport_option(t, o.key);
             if (h != NULL)
                 fprintf(out, " or %s", h->help);
         }
@@ -626,14 +606,14 @@ static void usage(FILE *out)
 static int set_transport_defaults(config *c)
 {
     if ((c->hub_opts = calloc(hub_transport_count(), sizeof(*c->hub_opts))) == NULL)
-        return bad("", "config", "out of memory");
+        return config__bad("", "config", "out of memory");
     for (size_t t = 0; t < hub_transport_count(); t++) {
         const hub_options *ho = hub_transport(t)->options;
         int rc;
         if (ho == NULL || ho->size == 0)
             continue;
         if ((c->hub_opts[t] = calloc(1, ho->size)) == NULL)
-            return bad("", "config", "out of memory");
+            return config__bad("", "config", "out of memory");
         for (size_t i = 0; i < ho->n; i++) {
             const hub_option *h = &ho->opt[i];
             if (h->deflt != NULL && (rc = set_plain((char *)c->hub_opts[t] + h->offset, plain_type(h->type), h->min,
@@ -680,249 +660,6 @@ static int set_defaults(config *c)
     return set_transport_defaults(c);
 }
 
-/* A file an option names is opened by its reader without O_NONBLOCK: a FIFO or a device there would
- * hold the start (or --check-config) forever, so only a regular file gets that far. */
-static int check_regular_file(const config *c, const char *key, const char *path)
-{
-    dl_error err;
-
-    dl_error_clear(&err);
-    return fsu_check_regular_file(path, &err) != 0 ? bad_opt(c, key, "%s", err.message) : 0;
-}
-
-/* The options of --hub's transport: the environment's fallbacks, then its checks (hub.h). */
-static int load_transport_options(config *c)
-{
-    size_t t = transport_of(c->hub);
-    const hub_options *ho = t < hub_transport_count() ? hub_transport(t)->options : NULL;
-    const char *key = "hub";
-    dl_error err;
-
-    if (ho == NULL || ho->load == NULL)
-        return 0;
-    dl_error_clear(&err);
-    return ho->load(c->hub_opts[t], c->hub, &key, &err) != 0 ? bad_opt(c, key, "%s", err.message) : 0;
-}
-
-/* HOST:PORT, [v6]:PORT or none. */
-static int parse_listen(config *c)
-{
-    const char *v = c->listen, *colon;
-    char *end;
-    long port;
-
-    free(c->listen_host);
-    c->listen_host = NULL;
-    if (strcmp(v, "none") == 0)
-        return 0;
-    if (v[0] == '[') {
-        const char *close = strchr(v, ']');
-        if (close == NULL || close[1] != ':')
-            return bad_opt(c, "listen", "'%s' is not HOST:PORT, [V6ADDR]:PORT or none", v);
-        if ((c->listen_host = strndup(v + 1, (size_t)(close - v - 1))) == NULL)
-            return bad_opt(c, "listen", "out of memory");
-        colon = close + 1;
-    } else {
-        colon = strrchr(v, ':');
-        if (colon == NULL || colon == v)
-            return bad_opt(c, "listen", "'%s' is not HOST:PORT, [V6ADDR]:PORT or none", v);
-        if ((c->listen_host = strndup(v, (size_t)(colon - v))) == NULL)
-            return bad_opt(c, "listen", "out of memory");
-    }
-    errno = 0;
-    port = strtol(colon + 1, &end, 10);
-    if (colon[1] == '\0' || *end != '\0' || errno != 0 || port < 0 || port > 65535)
-        return bad_opt(c, "listen", "'%s': the port must be 0..65535", v);
-    c->listen_port = (int)port;
-    return 0;
-}
-
-/* The address must resolve as the HTTP engine resolves it and belong to this machine.  Bound with
- * port 0, so a running dilocod that holds the real port (a reload, an ExecStartPre) does not fail
- * the check; a port that is busy or privileged is still only found out by the start. */
-static int check_listen(const config *c)
-{
-    struct addrinfo hints = {0}, *res = NULL;
-    int rc, fd, e;
-
-    if (c->listen_host == NULL)
-        return 0;
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-    if ((rc = getaddrinfo(c->listen_host, "0", &hints, &res)) != 0)
-        return bad_opt(c, "listen", "'%s': cannot resolve the host: %s", c->listen,
-                       rc == EAI_SYSTEM ? strerror(errno) : gai_strerror(rc));
-    fd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    e = fd < 0 ? errno : (bind(fd, res->ai_addr, res->ai_addrlen) != 0 ? errno : 0);
-    if (fd >= 0)
-        close(fd);
-    freeaddrinfo(res);
-    if (e == EADDRNOTAVAIL)
-        return bad_opt(c, "listen", "'%s': %s is not an address of this machine", c->listen, c->listen_host);
-    if (e != 0)
-        return bad_opt(c, "listen", "'%s': cannot bind: %s", c->listen, strerror(e));
-    return 0;
-}
-
-/* Loaded as the start loads it (short tokens, bad node ids, an empty file are refused), then dropped:
- * the daemon loads its own table. */
-static int check_token_file(const config *c)
-{
-    auth_table t = {0};
-    dl_error err;
-    int rc;
-
-    if (c->token_file == NULL)
-        return 0;
-    if ((rc = check_regular_file(c, "token_file", c->token_file)) != 0)
-        return rc;
-    dl_error_clear(&err);
-    if (auth_load(&t, c->token_file, &err) != 0)
-        return bad_opt(c, "token_file", "%s", err.message);
-    auth_free(&t);
-    return 0;
-}
-
-/* The start creates the directories below path: every part of it that exists must be a directory.
- * Writability is left to the start, which may run as another user (systemd's DynamicUser). */
-static int check_dir_path(const config *c, const char *key, const char *path)
-{
-    dl_error err;
-
-    dl_error_clear(&err);
-    return fsu_check_dir_path(path, &err) != 0 ? bad_opt(c, key, "%s", err.message) : 0;
-}
-
-static int state_committed(const config *c)
-{
-    char *dir = store_path_state_dir(c->state_root, c->id);
-    char *meta = dir != NULL ? store_path_metadata(dir) : NULL;
-    int committed;
-
-    free(dir);
-    if (meta == NULL)
-        return -1;
-    committed = access(meta, F_OK) == 0;
-    free(meta);
-    return committed;
-}
-
-/* Startup uses the init model only when <state_root>/<id> holds no committed step: then it must be a
- * safetensors file or a sharded checkpoint's index, read as the bootstrap reads it (headers parsed,
- * sizes and the set checked; data not read). */
-static int check_init_model(const config *c)
-{
-    st_set *f = NULL;
-    dl_error err;
-    int rc, committed;
-
-    if (c->init_model == NULL)
-        return 0;
-    if ((committed = state_committed(c)) < 0)
-        return bad("", "init_model", "out of memory");
-    if (committed)
-        return 0;
-    if ((rc = check_regular_file(c, "init_model", c->init_model)) != 0)
-        return rc;
-    dl_error_clear(&err);
-    /* one file, or the index of a sharded checkpoint (its shards checked as a set) */
-    if (st_set_open(c->init_model, &f, &err) != 0)
-        return bad_opt(c, "init_model", "%s is not a usable safetensors file or index: %s: %s", c->init_model,
-                       dl_error_name(err.code), err.message);
-    st_set_close(f);
-    return 0;
-}
-
-/* A cluster (README, "Scaling out") shares one bucket's rounds: synchronous, and only rules whose every
- * figure is per element (the others need whole-delta norms, which no aggregator of a cluster reads). */
-static int check_cluster(const config *c)
-{
-    if (c->cluster_shards == 0)
-        return 0;
-    if (strncmp(c->hub, "s3://", 5) != 0)
-        return bad_opt(c, "cluster_shards", "needs --hub s3://...: the bucket is what the aggregators share");
-    if (c->async)
-        return bad_opt(c, "cluster_shards", "takes --mode sync only (an asynchronous cluster is not built yet)");
-    if (c->aggregate == RULE_CLIPPED)
-        return bad_opt(c, "aggregate", "%s needs each delta's whole norm: a cluster takes mean, weighted_mean, median "
-                       "or trimmed_mean:K", config_rule_name(c->aggregate));
-    if (c->max_norm != 0 || c->max_norm_ratio != 0 || c->screen)
-        return bad_opt(c, c->screen ? "screen" : c->max_norm != 0 ? "max_norm" : "max_norm_ratio",
-                       "the norm and cosine screens need whole deltas: not with --cluster-shards");
-    /* a cluster bootstraps an empty bucket from one file, written once (README, Scaling out) */
-    if (c->init_model != NULL && st_index_is_index_path(c->init_model))
-        return bad_opt(c, "init_model", "a cluster bootstraps from one safetensors file, not a sharded checkpoint's "
-                       "index: merge its shards into one file first, or publish step 0 with one aggregator");
-    return 0;
-}
-
-static int validate(config *c)
-{
-    int rc;
-
-    if (c->origin == NULL || c->hub_opts == NULL || c->state_root == NULL || c->id == NULL || c->hub == NULL)
-        return bad("", "config", "out of memory");
-    if (c->state_root[0] == '\0')
-        return bad_opt(c, "state_root", "must not be empty");
-    if (!delta_valid_node_id(c->id, strlen(c->id)))
-        return bad_opt(c, "id", "'%s' is not a valid id ([A-Za-z0-9._-]{1,64}, not . or ..)", c->id);
-    /* the scheme table (hub.c) knows the transports and checks each URL */
-    dl_error herr;
-    if (hub_check_url(c->hub, &herr) != 0)
-        return bad_opt(c, "hub", "%s", herr.message);
-    if ((rc = load_transport_options(c)) != 0)
-        return rc;
-    if (c->nnodes > 0) {
-        if (c->expected_nodes != 0 && c->expected_nodes != c->nnodes)
-            return bad_opt(c, "expected_nodes", "%u disagrees with the %zu ids given by --nodes", c->expected_nodes,
-                       c->nnodes);
-        c->expected_nodes = (unsigned)c->nnodes;
-    }
-    if (c->async) {
-        /* an update closes by its grace window: round_timeout and min_nodes do not apply */
-        if (c->dn_period == 0)
-            c->dn_period = c->expected_nodes ? c->expected_nodes : 1;
-        if (c->async_queue == 0)
-            c->async_queue = c->expected_nodes * 4 > 16 ? c->expected_nodes * 4 : 16;
-        if (c->dn_c > 1.0 / c->dn_period)
-            return bad_opt(c, "dn_momentum_activation", "%g is above 1/N = 1/%u (dn_period)", c->dn_c, c->dn_period);
-        if (c->dn_c != 0 && !c->dn_paper)
-            return bad_opt(c, "dn_momentum_activation", "applies to dn_variant paper only");
-    }
-    if (c->max_norm_ratio != 0 && c->max_norm_ratio < 1)
-        return bad_opt(c, "max_norm_ratio", "%g would quarantine deltas below the median: give 0 (off) or R >= 1",
-                       c->max_norm_ratio);
-    /* async mode judges a delta against the nodes seen so far, the ones not seen yet counted as larger
-     * norms: without their count, the first few nodes (an attacker that hurries) would set the bound */
-    if (c->max_norm_ratio != 0 && c->async && c->expected_nodes == 0)
-        return bad_opt(c, "max_norm_ratio", "in async mode needs --expected-nodes (or --nodes): the nodes not seen "
-                       "yet must count, or the first ones to send would set the median every delta is judged by");
-    if (c->aggregate == RULE_TRIMMED && c->expected_nodes != 0 && 2 * c->trim_k >= c->expected_nodes)
-        return bad_opt(c, "aggregate", "trimmed_mean:%u trims every value of a round of %u nodes (2K must be below it)",
-                       c->trim_k, c->expected_nodes);
-    if (c->publish_interval < 0)
-        c->publish_interval = c->async && strncmp(c->hub, "hf://", 5) == 0 ? 30 : 0;
-    if ((rc = check_cluster(c)) != 0)
-        return rc;
-    if (!c->async && c->expected_nodes == 0 && c->round_timeout == 0)
-        return bad_opt(c, "expected_nodes", "rounds would never close: give --expected-nodes/--nodes or --round-timeout");
-    if (c->expected_nodes != 0 && c->min_nodes > c->expected_nodes)
-        return bad_opt(c, "min_nodes", "%u is more than the %u expected nodes", c->min_nodes, c->expected_nodes);
-    if (c->momentum < 0)
-        c->momentum = c->optimizer == OPT_NESTEROV_SGD ? 0.9 : 0.0;
-    if (c->momentum >= 1)
-        return bad_opt(c, "momentum", "%g must be below 1", c->momentum);
-    if (c->listen == NULL)
-        return bad("", "config", "out of memory");
-    if ((rc = parse_listen(c)) != 0 || (rc = check_listen(c)) != 0 || (rc = check_token_file(c)) != 0)
-        return rc;
-    if ((rc = check_dir_path(c, "state_root", c->state_root)) != 0)
-        return rc;
-    /* last: the most expensive check, and the one a test of any other option should not trip over */
-    return check_init_model(c);
-}
-
 int config_load(config *c, int argc, char **argv)
 {
     int rc, check = 0;
@@ -934,10 +671,10 @@ int config_load(config *c, int argc, char **argv)
         if (strcmp(argv[i], "--config") == 0 || strncmp(argv[i], "--config=", 9) == 0) {
             const char *v = argv[i][8] == '=' ? argv[i] + 9 : (i + 1 < argc ? argv[i + 1] : NULL);
             if (v == NULL)
-                return bad("--", "config", "needs a FILE");
+                return config__bad("--", "config", "needs a FILE");
             free(c->config_file);
             if ((c->config_file = strdup(v)) == NULL)
-                return bad("--", "config", "out of memory");
+                return config__bad("--", "config", "out of memory");
             if ((rc = load_file(c, v)) != 0)
                 return rc;
         }
@@ -987,185 +724,17 @@ int config_load(config *c, int argc, char **argv)
         if ((rc = set_value(c, &o, val, "--")) != 0 || (rc = set_origin(c, &o, NULL)) != 0)
             return rc;
     }
-    if ((rc = validate(c)) != 0)
+    if ((rc = config__validate(c)) != 0)
         return rc;
     if (check) {
         /* not an error: the same file is fine once a step is committed (or restored from a backup) */
-        if (strcmp(c->hub, "none") == 0 && c->init_model == NULL && state_committed(c) == 0)
+        if (strcmp(c->hub, "none") == 0 && c->init_model == NULL && config__state_committed(c) == 0)
             fprintf(stderr, "dilocod: note: %s/%s holds no committed step and there is no init_model: with "
                             "hub = none a start now has nothing to start from (exit 1)\n", c->state_root, c->id);
         config_print(c, stdout);
         return 1;
     }
     return 0;
-}
-
-/* A value the file reader would read back as something else is printed double-quoted: empty, with
- * blanks at either end, opening with a quote, or holding a '#' that would start a comment. */
-static int needs_quotes(const char *v)
-{
-    size_t n = strlen(v);
-
-    if (n == 0 || v[0] == '"' || v[0] == '\'' || v[0] == ' ' || v[n - 1] == ' ')
-        return 1;
-    for (size_t i = 0; i < n; i++)
-        if (v[i] == '#' && (i == 0 || v[i - 1] == ' '))
-            return 1;
-    return 0;
-}
-
-/* The shortest decimal that reads back as the same double (0.7, not 0.69999999999999996). */
-static void print_double(FILE *out, const char *key, double x)
-{
-    char buf[40];
-
-    for (int prec = 6; prec <= 17; prec++) {
-        snprintf(buf, sizeof(buf), "%.*g", prec, x);
-        if (strtod(buf, NULL) == x)
-            break;
-    }
-    fprintf(out, "%s = %s\n", key, buf);
-}
-
-/* Unset options become comments, so the output is a config file that reads back to the same settings. */
-static void print_str(FILE *out, const char *key, const char *v, const char *unset)
-{
-    if (v == NULL) {
-        fprintf(out, "# %s: not set%s\n", key, unset);
-        return;
-    }
-    if (!needs_quotes(v)) {
-        fprintf(out, "%s = %s\n", key, v);
-        return;
-    }
-    fprintf(out, "%s = \"", key);
-    for (const char *p = v; *p; p++) {
-        if (*p == '"' || *p == '\\')
-            fputc('\\', out);
-        fputc(*p, out);
-    }
-    fputs("\"\n", out);
-}
-
-/* Why a transport's option is unset: the transport's own word, its table's, else which schemes use it. */
-static void unset_note(const config *c, size_t t, const hub_option *h, char *buf, size_t size)
-{
-    const hub_options *ho = hub_transport(t)->options;
-    const char *note = ho->unset_note != NULL ? ho->unset_note(c->hub_opts[t], h->key) : NULL;
-    size_t n;
-
-    if (note == NULL)
-        note = h->unset;
-    if (note != NULL) {
-        snprintf(buf, size, "%s", note);
-        return;
-    }
-    snprintf(buf, size, " (");
-    for (size_t u = 0, k = 0; u < hub_transport_count(); u++) {
-        if (transport_option(u, h->key) == NULL)
-            continue;
-        n = strlen(buf);
-        snprintf(buf + n, size - n, "%s%s", k++ ? " and " : "", hub_transport(u)->scheme);
-    }
-    n = strlen(buf);
-    snprintf(buf + n, size - n, " only)");
-}
-
-/* Each key once, at its first place, with the value of --hub's transport when it declares the key
- * (its load() may have filled it), else of the first that does; then each transport's own lines. */
-static void print_transport_options(const config *c, FILE *out)
-{
-    size_t configured = transport_of(c->hub);
-    slot o, first;
-
-    for (size_t i = COUNT_OF(options); slot_at(i, &o) == 0; i++) {
-        size_t t = o.transport;
-        const hub_option *h = o.hopt;
-        char note[128];
-
-        if (find_key(o.key, strlen(o.key), &first) == 0 && first.index == i) {
-            if (configured < hub_transport_count() && transport_option(configured, o.key) != NULL) {
-                t = configured;
-                h = transport_option(t, o.key);
-            }
-            const char *field = (const char *)c->hub_opts[t] + h->offset;
-            if (h->type == HUB_OPT_UINT) {
-                fprintf(out, "%s = %u\n", h->key, *(const unsigned *)field);
-            } else {
-                unset_note(c, t, h, note, sizeof(note));
-                print_str(out, h->key, *(char *const *)field, note);
-            }
-        }
-        const hub_options *ho = hub_transport(o.transport)->options;
-        if (o.hopt == &ho->opt[ho->n - 1] && ho->print != NULL)
-            ho->print(c->hub_opts[o.transport], out);
-    }
-}
-
-void config_print(const config *c, FILE *out)
-{
-    fprintf(out, "# dilocod effective configuration (a config file: dilocod --config FILE reads it back)\n");
-    if (c->config_file)
-        fprintf(out, "# read from %s, then overridden by flags\n", c->config_file);
-    print_str(out, "state_root", c->state_root, "");
-    print_str(out, "id", c->id, "");
-    print_str(out, "hub", c->hub, "");
-    print_str(out, "init_model", c->init_model, " (no model to bootstrap from)");
-    fprintf(out, "expected_nodes = %u\n", c->expected_nodes);
-    if (c->nnodes == 0) {
-        fprintf(out, "# nodes: not set (any node id may deliver)\n");
-    } else {
-        fprintf(out, "nodes = ");
-        for (size_t i = 0; i < c->nnodes; i++)
-            fprintf(out, "%s%s", i ? "," : "", c->nodes[i]);
-        fprintf(out, "\n");
-    }
-    fprintf(out, "min_nodes = %u\n", c->min_nodes);
-    print_double(out, "round_timeout", c->round_timeout);
-    fprintf(out, "optimizer = %s\n", config_optimizer_name(c->optimizer));
-    print_double(out, "lr", c->lr);
-    print_double(out, "momentum", c->momentum);
-    fprintf(out, "threads = %u\n", c->threads);
-    print_double(out, "poll_interval", c->poll_interval);
-    fprintf(out, "log_level = %s\nlog_format = %s\nagg_memory_mib = %u\n", dl_log_level_name(c->log_level),
-            c->log_json ? "json" : "text", c->agg_memory_mib);
-    print_double(out, "retry_interval", c->retry_interval);
-    fprintf(out, "mode = %s\n", c->async ? "async" : "sync");
-    if (c->max_staleness == CONFIG_NO_STALENESS_BOUND)
-        fprintf(out, "max_staleness = none\n");
-    else
-        fprintf(out, "max_staleness = %u\n", c->max_staleness);
-    fprintf(out, "staleness_weight = %s\ndn_period = %u\ndn_variant = %s\n", config_weight_name(c->staleness_weight),
-            c->dn_period, c->dn_paper ? "paper" : "forgather");
-    print_double(out, "dn_momentum_activation", c->dn_c);
-    print_double(out, "grace_ms", c->grace_ms);
-    fprintf(out, "async_queue = %u\ndylu_base_steps = %u\n", c->async_queue, c->dylu_base_steps);
-    print_double(out, "publish_interval", c->publish_interval);
-    if (c->aggregate == RULE_TRIMMED)
-        fprintf(out, "aggregate = trimmed_mean:%u\n", c->trim_k);
-    else
-        fprintf(out, "aggregate = %s\n", config_rule_name(c->aggregate));
-    print_double(out, "max_norm_ratio", c->max_norm_ratio);
-    print_double(out, "max_norm", c->max_norm);
-    print_double(out, "max_weight_ratio", c->max_weight_ratio);
-    if (c->screen)
-        fprintf(out, "screen = cosine:%.17g\n", c->screen_cosine);
-    else
-        fprintf(out, "screen = none\n");
-    print_str(out, "listen", c->listen, "");
-    print_str(out, "token_file", c->token_file, " (uploads from loopback peers only)");
-    fprintf(out, "max_header_bytes = %u\nmax_headers = %u\nmax_body_mib = %u\nmax_delta_header_mib = %u\n"
-                 "max_uploads = %u\n",
-            c->max_header_bytes, c->max_headers, c->max_body_mib, c->max_delta_header_mib, c->max_uploads);
-    print_double(out, "header_timeout", c->header_timeout);
-    print_double(out, "idle_timeout", c->idle_timeout);
-    fprintf(out, "max_connections = %u\nmax_downloads = %u\n", c->max_connections, c->max_downloads);
-    fprintf(out, "prune_consumed = %u\nwarm_outputs = %u\nhistory_keep = %u\n", c->prune_consumed, c->warm_outputs,
-            c->history_keep);
-    fprintf(out, "shard_size = %" PRIu64 "\n", c->shard_size);
-    fprintf(out, "cluster_shards = %u\n", c->cluster_shards);
-    print_double(out, "cluster_lease", c->cluster_lease);
-    print_transport_options(c, out);
 }
 
 static void free_transport_options(config *c)
@@ -1206,14 +775,14 @@ void config_free(config *c)
 
 const void *config_hub_options(const config *c)
 {
-    size_t t = transport_of(c->hub);
+    size_t t = config__transport_of(c->hub);
     return t < hub_transport_count() && c->hub_opts != NULL ? c->hub_opts[t] : NULL;
 }
 
 int config_hub_value(const config *c, const char *key, const char **value)
 {
-    size_t t = transport_of(c->hub);
-    const hub_option *h = t < hub_transport_count() ? transport_option(t, key) : NULL;
+    size_t t = config__transport_of(c->hub);
+    const hub_option *h = t < hub_transport_count() ? config__transport_option(t, key) : NULL;
 
     if (h == NULL || h->type == HUB_OPT_UINT || c->hub_opts == NULL || c->hub_opts[t] == NULL)
         return 0;

@@ -24,8 +24,6 @@
 
 #include <uv.h>
 
-#include "api.h"
-#include "auth.h"
 #include "dl_log.h"
 #include "history.h"
 #include "http.h"
@@ -247,16 +245,17 @@ static void sighup_cb(uv_signal_t *s, int signum)
 {
     dilocod *d = s->data;
     dl_error err;
+    size_t entries = 0;
     (void)signum;
     if (d->cfg->token_file == NULL) {
         dl_log(DL_LOG_INFO, "main", "SIGHUP: no token file to reload", "%s", "");
         return;
     }
     /* a small file of our own: read on the loop thread, between events */
-    if (auth_load(&d->auth, d->cfg->token_file, &err) != 0)
+    if (d->front->load_credentials(d->cfg->token_file, &entries, &err) != 0)
         daemon__log_error("auth", "token file not reloaded, the previous tokens stay in force", &err);
     else
-        dl_log(DL_LOG_INFO, "auth", "tokens reloaded", "file=%s entries=%zu", d->cfg->token_file, d->auth.n);
+        dl_log(DL_LOG_INFO, "auth", "tokens reloaded", "file=%s entries=%zu", d->cfg->token_file, entries);
 }
 
 /* ---- startup ------------------------------------------------------------------------------------- */
@@ -271,18 +270,19 @@ static int start_http(dilocod *d, dl_error *err)
         .idle_timeout = d->cfg->idle_timeout,
         .max_conns = d->cfg->max_connections,
     };
+    size_t entries = 0;
     int rc;
 
     if (d->cfg->listen_host == NULL)
         return 0;
-    if (d->cfg->token_file != NULL && auth_load(&d->auth, d->cfg->token_file, err) != 0)
+    if (d->cfg->token_file != NULL && d->front->load_credentials(d->cfg->token_file, &entries, err) != 0)
         return -DL_E_INVALID_ARGUMENT;
     if ((rc = daemon__status_register(d)) != 0)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "too many status providers");
-    rc = http_server_start(&d->http, &d->loop, d->cfg->listen_host, d->cfg->listen_port, &lim, api_on_request, d);
+    rc = http_server_start(&d->http, &d->loop, d->cfg->listen_host, d->cfg->listen_port, &lim, d->front->on_request, d);
     if (rc != 0)
         return dl_fail(err, DL_E_IO, NULL, 0, "cannot listen on %s: %s", d->cfg->listen, strerror(-rc));
-    http_server_on_response(d->http, api_count_response);
+    http_server_on_response(d->http, d->front->on_response);
     d->http_port = http_server_port(d->http);
     return 0;
 }
@@ -423,7 +423,12 @@ static int open_hub(dilocod *d, dl_error *err)
     return rc;
 }
 
-int daemon_run(config *cfg)
+int daemon__front_busy(const dilocod *d)
+{
+    return d->front != NULL && d->front->busy != NULL ? d->front->busy() : 0;
+}
+
+int daemon_run(config *cfg, const daemon_front *front)
 {
     dilocod *d = calloc(1, sizeof(*d));
     char *state_dir = NULL;
@@ -434,6 +439,7 @@ int daemon_run(config *cfg)
     if (d == NULL)
         return 1;
     d->cfg = cfg;
+    d->front = front;
     d->started_at = time(NULL);
     d->published_step = -1;
     d->publish.last_started = -1;
@@ -503,7 +509,7 @@ int daemon_run(config *cfg)
     round_free(&d->rnd);
     st_header_free(d->model);
     store_free(&d->st);
-    auth_free(&d->auth);
+    d->front->free_credentials();
     daemon__served_clear(&d->global);
     history_free(&d->history);
     daemon__async_free(d);

@@ -18,7 +18,6 @@
 
 #include <uv.h>
 
-#include "auth.h"
 #include "config.h"
 #include "delta.h"
 #include "dl_error.h"
@@ -33,8 +32,26 @@
 
 typedef struct dilocod dilocod;
 
-/* Runs until SIGINT/SIGTERM.  Returns the process exit code. */
-int daemon_run(config *cfg);
+/* What serves the daemon's listener, and what the daemon asks of it: an interface the daemon owns,
+ * filled by main (server/main.c: api/'s api_front), so that the daemon calls no route, loads no token
+ * and counts no upload itself (the layers point one way: `make lint-layers` keeps api/ out of the
+ * daemon's files).  Everything here runs on the loop thread. */
+typedef struct daemon_front {
+    http_request_cb on_request;     /* http_server_start's request callback (app: the dilocod) */
+    http_response_cb on_response;   /* every response, counted by route and status (app: the dilocod) */
+    /* The credentials of --token-file, at startup and again on SIGHUP: 0 (*entries: how many are in
+     * force), or a negative code with err set and the previous ones kept. */
+    int (*load_credentials)(const char *path, size_t *entries, dl_error *err);
+    void (*free_credentials)(void);
+    /* Requests being received that write to disk (uploads): the warm thread yields to them. */
+    int (*busy)(void);
+    /* The front's own part of /status and /metrics (the uploads'), registered before the cluster's. */
+    const struct daemon_provider *provider;
+} daemon_front;
+
+/* Runs until SIGINT/SIGTERM, serving its listener (--listen) through front.  Returns the process exit
+ * code. */
+int daemon_run(config *cfg, const daemon_front *front);
 
 /* ---- the served global ----------------------------------------------------------------------- */
 
@@ -87,8 +104,6 @@ int daemon_takes_uploads(const dilocod *d);
 /* The daemon's state by name ("collecting", ...), and whether it is stopping. */
 const char *daemon_state_name(const dilocod *d);
 int daemon_stopping(const dilocod *d);
-/* The bearer tokens (--token-file; reloaded on SIGHUP). */
-const auth_table *daemon_auth(const dilocod *d);
 /* Every counter: count with stats.h's stats_ functions, read by the providers. */
 stats *daemon_stats(dilocod *d);
 

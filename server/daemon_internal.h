@@ -10,7 +10,6 @@
 
 #include <uv.h>
 
-#include "auth.h"
 #include "config.h"
 #include "daemon.h"
 #include "delta.h"
@@ -224,7 +223,7 @@ typedef struct dilocod {
     /* HTTP */
     http_server *http;
     int http_port;
-    auth_table auth;
+    const daemon_front *front;  /* main's: the routes, the credentials, the uploads (daemon.h) */
     served_global global;       /* what GET /global/... sends (read it with daemon__global) */
     daemon_layout layout;       /* daemon_publish.c */
     int global_stale;           /* the committed global could not be opened yet: an older one is served */

@@ -29,6 +29,9 @@ struct settle_args;
 /* ---- daemon_status.c: the parts of /status and /metrics ---- */
 
 /* Registers every provider (the daemon's, then the uploads'), in /status's order.  0, or -ENOSPC. */
+/* daemon.c: the front's busy() (daemon.h's daemon_front: uploads being received), 0 without one: what the
+ * warm thread yields to (for daemon_pass.c, which still asks api/'s upload_in_flight directly). */
+int daemon__front_busy(const dilocod *d);
 int daemon__status_register(dilocod *d);
 
 /* ---- daemon_async.c: asynchronous mode ---- */

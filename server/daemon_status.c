@@ -2,8 +2,8 @@
  * walk, and one provider per subsystem whose state is the daemon's: the process and the committed
  * step, the step pipeline, the open round, the pass, the history, the optimizer, the model, the
  * transport and publishing, the commit, the counters, adoptions, index parses and the HTTP server.
- * daemon__status_register adds them, and the uploads' (api.h) last, in the order /status has always
- * shown its members.  Each writes only what it reads, on the loop thread. */
+ * daemon__status_register adds them, and the front's (daemon.h's daemon_front: the uploads', wired by
+ * main) before the cluster's, in the order /status has always shown its members.  Each writes only what it reads, on the loop thread. */
 #include "daemon.h"
 #include "daemon_internal.h"
 #include "s3_cluster.h"
@@ -17,7 +17,6 @@
 #include <string.h>
 #include <time.h>
 
-#include "api.h"
 #include "history.h"
 #include "http.h"
 #include "hub.h"
@@ -623,10 +622,13 @@ int daemon__status_register(dilocod *d)
         &process_provider, &pipeline_provider, &round_provider, &pass_provider,  &history_provider,
         &optimizer_provider, &model_provider, &hub_provider,    &commit_provider, &stats_provider,
         &adopt_provider,   &index_provider,  &http_server_provider, &daemon__async_provider, &daemon__robust_provider,
-        &workers_provider, &upload_provider, &daemon__cluster_provider,
+        &workers_provider, NULL /* the front's: the uploads' (daemon.h) */, &daemon__cluster_provider,
     };
     for (size_t i = 0; i < sizeof(order) / sizeof(order[0]); i++) {
-        int rc = daemon_provide(d, order[i]);
+        const daemon_provider *p = order[i] != NULL ? order[i] : d->front != NULL ? d->front->provider : NULL;
+        if (p == NULL)
+            continue;
+        int rc = daemon_provide(d, p);
         if (rc != 0)
             return rc;
     }

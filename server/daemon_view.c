@@ -64,11 +64,6 @@ int daemon_stopping(const dilocod *d)
     return d->stopping;
 }
 
-const auth_table *daemon_auth(const dilocod *d)
-{
-    return &d->auth;
-}
-
 stats *daemon_stats(dilocod *d)
 {
     return &d->m;

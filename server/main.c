@@ -8,6 +8,7 @@
 #include <sys/resource.h>
 
 #include "config.h"
+#include "api.h"
 #include "daemon.h"
 #include "dl_log.h"
 
@@ -70,7 +71,7 @@ int main(int argc, char **argv)
     dl_log_set_level(cfg.log_level);
     dl_log_set_json(cfg.log_json);
     raise_nofile();
-    rc = daemon_run(&cfg);
+    rc = daemon_run(&cfg, &api_front);
     config_free(&cfg);
     return rc;
 }

@@ -342,3 +342,12 @@ void api_on_request(http_conn *c, http_request *req, void *app)
     }
     r->handler(d, c, req);
 }
+
+const daemon_front api_front = {
+    .on_request = api_on_request,
+    .on_response = api_count_response,
+    .load_credentials = upload_tokens_load,
+    .free_credentials = upload_tokens_free,
+    .busy = upload_in_flight,
+    .provider = &upload_provider,
+};

@@ -10,6 +10,9 @@
 #include "daemon.h"
 #include "http.h"
 
+/* What main wires to the daemon (daemon.h's daemon_front): the routes, their counts, the tokens, the
+ * uploads in flight. */
+extern const daemon_front api_front;
 /* http_server_start's request callback (app is the dilocod). */
 void api_on_request(http_conn *c, http_request *req, void *app);
 /* http_server_on_response: counts every response by route and status (app is the dilocod). */
@@ -27,6 +30,10 @@ int api_parse_node_path(const char *path, char *id, size_t id_size, char *step, 
 void upload_route(dilocod *d, http_conn *c, http_request *req);
 /* HTTP uploads being received (each holds two write buffers): the uploads' own count. */
 int upload_in_flight(void);
+/* The bearer tokens uploads are checked against (--token-file; loaded at startup, reloaded on SIGHUP):
+ * the uploads' own, as their count.  Loading replaces them only on success. */
+int upload_tokens_load(const char *path, size_t *entries, dl_error *err);
+void upload_tokens_free(void);
 /* The uploads' part of /status and /metrics (registered last: uploads_in_progress ends /status). */
 extern const daemon_provider upload_provider;
 

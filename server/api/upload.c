@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "api.h"
+#include "auth.h"
 #include "daemon.h"
 #include "delta_stream.h"
 #include "dl_log.h"
@@ -39,11 +40,24 @@
  * so upload_admit bounds them by --max-uploads.  A process runs one daemon: the count is this file's. */
 static struct {
     int in_flight;
+    auth_table tokens;          /* --token-file's (upload_tokens_load) */
 } uploads;
 
 int upload_in_flight(void)
 {
     return uploads.in_flight;
+}
+
+int upload_tokens_load(const char *path, size_t *entries, dl_error *err)
+{
+    int rc = auth_load(&uploads.tokens, path, err);
+    *entries = uploads.tokens.n;
+    return rc;
+}
+
+void upload_tokens_free(void)
+{
+    auth_free(&uploads.tokens);
 }
 
 static void uploads_status(const dilocod *d, sbuf *b)
@@ -704,7 +718,7 @@ static int authorize(dilocod *d, http_conn *c, http_request *req, const char *no
         }
         return 0;
     }
-    switch (auth_check(daemon_auth(d), http_header_get(req, "authorization"), node_id)) {
+    switch (auth_check(&uploads.tokens, http_header_get(req, "authorization"), node_id)) {
     case AUTH_OK:
         return 0;
     case AUTH_MISSING: {

@@ -1,6 +1,6 @@
-/* hub_s3_internal: what hub_s3.c (requests, listing, polling, adoption, lifecycle) and
+/* hub_s3_internal: what hub_s3.c (requests, polling, adoption, lifecycle), hub_s3_list.c (the listing) and
  * hub_s3_publish.c (claims, uploads, multipart, step_count.json, the other layout's cleanup) share of
- * the s3:// transport: its handle and the request helpers.  Private to those two files
+ * the s3:// transport: its handle and the request helpers.  Private to those three files
  * (tests/tools/lint-layers.sh). */
 #ifndef HUB_S3_INTERNAL_H
 #define HUB_S3_INTERNAL_H
@@ -127,6 +127,13 @@ int s3_sha256_hex(const void *data, size_t len, char hex[65]);
 
 /* A failure recorded in /status and logged when it changes (remote.h). */
 #define set_error(h, ...) remote_error(&(h)->f.rm, __VA_ARGS__)
+
+/* hub_s3.c: the end of a poll (downloads whose wait is over requeued, the fetch pipeline pumped). */
+void s3_poll_finish(s3_hub *h);
+/* hub_s3_list.c: the listing walk's state dropped; the nodes/ listing's page after token (NULL: the
+ * first, or after the node boundary where the last poll stopped). */
+void s3_best_reset(s3_hub *h);
+void s3_list_page(s3_hub *h, const char *token);
 
 /* hub_s3_publish.c: hub_ops.publish; the end of a publish (error NULL: published); a poll saw the
  * bucket's step (a claim waited on is over once the bucket reached its step). */

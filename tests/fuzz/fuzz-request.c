@@ -71,6 +71,7 @@ static void setup(void)
     round_init(&D->rnd, 0, CFG.expected_nodes, NULL, 0, 1, 0);
     http_limits lim = {.max_url = 8192, .max_header_bytes = 4096, .max_headers = 50, .header_timeout = 10,
                        .idle_timeout = 60, .max_conns = 16};
+    D->front = &api_front;      /* as main wires it */
     if (daemon__status_register(D) != 0 || http_server_fake(&D->http, &D->loop, &lim, api_on_request, D) != 0)
         abort();
 }
