@@ -660,6 +660,74 @@ static int set_defaults(config *c)
     return set_transport_defaults(c);
 }
 
+/* ---- options the chosen mode ignores ------------------------------------------------------------
+ * An option that only one mode reads is accepted in the others (the shipped config file sets async
+ * options beside mode = sync), but one set to a value other than its default is said, at the start and by
+ * --check-config: a run that was meant to be asynchronous, or a cluster's lease without a cluster, is then
+ * not silently another.  Each row: the option, whether the configuration reads it, and what does. */
+typedef struct applies_row {
+    const char *key;
+    int (*read)(const config *c);
+    const char *needs;
+} applies_row;
+
+static int is_async(const config *c) { return c->async; }
+static int is_cluster(const config *c) { return c->cluster_shards != 0; }
+static int is_weighted(const config *c) { return c->aggregate == RULE_WEIGHTED; }
+
+static const applies_row applies[] = {
+    {"max_staleness", is_async, "--mode async"},
+    {"staleness_weight", is_async, "--mode async"},
+    {"dn_period", is_async, "--mode async"},
+    {"dn_variant", is_async, "--mode async"},
+    {"dn_momentum_activation", is_async, "--mode async"},
+    {"grace_ms", is_async, "--mode async"},
+    {"async_queue", is_async, "--mode async"},
+    {"dylu_base_steps", is_async, "--mode async"},
+    {"cluster_lease", is_cluster, "--cluster-shards"},
+    {"max_weight_ratio", is_weighted, "--aggregate weighted_mean"},
+};
+
+/* Whether option o holds its default in c (d: a configuration of defaults only). */
+static int holds_default(const config *c, const config *d, const opt *o)
+{
+    const char *a = (const char *)c + o->offset, *b = (const char *)d + o->offset;
+    switch (o->type) {
+    case T_UINT: case T_BOUND: return memcmp(a, b, sizeof(unsigned)) == 0;
+    case T_DOUBLE: return *(const double *)(const void *)a == *(const double *)(const void *)b;
+    case T_WEIGHT: return memcmp(a, b, sizeof(config_weight)) == 0;
+    case T_VARIANT: return memcmp(a, b, sizeof(int)) == 0;
+    default: return 1;          /* a type no row has: never warned about */
+    }
+}
+
+static void warn_ignored_options(const config *c)
+{
+    config d;
+    if (set_defaults(&d) != 0) {
+        config_free(&d);
+        return;
+    }
+    for (size_t i = 0; i < sizeof(applies) / sizeof(applies[0]); i++) {
+        const applies_row *r = &applies[i];
+        slot s;
+        if (r->read(c) || config__find_key(r->key, strlen(r->key), &s) != 0 || s.own == NULL ||
+            holds_default(c, &d, s.own))
+            continue;
+        char flag[64];
+        snprintf(flag, sizeof(flag), "%s", r->key);
+        for (char *q = flag; *q; q++)
+            if (*q == '_')
+                *q = '-';
+        if (c->origin[s.index] != NULL)
+            fprintf(stderr, "dilocod: warning: %s: %s is read only with %s: ignored here\n", c->origin[s.index],
+                    r->key, r->needs);
+        else
+            fprintf(stderr, "dilocod: warning: --%s is read only with %s: ignored here\n", flag, r->needs);
+    }
+    config_free(&d);
+}
+
 int config_load(config *c, int argc, char **argv)
 {
     int rc, check = 0;
@@ -726,6 +794,7 @@ int config_load(config *c, int argc, char **argv)
     }
     if ((rc = config__validate(c)) != 0)
         return rc;
+    warn_ignored_options(c);
     if (check) {
         /* not an error: the same file is fine once a step is committed (or restored from a backup) */
         if (strcmp(c->hub, "none") == 0 && c->init_model == NULL && config__state_committed(c) == 0)

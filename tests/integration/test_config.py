@@ -451,3 +451,28 @@ def test_non_root_start_says_what_to_do(tmp_path):
     assert p.returncode == 1, (p.returncode, p.stderr)
     assert "Permission denied (give --state-root DIR" in p.stderr, p.stderr
     assert "removed the state directory" not in p.stderr, p.stderr
+
+
+def test_options_the_mode_ignores_are_warned_about(tmp_path):
+    """An option only another mode reads is accepted (the shipped file sets async options beside mode =
+    sync) but said when it holds a value other than its default, flag or FILE:LINE, at the start and by
+    --check-config; never when the mode reads it, nor for a default value."""
+    conf = tmp_path / "d.conf"
+    conf.write_text("mode = sync\nexpected_nodes = 2\ndn_period = 4\ngrace_ms = 0\n")
+    p = dilocod("--config", str(conf), "--max-weight-ratio", "3", "--cluster-lease", "9", "--check-config", check=None)
+    assert p.returncode == 0, p.stderr
+    assert f"warning: {conf}:3: dn_period is read only with --mode async" in p.stderr, p.stderr
+    assert "warning: --max-weight-ratio is read only with --aggregate weighted_mean" in p.stderr, p.stderr
+    assert "warning: --cluster-lease is read only with --cluster-shards" in p.stderr, p.stderr
+    assert "grace_ms" not in p.stderr, p.stderr             # its default: nothing to say
+    p = dilocod("--config", str(conf), "--mode", "async", "--aggregate", "weighted_mean", "--max-weight-ratio", "3",
+                "--check-config", check=None)
+    assert p.returncode == 0 and "warning" not in p.stderr, p.stderr
+    # the shipped file warns about nothing
+    shipped = ROOT / "config" / "dilocod.conf"
+    p = dilocod("--config", str(shipped), "--expected-nodes", "2", "--check-config", check=None)
+    assert "warning" not in p.stderr, p.stderr
+    # and a start says it too, before it runs
+    p = dilocod("--expected-nodes", "2", "--dn-period", "4", "--state-root", str(tmp_path / "s"), "--listen",
+                "127.0.0.1:0", check=None)       # hub none, no init_model: it exits 1 once started
+    assert p.returncode == 1 and "warning: --dn-period is read only with --mode async" in p.stderr, p.stderr
