@@ -146,14 +146,28 @@ static int done(step_state s)
 }
 
 /* Room for one more record: the oldest that is done (and runs nothing) goes.  0, or -1 when every one is in flight. */
+static void drop_record(pipeline *p, size_t i)
+{
+    memmove(&p->rec[i], &p->rec[i + 1], (p->n - i - 1) * sizeof(p->rec[0]));
+    p->n--;
+}
+
 static int make_room(pipeline *p)
 {
     if (p->n < PIPELINE_MAX)
         return 0;
     for (size_t i = 0; i < p->n; i++) {
         if (done(p->rec[i].state) && p->rec[i].busy == 0) {
-            memmove(&p->rec[i], &p->rec[i + 1], (p->n - i - 1) * sizeof(p->rec[0]));
-            p->n--;
+            drop_record(p, i);
+            return 0;
+        }
+    }
+    /* Else the oldest durable step that runs nothing, when a later step is in the table: all it still
+     * waits for is a cleanup, and the cleanup behind the later step removes its files too (async updates
+     * can outrun the cleanups, and a full table must never stop a step from being entered). */
+    for (size_t i = 0; i + 1 < p->n; i++) {
+        if (p->rec[i].state == STEP_DURABLE && p->rec[i].busy == 0) {
+            drop_record(p, i);
             return 0;
         }
     }
@@ -249,6 +263,13 @@ void pipeline_durable(pipeline *p, uint64_t step)
 
     if (r != NULL)
         move(p, r, STEP_DURABLE);       /* from served or published; the table refuses any other */
+    /* The steps before it that were served but never settled on their own (async updates faster than the
+     * settles: each settle names the newest committed step) are durable with it: outer_metadata.json names a
+     * later step.  Left served, they held their records for ever, and once PIPELINE_MAX of them were in
+     * flight no step could be entered. */
+    for (size_t i = 0; i < p->n; i++)
+        if (p->rec[i].step < step && (p->rec[i].state == STEP_SERVED || p->rec[i].state == STEP_PUBLISHED))
+            move(p, &p->rec[i], STEP_DURABLE);
 }
 
 void pipeline_cleaned(pipeline *p, uint64_t step)

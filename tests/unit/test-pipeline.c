@@ -172,13 +172,63 @@ TEST(pipeline_steps_in_flight_side_by_side_and_entered_whole)
     pipeline_init(&p, fake_clock, fake_wall);
     for (uint64_t s = 0; s < PIPELINE_MAX; s++)
         CHECK_EQ(pipeline_begin(&p, s, s < 2 ? STEP_DURABLE : STEP_COLLECTING), 0);
+    CHECK_EQ(pipeline_start(&p, 0, STEP_ACT_CLEANUP), 0);     /* durable ones whose cleanup runs */
+    CHECK_EQ(pipeline_start(&p, 1, STEP_ACT_CLEANUP), 0);
     CHECK_EQ(pipeline_begin(&p, 100, STEP_COLLECTING), -1);
+    p.illegal = 0;
+    CHECK_EQ(pipeline_end(&p, 0, STEP_ACT_CLEANUP, 1), 0);
     pipeline_cleaned(&p, 0);
     CHECK_EQ(pipeline_begin(&p, 100, STEP_COLLECTING), 0);
     CHECK(pipeline_find(&p, 0) == NULL);
     CHECK(pipeline_find(&p, 1) != NULL);
     CHECK_EQ(p.n, PIPELINE_MAX);
     CHECK_EQ(p.rec[PIPELINE_MAX - 1].step, 100);
+}
+
+/* Async updates faster than the settles: each settle names the newest committed step, so steps before it
+ * are served and never settled on their own.  They become durable with it, and cleaned after it, so the
+ * table keeps room: left served, PIPELINE_MAX of them stopped every later step from being entered. */
+static void drive_to_served(pipeline *p, uint64_t s)
+{
+    CHECK_EQ(pipeline_begin(p, s, STEP_COLLECTING), 0);
+    CHECK_EQ(pipeline_move(p, s, STEP_COMPUTING), 0);
+    CHECK_EQ(pipeline_move(p, s, STEP_INPUTS_DURABLE), 0);
+    CHECK_EQ(pipeline_move(p, s, STEP_COMMITTED), 0);
+    CHECK_EQ(pipeline_move(p, s, STEP_SERVED), 0);
+}
+
+TEST(pipeline_settle_of_a_later_step_settles_the_ones_before)
+{
+    pipeline p;
+
+    pipeline_init(&p, fake_clock, fake_wall);
+    for (uint64_t s = 1; s <= 3 * PIPELINE_MAX; s++) {
+        drive_to_served(&p, s);
+        if (s % 5 == 0) {                       /* one settle for five updates, the newest named */
+            pipeline_published(&p, s);
+            pipeline_durable(&p, s);
+            pipeline_cleaned(&p, s);
+            for (uint64_t e = s > 4 ? s - 4 : 1; e <= s; e++)
+                CHECK(pipeline_find(&p, e) == NULL || pipeline_find(&p, e)->state == STEP_CLEANED);
+        }
+    }
+    CHECK_EQ(p.illegal, 0);
+    CHECK(p.n <= PIPELINE_MAX);
+    CHECK_EQ(pipeline_find(&p, 3 * PIPELINE_MAX)->state, STEP_SERVED);
+
+    /* settles that keep up but cleanups that do not: a full table of durable steps makes room with its
+     * oldest (the later cleanup covers it), never with a step still running something */
+    pipeline_init(&p, fake_clock, fake_wall);
+    for (uint64_t s = 1; s <= PIPELINE_MAX; s++) {
+        drive_to_served(&p, s);
+        pipeline_durable(&p, s);
+    }
+    CHECK_EQ(pipeline_start(&p, 1, STEP_ACT_CLEANUP), 0);
+    CHECK_EQ(pipeline_begin(&p, PIPELINE_MAX + 1, STEP_COLLECTING), 0);
+    CHECK(pipeline_find(&p, 1) != NULL);                       /* busy: kept */
+    CHECK(pipeline_find(&p, 2) == NULL);                       /* the oldest idle durable one made room */
+    CHECK_EQ(p.n, PIPELINE_MAX);
+    CHECK_EQ(p.illegal, 0);
 }
 
 TEST(pipeline_time_per_state_on_a_fake_clock)
