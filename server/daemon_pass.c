@@ -20,7 +20,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "api.h"
 #include "delta.h"
 #include "dl_log.h"
 #include "fsutil.h"
@@ -436,7 +435,7 @@ static void busy_check_cb(uv_check_t *h)
 {
     dilocod *d = container_of(h, dilocod, warm.busy_check);
     if (d->warm.job != NULL)
-        atomic_store_explicit(&d->warm.job->busy, upload_in_flight() > 0 || d->intake.in_flight > 0,
+        atomic_store_explicit(&d->warm.job->busy, daemon__front_busy(d) || d->intake.in_flight > 0,
                               memory_order_relaxed);
 }
 
@@ -496,7 +495,7 @@ void daemon__start_warm(dilocod *d)
     atomic_init(&a->finished, 0);
     atomic_init(&a->ready[0], 0);
     atomic_init(&a->ready[1], 0);
-    atomic_init(&a->busy, upload_in_flight() > 0 || d->intake.in_flight > 0);
+    atomic_init(&a->busy, daemon__front_busy(d) || d->intake.in_flight > 0);
     dl_error_clear(&a->err);
     a->step = step;
     a->src[0] = strdup(d->st.global_path);
