@@ -13,6 +13,8 @@ import re
 
 import torch
 
+from .errors import HostileAnswer
+
 # The reference's Dtype order (common/safetensors.h st_dtype): the writer sorts by it, descending.
 DTYPE_ORDER = ["BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
                "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32",
@@ -31,7 +33,7 @@ ST_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 MAX_HEADER_BYTES = 100_000_000      # the reference's MAX_HEADER_SIZE
 
 
-class FormatError(ValueError):
+class FormatError(HostileAnswer, ValueError):
     """A safetensors file (a global, a shard) that is not what its header says."""
 
 

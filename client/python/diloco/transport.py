@@ -65,11 +65,11 @@ def parse_index(raw: bytes, what):
     return wm
 
 
-def load_set(files, wm, what):
+def load_set(files, wm, what, max_header=_st.MAX_HEADER_BYTES):
     """files: {file name: validated bytes}; -> {name: tensor}: each tensor in the shard the index names."""
     out = {}
     for fname, buf in files.items():
-        _, tensors = _st.parse(buf, what=f"{what} {fname}")
+        _, tensors = _st.parse(buf, max_header=max_header, what=f"{what} {fname}")
         for name, (dt, shape, b, e) in tensors.items():
             if wm is not None and wm.get(name) != fname:
                 raise HostileAnswer(f"{what}: tensor {name!r:.80} is in {fname}, the index says {wm.get(name)!r:.80}")
@@ -198,14 +198,14 @@ class HttpTransport:
                 raise HostileAnswer(f"{path}: the body ended after {len(buf)} of its {total} bytes "
                                     f"(Content-Length), {cuts} times")
 
-    def fetch_global(self, etag, cap):
+    def fetch_global(self, etag, cap, max_header=_st.MAX_HEADER_BYTES):
         """-> None (unchanged since etag) or (step, etag, {name: tensor})."""
         try:
             got = self._download("/global/latest.safetensors", cap, etag)
             if got is None:
                 return None
             buf, tag, step = got
-            return step, tag, load_set({"latest.safetensors": buf}, None, "global")
+            return step, tag, load_set({"latest.safetensors": buf}, None, "global", max_header)
         except FileNotFoundError:
             pass
         # a sharded global: the index (its ETag stands for the set), then each shard it names
@@ -220,7 +220,7 @@ class HttpTransport:
             if s != step:
                 raise HostileAnswer(f"global shard {shard} is of step {s}, its index of {step}")
             files[shard] = buf
-        return step, tag, load_set(files, wm, "global")
+        return step, tag, load_set(files, wm, "global", max_header)
 
     def outer_step(self):
         try:
@@ -308,7 +308,7 @@ class FileTransport:
         raw, _ = _read_nofollow(self._p("global", "step_count.json"), MAX_JSON_ANSWER)
         return parse_step_count(raw, "global/step_count.json")
 
-    def fetch_global(self, etag, cap):
+    def fetch_global(self, etag, cap, max_header=_st.MAX_HEADER_BYTES):
         # step_count.json is written last: the same before and after reading the model means the model
         # read is that step's (or a newer one being published this instant: the next pull corrects it)
         for _ in range(10):
@@ -324,7 +324,7 @@ class FileTransport:
             if self._step_count()[0] == step:
                 if tag == etag:
                     return None
-                return step, tag, load_set(files, wm, "global")
+                return step, tag, load_set(files, wm, "global", max_header)
         raise HostileAnswer("global/step_count.json changed under every read")
 
     def outer_step(self):

@@ -123,7 +123,8 @@ class Worker:
         then matching keys load) and keeps it as the baseline.  Returns its outer step.  A global that
         is refused (errors.HostileAnswer) leaves the model as it was."""
         model_state = model.state_dict()
-        got = self.transport.fetch_global(self._etag if self.baseline is not None else None, self._cap(model_state))
+        got = self.transport.fetch_global(self._etag if self.baseline is not None else None, self._cap(model_state),
+                                              self.max_header_bytes)
         if got is not None:
             step, etag, state = got
             if strict:

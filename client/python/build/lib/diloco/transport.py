@@ -1,0 +1,362 @@
+"""Where globals come from and deltas go: dilocod over HTTP(S), or a shared directory (file://).
+
+A transport hands the worker only validated files: every size, name and step a server or a tree
+states is checked before it is believed (errors.HostileAnswer otherwise)."""
+import errno
+import json
+import os
+import random
+import re
+import time
+
+import requests
+
+from . import _st
+from .errors import HostileAnswer, ServerError
+
+MAX_JSON_ANSWER = 1 << 20          # an answer, /status or step_count.json: far above any real one
+MAX_INDEX_BYTES = 10 << 20         # huggingface_hub's MAX_INDEX_FILE_SIZE, dilocod's cap too
+MAX_RESUMES = 5                    # a download cut this many times in a row is given up
+INDEX_NAME = "latest.safetensors.index.json"
+CANONICAL_INT = re.compile(r"^(0|[1-9][0-9]{0,15})$")
+
+
+def parse_step(value, what):
+    if not isinstance(value, str) or not CANONICAL_INT.match(value):
+        raise HostileAnswer(f"{what} is not a canonical integer: {value!r:.40}")
+    return int(value)
+
+
+def parse_step_count(raw: bytes, what):
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise HostileAnswer(f"{what} is not JSON") from None
+    if not isinstance(doc, dict) or type(doc.get("outer_step")) is not int or doc["outer_step"] < 0:
+        raise HostileAnswer(f"{what} has no non-negative integer outer_step")
+    mf = doc.get("model_file", "global/latest.safetensors")
+    if mf not in ("global/latest.safetensors", "global/" + INDEX_NAME):
+        raise HostileAnswer(f"{what} names model_file {mf!r:.80}, neither global/latest.safetensors nor its index")
+    return doc["outer_step"], mf
+
+
+def parse_index(raw: bytes, what):
+    """A global's index -> {tensor: shard file name}; every shard name is latest-i-of-N.safetensors,
+    one N for all, nothing that could leave global/."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise HostileAnswer(f"{what} is not JSON") from None
+    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wm, dict) or not wm:
+        raise HostileAnswer(f"{what} has no weight_map")
+    counts = set()
+    for name, shard in wm.items():
+        m = _st.SHARD_RE.match(shard) if isinstance(shard, str) else None
+        if m is None:
+            raise HostileAnswer(f"{what}: tensor {name!r:.80} is in shard {shard!r:.80}, not a name "
+                                f"latest-0000i-of-0000N.safetensors")
+        i, n = int(m.group(1)), int(m.group(2))
+        if not 1 <= i <= n:
+            raise HostileAnswer(f"{what}: shard {shard!r} is numbered outside 1..{n}")
+        counts.add(n)
+    if len(counts) != 1:
+        raise HostileAnswer(f"{what}: shards of several counts {sorted(counts)}")
+    return wm
+
+
+def load_set(files, wm, what, max_header=_st.MAX_HEADER_BYTES):
+    """files: {file name: validated bytes}; -> {name: tensor}: each tensor in the shard the index names."""
+    out = {}
+    for fname, buf in files.items():
+        _, tensors = _st.parse(buf, max_header=max_header, what=f"{what} {fname}")
+        for name, (dt, shape, b, e) in tensors.items():
+            if wm is not None and wm.get(name) != fname:
+                raise HostileAnswer(f"{what}: tensor {name!r:.80} is in {fname}, the index says {wm.get(name)!r:.80}")
+            if name in out:
+                raise HostileAnswer(f"{what}: tensor {name!r:.80} is in two shards")
+            out[name] = _st.tensor_from(buf, dt, shape, b, e, name, f"{what} {fname}")
+    if wm is not None and set(wm) != set(out):
+        raise HostileAnswer(f"{what}: the index lists {len(wm)} tensors, the shards hold {len(out)}")
+    return out
+
+
+def backoff(attempt, cap):
+    """Capped exponential backoff with jitter, so that workers cut off together do not return together."""
+    return min(cap, 0.25 * 2 ** attempt) * (0.5 + random.random() / 2)
+
+
+class _Body:
+    """An upload body of known length, streamed: requests sends Content-Length, not chunked."""
+
+    def __init__(self, delta):
+        self.delta = delta
+
+    def __len__(self):
+        return len(self.delta)
+
+    def __iter__(self):
+        return self.delta.chunks()
+
+
+class HttpTransport:
+    def __init__(self, url, token=None, timeout=600, retries=8, max_backoff=30.0):
+        self.url = url.rstrip("/")
+        self.s = requests.Session()
+        self.auth = {"Authorization": f"Bearer {token}"} if token else {}
+        self.timeout, self.retries, self.max_backoff = timeout, retries, max_backoff
+
+    # ---- downloads --------------------------------------------------------------------------
+    def _json(self, path, cap=MAX_JSON_ANSWER):
+        r = self.s.get(self.url + path, timeout=self.timeout, stream=True)
+        try:
+            body = self._read_capped(r, cap, path)
+        finally:
+            r.close()
+        if r.status_code != 200:
+            raise ServerError(r.status_code, *self._error_of(body))
+        return body
+
+    @staticmethod
+    def _read_capped(r, cap, what):
+        n = r.headers.get("Content-Length")
+        if n is not None and (not n.isdigit() or int(n) > cap):
+            raise HostileAnswer(f"{what}: Content-Length {n!r:.40} over the cap of {cap} bytes")
+        out = bytearray()
+        for chunk in r.iter_content(65536):
+            out += chunk
+            if len(out) > cap:
+                raise HostileAnswer(f"{what}: answer over the cap of {cap} bytes")
+        return bytes(out)
+
+    @staticmethod
+    def _error_of(body):
+        try:
+            err = json.loads(body)["error"]
+            return str(err.get("code", "?"))[:64], str(err.get("message", ""))[:1024]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return "?", body[:200].decode("utf-8", "replace")
+
+    def _download(self, path, cap, etag=None):
+        """GET path whole, resuming a cut transfer with Range/If-Range -> (304: None) or
+        (bytes, ETag, X-Outer-Step).  The body must be exactly Content-Length bytes."""
+        buf, total, file_etag, step, cuts = bytearray(), None, None, None, 0
+        while True:
+            h = {}
+            if buf:
+                h["Range"] = f"bytes={len(buf)}-"
+                h["If-Range"] = file_etag
+            elif etag:
+                h["If-None-Match"] = etag
+            try:
+                r = self.s.get(self.url + path, headers=h, timeout=self.timeout, stream=True)
+            except requests.RequestException as e:
+                cuts += 1
+                if cuts > MAX_RESUMES:
+                    raise HostileAnswer(f"{path}: download failed {cuts} times: {e}") from None
+                time.sleep(backoff(cuts, self.max_backoff))
+                continue
+            with r:
+                if r.status_code == 304 and not buf:
+                    return None
+                if r.status_code == 404:
+                    raise FileNotFoundError(path)
+                if r.status_code == 200 and buf:
+                    buf, total = bytearray(), None           # the file changed meanwhile: from the start
+                elif r.status_code == 206 and buf:
+                    cr = r.headers.get("Content-Range", "")
+                    if cr != f"bytes {len(buf)}-{total - 1}/{total}":
+                        raise HostileAnswer(f"{path}: Content-Range {cr!r:.80} does not continue byte {len(buf)} "
+                                            f"of {total}")
+                elif r.status_code != 200:
+                    raise ServerError(r.status_code, *self._error_of(r.content[:MAX_JSON_ANSWER]))
+                s = parse_step(r.headers.get("X-Outer-Step"), f"{path}: X-Outer-Step")
+                if step is not None and s != step:
+                    buf, total = bytearray(), None
+                step = s
+                n = r.headers.get("Content-Length")
+                if n is None or not n.isdigit():
+                    raise HostileAnswer(f"{path}: no valid Content-Length ({n!r:.40})")
+                if total is None:
+                    total = int(n)
+                    if total > cap:
+                        raise HostileAnswer(f"{path}: {total} bytes, over the {cap} this model can take")
+                    file_etag = r.headers.get("ETag")
+                elif len(buf) + int(n) != total:
+                    raise HostileAnswer(f"{path}: a resumed part of {n} bytes does not end at {total}")
+                try:
+                    for chunk in r.iter_content(1 << 20):
+                        buf += chunk
+                        if len(buf) > total:
+                            raise HostileAnswer(f"{path}: more bytes than its Content-Length of {total}")
+                except requests.RequestException:
+                    pass                                        # cut: resumed below
+            if len(buf) == total:
+                return bytes(buf), file_etag, step
+            cuts += 1
+            if cuts > MAX_RESUMES or not file_etag:
+                raise HostileAnswer(f"{path}: the body ended after {len(buf)} of its {total} bytes "
+                                    f"(Content-Length), {cuts} times")
+
+    def fetch_global(self, etag, cap, max_header=_st.MAX_HEADER_BYTES):
+        """-> None (unchanged since etag) or (step, etag, {name: tensor})."""
+        try:
+            got = self._download("/global/latest.safetensors", cap, etag)
+            if got is None:
+                return None
+            buf, tag, step = got
+            return step, tag, load_set({"latest.safetensors": buf}, None, "global", max_header)
+        except FileNotFoundError:
+            pass
+        # a sharded global: the index (its ETag stands for the set), then each shard it names
+        got = self._download("/global/" + INDEX_NAME, MAX_INDEX_BYTES, etag)
+        if got is None:
+            return None
+        raw, tag, step = got
+        wm = parse_index(raw, "global index")
+        files = {}
+        for shard in sorted(set(wm.values())):
+            buf, _, s = self._download("/global/" + shard, cap)
+            if s != step:
+                raise HostileAnswer(f"global shard {shard} is of step {s}, its index of {step}")
+            files[shard] = buf
+        return step, tag, load_set(files, wm, "global", max_header)
+
+    def outer_step(self):
+        try:
+            doc = json.loads(self._json("/status"))
+        except (requests.RequestException, ServerError, ValueError):
+            return None                     # restarting, or no global yet: keep waiting
+        s = doc.get("outer_step") if isinstance(doc, dict) else None
+        return s if type(s) is int else None
+
+    # ---- uploads ----------------------------------------------------------------------------
+    def put_delta(self, node, local_step, delta):
+        """-> (outcome, HTTP status, answer, X-Recommended-Local-Steps or None); outcome is the
+        answer's result, 'stale', or 'accepted' for a retry answered not_newer (the first landed)."""
+        path = f"{self.url}/nodes/{node}/delta_{local_step}.safetensors"
+        retried = False
+        for attempt in range(self.retries + 1):
+            try:
+                r = self.s.put(path, data=_Body(delta), headers=self.auth, timeout=self.timeout, stream=True)
+                with r:
+                    body = self._read_capped(r, MAX_JSON_ANSWER, "upload answer")
+            except requests.RequestException:
+                retried = True
+                time.sleep(backoff(attempt, self.max_backoff))
+                continue
+            code, message = self._error_of(body) if r.status_code >= 400 else (None, None)
+            if r.status_code == 503:
+                retried = True
+                ra = r.headers.get("Retry-After", "")
+                time.sleep(min(float(ra), self.max_backoff) if ra.isdigit() else backoff(attempt, self.max_backoff))
+                continue
+            rec = r.headers.get("X-Recommended-Local-Steps")
+            rec = int(rec) if rec is not None and CANONICAL_INT.match(rec) and int(rec) > 0 else None
+            if r.status_code in (201, 202):
+                try:
+                    answer = json.loads(body)
+                except ValueError:
+                    raise HostileAnswer(f"upload answer {r.status_code} is not JSON") from None
+                result = answer.get("result") if isinstance(answer, dict) else None
+                if result not in ("accepted", "replaced", "queued", "incomplete"):
+                    raise HostileAnswer(f"upload answer {r.status_code} has result {result!r:.40}")
+                return ("accepted" if result == "queued" else result), r.status_code, answer, rec
+            if r.status_code == 409 and code == "stale":
+                return "stale", 409, json.loads(body), rec
+            if r.status_code == 409 and code == "not_newer" and retried:
+                return "accepted", 409, json.loads(body), rec
+            if r.status_code == 422:
+                from .errors import DeltaRefused
+                raise DeltaRefused(422, code, message, body)
+            raise ServerError(r.status_code, code, message, body)
+        raise ServerError(None, "unreachable", f"upload of {path} failed after {self.retries + 1} attempts")
+
+
+def _read_nofollow(path, cap):
+    """A file of a tree others write: no symlink followed, a regular file, at most cap bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not (st.st_mode & 0o170000 == 0o100000):
+            raise HostileAnswer(f"{path} is not a regular file")
+        if st.st_size > cap:
+            raise HostileAnswer(f"{path}: {st.st_size} bytes, over the cap of {cap}")
+        out = bytearray()
+        while True:
+            chunk = os.read(fd, min(1 << 24, cap + 1 - len(out)))
+            if not chunk:
+                break
+            out += chunk
+            if len(out) > cap:
+                raise HostileAnswer(f"{path}: over the cap of {cap} bytes")
+        return bytes(out), (st.st_ino, st.st_mtime_ns, st.st_size)
+    finally:
+        os.close(fd)
+
+
+class FileTransport:
+    """A shared directory dilocod publishes into (--hub file://DIR): reads global/, writes nodes/."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def _p(self, *parts):
+        return os.path.join(self.root, *parts)
+
+    def _step_count(self):
+        raw, _ = _read_nofollow(self._p("global", "step_count.json"), MAX_JSON_ANSWER)
+        return parse_step_count(raw, "global/step_count.json")
+
+    def fetch_global(self, etag, cap, max_header=_st.MAX_HEADER_BYTES):
+        # step_count.json is written last: the same before and after reading the model means the model
+        # read is that step's (or a newer one being published this instant: the next pull corrects it)
+        for _ in range(10):
+            step, mf = self._step_count()
+            if mf == "global/latest.safetensors":
+                buf, ident = _read_nofollow(self._p("global", "latest.safetensors"), cap)
+                files, wm, tag = {"latest.safetensors": buf}, None, f"{step}:{ident}"
+            else:
+                raw, ident = _read_nofollow(self._p("global", INDEX_NAME), MAX_INDEX_BYTES)
+                wm = parse_index(raw, "global index")
+                files = {sh: _read_nofollow(self._p("global", sh), cap)[0] for sh in sorted(set(wm.values()))}
+                tag = f"{step}:{ident}"
+            if self._step_count()[0] == step:
+                if tag == etag:
+                    return None
+                return step, tag, load_set(files, wm, "global", max_header)
+        raise HostileAnswer("global/step_count.json changed under every read")
+
+    def outer_step(self):
+        try:
+            return self._step_count()[0]
+        except (OSError, HostileAnswer):
+            return None
+
+    def put_delta(self, node, local_step, delta):
+        """Written under a dot name, fsynced, renamed into place: dilocod never lists a half file."""
+        d = self._p("nodes", node)
+        os.makedirs(d, exist_ok=True)
+        final = os.path.join(d, f"delta_{local_step}.safetensors")
+        if os.path.lexists(final):
+            raise ServerError(None, "not_newer", f"{final} exists: local_step must increase")
+        tmp = os.path.join(d, f".delta_{local_step}.safetensors.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "xb") as f:
+                delta.write_to(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, final)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    raise
+            raise
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        return "written", None, None, None
