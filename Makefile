@@ -136,10 +136,13 @@ deps:
 	else echo "deps: all Debian packages present"; fi
 
 venv: $(VENV)/.stamp
-$(VENV)/.stamp: Makefile
+# the worker package (client/python, import diloco) is installed too, again whenever it changes:
+# tests/integration/test_worker_package.py and the examples import it as users do
+$(VENV)/.stamp: Makefile client/python/pyproject.toml $(wildcard client/python/diloco/*.py)
 	@test -x $(PY) || /usr/bin/python3 -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(PY_PKGS)
-	$(PY) -c 'import safetensors, huggingface_hub, pytest, xdist, numpy, torch, prometheus_client, boto3, PIL'
+	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation ./client/python
+	$(PY) -c 'import safetensors, huggingface_hub, pytest, xdist, numpy, torch, prometheus_client, boto3, PIL, diloco'
 	touch $@
 
 # SeaweedFS, the S3 server of tests/integration/test_s3.py: built once from the Go module proxy and
