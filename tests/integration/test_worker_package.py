@@ -457,3 +457,50 @@ def test_hostile_global_of_another_shape_is_refused_strictly(hostile):
     state["layer.bias"] = torch.zeros(66)
     attack(hostile, {"/global/latest.safetensors": (200, {"X-Outer-Step": "1"}, global_bytes(state), None)},
            "layer.bias")
+
+
+# ---- the remote transports: s3:// on SeaweedFS, hf:// on the Hub emulator ---------------------------
+from test_s3 import S3Dilocod, s3  # noqa: E402,F401 (the SeaweedFS fixture)
+from test_daemon_hf import REPO, TOKEN, HfDilocod, HubSim, _hf_home, procs  # noqa: E402,F401 (fixtures)
+
+
+def test_round_over_s3(tmp_path, s3, monkeypatch):
+    # the worker's credentials and endpoint from the usual environment, as boto3 users set them
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    init = mixed_state(14)
+    write_model(tmp_path / "init.safetensors", init)
+    d = S3Dilocod(tmp_path, s3, "worker-pkg", "--init-model", tmp_path / "init.safetensors",
+                  "--expected-nodes", "2").start()
+    try:
+        d.wait_step(0)
+        url = f"s3://{s3.bucket}/worker-pkg"
+        want = rounds([url, url], d, init, 2)
+        model = Module(init)
+        assert diloco.Worker(url, "w0").pull(model) == 2
+        assert_state_equal(model.state_dict(), want)
+    finally:
+        assert d.stop() == 0
+
+
+def test_round_over_hf(tmp_path, procs, monkeypatch):
+    from huggingface_hub import HfApi
+    hub = HubSim(tmp_path)
+    procs.append(hub)
+    HfApi(endpoint=hub.wendpoint, token=TOKEN).create_repo(REPO)
+    monkeypatch.setenv("HF_ENDPOINT", hub.wendpoint)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    init = mixed_state(15)
+    write_model(tmp_path / "init.safetensors", init)
+    d = HfDilocod(tmp_path, hub, "--init-model", tmp_path / "init.safetensors", "--expected-nodes", "2", poll=0.2)
+    procs.append(d)
+    d.start()
+    d.wait_published(0)
+    url = f"hf://{REPO}"
+    want = rounds([url, url], d, init, 2)
+    model = Module(init)
+    assert diloco.Worker(url, "w0").pull(model) == 2
+    assert_state_equal(model.state_dict(), want)
+    assert d.stop() == 0

@@ -10,7 +10,7 @@ import torch
 from . import _st
 from .encode import check_spec, delta_metadata, encode_delta, plain_delta
 from .errors import HostileAnswer
-from .transport import FileTransport, HttpTransport
+from .transport import FileTransport, HfTransport, HttpTransport, S3Transport
 
 METRIC_KEYS = ("inner_steps", "tokens_per_second", "weight")
 METRIC_NAME = re.compile(r"^[A-Za-z0-9_]{1,32}$")
@@ -69,7 +69,17 @@ def _transport(url, token):
         return HttpTransport(url, token)
     if url.startswith("file://"):
         return FileTransport(url[len("file://"):])
-    raise ValueError(f"{url!r}: this version of diloco speaks http(s):// and file://")
+    if url.startswith("s3://"):
+        bucket, _, prefix = url[len("s3://"):].partition("/")
+        if not bucket:
+            raise ValueError(f"{url!r}: s3://bucket/prefix")
+        return S3Transport(bucket, prefix)
+    if url.startswith("hf://"):
+        repo = url[len("hf://"):].strip("/")
+        if repo.count("/") != 1:
+            raise ValueError(f"{url!r}: hf://namespace/repo")
+        return HfTransport(repo, token)
+    raise ValueError(f"{url!r}: give http(s)://host:port, file:///dir, s3://bucket/prefix or hf://ns/repo")
 
 
 class Worker:

@@ -360,3 +360,183 @@ class FileTransport:
         finally:
             os.close(dfd)
         return "written", None, None, None
+
+
+def _read_stream(body, n, cap, what):
+    """Reads a storage answer's body of announced length n (<= cap), in full or not at all."""
+    if n > cap:
+        raise HostileAnswer(f"{what}: {n} bytes, over the {cap} this model can take")
+    out = bytearray()
+    while True:
+        chunk = body.read(min(1 << 24, cap + 1 - len(out)))
+        if not chunk:
+            break
+        out += chunk
+        if len(out) > n:
+            raise HostileAnswer(f"{what}: more bytes than its Content-Length of {n}")
+    if len(out) != n:
+        raise HostileAnswer(f"{what}: the body ended after {len(out)} of its {n} bytes (Content-Length)")
+    return bytes(out)
+
+
+class S3Transport:
+    """An S3-compatible bucket dilocod publishes into (--hub s3://bucket/prefix).  Credentials, region and
+    endpoint come from boto3's usual environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ~/.aws, ...);
+    path-style addressing with a custom endpoint, as MinIO and SeaweedFS need."""
+
+    def __init__(self, bucket, prefix):
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:
+            raise ImportError("s3:// needs boto3: pip install './client/python[s3]'") from None
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        cfg = Config(s3={"addressing_style": "path"}, retries={"max_attempts": 8, "mode": "standard"})
+        self.client = boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL_S3") or
+                                   os.environ.get("AWS_ENDPOINT_URL") or None, config=cfg)
+
+    def _key(self, rel):
+        return f"{self.prefix}/{rel}" if self.prefix else rel
+
+    def _get(self, rel, cap, if_none_match=None):
+        """-> (bytes, ETag), or None for 304; a cut download is tried again from its start."""
+        from botocore.exceptions import ClientError
+        kw = {"IfNoneMatch": if_none_match} if if_none_match else {}
+        for attempt in range(MAX_RESUMES + 1):
+            try:
+                r = self.client.get_object(Bucket=self.bucket, Key=self._key(rel), **kw)
+            except ClientError as e:
+                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if status == 304:
+                    return None
+                if status == 404 or e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                    raise FileNotFoundError(rel) from None
+                raise
+            try:
+                return _read_stream(r["Body"], int(r["ContentLength"]), cap, rel), r.get("ETag")
+            except HostileAnswer:
+                if attempt == MAX_RESUMES:
+                    raise
+            except Exception:       # a connection cut mid-body (botocore's IncompleteRead and kin)
+                if attempt == MAX_RESUMES:
+                    raise
+            time.sleep(backoff(attempt, 5.0))
+
+    def _step_count(self):
+        raw, _ = self._get("global/step_count.json", MAX_JSON_ANSWER)
+        return parse_step_count(raw, "global/step_count.json")
+
+    def fetch_global(self, etag, cap, max_header=_st.MAX_HEADER_BYTES):
+        for _ in range(10):
+            step, mf = self._step_count()
+            if mf == "global/latest.safetensors":
+                got = self._get("global/latest.safetensors", cap, etag)
+                if got is None:
+                    return None
+                files, wm, tag = {"latest.safetensors": got[0]}, None, got[1]
+            else:
+                got = self._get("global/" + INDEX_NAME, MAX_INDEX_BYTES, etag)
+                if got is None:
+                    return None
+                wm, tag = parse_index(got[0], "global index"), got[1]
+                files = {sh: self._get("global/" + sh, cap)[0] for sh in sorted(set(wm.values()))}
+            # step_count.json is written last: unchanged across the read, the model is that step's
+            if self._step_count()[0] == step:
+                return step, tag, load_set(files, wm, "global", max_header)
+        raise HostileAnswer("global/step_count.json changed under every read")
+
+    def outer_step(self):
+        try:
+            return self._step_count()[0]
+        except Exception:       # not published yet, or the store unreachable: keep waiting
+            return None
+
+    def put_delta(self, node, local_step, delta):
+        """One PUT: an S3 object is listed whole or not at all."""
+        self.client.put_object(Bucket=self.bucket, Key=self._key(f"nodes/{node}/delta_{local_step}.safetensors"),
+                               Body=bytes(delta), ContentLength=len(delta))
+        return "written", None, None, None
+
+
+class HfTransport:
+    """A Hugging Face Hub repo dilocod publishes into (--hub hf://ns/repo), through the stock
+    huggingface_hub client: HF_TOKEN and HF_ENDPOINT from the environment (a Hub without Xet, like the
+    emulator, also needs HF_HUB_DISABLE_XET=1)."""
+
+    def __init__(self, repo, token=None):
+        try:
+            from huggingface_hub import HfApi
+        except ImportError:
+            raise ImportError("hf:// needs huggingface_hub: pip install './client/python[hf]'") from None
+        self.repo = repo
+        self.endpoint = os.environ.get("HF_ENDPOINT") or None
+        self.token = token or os.environ.get("HF_TOKEN") or None
+        self.api = HfApi(endpoint=self.endpoint, token=self.token)
+
+    def _download(self, rel, revision, size, cap):
+        """One file of one commit, checked against the size the listing gives, read whole."""
+        import shutil
+        import tempfile
+        from huggingface_hub import hf_hub_download
+        if size is None or size > cap:
+            raise HostileAnswer(f"{rel}: {size} bytes, over the {cap} this model can take")
+        d = tempfile.mkdtemp(prefix="diloco-hf-")
+        try:
+            path = hf_hub_download(self.repo, rel, revision=revision, endpoint=self.endpoint, token=self.token,
+                                   local_dir=d)
+            raw, _ = _read_nofollow(os.path.realpath(path), cap)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+        if len(raw) != size:
+            raise HostileAnswer(f"{rel}: {len(raw)} bytes, the Hub's listing says {size}")
+        return raw
+
+    def _infos(self, revision, paths):
+        return {p.path: p for p in self.api.get_paths_info(self.repo, paths, revision=revision)}
+
+    def fetch_global(self, etag, cap, max_header=_st.MAX_HEADER_BYTES):
+        # one commit holds a whole step (dilocod publishes each as one): read everything at its sha
+        sha = self.api.repo_info(self.repo).sha
+        sc_info = self._infos(sha, ["global/step_count.json"]).get("global/step_count.json")
+        if sc_info is None:
+            raise FileNotFoundError("global/step_count.json")
+        step, mf = parse_step_count(self._download("global/step_count.json", sha, sc_info.size, MAX_JSON_ANSWER),
+                                    "global/step_count.json")
+        info = self._infos(sha, [mf]).get(mf)
+        if info is None:
+            raise HostileAnswer(f"step_count.json names {mf}, which commit {sha} does not hold")
+        tag = f"{mf}:{info.lfs.sha256 if info.lfs else info.blob_id}"
+        if tag == etag:
+            return None
+        if mf == "global/latest.safetensors":
+            files, wm = {"latest.safetensors": self._download(mf, sha, info.size, cap)}, None
+        else:
+            wm = parse_index(self._download(mf, sha, info.size, MAX_INDEX_BYTES), "global index")
+            shards = sorted(set(wm.values()))
+            infos = self._infos(sha, ["global/" + s for s in shards])
+            files = {}
+            for s in shards:
+                si = infos.get("global/" + s)
+                if si is None:
+                    raise HostileAnswer(f"global index names shard {s}, which commit {sha} does not hold")
+                files[s] = self._download("global/" + s, sha, si.size, cap)
+        return step, tag, load_set(files, wm, "global", max_header)
+
+    def outer_step(self):
+        from huggingface_hub import hf_hub_download
+        try:
+            path = hf_hub_download(self.repo, "global/step_count.json", endpoint=self.endpoint, token=self.token,
+                                   force_download=True)
+            # huggingface_hub's cache links a snapshot's file to its blob: that link is the client's own
+            raw, _ = _read_nofollow(os.path.realpath(path), MAX_JSON_ANSWER)
+            return parse_step_count(raw, "global/step_count.json")[0]
+        except Exception:       # not published yet, or the Hub unreachable: keep waiting
+            return None
+
+    def put_delta(self, node, local_step, delta):
+        """One commit: the Hub lists the file whole or not at all."""
+        import io
+        self.api.upload_file(path_or_fileobj=io.BytesIO(bytes(delta)),
+                             path_in_repo=f"nodes/{node}/delta_{local_step}.safetensors", repo_id=self.repo,
+                             commit_message=f"{node} delta_{local_step}")
+        return "written", None, None, None
