@@ -137,11 +137,12 @@ deps:
 
 venv: $(VENV)/.stamp
 # the worker package (client/python, import diloco) is installed too, again whenever it changes:
-# tests/integration/test_worker_package.py and the examples import it as users do
+# tests/integration/test_worker_package.py and the examples import it as users do.  --no-deps: its
+# dependencies are the venv's already (torch from Debian); a resolver must never swap that torch
 $(VENV)/.stamp: Makefile client/python/pyproject.toml $(wildcard client/python/diloco/*.py)
 	@test -x $(PY) || /usr/bin/python3 -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(PY_PKGS)
-	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation ./client/python
+	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps ./client/python
 	$(PY) -c 'import safetensors, huggingface_hub, pytest, xdist, numpy, torch, prometheus_client, boto3, PIL, diloco'
 	touch $@
 
