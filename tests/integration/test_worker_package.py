@@ -504,3 +504,44 @@ def test_round_over_hf(tmp_path, procs, monkeypatch):
     assert diloco.Worker(url, "w0").pull(model) == 2
     assert_state_equal(model.state_dict(), want)
     assert d.stop() == 0
+
+
+# ---- DiLoCoCallback: a Hugging Face Trainer, 2 worker processes, 3 rounds over HTTP -----------------
+TRANSFORMERS_PY = Path(__file__).resolve().parents[2] / ".venv-transformers" / "bin" / "python"
+
+
+def test_hf_trainer_callback_two_workers_three_rounds(tmp_path):
+    import os
+    import subprocess
+    from safetensors.torch import load_file
+    helper = Path(__file__).with_name("hf_trainer_worker.py")
+    assert TRANSFORMERS_PY.exists(), "run `make venv-transformers` (make check does)"
+    run([TRANSFORMERS_PY, helper, "--init", tmp_path / "init.safetensors"], check=0)
+    init = load_file(str(tmp_path / "init.safetensors"))
+    d = Dilocod(tmp_path, None, "--init-model", tmp_path / "init.safetensors", "--expected-nodes", "2").start()
+    out, H, R = tmp_path / "rec", 10, 3
+    try:
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        procs_ = [subprocess.Popen([str(TRANSFORMERS_PY), str(helper), d.url, f"w{i}", str(i), str(R), str(H), str(out)],
+                                   stdout=open(tmp_path / f"w{i}.out", "wb"), stderr=subprocess.STDOUT, env=env)
+                  for i in range(2)]
+        for i, p in enumerate(procs_):
+            assert p.wait(600) == 0, (tmp_path / f"w{i}.out").read_text()[-4000:]
+    finally:
+        assert d.stop() == 0
+    # every global equals torch's outer step fed the deltas the server received
+    oracle = Oracle(init)
+    for step in range(R):
+        for node in ("w0", "w1"):
+            assert_state_equal(load_file(str(out / node / f"global_{step}.safetensors")), oracle.state)
+        oracle.step({node: load_file(str(out / node / f"delta_{step}.safetensors")) for node in ("w0", "w1")})
+    for node in ("w0", "w1"):
+        assert_state_equal(load_file(str(out / node / f"global_{R}.safetensors")), oracle.state)
+    # the loss falls: each worker's last round against its first
+    for node in ("w0", "w1"):
+        rec = json.loads((out / node / "losses.json").read_text())
+        assert rec["results"] == ["accepted"] * R, rec
+        losses = rec["losses"]
+        assert len(losses) == R * H
+        first, last = sum(losses[:H]) / H, sum(losses[-H:]) / H
+        assert last < first, (node, first, last)
