@@ -268,6 +268,7 @@ bench: all venv bench-deps $(BENCH_BINS)
 	$(PY) tests/bench/bench_compress.py $(BUILD) 1024
 	$(PY) tests/bench/bench_cluster.py $(BUILD) 256
 	$(PY) tests/bench/bench_http.py $(BUILD)
+	$(PY) tests/bench/bench_worker.py $(BUILD) 256
 
 # Soak: 1,000 rounds over HTTP and file:// with the chaos client beside them (tests/integration/test_soak.py);
 # prints the descriptor, RSS and state-size curves (CSV under pytest's tmp dir).

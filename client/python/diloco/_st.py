@@ -161,7 +161,11 @@ def tensor_from(buf, dtype: str, shape, begin: int, end: int, name: str, what: s
     tdt = TORCH_DTYPES[dtype]
     if end == begin:
         return torch.empty(shape, dtype=tdt)
-    raw = torch.frombuffer(bytearray(buf[begin:end]), dtype=torch.uint8)
+    # a view of the downloaded buffer, not a copy: the worker copies once, into its baseline
+    if not isinstance(buf, bytearray):
+        buf = bytearray(buf[begin:end])
+        begin, end = 0, end - begin
+    raw = torch.frombuffer(memoryview(buf)[begin:end], dtype=torch.uint8)
     return raw.view(tdt).reshape(shape)
 
 

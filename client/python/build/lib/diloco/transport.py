@@ -192,7 +192,7 @@ class HttpTransport:
                 except requests.RequestException:
                     pass                                        # cut: resumed below
             if len(buf) == total:
-                return bytes(buf), file_etag, step
+                return buf, file_etag, step         # the bytearray itself: tensors are views of it
             cuts += 1
             if cuts > MAX_RESUMES or not file_etag:
                 raise HostileAnswer(f"{path}: the body ended after {len(buf)} of its {total} bytes "
@@ -290,7 +290,7 @@ def _read_nofollow(path, cap):
             out += chunk
             if len(out) > cap:
                 raise HostileAnswer(f"{path}: over the cap of {cap} bytes")
-        return bytes(out), (st.st_ino, st.st_mtime_ns, st.st_size)
+        return out, (st.st_ino, st.st_mtime_ns, st.st_size)
     finally:
         os.close(fd)
 
@@ -376,7 +376,7 @@ def _read_stream(body, n, cap, what):
             raise HostileAnswer(f"{what}: more bytes than its Content-Length of {n}")
     if len(out) != n:
         raise HostileAnswer(f"{what}: the body ended after {len(out)} of its {n} bytes (Content-Length)")
-    return bytes(out)
+    return out
 
 
 class S3Transport:
