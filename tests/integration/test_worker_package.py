@@ -76,6 +76,35 @@ def test_encoders_byte_identical_to_the_tool(tmp_path, diloco_bin, encode):
         assert streamed.read_bytes() == out.read_bytes() and len(delta) == out.stat().st_size
 
 
+def edge_values():
+    """Blocks of 32 that hit the encoders' corners: exact ties between E4M3 and E2M1 values (at scale
+    2^0), signed zeros, subnormals, the largest values a delta may hold, a block of zeros."""
+    from diloco.encode import E2M1_MIDS, E4M3_MIDS
+    e4 = [448.0] + [m * s for m in E4M3_MIDS[::4] for s in (1, -1)][:31]
+    e2 = [6.0] + [m * s for m in E2M1_MIDS for s in (1, -1)] + [0.0, -0.0] * 8 + [1.0, 3.0, 4.0]
+    sub = [2.0 ** -149, -(2.0 ** -149), 2.0 ** -130, 2.0 ** -126, 1e-38, -3e-39] + [0.0] * 26
+    big = [9e18, -9e18, 4.6e18, 2.0 ** 40, -(2.0 ** 62)] + [1.0] * 27     # with the residual, below 2^64
+    vals = e4 + e2[:32] + sub + big + [0.0] * 32
+    return torch.tensor(vals, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("encode", ["int8_block", "mxfp8", "mxfp4"])
+def test_encoders_byte_identical_at_the_corners(tmp_path, diloco_bin, encode):
+    base = {"edge": edge_values(), "tail": torch.tensor([2.5, -0.75])}
+    cur = {k: torch.zeros_like(v) for k, v in base.items()}         # the delta is exactly `base`
+    save_file(base, str(tmp_path / "b.safetensors"))
+    save_file(cur, str(tmp_path / "c.safetensors"))
+    out, res_path, res = tmp_path / "d.safetensors", tmp_path / "r.safetensors", None
+    for call in range(2):
+        run([diloco_bin, "delta", "--baseline", tmp_path / "b.safetensors", "--current", tmp_path / "c.safetensors",
+             "--node-id", "w1", "--base-step", "0", "--local-step", str(call + 1), "-o", out, "--encode", encode,
+             "--residual", res_path], check=0)
+        delta, res = diloco.encode_delta(base, cur, encode, residual=res,
+                                         metadata=diloco.delta_metadata("w1", 0, call + 1))
+        assert bytes(delta) == out.read_bytes(), (encode, call)
+        assert residual_file(res, base, encode, check_spec(encode, None)) == res_path.read_bytes(), (encode, call)
+
+
 def test_plain_delta_byte_identical_to_the_tool(tmp_path, diloco_bin):
     base, cur = mixed_state(3), perturbed(mixed_state(3), torch.Generator().manual_seed(4))
     save_file(base, str(tmp_path / "b.safetensors"))

@@ -4,7 +4,7 @@ Every rule below is common/compress.c's and common/delta_encode.c's, written on 
 integer views because torch 1.13 has no float8 or float4 dtypes.  The bytes and the residual are
 identical to `diloco delta --encode --residual` (tests/integration/test_worker_package.py checks it):
 F32 arithmetic is IEEE on every torch backend, and the one step that is not plain F32 (the nearest
-element value) is done in F64, where it is exact, as compress.c does it in double.
+element value) compares with midpoints that F32 holds exactly, as compress.c's double arithmetic does.
 """
 import io
 
@@ -69,15 +69,22 @@ def _encode_int8(e, block):
     return q.reshape(-1)[:n], sc, dec.reshape(-1)[:n]
 
 
-def _nearest_codes(w: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """The code of the value nearest w (F64, >= 0), ties to the even code, saturating at the last one."""
-    last = values.numel() - 1
-    lo = (torch.searchsorted(values, w, right=True) - 1).clamp(0, last - 1)
-    below = w - values[lo]
-    above = values[lo + 1] - w
-    up = (below > above) | ((below == above) & (lo % 2 == 1))
-    code = lo + up.to(lo.dtype)
-    return torch.where(w >= values[last], torch.full_like(code, last), code)
+def _midpoints(table):
+    """The midpoints between consecutive element values: exact in F32 (the values have few bits)."""
+    return [(a + b) / 2 for a, b in zip(table, table[1:])]
+
+
+E4M3_MIDS, E2M1_MIDS = _midpoints(E4M3), _midpoints(E2M1)
+
+
+def _nearest_codes(w: torch.Tensor, mids: torch.Tensor) -> torch.Tensor:
+    """The code of the element value nearest w (F32, >= 0), ties to the even code, saturating at the
+    last code.  compress.c compares w - values[lo] with values[lo + 1] - w in double; that is comparing
+    w with the midpoint, which F32 does exactly here (w = |v| * 2^-shared is exact in F32 except below
+    2^-126, far under the first midpoint)."""
+    code = torch.bucketize(w, mids)                 # mids strictly below w: a tie gets the lower code
+    tie = (mids[code.clamp(max=mids.numel() - 1)] == w) & (code % 2 == 1)
+    return code + tie.to(code.dtype)
 
 
 def _encode_mx(e, fp4):
@@ -91,11 +98,13 @@ def _encode_mx(e, fp4):
     bexp = (amax.view(torch.int32) >> 23) & 0xFF
     shared = (bexp - 127 - emax).clamp(-127, 127)
     scales = (shared + 127).to(torch.uint8)
-    values = torch.tensor(table, dtype=torch.float64, device=e.device)
-    w = eb.abs().to(torch.float64) * torch.pow(2.0, (-shared).to(torch.float64))[:, None]   # exact in F64
-    code = _nearest_codes(w.reshape(-1), values).view(eb.shape)
+    values = torch.tensor(table, dtype=torch.float32, device=e.device)
+    mids = torch.tensor(E2M1_MIDS if fp4 else E4M3_MIDS, dtype=torch.float32, device=e.device)
+    # 2^-shared in F32: shared is within [-127, 125] here, a normal or (2^127) exact power of two
+    w = eb.abs() * torch.pow(2.0, (-shared).to(torch.float64)).to(torch.float32)[:, None]
+    code = _nearest_codes(w.reshape(-1), mids).view(eb.shape)
     neg = eb.view(torch.int32) < 0                # the sign bit: -0 keeps its sign
-    dec_mag = values.to(torch.float32)[code]
+    dec_mag = values[code]
     scale_f32 = torch.pow(2.0, (scales.to(torch.float64) - 127)).to(torch.float32)  # 2^(e-127), exact in F32
     dec = torch.where(neg, -dec_mag, dec_mag) * scale_f32[:, None]
     sign = 8 if fp4 else 0x80
@@ -124,7 +133,8 @@ class EncodedDelta:
     """A delta file ready to send: header bytes plus its tensors' data, streamed by write_to()."""
 
     def __init__(self, tensors, metadata):
-        """tensors: {name: (st dtype name, shape, tensor whose memory bytes are the data)}."""
+        """tensors: {name: (st dtype name, shape, tensor whose memory bytes are the data, or a function
+        that makes it when it is written)}."""
         specs = [(name, dt, shape) for name, (dt, shape, _) in tensors.items()]
         self.header, self.layout = _st.build_header(specs, metadata)
         self.tensors = tensors
@@ -135,14 +145,18 @@ class EncodedDelta:
         """Writes the file to f (a binary file object) tensor by tensor: never a second copy of the whole."""
         f.write(self.header)
         for name, _, _ in self.layout:
-            f.write(_st.tensor_bytes(self.tensors[name][2]))
+            f.write(_st.tensor_bytes(self._data(name)))
 
     def chunks(self):
         yield self.header
         for name, _, _ in self.layout:
-            mv = _st.tensor_bytes(self.tensors[name][2])
+            mv = _st.tensor_bytes(self._data(name))
             if len(mv):
                 yield mv
+
+    def _data(self, name):
+        t = self.tensors[name][2]
+        return t() if callable(t) else t
 
     def __len__(self):
         return self.size
@@ -200,7 +214,8 @@ def plain_delta(baseline, current, metadata):
             d = b.to(torch.complex64) - c.to(torch.complex64)
             tensors[k] = ("C64", tuple(c.shape), d)
         else:
-            tensors[k] = ("F32", tuple(c.shape), b.float() - c.float())
+            # computed as it is sent, tensor by tensor: a whole F32 delta is never held at once
+            tensors[k] = ("F32", tuple(c.shape), lambda b=b, c=c: b.float() - c.float())
     return EncodedDelta(tensors, metadata)
 
 
