@@ -139,12 +139,13 @@ class HttpTransport:
 
     def _download(self, path, cap, etag=None):
         """GET path whole, resuming a cut transfer with Range/If-Range -> (304: None) or
-        (bytes, ETag, X-Outer-Step).  The body must be exactly Content-Length bytes."""
-        buf, total, file_etag, step, cuts = bytearray(), None, None, None, 0
+        (bytearray, ETag, X-Outer-Step).  The body must be exactly Content-Length bytes.  The buffer is
+        allocated once at that length (a growing one would hold two copies while it moves)."""
+        buf, got, total, file_etag, step, cuts = None, 0, None, None, None, 0
         while True:
             h = {}
-            if buf:
-                h["Range"] = f"bytes={len(buf)}-"
+            if got:
+                h["Range"] = f"bytes={got}-"
                 h["If-Range"] = file_etag
             elif etag:
                 h["If-None-Match"] = etag
@@ -157,22 +158,22 @@ class HttpTransport:
                 time.sleep(backoff(cuts, self.max_backoff))
                 continue
             with r:
-                if r.status_code == 304 and not buf:
+                if r.status_code == 304 and not got:
                     return None
                 if r.status_code == 404:
                     raise FileNotFoundError(path)
-                if r.status_code == 200 and buf:
-                    buf, total = bytearray(), None           # the file changed meanwhile: from the start
-                elif r.status_code == 206 and buf:
+                if r.status_code == 200 and got:
+                    buf, got, total = None, 0, None         # the file changed meanwhile: from the start
+                elif r.status_code == 206 and got:
                     cr = r.headers.get("Content-Range", "")
-                    if cr != f"bytes {len(buf)}-{total - 1}/{total}":
-                        raise HostileAnswer(f"{path}: Content-Range {cr!r:.80} does not continue byte {len(buf)} "
+                    if cr != f"bytes {got}-{total - 1}/{total}":
+                        raise HostileAnswer(f"{path}: Content-Range {cr!r:.80} does not continue byte {got} "
                                             f"of {total}")
                 elif r.status_code != 200:
                     raise ServerError(r.status_code, *self._error_of(r.content[:MAX_JSON_ANSWER]))
                 s = parse_step(r.headers.get("X-Outer-Step"), f"{path}: X-Outer-Step")
                 if step is not None and s != step:
-                    buf, total = bytearray(), None
+                    buf, got, total = None, 0, None
                 step = s
                 n = r.headers.get("Content-Length")
                 if n is None or not n.isdigit():
@@ -182,20 +183,25 @@ class HttpTransport:
                     if total > cap:
                         raise HostileAnswer(f"{path}: {total} bytes, over the {cap} this model can take")
                     file_etag = r.headers.get("ETag")
-                elif len(buf) + int(n) != total:
+                    buf = bytearray(total)
+                elif got + int(n) != total:
                     raise HostileAnswer(f"{path}: a resumed part of {n} bytes does not end at {total}")
+                view = memoryview(buf)
                 try:
                     for chunk in r.iter_content(1 << 20):
-                        buf += chunk
-                        if len(buf) > total:
+                        if got + len(chunk) > total:
                             raise HostileAnswer(f"{path}: more bytes than its Content-Length of {total}")
+                        view[got:got + len(chunk)] = chunk
+                        got += len(chunk)
                 except requests.RequestException:
                     pass                                        # cut: resumed below
-            if len(buf) == total:
+                finally:
+                    view.release()
+            if got == total:
                 return buf, file_etag, step         # the bytearray itself: tensors are views of it
             cuts += 1
             if cuts > MAX_RESUMES or not file_etag:
-                raise HostileAnswer(f"{path}: the body ended after {len(buf)} of its {total} bytes "
+                raise HostileAnswer(f"{path}: the body ended after {got} of its {total} bytes "
                                     f"(Content-Length), {cuts} times")
 
     def fetch_global(self, etag, cap, max_header=_st.MAX_HEADER_BYTES):
