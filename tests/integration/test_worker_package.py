@@ -267,10 +267,12 @@ def test_422_raises_with_the_servers_code(tmp_path):
 class CuttingProxy:
     """A TCP relay in front of dilocod that misbehaves on the first upload it sees: 'cut' drops the
     connection after part of the body, 'lose' forwards the whole upload and drops the answer (the
-    delta landed), '503' answers 503 busy with Retry-After: 1 itself.  Later connections are relayed."""
+    delta landed), '503' answers 503 busy with Retry-After: 1 itself; 'cutget' cuts the first download
+    of the global after 1200 bytes.  Later connections are relayed."""
 
     def __init__(self, target_port, mode):
         self.target, self.mode, self.tripped = target_port, mode, False
+        self.heads = []                  # the requests' first bytes, in order
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(16)
@@ -290,6 +292,7 @@ class CuttingProxy:
         a GET on the same connection) is where the misbehaviour happens."""
         s = socket.create_connection(("127.0.0.1", self.target))
         mute = threading.Event()         # 'lose': the answer is swallowed
+        limit = [None]                   # 'cutget': bytes of the answer still relayed
 
         def back():
             try:
@@ -299,6 +302,13 @@ class CuttingProxy:
                         break
                     if mute.is_set():
                         break
+                    if limit[0] is not None:
+                        data = data[:limit[0]]
+                        limit[0] -= len(data)
+                        c.sendall(data)
+                        if limit[0] <= 0:
+                            break
+                        continue
                     c.sendall(data)
             except OSError:
                 pass
@@ -315,6 +325,12 @@ class CuttingProxy:
                 chunk = c.recv(65536)
                 if not chunk:
                     break
+                if chunk[:4] in (b"GET ", b"PUT "):
+                    self.heads.append(chunk[:1024])
+                if self.mode == "cutget" and chunk.startswith(b"GET /global/latest.safetensors") and \
+                        not self.tripped:
+                    self.tripped = True
+                    limit[0] = 1200      # the head and the first bytes of the body, then the cut
                 if chunk.startswith(b"PUT") and not self.tripped:
                     self.tripped = True
                     if self.mode == "cut":
@@ -371,6 +387,25 @@ def test_upload_retried_after_a_cut_a_lost_answer_or_503(tmp_path, mode):
         assert received == ["w0"], received      # one delta from w0, not two
         # nothing of the cut attempt is left in the server's intake
         assert not list((d.state_dir / "cache" / "incoming").glob("*")) if (d.state_dir / "cache" / "incoming").exists() else True
+    finally:
+        proxy.close()
+        assert d.stop() == 0
+
+
+def test_pull_resumes_a_cut_download_with_range(tmp_path):
+    init = mixed_state(16)
+    write_model(tmp_path / "init.safetensors", init)
+    d = Dilocod(tmp_path, None, "--init-model", tmp_path / "init.safetensors", "--expected-nodes", "1").start()
+    proxy = CuttingProxy(d.port, "cutget")
+    try:
+        m = Module(mixed_state(17))
+        w = diloco.Worker(f"http://127.0.0.1:{proxy.port}", "w0")
+        assert w.pull(m) == 0
+        assert proxy.tripped
+        assert_state_equal(m.state_dict(), init)
+        # the second request asked for the rest only, of the same file
+        gets = [h for h in proxy.heads if h.startswith(b"GET /global/latest.safetensors")]
+        assert len(gets) == 2 and b"Range: bytes=" in gets[1] and b"If-Range: " in gets[1], gets
     finally:
         proxy.close()
         assert d.stop() == 0
