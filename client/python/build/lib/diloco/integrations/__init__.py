@@ -1,1 +1,0 @@
-"""Integrations of diloco.Worker with training frameworks (each imports its framework)."""
