@@ -62,7 +62,7 @@ DEB_PKGS    := build-essential pkg-config libuv1-dev libcurl4-openssl-dev libcjs
                libopenblas0-pthread libxxhash-dev
 PY_PKGS     := safetensors huggingface_hub pytest pytest-xdist requests prometheus_client boto3
 
-.PHONY: all deps venv seaweedfs check lint lint-layers lint-errors unit test-integration fuzz fuzz-regress bench bench-deps soak clean distclean
+.PHONY: all deps venv venv-transformers seaweedfs check lint lint-layers lint-errors unit test-integration fuzz fuzz-regress bench bench-deps soak clean distclean
 
 all: $(BUILD)/libdiloco.a $(BUILD)/libdilocod.a $(BINS)
 
@@ -136,10 +136,28 @@ deps:
 	else echo "deps: all Debian packages present"; fi
 
 venv: $(VENV)/.stamp
-$(VENV)/.stamp: Makefile
+# the worker package (client/python, import diloco) is installed too, again whenever it changes:
+# tests/integration/test_worker_package.py and the examples import it as users do.  --no-deps: its
+# dependencies are the venv's already (torch from Debian); a resolver must never swap that torch
+PKG_SRC     := client/python/pyproject.toml $(wildcard client/python/diloco/*.py client/python/diloco/*/*.py)
+$(VENV)/.stamp: Makefile $(PKG_SRC)
 	@test -x $(PY) || /usr/bin/python3 -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(PY_PKGS)
-	$(PY) -c 'import safetensors, huggingface_hub, pytest, xdist, numpy, torch, prometheus_client, boto3, PIL'
+	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps ./client/python
+	$(PY) -c 'import safetensors, huggingface_hub, pytest, xdist, numpy, torch, prometheus_client, boto3, PIL, diloco'
+	touch $@
+
+# The worker package's transformers extra in an environment of its own: transformers 4.46.3 (a release
+# that imports with Debian's torch 1.13) needs huggingface_hub < 1.0, the main venv has 2.x.  The
+# DiLoCoCallback test runs its worker processes with this python.
+VENV_TF     := .venv-transformers
+venv-transformers: $(VENV_TF)/.stamp
+$(VENV_TF)/.stamp: Makefile $(PKG_SRC)
+	@test -x $(VENV_TF)/bin/python || /usr/bin/python3 -m venv --system-site-packages $(VENV_TF)
+	$(VENV_TF)/bin/python -m pip install -q --disable-pip-version-check safetensors requests \
+	  "transformers==4.46.3" "accelerate==1.1.1"
+	$(VENV_TF)/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps ./client/python
+	$(VENV_TF)/bin/python -c 'import torch, transformers, diloco.integrations.transformers; from transformers import Trainer'
 	touch $@
 
 # SeaweedFS, the S3 server of tests/integration/test_s3.py: built once from the Go module proxy and
@@ -167,13 +185,14 @@ unit: $(BUILD)/tests/unit-tests
 # image, a SeaweedFS, are made once).  3 on 2 CPUs: 7.5 min against 15.7 one after another.
 # PYTEST_JOBS=0 runs them in this process, one after another.
 PYTEST_JOBS ?= 3
-test-integration: all venv
+test-integration: all venv venv-transformers
 	DILOCO_BUILD=$(abspath $(BUILD)) $(PY) -m pytest -q -n $(PYTEST_JOBS) --dist loadfile tests/integration \
 	  $(PYTEST_ARGS)
 
 check: deps
 	$(MAKE) lint
 	$(MAKE) venv
+	$(MAKE) venv-transformers
 	$(MAKE) all
 	$(MAKE) unit
 ifeq ($(SANITIZE),)
@@ -249,6 +268,7 @@ bench: all venv bench-deps $(BENCH_BINS)
 	$(PY) tests/bench/bench_compress.py $(BUILD) 1024
 	$(PY) tests/bench/bench_cluster.py $(BUILD) 256
 	$(PY) tests/bench/bench_http.py $(BUILD)
+	$(PY) tests/bench/bench_worker.py $(BUILD) 256
 
 # Soak: 1,000 rounds over HTTP and file:// with the chaos client beside them (tests/integration/test_soak.py);
 # prints the descriptor, RSS and state-size curves (CSV under pytest's tmp dir).

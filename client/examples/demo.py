@@ -155,7 +155,7 @@ def main():
                     help="evaluate the globals on a held-out set; print when the loss first reached this")
     ap.add_argument("--faulty", type=int, default=0, help="worker N (1-based) sends its delta x 100 (0: none)")
     ap.add_argument("--encode", default="", choices=("", "int8_block", "mxfp8", "mxfp4"),
-                    help="the workers send compressed deltas (diloco delta --encode; empty: F32)")
+                    help="the workers send compressed deltas (the diloco package's encoders; empty: F32)")
     ap.add_argument("--no-error-feedback", action="store_true", help="--encode without the workers' residuals")
     ap.add_argument("--dilocod-args", default="", help="async: more dilocod options, e.g. '--momentum 0.9'")
     a = ap.parse_args()
@@ -268,7 +268,7 @@ def main():
             if a.faulty == i + 1:
                 extra += ["--faulty"]
             if a.encode:
-                extra += ["--encode", a.encode, "--diloco", str(Path(a.build).resolve() / "diloco")]
+                extra += ["--encode", a.encode]
                 if a.no_error_feedback:
                     extra += ["--no-error-feedback"]
             p = subprocess.Popen([sys.executable, str(HERE / "torch_worker.py"), "--server", url, "--node-id", node,

@@ -69,6 +69,7 @@ ANCHORS = {
     "test_http_api_curl": "curl -s localhost:8470/status",
     "test_configuration_check": "--check-config > effective.conf",
     "test_worker_snippet": "import requests, torch",
+    "test_worker_package_snippet": "worker = diloco.Worker(",
     "test_sharded_global_loader": "def load_global(d):",
 }
 
@@ -446,6 +447,45 @@ def test_worker_snippet(ctx):
         if proc.poll() is None:
             proc.kill()
     assert ctx.status()["outer_step"] == 1
+    ctx.stop()
+
+
+def test_worker_package_snippet(ctx):
+    """The package's round, as written, against a real dilocod: two rounds, a second node alongside."""
+    lang, _, snippet = block("test_worker_package_snippet")
+    assert lang == "python"
+    torch.manual_seed(0)
+    torch_save_file(MLP().state_dict(), str(ctx.tmp / "init.safetensors"))
+    token_file(ctx.tmp / "tokens")
+    (ctx.tmp / "token").write_text(TOKENS["worker-1"] + "\n")
+    ctx.run("build/dilocod --state-root ./state --init-model init.safetensors --expected-nodes 2 --token-file tokens")
+    prelude = ("import torch\n" + "\n".join(
+        ["class MLP(torch.nn.Module):", "    def __init__(self):", "        super().__init__()",
+         "        self.fc = torch.nn.Linear(4, 8)", "        self.out = torch.nn.Linear(8, 2)"]) +
+        "\nmodel = MLP()\nH = 2\nlocal_step = 0\n")
+    script = ctx.tmp / "pkg_worker.py"
+    script.write_text(prelude + snippet.replace("http://aggregator:8470", ctx.url))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ctx.tmp, env=ctx.env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        sd = MLP().state_dict()
+        for step in (0, 1):
+            # the snippet's delta is in the round, which closes only with the second node's
+            ctx.wait(lambda: proc.poll() is not None or
+                     (ctx.status()["outer_step"] == step and
+                      any(r["node_id"] == "worker-1" for r in ctx.status()["round"]["received"])),
+                     f"the snippet's delta of step {step}")
+            assert proc.poll() is None, proc.stdout.read()
+            meta = {"algorithm": "dumb_diloco", "base_outer_step": str(step), "local_step": str(2 * (step + 1)),
+                    "node_id": "worker-2"}
+            torch_save_file({k: torch.zeros_like(v) for k, v in sd.items()}, str(ctx.tmp / "w2.safetensors"),
+                            metadata=meta)
+            ctx.run(f"build/diloco push --server http://aggregator:8470 --token-file tokens {ctx.tmp}/w2.safetensors")
+        assert proc.wait(timeout=120) == 0, proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert ctx.status()["outer_step"] == 2
     ctx.stop()
 
 

@@ -1,0 +1,1 @@
+"""Integrations of diloco.Worker with training frameworks (each imports its framework)."""

@@ -1,0 +1,548 @@
+"""Where globals come from and deltas go: dilocod over HTTP(S), or a shared directory (file://).
+
+A transport hands the worker only validated files: every size, name and step a server or a tree
+states is checked before it is believed (errors.HostileAnswer otherwise)."""
+import errno
+import json
+import os
+import random
+import re
+import time
+
+import requests
+
+from . import _st
+from .errors import HostileAnswer, ServerError
+
+MAX_JSON_ANSWER = 1 << 20          # an answer, /status or step_count.json: far above any real one
+MAX_INDEX_BYTES = 10 << 20         # huggingface_hub's MAX_INDEX_FILE_SIZE, dilocod's cap too
+MAX_RESUMES = 5                    # a download cut this many times in a row is given up
+INDEX_NAME = "latest.safetensors.index.json"
+CANONICAL_INT = re.compile(r"^(0|[1-9][0-9]{0,15})$")
+
+
+def parse_step(value, what):
+    if not isinstance(value, str) or not CANONICAL_INT.match(value):
+        raise HostileAnswer(f"{what} is not a canonical integer: {value!r:.40}")
+    return int(value)
+
+
+def parse_step_count(raw: bytes, what):
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise HostileAnswer(f"{what} is not JSON") from None
+    if not isinstance(doc, dict) or type(doc.get("outer_step")) is not int or doc["outer_step"] < 0:
+        raise HostileAnswer(f"{what} has no non-negative integer outer_step")
+    mf = doc.get("model_file", "global/latest.safetensors")
+    if mf not in ("global/latest.safetensors", "global/" + INDEX_NAME):
+        raise HostileAnswer(f"{what} names model_file {mf!r:.80}, neither global/latest.safetensors nor its index")
+    return doc["outer_step"], mf
+
+
+def parse_index(raw: bytes, what):
+    """A global's index -> {tensor: shard file name}; every shard name is latest-i-of-N.safetensors,
+    one N for all, nothing that could leave global/."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise HostileAnswer(f"{what} is not JSON") from None
+    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wm, dict) or not wm:
+        raise HostileAnswer(f"{what} has no weight_map")
+    counts = set()
+    for name, shard in wm.items():
+        m = _st.SHARD_RE.match(shard) if isinstance(shard, str) else None
+        if m is None:
+            raise HostileAnswer(f"{what}: tensor {name!r:.80} is in shard {shard!r:.80}, not a name "
+                                f"latest-0000i-of-0000N.safetensors")
+        i, n = int(m.group(1)), int(m.group(2))
+        if not 1 <= i <= n:
+            raise HostileAnswer(f"{what}: shard {shard!r} is numbered outside 1..{n}")
+        counts.add(n)
+    if len(counts) != 1:
+        raise HostileAnswer(f"{what}: shards of several counts {sorted(counts)}")
+    return wm
+
+
+def load_set(files, wm, what, max_header=_st.MAX_HEADER_BYTES):
+    """files: {file name: validated bytes}; -> {name: tensor}: each tensor in the shard the index names."""
+    out = {}
+    for fname, buf in files.items():
+        _, tensors = _st.parse(buf, max_header=max_header, what=f"{what} {fname}")
+        for name, (dt, shape, b, e) in tensors.items():
+            if wm is not None and wm.get(name) != fname:
+                raise HostileAnswer(f"{what}: tensor {name!r:.80} is in {fname}, the index says {wm.get(name)!r:.80}")
+            if name in out:
+                raise HostileAnswer(f"{what}: tensor {name!r:.80} is in two shards")
+            out[name] = _st.tensor_from(buf, dt, shape, b, e, name, f"{what} {fname}")
+    if wm is not None and set(wm) != set(out):
+        raise HostileAnswer(f"{what}: the index lists {len(wm)} tensors, the shards hold {len(out)}")
+    return out
+
+
+def backoff(attempt, cap):
+    """Capped exponential backoff with jitter, so that workers cut off together do not return together."""
+    return min(cap, 0.25 * 2 ** attempt) * (0.5 + random.random() / 2)
+
+
+class _Body:
+    """An upload body of known length, streamed: requests sends Content-Length, not chunked."""
+
+    def __init__(self, delta):
+        self.delta = delta
+
+    def __len__(self):
+        return len(self.delta)
+
+    def __iter__(self):
+        return self.delta.chunks()
+
+
+class HttpTransport:
+    def __init__(self, url, token=None, timeout=600, retries=8, max_backoff=30.0):
+        self.url = url.rstrip("/")
+        self.s = requests.Session()
+        self.auth = {"Authorization": f"Bearer {token}"} if token else {}
+        self.timeout, self.retries, self.max_backoff = timeout, retries, max_backoff
+
+    # ---- downloads --------------------------------------------------------------------------
+    def _json(self, path, cap=MAX_JSON_ANSWER):
+        r = self.s.get(self.url + path, timeout=self.timeout, stream=True)
+        try:
+            body = self._read_capped(r, cap, path)
+        finally:
+            r.close()
+        if r.status_code != 200:
+            raise ServerError(r.status_code, *self._error_of(body))
+        return body
+
+    @staticmethod
+    def _read_capped(r, cap, what):
+        n = r.headers.get("Content-Length")
+        if n is not None and (not n.isdigit() or int(n) > cap):
+            raise HostileAnswer(f"{what}: Content-Length {n!r:.40} over the cap of {cap} bytes")
+        out = bytearray()
+        for chunk in r.iter_content(65536):
+            out += chunk
+            if len(out) > cap:
+                raise HostileAnswer(f"{what}: answer over the cap of {cap} bytes")
+        return bytes(out)
+
+    @staticmethod
+    def _error_of(body):
+        try:
+            err = json.loads(body)["error"]
+            return str(err.get("code", "?"))[:64], str(err.get("message", ""))[:1024]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return "?", body[:200].decode("utf-8", "replace")
+
+    def _download(self, path, cap, etag=None):
+        """GET path whole, resuming a cut transfer with Range/If-Range -> (304: None) or
+        (bytearray, ETag, X-Outer-Step).  The body must be exactly Content-Length bytes.  The buffer is
+        allocated once at that length (a growing one would hold two copies while it moves)."""
+        buf, got, total, file_etag, step, cuts = None, 0, None, None, None, 0
+        while True:
+            h = {}
+            if got:
+                h["Range"] = f"bytes={got}-"
+                h["If-Range"] = file_etag
+            elif etag:
+                h["If-None-Match"] = etag
+            try:
+                r = self.s.get(self.url + path, headers=h, timeout=self.timeout, stream=True)
+            except requests.RequestException as e:
+                cuts += 1
+                if cuts > MAX_RESUMES:
+                    raise HostileAnswer(f"{path}: download failed {cuts} times: {e}") from None
+                time.sleep(backoff(cuts, self.max_backoff))
+                continue
+            with r:
+                if r.status_code == 304 and not got:
+                    return None
+                if r.status_code == 404:
+                    raise FileNotFoundError(path)
+                if r.status_code == 200 and got:
+                    buf, got, total = None, 0, None         # the file changed meanwhile: from the start
+                elif r.status_code == 206 and got:
+                    cr = r.headers.get("Content-Range", "")
+                    if cr != f"bytes {got}-{total - 1}/{total}":
+                        raise HostileAnswer(f"{path}: Content-Range {cr!r:.80} does not continue byte {got} "
+                                            f"of {total}")
+                elif r.status_code != 200:
+                    raise ServerError(r.status_code, *self._error_of(r.content[:MAX_JSON_ANSWER]))
+                s = parse_step(r.headers.get("X-Outer-Step"), f"{path}: X-Outer-Step")
+                if step is not None and s != step:
+                    buf, got, total = None, 0, None
+                step = s
+                n = r.headers.get("Content-Length")
+                if n is None or not n.isdigit():
+                    raise HostileAnswer(f"{path}: no valid Content-Length ({n!r:.40})")
+                if total is None:
+                    total = int(n)
+                    if total > cap:
+                        raise HostileAnswer(f"{path}: {total} bytes, over the {cap} this model can take")
+                    file_etag = r.headers.get("ETag")
+                    buf = bytearray(total)
+                elif got + int(n) != total:
+                    raise HostileAnswer(f"{path}: a resumed part of {n} bytes does not end at {total}")
+                view = memoryview(buf)
+                try:
+                    for chunk in r.iter_content(1 << 20):
+                        if got + len(chunk) > total:
+                            raise HostileAnswer(f"{path}: more bytes than its Content-Length of {total}")
+                        view[got:got + len(chunk)] = chunk
+                        got += len(chunk)
+                except requests.RequestException:
+                    pass                                        # cut: resumed below
+                finally:
+                    view.release()
+            if got == total:
+                return buf, file_etag, step         # the bytearray itself: tensors are views of it
+            cuts += 1
+            if cuts > MAX_RESUMES or not file_etag:
+                raise HostileAnswer(f"{path}: the body ended after {got} of its {total} bytes "
+                                    f"(Content-Length), {cuts} times")
+
+    def fetch_global(self, etag, cap, max_header=_st.MAX_HEADER_BYTES):
+        """-> None (unchanged since etag) or (step, etag, {name: tensor})."""
+        try:
+            got = self._download("/global/latest.safetensors", cap, etag)
+            if got is None:
+                return None
+            buf, tag, step = got
+            return step, tag, load_set({"latest.safetensors": buf}, None, "global", max_header)
+        except FileNotFoundError:
+            pass
+        # a sharded global: the index (its ETag stands for the set), then each shard it names
+        got = self._download("/global/" + INDEX_NAME, MAX_INDEX_BYTES, etag)
+        if got is None:
+            return None
+        raw, tag, step = got
+        wm = parse_index(raw, "global index")
+        files = {}
+        for shard in sorted(set(wm.values())):
+            buf, _, s = self._download("/global/" + shard, cap)
+            if s != step:
+                raise HostileAnswer(f"global shard {shard} is of step {s}, its index of {step}")
+            files[shard] = buf
+        return step, tag, load_set(files, wm, "global", max_header)
+
+    def outer_step(self):
+        try:
+            doc = json.loads(self._json("/status"))
+        except (requests.RequestException, ServerError, ValueError):
+            return None                     # restarting, or no global yet: keep waiting
+        s = doc.get("outer_step") if isinstance(doc, dict) else None
+        return s if type(s) is int else None
+
+    # ---- uploads ----------------------------------------------------------------------------
+    def put_delta(self, node, local_step, delta):
+        """-> (outcome, HTTP status, answer, X-Recommended-Local-Steps or None); outcome is the
+        answer's result, 'stale', or 'accepted' for a retry answered not_newer (the first landed)."""
+        path = f"{self.url}/nodes/{node}/delta_{local_step}.safetensors"
+        retried = False
+        for attempt in range(self.retries + 1):
+            try:
+                r = self.s.put(path, data=_Body(delta), headers=self.auth, timeout=self.timeout, stream=True)
+                with r:
+                    body = self._read_capped(r, MAX_JSON_ANSWER, "upload answer")
+            except requests.RequestException:
+                retried = True
+                time.sleep(backoff(attempt, self.max_backoff))
+                continue
+            code, message = self._error_of(body) if r.status_code >= 400 else (None, None)
+            if r.status_code == 503:
+                retried = True
+                ra = r.headers.get("Retry-After", "")
+                time.sleep(min(float(ra), self.max_backoff) if ra.isdigit() else backoff(attempt, self.max_backoff))
+                continue
+            rec = r.headers.get("X-Recommended-Local-Steps")
+            rec = int(rec) if rec is not None and CANONICAL_INT.match(rec) and int(rec) > 0 else None
+            if r.status_code in (201, 202):
+                try:
+                    answer = json.loads(body)
+                except ValueError:
+                    raise HostileAnswer(f"upload answer {r.status_code} is not JSON") from None
+                result = answer.get("result") if isinstance(answer, dict) else None
+                if result not in ("accepted", "replaced", "queued", "incomplete"):
+                    raise HostileAnswer(f"upload answer {r.status_code} has result {result!r:.40}")
+                return ("accepted" if result == "queued" else result), r.status_code, answer, rec
+            if r.status_code == 409 and code == "stale":
+                return "stale", 409, json.loads(body), rec
+            if r.status_code == 409 and code == "not_newer" and retried:
+                return "accepted", 409, json.loads(body), rec
+            if r.status_code == 422:
+                from .errors import DeltaRefused
+                raise DeltaRefused(422, code, message, body)
+            raise ServerError(r.status_code, code, message, body)
+        raise ServerError(None, "unreachable", f"upload of {path} failed after {self.retries + 1} attempts")
+
+
+def _read_nofollow(path, cap):
+    """A file of a tree others write: no symlink followed, a regular file, at most cap bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not (st.st_mode & 0o170000 == 0o100000):
+            raise HostileAnswer(f"{path} is not a regular file")
+        if st.st_size > cap:
+            raise HostileAnswer(f"{path}: {st.st_size} bytes, over the cap of {cap}")
+        out = bytearray()
+        while True:
+            chunk = os.read(fd, min(1 << 24, cap + 1 - len(out)))
+            if not chunk:
+                break
+            out += chunk
+            if len(out) > cap:
+                raise HostileAnswer(f"{path}: over the cap of {cap} bytes")
+        return out, (st.st_ino, st.st_mtime_ns, st.st_size)
+    finally:
+        os.close(fd)
+
+
+class FileTransport:
+    """A shared directory dilocod publishes into (--hub file://DIR): reads global/, writes nodes/."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def _p(self, *parts):
+        return os.path.join(self.root, *parts)
+
+    def _step_count(self):
+        raw, _ = _read_nofollow(self._p("global", "step_count.json"), MAX_JSON_ANSWER)
+        return parse_step_count(raw, "global/step_count.json")
+
+    def fetch_global(self, etag, cap, max_header=_st.MAX_HEADER_BYTES):
+        # step_count.json is written last: the same before and after reading the model means the model
+        # read is that step's (or a newer one being published this instant: the next pull corrects it)
+        for _ in range(10):
+            step, mf = self._step_count()
+            if mf == "global/latest.safetensors":
+                buf, ident = _read_nofollow(self._p("global", "latest.safetensors"), cap)
+                files, wm, tag = {"latest.safetensors": buf}, None, f"{step}:{ident}"
+            else:
+                raw, ident = _read_nofollow(self._p("global", INDEX_NAME), MAX_INDEX_BYTES)
+                wm = parse_index(raw, "global index")
+                files = {sh: _read_nofollow(self._p("global", sh), cap)[0] for sh in sorted(set(wm.values()))}
+                tag = f"{step}:{ident}"
+            if self._step_count()[0] == step:
+                if tag == etag:
+                    return None
+                return step, tag, load_set(files, wm, "global", max_header)
+        raise HostileAnswer("global/step_count.json changed under every read")
+
+    def outer_step(self):
+        try:
+            return self._step_count()[0]
+        except (OSError, HostileAnswer):
+            return None
+
+    def put_delta(self, node, local_step, delta):
+        """Written under a dot name, fsynced, renamed into place: dilocod never lists a half file."""
+        d = self._p("nodes", node)
+        os.makedirs(d, exist_ok=True)
+        final = os.path.join(d, f"delta_{local_step}.safetensors")
+        if os.path.lexists(final):
+            raise ServerError(None, "not_newer", f"{final} exists: local_step must increase")
+        tmp = os.path.join(d, f".delta_{local_step}.safetensors.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "xb") as f:
+                delta.write_to(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, final)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    raise
+            raise
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        return "written", None, None, None
+
+
+def _read_stream(body, n, cap, what):
+    """Reads a storage answer's body of announced length n (<= cap), in full or not at all."""
+    if n > cap:
+        raise HostileAnswer(f"{what}: {n} bytes, over the {cap} this model can take")
+    out = bytearray()
+    while True:
+        chunk = body.read(min(1 << 24, cap + 1 - len(out)))
+        if not chunk:
+            break
+        out += chunk
+        if len(out) > n:
+            raise HostileAnswer(f"{what}: more bytes than its Content-Length of {n}")
+    if len(out) != n:
+        raise HostileAnswer(f"{what}: the body ended after {len(out)} of its {n} bytes (Content-Length)")
+    return out
+
+
+class S3Transport:
+    """An S3-compatible bucket dilocod publishes into (--hub s3://bucket/prefix).  Credentials, region and
+    endpoint come from boto3's usual environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ~/.aws, ...);
+    path-style addressing with a custom endpoint, as MinIO and SeaweedFS need."""
+
+    def __init__(self, bucket, prefix):
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:
+            raise ImportError("s3:// needs boto3: pip install './client/python[s3]'") from None
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        cfg = Config(s3={"addressing_style": "path"}, retries={"max_attempts": 8, "mode": "standard"})
+        self.client = boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL_S3") or
+                                   os.environ.get("AWS_ENDPOINT_URL") or None, config=cfg)
+
+    def _key(self, rel):
+        return f"{self.prefix}/{rel}" if self.prefix else rel
+
+    def _get(self, rel, cap, if_none_match=None):
+        """-> (bytes, ETag), or None for 304; a cut download is tried again from its start."""
+        from botocore.exceptions import ClientError
+        kw = {"IfNoneMatch": if_none_match} if if_none_match else {}
+        for attempt in range(MAX_RESUMES + 1):
+            try:
+                r = self.client.get_object(Bucket=self.bucket, Key=self._key(rel), **kw)
+            except ClientError as e:
+                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if status == 304:
+                    return None
+                if status == 404 or e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                    raise FileNotFoundError(rel) from None
+                raise
+            try:
+                return _read_stream(r["Body"], int(r["ContentLength"]), cap, rel), r.get("ETag")
+            except HostileAnswer:
+                if attempt == MAX_RESUMES:
+                    raise
+            except Exception:       # a connection cut mid-body (botocore's IncompleteRead and kin)
+                if attempt == MAX_RESUMES:
+                    raise
+            time.sleep(backoff(attempt, 5.0))
+
+    def _step_count(self):
+        raw, _ = self._get("global/step_count.json", MAX_JSON_ANSWER)
+        return parse_step_count(raw, "global/step_count.json")
+
+    def fetch_global(self, etag, cap, max_header=_st.MAX_HEADER_BYTES):
+        for _ in range(10):
+            step, mf = self._step_count()
+            if mf == "global/latest.safetensors":
+                got = self._get("global/latest.safetensors", cap, etag)
+                if got is None:
+                    return None
+                files, wm, tag = {"latest.safetensors": got[0]}, None, got[1]
+            else:
+                got = self._get("global/" + INDEX_NAME, MAX_INDEX_BYTES, etag)
+                if got is None:
+                    return None
+                wm, tag = parse_index(got[0], "global index"), got[1]
+                files = {sh: self._get("global/" + sh, cap)[0] for sh in sorted(set(wm.values()))}
+            # step_count.json is written last: unchanged across the read, the model is that step's
+            if self._step_count()[0] == step:
+                return step, tag, load_set(files, wm, "global", max_header)
+        raise HostileAnswer("global/step_count.json changed under every read")
+
+    def outer_step(self):
+        try:
+            return self._step_count()[0]
+        except Exception:       # not published yet, or the store unreachable: keep waiting
+            return None
+
+    def put_delta(self, node, local_step, delta):
+        """One PUT: an S3 object is listed whole or not at all."""
+        self.client.put_object(Bucket=self.bucket, Key=self._key(f"nodes/{node}/delta_{local_step}.safetensors"),
+                               Body=bytes(delta), ContentLength=len(delta))
+        return "written", None, None, None
+
+
+class HfTransport:
+    """A Hugging Face Hub repo dilocod publishes into (--hub hf://ns/repo), through the stock
+    huggingface_hub client: HF_TOKEN and HF_ENDPOINT from the environment (a Hub without Xet, like the
+    emulator, also needs HF_HUB_DISABLE_XET=1)."""
+
+    def __init__(self, repo, token=None):
+        try:
+            from huggingface_hub import HfApi
+        except ImportError:
+            raise ImportError("hf:// needs huggingface_hub: pip install './client/python[hf]'") from None
+        self.repo = repo
+        self.endpoint = os.environ.get("HF_ENDPOINT") or None
+        self.token = token or os.environ.get("HF_TOKEN") or None
+        self.api = HfApi(endpoint=self.endpoint, token=self.token)
+
+    def _download(self, rel, revision, size, cap):
+        """One file of one commit, checked against the size the listing gives, read whole."""
+        import shutil
+        import tempfile
+        from huggingface_hub import hf_hub_download
+        if size is None or size > cap:
+            raise HostileAnswer(f"{rel}: {size} bytes, over the {cap} this model can take")
+        d = tempfile.mkdtemp(prefix="diloco-hf-")
+        try:
+            path = hf_hub_download(self.repo, rel, revision=revision, endpoint=self.endpoint, token=self.token,
+                                   local_dir=d)
+            raw, _ = _read_nofollow(os.path.realpath(path), cap)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+        if len(raw) != size:
+            raise HostileAnswer(f"{rel}: {len(raw)} bytes, the Hub's listing says {size}")
+        return raw
+
+    def _infos(self, revision, paths):
+        return {p.path: p for p in self.api.get_paths_info(self.repo, paths, revision=revision)}
+
+    def fetch_global(self, etag, cap, max_header=_st.MAX_HEADER_BYTES):
+        # one commit holds a whole step (dilocod publishes each as one): read everything at its sha
+        sha = self.api.repo_info(self.repo).sha
+        sc_info = self._infos(sha, ["global/step_count.json"]).get("global/step_count.json")
+        if sc_info is None:
+            raise FileNotFoundError("global/step_count.json")
+        step, mf = parse_step_count(self._download("global/step_count.json", sha, sc_info.size, MAX_JSON_ANSWER),
+                                    "global/step_count.json")
+        info = self._infos(sha, [mf]).get(mf)
+        if info is None:
+            raise HostileAnswer(f"step_count.json names {mf}, which commit {sha} does not hold")
+        tag = f"{mf}:{info.lfs.sha256 if info.lfs else info.blob_id}"
+        if tag == etag:
+            return None
+        if mf == "global/latest.safetensors":
+            files, wm = {"latest.safetensors": self._download(mf, sha, info.size, cap)}, None
+        else:
+            wm = parse_index(self._download(mf, sha, info.size, MAX_INDEX_BYTES), "global index")
+            shards = sorted(set(wm.values()))
+            infos = self._infos(sha, ["global/" + s for s in shards])
+            files = {}
+            for s in shards:
+                si = infos.get("global/" + s)
+                if si is None:
+                    raise HostileAnswer(f"global index names shard {s}, which commit {sha} does not hold")
+                files[s] = self._download("global/" + s, sha, si.size, cap)
+        return step, tag, load_set(files, wm, "global", max_header)
+
+    def outer_step(self):
+        from huggingface_hub import hf_hub_download
+        try:
+            path = hf_hub_download(self.repo, "global/step_count.json", endpoint=self.endpoint, token=self.token,
+                                   force_download=True)
+            # huggingface_hub's cache links a snapshot's file to its blob: that link is the client's own
+            raw, _ = _read_nofollow(os.path.realpath(path), MAX_JSON_ANSWER)
+            return parse_step_count(raw, "global/step_count.json")[0]
+        except Exception:       # not published yet, or the Hub unreachable: keep waiting
+            return None
+
+    def put_delta(self, node, local_step, delta):
+        """One commit: the Hub lists the file whole or not at all."""
+        import io
+        self.api.upload_file(path_or_fileobj=io.BytesIO(bytes(delta)),
+                             path_in_repo=f"nodes/{node}/delta_{local_step}.safetensors", repo_id=self.repo,
+                             commit_message=f"{node} delta_{local_step}")
+        return "written", None, None, None

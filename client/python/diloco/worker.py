@@ -1,0 +1,191 @@
+"""diloco.Worker: pull the global, push the pseudo-gradient, wait for the next step."""
+import math
+import re
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import _st
+from .encode import check_spec, delta_metadata, encode_delta, plain_delta
+from .errors import HostileAnswer
+from .transport import FileTransport, HfTransport, HttpTransport, S3Transport
+
+METRIC_KEYS = ("inner_steps", "tokens_per_second", "weight")
+METRIC_NAME = re.compile(r"^[A-Za-z0-9_]{1,32}$")
+NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def followed_local_steps(recommended, local_steps):
+    """The inner steps of the next phase when the server recommends `recommended` (None: none) to a
+    worker that runs `local_steps`: the recommendation within [max(1, local_steps // 16), 4 * local_steps],
+    dilocod's own range for it when --dylu-base-steps is local_steps.  A server's answer never makes a
+    phase run for ever or shrink to nothing."""
+    if recommended is None:
+        return local_steps
+    return min(max(int(recommended), max(1, local_steps // 16)), 4 * local_steps)
+
+
+@dataclass
+class PushResult:
+    status: str                     # accepted, replaced, stale, written
+    answer: Optional[dict]          # the server's JSON answer (None for a tree)
+    recommended_local_steps: Optional[int]   # X-Recommended-Local-Steps, as the server sent it
+    http_status: Optional[int] = None
+
+    def local_steps(self, default):
+        """The next phase's inner steps following the recommendation, bounded (followed_local_steps)."""
+        return followed_local_steps(self.recommended_local_steps, default)
+
+
+def _decimal(key, v):
+    """A metric value as dilocod takes it: a finite decimal string."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"metric {key}: {v!r} is not a number")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ValueError(f"metric {key}: {v} is not finite")
+    return str(v)
+
+
+def _metrics(loss, tokens, metrics):
+    out = {}
+    if loss is not None and math.isfinite(float(loss)):
+        out["loss"] = str(float(loss))
+    if tokens is not None:
+        out["num_tokens"] = str(int(tokens))
+    for k, v in metrics.items():
+        if k in METRIC_KEYS:
+            out[k] = _decimal(k, v)
+        elif METRIC_NAME.match(k):
+            out["metric." + k] = _decimal(k, v)
+        else:
+            raise ValueError(f"metric name {k!r} is not [A-Za-z0-9_]{{1,32}}")
+    return out
+
+
+def _transport(url, token):
+    if url.startswith(("http://", "https://")):
+        return HttpTransport(url, token)
+    if url.startswith("file://"):
+        return FileTransport(url[len("file://"):])
+    if url.startswith("s3://"):
+        bucket, _, prefix = url[len("s3://"):].partition("/")
+        if not bucket:
+            raise ValueError(f"{url!r}: s3://bucket/prefix")
+        return S3Transport(bucket, prefix)
+    if url.startswith("hf://"):
+        repo = url[len("hf://"):].strip("/")
+        if repo.count("/") != 1:
+            raise ValueError(f"{url!r}: hf://namespace/repo")
+        return HfTransport(repo, token)
+    raise ValueError(f"{url!r}: give http(s)://host:port, file:///dir, s3://bucket/prefix or hf://ns/repo")
+
+
+class Worker:
+    """One training process's link to dilocod.  See the package docstring for the loop."""
+
+    def __init__(self, url, node_id, *, token=None, encode=None, block=None, error_feedback=True,
+                 baseline_device="cpu", max_header_bytes=_st.MAX_HEADER_BYTES):
+        if not NODE_ID.match(node_id):
+            raise ValueError(f"node id {node_id!r} is not [A-Za-z0-9][A-Za-z0-9._-]{{0,127}}")
+        self.node_id = node_id
+        self.transport = _transport(url, token)
+        self.encode = encode
+        self.block = check_spec(encode, block) if encode is not None else None
+        self.error_feedback = error_feedback
+        self.baseline_device = torch.device(baseline_device)
+        self.max_header_bytes = max_header_bytes
+        self.step = None            # the outer step of the baseline
+        self.baseline = None        # {name: tensor}: the global as pulled, on baseline_device
+        self.residual = None        # error feedback: {name: F32 tensor} on the model's device
+        self.last_local_step = None
+        self._etag = None
+
+    # ---- pull -------------------------------------------------------------------------------
+    def _cap(self, model_state):
+        """The largest global this model can take: its tensors, a header at its cap and the length."""
+        return sum(v.numel() * v.element_size() for v in model_state.values()) + 8 + self.max_header_bytes
+
+    @staticmethod
+    def _check_strict(state, model_state):
+        missing = sorted(set(model_state) - set(state))
+        extra = sorted(set(state) - set(model_state))
+        if missing or extra:
+            raise HostileAnswer(f"the global's keys differ from the model's: missing {missing[:5]}, "
+                                f"unexpected {extra[:5]}")
+        for k, v in state.items():
+            m = model_state[k]
+            if tuple(v.shape) != tuple(m.shape) or v.dtype != m.dtype:
+                raise HostileAnswer(f"global tensor {k!r} is {v.dtype} {list(v.shape)}, the model's "
+                                    f"{m.dtype} {list(m.shape)}")
+
+    def _baseline_of(self, state, model_state):
+        pin = self.baseline_device.type == "cpu" and any(v.is_cuda for v in model_state.values())
+        out = {}
+        for k, v in state.items():
+            b = v.to(self.baseline_device, copy=True)
+            out[k] = b.pin_memory() if pin else b
+        return out
+
+    def pull(self, model, strict=True) -> int:
+        """Loads the newest global into model (names, shapes and dtypes must match unless strict=False:
+        then matching keys load) and keeps it as the baseline.  Returns its outer step.  A global that
+        is refused (errors.HostileAnswer) leaves the model as it was."""
+        model_state = model.state_dict()
+        got = self.transport.fetch_global(self._etag if self.baseline is not None else None, self._cap(model_state),
+                                              self.max_header_bytes)
+        if got is not None:
+            step, etag, state = got
+            if strict:
+                self._check_strict(state, model_state)
+            else:
+                state = {k: v for k, v in state.items()
+                         if k in model_state and tuple(v.shape) == tuple(model_state[k].shape)}
+            self.baseline, self.step, self._etag = self._baseline_of(state, model_state), step, etag
+        with torch.no_grad():
+            for k, v in self.baseline.items():
+                model_state[k].copy_(v)
+        return self.step
+
+    # ---- push -------------------------------------------------------------------------------
+    def push(self, model, *, local_step, loss=None, tokens=None, **metrics) -> PushResult:
+        """Sends baseline - current (F32, floating keys; compressed with error feedback when the worker
+        has `encode`).  local_step must increase with every push of this node, across restarts too.
+        -> PushResult; 409 stale is status "stale" (the model is not touched: pull when you choose);
+        422 raises errors.DeltaRefused, other refusals errors.ServerError."""
+        if self.baseline is None:
+            raise RuntimeError("push before pull: there is no baseline")
+        if type(local_step) is not int or local_step < 0 or local_step > 2 ** 53 - 1:
+            raise ValueError(f"local_step must be an integer in [0, 2^53 - 1], not {local_step!r}")
+        if self.last_local_step is not None and local_step <= self.last_local_step:
+            raise ValueError(f"local_step {local_step} does not increase (last {self.last_local_step})")
+        current = {k: v for k, v in model.state_dict().items() if k in self.baseline}
+        meta = delta_metadata(self.node_id, self.step, local_step, extra=_metrics(loss, tokens, metrics))
+        new_res = None
+        if self.encode is None:
+            delta = plain_delta(self.baseline, current, meta)
+        else:
+            delta, new_res = encode_delta(self.baseline, current, self.encode, block=self.block,
+                                          residual=self.residual if self.error_feedback else None, metadata=meta)
+        status, http_status, answer, rec = self.transport.put_delta(self.node_id, local_step, delta)
+        if status != "stale":
+            self.last_local_step = local_step
+            if self.error_feedback and new_res is not None:
+                self.residual = new_res         # only a delta that landed moves the error feedback on
+        return PushResult(status, answer, rec, http_status)
+
+    # ---- wait -------------------------------------------------------------------------------
+    def wait(self, step, timeout=None, poll=0.05) -> int:
+        """Waits until the global's outer step is at least `step` -> that step.  TimeoutError after
+        `timeout` seconds (None: never)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = poll
+        while True:
+            s = self.transport.outer_step()
+            if s is not None and s >= step:
+                return s
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"outer step {step} not reached within {timeout}s (at {s})")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 1.0)
