@@ -609,3 +609,27 @@ def test_hf_trainer_callback_two_workers_three_rounds(tmp_path):
         assert len(losses) == R * H
         first, last = sum(losses[:H]) / H, sum(losses[-H:]) / H
         assert last < first, (node, first, last)
+
+
+@pytest.mark.parametrize("transport", ["http", "file"])
+def test_round_with_a_sharded_global(tmp_path, transport):
+    """dilocod publishes and serves the global as an index and its shards (--shard-size 1KB): the worker
+    pulls the set (each shard checked, the model strict), pushes, and the rounds equal torch's."""
+    init = mixed_state(8)
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    write_model(tmp_path / "init.safetensors", init)
+    d = Dilocod(tmp_path, hub, "--init-model", tmp_path / "init.safetensors", "--expected-nodes", "2",
+                "--shard-size", "1KB").start()
+    try:
+        d.wait_step(0)
+        url = d.url if transport == "http" else f"file://{hub}"
+        want = rounds([url, url], d, init, 2)
+        # the global really is a set of several shards, on both sides
+        index = json.loads((hub / "global" / "latest.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) > 1, index
+        model = Module(init)
+        assert diloco.Worker(url, "w0").pull(model) == 2
+        assert_state_equal(model.state_dict(), want)
+    finally:
+        assert d.stop() == 0
