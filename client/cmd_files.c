@@ -14,6 +14,7 @@
 #include <openssl/evp.h>
 
 #include "cli.h"
+#include "cli_delta.h"
 #include "cli_untrusted.h"
 #include "delta.h"
 #include "fsutil.h"
@@ -535,41 +536,6 @@ static const char verify_help[] =
     "  index's, every shard must be present and listed (no other shard of the set in its directory),\n"
     "  no tensor in two shards, total_size exact, a shard's own metadata must agree with the index.\n";
 
-/* Without a global, check the delta against itself: its own keys are the expected key set (a compressed
- * delta's: each key, its codes standing for an F32 weight, and not its scales). */
-static int verify_alone(const st_set *delta, const char *path, delta_info *info, dl_error *err)
-{
-    const st_meta *meta;
-    size_t nmeta, n = 0;
-    cz_spec cz;
-    int rc;
-
-    st_set_metadata(delta, &meta, &nmeta);
-    if (cz_spec_from_meta(meta, nmeta, &cz, NULL) != 0 || cz.enc == CZ_NONE)
-        return delta_validate_set(delta, delta->by_name, delta->ntensors, path, info, err);
-    st_tensor *model = calloc(delta->ntensors + 1, sizeof(*model));
-    const st_tensor **by_name = calloc(delta->ntensors + 1, sizeof(*by_name));
-    if (model == NULL || by_name == NULL) {
-        free(model);
-        free(by_name);
-        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-    }
-    for (size_t i = 0; i < delta->ntensors; i++) {
-        const st_tensor *t = delta->by_name[i];
-        if (cz_is_scales_name(t->name, t->name_len))
-            continue;
-        model[n] = *t;
-        if (t->dtype == cz_code_dtype(cz.enc))
-            model[n].dtype = ST_F32;
-        by_name[n] = &model[n];
-        n++;
-    }
-    rc = delta_validate_set(delta, by_name, n, path, info, err);
-    free(by_name);
-    free(model);
-    return rc;
-}
-
 /* The outer step of GLOBAL: the step_count.json in its directory (diloco pull's -o DIR, a tree's global/).
  * 1 found (*step), 0 none there, -1 one that cannot be read or parsed (err). */
 static int global_step_beside(const char *global, uint64_t *step, dl_error *err)
@@ -665,7 +631,7 @@ int cmd_verify(int argc, char **argv)
     if (rc == 0 && global != NULL)
         rc = delta_validate_set(delta, global->by_name, global->ntensors, path, &info, &err);
     else if (rc == 0)
-        rc = verify_alone(delta, path, &info, &err);
+        rc = cli_check_delta_alone(delta, path, 1, &info, &err);
     if (rc == 0 && against != NULL) {
         dl_error_clear(&err);
         int b = check_base(against, step_opt, &info, &checked, &gstep, &err);

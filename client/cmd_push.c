@@ -17,6 +17,7 @@
 #include <curl/curl.h>
 
 #include "cli.h"
+#include "cli_delta.h"
 #include "cli_body.h"
 #include "cli_untrusted.h"
 #include "delta.h"
@@ -179,13 +180,14 @@ static int put_file(const client_opts *o, const char *upath, const char *path, u
 }
 
 /* Checks a delta (one file or a set) as the server will, against itself (the global lives on the
- * server).  On success *set is open and info filled. */
+ * server): a compressed delta's scales are not model keys (cli_delta.h).  On success *set is open and
+ * info filled. */
 static int check_local_delta(const char *path, st_set **set, delta_info *info, dl_error *err)
 {
     int rc = st_set_open(path, set, err);
 
     if (rc == 0)
-        rc = delta_check_set_header(*set, (*set)->by_name, (*set)->ntensors, NULL, info, err);
+        rc = cli_check_delta_alone(*set, NULL, 0, info, err);
     /* The delta was checked against itself, so the rules' message "expected F32 for a F64 weight"
      * would name the delta's own dtype as the global's: say what a delta may hold instead, and
      * leave the global's dtype to the server's answer. */

@@ -196,3 +196,44 @@ def test_push_prints_the_recommended_local_steps_of_an_async_dilocod(tmp_path, d
         assert node["recommended_local_steps"] == 10, node
     finally:
         assert d.stop() == 0
+
+
+def test_push_takes_every_encoding_and_says_stale(tmp_path, diloco_bin):
+    """diloco push checks a delta against itself before it sends a byte: a compressed delta's scales are
+    not model keys (it used to refuse every compressed delta with key_mismatch "....__scales__"), so each
+    encoding is uploaded and accepted; a stale compressed delta gets the server's 409 stale, not a key
+    mismatch."""
+    from safetensors.torch import save_file
+    m = model()
+    write_model(tmp_path / "init.safetensors", m)
+    d = Dilocod(tmp_path, None, "--init-model", tmp_path / "init.safetensors", "--expected-nodes", "1").start()
+    try:
+        url = d.url
+        for i, enc in enumerate(["none", "int8_block", "mxfp8", "mxfp4"]):
+            run([diloco_bin, "pull", "--server", url, "-o", tmp_path / "global"], check=0)
+            step = json.loads((tmp_path / "global" / "step_count.json").read_text())["outer_step"]
+            assert step == i
+            base = load_torch(tmp_path / "global" / "latest.safetensors")
+            save_file({k: v + 0.01 if v.is_floating_point() else v for k, v in base.items()},
+                      str(tmp_path / "cur.safetensors"))
+            delta = tmp_path / f"delta_{i}.safetensors"
+            args = [diloco_bin, "delta", "--baseline", tmp_path / "global" / "latest.safetensors", "--current",
+                    tmp_path / "cur.safetensors", "--node-id", "w0", "--base-step", str(step),
+                    "--local-step", str(10 * (i + 1)), "-o", delta]
+            if enc != "none":
+                args[2:2] = ["--encode", enc]
+            run(args, check=0)
+            p = run([diloco_bin, "push", "--server", url, delta], check=None)
+            assert p.returncode == 0, (enc, p.stdout, p.stderr)
+            assert json.loads(p.stdout)["result"] == "accepted", (enc, p.stdout)
+            run([diloco_bin, "wait", "--server", url, "--step", str(i + 1), "--timeout", "60"], check=0)
+        # the int8_block delta of step 1, pushed again under a new local step, is stale now
+        stale = tmp_path / "stale.safetensors"
+        run([diloco_bin, "delta", "--encode", "int8_block", "--baseline", tmp_path / "global" / "latest.safetensors",
+             "--current", tmp_path / "cur.safetensors", "--node-id", "w0", "--base-step", "1",
+             "--local-step", "99", "-o", stale], check=0)
+        p = run([diloco_bin, "push", "--server", url, stale], check=None)
+        assert p.returncode != 0 and "stale" in (p.stdout + p.stderr), (p.stdout, p.stderr)
+        assert "key_mismatch" not in (p.stdout + p.stderr), (p.stdout, p.stderr)
+    finally:
+        assert d.stop() == 0
