@@ -140,6 +140,28 @@ static void print_round(const cJSON *round)
     }
 }
 
+/* Async mode has no rounds: every delta is an update.  Its words: the updates, what waits for one, the
+ * staleness, and each node's deltas with the local steps recommended back to it. */
+static void print_async(const cJSON *as)
+{
+    const cJSON *queue = cJSON_GetObjectItemCaseSensitive(as, "queue");
+    const cJSON *stale = cJSON_GetObjectItemCaseSensitive(as, "staleness");
+    const cJSON *nodes = cJSON_GetObjectItemCaseSensitive(as, "nodes"), *e;
+    char a[32], b[32], c[32], d[32];
+    shown_text t;
+
+    printf("async: %s updates (%s Nesterov steps), %s deltas accepted; waiting: %s pending, %s queued (max %s)\n",
+           num_text(as, "updates", "%.0f", a, sizeof(a)), num_text(as, "nesterov_steps", "%.0f", b, sizeof(b)),
+           num_text(as, "accepted", "%.0f", c, sizeof(c)), num_text(queue, "pending", "%.0f", d, sizeof(d)),
+           num_text(queue, "queued", "%.0f", a, sizeof(a)), num_text(queue, "max", "%.0f", b, sizeof(b)));
+    printf("staleness: mean %s updates behind\n", num_text(stale, "mean", "%.2f", a, sizeof(a)));
+    cJSON_ArrayForEach(e, nodes)
+        printf("  %-24s %s deltas, last local step %s, %s steps per delta, recommended %s\n", shown(e, "node_id", &t),
+               num_text(e, "deltas", "%.0f", a, sizeof(a)), num_text(e, "last_local_step", "%.0f", b, sizeof(b)),
+               num_text(e, "steps_per_delta", "%.0f", c, sizeof(c)),
+               num_text(e, "recommended_local_steps", "%.0f", d, sizeof(d)));
+}
+
 static void print_status(const cJSON *j)
 {
     const cJSON *round = cJSON_GetObjectItemCaseSensitive(j, "round");
@@ -160,16 +182,21 @@ static void print_status(const cJSON *j)
         print_no_global(hub);
     printf("optimizer: %s lr=%s momentum=%s\n", shown(opt, "name", &t), num_text(opt, "lr", "%g", a, sizeof(a)),
            num_text(opt, "momentum", "%g", b, sizeof(b)));
-    if (have_global && cJSON_IsObject(round))
+    const cJSON *as = cJSON_GetObjectItemCaseSensitive(j, "async");
+    int async = strcmp(raw_str(j, "mode"), "async") == 0 && cJSON_IsObject(as);
+    if (async && have_global)
+        print_async(as);
+    else if (have_global && cJSON_IsObject(round))
         print_round(round);
     else
-        printf("round: none open until there is a global model\n");
+        printf("%s: none open until there is a global model\n", async ? "updates" : "round");
     if (cJSON_IsObject(agg))
         printf("aggregating: %s%% after %s s\n", num_text(agg, "percent", "%.1f", a, sizeof(a)),
                num_text(agg, "seconds", "%.1f", b, sizeof(b)));
     if (cJSON_IsObject(last)) {
         const cJSON *nodes = cJSON_GetObjectItemCaseSensitive(last, "nodes");
-        printf("last round: step %s -> %s, %d nodes, %s s (%s GB/s), closed by %s\n",
+        printf(async ? "last update: step %s -> %s, %d deltas, %s s (%s GB/s), made by %s\n"
+                     : "last round: step %s -> %s, %d nodes, %s s (%s GB/s), closed by %s\n",
                num_text(last, "step", "%.0f", a, sizeof(a)), num_text(last, "outer_step", "%.0f", b, sizeof(b)),
                cJSON_GetArraySize(nodes), num_text(last, "seconds", "%.3f", c, sizeof(c)),
                num_text(last, "gbps", "%.2f", d, sizeof(d)), shown(last, "reason", &t));
@@ -177,7 +204,7 @@ static void print_status(const cJSON *j)
             printf("  %-24s norm %-12s cosine to mean %s\n", shown(e, "node_id", &t), num_text(e, "norm", "%.6g", a, sizeof(a)),
                    num_text(e, "cosine", "%.4f", b, sizeof(b)));
     } else {
-        printf("last round: none closed yet\n");
+        printf(async ? "last update: none made yet\n" : "last round: none closed yet\n");
     }
     printf("hub: %s", shown(hub, "kind", &t));
     if (has_num(hub, "published_step"))

@@ -1,6 +1,7 @@
 """The diloco CLI as the worker's HTTP client: a training over HTTP where every worker uses only
 `diloco pull`, `diloco delta`, `diloco push`, `diloco wait`; plus retries, exit codes and `status`."""
 import json
+import re
 import socket
 import subprocess
 import threading
@@ -194,6 +195,11 @@ def test_push_prints_the_recommended_local_steps_of_an_async_dilocod(tmp_path, d
         # the only node is the fastest: its own steps per delta (H_base) are recommended back
         assert answers[-1]["result"] == "accepted" and answers[-1]["recommended_local_steps"] == 10, answers
         assert node["recommended_local_steps"] == 10, node
+        # diloco status speaks async: updates and the nodes' recommendations, not rounds of N nodes
+        text = run([diloco_bin, "status", "--server", url], check=0).stdout
+        assert "async: 3 updates" in text and "nodes delivered" not in text and "last round" not in text, text
+        assert re.search(r"w0 +3 deltas, last local step 30, 10 steps per delta, recommended 10", text), text
+        assert "last update: step 2 -> 3, 1 deltas" in text, text
     finally:
         assert d.stop() == 0
 
