@@ -537,7 +537,7 @@ static const char verify_help[] =
     "  no tensor in two shards, total_size exact, a shard's own metadata must agree with the index.\n";
 
 /* The outer step of GLOBAL: the step_count.json in its directory (diloco pull's -o DIR, a tree's global/).
- * 1 found (*step), 0 none there, -1 one that cannot be read or parsed (err). */
+ * 1 found (*step), 0 none there, -DL_E_* one that cannot be read or parsed (err). */
 static int global_step_beside(const char *global, uint64_t *step, dl_error *err)
 {
     const char *slash = strrchr(global, '/');
@@ -548,24 +548,23 @@ static int global_step_beside(const char *global, uint64_t *step, dl_error *err)
     int dfd = -1, rc;
 
     if (dir == NULL)
-        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory"), -1;
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     free(dir);
     if (dfd < 0)
-        return dl_fail_errno(err, errno, "%s's directory", global), -1;
+        return dl_fail_errno(err, errno, "%s's directory", global);
     rc = fsu_read_small_at(dfd, "step_count.json", text, sizeof(text) - 1, &len, &sb);
     close(dfd);
     if (rc == -ENOENT)
         return 0;
     if (rc != 0)
-        return dl_fail_errno(err, -rc, "step_count.json beside %s", global), -1;
-    if (stepcount_parse_file(text, len, step, NULL, NULL, NULL, 0, err) != 0)
-        return -1;
-    return 1;
+        return dl_fail_errno(err, -rc, "step_count.json beside %s", global);
+    rc = stepcount_parse_file(text, len, step, NULL, NULL, NULL, 0, err);
+    return rc != 0 ? rc : 1;
 }
 
 /* Whether a valid delta is based on the global's step: 0 yes (or the step unknown: *checked 0), 1 stale or
- * from the future (err's message says which; code "stale"), -1 the step file is unreadable (err). */
+ * from the future (err's message says which; code "stale"), negative: the step file is unreadable (err). */
 static int check_base(const char *against, const char *step_opt, const delta_info *info, int *checked, uint64_t *gstep,
                       dl_error *err)
 {
@@ -575,7 +574,7 @@ static int check_base(const char *against, const char *step_opt, const delta_inf
         errno = 0;
         unsigned long long v = strtoull(step_opt, &end, 10);
         if (errno != 0 || end == step_opt || *end != '\0' || step_opt[0] == '-')
-            return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "--step %s is not an outer step", step_opt), -1;
+            return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "--step %s is not an outer step", step_opt);
         *gstep = v;
     } else {
         int got = global_step_beside(against, gstep, err);

@@ -866,7 +866,8 @@ static void run_step(cluster *c, uint64_t step)
  * together publish one step 0.  An aggregator that finds the model written already checks that it holds
  * this file's bytes (a single PUT's ETag is its MD5): another --init-model is an operator's error, said
  * once, and the bucket's is what everyone adopts.  A crash between the two writes is mended by the next
- * try (the model is ours, the step file is then written).  0 published (by us or another), -1 not (why). */
+ * try (the model is ours, the step file is then written).  0 published (by us or another), -1 not yet
+ * (why; tried again), -2 never (the bucket holds another file's model: why). */
 static int bootstrap(cluster *c, char *why, size_t why_size)
 {
     st_file *f = NULL;
@@ -887,7 +888,7 @@ static int bootstrap(cluster *c, char *why, size_t why_size)
         snprintf(inner, sizeof(inner), "%.500s", why);
         snprintf(why, why_size, "the bucket's step 0 is not --init-model %.200s (%.300s): every aggregator of a "
                  "cluster must be given the same file", c->cfg.init_model, inner);
-        return -1;
+        return -2;
     }
     if (put != 0)
         return -1;
@@ -924,10 +925,11 @@ static void *cluster_main(void *arg)
         int g = cl_sync_global(c, why, sizeof(why));
         if (g == -2 && c->cfg.init_model != NULL && !boot_failed) {
             /* an empty bucket: publish step 0, then read it as any aggregator does */
-            if (bootstrap(c, why, sizeof(why)) == 0)
+            int b = bootstrap(c, why, sizeof(why));
+            if (b == 0)
                 continue;
             dl_log(DL_LOG_ERROR, "cluster", "cannot bootstrap the bucket", "why=%s", why);
-            boot_failed = strstr(why, "must be given the same file") != NULL;     /* retried unless it never can */
+            boot_failed = b == -2;      /* retried unless it never can succeed */
         }
         if (g < 0) {
             if (!warned)
