@@ -9,9 +9,11 @@ the real file:// tree and SeaweedFS.
 - DyLU: one worker's claim (local_step 1, then 2^53 - 2, milliseconds apart) does not set the honest
   nodes' recommendations, and the example worker bounds what it follows.
 
-Every wait is on a state dilocod reports (/status, /rounds), never a sleep."""
+Every wait is on a state dilocod reports (/status, /rounds), never a sleep (the DyLU test paces its uploads
+to make the speeds it measures, and waits on nothing with it)."""
 import json
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -214,7 +216,7 @@ def test_one_worker_claim_does_not_set_the_recommendations(tmp_path, base_steps)
     """Two honest nodes run 100 local steps per delta; an attacker uploads local_step 1, then 2^53 - 2 at
     once.  Before the fix both honest recommendations fell to 1 for good (--dylu-base-steps 100), or
     H_base became 2^53 (default).  Now a measure counts up to twice the median node's speed and jump: the
-    honest recommendations lose at most half, stay within [H_base / 16, H_base], and H_base stays within
+    honest recommendations (of nodes at one pace) lose at most half, stay within [H_base / 16, H_base], and H_base stays within
     twice the median node's steps per delta."""
     init = model(4)
     init_path = tmp_path / "init.safetensors"
@@ -231,9 +233,14 @@ def test_one_worker_claim_does_not_set_the_recommendations(tmp_path, base_steps)
             assert code == 201, body
             return headers
 
+        # the honest nodes run at one pace: a second between their deltas, so that their measured speeds
+        # differ by the jitter of an HTTP answer, not by 2x (with 2 honest nodes the attacker's third
+        # measure makes the faster one the median, and the cap follows it: the slower one would lose the
+        # ratio of their speeds, which is no part of the claim)
         for local in (100, 200, 300):
             for node in ("w0", "w1"):
                 push(node, local)
+            time.sleep(1.0)
         honest = wait_status(d, lambda s: {n["node_id"] for n in s["async"]["nodes"] if n["speed"] > 0} ==
                              {"w0", "w1"}, "both honest nodes measured")
         h_base = honest["async"]["dylu_base_steps"]
