@@ -222,7 +222,11 @@ class Torture:
 
     def feed(self, node, local, via_hub, kill):
         """One delta; kill: None, "after" (kill -9 right after it is taken), "later" (a few ms after),
-        "mid" (during its upload), "hook" (the next process kills itself as a step enters a state)."""
+        "mid" (during its upload), "hook" (the next process kills itself as a step enters a state).  While
+        a hook is armed no other kill is made: a kill -9 before the step reached the hook's state replaced
+        the armed process, and a run could end with no hook landed."""
+        if self.hook is not None:
+            kill = None
         committed = self.committed_now() if not via_hub else self.d.committed_step()
         base = max(0, committed - self.rnd.randint(0, 3))
         tensors = delta_of(self.init, node, local)
