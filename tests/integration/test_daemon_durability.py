@@ -152,6 +152,22 @@ def check_step_content(state_dir: Path, s: int, states: dict, moms: dict):
 TMP_RE = re.compile(r"\.tmp-(\d+)-\d+$")
 
 
+def wait_for_starved_warm_files(state_dir: Path, s: int, own_pid: int, timeout=30):
+    """Waits until the running daemon's warmed outputs of step s are gone.  Its warm thread runs under
+    SCHED_IDLE: on a loaded machine it can still sit between creating a file and reserving its space
+    (0 bytes, not ready, so the pass wrote its own) after step s was computed and cleaned; the file goes
+    when the thread next runs.  One that stays is a leak, and the caller's check says so."""
+    names = [state_dir / "global" / f".latest-{s}.safetensors.tmp-{own_pid}-",
+             state_dir / f".outer_state-{s}.safetensors.tmp-{own_pid}-"]
+
+    def starved():
+        return [p for p in (state_dir / "global").iterdir() if str(p).startswith(str(names[0]))] + \
+            [p for p in state_dir.iterdir() if str(p).startswith(str(names[1]))]
+    deadline = time.time() + timeout
+    while starved() and time.time() < deadline:
+        time.sleep(0.05)
+
+
 def check_clean_state(state_dir: Path, s: int, own_pid: int):
     """After startup cleanup: only the committed step's files, no temporary file of another process, only
     the committed step's delta cache, an incoming directory holding at most our own in-flight temps, and
@@ -172,6 +188,7 @@ def check_clean_state(state_dir: Path, s: int, own_pid: int):
         m = TMP_RE.search(name) or re.fullmatch(r"\.link-(\d+)-\d+", name)
         assert m and int(m.group(1)) == own_pid, f"leftover in cache/incoming: {name}{where}"
     warm = {(state_dir / "global", f".latest-{s + 1}.safetensors"), (state_dir, f".outer_state-{s + 1}.safetensors")}
+    wait_for_starved_warm_files(state_dir, s, own_pid)
     for dirpath, dirs, files in os.walk(state_dir):
         for name in dirs + files:
             if ".tmp-" in name:
