@@ -462,6 +462,14 @@ static int find_flag(const char *flag, slot *s)
     return config__find_key(key, n, s);
 }
 
+/* A 0|1 option (its flag may stand alone for 1): no value of it starts with "--". */
+static int is_switch(const slot *s)
+{
+    if (s->own != NULL)
+        return s->own->type == T_UINT && s->own->min == 0 && s->own->max == 1;
+    return s->hopt != NULL && s->hopt->type == HUB_OPT_UINT && s->hopt->min == 0 && s->hopt->max == 1;
+}
+
 static char *trim(char *s)
 {
     char *e;
@@ -701,6 +709,56 @@ static int holds_default(const config *c, const config *d, const opt *o)
     }
 }
 
+/* Says that option s, set in c, is ignored: read only with needs. */
+static void warn_ignored(const config *c, const slot *s, const char *needs)
+{
+    char flag[64];
+    snprintf(flag, sizeof(flag), "%s", s->key);
+    for (char *q = flag; *q; q++)
+        if (*q == '_')
+            *q = '-';
+    if (c->origin[s->index] != NULL)
+        fprintf(stderr, "dilocod: warning: %s: %s is read only with %s: ignored here\n", c->origin[s->index], s->key,
+                needs);
+    else
+        fprintf(stderr, "dilocod: warning: --%s is read only with %s: ignored here\n", flag, needs);
+}
+
+/* Whether transport option h holds its table's default in opts (the transport's struct). */
+static int holds_transport_default(const void *opts, const hub_option *h)
+{
+    const char *field = (const char *)opts + h->offset;
+    if (h->type == HUB_OPT_UINT)
+        return h->deflt != NULL && *(const unsigned *)(const void *)field == strtoul(h->deflt, NULL, 10);
+    const char *v = *(char *const *)(const void *)field;
+    return v == NULL ? h->deflt == NULL : h->deflt != NULL && strcmp(v, h->deflt) == 0;
+}
+
+/* A transport's option given (a flag or a file line) while --hub names another transport, none of whose
+ * options it is: checked against its table, then unused. */
+static void warn_other_transports_options(const config *c)
+{
+    size_t configured = config__transport_of(c->hub);
+    slot s;
+
+    for (size_t i = config__nown(); config__slot_at(i, &s) == 0; i++) {
+        slot first;
+        if (s.hopt == NULL || c->hub_opts == NULL || c->hub_opts[s.transport] == NULL ||
+            holds_transport_default(c->hub_opts[s.transport], s.hopt) ||
+            config__find_key(s.key, strlen(s.key), &first) != 0 || first.index != i)
+            continue;           /* its default, or a later declarer of a shared key (named by its first place) */
+        if (configured < hub_transport_count() && config__transport_option(configured, s.key) != NULL)
+            continue;
+        char needs[128] = "--hub";
+        size_t n = strlen(needs);
+        for (size_t t = 0; t < hub_transport_count(); t++)       /* every declarer of a shared key */
+            if (config__transport_option(t, s.key) != NULL && n < sizeof(needs))
+                n += (size_t)snprintf(needs + n, sizeof(needs) - n, "%s %s", n > 5 ? " or" : "",
+                                      hub_transport(t)->scheme);
+        warn_ignored(c, &s, needs);
+    }
+}
+
 static void warn_ignored_options(const config *c)
 {
     config d;
@@ -714,18 +772,10 @@ static void warn_ignored_options(const config *c)
         if (r->read(c) || config__find_key(r->key, strlen(r->key), &s) != 0 || s.own == NULL ||
             holds_default(c, &d, s.own))
             continue;
-        char flag[64];
-        snprintf(flag, sizeof(flag), "%s", r->key);
-        for (char *q = flag; *q; q++)
-            if (*q == '_')
-                *q = '-';
-        if (c->origin[s.index] != NULL)
-            fprintf(stderr, "dilocod: warning: %s: %s is read only with %s: ignored here\n", c->origin[s.index],
-                    r->key, r->needs);
-        else
-            fprintf(stderr, "dilocod: warning: --%s is read only with %s: ignored here\n", flag, r->needs);
+        warn_ignored(c, &s, r->needs);
     }
     config_free(&d);
+    warn_other_transports_options(c);
 }
 
 int config_load(config *c, int argc, char **argv)
@@ -775,8 +825,11 @@ int config_load(config *c, int argc, char **argv)
         }
         memcpy(name, a + 2, nlen);
         name[nlen] = '\0';
+        int known = strcmp(name, "config") != 0 && find_flag(name, &o) == 0;
         if (eq != NULL) {
             val = eq + 1;
+        } else if (known && is_switch(&o) && (i + 1 >= argc || strncmp(argv[i + 1], "--", 2) == 0)) {
+            val = "1";          /* a 0|1 option alone: --create-hub is --create-hub 1 */
         } else if (i + 1 < argc) {
             val = argv[++i];
         } else {
@@ -785,7 +838,7 @@ int config_load(config *c, int argc, char **argv)
         }
         if (strcmp(name, "config") == 0)
             continue;
-        if (find_flag(name, &o) != 0) {
+        if (!known) {
             fprintf(stderr, "dilocod: unknown option '--%s' (see --help)\n", name);
             return 2;
         }

@@ -107,7 +107,7 @@ static void print_transport_options(const config *c, FILE *out)
         }
         const hub_options *ho = hub_transport(o.transport)->options;
         if (o.hopt == &ho->opt[ho->n - 1] && ho->print != NULL)
-            ho->print(c->hub_opts[o.transport], out);
+            ho->print(c->hub_opts[o.transport], c->hub, out);
     }
 }
 

@@ -171,8 +171,9 @@ typedef struct hub_options {
     /* Optional: the note --check-config prints for key when it is unset, instead of the table's
      * (NULL: the table's). */
     const char *(*unset_note)(const void *opts, const char *key);
-    /* Optional: comment lines --check-config prints after the transport's options (never a secret). */
-    void (*print)(const void *opts, FILE *out);
+    /* Optional: comment lines --check-config prints after the transport's options (never a secret);
+     * url is --hub's, whichever transport it names. */
+    void (*print)(const void *opts, const char *url, FILE *out);
     /* Optional: frees what load() added beyond the table's string fields (which the caller frees). */
     void (*clear)(void *opts);
 } hub_options;

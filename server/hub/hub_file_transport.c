@@ -97,6 +97,7 @@ struct file_hub {
     int64_t reported_step;
     int adopt_in_flight, publishing;
     int started;                /* start() ran: polling */
+    int creates_root;           /* the root did not exist at open (--create-hub): start makes it, loudly */
     job_owner jobs;             /* pool jobs out (jobs.h) */
     unsigned handles;           /* handles open */
     int closing;
@@ -796,8 +797,20 @@ static int file_check_url(const char *url, dl_error *err)
     return 0;
 }
 
-/* No options of its own; at config time the directory's path is checked: the start creates what is
- * missing below it, so every part of it that exists must be a directory. */
+/* ---- options (hub.h's hub_options: config.c reads them through this table) ---- */
+
+typedef struct file_options {
+    unsigned create_hub;        /* create_hub: 1 lets the start create a hub directory that does not exist */
+} file_options;
+
+static const hub_option file_option_table[] = {
+    {"create_hub", HUB_OPT_UINT, offsetof(file_options, create_hub), 0, 1, "0",
+     "[0|1]     file:// create the hub directory if it does not exist (else the start refuses it: a typo, or a share "
+     "not mounted yet)", NULL},
+};
+
+/* At config time the directory's path is checked: every part of it that exists must be a directory.
+ * Whether it exists is the start's question (file_open): a share may be mounted in between. */
 static int file_load_options(void *opts, const char *url, const char **key, dl_error *err)
 {
     (void)opts;
@@ -805,8 +818,24 @@ static int file_load_options(void *opts, const char *url, const char **key, dl_e
     return fsu_check_dir_path(url + 7, err);
 }
 
+/* --check-config: says now what the start would refuse. */
+static void file_print_options(const void *opts, const char *url, FILE *out)
+{
+    const file_options *o = opts;
+    struct stat sb;
+
+    if (url != NULL && strncmp(url, "file://", 7) == 0 && stat(url + 7, &sb) != 0 && errno == ENOENT)
+        fprintf(out, "# %s does not exist: %s\n", url + 7,
+                o->create_hub ? "the start creates it (create_hub = 1)"
+                              : "the start refuses it (exit 1) unless create_hub = 1 (--create-hub)");
+}
+
 static const hub_options file_options_ops = {
+    .opt = file_option_table,
+    .n = sizeof(file_option_table) / sizeof(file_option_table[0]),
+    .size = sizeof(file_options),
     .load = file_load_options,
+    .print = file_print_options,
 };
 
 static void free_hub(file_hub *fh)
@@ -843,6 +872,7 @@ static int file_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hu
                      dl_error *err)
 {
     extern const hub_ops hub_file_ops;
+    const file_options *opts = cfg->options;
     file_hub *fh;
     struct stat sb;
     int rc;
@@ -866,15 +896,22 @@ static int file_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hu
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     }
     /* open creates nothing in the tree (a start that fails later leaves it as it was): nodes/ is made
-     * by start, global/ by the first publish; the root must be a directory if it exists */
-    if (stat(fh->root, &sb) == 0 && !S_ISDIR(sb.st_mode))
+     * by start, global/ by the first publish; the root must be a directory, and exist unless
+     * --create-hub asks for it (a typo, or a share not mounted yet, would be a hub no worker writes to) */
+    if (stat(fh->root, &sb) == 0 ? !S_ISDIR(sb.st_mode) : 0)
         rc = dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "the hub %s is not a directory", fh->root);
+    else if (stat(fh->root, &sb) != 0 && !(opts != NULL && opts->create_hub))
+        rc = errno == ENOENT ? dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0,
+                                       "the hub directory %s does not exist (--hub %s): create it (or mount its "
+                                       "share), or give --create-hub to let dilocod create it", fh->root, cfg->url)
+                             : dl_fail_errno(err, errno, "cannot stat the hub directory %s (--hub)", fh->root);
     else
         rc = fsu_mkdirs(fh->incoming, err);
     if (rc != 0) {
         free_hub(fh);
         return rc;
     }
+    fh->creates_root = stat(fh->root, &sb) != 0;        /* --create-hub: the start says it made it */
     if (stat(fh->root, &sb) == 0 && hubfile_cleanup_temps(fh->root, err) != 0) {
         char q[600];
         dl_log(DL_LOG_WARN, "hub", "cannot remove temporary files of an interrupted publish", "error=%s",
@@ -902,6 +939,11 @@ static void file_start(hub *h)
         return;
     if (fsu_mkdirs(nodes, &err) != 0)
         set_error(fh, "cannot create the hub's nodes directory", &err);     /* the scans say it again */
+    else if (fh->creates_root) {
+        char q[600];
+        dl_log(DL_LOG_WARN, "hub", "created the hub directory, which did not exist (--create-hub)", "dir=%s",
+               dl_log_q(q, sizeof(q), fh->root));
+    }
     if (uv_fs_event_init(fh->loop, &fh->nodes_watch) == 0) {
         fh->nodes_watch.data = fh;
         fh->handles++;

@@ -981,8 +981,9 @@ static const char *hf_unset_note(const void *opts, const char *key)
     return strcmp(key, "hub_token_file") == 0 && o->token != NULL ? " (the token is from $HF_TOKEN)" : NULL;
 }
 
-static void hf_print_options(const void *opts, FILE *out)
+static void hf_print_options(const void *opts, const char *url, FILE *out)
 {
+    (void)url;
     fprintf(out, "# hub token: %s\n", ((const hf_options *)opts)->token ? "set" : "not set");
 }
 

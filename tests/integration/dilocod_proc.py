@@ -45,6 +45,8 @@ class Dilocod:
         log = self.tmp / f"dilocod-{n}.log"
         self.logs.append(log)
         hub = ["--hub", f"file://{self.hub}"] if self.hub is not None else ["--hub", "none"]
+        if self.hub is not None and not os.path.lexists(self.hub):
+            self.hub.mkdir(parents=True)        # as an operator does: dilocod refuses a hub that does not exist
         listen = [] if any(str(a).startswith("--listen") for a in (*self.args, *extra)) else ["--listen", "127.0.0.1:0"]
         cmd = [str(BUILD / "dilocod"), "--state-root", str(self.state_root), *hub, *listen,
                "--poll-interval", "0.05", "--log-level", "debug", *self.args, *extra]

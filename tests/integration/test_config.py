@@ -476,3 +476,52 @@ def test_options_the_mode_ignores_are_warned_about(tmp_path):
     p = dilocod("--expected-nodes", "2", "--dn-period", "4", "--state-root", str(tmp_path / "s"), "--listen",
                 "127.0.0.1:0", check=None)       # hub none, no init_model: it exits 1 once started
     assert p.returncode == 1 and "warning: --dn-period is read only with --mode async" in p.stderr, p.stderr
+
+
+def test_a_file_hub_that_does_not_exist_is_refused_unless_create_hub(tmp_path):
+    """--hub file:///<missing> was created without a word, and a typo (or a share not mounted yet) became a
+    round that never closes.  Now the start refuses it (exit 1, the path and the option named) and creates
+    nothing; --check-config says so first; --create-hub (a 0|1 switch: alone, =1, or create_hub = 1 in the
+    file) creates it, loudly; given with another transport it is warned about as ignored."""
+    init = model(tmp_path / "init.safetensors")
+    hub = tmp_path / "share" / "hub"
+    base = ["--state-root", str(tmp_path / "s"), "--hub", f"file://{hub}", "--init-model", str(init),
+            "--expected-nodes", "1", "--listen", "none"]
+    p = dilocod(*base, check=None)
+    assert p.returncode == 1, (p.returncode, p.stderr)
+    assert f"the hub directory {hub} does not exist (--hub file://{hub})" in p.stderr, p.stderr
+    assert "--create-hub" in p.stderr, p.stderr
+    assert not (tmp_path / "share").exists(), "a refused start created the hub"
+    p = dilocod(*base, "--check-config", check=None)
+    assert p.returncode == 0, p.stderr
+    assert f"# {hub} does not exist: the start refuses it (exit 1) unless create_hub = 1 (--create-hub)" in p.stdout
+    assert "create_hub = 0" in settings(p.stdout)
+    # the switch alone, before another flag: the start creates the tree, says so, and publishes step 0 there
+    d = subprocess.Popen([str(BUILD / "dilocod"), "--create-hub", *base, "--log-level", "info"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 30
+        while not (hub / "global" / "step_count.json").exists():
+            assert d.poll() is None and time.time() < deadline, d.stderr.read() if d.poll() is not None else "timeout"
+            time.sleep(0.05)
+    finally:
+        d.terminate()
+        err = d.communicate(timeout=30)[1]
+    assert d.returncode == 0, err
+    assert f"warn  hub: created the hub directory, which did not exist (--create-hub) dir={hub}" in err, err
+    assert json.loads((hub / "global" / "step_count.json").read_text())["outer_step"] == 0
+    # an existing hub: nothing said; the file form and --create-hub=1 print back as create_hub = 1
+    conf = tmp_path / "d.conf"
+    conf.write_text("create_hub = 1\n")
+    for extra in (["--config", str(conf)], ["--create-hub=1"], ["--create-hub", "1"]):
+        p = dilocod(*base, *extra, "--check-config", check=None)
+        assert p.returncode == 0 and "create_hub = 1" in settings(p.stdout), (extra, p.stdout, p.stderr)
+        assert "does not exist" not in p.stdout and "warning" not in p.stderr, (p.stdout, p.stderr)
+    # with another transport it does nothing, and says so
+    p = dilocod("--hub", "none", "--expected-nodes", "1", "--create-hub", "--check-config", check=None)
+    assert "warning: --create-hub is read only with --hub file://: ignored here" in p.stderr, p.stderr
+    p = dilocod("--hub", "none", "--expected-nodes", "1", "--hub-endpoint", "http://127.0.0.1:9", "--check-config",
+                check=None)
+    assert "warning: --hub-endpoint is read only with --hub hf:// or s3://: ignored here" in p.stderr, p.stderr
+    # a value that is not 0 or 1 is refused as any other
+    assert_fails(dilocod(*base, "--create-hub", "2", "--check-config"), "create-hub")
