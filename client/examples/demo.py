@@ -280,11 +280,12 @@ def main():
             readers[-1].start()
 
         if a.mode == "async":
-            ok = async_report(a, url, procs, readers, root, losses, lock, t0)
+            ok = async_report(a, url, procs, readers, root, losses, lock, t0, BytesSent(a, root / "init.safetensors"))
             return finish(a, url, root, dilocod, procs, watch, ok)
 
         printed = 0
         first = last = None
+        sent = BytesSent(a, root / "init.safetensors")
         while printed < a.rounds:
             for p in procs:
                 if p.poll() not in (None, 0):
@@ -299,11 +300,14 @@ def main():
                 first = mean if first is None else first
                 last = mean
                 print(f"round {r['step']:3d}: step {r['step']} -> {r['outer_step']}, {len(r['nodes'])} nodes, "
-                      f"aggregation {r['seconds'] * 1000:.1f} ms, mean worker loss {mean:.4f}", flush=True)
+                      f"aggregation {r['seconds'] * 1000:.1f} ms, mean worker loss {mean:.4f}"
+                      f"{why_it_waited(a, r)}", flush=True)
+                sent.add(r)
                 printed += 1
             time.sleep(0.2)
         print(f"loss {first:.4f} -> {last:.4f} over {a.rounds} rounds "
               f"({'falling' if last < first else 'NOT falling'})", flush=True)
+        sent.report()
         for p in procs[1:]:
             p.wait(timeout=120)
         if watch:
@@ -340,7 +344,44 @@ def async_args(a):
             "--momentum", "0", "--dylu-base-steps", str(a.inner_steps), *shlex.split(a.dilocod_args)]
 
 
-def async_report(a, url, procs, readers, root, lines, lock, t0):
+def why_it_waited(a, r):
+    """What kept a sync round open past its fastest workers, as its record says (closed at --round-timeout
+    with some expected worker missing: the faulty one's deltas are quarantined as they arrive), and the
+    deltas it quarantined at its close."""
+    held = "".join(f"; {q['node_id']}'s delta quarantined at the close ({q['reason']})" for q in r.get("quarantined", []))
+    if r.get("reason") != "timeout":
+        return held
+    came = {n["node_id"] for n in r["nodes"]}
+    missing = [f"worker-{i + 1}" for i in range(a.workers) if f"worker-{i + 1}" not in came]
+    why = [f"{m} (faulty: its deltas are quarantined)" if a.faulty and m == f"worker-{a.faulty}" else m
+           for m in missing]
+    return f"; waited the full --round-timeout for {', '.join(why) or 'a node'}, then closed without it{held}"
+
+
+class BytesSent:
+    """The bytes of the deltas dilocod took (its records' per-node bytes) against F32 deltas of the same
+    model (about the init model's file size each): what --encode saved."""
+
+    def __init__(self, a, init):
+        self.encode, self.f32_each, self.sent, self.deltas = a.encode or "F32", init.stat().st_size, 0, 0
+
+    def add(self, rec):
+        for n in rec["nodes"]:
+            self.sent += n["bytes"]
+            self.deltas += 1
+
+    def report(self):
+        if not self.deltas:
+            return
+        f32 = self.f32_each * self.deltas
+        line = f"deltas taken: {self.deltas}, {self.sent / 2**20:.2f} MiB as {self.encode}"
+        if self.encode != "F32":
+            line += (f"; as F32 about {f32 / 2**20:.2f} MiB: {f32 / self.sent:.1f}x smaller, "
+                     f"{(f32 - self.sent) / 2**20:.2f} MiB saved")
+        print(line, flush=True)
+
+
+def async_report(a, url, procs, readers, root, lines, lock, t0, sent):
     """Prints each update dilocod records (in step order) once the workers' lines for its deltas are in,
     until every worker is done and every delta it sent is in an update.  Whether the loss fell: the
     mean over the first <workers> deltas against the last <workers>."""
@@ -372,6 +413,7 @@ def async_report(a, url, procs, readers, root, lines, lock, t0):
                   f"aggregation {r['seconds'] * 1000:.1f} ms, loss {loss:.4f}", flush=True)
             printed += 1
             pushes += len(r["nodes"])
+            sent.add(r)
         if done and pushes >= sent:
             break
         time.sleep(0.1)
@@ -382,6 +424,7 @@ def async_report(a, url, procs, readers, root, lines, lock, t0):
     print(f"loss {first:.4f} -> {last:.4f} over {printed} updates, {pushes} deltas "
           f"({'falling' if last < first else 'NOT falling'})", flush=True)
     print(f"wall-clock: {time.time() - t0:.2f} s for {pushes} deltas, {steps} worker inner steps", flush=True)
+    sent.report()
     for i in range(a.workers):
         node = f"worker-{i + 1}"
         with lock:

@@ -32,6 +32,7 @@ def test_make_demo_three_rounds(tmp_path):
     assert losses[-1] < losses[0], losses
     m = re.search(r"loss ([\d.]+) -> ([\d.]+) over 3 rounds \(falling\)", out)
     assert m, out
+    assert re.search(r"deltas taken: 9, [\d.]+ MiB as F32\n", out), out
     assert re.search(r"dashboard: http://127\.0\.0\.1:\d+/", out), out
     assert "not a terminal: the demo ends now and dilocod stops with it" in out, out
     # every process the demo started is gone, and dilocod stopped cleanly
@@ -44,6 +45,35 @@ def test_make_demo_three_rounds(tmp_path):
         for n in rec["nodes"]:
             assert set(n["metrics"]) == {"loss", "num_tokens"} and n["metrics"]["num_tokens"] == 30 * 128, n
             assert 0 < n["metrics"]["loss"] < 10, n
+
+
+def test_make_demo_says_what_encoding_saved_and_why_a_round_waited(tmp_path):
+    """DEMO_ENCODE=mxfp4 prints the bytes the deltas took against F32 (from dilocod's records), and
+    DEMO_FAULTY=2's rounds say they waited the full --round-timeout for the faulty worker, or that its
+    delta was quarantined at the close: the demo's 3x longer rounds are explained where they happen."""
+    p = subprocess.run(["make", "-C", str(ROOT), "--no-print-directory", "demo", "DEMO_ROUNDS=3", "DEMO_WORKERS=3",
+                        "DEMO_PORT=0", "DEMO_ENCODE=mxfp4", "DEMO_FAULTY=2", f"DEMO_DIR={tmp_path / 'demo'}",
+                        f"BUILD={BUILD}"], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
+    out = p.stdout
+    assert p.returncode == 0, out[-3000:] + p.stderr[-3000:]
+    recs = [json.loads(x) for x in (tmp_path / "demo/state/aggregator/rounds.jsonl").read_text().splitlines()]
+    lines = {int(m.group(1)): m.group(0) for m in re.finditer(r"round +(\d+): step .*", out)}
+    assert sorted(lines) == [r["step"] for r in recs] == [0, 1, 2], out
+    for r in recs:
+        line = lines[r["step"]]
+        assert "worker-2" not in [n["node_id"] for n in r["nodes"]], r
+        if r["reason"] == "timeout":
+            assert "waited the full --round-timeout for worker-2 (faulty: its deltas are quarantined)" in line, line
+        else:       # it came in time, and was quarantined at the close
+            assert [q["node_id"] for q in r["quarantined"]] == ["worker-2"], r
+            assert "worker-2's delta quarantined at the close (norm_ratio)" in line, line
+    taken = sum(n["bytes"] for r in recs for n in r["nodes"])
+    f32 = (tmp_path / "demo" / "init.safetensors").stat().st_size * 6
+    m = re.search(r"deltas taken: 6, ([\d.]+) MiB as mxfp4; as F32 about ([\d.]+) MiB: ([\d.]+)x smaller, "
+                  r"([\d.]+) MiB saved", out)
+    assert m, out
+    assert float(m.group(1)) == round(taken / 2**20, 2) and float(m.group(2)) == round(f32 / 2**20, 2), (m.group(0), taken)
+    assert 6.5 < float(m.group(3)) < 8.1, m.group(0)       # mxfp4: 4.25 bits per value against 32
 
 
 def test_make_demo_async_with_a_straggler(tmp_path):
