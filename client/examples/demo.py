@@ -381,7 +381,7 @@ class BytesSent:
         print(line, flush=True)
 
 
-def async_report(a, url, procs, readers, root, lines, lock, t0, sent):
+def async_report(a, url, procs, readers, root, lines, lock, t0, taken):
     """Prints each update dilocod records (in step order) once the workers' lines for its deltas are in,
     until every worker is done and every delta it sent is in an update.  Whether the loss fell: the
     mean over the first <workers> deltas against the last <workers>."""
@@ -413,7 +413,7 @@ def async_report(a, url, procs, readers, root, lines, lock, t0, sent):
                   f"aggregation {r['seconds'] * 1000:.1f} ms, loss {loss:.4f}", flush=True)
             printed += 1
             pushes += len(r["nodes"])
-            sent.add(r)
+            taken.add(r)
         if done and pushes >= sent:
             break
         time.sleep(0.1)
@@ -424,7 +424,7 @@ def async_report(a, url, procs, readers, root, lines, lock, t0, sent):
     print(f"loss {first:.4f} -> {last:.4f} over {printed} updates, {pushes} deltas "
           f"({'falling' if last < first else 'NOT falling'})", flush=True)
     print(f"wall-clock: {time.time() - t0:.2f} s for {pushes} deltas, {steps} worker inner steps", flush=True)
-    sent.report()
+    taken.report()
     for i in range(a.workers):
         node = f"worker-{i + 1}"
         with lock:

@@ -86,6 +86,7 @@ def test_make_demo_async_with_a_straggler(tmp_path):
                        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
     out = p.stdout
     assert p.returncode == 0, out[-3000:] + p.stderr[-3000:]
+    assert re.search(r"deltas taken: \d+, [\d.]+ MiB as F32\n", out), out
     assert "(async: dn_period 3, grace 20 ms, dylu_base_steps 30) speeds 1,1,3" in out, out
     updates = re.findall(r"update +(\d+): step (\d+) -> (\d+), (.*), aggregation ([\d.]+) ms, loss ([\d.]+)", out)
     assert [int(u[0]) for u in updates] == list(range(len(updates))), out
