@@ -212,17 +212,13 @@ void daemon__close_hub(dilocod *d)
     hub_close(d->hub, hub_closed, d);
 }
 
-static void signal_cb(uv_signal_t *s, int signum)
+/* The shutdown a signal starts, or a fatal error (daemon__fatal): what runs is stopped or left to finish,
+ * and the loop ends once every part has closed (daemon__maybe_finish_shutdown). */
+static void begin_shutdown(dilocod *d, const char *why)
 {
-    dilocod *d = s->data;
-
-    if (d->stopping) {
-        dl_log(DL_LOG_WARN, "main", "second signal: exiting now", "signal=%d", signum);
-        _exit(1);
-    }
     d->stopping = 1;
-    dl_log(DL_LOG_INFO, "main", "shutting down", "signal=%s state=%s jobs=%d", signum == SIGINT ? "SIGINT" : "SIGTERM",
-           daemon__state_name(daemon__state(d)), d->jobs.in_flight);
+    dl_log(DL_LOG_INFO, "main", "shutting down", "%s state=%s jobs=%d", why, daemon__state_name(daemon__state(d)),
+           d->jobs.in_flight);
     uv_timer_stop(&d->round_timer);
     uv_timer_stop(&d->retry_timer);
     uv_timer_stop(&d->publish_timer);
@@ -239,6 +235,34 @@ static void signal_cb(uv_signal_t *s, int signum)
     else if (d->hub != NULL)
         hub_close(d->hub, hub_closed, d);           /* a download resumes from its .part next time */
     daemon__maybe_finish_shutdown(d);
+}
+
+static void signal_cb(uv_signal_t *s, int signum)
+{
+    dilocod *d = s->data;
+
+    if (d->stopping) {
+        dl_log(DL_LOG_WARN, "main", "second signal: exiting now", "signal=%d", signum);
+        _exit(1);
+    }
+    begin_shutdown(d, signum == SIGINT ? "signal=SIGINT" : "signal=SIGTERM");
+}
+
+static void fatal_cb(uv_async_t *h)
+{
+    dilocod *d = h->data;
+    if (!d->stopping)
+        begin_shutdown(d, "reason=fatal_error");
+}
+
+void daemon__fatal(dilocod *d, const char *component, const char *msg, const dl_error *e)
+{
+    daemon__log_error(component, msg, e);
+    d->exit_code = 1;
+    /* on the loop's next turn, as a signal's shutdown: the callback that found it returns first (the
+     * handle is closed only once a shutdown has ended: then there is nothing left to stop) */
+    if (!d->stopping && uv_async_send(&d->fatal_async) != 0)
+        begin_shutdown(d, "reason=fatal_error");
 }
 
 static void sighup_cb(uv_signal_t *s, int signum)
@@ -379,8 +403,10 @@ static int init_handles(dilocod *d)
     uv_timer_init(&d->loop, &d->set_timer);
     uv_signal_init(&d->loop, &d->sighup);
     d->sighup.data = d;
-    if ((rc = uv_async_init(&d->loop, &d->warm.async, daemon__warm_async_cb)) != 0)
+    if ((rc = uv_async_init(&d->loop, &d->warm.async, daemon__warm_async_cb)) != 0 ||
+        (rc = uv_async_init(&d->loop, &d->fatal_async, fatal_cb)) != 0)
         return rc;
+    d->fatal_async.data = d;
     uv_check_init(&d->loop, &d->warm.busy_check);
     uv_signal_start(&d->sigint, signal_cb, SIGINT);
     uv_signal_start(&d->sigterm, signal_cb, SIGTERM);

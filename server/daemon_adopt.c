@@ -260,28 +260,22 @@ static void adopt_done(job *j)
     d->bootstrap_in_flight = 0;
     if (!a->bootstrap)
         daemon__discard_local(d, a->path, 1);   /* moved into place, or refused: either way gone */
-    if (j->rc != 0) {
-        if (!a->bootstrap)
-            d->adoptions_refused++;
+    if (j->rc != 0 && a->bootstrap) {
+        daemon__fatal(d, "store", "cannot bootstrap from --init-model", &j->err);   /* nothing to start from */
+    } else if (j->rc != 0) {
+        d->adoptions_refused++;
         /* the transport offers a refused global again at each poll: one line per step offered */
-        if (a->bootstrap || d->adopt_refused_step != (int64_t)a->step)
-            daemon__log_error("store",
-                              a->bootstrap ? "cannot bootstrap from --init-model" : "cannot adopt the published global",
-                              &j->err);
-        if (!a->bootstrap)
-            d->adopt_refused_step = (int64_t)a->step;
-        if (a->bootstrap) {
-            d->exit_code = 1;
-            raise(SIGTERM);
-        } else if (!d->stopping) {
+        if (d->adopt_refused_step != (int64_t)a->step)
+            daemon__log_error("store", "cannot adopt the published global", &j->err);
+        d->adopt_refused_step = (int64_t)a->step;
+        if (!d->stopping)
             hub_set_step(d->hub, 0, 1);     /* still waiting: the transport offers its global again */
-        }
     } else if (daemon__adopt_apply(d, &a->res) != 0) {
         /* durable on disk, unknown in memory: a restart reads it back; stop rather than serve a lie */
-        dl_log(DL_LOG_ERROR, "store", "out of memory recording the adoption; restarting is safe", "step=%" PRIu64,
-               a->step);
-        d->exit_code = 1;
-        raise(SIGTERM);
+        dl_error e;
+        dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory recording the adoption of step %" PRIu64
+                "; restarting is safe (it is durable)", a->step);
+        daemon__fatal(d, "store", "cannot go on", &e);
     } else if (!d->stopping) {
         if (a->bootstrap) {
             daemon__log_bootstrapped(d, a->path, &a->res.mi);
@@ -347,9 +341,7 @@ static void adopt_not_queued(dilocod *d, const char *path, int bootstrap)
 
     dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory for the job");
     if (bootstrap) {
-        daemon__log_error("store", "cannot bootstrap from --init-model", &e);
-        d->exit_code = 1;
-        raise(SIGTERM);
+        daemon__fatal(d, "store", "cannot bootstrap from --init-model", &e);
         return;
     }
     daemon__log_error("store", "cannot adopt the published global", &e);

@@ -289,6 +289,15 @@ static int settle_after_publish_forced(void)
     return forced;
 }
 
+/* The redo record is durable: a restart settles the step; stop rather than run unsettled. */
+static void settle_out_of_memory(dilocod *d, uint64_t step)
+{
+    dl_error e;
+    dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory settling the commit of step %" PRIu64
+            "; restarting is safe (its redo record is durable)", step);
+    daemon__fatal(d, "store", "cannot go on", &e);
+}
+
 /* After the commit point: the outputs of step become durable in the background. */
 static void start_settle(dilocod *d, uint64_t step)
 {
@@ -298,10 +307,7 @@ static void start_settle(dilocod *d, uint64_t step)
         (d->agg.pass->out_momentum_path != NULL && (a->momentum_path = strdup(d->agg.pass->out_momentum_path)) == NULL) ||
         (d->pending_round != NULL && (a->round_json = strdup(d->pending_round)) == NULL)) {
         daemon__settle_free(a);
-        /* the redo record is durable: a restart settles the step; stop rather than run unsettled */
-        dl_log(DL_LOG_ERROR, "store", "out of memory settling the commit; restarting is safe", "step=%" PRIu64, step);
-        d->exit_code = 1;
-        raise(SIGTERM);
+        settle_out_of_memory(d, step);
         return;
     }
     a->step = step;
@@ -313,9 +319,7 @@ static void start_settle(dilocod *d, uint64_t step)
         if ((d->agg.pass->out_accum_path != NULL && (a->accum_path = strdup(d->agg.pass->out_accum_path)) == NULL) ||
             (a->consumed = calloc(d->agg.n ? d->agg.n : 1, sizeof(char *))) == NULL) {
             daemon__settle_free(a);
-            dl_log(DL_LOG_ERROR, "store", "out of memory settling the commit; restarting is safe", "step=%" PRIu64, step);
-            d->exit_code = 1;
-            raise(SIGTERM);
+            settle_out_of_memory(d, step);
             return;
         }
         for (; a->nconsumed < d->agg.n; a->nconsumed++)
@@ -323,9 +327,7 @@ static void start_settle(dilocod *d, uint64_t step)
                 break;
         if (a->nconsumed < d->agg.n) {  /* one left behind would be taken again after a restart */
             daemon__settle_free(a);
-            dl_log(DL_LOG_ERROR, "store", "out of memory settling the commit; restarting is safe", "step=%" PRIu64, step);
-            d->exit_code = 1;
-            raise(SIGTERM);
+            settle_out_of_memory(d, step);
             return;
         }
     }
@@ -520,10 +522,14 @@ static void commit_done(job *j)
     store_commit_info info = round_commit_info(d, &after);
     if (store_commit_apply(&d->st, &info) != 0) {
         /* durable on disk, unknown in memory: a restart reads it back; stop rather than serve a lie */
-        dl_log(DL_LOG_ERROR, "store", "out of memory recording the commit; restarting is safe", "step=%" PRIu64,
-               info.step);
-        d->exit_code = 1;
-        raise(SIGTERM);
+        dl_error e;
+        dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory recording the commit of step %" PRIu64
+                "; restarting is safe (the step is durable)", info.step);
+        daemon__fatal(d, "store", "cannot go on", &e);
+        daemon__pass_release(d);
+        if (fd >= 0)
+            close(fd);
+        return;
     }
     pipeline_move(&d->pipe, d->st.step, STEP_COMMITTED);
     log_round_stats(d);

@@ -191,6 +191,7 @@ typedef struct dilocod {
     time_t started_at;
 
     uv_signal_t sigint, sigterm, sighup;
+    uv_async_t fatal_async;     /* daemon__fatal: the shutdown starts on the loop's next turn */
     uv_timer_t round_timer, retry_timer, progress_timer, publish_timer, settle_timer, set_timer;
 
     st_header *model;           /* structure of the global model (same for every step) */

@@ -95,6 +95,11 @@ extern const daemon_provider daemon__robust_provider;
 
 /* Logs a failure at error level: the component, what failed, and the dl_error's code, message and tensor. */
 void daemon__log_error(const char *component, const char *msg, const dl_error *e);
+/* A fatal error: e logged at error level as msg, then the daemon stops (exit code 1) on the loop's next
+ * turn, as SIGTERM stops it.  For what the daemon cannot go on from but a restart can (the state on
+ * disk is sound: out of memory after a durable commit, an input changed under it).  The caller returns
+ * and runs nothing more for the step. */
+void daemon__fatal(dilocod *d, const char *component, const char *msg, const dl_error *e);
 /* Deletes a file without blocking the loop (libuv runs the unlink on its pool). */
 void daemon__unlink_async(dilocod *d, const char *path);
 /* Deletes a delta or a global of ours (a file, or a set) without blocking the loop; download: a transport's. */

@@ -127,11 +127,9 @@ static void inputs_changed(dilocod *d, const dl_error *err)
                 "with dilocod's uid); no step is made from it. Restore the state from a backup, or start again from "
                 "a fresh state directory and --init-model", d->st.step,
                 outer_input_changed(p, OUTER_INPUT_GLOBAL(p)) ? "global" : "momentum");
-        daemon__log_error("store", "cannot aggregate", &e);
         daemon__pass_release(d);
         pipeline_move(&d->pipe, d->rnd.step + 1, STEP_FAILED);
-        d->exit_code = 1;
-        raise(SIGTERM);
+        daemon__fatal(d, "store", "cannot aggregate", &e);
         return;
     }
     daemon__log_error("aggregate", "a linked delta's content changed after it was validated", err);
@@ -707,9 +705,7 @@ static int global_rewritten(dilocod *d)
     dl_error e;
     dl_fail(&e, DL_E_IO, NULL, 0, "the committed global of step %" PRIu64 " (%s) is a link to --init-model %s; "
             GLOBAL_CHANGED_HELP, d->st.step, d->st.global_path, daemon__global_change(rc));
-    daemon__log_error("store", "cannot aggregate", &e);
-    d->exit_code = 1;
-    raise(SIGTERM);
+    daemon__fatal(d, "store", "cannot aggregate", &e);
     return 1;
 }
 

@@ -415,6 +415,7 @@ def test_an_init_model_rewritten_in_place_after_the_bootstrap_stops_the_daemon(t
     log = d.log_text()
     assert "is a link to --init-model that is no longer the version linked at the bootstrap" in log, log[-3000:]
     assert "put that file back as it was (its bytes and its modification time), or start again" in log
+    assert "main: shutting down reason=fatal_error" in log, log[-3000:]        # daemon__fatal, as SIGTERM would
     assert d.published_step() == 0 and d.committed_step() == 0
     assert not (d.state_dir / "redo.json").exists()
     d.start()

@@ -19,6 +19,7 @@ void f(char *d, const char *src)
     (void)asprintf(&p, "%s", src);            /* BAD asprintf */
     exit(1);                                  /* BAD exit */
     abort();                                  /* BAD exit */
+    raise(SIGTERM);                           /* BAD exit */
     char *ok1 = malloc(4);
     int z = 0;
     if (ok1 == NULL)

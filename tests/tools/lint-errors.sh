@@ -4,8 +4,9 @@
 # convention").  Each finding is printed as file:line: rule: what, and any finding fails the run.
 #   banned      no sprintf, vsprintf, strcpy, stpcpy, strcat, strncat, strtok, atoi, atol, atoll, atof,
 #               gets, tmpnam, mktemp: snprintf, bounded copies, strtok_r, strtoull with full checks
-#   exit        no exit, _exit, _Exit, quick_exit or abort outside a main() file (server/main.c,
-#               client/diloco.c) and the documented places below: a failure is returned to the caller
+#   exit        no exit, _exit, _Exit, quick_exit, abort or raise outside a main() file (server/main.c,
+#               client/diloco.c) and the documented places below: a failure is returned to the caller,
+#               and a daemon that cannot go on stops through daemon__fatal (not a raise(SIGTERM) to itself)
 #   asprintf    every asprintf/vasprintf result is checked, as alloc below (the pointer is undefined
 #               on failure, so it is the int that must be tested)
 #   state-path  no path under the state directory (cache/, outer_metadata.json, redo.json, outer_state-,
@@ -281,7 +282,7 @@ lint_file() {
                 raw[l] ~ /"[^"]*(cache\/incoming|cache\/deltas|outer_metadata\.json|redo\.json|outer_state-|checksum\.key)/)
                 report(l, "state-path", "a path under the state directory built by hand: store.h makes it (store_path_*)")
             s = " " text[l]
-            if (match(s, /[^A-Za-z0-9_.>](exit|_exit|_Exit|quick_exit|abort)[ \t]*\(/)) {
+            if (match(s, /[^A-Za-z0-9_.>](exit|_exit|_Exit|quick_exit|abort|raise)[ \t]*\(/)) {
                 name = substr(s, RSTART + 1, RLENGTH - 1)
                 sub(/[ \t]*\($/, "", name)
                 print FILE ":" l ":exit-candidate:" name ":" raw[l]
@@ -375,6 +376,7 @@ while IFS= read -r row; do
         fi
         rule=exit
         msg="$name() outside main(): return the failure (0 or a negative errno) to the caller"
+        [ "$name" = raise ] && msg="raise() outside main(): a fatal error in the daemon is daemon__fatal(), anything else is returned"
     fi
     if is_allowed "$f" "$n"; then
         allowed=$((allowed + 1))
