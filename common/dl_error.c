@@ -32,6 +32,7 @@ static const char *const code_names[DL_E__COUNT] = {
     [DL_E_IO] = "io_error",
     [DL_E_NO_MEMORY] = "out_of_memory",
     [DL_E_CHECKSUM_MISMATCH] = "checksum_mismatch",
+    [DL_E_INTERNAL] = "internal_error",
 };
 
 const char *dl_error_name(dl_code code)

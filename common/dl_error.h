@@ -39,6 +39,8 @@ typedef enum dl_code {
     DL_E_NO_MEMORY,
     /* integrity: bytes read that are not the ones validated (a file rewritten in place) */
     DL_E_CHECKSUM_MISMATCH,
+    /* the program's own invariants (a state table refused a move): a bug, said as one */
+    DL_E_INTERNAL,
     DL_E__COUNT
 } dl_code;
 

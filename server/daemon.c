@@ -255,6 +255,18 @@ static void fatal_cb(uv_async_t *h)
         begin_shutdown(d, "reason=fatal_error");
 }
 
+/* A move the pipeline's table refused (pipeline_on_illegal): the daemon's guards and its table
+ * disagree, so what it would do next for the step is unknown.  It stops rather than guess; the state
+ * on disk is crash-safe, and a restart recovers the step from it (server/README.md, Crash safety). */
+static void pipeline_refused(void *arg, uint64_t step, const char *what)
+{
+    dilocod *d = arg;
+    dl_error e;
+    dl_fail(&e, DL_E_INTERNAL, NULL, 0, "the step pipeline refused a move of step %" PRIu64 " (%s): a bug; "
+            "restarting is safe (the state on disk is crash-safe)", step, what);
+    daemon__fatal(d, "pipeline", "cannot go on", &e);
+}
+
 void daemon__fatal(dilocod *d, const char *component, const char *msg, const dl_error *e)
 {
     daemon__log_error(component, msg, e);
@@ -474,6 +486,7 @@ int daemon_run(config *cfg, const daemon_front *front)
     d->layout.nshards = 1;
     d->agg.retry_delay = cfg->retry_interval;
     pipeline_init(&d->pipe, NULL, NULL);
+    pipeline_on_illegal(&d->pipe, pipeline_refused, d);
     job_owner_init(&d->jobs, &d->loop, jobs_drained);
     /* the pool size is read once, at the first uv_queue_work: set it before anything queues */
     snprintf(threads, sizeof(threads), "%u", cfg->threads + MAX_INTAKE_IN_FLIGHT + 2);

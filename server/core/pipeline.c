@@ -125,6 +125,30 @@ void pipeline_init(pipeline *p, double (*clock)(void), double (*wall)(void))
     p->clock = clock != NULL ? clock : monotonic_seconds;
     p->wall = wall != NULL ? wall : unix_seconds;
     read_crash_hook(p);
+    const char *strict = getenv("DILOCOD_TEST_STRICT_PIPELINE");
+    p->strict = strict != NULL && strcmp(strict, "1") == 0;
+}
+
+void pipeline_on_illegal(pipeline *p, void (*fn)(void *arg, uint64_t step, const char *what), void *arg)
+{
+    p->on_illegal = fn;
+    p->illegal_arg = arg;
+}
+
+/* Every refusal of the table (a move, a step entered, an activity started or ended): a guard let a
+ * caller ask for what the table does not allow, which is a bug.  Counted and logged at error level;
+ * then, under DILOCOD_TEST_STRICT_PIPELINE=1 (the integration tests' daemons), the process aborts at
+ * once, where the bug is; else the owner's handler stops the step safely (the daemon: daemon__fatal,
+ * its state on disk is crash-safe).  -1, for the caller to return. */
+static int refused(pipeline *p, uint64_t step, const char *what)
+{
+    dl_log(DL_LOG_ERROR, "pipeline", "illegal pipeline transition, not made", "step=%" PRIu64 " %s", step, what);
+    p->illegal++;
+    if (p->strict)
+        abort();        /* lint-errors: allow exit: the tests' fail-fast on a pipeline bug (DILOCOD_TEST_STRICT_PIPELINE) */
+    if (p->on_illegal != NULL)
+        p->on_illegal(p->illegal_arg, step, what);
+    return -1;
 }
 
 static step_record *find(pipeline *p, uint64_t step)
@@ -179,10 +203,11 @@ int pipeline_begin(pipeline *p, uint64_t step, step_state state)
     size_t at = 0;
 
     if (find(p, step) != NULL || (unsigned)state >= STEP_NSTATES || make_room(p) != 0) {
-        dl_log(DL_LOG_ERROR, "pipeline", "step not entered", "step=%" PRIu64 " state=%s in_flight=%zu", step,
-               step_state_name(state), p->n);
-        p->illegal++;
-        return -1;
+        char what[96];
+        snprintf(what, sizeof(what), "from=none to=%s (not entered: %s) in_flight=%zu", step_state_name(state),
+                 find(p, step) != NULL ? "there already" : (unsigned)state >= STEP_NSTATES ? "no such state" : "no room",
+                 p->n);
+        return refused(p, step, what);
     }
     while (at < p->n && p->rec[at].step < step)
         at++;
@@ -209,10 +234,9 @@ static void observe(state_histogram *h, double seconds)
 static int move(pipeline *p, step_record *r, step_state to)
 {
     if (!step_move_legal(r->state, to)) {
-        dl_log(DL_LOG_ERROR, "pipeline", "illegal pipeline transition, not made", "step=%" PRIu64 " from=%s to=%s",
-               r->step, step_state_name(r->state), step_state_name(to));
-        p->illegal++;
-        return -1;
+        char what[64];
+        snprintf(what, sizeof(what), "from=%s to=%s", step_state_name(r->state), step_state_name(to));
+        return refused(p, r->step, what);
     }
     double now = p->clock(), spent = now - r->since;
     if (spent < 0)
@@ -238,10 +262,9 @@ int pipeline_move(pipeline *p, uint64_t step, step_state to)
     step_record *r = find(p, step);
 
     if (r == NULL) {
-        dl_log(DL_LOG_ERROR, "pipeline", "illegal pipeline transition, not made", "step=%" PRIu64 " from=none to=%s",
-               step, step_state_name(to));
-        p->illegal++;
-        return -1;
+        char what[64];
+        snprintf(what, sizeof(what), "from=none to=%s", step_state_name(to));
+        return refused(p, step, what);
     }
     return move(p, r, to);
 }
@@ -261,8 +284,9 @@ void pipeline_durable(pipeline *p, uint64_t step)
 {
     step_record *r = find(p, step);
 
-    if (r != NULL)
-        move(p, r, STEP_DURABLE);       /* from served or published; the table refuses any other */
+    /* from served or published; one a later settle made durable with it (below) is durable already */
+    if (r != NULL && r->state != STEP_DURABLE && r->state != STEP_CLEANED)
+        move(p, r, STEP_DURABLE);       /* the table refuses any other: a bug */
     /* The steps before it that were served but never settled on their own (async updates faster than the
      * settles: each settle names the newest committed step) are durable with it: outer_metadata.json names a
      * later step.  Left served, they held their records for ever, and once PIPELINE_MAX of them were in
@@ -282,10 +306,9 @@ void pipeline_cleaned(pipeline *p, uint64_t step)
 /* An activity started twice or ended while not running: a guard is wrong (a bug, like an illegal move). */
 static int activity_refused(pipeline *p, uint64_t step, step_activity a, const char *why)
 {
-    dl_log(DL_LOG_ERROR, "pipeline", "illegal pipeline transition, not made", "step=%" PRIu64 " activity=%s why=%s",
-           step, step_activity_name(a), why);
-    p->illegal++;
-    return -1;
+    char what[96];
+    snprintf(what, sizeof(what), "activity=%s why=%s", step_activity_name(a), why);
+    return refused(p, step, what);
 }
 
 int pipeline_start(pipeline *p, uint64_t step, step_activity a)

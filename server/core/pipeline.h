@@ -90,6 +90,9 @@ typedef struct pipeline {
     double (*wall)(void);               /* Unix time */
     step_state crash_at;                /* the test hook's state (STEP_NSTATES: none), see above */
     int64_t crash_step;                 /* and its step, -1: any */
+    int strict;                         /* DILOCOD_TEST_STRICT_PIPELINE=1: a refusal aborts (tests) */
+    void (*on_illegal)(void *arg, uint64_t step, const char *what);     /* else after a refusal, if set */
+    void *illegal_arg;
 } pipeline;
 
 extern const double PIPELINE_BUCKETS[PIPELINE_NBUCKETS - 1];
@@ -99,8 +102,14 @@ const char *step_activity_name(step_activity a);
 /* Whether the table allows from -> to. */
 int step_move_legal(step_state from, step_state to);
 
-/* clock and wall NULL: the process's monotonic clock and time().  Reads DILOCOD_TEST_CRASH_AT. */
+/* clock and wall NULL: the process's monotonic clock and time().  Reads DILOCOD_TEST_CRASH_AT and
+ * DILOCOD_TEST_STRICT_PIPELINE. */
 void pipeline_init(pipeline *p, double (*clock)(void), double (*wall)(void));
+/* A refusal of the table (an illegal move, a step not entered, an activity started twice or ended while
+ * not running) is a bug: counted, logged at error level, then fn(arg, step, what) (the daemon stops the
+ * step safely: it stops, and a restart recovers from its crash-safe state) unless
+ * DILOCOD_TEST_STRICT_PIPELINE=1 made it abort first. */
+void pipeline_on_illegal(pipeline *p, void (*fn)(void *arg, uint64_t step, const char *what), void *arg);
 /* A step enters the pipeline at state (collecting for a new round; durable for a step committed
  * whole: adopted, bootstrapped, recovered or found at startup).  An older record that is done
  * (cleaned or failed) makes room when the table is full.  0, or -1 when the step is there already or

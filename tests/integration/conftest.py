@@ -8,6 +8,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = Path(os.environ.get("DILOCO_BUILD", ROOT / "build"))
+# every dilocod the tests start (they inherit this environment) aborts at a move its step pipeline's
+# table refuses, where the bug is, instead of stopping cleanly as a production daemon does
+os.environ.setdefault("DILOCOD_TEST_STRICT_PIPELINE", "1")
 
 
 PIPELINE_ERRORS = ("illegal pipeline transition", "pipeline: step not entered")

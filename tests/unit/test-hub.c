@@ -233,6 +233,12 @@ TEST(file_transport_through_the_interface)
     snprintf(url, sizeof(url), "file://%s", root);
     CHECK_EQ(uv_loop_init(&loop), 0);
     hub_config cfg = {.url = url, .state_dir = state, .poll_interval = 0.05};
+    /* a hub directory that does not exist is refused (without --create-hub), and nothing is made */
+    CHECK_EQ(hub_open(&h, &loop, &cfg, &ev_cbs, &ev, &err), -DL_E_INVALID_ARGUMENT);
+    CHECK(h == NULL);
+    CHECK(strstr(err.message, "does not exist") != NULL && strstr(err.message, "--create-hub") != NULL);
+    CHECK(access(root, F_OK) != 0);
+    CHECK_EQ(mkdir(root, 0755), 0);
     CHECK_EQ(hub_open(&h, &loop, &cfg, &ev_cbs, &ev, &err), 0);
     CHECK_STR(hub_kind(h), "file");
     /* open creates nothing in the tree (a start that fails after it leaves the tree as it was) */
@@ -322,8 +328,8 @@ TEST(file_transport_rejects_a_short_file_once_it_stops_changing)
     snprintf(url, sizeof(url), "file://%s", root);
     CHECK_EQ(uv_loop_init(&loop), 0);
     hub_config cfg = {.url = url, .state_dir = state, .poll_interval = 0.05};
-    CHECK_EQ(hub_open(&h, &loop, &cfg, &ev_cbs, &ev, &err), 0);
     CHECK_EQ(mkdir(root, 0755), 0);
+    CHECK_EQ(hub_open(&h, &loop, &cfg, &ev_cbs, &ev, &err), 0);
     snprintf(p, sizeof(p), "%s/nodes", root);
     CHECK_EQ(mkdir(p, 0755), 0);
     snprintf(p, sizeof(p), "%s/nodes/w1", root);

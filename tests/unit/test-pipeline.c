@@ -4,8 +4,12 @@
  * fake clock; and the bounded table of records. */
 #include "test.h"
 
+#include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "pipeline.h"
 
@@ -129,6 +133,62 @@ TEST(pipeline_step_from_collecting_to_cleaned_in_both_orders)
     pipeline_durable(&p, 1);
     CHECK_EQ(pipeline_find(&p, 1)->state, STEP_COMPUTING);
     CHECK_EQ(p.illegal, 1);
+}
+
+static uint64_t refused_step;
+static char refused_what[128];
+static int refusals;
+
+static void on_refusal(void *arg, uint64_t step, const char *what)
+{
+    (*(int *)arg)++;
+    refused_step = step;
+    snprintf(refused_what, sizeof(refused_what), "%s", what);
+}
+
+TEST(pipeline_refusals_reach_the_owner_or_abort_under_the_strict_test_mode)
+{
+    pipeline p;
+
+    unsetenv("DILOCOD_TEST_STRICT_PIPELINE");
+    pipeline_init(&p, fake_clock, fake_wall);
+    pipeline_on_illegal(&p, on_refusal, &refusals);
+    CHECK_EQ(pipeline_begin(&p, 4, STEP_COLLECTING), 0);
+    CHECK_EQ(refusals, 0);
+    CHECK_EQ(pipeline_move(&p, 4, STEP_SERVED), -1);
+    CHECK_EQ(refusals, 1);
+    CHECK_EQ(refused_step, 4);
+    CHECK_STR(refused_what, "from=collecting to=served");
+    CHECK_EQ(pipeline_begin(&p, 4, STEP_DURABLE), -1);
+    CHECK_EQ(refusals, 2);
+    CHECK(strstr(refused_what, "there already") != NULL);
+    CHECK_EQ(pipeline_end(&p, 4, STEP_ACT_PUBLISH, 1), -1);
+    CHECK_EQ(refusals, 3);
+    CHECK_EQ(p.illegal, 3);
+    /* a settle that names a step a later settle made durable already is no refusal */
+    CHECK_EQ(pipeline_move(&p, 4, STEP_COMPUTING), 0);
+    CHECK_EQ(pipeline_move(&p, 4, STEP_INPUTS_DURABLE), 0);
+    CHECK_EQ(pipeline_move(&p, 4, STEP_COMMITTED), 0);
+    CHECK_EQ(pipeline_move(&p, 4, STEP_SERVED), 0);
+    CHECK_EQ(pipeline_begin(&p, 5, STEP_COLLECTING), 0);
+    pipeline_durable(&p, 4);
+    pipeline_durable(&p, 4);
+    CHECK_EQ(pipeline_find(&p, 4)->state, STEP_DURABLE);
+    CHECK_EQ(refusals, 3);
+
+    /* DILOCOD_TEST_STRICT_PIPELINE=1: the first refusal aborts, where the bug is */
+    pid_t child = fork();
+    CHECK(child >= 0);
+    if (child == 0) {
+        setenv("DILOCOD_TEST_STRICT_PIPELINE", "1", 1);
+        pipeline_init(&p, fake_clock, fake_wall);
+        (void)pipeline_begin(&p, 1, STEP_COLLECTING);
+        (void)pipeline_move(&p, 1, STEP_CLEANED);
+        _exit(0);       /* not reached when it aborts */
+    }
+    int status = 0;
+    CHECK_EQ(waitpid(child, &status, 0), child);
+    CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT);
 }
 
 TEST(pipeline_retries_reopened_rounds_and_failures)
