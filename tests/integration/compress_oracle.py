@@ -1,6 +1,7 @@
-"""README's "Compressed deltas" in numpy, written from the README alone: the element formats' values,
-decoding (every operation an F32 one), the encoders (OCP MX scale choice, round to nearest even,
-saturation; int8 absmax/127) and error feedback.  The tests compare dilocod and diloco with it."""
+"""server/README.md's "Compressed deltas in full" in numpy, written from that text alone: the element
+formats' values, decoding (every operation an F32 one), the encoders (OCP MX scale choice, round to
+nearest even, saturation; int8 absmax/127) and error feedback.  The tests compare dilocod and diloco
+with it."""
 import math
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""The pseudo-gradient rules (README.md, "Semantics") checked end to end:
+"""The pseudo-gradient rules (server/README.md, "Semantics in full (the delta rules)") checked end to end:
 `diloco delta`, `diloco average` and `diloco verify` against numpy/torch oracles, on files written
 and read by the real `safetensors` package.
 
