@@ -169,6 +169,7 @@ class Ctx:
         cmd = re.sub(r"(?<![\w/.])build/", f"{BUILD}/", cmd)
         cmd = cmd.replace("/var/lib/dilocod", str(self.tmp / "state"))
         cmd = cmd.replace("file:///shared/diloco", f"file://{self.tmp}/shared")
+        cmd = re.sub(r"(?<![\w/:])/shared/diloco", f"{self.tmp}/shared", cmd)     # mkdir -p /shared/diloco
         cmd = cmd.replace("http://aggregator:8470", self.url).replace("localhost:8470", f"127.0.0.1:{self.port}")
         cmd = cmd.replace("config/dilocod.conf", str(ROOT / "config/dilocod.conf"))
         if cmd == "make" or cmd.startswith("make "):
