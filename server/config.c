@@ -672,57 +672,8 @@ static int set_defaults(config *c)
  * An option that only one mode reads is accepted in the others (the shipped config file sets async
  * options beside mode = sync), but one set to a value other than its default is said, at the start and by
  * --check-config: a run that was meant to be asynchronous, or a cluster's lease without a cluster, is then
- * not silently another.  Each row: the option, whether the configuration reads it, and what does. */
-typedef struct applies_row {
-    const char *key;
-    int (*read)(const config *c);
-    const char *needs;
-} applies_row;
-
-static int is_async(const config *c) { return c->async; }
-static int is_cluster(const config *c) { return c->cluster_shards != 0; }
-static int is_weighted(const config *c) { return c->aggregate == RULE_WEIGHTED; }
-
-static const applies_row applies[] = {
-    {"max_staleness", is_async, "--mode async"},
-    {"staleness_weight", is_async, "--mode async"},
-    {"dn_period", is_async, "--mode async"},
-    {"dn_variant", is_async, "--mode async"},
-    {"dn_momentum_activation", is_async, "--mode async"},
-    {"grace_ms", is_async, "--mode async"},
-    {"async_queue", is_async, "--mode async"},
-    {"dylu_base_steps", is_async, "--mode async"},
-    {"cluster_lease", is_cluster, "--cluster-shards"},
-    {"max_weight_ratio", is_weighted, "--aggregate weighted_mean"},
-};
-
-/* Whether option o holds its default in c (d: a configuration of defaults only). */
-static int holds_default(const config *c, const config *d, const opt *o)
-{
-    const char *a = (const char *)c + o->offset, *b = (const char *)d + o->offset;
-    switch (o->type) {
-    case T_UINT: case T_BOUND: return memcmp(a, b, sizeof(unsigned)) == 0;
-    case T_DOUBLE: return *(const double *)(const void *)a == *(const double *)(const void *)b;
-    case T_WEIGHT: return memcmp(a, b, sizeof(config_weight)) == 0;
-    case T_VARIANT: return memcmp(a, b, sizeof(int)) == 0;
-    default: return 1;          /* a type no row has: never warned about */
-    }
-}
-
-/* Says that option s, set in c, is ignored: read only with needs. */
-static void warn_ignored(const config *c, const slot *s, const char *needs)
-{
-    char flag[64];
-    snprintf(flag, sizeof(flag), "%s", s->key);
-    for (char *q = flag; *q; q++)
-        if (*q == '_')
-            *q = '-';
-    if (c->origin[s->index] != NULL)
-        fprintf(stderr, "dilocod: warning: %s: %s is read only with %s: ignored here\n", c->origin[s->index], s->key,
-                needs);
-    else
-        fprintf(stderr, "dilocod: warning: --%s is read only with %s: ignored here\n", flag, needs);
-}
+ * not silently another.  Which option each mode reads is a row of the table of what combines
+ * (config_modes.c); a transport's options are read with its --hub only. */
 
 /* Whether transport option h holds its table's default in opts (the transport's struct). */
 static int holds_transport_default(const void *opts, const hub_option *h)
@@ -755,25 +706,15 @@ static void warn_other_transports_options(const config *c)
             if (config__transport_option(t, s.key) != NULL && n < sizeof(needs))
                 n += (size_t)snprintf(needs + n, sizeof(needs) - n, "%s %s", n > 5 ? " or" : "",
                                       hub_transport(t)->scheme);
-        warn_ignored(c, &s, needs);
+        config__warn_ignored(c, &s, needs);
     }
 }
 
 static void warn_ignored_options(const config *c)
 {
     config d;
-    if (set_defaults(&d) != 0) {
-        config_free(&d);
-        return;
-    }
-    for (size_t i = 0; i < sizeof(applies) / sizeof(applies[0]); i++) {
-        const applies_row *r = &applies[i];
-        slot s;
-        if (r->read(c) || config__find_key(r->key, strlen(r->key), &s) != 0 || s.own == NULL ||
-            holds_default(c, &d, s.own))
-            continue;
-        warn_ignored(c, &s, r->needs);
-    }
+    if (set_defaults(&d) == 0)
+        config__warn_ignored_rows(c, &d);
     config_free(&d);
     warn_other_transports_options(c);
 }
@@ -807,6 +748,10 @@ int config_load(config *c, int argc, char **argv)
         }
         if (strcmp(a, "--version") == 0) {
             printf("dilocod %s\n", DILOCOD_VERSION);
+            return 1;
+        }
+        if (strcmp(a, "--combinations") == 0) {
+            config_print_combinations(stdout);
             return 1;
         }
         if (strcmp(a, "--check-config") == 0) {

@@ -95,6 +95,8 @@ typedef struct config {
  * --help / --version / --check-config print and return 1 (the caller exits 0); 0 means run. */
 int config_load(config *c, int argc, char **argv);
 void config_print(const config *c, FILE *out);
+/* dilocod --combinations: the table of what combines (config_modes.c), as README's Markdown table. */
+void config_print_combinations(FILE *out);
 void config_free(config *c);
 const char *config_optimizer_name(config_optimizer o);
 const char *config_weight_name(config_weight w);

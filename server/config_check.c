@@ -169,30 +169,6 @@ static int check_init_model(const config *c)
     return 0;
 }
 
-/* A cluster (README, "Scaling out") shares one bucket's rounds: synchronous, and only rules whose every
- * figure is per element (the others need whole-delta norms, which no aggregator of a cluster reads). */
-static int check_cluster(const config *c)
-{
-    if (c->cluster_shards == 0)
-        return 0;
-    if (strncmp(c->hub, "s3://", 5) != 0)
-        return config__bad_opt(c, "cluster_shards", "needs --hub s3://...: the bucket is what the aggregators share");
-    if (c->async)
-        return config__bad_opt(c, "cluster_shards", "takes --mode sync only (an asynchronous cluster is not built yet)");
-    if (c->aggregate == RULE_CLIPPED)
-        return config__bad_opt(c, "aggregate", "%s needs each delta's whole norm: a cluster takes mean, weighted_mean, "
-                               "median or trimmed_mean:K", config_rule_name(c->aggregate));
-    if (c->max_norm != 0 || c->max_norm_ratio != 0 || c->screen)
-        return config__bad_opt(c, c->screen ? "screen" : c->max_norm != 0 ? "max_norm" : "max_norm_ratio",
-                       "the norm and cosine screens need whole deltas: not with --cluster-shards");
-    /* a cluster bootstraps an empty bucket from one file, written once (README, Scaling out) */
-    if (c->init_model != NULL && st_index_is_index_path(c->init_model))
-        return config__bad_opt(c, "init_model", "a cluster bootstraps from one safetensors file, not a sharded "
-                               "checkpoint's index: merge its shards into one file first, or publish step 0 with one "
-                               "aggregator");
-    return 0;
-}
-
 int config__validate(config *c)
 {
     int rc;
@@ -223,26 +199,18 @@ int config__validate(config *c)
             c->async_queue = c->expected_nodes * 4 > 16 ? c->expected_nodes * 4 : 16;
         if (c->dn_c > 1.0 / c->dn_period)
             return config__bad_opt(c, "dn_momentum_activation", "%g is above 1/N = 1/%u (dn_period)", c->dn_c, c->dn_period);
-        if (c->dn_c != 0 && !c->dn_paper)
-            return config__bad_opt(c, "dn_momentum_activation", "applies to dn_variant paper only");
     }
     if (c->max_norm_ratio != 0 && c->max_norm_ratio < 1)
         return config__bad_opt(c, "max_norm_ratio", "%g would quarantine deltas below the median: give 0 (off) or R >= 1",
                        c->max_norm_ratio);
-    /* async mode judges a delta against the nodes seen so far, the ones not seen yet counted as larger
-     * norms: without their count, the first few nodes (an attacker that hurries) would set the bound */
-    if (c->max_norm_ratio != 0 && c->async && c->expected_nodes == 0)
-        return config__bad_opt(c, "max_norm_ratio", "in async mode needs --expected-nodes (or --nodes): the nodes not seen "
-                       "yet must count, or the first ones to send would set the median every delta is judged by");
     if (c->aggregate == RULE_TRIMMED && c->expected_nodes != 0 && 2 * c->trim_k >= c->expected_nodes)
         return config__bad_opt(c, "aggregate", "trimmed_mean:%u trims every value of a round of %u nodes (2K must be below it)",
                        c->trim_k, c->expected_nodes);
     if (c->publish_interval < 0)
         c->publish_interval = c->async && strncmp(c->hub, "hf://", 5) == 0 ? 30 : 0;
-    if ((rc = check_cluster(c)) != 0)
+    /* what combines (config_modes.c: the table README's "What combines" is checked against) */
+    if ((rc = config__check_combinations(c)) != 0)
         return rc;
-    if (!c->async && c->expected_nodes == 0 && c->round_timeout == 0)
-        return config__bad_opt(c, "expected_nodes", "rounds would never close: give --expected-nodes/--nodes or --round-timeout");
     if (c->expected_nodes != 0 && c->min_nodes > c->expected_nodes)
         return config__bad_opt(c, "min_nodes", "%u is more than the %u expected nodes", c->min_nodes, c->expected_nodes);
     if (c->momentum < 0)

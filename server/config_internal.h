@@ -39,6 +39,13 @@ size_t config__transport_of(const char *url);
 int config__bad(const char *origin, const char *key, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 int config__bad_opt(const config *c, const char *key, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
+/* config_modes.c: the table of what combines.  The first refused combination of c on stderr (2), or 0. */
+int config__check_combinations(const config *c);
+/* Warns about each option set (not to its default: defaults) that c's mode does not read. */
+void config__warn_ignored_rows(const config *c, const config *defaults);
+/* Warns that option s, set in c, is read only with needs. */
+void config__warn_ignored(const config *c, const slot *s, const char *needs);
+
 /* config_check.c */
 int config__validate(config *c);
 int config__state_committed(const config *c);

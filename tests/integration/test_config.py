@@ -525,3 +525,94 @@ def test_a_file_hub_that_does_not_exist_is_refused_unless_create_hub(tmp_path):
     assert "warning: --hub-endpoint is read only with --hub hf:// or s3://: ignored here" in p.stderr, p.stderr
     # a value that is not 0 or 1 is refused as any other
     assert_fails(dilocod(*base, "--create-hub", "2", "--check-config"), "create-hub")
+
+
+# ---- what combines: one table (server/config_modes.c), README's copy, and every row both ways -------------
+
+S3 = ["--hub", "s3://bucket/run", "--hub-endpoint", "http://127.0.0.1:9"]
+S3_ENV = {"AWS_ACCESS_KEY_ID": "AKIAEXAMPLE", "AWS_SECRET_ACCESS_KEY": "secret"}
+
+
+def combination_rows():
+    out = dilocod("--combinations", check=0).stdout
+    lines = out.splitlines()
+    assert lines[:2] == ["| asks for | needs | else |", "|---|---|---|"], out
+    return out, [tuple(c.strip() for c in ln.strip("|").split(" | ")) for ln in lines[2:]]
+
+
+def test_readme_table_of_what_combines_is_the_code_table():
+    """README's "What combines" is `dilocod --combinations`, line for line."""
+    out, _ = combination_rows()
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("| asks for | needs | else |")
+    assert readme[start:start + len(out)] == out, "README's table of what combines differs from dilocod --combinations"
+
+
+def test_every_row_of_what_combines_refuses_and_accepts(tmp_path):
+    """For each row of the table: the configuration that asks without the need is refused (exit 2, both
+    sides named), the one with the need accepted; an option another mode reads is warned about, and not
+    with the mode that reads it.  A row added to the table without a case here fails this test."""
+    index = tmp_path / "s.safetensors.index.json"
+    model(tmp_path / "s-00001-of-00001.safetensors")
+    index.write_text(json.dumps({"metadata": {"total_size": 36}, "weight_map": {
+        "b": "s-00001-of-00001.safetensors", "w": "s-00001-of-00001.safetensors"}}))
+    cluster = [*S3, "--expected-nodes", "4", "--cluster-shards", "4"]
+    refused = {   # (asks, needs): (refused args, accepted args, the option blamed)
+        ("--cluster-shards S", "--hub s3://..."):
+            (["--expected-nodes", "4", "--cluster-shards", "4"], cluster, "cluster-shards"),
+        ("--cluster-shards S", "--mode sync"): ([*cluster, "--mode", "async"], cluster, "cluster-shards"),
+        ("--aggregate clipped_mean", "no --cluster-shards"):
+            ([*cluster, "--aggregate", "clipped_mean"], [*S3, "--expected-nodes", "4", "--aggregate", "clipped_mean"],
+             "aggregate"),
+        ("--max-norm X", "no --cluster-shards"):
+            ([*cluster, "--max-norm", "10"], [*S3, "--expected-nodes", "4", "--max-norm", "10"], "max-norm"),
+        ("--max-norm-ratio R", "no --cluster-shards"):
+            ([*cluster, "--max-norm-ratio", "10"], [*S3, "--expected-nodes", "4", "--max-norm-ratio", "10"],
+             "max-norm-ratio"),
+        ("--screen cosine:MIN", "no --cluster-shards"):
+            ([*cluster, "--screen", "cosine:0"], [*S3, "--expected-nodes", "4", "--screen", "cosine:0"], "screen"),
+        ("--init-model INDEX.json", "no --cluster-shards"):
+            ([*cluster, "--init-model", str(index)], [*S3, "--expected-nodes", "4", "--init-model", str(index)],
+             "init-model"),
+        ("--max-norm-ratio R in --mode async", "--expected-nodes N (or --nodes)"):
+            (["--mode", "async", "--max-norm-ratio", "10"],
+             ["--mode", "async", "--max-norm-ratio", "10", "--nodes", "a,b"], "max-norm-ratio"),
+        ("--dn-momentum-activation C in --mode async", "--dn-variant paper"):
+            (["--expected-nodes", "4", "--mode", "async", "--dn-momentum-activation", "0.1"],
+             ["--expected-nodes", "4", "--mode", "async", "--dn-momentum-activation", "0.1", "--dn-variant", "paper"],
+             "dn-momentum-activation"),
+        ("--mode sync", "--expected-nodes N, --nodes or --round-timeout S"):
+            (["--mode", "sync"], ["--mode", "sync", "--round-timeout", "5"], "expected-nodes"),
+    }
+    ignored = {   # (flag, needs): (a value other than the default, the configuration that reads it)
+        ("--max-staleness", "--mode async"): (["--max-staleness", "3"], ["--mode", "async"]),
+        ("--staleness-weight", "--mode async"): (["--staleness-weight", "poly"], ["--mode", "async"]),
+        ("--dn-period", "--mode async"): (["--dn-period", "3"], ["--mode", "async"]),
+        ("--dn-variant", "--mode async"): (["--dn-variant", "paper"], ["--mode", "async"]),
+        ("--dn-momentum-activation", "--mode async"):
+            (["--dn-momentum-activation", "0.1"], ["--mode", "async", "--dn-variant", "paper"]),
+        ("--grace-ms", "--mode async"): (["--grace-ms", "7"], ["--mode", "async"]),
+        ("--async-queue", "--mode async"): (["--async-queue", "9"], ["--mode", "async"]),
+        ("--dylu-base-steps", "--mode async"): (["--dylu-base-steps", "9"], ["--mode", "async"]),
+        ("--cluster-lease", "--cluster-shards S"): (["--cluster-lease", "9"], [*S3, "--cluster-shards", "2"]),
+        ("--max-weight-ratio", "--aggregate weighted_mean"):
+            (["--max-weight-ratio", "3"], ["--aggregate", "weighted_mean"]),
+    }
+    _, rows = combination_rows()
+    table_refused = {(a.strip("`"), n.replace("`", "")) for a, n, e in rows if e.startswith("refused: ")}
+    table_ignored = {(a.split("`")[1], n.strip("`")) for a, n, e in rows if e == "ignored, with a warning"}
+    assert table_refused == set(refused), (table_refused ^ set(refused))
+    assert table_ignored == set(ignored), (table_ignored ^ set(ignored))
+    for (asks, needs), (bad, good, key) in refused.items():
+        p = dilocod(*bad, "--check-config", env=S3_ENV, check=None)
+        assert p.returncode == 2, (asks, needs, p.stderr)
+        side = needs[3:] if needs.startswith("no ") else needs
+        assert f"dilocod: --{key}: {asks} " in p.stderr and side in p.stderr, (asks, needs, p.stderr)
+        p = dilocod(*good, "--check-config", env=S3_ENV, check=None)
+        assert p.returncode == 0, (asks, needs, p.stderr)
+    for (flag, needs), (value, reads) in ignored.items():
+        p = dilocod("--expected-nodes", "4", *value, "--check-config", env=S3_ENV, check=None)
+        assert p.returncode == 0 and f"warning: {flag} is read only with {needs}: ignored here" in p.stderr, \
+            (flag, p.stderr)
+        p = dilocod("--expected-nodes", "4", *reads, *value, "--check-config", env=S3_ENV, check=None)
+        assert p.returncode == 0 and "warning" not in p.stderr, (flag, reads, p.stderr)
