@@ -382,6 +382,7 @@ static int record_quarantined(const dilocod *d, round_record *r)
         const robust_event *ev = strcmp(e->quarantine_reason, "cosine") == 0 ? daemon__robust_last(d, e->node_id) : NULL;
         q->norm = ev != NULL ? ev->norm : e->norm;
         q->bound = e->quarantine_bound;
+        q->received_at = daemon__wall_of(e->received_at);
     }
     return 0;
 }
@@ -407,6 +408,8 @@ int daemon__prepare_round_record(dilocod *d, double seconds)
     r->gbps = seconds > 0 ? (double)p->bytes_total / seconds / 1e9 : 0;
     r->mean_norm = mean_norm;
     r->closed_at = time(NULL);
+    r->opened_at = d->round_opened_wall;
+    r->closed_wall = daemon__wall_of(daemon__clock());
     if (d->agg.n > 0 && (r->nodes = malloc(d->agg.n * sizeof(*r->nodes))) == NULL)
         return -ENOMEM;
     if (d->agg.n > 0)
@@ -539,6 +542,7 @@ static void commit_done(job *j)
     start_settle(d, d->st.step);
     daemon__pass_release(d);
     round_reset(&d->rnd, d->st.step);
+    d->round_opened_wall = daemon__wall_of(daemon__clock());
     pipeline_begin(&d->pipe, d->st.step + 1, STEP_COLLECTING);
     if (d->hub != NULL)
         hub_set_step(d->hub, d->st.step, 0);      /* the transport looks for the new round's deltas */

@@ -60,6 +60,20 @@ static void add_exact(sbuf *b, double v)
     sb_str(b, tmp);
 }
 
+/* A wall-clock time in Unix seconds to the millisecond, under key; nothing when not known (0). */
+static void add_unix(sbuf *b, const char *key, double t)
+{
+    if (!(t > 0) || !isfinite(t))
+        return;
+    sb_printf(b, "%s%.3f", key, t);
+}
+
+static double get_unix(const cJSON *o, const char *key)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+    return cJSON_IsNumber(v) && isfinite(v->valuedouble) && v->valuedouble > 0 ? v->valuedouble : 0;
+}
+
 static void add_u64(sbuf *b, const char *key, uint64_t v)
 {
     sb_str(b, key);
@@ -125,6 +139,8 @@ void history_record_json(sbuf *b, const round_record *r)
     sb_json_string(b, r->reason, strlen(r->reason));
     sb_str(b, ",\"closed_at\":");
     add_time(b, r->closed_at);
+    add_unix(b, ",\"opened_unix\":", r->opened_at);
+    add_unix(b, ",\"closed_unix\":", r->closed_wall);
     sb_str(b, ",\"seconds\":");
     add_num(b, r->seconds);
     sb_str(b, ",\"gbps\":");
@@ -147,6 +163,7 @@ void history_record_json(sbuf *b, const round_record *r)
         add_opt17(b, n->intake_norm);
         sb_str(b, ",\"scale\":");
         add_opt17(b, n->scale);
+        add_unix(b, ",\"received_unix\":", n->received_at);
         if (r->async) {
             add_u64(b, ",\"base_outer_step\":", n->base_outer_step);
             add_u64(b, ",\"tau\":", n->tau);
@@ -185,6 +202,7 @@ void history_record_json(sbuf *b, const round_record *r)
         add_opt17(b, q->bound);
         sb_str(b, ",\"reason\":");
         sb_json_string(b, q->quarantine_reason, strlen(q->quarantine_reason));
+        add_unix(b, ",\"received_unix\":", q->received_at);
         sb_str(b, "}");
     }
     sb_str(b, "]}");
@@ -230,6 +248,7 @@ static int parse_quarantined(round_record *r, const cJSON *o)
             s->local_step = 0;
         s->norm = get_double(q, strcmp(s->quarantine_reason, "cosine") == 0 ? "cosine" : "norm");
         s->bound = get_double(q, "bound");
+        s->received_at = get_unix(q, "received_unix");
         r->nquarantined++;
     }
     return 0;
@@ -311,6 +330,8 @@ int history_record_parse(round_record *r, const char *json)
     memset(&tm, 0, sizeof(tm));
     if (cJSON_IsString(closed) && strptime(closed->valuestring, "%Y-%m-%dT%H:%M:%S", &tm) != NULL)
         r->closed_at = timegm(&tm);
+    r->opened_at = get_unix(o, "opened_unix");
+    r->closed_wall = get_unix(o, "closed_unix");
     if ((r->nodes = calloc((size_t)count + 1, sizeof(*r->nodes))) == NULL)
         goto out;
     cJSON_ArrayForEach(n, nodes) {
@@ -332,6 +353,7 @@ int history_record_parse(round_record *r, const char *json)
         s->weight = get_double(n, "weight");
         s->intake_norm = get_double(n, "intake_norm");
         s->scale = get_double(n, "scale");
+        s->received_at = get_unix(n, "received_unix");
         parse_metrics(cJSON_GetObjectItemCaseSensitive(n, "metrics"), &s->metrics);
         parse_encoding(n, &s->cz);
         r->n++;
