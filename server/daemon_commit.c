@@ -360,17 +360,48 @@ void daemon__release_settle(dilocod *d)
 /* The closing round's record, built before its commit (the commit makes it durable with the step):
  * per-node norms and cosines against the mean delta, and the aggregation's time so far.  One JSON
  * line, ready for outer_metadata.json and rounds.jsonl. */
-/* The round's quarantined entries (at its close, or by the cosine screen) into its record. */
+/* A delta the norm screen refused at its offer (422 outlier, never in the round) of this round's step,
+ * from the robust ring: the record keeps it beside the round's own quarantines, so the history (the
+ * dashboard after a restart) still shows the worker.  NULL when e is one of the round's entries. */
+static const robust_event *offer_outlier(const dilocod *d, size_t i)
+{
+    const daemon_robust *rb = &d->robust;
+    const robust_event *e = &rb->recent[(rb->head + i) % ROBUST_RECENT];
+
+    if (e->step != d->rnd.step || strcmp(e->reason, "cosine") == 0)
+        return NULL;
+    for (size_t k = 0; k < d->rnd.n; k++)
+        if (strcmp(d->rnd.entries[k].node_id, e->node_id) == 0 && d->rnd.entries[k].local_step == e->local_step)
+            return NULL;
+    return e;
+}
+
+/* The round's quarantined entries (at its close, or by the cosine screen) into its record, and the
+ * deltas refused at their offer for this round (offer_outlier). */
 static int record_quarantined(const dilocod *d, round_record *r)
 {
     size_t nq = 0;
 
     for (size_t i = 0; i < d->rnd.n; i++)
         nq += d->rnd.entries[i].quarantined != 0;
+    for (size_t i = 0; i < d->robust.nrecent; i++)
+        nq += offer_outlier(d, i) != NULL;
     if (nq == 0)
         return 0;
     if ((r->quarantined = calloc(nq, sizeof(*r->quarantined))) == NULL)
         return -1;
+    for (size_t i = 0; i < d->robust.nrecent; i++) {
+        const robust_event *ev = offer_outlier(d, i);
+        if (ev == NULL)
+            continue;
+        node_stat *q = &r->quarantined[r->nquarantined++];
+        memcpy(q->node_id, ev->node_id, sizeof(q->node_id));
+        q->local_step = ev->local_step;
+        snprintf(q->quarantine_reason, sizeof(q->quarantine_reason), "%s", ev->reason);
+        q->norm = ev->norm;
+        q->bound = ev->bound;
+        q->received_at = ev->at;
+    }
     for (size_t i = 0; i < d->rnd.n; i++) {
         const round_entry *e = &d->rnd.entries[i];
         if (!e->quarantined)
@@ -383,6 +414,7 @@ static int record_quarantined(const dilocod *d, round_record *r)
         q->norm = ev != NULL ? ev->norm : e->norm;
         q->bound = e->quarantine_bound;
         q->received_at = daemon__wall_of(e->received_at);
+        q->metrics = e->metrics;
     }
     return 0;
 }

@@ -203,6 +203,10 @@ void history_record_json(sbuf *b, const round_record *r)
         sb_str(b, ",\"reason\":");
         sb_json_string(b, q->quarantine_reason, strlen(q->quarantine_reason));
         add_unix(b, ",\"received_unix\":", q->received_at);
+        if (q->metrics.have != 0 || q->metrics.nnamed != 0) {
+            sb_str(b, ",\"metrics\":");      /* what the worker reported, kept on the dashboard's plots */
+            history_metrics_json(b, &q->metrics);
+        }
         sb_str(b, "}");
     }
     sb_str(b, "]}");
@@ -224,6 +228,8 @@ static double get_double(const cJSON *o, const char *key)
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
     return cJSON_IsNumber(v) ? v->valuedouble : NAN;
 }
+
+static void parse_metrics(const cJSON *o, delta_metrics *m);
 
 /* The record's quarantined deltas (history_record_json's "quarantined"), at most MAX_NODES_PER_RECORD. */
 static int parse_quarantined(round_record *r, const cJSON *o)
@@ -249,6 +255,7 @@ static int parse_quarantined(round_record *r, const cJSON *o)
         s->norm = get_double(q, strcmp(s->quarantine_reason, "cosine") == 0 ? "cosine" : "norm");
         s->bound = get_double(q, "bound");
         s->received_at = get_unix(q, "received_unix");
+        parse_metrics(cJSON_GetObjectItemCaseSensitive(q, "metrics"), &s->metrics);
         r->nquarantined++;
     }
     return 0;

@@ -35,7 +35,8 @@ typedef struct node_stat {
     double scale;
     char quarantine_reason[16];
     double bound;
-    delta_metrics metrics;      /* what the worker reported with the delta (JSON "metrics", when any) */
+    delta_metrics metrics;      /* what the worker reported with the delta (JSON "metrics", when any; a
+                                   quarantined delta's too) */
     cz_spec cz;                 /* its encoding (JSON "encoding" and "block", when compressed) */
     double received_at;         /* Unix seconds the round took the delta (JSON "received_unix"); 0: not known,
                                    a record written before it was kept */
