@@ -237,7 +237,7 @@ def test_dashboard_in_headless_chromium(tmp_path):
             r = s.get(url + "/", timeout=10)
         assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/html"), r.headers
         assert "default-src 'self'" in r.headers["Content-Security-Policy"], r.headers
-        assert len(r.content) < 44_000, len(r.content)
+        assert len(r.content) < 64_000, len(r.content)   # one page, no external fetches, no minifier
         assert r.content == (Path(__file__).resolve().parents[2] / "server" / "api" / "dashboard.html").read_bytes(), \
             "dilocod serves another page than server/api/dashboard.html: rebuild (make)"
         check_self_contained(r.text)
