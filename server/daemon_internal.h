@@ -166,7 +166,7 @@ typedef struct robust_event {
     double norm, bound;
     char reason[16];            /* max_norm | norm_ratio | cosine */
     char basis[16];             /* what the bound compared with: round | trailing | absolute | mean */
-    double at;                  /* unix time */
+    double at;                  /* Unix seconds (fractional) */
 } robust_event;
 
 enum { ROBUST_MAX_NORM, ROBUST_NORM_RATIO, ROBUST_COSINE, ROBUST_OVERFLOW, ROBUST_REASONS };
