@@ -685,6 +685,16 @@ def test_dashboard_async_panel(tmp_path):
                 assert rows["node-a"]["cells"][1:5] == ["3", "30", "1", "10"], rows["node-a"]
                 assert rows["node-b"]["cells"][1:5] == ["2", "10", "3", "5"], rows["node-b"]
                 assert all(re.fullmatch(r"[\d.e+]+/s", r["cells"][5]) for r in rows.values()), rows
+                # the history speaks of updates, not rounds
+                words = page.js("""({wall: document.getElementById('t-wall').textContent, card: document.getElementById('l-wall').textContent,
+                    loss: document.getElementById('l-loss').textContent, hist: document.getElementById('hist-n').textContent,
+                    axis: [...document.querySelectorAll('#plot-norm text')].map(t => t.textContent),
+                    counters: document.getElementById('counters').innerText, train: document.getElementById('training').innerText})""")
+                assert words["wall"] == "Update wall-clock" and words["card"] == "Update wall-clock", (where, words)
+                assert words["loss"] == "Mean loss, last update" and words["hist"] == "(last 5 updates, from the history)", (where, words)
+                assert "update (base outer step)" in words["axis"], (where, words["axis"])
+                assert re.search(r"updates committed\s+5\b", words["counters"]), (where, words["counters"])
+                assert not re.search(r"\bround", words["train"], re.I), (where, words["train"])
                 page.screenshot(shots / f"dashboard-async-{w}-{'dark' if dark else 'light'}.png")
             finally:
                 page.close()
@@ -752,7 +762,16 @@ def test_dashboard_shows_a_quarantined_node_and_the_loss_plot(tmp_path):
         assert "norm ratio" in cells and float(cells[3]) > float(cells[4]) > 0, cells
         series = {p.attrs.get("data-series") for p in dom.by_id("plot-loss").iter() if "point" in p.classes()}
         assert {"n0", "n1"} <= series and "bad" not in series, series
-        assert len(series) == 3, series          # n0, n1 and their mean
+        assert len(series) == 3, series          # n0, n1 and their mean: points are aggregated deltas
+        # "bad" never had a delta aggregated, yet it stays on the loss plot: its series, marked at each round
+        groups = {g.attrs["data-series"]: g for g in dom.by_id("plot-loss").iter() if "series" in g.classes()}
+        marks = sorted(g.attrs["data-step"] for g in groups["bad"].iter() if "qmark" in g.classes())
+        assert marks == ["0", "1"], marks
+        assert "bad" in [c.text_content() for c in dom.by_id("leg-loss").children]
+        # the records keep the refused deltas (422 at their offer), so a restart still shows them
+        with session() as s:
+            rounds = s.get(url + "/rounds", timeout=10).json()["rounds"]
+        assert [[q["node_id"] for q in r["quarantined"]] for r in rounds] == [["bad"], ["bad"]], rounds
     finally:
         assert d.stop(timeout=30) == 0, d.log_text()[-3000:]
 
@@ -981,6 +1000,36 @@ def test_dashboard_for_trainers_first_screen_quarantine_and_restart(tmp_path):
             assert after["started_at"][:19].replace("T", " ") in got["since"], (got["since"], after["started_at"])
             assert re.search(r"accepted\s+0\b", got["counters"]), got["counters"]
             assert re.search(r"rounds committed\s+0\b", got["counters"]), got["counters"]
+        finally:
+            page.close()
+    finally:
+        assert d.stop(timeout=30) == 0, d.log_text()[-3000:]
+
+
+def test_dashboard_writes_server_strings_as_text(tmp_path):
+    """A string the server passes through (the hub's URL, a path the operator chose) full of markup reaches
+    the page as text: no element made of it, no script run, the text shown as it is."""
+    chromium_binary()
+    model = small_model()
+    write_model(tmp_path / "init.safetensors", model)
+    evil = "<img src=x onerror=\"window.__xss=1\">&amp;<b id=xss>"
+    hub = tmp_path / evil
+    hub.mkdir()
+    d = Dilocod(tmp_path, hub, "--init-model", str(tmp_path / "init.safetensors"), "--expected-nodes", "1").start()
+    try:
+        url = d.url
+        wait_status(url, lambda s: s["outer_step"] == 0, "bootstrap")
+        assert evil in status(url)["hub"]["url"]
+        upload(url, "n0", 0, 1, random_deltas(np.random.default_rng(1), model), {"loss": "1.5", "num_tokens": "10"})
+        wait_status(url, lambda s: s["outer_step"] == 1, "outer step 1")
+        page = Page(tmp_path, 1280, 900)
+        try:
+            page.open(url + "/", "document.querySelectorAll('#plot-loss .point').length === 2")
+            time.sleep(0.5)
+            got = page.js("""({xss: window.__xss === undefined ? null : window.__xss, imgs: document.querySelectorAll('img').length,
+                               b: document.getElementById('xss') === null, hub: document.getElementById('hub').textContent})""")
+            assert got["xss"] is None and got["imgs"] == 0 and got["b"], got
+            assert evil in got["hub"], got["hub"]
         finally:
             page.close()
     finally:
