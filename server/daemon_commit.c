@@ -361,8 +361,7 @@ void daemon__release_settle(dilocod *d)
  * per-node norms and cosines against the mean delta, and the aggregation's time so far.  One JSON
  * line, ready for outer_metadata.json and rounds.jsonl. */
 /* A delta the norm screen refused at its offer (422 outlier, never in the round) of this round's step,
- * from the robust ring: the record keeps it beside the round's own quarantines, so the history (the
- * dashboard after a restart) still shows the worker.  NULL when e is one of the round's entries. */
+ * from the robust ring; NULL when e is not one (a quarantine of the round's own entries). */
 static const robust_event *offer_outlier(const dilocod *d, size_t i)
 {
     const daemon_robust *rb = &d->robust;
@@ -376,25 +375,23 @@ static const robust_event *offer_outlier(const dilocod *d, size_t i)
     return e;
 }
 
-/* The round's quarantined entries (at its close, or by the cosine screen) into its record, and the
- * deltas refused at their offer for this round (offer_outlier). */
-static int record_quarantined(const dilocod *d, round_record *r)
+/* The deltas refused at their offer for this round into its record ("refused": not its quarantines),
+ * so the history (the dashboard after a restart) still shows the worker. */
+static int record_refused(const dilocod *d, round_record *r)
 {
-    size_t nq = 0;
+    size_t n = 0;
 
-    for (size_t i = 0; i < d->rnd.n; i++)
-        nq += d->rnd.entries[i].quarantined != 0;
     for (size_t i = 0; i < d->robust.nrecent; i++)
-        nq += offer_outlier(d, i) != NULL;
-    if (nq == 0)
+        n += offer_outlier(d, i) != NULL;
+    if (n == 0)
         return 0;
-    if ((r->quarantined = calloc(nq, sizeof(*r->quarantined))) == NULL)
+    if ((r->refused = calloc(n, sizeof(*r->refused))) == NULL)
         return -1;
     for (size_t i = 0; i < d->robust.nrecent; i++) {
         const robust_event *ev = offer_outlier(d, i);
         if (ev == NULL)
             continue;
-        node_stat *q = &r->quarantined[r->nquarantined++];
+        node_stat *q = &r->refused[r->nrefused++];
         memcpy(q->node_id, ev->node_id, sizeof(q->node_id));
         q->local_step = ev->local_step;
         snprintf(q->quarantine_reason, sizeof(q->quarantine_reason), "%s", ev->reason);
@@ -402,6 +399,20 @@ static int record_quarantined(const dilocod *d, round_record *r)
         q->bound = ev->bound;
         q->received_at = ev->at;
     }
+    return 0;
+}
+
+/* The round's quarantined entries (at its close, or by the cosine screen) into its record. */
+static int record_quarantined(const dilocod *d, round_record *r)
+{
+    size_t nq = 0;
+
+    for (size_t i = 0; i < d->rnd.n; i++)
+        nq += d->rnd.entries[i].quarantined != 0;
+    if (nq == 0)
+        return 0;
+    if ((r->quarantined = calloc(nq, sizeof(*r->quarantined))) == NULL)
+        return -1;
     for (size_t i = 0; i < d->rnd.n; i++) {
         const round_entry *e = &d->rnd.entries[i];
         if (!e->quarantined)
@@ -451,7 +462,7 @@ int daemon__prepare_round_record(dilocod *d, double seconds)
         snprintf(r->aggregate, sizeof(r->aggregate), "trimmed_mean:%u", d->cfg->trim_k);
     else
         snprintf(r->aggregate, sizeof(r->aggregate), "%s", config_rule_name(d->cfg->aggregate));
-    if (record_quarantined(d, r) != 0)
+    if (record_quarantined(d, r) != 0 || record_refused(d, r) != 0)
         return -ENOMEM;
     if (d->agg.dn.on) {
         store_dn after = daemon__async_after(&d->agg.dn);

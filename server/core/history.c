@@ -131,6 +131,30 @@ void history_metrics_json(sbuf *b, const delta_metrics *m)
     sb_str(b, sep[0] == '{' ? "{}" : "}");
 }
 
+/* A record's quarantined (or refused) deltas: opening text, then one object per delta. */
+static void add_screened(sbuf *b, const char *open, const node_stat *list, size_t n)
+{
+    sb_str(b, open);
+    for (size_t i = 0; i < n; i++) {
+        const node_stat *q = &list[i];
+        sb_str(b, i ? ",{\"node_id\":" : "{\"node_id\":");
+        sb_json_string(b, q->node_id, strlen(q->node_id));
+        add_u64(b, ",\"local_step\":", q->local_step);
+        sb_str(b, strcmp(q->quarantine_reason, "cosine") == 0 ? ",\"cosine\":" : ",\"norm\":");
+        add_opt17(b, q->norm);
+        sb_str(b, ",\"bound\":");
+        add_opt17(b, q->bound);
+        sb_str(b, ",\"reason\":");
+        sb_json_string(b, q->quarantine_reason, strlen(q->quarantine_reason));
+        add_unix(b, ",\"received_unix\":", q->received_at);
+        if (q->metrics.have != 0 || q->metrics.nnamed != 0) {
+            sb_str(b, ",\"metrics\":");      /* what the worker reported, kept on the dashboard's plots */
+            history_metrics_json(b, &q->metrics);
+        }
+        sb_str(b, "}");
+    }
+}
+
 void history_record_json(sbuf *b, const round_record *r)
 {
     add_u64(b, "{\"step\":", r->step);
@@ -190,25 +214,9 @@ void history_record_json(sbuf *b, const round_record *r)
         sb_str(b, ",\"aggregate\":");
         sb_json_string(b, r->aggregate, strlen(r->aggregate));
     }
-    sb_str(b, ",\"quarantined\":[");
-    for (size_t i = 0; i < r->nquarantined; i++) {
-        const node_stat *q = &r->quarantined[i];
-        sb_str(b, i ? ",{\"node_id\":" : "{\"node_id\":");
-        sb_json_string(b, q->node_id, strlen(q->node_id));
-        add_u64(b, ",\"local_step\":", q->local_step);
-        sb_str(b, strcmp(q->quarantine_reason, "cosine") == 0 ? ",\"cosine\":" : ",\"norm\":");
-        add_opt17(b, q->norm);
-        sb_str(b, ",\"bound\":");
-        add_opt17(b, q->bound);
-        sb_str(b, ",\"reason\":");
-        sb_json_string(b, q->quarantine_reason, strlen(q->quarantine_reason));
-        add_unix(b, ",\"received_unix\":", q->received_at);
-        if (q->metrics.have != 0 || q->metrics.nnamed != 0) {
-            sb_str(b, ",\"metrics\":");      /* what the worker reported, kept on the dashboard's plots */
-            history_metrics_json(b, &q->metrics);
-        }
-        sb_str(b, "}");
-    }
+    add_screened(b, ",\"quarantined\":[", r->quarantined, r->nquarantined);
+    if (r->nrefused > 0)
+        add_screened(b, "],\"refused\":[", r->refused, r->nrefused);
     sb_str(b, "]}");
 }
 
@@ -231,20 +239,21 @@ static double get_double(const cJSON *o, const char *key)
 
 static void parse_metrics(const cJSON *o, delta_metrics *m);
 
-/* The record's quarantined deltas (history_record_json's "quarantined"), at most MAX_NODES_PER_RECORD. */
-static int parse_quarantined(round_record *r, const cJSON *o)
+/* The record's quarantined (or refused) deltas (history_record_json's "quarantined", "refused"), at most
+ * MAX_NODES_PER_RECORD. */
+static int parse_screened(const cJSON *o, const char *key, node_stat **out, size_t *nout)
 {
-    const cJSON *list = cJSON_GetObjectItemCaseSensitive(o, "quarantined"), *q;
+    const cJSON *list = cJSON_GetObjectItemCaseSensitive(o, key), *q;
     int count;
 
     if (!cJSON_IsArray(list) || (count = cJSON_GetArraySize(list)) == 0)
         return 0;
-    if (count > MAX_NODES_PER_RECORD || (r->quarantined = calloc((size_t)count, sizeof(*r->quarantined))) == NULL)
+    if (count > MAX_NODES_PER_RECORD || (*out = calloc((size_t)count, sizeof(**out))) == NULL)
         return -1;
     cJSON_ArrayForEach(q, list) {
         const cJSON *id = cJSON_GetObjectItemCaseSensitive(q, "node_id");
         const cJSON *why = cJSON_GetObjectItemCaseSensitive(q, "reason");
-        node_stat *s = &r->quarantined[r->nquarantined];
+        node_stat *s = &(*out)[*nout];
         if (!cJSON_IsString(id) || !delta_valid_node_id(id->valuestring, strlen(id->valuestring)) ||
             !cJSON_IsString(why))
             continue;
@@ -256,7 +265,7 @@ static int parse_quarantined(round_record *r, const cJSON *o)
         s->bound = get_double(q, "bound");
         s->received_at = get_unix(q, "received_unix");
         parse_metrics(cJSON_GetObjectItemCaseSensitive(q, "metrics"), &s->metrics);
-        r->nquarantined++;
+        (*nout)++;
     }
     return 0;
 }
@@ -368,7 +377,8 @@ int history_record_parse(round_record *r, const char *json)
     const cJSON *rule = cJSON_GetObjectItemCaseSensitive(o, "aggregate");
     if (cJSON_IsString(rule))
         snprintf(r->aggregate, sizeof(r->aggregate), "%s", rule->valuestring);
-    if (parse_quarantined(r, o) != 0)
+    if (parse_screened(o, "quarantined", &r->quarantined, &r->nquarantined) != 0 ||
+        parse_screened(o, "refused", &r->refused, &r->nrefused) != 0)
         goto out;
     const cJSON *mode = cJSON_GetObjectItemCaseSensitive(o, "mode");
     if (cJSON_IsString(mode) && strcmp(mode->valuestring, "async") == 0) {
@@ -395,6 +405,9 @@ void history_record_free(round_record *r)
     free(r->quarantined);
     r->quarantined = NULL;
     r->nquarantined = 0;
+    free(r->refused);
+    r->refused = NULL;
+    r->nrefused = 0;
 }
 
 /* ---- the ring ---------------------------------------------------------------------------------- */
@@ -412,6 +425,8 @@ void history_push(history *h, round_record *r)
     r->n = 0;
     r->quarantined = NULL;
     r->nquarantined = 0;
+    r->refused = NULL;
+    r->nrefused = 0;
 }
 
 size_t history_count(const history *h)

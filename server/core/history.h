@@ -67,6 +67,10 @@ typedef struct round_record {
     char aggregate[24];
     size_t nquarantined;
     node_stat *quarantined;
+    /* the deltas of the round's step the norm screen refused at their offer (422 outlier): never in the
+     * round, so not its quarantines, kept for the history (JSON "refused", left out when none; owned) */
+    size_t nrefused;
+    node_stat *refused;
 } round_record;
 
 #define HISTORY_MAX 200

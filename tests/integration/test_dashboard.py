@@ -768,10 +768,11 @@ def test_dashboard_shows_a_quarantined_node_and_the_loss_plot(tmp_path):
         marks = sorted(g.attrs["data-step"] for g in groups["bad"].iter() if "qmark" in g.classes())
         assert marks == ["0", "1"], marks
         assert "bad" in [c.text_content() for c in dom.by_id("leg-loss").children]
-        # the records keep the refused deltas (422 at their offer), so a restart still shows them
+        # the records keep the deltas refused at their offer (422), so a restart still shows them
         with session() as s:
             rounds = s.get(url + "/rounds", timeout=10).json()["rounds"]
-        assert [[q["node_id"] for q in r["quarantined"]] for r in rounds] == [["bad"], ["bad"]], rounds
+        assert [[q["node_id"] for q in r.get("refused", [])] for r in rounds] == [["bad"], ["bad"]], rounds
+        assert [r["quarantined"] for r in rounds] == [[], []], rounds       # never in the round: refused
     finally:
         assert d.stop(timeout=30) == 0, d.log_text()[-3000:]
 
@@ -959,10 +960,11 @@ def test_dashboard_for_trainers_first_screen_quarantine_and_restart(tmp_path):
         # the records hold the times: opened (not the first round of the process), closed, each arrival
         assert "opened_unix" not in rounds[0] and all("opened_unix" in r for r in rounds[1:]), rounds
         for r in rounds:
-            arr = [n["received_unix"] for n in r["nodes"]] + [q["received_unix"] for q in r["quarantined"]]
+            arr = [n["received_unix"] for n in r["nodes"]] + [q["received_unix"] for q in r.get("refused", [])]
             assert len(arr) == 3 and max(arr) - min(arr) >= 2 * T_GAP * 0.9, r
             assert r.get("opened_unix", min(arr)) <= min(arr) <= max(arr) <= r["closed_unix"], r
-        assert [(q["node_id"], q["reason"]) for q in rounds[2]["quarantined"]] == [("w2", "norm_ratio")], rounds[2]
+        assert [(q["node_id"], q["reason"]) for q in rounds[2]["refused"]] == [("w2", "norm_ratio")], rounds[2]
+        assert all(r["quarantined"] == [] for r in rounds) and all("refused" not in r for r in rounds if r["step"] != 2), rounds
         before = status(url)
         assert sum(w["tokens_total"] for w in before["workers"]) == want_tokens, before["workers"]
         page = Page(tmp_path, 1280, 800)

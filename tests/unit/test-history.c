@@ -238,6 +238,30 @@ TEST(history_record_times_round_trip_and_old_records_stay_the_same)
     CHECK(back.quarantined[0].received_at == r.quarantined[0].received_at);
     CHECK(back.quarantined[0].metrics.have == DELTA_M_LOSS && back.quarantined[0].metrics.loss == 2.5);
     history_record_free(&back);
+    free(json);
+
+    /* the deltas refused at their offer: "refused" after "quarantined", only when there are some */
+    r.refused = calloc(1, sizeof(*r.refused));
+    CHECK(r.refused != NULL);
+    r.nrefused = 1;
+    snprintf(r.refused[0].node_id, sizeof(r.refused[0].node_id), "x");
+    snprintf(r.refused[0].quarantine_reason, sizeof(r.refused[0].quarantine_reason), "max_norm");
+    r.refused[0].local_step = 9;
+    r.refused[0].norm = 100;
+    r.refused[0].bound = 10;
+    r.refused[0].received_at = 1764547202.5;
+    sbuf third = {0};
+    history_record_json(&third, &r);
+    json = sb_take(&third);
+    CHECK(json != NULL);
+    CHECK(strstr(json, "],\"refused\":[{\"node_id\":\"x\",\"local_step\":9,\"norm\":100,\"bound\":10,\"reason\":\"max_norm\","
+                       "\"received_unix\":1764547202.500}]}") != NULL);
+    CHECK_EQ(history_record_parse(&back, json), 0);
+    CHECK_EQ(back.nrefused, (size_t)1);
+    CHECK_EQ(back.nquarantined, (size_t)1);
+    CHECK_STR(back.refused[0].node_id, "x");
+    CHECK(back.refused[0].norm == 100 && back.refused[0].received_at == 1764547202.5);
+    history_record_free(&back);
     history_record_free(&r);
     free(json);
 }
