@@ -367,7 +367,8 @@ static const robust_event *offer_outlier(const dilocod *d, size_t i)
     const daemon_robust *rb = &d->robust;
     const robust_event *e = &rb->recent[(rb->head + i) % ROBUST_RECENT];
 
-    if (e->step != d->rnd.step || strcmp(e->reason, "cosine") == 0)
+    /* the norm screen's reasons; a cosine or overflow verdict is always about one of the round's entries */
+    if (e->step != d->rnd.step || (strcmp(e->reason, "norm_ratio") != 0 && strcmp(e->reason, "max_norm") != 0))
         return NULL;
     for (size_t k = 0; k < d->rnd.n; k++)
         if (strcmp(d->rnd.entries[k].node_id, e->node_id) == 0 && d->rnd.entries[k].local_step == e->local_step)
