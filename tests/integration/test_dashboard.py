@@ -23,6 +23,13 @@ In async mode (--mode async) a live page shows the async panel: the mode, the De
 (k of N), the queue depth (pending of max, non-zero while a long --grace-ms holds deltas), the staleness
 histogram and each node's speed and recommended local steps, all as /status reports them.
 
+The trainer's view (issue 36): at 1280x800 the first screen, unscrolled, holds the loss per worker and
+their mean, the round wall-clock with the wait for the slowest worker and tokens per second (checked
+through the DOM's boxes and the screenshot's pixels); tokens seen is the aggregated deltas' num_tokens; a
+quarantined worker stays plotted and marked at its round; after a restart (one record rewritten as an
+older dilocod wrote it, without times) the panels come back from /rounds and the counters say since when
+they count.  A server string full of markup reaches the page as text.
+
 Screenshots go to the test's tmp dir, or to $DASHBOARD_SCREENSHOT_DIR when set (to look at them)."""
 import base64
 import io
