@@ -922,12 +922,13 @@ def check_trainer_page(page, shots, name, want_tokens, timed_steps):
     assert set(timed_steps) <= set(bars), (name, sorted(bars), timed_steps)
     for step in timed_steps:
         parts = bars[step]["parts"]
-        spread = T_GAP if step == s else 2 * T_GAP
-        assert spread * 0.9 <= parts["wait"] < spread + 1.5, (name, step, parts)
+        # the last delta is the third worker's, refused or not (the refused one's arrival is in the record)
+        assert 2 * T_GAP * 0.9 <= parts["wait"] < 2 * T_GAP + 5, (name, step, parts)
         assert abs(sum(parts.values()) - bars[step]["seconds"]) < 1e-6, (name, step, parts)
-    # round 2 waited for w2 until its timeout (2 s after its first delta)
+    # round 2 waited for a third delta until its timeout (2 s after its first delta); the others closed at once
     if s in timed_steps:
-        assert bars[s]["parts"]["close"] >= 1.2, (name, bars[s])
+        assert bars[s]["parts"]["close"] >= 0.5, (name, bars[s])
+        assert all(bars[x]["parts"]["close"] < 0.5 for x in timed_steps if x != s), (name, bars)
     assert {p["series"] for p in got["tpsPts"]} == {"tps"} and len(got["tpsPts"]) >= len(timed_steps) - 1, (name, got["tpsPts"])
     assert re.fullmatch(r"[\d,.]+( [MB])?", got["tpsNow"]) and re.fullmatch(r"[\d.]+ (ms|s)", got["wallNow"]), (name, got)
     return got
