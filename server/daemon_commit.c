@@ -362,6 +362,49 @@ void daemon__release_settle(dilocod *d)
 /* The closing round's record, built before its commit (the commit makes it durable with the step):
  * per-node norms and cosines against the mean delta, and the aggregation's time so far.  One JSON
  * line, ready for outer_metadata.json and rounds.jsonl. */
+/* A delta the norm screen refused at its offer (422 outlier, never in the round) of this round's step,
+ * from the robust ring; NULL when e is not one (a quarantine of the round's own entries). */
+static const robust_event *offer_outlier(const dilocod *d, size_t i)
+{
+    const daemon_robust *rb = &d->robust;
+    const robust_event *e = &rb->recent[(rb->head + i) % ROBUST_RECENT];
+
+    /* the norm screen's reasons; a cosine or overflow verdict is always about one of the round's entries */
+    if (e->step != d->rnd.step || (strcmp(e->reason, "norm_ratio") != 0 && strcmp(e->reason, "max_norm") != 0))
+        return NULL;
+    for (size_t k = 0; k < d->rnd.n; k++)
+        if (strcmp(d->rnd.entries[k].node_id, e->node_id) == 0 && d->rnd.entries[k].local_step == e->local_step)
+            return NULL;
+    return e;
+}
+
+/* The deltas refused at their offer for this round into its record ("refused": not its quarantines),
+ * so the history (the dashboard after a restart) still shows the worker. */
+static int record_refused(const dilocod *d, round_record *r)
+{
+    size_t n = 0;
+
+    for (size_t i = 0; i < d->robust.nrecent; i++)
+        n += offer_outlier(d, i) != NULL;
+    if (n == 0)
+        return 0;
+    if ((r->refused = calloc(n, sizeof(*r->refused))) == NULL)
+        return -1;
+    for (size_t i = 0; i < d->robust.nrecent; i++) {
+        const robust_event *ev = offer_outlier(d, i);
+        if (ev == NULL)
+            continue;
+        node_stat *q = &r->refused[r->nrefused++];
+        memcpy(q->node_id, ev->node_id, sizeof(q->node_id));
+        q->local_step = ev->local_step;
+        snprintf(q->quarantine_reason, sizeof(q->quarantine_reason), "%s", ev->reason);
+        q->norm = ev->norm;
+        q->bound = ev->bound;
+        q->received_at = ev->at;
+    }
+    return 0;
+}
+
 /* The round's quarantined entries (at its close, or by the cosine screen) into its record. */
 static int record_quarantined(const dilocod *d, round_record *r)
 {
@@ -384,6 +427,8 @@ static int record_quarantined(const dilocod *d, round_record *r)
         const robust_event *ev = strcmp(e->quarantine_reason, "cosine") == 0 ? daemon__robust_last(d, e->node_id) : NULL;
         q->norm = ev != NULL ? ev->norm : e->norm;
         q->bound = e->quarantine_bound;
+        q->received_at = daemon__wall_of(e->received_at);
+        q->metrics = e->metrics;
     }
     return 0;
 }
@@ -409,6 +454,8 @@ int daemon__prepare_round_record(dilocod *d, double seconds)
     r->gbps = seconds > 0 ? (double)p->bytes_total / seconds / 1e9 : 0;
     r->mean_norm = mean_norm;
     r->closed_at = time(NULL);
+    r->opened_at = d->round_opened_wall;
+    r->closed_wall = daemon__wall_of(daemon__clock());
     if (d->agg.n > 0 && (r->nodes = malloc(d->agg.n * sizeof(*r->nodes))) == NULL)
         return -ENOMEM;
     if (d->agg.n > 0)
@@ -418,7 +465,7 @@ int daemon__prepare_round_record(dilocod *d, double seconds)
         snprintf(r->aggregate, sizeof(r->aggregate), "trimmed_mean:%u", d->cfg->trim_k);
     else
         snprintf(r->aggregate, sizeof(r->aggregate), "%s", config_rule_name(d->cfg->aggregate));
-    if (record_quarantined(d, r) != 0)
+    if (record_quarantined(d, r) != 0 || record_refused(d, r) != 0)
         return -ENOMEM;
     if (d->agg.dn.on) {
         store_dn after = daemon__async_after(&d->agg.dn);
@@ -545,6 +592,7 @@ static void commit_done(job *j)
     start_settle(d, d->st.step);
     daemon__pass_release(d);
     round_reset(&d->rnd, d->st.step);
+    d->round_opened_wall = daemon__wall_of(daemon__clock());
     pipeline_begin(&d->pipe, d->st.step + 1, STEP_COLLECTING);
     if (d->hub != NULL)
         hub_set_step(d->hub, d->st.step, 0);      /* the transport looks for the new round's deltas */

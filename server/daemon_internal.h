@@ -166,7 +166,7 @@ typedef struct robust_event {
     double norm, bound;
     char reason[16];            /* max_norm | norm_ratio | cosine */
     char basis[16];             /* what the bound compared with: round | trailing | absolute | mean */
-    double at;                  /* unix time */
+    double at;                  /* Unix seconds (fractional) */
 } robust_event;
 
 enum { ROBUST_MAX_NORM, ROBUST_NORM_RATIO, ROBUST_COSINE, ROBUST_OVERFLOW, ROBUST_REASONS };
@@ -214,6 +214,7 @@ typedef struct dilocod {
     size_t nround_rels;
     job_owner jobs;             /* every pool job out (jobs.h), for shutdown */
     time_t committed_at;
+    double round_opened_wall;   /* Unix seconds the open round opened (the commit before it); 0: not known */
 
     hub *hub;                   /* the transport (hub.h), NULL for --hub none */
     int bootstrap_in_flight;    /* an adoption or a bootstrap */
@@ -254,6 +255,15 @@ static inline double daemon__now(dilocod *d)
 static inline double daemon__clock(void)
 {
     return (double)uv_hrtime() / 1e9;
+}
+
+/* A time of daemon__now's clock as Unix seconds (the round records' arrival times: wall clock, to
+ * read beside closed_at and across restarts). */
+static inline double daemon__wall_of(double mono)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9 - (daemon__clock() - mono);
 }
 
 const char *daemon__state_name(dstate s);

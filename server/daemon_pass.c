@@ -927,6 +927,7 @@ static int fill_inputs(dilocod *d, size_t n)
         d->agg.nodes[k].intake_norm = e->has_norm ? e->norm : NAN;
         d->agg.nodes[k].metrics = e->metrics;
         d->agg.nodes[k].cz = e->cz;
+        d->agg.nodes[k].received_at = daemon__wall_of(e->received_at);
         /* a linked delta is its writer's file: the pass verifies the bytes intake validated */
         d->agg.summed[k] = e->guarded && e->ident.has_sum;
         d->agg.sums[k] = e->ident.sum;

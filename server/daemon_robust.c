@@ -221,7 +221,7 @@ static void record(dilocod *d, const char *node_id, uint64_t local_step, double 
     e->bound = bound;
     snprintf(e->reason, sizeof(e->reason), "%s", reason);
     snprintf(e->basis, sizeof(e->basis), "%s", basis);
-    e->at = (double)time(NULL);
+    e->at = daemon__wall_of(daemon__clock());     /* to the ms: a round record keeps it as the arrival */
     r->quarantined[reason_index(reason)]++;
     dl_log(DL_LOG_WARN, "robust", "delta quarantined: not aggregated",
            "step=%" PRIu64 " node=%s local_step=%" PRIu64 " reason=%s %s=%.9g bound=%.9g basis=%s", d->rnd.step,

@@ -100,8 +100,9 @@ static void families_u64(sbuf *b, const family_u64 *f, size_t n)
 
 static void process_status(const dilocod *d, sbuf *b)
 {
-    sb_printf(b, ",\"uptime_seconds\":%ld,\"algorithm\":\"%s\",\"outer_step\":", (long)(time(NULL) - d->started_at),
-              DELTA_ALGORITHM);
+    sb_printf(b, ",\"uptime_seconds\":%ld,\"started_at\":", (long)(time(NULL) - d->started_at));
+    daemon_json_time(b, d->started_at);     /* what the counters count since (the dashboard says so) */
+    sb_printf(b, ",\"algorithm\":\"%s\",\"outer_step\":", DELTA_ALGORITHM);
     if (d->cluster != NULL) {
         /* a cluster's step is the bucket's, and its state the cluster's (README, Scaling out) */
         int64_t step;

@@ -60,6 +60,20 @@ static void add_exact(sbuf *b, double v)
     sb_str(b, tmp);
 }
 
+/* A wall-clock time in Unix seconds to the millisecond, under key; nothing when not known (0). */
+static void add_unix(sbuf *b, const char *key, double t)
+{
+    if (!(t > 0) || !isfinite(t))
+        return;
+    sb_printf(b, "%s%.3f", key, t);
+}
+
+static double get_unix(const cJSON *o, const char *key)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+    return cJSON_IsNumber(v) && isfinite(v->valuedouble) && v->valuedouble > 0 ? v->valuedouble : 0;
+}
+
 static void add_u64(sbuf *b, const char *key, uint64_t v)
 {
     sb_str(b, key);
@@ -117,6 +131,30 @@ void history_metrics_json(sbuf *b, const delta_metrics *m)
     sb_str(b, sep[0] == '{' ? "{}" : "}");
 }
 
+/* A record's quarantined (or refused) deltas: opening text, then one object per delta. */
+static void add_screened(sbuf *b, const char *open, const node_stat *list, size_t n)
+{
+    sb_str(b, open);
+    for (size_t i = 0; i < n; i++) {
+        const node_stat *q = &list[i];
+        sb_str(b, i ? ",{\"node_id\":" : "{\"node_id\":");
+        sb_json_string(b, q->node_id, strlen(q->node_id));
+        add_u64(b, ",\"local_step\":", q->local_step);
+        sb_str(b, strcmp(q->quarantine_reason, "cosine") == 0 ? ",\"cosine\":" : ",\"norm\":");
+        add_opt17(b, q->norm);
+        sb_str(b, ",\"bound\":");
+        add_opt17(b, q->bound);
+        sb_str(b, ",\"reason\":");
+        sb_json_string(b, q->quarantine_reason, strlen(q->quarantine_reason));
+        add_unix(b, ",\"received_unix\":", q->received_at);
+        if (q->metrics.have != 0 || q->metrics.nnamed != 0) {
+            sb_str(b, ",\"metrics\":");      /* what the worker reported, kept on the dashboard's plots */
+            history_metrics_json(b, &q->metrics);
+        }
+        sb_str(b, "}");
+    }
+}
+
 void history_record_json(sbuf *b, const round_record *r)
 {
     add_u64(b, "{\"step\":", r->step);
@@ -125,6 +163,8 @@ void history_record_json(sbuf *b, const round_record *r)
     sb_json_string(b, r->reason, strlen(r->reason));
     sb_str(b, ",\"closed_at\":");
     add_time(b, r->closed_at);
+    add_unix(b, ",\"opened_unix\":", r->opened_at);
+    add_unix(b, ",\"closed_unix\":", r->closed_wall);
     sb_str(b, ",\"seconds\":");
     add_num(b, r->seconds);
     sb_str(b, ",\"gbps\":");
@@ -147,6 +187,7 @@ void history_record_json(sbuf *b, const round_record *r)
         add_opt17(b, n->intake_norm);
         sb_str(b, ",\"scale\":");
         add_opt17(b, n->scale);
+        add_unix(b, ",\"received_unix\":", n->received_at);
         if (r->async) {
             add_u64(b, ",\"base_outer_step\":", n->base_outer_step);
             add_u64(b, ",\"tau\":", n->tau);
@@ -173,20 +214,9 @@ void history_record_json(sbuf *b, const round_record *r)
         sb_str(b, ",\"aggregate\":");
         sb_json_string(b, r->aggregate, strlen(r->aggregate));
     }
-    sb_str(b, ",\"quarantined\":[");
-    for (size_t i = 0; i < r->nquarantined; i++) {
-        const node_stat *q = &r->quarantined[i];
-        sb_str(b, i ? ",{\"node_id\":" : "{\"node_id\":");
-        sb_json_string(b, q->node_id, strlen(q->node_id));
-        add_u64(b, ",\"local_step\":", q->local_step);
-        sb_str(b, strcmp(q->quarantine_reason, "cosine") == 0 ? ",\"cosine\":" : ",\"norm\":");
-        add_opt17(b, q->norm);
-        sb_str(b, ",\"bound\":");
-        add_opt17(b, q->bound);
-        sb_str(b, ",\"reason\":");
-        sb_json_string(b, q->quarantine_reason, strlen(q->quarantine_reason));
-        sb_str(b, "}");
-    }
+    add_screened(b, ",\"quarantined\":[", r->quarantined, r->nquarantined);
+    if (r->nrefused > 0)
+        add_screened(b, "],\"refused\":[", r->refused, r->nrefused);
     sb_str(b, "]}");
 }
 
@@ -207,20 +237,23 @@ static double get_double(const cJSON *o, const char *key)
     return cJSON_IsNumber(v) ? v->valuedouble : NAN;
 }
 
-/* The record's quarantined deltas (history_record_json's "quarantined"), at most MAX_NODES_PER_RECORD. */
-static int parse_quarantined(round_record *r, const cJSON *o)
+static void parse_metrics(const cJSON *o, delta_metrics *m);
+
+/* The record's quarantined (or refused) deltas (history_record_json's "quarantined", "refused"), at most
+ * MAX_NODES_PER_RECORD. */
+static int parse_screened(const cJSON *o, const char *key, node_stat **out, size_t *nout)
 {
-    const cJSON *list = cJSON_GetObjectItemCaseSensitive(o, "quarantined"), *q;
+    const cJSON *list = cJSON_GetObjectItemCaseSensitive(o, key), *q;
     int count;
 
     if (!cJSON_IsArray(list) || (count = cJSON_GetArraySize(list)) == 0)
         return 0;
-    if (count > MAX_NODES_PER_RECORD || (r->quarantined = calloc((size_t)count, sizeof(*r->quarantined))) == NULL)
+    if (count > MAX_NODES_PER_RECORD || (*out = calloc((size_t)count, sizeof(**out))) == NULL)
         return -1;
     cJSON_ArrayForEach(q, list) {
         const cJSON *id = cJSON_GetObjectItemCaseSensitive(q, "node_id");
         const cJSON *why = cJSON_GetObjectItemCaseSensitive(q, "reason");
-        node_stat *s = &r->quarantined[r->nquarantined];
+        node_stat *s = &(*out)[*nout];
         if (!cJSON_IsString(id) || !delta_valid_node_id(id->valuestring, strlen(id->valuestring)) ||
             !cJSON_IsString(why))
             continue;
@@ -230,7 +263,9 @@ static int parse_quarantined(round_record *r, const cJSON *o)
             s->local_step = 0;
         s->norm = get_double(q, strcmp(s->quarantine_reason, "cosine") == 0 ? "cosine" : "norm");
         s->bound = get_double(q, "bound");
-        r->nquarantined++;
+        s->received_at = get_unix(q, "received_unix");
+        parse_metrics(cJSON_GetObjectItemCaseSensitive(q, "metrics"), &s->metrics);
+        (*nout)++;
     }
     return 0;
 }
@@ -311,6 +346,8 @@ int history_record_parse(round_record *r, const char *json)
     memset(&tm, 0, sizeof(tm));
     if (cJSON_IsString(closed) && strptime(closed->valuestring, "%Y-%m-%dT%H:%M:%S", &tm) != NULL)
         r->closed_at = timegm(&tm);
+    r->opened_at = get_unix(o, "opened_unix");
+    r->closed_wall = get_unix(o, "closed_unix");
     if ((r->nodes = calloc((size_t)count + 1, sizeof(*r->nodes))) == NULL)
         goto out;
     cJSON_ArrayForEach(n, nodes) {
@@ -332,6 +369,7 @@ int history_record_parse(round_record *r, const char *json)
         s->weight = get_double(n, "weight");
         s->intake_norm = get_double(n, "intake_norm");
         s->scale = get_double(n, "scale");
+        s->received_at = get_unix(n, "received_unix");
         parse_metrics(cJSON_GetObjectItemCaseSensitive(n, "metrics"), &s->metrics);
         parse_encoding(n, &s->cz);
         r->n++;
@@ -339,7 +377,8 @@ int history_record_parse(round_record *r, const char *json)
     const cJSON *rule = cJSON_GetObjectItemCaseSensitive(o, "aggregate");
     if (cJSON_IsString(rule))
         snprintf(r->aggregate, sizeof(r->aggregate), "%s", rule->valuestring);
-    if (parse_quarantined(r, o) != 0)
+    if (parse_screened(o, "quarantined", &r->quarantined, &r->nquarantined) != 0 ||
+        parse_screened(o, "refused", &r->refused, &r->nrefused) != 0)
         goto out;
     const cJSON *mode = cJSON_GetObjectItemCaseSensitive(o, "mode");
     if (cJSON_IsString(mode) && strcmp(mode->valuestring, "async") == 0) {
@@ -366,6 +405,9 @@ void history_record_free(round_record *r)
     free(r->quarantined);
     r->quarantined = NULL;
     r->nquarantined = 0;
+    free(r->refused);
+    r->refused = NULL;
+    r->nrefused = 0;
 }
 
 /* ---- the ring ---------------------------------------------------------------------------------- */
@@ -383,6 +425,8 @@ void history_push(history *h, round_record *r)
     r->n = 0;
     r->quarantined = NULL;
     r->nquarantined = 0;
+    r->refused = NULL;
+    r->nrefused = 0;
 }
 
 size_t history_count(const history *h)

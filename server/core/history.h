@@ -35,8 +35,11 @@ typedef struct node_stat {
     double scale;
     char quarantine_reason[16];
     double bound;
-    delta_metrics metrics;      /* what the worker reported with the delta (JSON "metrics", when any) */
+    delta_metrics metrics;      /* what the worker reported with the delta (JSON "metrics", when any; a
+                                   quarantined delta's too) */
     cz_spec cz;                 /* its encoding (JSON "encoding" and "block", when compressed) */
+    double received_at;         /* Unix seconds the round took the delta (JSON "received_unix"); 0: not known,
+                                   a record written before it was kept */
 } node_stat;
 
 /* One closed and committed round. */
@@ -48,6 +51,10 @@ typedef struct round_record {
     uint64_t bytes;
     double mean_norm;
     time_t closed_at;
+    /* Unix seconds, finer than closed_at (a round may take 5 s): when the round opened (the previous
+     * commit; 0: not known, the first round of a process or an older record) and closed (JSON
+     * "opened_unix", "closed_unix"; 0 is left out, so an older record reads and writes back the same) */
+    double opened_at, closed_wall;
     size_t n;
     node_stat *nodes;           /* owned */
     /* async mode: one update; its weight (the mean of its deltas'), its Delayed Nesterov phase after it
@@ -60,6 +67,10 @@ typedef struct round_record {
     char aggregate[24];
     size_t nquarantined;
     node_stat *quarantined;
+    /* the deltas of the round's step the norm screen refused at their offer (422 outlier): never in the
+     * round, so not its quarantines, kept for the history (JSON "refused", left out when none; owned) */
+    size_t nrefused;
+    node_stat *refused;
 } round_record;
 
 #define HISTORY_MAX 200

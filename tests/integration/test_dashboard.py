@@ -23,6 +23,13 @@ In async mode (--mode async) a live page shows the async panel: the mode, the De
 (k of N), the queue depth (pending of max, non-zero while a long --grace-ms holds deltas), the staleness
 histogram and each node's speed and recommended local steps, all as /status reports them.
 
+The trainer's view (issue 36): at 1280x800 the first screen, unscrolled, holds the loss per worker and
+their mean, the round wall-clock with the wait for the slowest worker and tokens per second (checked
+through the DOM's boxes and the screenshot's pixels); tokens seen is the aggregated deltas' num_tokens; a
+quarantined worker stays plotted and marked at its round; after a restart (one record rewritten as an
+older dilocod wrote it, without times) the panels come back from /rounds and the counters say since when
+they count.  A server string full of markup reaches the page as text.
+
 Screenshots go to the test's tmp dir, or to $DASHBOARD_SCREENSHOT_DIR when set (to look at them)."""
 import base64
 import io
@@ -237,7 +244,7 @@ def test_dashboard_in_headless_chromium(tmp_path):
             r = s.get(url + "/", timeout=10)
         assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/html"), r.headers
         assert "default-src 'self'" in r.headers["Content-Security-Policy"], r.headers
-        assert len(r.content) < 44_000, len(r.content)
+        assert len(r.content) < 64_000, len(r.content)   # one page, no external fetches, no minifier
         assert r.content == (Path(__file__).resolve().parents[2] / "server" / "api" / "dashboard.html").read_bytes(), \
             "dilocod serves another page than server/api/dashboard.html: rebuild (make)"
         check_self_contained(r.text)
@@ -685,6 +692,16 @@ def test_dashboard_async_panel(tmp_path):
                 assert rows["node-a"]["cells"][1:5] == ["3", "30", "1", "10"], rows["node-a"]
                 assert rows["node-b"]["cells"][1:5] == ["2", "10", "3", "5"], rows["node-b"]
                 assert all(re.fullmatch(r"[\d.e+]+/s", r["cells"][5]) for r in rows.values()), rows
+                # the history speaks of updates, not rounds
+                words = page.js("""({wall: document.getElementById('t-wall').textContent, card: document.getElementById('l-wall').textContent,
+                    loss: document.getElementById('l-loss').textContent, hist: document.getElementById('hist-n').textContent,
+                    axis: [...document.querySelectorAll('#plot-norm text')].map(t => t.textContent),
+                    counters: document.getElementById('counters').innerText, train: document.getElementById('training').innerText})""")
+                assert words["wall"] == "Update wall-clock" and words["card"] == "Update wall-clock", (where, words)
+                assert words["loss"] == "Mean loss, last update" and words["hist"] == "(last 5 updates, from the history)", (where, words)
+                assert "update (base outer step)" in words["axis"], (where, words["axis"])
+                assert re.search(r"updates committed\s+5\b", words["counters"]), (where, words["counters"])
+                assert not re.search(r"\bround", words["train"], re.I), (where, words["train"])
                 page.screenshot(shots / f"dashboard-async-{w}-{'dark' if dark else 'light'}.png")
             finally:
                 page.close()
@@ -752,7 +769,17 @@ def test_dashboard_shows_a_quarantined_node_and_the_loss_plot(tmp_path):
         assert "norm ratio" in cells and float(cells[3]) > float(cells[4]) > 0, cells
         series = {p.attrs.get("data-series") for p in dom.by_id("plot-loss").iter() if "point" in p.classes()}
         assert {"n0", "n1"} <= series and "bad" not in series, series
-        assert len(series) == 3, series          # n0, n1 and their mean
+        assert len(series) == 3, series          # n0, n1 and their mean: points are aggregated deltas
+        # "bad" never had a delta aggregated, yet it stays on the loss plot: its series, marked at each round
+        groups = {g.attrs["data-series"]: g for g in dom.by_id("plot-loss").iter() if "series" in g.classes()}
+        marks = sorted(g.attrs["data-step"] for g in groups["bad"].iter() if "qmark" in g.classes())
+        assert marks == ["0", "1"], marks
+        assert "bad" in [c.text_content() for c in dom.by_id("leg-loss").children]
+        # the records keep the deltas refused at their offer (422), so a restart still shows them
+        with session() as s:
+            rounds = s.get(url + "/rounds", timeout=10).json()["rounds"]
+        assert [[q["node_id"] for q in r.get("refused", [])] for r in rounds] == [["bad"], ["bad"]], rounds
+        assert [r["quarantined"] for r in rounds] == [[], []], rounds       # never in the round: refused
     finally:
         assert d.stop(timeout=30) == 0, d.log_text()[-3000:]
 
@@ -783,5 +810,237 @@ def test_dashboard_shows_each_nodes_encoding_and_bytes(tmp_path):
         sizes = {n: int([c for c in r.children if c.attrs.get("title", "").endswith(" bytes")][0].attrs["title"].split()[0])
                  for n, r in rows.items()}
         assert sizes["fp4"] == len(blob) and sizes["fp4"] * 5 < sizes["f32"], sizes
+    finally:
+        assert d.stop(timeout=30) == 0, d.log_text()[-3000:]
+
+
+# ---- the trainer's view: the first screen, quarantines kept on the plots, a restart ------------------------
+
+TRAINERS = ("w0", "w1", "w2")
+T_ROUNDS = 4
+T_QUARANTINED = ("w2", 2)           # w2's delta of round 2 is 100 x too large: refused 422 outlier
+T_LOSS = {(s, w): round(4.0 - 0.4 * s + 0.15 * i * i, 3) for s in range(T_ROUNDS) for i, w in enumerate(TRAINERS)}
+T_TOKENS = {(s, w): 1000 * (i + 1) + 7 * s for s in range(T_ROUNDS) for i, w in enumerate(TRAINERS)}
+T_GAP = 0.25                        # seconds between one worker's delta and the next one's
+
+TRAINER_JS = r"""(() => {
+  const t = id => document.getElementById(id).textContent.trim();
+  const box = id => { const r = document.getElementById(id).getBoundingClientRect();
+                      return {left: r.left, top: r.top, right: r.right, bottom: r.bottom}; };
+  const center = e => { const r = e.getBoundingClientRect(); return [r.left + r.width / 2, r.top + r.height / 2]; };
+  return {
+    vw: document.documentElement.clientWidth, vh: window.innerHeight, loss: box('plot-loss'), wall: box('plot-wall'), tps: box('plot-tps'),
+    points: [...document.querySelectorAll('#plot-loss .point')].map(p => ({series: p.getAttribute('data-series'),
+      step: +p.getAttribute('data-step'), fill: p.getAttribute('fill'), title: p.textContent, at: center(p),
+      top: document.elementFromPoint(...center(p)) === p})),
+    qmarks: Object.fromEntries(['plot-loss', 'plot-norm'].map(id => [id, [...document.querySelectorAll('#' + id + ' g.qmark')].map(g =>
+      ({series: g.getAttribute('data-series'), step: +g.getAttribute('data-step'), title: g.textContent, at: center(g.querySelector('path.qx')),
+        ring: g.querySelector('circle').getAttribute('stroke'), inSeries: g.parentNode.getAttribute('data-series')}))])),
+    legend: [...document.querySelectorAll('#leg-loss li')].map(l => l.textContent),
+    stacks: [...document.querySelectorAll('#plot-wall g.stack')].map(g => ({step: +g.getAttribute('data-step'), seconds: +g.getAttribute('data-seconds'),
+      parts: Object.fromEntries([...g.querySelectorAll('rect.seg')].map(r => [r.getAttribute('data-part'), +r.getAttribute('data-seconds')]))})),
+    tpsPts: [...document.querySelectorAll('#plot-tps .point')].map(p => ({series: p.getAttribute('data-series'), step: +p.getAttribute('data-step')})),
+    tokens: t('tokens-seen'), tokensExact: document.getElementById('tokens-seen').title, lossNow: t('loss-now'),
+    tpsNow: t('tps-now'), wallNow: t('wall-now'), waitNow: t('wait-now'), since: t('since'), counters: document.getElementById('counters').innerText,
+    quarRows: [...document.querySelectorAll('#quar-rows tr')].map(r => [r.getAttribute('data-node'), r.getAttribute('data-step')]),
+    quarHidden: document.getElementById('quarantined').hidden,
+    order: ['training', 'deltas', 'h-pass', 'h-config'].map(id => document.getElementById(id).getBoundingClientRect().top + window.scrollY),
+  };
+})()"""
+
+
+def trainer_round(url, rng, model, step):
+    """One round: each worker's delta T_GAP after the previous one's, its loss and num_tokens in the metadata;
+    the quarantined one 100 x too large (422 outlier).  Returns when the round is committed."""
+    for i, w in enumerate(TRAINERS):
+        if i:
+            time.sleep(T_GAP)
+        t = random_deltas(rng, model, scale=0.01)
+        meta = {"loss": str(T_LOSS[(step, w)]), "num_tokens": str(T_TOKENS[(step, w)])}
+        if (w, step) == T_QUARANTINED:
+            t = {k: v * np.float32(100) for k, v in t.items()}
+            blob = np_save(t, metadata=dict(delta_metadata(w, step, 10 * (step + 1) + i), **meta))
+            with session() as s:
+                r = s.put(f"{url}/nodes/{w}/delta_{10 * (step + 1) + i}.safetensors", data=blob, timeout=30)
+            assert r.status_code == 422 and r.json()["error"]["code"] == "outlier", r.text
+        else:
+            upload(url, w, step, 10 * (step + 1) + i, t, meta)
+    wait_status(url, lambda s: s["outer_step"] == step + 1, f"outer step {step + 1}")
+
+
+def check_trainer_page(page, shots, name, want_tokens, timed_steps):
+    """The trainer's first screen at 1280x800 and what the plots hold; returns what the page showed."""
+    got = page.js(TRAINER_JS)
+    # the first screen holds the loss plot (and the wall-clock and tokens/s plots), not scrolled to
+    assert got["vw"] == 1280 and got["vh"] == 800, got
+    for plot in ("loss", "wall", "tps"):
+        b = got[plot]
+        assert 0 <= b["left"] < b["right"] <= 1280 and 0 <= b["top"] < b["bottom"] <= 800, (name, plot, b)
+    assert got["order"] == sorted(got["order"]), (name, "sections out of order", got["order"])
+    img = page.screenshot(shots / f"dashboard-trainer-{name}.png")
+    assert img.size == (1280, 800), img.size
+    b = got["loss"]
+    crop = img.crop((int(b["left"]), int(b["top"]), int(b["right"]), int(b["bottom"])))
+    bg = crop.getpixel((2, 2))
+    px = np.asarray(crop).reshape(-1, 3).astype(int)
+    inked = (np.abs(px - np.array(bg)).sum(axis=1) > 60).mean()
+    assert inked > 0.01, (name, "the loss plot is blank in the screenshot", inked)
+    # per-worker loss: every value each worker sent for an aggregated delta, at its round, and the mean
+    pts = {(p["series"], p["step"]): p for p in got["points"]}
+    want = {(w, s): v for (s, w), v in T_LOSS.items() if (w, s) != T_QUARANTINED}
+    assert set(pts) == set(want) | {("mean", s) for s in range(T_ROUNDS)}, (name, sorted(pts))
+    for key, v in want.items():
+        shown = float(pts[key]["title"].rsplit(":", 1)[1])
+        assert abs(shown - v) <= 1e-6 * abs(v), (name, key, pts[key]["title"], v)
+    for s in range(T_ROUNDS):
+        vals = [v for (st_, w), v in T_LOSS.items() if st_ == s and (w, s) != T_QUARANTINED]
+        assert abs(float(pts[("mean", s)]["title"].rsplit(":", 1)[1]) - sum(vals) / len(vals)) < 1e-4, (name, s)
+    # each worker's markers are drawn in the screenshot in its colour
+    for w in TRAINERS:
+        p = next(p for p in got["points"] if p["series"] == w and p["top"])
+        x, y = p["at"]
+        near = min(dist(img.getpixel((int(x) + dx, int(y) + dy)), rgb(p["fill"])) for dx in (-1, 0, 1) for dy in (-1, 0, 1))
+        assert near < 25, (name, w, p["fill"], img.getpixel((int(x), int(y))))
+    # the quarantined worker stays on the plots: its series goes on after the round, marked at that round
+    w, s = T_QUARANTINED
+    assert w in got["legend"], (name, got["legend"])
+    assert {st_ for (ser, st_) in pts if ser == w} == {x for x in range(T_ROUNDS) if x != s}, (name, sorted(pts))
+    for plot in ("plot-loss", "plot-norm"):
+        marks = got["qmarks"][plot]
+        assert [(m["series"], m["step"], m["inSeries"]) for m in marks] == [(w, s, w)], (name, plot, marks)
+        assert "quarantined" in marks[0]["title"] and "norm ratio" in marks[0]["title"], (name, plot, marks[0])
+    m = got["qmarks"]["plot-loss"][0]
+    assert m["ring"] == next(p["fill"] for p in got["points"] if p["series"] == w), (name, m)
+    x, y = m["at"]
+    red = min(dist(img.getpixel((int(x) + dx, int(y) + dy)), (0xb3, 0x26, 0x1e)) for dx in (-1, 0, 1) for dy in (-1, 0, 1))
+    assert red < 40, (name, "no quarantine cross drawn at", m["at"], img.getpixel((int(x), int(y))))
+    assert not got["quarHidden"] and (w, str(s)) in [tuple(r) for r in got["quarRows"]], (name, got["quarRows"])
+    # tokens seen: the num_tokens of every aggregated delta (the quarantined one's never trained)
+    assert int(got["tokensExact"].split()[0]) == want_tokens, (name, got["tokens"], got["tokensExact"], want_tokens)
+    # the round wall-clock: a bar per timed round; the wait for the slowest is the workers' spread
+    bars = {b["step"]: b for b in got["stacks"]}
+    assert set(timed_steps) <= set(bars), (name, sorted(bars), timed_steps)
+    for step in timed_steps:
+        parts = bars[step]["parts"]
+        # the last delta is the third worker's, refused or not (the refused one's arrival is in the record)
+        assert 2 * T_GAP * 0.9 <= parts["wait"] < 2 * T_GAP + 5, (name, step, parts)
+        assert abs(sum(parts.values()) - bars[step]["seconds"]) < 1e-6, (name, step, parts)
+    # round 2 waited for a third delta until its timeout (2 s after its first delta); the others closed at once
+    if s in timed_steps:
+        assert bars[s]["parts"]["close"] >= 0.5, (name, bars[s])
+        assert all(bars[x]["parts"]["close"] < 0.5 for x in timed_steps if x != s), (name, bars)
+    assert {p["series"] for p in got["tpsPts"]} == {"tps"} and len(got["tpsPts"]) >= len(timed_steps) - 1, (name, got["tpsPts"])
+    assert re.fullmatch(r"[\d,.]+( [MB])?", got["tpsNow"]) and re.fullmatch(r"[\d.]+ (ms|s)", got["wallNow"]), (name, got)
+    return got
+
+
+def test_dashboard_for_trainers_first_screen_quarantine_and_restart(tmp_path):
+    """Three workers, four rounds, each worker's delta a quarter of a second after the previous one's, each
+    reporting its loss and num_tokens; w2's delta of round 2 is refused as an outlier.  At 1280x800 the first
+    screen (no scrolling) holds the loss, round wall-clock and tokens/s plots: the loss plot's box lies in the
+    viewport and its pixels are not blank in the screenshot; the loss plot holds every value the workers sent,
+    at its round, with their mean; w2 stays plotted, marked at round 2 (a red cross in its series' ring, on the
+    loss and the norm plots); tokens seen is the sum of the aggregated deltas' num_tokens; each round's bar has
+    the wait for the slowest worker (the workers' spread).  Then dilocod restarts (its first record rewritten
+    as an older dilocod wrote it, without times): the same panels come back from the history, the record
+    without times keeps its loss points, and the counters say they count since the new start."""
+    chromium_binary()
+    shots = Path(os.environ.get("DASHBOARD_SCREENSHOT_DIR") or tmp_path)
+    shots.mkdir(parents=True, exist_ok=True)
+    model = small_model()
+    write_model(tmp_path / "init.safetensors", model)
+    args = ("--init-model", str(tmp_path / "init.safetensors"), "--expected-nodes", "3", "--min-nodes", "2",
+            "--round-timeout", "2", "--max-norm-ratio", "10")
+    d = Dilocod(tmp_path, None, *args).start()
+    ready = "document.querySelectorAll('#plot-loss .point').length === %d && " \
+            "document.querySelectorAll('#plot-loss g.qmark').length === 1 && " \
+            "document.getElementById('tokens-seen').title !== ''" % (len(T_LOSS) - 1 + T_ROUNDS)
+    want_tokens = sum(v for (s, w), v in T_TOKENS.items() if (w, s) != T_QUARANTINED)
+    try:
+        url = d.url
+        wait_status(url, lambda s: s["outer_step"] == 0, "bootstrap")
+        rng = np.random.default_rng(36)
+        for step in range(T_ROUNDS):
+            trainer_round(url, rng, model, step)
+        with session() as s:
+            rounds = s.get(url + "/rounds", timeout=10).json()["rounds"]
+        assert [r["step"] for r in rounds] == list(range(T_ROUNDS))
+        # the records hold the times: opened (not the first round of the process), closed, each arrival
+        assert "opened_unix" not in rounds[0] and all("opened_unix" in r for r in rounds[1:]), rounds
+        for r in rounds:
+            arr = [n["received_unix"] for n in r["nodes"]] + [q["received_unix"] for q in r.get("refused", [])]
+            assert len(arr) == 3 and max(arr) - min(arr) >= 2 * T_GAP * 0.9, r
+            assert r.get("opened_unix", min(arr)) <= min(arr) <= max(arr) <= r["closed_unix"], r
+        assert [(q["node_id"], q["reason"]) for q in rounds[2]["refused"]] == [("w2", "norm_ratio")], rounds[2]
+        assert all(r["quarantined"] == [] for r in rounds) and all("refused" not in r for r in rounds if r["step"] != 2), rounds
+        before = status(url)
+        assert sum(w["tokens_total"] for w in before["workers"]) == want_tokens, before["workers"]
+        page = Page(tmp_path, 1280, 800)
+        try:
+            page.open(url + "/", ready)
+            check_layout(page, "trainer 1280 px")
+            got = check_trainer_page(page, shots, "live", want_tokens, range(T_ROUNDS))
+            assert before["started_at"][:19].replace("T", " ") in got["since"], (got["since"], before["started_at"])
+            assert re.search(r"accepted\s+11\b", got["counters"]) and re.search(r"quarantined\s+1\b", got["counters"]), got["counters"]
+        finally:
+            page.close()
+    finally:
+        assert d.stop(timeout=30) == 0, d.log_text()[-3000:]
+
+    # the first record as a dilocod before the times were kept wrote it
+    path = d.state_dir / "rounds.jsonl"
+    lines = path.read_text().splitlines()
+    old = json.loads(lines[0])
+    for n in old["nodes"]:
+        del n["received_unix"]
+    del old["closed_unix"]
+    lines[0] = json.dumps(old, separators=(",", ":"))
+    path.write_text("\n".join(lines) + "\n")
+    time.sleep(1.1)                     # a start time another second than the first process's
+    d.start()
+    try:
+        url = d.url
+        after = wait_status(url, lambda s: s["outer_step"] == T_ROUNDS, "restart")
+        assert after["started_at"] != before["started_at"] and after["counters"]["accepted"] == 0, after["counters"]
+        page = Page(tmp_path, 1280, 800)
+        try:
+            page.open(url + "/", ready)
+            got = check_trainer_page(page, shots, "restarted", want_tokens, range(1, T_ROUNDS))
+            assert 0 not in {b["step"] for b in got["stacks"]}, got["stacks"]    # no times in that record: no bar
+            assert after["started_at"][:19].replace("T", " ") in got["since"], (got["since"], after["started_at"])
+            assert re.search(r"accepted\s+0\b", got["counters"]), got["counters"]
+            assert re.search(r"rounds committed\s+0\b", got["counters"]), got["counters"]
+        finally:
+            page.close()
+    finally:
+        assert d.stop(timeout=30) == 0, d.log_text()[-3000:]
+
+
+def test_dashboard_writes_server_strings_as_text(tmp_path):
+    """A string the server passes through (the hub's URL, a path the operator chose) full of markup reaches
+    the page as text: no element made of it, no script run, the text shown as it is."""
+    chromium_binary()
+    model = small_model()
+    write_model(tmp_path / "init.safetensors", model)
+    evil = "<img src=x onerror=\"window.__xss=1\">&amp;<b id=xss>"
+    hub = tmp_path / evil
+    hub.mkdir()
+    d = Dilocod(tmp_path, hub, "--init-model", str(tmp_path / "init.safetensors"), "--expected-nodes", "1").start()
+    try:
+        url = d.url
+        wait_status(url, lambda s: s["outer_step"] == 0, "bootstrap")
+        assert evil in status(url)["hub"]["url"]
+        upload(url, "n0", 0, 1, random_deltas(np.random.default_rng(1), model), {"loss": "1.5", "num_tokens": "10"})
+        wait_status(url, lambda s: s["outer_step"] == 1, "outer step 1")
+        page = Page(tmp_path, 1280, 900)
+        try:
+            page.open(url + "/", "document.querySelectorAll('#plot-loss .point').length === 2")
+            time.sleep(0.5)
+            got = page.js("""({xss: window.__xss === undefined ? null : window.__xss, imgs: document.querySelectorAll('img').length,
+                               b: document.getElementById('xss') === null, hub: document.getElementById('hub').textContent})""")
+            assert got["xss"] is None and got["imgs"] == 0 and got["b"], got
+            assert evil in got["hub"], got["hub"]
+        finally:
+            page.close()
     finally:
         assert d.stop(timeout=30) == 0, d.log_text()[-3000:]

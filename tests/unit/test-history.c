@@ -199,3 +199,69 @@ TEST(history_metrics_damaged_members_dropped)
     CHECK_EQ(r.nodes[1].metrics.have, 0);
     history_record_free(&r);
 }
+
+/* The round's times: opened, closed and each delta's arrival (quarantined ones too) come back from the
+ * JSON to the millisecond; a record written before they were kept has none of them, reads back with
+ * them unknown (0) and writes back as the same text. */
+TEST(history_record_times_round_trip_and_old_records_stay_the_same)
+{
+    const char *old = "{\"step\":4,\"outer_step\":5,\"reason\":\"all_nodes\",\"closed_at\":\"2025-12-01T00:00:00+00:00\","
+                      "\"seconds\":0.25,\"gbps\":1.5,\"bytes\":8192,\"mean_norm\":0.5,\"nodes\":[{\"node_id\":\"a\","
+                      "\"local_step\":3,\"bytes\":4096,\"norm\":0.5,\"cosine\":1,\"intake_norm\":null,\"scale\":1}],"
+                      "\"quarantined\":[{\"node_id\":\"q\",\"local_step\":3,\"norm\":9,\"bound\":5,\"reason\":\"norm_ratio\"}]}";
+    round_record r, back;
+    sbuf b = {0}, again = {0};
+
+    CHECK_EQ(history_record_parse(&r, old), 0);
+    CHECK(r.opened_at == 0 && r.closed_wall == 0 && r.nodes[0].received_at == 0 && r.quarantined[0].received_at == 0);
+    history_record_json(&b, &r);
+    char *json = sb_take(&b);
+    CHECK(json != NULL);
+    CHECK_STR(json, old);
+    free(json);
+
+    r.opened_at = 1764547200.125;
+    r.closed_wall = 1764547205.5;
+    r.nodes[0].received_at = 1764547203.25;
+    r.quarantined[0].received_at = 1764547201.75;
+    r.quarantined[0].metrics.have = DELTA_M_LOSS;
+    r.quarantined[0].metrics.loss = 2.5;
+    history_record_json(&again, &r);
+    json = sb_take(&again);
+    CHECK(json != NULL);
+    CHECK(strstr(json, "\"opened_unix\":1764547200.125,\"closed_unix\":1764547205.500,") != NULL);
+    CHECK(strstr(json, "\"scale\":1,\"received_unix\":1764547203.250}") != NULL);
+    CHECK(strstr(json, "\"reason\":\"norm_ratio\",\"received_unix\":1764547201.750,\"metrics\":{\"loss\":2.5}}") != NULL);
+    CHECK_EQ(history_record_parse(&back, json), 0);
+    CHECK(back.opened_at == r.opened_at && back.closed_wall == r.closed_wall);
+    CHECK(back.nodes[0].received_at == r.nodes[0].received_at);
+    CHECK(back.quarantined[0].received_at == r.quarantined[0].received_at);
+    CHECK(back.quarantined[0].metrics.have == DELTA_M_LOSS && back.quarantined[0].metrics.loss == 2.5);
+    history_record_free(&back);
+    free(json);
+
+    /* the deltas refused at their offer: "refused" after "quarantined", only when there are some */
+    r.refused = calloc(1, sizeof(*r.refused));
+    CHECK(r.refused != NULL);
+    r.nrefused = 1;
+    snprintf(r.refused[0].node_id, sizeof(r.refused[0].node_id), "x");
+    snprintf(r.refused[0].quarantine_reason, sizeof(r.refused[0].quarantine_reason), "max_norm");
+    r.refused[0].local_step = 9;
+    r.refused[0].norm = 100;
+    r.refused[0].bound = 10;
+    r.refused[0].received_at = 1764547202.5;
+    sbuf third = {0};
+    history_record_json(&third, &r);
+    json = sb_take(&third);
+    CHECK(json != NULL);
+    CHECK(strstr(json, "],\"refused\":[{\"node_id\":\"x\",\"local_step\":9,\"norm\":100,\"bound\":10,\"reason\":\"max_norm\","
+                       "\"received_unix\":1764547202.500}]}") != NULL);
+    CHECK_EQ(history_record_parse(&back, json), 0);
+    CHECK_EQ(back.nrefused, (size_t)1);
+    CHECK_EQ(back.nquarantined, (size_t)1);
+    CHECK_STR(back.refused[0].node_id, "x");
+    CHECK(back.refused[0].norm == 100 && back.refused[0].received_at == 1764547202.5);
+    history_record_free(&back);
+    history_record_free(&r);
+    free(json);
+}
