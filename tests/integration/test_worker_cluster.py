@@ -20,6 +20,7 @@ from diloco.transport import index_place, parse_index, parse_step_count
 from dilocod_proc import Oracle, assert_state_equal, module_for, write_model
 from test_cluster import INDEX, LR, MOMENTUM, Bucket, Cluster, ClusterDilocod, Plan, StepWatcher, cluster_model
 from test_s3 import s3  # noqa: F401 (the module's SeaweedFS fixture)
+from test_daemon_hf import REPO, TOKEN, HubSim, _hf_home, procs  # noqa: F401 (fixtures; sets HF_HUB_DISABLE_XET)
 
 S = 4
 WORKERS = ["w1", "w2"]
@@ -263,23 +264,47 @@ def refused(url, init, match):
     assert w.baseline is None
 
 
+def write_tree(root, files):
+    for rel, body in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(body)
+    return root
+
+
+def good_case(init):
+    """hostile_cases' tree with a step_count.json a cluster writes."""
+    return dict(hostile_cases(init)[0][1], **{"global/step_count.json": step_count(
+        5, "global/steps/5/model.safetensors.index.json")})
+
+
 def test_hostile_cluster_trees_over_file(tmp_path):
     init = cluster_model(71)
     for name, files, match in hostile_cases(init):
-        root = tmp_path / name
-        for rel, body in files.items():
-            (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            (root / rel).write_bytes(body)
-        refused(f"file://{root}", init, match)
+        refused(f"file://{write_tree(tmp_path / name, files)}", init, match)
     # the same tree made good is read (the refusals above are the hostile parts')
-    root = tmp_path / "good"
-    for rel, body in hostile_cases(init)[0][1].items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_bytes(body)
-    (root / "global/step_count.json").write_bytes(step_count(5, "global/steps/5/model.safetensors.index.json"))
     model = module_for(init)
-    assert diloco.Worker(f"file://{root}", "w0").pull(model) == 5
+    assert diloco.Worker(f"file://{write_tree(tmp_path / 'good', good_case(init))}", "w0").pull(model) == 5
     assert_state_equal(snapshot(model), init)
+
+
+def test_cluster_tree_over_hf(tmp_path, procs, monkeypatch):
+    """hf:// is not a cluster's transport (--cluster-shards is s3:// only), but a copy of a cluster step's
+    tree in a Hub repo reads as over file://, with the same refusals."""
+    from huggingface_hub import HfApi
+    hub = HubSim(tmp_path)
+    procs.append(hub)
+    api = HfApi(endpoint=hub.wendpoint, token=TOKEN)
+    api.create_repo(REPO)
+    monkeypatch.setenv("HF_ENDPOINT", hub.wendpoint)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    init = cluster_model(73)
+    api.upload_folder(repo_id=REPO, folder_path=str(write_tree(tmp_path / "good", good_case(init))))
+    model = module_for(init)
+    assert diloco.Worker(f"hf://{REPO}", "w0").pull(model) == 5
+    assert_state_equal(snapshot(model), init)
+    for name, files, match in hostile_cases(init)[1:3]:
+        api.upload_folder(repo_id=REPO, folder_path=str(write_tree(tmp_path / name, files)))
+        refused(f"hf://{REPO}", init, match)
 
 
 def test_hostile_cluster_trees_over_s3(s3_env):

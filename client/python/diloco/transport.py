@@ -326,7 +326,8 @@ def _read_nofollow(path, cap, dir_fd=None):
 
 
 class FileTransport:
-    """A shared directory dilocod publishes into (--hub file://DIR): reads global/, writes nodes/."""
+    """A shared directory dilocod publishes into (--hub file://DIR): reads global/, writes nodes/.  A copy of
+    a cluster bucket's tree reads the same (global/steps/<s>/, as its step_count.json names it)."""
 
     def __init__(self, root):
         self.root = root
@@ -432,7 +433,9 @@ def _read_stream(body, n, cap, what):
 class S3Transport:
     """An S3-compatible bucket dilocod publishes into (--hub s3://bucket/prefix).  Credentials, region and
     endpoint come from boto3's usual environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ~/.aws, ...);
-    path-style addressing with a custom endpoint, as MinIO and SeaweedFS need."""
+    path-style addressing with a custom endpoint, as MinIO and SeaweedFS need.  A cluster's bucket (dilocod
+    --cluster-shards) is read and written the same way: its step_count.json names the step's own index,
+    global/steps/<s>/model.safetensors.index.json, and the uploads go to nodes/ as for one dilocod."""
 
     def __init__(self, bucket, prefix):
         try:
@@ -563,7 +566,8 @@ class HfTransport:
         info = self._infos(sha, [mf]).get(mf)
         if info is None:
             raise HostileAnswer(f"step_count.json names {mf}, which commit {sha} does not hold")
-        tag = f"{mf}:{info.lfs.sha256 if info.lfs else info.blob_id}"
+        # the step too: an index's bytes can be the same at every step while its shards change
+        tag = f"{step}:{mf}:{info.lfs.sha256 if info.lfs else info.blob_id}"
         if tag == etag:
             return None
         place = index_place(mf)
