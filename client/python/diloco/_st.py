@@ -169,4 +169,11 @@ def tensor_from(buf, dtype: str, shape, begin: int, end: int, name: str, what: s
     return raw.view(tdt).reshape(shape)
 
 
-SHARD_RE = re.compile(r"^latest-(\d{5})-of-(\d{5})\.safetensors$")
+def shard_re(base: str):
+    """The shards of an index named <base>.safetensors.index.json: <base>-iiiii-of-nnnnn.safetensors, ASCII
+    digits only (str.isdigit and \\d take other scripts' digits too), matched whole (fullmatch: `$` would
+    take a trailing newline)."""
+    return re.compile(re.escape(base) + r"-([0-9]{5})-of-([0-9]{5})\.safetensors")
+
+
+SHARD_RE = shard_re("latest")       # a single dilocod's sharded global/latest.safetensors

@@ -17,7 +17,12 @@ from .errors import HostileAnswer, ServerError
 MAX_JSON_ANSWER = 1 << 20          # an answer, /status or step_count.json: far above any real one
 MAX_INDEX_BYTES = 10 << 20         # huggingface_hub's MAX_INDEX_FILE_SIZE, dilocod's cap too
 MAX_RESUMES = 5                    # a download cut this many times in a row is given up
+SINGLE_FILE = "global/latest.safetensors"
 INDEX_NAME = "latest.safetensors.index.json"
+INDEX_SUFFIX = ".safetensors.index.json"
+# A cluster's step (server/README.md, "Cluster mode"): global/steps/<s>/model.safetensors.index.json, or
+# model.g<n>.safetensors.index.json for the n-th generation of a step whose delta set a refusal changed.
+CLUSTER_INDEX = re.compile(r"global/steps/(0|[1-9][0-9]{0,15})/(model(?:\.g[1-9][0-9]{0,9})?)\.safetensors\.index\.json")
 CANONICAL_INT = re.compile(r"^(0|[1-9][0-9]{0,15})$")
 
 
@@ -28,21 +33,40 @@ def parse_step(value, what):
 
 
 def parse_step_count(raw: bytes, what):
+    """step_count.json -> (outer_step, model_file): model_file is global/latest.safetensors, its index, or
+    a cluster step's own index global/steps/<outer_step>/model[.g<n>].safetensors.index.json, nothing else
+    (a name from the store is a path the worker reads)."""
     try:
         doc = json.loads(raw)
     except ValueError:
         raise HostileAnswer(f"{what} is not JSON") from None
     if not isinstance(doc, dict) or type(doc.get("outer_step")) is not int or doc["outer_step"] < 0:
         raise HostileAnswer(f"{what} has no non-negative integer outer_step")
-    mf = doc.get("model_file", "global/latest.safetensors")
-    if mf not in ("global/latest.safetensors", "global/" + INDEX_NAME):
-        raise HostileAnswer(f"{what} names model_file {mf!r:.80}, neither global/latest.safetensors nor its index")
-    return doc["outer_step"], mf
+    step, mf = doc["outer_step"], doc.get("model_file", SINGLE_FILE)
+    if mf in (SINGLE_FILE, "global/" + INDEX_NAME):
+        return step, mf
+    m = CLUSTER_INDEX.fullmatch(mf) if isinstance(mf, str) else None
+    if m is None:
+        raise HostileAnswer(f"{what} names model_file {mf!r:.80}, neither global/latest.safetensors, its index "
+                            f"nor a cluster step's global/steps/<step>/model.safetensors.index.json")
+    if int(m.group(1)) != step:
+        # a reader trusts the step it is told: the files must be that step's
+        raise HostileAnswer(f"{what} names model_file {mf!r:.80}, step {m.group(1)}'s, for outer_step {step}")
+    return step, mf
 
 
-def parse_index(raw: bytes, what):
-    """A global's index -> {tensor: shard file name}; every shard name is latest-i-of-N.safetensors,
-    one N for all, nothing that could leave global/."""
+def index_place(model_file):
+    """A model_file parse_step_count accepted -> None (the single file) or (its index's directory, the
+    index's base): ("global", "latest"), ("global/steps/7", "model"), ("global/steps/7", "model.g1")."""
+    if model_file == SINGLE_FILE:
+        return None
+    d, _, name = model_file.rpartition("/")
+    return d, name[:-len(INDEX_SUFFIX)]
+
+
+def parse_index(raw: bytes, what, base="latest"):
+    """A global's index (<base>.safetensors.index.json) -> {tensor: shard file name}; every shard name is
+    <base>-i-of-N.safetensors, one N for all, nothing that could leave the index's directory."""
     try:
         doc = json.loads(raw)
     except ValueError:
@@ -50,12 +74,12 @@ def parse_index(raw: bytes, what):
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wm, dict) or not wm:
         raise HostileAnswer(f"{what} has no weight_map")
-    counts = set()
+    counts, shard_name = set(), _st.shard_re(base)
     for name, shard in wm.items():
-        m = _st.SHARD_RE.match(shard) if isinstance(shard, str) else None
+        m = shard_name.fullmatch(shard) if isinstance(shard, str) else None
         if m is None:
             raise HostileAnswer(f"{what}: tensor {name!r:.80} is in shard {shard!r:.80}, not a name "
-                                f"latest-0000i-of-0000N.safetensors")
+                                f"{base}-0000i-of-0000N.safetensors")
         i, n = int(m.group(1)), int(m.group(2))
         if not 1 <= i <= n:
             raise HostileAnswer(f"{what}: shard {shard!r} is numbered outside 1..{n}")
@@ -279,9 +303,9 @@ class HttpTransport:
         raise ServerError(None, "unreachable", f"upload of {path} failed after {self.retries + 1} attempts")
 
 
-def _read_nofollow(path, cap):
+def _read_nofollow(path, cap, dir_fd=None):
     """A file of a tree others write: no symlink followed, a regular file, at most cap bytes."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         st = os.fstat(fd)
         if not (st.st_mode & 0o170000 == 0o100000):
@@ -302,7 +326,8 @@ def _read_nofollow(path, cap):
 
 
 class FileTransport:
-    """A shared directory dilocod publishes into (--hub file://DIR): reads global/, writes nodes/."""
+    """A shared directory dilocod publishes into (--hub file://DIR): reads global/, writes nodes/.  A copy of
+    a cluster bucket's tree reads the same (global/steps/<s>/, as its step_count.json names it)."""
 
     def __init__(self, root):
         self.root = root
@@ -310,8 +335,22 @@ class FileTransport:
     def _p(self, *parts):
         return os.path.join(self.root, *parts)
 
+    def _read(self, rel, cap):
+        """rel (a name parse_step_count or parse_index let through: no '..', no empty part) under the root,
+        each directory on the way opened from its parent's descriptor, no symlink followed."""
+        *dirs, name = rel.split("/")
+        dfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for d in dirs:
+                sub = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+                os.close(dfd)
+                dfd = sub
+            return _read_nofollow(name, cap, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+
     def _step_count(self):
-        raw, _ = _read_nofollow(self._p("global", "step_count.json"), MAX_JSON_ANSWER)
+        raw, _ = self._read("global/step_count.json", MAX_JSON_ANSWER)
         return parse_step_count(raw, "global/step_count.json")
 
     def fetch_global(self, etag, cap, max_header=_st.MAX_HEADER_BYTES):
@@ -319,14 +358,20 @@ class FileTransport:
         # read is that step's (or a newer one being published this instant: the next pull corrects it)
         for _ in range(10):
             step, mf = self._step_count()
-            if mf == "global/latest.safetensors":
-                buf, ident = _read_nofollow(self._p("global", "latest.safetensors"), cap)
-                files, wm, tag = {"latest.safetensors": buf}, None, f"{step}:{ident}"
-            else:
-                raw, ident = _read_nofollow(self._p("global", INDEX_NAME), MAX_INDEX_BYTES)
-                wm = parse_index(raw, "global index")
-                files = {sh: _read_nofollow(self._p("global", sh), cap)[0] for sh in sorted(set(wm.values()))}
-                tag = f"{step}:{ident}"
+            place = index_place(mf)
+            try:
+                if place is None:
+                    buf, ident = self._read(mf, cap)
+                    files, wm = {"latest.safetensors": buf}, None
+                else:
+                    raw, ident = self._read(mf, MAX_INDEX_BYTES)
+                    wm = parse_index(raw, mf, place[1])
+                    files = {sh: self._read(f"{place[0]}/{sh}", cap)[0] for sh in sorted(set(wm.values()))}
+            except FileNotFoundError:
+                if self._step_count()[0] != step:
+                    continue        # a cluster removed the step's files once two newer were published
+                raise
+            tag = f"{step}:{mf}:{ident}"
             if self._step_count()[0] == step:
                 if tag == etag:
                     return None
@@ -388,7 +433,9 @@ def _read_stream(body, n, cap, what):
 class S3Transport:
     """An S3-compatible bucket dilocod publishes into (--hub s3://bucket/prefix).  Credentials, region and
     endpoint come from boto3's usual environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ~/.aws, ...);
-    path-style addressing with a custom endpoint, as MinIO and SeaweedFS need."""
+    path-style addressing with a custom endpoint, as MinIO and SeaweedFS need.  A cluster's bucket (dilocod
+    --cluster-shards) is read and written the same way: its step_count.json names the step's own index,
+    global/steps/<s>/model.safetensors.index.json, and the uploads go to nodes/ as for one dilocod."""
 
     def __init__(self, bucket, prefix):
         try:
@@ -435,17 +482,25 @@ class S3Transport:
     def fetch_global(self, etag, cap, max_header=_st.MAX_HEADER_BYTES):
         for _ in range(10):
             step, mf = self._step_count()
-            if mf == "global/latest.safetensors":
-                got = self._get("global/latest.safetensors", cap, etag)
+            place = index_place(mf)
+            # a tag stands for one step's model file: an index's bytes (so its ETag) can be the same at
+            # every step while its shards change
+            key = f"{step}:{mf}:"
+            try:
+                got = self._get(mf, cap if place is None else MAX_INDEX_BYTES,
+                                etag[len(key):] if etag and etag.startswith(key) else None)
                 if got is None:
                     return None
-                files, wm, tag = {"latest.safetensors": got[0]}, None, got[1]
-            else:
-                got = self._get("global/" + INDEX_NAME, MAX_INDEX_BYTES, etag)
-                if got is None:
-                    return None
-                wm, tag = parse_index(got[0], "global index"), got[1]
-                files = {sh: self._get("global/" + sh, cap)[0] for sh in sorted(set(wm.values()))}
+                tag = key + (got[1] or "")
+                if place is None:
+                    files, wm = {"latest.safetensors": got[0]}, None
+                else:
+                    wm = parse_index(got[0], mf, place[1])
+                    files = {sh: self._get(f"{place[0]}/{sh}", cap)[0] for sh in sorted(set(wm.values()))}
+            except FileNotFoundError:
+                if self._step_count()[0] != step:
+                    continue        # a cluster removed the step's files once two newer were published
+                raise
             # step_count.json is written last: unchanged across the read, the model is that step's
             if self._step_count()[0] == step:
                 return step, tag, load_set(files, wm, "global", max_header)
@@ -511,21 +566,23 @@ class HfTransport:
         info = self._infos(sha, [mf]).get(mf)
         if info is None:
             raise HostileAnswer(f"step_count.json names {mf}, which commit {sha} does not hold")
-        tag = f"{mf}:{info.lfs.sha256 if info.lfs else info.blob_id}"
+        # the step too: an index's bytes can be the same at every step while its shards change
+        tag = f"{step}:{mf}:{info.lfs.sha256 if info.lfs else info.blob_id}"
         if tag == etag:
             return None
-        if mf == "global/latest.safetensors":
+        place = index_place(mf)
+        if place is None:
             files, wm = {"latest.safetensors": self._download(mf, sha, info.size, cap)}, None
         else:
-            wm = parse_index(self._download(mf, sha, info.size, MAX_INDEX_BYTES), "global index")
+            wm = parse_index(self._download(mf, sha, info.size, MAX_INDEX_BYTES), mf, place[1])
             shards = sorted(set(wm.values()))
-            infos = self._infos(sha, ["global/" + s for s in shards])
+            infos = self._infos(sha, [f"{place[0]}/{s}" for s in shards])
             files = {}
             for s in shards:
-                si = infos.get("global/" + s)
+                si = infos.get(f"{place[0]}/{s}")
                 if si is None:
-                    raise HostileAnswer(f"global index names shard {s}, which commit {sha} does not hold")
-                files[s] = self._download("global/" + s, sha, si.size, cap)
+                    raise HostileAnswer(f"{mf} names shard {s}, which commit {sha} does not hold")
+                files[s] = self._download(f"{place[0]}/{s}", sha, si.size, cap)
         return step, tag, load_set(files, wm, "global", max_header)
 
     def outer_step(self):
