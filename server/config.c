@@ -607,6 +607,7 @@ static void usage(FILE *out)
     }
     fprintf(out, "  --config FILE          read options from FILE first (key = value, # comments, \"quoted\" values)\n"
                  "  --check-config         validate, print the effective configuration and exit\n"
+                 "  --combinations         print the table of what combines (README, What combines) and exit\n"
                  "  --help, --version\n");
 }
 

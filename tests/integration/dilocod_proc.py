@@ -27,7 +27,8 @@ def torch_dtype_name(t):
 class Dilocod:
     """A dilocod process with a file:// hub.  Logs go to <tmp>/dilocod-N.log."""
 
-    def __init__(self, tmp: Path, hub, *args, state_root=None, env=None):
+    def __init__(self, tmp: Path, hub, *args, state_root=None, env=None, make_hub=True):
+        self.make_hub = make_hub        # False: the test gives --create-hub, or wants the refusal
         self.tmp = Path(tmp)
         self.hub = Path(hub) if hub is not None else None
         self.state_root = Path(state_root) if state_root else self.tmp / "state"
@@ -45,7 +46,7 @@ class Dilocod:
         log = self.tmp / f"dilocod-{n}.log"
         self.logs.append(log)
         hub = ["--hub", f"file://{self.hub}"] if self.hub is not None else ["--hub", "none"]
-        if self.hub is not None and not os.path.lexists(self.hub):
+        if self.make_hub and self.hub is not None and not os.path.lexists(self.hub):
             self.hub.mkdir(parents=True)        # as an operator does: dilocod refuses a hub that does not exist
         listen = [] if any(str(a).startswith("--listen") for a in (*self.args, *extra)) else ["--listen", "127.0.0.1:0"]
         cmd = [str(BUILD / "dilocod"), "--state-root", str(self.state_root), *hub, *listen,

@@ -135,9 +135,10 @@ def test_a_failed_start_leaves_no_state_skeleton(tmp_path):
         assert d.proc.wait(30) == 1
         assert not (tmp_path / "state" / "aggregator").exists(), list((tmp_path / "state").rglob("*"))
         assert "cannot listen" in d.log_text()
-        # the same with a file:// hub that does not exist yet: neither the state nor the tree is made
+        # the same with a file:// hub that does not exist yet and --create-hub: neither the state nor the
+        # tree is made (without --create-hub the start refuses the hub first: the same, and said)
         d1 = Dilocod(tmp_path / "one", tmp_path / "one" / "tree", "--init-model", str(tmp_path / "init.safetensors"),
-                     "--expected-nodes", "1", "--listen", f"127.0.0.1:{port}")
+                     "--expected-nodes", "1", "--listen", f"127.0.0.1:{port}", "--create-hub", make_hub=False)
         (tmp_path / "one").mkdir()
         d1.start()
         assert d1.proc.wait(30) == 1
