@@ -8,6 +8,8 @@
 #include "daemon_internal.h"
 #include "daemon_parts.h"
 #include "dl_log.h"
+#include "fsutil.h"
+#include "history.h"
 #include "hub_s3.h"
 #include "s3_cluster.h"
 #include "store.h"
@@ -21,6 +23,29 @@ static void cluster_stopped(void *arg)
     if (d->hub != NULL)
         daemon__close_hub(d);
     daemon__maybe_finish_shutdown(d);
+}
+
+/* A step the cluster saw published: into rounds.jsonl and /rounds, as a local round's record (a step
+ * already there, from before a restart, is not recorded twice). */
+static void cluster_record(void *arg, const char *json)
+{
+    dilocod *d = arg;
+    const round_record *last = history_last(&d->history);
+    round_record r;
+    dl_error err;
+
+    if (history_record_parse(&r, json) != 0) {
+        dl_log(DL_LOG_ERROR, "cluster", "a step's history record does not parse (a bug): not kept", "%s", "");
+        return;
+    }
+    if (last != NULL && r.step <= last->step) {
+        history_record_free(&r);
+        return;
+    }
+    if (d->cluster_dir != NULL && history_append(d->cluster_dir, json, &err) != 0)
+        daemon__log_error("cluster", "cannot append to rounds.jsonl: /rounds keeps the step until a restart", &err);
+    history_push(&d->history, &r);
+    history_record_free(&r);
 }
 
 int daemon__cluster_start(dilocod *d, dl_error *err)
@@ -42,6 +67,13 @@ int daemon__cluster_start(dilocod *d, dl_error *err)
         return dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "--cluster-shards needs an s3:// transport");
     }
     snprintf(scratch, scratch_size, "%s/cache/cluster", state);
+    /* the history of the steps this aggregator saw published, kept in its state directory */
+    if (fsu_mkdirs(state, err) != 0 || history_compact(state, cfg->history_keep, err) != 0 ||
+        history_load(&d->history, state, UINT64_MAX, NULL, err) != 0) {
+        free(state);
+        free(scratch);
+        return -err->code;
+    }
     cluster_config cc = {
         .shards = cfg->cluster_shards,
         .lease = cfg->cluster_lease,
@@ -63,10 +95,16 @@ int daemon__cluster_start(dilocod *d, dl_error *err)
         .scratch_dir = scratch,
         .id = cfg->id,
         .init_model = cfg->init_model,
+        .rule_name = config_rule_name(cfg->aggregate),
+        .record = cluster_record,
+        .record_arg = d,
     };
     rc = cluster_start(&d->cluster, &d->loop, &cc, &a, cluster_stopped, d, err);
-    free(state);
     free(scratch);
+    if (rc != 0)
+        free(state);
+    else
+        d->cluster_dir = state;         /* freed with the daemon */
     return rc;
 }
 

@@ -185,6 +185,7 @@ typedef struct dilocod {
     uv_loop_t loop;
     config *cfg;
     struct cluster *cluster;    /* --cluster-shards (daemon_cluster.c): the bucket is the state, no pipeline runs */
+    char *cluster_dir;          /* its state directory: rounds.jsonl of the steps it saw published */
     store st;
     int stopping;
     int exit_code;

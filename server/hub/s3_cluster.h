@@ -53,6 +53,11 @@ typedef struct cluster_config {
     const char *id;             /* the aggregator's id (its instance adds a random part) */
     const char *init_model;     /* NULL, or a safetensors file published as step 0 into a bucket with no
                                    step_count.json (written once: whoever is first, the others check the bytes) */
+    const char *rule_name;      /* --aggregate's name, for the history records */
+    /* Called on the loop for each step this aggregator saw published (one JSON round record, as
+     * history_record_json writes it: the manifest's nodes, their norms); NULL: none kept */
+    void (*record)(void *arg, const char *json);
+    void *record_arg;
 } cluster_config;
 
 typedef struct cluster cluster;

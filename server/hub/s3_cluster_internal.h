@@ -100,6 +100,11 @@ struct cluster {
     char last_error[300];
     const char *problem;        /* NULL, or "output_overflow": no subset of a round made a finite step */
     size_t refused_count;       /* deltas remembered as refused (the thread's refused map) */
+    /* history records (cluster_config.record) the thread made, for the loop (record_async) */
+    uv_async_t record_async;
+    int record_async_open;
+    char **records;
+    size_t nrecords;
 
     /* the thread's */
     gmodel g;
@@ -120,6 +125,8 @@ struct cluster {
     double last_renew;
     char claim_etag[80];
     unsigned claim_renewal;
+    char *pending_record;       /* the record of pending_step as this aggregator saw it complete, until published */
+    uint64_t pending_step;
 };
 
 double cl_mono(void);

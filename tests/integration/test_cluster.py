@@ -12,6 +12,7 @@ DILOCOD_TEST_CLUSTER_STALL=<shard> (the claimer of that shard stops for 3600 s r
 and DILOCOD_TEST_CLUSTER_STALL_AFTER_PASS=<shard> (it stalls 2 s after computing the shard, before it
 writes anything)."""
 import json
+import math
 import os
 import re
 import signal
@@ -586,6 +587,24 @@ def wait_held(cluster, d, step, shard, timeout=20):
 # ---------------------------------------------------------------------------------------------------
 # 1. K=3 == K=1 == torch
 
+def check_cluster_rounds(d, all_deltas):
+    """d's /rounds: step r's record (base r) lists round r's deltas by node, their local steps, sizes and
+    L2 norms (numpy's, in double), reason cluster; no step twice."""
+    recs = d.rounds()
+    assert [r["step"] for r in recs] == list(range(len(all_deltas))), (d.agg_id, [r["step"] for r in recs])
+    for r in recs:
+        deltas = all_deltas[r["step"]]
+        assert r["reason"] == "cluster" and r["outer_step"] == r["step"] + 1 and r["aggregate"] == "mean", r
+        assert sorted(n["node_id"] for n in r["nodes"]) == sorted(deltas), r
+        for n in r["nodes"]:
+            assert n["local_step"] == local_step(r["step"] + 1) and n["bytes"] > 0, n
+            want = math.sqrt(sum(float(np.sum(np.abs(np.asarray(v.numpy() if isinstance(v, torch.Tensor) else v)
+                                                     .astype(np.complex128)) ** 2))
+                                 for v in deltas[n["node_id"]].values()))
+            assert math.isclose(n["norm"], want, rel_tol=1e-6), (d.agg_id, r["step"], n, want)
+        assert r["bytes"] == sum(n["bytes"] for n in r["nodes"]), r
+
+
 def test_k3_equals_k1_and_torch(tmp_path, s3):
     S, rounds = 6, 3
     init = cluster_model(1)
@@ -671,6 +690,16 @@ def test_k3_equals_k1_and_torch(tmp_path, s3):
             assert_state_equal(dict(module.state_dict()), states[step])
         for d in cl3.procs.values():
             assert d.alive(), cl3.logs()
+        # /rounds on every member: each step it saw published, as a local round's record (the manifest's
+        # nodes and local steps, their bytes and whole norms, the rule); kept in rounds.jsonl across a restart
+        for d in cl3.procs.values():
+            cl3.wait(lambda: len(d.rounds()) == rounds, f"{d.agg_id}'s /rounds holding {rounds} steps", 20)
+            check_cluster_rounds(d, all_deltas)
+        d = cl3.procs["agg-b"]
+        d.stop()
+        d.start()
+        cl3.wait(lambda: d.cluster() is not None, "agg-b back", 20)
+        check_cluster_rounds(d, all_deltas)
     finally:
         cl3.stop()
 
