@@ -24,7 +24,6 @@
 #include "delta.h"
 #include "dl_log.h"
 #include "fsutil.h"
-#include "history.h"
 #include "remote_fetch.h"
 #include "round.h"
 #include "s3_sync.h"
@@ -541,124 +540,6 @@ static void collect_garbage(cluster *c, uint64_t step)
 }
 
 
-/* ---- the history ------------------------------------------------------------------------------------ */
-
-/* The record of step as this aggregator saw it complete (README, "Scaling out": /rounds on any member):
- * the manifest's nodes in its order, their bytes, what they reported (the header's metadata) and their
- * whole norms (the done markers' per-shard sums of squares).  NULL when out of memory. */
-static char *step_record_json(const cluster *c, uint64_t step, const double *sumsq)
-{
-    round_record r;
-    struct timespec now;
-    sbuf b = {0};
-    double norms = 0;
-
-    memset(&r, 0, sizeof(r));
-    if ((r.nodes = calloc(c->nm ? c->nm : 1, sizeof(*r.nodes))) == NULL)
-        return NULL;
-    clock_gettime(CLOCK_REALTIME, &now);
-    r.step = step - 1;
-    snprintf(r.reason, sizeof(r.reason), "cluster");
-    snprintf(r.aggregate, sizeof(r.aggregate), "%s", c->cfg.rule_name != NULL ? c->cfg.rule_name : "");
-    r.closed_at = now.tv_sec;
-    r.closed_wall = (double)now.tv_sec + (double)now.tv_nsec / 1e9;
-    r.seconds = r.gbps = NAN;           /* the pass ran in shards, on several aggregators */
-    for (size_t k = 0; k < c->nm; k++) {
-        const node_delta *m = &c->m[k];
-        node_stat *n = &r.nodes[r.n++];
-        delta_info info;
-        dl_error err;
-        snprintf(n->node_id, sizeof(n->node_id), "%s", m->node);
-        n->local_step = m->local_step;
-        n->bytes = m->s.size;
-        n->norm = sqrt(sumsq[k]);
-        n->cosine = n->intake_norm = NAN;
-        n->scale = 1;
-        memset(&info, 0, sizeof(info));
-        if (m->s.h != NULL && delta_check_meta(m->s.h->meta, m->s.h->nmeta, NULL, &info, &err) == 0) {
-            n->metrics = info.metrics;
-            n->cz = info.cz;
-        }
-        r.bytes += n->bytes;
-        norms += n->norm;
-    }
-    r.mean_norm = r.n ? norms / (double)r.n : NAN;
-    history_record_json(&b, &r);
-    free(r.nodes);
-    return sb_take(&b);
-}
-
-/* The loop's side: each record the thread made goes to cfg.record, in order. */
-static void records_cb(uv_async_t *a)
-{
-    cluster *c = a->data;
-    char **recs;
-    size_t n;
-
-    pthread_mutex_lock(&c->mu);
-    recs = c->records;
-    n = c->nrecords;
-    c->records = NULL;
-    c->nrecords = 0;
-    pthread_mutex_unlock(&c->mu);
-    for (size_t i = 0; i < n; i++) {
-        if (c->cfg.record != NULL)
-            c->cfg.record(c->cfg.record_arg, recs[i]);
-        free(recs[i]);
-    }
-    free(recs);
-}
-
-/* Step is published (by us or another): its pending record, if it is that step's, goes to the loop.  A loop
- * that does not take them (stopping) holds at most 256: the oldest go. */
-static void hand_over_record(cluster *c, uint64_t step)
-{
-    if (c->pending_record == NULL || c->pending_step != step || c->cfg.record == NULL)
-        return;
-    pthread_mutex_lock(&c->mu);
-    if (c->nrecords >= 256) {
-        free(c->records[0]);
-        memmove(c->records, c->records + 1, (c->nrecords - 1) * sizeof(*c->records));
-        c->nrecords--;
-    }
-    char **grown = realloc(c->records, (c->nrecords + 1) * sizeof(*grown));
-    if (grown != NULL) {
-        c->records = grown;
-        c->records[c->nrecords++] = c->pending_record;
-        c->pending_record = NULL;
-    }
-    pthread_mutex_unlock(&c->mu);
-    if (c->pending_record != NULL) {    /* out of memory: this step's record is lost, and said */
-        dl_log(DL_LOG_WARN, "cluster", "a step's history record was lost: out of memory", "step=%" PRIu64, step);
-        free(c->pending_record);
-        c->pending_record = NULL;
-    }
-    uv_async_send(&c->record_async);
-}
-
-/* Another aggregator published step before this one reached its publish: the record of the manifest this
- * one worked on, with the norms from the bucket's done markers (none when they are not this generation's:
- * the step is then another's record, which this aggregator did not see whole). */
-static void record_seen_step(cluster *c, uint64_t step)
-{
-    double *sumsq;
-    uint32_t overflowed = 0;
-    char why[1024] = "overflowed";
-
-    if ((c->pending_record != NULL && c->pending_step == step) || c->cfg.record == NULL ||
-        (sumsq = calloc(c->nm ? c->nm : 1, sizeof(*sumsq))) == NULL)
-        return;
-    if (cl_check_outputs(c, step, sumsq, &overflowed, why, sizeof(why)) == 0 && overflowed == 0) {
-        free(c->pending_record);
-        c->pending_record = step_record_json(c, step, sumsq);
-        c->pending_step = step;
-    } else {
-        dl_log(DL_LOG_DEBUG, "cluster", "a step published by another is not in this history", "step=%" PRIu64
-               " why=%s", step, why);
-    }
-    free(sumsq);
-}
-
 /* Every shard is done: publish once.  0 published (by anyone), -1 not yet, 1 a shard's step overflowed
  * (nothing to publish: the overflow's refusal is written, and the next check_refusal takes it). */
 static int publish(cluster *c, uint64_t step)
@@ -684,9 +565,7 @@ static int publish(cluster *c, uint64_t step)
         goto out;
     }
     /* what this generation's step is, should it be the one published (by us below, or by another) */
-    free(c->pending_record);
-    c->pending_record = step_record_json(c, step, sumsq);
-    c->pending_step = step;
+    cl_record_pending(c, step, sumsq);
     snprintf(body, sizeof(body), "{\"outer_step\": %" PRIu64 ", \"generation\": %u, \"instance\": \"%s\"}\n", step,
              c->gen, c->instance);
     long st = cl_put_small(c, rel, body, strlen(body), NULL, 1, &r, why, sizeof(why));
@@ -709,7 +588,7 @@ static int publish(cluster *c, uint64_t step)
     int wrote;
     if (write_index(c, step, why, sizeof(why)) != 0 || (wrote = write_stepfile(c, step, why, sizeof(why))) < 0)
         goto out;
-    hand_over_record(c, step);
+    cl_record_hand_over(c, step);
     if (wrote == 0) {
         rc = 0;                 /* another completed this same publish first */
         goto out;
@@ -878,7 +757,7 @@ static int aggregate(cluster *c, uint64_t step)
         }
         int64_t now = cl_bucket_step(c, NULL, 0);
         if (now >= (int64_t)step) {
-            record_seen_step(c, step);
+            cl_record_seen(c, step);
             break;
         }
         if (!progressed)
@@ -1050,7 +929,7 @@ static void *cluster_main(void *arg)
     while (!cl_stopping(c)) {
         int g = cl_sync_global(c, why, sizeof(why));
         if (g == 1)
-            hand_over_record(c, c->g.step);     /* another published the step this one computed a part of */
+            cl_record_hand_over(c, c->g.step);     /* another published the step this one computed a part of */
         if (g == -2 && c->cfg.init_model != NULL && !boot_failed) {
             /* an empty bucket: publish step 0, then read it as any aggregator does */
             int b = bootstrap(c, why, sizeof(why));
@@ -1100,7 +979,7 @@ static void thread_ended(uv_async_t *a)
 {
     cluster *c = a->data;
     pthread_join(c->thread, NULL);
-    records_cb(&c->record_async);       /* the last ones the thread made */
+    cl_records_cb(&c->record_async);       /* the last ones the thread made */
     if (c->record_async_open)
         uv_close((uv_handle_t *)&c->record_async, NULL);
     c->record_async_open = 0;
@@ -1158,7 +1037,7 @@ int cluster_start(cluster **out, uv_loop_t *loop, const cluster_config *cfg, con
         return dl_fail(err, DL_E_IO, NULL, 0, "uv_async_init: %s", uv_strerror(rc));
     }
     c->done_async.data = c;
-    if ((rc = uv_async_init(loop, &c->record_async, records_cb)) != 0) {
+    if ((rc = uv_async_init(loop, &c->record_async, cl_records_cb)) != 0) {
         c->stopped = NULL;
         uv_close((uv_handle_t *)&c->done_async, NULL);
         return dl_fail(err, DL_E_IO, NULL, 0, "uv_async_init: %s", uv_strerror(rc));

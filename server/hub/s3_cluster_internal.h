@@ -1,4 +1,4 @@
-/* s3_cluster_internal: what the cluster's three files share (s3_cluster.h has the protocol): the
+/* s3_cluster_internal: what the cluster's files share (s3_cluster.h has the protocol): the
  * cluster's state and the calls between s3_cluster_bucket.c (requests, names, the published global),
  * s3_cluster_shard.c (claims, a shard's inputs, its pass and outputs) and s3_cluster.c (the round, the
  * manifest, refusals, the publish, the step, the thread, the view).  Private to those three files. */
@@ -202,6 +202,14 @@ int cl_check_refusal(cluster *c, uint64_t step);
  * or an identical earlier writer's), -1 failed, -2 rel holds other bytes (a conflict no retry mends). */
 int cl_put_once(cluster *c, const char *rel, const char *path, char md5[33], uint64_t *size, char *why,
                 size_t why_size);
+
+/* s3_cluster_history.c: step's record (the manifest's nodes, their norms from sumsq) kept until the step is
+ * published; made from the bucket's done markers when another published it first; handed to the loop once
+ * the step is published (by us or another); the loop's side of record_async. */
+void cl_record_pending(cluster *c, uint64_t step, const double *sumsq);
+void cl_record_seen(cluster *c, uint64_t step);
+void cl_record_hand_over(cluster *c, uint64_t step);
+void cl_records_cb(uv_async_t *a);
 
 /* s3_cluster.c, for the verdicts: a manifest's text, and the view reset for a new generation. */
 char *cl_manifest_text(const cluster *c, uint64_t step, unsigned gen, const node_delta *const *nodes, size_t n);
