@@ -520,6 +520,10 @@ void daemon__schedule_cleanup(dilocod *d)
      * files a publish reads stay until it ends */
     if (!d->st.committed || !pipeline_cleanup_ready(&d->pipe, d->rnd.step + 1))
         return;
+    /* cleaned already (by its own cleanup, or by the startup sweep of a step found durable): a second one
+     * would find nothing to remove, and would hold an activity on a record that is done */
+    if (pipeline_state(&d->pipe, d->st.step) == STEP_CLEANED)
+        return;
     if ((snap = calloc(1, sizeof(*snap))) == NULL)
         return;
     snap->committed = 1;
