@@ -127,7 +127,7 @@ void daemon__rejected(dilocod *d, const char *what, const char *rel, const delta
  * /metrics and the node's document agree.  info NULL (or without a node id): not read yet, node_id
  * says whose it is. */
 void daemon_verdict_rejected(dilocod *d, const char *node_id, const delta_info *info, dl_code code, int status,
-                             const char *message);
+                             const char *message, const char *tensor);
 void daemon_verdict_refused(dilocod *d, const char *node_id, const delta_info *info, round_verdict v, int status,
                             const char *message);
 /* GET /nodes/<id>'s document for node_id into b: 0, or -1 when no verdict of that node is known. */

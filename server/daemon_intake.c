@@ -185,7 +185,7 @@ static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path,
                    d->rnd.step, dl_log_q(qn, sizeof(qn), info->node_id), info->local_step, size, d->rnd.n,
                    d->cfg->expected_nodes);
         stats_delta_taken(&d->m, v);
-        daemon__verdict_taken(d, info, v, had_prev, prev_local, prev_base);
+        daemon__verdict_taken(d, info, v, http ? 201 : 0, recovered, had_prev, prev_local, prev_base);
         workers_report(&d->workers, info->node_id, info->base_outer_step, info->local_step, time(NULL), &info->metrics,
                        &info->cz, size);
         if (d->rnd.async)
@@ -263,7 +263,7 @@ void daemon__rejected(dilocod *d, const char *what, const char *rel, const delta
     /* whose: the transport's path (nodes/<id>/...); else (a cached copy) its metadata, when it was read */
     const char *node = rel != NULL && delta_parse_any_path(rel, &dp, &perr) == 0 ? dp.node_id : NULL;
 
-    daemon_verdict_rejected(d, node, info, err->code, 0, err->message);
+    daemon_verdict_rejected(d, node, info, err->code, 0, err->message, err->tensor);
     round_count_rejected(&d->rnd);
     dl_log(DL_LOG_WARN, "intake", "delta rejected", "path=%s code=%s error=%s%s%s", what, dl_error_name(err->code),
            dl_log_q(m, sizeof(m), err->message), err->tensor[0] ? " tensor=" : "",

@@ -38,9 +38,9 @@ int daemon__status_register(dilocod *d);
 
 /* Startup: <state>/verdicts.json read back (a damaged one set aside, loudly: the table starts empty). */
 void daemon__verdicts_load(dilocod *d);
-/* A delta the round took (accepted, replaced: the one it replaced, queued). */
-void daemon__verdict_taken(dilocod *d, const delta_info *info, round_verdict v, int had_prev, uint64_t prev_local,
-                           uint64_t prev_base);
+/* A delta the round took (accepted, replaced: the one it replaced, queued), answered status (0: none). */
+void daemon__verdict_taken(dilocod *d, const delta_info *info, round_verdict v, int status, int recovered,
+                           int had_prev, uint64_t prev_local, uint64_t prev_base);
 /* A round entry quarantined at the close (reason: norm_ratio, max_norm, cosine, overflow). */
 void daemon__verdict_quarantined(dilocod *d, const round_entry *e, const char *reason, const char *message);
 /* A round entry dropped with its discarded round (not quarantined itself). */

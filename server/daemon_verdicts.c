@@ -190,12 +190,17 @@ static void arrive(dilocod *d, const verdict_delta *v, verdict_kind kind, const 
 }
 
 void daemon_verdict_rejected(dilocod *d, const char *node_id, const delta_info *info, dl_code code, int status,
-                             const char *message)
+                             const char *message, const char *tensor)
 {
     verdict_delta v = about(d, node_id, info);
+    char msg[VERDICT_MESSAGE_MAX + 1];
 
     stats_delta_rejected(&d->m, code);
-    arrive(d, &v, VERDICT_REFUSED, dl_error_name(code), status, message);
+    if (tensor != NULL && tensor[0] != '\0')
+        snprintf(msg, sizeof(msg), "%s (tensor %.80s)", message, tensor);
+    else
+        snprintf(msg, sizeof(msg), "%s", message);
+    arrive(d, &v, VERDICT_REFUSED, dl_error_name(code), status, msg);
 }
 
 void daemon_verdict_refused(dilocod *d, const char *node_id, const delta_info *info, round_verdict rv, int status,
@@ -210,14 +215,16 @@ void daemon_verdict_refused(dilocod *d, const char *node_id, const delta_info *i
            message);
 }
 
-void daemon__verdict_taken(dilocod *d, const delta_info *info, round_verdict rv, int had_prev, uint64_t prev_local,
-                           uint64_t prev_base)
+void daemon__verdict_taken(dilocod *d, const delta_info *info, round_verdict rv, int status, int recovered,
+                           int had_prev, uint64_t prev_local, uint64_t prev_base)
 {
     verdict_delta v = about(d, NULL, info);
     char msg[160];
 
     if (!d->verdicts.loaded)
         return;
+    if (recovered && verdicts_pending(&d->verdicts.table, &v))
+        return;                 /* a restart offers its cached deltas again: each has its record */
     if (rv == ROUND_REPLACED && had_prev) {
         verdict_delta old = v;
         old.local_step = prev_local;
@@ -228,7 +235,7 @@ void daemon__verdict_taken(dilocod *d, const delta_info *info, round_verdict rv,
     snprintf(msg, sizeof(msg), "%s", d->rnd.async ? "taken for an update: the update decides"
                                                   : "in the round: its close decides (screens, overflow)");
     verdicts_arrive(&d->verdicts.table, &v, rv == ROUND_QUEUED ? VERDICT_QUEUED : VERDICT_ACCEPTED,
-                    round_verdict_name(rv), 0, msg, now_unix());
+                    round_verdict_name(rv), status, msg, now_unix());
     persist(d);
 }
 

@@ -161,7 +161,7 @@ void upload_reject_err(upload *u, const dl_error *err)
     if (err->code == DL_E_IO && err->sys_errno == ENOSPC)
         status = 507;
     if (status != 500 && status != 507)         /* the delta's verdict, not the server's trouble */
-        daemon_verdict_rejected(u->d, u->node_id, &u->ds.info, err->code, status, err->message);
+        daemon_verdict_rejected(u->d, u->node_id, &u->ds.info, err->code, status, err->message, err->tensor);
     upload_reject(u, status, dl_error_name(err->code), err->message, err->tensor);
 }
 
@@ -395,7 +395,7 @@ static int header_verdict(upload *u)
             char msg[200];
             snprintf(msg, sizeof(msg), "delta metadata node_id \"%s\" does not match the URL's node id \"%s\"",
                      info->node_id, u->node_id);
-            daemon_verdict_rejected(u->d, u->node_id, NULL, DL_E_PATH_MISMATCH, 422, msg);
+            daemon_verdict_rejected(u->d, u->node_id, NULL, DL_E_PATH_MISMATCH, 422, msg, NULL);
             upload_reject(u, 422, "path_mismatch", msg, NULL);
             return -1;
         }

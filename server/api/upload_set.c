@@ -303,7 +303,7 @@ static int shard_meta(upload *u, delta_info *info, int *have_base)
     info->local_step = u->local_step;
     if ((v = st_header_meta(h, "node_id", &len)) != NULL && (len != strlen(u->node_id) || memcmp(v, u->node_id, len))) {
         snprintf(msg, sizeof(msg), "the shard's metadata node_id does not match the path's node id \"%s\"", u->node_id);
-        daemon_verdict_rejected(u->d, u->node_id, NULL, DL_E_PATH_MISMATCH, 422, msg);
+        daemon_verdict_rejected(u->d, u->node_id, NULL, DL_E_PATH_MISMATCH, 422, msg, NULL);
         upload_reject(u, 422, "path_mismatch", msg, NULL);
         return -1;
     }
@@ -311,14 +311,14 @@ static int shard_meta(upload *u, delta_info *info, int *have_base)
         (delta_parse_int(v, len, &n) != 0 || n != u->local_step)) {
         snprintf(msg, sizeof(msg), "the shard's metadata local_step does not match the path's step %" PRIu64,
                  u->local_step);
-        daemon_verdict_rejected(u->d, u->node_id, NULL, DL_E_PATH_MISMATCH, 422, msg);
+        daemon_verdict_rejected(u->d, u->node_id, NULL, DL_E_PATH_MISMATCH, 422, msg, NULL);
         upload_reject(u, 422, "path_mismatch", msg, NULL);
         return -1;
     }
     if ((v = st_header_meta(h, "base_outer_step", &len)) != NULL) {
         if (delta_parse_int(v, len, &info->base_outer_step) != 0) {
             static const char bad_base[] = "the shard's metadata base_outer_step is not a canonical integer";
-            daemon_verdict_rejected(u->d, u->node_id, NULL, DL_E_METADATA_INVALID, 422, bad_base);
+            daemon_verdict_rejected(u->d, u->node_id, NULL, DL_E_METADATA_INVALID, 422, bad_base, NULL);
             upload_reject(u, 422, "metadata_invalid", bad_base, NULL);
             return -1;
         }
@@ -356,7 +356,7 @@ int set_shard_verdict(upload *u)
         (tdata > s->total_size || s->data - s->part_data[u->shard] > s->total_size - tdata)) {
         snprintf(msg, sizeof(msg), "the set's shards would hold more tensor data than the index's total_size of "
                  "%" PRIu64 " bytes", s->total_size);
-        daemon_verdict_rejected(d, u->node_id, NULL, DL_E_METADATA_INVALID, 422, msg);
+        daemon_verdict_rejected(d, u->node_id, NULL, DL_E_METADATA_INVALID, 422, msg, NULL);
         upload_reject(u, 422, "metadata_invalid", msg, NULL);
         return -1;
     }
@@ -811,7 +811,7 @@ void set_part_start(dilocod *d, http_conn *c, http_request *req, const delta_pat
             /* huggingface_hub never writes an empty shard: each holds at least one tensor */
             snprintf(msg, sizeof(msg), "a set of %u shards for a model of %u floating tensors: every shard holds "
                      "at least one tensor", dp->nshards, nfloat);
-            daemon_verdict_rejected(d, dp->node_id, NULL, DL_E_INVALID_PATH, 422, msg);
+            daemon_verdict_rejected(d, dp->node_id, NULL, DL_E_INVALID_PATH, 422, msg, NULL);
             upload_refuse(c, dp->node_id, 422, "invalid_path", msg, NULL);
             return;
         }
@@ -859,7 +859,7 @@ void set_part_start(dilocod *d, http_conn *c, http_request *req, const delta_pat
     if (s != NULL && kind == UP_SHARD && s->nshards != 0 && s->nshards != dp->nshards) {
         snprintf(msg, sizeof(msg), "the set of local_step %" PRIu64 " being uploaded has %u shards, not %u",
                  dp->local_step, s->nshards, dp->nshards);
-        daemon_verdict_rejected(d, dp->node_id, NULL, DL_E_INVALID_PATH, 422, msg);
+        daemon_verdict_rejected(d, dp->node_id, NULL, DL_E_INVALID_PATH, 422, msg, NULL);
         upload_refuse(c, dp->node_id, 422, "invalid_path", msg, NULL);
         return;
     }

@@ -148,19 +148,34 @@ void verdicts_arrive(verdicts *v, const verdict_delta *dlt, verdict_kind kind, c
     v->changes++;
 }
 
+/* The delta's newest record still waiting for its verdict (accepted or queued), or NULL: a retry of
+ * the same delta refused not_newer in between does not hide it. */
+static verdict_record *pending_of(const verdict_node *e, const verdict_delta *dlt)
+{
+    for (size_t i = e != NULL ? e->n : 0; i > 0; i--) {
+        const verdict_record *r = &e->ring[(e->head + i - 1) % VERDICTS_PER_NODE];
+        if (r->has_steps && r->local_step == dlt->local_step && r->base_outer_step == dlt->base_outer_step &&
+            (r->kind == VERDICT_ACCEPTED || r->kind == VERDICT_QUEUED))
+            return (verdict_record *)r;
+    }
+    return NULL;
+}
+
+int verdicts_pending(const verdicts *v, const verdict_delta *dlt)
+{
+    return pending_of(find(v, dlt->node_id), dlt) != NULL;
+}
+
 int verdicts_settle(verdicts *v, const verdict_delta *dlt, verdict_kind kind, const char *reason,
                     const char *message, double at, int only_pending)
 {
     verdict_node *e = find(v, dlt->node_id);
+    verdict_record *r = pending_of(e, dlt);
 
     if ((unsigned)kind >= VERDICT__COUNT)
         return 0;
-    for (size_t i = e != NULL ? e->n : 0; i > 0; i--) {
-        verdict_record *r = &e->ring[(e->head + i - 1) % VERDICTS_PER_NODE];
-        if (!r->has_steps || r->local_step != dlt->local_step || r->base_outer_step != dlt->base_outer_step)
-            continue;
-        if (r->kind != VERDICT_ACCEPTED && r->kind != VERDICT_QUEUED)
-            break;              /* its newest record is decided already */
+    /* only a record still waiting for its verdict takes it: a decided one stays as it was */
+    if (r != NULL) {
         int status = r->status;
         reason = reason_of(kind, reason);
         fill(r, dlt, kind, reason, status, message, at);

@@ -99,6 +99,9 @@ void verdicts_arrive(verdicts *v, const verdict_delta *dlt, verdict_kind kind, c
 int verdicts_settle(verdicts *v, const verdict_delta *dlt, verdict_kind kind, const char *reason,
                     const char *message, double at, int only_pending);
 
+/* Whether the delta's newest record is still accepted or queued (a restart offers a cached delta again:
+ * it has its record). */
+int verdicts_pending(const verdicts *v, const verdict_delta *dlt);
 const verdict_node *verdicts_find(const verdicts *v, const char *node_id);
 /* How many verdicts of reason the node got (0 for an unknown node). */
 uint64_t verdicts_count(const verdicts *v, const char *node_id, const char *reason);
