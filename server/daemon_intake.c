@@ -369,7 +369,11 @@ static void intake_done(job *j)
     case INTAKE_STALE:
     case INTAKE_FUTURE:
         round_count_refused(&d->rnd, r->status == INTAKE_STALE ? ROUND_STALE : ROUND_FUTURE);
-        {
+        if (r->status == INTAKE_STALE && r->info.base_outer_step + 1 < d->rnd.step) {
+            /* a leftover of the tree, two or more steps old: counted, not recorded for its node (a restart
+             * meets every one of them, and they would push the node's real verdicts out of its 32) */
+            stats_delta_refused(&d->m, ROUND_STALE);
+        } else {
             char msg[160];
             snprintf(msg, sizeof(msg), "base_outer_step %" PRIu64 " is %s: the step is %" PRIu64,
                      r->info.base_outer_step, r->status == INTAKE_STALE ? "stale" : "ahead", d->rnd.step);

@@ -180,7 +180,7 @@ def test_records_survive_kill9_and_a_damaged_file_is_refused_loudly(tmp_path):
         after = {n: node_doc(d, n)[1] for n in ("w0", "w1")}
         assert after == before
         assert (d.state_dir / "verdicts.json").exists()
-        d.stop()
+        assert d.stop() == 0
         # a damaged file: refused as a whole, said at error level, kept aside; the daemon runs
         (d.state_dir / "verdicts.json").write_text('{"version":1,"dropped_nodes":0,"nodes":[{"node_id":"w0",'
                                                    '"total":5,"counts":{"shape_mismatch":2},"deltas":[]}]}')
@@ -188,7 +188,7 @@ def test_records_survive_kill9_and_a_damaged_file_is_refused_loudly(tmp_path):
         d.wait_log("verdicts.json refused")
         assert node_doc(d, "w0")[0] == 404
         assert (d.state_dir / "verdicts.json.refused").exists()
-        d.stop()
+        assert d.stop() == 0
         # hostile: over the cap, not JSON, a node id that leaves its directory
         for n, text in enumerate(("x" * (5 << 20), "\x00{}", '{"version":1,"dropped_nodes":0,"nodes":[{"node_id":"../x",'
                      '"total":0,"counts":{},"deltas":[]}]}')):
@@ -196,7 +196,7 @@ def test_records_survive_kill9_and_a_damaged_file_is_refused_loudly(tmp_path):
             d.start()
             d.wait_log("verdicts.json refused", count=2 + n)
             assert node_doc(d, "x")[0] == 404 and d.alive()
-            d.stop()
+            assert d.stop() == 0
     finally:
         d.stop()
 
