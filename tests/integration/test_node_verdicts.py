@@ -16,6 +16,7 @@ from safetensors.torch import save as st_save
 import diloco
 from diloco.errors import HostileAnswer
 from diloco.transport import parse_node_verdicts
+from conftest import run
 from dilocod_proc import Dilocod, delta_metadata, write_model
 
 OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -84,7 +85,7 @@ def persisted(d):
 
 # ---- refusals at arrival ---------------------------------------------------------------------------
 
-def test_three_422s_are_recorded_and_the_counters_agree(tmp_path):
+def test_three_422s_are_recorded_and_the_counters_agree(tmp_path, diloco_bin):
     d = start(tmp_path, "--expected-nodes", "2")
     try:
         for local in (1, 2, 3):
@@ -116,6 +117,15 @@ def test_three_422s_are_recorded_and_the_counters_agree(tmp_path):
         code, err = node_doc(d, "nobody")
         assert code == 404 and err["error"]["code"] == "unknown_node" and err["error"]["message"], err
         assert diloco.Worker(d.url, "nobody").verdicts() is None
+        # the C tool: diloco status --node
+        out = run([diloco_bin, "status", "--server", d.url, "--node", "w0"], check=0).stdout
+        assert "node w0: 4 verdicts" in out and "shape_mismatch 3" in out and "future 1" in out, out
+        assert out.count(" refused ") == 4, out
+        out = run([diloco_bin, "status", "--server", d.url, "--node", "w0", "--json"], check=0).stdout
+        assert json.loads(out) == node_doc(d, "w0")[1]
+        r = run([diloco_bin, "status", "--server", d.url, "--node", "nobody"])
+        assert r.returncode == 4 and "unknown_node" in r.stderr, (r.returncode, r.stderr)
+        assert run([diloco_bin, "status", "--server", d.url, "--node", "../x"]).returncode == 2
     finally:
         assert d.stop() == 0
 
