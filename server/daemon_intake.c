@@ -155,11 +155,11 @@ static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path,
     }
     /* async: a delta applied already (an upload retried, a tree handed over again) is not newer */
     round_verdict v = d->rnd.async && daemon__async_applied(d, info) ? ROUND_NOT_NEWER : round_peek(&d->rnd, info);
-    /* the norm screen judges a delta the round would take (one taken before a restart was judged then) */
     /* sync: the node's delta this one may replace, whose record then says so */
     const round_entry *prev = d->rnd.async ? NULL : round_find(&d->rnd, info);
     int had_prev = prev != NULL;
     uint64_t prev_local = prev != NULL ? prev->local_step : 0, prev_base = prev != NULL ? prev->base : 0;
+    /* the norm screen judges a delta the round would take (one taken before a restart was judged then) */
     if (round_verdict_taken(v) && !daemon__robust_weighable(d, info))
         v = ROUND_NO_WEIGHT;
     else if (round_verdict_taken(v) && !recovered && daemon__robust_screen_offer(d, info))
@@ -255,15 +255,20 @@ static int rewritten_in_round(dilocod *d, intake_req *r, int *retry)
     return 1;
 }
 
+/* Whose a transport's delta is: the node of its path (nodes/<id>/...), into dp; NULL without one (a
+ * cached copy: its metadata says, when it was read). */
+static const char *node_of_rel(const char *rel, delta_path *dp)
+{
+    dl_error err;
+    return rel != NULL && delta_parse_any_path(rel, dp, &err) == 0 ? dp->node_id : NULL;
+}
+
 void daemon__rejected(dilocod *d, const char *what, const char *rel, const delta_info *info, const dl_error *err)
 {
     char m[600], t[300];
     delta_path dp;
-    dl_error perr;
-    /* whose: the transport's path (nodes/<id>/...); else (a cached copy) its metadata, when it was read */
-    const char *node = rel != NULL && delta_parse_any_path(rel, &dp, &perr) == 0 ? dp.node_id : NULL;
 
-    daemon_verdict_rejected(d, node, info, err->code, 0, err->message, err->tensor);
+    daemon_verdict_rejected(d, node_of_rel(rel, &dp), info, err->code, 0, err->message, err->tensor);
     round_count_rejected(&d->rnd);
     dl_log(DL_LOG_WARN, "intake", "delta rejected", "path=%s code=%s error=%s%s%s", what, dl_error_name(err->code),
            dl_log_q(m, sizeof(m), err->message), err->tensor[0] ? " tensor=" : "",
@@ -375,10 +380,11 @@ static void intake_done(job *j)
             stats_delta_refused(&d->m, ROUND_STALE);
         } else {
             char msg[160];
+            delta_path dp;
             snprintf(msg, sizeof(msg), "base_outer_step %" PRIu64 " is %s: the step is %" PRIu64,
                      r->info.base_outer_step, r->status == INTAKE_STALE ? "stale" : "ahead", d->rnd.step);
-            daemon_verdict_refused(d, r->info.node_id, &r->info, r->status == INTAKE_STALE ? ROUND_STALE : ROUND_FUTURE,
-                                   0, msg);
+            daemon_verdict_refused(d, node_of_rel(r->rel_path, &dp), &r->info,
+                                   r->status == INTAKE_STALE ? ROUND_STALE : ROUND_FUTURE, 0, msg);
         }
         /* a delta that just missed its round is worth a line; older leftovers in a hub (a restart meets
          * every one of them) only at debug level: they are counted in dilocod_deltas_refused_total */
