@@ -216,21 +216,71 @@ static void print_status(const cJSON *j)
     printf("\n");
 }
 
+/* GET /nodes/<id> (the node's verdicts), the document parsed; NULL with *rc set (the server's error said). */
+static cJSON *fetch_node(const client_opts *o, const char *node, int *rc)
+{
+    response r = {0};
+    cJSON *j = NULL, *err;
+    char path[16 + DELTA_NODE_ID_MAX];
+    shown_text t, u;
+
+    snprintf(path, sizeof(path), "/nodes/%s", node);
+    *rc = cli_get(o, path, &r, NULL, NULL);
+    if (*rc == 0)
+        j = cJSON_ParseWithLength(r.body.p ? r.body.p : "", r.body.len);
+    if (*rc == 0 && (r.status != 200 || !cJSON_IsObject(j))) {
+        err = cJSON_GetObjectItemCaseSensitive(j, "error");
+        fprintf(stderr, "diloco: node %s: HTTP %ld %s%s%s\n", node, r.status, shown(err, "code", &t),
+                cJSON_IsObject(err) ? ": " : "", cJSON_IsObject(err) ? cli_untrusted_str(u.s, sizeof(u.s),
+                cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(err, "message"))) : "");
+        cJSON_Delete(j);
+        j = NULL;
+        *rc = EXIT_NETWORK;
+    }
+    free(r.body.p);
+    return j;
+}
+
+/* A node's verdicts for a person: the counts, then each delta, newest first (every string shown, never raw). */
+static void print_node(const cJSON *j)
+{
+    const cJSON *counts = cJSON_GetObjectItemCaseSensitive(j, "counts");
+    const cJSON *deltas = cJSON_GetObjectItemCaseSensitive(j, "deltas"), *e;
+    char a[32], b[32], c[32], d[32];
+    shown_text t, u, v;
+
+    printf("node %s: %s verdicts\n", shown(j, "node_id", &t), num_text(j, "total", "%.0f", a, sizeof(a)));
+    printf("counts:");
+    cJSON_ArrayForEach(e, counts)
+        printf(" %s %s", cli_untrusted_str(t.s, sizeof(t.s), e->string), cJSON_IsNumber(e) ? (snprintf(a, sizeof(a),
+               "%.0f", e->valuedouble), a) : "-");
+    printf("\n");
+    cJSON_ArrayForEach(e, deltas)
+        printf("  local_step %-8s base %-6s step %-6s %-11s %-16s HTTP %-4s %s\n",
+               num_text(e, "local_step", "%.0f", a, sizeof(a)), num_text(e, "base_outer_step", "%.0f", b, sizeof(b)),
+               num_text(e, "step", "%.0f", c, sizeof(c)), shown(e, "verdict", &t), shown(e, "reason", &u),
+               num_text(e, "status", "%.0f", d, sizeof(d)), shown(e, "message", &v));
+}
+
 static const char status_help[] =
-    "usage: diloco status --server URL [--json] [--retries N]\n"
+    "usage: diloco status --server URL [--node ID] [--json] [--retries N]\n"
     "  A readable summary of dilocod's state: the step, the open round (which nodes delivered), the\n"
     "  last round (time, per-node norm and cosine to the mean), the hub.  --json prints /status as is.\n"
+    "  --node ID: that node's last deltas and their verdicts instead (GET /nodes/ID: accepted, queued,\n"
+    "  aggregated, quarantined, replaced, refused, with the reason), and its counts by reason.\n"
     "  --retries N: retries of connection errors and 5xx answers (default 2)\n";
 
 int cmd_status(int argc, char **argv)
 {
     static const struct option opts[] = {{"server", required_argument, NULL, 's'},
                                          {"json", no_argument, NULL, 'j'},
+                                         {"node", required_argument, NULL, 'n'},
                                          {"retries", required_argument, NULL, 'r'},
                                          {"help", no_argument, NULL, 'h'},
                                          {NULL, 0, NULL, 0}};
     client_opts o;
     int c, json = 0, rc;
+    const char *node = NULL;
     cJSON *j;
 
     cli_opts_defaults(&o);
@@ -239,6 +289,11 @@ int cmd_status(int argc, char **argv)
         switch (c) {
         case 's': o.server = optarg; break;
         case 'j': json = 1; break;
+        case 'n':
+            if (!delta_valid_node_id(optarg, strlen(optarg)))
+                return cli_bad_value("--node", optarg, status_help);
+            node = optarg;
+            break;
         case 'r': if (cli_parse_count(optarg, 100, &o.retries) != 0) return cli_bad_value("--retries", optarg, status_help); break;
         case 'h': fputs(status_help, stdout); return EXIT_OK;
         default: fputs(status_help, stderr); return EXIT_USAGE;
@@ -249,7 +304,7 @@ int cmd_status(int argc, char **argv)
         fputs(status_help, stderr);
         return EXIT_USAGE;
     }
-    if ((j = fetch_status(&o, &rc)) == NULL)
+    if ((j = node != NULL ? fetch_node(&o, node, &rc) : fetch_status(&o, &rc)) == NULL)
         return rc;
     if (json) {
         /* cJSON escapes C0 in strings, not DEL, C1 or bytes that are not UTF-8 */
@@ -257,6 +312,8 @@ int cmd_status(int argc, char **argv)
         cli_print_untrusted(stdout, t ? t : "null", t ? strlen(t) : 4);
         putchar('\n');
         cJSON_free(t);
+    } else if (node != NULL) {
+        print_node(j);
     } else {
         print_status(j);
     }

@@ -339,6 +339,7 @@ static void load_record(void *arg, const round_record *r)
     dilocod *d = arg;
 
     workers_committed(&d->workers, r, 1);
+    daemon__verdicts_committed(d, r, 1);        /* what verdicts.json had not caught up with */
     if (d->cfg->async)
         daemon__async_load_record(d, r);
 }
@@ -367,6 +368,7 @@ static int startup(dilocod *d, dl_error *err)
     }
     if ((rc = history_compact(d->st.dir, d->cfg->history_keep, err)) != 0)
         daemon__log_error("store", "cannot compact rounds.jsonl (it keeps growing)", err);
+    daemon__verdicts_load(d);   /* before the history's replay, which settles what the file missed */
     /* async: the deltas the history lists were applied; one that comes again is refused */
     if ((rc = history_load_each(&d->history, d->st.dir, d->st.committed ? d->st.step : UINT64_MAX, d->st.round_json,
                                 load_record, d, err)) != 0)
@@ -547,6 +549,7 @@ int daemon_run(config *cfg, const daemon_front *front)
     daemon__drop_warm(d, d->warm.tmp);
     round_free(&d->rnd);
     st_header_free(d->model);
+    daemon__verdicts_close(d);  /* the loop is gone: its last changes written here */
     store_free(&d->st);
     d->front->free_credentials();
     daemon__served_clear(&d->global);

@@ -118,7 +118,20 @@ round_verdict daemon__peek(dilocod *d, const delta_info *info);
  * nothing measured and no --dylu-base-steps). */
 uint64_t daemon__async_recommended(const dilocod *d, const char *node_id);
 /* Counts and logs a rejected delta. */
-void daemon__rejected(dilocod *d, const char *what, const dl_error *err);
+void daemon__rejected(dilocod *d, const char *what, const char *rel, const delta_info *info, const dl_error *err);
+
+/* ---- verdicts (daemon_verdicts.c): what happened to each node's deltas ------------------------- */
+
+/* A delta refused as invalid (code) or by the round's rules (v), answered with HTTP status (0: none):
+ * counted (stats.h) and recorded for its node (GET /nodes/<id>) in the one call, so that /status,
+ * /metrics and the node's document agree.  info NULL (or without a node id): not read yet, node_id
+ * says whose it is. */
+void daemon_verdict_rejected(dilocod *d, const char *node_id, const delta_info *info, dl_code code, int status,
+                             const char *message, const char *tensor);
+void daemon_verdict_refused(dilocod *d, const char *node_id, const delta_info *info, round_verdict v, int status,
+                            const char *message);
+/* GET /nodes/<id>'s document for node_id into b: 0, or -1 when no verdict of that node is known. */
+int daemon_node_verdicts_json(const dilocod *d, const char *node_id, sbuf *b);
 
 /* ---- the pool (daemon.c) ---------------------------------------------------------------------- */
 

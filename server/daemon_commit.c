@@ -488,6 +488,7 @@ static void record_round(dilocod *d)
     double seconds = d->pending_record.seconds;
 
     workers_committed(&d->workers, &d->pending_record, 0);
+    daemon__verdicts_committed(d, &d->pending_record, 0);
     history_push(&d->history, &d->pending_record);
     stats_round_committed(&d->m, seconds);
 }

@@ -105,9 +105,23 @@ void daemon__arm_round_timer(dilocod *d)
     uv_timer_start(&d->round_timer, round_timer_cb, wait > 0 ? (uint64_t)ceil(wait * 1000) + 1 : 0, 0);
 }
 
-static void count_refusal(dilocod *d, round_verdict v)
+/* A refusal at the offer: counted and recorded for its node (daemon_verdicts.c); an upload's answer
+ * (api/upload.c) words it at length, the record says why in short. */
+static void count_refusal(dilocod *d, const delta_info *info, round_verdict v, int http)
 {
-    stats_delta_refused(&d->m, v);
+    char msg[200];
+    double norm = 0, bound = 0;
+    const char *reason = "norm_ratio", *basis = "round";
+
+    if (v == ROUND_OUTLIER) {
+        (void)daemon_quarantine_detail(d, info->node_id, &norm, &bound, &reason, &basis);
+        snprintf(msg, sizeof(msg), "quarantined at arrival: L2 norm %.9g above the bound %.9g (%s, %s)", norm, bound,
+                 reason, basis);
+    } else {
+        snprintf(msg, sizeof(msg), "refused at the round's offer: %s (step %" PRIu64 ")", round_verdict_name(v),
+                 d->rnd.step);
+    }
+    daemon_verdict_refused(d, info->node_id, info, v, http ? round_verdict_http_status(v) : 0, msg);
 }
 
 round_verdict daemon__peek(dilocod *d, const delta_info *info)
@@ -127,7 +141,7 @@ round_verdict daemon__peek(dilocod *d, const delta_info *info)
 /* daemon__offer, for a delta linked from a shared tree when guard is non-NULL: the version validated,
  * which the round checks again before and after its pass. */
 static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path, uint64_t size,
-                           const fsu_ident *guard, int recovered)
+                           const fsu_ident *guard, int recovered, int http)
 {
     char *replaced = NULL, qn[160];
     double now = daemon__now(d);
@@ -141,6 +155,10 @@ static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path,
     }
     /* async: a delta applied already (an upload retried, a tree handed over again) is not newer */
     round_verdict v = d->rnd.async && daemon__async_applied(d, info) ? ROUND_NOT_NEWER : round_peek(&d->rnd, info);
+    /* sync: the node's delta this one may replace, whose record then says so */
+    const round_entry *prev = d->rnd.async ? NULL : round_find(&d->rnd, info);
+    int had_prev = prev != NULL;
+    uint64_t prev_local = prev != NULL ? prev->local_step : 0, prev_base = prev != NULL ? prev->base : 0;
     /* the norm screen judges a delta the round would take (one taken before a restart was judged then) */
     if (round_verdict_taken(v) && !daemon__robust_weighable(d, info))
         v = ROUND_NO_WEIGHT;
@@ -167,6 +185,7 @@ static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path,
                    d->rnd.step, dl_log_q(qn, sizeof(qn), info->node_id), info->local_step, size, d->rnd.n,
                    d->cfg->expected_nodes);
         stats_delta_taken(&d->m, v);
+        daemon__verdict_taken(d, info, v, http ? 201 : 0, recovered, had_prev, prev_local, prev_base);
         workers_report(&d->workers, info->node_id, info->base_outer_step, info->local_step, time(NULL), &info->metrics,
                        &info->cz, size);
         if (d->rnd.async)
@@ -180,7 +199,7 @@ static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path,
         daemon__maybe_close_round(d);
         return v;
     }
-    count_refusal(d, v);
+    count_refusal(d, info, v, http);
     dl_log(v == ROUND_NOT_NEWER ? DL_LOG_INFO : DL_LOG_WARN, "round", "delta refused",
            "step=%" PRIu64 " node=%s local_step=%" PRIu64 " base_outer_step=%" PRIu64 " reason=%s", d->rnd.step,
            dl_log_q(qn, sizeof(qn), info->node_id), info->local_step, info->base_outer_step, round_verdict_name(v));
@@ -191,7 +210,7 @@ static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path,
 
 round_verdict daemon__offer(dilocod *d, const delta_info *info, char *cache_path, uint64_t size)
 {
-    return offer(d, info, cache_path, size, NULL, 0);
+    return offer(d, info, cache_path, size, NULL, 0, 1);
 }
 
 /* A shared tree's file answered DUPLICATE while the round holds a guarded link to it whose version
@@ -236,11 +255,20 @@ static int rewritten_in_round(dilocod *d, intake_req *r, int *retry)
     return 1;
 }
 
-void daemon__rejected(dilocod *d, const char *what, const dl_error *err)
+/* Whose a transport's delta is: the node of its path (nodes/<id>/...), into dp; NULL without one (a
+ * cached copy: its metadata says, when it was read). */
+static const char *node_of_rel(const char *rel, delta_path *dp)
+{
+    dl_error err;
+    return rel != NULL && delta_parse_any_path(rel, dp, &err) == 0 ? dp->node_id : NULL;
+}
+
+void daemon__rejected(dilocod *d, const char *what, const char *rel, const delta_info *info, const dl_error *err)
 {
     char m[600], t[300];
+    delta_path dp;
 
-    stats_delta_rejected(&d->m, err->code);
+    daemon_verdict_rejected(d, node_of_rel(rel, &dp), info, err->code, 0, err->message, err->tensor);
     round_count_rejected(&d->rnd);
     dl_log(DL_LOG_WARN, "intake", "delta rejected", "path=%s code=%s error=%s%s%s", what, dl_error_name(err->code),
            dl_log_q(m, sizeof(m), err->message), err->tensor[0] ? " tensor=" : "",
@@ -327,7 +355,7 @@ static void intake_done(job *j)
     round_verdict verdict = ROUND_ACCEPTED;
     int offered = r->status == INTAKE_OK && !d->stopping;
     if (offered) {
-        verdict = offer(d, &r->info, r->cache_path, r->size, r->linked ? &r->ident : NULL, r->in_cache);
+        verdict = offer(d, &r->info, r->cache_path, r->size, r->linked ? &r->ident : NULL, r->in_cache, 0);
         r->cache_path = NULL;
     }
     /* a transport's file: it learns the outcome (and says whether a short file is short for good); one the
@@ -346,7 +374,18 @@ static void intake_done(job *j)
     case INTAKE_STALE:
     case INTAKE_FUTURE:
         round_count_refused(&d->rnd, r->status == INTAKE_STALE ? ROUND_STALE : ROUND_FUTURE);
-        stats_delta_refused(&d->m, r->status == INTAKE_STALE ? ROUND_STALE : ROUND_FUTURE);
+        if (r->status == INTAKE_STALE && r->info.base_outer_step + 1 < d->rnd.step) {
+            /* a leftover of the tree, two or more steps old: counted, not recorded for its node (a restart
+             * meets every one of them, and they would push the node's real verdicts out of its 32) */
+            stats_delta_refused(&d->m, ROUND_STALE);
+        } else {
+            char msg[160];
+            delta_path dp;
+            snprintf(msg, sizeof(msg), "base_outer_step %" PRIu64 " is %s: the step is %" PRIu64,
+                     r->info.base_outer_step, r->status == INTAKE_STALE ? "stale" : "ahead", d->rnd.step);
+            daemon_verdict_refused(d, node_of_rel(r->rel_path, &dp), &r->info,
+                                   r->status == INTAKE_STALE ? ROUND_STALE : ROUND_FUTURE, 0, msg);
+        }
         /* a delta that just missed its round is worth a line; older leftovers in a hub (a restart meets
          * every one of them) only at debug level: they are counted in dilocod_deltas_refused_total */
         dl_log(r->status == INTAKE_FUTURE                      ? DL_LOG_WARN
@@ -368,12 +407,12 @@ static void intake_done(job *j)
         break;
     case INTAKE_INCOMPLETE:
         if (final)      /* it stopped changing and is still short (or cannot grow: a download) */
-            daemon__rejected(d, name, &r->err);
+            daemon__rejected(d, name, r->rel_path, &r->info, &r->err);
         else
             dl_log(DL_LOG_DEBUG, "intake", "delta incomplete, will retry", "path=%s bytes=%" PRIu64, name, r->size);
         break;
     case INTAKE_INVALID:
-        daemon__rejected(d, name, &r->err);
+        daemon__rejected(d, name, r->rel_path, &r->info, &r->err);
         if (r->in_cache)
             daemon__discard_local(d, r->src_path, 0);
         break;

@@ -24,6 +24,7 @@
 #include "safetensors.h"
 #include "stats.h"
 #include "store.h"
+#include "verdicts.h"
 #include "workers.h"
 
 #include "util.h"
@@ -181,6 +182,16 @@ typedef struct daemon_robust {
 
 struct cluster;
 
+/* Each node's last deltas and their verdicts (core/verdicts.h), and their file <state>/verdicts.json,
+ * replaced on the pool after every change (one write at a time; changes meanwhile are written next). */
+typedef struct daemon_verdicts {
+    verdicts table;
+    int loaded;                 /* the table exists (verdicts_init succeeded) */
+    int writing;                /* a write of the file is out */
+    uint64_t written;           /* table.changes that the file holds */
+    uint64_t write_failures;
+} daemon_verdicts;
+
 typedef struct dilocod {
     uv_loop_t loop;
     config *cfg;
@@ -236,6 +247,7 @@ typedef struct dilocod {
     round_record pending_record;
     stats m;                    /* every counter (stats.h) */
     workers workers;            /* what each worker last reported with its deltas (workers.h) */
+    daemon_verdicts verdicts;   /* daemon_verdicts.c */
     /* adoptions of a published global refused (its step out of bounds, its header over the cap, ...):
      * counted each time, logged once per step offered */
     uint64_t adoptions_refused;

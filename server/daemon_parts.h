@@ -34,6 +34,24 @@ struct settle_args;
 int daemon__front_busy(const dilocod *d);
 int daemon__status_register(dilocod *d);
 
+/* ---- daemon_verdicts.c: each node's deltas and their verdicts ---- */
+
+/* Startup: <state>/verdicts.json read back (a damaged one set aside, loudly: the table starts empty). */
+void daemon__verdicts_load(dilocod *d);
+/* A delta the round took (accepted, replaced: the one it replaced, queued), answered status (0: none). */
+void daemon__verdict_taken(dilocod *d, const delta_info *info, round_verdict v, int status, int recovered,
+                           int had_prev, uint64_t prev_local, uint64_t prev_base);
+/* A round entry quarantined at the close (reason: norm_ratio, max_norm, cosine, overflow). */
+void daemon__verdict_quarantined(dilocod *d, const round_entry *e, const char *reason, const char *message);
+/* A round entry dropped with its discarded round (not quarantined itself). */
+void daemon__verdict_discarded(dilocod *d, const round_entry *e, const char *reason);
+/* A committed round (or, replay 1, a record of the history at startup): its deltas aggregated, its
+ * quarantined ones quarantined (replay: only where the file still says accepted or queued). */
+void daemon__verdicts_committed(dilocod *d, const round_record *r, int replay);
+/* Shutdown, the loop gone: the last changes written (blocking), the table freed. */
+void daemon__verdicts_close(dilocod *d);
+extern const daemon_provider daemon__verdicts_provider;
+
 /* ---- daemon_async.c: asynchronous mode ---- */
 
 /* A delta taken (accepted or queued) with staleness tau: its node's speed, the staleness histogram. */

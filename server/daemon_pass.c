@@ -835,6 +835,8 @@ static void discard_round(dilocod *d)
     char *path;
 
     while (d->rnd.n > 0) {
+        daemon__verdict_discarded(d, &d->rnd.entries[d->rnd.n - 1], d->agg.overflow_problem ? "round_overflowed"
+                                                                                            : "round_discarded");
         round_drop_at(&d->rnd, d->rnd.n - 1, &path);
         daemon__discard_local(d, path, 0);
         free(path);

@@ -247,6 +247,17 @@ static void quarantine_entry(dilocod *d, round_entry *e, double value, double bo
     e->quarantine_bound = bound;
     snprintf(e->quarantine_reason, sizeof(e->quarantine_reason), "%s", reason);
     record(d, e->node_id, e->local_step, value, bound, reason, basis);
+    char msg[200];
+    if (strcmp(reason, "cosine") == 0)
+        snprintf(msg, sizeof(msg), "quarantined at the round's close: cosine %.6g to the median below %.6g", value,
+                 bound);
+    else if (strcmp(reason, "overflow") == 0)
+        snprintf(msg, sizeof(msg), "quarantined at the round's close: the largest norm (%.9g) of a step that "
+                 "overflowed", value);
+    else
+        snprintf(msg, sizeof(msg), "quarantined at the round's close: L2 norm %.9g above the bound %.9g (%s, %s)",
+                 value, bound, reason, basis);
+    daemon__verdict_quarantined(d, e, reason, msg);
 }
 
 void daemon__robust_screen_close(dilocod *d)

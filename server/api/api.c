@@ -279,6 +279,33 @@ static void get_stepfile(dilocod *d, http_conn *c, http_request *req)
     serve_stepfile(d, c);
 }
 
+/* GET /nodes/<id>: the node's last deltas and their verdicts (daemon_verdicts.c).  Read like /status
+ * and /rounds, without a token: it says what the server did with deltas, never their content. */
+static void get_node(dilocod *d, http_conn *c, http_request *req)
+{
+    const char *id = req->path + strlen("/nodes/");
+    sbuf b = {0};
+
+    if (!delta_valid_node_id(id, strlen(id))) {
+        http_respond_error(c, 404, "not_found", "node ids are [A-Za-z0-9._-]{1,64}, never . or ..", NULL);
+        return;
+    }
+    if (daemon_node_verdicts_json(d, id, &b) != 0) {
+        free(b.p);
+        http_respond_error(c, 404, "unknown_node",
+                           "no verdict of this node is known (none of its deltas arrived, or it was forgotten for "
+                           "more recent nodes)", NULL);
+        return;
+    }
+    respond_sbuf(c, 200, "application/json", &b);
+}
+
+/* /nodes/<id> and nothing below it: the uploads' paths go on to their own row. */
+static int is_node_path(const char *path)
+{
+    return strncmp(path, "/nodes/", 7) == 0 && path[7] != '\0' && strchr(path + 7, '/') == NULL;
+}
+
 /* ---- the route table --------------------------------------------------------------------------- */
 
 typedef void (*route_handler)(dilocod *d, http_conn *c, http_request *req);
@@ -293,19 +320,21 @@ typedef struct route {
     route_handler handler;
     document_builder document;
     const char *type;           /* the document's Content-Type */
+    int (*match)(const char *path);     /* optional: narrows a prefix row to the paths it takes */
 } route;
 
 #define JSON "application/json"
 static const route routes[] = {
-    {"/", ROUTE_DASHBOARD, 1, get_dashboard, NULL, NULL},
-    {"/index.html", ROUTE_DASHBOARD, 1, get_dashboard, NULL, NULL},
-    {"/status", ROUTE_STATUS, 1, NULL, status_json, JSON},
-    {"/healthz", ROUTE_HEALTHZ, 1, NULL, healthz_json, JSON},
-    {"/metrics", ROUTE_METRICS, 1, NULL, metrics_text, "text/plain; version=0.0.4; charset=utf-8"},
-    {"/rounds", ROUTE_ROUNDS, 1, NULL, rounds_json, JSON},
-    {"/global/step_count.json", ROUTE_STEPFILE, 1, get_stepfile, NULL, NULL},
-    {"/global/", ROUTE_GLOBAL, 1, serve_global, NULL, NULL},
-    {"/nodes/", ROUTE_UPLOAD, 0, upload_route, NULL, NULL},
+    {"/", ROUTE_DASHBOARD, 1, get_dashboard, NULL, NULL, NULL},
+    {"/index.html", ROUTE_DASHBOARD, 1, get_dashboard, NULL, NULL, NULL},
+    {"/status", ROUTE_STATUS, 1, NULL, status_json, JSON, NULL},
+    {"/healthz", ROUTE_HEALTHZ, 1, NULL, healthz_json, JSON, NULL},
+    {"/metrics", ROUTE_METRICS, 1, NULL, metrics_text, "text/plain; version=0.0.4; charset=utf-8", NULL},
+    {"/rounds", ROUTE_ROUNDS, 1, NULL, rounds_json, JSON, NULL},
+    {"/global/step_count.json", ROUTE_STEPFILE, 1, get_stepfile, NULL, NULL, NULL},
+    {"/global/", ROUTE_GLOBAL, 1, serve_global, NULL, NULL, NULL},
+    {"/nodes/", ROUTE_NODE, 1, get_node, NULL, NULL, is_node_path},
+    {"/nodes/", ROUTE_UPLOAD, 0, upload_route, NULL, NULL, NULL},
 };
 #undef JSON
 
@@ -315,7 +344,8 @@ static const route *route_find(const char *path)
         const route *r = &routes[i];
         size_t n = strlen(r->path);
         int prefix = n > 1 && r->path[n - 1] == '/';
-        if (prefix ? strncmp(path, r->path, n) == 0 : strcmp(path, r->path) == 0)
+        if ((prefix ? strncmp(path, r->path, n) == 0 : strcmp(path, r->path) == 0) &&
+            (r->match == NULL || r->match(path)))
             return r;
     }
     return NULL;

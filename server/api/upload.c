@@ -160,8 +160,8 @@ void upload_reject_err(upload *u, const dl_error *err)
     int status = status_for(err->code);
     if (err->code == DL_E_IO && err->sys_errno == ENOSPC)
         status = 507;
-    if (status != 500 && status != 507)
-        stats_delta_rejected(daemon_stats(u->d), err->code);
+    if (status != 500 && status != 507)         /* the delta's verdict, not the server's trouble */
+        daemon_verdict_rejected(u->d, u->node_id, &u->ds.info, err->code, status, err->message, err->tensor);
     upload_reject(u, status, dl_error_name(err->code), err->message, err->tensor);
 }
 
@@ -363,7 +363,7 @@ int upload_peek_or_refuse(dilocod *d, http_conn *c, const delta_info *info, int 
     if (round_verdict_taken(v))
         return 0;
     int status = verdict_message(d, v, info, known_base, msg, sizeof(msg));
-    stats_delta_refused(daemon_stats(d), v);
+    daemon_verdict_refused(d, info->node_id, known_base ? info : NULL, v, status, msg);
     if (status == 503)
         (void)http_conn_set_response_header(c, "Retry-After", "1");
     upload_refuse(c, info->node_id, status, round_verdict_name(v), msg, NULL);
@@ -395,7 +395,7 @@ static int header_verdict(upload *u)
             char msg[200];
             snprintf(msg, sizeof(msg), "delta metadata node_id \"%s\" does not match the URL's node id \"%s\"",
                      info->node_id, u->node_id);
-            stats_delta_rejected(daemon_stats(u->d), DL_E_PATH_MISMATCH);
+            daemon_verdict_rejected(u->d, u->node_id, NULL, DL_E_PATH_MISMATCH, 422, msg, NULL);
             upload_reject(u, 422, "path_mismatch", msg, NULL);
             return -1;
         }
@@ -599,6 +599,10 @@ void upload_respond_created(upload *u, const delta_info *info, const char *rel, 
     sb_str(&b, num);
     sb_str(&b, "\"path\":");
     sb_json_string(&b, rel, strlen(rel));
+    /* what the answer cannot know yet: the close's screens (norm, cosine), an overflowed pass or a
+     * discarded round may still keep the delta out of the step; GET /nodes/<id> tells (README, "Verdicts") */
+    sb_printf(&b, ",\"final\":false,\"decided_at\":\"%s\",\"verdicts\":\"/nodes/%s\"",
+              daemon_round(d)->async ? (v == ROUND_QUEUED ? "next_update" : "update") : "round_close", info->node_id);
     /* the round may already have closed on this very delta */
     snprintf(num, sizeof(num), ",\"round\":{\"step\":%" PRIu64 ",\"received\":%zu,\"expected\":%u,\"state\":\"%s\"}}\n",
              info->base_outer_step, daemon_round(d)->step == info->base_outer_step ? daemon_round(d)->n : (size_t)0,
@@ -626,7 +630,9 @@ static void finalize_done(pool_job *j)
         else
             upload_reject_verdict(u, &u->ds.info, v);
     } else if (a->st == INTAKE_DUPLICATE) {
-        upload_reject(u, 409, "not_newer", "this node's delta for this local_step is already in the round", NULL);
+        static const char dup[] = "this node's delta for this local_step is already in the round";
+        daemon_verdict_refused(d, u->node_id, &u->ds.info, ROUND_NOT_NEWER, 409, dup);
+        upload_reject(u, 409, "not_newer", dup, NULL);
     } else {
         upload_reject_err(u, &j->err);
     }

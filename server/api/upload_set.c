@@ -303,7 +303,7 @@ static int shard_meta(upload *u, delta_info *info, int *have_base)
     info->local_step = u->local_step;
     if ((v = st_header_meta(h, "node_id", &len)) != NULL && (len != strlen(u->node_id) || memcmp(v, u->node_id, len))) {
         snprintf(msg, sizeof(msg), "the shard's metadata node_id does not match the path's node id \"%s\"", u->node_id);
-        stats_delta_rejected(daemon_stats(u->d), DL_E_PATH_MISMATCH);
+        daemon_verdict_rejected(u->d, u->node_id, NULL, DL_E_PATH_MISMATCH, 422, msg, NULL);
         upload_reject(u, 422, "path_mismatch", msg, NULL);
         return -1;
     }
@@ -311,14 +311,15 @@ static int shard_meta(upload *u, delta_info *info, int *have_base)
         (delta_parse_int(v, len, &n) != 0 || n != u->local_step)) {
         snprintf(msg, sizeof(msg), "the shard's metadata local_step does not match the path's step %" PRIu64,
                  u->local_step);
-        stats_delta_rejected(daemon_stats(u->d), DL_E_PATH_MISMATCH);
+        daemon_verdict_rejected(u->d, u->node_id, NULL, DL_E_PATH_MISMATCH, 422, msg, NULL);
         upload_reject(u, 422, "path_mismatch", msg, NULL);
         return -1;
     }
     if ((v = st_header_meta(h, "base_outer_step", &len)) != NULL) {
         if (delta_parse_int(v, len, &info->base_outer_step) != 0) {
-            stats_delta_rejected(daemon_stats(u->d), DL_E_METADATA_INVALID);
-            upload_reject(u, 422, "metadata_invalid", "the shard's metadata base_outer_step is not a canonical integer", NULL);
+            static const char bad_base[] = "the shard's metadata base_outer_step is not a canonical integer";
+            daemon_verdict_rejected(u->d, u->node_id, NULL, DL_E_METADATA_INVALID, 422, bad_base, NULL);
+            upload_reject(u, 422, "metadata_invalid", bad_base, NULL);
             return -1;
         }
         *have_base = 1;
@@ -355,7 +356,7 @@ int set_shard_verdict(upload *u)
         (tdata > s->total_size || s->data - s->part_data[u->shard] > s->total_size - tdata)) {
         snprintf(msg, sizeof(msg), "the set's shards would hold more tensor data than the index's total_size of "
                  "%" PRIu64 " bytes", s->total_size);
-        stats_delta_rejected(daemon_stats(d), DL_E_METADATA_INVALID);
+        daemon_verdict_rejected(d, u->node_id, NULL, DL_E_METADATA_INVALID, 422, msg, NULL);
         upload_reject(u, 422, "metadata_invalid", msg, NULL);
         return -1;
     }
@@ -727,12 +728,13 @@ static void complete_done(pool_job *j)
         char why[sizeof(j->err.message) + 32];
         if (a->st == INTAKE_DUPLICATE) {
             dl_fail(&j->err, DL_E_IO, NULL, 0, "this node's delta for this local_step is already in the round");
+            daemon_verdict_refused(d, a->info.node_id, &a->info, ROUND_NOT_NEWER, u != NULL ? 409 : 0, j->err.message);
             if (u != NULL)
                 upload_reject(u, 409, "not_newer", j->err.message, NULL);
         } else if (u != NULL) {
             upload_reject_err(u, &j->err);
         } else {
-            daemon__rejected(d, a->rel, &j->err);
+            daemon__rejected(d, a->rel, a->rel, &a->info, &j->err);
         }
         snprintf(why, sizeof(why), "the set was refused: %s", j->err.message);
         stage_discard(s, 409, "set_refused", why);
@@ -809,7 +811,7 @@ void set_part_start(dilocod *d, http_conn *c, http_request *req, const delta_pat
             /* huggingface_hub never writes an empty shard: each holds at least one tensor */
             snprintf(msg, sizeof(msg), "a set of %u shards for a model of %u floating tensors: every shard holds "
                      "at least one tensor", dp->nshards, nfloat);
-            stats_delta_rejected(daemon_stats(d), DL_E_INVALID_PATH);
+            daemon_verdict_rejected(d, dp->node_id, NULL, DL_E_INVALID_PATH, 422, msg, NULL);
             upload_refuse(c, dp->node_id, 422, "invalid_path", msg, NULL);
             return;
         }
@@ -831,7 +833,7 @@ void set_part_start(dilocod *d, http_conn *c, http_request *req, const delta_pat
     if (s != NULL && s->local_step > dp->local_step) {
         snprintf(msg, sizeof(msg), "node %s is uploading the set of local_step %" PRIu64 ", a later one", dp->node_id,
                  s->local_step);
-        stats_delta_refused(daemon_stats(d), ROUND_NOT_NEWER);
+        daemon_verdict_refused(d, dp->node_id, NULL, ROUND_NOT_NEWER, 409, msg);
         upload_refuse(c, dp->node_id, 409, "not_newer", msg, NULL);
         return;
     }
@@ -857,7 +859,7 @@ void set_part_start(dilocod *d, http_conn *c, http_request *req, const delta_pat
     if (s != NULL && kind == UP_SHARD && s->nshards != 0 && s->nshards != dp->nshards) {
         snprintf(msg, sizeof(msg), "the set of local_step %" PRIu64 " being uploaded has %u shards, not %u",
                  dp->local_step, s->nshards, dp->nshards);
-        stats_delta_rejected(daemon_stats(d), DL_E_INVALID_PATH);
+        daemon_verdict_rejected(d, dp->node_id, NULL, DL_E_INVALID_PATH, 422, msg, NULL);
         upload_refuse(c, dp->node_id, 422, "invalid_path", msg, NULL);
         return;
     }

@@ -362,6 +362,25 @@ double round_deadline(const round_state *r)
     return r->first_at + r->timeout;
 }
 
+int round_verdict_http_status(round_verdict v)
+{
+    switch (v) {
+    case ROUND_ACCEPTED:
+    case ROUND_REPLACED:
+    case ROUND_QUEUED:
+        return 0;
+    case ROUND_UNKNOWN_NODE:
+        return 403;
+    case ROUND_OUTLIER:
+    case ROUND_NO_WEIGHT:
+        return 422;
+    case ROUND_BUSY:
+        return 503;
+    default:
+        return 409;
+    }
+}
+
 const char *round_verdict_name(round_verdict v)
 {
     switch (v) {

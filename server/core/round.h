@@ -121,6 +121,8 @@ void round_count_rejected(round_state *r);
  * body arrives, so a refused delta costs its header only). */
 round_verdict round_peek(const round_state *r, const delta_info *info);
 const char *round_verdict_name(round_verdict v);
+/* The HTTP status an upload refused with v is answered (0 for a verdict that takes the delta). */
+int round_verdict_http_status(round_verdict v);
 /* Whether the round should close now; fills *reason. */
 int round_should_close(const round_state *r, double now, round_close_reason *reason);
 /* Seconds until the timeout rule could close the round (<0: no deadline yet or none). */

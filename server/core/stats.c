@@ -7,7 +7,7 @@
 const char *const stats_route_names[ROUTE__COUNT] = {
     [ROUTE_STATUS] = "status",     [ROUTE_HEALTHZ] = "healthz", [ROUTE_METRICS] = "metrics",
     [ROUTE_ROUNDS] = "rounds",     [ROUTE_GLOBAL] = "global",   [ROUTE_STEPFILE] = "step_count",
-    [ROUTE_UPLOAD] = "upload",     [ROUTE_DASHBOARD] = "dashboard", [ROUTE_OTHER] = "other",
+    [ROUTE_UPLOAD] = "upload",     [ROUTE_DASHBOARD] = "dashboard", [ROUTE_NODE] = "node", [ROUTE_OTHER] = "other",
 };
 
 const char *const stats_refusal_names[REFUSED__COUNT] = {

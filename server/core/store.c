@@ -129,6 +129,11 @@ char *store_path_metadata(const char *state_dir)
     return path_fmt("%s/outer_metadata.json", state_dir);
 }
 
+char *store_path_verdicts(const char *state_dir)
+{
+    return path_fmt("%s/verdicts.json", state_dir);
+}
+
 char *store_path_incoming(const char *state_dir)
 {
     return path_fmt("%s/cache/incoming", state_dir);
@@ -187,6 +192,25 @@ static char *read_small_file(const char *path, size_t max, dl_error *err)
     buf[sb.st_size] = '\0';
     close(fd);
     return buf;
+}
+
+int store_read_verdicts(const char *state_dir, size_t max, char **text, size_t *len, dl_error *err)
+{
+    char *path = store_path_verdicts(state_dir);
+    int rc = 0;
+
+    *text = NULL;
+    *len = 0;
+    if (path == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    if (access(path, F_OK) != 0 && errno == ENOENT)
+        rc = 1;
+    else if ((*text = read_small_file(path, max, err)) == NULL)
+        rc = -DL_E_IO;
+    else
+        *len = strlen(*text);   /* a NUL inside is not JSON: the parse stops there and refuses it */
+    free(path);
+    return rc;
 }
 
 /* A version as text, "dev:ino:size:mtime_ns:ctime_ns:sum" (sum "-" when none): a string, as inode numbers

@@ -10,6 +10,8 @@
  *   outer_metadata.json                  THE commit point: names the current step and its files, and
  *                                        holds the record of the round that produced it
  *   rounds.jsonl                         one record per committed round (history.h)
+ *   verdicts.json                        each node's last deltas and their verdicts (verdicts.h), replaced
+ *                                        atomically after every change
  *   cache/deltas/s<step>/<node>/delta_<local_step>.safetensors   validated deltas of the open round (async:
  *                                        of every base within the staleness bound; a consumed one is removed
  *                                        when its step is durable, before the redo record)
@@ -155,6 +157,10 @@ char *store_incoming_dir(const store *s);
  * directory is made here, none by hand.  malloc'd; NULL when out of memory. */
 char *store_path_state_dir(const char *state_root, const char *id);      /* <state_root>/<id> */
 char *store_path_metadata(const char *state_dir);                         /* outer_metadata.json */
+char *store_path_verdicts(const char *state_dir);                         /* verdicts.json */
+/* <state>/verdicts.json's text (NUL-terminated, at most max bytes): 0, 1 when there is none, or -DL_E_IO
+ * (not a regular file, over max, unreadable). */
+int store_read_verdicts(const char *state_dir, size_t max, char **text, size_t *len, dl_error *err);
 char *store_path_incoming(const char *state_dir);                         /* cache/incoming */
 /* cache/incoming/<name>, name made from fmt (a temporary file or directory of one writer, named so that
  * store_cleanup knows what to keep: a transport's partial downloads) */

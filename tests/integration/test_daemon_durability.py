@@ -194,8 +194,10 @@ def check_clean_state(state_dir: Path, s: int, own_pid: int):
             if ".tmp-" in name:
                 m = TMP_RE.search(name)
                 ours = m and int(m.group(1)) == own_pid
+                # the running daemon's write of verdicts.json (replaced after every verdict) may be out
                 in_flight = Path(dirpath) == state_dir / "cache/incoming" or \
-                    (Path(dirpath), name[:m.start()] if m else name) in warm
+                    (Path(dirpath), name[:m.start()] if m else name) in warm or \
+                    (Path(dirpath) == state_dir and name.startswith(".verdicts.json.tmp-"))
                 assert ours and in_flight, f"leftover temporary file {Path(dirpath) / name}{where}"
 
 

@@ -765,6 +765,14 @@ def test_dashboard_shows_a_quarantined_node_and_the_loss_plot(tmp_path):
         assert dom.by_id("quar-n").text_content().strip() == "2"
         rows = [n for n in dom.by_id("quar-rows").iter() if n.tag == "tr"]
         assert [r.attrs.get("data-node") for r in rows] == ["bad", "bad"]
+        # the Deltas card counts the two 422 outliers as refused (it once summed four reasons and said 0)
+        card = [n.text_content().strip() for n in dom.by_id("counters").iter() if n.tag in ("dt", "dd")]
+        shown = dict(zip(card[0::2], card[1::2]))
+        assert shown["refused"] == "2" and shown["rejected"] == "0", shown
+        assert status(url)["counters"]["refused"] == status(url)["counters"]["outlier"] == 2
+        with session() as s:
+            doc = s.get(f"{url}/nodes/bad", timeout=30).json()
+        assert doc["counts"] == {"outlier": 2} and [r["verdict"] for r in doc["deltas"]] == ["quarantined"] * 2, doc
         cells = [c.text_content() for c in rows[0].children]
         assert "norm ratio" in cells and float(cells[3]) > float(cells[4]) > 0, cells
         series = {p.attrs.get("data-series") for p in dom.by_id("plot-loss").iter() if "point" in p.classes()}

@@ -639,10 +639,12 @@ def test_http_limits_and_routing_errors(daemons):
             assert_error(r, 405, "method_not_allowed")
             assert r.headers.get("Allow") == allow, (method, path, r.headers)
         # 404
-        for path in ("/nope", "/global/other.safetensors", "/nodes/node-a", "/nodes/node-a/delta_x.bin",
+        for path in ("/nope", "/global/other.safetensors", "/nodes/node-a/delta_x.bin",
                      "/nodes/../delta_1.safetensors", "/nodes/a%2Fb/deltas"):
             r = s.get(url + path, timeout=30)
             assert_error(r, 404, "not_found")
+        # /nodes/<id> is the node's verdicts (test_node_verdicts.py): a node never seen is 404 unknown_node
+        assert_error(s.get(url + "/nodes/never-seen", timeout=30), 404, "unknown_node")
     # 411 on a POST without a length
     raw = Raw("127.0.0.1", d.port)
     raw.send(request_head("POST", "/nodes/node-a/deltas"))

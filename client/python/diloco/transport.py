@@ -123,6 +123,67 @@ class _Body:
         return self.delta.chunks()
 
 
+# ---- GET /nodes/<id>: a node's verdicts --------------------------------------------------------------
+VERDICT_KINDS = ("accepted", "queued", "aggregated", "quarantined", "replaced", "refused")
+VERDICT_REASON = re.compile(r"^[a-z0-9_]{1,31}$")
+MAX_VERDICTS = 32                   # dilocod keeps a node's last 32
+MAX_VERDICT_REASONS = 24
+MAX_VERDICT_ANSWER = 64 << 10       # 32 records of at most ~400 bytes, the counts: far below
+
+
+def _count(v, what):
+    if type(v) is not int or not 0 <= v <= 2 ** 53 - 1:
+        raise HostileAnswer(f"{what} is not an integer in [0, 2^53 - 1]: {v!r:.40}")
+    return v
+
+
+def parse_node_verdicts(raw: bytes, node_id):
+    """GET /nodes/<node_id>'s answer, checked as hostile: {"node_id", "total", "counts": {reason: n},
+    "deltas": [{"verdict", "reason", "status", "local_step", "base_outer_step", "step", "time",
+    "message"}, ...] newest first} with every type, size and bound the server keeps; the counts add up
+    to total.  -> the document (a dict of plain values)."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise HostileAnswer("GET /nodes/: the answer is not JSON") from None
+    if not isinstance(doc, dict) or doc.get("node_id") != node_id:
+        raise HostileAnswer(f"GET /nodes/{node_id}: not this node's document")
+    counts, deltas = doc.get("counts"), doc.get("deltas")
+    total = _count(doc.get("total"), "total")
+    if not isinstance(counts, dict) or len(counts) > MAX_VERDICT_REASONS:
+        raise HostileAnswer("GET /nodes/: counts is not an object of at most 24 reasons")
+    for k, v in counts.items():
+        if not VERDICT_REASON.match(k):
+            raise HostileAnswer(f"GET /nodes/: reason {k!r:.40} is not [a-z0-9_]{{1,31}}")
+        _count(v, f"count of {k}")
+    if sum(counts.values()) != total:
+        raise HostileAnswer("GET /nodes/: the counts do not add up to total")
+    if not isinstance(deltas, list) or len(deltas) > MAX_VERDICTS:
+        raise HostileAnswer("GET /nodes/: deltas is not a list of at most 32 records")
+    out = []
+    for r in deltas:
+        if not isinstance(r, dict) or r.get("verdict") not in VERDICT_KINDS:
+            raise HostileAnswer(f"GET /nodes/: a record's verdict is not one of {VERDICT_KINDS}")
+        reason, status, message = r.get("reason"), r.get("status"), r.get("message")
+        if not isinstance(reason, str) or not VERDICT_REASON.match(reason):
+            raise HostileAnswer(f"GET /nodes/: a record's reason {reason!r:.40} is not [a-z0-9_]{{1,31}}")
+        if status is not None and (type(status) is not int or not 100 <= status <= 599):
+            raise HostileAnswer(f"GET /nodes/: a record's status {status!r:.40} is not an HTTP status")
+        if not isinstance(message, str) or len(message) > 240:
+            raise HostileAnswer("GET /nodes/: a record's message is not a string of at most 240 characters")
+        ls, bs = r.get("local_step"), r.get("base_outer_step")
+        if (ls is None) != (bs is None):
+            raise HostileAnswer("GET /nodes/: a record has one of local_step and base_outer_step")
+        t = r.get("time")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < 1e11:
+            raise HostileAnswer(f"GET /nodes/: a record's time {t!r:.40} is not a Unix time")
+        out.append({"verdict": r["verdict"], "reason": reason, "status": status,
+                    "local_step": None if ls is None else _count(ls, "local_step"),
+                    "base_outer_step": None if bs is None else _count(bs, "base_outer_step"),
+                    "step": _count(r.get("step"), "step"), "time": float(t), "message": message})
+    return {"node_id": node_id, "total": total, "counts": dict(counts), "deltas": out}
+
+
 class HttpTransport:
     def __init__(self, url, token=None, timeout=600, retries=8, max_backoff=30.0):
         self.url = url.rstrip("/")
@@ -259,6 +320,17 @@ class HttpTransport:
             return None                     # restarting, or no global yet: keep waiting
         s = doc.get("outer_step") if isinstance(doc, dict) else None
         return s if type(s) is int else None
+
+    def node_verdicts(self, node):
+        """GET /nodes/<node>, checked (parse_node_verdicts); None while the server knows no verdict of
+        the node (404 unknown_node)."""
+        try:
+            raw = self._json(f"/nodes/{node}", MAX_VERDICT_ANSWER)
+        except ServerError as e:
+            if e.status == 404 and e.code == "unknown_node":
+                return None
+            raise
+        return parse_node_verdicts(raw, node)
 
     # ---- uploads ----------------------------------------------------------------------------
     def put_delta(self, node, local_step, delta):

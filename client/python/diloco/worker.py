@@ -86,11 +86,16 @@ class Worker:
     """One training process's link to dilocod.  See the package docstring for the loop."""
 
     def __init__(self, url, node_id, *, token=None, encode=None, block=None, error_feedback=True,
-                 baseline_device="cpu", max_header_bytes=_st.MAX_HEADER_BYTES):
+                 baseline_device="cpu", max_header_bytes=_st.MAX_HEADER_BYTES, listen=None):
         if not NODE_ID.match(node_id):
             raise ValueError(f"node id {node_id!r} is not [A-Za-z0-9][A-Za-z0-9._-]{{0,127}}")
         self.node_id = node_id
         self.transport = _transport(url, token)
+        # where the aggregator answers HTTP reads when deltas travel through a tree (its --listen)
+        if listen is not None and not listen.startswith(("http://", "https://")):
+            raise ValueError(f"listen {listen!r}: give the aggregator's http(s)://host:port")
+        self._reads = self.transport if isinstance(self.transport, HttpTransport) else \
+            HttpTransport(listen, token) if listen is not None else None
         self.encode = encode
         self.block = check_spec(encode, block) if encode is not None else None
         self.error_feedback = error_feedback
@@ -174,6 +179,19 @@ class Worker:
             if self.error_feedback and new_res is not None:
                 self.residual = new_res         # only a delta that landed moves the error feedback on
         return PushResult(status, answer, rec, http_status)
+
+    # ---- verdicts ---------------------------------------------------------------------------
+    def verdicts(self):
+        """What the aggregator did with this node's last deltas (GET /nodes/<node_id>): an upload's
+        answer says accepted, and the round's close may still quarantine the delta (norm or cosine
+        screen, an overflowed step) or discard its round.  -> {"node_id", "total", "counts": {reason: n},
+        "deltas": [{"verdict", "reason", "status", "local_step", "base_outer_step", "step", "time",
+        "message"}, ...] newest first}, checked as hostile (errors.HostileAnswer); None while the
+        aggregator knows no verdict of this node.  Over http(s), or with listen= on file://, s3://, hf://."""
+        if self._reads is None:
+            raise ValueError("verdicts() needs the aggregator's HTTP address: an http(s):// url, or listen= "
+                             "(its --listen) beside a file://, s3:// or hf:// url")
+        return self._reads.node_verdicts(self.node_id)
 
     # ---- wait -------------------------------------------------------------------------------
     def wait(self, step, timeout=None, poll=0.05) -> int:
