@@ -340,7 +340,7 @@ static void load_record(void *arg, const round_record *r)
 
     workers_committed(&d->workers, r, 1);
     daemon__verdicts_committed(d, r, 1);        /* what verdicts.json had not caught up with */
-    if (d->cfg->async)
+    if (daemon__async(d))
         daemon__async_load_record(d, r);
 }
 
@@ -359,7 +359,7 @@ static int startup(dilocod *d, dl_error *err)
     }
     if ((rc = daemon__recover_redo(d, err)) != 0)
         return rc;
-    d->st.async_cache = d->cfg->async;  /* async: every cached delta is one acknowledged, offered again */
+    d->st.async_cache = daemon__async(d);  /* async: every cached delta is one acknowledged, offered again */
     if (d->st.committed && (rc = store_cleanup(&d->st, 1, err)) != 0)
         return rc;
     if (d->st.committed) {      /* found (or recovered) durable, and the files before it are gone */
@@ -373,7 +373,7 @@ static int startup(dilocod *d, dl_error *err)
     if ((rc = history_load_each(&d->history, d->st.dir, d->st.committed ? d->st.step : UINT64_MAX, d->st.round_json,
                                 load_record, d, err)) != 0)
         return rc;
-    if (d->cfg->async)
+    if (daemon__async(d))
         daemon__async_loaded(d);
     daemon__robust_load(d);     /* the nodes' trailing norms, from the records kept */
     if (d->st.committed) {

@@ -45,7 +45,7 @@ static store_commit_info round_commit_info(const dilocod *d, store_dn *after)
         .momentum_sum = d->agg.pass->out_momentum_path != NULL ? &d->agg.pass->out_momentum_sum : NULL,
         .accum_path = d->agg.pass->out_accum_path,
         .accum_sum = d->agg.pass->out_accum_path != NULL ? &d->agg.pass->out_accum_sum : NULL,
-        .dn = d->agg.dn.on ? after : NULL,
+        .dn = daemon__async(d) ? after : NULL,
     };
     return info;
 }
@@ -314,7 +314,7 @@ static void start_settle(dilocod *d, uint64_t step)
     a->global_sum = d->agg.pass->out_global_sum;
     a->momentum_sum = d->agg.pass->out_momentum_sum;
     a->accum_sum = d->agg.pass->out_accum_sum;
-    if (d->agg.dn.on) {
+    if (daemon__async(d)) {
         a->dn = daemon__async_after(&d->agg.dn);
         if ((d->agg.pass->out_accum_path != NULL && (a->accum_path = strdup(d->agg.pass->out_accum_path)) == NULL) ||
             (a->consumed = calloc(d->agg.n ? d->agg.n : 1, sizeof(char *))) == NULL) {
@@ -467,7 +467,7 @@ int daemon__prepare_round_record(dilocod *d, double seconds)
         snprintf(r->aggregate, sizeof(r->aggregate), "%s", config_rule_name(d->cfg->aggregate));
     if (record_quarantined(d, r) != 0 || record_refused(d, r) != 0)
         return -ENOMEM;
-    if (d->agg.dn.on) {
+    if (daemon__async(d)) {
         store_dn after = daemon__async_after(&d->agg.dn);
         r->async = 1;
         r->weight = d->agg.dn.weight;
@@ -529,7 +529,7 @@ void daemon__schedule_cleanup(dilocod *d)
         return;
     snap->committed = 1;
     snap->step = d->st.step;
-    snap->async_cache = d->cfg->async;
+    snap->async_cache = daemon__async(d);
     if ((snap->dir = strdup(d->st.dir)) == NULL || (snap->global_path = strdup(d->st.global_path)) == NULL ||
         (d->st.momentum_path != NULL && (snap->momentum_path = strdup(d->st.momentum_path)) == NULL) ||
         pipeline_start(&d->pipe, snap->step, STEP_ACT_CLEANUP) != 0) {

@@ -279,6 +279,15 @@ static inline double daemon__wall_of(double mono)
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9 - (daemon__clock() - mono);
 }
 
+/* The one answer to "is this daemon in async mode?".  It was read five ways (cfg->async, rnd.async,
+ * agg.dn.on, st.async_cache, the transport's max_staleness); the modules the daemon configures at startup
+ * (round, store, the pass's Delayed Nesterov parameters) are given it from here, and the daemon's files
+ * ask only this (make lint-layers holds it). */
+static inline int daemon__async(const dilocod *d)
+{
+    return d->cfg->async;
+}
+
 const char *daemon__state_name(dstate s);
 dstate daemon__state(const dilocod *d);
 /* The daemon a job of daemon__queue's belongs to (daemon.h's daemon_of_job, inline for its own files). */

@@ -177,7 +177,7 @@ static void output_overflowed(dilocod *d, const dl_error *err)
 {
     const outer_pass *p = d->agg.pass;
     size_t n = d->agg.n < p->ndeltas ? d->agg.n : p->ndeltas;
-    unsigned floor = d->rnd.async ? 1 : d->cfg->min_nodes;
+    unsigned floor = daemon__async(d) ? 1 : d->cfg->min_nodes;
 
     uv_timer_stop(&d->progress_timer);
     daemon__log_error("aggregate", "the outer step overflowed: not committed, and never computed again from the "
@@ -190,7 +190,7 @@ static void output_overflowed(dilocod *d, const dl_error *err)
     round_entry *e = &d->rnd.entries[d->agg.entry[worst]];
     daemon__robust_overflow(d, e, sqrt(p->stats[worst].sumsq));
     /* async: the settle removes consumed deltas only; this one goes now, or a restart offers it again */
-    if (d->rnd.async)
+    if (daemon__async(d))
         daemon__discard_local(d, e->path, 0);
     if (n - 1 < floor) {
         discard_overflowed_round(d);
@@ -841,7 +841,7 @@ static void discard_round(dilocod *d)
         daemon__discard_local(d, path, 0);
         free(path);
     }
-    if (d->rnd.async)
+    if (daemon__async(d))
         round_reset(&d->rnd, d->rnd.step);
     reopen_round(d);
 }
@@ -889,7 +889,7 @@ static void screen_done(dilocod *d)
         daemon__robust_cosine(d, e, cosine);
         /* async: the settle removes the consumed deltas only; a quarantined one goes now, or a restart
          * would offer it again (sync: the round's cache directory goes with its step) */
-        if (e->quarantined && d->rnd.async)
+        if (e->quarantined && daemon__async(d))
             daemon__discard_local(d, e->path, 0);
     }
     d->agg.screened_step = d->rnd.step + 1;

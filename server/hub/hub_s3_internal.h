@@ -122,8 +122,6 @@ void s3_req_go(s3_hub *h, s3_req *r, s3_req_cb cb, void *arg);
 char *s3_full_key(const s3_hub *h, const char *rel);
 /* "HTTP 403 InvalidAccessKeyId: ..." */
 void s3_describe_answer(const cuv_xfer *x, char *out, size_t size);
-/* sha256 of data, lower-case hex.  0 or -1. */
-int s3_sha256_hex(const void *data, size_t len, char hex[65]);
 
 /* A failure recorded in /status and logged when it changes (remote.h). */
 #define set_error(h, ...) remote_error(&(h)->f.rm, __VA_ARGS__)

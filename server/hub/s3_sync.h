@@ -21,7 +21,6 @@
 typedef struct s3s_client {
     void *curl;                 /* CURL * */
     s3_access a;                /* borrowed from the transport */
-    char sigv4[96];
     char *userpwd;
     const atomic_int *stop;     /* set: no retry starts, and a request in flight is aborted */
     double retry_for;           /* seconds a request is retried at most */

@@ -104,8 +104,14 @@ for f in server/*.[ch] server/*/*.[ch]; do
         fi
     done < <(grep -n '^[[:space:]]*#[[:space:]]*include[[:space:]]*"' "$f")
 done
+# One mode flag: the daemon's files ask daemon__async(d) (daemon_internal.h), never the copies the modules
+# it configures keep (round's, the pass's Delayed Nesterov parameters) nor the config field by hand.
+while IFS= read -r hit; do
+    echo "$hit: reads the async mode by hand: ask daemon__async(d) (daemon_internal.h)" >&2
+    bad=1
+done < <(grep -nE '(cfg->async|rnd\.async|agg\.dn\.on)\b' server/daemon*.c)
 if [ "$bad" != 0 ]; then
     echo "lint-layers: FAILED (see server/README.md, Layers)" >&2
     exit 1
 fi
-echo "lint-layers: $checked includes checked, every layer includes only what it may, the private headers only their own files"
+echo "lint-layers: $checked includes checked, every layer includes only what it may, the private headers only their own files, the async mode asked one way"
