@@ -10,6 +10,7 @@
 
 #include "curl_uv.h"
 #include "delta.h"
+#include "s3_lease.h"
 #include "hub.h"
 #include "hub_s3.h"
 #include "hub_set.h"
@@ -49,8 +50,7 @@ typedef struct pub_state {
     unsigned renewal;           /* in the body, so that each renewal is a new ETag */
     char claim_etag[160];       /* ours once we hold it: renewals are If-Match on it */
     int claim_held, claim_waiting, claim_gone, claim_lost, takeovers, warned;
-    char foreign_ver[240];      /* the foreign claim's ETag + Last-Modified, and since when (loop ms) */
-    uint64_t foreign_since;
+    s3_lease_seen foreign;      /* the foreign claim's version, and since when (loop seconds) */
     unsigned gen;               /* this publish's number: a late renewal answer of an earlier one is ignored */
 } pub_state;
 

@@ -568,21 +568,23 @@ static int publish(cluster *c, uint64_t step)
     cl_record_pending(c, step, sumsq);
     snprintf(body, sizeof(body), "{\"outer_step\": %" PRIu64 ", \"generation\": %u, \"instance\": \"%s\"}\n", step,
              c->gen, c->instance);
-    long st = cl_put_small(c, rel, body, strlen(body), NULL, 1, &r, why, sizeof(why));
-    if (st == 412) {
+    s3_lease_put put = s3_lease_after_put(cl_put_small(c, rel, body, strlen(body), NULL, 1, &r, why, sizeof(why)));
+    if (put == S3_LEASE_PUT_READ_BACK) {
         s3s_resp_free(&r);
         if (cl_get_small(c, rel, CLAIM_CAP, &r, why, sizeof(why)) != 1)
             goto out;
-        int ours = r.body.len == strlen(body) && memcmp(r.body.p, body, r.body.len) == 0;
-        double age = s3s_age(&r);
-        if (!ours && !(age >= c->cfg.lease)) {
+        /* the publish's outputs are written once and the same whoever writes them: an expired claim is
+         * completed rather than taken over, so no If-Match is needed (s3_lease.h) */
+        double age = s3_lease_server_age(r.last_modified, r.date);
+        s3_lease_verdict v = s3_lease_judge(r.body.p, r.body.len, body, strlen(body), 0, age, c->cfg.lease, r.etag);
+        if (v == S3_LEASE_LIVE) {
             /* another publishes it: wait for its step file (the caller polls the bucket's step) */
             goto out;
         }
-        if (!ours)
+        if (v == S3_LEASE_EXPIRED)
             dl_log(DL_LOG_WARN, "cluster", "completing a publish its winner did not finish", "step=%" PRIu64
                    " age_s=%.0f", step, age);
-    } else if (st != 200) {
+    } else if (put != S3_LEASE_PUT_WRITTEN) {
         goto out;
     }
     int wrote;
@@ -783,7 +785,7 @@ void cl_step_reset_view(cluster *c, uint64_t step)
         c->sv[i].epoch = 0;
         c->sv[i].lease_age = -1;
         c->sv[i].bytes_read = 0;
-        c->sv[i].foreign_etag[0] = '\0';
+        c->sv[i].foreign.version[0] = '\0';
     }
     pthread_mutex_unlock(&c->mu);
 }

@@ -15,6 +15,7 @@
 
 #include "round.h"
 #include "s3_cluster.h"
+#include "s3_lease.h"
 #include "seen.h"
 #include "s3_sync.h"
 
@@ -32,8 +33,7 @@ typedef struct shard_view {
     double lease_age;           /* < 0: unknown */
     uint64_t bytes_read;
     /* the thread's own: a foreign claim's version and since when we have seen it (monotonic s) */
-    char foreign_etag[80];
-    double foreign_since;
+    s3_lease_seen foreign;
 } shard_view;
 
 /* One object a tensor is read from: the previous global's file or shard, or a delta. */

@@ -365,12 +365,3 @@ void s3s_describe(const s3s_resp *r, char *out, size_t size)
     else
         snprintf(out, size, "HTTP %ld", r->status);
 }
-
-double s3s_age(const s3s_resp *r)
-{
-    time_t lm = r->last_modified[0] ? curl_getdate(r->last_modified, NULL) : -1;
-    time_t now = r->date[0] ? curl_getdate(r->date, NULL) : -1;
-    if (lm < 0 || now < 0)
-        return -1;
-    return now >= lm ? (double)(now - lm) : 0;
-}
