@@ -4,6 +4,7 @@
  * pipeline[] and the per-state histogram show a cluster's steps as they show local ones.  The s3://
  * transport is opened for its access (endpoint, credentials) and never started; the cluster's thread does
  * the rest; /status and /metrics show its view. */
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,6 +30,42 @@ static void cluster_stopped(void *arg)
     daemon__maybe_finish_shutdown(d);
 }
 
+static void cluster_append_next(dilocod *d);
+
+static void cluster_append_work(job *j)
+{
+    dilocod *d = daemon__of_job(j);
+    j->rc = history_append(d->cluster_dir, j->arg, &j->err);
+}
+
+static void cluster_append_done(job *j)
+{
+    dilocod *d = daemon__of_job(j);
+    if (j->rc != 0)
+        daemon__log_error("cluster", "cannot append to rounds.jsonl: /rounds keeps the steps until a restart", &j->err);
+    free(j->arg);
+    d->cluster_appending = 0;
+    cluster_append_next(d);
+}
+
+/* The records waiting go to rounds.jsonl in one pool job (each record on its own line), one job out at
+ * a time: the loop never waits on the disk, and the file keeps the steps' order. */
+static void cluster_append_next(dilocod *d)
+{
+    if (d->cluster_appending || d->cluster_unappended.len == 0 || d->cluster_dir == NULL)
+        return;
+    char *text = sb_take(&d->cluster_unappended);
+    if (text == NULL)
+        return;
+    if (daemon__queue(d, cluster_append_work, cluster_append_done, text) != 0) {
+        dl_log(DL_LOG_ERROR, "cluster", "cannot queue an append to rounds.jsonl: /rounds keeps the steps until a restart",
+               "%s", "");
+        free(text);
+        return;
+    }
+    d->cluster_appending = 1;
+}
+
 /* A step the cluster saw published: into rounds.jsonl and /rounds, as a local round's record (a step
  * already there, from before a restart, is not recorded twice). */
 static void cluster_record(void *arg, const char *json)
@@ -36,7 +73,6 @@ static void cluster_record(void *arg, const char *json)
     dilocod *d = arg;
     const round_record *last = history_last(&d->history);
     round_record r;
-    dl_error err;
 
     if (history_record_parse(&r, json) != 0) {
         dl_log(DL_LOG_ERROR, "cluster", "a step's history record does not parse (a bug): not kept", "%s", "");
@@ -46,8 +82,14 @@ static void cluster_record(void *arg, const char *json)
         history_record_free(&r);
         return;
     }
-    if (d->cluster_dir != NULL && history_append(d->cluster_dir, json, &err) != 0)
-        daemon__log_error("cluster", "cannot append to rounds.jsonl: /rounds keeps the step until a restart", &err);
+    sb_str(&d->cluster_unappended, json);
+    sb_str(&d->cluster_unappended, "\n");       /* a record is one line; several go in one append */
+    if (d->cluster_unappended.oom) {
+        dl_log(DL_LOG_ERROR, "cluster", "out of memory: a step's record is not appended to rounds.jsonl",
+               "step=%" PRIu64, r.step);
+        free(sb_take(&d->cluster_unappended));
+    }
+    cluster_append_next(d);
     history_push(&d->history, &r);
     history_record_free(&r);
 }
