@@ -555,6 +555,7 @@ int daemon_run(config *cfg, const daemon_front *front)
     daemon__served_clear(&d->global);
     history_free(&d->history);
     free(d->cluster_dir);
+    free(d->cluster_unappended.p);
     daemon__async_free(d);
     daemon__robust_free(d);
     history_record_free(&d->pending_record);

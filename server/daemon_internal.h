@@ -197,6 +197,8 @@ typedef struct dilocod {
     config *cfg;
     struct cluster *cluster;    /* --cluster-shards (daemon_cluster.c): the bucket is the state, no pipeline runs */
     char *cluster_dir;          /* its state directory: rounds.jsonl of the steps it saw published */
+    sbuf cluster_unappended;    /* records for that rounds.jsonl not handed to the pool yet (in order) */
+    int cluster_appending;      /* one append job out at a time, so the file keeps their order */
     store st;
     int stopping;
     int exit_code;

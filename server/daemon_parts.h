@@ -30,7 +30,7 @@ struct settle_args;
 
 /* Registers every provider (the daemon's, then the uploads'), in /status's order.  0, or -ENOSPC. */
 /* daemon.c: the front's busy() (daemon.h's daemon_front: uploads being received), 0 without one: what the
- * warm thread yields to (for daemon_pass.c, which still asks api/'s upload_in_flight directly). */
+ * warm thread yields to (daemon_pass.c). */
 int daemon__front_busy(const dilocod *d);
 int daemon__status_register(dilocod *d);
 

@@ -591,6 +591,7 @@ static int publish(cluster *c, uint64_t step)
     if (write_index(c, step, why, sizeof(why)) != 0 || (wrote = write_stepfile(c, step, why, sizeof(why))) < 0)
         goto out;
     cl_record_hand_over(c, step);
+    cl_phase(c, step, CLUSTER_PHASE_PUBLISHED);
     if (wrote == 0) {
         rc = 0;                 /* another completed this same publish first */
         goto out;
@@ -760,6 +761,7 @@ static int aggregate(cluster *c, uint64_t step)
         int64_t now = cl_bucket_step(c, NULL, 0);
         if (now >= (int64_t)step) {
             cl_record_seen(c, step);
+            cl_phase(c, step, CLUSTER_PHASE_PUBLISHED);
             break;
         }
         if (!progressed)
@@ -771,6 +773,8 @@ static int aggregate(cluster *c, uint64_t step)
         /* a clear refusal: nothing more is done for this step until the bucket moves on */
         while (!cl_stopping(c) && cl_bucket_step(c, NULL, 0) < (int64_t)step)
             cl_nap(c, c->cfg.poll_interval > 1 ? c->cfg.poll_interval : 1);
+        if (!cl_stopping(c))
+            cl_phase(c, step, CLUSTER_PHASE_PUBLISHED);
     }
     return reopen;
 }
@@ -809,6 +813,7 @@ static int collect(cluster *c, uint64_t step)
             pthread_mutex_lock(&c->mu);
             c->manifest = "adopted";
             pthread_mutex_unlock(&c->mu);
+            cl_phase(c, step, CLUSTER_PHASE_MANIFEST);
             dl_log(DL_LOG_INFO, "cluster", "manifest adopted", "step=%" PRIu64 " generation=%u nodes=%zu", step, c->gen,
                        c->nm);
             break;
@@ -826,8 +831,10 @@ static int collect(cluster *c, uint64_t step)
             c->m = NULL;
             c->nm = 0;
             cl_nap(c, c->cfg.poll_interval > 1 ? c->cfg.poll_interval : 1);
-            if (cl_bucket_step(c, NULL, 0) >= (int64_t)step)
+            if (cl_bucket_step(c, NULL, 0) >= (int64_t)step) {
+                cl_phase(c, step, CLUSTER_PHASE_PUBLISHED);
                 return -1;
+            }
             continue;
         }
         poll_deltas(c, step);
@@ -835,17 +842,21 @@ static int collect(cluster *c, uint64_t step)
         if (round_should_close(&c->rnd, cl_mono(), &reason)) {
             dl_log(DL_LOG_INFO, "cluster", "round closed", "step=%" PRIu64 " nodes=%zu reason=%s", step, c->rnd.n,
                    round_close_reason_name(reason));
+            cl_phase(c, step, CLUSTER_PHASE_MANIFEST);
             if (manifest_write(c, step, why, sizeof(why)) == 0)
                 break;
             dl_log(DL_LOG_WARN, "cluster", "manifest not agreed", "step=%" PRIu64 " why=%s", step, why);
+            cl_phase(c, step, CLUSTER_PHASE_COLLECTING);
             for (size_t i = 0; i < c->nm; i++)
                 cl_source_free(&c->m[i].s);
             free(c->m);
             c->m = NULL;
             c->nm = 0;
         }
-        if (cl_bucket_step(c, NULL, 0) >= (int64_t)step)
+        if (cl_bucket_step(c, NULL, 0) >= (int64_t)step) {
+            cl_phase(c, step, CLUSTER_PHASE_PUBLISHED);
             return -1;
+        }
         cl_nap(c, c->cfg.poll_interval);
     }
     return cl_stopping(c) ? -1 : 0;
@@ -998,6 +1009,7 @@ int cluster_start(cluster **out, uv_loop_t *loop, const cluster_config *cfg, con
     if (c == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     c->cfg = *cfg;
+    c->last_phase_step = -1;
     c->a = *a;
     c->loop = loop;
     c->stopped = stopped;

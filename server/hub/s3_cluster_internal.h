@@ -19,6 +19,9 @@
 #include "seen.h"
 #include "s3_sync.h"
 
+/* phases waiting for the loop: far more than a step makes between two turns of the loop */
+#define CL_PHASES_MAX 64
+
 #define PEEK_BYTES 65536u
 #define STEPFILE_CAP (64u << 10)
 #define CLAIM_CAP 4096u
@@ -105,6 +108,14 @@ struct cluster {
     int record_async_open;
     char **records;
     size_t nrecords;
+    /* the phases the steps entered (cluster_config.phase), for the loop, in order (the same async) */
+    struct cl_phase_event {
+        uint64_t step;
+        cluster_phase phase;
+    } phases[CL_PHASES_MAX];
+    size_t nphases;
+    cluster_phase last_phase;   /* the thread's: the last one told, of last_phase_step */
+    int64_t last_phase_step;
 
     /* the thread's */
     gmodel g;
@@ -210,6 +221,8 @@ void cl_record_pending(cluster *c, uint64_t step, const double *sumsq);
 void cl_record_seen(cluster *c, uint64_t step);
 void cl_record_hand_over(cluster *c, uint64_t step);
 void cl_records_cb(uv_async_t *a);
+/* Step entered phase on this aggregator: told to the loop (cluster_config.phase), once per change. */
+void cl_phase(cluster *c, uint64_t step, cluster_phase phase);
 
 /* s3_cluster.c, for the verdicts: a manifest's text, and the view reset for a new generation. */
 char *cl_manifest_text(const cluster *c, uint64_t step, unsigned gen, const node_delta *const *nodes, size_t n);
