@@ -38,7 +38,6 @@ static int async_ratio(const config *c) { return c->async && c->max_norm_ratio !
 static int counts_nodes(const config *c) { return c->expected_nodes != 0; }
 static int async_activation(const config *c) { return c->async && c->dn_c != 0; }
 static int paper_variant(const config *c) { return c->dn_paper; }
-static int init_is_index(const config *c) { return c->init_model != NULL && st_index_is_index_path(c->init_model); }
 static int rounds_close(const config *c) { return c->expected_nodes != 0 || c->round_timeout != 0; }
 
 #define SLICES "each aggregator of a cluster reads one slice of each delta"
@@ -56,9 +55,6 @@ static const combine_row rows[] = {
      "the norm and cosine screens need whole deltas, and " SLICES},
     {COMBINE_REFUSED, "screen", "--screen cosine:MIN", has_screen, "no --cluster-shards", not_cluster,
      "the norm and cosine screens need whole deltas, and " SLICES},
-    {COMBINE_REFUSED, "init_model", "--init-model INDEX.json", init_is_index, "no --cluster-shards", not_cluster,
-     "a cluster bootstraps from one safetensors file, written once: merge the shards into one file first, or "
-     "publish step 0 with one aggregator"},
     {COMBINE_REFUSED, "max_norm_ratio", "--max-norm-ratio R in --mode async", async_ratio,
      "--expected-nodes N (or --nodes)", counts_nodes,
      "the nodes not seen yet must count, or the first ones to send would set the median every delta is judged by"},

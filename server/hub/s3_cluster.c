@@ -879,60 +879,6 @@ static void run_step(cluster *c, uint64_t step)
         ;
 }
 
-/* An empty bucket and --init-model: step 0 is the reference's bootstrap, global/latest.safetensors and then
- * step_count.json ("bootstrap": "true"), each written once (If-None-Match), so that K aggregators starting
- * together publish one step 0.  An aggregator that finds the model written already checks that it holds
- * this file's bytes (a single PUT's ETag is its MD5): another --init-model is an operator's error, said
- * once, and the bucket's is what everyone adopts.  A crash between the two writes is mended by the next
- * try (the model is ours, the step file is then written).  0 published (by us or another), -1 not yet
- * (why; tried again), -2 never (the bucket holds another file's model: why). */
-static int bootstrap(cluster *c, char *why, size_t why_size)
-{
-    st_file *f = NULL;
-    dl_error err;
-    char md5[33];
-    uint64_t size = 0;
-    s3s_resp r;
-
-    /* the file is read as dilocod reads a global: a strict header, and data exactly as long as it says */
-    if (st_open(c->cfg.init_model, &f, &err) != 0) {
-        snprintf(why, why_size, "--init-model %.300s: %.300s", c->cfg.init_model, err.message);
-        return -1;
-    }
-    st_close(f);
-    int put = cl_put_once(c, "global/latest.safetensors", c->cfg.init_model, md5, &size, why, why_size);
-    if (put == -2) {
-        char inner[600];
-        snprintf(inner, sizeof(inner), "%.500s", why);
-        snprintf(why, why_size, "the bucket's step 0 is not --init-model %.200s (%.300s): every aggregator of a "
-                 "cluster must be given the same file", c->cfg.init_model, inner);
-        return -2;
-    }
-    if (put != 0)
-        return -1;
-    char *text = stepcount_build(0, c->cfg.optimizer, 1, 0, NULL);
-    if (text == NULL) {
-        snprintf(why, why_size, "out of memory");
-        return -1;
-    }
-    memset(&r, 0, sizeof(r));
-    long st = cl_put_small(c, "global/step_count.json", text, strlen(text), NULL, 1, &r, why, why_size);
-    free(text);
-    s3s_resp_free(&r);
-    if (st == 200)
-        dl_log(DL_LOG_INFO, "cluster", "bootstrapped: step 0 published from --init-model", "init_model=%s bytes=%" PRIu64
-               " md5=%s", c->cfg.init_model, size, md5);
-    else if (st == 412)
-        dl_log(DL_LOG_INFO, "cluster", "step 0 published by another aggregator meanwhile", "init_model=%s",
-               c->cfg.init_model);
-    else {
-        if (st != 0)
-            snprintf(why, why_size, "global/step_count.json: HTTP %ld", st);
-        return -1;
-    }
-    return 0;
-}
-
 static void *cluster_main(void *arg)
 {
     cluster *c = arg;
@@ -945,7 +891,7 @@ static void *cluster_main(void *arg)
             cl_record_hand_over(c, c->g.step);     /* another published the step this one computed a part of */
         if (g == -2 && c->cfg.init_model != NULL && !boot_failed) {
             /* an empty bucket: publish step 0, then read it as any aggregator does */
-            int b = bootstrap(c, why, sizeof(why));
+            int b = cl_bootstrap(c, why, sizeof(why));
             if (b == 0)
                 continue;
             dl_log(DL_LOG_ERROR, "cluster", "cannot bootstrap the bucket", "why=%s", why);

@@ -214,6 +214,10 @@ int cl_check_refusal(cluster *c, uint64_t step);
 int cl_put_once(cluster *c, const char *rel, const char *path, char md5[33], uint64_t *size, char *why,
                 size_t why_size);
 
+/* s3_cluster_bootstrap.c: step 0 from --init-model (a file or a set) into an empty bucket.  0 published (by
+ * us or another), -1 not yet (why; tried again), -2 never (the bucket holds another model: why). */
+int cl_bootstrap(cluster *c, char *why, size_t why_size);
+
 /* s3_cluster_history.c: step's record (the manifest's nodes, their norms from sumsq) kept until the step is
  * published; made from the bucket's done markers when another published it first; handed to the loop once
  * the step is published (by us or another); the loop's side of record_async. */

@@ -552,10 +552,6 @@ def test_every_row_of_what_combines_refuses_and_accepts(tmp_path):
     """For each row of the table: the configuration that asks without the need is refused (exit 2, both
     sides named), the one with the need accepted; an option another mode reads is warned about, and not
     with the mode that reads it.  A row added to the table without a case here fails this test."""
-    index = tmp_path / "s.safetensors.index.json"
-    model(tmp_path / "s-00001-of-00001.safetensors")
-    index.write_text(json.dumps({"metadata": {"total_size": 36}, "weight_map": {
-        "b": "s-00001-of-00001.safetensors", "w": "s-00001-of-00001.safetensors"}}))
     cluster = [*S3, "--expected-nodes", "4", "--cluster-shards", "4"]
     refused = {   # (asks, needs): (refused args, accepted args, the option blamed)
         ("--cluster-shards S", "--hub s3://..."):
@@ -571,9 +567,6 @@ def test_every_row_of_what_combines_refuses_and_accepts(tmp_path):
              "max-norm-ratio"),
         ("--screen cosine:MIN", "no --cluster-shards"):
             ([*cluster, "--screen", "cosine:0"], [*S3, "--expected-nodes", "4", "--screen", "cosine:0"], "screen"),
-        ("--init-model INDEX.json", "no --cluster-shards"):
-            ([*cluster, "--init-model", str(index)], [*S3, "--expected-nodes", "4", "--init-model", str(index)],
-             "init-model"),
         ("--max-norm-ratio R in --mode async", "--expected-nodes N (or --nodes)"):
             (["--mode", "async", "--max-norm-ratio", "10"],
              ["--mode", "async", "--max-norm-ratio", "10", "--nodes", "a,b"], "max-norm-ratio"),
