@@ -267,6 +267,7 @@ bench: all venv bench-deps $(BENCH_BINS)
 	$(PY) tests/bench/bench_robust.py $(BUILD) 256
 	$(PY) tests/bench/bench_compress.py $(BUILD) 1024
 	$(PY) tests/bench/bench_cluster.py $(BUILD) 256
+	$(PY) tests/bench/bench_netns.py $(BUILD) 64 || [ $$? -eq 2 ]   # 2: no rights for network namespaces (said why)
 	$(PY) tests/bench/bench_http.py $(BUILD)
 	$(PY) tests/bench/bench_worker.py $(BUILD) 256
 
