@@ -229,6 +229,34 @@ void daemon__downlink_free(dilocod *d)
     d->down.update_step = NULL;
 }
 
+/* The committed step's downlink files for the transport's next publish (a tree: updates/<s>, a view
+ * checkpoint every keep/2 steps). */
+void daemon__downlink_publish(dilocod *d)
+{
+    const store *st = &d->st;
+    hub_downlink dl = {0};
+    char *u = NULL;
+
+    if (d->cfg->downlink == CZ_NONE || d->hub == NULL || !st->committed)
+        return;
+    if (st->view_path != NULL && (u = store_update_path(st, st->step)) == NULL) {
+        dl_log(DL_LOG_ERROR, "downlink", "out of memory: the step is published without its update", "step=%" PRIu64,
+               st->step);
+        return;
+    }
+    dl.update_path = u;
+    dl.view_path = st->view_path != NULL ? st->view_path : st->global_path;
+    dl.step = st->step;
+    dl.chain_from = st->view_path != NULL ? st->view.chain_from : st->step;
+    dl.keep = d->cfg->updates_keep;
+    if (st->view_path != NULL && st->view.hashed)
+        blockhash_hex(st->view.hash, dl.view_hash);
+    if (hub_set_downlink(d->hub, &dl) != 0)
+        dl_log(DL_LOG_ERROR, "downlink", "out of memory: the step is published without its update", "step=%" PRIu64,
+               st->step);
+    free(u);
+}
+
 /* ---- what api/ reads (daemon.h) ------------------------------------------------------------------- */
 
 int daemon_downlink_on(const dilocod *d)

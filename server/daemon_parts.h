@@ -217,6 +217,8 @@ int daemon__downlink_recover(dilocod *d, int enc, uint64_t step, const char *glo
  * adoption). */
 void daemon__downlink_serve(dilocod *d);
 void daemon__downlink_free(dilocod *d);
+/* Before a publish of the committed step: its downlink files handed to the transport. */
+void daemon__downlink_publish(dilocod *d);
 extern const daemon_provider daemon__downlink_provider;
 /* Above --shard-size: writes the committed step's published set, once per step. */
 void daemon__ensure_set(dilocod *d);

@@ -334,6 +334,7 @@ void daemon__maybe_publish(dilocod *d)
         }
         d->publish.bootstrap = d->st.bootstrap && d->st.step == 0;
         publish_started(d);
+        daemon__downlink_publish(d);
         hub_publish(d->hub, d->st.step, index, config_optimizer_name(d->cfg->optimizer), d->publish.bootstrap);
         free(index);
         return;
@@ -342,6 +343,7 @@ void daemon__maybe_publish(dilocod *d)
         return;
     d->publish.bootstrap = d->st.bootstrap && d->st.step == 0;
     publish_started(d);
+    daemon__downlink_publish(d);
     hub_publish(d->hub, d->st.step, d->st.global_path, config_optimizer_name(d->cfg->optimizer),
                 d->publish.bootstrap);
 }

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import diloco
+from diloco.errors import HostileAnswer
 from dilocod_proc import Dilocod, write_model
 
 STEPS = 20
@@ -353,6 +354,84 @@ def test_kill9_in_each_state_leaves_view_update_and_global_agreeing(tmp_path, st
         # the worker that held step 1's view replayed every update after the kill, never the view again
         assert (w.view_downloads, w.fallbacks, w.updates_applied) == (1, 0, 3), (w.view_downloads, w.fallbacks)
         assert d.stop() == 0, d.log_text()[-3000:]
+    finally:
+        if d.alive():
+            d.kill9()
+
+
+# ---- file://: updates and view checkpoints in the tree ------------------------------------------------
+def test_file_tree_updates_checkpoints_and_a_tampered_update(tmp_path):
+    init, hub = tmp_path / "init.safetensors", tmp_path / "hub"
+    st = model_state(torch.float32)
+    write_model(init, st)
+    d = Dilocod(tmp_path, hub, "--init-model", str(init), "--expected-nodes", "1", "--downlink", "mxfp4",
+                "--updates-keep", "4")
+    d.start()
+    try:
+        url = f"file://{hub}"
+        pusher, m, g = diloco.Worker(url, "w1"), Module(st), torch.Generator().manual_seed(7)
+        w, wm = diloco.Worker(url, "view", downlink=True), Module(st)
+        d.wait_step(0)
+        sc = json.loads((hub / "global/step_count.json").read_text())
+        assert sc["view_file"] == "global/views/0.safetensors" and "update_file" not in sc
+        for s in range(1, 9):
+            pusher.pull(m)
+            train(m, g)
+            assert pusher.push(m, local_step=s).status == "written"
+            d.wait_step(s)
+            w.pull(wm)
+            view = (d.state_dir / f"global/view-{s}.safetensors").read_bytes()
+            assert w.step == s and w.view_bytes() == view, s
+            sc = json.loads((hub / "global/step_count.json").read_text())
+            assert sc["update_file"] == f"global/updates/{s}.safetensors" and sc["view_hash"] == block_hash(view)
+            assert sc["view_file"] == f"global/views/{s - s % 2}.safetensors"     # a checkpoint every 4 / 2 steps
+            assert (hub / "global/updates" / f"{s}.safetensors").read_bytes() == \
+                (d.state_dir / f"global/update-{s}.safetensors").read_bytes()
+        assert sorted(p.name for p in (hub / "global/updates").iterdir()) == [f"{k}.safetensors" for k in range(5, 9)]
+        assert sorted(p.name for p in (hub / "global/views").iterdir()) == ["6.safetensors", "8.safetensors"]
+        assert (w.view_downloads, w.updates_applied, w.fallbacks) == (1, 8, 0)
+        # a joiner takes the newest checkpoint and replays what follows it
+        j, jm = diloco.Worker(url, "joiner", downlink=True), Module(st)
+        pusher.pull(m)
+        train(m, g)
+        pusher.push(m, local_step=9)
+        d.wait_step(9)
+        j.pull(jm)
+        assert (j.step, j.view_downloads, j.updates_applied) == (9, 1, 1)
+        assert j.view_bytes() == (d.state_dir / "global/view-9.safetensors").read_bytes()
+        # a tampered update (one code byte flipped, its header intact) is refused by the view's block hash:
+        # the worker 2 behind falls back to the view checkpoint of that step
+        behind, bm = diloco.Worker(url, "behind", downlink=True), Module(st)
+        behind.pull(bm)
+        assert behind.step == 9
+
+        def steps(*ks):
+            d.start()
+            for k in ks:
+                pusher.pull(m)
+                train(m, g)
+                pusher.push(m, local_step=k)
+                d.wait_step(k)
+            assert d.stop() == 0    # nothing rewrites the tree while it is tampered with
+
+        def tamper(k):
+            u = hub / f"global/updates/{k}.safetensors"
+            raw = bytearray(u.read_bytes())
+            raw[-1] ^= 0x01
+            u.write_bytes(raw)
+
+        d.stop()
+        steps(10, 11)
+        tamper(10)                  # a checkpoint's step: the fallback needs no update
+        behind.pull(bm)
+        assert (behind.step, behind.fallbacks, behind.view_downloads) == (11, 1, 2)
+        assert behind.view_bytes() == (d.state_dir / "global/view-11.safetensors").read_bytes()
+        steps(12, 13)
+        tamper(13)                  # after the checkpoint 12: the fallback replays it too, and refuses it
+        before = {k: v.clone() for k, v in bm.state_dict().items()}
+        with pytest.raises(HostileAnswer, match="block hash"):
+            behind.pull(bm)
+        assert all(torch.equal(before[k], v) for k, v in bm.state_dict().items())
     finally:
         if d.alive():
             d.kill9()
