@@ -168,3 +168,89 @@ TEST(downlink_refuses_int8_block_and_a_changed_model)
     CHECK_EQ(downlink_make(&a, &out, &err), -DL_E_KEY_MISMATCH);
     CHECK(strstr(err.message, "structure") != NULL);
 }
+
+/* ---- the state's view (server/core/store_view.c) ------------------------------------------------------- */
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "store.h"
+
+static void touch(const char *path)
+{
+    FILE *f = fopen(path, "w");
+    if (f != NULL)
+        fclose(f);
+}
+
+static int exists(const store *s, const char *name)
+{
+    char p[700];
+    struct stat sb;
+    snprintf(p, sizeof(p), "%s/global/%s", s->dir, name);
+    return stat(p, &sb) == 0;
+}
+
+/* outer_metadata.json's view read back; the redo record's downlink; cleanup keeps the chain's last
+ * updates_keep updates and the committed view, and at startup drops an uncommitted step's. */
+TEST(store_view_committed_read_back_and_cleaned)
+{
+    store s = {0}, again = {0};
+    dl_error err;
+
+    CHECK_EQ(store_open(&s, test_dir(), "agg", &err), 0);
+    char *g = store_global_path(&s, 9);
+    touch(g);
+    for (unsigned k = 3; k <= 10; k++) {
+        char *u = store_update_path(&s, k), *v = store_view_path(&s, k);
+        touch(u);
+        touch(v);
+        free(u);
+        free(v);
+    }
+    store_view view = {.enc = CZ_MXFP4, .chain_from = 2, .hashed = 1};
+    memset(view.hash, 0xab, sizeof(view.hash));
+    store_commit_info info = {.step = 9, .global_path = g, .optimizer = "sgd", .origin = "round", .view = &view};
+    CHECK_EQ(store_commit(&s, &info, &err), 0);
+    CHECK_EQ(store_open(&again, test_dir(), "agg", &err), 0);
+    CHECK(again.view_path != NULL && again.view.enc == CZ_MXFP4 && again.view.chain_from == 2 && again.view.hashed);
+    CHECK_MEM(again.view.hash, view.hash, 32);
+    again.updates_keep = 4;
+    CHECK_EQ(store_cleanup(&again, 1, &err), 0);
+    CHECK(exists(&again, "view-9.safetensors") && !exists(&again, "view-8.safetensors") &&
+          !exists(&again, "view-10.safetensors"));
+    CHECK(!exists(&again, "update-5.safetensors") && exists(&again, "update-6.safetensors") &&
+          exists(&again, "update-9.safetensors") && !exists(&again, "update-10.safetensors"));
+    store_free(&again);
+
+    /* a step committed without a view starts a new chain: its updates and views all go */
+    info = (store_commit_info){.step = 9, .global_path = g, .optimizer = "sgd", .origin = "adopted"};
+    CHECK_EQ(store_commit(&s, &info, &err), 0);
+    CHECK(s.view_path == NULL && s.view.chain_from == 9);
+    s.updates_keep = 4;
+    CHECK_EQ(store_cleanup(&s, 1, &err), 0);
+    CHECK(!exists(&s, "view-9.safetensors") && !exists(&s, "update-9.safetensors"));
+
+    /* the redo record names the downlink's encoding; int8_block is refused there */
+    char dpath[700], *dp = dpath;
+    snprintf(dpath, sizeof(dpath), "%s/cache/deltas/s9/n1/delta_1.safetensors", s.dir);
+    store_redo r = {.step = 10, .base = 9, .optimizer = "sgd", .deltas = &dp, .ndeltas = 1, .downlink = CZ_MXFP8}, back;
+    int present;
+    CHECK_EQ(store_redo_write(&s, &r, &err), 0);
+    int rrc = store_redo_read(&s, &back, &present, &err);
+    if (rrc != 0)
+        fprintf(stderr, "  %s\n", err.message);
+    CHECK_EQ(rrc, 0);
+    CHECK(present && back.downlink == CZ_MXFP8);
+    store_redo_free(&back);
+    char meta[700];
+    snprintf(meta, sizeof(meta), "%s/outer_metadata.json", s.dir);
+    FILE *f = fopen(meta, "w");
+    fputs("{\"outer_step\":9,\"global_file\":\"global/latest-9.safetensors\",\"view\":{\"encoding\":\"int8_block\","
+          "\"chain_from\":2,\"hash\":\"00\"}}", f);
+    fclose(f);
+    CHECK(store_open(&again, test_dir(), "agg", &err) != 0);
+    CHECK(strstr(err.message, "(view)") != NULL);
+    store_free(&again);
+    store_free(&s);
+    free(g);
+}
