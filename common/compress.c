@@ -320,8 +320,11 @@ static void encode_mx(const cz_spec *s, const float *in, size_t n, unsigned char
     for (size_t b0 = 0, k = 0; b0 < n; b0 += s->block, k++) {
         size_t m = n - b0 < s->block ? n - b0 : s->block;
         float amax = 0;
-        for (size_t j = 0; j < m; j++)
-            amax = fmaxf(amax, fabsf(in[b0 + j]));
+        /* fmaxf's NaN rule without its libm call: a NaN compares false and leaves amax as it was */
+        for (size_t j = 0; j < m; j++) {
+            float a = fabsf(in[b0 + j]);
+            amax = a > amax ? a : amax;
+        }
         int shared = -127;
         if (amax > 0) {
             int ex;
