@@ -4,6 +4,9 @@
  *   global/set-<step>/                   the same model as published when it is above --shard-size:
  *                                        latest.safetensors.index.json + latest-0000i-of-0000N.safetensors,
  *                                        made from the file above (the index last: its presence = complete)
+ *   global/view-<step>.safetensors       --downlink: the committed step's view (store_view.c; absent when the
+ *                                        step's global is its view: the chain starts there)
+ *   global/update-<step>.safetensors     --downlink: the chain's last --updates-keep updates
  *   outer_state-<step>.safetensors       momentum buffers of that step (F32; absent for momentum 0)
  *   outer_accum-<step>.safetensors       async mode: the Delayed Nesterov accumulator after that step (F32;
  *                                        absent when its k is 0)
