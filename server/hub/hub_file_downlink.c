@@ -62,6 +62,20 @@ int hubfile_publish_downlink(int gfd, const char *root, const hub_downlink *dl, 
     /* the step's update (replacing one an older chain left under its name) */
     if (dl->update_path != NULL && (rc = put(ufd, root, dl->update_path, dl->step, err)) != 0)
         goto out;
+    /* and the kept ones the tree lacks (a publish that failed, or a restart, skipped their steps): the
+     * state names them update-<k>.safetensors beside this one */
+    const char *slash = dl->update_path != NULL ? strrchr(dl->update_path, '/') : NULL;
+    for (uint64_t k = dl->step > dl->keep ? dl->step - dl->keep + 1 : 0; slash != NULL && k < dl->step; k++) {
+        char src[4096];
+        if (k <= dl->chain_from || present(ufd, k))
+            continue;
+        int n = snprintf(src, sizeof(src), "%.*s/update-%" PRIu64 ".safetensors", (int)(slash - dl->update_path),
+                         dl->update_path, k);
+        if (n < 0 || (size_t)n >= sizeof(src) || access(src, R_OK) != 0)
+            continue;
+        if ((rc = put(ufd, root, src, k, err)) != 0)
+            goto out;
+    }
     /* the checkpoint: this step's view when it is one, or when the tree lacks the one due (a publish
      * that failed or a restart skipped it): then this step is the newest checkpoint */
     if (c == dl->step || !present(vfd, c)) {

@@ -421,7 +421,10 @@ def test_file_tree_updates_checkpoints_and_a_tampered_update(tmp_path):
             u.write_bytes(raw)
 
         d.stop()
+        (hub / "global/updates/9.safetensors").unlink()      # as if its publish had been skipped
         steps(10, 11)
+        assert (hub / "global/updates/9.safetensors").read_bytes() == \
+            (d.state_dir / "global/update-9.safetensors").read_bytes()          # a later publish puts it back
         tamper(10)                  # a checkpoint's step: the fallback needs no update
         behind.pull(bm)
         assert (behind.step, behind.fallbacks, behind.view_downloads) == (11, 1, 2)
