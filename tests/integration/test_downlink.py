@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import diloco
-from diloco.errors import HostileAnswer
+from diloco.errors import HostileAnswer, ServerError
 from dilocod_proc import Dilocod, write_model
 
 STEPS = 20
@@ -279,6 +279,8 @@ def test_downlink_none_is_todays_server(tmp_path):
         sc = json.loads(get(d.url, "/global/step_count.json")[2])
         assert not {"view_file", "update_file", "view_hash"} & set(sc)
         assert "downlink" not in d.get_json("/status")
+        with pytest.raises(ServerError, match="no_downlink"):
+            diloco.Worker(d.url, "w1", downlink=True).pull(Module(model_state(torch.float32)))
         assert d.stop() == 0
     finally:
         if d.alive():

@@ -341,7 +341,11 @@ class HttpTransport:
 
     def fetch_view(self, cap):
         """-> (step, bytearray) of GET /global/view.safetensors."""
-        buf, _, step = self._download("/global/view.safetensors", cap)
+        try:
+            buf, _, step = self._download("/global/view.safetensors", cap)
+        except FileNotFoundError:
+            raise ServerError(404, "no_downlink", "the server runs --downlink none: no view to pull "
+                              "(Worker(downlink=False) downloads the global)") from None
         return step, buf
 
     def fetch_update(self, step, cap):
