@@ -45,6 +45,18 @@ typedef struct downlink_out {
     double max_gap;                     /* max |global_s - view_s| over the floating values (F32) */
 } downlink_out;
 
+/* The same in parts, for several threads (the daemon's pool): downlink_prepare opens the inputs, plans the
+ * units and opens both outputs; downlink_run, called from any number of threads at once, takes units
+ * until none is left (or one failed: its error is the pass's); downlink_finish, after every run returned,
+ * hashes the view and commits both files, or removes them, and frees the pass whatever happened.  The
+ * args' strings must outlive the pass. */
+typedef struct downlink_pass downlink_pass;
+int downlink_prepare(const downlink_args *a, downlink_pass **out, dl_error *err);
+int downlink_run(downlink_pass *p);
+/* Makes the runs stop at their next unit (downlink_finish then removes the outputs). */
+void downlink_abort(downlink_pass *p);
+int downlink_finish(downlink_pass *p, downlink_out *out, dl_error *err);
+
 /* Whether the downlink can use enc (mxfp8, mxfp4). */
 int downlink_encoding_ok(cz_encoding enc);
 /* Makes view_s and U_s.  Both outputs are written to temporary files and renamed into place; on failure

@@ -29,8 +29,10 @@ typedef struct make_args {
     char *view_in;              /* the committed view (its global when the chain starts there) */
     char *global, *out_view, *out_update;
     uint64_t chain_from;
+    downlink_pass *pass;        /* between prepare and finish */
+    int jobs;                   /* run jobs still out */
     downlink_out out;
-    double seconds;
+    double started, seconds;
 } make_args;
 
 static void make_args_free(make_args *m)
@@ -71,16 +73,18 @@ static store_view made_view(const make_args *m)
     return v;
 }
 
-static void make_work(job *j)
+/* The step's view and update are made as the pass is (outer.c): prepared on the pool, run by --threads
+ * jobs at once, finished (the view hashed, both files renamed) by one more. */
+static void finish_work(job *j)
 {
     make_args *m = j->arg;
-    double t0 = daemon__clock();
 
-    j->rc = downlink_make(&m->a, &m->out, &j->err);
-    m->seconds = daemon__clock() - t0;
+    j->rc = downlink_finish(m->pass, &m->out, &j->err);
+    m->pass = NULL;
+    m->seconds = daemon__clock() - m->started;
 }
 
-static void make_done(job *j)
+static void finish_done(job *j)
 {
     dilocod *d = daemon__of_job(j);
     make_args *m = j->arg;
@@ -108,13 +112,71 @@ static void make_done(job *j)
     daemon__try_commit(d);
 }
 
+/* The pass is given up (no job for its end): finished here, its outputs removed. */
+static void finish_now(dilocod *d, make_args *m, const char *why)
+{
+    dl_error e;
+    downlink_abort(m->pass);
+    downlink_finish(m->pass, &m->out, NULL);
+    make_args_free(m);
+    dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "%s", why);
+    daemon__aggregation_failed(d, &e);
+}
+
+static void queue_finish(dilocod *d, make_args *m)
+{
+    if (daemon__queue(d, finish_work, finish_done, m) != 0)
+        finish_now(d, m, "cannot queue the end of the downlink's view and update");
+}
+
+static void run_work(job *j)
+{
+    downlink_run(((make_args *)j->arg)->pass);
+}
+
+static void run_done(job *j)
+{
+    make_args *m = j->arg;
+    if (--m->jobs == 0)
+        queue_finish(daemon__of_job(j), m);
+}
+
+static void prepare_work(job *j)
+{
+    make_args *m = j->arg;
+    m->started = daemon__clock();
+    j->rc = downlink_prepare(&m->a, &m->pass, &j->err);
+}
+
+static void prepare_done(job *j)
+{
+    dilocod *d = daemon__of_job(j);
+    make_args *m = j->arg;
+
+    if (j->rc != 0) {
+        make_args_free(m);
+        daemon__aggregation_failed(d, &j->err);
+        return;
+    }
+    if (d->stopping) {
+        downlink_abort(m->pass);
+        queue_finish(d, m);
+        return;
+    }
+    for (unsigned i = 0; i < d->cfg->threads; i++)
+        if (daemon__queue(d, run_work, run_done, m) == 0)
+            m->jobs++;
+    if (m->jobs == 0)
+        finish_now(d, m, "cannot queue the downlink's view and update");
+}
+
 void daemon__downlink_make(dilocod *d)
 {
     make_args *m = make_args_new(d, d->cfg->downlink, d->rnd.step + 1, d->agg.pass->out_global_path);
     dl_error e;
 
     d->down.made = 0;
-    if (m != NULL && daemon__queue(d, make_work, make_done, m) == 0)
+    if (m != NULL && daemon__queue(d, prepare_work, prepare_done, m) == 0)
         return;
     make_args_free(m);
     dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "cannot queue the downlink's view and update");

@@ -389,8 +389,11 @@ def test_file_tree_updates_checkpoints_and_a_tampered_update(tmp_path):
             assert sc["view_file"] == f"global/views/{s - s % 2}.safetensors"     # a checkpoint every 4 / 2 steps
             assert (hub / "global/updates" / f"{s}.safetensors").read_bytes() == \
                 (d.state_dir / f"global/update-{s}.safetensors").read_bytes()
-        assert sorted(p.name for p in (hub / "global/updates").iterdir()) == [f"{k}.safetensors" for k in range(5, 9)]
-        assert sorted(p.name for p in (hub / "global/views").iterdir()) == ["6.safetensors", "8.safetensors"]
+        # pruned once step_count.json names step 8 (the same publish, just after it)
+        d.wait_until(lambda: sorted(p.name for p in (hub / "global/updates").iterdir()) ==
+                     [f"{k}.safetensors" for k in range(5, 9)] and
+                     sorted(p.name for p in (hub / "global/views").iterdir()) == ["6.safetensors", "8.safetensors"],
+                     "the tree's updates 5..8 and views 6 and 8")
         assert (w.view_downloads, w.updates_applied, w.fallbacks) == (1, 8, 0)
         # a joiner takes the newest checkpoint and replays what follows it
         j, jm = diloco.Worker(url, "joiner", downlink=True), Module(st)
