@@ -443,3 +443,29 @@ def test_file_tree_updates_checkpoints_and_a_tampered_update(tmp_path):
     finally:
         if d.alive():
             d.kill9()
+
+
+def test_async_mode_each_update_is_a_step_of_the_chain(tmp_path):
+    """--mode async: every update the server commits is a step of the chain; the worker replays them."""
+    init = tmp_path / "init.safetensors"
+    st = model_state(torch.bfloat16)
+    write_model(init, st)
+    d = start(tmp_path, init, "--mode", "async", "--downlink", "mxfp8", "--grace-ms", "0")
+    try:
+        pushers = [diloco.Worker(d.url, f"w{i}") for i in range(2)]
+        ms, g = [Module(st) for _ in range(2)], torch.Generator().manual_seed(9)
+        w, wm = diloco.Worker(d.url, "view", downlink=True), Module(st)
+        w.pull(wm)
+        for s in range(1, 7):
+            p, m = pushers[s % 2], ms[s % 2]
+            p.pull(m)
+            train(m, g)
+            assert p.push(m, local_step=s).status == "accepted"
+            wait_step(d, s)
+            w.pull(wm)
+            assert w.step == s and w.view_bytes() == get(d.url, "/global/view.safetensors")[2], s
+        assert (w.view_downloads, w.updates_applied, w.fallbacks) == (1, 6, 0)
+        assert d.stop() == 0
+    finally:
+        if d.alive():
+            d.kill9()
