@@ -38,6 +38,9 @@ static int async_ratio(const config *c) { return c->async && c->max_norm_ratio !
 static int counts_nodes(const config *c) { return c->expected_nodes != 0; }
 static int async_activation(const config *c) { return c->async && c->dn_c != 0; }
 static int paper_variant(const config *c) { return c->dn_paper; }
+static int has_downlink(const config *c) { return c->downlink != 0; }
+static int hub_local(const config *c) { return strcmp(c->hub, "none") == 0 || strncmp(c->hub, "file://", 7) == 0; }
+static int publishes_each(const config *c) { return c->publish_interval == 0; }
 static int rounds_close(const config *c) { return c->expected_nodes != 0 || c->round_timeout != 0; }
 
 #define SLICES "each aggregator of a cluster reads one slice of each delta"
@@ -62,6 +65,14 @@ static const combine_row rows[] = {
      "--dn-variant paper", paper_variant, "it applies to dn_variant paper only"},
     {COMBINE_REFUSED, "expected_nodes", "--mode sync", is_sync, "--expected-nodes N, --nodes or --round-timeout S",
      rounds_close, "rounds would never close"},
+    {COMBINE_REFUSED, "downlink", "--downlink E", has_downlink, "no --cluster-shards", not_cluster,
+     "a cluster's aggregators would each compute the update of their shard: not built yet"},
+    {COMBINE_REFUSED, "downlink", "--downlink E", has_downlink, "--hub none or --hub file://...", hub_local,
+     "the updates and views are published over HTTP and file:// only: s3:// and hf:// are not built yet"},
+    {COMBINE_REFUSED, "downlink", "--downlink E", has_downlink, "--publish-interval 0", publishes_each,
+     "a tree that skips steps would lose the updates between them: each published step's update is "
+     "against the step before"},
+    {COMBINE_IGNORED, "updates_keep", NULL, NULL, "--downlink mxfp8 or mxfp4", has_downlink, NULL},
     {COMBINE_IGNORED, "max_staleness", NULL, NULL, "--mode async", is_async, NULL},
     {COMBINE_IGNORED, "staleness_weight", NULL, NULL, "--mode async", is_async, NULL},
     {COMBINE_IGNORED, "dn_period", NULL, NULL, "--mode async", is_async, NULL},

@@ -149,6 +149,7 @@ void daemon__global_committed(dilocod *d)
     /* one open of the committed global for downloads (a sharded layout once its set is written, which
      * a restart finds already there) */
     daemon__serve_step(d, -1, d->st.step);
+    daemon__downlink_serve(d);
     daemon__ensure_set(d);
     struct stat sb;
     if (stat(d->st.global_path, &sb) == 0)
@@ -360,6 +361,7 @@ static int startup(dilocod *d, dl_error *err)
     if ((rc = daemon__recover_redo(d, err)) != 0)
         return rc;
     d->st.async_cache = daemon__async(d);  /* async: every cached delta is one acknowledged, offered again */
+    d->st.updates_keep = d->cfg->updates_keep;
     if (d->st.committed && (rc = store_cleanup(&d->st, 1, err)) != 0)
         return rc;
     if (d->st.committed) {      /* found (or recovered) durable, and the files before it are gone */
@@ -553,6 +555,7 @@ int daemon_run(config *cfg, const daemon_front *front)
     store_free(&d->st);
     d->front->free_credentials();
     daemon__served_clear(&d->global);
+    daemon__downlink_free(d);
     history_free(&d->history);
     free(d->cluster_dir);
     free(d->cluster_unappended.p);

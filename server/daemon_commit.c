@@ -46,6 +46,7 @@ static store_commit_info round_commit_info(const dilocod *d, store_dn *after)
         .accum_path = d->agg.pass->out_accum_path,
         .accum_sum = d->agg.pass->out_accum_path != NULL ? &d->agg.pass->out_accum_sum : NULL,
         .dn = daemon__async(d) ? after : NULL,
+        .view = daemon__downlink_made(d, d->rnd.step + 1),
     };
     return info;
 }
@@ -85,6 +86,9 @@ static commit_args *commit_args_new(dilocod *d)
     a->redo.dn = d->agg.dn;
     a->redo.rule = (int)d->cfg->aggregate;
     a->redo.trim_k = d->cfg->trim_k;
+    /* a restart makes the view and update again as they were served */
+    const store_view *view = daemon__downlink_made(d, a->redo.step);
+    a->redo.downlink = view != NULL ? view->enc : 0;
     if (d->agg.pass->delta_scale != NULL && (a->redo.scales = malloc((n ? n : 1) * sizeof(float))) != NULL)
         memcpy(a->redo.scales, d->agg.pass->delta_scale, n * sizeof(float));
     int no_scales = d->agg.pass->delta_scale != NULL && a->redo.scales == NULL;
@@ -138,6 +142,9 @@ typedef struct settle_args {
                                    what is still not appended carried back (settle_done) */
     char **rels;                /* the transport's files of the round's deltas (--prune-consumed) */
     size_t nrels;
+    store_view view;            /* the downlink's view of the step (has_view), made durable with the global */
+    int has_view;
+    char *view_path, *update_path;
 } settle_args;
 
 void daemon__settle_free(settle_args *a)
@@ -148,6 +155,8 @@ void daemon__settle_free(settle_args *a)
         free(a->global_path);
         free(a->momentum_path);
         free(a->accum_path);
+        free(a->view_path);
+        free(a->update_path);
         free(a->round_json);
         free(a->unappended);
         free(a);
@@ -172,6 +181,7 @@ static void settle_work(job *j)
         .accum_path = a->accum_path,
         .accum_sum = a->accum_path != NULL ? &a->accum_sum : NULL,
         .dn = a->dn.on ? &a->dn : NULL,
+        .view = a->has_view ? &a->view : NULL,
     };
     dl_error herr;
 
@@ -184,6 +194,10 @@ static void settle_work(job *j)
         return;
     if (a->accum_path != NULL && ((j->rc = fsu_fsync_path(a->accum_path, &j->err)) != 0 ||
                                   (j->rc = fsu_fsync_parent(a->accum_path, &j->err)) != 0))
+        return;
+    if (a->has_view && ((j->rc = fsu_fsync_path(a->view_path, &j->err)) != 0 ||
+                        (j->rc = fsu_fsync_path(a->update_path, &j->err)) != 0 ||
+                        (j->rc = fsu_fsync_parent(a->view_path, &j->err)) != 0))
         return;
     /* 2. outer_metadata.json names the step: from here the redo record is not needed */
     if ((j->rc = store_commit_write(&d->st, &info, &j->err)) != 0)
@@ -311,6 +325,17 @@ static void start_settle(dilocod *d, uint64_t step)
         return;
     }
     a->step = step;
+    const store_view *view = daemon__downlink_made(d, step);
+    if (view != NULL) {
+        a->has_view = 1;
+        a->view = *view;
+        if ((a->view_path = store_view_path(&d->st, step)) == NULL ||
+            (a->update_path = store_update_path(&d->st, step)) == NULL) {
+            daemon__settle_free(a);
+            settle_out_of_memory(d, step);
+            return;
+        }
+    }
     a->global_sum = d->agg.pass->out_global_sum;
     a->momentum_sum = d->agg.pass->out_momentum_sum;
     a->accum_sum = d->agg.pass->out_accum_sum;
@@ -530,6 +555,8 @@ void daemon__schedule_cleanup(dilocod *d)
     snap->committed = 1;
     snap->step = d->st.step;
     snap->async_cache = daemon__async(d);
+    snap->view = d->st.view;
+    snap->updates_keep = d->cfg->updates_keep;
     if ((snap->dir = strdup(d->st.dir)) == NULL || (snap->global_path = strdup(d->st.global_path)) == NULL ||
         (d->st.momentum_path != NULL && (snap->momentum_path = strdup(d->st.momentum_path)) == NULL) ||
         pipeline_start(&d->pipe, snap->step, STEP_ACT_CLEANUP) != 0) {
@@ -590,11 +617,13 @@ static void commit_done(job *j)
     record_round(d);
     daemon__async_committed(d, &d->agg.dn);
     daemon__serve_step(d, fd, d->st.step);
+    daemon__downlink_serve(d);
     pipeline_move(&d->pipe, d->st.step, STEP_SERVED);
     daemon__ensure_set(d);
     d->committed_at = time(NULL);
     dl_log(DL_LOG_INFO, "store", "committed", "step=%" PRIu64 " global=%s", d->st.step, d->st.global_path);
     start_settle(d, d->st.step);
+    d->down.made = 0;
     daemon__pass_release(d);
     round_reset(&d->rnd, d->st.step);
     d->round_opened_wall = daemon__wall_of(daemon__clock());
@@ -752,6 +781,9 @@ int daemon__recover_redo(dilocod *d, dl_error *err)
         rc = store_redo_remove(&d->st, err);
         goto out;
     }
+    store_view view;
+    if (rc == 0 && r.downlink != 0)
+        rc = daemon__downlink_recover(d, r.downlink, r.step, p.out_global_path, &view, err);
     if (rc == 0) {
         store_dn after = daemon__async_after(&r.dn);
         store_commit_info info = {
@@ -768,6 +800,7 @@ int daemon__recover_redo(dilocod *d, dl_error *err)
             .accum_path = p.out_accum_path,
             .accum_sum = p.out_accum_path != NULL ? &p.out_accum_sum : NULL,
             .dn = r.dn.on ? &after : NULL,
+            .view = r.downlink != 0 ? &view : NULL,
         };
         /* outer_finish made the outputs durable (no defer_sync here) */
         if ((rc = store_commit(&d->st, &info, err)) == 0 &&

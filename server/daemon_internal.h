@@ -192,6 +192,24 @@ typedef struct daemon_verdicts {
     uint64_t write_failures;
 } daemon_verdicts;
 
+/* The downlink (daemon_downlink.c; README, "The downlink"): the view and update the finished pass's step
+ * commits with, the committed view and the chain's last updates served, and what was sent. */
+typedef struct daemon_downlink {
+    store_view pending;         /* the view of step made_step, made after its pass (valid while made) */
+    int made;
+    uint64_t made_step;
+    served_file view;           /* GET /global/view.safetensors: the committed step's view */
+    uint64_t view_step;
+    int view_hashed;
+    unsigned char view_hash[32];
+    served_file *updates;       /* GET /global/updates/<s>.safetensors: ring of nring (--updates-keep) slots */
+    uint64_t *update_step;      /* [nring]: the step each slot serves */
+    unsigned nring;
+    uint64_t last_update_bytes, view_bytes;
+    double last_seconds, last_gap;
+    uint64_t updates_sent, update_bytes_sent, views_sent, view_bytes_sent;
+} daemon_downlink;
+
 typedef struct dilocod {
     uv_loop_t loop;
     config *cfg;
@@ -250,6 +268,7 @@ typedef struct dilocod {
     stats m;                    /* every counter (stats.h) */
     workers workers;            /* what each worker last reported with its deltas (workers.h) */
     daemon_verdicts verdicts;   /* daemon_verdicts.c */
+    daemon_downlink down;       /* daemon_downlink.c */
     /* adoptions of a published global refused (its step out of bounds, its header over the cap, ...):
      * counted each time, logged once per step offered */
     uint64_t adoptions_refused;

@@ -233,6 +233,10 @@ static void finish_done(job *j)
         daemon__aggregation_failed(d, &e);
         return;
     }
+    if (d->cfg->downlink != 0) {
+        daemon__downlink_make(d);       /* the step's view and update, then the pass activity ends */
+        return;
+    }
     /* the outputs are written: the commit waits in computing for the inputs and the previous settle */
     pipeline_end(&d->pipe, d->rnd.step + 1, STEP_ACT_PASS, 1);
     daemon__try_commit(d);

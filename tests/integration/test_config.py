@@ -577,6 +577,14 @@ def test_every_row_of_what_combines_refuses_and_accepts(tmp_path):
              "dn-momentum-activation"),
         ("--mode sync", "--expected-nodes N, --nodes or --round-timeout S"):
             (["--mode", "sync"], ["--mode", "sync", "--round-timeout", "5"], "expected-nodes"),
+        ("--downlink E", "no --cluster-shards"):
+            ([*cluster, "--downlink", "mxfp8"], ["--expected-nodes", "4", "--downlink", "mxfp8"], "downlink"),
+        ("--downlink E", "--hub none or --hub file://..."):
+            ([*S3, "--expected-nodes", "4", "--downlink", "mxfp4"],
+             ["--expected-nodes", "4", "--hub", "none", "--downlink", "mxfp4"], "downlink"),
+        ("--downlink E", "--publish-interval 0"):
+            (["--expected-nodes", "4", "--downlink", "mxfp8", "--publish-interval", "5"],
+             ["--expected-nodes", "4", "--downlink", "mxfp8", "--publish-interval", "0"], "downlink"),
     }
     ignored = {   # (flag, needs): (a value other than the default, the configuration that reads it)
         ("--max-staleness", "--mode async"): (["--max-staleness", "3"], ["--mode", "async"]),
@@ -591,6 +599,7 @@ def test_every_row_of_what_combines_refuses_and_accepts(tmp_path):
         ("--cluster-lease", "--cluster-shards S"): (["--cluster-lease", "9"], [*S3, "--cluster-shards", "2"]),
         ("--max-weight-ratio", "--aggregate weighted_mean"):
             (["--max-weight-ratio", "3"], ["--aggregate", "weighted_mean"]),
+        ("--updates-keep", "--downlink mxfp8 or mxfp4"): (["--updates-keep", "5"], ["--downlink", "mxfp8"]),
     }
     _, rows = combination_rows()
     table_refused = {(a.strip("`"), n.replace("`", "")) for a, n, e in rows if e.startswith("refused: ")}
