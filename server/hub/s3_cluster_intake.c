@@ -112,8 +112,7 @@ static void offer(cluster *c, uint64_t step, node_delta *d, const delta_info *in
     *have = *d;
 }
 
-/* Whether the round has node's delta of local step local in version ver, or a later one. */
-static int have_it(cluster *c, const char *node, uint64_t local, const char *ver)
+int cl_have_delta(cluster *c, const char *node, uint64_t local, const char *ver)
 {
     const node_delta *have = cl_nd_find(c, node);
     return have != NULL && (have->local_step > local ||
@@ -128,7 +127,7 @@ static void single_entry(cluster *c, uint64_t step, const char *rel, const s3_ob
     node_delta d;
     delta_info info;
 
-    if (have_it(c, node, local, o->etag))
+    if (cl_have_delta(c, node, local, o->etag))
         return;
     memset(&d, 0, sizeof(d));
     memset(&info, 0, sizeof(info));
@@ -158,8 +157,6 @@ static void set_entry(cluster *c, uint64_t step, const set_stash *st, const char
     memset(&info, 0, sizeof(info));
     int v = cl_set_candidate(c, step, st, rel, o->etag, o->size, dp->node_id, dp->local_step, &d, &info, why,
                              sizeof(why));
-    if (v == 0 && have_it(c, d.node, d.local_step, d.ver))
-        v = -6;
     if (v == -1 || v == -4)
         cl_refuse(c, rel, d.ver, why, v == -4 ? REFUSED_STALE : REFUSED_FOR_GOOD);
     if (v == -5)
@@ -168,10 +165,7 @@ static void set_entry(cluster *c, uint64_t step, const set_stash *st, const char
         cl_delta_free(&d);
         return;
     }
-    uint64_t size = 0;
-    for (size_t i = 0; i < d.nparts; i++)
-        size = size + d.parts[i].size < size ? UINT64_MAX : size + d.parts[i].size;
-    offer(c, step, &d, &info, size);
+    offer(c, step, &d, &info, cl_delta_bytes(&d));
 }
 
 /* One listing of nodes/: each node's newest delta (a single file or a set) offered to the round. */

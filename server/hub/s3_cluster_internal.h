@@ -265,8 +265,9 @@ typedef struct set_stash {
 void cl_stash_shard(cluster *c, set_stash *st, const char *node, const char *rel, const char *etag, uint64_t size);
 void cl_stash_free(set_stash *st);
 /* The set whose index is rel (listed with etag, size) as d, checked as the single aggregator checks one:
- * check_delta's codes, and -5 when a shard it names is not listed yet (it waits); d->ver is set for
- * every code but -5 (the refusals' key).  d is the caller's to cl_delta_free. */
+ * check_delta's codes, -5 when a shard it names is not listed yet (it waits), -7 when this version is
+ * remembered as refused or taken already (nothing read); d->ver is set for -1 and -4 (the refusals' key).
+ * d is the caller's to cl_delta_free. */
 int cl_set_candidate(cluster *c, uint64_t step, const set_stash *st, const char *rel, const char *etag,
                      uint64_t size, const char *node, uint64_t local, node_delta *d, delta_info *info, char *why,
                      size_t why_size);
@@ -282,6 +283,10 @@ void cl_set_manifest_parts(sbuf *b, const node_delta *d);
 void cl_delta_sources(const node_delta *d, const st_tensor **ts, const source **srcs, size_t n);
 /* Whether the manifest's version of d is gone from the bucket (its file, or any of a set's): 1, or -1 unknown. */
 int cl_delta_gone(cluster *c, const node_delta *d);
+/* d's bytes: its file's, or its set's parts' together (saturating; not its index's). */
+uint64_t cl_delta_bytes(const node_delta *d);
+/* Whether the round has node's delta of local step local in version ver (cl_delta_version), or a later one. */
+int cl_have_delta(cluster *c, const char *node, uint64_t local, const char *ver);
 /* The refusals' key for d: its ETag, a set's version. */
 const char *cl_delta_version(const node_delta *d);
 void cl_delta_free(node_delta *d);

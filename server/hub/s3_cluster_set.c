@@ -40,6 +40,16 @@ void cl_delta_free(node_delta *d)
     d->ver[0] = '\0';
 }
 
+uint64_t cl_delta_bytes(const node_delta *d)
+{
+    uint64_t size = 0;
+    if (d->parts == NULL)
+        return d->s.size;
+    for (size_t i = 0; i < d->nparts; i++)
+        size = size + d->parts[i].size < size ? UINT64_MAX : size + d->parts[i].size;
+    return size;
+}
+
 const char *cl_delta_version(const node_delta *d)
 {
     return d->parts != NULL ? d->ver : d->s.etag;
@@ -72,7 +82,7 @@ void cl_stash_shard(cluster *c, set_stash *st, const char *node, const char *rel
         st->full_warned = 1;
         return;
     }
-    if ((st->n & (st->n - 1)) == 0) {
+    if (st->n == 0 || (st->n >= 16 && (st->n & (st->n - 1)) == 0)) {
         set_stash_entry *grown = realloc(st->e, (st->n ? 2 * st->n : 16) * sizeof(*grown));
         if (grown == NULL)
             return;
@@ -369,7 +379,8 @@ int cl_set_candidate(cluster *c, uint64_t step, const set_stash *st, const char 
     }
     if (parts_new(d, base, n) != 0 || (rc = parts_listed(st, d, etag, why, why_size)) != 0)
         return rc == -5 ? -5 : -3;
-    if (cl_is_refused(c, rel, d->ver))
+    /* remembered as refused, or taken already in this version: not read again */
+    if (cl_is_refused(c, rel, d->ver) || cl_have_delta(c, node, local, d->ver))
         return -7;
     size_t cap = st_index_cap_for(c->g.h);
     if (size > cap) {
@@ -394,7 +405,7 @@ int cl_set_candidate(cluster *c, uint64_t step, const set_stash *st, const char 
         }
         if ((rc = parts_listed(st, d, etag, why, why_size)) != 0)
             goto out;
-        if (cl_is_refused(c, rel, d->ver)) {
+        if (cl_is_refused(c, rel, d->ver) || cl_have_delta(c, node, local, d->ver)) {
             rc = -7;
             goto out;
         }

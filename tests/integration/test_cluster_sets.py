@@ -131,6 +131,17 @@ def test_mixed_round_k2_equals_single_files_k1_and_torch(tmp_path, s3):
             watcher.stop()
             watcher.check(range(rounds + 1))
             assert "a cluster takes single-file deltas" not in log_of(cl), cl.logs()
+            # /rounds counts a set's bytes as its shards' together (not its index's)
+            for d in cl.procs.values():
+                recs = cl.wait(lambda: (lambda r: r if len(r) == rounds else None)(d.rounds()),
+                               f"{d.agg_id}'s /rounds holding {rounds} steps", 20)
+                for rec in recs:
+                    step = rec["step"] + 1
+                    nodes = {n["node_id"]: n for n in rec["nodes"]}
+                    assert sorted(nodes) == NODES, rec
+                    for node in ("w1", "w2") if as_sets else ():
+                        want = sum(p.stat().st_size for _, p in sets[(step, node)][:-1])
+                        assert nodes[node]["bytes"] == want, (node, nodes[node], want)
             sts = cl.statuses()
             assert all(c["refusals"] == 0 for c in sts.values()), sts
         finally:
