@@ -266,3 +266,95 @@ def test_set_part_rewritten_after_the_manifest_is_dropped(tmp_path, s3):
         assert [e["node"] for e in m1["nodes"]] == ["w1", "w3", "w4"], m1
     finally:
         cl.stop()
+
+
+def test_worker_pushes_a_sharded_delta_to_a_cluster(tmp_path, s3, monkeypatch):
+    """diloco.Worker("s3://...", "w1", shard_size=N) pushes each delta past N bytes as a set (its shards, then
+    its index) to a two-aggregator cluster's bucket, beside w2's single files: every step is torch's outer
+    step on what the two sent, and the manifest names w1's parts."""
+    import diloco
+    from dilocod_proc import module_for
+    from test_cluster import ClusterDilocod
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    rounds = 2
+    init = cluster_model(15)
+    prefix = "sets-worker"
+    cl = Cluster(tmp_path, s3, prefix, S, 10)
+    plan = Plan(publish_step0(cl.bucket, init), S)
+    try:
+        for i in ("agg-a", "agg-b"):
+            d = ClusterDilocod(cl.tmp, cl.s3, cl.prefix, i, cl.shards, cl.lease, nodes=2)
+            cl.procs[i] = d
+            d.start()
+        cl.wait_ready()
+        url = f"s3://{s3.bucket}/{prefix}"
+        workers = {"w1": diloco.Worker(url, "w1", shard_size=100_000), "w2": diloco.Worker(url, "w2")}
+        models = {n: module_for(init) for n in workers}
+        oracle = oracle_for(init)
+        g = torch.Generator().manual_seed(15)
+        for r in range(rounds):
+            step, local = r + 1, 10 * (r + 1)
+            sent = {}
+            for n, w in workers.items():
+                assert w.pull(models[n]) == r
+                base = {k: v.clone() for k, v in models[n].state_dict().items()}
+                with torch.no_grad():
+                    for v in models[n].state_dict().values():
+                        if v.is_floating_point():
+                            v.add_(0.01 * torch.randn(v.shape, generator=g))
+                cur = models[n].state_dict()
+                sent[n] = {k: base[k].float() - cur[k].float() for k in base if base[k].is_floating_point()}
+                assert w.push(models[n], local_step=local, loss=0.5, tokens=64).status == "written"
+            cl.wait_published(step, 60)
+            oracle.step(sent)
+            check_exact(cl, plan, step, oracle.state)
+            keys = {rel for rel in cl.bucket.listing(skip_nodes=False) if rel.startswith("nodes/")}
+            shards = sorted(k for k in keys if k.startswith(f"nodes/w1/delta_{local}-"))
+            assert len(shards) >= 2 and f"nodes/w1/delta_{local}.safetensors.index.json" in keys, sorted(keys)
+            assert f"nodes/w1/delta_{local}.safetensors" not in keys and f"nodes/w2/delta_{local}.safetensors" in keys
+            m = json.loads(cl.bucket.get(f"global/steps/{step}/manifest.json"))
+            entries = {e["node"]: e for e in m["nodes"]}
+            assert [p["key"] for p in entries["w1"]["parts"]] == shards and "parts" not in entries["w2"], m
+            # the index holds the delta's metadata, the worker's metrics among it; each shard only "format"
+            index = json.loads(cl.bucket.get(f"nodes/w1/delta_{local}.safetensors.index.json"))
+            assert index["metadata"]["node_id"] == "w1" and index["metadata"]["local_step"] == str(local), index
+            assert index["metadata"]["total_size"] == sum(4 * v.numel() for v in sent["w1"].values()), index
+        for n, w in workers.items():
+            assert w.pull(models[n]) == rounds
+            assert_state_equal({k: v for k, v in models[n].state_dict().items()}, oracle.state)
+        cl.wait_publishes(rounds)
+    finally:
+        cl.stop()
+
+
+def test_split_delta_cuts_as_huggingface_hub(tmp_path):
+    """diloco.encode.split_delta cuts a delta where huggingface_hub.save_torch_state_dict cuts the same state
+    dict (a tensor over the size in a shard of its own), names its files the same, and its index holds the
+    delta's metadata and total_size; a compressed key's scales stay in their codes' shard."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from diloco.encode import SCALES_SUFFIX, delta_metadata as pkg_metadata, encode_delta, plain_delta, split_delta
+    init = cluster_model(16)
+    floating = {k: v for k, v in init.items() if v.is_floating_point()}
+    cur = {k: v + 0.01 for k, v in floating.items()}
+    meta = pkg_metadata("w1", 0, 7)
+    delta = plain_delta(floating, cur, meta)
+    for size in (30_000, 70_000, 150_000):
+        parts, index = split_delta(delta, size, "delta_7")
+        ix = json.loads(index)
+        want = split_torch_state_dict_into_shards({k: torch.zeros_like(v) for k, v in floating.items()},
+                                                  filename_pattern="delta_7{suffix}.safetensors", max_shard_size=size)
+        assert ix["weight_map"] == want.tensor_to_filename, size
+        assert ix["metadata"] == {"total_size": want.metadata["total_size"], **meta}, ix["metadata"]
+        assert [n for n, _ in parts] == sorted(want.filename_to_tensors), size
+        for name, part in parts:
+            raw = bytes(part)
+            h = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+            assert h.pop("__metadata__") == {"format": "pt"} and sorted(h) == sorted(want.filename_to_tensors[name])
+    assert split_delta(delta, 10 << 20, "delta_7") is None          # one shard: the plain file is sent
+    enc, _ = encode_delta(floating, cur, "int8_block", metadata=meta)
+    parts, index = split_delta(enc, 20_000, "delta_7")
+    wm = json.loads(index)["weight_map"]
+    assert len(parts) >= 2 and all(wm[k + SCALES_SUFFIX] == wm[k] for k in floating), wm
