@@ -138,6 +138,7 @@ struct cluster {
     uint64_t refused_seed;      /* this start's: a worker cannot aim its key names at one probe chain */
     uint64_t polls;             /* listings of nodes/ so far: an entry's last listing (seen_entry.listed) */
     int refused_full_warned;
+    int stash_full_warned;      /* a node's directory held more shard files than a poll keeps (said once) */
     uint64_t problem_step;      /* the step whose rounds made problem output_overflow */
     node_delta *m;              /* the manifest's nodes, in its order */
     size_t nm;
@@ -259,7 +260,7 @@ typedef struct set_stash {
     char node[DELTA_NODE_ID_MAX + 1];
     set_stash_entry *e;
     size_t n;
-    int full_warned;
+    int capped;                 /* this node's past the cap: said once */
 } set_stash;
 /* A shard's listing entry (rel in node's directory). */
 void cl_stash_shard(cluster *c, set_stash *st, const char *node, const char *rel, const char *etag, uint64_t size);

@@ -62,6 +62,7 @@ void cl_stash_free(set_stash *st)
     free(st->e);
     st->e = NULL;
     st->n = 0;
+    st->capped = 0;
     st->node[0] = '\0';
 }
 
@@ -69,17 +70,16 @@ void cl_stash_shard(cluster *c, set_stash *st, const char *node, const char *rel
 {
     if (strcmp(st->node, node) != 0) {
         /* a node's keys are listed together: the previous node's shards are of no more use */
-        int warned = st->full_warned;
         cl_stash_free(st);
-        st->full_warned = warned;
         snprintf(st->node, sizeof(st->node), "%s", node);
     }
     size_t cap = STASH_MIN + 2 * (c->g.h != NULL ? c->g.h->ntensors : 0);
     if (st->n >= cap) {
-        if (!st->full_warned)
-            dl_log(DL_LOG_WARN, "cluster", "too many shard files in a node's directory: its sets past them wait",
-                   "node=%s max=%zu", node, cap);
-        st->full_warned = 1;
+        if (!st->capped)
+            dl_log(c->stash_full_warned ? DL_LOG_DEBUG : DL_LOG_WARN, "cluster", "too many shard files in a node's "
+                   "directory: its sets past them wait", "node=%s max=%zu", node, cap);
+        st->capped = 1;
+        c->stash_full_warned = 1;
         return;
     }
     if (st->n == 0 || (st->n >= 16 && (st->n & (st->n - 1)) == 0)) {
