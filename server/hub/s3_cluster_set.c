@@ -505,10 +505,6 @@ int cl_set_adopt(cluster *c, uint64_t step, const cJSON *e, node_delta *d, delta
         st_header_free(d->s.h);
         d->s.h = NULL;
         d->gone = 1;
-        /* the manifest's own versions, for the refusal's probe */
-        for (int i = 0; i < n; i++)
-            snprintf(d->parts[i].etag, sizeof(d->parts[i].etag), "%s", metag[i]);
-        snprintf(d->s.etag, sizeof(d->s.etag), "%s", etag);
         v = 0;
     } else if (v != 0) {
         char inner[600];
@@ -516,6 +512,14 @@ int cl_set_adopt(cluster *c, uint64_t step, const cJSON *e, node_delta *d, delta
         snprintf(why, why_size, "the manifest's set %.300s: %.600s", d->s.rel, inner);
         goto out;
     }
+    /* the manifest's own values (as a single entry's, manifest_adopt): a manifest derived from this one has the
+     * same bytes anywhere, and a gone part's probe asks for the version the manifest names */
+    for (int i = 0; i < n; i++) {
+        snprintf(d->parts[i].etag, sizeof(d->parts[i].etag), "%s", metag[i]);
+        snprintf(d->parts[i].header_sha, sizeof(d->parts[i].header_sha), "%s", want[i]);
+        d->parts[i].size = sizes[i];
+    }
+    snprintf(d->s.etag, sizeof(d->s.etag), "%s", etag);
     rc = 0;
 out:
     st_index_free(ix);

@@ -358,3 +358,39 @@ def test_split_delta_cuts_as_huggingface_hub(tmp_path):
     parts, index = split_delta(enc, 20_000, "delta_7")
     wm = json.loads(index)["weight_map"]
     assert len(parts) >= 2 and all(wm[k + SCALES_SUFFIX] == wm[k] for k in floating), wm
+
+
+def test_sets_gone_after_the_manifest_do_not_stop_a_late_member(tmp_path, s3):
+    """w2's and w3's sets each lose a shard once the manifest names them; a member that adopts the manifest
+    only then finds them gone and still adopts it.  Both members derive each next generation's manifest (one
+    node dropped at a time, the other gone set still named by its manifest ETags and hashes) to the same
+    bytes, and the step is torch's over w1 and w4."""
+    init = cluster_model(17)
+    cl = Cluster(tmp_path, s3, "sets-gone", S, 5)
+    plan = Plan(publish_step0(cl.bucket, init), S)
+    rng = np.random.default_rng(3417)
+    try:
+        a = cl.add("agg-a", env={"DILOCOD_TEST_CLUSTER_STALL_AFTER_PASS": "0"})
+        cl.wait_ready()
+        deltas = {n: random_deltas(rng, init) for n in NODES}
+        files = {n: hf_set(tmp_path / n, n, 0, local_step(1), deltas[n]) for n in ("w2", "w3")}
+        for n in ("w2", "w3"):
+            put_set(cl.bucket, n, files[n])
+        upload_round(cl.bucket, deltas, 1, nodes=["w1", "w4"])
+        cl.wait(lambda: "test hook: pausing after the pass shard=0" in a.log_text(), "agg-a to compute shard 0", 30,
+                interval=0.01)
+        m0 = json.loads(cl.bucket.get("global/steps/1/manifest.json"))
+        assert [e["node"] for e in m0["nodes"]] == NODES, m0
+        for n in ("w2", "w3"):
+            cl.bucket.c.delete_object(Bucket=cl.bucket.name, Key=cl.bucket.key(f"nodes/{n}/{files[n][0][0]}"))
+        b = cl.add("agg-b")
+        cl.wait_published(1, 90)
+        oracle = Oracle(init, lr=0.7, momentum=0.9)
+        oracle.step(tensors_of({n: d for n, d in deltas.items() if n in ("w1", "w4")}))
+        assert_state_equal(read_generation(cl, plan, 1, 2), oracle.state)
+        m2 = json.loads(cl.bucket.get("global/steps/1/manifest.g2.json"))
+        assert [e["node"] for e in m2["nodes"]] == ["w1", "w4"], m2
+        assert "a delta set of the manifest is gone from the bucket" in b.log_text(), cl.logs()
+        assert "manifest refused" not in b.log_text() and "not the manifest derived" not in log_of(cl), cl.logs()
+    finally:
+        cl.stop()
