@@ -39,192 +39,15 @@ static const char *const shard_state_name[] = {"unclaimed", "ours", "foreign", "
 static void round_forget(cluster *c)
 {
     for (size_t i = 0; i < c->nnd; i++)
-        cl_source_free(&c->nd[i].s);
+        cl_delta_free(&c->nd[i]);
     free(c->nd);
     c->nd = NULL;
     c->nnd = 0;
     for (size_t i = 0; i < c->nm; i++)
-        cl_source_free(&c->m[i].s);
+        cl_delta_free(&c->m[i]);
     free(c->m);
     c->m = NULL;
     c->nm = 0;
-}
-
-static node_delta *nd_find(cluster *c, const char *node)
-{
-    for (size_t i = 0; i < c->nnd; i++)
-        if (strcmp(c->nd[i].node, node) == 0)
-            return &c->nd[i];
-    return NULL;
-}
-
-/* Checks one delta's header against the global and the round's step (rel, etag from the listing):
- * 0 with s's header read, -1 refused (why), -2 not of this round yet (a later one), -3 not read (no answer,
- * or not that version any more: nothing to remember it by), -4 of an earlier one. */
-static int check_delta(cluster *c, uint64_t step, source *s, const char *etag, delta_info *info, char *why,
-                       size_t why_size)
-{
-    dl_error err;
-    if (cl_read_header(c, s, etag, why, why_size) != 0) {
-        /* no answer, or one that may change (gone, rewritten, throttled, the server's): looked at again; any
-         * other is this version's for good (its bytes, an empty object's 416) */
-        long st = s->status;
-        int again = st == 0 || st == 403 || st == 404 || st == 408 || st == 412 || st == 429 || st >= 500;
-        return again ? -3 : -1;
-    }
-    if (delta_check_header(s->h, c->g.h, s->rel, info, &err) != 0) {
-        snprintf(why, why_size, "%.300s%.300s%.300s", err.message, err.tensor[0] ? " tensor=" : "", err.tensor);
-        return -1;
-    }
-    /* weighted_mean takes only deltas that report their weight, as a single dilocod (no_weight) */
-    if (c->cfg.rule == OUTER_RULE_WEIGHTED && !(weights_of(&info->metrics) > 0)) {
-        snprintf(why, why_size, "missing_weight: --aggregate weighted_mean weighs each delta by its \"weight\" or "
-                 "\"num_tokens\" metadata, and this delta has neither (or num_tokens 0)");
-        return -1;
-    }
-    /* the round of step s takes the deltas based on the published step s - 1 */
-    if (info->base_outer_step > step - 1)
-        return -2;
-    if (info->base_outer_step < step - 1) {
-        snprintf(why, why_size, "based on step %" PRIu64 ", the round builds on %" PRIu64, info->base_outer_step,
-                 step - 1);
-        return -4;
-    }
-    return 0;
-}
-
-/* One listing of nodes/: each node's newest single-file delta offered to the round. */
-static void poll_deltas(cluster *c, uint64_t step)
-{
-    char why[1024];
-    size_t pl = strlen(c->a.prefix);
-    /* the listing's ETags are wanted here (list_keys keeps only the names) */
-    char *token = NULL;
-    char *full = pl ? cl_rel_printf("%s/nodes/", c->a.prefix) : strdup("nodes/");
-    int complete = 0;
-    if (full == NULL)
-        return;
-    c->polls++;
-    for (unsigned page = 0; page < LIST_PAGES_MAX && !cl_stopping(c); page++) {
-        char *query = s3_list_query(full, token, NULL, 1000);
-        s3s_req q = S3S_REQ_INIT;
-        s3s_resp r;
-        s3_listing l = {0};
-        dl_error err;
-        if (query == NULL)
-            break;
-        q.method = "GET";
-        q.query = query;
-        q.body_cap = S3_LIST_PAGE_CAP;
-        int got = s3s_do(&c->s3, &q, &r, why, sizeof(why));
-        free(query);
-        if (got != 0 || r.status != 200 || s3_parse_listing(r.body.p, r.body.len, &l, &err) != 0) {
-            if (got == 0 && r.status != 200)
-                s3s_describe(&r, why, sizeof(why));
-            dl_log(DL_LOG_WARN, "cluster", "listing nodes/ failed", "why=%s", why);
-            s3s_resp_free(&r);
-            break;
-        }
-        s3s_resp_free(&r);
-        for (size_t i = 0; i < l.n && !cl_stopping(c); i++) {
-            const s3_object *o = &l.objs[i];
-            const char *rel = pl ? o->key + pl + 1 : o->key;
-            char node[DELTA_NODE_ID_MAX + 1];
-            uint64_t local;
-            if (pl && (strncmp(o->key, c->a.prefix, pl) != 0 || o->key[pl] != '/'))
-                continue;
-            if (cl_is_refused(c, rel, o->etag))
-                continue;
-            if (delta_parse_path(rel, node, &local, NULL) != 0) {
-                delta_path dp;
-                if (delta_parse_any_path(rel, &dp, NULL) == 0 && dp.kind == DELTA_PATH_INDEX)
-                    cl_refuse(c, rel, o->etag, "a cluster takes single-file deltas, not sets", REFUSED_FOR_GOOD);
-                continue;
-            }
-            node_delta *have = nd_find(c, node);
-            if (have != NULL && (have->local_step > local ||
-                                 (have->local_step == local && strcmp(have->s.etag, o->etag) == 0)))
-                continue;
-            if (have != NULL && have->local_step == local) {
-                /* the same delta uploaded again with other bytes before the round closed: the round keeps
-                 * its entry, the manifest will name this version */
-                source again = {0};
-                delta_info ai;
-                memset(&ai, 0, sizeof(ai));
-                if ((again.rel = strdup(rel)) == NULL)
-                    continue;
-                int v = check_delta(c, step, &again, o->etag, &ai, why, sizeof(why));
-                if (v == 0 && strcmp(again.etag, o->etag) == 0 && ai.local_step == local) {
-                    cl_source_free(&have->s);
-                    have->s = again;
-                    dl_log(DL_LOG_INFO, "cluster", "delta rewritten before the round closed: its new version taken",
-                           "key=%s", rel);
-                } else {
-                    if (v == -1)
-                        cl_refuse(c, rel, o->etag, why, REFUSED_FOR_GOOD);
-                    cl_source_free(&again);
-                }
-                continue;
-            }
-            if (have == NULL && c->nnd >= NODES_MAX)
-                continue;
-            source s = {0};
-            delta_info info;
-            memset(&info, 0, sizeof(info));
-            if ((s.rel = strdup(rel)) == NULL)
-                continue;
-            int v = check_delta(c, step, &s, o->etag, &info, why, sizeof(why));
-            if (v == -1 || v == -4)
-                cl_refuse(c, rel, o->etag, why, v == -4 ? REFUSED_STALE : REFUSED_FOR_GOOD);
-            if (v != 0 || strcmp(s.etag, o->etag) != 0) {
-                cl_source_free(&s);
-                continue;
-            }
-            char *path = strdup(rel), *replaced = NULL;
-            if (path == NULL) {
-                cl_source_free(&s);
-                continue;
-            }
-            round_verdict verdict = round_offer(&c->rnd, &info, path, o->size, cl_mono(), 0, &replaced);
-            free(replaced);
-            if (!round_verdict_taken(verdict)) {
-                free(path);
-                cl_source_free(&s);
-                if (verdict != ROUND_NOT_NEWER)
-                    cl_refuse(c, rel, o->etag, round_verdict_name(verdict), REFUSED_THIS_ROUND);
-                continue;
-            }
-            dl_log(DL_LOG_INFO, "cluster", "delta taken", "step=%" PRIu64 " node=%s local_step=%" PRIu64 " verdict=%s",
-                   step, node, local, round_verdict_name(verdict));
-            if (have == NULL) {
-                node_delta *grown = realloc(c->nd, (c->nnd + 1) * sizeof(*grown));
-                if (grown == NULL) {
-                    cl_source_free(&s);
-                    continue;
-                }
-                c->nd = grown;
-                have = &c->nd[c->nnd++];
-                memset(have, 0, sizeof(*have));
-                snprintf(have->node, sizeof(have->node), "%s", node);
-            }
-            cl_source_free(&have->s);
-            have->s = s;
-            have->local_step = local;
-        }
-        free(token);
-        token = l.truncated && l.next_token ? strdup(l.next_token) : NULL;
-        s3_listing_free(&l);
-        if (token == NULL) {
-            complete = !cl_stopping(c);
-            break;
-        }
-    }
-    free(token);
-    free(full);
-    /* what the whole listing no longer holds is forgotten: the map follows the bucket */
-    if (complete) {
-        cl_forget_unlisted(c);
-    }
 }
 
 /* ---- the manifest --------------------------------------------------------------------------------- */
@@ -241,8 +64,10 @@ char *cl_manifest_text(const cluster *c, uint64_t step, unsigned gen, const node
         sb_json_string(&b, d->node, strlen(d->node));
         sb_str(&b, ", \"key\": ");
         sb_json_string(&b, d->s.rel, strlen(d->s.rel));
-        sb_printf(&b, ", \"etag\": \"%s\", \"size\": %" PRIu64 ", \"local_step\": %" PRIu64 ", \"header_sha256\": \"%s\"}",
+        sb_printf(&b, ", \"etag\": \"%s\", \"size\": %" PRIu64 ", \"local_step\": %" PRIu64 ", \"header_sha256\": \"%s\"",
                   d->s.etag, d->s.size, d->local_step, d->s.header_sha);
+        cl_set_manifest_parts(&b, d);
+        sb_str(&b, "}");
     }
     sb_str(&b, "\n  ]\n}\n");
     return sb_take(&b);
@@ -257,7 +82,7 @@ static char *manifest_build(cluster *c, uint64_t step)
     if (nodes == NULL)
         return NULL;
     for (size_t i = 0; i < c->rnd.n; i++) {
-        const node_delta *d = nd_find(c, c->rnd.entries[i].node_id);
+        const node_delta *d = cl_nd_find(c, c->rnd.entries[i].node_id);
         if (d != NULL)
             nodes[n++] = d;
     }
@@ -321,12 +146,14 @@ static int manifest_adopt(cluster *c, uint64_t step, const char *text, size_t le
         const cJSON *e = cJSON_GetArrayItem(nodes, i);
         const char *node = cl_json_str(e, "node"), *key = cl_json_str(e, "key"), *etag = cl_json_str(e, "etag"),
                    *hs = cl_json_str(e, "header_sha256");
-        uint64_t local, pl_local;
-        char pnode[DELTA_NODE_ID_MAX + 1];
+        uint64_t local;
+        delta_path dp;
         delta_info info;
         node_delta *d = &c->m[c->nm];
+        /* a single file, or a set's index (its parts in the entry) */
         if (node == NULL || key == NULL || etag == NULL || hs == NULL || cl_json_u64(e, "local_step", &local) != 0 ||
-            delta_parse_path(key, pnode, &pl_local, NULL) != 0 || strcmp(pnode, node) != 0 || pl_local != local ||
+            delta_parse_any_path(key, &dp, NULL) != 0 || dp.kind == DELTA_PATH_SHARD || strcmp(dp.node_id, node) != 0 ||
+            dp.local_step != local ||
             strlen(etag) >= sizeof(d->s.etag) || (c->nm > 0 && strcmp(c->m[c->nm - 1].node, node) >= 0)) {
             snprintf(why, why_size, "the manifest's node entry %d is not a delta of ours (node, key, etag, order)", i);
             goto out;
@@ -351,7 +178,12 @@ static int manifest_adopt(cluster *c, uint64_t step, const char *text, size_t le
             snprintf(why, why_size, "the manifest's node entry %d has no size or header hash", i);
             goto out;
         }
-        if (check_delta(c, step, &d->s, etag, &info, why, why_size) != 0) {
+        if (dp.kind == DELTA_PATH_INDEX) {
+            if (cl_set_adopt(c, step, e, d, &info, why, why_size) != 0)
+                goto out;
+            if (!d->gone)
+                d->weight = weights_of(&info.metrics);
+        } else if (cl_check_delta(c, step, &d->s, etag, &info, why, why_size) != 0) {
             if (d->s.status == 404 || d->s.status == 412) {
                 /* rewritten or removed since the manifest was written: the manifest holds, and that node's
                  * delta is refused once the step is aggregated (check_refusal), as a rewrite found later is */
@@ -388,9 +220,15 @@ static int manifest_read(cluster *c, uint64_t step, char *why, size_t why_size)
 {
     char *rel = cl_manifest_rel(step, c->gen);
     s3s_resp r;
-    /* an entry is at most ~450 bytes (a 64-byte id, its key, an ETag, a sha256): the text, and its cJSON tree,
-     * stay within a few MB whatever a bucket writer puts there */
-    size_t cap = 4096 + (size_t)640 * (c->cfg.expected_nodes ? c->cfg.expected_nodes : NODES_MAX);
+    /* an entry is at most ~450 bytes (a 64-byte id, its key, an ETag, a sha256), a set's more: the text, and
+     * its cJSON tree, stay within MANIFEST_CAP whatever a bucket writer puts there */
+    size_t nodes = c->cfg.expected_nodes ? c->cfg.expected_nodes : NODES_MAX;
+    size_t cap = 4096 + nodes * 640;
+    /* a set's entry names its parts too, ~400 bytes each, at most one per tensor of the model */
+    if (c->g.h != NULL && nodes * (640 + 400 * (c->g.h->ntensors + 1)) < MANIFEST_CAP)
+        cap = 4096 + nodes * (640 + 400 * (c->g.h->ntensors + 1));
+    else if (c->g.h != NULL)
+        cap = MANIFEST_CAP;
     int got = rel ? cl_get_small(c, rel, cap, &r, why, why_size) : -1;
     free(rel);
     if (got == 1)
@@ -826,7 +664,7 @@ static int collect(cluster *c, uint64_t step)
             cl_fail_view(c, "step %" PRIu64 ": manifest refused: %s", step, why);
             cl_set_state(c, "refused");
             for (size_t i = 0; i < c->nm; i++)
-                cl_source_free(&c->m[i].s);
+                cl_delta_free(&c->m[i]);
             free(c->m);
             c->m = NULL;
             c->nm = 0;
@@ -837,7 +675,7 @@ static int collect(cluster *c, uint64_t step)
             }
             continue;
         }
-        poll_deltas(c, step);
+        cl_poll_deltas(c, step);
         round_close_reason reason;
         if (round_should_close(&c->rnd, cl_mono(), &reason)) {
             dl_log(DL_LOG_INFO, "cluster", "round closed", "step=%" PRIu64 " nodes=%zu reason=%s", step, c->rnd.n,
@@ -848,7 +686,7 @@ static int collect(cluster *c, uint64_t step)
             dl_log(DL_LOG_WARN, "cluster", "manifest not agreed", "step=%" PRIu64 " why=%s", step, why);
             cl_phase(c, step, CLUSTER_PHASE_COLLECTING);
             for (size_t i = 0; i < c->nm; i++)
-                cl_source_free(&c->m[i].s);
+                cl_delta_free(&c->m[i]);
             free(c->m);
             c->m = NULL;
             c->nm = 0;

@@ -124,7 +124,7 @@ char *cl_rel_printf(const char *fmt, ...)
     return n > 0 && (size_t)n < sizeof(buf) ? strdup(buf) : NULL;
 }
 
-static int hex_sha256(const void *p, size_t n, char out[65])
+int cl_sha256_hex(const void *p, size_t n, char out[65])
 {
     return remote_hash_mem(p, n, REMOTE_SHA256, NULL, 0, out, 65);
 }
@@ -280,7 +280,7 @@ int cl_read_header(cluster *c, source *s, const char *etag, char *why, size_t wh
         goto out;
     }
     s->data_start = 8 + n;
-    if (hex_sha256(buf, (size_t)(8 + n), s->header_sha) != 0) {
+    if (cl_sha256_hex(buf, (size_t)(8 + n), s->header_sha) != 0) {
         snprintf(why, why_size, "hashing failed");
         goto out;
     }
@@ -496,7 +496,7 @@ static int gmodel_plan(cluster *c, gmodel *g, char *why, size_t why_size)
         sb_add(&b, g->h->tensors[t].name, g->h->tensors[t].name_len);
         sb_printf(&b, "%c%" PRIu32 "\n", 0, g->shard_of[t]);
     }
-    if (b.oom || hex_sha256(b.p ? b.p : "", b.len, g->plan_sha) != 0) {
+    if (b.oom || cl_sha256_hex(b.p ? b.p : "", b.len, g->plan_sha) != 0) {
         snprintf(why, why_size, "out of memory");
         goto out;
     }

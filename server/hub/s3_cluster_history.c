@@ -44,7 +44,7 @@ static char *step_record_json(const cluster *c, uint64_t step, const double *sum
         dl_error err;
         snprintf(n->node_id, sizeof(n->node_id), "%s", m->node);
         n->local_step = m->local_step;
-        n->bytes = m->s.size;
+        n->bytes = cl_delta_bytes(m);
         n->norm = sqrt(sumsq[k]);
         n->cosine = n->intake_norm = NAN;
         n->scale = 1;

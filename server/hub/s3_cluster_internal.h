@@ -1,7 +1,9 @@
 /* s3_cluster_internal: what the cluster's files share (s3_cluster.h has the protocol): the
  * cluster's state and the calls between s3_cluster_bucket.c (requests, names, the published global),
- * s3_cluster_shard.c (claims, a shard's inputs, its pass and outputs) and s3_cluster.c (the round, the
- * manifest, refusals, the publish, the step, the thread, the view).  Private to those three files. */
+ * s3_cluster_shard.c (claims, a shard's inputs, its pass and outputs), s3_cluster_intake.c (the round's
+ * intake from the listing), s3_cluster_set.c (a node's sharded delta set), s3_cluster_refusal.c,
+ * s3_cluster_history.c and s3_cluster.c (the round, the manifest, the publish, the step, the thread, the
+ * view).  Private to those files. */
 #ifndef S3_CLUSTER_INTERNAL_H
 #define S3_CLUSTER_INTERNAL_H
 
@@ -13,11 +15,13 @@
 #include <cJSON.h>
 #include <uv.h>
 
+#include "delta.h"
 #include "round.h"
 #include "s3_cluster.h"
 #include "s3_lease.h"
 #include "seen.h"
 #include "s3_sync.h"
+#include "strbuf.h"
 
 /* phases waiting for the loop: far more than a step makes between two turns of the loop */
 #define CL_PHASES_MAX 64
@@ -27,6 +31,8 @@
 #define CLAIM_CAP 4096u
 #define LIST_PAGES_MAX 1000u
 #define NODES_MAX 4096u
+/* a manifest's cap, whatever its sets' parts (a bucket writer's manifest is hostile too) */
+#define MANIFEST_CAP (64u << 20)
 
 enum shard_state { SH_UNCLAIMED, SH_OURS, SH_FOREIGN, SH_DONE };
 
@@ -67,13 +73,19 @@ typedef struct gmodel {
     char plan_sha[65];
 } gmodel;
 
-/* A node's delta in the round: its listing and its header. */
+/* A node's delta in the round: its listing and its header.  A sharded set (s3_cluster_set.c) is one delta:
+ * s is its index (key, ETag, size; header_sha the sha256 of its text; h the set's tensors as one header with
+ * the index's metadata), parts its shards in shard order, each read as a single delta's header is. */
 typedef struct node_delta {
     char node[DELTA_NODE_ID_MAX + 1];
     uint64_t local_step;
     source s;
     int gone;                   /* a manifest's delta the bucket no longer holds in that version (s.h NULL) */
     double weight;              /* weighted_mean's w_k, read from its header (core/weights.h) */
+    source *parts;              /* a set's shards (NULL: a single file) */
+    size_t nparts;
+    uint32_t *part_of;          /* [tensor of s.h]: the part that holds it */
+    char ver[40];               /* a set's version (hub_set_version: every file's key, ETag, size) */
 } node_delta;
 
 struct cluster {
@@ -126,6 +138,7 @@ struct cluster {
     uint64_t refused_seed;      /* this start's: a worker cannot aim its key names at one probe chain */
     uint64_t polls;             /* listings of nodes/ so far: an entry's last listing (seen_entry.listed) */
     int refused_full_warned;
+    int stash_full_warned;      /* a node's directory held more shard files than a poll keeps (said once) */
     uint64_t problem_step;      /* the step whose rounds made problem output_overflow */
     node_delta *m;              /* the manifest's nodes, in its order */
     size_t nm;
@@ -227,6 +240,61 @@ void cl_record_hand_over(cluster *c, uint64_t step);
 void cl_records_cb(uv_async_t *a);
 /* Step entered phase on this aggregator: told to the loop (cluster_config.phase), once per change. */
 void cl_phase(cluster *c, uint64_t step, cluster_phase phase);
+
+/* s3_cluster_intake.c: the round's intake from the listing of nodes/ (single deltas and sets). */
+void cl_poll_deltas(cluster *c, uint64_t step);
+/* Checks one delta's header against the global and the round's step (rel, etag from the listing):
+ * 0 with s's header read, -1 refused (why), -2 not of this round yet (a later one), -3 not read (no answer,
+ * or not that version any more: nothing to remember it by), -4 of an earlier one. */
+int cl_check_delta(cluster *c, uint64_t step, source *s, const char *etag, delta_info *info, char *why,
+                   size_t why_size);
+/* The round's rules on a delta whose header holds (its weight, its base step): check_delta's codes. */
+int cl_check_round(cluster *c, uint64_t step, const delta_info *info, char *why, size_t why_size);
+node_delta *cl_nd_find(cluster *c, const char *node);
+int cl_sha256_hex(const void *p, size_t n, char out[65]);
+
+/* s3_cluster_set.c: a node's sharded delta set.  The shards of one node's directory seen in a listing so
+ * far (a set's shards are listed before its index: '-' sorts before '.'), kept until the next node's. */
+typedef struct set_stash_entry {
+    char *rel;
+    char etag[80];
+    uint64_t size;
+} set_stash_entry;
+typedef struct set_stash {
+    char node[DELTA_NODE_ID_MAX + 1];
+    set_stash_entry *e;
+    size_t n;
+    int capped;                 /* this node's past the cap: said once */
+} set_stash;
+/* A shard's listing entry (rel in node's directory). */
+void cl_stash_shard(cluster *c, set_stash *st, const char *node, const char *rel, const char *etag, uint64_t size);
+void cl_stash_free(set_stash *st);
+/* The set whose index is rel (listed with etag, size) as d, checked as the single aggregator checks one:
+ * check_delta's codes, -5 when a shard it names is not listed yet (it waits), -7 when this version is
+ * remembered as refused or taken already (nothing read); d->ver is set for -1 and -4 (the refusals' key).
+ * d is the caller's to cl_delta_free. */
+int cl_set_candidate(cluster *c, uint64_t step, const set_stash *st, const char *rel, const char *etag,
+                     uint64_t size, const char *node, uint64_t local, node_delta *d, delta_info *info, char *why,
+                     size_t why_size);
+/* The manifest entry e of a set (its key, etag, size, header_sha256 and parts) read again into d (its node,
+ * local step set) as the bucket holds it now, with If-Match on the manifest's ETags: 0 (d->gone set when
+ * the index or a part is gone or rewritten), -1 not the manifest's or refused (why). */
+int cl_set_adopt(cluster *c, uint64_t step, const cJSON *e, node_delta *d, delta_info *info, char *why,
+                 size_t why_size);
+/* A set's "parts" member of its manifest entry (nothing for a single file: its entry keeps its bytes). */
+void cl_set_manifest_parts(sbuf *b, const node_delta *d);
+/* The objects ts (of d->s.h) are read from: d's file, or the part that holds each (ts remapped to the
+ * part's own header, whose offsets a slice reads). */
+void cl_delta_sources(const node_delta *d, const st_tensor **ts, const source **srcs, size_t n);
+/* Whether the manifest's version of d is gone from the bucket (its file, or any of a set's): 1, or -1 unknown. */
+int cl_delta_gone(cluster *c, const node_delta *d);
+/* d's bytes: its file's, or its set's parts' together (saturating; not its index's). */
+uint64_t cl_delta_bytes(const node_delta *d);
+/* Whether the round has node's delta of local step local in version ver (cl_delta_version), or a later one. */
+int cl_have_delta(cluster *c, const char *node, uint64_t local, const char *ver);
+/* The refusals' key for d: its ETag, a set's version. */
+const char *cl_delta_version(const node_delta *d);
+void cl_delta_free(node_delta *d);
 
 /* s3_cluster.c, for the verdicts: a manifest's text, and the view reset for a new generation. */
 char *cl_manifest_text(const cluster *c, uint64_t step, unsigned gen, const node_delta *const *nodes, size_t n);

@@ -219,18 +219,10 @@ static int verify_refusal(cluster *c, uint64_t step, uint32_t i, size_t k)
     dl_error err;
     int fenced = 0, rc = -1;
 
-    if (c->m[k].gone) {
-        /* confirmed by the bucket itself: the manifest's version of it is still not there */
-        source probe = {0};
-        char etag[80];
-        snprintf(etag, sizeof(etag), "%s", c->m[k].s.etag);
-        if ((probe.rel = strdup(c->m[k].s.rel)) == NULL)
-            return -1;
-        int r = cl_read_header(c, &probe, etag, why, sizeof(why));
-        long status = probe.status;
-        cl_source_free(&probe);
-        return r != 0 && (status == 404 || status == 412) ? 1 : -1;
-    }
+    if (c->m[k].gone)
+        /* confirmed by the bucket itself: the manifest's version of it (a set: of one of its files) is still not
+         * there */
+        return cl_delta_gone(c, &c->m[k]);
     snprintf(dir, sizeof(dir), "%s/%" PRIu64 "-%" PRIu32 "-verify", c->scratch, step, i);
     store_remove_tree(dir);
     if (fsu_mkdirs(dir, &err) != 0)
@@ -255,7 +247,7 @@ static int verify_refusal(cluster *c, uint64_t step, uint32_t i, size_t k)
 static void round_overflowed(cluster *c, uint64_t step)
 {
     for (size_t x = 0; x < c->nm; x++)
-        cl_remember(c, c->m[x].s.rel, c->m[x].s.etag, REFUSED_FOR_GOOD);
+        cl_remember(c, c->m[x].s.rel, cl_delta_version(&c->m[x]), REFUSED_FOR_GOOD);
     pthread_mutex_lock(&c->mu);
     int again = c->problem != NULL;
     c->problem = "output_overflow";
@@ -304,7 +296,7 @@ int cl_check_refusal(cluster *c, uint64_t step)
         goto out;
     }
     /* that version of the delta is never taken again, whatever comes next */
-    cl_remember(c, c->m[k].s.rel, c->m[k].s.etag, REFUSED_FOR_GOOD);
+    cl_remember(c, c->m[k].s.rel, cl_delta_version(&c->m[k]), REFUSED_FOR_GOOD);
     size_t left = c->nm - 1, min = c->cfg.min_nodes ? c->cfg.min_nodes : 1;
     if (left < min) {
         if (overflow) {
@@ -350,7 +342,7 @@ int cl_check_refusal(cluster *c, uint64_t step)
            : "a delta refused for its values: the round goes on without it",
            "step=%" PRIu64 " node=%s generation=%u nodes=%zu reason=%s", step, c->m[k].node, c->gen + 1, left,
            overflow ? "overflow" : c->m[k].gone ? "changed" : "values");
-    cl_source_free(&c->m[k].s);
+    cl_delta_free(&c->m[k]);
     memmove(&c->m[k], &c->m[k + 1], (c->nm - k - 1) * sizeof(*c->m));
     c->nm--;
     c->gen++;

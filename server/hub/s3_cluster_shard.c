@@ -678,8 +678,7 @@ int cl_slice_and_check(cluster *c, const char *path, const st_header *gh, size_t
         delta_check_meta(d->s.h->meta, d->s.h->nmeta, NULL, &info, &err) == 0)
         cz = info.cz;
     size_t nt = delta_tensors(&c->g, i, d->s.h, &cz, ts);
-    for (size_t x = 0; x < nt; x++)
-        srcs[x] = &d->s;
+    cl_delta_sources(d, ts, srcs, nt);
     /* a delta rewritten or removed since the manifest is refused like one whose values are */
     if ((rc = build_slice(c, path, srcs, ts, nt, kv, d->s.h->nmeta, i, fenced, step, epoch, why, why_size)) != 0) {
         rc = rc == -3 ? -3 : -1;

@@ -11,8 +11,12 @@ ROUNDS rounds on a prefix of its own; the median is reported.  On a 2-core machi
 server and the pass share the same two cores and the same loopback: what this shows is the bytes each
 aggregator reads (1/K of the round's) and what a ranged-read pass costs against staging, not a speed-up in K.
 
+With BENCH_SETS=N, two more scenarios run the cluster with every delta pushed as a sharded set of N
+shards (the Hugging Face index + shards, the index last): K = 1 and K = 2 against the same deltas as single
+files.
+
 Usage: bench_cluster.py BUILD_DIR [MODEL_MIB]   (default 256; 24 F32 tensors, 4 nodes, S = 6)
-env: BENCH_TMP=/var/tmp, BENCH_ROUNDS=3
+env: BENCH_TMP=/var/tmp, BENCH_ROUNDS=3, BENCH_SETS=0
 """
 import json
 import os
@@ -38,6 +42,7 @@ ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 NODES = ["w1", "w2", "w3", "w4"]
 SHARDS = 6
 NTENSORS = 24
+SETS = int(os.environ.get("BENCH_SETS", "0"))
 
 
 def model_of(rng):
@@ -64,6 +69,17 @@ class Bucket:
             return json.loads(body.read())["outer_step"]
         except Exception:
             return -1
+
+
+def as_set(tensors, meta, local, n):
+    """A delta as a set of n shards of contiguous tensors: [(file name, bytes)], the index last."""
+    names = list(tensors)
+    cuts = [names[i * len(names) // n:(i + 1) * len(names) // n] for i in range(n)]
+    files = [f"delta_{local}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    out = [(files[i], st_save({k: tensors[k] for k in cut}, metadata={"format": "pt"})) for i, cut in enumerate(cuts)]
+    index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values()), **meta},
+             "weight_map": {k: files[i] for i, cut in enumerate(cuts) for k in cut}}
+    return out + [(f"delta_{local}.safetensors.index.json", json.dumps(index, indent=2).encode())]
 
 
 def start(tmp, s3, prefix, name, extra):
@@ -113,7 +129,11 @@ def scenario(tmp, s3, model, deltas_per_round, label, k):
         for r, deltas in enumerate(deltas_per_round):
             before = [status(p)["cluster"] if k else None for _, p in procs]
             for node, body in deltas.items():
-                b.put(f"nodes/{node}/delta_{r + 1}.safetensors", body)
+                if isinstance(body, list):
+                    for name, part in body:
+                        b.put(f"nodes/{node}/{name}", part)
+                else:
+                    b.put(f"nodes/{node}/delta_{r + 1}.safetensors", body)
             t0 = time.perf_counter()
             while b.step() < r + 1:
                 if time.perf_counter() - t0 > 600:
@@ -138,16 +158,22 @@ def main():
     rng = np.random.default_rng(7)
     model = model_of(rng)
     model_bytes = sum(v.nbytes for v in model.values())
-    rounds = []
+    rounds, set_rounds = [], []
     for r in range(ROUNDS):
-        rounds.append({n: st_save({k: (rng.standard_normal(v.shape, dtype=np.float32) * 0.01) for k, v in model.items()},
-                                  metadata=delta_meta(n, r, r + 1)) for n in NODES})
+        values = {n: {k: (rng.standard_normal(v.shape, dtype=np.float32) * 0.01) for k, v in model.items()}
+                  for n in NODES}
+        rounds.append({n: st_save(values[n], metadata=delta_meta(n, r, r + 1)) for n in NODES})
+        if SETS:
+            set_rounds.append({n: as_set(values[n], delta_meta(n, r, r + 1), r + 1, SETS) for n in NODES})
     base = Path(tempfile.mkdtemp(prefix="bench-cluster-", dir=os.environ.get("BENCH_TMP", "/var/tmp")))
     s3 = SeaweedS3(base / "s3").start()
     try:
         results = []
         for label, k in [("plain s3 (staged)", 0), ("cluster K=1", 1), ("cluster K=2", 2), ("cluster K=3", 3)]:
             secs, per = scenario(base, s3, model, rounds, label, k)
+            results.append((label, k, secs, per))
+        for label, k in ([(f"K=1, sets of {SETS}", 1), (f"K=2, sets of {SETS}", 2)] if SETS else []):
+            secs, per = scenario(base, s3, model, set_rounds, label, k)
             results.append((label, k, secs, per))
         round_in = model_bytes * (len(NODES) + 2)   # the deltas, the previous global, the momentum
         print(f"bench_cluster: model {model_bytes / 2**20:.0f} MiB ({NTENSORS} F32 tensors), {len(NODES)} deltas, "

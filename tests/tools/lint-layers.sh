@@ -51,7 +51,7 @@ private_to() {  # a header private to some files of server/ -> the patterns of t
     hub_hf_internal.h) echo "server/hub/hub_hf.c server/hub/hub_hf_publish.c" ;;
     hub_file_internal.h) echo "server/hub/hub_file.c server/hub/hub_file_global.c server/hub/hub_file_publish.c server/hub/hub_file_downlink.c" ;;
     hub_s3_internal.h) echo "server/hub/hub_s3.c server/hub/hub_s3_list.c server/hub/hub_s3_publish.c" ;;
-    s3_cluster_internal.h) echo "server/hub/s3_cluster.c server/hub/s3_cluster_bucket.c server/hub/s3_cluster_shard.c server/hub/s3_cluster_refusal.c server/hub/s3_cluster_history.c server/hub/s3_cluster_bootstrap.c" ;;
+    s3_cluster_internal.h) echo "server/hub/s3_cluster.c server/hub/s3_cluster_bucket.c server/hub/s3_cluster_shard.c server/hub/s3_cluster_refusal.c server/hub/s3_cluster_history.c server/hub/s3_cluster_bootstrap.c server/hub/s3_cluster_intake.c server/hub/s3_cluster_set.c" ;;
     *)                 echo "" ;;
     esac
 }

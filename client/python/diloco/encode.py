@@ -7,6 +7,7 @@ F32 arithmetic is IEEE on every torch backend, and the one step that is not plai
 element value) compares with midpoints that F32 holds exactly, as compress.c's double arithmetic does.
 """
 import io
+import json
 
 import torch
 
@@ -165,6 +166,48 @@ class EncodedDelta:
         b = io.BytesIO()
         self.write_to(b)
         return b.getvalue()
+
+
+def split_delta(delta, shard_size, base):
+    """delta (an EncodedDelta) split as huggingface_hub.save_torch_state_dict(max_shard_size=shard_size) splits
+    a state dict: its tensors in order, a new shard when the next would take the current one past
+    shard_size, a tensor larger than that in a shard of its own, a compressed key's scales in its codes'
+    shard (dilocod refuses a set that parts them).  Each shard's metadata is {"format": "pt"}; the delta's is
+    in the index, {"metadata": {"total_size": T, ...}, "weight_map": {...}} (json.dump, indent=2).
+    -> None when one shard is enough (the plain file is sent), else ([(shard file name, EncodedDelta)],
+    the index's bytes), the shards named <base>-0000i-of-0000N.safetensors."""
+    if type(shard_size) is not int or shard_size <= 0:
+        raise ValueError(f"shard_size must be a positive number of bytes, not {shard_size!r}")
+    sizes = {name: end - begin for name, begin, end in delta.layout}
+    units = []
+    for name in delta.tensors:
+        key = name[:-len(SCALES_SUFFIX)] if name.endswith(SCALES_SUFFIX) else None
+        if key is not None and units and units[-1][0] == key:
+            units[-1].append(name)
+        else:
+            units.append([name])
+    shards, current, run = [], [], 0
+    for unit in units:
+        n = sum(sizes[x] for x in unit)
+        if n > shard_size:
+            shards.append(unit)
+            continue
+        if current and run + n > shard_size:
+            shards.append(current)
+            current, run = [], 0
+        current.extend(unit)
+        run += n
+    if current:
+        shards.append(current)
+    if len(shards) <= 1:
+        return None
+    if len(shards) > 99999:
+        raise ValueError(f"shard_size {shard_size} cuts the delta into {len(shards)} shards, more than five digits name")
+    names = [f"{base}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    parts = [(names[i], EncodedDelta({k: delta.tensors[k] for k in s}, {"format": "pt"})) for i, s in enumerate(shards)]
+    index = {"metadata": {"total_size": sum(sizes.values()), **delta.metadata},
+             "weight_map": {k: names[i] for i, s in enumerate(shards) for k in s}}
+    return parts, json.dumps(index, indent=2).encode("utf-8")
 
 
 def delta_metadata(node_id, base_outer_step, local_step, encode=None, block=None, extra=None):

@@ -530,10 +530,29 @@ class FileTransport:
         final = os.path.join(d, f"delta_{local_step}.safetensors")
         if os.path.lexists(final):
             raise ServerError(None, "not_newer", f"{final} exists: local_step must increase")
-        tmp = os.path.join(d, f".delta_{local_step}.safetensors.tmp-{os.getpid()}")
+        self._write_once(d, f"delta_{local_step}.safetensors", delta.write_to)
+        return "written", None, None, None
+
+    def put_delta_set(self, node, local_step, parts, index):
+        """A sharded delta (encode.split_delta): each shard written as a single delta is, then the index last
+        (dilocod takes a set once its index is there beside every shard it names)."""
+        d = self._p("nodes", node)
+        os.makedirs(d, exist_ok=True)
+        for name in (f"delta_{local_step}.safetensors", f"delta_{local_step}.safetensors.index.json"):
+            if os.path.lexists(os.path.join(d, name)):
+                raise ServerError(None, "not_newer", f"{os.path.join(d, name)} exists: local_step must increase")
+        for name, part in parts:
+            self._write_once(d, name, part.write_to)
+        self._write_once(d, f"delta_{local_step}.safetensors.index.json", lambda f: f.write(index))
+        return "written", None, None, None
+
+    @staticmethod
+    def _write_once(d, name, write):
+        final = os.path.join(d, name)
+        tmp = os.path.join(d, f".{name}.tmp-{os.getpid()}")
         try:
             with open(tmp, "xb") as f:
-                delta.write_to(f)
+                write(f)
                 f.flush()
                 os.fsync(f.fileno())
             os.rename(tmp, final)
@@ -549,7 +568,6 @@ class FileTransport:
             os.fsync(dfd)
         finally:
             os.close(dfd)
-        return "written", None, None, None
 
 
 def _read_stream(body, n, cap, what):
@@ -655,6 +673,17 @@ class S3Transport:
         """One PUT: an S3 object is listed whole or not at all."""
         self.client.put_object(Bucket=self.bucket, Key=self._key(f"nodes/{node}/delta_{local_step}.safetensors"),
                                Body=bytes(delta), ContentLength=len(delta))
+        return "written", None, None, None
+
+    def put_delta_set(self, node, local_step, parts, index):
+        """A sharded delta (encode.split_delta): one PUT per shard, then the index last (dilocod, one or a
+        cluster, takes a set once its index is listed beside every shard it names)."""
+        for name, part in parts:
+            self.client.put_object(Bucket=self.bucket, Key=self._key(f"nodes/{node}/{name}"), Body=bytes(part),
+                                   ContentLength=len(part))
+        self.client.put_object(Bucket=self.bucket,
+                               Key=self._key(f"nodes/{node}/delta_{local_step}.safetensors.index.json"),
+                               Body=index, ContentLength=len(index))
         return "written", None, None, None
 
 

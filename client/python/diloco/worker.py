@@ -10,7 +10,7 @@ import torch
 from . import _st
 from .blockhash import block_hash_bytes
 from .downlink import apply_update
-from .encode import check_spec, delta_metadata, encode_delta, plain_delta
+from .encode import check_spec, delta_metadata, encode_delta, plain_delta, split_delta
 from .errors import HostileAnswer
 from .transport import FileTransport, HfTransport, HttpTransport, S3Transport, load_set
 
@@ -89,7 +89,7 @@ class Worker:
 
     def __init__(self, url, node_id, *, token=None, encode=None, block=None, error_feedback=True,
                  baseline_device="cpu", max_header_bytes=_st.MAX_HEADER_BYTES, listen=None, downlink=False,
-                 max_replay=64):
+                 max_replay=64, shard_size=None):
         if not NODE_ID.match(node_id):
             raise ValueError(f"node id {node_id!r} is not [A-Za-z0-9][A-Za-z0-9._-]{{0,127}}")
         self.node_id = node_id
@@ -99,6 +99,14 @@ class Worker:
             raise ValueError(f"listen {listen!r}: give the aggregator's http(s)://host:port")
         self._reads = self.transport if isinstance(self.transport, HttpTransport) else \
             HttpTransport(listen, token) if listen is not None else None
+        # past shard_size bytes a delta is pushed as a sharded set (encode.split_delta: huggingface_hub's
+        # layout, the index last), where the transport writes files one by one (file://, s3://)
+        if shard_size is not None:
+            if type(shard_size) is not int or shard_size <= 0:
+                raise ValueError(f"shard_size must be a positive number of bytes, not {shard_size!r}")
+            if not hasattr(self.transport, "put_delta_set"):
+                raise ValueError("shard_size needs a file:// or s3:// url (a sharded delta is written file by file)")
+        self.shard_size = shard_size
         self.encode = encode
         self.block = check_spec(encode, block) if encode is not None else None
         self.error_feedback = error_feedback
@@ -267,7 +275,11 @@ class Worker:
         else:
             delta, new_res = encode_delta(self.baseline, current, self.encode, block=self.block,
                                           residual=self.residual if self.error_feedback else None, metadata=meta)
-        status, http_status, answer, rec = self.transport.put_delta(self.node_id, local_step, delta)
+        split = split_delta(delta, self.shard_size, f"delta_{local_step}") if self.shard_size else None
+        if split is None:
+            status, http_status, answer, rec = self.transport.put_delta(self.node_id, local_step, delta)
+        else:
+            status, http_status, answer, rec = self.transport.put_delta_set(self.node_id, local_step, *split)
         if status != "stale":
             self.last_local_step = local_step
             if self.error_feedback and new_res is not None:
