@@ -25,6 +25,7 @@ static const struct {
     {"pull", cmd_pull, "download the global model and its step file when they changed"},
     {"status", cmd_status, "show dilocod's round and the last rounds"},
     {"wait", cmd_wait, "block until dilocod reaches an outer step"},
+    {"keygen", cmd_keygen, "write an Ed25519 signing key pair for --signing-key (or print a key's fingerprint)"},
 };
 
 static void usage(FILE *out)
