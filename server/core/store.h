@@ -17,6 +17,8 @@
  *                                        when its step is durable, before the redo record)
  *   cache/incoming/                      deltas being received or copied (temporary)
  *   redo.json                            a round committed but not yet durable: its inputs and record
+ *   rounds/<step>.json, <step>.json.sig  --signing-key: each step's signed record (manifest.h), the newest
+ *                                        MANIFEST_KEEP kept
  *
  * A bootstrap or an adoption is committed by atomically replacing outer_metadata.json (temp, fsync,
  * rename, fsync of the directory) after its global file is durable.  A round is committed by its redo
@@ -124,6 +126,9 @@ typedef struct store_redo {
     unsigned trim_k;
     float *scales;
     char *round_json;           /* the round's record (history.h) */
+    /* --signing-key: the step's signed record without its outputs (manifest.h), a JSON object's text kept
+     * verbatim as a string, so that a recomputed step's record is the same bytes (NULL: not signed) */
+    char *manifest;
 } store_redo;
 
 /* Writes redo.json atomically and durably: from this moment the round's step is committed. */
@@ -158,6 +163,9 @@ char *store_incoming_dir(const store *s);
 char *store_path_state_dir(const char *state_root, const char *id);      /* <state_root>/<id> */
 char *store_path_metadata(const char *state_dir);                         /* outer_metadata.json */
 char *store_path_verdicts(const char *state_dir);                         /* verdicts.json */
+char *store_path_manifest_dir(const char *state_dir);                     /* rounds */
+/* rounds/<step>.json, or with sig its detached signature rounds/<step>.json.sig */
+char *store_path_manifest(const char *state_dir, uint64_t step, int sig);
 /* <state>/verdicts.json's text (NUL-terminated, at most max bytes): 0, 1 when there is none, or -DL_E_IO
  * (not a regular file, over max, unreadable). */
 int store_read_verdicts(const char *state_dir, size_t max, char **text, size_t *len, dl_error *err);
