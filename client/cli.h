@@ -32,6 +32,7 @@ int cmd_inspect(int argc, char **argv);
 int cmd_verify(int argc, char **argv);
 int cmd_delta(int argc, char **argv);
 int cmd_average(int argc, char **argv);
+int cmd_hash(int argc, char **argv);
 int cmd_push(int argc, char **argv);
 int cmd_pull(int argc, char **argv);
 int cmd_status(int argc, char **argv);

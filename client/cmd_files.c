@@ -1,4 +1,4 @@
-/* diloco inspect / verify / delta / average: commands on local files. */
+/* diloco inspect / verify / delta / average / hash: commands on local files. */
 #include <dirent.h>
 #include <fcntl.h>
 #include <errno.h>
@@ -13,6 +13,7 @@
 #include <cJSON.h>
 #include <openssl/evp.h>
 
+#include "blockhash.h"
 #include "cli.h"
 #include "cli_delta.h"
 #include "cli_untrusted.h"
@@ -844,4 +845,39 @@ int cmd_average(int argc, char **argv)
     if (delta_average_set((const char *const *)argv + optind, (size_t)(argc - optind), out, shard_size, &err) != 0)
         return cli_report(out, &err);
     return EXIT_OK;
+}
+
+static const char hash_help[] =
+    "usage: diloco hash FILE [FILE ...]\n"
+    "  Print each file's block hash, \"<hex>  <file>\": the sha256 of the concatenated sha256 digests of\n"
+    "  its consecutive 16 MiB blocks (the last may be short; an empty file is one empty block).  The\n"
+    "  project's one content hash: signed round records and the downlink's views name files by it, and\n"
+    "  the Python package's diloco.blockhash computes the same.\n";
+
+int cmd_hash(int argc, char **argv)
+{
+    int worst = EXIT_OK;
+
+    if (want_help(argc, argv, hash_help))
+        return EXIT_OK;
+    if (argc < 2)
+        return usage_error(hash_help, "%s", "hash needs at least one FILE");
+    for (int i = 1; i < argc; i++) {
+        unsigned char d[BLOCKHASH_SIZE];
+        char hex[2 * BLOCKHASH_SIZE + 1], shown[6 * 256];
+        dl_error err;
+
+        dl_error_clear(&err);
+        if (blockhash_path(argv[i], d, &err) != 0) {
+            /* every file is tried: the exit code is the first failure's */
+            int rc = cli_report(argv[i], &err);
+            if (worst == EXIT_OK)
+                worst = rc;
+            continue;
+        }
+        blockhash_hex(d, hex);
+        cli_untrusted(shown, sizeof(shown), argv[i], strlen(argv[i]));
+        printf("%s  %s\n", hex, shown);
+    }
+    return worst;
 }

@@ -21,6 +21,7 @@ static const struct {
     {"verify", cmd_verify, "check a delta file strictly (optionally against a global model and a path)"},
     {"delta", cmd_delta, "write the pseudo-gradient (baseline - current) of two model files"},
     {"average", cmd_average, "FP32 average of delta files (a debugging aid)"},
+    {"hash", cmd_hash, "print files' block hash (sha256 over their 16 MiB blocks' sha256)"},
     {"push", cmd_push, "upload a delta to dilocod (node id and step from its metadata)"},
     {"pull", cmd_pull, "download the global model and its step file when they changed"},
     {"status", cmd_status, "show dilocod's round and the last rounds"},
