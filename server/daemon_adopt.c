@@ -198,6 +198,11 @@ int daemon__adopt_prepare(const dilocod *d, const char *src, uint64_t step, int 
         rc = bootstrap ? take_model(src, r->dst, &r->mi, err) : move_into_place(src, r->dst, err);
     }
     r->info.global_version = r->mi.linked ? &r->mi.version : NULL;
+    /* --signing-key: the step's record before its commit, so no committed step lacks one */
+    char hash[65];
+    if (rc == 0 && d->sign.on &&
+        (rc = daemon__sign_whole(d, step, bootstrap ? "bootstrap" : "adopted", r->dst, hash, err)) != 0)
+        unlink(r->dst);
     /* d->st is the loop's: only its directory, which never changes, is read here */
     if (rc == 0 && (rc = store_commit_write(&d->st, &r->info, err)) != 0)
         unlink(r->dst);         /* not committed: not ours to keep (and never the operator's name) */
@@ -277,6 +282,7 @@ static void adopt_done(job *j)
                 "; restarting is safe (it is durable)", a->step);
         daemon__fatal(d, "store", "cannot go on", &e);
     } else if (!d->stopping) {
+        daemon__sign_chain(d);
         if (a->bootstrap) {
             daemon__log_bootstrapped(d, a->path, &a->res.mi);
         } else {

@@ -19,6 +19,7 @@
 #include "dl_log.h"
 #include "fsutil.h"
 #include "history.h"
+#include "manifest.h"
 #include "hub.h"
 #include "outer.h"
 #include "pipeline.h"
@@ -50,6 +51,8 @@ static store_commit_info round_commit_info(const dilocod *d, store_dn *after)
     return info;
 }
 
+#define MAX_RECORD_OUTPUTS 8
+
 /* The commit point of a round: its redo record (the step, its inputs, the optimizer and the round's
  * record) made durable.  The outputs are already written but not durable; they are served and
  * published from now on, and made durable in the background (settle_work).  A crash before that
@@ -57,7 +60,9 @@ static store_commit_info round_commit_info(const dilocod *d, store_dn *after)
 typedef struct commit_args {
     store_redo redo;            /* owned: copied from the loop's round when the commit is queued */
     char *global_path;          /* the pass's new global, opened for downloads */
+    char *momentum_path, *accum_path;   /* --signing-key: the other outputs the record names (or NULL) */
     int download_fd;            /* result: its descriptor for downloads, or a negative errno */
+    char manifest_hash[65];     /* result: the step's record's block hash (redo.manifest set) */
 } commit_args;
 
 static void commit_args_free(commit_args *a)
@@ -65,8 +70,25 @@ static void commit_args_free(commit_args *a)
     if (a != NULL) {
         store_redo_free(&a->redo);
         free(a->global_path);
+        free(a->momentum_path);
+        free(a->accum_path);
         free(a);
     }
+}
+
+/* The outputs a step's record names, in its order: the published global, the momentum, the async
+ * accumulator (the downlink's view and update join here).  Returns how many. */
+static size_t record_outputs(manifest_output out[MAX_RECORD_OUTPUTS], const char *global, const char *momentum,
+                             const char *accum)
+{
+    size_t n = 0;
+
+    out[n++] = (manifest_output){"global", "global/latest.safetensors", global};
+    if (momentum != NULL)
+        out[n++] = (manifest_output){"momentum", NULL, momentum};
+    if (accum != NULL)
+        out[n++] = (manifest_output){"accumulator", NULL, accum};
+    return n;
 }
 
 /* The redo record's inputs, copied on the loop: the job reads nothing the loop owns (d->st.dir
@@ -94,7 +116,13 @@ static commit_args *commit_args_new(dilocod *d)
     a->redo.versions = calloc(n ? n : 1, sizeof(fsu_ident));
     a->redo.optimizer = strdup(config_optimizer_name(d->cfg->optimizer));
     a->global_path = strdup(d->agg.pass->out_global_path);
-    int bad = no_scales || a->redo.deltas == NULL || a->redo.guarded == NULL || a->redo.versions == NULL ||
+    int no_record = 0;
+    if (d->sign.on)
+        no_record = (a->redo.manifest = daemon__sign_skeleton(d)) == NULL ||
+                    (d->agg.pass->out_momentum_path != NULL &&
+                     (a->momentum_path = strdup(d->agg.pass->out_momentum_path)) == NULL) ||
+                    (d->agg.pass->out_accum_path != NULL && (a->accum_path = strdup(d->agg.pass->out_accum_path)) == NULL);
+    int bad = no_record || no_scales || a->redo.deltas == NULL || a->redo.guarded == NULL || a->redo.versions == NULL ||
               a->redo.optimizer == NULL || a->global_path == NULL ||
               (d->pending_round != NULL && (a->redo.round_json = strdup(d->pending_round)) == NULL);
     for (size_t i = 0; !bad && i < n; i++) {
@@ -118,8 +146,18 @@ static commit_args *commit_args_new(dilocod *d)
 static void commit_work(job *j)
 {
     commit_args *a = j->arg;
+    const dilocod *d = daemon__of_job(j);
 
-    j->rc = store_redo_write(&daemon__of_job(j)->st, &a->redo, &j->err);
+    /* --signing-key: the step's record first, so that no committed step lacks it (one written for a step
+     * that then fails to commit is never served: its step is not, and the next commit replaces it) */
+    if (a->redo.manifest != NULL) {
+        manifest_output out[MAX_RECORD_OUTPUTS];
+        size_t n = record_outputs(out, a->global_path, a->momentum_path, a->accum_path);
+        if ((j->rc = manifest_write(d->st.dir, a->redo.step, a->redo.manifest, out, n, &d->sign.key, a->manifest_hash,
+                                    &j->err)) != 0)
+            return;
+    }
+    j->rc = store_redo_write(&d->st, &a->redo, &j->err);
     /* opened here, off the loop: downloads of the new global start from this descriptor */
     a->download_fd = j->rc == 0 ? daemon__open_for_download(a->global_path) : -EINVAL;
 }
@@ -138,6 +176,7 @@ typedef struct settle_args {
                                    what is still not appended carried back (settle_done) */
     char **rels;                /* the transport's files of the round's deltas (--prune-consumed) */
     size_t nrels;
+    int signed_step;            /* --signing-key: the step's record is made durable with it */
 } settle_args;
 
 void daemon__settle_free(settle_args *a)
@@ -184,6 +223,8 @@ static void settle_work(job *j)
         return;
     if (a->accum_path != NULL && ((j->rc = fsu_fsync_path(a->accum_path, &j->err)) != 0 ||
                                   (j->rc = fsu_fsync_parent(a->accum_path, &j->err)) != 0))
+        return;
+    if (a->signed_step && (j->rc = manifest_sync(d->st.dir, a->step, &j->err)) != 0)
         return;
     /* 2. outer_metadata.json names the step: from here the redo record is not needed */
     if ((j->rc = store_commit_write(&d->st, &info, &j->err)) != 0)
@@ -311,6 +352,7 @@ static void start_settle(dilocod *d, uint64_t step)
         return;
     }
     a->step = step;
+    a->signed_step = d->sign.on;
     a->global_sum = d->agg.pass->out_global_sum;
     a->momentum_sum = d->agg.pass->out_momentum_sum;
     a->accum_sum = d->agg.pass->out_accum_sum;
@@ -562,9 +604,14 @@ static void log_round_stats(dilocod *d)
 static void commit_done(job *j)
 {
     dilocod *d = daemon__of_job(j);
-    int fd = ((commit_args *)j->arg)->download_fd;
+    commit_args *a = j->arg;
+    int fd = a->download_fd;
 
-    commit_args_free(j->arg);
+    if (j->rc == 0 && a->redo.manifest != NULL) {
+        daemon__sign_recorded(d, a->redo.step, a->manifest_hash);
+        daemon__sign_round_committed(d);
+    }
+    commit_args_free(a);
     if (j->rc != 0) {
         daemon__aggregation_failed(d, &j->err);
         return;
@@ -769,6 +816,17 @@ int daemon__recover_redo(dilocod *d, dl_error *err)
             .accum_sum = p.out_accum_path != NULL ? &p.out_accum_sum : NULL,
             .dn = r.dn.on ? &after : NULL,
         };
+        /* --signing-key: the record again, the same bytes (the outputs are), and durable before the commit */
+        manifest_output out[MAX_RECORD_OUTPUTS];
+        char hash[65];
+        size_t nout = record_outputs(out, p.out_global_path, p.out_momentum_path, p.out_accum_path);
+        if (r.manifest != NULL && !d->sign.on)
+            dl_log(DL_LOG_WARN, "sign", "the recovered step was signed, but --signing-key is not given: its record is "
+                   "not written again", "step=%" PRIu64, r.step);
+        if (r.manifest != NULL && d->sign.on &&
+            ((rc = manifest_write(d->st.dir, r.step, r.manifest, out, nout, &d->sign.key, hash, err)) != 0 ||
+             (rc = manifest_sync(d->st.dir, r.step, err)) != 0))
+            goto out;
         /* outer_finish made the outputs durable (no defer_sync here) */
         if ((rc = store_commit(&d->st, &info, err)) == 0 &&
             (rc = r.dn.on ? store_remove_consumed(r.deltas, r.ndeltas, err) : 0) == 0 &&

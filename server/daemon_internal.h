@@ -22,6 +22,7 @@
 #include "pipeline.h"
 #include "round.h"
 #include "safetensors.h"
+#include "sign.h"
 #include "stats.h"
 #include "store.h"
 #include "verdicts.h"
@@ -192,6 +193,27 @@ typedef struct daemon_verdicts {
     uint64_t write_failures;
 } daemon_verdicts;
 
+/* daemon_sign.c: --signing-key (README "Verifiable rounds"). */
+#define SIGN_REFUSED_MAX 256
+typedef struct sign_refusal {
+    char node_id[DELTA_NODE_ID_MAX + 1];
+    uint64_t local_step, base;
+    char reason[32];
+} sign_refusal;
+
+typedef struct daemon_sign {
+    int on;
+    sign_key key;
+    char prev_hash[65];         /* the block hash of the record of step prev_step (the next one's "previous") */
+    int64_t prev_step;          /* -1: none known (the next record's previous is null) */
+    char (*hash)[65];           /* [nhash]: the open round's entries' block hashes, by the job that syncs them
+                                   ("" where not computed), for step hash_step */
+    size_t nhash;
+    uint64_t hash_step;
+    sign_refusal *refused;      /* the open round's deltas refused at arrival (stale), for its record */
+    size_t nrefused;
+} daemon_sign;
+
 typedef struct dilocod {
     uv_loop_t loop;
     config *cfg;
@@ -216,6 +238,7 @@ typedef struct dilocod {
     daemon_aggregation agg;     /* daemon_pass.c */
     daemon_async async;         /* daemon_async.c */
     daemon_robust robust;       /* daemon_robust.c */
+    daemon_sign sign;           /* daemon_sign.c */
     daemon_warm warm;           /* daemon_pass.c */
 
     /* publish */

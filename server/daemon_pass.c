@@ -744,22 +744,30 @@ typedef struct sync_args {
     unsigned attempt;           /* the step's attempt whose round this syncs (step_record.attempts) */
     char **paths;
     size_t n;
+    char (*hash)[65];           /* --signing-key: each delta's block hash, for the step's record (else NULL) */
 } sync_args;
 
 static void sync_args_free(sync_args *a)
 {
     for (size_t i = 0; a != NULL && i < a->n; i++)
         free(a->paths[i]);
-    if (a != NULL)
+    if (a != NULL) {
         free(a->paths);
+        free(a->hash);
+    }
     free(a);
 }
 
+/* Beside the pass: each delta made durable and, when steps are signed, its block hash computed (its
+ * bytes are in the page cache: intake or the upload just read them), off the critical path. */
 static void sync_inputs_work(job *j)
 {
     sync_args *a = j->arg;
-    for (size_t i = 0; i < a->n && j->rc == 0; i++)
+    for (size_t i = 0; i < a->n && j->rc == 0; i++) {
         j->rc = store_sync_delta(a->paths[i], &j->err);
+        if (j->rc == 0 && a->hash != NULL)
+            j->rc = daemon__sign_hash_delta(a->paths[i], a->hash[i], &j->err);
+    }
 }
 
 static void sync_inputs_done(job *j)
@@ -770,6 +778,10 @@ static void sync_inputs_done(job *j)
     int recomputed = r != NULL && r->attempts != a->attempt;
 
     pipeline_end(&d->pipe, a->step, STEP_ACT_SYNC, j->rc == 0);
+    if (j->rc == 0 && !recomputed && a->hash != NULL) {
+        daemon__sign_inputs_hashed(d, a->step, a->hash, a->n);
+        a->hash = NULL;
+    }
     sync_args_free(a);
     if (recomputed && j->rc == 0 && !d->stopping) {
         /* the round changed while this ran (a pass restarted): sync what it holds now */
@@ -803,6 +815,11 @@ static int start_sync_inputs(dilocod *d)
     }
     a->step = step;
     a->attempt = r->attempts;
+    if (d->sign.on && (a->hash = calloc(d->rnd.n ? d->rnd.n : 1, sizeof(*a->hash))) == NULL) {
+        sync_args_free(a);
+        pipeline_end(&d->pipe, step, STEP_ACT_SYNC, 0);
+        return -1;
+    }
     for (; a->n < d->rnd.n; a->n++)
         if ((a->paths[a->n] = strdup(d->rnd.entries[a->n].path)) == NULL)
             break;

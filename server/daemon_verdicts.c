@@ -210,6 +210,8 @@ void daemon_verdict_refused(dilocod *d, const char *node_id, const delta_info *i
 
     if (stats_delta_refused(&d->m, rv) == REFUSED__COUNT)
         return;                 /* not a refusal */
+    if (rv == ROUND_STALE)
+        daemon__sign_refused(d, node_id, info, round_verdict_name(rv));     /* the open round's record lists it */
     /* the norm screen at arrival is a quarantine (robust counts it too): reason "outlier" */
     arrive(d, &v, rv == ROUND_OUTLIER ? VERDICT_QUARANTINED : VERDICT_REFUSED, round_verdict_name(rv), status,
            message);

@@ -9,10 +9,15 @@
 #include <string.h>
 #include <strings.h>
 #include <time.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "api.h"
 #include "daemon.h"
+#include "delta.h"
 #include "stepcount.h"
+#include "store.h"
 #include "st_index.h"
 #include "strbuf.h"
 #include "util.h"
@@ -214,6 +219,52 @@ static void serve_global(dilocod *d, http_conn *c, http_request *req)
                        NULL);
 }
 
+/* GET /global/rounds/<s>.json and <s>.json.sig (--signing-key): a served step's signed record and its
+ * signature, as the transports publish them.  A step above the one served has none to give yet. */
+static void serve_record(dilocod *d, http_conn *c, http_request *req)
+{
+    const served_global *g = daemon__global(d);
+    const char *name = req->path + strlen("/global/rounds/"), *dot = strchr(name, '.');
+    uint64_t step;
+    int sig = dot != NULL && strcmp(dot, ".json.sig") == 0, fd;
+    char *path;
+    struct stat sb;
+    http_file *f;
+
+    if (dot == NULL || (!sig && strcmp(dot, ".json") != 0) || delta_parse_int(name, (size_t)(dot - name), &step) != 0) {
+        http_respond_error(c, 404, "not_found", "a step's record is /global/rounds/<step>.json, its signature "
+                           "/global/rounds/<step>.json.sig", NULL);
+        return;
+    }
+    if (daemon_config(d)->signing_key == NULL) {
+        http_respond_error(c, 404, "not_signed", "steps are not signed here (dilocod --signing-key)", NULL);
+        return;
+    }
+    if (!g->available || step > g->step || (path = store_path_manifest(daemon_store(d)->dir, step, sig)) == NULL) {
+        http_respond_error(c, 404, "not_found", "no record of that step is served", NULL);
+        return;
+    }
+    fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    free(path);
+    if (fd >= 0 && (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode))) {
+        close(fd);
+        fd = -1;
+    }
+    if (fd < 0) {
+        http_respond_error(c, 404, "not_found", "no record of that step (older than the records kept, or made "
+                           "before --signing-key was given)", NULL);
+        return;
+    }
+    if ((f = http_file_new(fd)) == NULL) {      /* it closed fd */
+        http_respond_error(c, 500, "out_of_memory", "out of memory", NULL);
+        return;
+    }
+    /* a record never changes once its step is served: the same bytes however often it is asked */
+    http_respond_file(c, 200, sig ? "application/octet-stream" : "application/json", "Cache-Control: max-age=3600\r\n",
+                      f, 0, (uint64_t)sb.st_size);
+    http_file_unref(f);
+}
+
 static void serve_stepfile(dilocod *d, http_conn *c)
 {
     /* the step whose files GET /global/ sends (a sharded step is served once its set is written) */
@@ -332,6 +383,7 @@ static const route routes[] = {
     {"/metrics", ROUTE_METRICS, 1, NULL, metrics_text, "text/plain; version=0.0.4; charset=utf-8", NULL},
     {"/rounds", ROUTE_ROUNDS, 1, NULL, rounds_json, JSON, NULL},
     {"/global/step_count.json", ROUTE_STEPFILE, 1, get_stepfile, NULL, NULL, NULL},
+    {"/global/rounds/", ROUTE_GLOBAL, 1, serve_record, NULL, NULL, NULL},
     {"/global/", ROUTE_GLOBAL, 1, serve_global, NULL, NULL, NULL},
     {"/nodes/", ROUTE_NODE, 1, get_node, NULL, NULL, is_node_path},
     {"/nodes/", ROUTE_UPLOAD, 0, upload_route, NULL, NULL, NULL},

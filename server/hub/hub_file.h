@@ -87,12 +87,13 @@ void hub_index_memo_free(hub_index_memo *memo, size_t n);
 /* The published step, if root/global/step_count.json and the model it names exist (*present = 0 if
  * not); *sharded (may be NULL) is 1 when that is global/latest.safetensors.index.json. */
 int hubfile_read_published(const char *root, int *present, uint64_t *step, int *sharded, dl_error *err);
-/* Publishes src: a plain file is copied to root/global/latest.safetensors; an index (a path ending in
+/* Publishes src (record: the step's signed record in the state, or NULL; first, as
+ * root/global/rounds/<step>.json.sig and .json, the newest MANIFEST_KEEP kept): a plain file is copied to root/global/latest.safetensors; an index (a path ending in
  * .safetensors.index.json, base "latest") publishes the shards it lists from its directory, then
  * global/latest.safetensors.index.json.  Then step_count.json, then the other layout's files are
  * removed from root/global.  Each file atomically (temp, fsync, rename). */
 int hubfile_publish(const char *root, const char *src, uint64_t step, const char *optimizer, int bootstrap,
-                    dl_error *err);
+                    const char *record, dl_error *err);
 /* Removes root/rel (a delta path, strictly parsed, reached without links) if it is still the version
  * (size, mtime, inode) that was taken in; for a set's index, the whole set (the index, then its
  * shards) if the set's identity (hub_candidate) is still that.  0 removed or already gone, 1 kept

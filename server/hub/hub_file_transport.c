@@ -676,7 +676,7 @@ static void start_adopt(file_hub *fh, uint64_t step, int sharded)
 /* ---- publishing ---------------------------------------------------------------------------------- */
 
 typedef struct publish_args {
-    char *src, *optimizer;
+    char *src, *optimizer, *record;
     uint64_t step;
     int bootstrap;
 } publish_args;
@@ -684,7 +684,7 @@ typedef struct publish_args {
 static void publish_work(pool_job *j)
 {
     publish_args *a = j->arg;
-    j->rc = hubfile_publish(job_hub(j)->root, a->src, a->step, a->optimizer, a->bootstrap, &j->err);
+    j->rc = hubfile_publish(job_hub(j)->root, a->src, a->step, a->optimizer, a->bootstrap, a->record, &j->err);
 }
 
 static void publish_done(pool_job *j)
@@ -695,6 +695,7 @@ static void publish_done(pool_job *j)
 
     free(a->src);
     free(a->optimizer);
+    free(a->record);
     free(a);
     fh->publishing = 0;
     fh->st.publishing = 0;
@@ -710,9 +711,10 @@ static void publish_done(pool_job *j)
         fh->cb.publish_done(fh->app, step, j->rc == 0 ? NULL : j->err.message);
 }
 
-static void file_publish(hub *h, uint64_t step, const char *global_path, const char *optimizer, int bootstrap)
+static void file_publish(hub *h, const hub_publication *pub)
 {
     file_hub *fh = (file_hub *)h;
+    uint64_t step = pub->step;
     publish_args *a;
     dl_error e;
 
@@ -720,13 +722,15 @@ static void file_publish(hub *h, uint64_t step, const char *global_path, const c
         return;
     if ((a = calloc(1, sizeof(*a))) != NULL) {
         a->step = step;
-        a->bootstrap = bootstrap;
+        a->bootstrap = pub->bootstrap;
     }
-    if (a == NULL || (a->src = strdup(global_path)) == NULL || (a->optimizer = strdup(optimizer)) == NULL ||
+    if (a == NULL || (a->src = strdup(pub->global_path)) == NULL || (a->optimizer = strdup(pub->optimizer)) == NULL ||
+        (pub->record_path != NULL && (a->record = strdup(pub->record_path)) == NULL) ||
         job_queue(&fh->jobs, publish_work, publish_done, a) != 0) {
         if (a != NULL) {
             free(a->src);
             free(a->optimizer);
+            free(a->record);
         }
         free(a);
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory");

@@ -137,7 +137,7 @@ void s3_list_page(s3_hub *h, const char *token);
 
 /* hub_s3_publish.c: hub_ops.publish; the end of a publish (error NULL: published); a poll saw the
  * bucket's step (a claim waited on is over once the bucket reached its step). */
-void s3_publish(hub *base, uint64_t step, const char *global_path, const char *optimizer, int bootstrap);
+void s3_publish(hub *base, const hub_publication *pub);
 void s3_pub_finish(s3_hub *h, const char *error);
 void s3_claim_step_seen(s3_hub *h, int64_t step);
 

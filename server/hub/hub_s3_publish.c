@@ -797,8 +797,12 @@ void s3_claim_step_seen(s3_hub *h, int64_t step)
     }
 }
 
-void s3_publish(hub *base, uint64_t step, const char *global_path, const char *optimizer, int bootstrap)
+/* pub->record_path is not published here yet: --signing-key with s3:// is refused (config_modes.c). */
+void s3_publish(hub *base, const hub_publication *pub)
 {
+    uint64_t step = pub->step;
+    const char *global_path = pub->global_path, *optimizer = pub->optimizer;
+    int bootstrap = pub->bootstrap;
     s3_hub *h = (s3_hub *)base;
     pub_state *p = &h->pub;
     dl_error err = {0};
