@@ -286,6 +286,7 @@ def test_empty_value_unsets_an_optional_path(tmp_path):
 def tokens(tmp_path, text=f"w1 {TOKEN}\n* {TOKEN}x\n"):
     path = tmp_path / "tokens"
     path.write_text(text)
+    path.chmod(0o600)           # dilocod refuses a token file others can read
     return path
 
 

@@ -504,6 +504,7 @@ def tls_stack(tmp_path):
     write_model(model, {"w": torch.zeros(NPARAMS)})
     tokens = tmp_path / "tokens"
     tokens.write_text(f"node-a {TOKEN}\n")
+    tokens.chmod(0o600)         # dilocod refuses a token file others can read
     d = Dilocod(tmp_path, None, "--init-model", model, "--nodes", "node-a", "--token-file", tokens).start()
     ngx = tmp_path / "nginx"
     ngx.mkdir()

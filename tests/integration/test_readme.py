@@ -251,6 +251,7 @@ def delta(path, node, base, local, scale=0.01):
 
 def token_file(path):
     path.write_text("".join(f"{n} {t}\n" for n, t in TOKENS.items()))
+    path.chmod(0o600)           # dilocod refuses a token file others can read
     return path
 
 
