@@ -198,6 +198,7 @@ typedef struct daemon_verdicts {
 typedef struct sign_refusal {
     char node_id[DELTA_NODE_ID_MAX + 1];
     uint64_t local_step, base;
+    char verdict[16];           /* refused | quarantined */
     char reason[32];
 } sign_refusal;
 

@@ -202,8 +202,10 @@ void daemon__sign_recorded(dilocod *d, uint64_t step, const char *hash);
 int daemon__sign_hash_delta(const char *path, char hex[65], dl_error *err);
 /* The open round's entries' hashes (taken over), computed beside the pass for step. */
 void daemon__sign_inputs_hashed(dilocod *d, uint64_t step, char (*hash)[65], size_t n);
-/* A delta of the open round refused at its arrival (reason: "stale"), for the round's record. */
-void daemon__sign_refused(dilocod *d, const char *node_id, const delta_info *info, const char *reason);
+/* A delta of the open round refused at its arrival (verdict "refused", reason "stale"; or "quarantined" by the
+ * norm screen, with its reason), for the round's record. */
+void daemon__sign_refused(dilocod *d, const char *node_id, const delta_info *info, const char *verdict,
+                          const char *reason);
 /* The closing round's record without its outputs (malloc'd), or NULL when not signing (or out of memory:
  * then d->sign.on tells). */
 char *daemon__sign_skeleton(dilocod *d);

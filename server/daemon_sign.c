@@ -86,7 +86,8 @@ void daemon__sign_inputs_hashed(dilocod *d, uint64_t step, char (*hash)[MANIFEST
     d->sign.hash_step = step;
 }
 
-void daemon__sign_refused(dilocod *d, const char *node_id, const delta_info *info, const char *reason)
+void daemon__sign_refused(dilocod *d, const char *node_id, const delta_info *info, const char *verdict,
+                          const char *reason)
 {
     sign_refusal *r;
 
@@ -99,6 +100,7 @@ void daemon__sign_refused(dilocod *d, const char *node_id, const delta_info *inf
     snprintf(r->node_id, sizeof(r->node_id), "%s", node_id);
     r->local_step = info->local_step;
     r->base = info->base_outer_step;
+    snprintf(r->verdict, sizeof(r->verdict), "%s", verdict);
     snprintf(r->reason, sizeof(r->reason), "%s", reason);
 }
 
@@ -232,7 +234,7 @@ char *daemon__sign_skeleton(dilocod *d)
         const sign_refusal *r = &d->sign.refused[i];
         input_head(&b, first, r->node_id, r->base, r->local_step, 0);
         sb_str(&b, ",\"block_hash\":null");
-        member_str(&b, "verdict", "refused");
+        member_str(&b, "verdict", r->verdict);
         member_str(&b, "reason", r->reason);
         sb_str(&b, "}");
     }

@@ -10,6 +10,7 @@ import torch
 from . import _st
 from .encode import check_spec, delta_metadata, encode_delta, plain_delta
 from .errors import HostileAnswer
+from .rounds import RecordChain
 from .transport import FileTransport, HfTransport, HttpTransport, S3Transport
 
 METRIC_KEYS = ("inner_steps", "tokens_per_second", "weight")
@@ -86,7 +87,8 @@ class Worker:
     """One training process's link to dilocod.  See the package docstring for the loop."""
 
     def __init__(self, url, node_id, *, token=None, encode=None, block=None, error_feedback=True,
-                 baseline_device="cpu", max_header_bytes=_st.MAX_HEADER_BYTES, listen=None):
+                 baseline_device="cpu", max_header_bytes=_st.MAX_HEADER_BYTES, listen=None, public_key=None,
+                 min_step=None):
         if not NODE_ID.match(node_id):
             raise ValueError(f"node id {node_id!r} is not [A-Za-z0-9][A-Za-z0-9._-]{{0,127}}")
         self.node_id = node_id
@@ -106,6 +108,21 @@ class Worker:
         self.residual = None        # error feedback: {name: F32 tensor} on the model's device
         self.last_local_step = None
         self._etag = None
+        # public_key: the aggregator's Ed25519 key (diloco keygen's FILE.pub): every global is checked
+        # against its step's signed record before it is loaded (diloco.rounds, errors.RecordRefused)
+        self._chain = None
+        if public_key is not None:
+            if not hasattr(self.transport, "fetch_record"):
+                raise ValueError("public_key= verifies globals read over http(s):// or file://: signed records are "
+                                 "not published on s3:// or hf:// yet")
+            self._chain = RecordChain(public_key, self.transport.fetch_record, min_step=min_step)
+        elif min_step is not None:
+            raise ValueError("min_step= goes with public_key= (it is the lowest step a verified global may have)")
+
+    @property
+    def record(self):
+        """The signed record of the global installed last (public_key=), as a dict; None before."""
+        return self._chain.record if self._chain is not None else None
 
     # ---- pull -------------------------------------------------------------------------------
     def _cap(self, model_state):
@@ -136,10 +153,12 @@ class Worker:
     def pull(self, model, strict=True) -> int:
         """Loads the newest global into model (names, shapes and dtypes must match unless strict=False:
         then matching keys load) and keeps it as the baseline.  Returns its outer step.  A global that
-        is refused (errors.HostileAnswer) leaves the model as it was."""
+        is refused (errors.HostileAnswer, or with public_key= errors.RecordRefused) leaves the model as it
+        was."""
         model_state = model.state_dict()
+        verify = {"check": self._chain.check_global} if self._chain is not None else {}
         got = self.transport.fetch_global(self._etag if self.baseline is not None else None, self._cap(model_state),
-                                              self.max_header_bytes)
+                                          self.max_header_bytes, **verify)
         if got is not None:
             step, etag, state = got
             if strict:
@@ -148,6 +167,8 @@ class Worker:
                 state = {k: v for k, v in state.items()
                          if k in model_state and tuple(v.shape) == tuple(model_state[k].shape)}
             self.baseline, self.step, self._etag = self._baseline_of(state, model_state), step, etag
+            if self._chain is not None:
+                self._chain.accept()
         with torch.no_grad():
             for k, v in self.baseline.items():
                 model_state[k].copy_(v)

@@ -1,0 +1,383 @@
+"""Verifiable rounds (issue 38, README "Verifiable rounds"): dilocod --signing-key signs a record of
+every committed step, global/rounds/<s>.json with its detached Ed25519 signature <s>.json.sig, published
+before step_count.json names the step on file:// and served over HTTP.
+
+What is checked against independent implementations: every signature with Python's `cryptography`
+(not the server's OpenSSL calls), every block hash with hashlib through diloco.blockhash (the definition:
+sha256 over the sha256 digests of 16 MiB blocks), the inputs' hashes against the bytes the workers sent,
+the outputs' against the files served, and the chain of "previous" links.  The worker package's
+Worker(public_key=) refuses an edited record, another key's signature, a global planted in the tree with
+a record of its own, and a rollback to an older genuine step, leaving the model untouched.  kill -9 at
+each crash hook of the commit leaves no published step without its record, and the record recomputed
+at the restart is the same bytes."""
+import hashlib
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+import requests
+import torch
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import (Encoding, PublicFormat, load_pem_private_key,
+                                                          load_pem_public_key)
+
+import diloco
+from diloco.blockhash import block_hash_bytes
+from conftest import BUILD
+from dilocod_proc import Dilocod, write_delta, write_model
+
+NODES = ["n1", "n2", "n3"]
+
+
+def keygen(path):
+    p = subprocess.run([str(BUILD / "diloco"), "keygen", "-o", str(path)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    return path, p.stdout.split()[0]
+
+
+def pub_of(path):
+    return load_pem_public_key((path.parent / (path.name + ".pub")).read_bytes())
+
+
+def model_of(seed=38):
+    g = torch.Generator().manual_seed(seed)
+    return {"layer.weight": torch.randn(48, 32, generator=g), "layer.bias": torch.randn(32, generator=g),
+            "emb": torch.randn(16, 8, generator=g).to(torch.bfloat16)}
+
+
+class Net(torch.nn.Module):
+    """A module whose state_dict is model_of()'s (the worker package pulls into a module)."""
+
+    def __init__(self, state):
+        super().__init__()
+        for k, v in state.items():
+            self.register_buffer(k.replace(".", "_"), v.clone())
+        self._names = {k.replace(".", "_"): k for k in state}
+
+    def state_dict(self, *a, **kw):
+        return {self._names[k]: v for k, v in self._buffers.items()}
+
+
+def delta_bytes(model, node, base, local, scale, encode=None, seed=0):
+    """A delta's file bytes, as the worker package writes them (plain F32, or compressed)."""
+    rng = np.random.default_rng([38, base, local, seed])
+    base_state = {k: v.clone() for k, v in model.items()}
+    cur = {k: (v.float() - torch.from_numpy(rng.standard_normal(tuple(v.shape)).astype(np.float32)) * scale).to(v.dtype)
+           for k, v in model.items()}
+    meta = diloco.delta_metadata(node, base, local)
+    d = diloco.encode_delta(base_state, cur, encode, metadata=meta)[0] if encode is not None else \
+        diloco.plain_delta(base_state, cur, meta)
+    return bytes(d)
+
+
+def put(url, node, local, body):
+    return requests.put(f"{url}/nodes/{node}/delta_{local}.safetensors", data=body, timeout=60)
+
+
+def record_of(tree, step):
+    return (tree / f"global/rounds/{step}.json").read_bytes(), (tree / f"global/rounds/{step}.json.sig").read_bytes()
+
+
+def check_chain(pub, fingerprint, records):
+    """records: {step: (json bytes, sig bytes)} of consecutive steps: each signature (cryptography),
+    each previous link, each outer_step."""
+    prev = None
+    for s in sorted(records):
+        raw, sig = records[s]
+        pub.verify(sig, raw)            # raises InvalidSignature
+        rec = json.loads(raw)
+        assert rec["outer_step"] == s and rec["aggregator"]["key_fingerprint"] == fingerprint, rec
+        if prev is not None:
+            assert rec["previous"] == block_hash_bytes(records[s - 1][0]), (s, rec["previous"])
+        prev = rec
+    return {s: json.loads(r[0]) for s, r in records.items()}
+
+
+def test_signed_run_over_http_and_file(tmp_path):
+    """5 rounds, median, F32 and compressed deltas over HTTP and a node writing into the file:// tree, a
+    quarantined delta (--max-norm) and a stale refusal: every record checked, and a verifying worker pulls
+    each step over HTTP and over file://."""
+    key, fp = keygen(tmp_path / "key")
+    model = model_of()
+    write_model(tmp_path / "init.safetensors", model)
+    hub = tmp_path / "hub"
+    d = Dilocod(tmp_path, hub, "--init-model", str(tmp_path / "init.safetensors"), "--expected-nodes", "3",
+                "--min-nodes", "2", "--round-timeout", "2", "--aggregate", "median", "--max-norm", "100",
+                "--signing-key", str(key)).start()
+    sent = {}           # (node, local) -> block hash of the bytes sent
+    http_worker = diloco.Worker(d.url, "reader-http", public_key=str(tmp_path / "key.pub"))
+    file_worker = diloco.Worker(f"file://{hub}", "reader-file", public_key=str(tmp_path / "key.pub"))
+    net_h, net_f = Net(model), Net(model)
+    try:
+        d.wait_step(0)
+        assert http_worker.pull(net_h) == 0 and file_worker.pull(net_f) == 0
+        for r in range(5):
+            local = r + 1
+            # n1: F32 over HTTP; n2: int8_block over HTTP; n3: F32 into the tree (round 2: far too large)
+            b1 = delta_bytes(model, "n1", r, local, 0.01, seed=1)
+            b2 = delta_bytes(model, "n2", r, local, 0.01, encode="int8_block", seed=2)
+            b3 = delta_bytes(model, "n3", r, local, 100.0 if r == 2 else 0.01, seed=3)
+            assert put(d.url, "n1", local, b1).status_code == 201
+            assert put(d.url, "n2", local, b2).status_code == 201
+            (hub / "nodes/n3").mkdir(parents=True, exist_ok=True)
+            tmp = hub / f"nodes/n3/.delta_{local}.tmp"
+            tmp.write_bytes(b3)
+            os.rename(tmp, hub / f"nodes/n3/delta_{local}.safetensors")
+            sent.update({("n1", local): block_hash_bytes(b1), ("n2", local): block_hash_bytes(b2),
+                         ("n3", local): block_hash_bytes(b3)})
+            d.wait_step(r + 1)
+            if r == 3:      # a late delta of the closed round: 409 stale, listed in the next step's record
+                stale = put(d.url, "n1", 100, delta_bytes(model, "n1", r, 100, 0.01, seed=9))
+                assert stale.status_code == 409, stale.text
+            assert http_worker.pull(net_h) == r + 1 and file_worker.pull(net_f) == r + 1
+        served = requests.get(d.url + "/global/latest.safetensors", timeout=30).content
+        d.wait_settled(5)
+        momentum = (d.state_dir / "outer_state-5.safetensors").read_bytes()
+        over_http = {s: (requests.get(f"{d.url}/global/rounds/{s}.json", timeout=30).content,
+                         requests.get(f"{d.url}/global/rounds/{s}.json.sig", timeout=30).content) for s in range(6)}
+        assert requests.get(f"{d.url}/global/rounds/6.json", timeout=30).status_code == 404
+    finally:
+        assert d.stop() == 0
+    in_tree = {s: record_of(hub, s) for s in range(6)}
+    assert in_tree == over_http
+    recs = check_chain(pub_of(key), fp, in_tree)
+    assert recs[0]["origin"] == "bootstrap" and recs[0]["previous"] is None and recs[0]["inputs"] == []
+    assert recs[0]["outputs"]["global"]["block_hash"] == block_hash_bytes((tmp_path / "init.safetensors").read_bytes())
+    for s in range(1, 6):
+        rec = recs[s]
+        assert rec["config"]["aggregate"] == "median" and rec["config"]["max_norm"] == 100, rec["config"]
+        used = [i for i in rec["inputs"] if i["verdict"] == "aggregated"]
+        for i in rec["inputs"]:
+            if i["block_hash"] is not None:     # every delta taken in: the bytes its worker sent
+                assert i["block_hash"] == sent[(i["node_id"], i["local_step"])], i
+        enc = {i["node_id"]: i["encoding"] for i in used}
+        assert enc.get("n2") == "int8_block" and enc.get("n1") == "none", rec["inputs"]
+        if s == 3:      # round 2: n3 quarantined at its arrival by --max-norm, two aggregated
+            assert sorted(i["node_id"] for i in used) == ["n1", "n2"], rec["inputs"]
+            q = [i for i in rec["inputs"] if i["verdict"] == "quarantined"]
+            assert [(i["node_id"], i["local_step"], i["reason"]) for i in q] == [("n3", 3, "max_norm")], rec["inputs"]
+        else:
+            assert sorted(i["node_id"] for i in used) == NODES, rec["inputs"]
+    stale = [i for i in recs[5]["inputs"] if i["verdict"] == "refused"]
+    assert stale == [{"node_id": "n1", "path": "nodes/n1/delta_100.safetensors", "base_outer_step": 3,
+                      "local_step": 100, "block_hash": None, "verdict": "refused", "reason": "stale"}], recs[5]["inputs"]
+    # the outputs: the global served, the momentum the state keeps, as the record hashes them
+    assert recs[5]["outputs"]["global"] == {"path": "global/latest.safetensors", "block_hash": block_hash_bytes(served),
+                                            "bytes": len(served)}
+    assert (hub / "global/latest.safetensors").read_bytes() == served
+    assert recs[5]["outputs"]["momentum"]["block_hash"] == block_hash_bytes(momentum)
+    # the verifying workers installed exactly the served global and kept each record
+    assert http_worker.record == recs[5] and file_worker.record == recs[5]
+    for k, v in net_h.state_dict().items():
+        assert torch.equal(v, net_f.state_dict()[k])
+
+
+def run_rounds(tmp_path, key, rounds, *extra):
+    model = model_of(7)
+    write_model(tmp_path / "init.safetensors", model)
+    hub = tmp_path / "hub"
+    d = Dilocod(tmp_path, hub, "--init-model", str(tmp_path / "init.safetensors"), "--expected-nodes", "2",
+                "--signing-key", str(key), *extra).start()
+    d.wait_step(0)
+    globals_ = {0: (hub / "global/latest.safetensors").read_bytes()}
+    for r in range(rounds):
+        for i, node in enumerate(NODES[:2]):
+            write_delta(hub, node, r, r + 1, {k: np.random.default_rng([r, i]).standard_normal(
+                tuple(v.shape)).astype(np.float32) * np.float32(0.01) for k, v in model.items()})
+        d.wait_step(r + 1)
+        globals_[r + 1] = (hub / "global/latest.safetensors").read_bytes()
+    return d, model, hub, globals_
+
+
+def refused(worker, net, reason):
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(diloco.RecordRefused) as e:
+        worker.pull(net)
+    assert e.value.reason == reason, e.value
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, before[k]), k        # the model is left as it was
+    return e.value
+
+
+def test_worker_refuses_tampered_trees(tmp_path):
+    """A file:// tree rewritten by another writer: the verifying worker refuses each forgery and keeps
+    the model; it walks the chain over steps it skipped."""
+    key, fp = keygen(tmp_path / "key")
+    pub = str(tmp_path / "key.pub")
+    d, model, hub, globals_ = run_rounds(tmp_path, key, 3)
+    assert d.stop() == 0
+    url = f"file://{hub}"
+    w = diloco.Worker(url, "reader", public_key=pub)
+    net = Net(model)
+    assert w.pull(net) == 3 and w.record["outer_step"] == 3
+    genuine = {s: record_of(hub, s) for s in range(4)}
+
+    # the record edited (a value of its config): the signature no longer holds
+    raw, sig = genuine[3]
+    (hub / "global/rounds/3.json").write_bytes(raw.replace(b'"lr":0.7', b'"lr":0.8'))
+    refused(diloco.Worker(url, "fresh", public_key=pub), Net(model), "signature")
+    # the record signed by another key
+    other = Ed25519PrivateKey.generate()
+    (hub / "global/rounds/3.json").write_bytes(raw)
+    (hub / "global/rounds/3.json.sig").write_bytes(other.sign(raw))
+    refused(diloco.Worker(url, "fresh", public_key=pub), Net(model), "signature")
+    (hub / "global/rounds/3.json.sig").write_bytes(sig)
+
+    # a planted step 4: a global of the writer's own, its step file and a record it signed itself
+    planted = {k: v + 1 for k, v in model.items()}
+    write_model(hub / "global/latest.safetensors", planted)
+    rec = json.loads(raw)
+    rec.update(outer_step=4, previous=block_hash_bytes(raw))
+    rec["outputs"]["global"] = {"path": "global/latest.safetensors", "bytes": os.path.getsize(hub / "global/latest.safetensors"),
+                                "block_hash": block_hash_bytes((hub / "global/latest.safetensors").read_bytes())}
+    forged = json.dumps(rec, separators=(",", ":")).encode()
+    (hub / "global/rounds/4.json").write_bytes(forged)
+    (hub / "global/rounds/4.json.sig").write_bytes(other.sign(forged))
+    step_file = json.loads((hub / "global/step_count.json").read_text())
+    (hub / "global/step_count.json").write_text(json.dumps(dict(step_file, outer_step=4)))
+    refused(w, net, "signature")
+    # ... or with step 3's genuine record put back under the planted global: the bytes are not the signed ones
+    (hub / "global/step_count.json").write_text(json.dumps(step_file))
+    e = refused(diloco.Worker(url, "fresh", public_key=pub), Net(model), "output")
+    assert e.step == 3
+
+    # rollback: step 1's genuine global, step file and record re-planted: below the step this worker verified
+    (hub / "global/latest.safetensors").write_bytes(globals_[1])
+    (hub / "global/step_count.json").write_text(json.dumps(dict(step_file, outer_step=1)))
+    assert record_of(hub, 1) == genuine[1]
+    refused(w, net, "rollback")
+    # a joiner told the step it may not go below refuses it too; one that knows nothing takes the genuine
+    # step 1 (trust starts at the first record it verifies)
+    refused(diloco.Worker(url, "joiner", public_key=pub, min_step=2), Net(model), "rollback")
+    joiner = diloco.Worker(url, "joiner", public_key=pub)
+    assert joiner.pull(Net(model)) == 1 and joiner.record == json.loads(genuine[1][0])
+
+
+def test_worker_walks_the_chain_and_refuses_a_break(tmp_path):
+    """A worker that verified step 0 and comes back at step 3 walks records 3, 2, 1 back to 0; a record
+    in between replaced by a genuine-looking one of another chain (another key) breaks the walk."""
+    key, fp = keygen(tmp_path / "key")
+    pub = str(tmp_path / "key.pub")
+    model = model_of(7)
+    write_model(tmp_path / "init.safetensors", model)
+    hub = tmp_path / "hub"
+    d = Dilocod(tmp_path, hub, "--init-model", str(tmp_path / "init.safetensors"), "--expected-nodes", "2",
+                "--signing-key", str(key)).start()
+    try:
+        d.wait_step(0)
+        w = diloco.Worker(d.url, "reader", public_key=pub)
+        net = Net(model)
+        assert w.pull(net) == 0
+        for r in range(3):
+            for i, node in enumerate(NODES[:2]):
+                write_delta(hub, node, r, r + 1, {k: np.random.default_rng([r, i]).standard_normal(
+                    tuple(v.shape)).astype(np.float32) * np.float32(0.01) for k, v in model.items()})
+            d.wait_step(r + 1)
+        assert w.pull(net) == 3                 # over HTTP: records 3, 2, 1 fetched and linked to 0
+        assert w.record["previous"] == block_hash_bytes(record_of(hub, 2)[0])
+    finally:
+        assert d.stop() == 0
+    # file://: step 2's record swapped for a validly signed record that is not the one step 3 names
+    w = diloco.Worker(f"file://{hub}", "reader", public_key=pub)
+    step_file = json.loads((hub / "global/step_count.json").read_text())
+    g3 = (hub / "global/latest.safetensors").read_bytes()
+    g0 = (tmp_path / "init.safetensors").read_bytes()
+    (hub / "global/latest.safetensors").write_bytes(g0)
+    (hub / "global/step_count.json").write_text(json.dumps(dict(step_file, outer_step=0)))
+    net = Net(model)
+    assert w.pull(net) == 0
+    (hub / "global/latest.safetensors").write_bytes(g3)
+    (hub / "global/step_count.json").write_text(json.dumps(step_file))
+    (hub / "global/rounds/2.json").write_bytes(record_of(hub, 1)[0])      # genuine bytes, wrong place
+    (hub / "global/rounds/2.json.sig").write_bytes(record_of(hub, 1)[1])
+    refused(w, net, "record")                   # step 1's record says outer_step 1
+
+
+COMMIT_HOOKS = ["inputs_durable", "committed", "served", "published", "durable"]
+
+
+@pytest.mark.parametrize("state", COMMIT_HOOKS)
+def test_kill9_at_commit_hooks_keeps_records(tmp_path, state):
+    """SIGKILL as step 2 enters each state of the commit: the tree never names a step without its record,
+    and once the restart recovered, step 2's record is the one it had before the kill (byte for byte),
+    signature included, in the state and in the tree."""
+    key, fp = keygen(tmp_path / "key")
+    model = model_of(9)
+    write_model(tmp_path / "init.safetensors", model)
+    hub = tmp_path / "hub"
+    delta = lambda r, i: {k: np.random.default_rng([9, r, i]).standard_normal(tuple(v.shape)).astype(np.float32)
+                          * np.float32(0.01) for k, v in model.items()}
+    d = Dilocod(tmp_path, hub, "--init-model", str(tmp_path / "init.safetensors"), "--expected-nodes", "2",
+                "--signing-key", str(key), env={"DILOCOD_TEST_CRASH_AT": f"{state}:2"}).start()
+    d.wait_step(0)
+    for r in range(2):
+        for i, node in enumerate(NODES[:2]):
+            write_delta(hub, node, r, r + 1, delta(r, i))
+        if r == 0:
+            d.wait_step(1)
+    d.wait_killed_at(state, 2)
+    published = json.loads((hub / "global/step_count.json").read_text())["outer_step"]
+    for s in range(published + 1):
+        assert (hub / f"global/rounds/{s}.json").exists() and (hub / f"global/rounds/{s}.json.sig").exists(), s
+    before = None
+    rec_path = d.state_dir / "rounds/2.json"
+    if rec_path.exists():
+        before = (rec_path.read_bytes(), (d.state_dir / "rounds/2.json.sig").read_bytes())
+    d.env = None                                # restarted without the hook
+    d.start()
+    try:
+        d.wait_step(2)
+        d.wait_settled(2)
+        after = (rec_path.read_bytes(), (d.state_dir / "rounds/2.json.sig").read_bytes())
+        assert record_of(hub, 2) == after
+        if state != "inputs_durable":           # committed by then: recomputed from its redo record
+            assert before == after, state
+        check_chain(pub_of(key), fp, {s: record_of(hub, s) for s in range(3)})
+        assert json.loads(after[0])["outputs"]["global"]["block_hash"] == \
+            block_hash_bytes((hub / "global/latest.safetensors").read_bytes())
+    finally:
+        assert d.stop() == 0
+
+
+def test_keys_and_modes(tmp_path):
+    """diloco keygen writes 0600 + .pub and never overwrites; the fingerprint is the sha256 of the raw
+    public key (cryptography's); dilocod refuses a signing key or a token file others can read, and
+    --signing-key beside a transport that does not publish records yet."""
+    key, fp = keygen(tmp_path / "key")
+    assert (os.stat(key).st_mode & 0o777) == 0o600
+    raw = pub_of(key).public_bytes(Encoding.Raw, PublicFormat.Raw)
+    assert fp == hashlib.sha256(raw).hexdigest()
+    priv = load_pem_private_key(key.read_bytes(), None)
+    assert priv.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw) == raw
+    p = subprocess.run([str(BUILD / "diloco"), "keygen", "-o", str(key)], capture_output=True, text=True)
+    assert p.returncode != 0 and "not overwritten" in p.stderr, p.stderr
+    p = subprocess.run([str(BUILD / "diloco"), "keygen", "--fingerprint", str(tmp_path / "key.pub")],
+                       capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.split()[0] == fp
+    write_model(tmp_path / "init.safetensors", model_of())
+
+    def check(*args):
+        return subprocess.run([str(BUILD / "dilocod"), "--state-root", str(tmp_path / "st"), "--expected-nodes", "2",
+                               "--init-model", str(tmp_path / "init.safetensors"), "--hub", "none", "--check-config",
+                               *args], capture_output=True, text=True)
+
+    assert check("--signing-key", str(key)).returncode == 0
+    os.chmod(key, 0o640)
+    p = check("--signing-key", str(key))
+    assert p.returncode == 2 and "chmod 600" in p.stderr, p.stderr
+    os.chmod(key, 0o600)
+    public = tmp_path / "public-only"
+    public.write_bytes((tmp_path / "key.pub").read_bytes())
+    os.chmod(public, 0o600)
+    p = check("--signing-key", str(public))
+    assert p.returncode == 2 and "not a PEM PKCS#8 private key" in p.stderr, p.stderr
+    tokens = tmp_path / "tokens"
+    tokens.write_text("w1 aaaaaaaaaaaaaaaaaaaaaaaa\n")
+    os.chmod(tokens, 0o644)
+    p = check("--token-file", str(tokens))
+    assert p.returncode == 2 and "chmod 600" in p.stderr, p.stderr
+    p = check("--signing-key", str(key), "--hub", "s3://bucket/prefix")
+    assert p.returncode == 2 and "--signing-key" in p.stderr, p.stderr
