@@ -202,6 +202,12 @@ typedef struct sign_refusal {
     char reason[32];
 } sign_refusal;
 
+#define SIGN_KNOWN_MAX 4096
+typedef struct sign_known {
+    char *path;
+    char hex[65];
+} sign_known;
+
 typedef struct daemon_sign {
     int on;
     sign_key key;
@@ -213,6 +219,10 @@ typedef struct daemon_sign {
     uint64_t hash_step;
     sign_refusal *refused;      /* the open round's deltas refused at arrival (stale), for its record */
     size_t nrefused;
+    /* the block hashes of deltas taken into the round, computed as each arrives (by cache path), so that
+     * only the last to arrive is hashed beside the pass */
+    struct sign_known *known;
+    size_t nknown;
 } daemon_sign;
 
 typedef struct dilocod {

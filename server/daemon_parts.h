@@ -200,6 +200,10 @@ void daemon__sign_chain(dilocod *d);
 void daemon__sign_recorded(dilocod *d, uint64_t step, const char *hash);
 /* On the pool: a delta's block hash as hex.  0 or -DL_E_*. */
 int daemon__sign_hash_delta(const char *path, char hex[65], dl_error *err);
+/* A delta taken into the round (its cache path): its block hash computed now, on the pool. */
+void daemon__sign_hash_taken(dilocod *d, const char *path);
+/* The hash computed for path when it was taken, or NULL. */
+const char *daemon__sign_known(const dilocod *d, const char *path);
 /* The open round's entries' hashes (taken over), computed beside the pass for step. */
 void daemon__sign_inputs_hashed(dilocod *d, uint64_t step, char (*hash)[65], size_t n);
 /* A delta of the open round refused at its arrival (verdict "refused", reason "stale"; or "quarantined" by the

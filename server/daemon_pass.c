@@ -765,7 +765,7 @@ static void sync_inputs_work(job *j)
     sync_args *a = j->arg;
     for (size_t i = 0; i < a->n && j->rc == 0; i++) {
         j->rc = store_sync_delta(a->paths[i], &j->err);
-        if (j->rc == 0 && a->hash != NULL)
+        if (j->rc == 0 && a->hash != NULL && a->hash[i][0] == '\0')     /* not hashed at its arrival */
             j->rc = daemon__sign_hash_delta(a->paths[i], a->hash[i], &j->err);
     }
 }
@@ -820,9 +820,13 @@ static int start_sync_inputs(dilocod *d)
         pipeline_end(&d->pipe, step, STEP_ACT_SYNC, 0);
         return -1;
     }
-    for (; a->n < d->rnd.n; a->n++)
+    for (; a->n < d->rnd.n; a->n++) {
         if ((a->paths[a->n] = strdup(d->rnd.entries[a->n].path)) == NULL)
             break;
+        const char *known = a->hash != NULL ? daemon__sign_known(d, a->paths[a->n]) : NULL;
+        if (known != NULL)
+            memcpy(a->hash[a->n], known, sizeof(a->hash[a->n]));
+    }
     if (a->n < d->rnd.n || daemon__queue(d, sync_inputs_work, sync_inputs_done, a) != 0) {
         sync_args_free(a);
         pipeline_end(&d->pipe, step, STEP_ACT_SYNC, 0);      /* the commit fails on it (daemon__try_commit) */

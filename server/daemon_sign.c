@@ -28,8 +28,18 @@ int daemon__sign_open(dilocod *d, dl_error *err)
     return 0;
 }
 
+static void known_forget(dilocod *d, size_t i)
+{
+    free(d->sign.known[i].path);
+    d->sign.known[i] = d->sign.known[--d->sign.nknown];
+}
+
 void daemon__sign_free(dilocod *d)
 {
+    while (d->sign.nknown > 0)
+        known_forget(d, 0);
+    free(d->sign.known);
+    d->sign.known = NULL;
     if (d->sign.on)
         sign_key_free(&d->sign.key);
     free(d->sign.hash);
@@ -76,6 +86,56 @@ int daemon__sign_hash_delta(const char *path, char hex[MANIFEST_HASH_HEX], dl_er
     if (rc == 0)
         blockhash_hex(digest, hex);
     return rc;
+}
+
+/* ---- hashes as deltas arrive: by the time a round closes, only its last delta is left to hash ---- */
+
+typedef struct early_args {
+    char *path;
+    char hex[65];
+} early_args;
+
+static void early_work(job *j)
+{
+    early_args *a = j->arg;
+    j->rc = daemon__sign_hash_delta(a->path, a->hex, &j->err);
+}
+
+static void early_done(job *j)
+{
+    dilocod *d = daemon__of_job(j);
+    early_args *a = j->arg;
+
+    /* a failure is not reported here: the sync job beside the pass hashes what is not known, and says so */
+    if (j->rc == 0 && !j->cancelled && d->sign.nknown < SIGN_KNOWN_MAX &&
+        (d->sign.known != NULL || (d->sign.known = calloc(SIGN_KNOWN_MAX, sizeof(*d->sign.known))) != NULL)) {
+        sign_known *k = &d->sign.known[d->sign.nknown++];
+        k->path = a->path;
+        memcpy(k->hex, a->hex, sizeof(k->hex));
+        a->path = NULL;
+    }
+    free(a->path);
+    free(a);
+}
+
+void daemon__sign_hash_taken(dilocod *d, const char *path)
+{
+    early_args *a;
+
+    if (!d->sign.on || d->stopping || (a = calloc(1, sizeof(*a))) == NULL)
+        return;
+    if ((a->path = strdup(path)) == NULL || daemon__queue(d, early_work, early_done, a) != 0) {
+        free(a->path);
+        free(a);
+    }
+}
+
+const char *daemon__sign_known(const dilocod *d, const char *path)
+{
+    for (size_t i = 0; i < d->sign.nknown; i++)
+        if (strcmp(d->sign.known[i].path, path) == 0)
+            return d->sign.known[i].hex;
+    return NULL;
 }
 
 void daemon__sign_inputs_hashed(dilocod *d, uint64_t step, char (*hash)[MANIFEST_HASH_HEX], size_t n)
@@ -245,6 +305,16 @@ char *daemon__sign_skeleton(dilocod *d)
 void daemon__sign_round_committed(dilocod *d)
 {
     d->sign.nrefused = 0;       /* the next round's refusals start */
+    /* the committed round's hashes are in its record; async's queued deltas keep theirs */
+    for (size_t i = 0; i < d->sign.nknown;) {
+        int used = 0;
+        for (size_t k = 0; k < d->rnd.n && !used; k++)
+            used = strcmp(d->rnd.entries[k].path, d->sign.known[i].path) == 0;
+        if (used)
+            known_forget(d, i);
+        else
+            i++;
+    }
 }
 
 /* ---- a step entered whole -------------------------------------------------------------------------- */
