@@ -116,13 +116,7 @@ static commit_args *commit_args_new(dilocod *d)
     a->redo.versions = calloc(n ? n : 1, sizeof(fsu_ident));
     a->redo.optimizer = strdup(config_optimizer_name(d->cfg->optimizer));
     a->global_path = strdup(d->agg.pass->out_global_path);
-    int no_record = 0;
-    if (d->sign.on)
-        no_record = (a->redo.manifest = daemon__sign_skeleton(d)) == NULL ||
-                    (d->agg.pass->out_momentum_path != NULL &&
-                     (a->momentum_path = strdup(d->agg.pass->out_momentum_path)) == NULL) ||
-                    (d->agg.pass->out_accum_path != NULL && (a->accum_path = strdup(d->agg.pass->out_accum_path)) == NULL);
-    int bad = no_record || no_scales || a->redo.deltas == NULL || a->redo.guarded == NULL || a->redo.versions == NULL ||
+    int bad = no_scales || a->redo.deltas == NULL || a->redo.guarded == NULL || a->redo.versions == NULL ||
               a->redo.optimizer == NULL || a->global_path == NULL ||
               (d->pending_round != NULL && (a->redo.round_json = strdup(d->pending_round)) == NULL);
     for (size_t i = 0; !bad && i < n; i++) {
@@ -132,6 +126,11 @@ static commit_args *commit_args_new(dilocod *d)
             a->redo.versions[i] = d->rnd.entries[d->agg.entry[i]].ident;
         }
     }
+    /* --signing-key: the step's record without its outputs, and the outputs it names */
+    if (!bad && d->sign.on)
+        bad = (a->redo.manifest = daemon__sign_skeleton(d)) == NULL ||
+              (d->agg.pass->out_momentum_path != NULL && (a->momentum_path = strdup(d->agg.pass->out_momentum_path)) == NULL) ||
+              (d->agg.pass->out_accum_path != NULL && (a->accum_path = strdup(d->agg.pass->out_accum_path)) == NULL);
     if (bad) {
         commit_args_free(a);
         return NULL;

@@ -159,12 +159,12 @@ static void remove_other_layout(int gfd, const char *root, uint32_t nshards)
 /* Copies one of the state's record files (ours) into rounds/ of the tree as name. */
 static int publish_record_file(int rfd, const char *root, const char *src, const char *name, dl_error *err)
 {
-    char *buf = malloc(MANIFEST_MAX + 1), *dir = strdup(src), *slash = dir != NULL ? strrchr(dir, '/') : NULL;
+    char *buf = malloc(MANIFEST_MAX + 1), *dir = strdup(src), *slash = NULL;
     size_t len = 0;
     struct stat sb;
     int rc, dfd = -1;
 
-    if (buf == NULL || slash == NULL) {
+    if (buf == NULL || dir == NULL || (slash = strrchr(dir, '/')) == NULL) {
         free(buf);
         free(dir);
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
