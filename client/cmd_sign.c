@@ -7,10 +7,10 @@
 #include "sign.h"
 
 static const char keygen_help[] =
-    "usage: diloco keygen -o FILE\n"
+    "usage: diloco keygen -o FILE   (or --output FILE)\n"
     "       diloco keygen --fingerprint KEY\n"
     "\n"
-    "Writes a new Ed25519 signing key for dilocod --signing-key: FILE (PEM PKCS#8, mode 0600) and\n"
+    "Writes a new Ed25519 signing key for dilocod (its signing_key option): FILE (PEM PKCS#8, mode 0600) and\n"
     "FILE.pub (PEM SubjectPublicKeyInfo, for workers and verifiers).  Neither may exist.  Prints the\n"
     "key's fingerprint: the sha256 of its 32 raw public-key bytes, in hex, as signed records name it.\n"
     "--fingerprint KEY prints the fingerprint of a public (or private) key file.\n";
