@@ -381,3 +381,38 @@ def test_keys_and_modes(tmp_path):
     assert p.returncode == 2 and "chmod 600" in p.stderr, p.stderr
     p = check("--signing-key", str(key), "--hub", "s3://bucket/prefix")
     assert p.returncode == 2 and "--signing-key" in p.stderr, p.stderr
+
+
+def test_async_one_record_per_update(tmp_path):
+    """--mode async: every update is a step with its own record (its one delta, its staleness weight, the
+    Delayed Nesterov phase), chained; the accumulator is an output while the phase is between Nesterov
+    steps."""
+    key, fp = keygen(tmp_path / "key")
+    model = model_of(11)
+    write_model(tmp_path / "init.safetensors", model)
+    hub = tmp_path / "hub"
+    d = Dilocod(tmp_path, hub, "--init-model", str(tmp_path / "init.safetensors"), "--mode", "async",
+                "--expected-nodes", "2", "--dn-period", "2", "--grace-ms", "0", "--staleness-weight", "poly",
+                "--signing-key", str(key)).start()
+    sent = {}
+    try:
+        d.wait_step(0)
+        for u in range(4):
+            node, base = NODES[u % 2], max(0, u - 1)       # one delta per update, the odd ones one step stale
+            body = delta_bytes(model, node, base, u + 1, 0.01, seed=u)
+            assert put(d.url, node, u + 1, body).status_code == 201
+            sent[(node, u + 1)] = block_hash_bytes(body)
+            d.wait_step(u + 1)
+    finally:
+        assert d.stop() == 0
+    recs = check_chain(pub_of(key), fp, {s: record_of(hub, s) for s in range(5)})
+    for s in range(1, 5):
+        rec = recs[s]
+        assert rec["config"]["mode"] == "async" and rec["config"]["async"]["dn_period"] == 2, rec["config"]
+        [i] = rec["inputs"]
+        assert i["verdict"] == "aggregated" and i["block_hash"] == sent[(i["node_id"], i["local_step"])], i
+        tau = s - 1 - i["base_outer_step"]
+        assert rec["config"]["async"]["weight"] == pytest.approx((1 + tau) ** -0.5), (s, rec["config"])
+        # k before the update: 0, 1, 0, 1 with period 2; after an odd one the accumulator holds a delta
+        assert rec["config"]["async"]["dn_k"] == (s - 1) % 2, rec["config"]
+        assert ("accumulator" in rec["outputs"]) == (rec["config"]["async"]["dn_k"] == 0), rec["outputs"]
