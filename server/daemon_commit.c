@@ -63,6 +63,7 @@ typedef struct commit_args {
     char *momentum_path, *accum_path;   /* --signing-key: the other outputs the record names (or NULL) */
     int download_fd;            /* result: its descriptor for downloads, or a negative errno */
     char manifest_hash[65];     /* result: the step's record's block hash (redo.manifest set) */
+    char out_hex[3][65];        /* result: its global's, momentum's, accumulator's block hashes ("": none) */
 } commit_args;
 
 static void commit_args_free(commit_args *a)
@@ -151,10 +152,16 @@ static void commit_work(job *j)
      * that then fails to commit is never served: its step is not, and the next commit replaces it) */
     if (a->redo.manifest != NULL) {
         manifest_output out[MAX_RECORD_OUTPUTS];
+        char hex[MAX_RECORD_OUTPUTS][65];
         size_t n = record_outputs(out, a->global_path, a->momentum_path, a->accum_path);
-        if ((j->rc = manifest_write(d->st.dir, a->redo.step, a->redo.manifest, out, n, &d->sign.key, a->manifest_hash,
-                                    &j->err)) != 0)
+        if ((j->rc = manifest_write_hashes(d->st.dir, a->redo.step, a->redo.manifest, out, n, &d->sign.key,
+                                           a->manifest_hash, hex, &j->err)) != 0)
             return;
+        static const char *const base_names[3] = {"global", "momentum", "accumulator"};
+        for (size_t i = 0; i < n; i++)      /* by name: the next record's base */
+            for (int k = 0; k < 3; k++)
+                if (strcmp(out[i].name, base_names[k]) == 0)
+                    memcpy(a->out_hex[k], hex[i], sizeof(hex[i]));
     }
     j->rc = store_redo_write(&d->st, &a->redo, &j->err);
     /* opened here, off the loop: downloads of the new global start from this descriptor */
@@ -607,7 +614,7 @@ static void commit_done(job *j)
     int fd = a->download_fd;
 
     if (j->rc == 0 && a->redo.manifest != NULL) {
-        daemon__sign_recorded(d, a->redo.step, a->manifest_hash);
+        daemon__sign_recorded(d, a->redo.step, a->manifest_hash, (const char (*)[65])a->out_hex);
         daemon__sign_round_committed(d);
     }
     commit_args_free(a);

@@ -213,6 +213,8 @@ typedef struct daemon_sign {
     sign_key key;
     char prev_hash[65];         /* the block hash of the record of step prev_step (the next one's "previous") */
     int64_t prev_step;          /* -1: none known (the next record's previous is null) */
+    char prev_out[3][65];       /* that record's outputs' block hashes: global, momentum, accumulator ("": none),
+                                   the next record's "base" */
     char (*hash)[65];           /* [nhash]: the open round's entries' block hashes, by the job that syncs them
                                    ("" where not computed), for step hash_step */
     size_t nhash;

@@ -196,8 +196,9 @@ int daemon__sign_open(dilocod *d, dl_error *err);
 void daemon__sign_free(dilocod *d);
 /* The committed step's record (if any) becomes the next record's previous. */
 void daemon__sign_chain(dilocod *d);
-/* The record of step was written with block hash hash. */
-void daemon__sign_recorded(dilocod *d, uint64_t step, const char *hash);
+/* The record of step was written with block hash hash; out: its global's, momentum's and accumulator's
+ * block hashes ("" for none). */
+void daemon__sign_recorded(dilocod *d, uint64_t step, const char *hash, const char out[3][65]);
 /* On the pool: a delta's block hash as hex.  0 or -DL_E_*. */
 int daemon__sign_hash_delta(const char *path, char hex[65], dl_error *err);
 /* A delta taken into the round (its cache path): its block hash computed now, on the pool. */

@@ -56,11 +56,17 @@ void daemon__sign_chain(dilocod *d)
     dl_error err;
     int rc;
 
+    static const char *const names[3] = {"global", "momentum", "accumulator"};
+
     d->sign.prev_step = -1;
     if (!d->sign.on || !d->st.committed)
         return;
-    if ((rc = manifest_hash_of(d->st.dir, d->st.step, d->sign.prev_hash, &err)) == 0)
+    if ((rc = manifest_hash_of(d->st.dir, d->st.step, d->sign.prev_hash, &err)) == 0) {
         d->sign.prev_step = (int64_t)d->st.step;
+        for (int i = 0; i < 3; i++)
+            if (manifest_output_of(d->st.dir, d->st.step, names[i], d->sign.prev_out[i], &err) < 0)
+                d->sign.prev_out[i][0] = '\0';
+    }
     else if (rc < 0)
         daemon__log_error("sign", "cannot read the committed step's record: the next one has no previous", &err);
     else
@@ -68,11 +74,12 @@ void daemon__sign_chain(dilocod *d)
                "step=%" PRIu64, d->st.step);
 }
 
-void daemon__sign_recorded(dilocod *d, uint64_t step, const char *hash)
+void daemon__sign_recorded(dilocod *d, uint64_t step, const char *hash, const char out[3][65])
 {
     if (step < d->st.step && d->sign.prev_step >= 0 && (uint64_t)d->sign.prev_step >= step)
         return;                 /* an older step's: the chain is past it */
     memcpy(d->sign.prev_hash, hash, MANIFEST_HASH_HEX);
+    memcpy(d->sign.prev_out, out, sizeof(d->sign.prev_out));
     d->sign.prev_step = (int64_t)step;
 }
 
@@ -270,11 +277,28 @@ char *daemon__sign_skeleton(dilocod *d)
         return NULL;
     sb_printf(&b, "{\"format\":%d,\"algorithm\":\"dumb_diloco\",\"outer_step\":%" PRIu64 ",\"base_outer_step\":%" PRIu64,
               MANIFEST_FORMAT, step, d->rnd.step);
-    if (d->sign.prev_step == (int64_t)d->rnd.step)
+    int chained = d->sign.prev_step == (int64_t)d->rnd.step;
+    if (chained)
         member_str(&b, "previous", d->sign.prev_hash);
     else
         sb_str(&b, ",\"previous\":null");
     member_str(&b, "origin", "round");
+    /* the step's inputs beside the deltas: the previous step's outputs, as its record names them (a
+     * verifier checks the files it is given against them) */
+    if (chained && d->sign.prev_out[0][0] != '\0') {
+        static const char *const names[3] = {"global", "momentum", "accumulator"};
+        sb_str(&b, ",\"base\":{");
+        for (int i = 0; i < 3; i++) {
+            sb_printf(&b, "%s\"%s\":", i ? "," : "", names[i]);
+            if (d->sign.prev_out[i][0] != '\0')
+                sb_printf(&b, "\"%s\"", d->sign.prev_out[i]);
+            else
+                sb_str(&b, "null");
+        }
+        sb_str(&b, "}");
+    } else {
+        sb_str(&b, ",\"base\":null");
+    }
     sb_str(&b, ",\"aggregator\":{\"id\":");
     sb_json_string(&b, d->cfg->id, strlen(d->cfg->id));
     member_str(&b, "key_fingerprint", d->sign.key.fingerprint);

@@ -11,6 +11,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cJSON.h>
+
 #include "blockhash.h"
 #include "fsutil.h"
 #include "store.h"
@@ -112,6 +114,13 @@ static int write_file(const char *path, const void *p, size_t n, dl_error *err)
 int manifest_write(const char *state_dir, uint64_t step, const char *skeleton, const manifest_output *outs,
                    size_t nouts, const sign_key *key, char hash[MANIFEST_HASH_HEX], dl_error *err)
 {
+    return manifest_write_hashes(state_dir, step, skeleton, outs, nouts, key, hash, NULL, err);
+}
+
+int manifest_write_hashes(const char *state_dir, uint64_t step, const char *skeleton, const manifest_output *outs,
+                          size_t nouts, const sign_key *key, char hash[MANIFEST_HASH_HEX],
+                          char (*out_hex)[MANIFEST_HASH_HEX], dl_error *err)
+{
     size_t slen = strlen(skeleton);
     hash_job *jobs = calloc(nouts ? nouts : 1, sizeof(*jobs));
     char *dir = store_path_manifest_dir(state_dir), *path = store_path_manifest(state_dir, step, 0);
@@ -141,6 +150,8 @@ int manifest_write(const char *state_dir, uint64_t step, const char *skeleton, c
         else
             sb_str(&b, "null");
         blockhash_hex(jobs[i].digest, hex);
+        if (out_hex != NULL)
+            memcpy(out_hex[i], hex, MANIFEST_HASH_HEX);
         sb_printf(&b, ",\"block_hash\":\"%s\",\"bytes\":%" PRIu64 "}", hex, jobs[i].bytes);
     }
     sb_str(&b, "}}");
@@ -192,6 +203,43 @@ int manifest_hash_of(const char *state_dir, uint64_t step, char hash[MANIFEST_HA
         rc = 1;
     else if ((rc = blockhash_path(path, digest, err)) == 0)
         blockhash_hex(digest, hash);
+    free(path);
+    return rc;
+}
+
+int manifest_output_of(const char *state_dir, uint64_t step, const char *name, char hex[MANIFEST_HASH_HEX],
+                       dl_error *err)
+{
+    char *path = store_path_manifest(state_dir, step, 0), *text = NULL;
+    FILE *f;
+    size_t n;
+    int rc = 1;
+
+    hex[0] = '\0';
+    if (path == NULL)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    if ((f = fopen(path, "rb")) == NULL) {
+        rc = errno == ENOENT ? 1 : dl_fail_errno(err, errno, "cannot open %s", path);
+        free(path);
+        return rc;
+    }
+    if ((text = malloc(MANIFEST_MAX + 1)) == NULL) {
+        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    } else {
+        n = fread(text, 1, MANIFEST_MAX, f);
+        text[n] = '\0';
+        /* our own record: its outputs' hashes as written (a damaged one gives none: the next record's base is null) */
+        cJSON *root = cJSON_ParseWithLength(text, n);
+        const cJSON *o = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(root, "outputs"), name);
+        const cJSON *h = cJSON_GetObjectItemCaseSensitive(o, "block_hash");
+        if (cJSON_IsString(h) && strlen(h->valuestring) == 2 * BLOCKHASH_SIZE) {
+            memcpy(hex, h->valuestring, MANIFEST_HASH_HEX);
+            rc = 0;
+        }
+        cJSON_Delete(root);
+    }
+    fclose(f);
+    free(text);
     free(path);
     return rc;
 }

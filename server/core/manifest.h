@@ -42,6 +42,14 @@ typedef struct manifest_output {
  * hash receives the record's block hash (the next record's "previous").  0 or -DL_E_*. */
 int manifest_write(const char *state_dir, uint64_t step, const char *skeleton, const manifest_output *outs,
                    size_t nouts, const sign_key *key, char hash[MANIFEST_HASH_HEX], dl_error *err);
+/* manifest_write, also giving each output's block hash (out_hex[i] for outs[i]). */
+int manifest_write_hashes(const char *state_dir, uint64_t step, const char *skeleton, const manifest_output *outs,
+                          size_t nouts, const sign_key *key, char hash[MANIFEST_HASH_HEX],
+                          char (*out_hex)[MANIFEST_HASH_HEX], dl_error *err);
+/* The block hash the record of step names for its output name (hex ""): 0, 1 when the record or the
+ * output is not there, or -DL_E_*. */
+int manifest_output_of(const char *state_dir, uint64_t step, const char *name, char hex[MANIFEST_HASH_HEX],
+                       dl_error *err);
 /* The record and its signature made durable (their directory too). */
 int manifest_sync(const char *state_dir, uint64_t step, dl_error *err);
 /* The block hash of step's record in state_dir: 0, 1 when there is none, or -DL_E_*. */
