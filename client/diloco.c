@@ -26,6 +26,7 @@ static const struct {
     {"pull", cmd_pull, "download the global model and its step file when they changed"},
     {"status", cmd_status, "show dilocod's round and the last rounds"},
     {"wait", cmd_wait, "block until dilocod reaches an outer step"},
+    {"verify-round", cmd_verify_round, "check a signed step's record and recompute the step from its inputs"},
     {"keygen", cmd_keygen, "write an Ed25519 signing key pair for --signing-key (or print a key's fingerprint)"},
 };
 

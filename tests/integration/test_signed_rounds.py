@@ -108,6 +108,7 @@ def test_signed_run_over_http_and_file(tmp_path):
                 "--min-nodes", "2", "--round-timeout", "2", "--aggregate", "median", "--max-norm", "100",
                 "--signing-key", str(key)).start()
     sent = {}           # (node, local) -> block hash of the bytes sent
+    bodies, globals_, momenta = {}, {0: (tmp_path / "init.safetensors").read_bytes()}, {}
     http_worker = diloco.Worker(d.url, "reader-http", public_key=str(tmp_path / "key.pub"))
     file_worker = diloco.Worker(f"file://{hub}", "reader-file", public_key=str(tmp_path / "key.pub"))
     net_h, net_f = Net(model), Net(model)
@@ -128,7 +129,11 @@ def test_signed_run_over_http_and_file(tmp_path):
             os.rename(tmp, hub / f"nodes/n3/delta_{local}.safetensors")
             sent.update({("n1", local): block_hash_bytes(b1), ("n2", local): block_hash_bytes(b2),
                          ("n3", local): block_hash_bytes(b3)})
+            bodies.update({("n1", local): b1, ("n2", local): b2, ("n3", local): b3})
             d.wait_step(r + 1)
+            d.wait_settled(r + 1)       # the state's momentum of the step, for verify-round below
+            globals_[r + 1] = (hub / "global/latest.safetensors").read_bytes()
+            momenta[r + 1] = (d.state_dir / f"outer_state-{r + 1}.safetensors").read_bytes()
             if r == 3:      # a late delta of the closed round: 409 stale, listed in the next step's record
                 stale = put(d.url, "n1", 100, delta_bytes(model, "n1", r, 100, 0.01, seed=9))
                 assert stale.status_code == 409, stale.text
@@ -173,6 +178,42 @@ def test_signed_run_over_http_and_file(tmp_path):
     assert http_worker.record == recs[5] and file_worker.record == recs[5]
     for k, v in net_h.state_dict().items():
         assert torch.equal(v, net_f.state_dict()[k])
+    # diloco verify-round recomputes every step from its inputs with libdiloco's pass
+    for s in range(0, 6):
+        p = verify_round(tmp_path, s, in_tree[s], globals_, momenta, bodies, recs[s])
+        assert p.returncode == 0 and f"step {s} " in p.stdout, (s, p.stdout, p.stderr)
+    # one byte flipped: in an input, in the previous global, in the previous momentum; the record edited
+    flip = lambda b, at: b[:at] + bytes([b[at] ^ 1]) + b[at + 1:]
+    p = verify_round(tmp_path, 4, in_tree[4], globals_, momenta, {**bodies, ("n2", 4): flip(bodies[("n2", 4)], -3)}, recs[4])
+    assert p.returncode == 1 and "input n2:" in p.stderr, p.stderr
+    p = verify_round(tmp_path, 4, in_tree[4], {**globals_, 3: flip(globals_[3], -5)}, momenta, bodies, recs[4])
+    assert p.returncode == 1 and "previous global:" in p.stderr, p.stderr
+    p = verify_round(tmp_path, 4, in_tree[4], globals_, {**momenta, 3: flip(momenta[3], -5)}, bodies, recs[4])
+    assert p.returncode == 1 and "previous momentum:" in p.stderr, p.stderr
+    edited = (in_tree[4][0].replace(b'"lr":0.7', b'"lr":0.6'), in_tree[4][1])
+    p = verify_round(tmp_path, 4, edited, globals_, momenta, bodies, recs[4])
+    assert p.returncode == 1 and "signature:" in p.stderr, p.stderr
+
+
+def verify_round(tmp, step, record, globals_, momenta, bodies, rec):
+    """diloco verify-round on step's record with the previous step's global and momentum and the inputs
+    its record names, as files in a directory of their own."""
+    d = tmp / f"verify-{step}-{os.urandom(4).hex()}"
+    (d / "in").mkdir(parents=True)
+    (d / "m.json").write_bytes(record[0])
+    (d / "m.json.sig").write_bytes(record[1])
+    (d / "prev.safetensors").write_bytes(globals_[max(step - 1, 0)] if step > 0 else globals_[0])
+    args = [str(BUILD / "diloco"), "verify-round", "--manifest", str(d / "m.json"), "--signature", str(d / "m.json.sig"),
+            "--public-key", str(tmp / "key.pub"), "--previous-global", str(d / "prev.safetensors"), "--inputs", str(d / "in")]
+    if step - 1 in momenta:
+        (d / "mom.safetensors").write_bytes(momenta[step - 1])
+        args += ["--previous-momentum", str(d / "mom.safetensors")]
+    for i in rec["inputs"]:
+        if i["verdict"] == "aggregated":
+            f = d / "in" / i["path"]
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_bytes(bodies[(i["node_id"], i["local_step"])])
+    return subprocess.run(args, capture_output=True, text=True)
 
 
 def run_rounds(tmp_path, key, rounds, *extra):
