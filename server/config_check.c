@@ -227,6 +227,11 @@ int config__validate(config *c)
                        c->trim_k, c->expected_nodes);
     if (c->publish_interval < 0)
         c->publish_interval = c->async && strncmp(c->hub, "hf://", 5) == 0 ? 30 : 0;
+    if (c->verify_keep != -1 && (c->verify_keep < 0 || c->verify_keep != (double)(unsigned)c->verify_keep))
+        return config__bad_opt(c, "verify_keep", "%g is not a number of steps (0 to 100000, or -1 for the default)",
+                               c->verify_keep);
+    if (c->verify_keep < 0)
+        c->verify_keep = c->signing_key != NULL ? 16 : 0;
     /* what combines (config_modes.c: the table README's "What combines" is checked against) */
     if ((rc = config__check_combinations(c)) != 0)
         return rc;

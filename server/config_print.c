@@ -150,6 +150,7 @@ void config_print(const config *c, FILE *out)
     print_double(out, "grace_ms", c->grace_ms);
     fprintf(out, "async_queue = %u\ndylu_base_steps = %u\n", c->async_queue, c->dylu_base_steps);
     print_double(out, "publish_interval", c->publish_interval);
+    print_double(out, "verify_keep", c->verify_keep);
     if (c->aggregate == RULE_TRIMMED)
         fprintf(out, "aggregate = trimmed_mean:%u\n", c->trim_k);
     else

@@ -183,6 +183,11 @@ typedef struct settle_args {
     char **rels;                /* the transport's files of the round's deltas (--prune-consumed) */
     size_t nrels;
     int signed_step;            /* --signing-key: the step's record is made durable with it */
+    unsigned keep;              /* --verify-keep: steps whose files are kept for verifiers (0: none) */
+    char **kept, **kept_nodes;  /* the round's deltas (cache paths) and their nodes, kept with the step */
+    size_t nkept;
+    int keep_failed;            /* result: the step's files could not be kept (keep_err says why) */
+    dl_error keep_err;
 } settle_args;
 
 void daemon__settle_free(settle_args *a)
@@ -190,6 +195,8 @@ void daemon__settle_free(settle_args *a)
     if (a != NULL) {
         daemon__free_rels(a->rels, a->nrels);
         daemon__free_rels(a->consumed, a->nconsumed);
+        daemon__free_rels(a->kept, a->nkept);
+        daemon__free_rels(a->kept_nodes, a->nkept);
         free(a->global_path);
         free(a->momentum_path);
         free(a->accum_path);
@@ -235,6 +242,10 @@ static void settle_work(job *j)
     /* 2. outer_metadata.json names the step: from here the redo record is not needed */
     if ((j->rc = store_commit_write(&d->st, &info, &j->err)) != 0)
         return;
+    /* --verify-keep: the durable step's files linked for verifiers (a failure costs verifiers this step only) */
+    if (a->keep > 0 && manifest_keep(d->st.dir, a->step, a->keep, a->global_path, a->momentum_path, a->accum_path,
+                                     a->kept, a->kept_nodes, a->nkept, &a->keep_err) != 0)
+        a->keep_failed = 1;
     /* 3. the history, in commit order: a record whose append failed last time goes first.  A kill
      * before the append is replayed at startup from outer_metadata.json (history_load). */
     if (a->unappended != NULL && history_append(d->st.dir, a->unappended, &herr) == 0) {
@@ -283,6 +294,8 @@ static void settle_done(job *j)
     if (a->history_failed)
         dl_log(DL_LOG_ERROR, "store", "could not append the round to rounds.jsonl; retried at the next commit",
                "step=%" PRIu64, a->step);
+    if (a->keep_failed)
+        daemon__log_error("sign", "cannot keep the step's files for verifiers (--verify-keep)", &a->keep_err);
     if (j->rc != 0) {
         /* the step stays committed by its redo record; its durability is retried (the next commit waits) */
         daemon__log_error("store", "cannot make the committed step durable, will retry", &j->err);
@@ -359,6 +372,25 @@ static void start_settle(dilocod *d, uint64_t step)
     }
     a->step = step;
     a->signed_step = d->sign.on;
+    a->keep = (unsigned)d->cfg->verify_keep;
+    if (a->keep > 0) {
+        if ((a->kept = calloc(d->agg.n ? d->agg.n : 1, sizeof(char *))) == NULL ||
+            (a->kept_nodes = calloc(d->agg.n ? d->agg.n : 1, sizeof(char *))) == NULL) {
+            daemon__settle_free(a);
+            settle_out_of_memory(d, step);
+            return;
+        }
+        for (; a->nkept < d->agg.n; a->nkept++)
+            if ((a->kept[a->nkept] = strdup(d->agg.paths[a->nkept])) == NULL ||
+                (a->kept_nodes[a->nkept] = strdup(d->agg.nodes[a->nkept].node_id)) == NULL)
+                break;
+        if (a->nkept < d->agg.n) {
+            a->nkept++;         /* the one half made is freed too */
+            daemon__settle_free(a);
+            settle_out_of_memory(d, step);
+            return;
+        }
+    }
     a->global_sum = d->agg.pass->out_global_sum;
     a->momentum_sum = d->agg.pass->out_momentum_sum;
     a->accum_sum = d->agg.pass->out_accum_sum;

@@ -1,6 +1,7 @@
 /* manifest: the signed record of a committed step (manifest.h). */
 #include "manifest.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
@@ -14,6 +15,7 @@
 #include <cJSON.h>
 
 #include "blockhash.h"
+#include "delta.h"
 #include "fsutil.h"
 #include "store.h"
 
@@ -241,6 +243,97 @@ int manifest_output_of(const char *state_dir, uint64_t step, const char *name, c
     fclose(f);
     free(text);
     free(path);
+    return rc;
+}
+
+/* Links src as dir/name (a file of ours or a cached delta: the same filesystem as the state). */
+static int keep_link(const char *src, const char *dir, const char *name, dl_error *err)
+{
+    char *dst = NULL;
+    int rc = 0;
+
+    if (asprintf(&dst, "%s/%s", dir, name) < 0)
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    if (link(src, dst) != 0 && errno != EEXIST)
+        rc = dl_fail_errno(err, errno, "cannot link %s as %s", src, dst);
+    free(dst);
+    return rc;
+}
+
+/* Removes verify/<t> for every kept step t with t + keep <= step (and temporaries of steps before it). */
+static void keep_prune(const char *vdir, uint64_t step, unsigned keep)
+{
+    DIR *d = opendir(vdir);
+    struct dirent *e;
+
+    if (d == NULL)
+        return;
+    while ((e = readdir(d)) != NULL) {
+        const char *name = e->d_name[0] == '.' ? e->d_name + 1 : e->d_name;
+        char *end, *path = NULL;
+        if (e->d_name[0] == '.' && (e->d_name[1] == '\0' || strcmp(e->d_name, "..") == 0))
+            continue;
+        errno = 0;
+        unsigned long long t = strtoull(name, &end, 10);
+        int temp = e->d_name[0] == '.';
+        if (errno != 0 || end == name || (*end != '\0' && strncmp(end, ".tmp", 4) != 0))
+            continue;           /* not ours */
+        if ((temp ? t < step : t + keep <= step) && asprintf(&path, "%s/%s", vdir, e->d_name) >= 0) {
+            (void)store_remove_tree(path);      /* retried at the next step if it fails */
+            free(path);
+        }
+    }
+    closedir(d);
+}
+
+int manifest_keep(const char *state_dir, uint64_t step, unsigned keep, const char *global, const char *momentum,
+                  const char *accum, char *const *inputs, char *const *nodes, size_t n, dl_error *err)
+{
+    char *vdir = store_path_verify_dir(state_dir), *dst = store_path_verify_step(state_dir, step), *tmp = NULL;
+    char *in = NULL;
+    int rc = 0;
+
+    if (vdir == NULL || dst == NULL) {
+        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        goto out;
+    }
+    if (keep == 0) {
+        keep_prune(vdir, UINT64_MAX, 0);
+        goto out;
+    }
+    if (asprintf(&tmp, "%s/.%" PRIu64 ".tmp", vdir, step) < 0 || asprintf(&in, "%s/inputs", tmp) < 0) {
+        tmp = in = NULL;
+        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        goto out;
+    }
+    (void)store_remove_tree(tmp);       /* a crash's half one */
+    if ((rc = fsu_mkdirs(in, err)) != 0 || (rc = keep_link(global, tmp, "global.safetensors", err)) != 0 ||
+        (momentum != NULL && (rc = keep_link(momentum, tmp, "momentum.safetensors", err)) != 0) ||
+        (accum != NULL && (rc = keep_link(accum, tmp, "accumulator.safetensors", err)) != 0))
+        goto out;
+    for (size_t i = 0; i < n && rc == 0; i++) {
+        char name[DELTA_NODE_ID_MAX + 16];
+        size_t l = strlen(inputs[i]);
+        if (l > 5 && strcmp(inputs[i] + l - 5, ".json") == 0)
+            continue;           /* a set's index: its shards are not kept */
+        snprintf(name, sizeof(name), "%s.safetensors", nodes[i]);
+        rc = keep_link(inputs[i], in, name, err);
+    }
+    if (rc != 0)
+        goto out;
+    (void)store_remove_tree(dst);       /* a recomputed step's, the same files */
+    if (rename(tmp, dst) != 0) {
+        rc = dl_fail_errno(err, errno, "cannot rename %s to %s", tmp, dst);
+        goto out;
+    }
+    keep_prune(vdir, step, keep);
+out:
+    if (rc != 0 && tmp != NULL)
+        (void)store_remove_tree(tmp);
+    free(vdir);
+    free(dst);
+    free(tmp);
+    free(in);
     return rc;
 }
 

@@ -57,6 +57,14 @@ int manifest_hash_of(const char *state_dir, uint64_t step, char hash[MANIFEST_HA
 /* Removes the record of step - MANIFEST_KEEP, if any (each write calls it: one goes as one comes). */
 void manifest_prune(const char *state_dir, uint64_t step);
 
+/* --verify-keep: what a verifier needs of a durable step, kept as hard links (no copy) in
+ * verify/<step>/: global.safetensors, momentum.safetensors, accumulator.safetensors (those given) and
+ * inputs/<node>.safetensors (single-file deltas; a set is not kept), made in a temporary directory and
+ * renamed into place, then the steps keep or more older removed.  keep 0: nothing kept, every kept step
+ * removed.  0 or -DL_E_*. */
+int manifest_keep(const char *state_dir, uint64_t step, unsigned keep, const char *global, const char *momentum,
+                  const char *accum, char *const *inputs, char *const *nodes, size_t n, dl_error *err);
+
 /* Helpers for building a skeleton: a double in its shortest text that reads back to the same value
  * (JSON has no NaN/Inf: null), and "key":value members. */
 void manifest_double(sbuf *b, double v);

@@ -144,6 +144,16 @@ char *store_path_manifest(const char *state_dir, uint64_t step, int sig)
     return path_fmt("%s/rounds/%" PRIu64 ".json%s", state_dir, step, sig ? ".sig" : "");
 }
 
+char *store_path_verify_dir(const char *state_dir)
+{
+    return path_fmt("%s/verify", state_dir);
+}
+
+char *store_path_verify_step(const char *state_dir, uint64_t step)
+{
+    return path_fmt("%s/verify/%" PRIu64, state_dir, step);
+}
+
 char *store_path_incoming(const char *state_dir)
 {
     return path_fmt("%s/cache/incoming", state_dir);

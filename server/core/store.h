@@ -17,6 +17,8 @@
  *                                        when its step is durable, before the redo record)
  *   cache/incoming/                      deltas being received or copied (temporary)
  *   redo.json                            a round committed but not yet durable: its inputs and record
+ *   verify/<step>/                       --verify-keep: a step's global, momentum, accumulator and input deltas
+ *                                        (hard links), the newest N steps, for verifiers (manifest_keep)
  *   rounds/<step>.json, <step>.json.sig  --signing-key: each step's signed record (manifest.h), the newest
  *                                        MANIFEST_KEEP kept
  *
@@ -166,6 +168,8 @@ char *store_path_verdicts(const char *state_dir);                         /* ver
 char *store_path_manifest_dir(const char *state_dir);                     /* rounds */
 /* rounds/<step>.json, or with sig its detached signature rounds/<step>.json.sig */
 char *store_path_manifest(const char *state_dir, uint64_t step, int sig);
+char *store_path_verify_dir(const char *state_dir);                       /* verify */
+char *store_path_verify_step(const char *state_dir, uint64_t step);       /* verify/<step> */
 /* <state>/verdicts.json's text (NUL-terminated, at most max bytes): 0, 1 when there is none, or -DL_E_IO
  * (not a regular file, over max, unreadable). */
 int store_read_verdicts(const char *state_dir, size_t max, char **text, size_t *len, dl_error *err);

@@ -144,6 +144,15 @@ def test_signed_run_over_http_and_file(tmp_path):
         over_http = {s: (requests.get(f"{d.url}/global/rounds/{s}.json", timeout=30).content,
                          requests.get(f"{d.url}/global/rounds/{s}.json.sig", timeout=30).content) for s in range(6)}
         assert requests.get(f"{d.url}/global/rounds/6.json", timeout=30).status_code == 404
+        # --verify-keep (16 by default with a key): step 4's global and momentum and step 5's inputs, served
+        kept = lambda rel: requests.get(f"{d.url}/rounds/{rel}", timeout=30)
+        assert kept("4/global.safetensors").content == globals_[4]
+        assert kept("4/momentum.safetensors").content == momenta[4]
+        rec5 = json.loads(over_http[5][0])
+        served_inputs = {(i["node_id"], i["local_step"]): kept(f"5/inputs/{i['node_id']}.safetensors").content
+                         for i in rec5["inputs"] if i["verdict"] == "aggregated"}
+        assert served_inputs == {k: bodies[k] for k in served_inputs} and len(served_inputs) == 3
+        assert kept("6/global.safetensors").status_code == 404 and kept("5/inputs/..%2f.safetensors").status_code == 404
     finally:
         assert d.stop() == 0
     in_tree = {s: record_of(hub, s) for s in range(6)}
@@ -182,6 +191,9 @@ def test_signed_run_over_http_and_file(tmp_path):
     for s in range(0, 6):
         p = verify_round(tmp_path, s, in_tree[s], globals_, momenta, bodies, recs[s])
         assert p.returncode == 0 and f"step {s} " in p.stdout, (s, p.stdout, p.stderr)
+    # a verifier that has only the server's answers: step 5 from /rounds/4/ and /rounds/5/inputs/
+    p = verify_round(tmp_path, 5, over_http[5], globals_, momenta, served_inputs, recs[5])
+    assert p.returncode == 0, p.stderr
     # one byte flipped: in an input, in the previous global, in the previous momentum; the record edited
     flip = lambda b, at: b[:at] + bytes([b[at] ^ 1]) + b[at + 1:]
     p = verify_round(tmp_path, 4, in_tree[4], globals_, momenta, {**bodies, ("n2", 4): flip(bodies[("n2", 4)], -3)}, recs[4])
@@ -434,7 +446,7 @@ def test_async_one_record_per_update(tmp_path):
     hub = tmp_path / "hub"
     d = Dilocod(tmp_path, hub, "--init-model", str(tmp_path / "init.safetensors"), "--mode", "async",
                 "--expected-nodes", "2", "--dn-period", "2", "--grace-ms", "0", "--staleness-weight", "poly",
-                "--signing-key", str(key)).start()
+                "--signing-key", str(key), "--verify-keep", "2").start()
     sent = {}
     try:
         d.wait_step(0)
@@ -444,8 +456,13 @@ def test_async_one_record_per_update(tmp_path):
             assert put(d.url, node, u + 1, body).status_code == 201
             sent[(node, u + 1)] = block_hash_bytes(body)
             d.wait_step(u + 1)
+        d.wait_settled(4)
     finally:
         assert d.stop() == 0
+    # --verify-keep 2: the last two updates' files, the accumulator where the update left one
+    assert sorted(os.listdir(d.state_dir / "verify")) == ["3", "4"]
+    assert sorted(os.listdir(d.state_dir / "verify/3")) == ["accumulator.safetensors", "global.safetensors",
+                                                          "inputs", "momentum.safetensors"]
     recs = check_chain(pub_of(key), fp, {s: record_of(hub, s) for s in range(5)})
     for s in range(1, 5):
         rec = recs[s]
