@@ -34,7 +34,7 @@ static void usage(FILE *out)
 {
     fprintf(out, "usage: diloco <command> [options]\n\ncommands:\n");
     for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
-        fprintf(out, "  %-9s %s\n", commands[i].name, commands[i].summary);
+        fprintf(out, "  %-12s %s\n", commands[i].name, commands[i].summary);
     fprintf(out, "\n'diloco <command> --help' describes a command.\n"
                  "exit codes: 0 ok, 1 invalid input or refused by the server, 2 usage error, 3 I/O error,\n"
                  "            4 network or server error (after retries), 5 timeout (wait)\n");
