@@ -1,6 +1,7 @@
 /* diloco keygen and verify-round: the keys of verifiable rounds (common/sign.h) and a signed step
  * recomputed with libdiloco's own pass (common/outer.h). */
 #include <errno.h>
+#include <ftw.h>
 #include <getopt.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -15,7 +16,9 @@
 
 #include "blockhash.h"
 #include "cli.h"
+#include "cmd_http.h"
 #include "delta.h"
+#include "fsutil.h"
 #include "outer.h"
 #include "sign.h"
 #include "st_index.h"
@@ -91,7 +94,11 @@ static const char verify_round_help[] =
     "hash against the record.  Exit 0 only when all of that holds, else 1 naming the first difference\n"
     "(the signature, the previous global or momentum, an input by node id, an output).  Synchronous steps\n"
     "and bootstraps (--previous-global is then the step's own global); async updates are not verified yet.\n"
-    "--previous-momentum may be left out only where the record's base has none (momentum 0, a first step).\n";
+    "--previous-momentum may be left out only where the record's base has none (momentum 0, a first step).\n"
+    "\n"
+    "   or: diloco verify-round --server URL --step S --public-key PUB [--threads N]\n"
+    "fetches all of it from dilocod (--signing-key, --verify-keep): /global/rounds/S.json and .sig,\n"
+    "/rounds/S-1/global.safetensors and momentum.safetensors, /rounds/S/inputs/<node_id>.safetensors.\n";
 
 /* Reads a whole file of at most cap bytes (the record, its signature): malloc'd, NUL-terminated. */
 static int read_capped(const char *path, size_t cap, char **out, size_t *len, dl_error *err)
@@ -156,6 +163,7 @@ static int differs(const char *what, const char *fmt, ...)
 typedef struct vr_opts {
     const char *manifest, *signature, *public_key, *previous_global, *previous_momentum, *inputs;
     unsigned threads;
+    const char *server, *step;  /* --server URL --step S: the rest fetched into a temporary directory */
 } vr_opts;
 
 static void *run_thread(void *arg)
@@ -471,6 +479,146 @@ out:
     return rc;
 }
 
+static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
+{
+    (void)sb;
+    (void)flag;
+    (void)ftw;
+    return remove(path);
+}
+
+/* rm -r of the temporary directory this command made (links not followed: FTW_PHYS). */
+static int rm_tree(const char *dir)
+{
+    return nftw(dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+/* GET path into file (a safetensors file: taken only up to its own size; a small one: cap bytes).
+ * 0, 1 for a 404, or an exit code with the reason printed. */
+static int fetch_to(const client_opts *co, const char *path, const char *file, int safetensors, size_t cap)
+{
+    cli_body guard = {0};
+    response r = {.cap = MAX_ANSWER, .guard = safetensors ? &guard : NULL};
+    FILE *sink = NULL;
+    int rc;
+
+    if (!safetensors) {
+        r.cap = cap;
+    } else if ((sink = fopen(file, "wbx")) == NULL) {
+        fprintf(stderr, "diloco: verify-round: cannot write %s: %s\n", file, strerror(errno));
+        return EXIT_IO;
+    }
+    rc = cli_get(co, path, &r, NULL, sink);
+    if (rc == 0 && r.status == 404) {
+        rc = 1;
+    } else if (rc == 0 && r.status != 200) {
+        cli_print_server_error(path, &r);
+        rc = EXIT_INVALID;
+    } else if (rc == 0 && !safetensors) {
+        FILE *f = fopen(file, "wbx");
+        if (f == NULL || fwrite(r.body.p != NULL ? r.body.p : "", 1, r.body.len, f) != r.body.len) {
+            fprintf(stderr, "diloco: verify-round: cannot write %s: %s\n", file, strerror(errno));
+            rc = EXIT_IO;
+        }
+        if (f != NULL && fclose(f) != 0 && rc == 0)
+            rc = EXIT_IO;
+    }
+    if (sink != NULL && fclose(sink) != 0 && rc == 0)
+        rc = EXIT_IO;
+    free(r.body.p);
+    cli_body_reset(&guard);
+    return rc;
+}
+
+/* --server URL --step S: the record, its signature, the previous step's kept global and momentum and the
+ * step's kept inputs fetched into a temporary directory, then verified as files. */
+static int verify_from_server(vr_opts *o)
+{
+    client_opts co;
+    char *dir = NULL, *m = NULL, *sig = NULL, *g = NULL, *mom = NULL, *in = NULL, path[160], *text = NULL;
+    const char *td = getenv("TMPDIR");
+    uint64_t s;
+    size_t len;
+    cJSON *root = NULL;
+    dl_error err;
+    int rc;
+
+    cli_opts_defaults(&co);
+    co.server = o->server;
+    if (delta_parse_int(o->step, strlen(o->step), &s) != 0 || s == 0) {
+        fprintf(stderr, "diloco: verify-round: --step %s: give a round's step (1 or more)\n%s", o->step, verify_round_help);
+        return EXIT_USAGE;
+    }
+    if (asprintf(&dir, "%s/diloco-verify-XXXXXX", td != NULL && td[0] != '\0' ? td : "/tmp") < 0 || mkdtemp(dir) == NULL ||
+        asprintf(&m, "%s/record.json", dir) < 0 || asprintf(&sig, "%s/record.json.sig", dir) < 0 ||
+        asprintf(&g, "%s/previous-global.safetensors", dir) < 0 || asprintf(&mom, "%s/previous-momentum.safetensors", dir) < 0 ||
+        asprintf(&in, "%s/inputs", dir) < 0) {
+        fprintf(stderr, "diloco: verify-round: cannot make a temporary directory (TMPDIR): %s\n", strerror(errno));
+        free(dir);
+        return EXIT_IO;
+    }
+    snprintf(path, sizeof(path), "/global/rounds/%" PRIu64 ".json", s);
+    if ((rc = fetch_to(&co, path, m, 0, 4 << 20)) == 1)
+        fprintf(stderr, "diloco: verify-round: %s: the server has no record of step %" PRIu64 "\n", path, s);
+    snprintf(path, sizeof(path), "/global/rounds/%" PRIu64 ".json.sig", s);
+    if (rc == 0 && (rc = fetch_to(&co, path, sig, 0, SIGN_BYTES)) == 1)
+        fprintf(stderr, "diloco: verify-round: %s: no signature\n", path);
+    snprintf(path, sizeof(path), "/rounds/%" PRIu64 "/global.safetensors", s - 1);
+    if (rc == 0 && (rc = fetch_to(&co, path, g, 1, 0)) == 1)
+        fprintf(stderr, "diloco: verify-round: %s: step %" PRIu64 " is not kept (--verify-keep)\n", path, s - 1);
+    snprintf(path, sizeof(path), "/rounds/%" PRIu64 "/momentum.safetensors", s - 1);
+    int mrc = rc == 0 ? fetch_to(&co, path, mom, 1, 0) : 1;
+    if (mrc > 1)
+        rc = mrc;
+    o->manifest = m;
+    o->signature = sig;
+    o->previous_global = g;
+    o->previous_momentum = mrc == 0 ? mom : NULL;
+    o->inputs = in;
+    /* the record names the inputs: each one kept for the step, put at its path (hostile until verified:
+     * only what the record names, under names the delta path rules allow) */
+    dl_error_clear(&err);
+    if (rc == 0 && read_capped(m, 4 << 20, &text, &len, &err) != 0)
+        rc = cli_report(m, &err);
+    root = rc == 0 ? cJSON_ParseWithLength(text, len) : NULL;
+    const cJSON *inputs = cJSON_GetObjectItemCaseSensitive(root, "inputs"), *i;
+    cJSON_ArrayForEach(i, inputs) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(i, "verdict"), *p = cJSON_GetObjectItemCaseSensitive(i, "path");
+        delta_path dp;
+        char *file = NULL, *ndir = NULL;
+        if (rc != 0 || !cJSON_IsString(v) || strcmp(v->valuestring, "aggregated") != 0 || !cJSON_IsString(p) ||
+            delta_parse_any_path(p->valuestring, &dp, NULL) != 0 || dp.kind != DELTA_PATH_SINGLE)
+            continue;           /* verify_round names what is wrong with the record */
+        snprintf(path, sizeof(path), "/rounds/%" PRIu64 "/inputs/%s.safetensors", s, dp.node_id);
+        if (asprintf(&ndir, "%s/nodes/%s", in, dp.node_id) < 0 || asprintf(&file, "%s/%s", in, p->valuestring) < 0) {
+            ndir = file = NULL;
+            rc = EXIT_IO;
+        } else if (fsu_mkdirs(ndir, &err) != 0) {
+            rc = cli_report(ndir, &err);
+        } else if ((rc = fetch_to(&co, path, file, 1, 0)) == 1) {
+            fprintf(stderr, "diloco: verify-round: %s: the input of node %s is not kept (--verify-keep)\n", path,
+                    dp.node_id);
+        }
+        free(ndir);
+        free(file);
+    }
+    if (rc == 0)
+        rc = verify_round(o);
+    else if (rc == 1)
+        rc = EXIT_INVALID;
+    cJSON_Delete(root);
+    free(text);
+    if (rm_tree(dir) != 0)
+        fprintf(stderr, "diloco: verify-round: could not remove %s\n", dir);
+    free(dir);
+    free(m);
+    free(sig);
+    free(g);
+    free(mom);
+    free(in);
+    return rc;
+}
+
 int cmd_verify_round(int argc, char **argv)
 {
     static const struct option opts[] = {{"manifest", required_argument, NULL, 'm'},
@@ -480,6 +628,8 @@ int cmd_verify_round(int argc, char **argv)
                                          {"previous-momentum", required_argument, NULL, 'M'},
                                          {"inputs", required_argument, NULL, 'i'},
                                          {"threads", required_argument, NULL, 't'},
+                                         {"server", required_argument, NULL, 'S'},
+                                         {"step", required_argument, NULL, 'n'},
                                          {"help", no_argument, NULL, 'h'},
                                          {NULL, 0, NULL, 0}};
     vr_opts o = {.threads = 1};
@@ -495,6 +645,8 @@ int cmd_verify_round(int argc, char **argv)
         case 'g': o.previous_global = optarg; break;
         case 'M': o.previous_momentum = optarg; break;
         case 'i': o.inputs = optarg; break;
+        case 'S': o.server = optarg; break;
+        case 'n': o.step = optarg; break;
         case 't': {
             char *end;
             errno = 0;
@@ -509,6 +661,15 @@ int cmd_verify_round(int argc, char **argv)
         case 'h': fputs(verify_round_help, stdout); return EXIT_OK;
         default: fputs(verify_round_help, stderr); return EXIT_USAGE;
         }
+    }
+    if (o.server != NULL || o.step != NULL) {
+        if (o.server == NULL || o.step == NULL || o.public_key == NULL || o.manifest != NULL || o.signature != NULL ||
+            o.previous_global != NULL || o.previous_momentum != NULL || o.inputs != NULL || optind != argc) {
+            fprintf(stderr, "diloco: verify-round --server URL --step S needs --public-key and no file options\n%s",
+                    verify_round_help);
+            return EXIT_USAGE;
+        }
+        return verify_from_server(&o);
     }
     if (o.manifest == NULL || o.signature == NULL || o.public_key == NULL || o.previous_global == NULL ||
         o.inputs == NULL || optind != argc) {

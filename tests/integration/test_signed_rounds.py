@@ -153,6 +153,14 @@ def test_signed_run_over_http_and_file(tmp_path):
                          for i in rec5["inputs"] if i["verdict"] == "aggregated"}
         assert served_inputs == {k: bodies[k] for k in served_inputs} and len(served_inputs) == 3
         assert kept("6/global.safetensors").status_code == 404 and kept("5/inputs/..%2f.safetensors").status_code == 404
+        # ... and verify-round fetches them itself
+        for s in (2, 3, 4, 5):
+            p = subprocess.run([str(BUILD / "diloco"), "verify-round", "--server", d.url, "--step", str(s), "--public-key",
+                                str(tmp_path / "key.pub")], capture_output=True, text=True)
+            assert p.returncode == 0 and f"step {s} verified" in p.stdout, (s, p.stdout, p.stderr)
+        p = subprocess.run([str(BUILD / "diloco"), "verify-round", "--server", d.url, "--step", "1", "--public-key",
+                            str(tmp_path / "key.pub")], capture_output=True, text=True)
+        assert p.returncode == 1 and "step 0 is not kept" in p.stderr, p.stderr      # a bootstrap is not a settled step
     finally:
         assert d.stop() == 0
     in_tree = {s: record_of(hub, s) for s in range(6)}
