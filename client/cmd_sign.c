@@ -97,7 +97,7 @@ static const char verify_round_help[] =
     "--previous-momentum may be left out only where the record's base has none (momentum 0, a first step).\n"
     "\n"
     "   or: diloco verify-round --server URL --step S --public-key PUB [--threads N]\n"
-    "fetches all of it from dilocod (--signing-key, --verify-keep): /global/rounds/S.json and .sig,\n"
+    "fetches all of it from dilocod (its signing_key and verify_keep): /global/rounds/S.json and .sig,\n"
     "/rounds/S-1/global.safetensors and momentum.safetensors, /rounds/S/inputs/<node_id>.safetensors.\n";
 
 /* Reads a whole file of at most cap bytes (the record, its signature): malloc'd, NUL-terminated. */
