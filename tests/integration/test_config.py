@@ -558,6 +558,8 @@ def test_every_row_of_what_combines_refuses_and_accepts(tmp_path):
     index.write_text(json.dumps({"metadata": {"total_size": 36}, "weight_map": {
         "b": "s-00001-of-00001.safetensors", "w": "s-00001-of-00001.safetensors"}}))
     cluster = [*S3, "--expected-nodes", "4", "--cluster-shards", "4"]
+    key = tmp_path / "signing.key"
+    run([BUILD / "diloco", "keygen", "-o", key], check=0)
     refused = {   # (asks, needs): (refused args, accepted args, the option blamed)
         ("--cluster-shards S", "--hub s3://..."):
             (["--expected-nodes", "4", "--cluster-shards", "4"], cluster, "cluster-shards"),
@@ -584,6 +586,9 @@ def test_every_row_of_what_combines_refuses_and_accepts(tmp_path):
              "dn-momentum-activation"),
         ("--mode sync", "--expected-nodes N, --nodes or --round-timeout S"):
             (["--mode", "sync"], ["--mode", "sync", "--round-timeout", "5"], "expected-nodes"),
+        ("--signing-key FILE", "--hub file://... or none"):
+            ([*S3, "--expected-nodes", "4", "--signing-key", str(key)],
+             ["--hub", "none", "--expected-nodes", "4", "--signing-key", str(key)], "signing-key"),
     }
     ignored = {   # (flag, needs): (a value other than the default, the configuration that reads it)
         ("--max-staleness", "--mode async"): (["--max-staleness", "3"], ["--mode", "async"]),
