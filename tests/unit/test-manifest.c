@@ -58,6 +58,7 @@ TEST(sign_keygen_load_sign_verify)
     sig[5] ^= 1;
     CHECK_EQ(sign_verify(&pub, "abc", 3, sig), 0);
     CHECK(sign_message(&pub, "abc", 3, sig, &err) < 0);     /* a public key cannot sign */
+    sign_key_free(&priv);
     /* a private key others may read is refused, a public key file is not a private key */
     CHECK_EQ(chmod(path, 0640), 0);
     CHECK(sign_key_load(&priv, path, &err) < 0 || (sign_key_free(&priv), 0));
