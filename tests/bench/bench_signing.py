@@ -9,6 +9,11 @@ the daemon's own pipeline log (debug level): the time its step spent in
                    and written first)
   served           until the transport published it (signed: the record published first)
 
+and, for the signed run, `diloco verify-round --server` on its last step: its pass against the daemon's
+("aggregate: done ... seconds") for the same step, and its total (the signature, the hashes of the
+inputs and the previous global and momentum, the delta rules, the pass, the outputs' hashes; the files
+fetched from /rounds/ before the clock starts).
+
 and their sum, from the round's close to the step published: the critical path.  Each round, NODES - 1
 deltas are taken in first, then the last one lands a second later (workers finish apart): the deltas
 before it are hashed as they arrive, the last one beside the pass.  A report, not a test:
@@ -35,6 +40,7 @@ SIZES = [int(x) for x in sys.argv[2:]] or [256]
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "4"))
 RUNS = int(os.environ.get("BENCH_RUNS", "2"))
 NODES = int(os.environ.get("BENCH_NODES", "4"))
+VERIFY = []     # (the daemon's pass, verify-round's pass, verify-round's total) seconds
 MOVE = re.compile(r"pipeline: step moved step=(\d+) from=(\w+) to=(\w+) seconds=([0-9.]+)")
 
 
@@ -84,6 +90,16 @@ def run(tmp, mib, signed):
             accepted += 1
             wait_published(r + 1)
             time.sleep(0.5)         # the settle and cleanup out of the way of the next round
+        if signed:
+            # verify-round on the last step, fetched from the server (--verify-keep), against the pass that made it
+            port = re.search(r"http: listening addr=\S+ port=(\d+)", log.read_text()).group(1)
+            v = subprocess.run([str(BUILD / "diloco"), "verify-round", "--server", f"http://127.0.0.1:{port}", "--step",
+                                str(ROUNDS), "--public-key", str(root / "key.pub")], capture_output=True, text=True)
+            m = re.search(r"pass ([0-9.]+) s, total ([0-9.]+) s", v.stdout)
+            done = re.findall(rf"aggregate: done step={ROUNDS} .*?seconds=([0-9.]+)", log.read_text())
+            if v.returncode != 0 or m is None or not done:
+                raise SystemExit(f"verify-round failed: {v.stdout} {v.stderr}")
+            VERIFY.append((float(done[-1]), float(m.group(1)), float(m.group(2))))
     finally:
         p.terminate()
         p.wait()
@@ -110,6 +126,10 @@ def main():
             total = statistics.median(sum(x.values()) for x in t)
             print(f"  {'signed  ' if signed else 'unsigned'}  computing {med['computing']:.3f} s  commit "
                   f"{med['inputs_durable']:.3f} s  publish {med['served']:.3f} s  critical path {total:.3f} s")
+        for daemon_pass, v_pass, v_total in VERIFY:
+            print(f"  verify-round of step {ROUNDS}: its pass {v_pass:.3f} s (the daemon's {daemon_pass:.3f} s), "
+                  f"total {v_total:.3f} s with the fetch-free checks (hashes, delta rules, signature)")
+        VERIFY.clear()
 
 
 if __name__ == "__main__":
