@@ -40,7 +40,7 @@ static int async_activation(const config *c) { return c->async && c->dn_c != 0; 
 static int paper_variant(const config *c) { return c->dn_paper; }
 static int init_is_index(const config *c) { return c->init_model != NULL && st_index_is_index_path(c->init_model); }
 static int is_signing(const config *c) { return c->signing_key != NULL; }
-static int hub_file_or_none(const config *c) { return strcmp(c->hub, "none") == 0 || strncmp(c->hub, "file://", 7) == 0; }
+static int not_hf(const config *c) { return strncmp(c->hub, "hf://", 5) != 0; }
 static int rounds_close(const config *c) { return c->expected_nodes != 0 || c->round_timeout != 0; }
 
 #define SLICES "each aggregator of a cluster reads one slice of each delta"
@@ -68,8 +68,10 @@ static const combine_row rows[] = {
      "--dn-variant paper", paper_variant, "it applies to dn_variant paper only"},
     {COMBINE_REFUSED, "expected_nodes", "--mode sync", is_sync, "--expected-nodes N, --nodes or --round-timeout S",
      rounds_close, "rounds would never close"},
-    {COMBINE_REFUSED, "signing_key", "--signing-key FILE", is_signing, "--hub file://... or none", hub_file_or_none,
-     "signed records are published on file:// and over HTTP only so far (not yet on hf:// or s3://, nor by a cluster)"},
+    {COMBINE_REFUSED, "signing_key", "--signing-key FILE", is_signing, "--hub file://..., s3://... or none", not_hf,
+     "signed records are not published on hf:// yet"},
+    {COMBINE_REFUSED, "signing_key", "--signing-key FILE", is_signing, "no --cluster-shards", not_cluster,
+     "a cluster's done markers are not signed yet"},
     {COMBINE_IGNORED, "max_staleness", NULL, NULL, "--mode async", is_async, NULL},
     {COMBINE_IGNORED, "staleness_weight", NULL, NULL, "--mode async", is_async, NULL},
     {COMBINE_IGNORED, "dn_period", NULL, NULL, "--mode async", is_async, NULL},

@@ -34,8 +34,9 @@ typedef struct pub_state {
     char optimizer[32];
     int bootstrap;
     int sharded;
-    pub_file *files;            /* in upload order: the shards, then the index (or the one file) */
-    unsigned nfiles, cur;
+    pub_file *files;            /* in upload order: the step's signed record (its .sig, then the .json:
+                                   nrecords of them, --signing-key), the shards, then the index (or the one file) */
+    unsigned nfiles, cur, nrecords;
     int fd;                     /* files[cur]'s */
     uint64_t size;
     char *stepfile;

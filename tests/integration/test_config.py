@@ -586,9 +586,12 @@ def test_every_row_of_what_combines_refuses_and_accepts(tmp_path):
              "dn-momentum-activation"),
         ("--mode sync", "--expected-nodes N, --nodes or --round-timeout S"):
             (["--mode", "sync"], ["--mode", "sync", "--round-timeout", "5"], "expected-nodes"),
-        ("--signing-key FILE", "--hub file://... or none"):
-            ([*S3, "--expected-nodes", "4", "--signing-key", str(key)],
-             ["--hub", "none", "--expected-nodes", "4", "--signing-key", str(key)], "signing-key"),
+        ("--signing-key FILE", "--hub file://..., s3://... or none"):
+            (["--hub", "hf://org/repo", "--expected-nodes", "4", "--signing-key", str(key)],
+             [*S3, "--expected-nodes", "4", "--signing-key", str(key)], "signing-key"),
+        ("--signing-key FILE", "no --cluster-shards"):
+            ([*cluster, "--signing-key", str(key)], [*S3, "--expected-nodes", "4", "--signing-key", str(key)],
+             "signing-key"),
     }
     ignored = {   # (flag, needs): (a value other than the default, the configuration that reads it)
         ("--max-staleness", "--mode async"): (["--max-staleness", "3"], ["--mode", "async"]),

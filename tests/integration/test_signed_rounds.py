@@ -440,8 +440,8 @@ def test_keys_and_modes(tmp_path):
     os.chmod(tokens, 0o644)
     p = check("--token-file", str(tokens))
     assert p.returncode == 2 and "chmod 600" in p.stderr, p.stderr
-    p = check("--signing-key", str(key), "--hub", "s3://bucket/prefix")
-    assert p.returncode == 2 and "--signing-key" in p.stderr, p.stderr
+    p = check("--signing-key", str(key), "--hub", "hf://org/repo")
+    assert p.returncode == 2 and "--signing-key FILE needs --hub file://..., s3://... or none" in p.stderr, p.stderr
 
 
 def test_async_one_record_per_update(tmp_path):
@@ -482,3 +482,40 @@ def test_async_one_record_per_update(tmp_path):
         # k before the update: 0, 1, 0, 1 with period 2; after an odd one the accumulator holds a delta
         assert rec["config"]["async"]["dn_k"] == (s - 1) % 2, rec["config"]
         assert ("accumulator" in rec["outputs"]) == (rec["config"]["async"]["dn_k"] == 0), rec["outputs"]
+
+
+def test_s3_publishes_records_before_the_step(tmp_path):
+    """s3:// (SeaweedFS): each step's record and signature are objects under global/rounds/, put before
+    step_count.json names the step, the same bytes as the state's and HTTP's, chained and signed."""
+    from s3server import SeaweedS3
+    from test_s3 import S3Dilocod, put_delta
+
+    key, fp = keygen(tmp_path / "key")
+    s3 = SeaweedS3(tmp_path / "seaweedfs").start()
+    try:
+        model = model_of(13)
+        write_model(tmp_path / "init.safetensors", model)
+        prefix = "signed/run"
+        d = S3Dilocod(tmp_path, s3, prefix, "--init-model", tmp_path / "init.safetensors", "--expected-nodes", "2",
+                      "--signing-key", str(key)).start()
+        try:
+            d.wait_step(0)
+            for r in range(2):
+                for i, node in enumerate(NODES[:2]):
+                    put_delta(d.client, s3.bucket, prefix, node, r, r + 1, {k: np.random.default_rng([13, r, i]).standard_normal(
+                        tuple(v.shape)).astype(np.float32) * np.float32(0.01) for k, v in model.items()})
+                d.wait_step(r + 1)
+            objs = {s: (d.get(f"global/rounds/{s}.json"), d.get(f"global/rounds/{s}.json.sig")) for s in range(3)}
+            http = {s: (requests.get(f"{d.url}/global/rounds/{s}.json", timeout=30).content,
+                        requests.get(f"{d.url}/global/rounds/{s}.json.sig", timeout=30).content) for s in range(3)}
+            g = d.get("global/latest.safetensors")
+            # the step file is put after the record: its object is the newer
+            meta = lambda rel: d.client.head_object(Bucket=s3.bucket, Key=d.key(rel))["LastModified"]
+            assert meta("global/rounds/2.json") <= meta("global/step_count.json")
+        finally:
+            assert d.stop() == 0
+        assert objs == http
+        recs = check_chain(pub_of(key), fp, objs)
+        assert recs[2]["outputs"]["global"]["block_hash"] == block_hash_bytes(g)
+    finally:
+        s3.stop()
