@@ -50,7 +50,7 @@ static const opt options[] = {
     {"screen", T_SCREEN, OFF(screen_cosine), 0, 0, "none|cosine:MIN  two passes: drop the deltas whose cosine with the round's mean is below MIN"},
     {"listen", T_STR, OFF(listen), 0, 0, "HOST:PORT     HTTP API address (port 0: any free port); none disables it"},
     {"token_file", T_OPTSTR, OFF(token_file), 0, 0, "FILE      upload tokens, lines 'node_id token' ('*' = any node); without it uploads are loopback-only"},
-    {"signing_key", T_OPTSTR, OFF(signing_key), 0, 0, "FILE    sign every committed step's record (global/rounds/<s>.json) with this Ed25519 key (diloco keygen; mode 0600)"},
+    {"signing_key", T_OPTSTR, OFF(signing_key), 0, 0, "FILE    sign every committed step's record (global/rounds/<s>.json) with this Ed25519 key (diloco keygen; mode 0600; not hf:// yet)"},
     {"verify_keep", T_DOUBLE, OFF(verify_keep), -1, 100000, "N    keep the last N steps' global, momentum and input deltas for verifiers, served under /rounds/<s>/ (-1: 16 with signing_key, else 0)"},
     {"max_header_bytes", T_UINT, OFF(max_header_bytes), 256, 1 << 24, "N   HTTP request head size limit (431 beyond)"},
     {"max_headers", T_UINT, OFF(max_headers), 4, 10000, "N        HTTP header count limit (431 beyond)"},
