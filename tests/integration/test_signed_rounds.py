@@ -484,7 +484,7 @@ def test_async_one_record_per_update(tmp_path):
         assert ("accumulator" in rec["outputs"]) == (rec["config"]["async"]["dn_k"] == 0), rec["outputs"]
 
 
-def test_s3_publishes_records_before_the_step(tmp_path):
+def test_s3_publishes_records_before_the_step(tmp_path, monkeypatch):
     """s3:// (SeaweedFS): each step's record and signature are objects under global/rounds/, put before
     step_count.json names the step, the same bytes as the state's and HTTP's, chained and signed."""
     from s3server import SeaweedS3
@@ -509,6 +509,11 @@ def test_s3_publishes_records_before_the_step(tmp_path):
             http = {s: (requests.get(f"{d.url}/global/rounds/{s}.json", timeout=30).content,
                         requests.get(f"{d.url}/global/rounds/{s}.json.sig", timeout=30).content) for s in range(3)}
             g = d.get("global/latest.safetensors")
+            # a verifying worker reads the bucket itself (boto3, the test server's credentials)
+            for k, v in dict(s3.env(), AWS_ENDPOINT_URL=s3.endpoint, AWS_DEFAULT_REGION="us-east-1").items():
+                monkeypatch.setenv(k, v)
+            w = diloco.Worker(f"s3://{s3.bucket}/{prefix}", "reader", public_key=str(tmp_path / "key.pub"))
+            assert w.pull(Net(model)) == 2 and w.record["outer_step"] == 2
             # the step file is put after the record: its object is the newer
             meta = lambda rel: d.client.head_object(Bucket=s3.bucket, Key=d.key(rel))["LastModified"]
             assert meta("global/rounds/2.json") <= meta("global/step_count.json")

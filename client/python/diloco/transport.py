@@ -581,7 +581,7 @@ class S3Transport:
         raw, _ = self._get("global/step_count.json", MAX_JSON_ANSWER)
         return parse_step_count(raw, "global/step_count.json")
 
-    def fetch_global(self, etag, cap, max_header=_st.MAX_HEADER_BYTES):
+    def fetch_global(self, etag, cap, max_header=_st.MAX_HEADER_BYTES, check=None):
         for _ in range(10):
             step, mf = self._step_count()
             place = index_place(mf)
@@ -605,8 +605,19 @@ class S3Transport:
                 raise
             # step_count.json is written last: unchanged across the read, the model is that step's
             if self._step_count()[0] == step:
+                if check is not None:
+                    check(step, files, wm)
                 return step, tag, load_set(files, wm, "global", max_header)
         raise HostileAnswer("global/step_count.json changed under every read")
+
+    def fetch_record(self, step):
+        """global/rounds/<step>.json and its .sig -> (json bytes, signature bytes), or None if absent."""
+        try:
+            rec, _ = self._get(f"global/rounds/{step}.json", MAX_RECORD_BYTES)
+            sig, _ = self._get(f"global/rounds/{step}.json.sig", SIGNATURE_BYTES)
+        except FileNotFoundError:
+            return None
+        return bytes(rec), bytes(sig)
 
     def outer_step(self):
         try:

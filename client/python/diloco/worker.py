@@ -113,8 +113,8 @@ class Worker:
         self._chain = None
         if public_key is not None:
             if not hasattr(self.transport, "fetch_record"):
-                raise ValueError("public_key= verifies globals read over http(s):// or file://: signed records are "
-                                 "not published on s3:// or hf:// yet")
+                raise ValueError("public_key= verifies globals read over http(s)://, file:// or s3://: signed records "
+                                 "are not published on hf:// yet")
             self._chain = RecordChain(public_key, self.transport.fetch_record, min_step=min_step)
         elif min_step is not None:
             raise ValueError("min_step= goes with public_key= (it is the lowest step a verified global may have)")
