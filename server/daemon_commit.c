@@ -861,6 +861,13 @@ int daemon__recover_redo(dilocod *d, dl_error *err)
         if (r.manifest != NULL && !d->sign.on)
             dl_log(DL_LOG_WARN, "sign", "the recovered step was signed, but --signing-key is not given: its record is "
                    "not written again", "step=%" PRIu64, r.step);
+        if (r.manifest != NULL && d->sign.on && strstr(r.manifest, d->sign.key.fingerprint) == NULL) {
+            /* its record names the key it was committed under: another key would sign a record that says so */
+            rc = dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "step %" PRIu64 " was committed under another signing "
+                         "key than %s (fingerprint %s): restart with the key it was signed with, then change keys",
+                         r.step, d->cfg->signing_key, d->sign.key.fingerprint);
+            goto out;
+        }
         if (r.manifest != NULL && d->sign.on &&
             ((rc = manifest_write(d->st.dir, r.step, r.manifest, out, nout, &d->sign.key, hash, err)) != 0 ||
              (rc = manifest_sync(d->st.dir, r.step, err)) != 0))
