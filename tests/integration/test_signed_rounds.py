@@ -524,3 +524,33 @@ def test_s3_publishes_records_before_the_step(tmp_path, monkeypatch):
         assert recs[2]["outputs"]["global"]["block_hash"] == block_hash_bytes(g)
     finally:
         s3.stop()
+
+
+def test_recovery_keeps_the_key_a_step_was_committed_under(tmp_path):
+    """A step committed under one key and recomputed at a restart given another: refused with the way
+    out (a record would name one key and carry another's signature); with the first key it recovers."""
+    key, fp = keygen(tmp_path / "key")
+    other, _ = keygen(tmp_path / "other")
+    model = model_of(5)
+    write_model(tmp_path / "init.safetensors", model)
+    hub = tmp_path / "hub"
+    d = Dilocod(tmp_path, hub, "--init-model", str(tmp_path / "init.safetensors"), "--expected-nodes", "2",
+                env={"DILOCOD_TEST_CRASH_AT": "committed:1"})
+    d.start("--signing-key", str(key))
+    d.wait_step(0)
+    for i, node in enumerate(NODES[:2]):
+        write_delta(hub, node, 0, 1, {k: np.full(tuple(v.shape), 0.01 * (i + 1), dtype=np.float32) for k, v in model.items()})
+    d.wait_killed_at("committed", 1)
+    before = ((d.state_dir / "rounds/1.json").read_bytes(), (d.state_dir / "rounds/1.json.sig").read_bytes())
+    d.env = None
+    d.start("--signing-key", str(other))
+    assert d.proc.wait(timeout=60) != 0
+    assert "committed under another signing key" in d.log_text(), d.log_text()[-2000:]
+    d.proc = None
+    d.start("--signing-key", str(key))
+    try:
+        d.wait_step(1)
+        assert record_of(hub, 1) == before
+        check_chain(pub_of(key), fp, {s: record_of(hub, s) for s in range(2)})
+    finally:
+        assert d.stop() == 0
