@@ -554,3 +554,23 @@ def test_recovery_keeps_the_key_a_step_was_committed_under(tmp_path):
         check_chain(pub_of(key), fp, {s: record_of(hub, s) for s in range(2)})
     finally:
         assert d.stop() == 0
+
+
+def test_record_parser_refuses_malformed_records():
+    """diloco.rounds.parse_record reads a signed record as hostile too (a key's owner may sign garbage, a
+    bug may write it): what a worker relies on is checked."""
+    from diloco.rounds import parse_record
+    h = "ab" * 32
+    good = {"format": 1, "outer_step": 3, "previous": h, "aggregator": {"key_fingerprint": "fp"},
+            "outputs": {"global": {"block_hash": h, "bytes": 10}}}
+    assert parse_record(json.dumps(good).encode(), 3, "fp")["outer_step"] == 3
+    bad = [b"not json", b"[]", json.dumps(dict(good, format=2)).encode(), json.dumps(dict(good, outer_step=4)).encode(),
+           json.dumps(dict(good, outer_step=True)).encode(), json.dumps(dict(good, previous="xyz")).encode(),
+           json.dumps(dict(good, aggregator={"key_fingerprint": "other"})).encode(),
+           json.dumps(dict(good, outputs={"global": {"block_hash": h.upper(), "bytes": 10}})).encode(),
+           json.dumps(dict(good, outputs={"global": {"block_hash": h, "bytes": -1}})).encode(),
+           json.dumps(dict(good, outputs={})).encode()]
+    for raw in bad:
+        with pytest.raises(diloco.RecordRefused) as e:
+            parse_record(raw, 3, "fp")
+        assert e.value.reason == "record", raw
