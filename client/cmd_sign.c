@@ -98,7 +98,9 @@ static const char verify_round_help[] =
     "\n"
     "   or: diloco verify-round --server URL --step S --public-key PUB [--threads N]\n"
     "fetches all of it from dilocod (its signing_key and verify_keep): /global/rounds/S.json and .sig,\n"
-    "/rounds/S-1/global.safetensors and momentum.safetensors, /rounds/S/inputs/<node_id>.safetensors.\n";
+    "/rounds/S-1/global.safetensors and momentum.safetensors, /rounds/S/inputs/<node_id>.safetensors.\n"
+    "--chain FROM..TO (instead of --step) verifies every step from FROM to TO that way, and that each\n"
+    "record's previous is the block hash of the record before it.\n";
 
 /* Reads a whole file of at most cap bytes (the record, its signature): malloc'd, NUL-terminated. */
 static int read_capped(const char *path, size_t cap, char **out, size_t *len, dl_error *err)
@@ -164,6 +166,7 @@ typedef struct vr_opts {
     const char *manifest, *signature, *public_key, *previous_global, *previous_momentum, *inputs;
     unsigned threads;
     const char *server, *step;  /* --server URL --step S: the rest fetched into a temporary directory */
+    const char *chain;          /* --server URL --chain FROM..TO */
 } vr_opts;
 
 static void *run_thread(void *arg)
@@ -619,6 +622,60 @@ static int verify_from_server(vr_opts *o)
     return rc;
 }
 
+/* --chain FROM..TO: each step verified from the server, and each record's previous checked against the
+ * block hash of the record before it (the records themselves: their signatures verify_round checks). */
+static int verify_chain(vr_opts *o)
+{
+    client_opts co;
+    const char *dots = strstr(o->chain, "..");
+    uint64_t from, to;
+    char prev[65] = "", path[96], step[24];
+    int rc = 0;
+
+    cli_opts_defaults(&co);
+    co.server = o->server;
+    if (dots == NULL || delta_parse_int(o->chain, (size_t)(dots - o->chain), &from) != 0 ||
+        delta_parse_int(dots + 2, strlen(dots + 2), &to) != 0 || from == 0 || to < from || to - from > 100000) {
+        fprintf(stderr, "diloco: verify-round: --chain %s: give FROM..TO, round steps (1 or more), FROM <= TO\n%s",
+                o->chain, verify_round_help);
+        return EXIT_USAGE;
+    }
+    for (uint64_t s = from; s <= to && rc == 0; s++) {
+        response r = {.cap = 4u << 20};
+        unsigned char d[BLOCKHASH_SIZE];
+        char here[65];
+        dl_error err;
+        snprintf(step, sizeof(step), "%" PRIu64, s);
+        o->step = step;
+        if ((rc = verify_from_server(o)) != 0)
+            break;
+        /* the record again for its link (verify_from_server checked its signature; a server that answers
+         * differently now fails the link or the next step's) */
+        snprintf(path, sizeof(path), "/global/rounds/%" PRIu64 ".json", s);
+        if ((rc = cli_get(&co, path, &r, NULL, NULL)) == 0 && r.status != 200) {
+            cli_print_server_error(path, &r);
+            rc = EXIT_INVALID;
+        }
+        cJSON *root = rc == 0 ? cJSON_ParseWithLength(r.body.p != NULL ? r.body.p : "", r.body.len) : NULL;
+        const cJSON *p = cJSON_GetObjectItemCaseSensitive(root, "previous");
+        dl_error_clear(&err);
+        if (rc == 0 && blockhash_bytes(r.body.p != NULL ? r.body.p : "", r.body.len, d, &err) != 0)
+            rc = cli_report(path, &err);
+        if (rc == 0) {
+            blockhash_hex(d, here);
+            if (prev[0] != '\0' && (!cJSON_IsString(p) || strcmp(p->valuestring, prev) != 0))
+                rc = differs("chain", "the record of step %" PRIu64 " does not name step %" PRIu64 "'s record (%s) as "
+                             "its previous", s, s - 1, prev);
+            memcpy(prev, here, sizeof(prev));
+        }
+        cJSON_Delete(root);
+        free(r.body.p);
+    }
+    if (rc == 0)
+        printf("steps %" PRIu64 "..%" PRIu64 " verified, each record chained to the one before it\n", from, to);
+    return rc;
+}
+
 int cmd_verify_round(int argc, char **argv)
 {
     static const struct option opts[] = {{"manifest", required_argument, NULL, 'm'},
@@ -630,6 +687,7 @@ int cmd_verify_round(int argc, char **argv)
                                          {"threads", required_argument, NULL, 't'},
                                          {"server", required_argument, NULL, 'S'},
                                          {"step", required_argument, NULL, 'n'},
+                                         {"chain", required_argument, NULL, 'c'},
                                          {"help", no_argument, NULL, 'h'},
                                          {NULL, 0, NULL, 0}};
     vr_opts o = {.threads = 1};
@@ -647,6 +705,7 @@ int cmd_verify_round(int argc, char **argv)
         case 'i': o.inputs = optarg; break;
         case 'S': o.server = optarg; break;
         case 'n': o.step = optarg; break;
+        case 'c': o.chain = optarg; break;
         case 't': {
             char *end;
             errno = 0;
@@ -662,14 +721,15 @@ int cmd_verify_round(int argc, char **argv)
         default: fputs(verify_round_help, stderr); return EXIT_USAGE;
         }
     }
-    if (o.server != NULL || o.step != NULL) {
-        if (o.server == NULL || o.step == NULL || o.public_key == NULL || o.manifest != NULL || o.signature != NULL ||
-            o.previous_global != NULL || o.previous_momentum != NULL || o.inputs != NULL || optind != argc) {
-            fprintf(stderr, "diloco: verify-round --server URL --step S needs --public-key and no file options\n%s",
-                    verify_round_help);
+    if (o.server != NULL || o.step != NULL || o.chain != NULL) {
+        if (o.server == NULL || (o.step == NULL) == (o.chain == NULL) || o.public_key == NULL || o.manifest != NULL ||
+            o.signature != NULL || o.previous_global != NULL || o.previous_momentum != NULL || o.inputs != NULL ||
+            optind != argc) {
+            fprintf(stderr, "diloco: verify-round --server URL needs --step S or --chain FROM..TO, --public-key and no "
+                            "file options\n%s", verify_round_help);
             return EXIT_USAGE;
         }
-        return verify_from_server(&o);
+        return o.chain != NULL ? verify_chain(&o) : verify_from_server(&o);
     }
     if (o.manifest == NULL || o.signature == NULL || o.public_key == NULL || o.previous_global == NULL ||
         o.inputs == NULL || optind != argc) {

@@ -158,6 +158,9 @@ def test_signed_run_over_http_and_file(tmp_path):
             p = subprocess.run([str(BUILD / "diloco"), "verify-round", "--server", d.url, "--step", str(s), "--public-key",
                                 str(tmp_path / "key.pub")], capture_output=True, text=True)
             assert p.returncode == 0 and f"step {s} verified" in p.stdout, (s, p.stdout, p.stderr)
+        p = subprocess.run([str(BUILD / "diloco"), "verify-round", "--server", d.url, "--chain", "2..5", "--public-key",
+                            str(tmp_path / "key.pub")], capture_output=True, text=True)
+        assert p.returncode == 0 and "steps 2..5 verified, each record chained" in p.stdout, (p.stdout, p.stderr)
         p = subprocess.run([str(BUILD / "diloco"), "verify-round", "--server", d.url, "--step", "1", "--public-key",
                             str(tmp_path / "key.pub")], capture_output=True, text=True)
         assert p.returncode == 1 and "step 0 is not kept" in p.stderr, p.stderr      # a bootstrap is not a settled step
