@@ -24,6 +24,7 @@
 #include "st_index.h"
 #include "st_reshard.h"
 #include "stepcount.h"
+#include "manifest.h"
 #include "store.h"
 
 /* max_header: the cap on the model's header (0: the format's own) */
@@ -206,6 +207,11 @@ int daemon__adopt_prepare(const dilocod *d, const char *src, uint64_t step, int 
     /* d->st is the loop's: only its directory, which never changes, is read here */
     if (rc == 0 && (rc = store_commit_write(&d->st, &r->info, err)) != 0)
         unlink(r->dst);         /* not committed: not ours to keep (and never the operator's name) */
+    /* --verify-keep: the step's global for verifiers of the next step (a failure costs them that step only) */
+    dl_error kerr;
+    if (rc == 0 && d->cfg->verify_keep > 0 &&
+        manifest_keep(d->st.dir, step, (unsigned)d->cfg->verify_keep, r->dst, NULL, NULL, NULL, NULL, 0, &kerr) != 0)
+        daemon__log_error("sign", "cannot keep the global for verifiers (--verify-keep)", &kerr);
     return rc;
 }
 
