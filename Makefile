@@ -267,6 +267,7 @@ bench: all venv bench-deps $(BENCH_BINS)
 	$(PY) tests/bench/bench_robust.py $(BUILD) 256
 	$(PY) tests/bench/bench_compress.py $(BUILD) 1024
 	$(PY) tests/bench/bench_cluster.py $(BUILD) 256
+	$(PY) tests/bench/bench_netns.py $(BUILD) 64 || [ $$? -eq 2 ]   # 2: no rights for network namespaces (said why)
 	$(PY) tests/bench/bench_http.py $(BUILD)
 	$(PY) tests/bench/bench_worker.py $(BUILD) 256
 
@@ -313,6 +314,8 @@ DEMO_FAULTY  ?= 0
 # the workers' error feedback
 DEMO_ENCODE  ?=
 DEMO_EF      ?= 1
+# DEMO_DOWNLINK=mxfp8|mxfp4: dilocod --downlink, the workers replay each step's update (README, "The downlink")
+DEMO_DOWNLINK ?=
 # more demo.py options, e.g. DEMO_ARGS=--target-loss=0.75 (when the global first reaches that loss)
 DEMO_ARGS    ?=
 demo: deps
@@ -320,7 +323,7 @@ demo: deps
 	$(MAKE) all
 	$(PY) client/examples/demo.py --build $(BUILD) --rounds $(DEMO_ROUNDS) --workers $(DEMO_WORKERS) \
 	  --port $(DEMO_PORT) --dir $(DEMO_DIR) --mode $(DEMO_MODE) --speeds '$(DEMO_SPEEDS)' --faulty $(DEMO_FAULTY) \
-	  --encode '$(DEMO_ENCODE)' $(if $(filter 0,$(DEMO_EF)),--no-error-feedback) $(DEMO_ARGS)
+	  --encode '$(DEMO_ENCODE)' $(if $(filter 0,$(DEMO_EF)),--no-error-feedback) --downlink '$(DEMO_DOWNLINK)' $(DEMO_ARGS)
 
 clean:
 	rm -rf build build-* 

@@ -432,7 +432,12 @@ static int verify_round(const vr_opts *o)
     double pass_s = cli_now() - tp;
     /* every output the record names, in its order */
     const cJSON *out;
+    int unchecked = 0;
     cJSON_ArrayForEach(out, outputs) {
+        if (strcmp(out->string, "view") == 0 || strcmp(out->string, "update") == 0) {
+            unchecked++;        /* --downlink's: rebuilding them needs the previous view, not kept yet */
+            continue;
+        }
         const char *file = strcmp(out->string, "global") == 0 ? out_global
                            : strcmp(out->string, "momentum") == 0 && p.out_momentum_path != NULL ? out_momentum : NULL;
         const char *want = hash_member(outputs, out->string);
@@ -456,7 +461,10 @@ static int verify_round(const vr_opts *o)
         goto out;
     }
     printf("step %" PRIu64 " verified: signature, %zu inputs, %d outputs (pass %.3f s, total %.3f s)\n", s, n,
-           cJSON_GetArraySize(outputs), pass_s, cli_now() - t0);
+           cJSON_GetArraySize(outputs) - unchecked, pass_s, cli_now() - t0);
+    if (unchecked > 0)
+        printf("step %" PRIu64 ": the downlink's view and update the record names are not recomputed (verify-round "
+               "does not rebuild them yet)\n", s);
     rc = EXIT_OK;
 out:
     outer_free(&p);

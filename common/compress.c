@@ -156,6 +156,7 @@ float cz_e8m0_value(uint8_t code)
 /* ---- decoding ------------------------------------------------------------------------------------- */
 
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline double u2d(uint64_t u) { double d; memcpy(&d, &u, 8); return d; }
 
 /* The decoding loops: a code's value from its table (sign and NaN included) times the block's scale,
  * one F32 multiplication, without branches on values so that they vectorise (KERNEL_CLONES: an
@@ -268,42 +269,62 @@ int64_t cz_decode(const cz_spec *s, const void *codes, const void *scales, uint6
 
 /* ---- encoding ------------------------------------------------------------------------------------- */
 
-/* The code of the element value nearest |w| (ties to the even code), saturating at the last of the
- * ncodes non-negative codes; values[c] ascending for c < ncodes. */
-static unsigned nearest_code(const float *values, unsigned ncodes, double w)
+/* RNE of x (0 <= x < 2^51) to an integer, in the default rounding mode: no libm call (rint is one
+ * without SSE4.1), and the compiler keeps it (no -ffast-math here). */
+static inline double rne(double x)
 {
-    unsigned lo = 0, hi = ncodes - 1;
-    if (w >= values[hi])
-        return hi;
-    /* the largest c with values[c] <= w */
-    while (lo < hi) {
-        unsigned mid = (lo + hi + 1) / 2;
-        if ((double)values[mid] <= w)
-            lo = mid;
-        else
-            hi = mid - 1;
+    const double big = 4503599627370496.0;        /* 2^52 */
+    return (x + big) - big;
+}
+
+/* The code of the element value nearest w = a / 2^shared (a = |v|), ties to the even code, saturating at
+ * the largest normal (448, 6): what nearest_code's search of the value table finds, from a's exponent
+ * and mantissa.  Within a binade the values are evenly spaced (2^mbits of them), so the nearest is the
+ * mantissa scaled to [2^mbits, 2^(mbits+1)] rounded to nearest even (a carry to 2^(mbits+1) is the next
+ * binade's first code), and below the smallest normal the multiples of its spacing; the code's low bit is
+ * the mantissa's, so even codes are even mantissas.  tests/unit/test-compress.c compares it with the
+ * search over every boundary. */
+static inline unsigned mx_code(float a, int shared, int fp4)
+{
+    const int emax = fp4 ? 2 : 8, emin = fp4 ? 0 : -6, mbits = fp4 ? 1 : 3;
+    const unsigned top = fp4 ? 7u : 126u;
+    uint32_t b = f2u(a);
+    int ex;
+
+    if (b == 0)
+        return 0;
+    if (b >= 0x00800000u) {
+        ex = (int)(b >> 23) - 126;                  /* a = f * 2^ex, f in [0.5, 1) */
+    } else {
+        (void)frexpf(a, &ex);                        /* an F32 subnormal */
     }
-    double below = w - values[lo], above = (double)values[lo + 1] - w;  /* exact: few significant bits */
-    if (below < above)
-        return lo;
-    if (below > above)
-        return lo + 1;
-    return lo % 2 == 0 ? lo : lo + 1;
+    const int e = ex - 1 - shared;                  /* floor(log2 w) */
+    if (e > emax)
+        return top;
+    /* w / 2^(max(e, emin) - mbits), exact in double (a has 24 bits, the power of two is in range) */
+    const int k = mbits - (e < emin ? emin : e) - shared;
+    const double scaled = (double)a * u2d((uint64_t)(k + 1023) << 52);
+    const unsigned q = (unsigned)rne(scaled);
+    if (e < emin)
+        return q;                                   /* 2^mbits: the smallest normal's code */
+    const unsigned code = (unsigned)(e - emin + 1) * (1u << mbits) + q - (1u << mbits);
+    return code > top ? top : code;
 }
 
 static void encode_mx(const cz_spec *s, const float *in, size_t n, unsigned char *codes, unsigned char *scales)
 {
     const int fp4 = s->enc == CZ_MXFP4, emax = fp4 ? 2 : 8;
-    const float *values = fp4 ? e2m1_table : e4m3_table;
-    const unsigned ncodes = fp4 ? 8 : 127;          /* E4M3: 0x00..0x7e (0x7f is NaN) */
 
     if (fp4)
         memset(codes, 0, (n + 1) / 2);
     for (size_t b0 = 0, k = 0; b0 < n; b0 += s->block, k++) {
         size_t m = n - b0 < s->block ? n - b0 : s->block;
         float amax = 0;
-        for (size_t j = 0; j < m; j++)
-            amax = fmaxf(amax, fabsf(in[b0 + j]));
+        /* fmaxf's NaN rule without its libm call: a NaN compares false and leaves amax as it was */
+        for (size_t j = 0; j < m; j++) {
+            float a = fabsf(in[b0 + j]);
+            amax = a > amax ? a : amax;
+        }
         int shared = -127;
         if (amax > 0) {
             int ex;
@@ -314,8 +335,7 @@ static void encode_mx(const cz_spec *s, const float *in, size_t n, unsigned char
         scales[k] = (unsigned char)(shared + 127);
         for (size_t j = 0; j < m; j++) {
             float v = in[b0 + j];
-            double w = ldexp(fabs((double)v), -shared);     /* exact in double */
-            unsigned c = nearest_code(values, ncodes, w);
+            unsigned c = mx_code(fabsf(v), shared, fp4);
             unsigned sign = signbit(v) ? (fp4 ? 8u : 0x80u) : 0u;
             size_t at = b0 + j;
             if (fp4)

@@ -340,9 +340,14 @@ static void dn_grad(float *restrict g, const float *acc, float w, float n, size_
 /* Lanes per block of the mean and the statistics: the block's mean (8 KiB) stays in L1 while every delta's
  * lanes are added to it, and each delta's block is still in L1 or L2 when its statistics read it again. */
 enum { STAT_BLOCK = 2048, LANE_W = 16 };
-/* LANE_W F32 lanes: one AVX-512 register, two AVX2 ones (the compiler splits it per clone); its + and /
- * are elementwise IEEE operations, the same bits as the scalar ones. */
-typedef float lane_vec __attribute__((vector_size(LANE_W * sizeof(float))));
+/* LANE_W F32 lanes are held as two half_vecs of 8 (one AVX2 register each; the AVX-512 clone uses them as
+ * they are).  One 16-float vector type was lowered by GCC's AVX2 clone through the stack (each operation
+ * stored, reloaded by 16-byte halves, reassembled with vpinsrq): on a CPU without AVX-512 the mean and the
+ * statistics took 66% of the pass's samples, most on those moves (perf annotate; issue 39).  Their + and /
+ * are elementwise IEEE operations, the same bits as the scalar ones, and the statistics keep the same 16
+ * lanes in the same order. */
+typedef float half_vec __attribute__((vector_size(LANE_W / 2 * sizeof(float))));
+enum { HALF_W = LANE_W / 2 };
 
 /* *ss += sum x[i]^2 and *dot += sum x[i]*y[i] over m <= STAT_BLOCK lanes, reading x once.  Products and
  * sums in F32 vectors, two per sum, each lane adding at most STAT_BLOCK / (2 * LANE_W) = 64 terms; the
@@ -372,30 +377,46 @@ static void sumsq_dot_double(const float *x, const float *y, size_t m, double *s
 KERNEL_CLONES STATS_CONTRACT static void sumsq_dot(const float *restrict x, const float *restrict y, size_t m,
                                                    double *ss, double *dot)
 {
-    lane_vec s0 = {0}, s1 = {0}, d0 = {0}, d1 = {0}, xv, yv;
+    /* two sums of LANE_W lanes each (s0, s1 and d0, d1), each held as its low and high half */
+    half_vec s0l = {0}, s0h = {0}, s1l = {0}, s1h = {0}, d0l = {0}, d0h = {0}, d1l = {0}, d1h = {0};
+    half_vec xl, xh, yl, yh;
     float st = 0, dt = 0;
     size_t j = 0;
 
     for (; j + 2 * LANE_W <= m; j += 2 * LANE_W) {
-        memcpy(&xv, x + j, sizeof(xv));
-        memcpy(&yv, y + j, sizeof(yv));
-        s0 += xv * xv;
-        d0 += xv * yv;
-        memcpy(&xv, x + j + LANE_W, sizeof(xv));
-        memcpy(&yv, y + j + LANE_W, sizeof(yv));
-        s1 += xv * xv;
-        d1 += xv * yv;
+        memcpy(&xl, x + j, sizeof(xl));
+        memcpy(&xh, x + j + HALF_W, sizeof(xh));
+        memcpy(&yl, y + j, sizeof(yl));
+        memcpy(&yh, y + j + HALF_W, sizeof(yh));
+        s0l += xl * xl;
+        s0h += xh * xh;
+        d0l += xl * yl;
+        d0h += xh * yh;
+        memcpy(&xl, x + j + LANE_W, sizeof(xl));
+        memcpy(&xh, x + j + LANE_W + HALF_W, sizeof(xh));
+        memcpy(&yl, y + j + LANE_W, sizeof(yl));
+        memcpy(&yh, y + j + LANE_W + HALF_W, sizeof(yh));
+        s1l += xl * xl;
+        s1h += xh * xh;
+        d1l += xl * yl;
+        d1h += xh * yh;
     }
     for (; j < m; j++) {
         st += x[j] * x[j];
         dt += x[j] * y[j];
     }
-    s0 += s1;
-    d0 += d1;
+    s0l += s1l;
+    s0h += s1h;
+    d0l += d1l;
+    d0h += d1h;
     double a = st, b = dt;
-    for (int l = 0; l < LANE_W; l++) {
-        a += s0[l];
-        b += d0[l];
+    for (int l = 0; l < HALF_W; l++) {
+        a += s0l[l];
+        b += d0l[l];
+    }
+    for (int l = 0; l < HALF_W; l++) {
+        a += s0h[l];
+        b += d0h[l];
     }
     if (!isfinite(a) || !isfinite(b))
         sumsq_dot_double(x, y, m, &a, &b);
@@ -496,15 +517,21 @@ KERNEL_CLONES static void mean_block(const outer_pass *p, const float *const *dk
     /* LANE_W lanes of every delta at a time, in registers: all the deltas' streams advance together (a
      * delta at a time, the hardware prefetcher restarted at each 4 KiB page of each delta) */
     for (; j + LANE_W <= m; j += LANE_W) {
-        lane_vec acc, x;
-        memcpy(&acc, d0 + j, sizeof(acc));
-        acc = 0.0f + acc;
+        half_vec lo, hi, xl, xh;
+        memcpy(&lo, d0 + j, sizeof(lo));
+        memcpy(&hi, d0 + j + HALF_W, sizeof(hi));
+        lo = 0.0f + lo;
+        hi = 0.0f + hi;
         for (size_t k = 1; k < p->ndeltas; k++) {
-            memcpy(&x, dk[k] + j0 + j, sizeof(x));
-            acc += x;
+            memcpy(&xl, dk[k] + j0 + j, sizeof(xl));
+            memcpy(&xh, dk[k] + j0 + j + HALF_W, sizeof(xh));
+            lo += xl;
+            hi += xh;
         }
-        acc /= count;
-        memcpy(g + j, &acc, sizeof(acc));
+        lo /= count;
+        hi /= count;
+        memcpy(g + j, &lo, sizeof(lo));
+        memcpy(g + j + HALF_W, &hi, sizeof(hi));
     }
     for (; j < m; j++) {
         float acc = 0.0f + d0[j];

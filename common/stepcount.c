@@ -23,6 +23,12 @@ char *stepcount_build(uint64_t outer_step, const char *optimizer, int bootstrap,
 char *stepcount_build_file(uint64_t outer_step, const char *optimizer, int bootstrap, const char *model_file,
                            const char *updated_at)
 {
+    return stepcount_build_extra(outer_step, optimizer, bootstrap, model_file, updated_at, NULL, 0);
+}
+
+char *stepcount_build_extra(uint64_t outer_step, const char *optimizer, int bootstrap, const char *model_file,
+                            const char *updated_at, const char *const *kv, size_t n)
+{
     sbuf b = {0};
     char when[40];
 
@@ -43,6 +49,12 @@ char *stepcount_build_file(uint64_t outer_step, const char *optimizer, int boots
     sb_json_string(&b, updated_at, strlen(updated_at));
     if (bootstrap)
         sb_str(&b, ",\n  \"bootstrap\": \"true\"");
+    for (size_t i = 0; i < n; i++) {
+        sb_str(&b, ",\n  ");
+        sb_json_string(&b, kv[2 * i], strlen(kv[2 * i]));
+        sb_str(&b, ": ");
+        sb_json_string(&b, kv[2 * i + 1], strlen(kv[2 * i + 1]));
+    }
     sb_str(&b, "\n}\n");
     return sb_take(&b);
 }

@@ -35,6 +35,10 @@ char *stepcount_build(uint64_t outer_step, const char *optimizer, int bootstrap,
 /* The same naming model_file (a path of the bucket, JSON-safe: no quote or backslash). */
 char *stepcount_build_file(uint64_t outer_step, const char *optimizer, int bootstrap, const char *model_file,
                            const char *updated_at);
+/* The same with n extra string keys after the others (kv: key, value, key, value ...; the wire format's
+ * rule for extra keys: string values), as the downlink names its files (view_file, update_file, view_hash). */
+char *stepcount_build_extra(uint64_t outer_step, const char *optimizer, int bootstrap, const char *model_file,
+                            const char *updated_at, const char *const *kv, size_t n);
 /* A cluster's publish (README, "Scaling out") names the step's own index,
  * global/steps/<outer_step>/model[.g<n>].safetensors.index.json, so that a reader never mixes shards of two
  * steps (n: its manifest's generation, after a delta was refused for its values). */

@@ -3,6 +3,7 @@
  * together, config_print.c prints the effective configuration. */
 #include "config.h"
 #include "config_internal.h"
+#include "compress.h"
 #include "hub.h"
 #include "st_index.h"
 
@@ -65,6 +66,8 @@ static const opt options[] = {
     {"warm_outputs", T_UINT, OFF(warm_outputs), 0, 1, "0|1     while a round collects, make the page cache the next pass writes into (2 x model size, reclaimable)"},
     {"history_keep", T_UINT, OFF(history_keep), 16, 100000000, "N   rounds.jsonl keeps the last N round records (compacted at startup)"},
     {"shard_size", T_SIZE, OFF(shard_size), 0, 0, "SIZE      publish the global sharded (index + shards) above SIZE: bytes or 5GB, 500MB ... (0 = never)"},
+    {"downlink", T_DOWNLINK, OFF(downlink), 0, 0, "none|mxfp8|mxfp4  workers download each step as a compressed update against the view they hold (README, The downlink)"},
+    {"updates_keep", T_UINT, OFF(updates_keep), 2, 100000, "N      downlink: the newest N updates stay available (the view is checkpointed every N/2 steps in a tree)"},
     {"cluster_shards", T_UINT, OFF(cluster_shards), 0, 4096, "S     s3:// only: share each round with the other aggregators of the bucket, in S shards (0: alone; README, Scaling out)"},
     {"cluster_lease", T_DOUBLE, OFF(cluster_lease), 1, 3600, "SECONDS  cluster: a shard claim's lease (renewed by its holder; taken over once it is over)"},
     /* then the transports' own options, from their tables (hub.h's hub_options) */
@@ -409,6 +412,19 @@ static int set_option(config *c, const opt *o, const char *v, const char *origin
         else
             return config__bad(origin, o->key, "'%s' is not a Delayed Nesterov variant (forgather, paper)", v);
         return 0;
+    case T_DOWNLINK:
+        /* int8_block is not offered: its q x s is a rounded product, and a fused multiply-add would add it
+         * to the view with other bits (compress.h, downlink.h) */
+        if (strcmp(v, "none") == 0)
+            *(int *)field = CZ_NONE;
+        else if (strcmp(v, "mxfp8") == 0)
+            *(int *)field = CZ_MXFP8;
+        else if (strcmp(v, "mxfp4") == 0)
+            *(int *)field = CZ_MXFP4;
+        else
+            return config__bad(origin, o->key, "'%s' is not a downlink encoding (none, mxfp8, mxfp4; int8_block is "
+                               "uplink only: its decode is a rounded product, not reproducible bit for bit)", v);
+        return 0;
     case T_BOUND:
         if (strcmp(v, "none") == 0) {
             *(unsigned *)field = CONFIG_NO_STALENESS_BOUND;
@@ -667,6 +683,7 @@ static int set_defaults(config *c)
     c->max_uploads = 64;
     c->max_downloads = 2;
     c->history_keep = 100000;
+    c->updates_keep = 16;
     c->shard_size = ST_SHARD_SIZE_DEFAULT;
     c->max_weight_ratio = 10;
     return set_transport_defaults(c);

@@ -79,6 +79,8 @@ typedef struct config {
     unsigned warm_outputs;      /* 1: make the next pass's output pages while a round collects */
     unsigned history_keep;      /* rounds.jsonl keeps at least this many records (compacted at startup) */
     uint64_t shard_size;        /* a published global above this is sharded (index + shards); 0 never */
+    int downlink;               /* --downlink: compress.h's cz_encoding, CZ_NONE (0, the default), CZ_MXFP8 or CZ_MXFP4 */
+    unsigned updates_keep;      /* --updates-keep: the downlink's updates kept and served (the newest N) */
     unsigned cluster_shards;    /* K aggregators over one bucket (README, "Scaling out"): S shards; 0: alone */
     double cluster_lease;       /* seconds: a shard claim's lease */
     /* The transports' own options (hub.h's hub_options), one struct of the transport's type per row

@@ -10,7 +10,7 @@
 
 /* T_STR must not be empty; T_OPTSTR may be unset, and an empty value unsets it (a flag can so
  * cancel a file's path: --token-file '') */
-typedef enum opt_type { T_STR, T_OPTSTR, T_UINT, T_DOUBLE, T_OPTIMIZER, T_NODES, T_LOGLEVEL, T_LOGFORMAT, T_SIZE, T_MODE, T_WEIGHT, T_BOUND, T_VARIANT, T_RULE, T_SCREEN } opt_type;
+typedef enum opt_type { T_STR, T_OPTSTR, T_UINT, T_DOUBLE, T_OPTIMIZER, T_NODES, T_LOGLEVEL, T_LOGFORMAT, T_SIZE, T_MODE, T_WEIGHT, T_BOUND, T_VARIANT, T_RULE, T_SCREEN, T_DOWNLINK } opt_type;
 
 typedef struct opt {
     const char *key;            /* file key; the flag is "--" + key with '_' -> '-' */

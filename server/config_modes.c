@@ -38,9 +38,11 @@ static int async_ratio(const config *c) { return c->async && c->max_norm_ratio !
 static int counts_nodes(const config *c) { return c->expected_nodes != 0; }
 static int async_activation(const config *c) { return c->async && c->dn_c != 0; }
 static int paper_variant(const config *c) { return c->dn_paper; }
-static int init_is_index(const config *c) { return c->init_model != NULL && st_index_is_index_path(c->init_model); }
 static int is_signing(const config *c) { return c->signing_key != NULL; }
 static int not_hf(const config *c) { return strncmp(c->hub, "hf://", 5) != 0; }
+static int has_downlink(const config *c) { return c->downlink != 0; }
+static int hub_local(const config *c) { return strcmp(c->hub, "none") == 0 || strncmp(c->hub, "file://", 7) == 0; }
+static int publishes_each(const config *c) { return c->publish_interval == 0; }
 static int rounds_close(const config *c) { return c->expected_nodes != 0 || c->round_timeout != 0; }
 
 #define SLICES "each aggregator of a cluster reads one slice of each delta"
@@ -58,9 +60,6 @@ static const combine_row rows[] = {
      "the norm and cosine screens need whole deltas, and " SLICES},
     {COMBINE_REFUSED, "screen", "--screen cosine:MIN", has_screen, "no --cluster-shards", not_cluster,
      "the norm and cosine screens need whole deltas, and " SLICES},
-    {COMBINE_REFUSED, "init_model", "--init-model INDEX.json", init_is_index, "no --cluster-shards", not_cluster,
-     "a cluster bootstraps from one safetensors file, written once: merge the shards into one file first, or "
-     "publish step 0 with one aggregator"},
     {COMBINE_REFUSED, "max_norm_ratio", "--max-norm-ratio R in --mode async", async_ratio,
      "--expected-nodes N (or --nodes)", counts_nodes,
      "the nodes not seen yet must count, or the first ones to send would set the median every delta is judged by"},
@@ -72,6 +71,14 @@ static const combine_row rows[] = {
      "signed records are not published on hf:// yet"},
     {COMBINE_REFUSED, "signing_key", "--signing-key FILE", is_signing, "no --cluster-shards", not_cluster,
      "a cluster's done markers are not signed yet"},
+    {COMBINE_REFUSED, "downlink", "--downlink E", has_downlink, "no --cluster-shards", not_cluster,
+     "a cluster's aggregators would each compute the update of their shard: not built yet"},
+    {COMBINE_REFUSED, "downlink", "--downlink E", has_downlink, "--hub none or --hub file://...", hub_local,
+     "the updates and views are published over HTTP and file:// only: s3:// and hf:// are not built yet"},
+    {COMBINE_REFUSED, "downlink", "--downlink E", has_downlink, "--publish-interval 0", publishes_each,
+     "a tree that skips steps would lose the updates between them: each published step's update is "
+     "against the step before"},
+    {COMBINE_IGNORED, "updates_keep", NULL, NULL, "--downlink mxfp8 or mxfp4", has_downlink, NULL},
     {COMBINE_IGNORED, "max_staleness", NULL, NULL, "--mode async", is_async, NULL},
     {COMBINE_IGNORED, "staleness_weight", NULL, NULL, "--mode async", is_async, NULL},
     {COMBINE_IGNORED, "dn_period", NULL, NULL, "--mode async", is_async, NULL},

@@ -2,6 +2,7 @@
  * the same settings (unset options as comments). */
 #include "config.h"
 #include "config_internal.h"
+#include "compress.h"
 #include "hub.h"
 
 #include <inttypes.h>
@@ -174,6 +175,7 @@ void config_print(const config *c, FILE *out)
     fprintf(out, "prune_consumed = %u\nwarm_outputs = %u\nhistory_keep = %u\n", c->prune_consumed, c->warm_outputs,
             c->history_keep);
     fprintf(out, "shard_size = %" PRIu64 "\n", c->shard_size);
+    fprintf(out, "downlink = %s\nupdates_keep = %u\n", cz_encoding_name((cz_encoding)c->downlink), c->updates_keep);
     fprintf(out, "cluster_shards = %u\n", c->cluster_shards);
     print_double(out, "cluster_lease", c->cluster_lease);
     print_transport_options(c, out);

@@ -149,6 +149,7 @@ void daemon__global_committed(dilocod *d)
     /* one open of the committed global for downloads (a sharded layout once its set is written, which
      * a restart finds already there) */
     daemon__serve_step(d, -1, d->st.step);
+    daemon__downlink_serve(d);
     daemon__ensure_set(d);
     struct stat sb;
     if (stat(d->st.global_path, &sb) == 0)
@@ -340,7 +341,7 @@ static void load_record(void *arg, const round_record *r)
 
     workers_committed(&d->workers, r, 1);
     daemon__verdicts_committed(d, r, 1);        /* what verdicts.json had not caught up with */
-    if (d->cfg->async)
+    if (daemon__async(d))
         daemon__async_load_record(d, r);
 }
 
@@ -361,7 +362,8 @@ static int startup(dilocod *d, dl_error *err)
     if ((rc = daemon__sign_open(d, err)) != 0 || (rc = daemon__recover_redo(d, err)) != 0)
         return rc;
     daemon__sign_chain(d);
-    d->st.async_cache = d->cfg->async;  /* async: every cached delta is one acknowledged, offered again */
+    d->st.async_cache = daemon__async(d);  /* async: every cached delta is one acknowledged, offered again */
+    d->st.updates_keep = d->cfg->updates_keep;
     if (d->st.committed && (rc = store_cleanup(&d->st, 1, err)) != 0)
         return rc;
     if (d->st.committed) {      /* found (or recovered) durable, and the files before it are gone */
@@ -375,7 +377,7 @@ static int startup(dilocod *d, dl_error *err)
     if ((rc = history_load_each(&d->history, d->st.dir, d->st.committed ? d->st.step : UINT64_MAX, d->st.round_json,
                                 load_record, d, err)) != 0)
         return rc;
-    if (d->cfg->async)
+    if (daemon__async(d))
         daemon__async_loaded(d);
     daemon__robust_load(d);     /* the nodes' trailing norms, from the records kept */
     if (d->st.committed) {
@@ -557,8 +559,10 @@ int daemon_run(config *cfg, const daemon_front *front)
     store_free(&d->st);
     d->front->free_credentials();
     daemon__served_clear(&d->global);
+    daemon__downlink_free(d);
     history_free(&d->history);
     free(d->cluster_dir);
+    free(d->cluster_unappended.p);
     daemon__async_free(d);
     daemon__robust_free(d);
     daemon__sign_free(d);

@@ -76,6 +76,16 @@ typedef struct served_global {
     uint32_t nshards;
 } served_global;
 
+/* The downlink (README, "The downlink"; daemon_downlink.c): whether --downlink is on; the view served
+ * and its step (NULL: none yet); the update of step if it is committed and kept (NULL: not served);
+ * step_count.json's names for step (-1: the served view is not step's; 1: its hash is not known, the
+ * view being the global: view_hash unset); the bytes a route sent. */
+int daemon_downlink_on(const dilocod *d);
+const served_file *daemon_view_file(const dilocod *d, uint64_t *step);
+const served_file *daemon_update_file(const dilocod *d, uint64_t step);
+int daemon_downlink_names(const dilocod *d, uint64_t step, char view_hash[65], int *has_update);
+void daemon_downlink_sent(dilocod *d, int update, uint64_t bytes);
+
 /* The global that downloads send now (retries opening a newly committed one that failed to open). */
 const served_global *daemon__global(dilocod *d);
 

@@ -204,7 +204,7 @@ uint64_t daemon__async_recommended(const dilocod *d, const char *node_id)
 {
     const async_node *e = NULL;
 
-    if (!d->cfg->async)
+    if (!daemon__async(d))
         return 0;
     for (size_t i = 0; i < d->async.n && e == NULL; i++)
         if (strcmp(d->async.nodes[i].node_id, node_id) == 0)
@@ -220,7 +220,7 @@ void daemon__async_update(const dilocod *d, store_dn *dn)
     double sum = 0;
 
     memset(dn, 0, sizeof(*dn));
-    if (!d->cfg->async)
+    if (!daemon__async(d))
         return;
     for (size_t i = 0; i < d->rnd.n; i++)
         sum += d->rnd.entries[i].weight;
@@ -374,7 +374,7 @@ void daemon__async_round_opened(dilocod *d)
 {
     daemon_async *a = &d->async;
 
-    if (!d->cfg->async)
+    if (!daemon__async(d))
         return;
     /* nothing before this step was applied by this state, as far as it knows: a tree of an older run's
      * deltas is stale below it, and after an adoption (a later open) so are the deltas the global's
@@ -392,7 +392,7 @@ uint64_t daemon__async_bound(dilocod *d)
     uint64_t bound = d->cfg->max_staleness == CONFIG_NO_STALENESS_BOUND ? ROUND_NO_STALENESS_BOUND
                                                                         : d->cfg->max_staleness;
 
-    if (!d->cfg->async)
+    if (!daemon__async(d))
         return 0;
     if (a->floor_known && d->rnd.step >= a->floor && d->rnd.step - a->floor < bound)
         bound = d->rnd.step - a->floor;
@@ -405,7 +405,7 @@ int daemon__async_below_floor(dilocod *d, const delta_info *info, int count)
     daemon_async *a = &d->async;
     char qn[160];
 
-    if (!d->cfg->async || !a->floor_known || info->base_outer_step >= a->floor)
+    if (!daemon__async(d) || !a->floor_known || info->base_outer_step >= a->floor)
         return 0;
     if (!count)
         return 1;
@@ -436,8 +436,8 @@ static void async_status(const dilocod *d, sbuf *b)
     const hub_status *hs = d->hub != NULL ? hub_get_status(d->hub) : NULL;
     double now = daemon__now((dilocod *)d);
 
-    sb_printf(b, ",\"mode\":\"%s\"", d->cfg->async ? "async" : "sync");
-    if (!d->cfg->async)
+    sb_printf(b, ",\"mode\":\"%s\"", daemon__async(d) ? "async" : "sync");
+    if (!daemon__async(d))
         return;
     sb_str(b, ",\"async\":{\"max_staleness\":");
     if (d->cfg->max_staleness == CONFIG_NO_STALENESS_BOUND)
@@ -481,8 +481,8 @@ static void async_metrics(const dilocod *d, sbuf *b)
     uint64_t cum = 0;
 
     daemon_metric_family(b, "async_mode", "gauge", "1 in async mode (--mode async), 0 in sync mode");
-    sb_printf(b, "dilocod_async_mode %d\n", d->cfg->async ? 1 : 0);
-    if (!d->cfg->async)
+    sb_printf(b, "dilocod_async_mode %d\n", daemon__async(d) ? 1 : 0);
+    if (!daemon__async(d))
         return;
     daemon_metric_family(b, "async_updates_total", "counter", "Updates committed since the start (async mode)");
     sb_printf(b, "dilocod_async_updates_total %" PRIu64 "\n", a->updates);

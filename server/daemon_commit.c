@@ -46,7 +46,8 @@ static store_commit_info round_commit_info(const dilocod *d, store_dn *after)
         .momentum_sum = d->agg.pass->out_momentum_path != NULL ? &d->agg.pass->out_momentum_sum : NULL,
         .accum_path = d->agg.pass->out_accum_path,
         .accum_sum = d->agg.pass->out_accum_path != NULL ? &d->agg.pass->out_accum_sum : NULL,
-        .dn = d->agg.dn.on ? after : NULL,
+        .dn = daemon__async(d) ? after : NULL,
+        .view = daemon__downlink_made(d, d->rnd.step + 1),
     };
     return info;
 }
@@ -61,6 +62,7 @@ typedef struct commit_args {
     store_redo redo;            /* owned: copied from the loop's round when the commit is queued */
     char *global_path;          /* the pass's new global, opened for downloads */
     char *momentum_path, *accum_path;   /* --signing-key: the other outputs the record names (or NULL) */
+    char *view_path, *update_path;      /* --signing-key with --downlink: the step's view and update (or NULL) */
     int download_fd;            /* result: its descriptor for downloads, or a negative errno */
     char manifest_hash[65];     /* result: the step's record's block hash (redo.manifest set) */
     char out_hex[3][65];        /* result: its global's, momentum's, accumulator's block hashes ("": none) */
@@ -73,22 +75,38 @@ static void commit_args_free(commit_args *a)
         free(a->global_path);
         free(a->momentum_path);
         free(a->accum_path);
+        free(a->view_path);
+        free(a->update_path);
         free(a);
     }
 }
 
+/* The files a step's record names besides its global (NULL: none). */
+typedef struct record_files {
+    const char *momentum, *accum;
+    const char *view, *update;  /* --downlink: the step's view and update (README, "The downlink") */
+} record_files;
+
 /* The outputs a step's record names, in its order: the published global, the momentum, the async
- * accumulator (the downlink's view and update join here).  Returns how many. */
-static size_t record_outputs(manifest_output out[MAX_RECORD_OUTPUTS], const char *global, const char *momentum,
-                             const char *accum)
+ * accumulator, the downlink's view (no fixed tree path: served as /global/view.safetensors, a tree
+ * holds a checkpoint every keep/2 steps) and update (update_tree: its tree path's buffer).  Returns how
+ * many. */
+static size_t record_outputs(manifest_output out[MAX_RECORD_OUTPUTS], uint64_t step, const char *global,
+                             const record_files *f, char update_tree[64])
 {
     size_t n = 0;
 
     out[n++] = (manifest_output){"global", "global/latest.safetensors", global};
-    if (momentum != NULL)
-        out[n++] = (manifest_output){"momentum", NULL, momentum};
-    if (accum != NULL)
-        out[n++] = (manifest_output){"accumulator", NULL, accum};
+    if (f->momentum != NULL)
+        out[n++] = (manifest_output){"momentum", NULL, f->momentum};
+    if (f->accum != NULL)
+        out[n++] = (manifest_output){"accumulator", NULL, f->accum};
+    if (f->view != NULL)
+        out[n++] = (manifest_output){"view", NULL, f->view};
+    if (f->update != NULL) {
+        snprintf(update_tree, 64, "global/updates/%" PRIu64 ".safetensors", step);
+        out[n++] = (manifest_output){"update", update_tree, f->update};
+    }
     return n;
 }
 
@@ -108,6 +126,9 @@ static commit_args *commit_args_new(dilocod *d)
     a->redo.dn = d->agg.dn;
     a->redo.rule = (int)d->cfg->aggregate;
     a->redo.trim_k = d->cfg->trim_k;
+    /* a restart makes the view and update again as they were served */
+    const store_view *view = daemon__downlink_made(d, a->redo.step);
+    a->redo.downlink = view != NULL ? view->enc : 0;
     if (d->agg.pass->delta_scale != NULL && (a->redo.scales = malloc((n ? n : 1) * sizeof(float))) != NULL)
         memcpy(a->redo.scales, d->agg.pass->delta_scale, n * sizeof(float));
     int no_scales = d->agg.pass->delta_scale != NULL && a->redo.scales == NULL;
@@ -131,7 +152,9 @@ static commit_args *commit_args_new(dilocod *d)
     if (!bad && d->sign.on)
         bad = (a->redo.manifest = daemon__sign_skeleton(d)) == NULL ||
               (d->agg.pass->out_momentum_path != NULL && (a->momentum_path = strdup(d->agg.pass->out_momentum_path)) == NULL) ||
-              (d->agg.pass->out_accum_path != NULL && (a->accum_path = strdup(d->agg.pass->out_accum_path)) == NULL);
+              (d->agg.pass->out_accum_path != NULL && (a->accum_path = strdup(d->agg.pass->out_accum_path)) == NULL) ||
+              (view != NULL && ((a->view_path = store_view_path(&d->st, a->redo.step)) == NULL ||
+                                (a->update_path = store_update_path(&d->st, a->redo.step)) == NULL));
     if (bad) {
         commit_args_free(a);
         return NULL;
@@ -152,8 +175,9 @@ static void commit_work(job *j)
      * that then fails to commit is never served: its step is not, and the next commit replaces it) */
     if (a->redo.manifest != NULL) {
         manifest_output out[MAX_RECORD_OUTPUTS];
-        char hex[MAX_RECORD_OUTPUTS][65];
-        size_t n = record_outputs(out, a->global_path, a->momentum_path, a->accum_path);
+        char hex[MAX_RECORD_OUTPUTS][65], update_tree[64];
+        record_files f = {a->momentum_path, a->accum_path, a->view_path, a->update_path};
+        size_t n = record_outputs(out, a->redo.step, a->global_path, &f, update_tree);
         if ((j->rc = manifest_write_hashes(d->st.dir, a->redo.step, a->redo.manifest, out, n, &d->sign.key,
                                            a->manifest_hash, hex, &j->err)) != 0)
             return;
@@ -188,6 +212,9 @@ typedef struct settle_args {
     size_t nkept;
     int keep_failed;            /* result: the step's files could not be kept (keep_err says why) */
     dl_error keep_err;
+    store_view view;            /* the downlink's view of the step (has_view), made durable with the global */
+    int has_view;
+    char *view_path, *update_path;
 } settle_args;
 
 void daemon__settle_free(settle_args *a)
@@ -200,6 +227,8 @@ void daemon__settle_free(settle_args *a)
         free(a->global_path);
         free(a->momentum_path);
         free(a->accum_path);
+        free(a->view_path);
+        free(a->update_path);
         free(a->round_json);
         free(a->unappended);
         free(a);
@@ -224,6 +253,7 @@ static void settle_work(job *j)
         .accum_path = a->accum_path,
         .accum_sum = a->accum_path != NULL ? &a->accum_sum : NULL,
         .dn = a->dn.on ? &a->dn : NULL,
+        .view = a->has_view ? &a->view : NULL,
     };
     dl_error herr;
 
@@ -236,6 +266,10 @@ static void settle_work(job *j)
         return;
     if (a->accum_path != NULL && ((j->rc = fsu_fsync_path(a->accum_path, &j->err)) != 0 ||
                                   (j->rc = fsu_fsync_parent(a->accum_path, &j->err)) != 0))
+        return;
+    if (a->has_view && ((j->rc = fsu_fsync_path(a->view_path, &j->err)) != 0 ||
+                        (j->rc = fsu_fsync_path(a->update_path, &j->err)) != 0 ||
+                        (j->rc = fsu_fsync_parent(a->view_path, &j->err)) != 0))
         return;
     if (a->signed_step && (j->rc = manifest_sync(d->st.dir, a->step, &j->err)) != 0)
         return;
@@ -391,10 +425,21 @@ static void start_settle(dilocod *d, uint64_t step)
             return;
         }
     }
+    const store_view *view = daemon__downlink_made(d, step);
+    if (view != NULL) {
+        a->has_view = 1;
+        a->view = *view;
+        if ((a->view_path = store_view_path(&d->st, step)) == NULL ||
+            (a->update_path = store_update_path(&d->st, step)) == NULL) {
+            daemon__settle_free(a);
+            settle_out_of_memory(d, step);
+            return;
+        }
+    }
     a->global_sum = d->agg.pass->out_global_sum;
     a->momentum_sum = d->agg.pass->out_momentum_sum;
     a->accum_sum = d->agg.pass->out_accum_sum;
-    if (d->agg.dn.on) {
+    if (daemon__async(d)) {
         a->dn = daemon__async_after(&d->agg.dn);
         if ((d->agg.pass->out_accum_path != NULL && (a->accum_path = strdup(d->agg.pass->out_accum_path)) == NULL) ||
             (a->consumed = calloc(d->agg.n ? d->agg.n : 1, sizeof(char *))) == NULL) {
@@ -547,7 +592,7 @@ int daemon__prepare_round_record(dilocod *d, double seconds)
         snprintf(r->aggregate, sizeof(r->aggregate), "%s", config_rule_name(d->cfg->aggregate));
     if (record_quarantined(d, r) != 0 || record_refused(d, r) != 0)
         return -ENOMEM;
-    if (d->agg.dn.on) {
+    if (daemon__async(d)) {
         store_dn after = daemon__async_after(&d->agg.dn);
         r->async = 1;
         r->weight = d->agg.dn.weight;
@@ -609,7 +654,9 @@ void daemon__schedule_cleanup(dilocod *d)
         return;
     snap->committed = 1;
     snap->step = d->st.step;
-    snap->async_cache = d->cfg->async;
+    snap->async_cache = daemon__async(d);
+    snap->view = d->st.view;
+    snap->updates_keep = d->cfg->updates_keep;
     if ((snap->dir = strdup(d->st.dir)) == NULL || (snap->global_path = strdup(d->st.global_path)) == NULL ||
         (d->st.momentum_path != NULL && (snap->momentum_path = strdup(d->st.momentum_path)) == NULL) ||
         pipeline_start(&d->pipe, snap->step, STEP_ACT_CLEANUP) != 0) {
@@ -675,11 +722,13 @@ static void commit_done(job *j)
     record_round(d);
     daemon__async_committed(d, &d->agg.dn);
     daemon__serve_step(d, fd, d->st.step);
+    daemon__downlink_serve(d);
     pipeline_move(&d->pipe, d->st.step, STEP_SERVED);
     daemon__ensure_set(d);
     d->committed_at = time(NULL);
     dl_log(DL_LOG_INFO, "store", "committed", "step=%" PRIu64 " global=%s", d->st.step, d->st.global_path);
     start_settle(d, d->st.step);
+    d->down.made = 0;
     daemon__pass_release(d);
     round_reset(&d->rnd, d->st.step);
     d->round_opened_wall = daemon__wall_of(daemon__clock());
@@ -751,6 +800,7 @@ int daemon__recover_redo(dilocod *d, dl_error *err)
     outer_pass p = {0};
     uint64_t *sums = NULL;
     unsigned char *summed = NULL;
+    char *view_path = NULL, *update_path = NULL;    /* a signed step's view and update (--downlink) */
 
     if ((rc = store_redo_read(&d->st, &r, &present, err)) != 0 || !present)
         return rc;
@@ -837,6 +887,9 @@ int daemon__recover_redo(dilocod *d, dl_error *err)
         rc = store_redo_remove(&d->st, err);
         goto out;
     }
+    store_view view;
+    if (rc == 0 && r.downlink != 0)
+        rc = daemon__downlink_recover(d, r.downlink, r.step, p.out_global_path, &view, err);
     if (rc == 0) {
         store_dn after = daemon__async_after(&r.dn);
         store_commit_info info = {
@@ -853,11 +906,19 @@ int daemon__recover_redo(dilocod *d, dl_error *err)
             .accum_path = p.out_accum_path,
             .accum_sum = p.out_accum_path != NULL ? &p.out_accum_sum : NULL,
             .dn = r.dn.on ? &after : NULL,
+            .view = r.downlink != 0 ? &view : NULL,
         };
         /* --signing-key: the record again, the same bytes (the outputs are), and durable before the commit */
         manifest_output out[MAX_RECORD_OUTPUTS];
-        char hash[65];
-        size_t nout = record_outputs(out, p.out_global_path, p.out_momentum_path, p.out_accum_path);
+        char hash[65], update_tree[64];
+        if (r.downlink != 0 && r.manifest != NULL && d->sign.on &&
+            ((view_path = store_view_path(&d->st, r.step)) == NULL ||
+             (update_path = store_update_path(&d->st, r.step)) == NULL)) {
+            rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+            goto out;
+        }
+        record_files f = {p.out_momentum_path, p.out_accum_path, view_path, update_path};
+        size_t nout = record_outputs(out, r.step, p.out_global_path, &f, update_tree);
         if (r.manifest != NULL && !d->sign.on)
             dl_log(DL_LOG_WARN, "sign", "the recovered step was signed, but --signing-key is not given: its record is "
                    "not written again", "step=%" PRIu64, r.step);
@@ -886,6 +947,8 @@ out:
     outer_free(&p);
     free(sums);
     free(summed);
+    free(view_path);
+    free(update_path);
     free((void *)p.out_global_path);
     free((void *)p.out_momentum_path);
     free((void *)p.out_accum_path);

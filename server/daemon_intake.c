@@ -129,9 +129,9 @@ round_verdict daemon__peek(dilocod *d, const delta_info *info)
     /* no global yet: nothing can be based on a step we do not have */
     if (daemon__state(d) == S_WAITING_GLOBAL)
         return ROUND_FUTURE;
-    if (d->rnd.async && daemon__async_applied(d, info))
+    if (daemon__async(d) && daemon__async_applied(d, info))
         return ROUND_NOT_NEWER;         /* applied already */
-    if (d->rnd.async)
+    if (daemon__async(d))
         (void)daemon__async_bound(d);   /* no base below the applied set's floor: stale */
     if (!daemon__robust_weighable(d, info))
         return ROUND_NO_WEIGHT;
@@ -147,7 +147,7 @@ static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path,
     double now = daemon__now(d);
     const round_entry *e;
 
-    if (d->rnd.async) {
+    if (daemon__async(d)) {
         /* a base below the applied set's floor is stale (the round's bound says so; said here why),
          * unless the cache held the delta at a restart: acknowledged and never applied */
         (void)daemon__async_bound(d);
@@ -155,9 +155,9 @@ static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path,
             (void)daemon__async_below_floor(d, info, 1);
     }
     /* async: a delta applied already (an upload retried, a tree handed over again) is not newer */
-    round_verdict v = d->rnd.async && daemon__async_applied(d, info) ? ROUND_NOT_NEWER : round_peek(&d->rnd, info);
+    round_verdict v = daemon__async(d) && daemon__async_applied(d, info) ? ROUND_NOT_NEWER : round_peek(&d->rnd, info);
     /* sync: the node's delta this one may replace, whose record then says so */
-    const round_entry *prev = d->rnd.async ? NULL : round_find(&d->rnd, info);
+    const round_entry *prev = daemon__async(d) ? NULL : round_find(&d->rnd, info);
     int had_prev = prev != NULL;
     uint64_t prev_local = prev != NULL ? prev->local_step : 0, prev_base = prev != NULL ? prev->base : 0;
     /* the norm screen judges a delta the round would take (one taken before a restart was judged then) */
@@ -165,16 +165,16 @@ static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path,
         v = ROUND_NO_WEIGHT;
     else if (round_verdict_taken(v) && !recovered && daemon__robust_screen_offer(d, info))
         v = ROUND_OUTLIER;
-    else if (v != ROUND_NOT_NEWER || !d->rnd.async)
+    else if (v != ROUND_NOT_NEWER || !daemon__async(d))
         v = round_offer(&d->rnd, info, cache_path, size, now, recovered, &replaced);
-    if ((v == ROUND_NOT_NEWER && d->rnd.async) || v == ROUND_OUTLIER || v == ROUND_NO_WEIGHT)
+    if ((v == ROUND_NOT_NEWER && daemon__async(d)) || v == ROUND_OUTLIER || v == ROUND_NO_WEIGHT)
         round_count_refused(&d->rnd, v);
     int first = d->rnd.n == 1 && v == ROUND_ACCEPTED;
 
     if (round_verdict_taken(v) && guard != NULL)
         round_guard(&d->rnd, info, guard);
     if (round_verdict_taken(v)) {
-        if (d->rnd.async)
+        if (daemon__async(d))
             dl_log(DL_LOG_INFO, "round", v == ROUND_QUEUED ? "delta queued for the next update" : "delta accepted",
                    "step=%" PRIu64 " node=%s local_step=%" PRIu64 " base_outer_step=%" PRIu64 " tau=%" PRIu64
                    " bytes=%" PRIu64 " pending=%zu",
@@ -200,7 +200,7 @@ static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path,
         daemon__verdict_taken(d, info, v, http ? 201 : 0, recovered, had_prev, prev_local, prev_base);
         workers_report(&d->workers, info->node_id, info->base_outer_step, info->local_step, time(NULL), &info->metrics,
                        &info->cz, size);
-        if (d->rnd.async)
+        if (daemon__async(d))
             daemon__async_accepted(d, info, d->rnd.step - info->base_outer_step, now);
         if (replaced != NULL) {
             daemon__discard_local(d, replaced, 0);
@@ -411,7 +411,7 @@ static void intake_done(job *j)
             daemon__discard_local(d, r->src_path, 0);
         if (r->status == INTAKE_STALE && r->rel_path != NULL)
             daemon__prune_now(d, r->rel_path);
-        if (r->status == INTAKE_STALE && d->rnd.async)
+        if (r->status == INTAKE_STALE && daemon__async(d))
             (void)daemon__async_below_floor(d, &r->info, 1);    /* counted and said when that is why */
         break;
     case INTAKE_DUPLICATE:
@@ -450,7 +450,7 @@ void daemon__dispatch_intake(dilocod *d)
         r->step = d->rnd.step;
         /* sync: this step's deltas only; async: within the staleness bound, and any base for a delta the
          * cache held at a restart (taken before it) */
-        r->max_staleness = !d->rnd.async ? 0 : r->in_cache ? UINT64_MAX : daemon__async_bound(d);
+        r->max_staleness = !daemon__async(d) ? 0 : r->in_cache ? UINT64_MAX : daemon__async_bound(d);
         if (daemon__queue(d, intake_work, intake_done, r) != 0) {
             intake_req_free(r);
             continue;
@@ -491,7 +491,7 @@ static void requeue_cache_dir(dilocod *d, uint64_t step);
  * one there was taken and not consumed: a consumed one goes before its redo record). */
 static void requeue_cache(dilocod *d)
 {
-    if (!d->rnd.async) {
+    if (!daemon__async(d)) {
         requeue_cache_dir(d, d->st.step);
         return;
     }
@@ -572,11 +572,11 @@ void daemon__round_open(dilocod *d)
 {
     round_init(&d->rnd, d->st.step, d->cfg->expected_nodes, d->cfg->nodes, d->cfg->nnodes, d->cfg->min_nodes,
                d->cfg->round_timeout);
-    if (d->cfg->async)
+    if (daemon__async(d))
         round_init_async(&d->rnd, d->cfg->max_staleness == CONFIG_NO_STALENESS_BOUND ? ROUND_NO_STALENESS_BOUND
                                                                                       : d->cfg->max_staleness,
                          d->cfg->staleness_weight == WEIGHT_POLY, d->cfg->grace_ms / 1000.0, d->cfg->async_queue);
-    if (d->cfg->async)
+    if (daemon__async(d))
         daemon__async_round_opened(d);
     pipeline_begin(&d->pipe, d->st.step + 1, STEP_COLLECTING);
     model_facts(d);
@@ -584,14 +584,14 @@ void daemon__round_open(dilocod *d)
         hub_limits lim = {
             .delta_index_bytes = st_index_cap_for(d->model),
             .delta_set_bytes = intake_set_budget(d->delta_bytes, (uint64_t)d->cfg->max_delta_header_mib << 20),
-            .max_staleness = d->rnd.async ? d->rnd.max_staleness : 0,
-            .async = d->rnd.async,
-            .min_base = d->rnd.async ? d->async.floor : 0,
+            .max_staleness = daemon__async(d) ? d->rnd.max_staleness : 0,
+            .async = daemon__async(d),
+            .min_base = daemon__async(d) ? d->async.floor : 0,
         };
         hub_set_limits(d->hub, &lim);
         hub_set_step(d->hub, d->st.step, 0);
     }
-    if (d->rnd.async)
+    if (daemon__async(d))
         (void)daemon__async_bound(d);
     daemon__plan_layout(d);
     dl_log(DL_LOG_INFO, "round", "opened", "step=%" PRIu64 " expected=%u min_nodes=%u tensors=%zu", d->rnd.step,

@@ -226,12 +226,31 @@ typedef struct daemon_sign {
     struct sign_known *known;
     size_t nknown;
 } daemon_sign;
+/* The downlink (daemon_downlink.c; README, "The downlink"): the view and update the finished pass's step
+ * commits with, the committed view and the chain's last updates served, and what was sent. */
+typedef struct daemon_downlink {
+    store_view pending;         /* the view of step made_step, made after its pass (valid while made) */
+    int made;
+    uint64_t made_step;
+    served_file view;           /* GET /global/view.safetensors: the committed step's view */
+    uint64_t view_step;
+    int view_hashed;
+    unsigned char view_hash[32];
+    served_file *updates;       /* GET /global/updates/<s>.safetensors: ring of nring (--updates-keep) slots */
+    uint64_t *update_step;      /* [nring]: the step each slot serves */
+    unsigned nring;
+    uint64_t last_update_bytes, view_bytes;
+    double last_seconds, last_gap;
+    uint64_t updates_sent, update_bytes_sent, views_sent, view_bytes_sent;
+} daemon_downlink;
 
 typedef struct dilocod {
     uv_loop_t loop;
     config *cfg;
     struct cluster *cluster;    /* --cluster-shards (daemon_cluster.c): the bucket is the state, no pipeline runs */
     char *cluster_dir;          /* its state directory: rounds.jsonl of the steps it saw published */
+    sbuf cluster_unappended;    /* records for that rounds.jsonl not handed to the pool yet (in order) */
+    int cluster_appending;      /* one append job out at a time, so the file keeps their order */
     store st;
     int stopping;
     int exit_code;
@@ -284,6 +303,7 @@ typedef struct dilocod {
     stats m;                    /* every counter (stats.h) */
     workers workers;            /* what each worker last reported with its deltas (workers.h) */
     daemon_verdicts verdicts;   /* daemon_verdicts.c */
+    daemon_downlink down;       /* daemon_downlink.c */
     /* adoptions of a published global refused (its step out of bounds, its header over the cap, ...):
      * counted each time, logged once per step offered */
     uint64_t adoptions_refused;
@@ -313,6 +333,15 @@ static inline double daemon__wall_of(double mono)
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9 - (daemon__clock() - mono);
+}
+
+/* The one answer to "is this daemon in async mode?".  It was read five ways (cfg->async, rnd.async,
+ * agg.dn.on, st.async_cache, the transport's max_staleness); the modules the daemon configures at startup
+ * (round, store, the pass's Delayed Nesterov parameters) are given it from here, and the daemon's files
+ * ask only this (make lint-layers holds it). */
+static inline int daemon__async(const dilocod *d)
+{
+    return d->cfg->async;
 }
 
 const char *daemon__state_name(dstate s);

@@ -30,7 +30,7 @@ struct settle_args;
 
 /* Registers every provider (the daemon's, then the uploads'), in /status's order.  0, or -ENOSPC. */
 /* daemon.c: the front's busy() (daemon.h's daemon_front: uploads being received), 0 without one: what the
- * warm thread yields to (for daemon_pass.c, which still asks api/'s upload_in_flight directly). */
+ * warm thread yields to (daemon_pass.c). */
 int daemon__front_busy(const dilocod *d);
 int daemon__status_register(dilocod *d);
 
@@ -229,6 +229,27 @@ int daemon__open_for_download(const char *path);
 void daemon__serve_step(dilocod *d, int fd, uint64_t step);
 /* Releases what g serves. */
 void daemon__served_clear(served_global *g);
+/* f serves fd (a file of step; fd taken, or a negative errno).  0 or a negative errno. */
+int daemon__served_file_set(served_file *f, int fd, uint64_t step);
+void daemon__served_file_clear(served_file *f);
+
+/* ---- daemon_downlink.c: the view and the update of each step (README, "The downlink") ---- */
+
+/* The finished pass's global is written: its step's view and update are made on the pool, then the pass
+ * activity ends and the commit is tried (or the step fails into a retry). */
+void daemon__downlink_make(dilocod *d);
+/* The view step's commit carries (made after its pass), or NULL. */
+const store_view *daemon__downlink_made(const dilocod *d, uint64_t step);
+/* Recovery of a redo record that names the downlink: step's view and update made again from the committed
+ * view and global (step's global, just recomputed), durable.  Blocking, before the loop runs. */
+int daemon__downlink_recover(dilocod *d, int enc, uint64_t step, const char *global, store_view *out, dl_error *err);
+/* The committed step's view and its chain's kept updates are served (after a commit, at startup, after an
+ * adoption). */
+void daemon__downlink_serve(dilocod *d);
+void daemon__downlink_free(dilocod *d);
+/* Before a publish of the committed step: its downlink files handed to the transport. */
+void daemon__downlink_publish(dilocod *d);
+extern const daemon_provider daemon__downlink_provider;
 /* Above --shard-size: writes the committed step's published set, once per step. */
 void daemon__ensure_set(dilocod *d);
 /* How many shards --shard-size makes of the model (1: the plain file). */

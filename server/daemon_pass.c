@@ -177,7 +177,7 @@ static void output_overflowed(dilocod *d, const dl_error *err)
 {
     const outer_pass *p = d->agg.pass;
     size_t n = d->agg.n < p->ndeltas ? d->agg.n : p->ndeltas;
-    unsigned floor = d->rnd.async ? 1 : d->cfg->min_nodes;
+    unsigned floor = daemon__async(d) ? 1 : d->cfg->min_nodes;
 
     uv_timer_stop(&d->progress_timer);
     daemon__log_error("aggregate", "the outer step overflowed: not committed, and never computed again from the "
@@ -190,7 +190,7 @@ static void output_overflowed(dilocod *d, const dl_error *err)
     round_entry *e = &d->rnd.entries[d->agg.entry[worst]];
     daemon__robust_overflow(d, e, sqrt(p->stats[worst].sumsq));
     /* async: the settle removes consumed deltas only; this one goes now, or a restart offers it again */
-    if (d->rnd.async)
+    if (daemon__async(d))
         daemon__discard_local(d, e->path, 0);
     if (n - 1 < floor) {
         discard_overflowed_round(d);
@@ -231,6 +231,10 @@ static void finish_done(job *j)
         dl_error e;
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory for the round's record");
         daemon__aggregation_failed(d, &e);
+        return;
+    }
+    if (d->cfg->downlink != 0) {
+        daemon__downlink_make(d);       /* the step's view and update, then the pass activity ends */
         return;
     }
     /* the outputs are written: the commit waits in computing for the inputs and the previous settle */
@@ -862,7 +866,7 @@ static void discard_round(dilocod *d)
         daemon__discard_local(d, path, 0);
         free(path);
     }
-    if (d->rnd.async)
+    if (daemon__async(d))
         round_reset(&d->rnd, d->rnd.step);
     reopen_round(d);
 }
@@ -910,7 +914,7 @@ static void screen_done(dilocod *d)
         daemon__robust_cosine(d, e, cosine);
         /* async: the settle removes the consumed deltas only; a quarantined one goes now, or a restart
          * would offer it again (sync: the round's cache directory goes with its step) */
-        if (e->quarantined && d->rnd.async)
+        if (e->quarantined && daemon__async(d))
             daemon__discard_local(d, e->path, 0);
     }
     d->agg.screened_step = d->rnd.step + 1;

@@ -43,7 +43,7 @@ static char *set_index_path(dilocod *d, uint64_t step)
     return p;
 }
 
-static void served_file_clear(served_file *f)
+void daemon__served_file_clear(served_file *f)
 {
     if (f->file != NULL)
         http_file_unref(f->file);
@@ -52,16 +52,15 @@ static void served_file_clear(served_file *f)
 
 void daemon__served_clear(served_global *g)
 {
-    served_file_clear(&g->single);
-    served_file_clear(&g->index);
+    daemon__served_file_clear(&g->single);
+    daemon__served_file_clear(&g->index);
     for (uint32_t i = 0; i < g->nshards; i++)
-        served_file_clear(&g->shards[i]);
+        daemon__served_file_clear(&g->shards[i]);
     free(g->shards);
     memset(g, 0, sizeof(*g));
 }
 
-/* f serves fd (a file of step; fd taken, or a negative errno).  0 or a negative errno. */
-static int served_file_set(served_file *f, int fd, uint64_t step)
+int daemon__served_file_set(served_file *f, int fd, uint64_t step)
 {
     struct stat sb;
 
@@ -88,7 +87,7 @@ static int served_open_set(dilocod *d, served_global *g, uint64_t step)
     int rc = index != NULL && dir != NULL ? 0 : -ENOMEM;
 
     if (rc == 0)
-        rc = served_file_set(&g->index, daemon__open_for_download(index), step);
+        rc = daemon__served_file_set(&g->index, daemon__open_for_download(index), step);
     if (rc == 0 && (g->shards = calloc(d->layout.nshards, sizeof(*g->shards))) == NULL)
         rc = -ENOMEM;
     for (uint32_t i = 0; rc == 0 && i < d->layout.nshards; i++) {
@@ -99,7 +98,7 @@ static int served_open_set(dilocod *d, served_global *g, uint64_t step)
             rc = -ENOMEM;
             break;
         }
-        rc = served_file_set(&g->shards[i], daemon__open_for_download(path), step);
+        rc = daemon__served_file_set(&g->shards[i], daemon__open_for_download(path), step);
         free(path);
         path = NULL;
     }
@@ -126,7 +125,7 @@ void daemon__serve_step(dilocod *d, int fd, uint64_t step)
         }
         rc = served_open_set(d, &g, step);
     } else {
-        rc = served_file_set(&g.single, fd >= 0 ? fd : daemon__open_for_download(d->st.global_path), step);
+        rc = daemon__served_file_set(&g.single, fd >= 0 ? fd : daemon__open_for_download(d->st.global_path), step);
     }
     if (rc != 0) {
         if (!d->global_stale)
@@ -326,6 +325,7 @@ static void publish_step(dilocod *d, const char *model)
 
     d->publish.bootstrap = pub.bootstrap;
     publish_started(d);
+    daemon__downlink_publish(d);        /* the downlink's files go with this publish (hub.h set_downlink) */
     hub_publish_step(d->hub, &pub);
     free(record);
 }

@@ -112,7 +112,7 @@ static size_t other_norms(const dilocod *d, const char *node_id, double *v, cons
 {
     size_t n = 0;
 
-    if (!d->rnd.async) {
+    if (!daemon__async(d)) {
         for (size_t i = 0; i < d->rnd.n; i++) {
             const round_entry *e = &d->rnd.entries[i];
             if (e->has_norm && strcmp(e->node_id, node_id) != 0)
@@ -158,7 +158,7 @@ static int reference_median(const dilocod *d, const char *node_id, double norm, 
      * outvoted by any number still to come: its close alone judges (async mode requires the count,
      * config.c) */
     if (!closing && strcmp(*basis, "round") == 0) {
-        if (d->cfg->expected_nodes == 0 && !d->rnd.async) {
+        if (d->cfg->expected_nodes == 0 && !daemon__async(d)) {
             free(v);
             *median = INFINITY;
             return 0;
@@ -266,7 +266,7 @@ void daemon__robust_screen_close(dilocod *d)
     double bound = 0;
     int *bad;
 
-    if (d->rnd.async || (d->cfg->max_norm <= 0 && d->cfg->max_norm_ratio <= 0) || d->rnd.n == 0)
+    if (daemon__async(d) || (d->cfg->max_norm <= 0 && d->cfg->max_norm_ratio <= 0) || d->rnd.n == 0)
         return;
     /* every verdict against the same round, then applied: independent of the order */
     if ((bad = calloc(d->rnd.n, sizeof(*bad))) == NULL)
@@ -327,7 +327,7 @@ static int weighted_scales(const dilocod *d, const round_entry *const *e, size_t
  * screen's reference in async mode. */
 static int clipped_scales(const dilocod *d, const round_entry *const *e, size_t n, float *scale)
 {
-    size_t cap = n + (d->rnd.async ? d->robust.n : 0), nv = 0;
+    size_t cap = n + (daemon__async(d) ? d->robust.n : 0), nv = 0;
     double *v = malloc((cap ? cap : 1) * sizeof(*v)), m;
 
     if (v == NULL)
@@ -335,7 +335,7 @@ static int clipped_scales(const dilocod *d, const round_entry *const *e, size_t 
     for (size_t k = 0; k < n; k++)
         if (e[k]->has_norm)
             v[nv++] = e[k]->norm;
-    for (size_t i = 0; d->rnd.async && i < d->robust.n; i++) {
+    for (size_t i = 0; daemon__async(d) && i < d->robust.n; i++) {
         const robust_node *r = &d->robust.nodes[i];
         size_t k = 0;
         while (k < n && strcmp(e[k]->node_id, r->node_id) != 0)

@@ -254,7 +254,7 @@ static void entry_json(sbuf *b, const dilocod *d, size_t i, int first, const flo
         sb_str(b, ",\"block_hash\":null");
     sb_printf(b, ",\"bytes\":%" PRIu64, e->size);
     member_str(b, "encoding", e->cz.enc == CZ_NONE ? "none" : cz_encoding_name(e->cz.enc));
-    member_double(b, "weight", d->rnd.async ? e->weight : 1.0);
+    member_double(b, "weight", daemon__async(d) ? e->weight : 1.0);
     if (scale != NULL)
         member_double(b, "scale", *scale);
     if (e->quarantined) {
@@ -303,7 +303,7 @@ char *daemon__sign_skeleton(dilocod *d)
     sb_json_string(&b, d->cfg->id, strlen(d->cfg->id));
     member_str(&b, "key_fingerprint", d->sign.key.fingerprint);
     sb_str(&b, "}");
-    config_json(&b, d, d->agg.dn.on ? &d->agg.dn : NULL);
+    config_json(&b, d, daemon__async(d) ? &d->agg.dn : NULL);
     /* the aggregated inputs in the pass's order (a verifier's order), then the quarantined, then the
      * deltas refused at their arrival for this step */
     sb_str(&b, ",\"inputs\":[");

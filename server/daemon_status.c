@@ -630,7 +630,7 @@ int daemon__status_register(dilocod *d)
         &process_provider, &pipeline_provider, &round_provider, &pass_provider,  &history_provider,
         &optimizer_provider, &model_provider, &hub_provider,    &commit_provider, &stats_provider,
         &adopt_provider,   &index_provider,  &http_server_provider, &daemon__async_provider, &daemon__robust_provider,
-        &workers_provider, &daemon__verdicts_provider, NULL /* the front's: the uploads' (daemon.h) */, &daemon__cluster_provider,
+        &workers_provider, &daemon__verdicts_provider, &daemon__downlink_provider, NULL /* the front's: the uploads' (daemon.h) */, &daemon__cluster_provider,
     };
     for (size_t i = 0; i < sizeof(order) / sizeof(order[0]); i++) {
         const daemon_provider *p = order[i] != NULL ? order[i] : d->front != NULL ? d->front->provider : NULL;

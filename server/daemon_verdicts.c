@@ -239,7 +239,7 @@ void daemon__verdict_taken(dilocod *d, const delta_info *info, round_verdict rv,
         snprintf(msg, sizeof(msg), "replaced in the round by local_step %" PRIu64, info->local_step);
         (void)verdicts_settle(&d->verdicts.table, &old, VERDICT_REPLACED, NULL, msg, now_unix(), 1);
     }
-    snprintf(msg, sizeof(msg), "%s", d->rnd.async ? "taken for an update: the update decides"
+    snprintf(msg, sizeof(msg), "%s", daemon__async(d) ? "taken for an update: the update decides"
                                                   : "in the round: its close decides (screens, overflow)");
     verdicts_arrive(&d->verdicts.table, &v, rv == ROUND_QUEUED ? VERDICT_QUEUED : VERDICT_ACCEPTED,
                     round_verdict_name(rv), status, msg, now_unix());

@@ -157,6 +157,8 @@ def main():
     ap.add_argument("--encode", default="", choices=("", "int8_block", "mxfp8", "mxfp4"),
                     help="the workers send compressed deltas (the diloco package's encoders; empty: F32)")
     ap.add_argument("--no-error-feedback", action="store_true", help="--encode without the workers' residuals")
+    ap.add_argument("--downlink", default="", choices=("", "mxfp8", "mxfp4"),
+                    help="dilocod --downlink: the workers replay each step's compressed update (empty: the global)")
     ap.add_argument("--dilocod-args", default="", help="async: more dilocod options, e.g. '--momentum 0.9'")
     a = ap.parse_args()
     speeds = speeds_of(a.speeds, a.workers)
@@ -186,7 +188,8 @@ def main():
     dilocod = subprocess.Popen([str(Path(a.build) / "dilocod"), "--state-root", str(root / "state"),
                                 "--hub", f"file://{root / 'hub'}", "--listen", f"127.0.0.1:{a.port}",
                                 "--init-model", str(init), "--expected-nodes", str(a.workers),
-                                "--poll-interval", "0.5", "--threads", "2", *async_args(a), *faulty_args(a)],
+                                "--poll-interval", "0.5", "--threads", "2", *async_args(a), *faulty_args(a),
+                                *(["--downlink", a.downlink] if a.downlink else [])],
                                stdout=log, stderr=log)
     procs = [dilocod]
     stopping = threading.Event()
@@ -271,6 +274,8 @@ def main():
                 extra += ["--encode", a.encode]
                 if a.no_error_feedback:
                     extra += ["--no-error-feedback"]
+            if a.downlink:
+                extra += ["--downlink"]
             p = subprocess.Popen([sys.executable, str(HERE / "torch_worker.py"), "--server", url, "--node-id", node,
                                   "--rounds", str(a.rounds), "--inner-steps", str(a.inner_steps), "--seed", str(i),
                                   *extra],
@@ -310,6 +315,7 @@ def main():
         sent.report()
         for p in procs[1:]:
             p.wait(timeout=120)
+        downlink_report(a, url, root / "init.safetensors")
         if watch:
             print(f"wall-clock: {time.time() - t0:.2f} s for {a.rounds} rounds", flush=True)
         return finish(a, url, root, dilocod, procs, watch, last < first)
@@ -318,6 +324,21 @@ def main():
         return 130
     finally:
         stop_all()
+
+
+def downlink_report(a, url, init):
+    """The bytes the workers downloaded: the server's counts of the views and updates it sent (--downlink),
+    against one global per pull (a worker pulls once a round)."""
+    st = get_json(f"{url}/status").get("downlink")
+    pulls = a.rounds * a.workers
+    full = pulls * init.stat().st_size
+    if st is None:
+        print(f"downloads: about {full / 2**20:.2f} MiB ({pulls} pulls of the global)", flush=True)
+        return
+    got = st["update_bytes_sent"] + st["view_bytes_sent"]
+    print(f"downloads ({a.downlink}): {got / 2**20:.2f} MiB ({st['views_sent']} views, {st['updates_sent']} "
+          f"updates of {st['last_update_bytes']} bytes); the global at every pull: {full / 2**20:.2f} MiB, "
+          f"{full / max(got, 1):.1f}x more", flush=True)
 
 
 def faulty_args(a):

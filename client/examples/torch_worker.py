@@ -111,6 +111,8 @@ def main():
                     help="send compressed deltas (the package's encoders, error feedback on)")
     ap.add_argument("--block", type=int, default=None, help="--encode int8_block: values per scale (default 32)")
     ap.add_argument("--no-error-feedback", action="store_true", help="--encode without the residual")
+    ap.add_argument("--downlink", action="store_true",
+                    help="pull the server's view and replay each step's compressed update (dilocod --downlink)")
     ap.add_argument("--faulty", action="store_true",
                     help="a broken worker: multiplies its delta by 100 before sending it (dilocod should quarantine it)")
     a = ap.parse_args()
@@ -127,7 +129,7 @@ def main():
     if a.hub:
         os.environ["HF_ENDPOINT"] = a.hub_endpoint
     worker = diloco.Worker(a.server or f"hf://{a.hub}", a.node_id, token=a.token, encode=a.encode, block=a.block,
-                           error_feedback=not a.no_error_feedback)
+                           error_feedback=not a.no_error_feedback, downlink=a.downlink)
     g = torch.Generator().manual_seed(seed)
     local_step = 0
     steps = a.inner_steps       # this phase's inner steps: --inner-steps, or the server's recommendation

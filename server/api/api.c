@@ -318,14 +318,98 @@ static void serve_stepfile(dilocod *d, http_conn *c)
     }
     gmtime_r(&t, &tm);
     strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%S+00:00", &tm);
-    text = stepcount_build(g->step, config_optimizer_name(daemon_config(d)->optimizer), st->bootstrap && g->step == 0,
-                           g->index.file != NULL, when);
+    /* the downlink's names (README, "The downlink"): string values, the wire format's rule for extra keys */
+    char hash[65], update[64];
+    const char *kv[6];
+    size_t nkv = 0;
+    int has_update = 0, names = daemon_downlink_on(d) ? daemon_downlink_names(d, g->step, hash, &has_update) : -1;
+    if (names >= 0) {
+        snprintf(update, sizeof(update), "global/updates/%" PRIu64 ".safetensors", g->step);
+        kv[nkv * 2] = "view_file";
+        kv[nkv++ * 2 + 1] = "global/view.safetensors";
+        if (has_update) {
+            kv[nkv * 2] = "update_file";
+            kv[nkv++ * 2 + 1] = update;
+        }
+        if (names == 0) {
+            kv[nkv * 2] = "view_hash";
+            kv[nkv++ * 2 + 1] = hash;
+        }
+    }
+    text = stepcount_build_extra(g->step, config_optimizer_name(daemon_config(d)->optimizer),
+                                 st->bootstrap && g->step == 0,
+                                 g->index.file != NULL ? STEPCOUNT_MODEL_INDEX : STEPCOUNT_MODEL_SINGLE, when, kv, nkv);
     if (text == NULL) {
         http_respond_error(c, 500, "out_of_memory", "out of memory", NULL);
         return;
     }
     http_respond(c, 200, "application/json", "Cache-Control: no-cache\r\n", text, strlen(text));
     free(text);
+}
+
+/* ---- the downlink (README, "The downlink") --------------------------------------------------------- */
+
+static int downlink_refused(dilocod *d, http_conn *c)
+{
+    if (daemon_downlink_on(d))
+        return 0;
+    http_respond_error(c, 404, "no_downlink", "this server runs --downlink none: workers download the global, "
+                       "GET /global/latest.safetensors", NULL);
+    return 1;
+}
+
+/* The bytes a response sends of f (a Range's, or the whole file; none for 304, 416), for the counts. */
+static uint64_t bytes_to_send(http_request *req, const served_file *f)
+{
+    uint64_t from = 0, len = f->size;
+    if (etag_matches(http_header_get(req, "if-none-match"), f->etag) ||
+        api_parse_range(http_header_get(req, "range"), f->size, &from, &len) < 0)
+        return 0;
+    return len;
+}
+
+/* GET /global/view.safetensors: the newest committed step's view (X-Outer-Step its step). */
+static void serve_view(dilocod *d, http_conn *c, http_request *req)
+{
+    uint64_t step;
+    const served_file *f;
+
+    if (downlink_refused(d, c))
+        return;
+    if ((f = daemon_view_file(d, &step)) == NULL) {
+        http_respond_error(c, 503, "no_global", "no view yet", NULL);
+        return;
+    }
+    daemon_downlink_sent(d, 0, bytes_to_send(req, f));
+    serve_file(c, req, step, f, "application/octet-stream");
+}
+
+/* GET /global/updates/<s>.safetensors: step s's update, while s is committed and among the kept. */
+static void serve_update(dilocod *d, http_conn *c, http_request *req)
+{
+    const char *name = req->path + strlen("/global/updates/"), *dot = strchr(name, '.');
+    uint64_t step;
+    const served_file *f;
+
+    if (downlink_refused(d, c))
+        return;
+    if (dot == NULL || strcmp(dot, ".safetensors") != 0 || delta_parse_int(name, (size_t)(dot - name), &step) != 0) {
+        http_respond_error(c, 404, "not_found", "an update is /global/updates/<step>.safetensors (a canonical "
+                           "decimal step)", NULL);
+        return;
+    }
+    if ((f = daemon_update_file(d, step)) == NULL) {
+        const store *st = daemon_store(d);
+        http_respond_error(c, 404, "update_not_served",
+                           !st->committed || step > st->step
+                               ? "that step is not committed"
+                               : "that update is not kept (the newest --updates-keep of the view's chain are): "
+                                 "GET /global/view.safetensors",
+                           NULL);
+        return;
+    }
+    daemon_downlink_sent(d, 1, bytes_to_send(req, f));
+    serve_file(c, req, step, f, "application/octet-stream");
 }
 
 /* ---- routing ----------------------------------------------------------------------------------- */
@@ -423,6 +507,8 @@ static const route routes[] = {
     {"/rounds/", ROUTE_ROUNDS, 1, serve_kept, NULL, NULL, NULL},
     {"/global/step_count.json", ROUTE_STEPFILE, 1, get_stepfile, NULL, NULL, NULL},
     {"/global/rounds/", ROUTE_GLOBAL, 1, serve_record, NULL, NULL, NULL},
+    {"/global/view.safetensors", ROUTE_GLOBAL, 1, serve_view, NULL, NULL, NULL},
+    {"/global/updates/", ROUTE_GLOBAL, 1, serve_update, NULL, NULL, NULL},
     {"/global/", ROUTE_GLOBAL, 1, serve_global, NULL, NULL, NULL},
     {"/nodes/", ROUTE_NODE, 1, get_node, NULL, NULL, is_node_path},
     {"/nodes/", ROUTE_UPLOAD, 0, upload_route, NULL, NULL, NULL},

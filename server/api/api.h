@@ -10,6 +10,12 @@
 #include "daemon.h"
 #include "http.h"
 
+/* What api/'s handlers return once they have answered the request themselves (an error response is
+ * queued, the failure counted and recorded): the caller only stops, and answers nothing more.  The error
+ * convention's named code for "already answered" (server/README.md, "Error convention"); a handler that
+ * returns it has called http_respond*, upload_reject or upload_refuse first. */
+#define API_ANSWERED (-1)
+
 /* What main wires to the daemon (daemon.h's daemon_front): the routes, their counts, the tokens, the
  * uploads in flight. */
 extern const daemon_front api_front;
@@ -24,7 +30,8 @@ int api_parse_range(const char *h, uint64_t size, uint64_t *from, uint64_t *len)
 /* 405 with Allow: allow. */
 void api_not_allowed(http_conn *c, const char *allow);
 
-/* upload.c: /nodes/{id}/delta_{n}.safetensors -> id, "n"; /nodes/{id}/deltas -> id, NULL (is_put 0).  0 or -1. */
+/* upload.c: /nodes/{id}/delta_{n}.safetensors -> id, "n"; /nodes/{id}/deltas -> id, NULL (is_put 0).  0, or
+ * -DL_E_INVALID_PATH for a path that is neither. */
 int api_parse_node_path(const char *path, char *id, size_t id_size, char *step, size_t step_size, int *is_put);
 /* The /nodes/ route (PUT of a delta file, POST of a multipart upload, PUT of a sharded delta's parts). */
 void upload_route(dilocod *d, http_conn *c, http_request *req);

@@ -247,7 +247,7 @@ static int start_write(upload *u)
     if (wbuf_swap(&u->buf, len) != 0) {
         upload_reject(u, 500, "out_of_memory", "out of memory buffering the upload", NULL);
         upload_discard(u);
-        return -1;
+        return API_ANSWERED;
     }
     u->wlen = len;
     u->wiov = uv_buf_init(u->buf.out, (unsigned)u->wlen);
@@ -260,7 +260,7 @@ static int start_write(upload *u)
         dl_fail_errno(&e, -rc, "writing the upload");
         upload_reject_err(u, &e);
         upload_discard(u);
-        return -1;
+        return API_ANSWERED;
     }
     return 0;
 }
@@ -367,7 +367,7 @@ int upload_peek_or_refuse(dilocod *d, http_conn *c, const delta_info *info, int 
     if (status == 503)
         (void)http_conn_set_response_header(c, "Retry-After", "1");
     upload_refuse(c, info->node_id, status, round_verdict_name(v), msg, NULL);
-    return -1;
+    return API_ANSWERED;
 }
 
 /* upload_peek_or_refuse for an upload in progress: marked failed first, so an abort that the refusal's
@@ -378,7 +378,7 @@ int upload_peek(upload *u, const delta_info *info)
 
     u->failed = 1;
     if (upload_peek_or_refuse(u->d, u->c, info, 1) != 0)
-        return -1;
+        return API_ANSWERED;
     u->failed = was;
     return 0;
 }
@@ -397,12 +397,12 @@ static int header_verdict(upload *u)
                      info->node_id, u->node_id);
             daemon_verdict_rejected(u->d, u->node_id, NULL, DL_E_PATH_MISMATCH, 422, msg, NULL);
             upload_reject(u, 422, "path_mismatch", msg, NULL);
-            return -1;
+            return API_ANSWERED;
         }
         snprintf(u->rel, sizeof(u->rel), "nodes/%s/delta_%" PRIu64 ".safetensors", info->node_id, info->local_step);
     }
     if (upload_peek(u, info) != 0)
-        return -1;
+        return API_ANSWERED;
     return 0;
 }
 
@@ -427,7 +427,7 @@ static int validate(upload *u, const char *p, size_t n)
         if (rc < 0) {
             upload_reject_err(u, &err);
             upload_discard(u);
-            return -1;
+            return API_ANSWERED;
         }
         p += k;
         n -= k;
@@ -437,7 +437,7 @@ static int validate(upload *u, const char *p, size_t n)
             if (u->pending.oom || daemon__queue(u->d, header_parse_work, header_parsed, u) != 0) {
                 upload_reject(u, 500, "out_of_memory", "cannot queue the header's parse", NULL);
                 upload_discard(u);
-                return -1;
+                return API_ANSWERED;
             }
             u->parsing = 1;
             return 0;
@@ -497,11 +497,11 @@ static void header_parsed(pool_job *j)
 int upload_body_read(upload *u, size_t n)
 {
     if (u->failed)
-        return -1;
+        return API_ANSWERED;
     if (u->stage != NULL && u->stage->dead) {
         upload_reject(u, u->stage->dead_status, u->stage->dead_code, u->stage->dead_why, NULL);
         upload_discard(u);
-        return -1;
+        return API_ANSWERED;
     }
     stats_upload_received(daemon_stats(u->d), n);
     return 0;
@@ -513,17 +513,17 @@ static int on_data(http_conn *c, const char *p, size_t n, void *ctx)
 
     (void)c;
     if (upload_body_read(u, n) != 0)
-        return -1;
+        return API_ANSWERED;
     if (u->parsing) {
         /* the rest of the read buffer, parsed by llhttp after we asked to stop: it waits */
         sb_add(&u->pending, p, n);
     } else if (validate(u, p, n) != 0) {
-        return -1;
+        return API_ANSWERED;
     }
     if (u->pending.oom || wbuf_append(&u->buf, p, n) != 0) {
         upload_reject(u, 500, "out_of_memory", "out of memory buffering the upload", NULL);
         upload_discard(u);
-        return -1;
+        return API_ANSWERED;
     }
     return read_verdict(u);
 }
@@ -713,14 +713,14 @@ static int authorize(dilocod *d, http_conn *c, http_request *req, const char *no
                                "uploads through a proxy need a token file (--token-file): the loopback rule "
                                "cannot tell the proxy's clients apart",
                                NULL);
-            return -1;
+            return API_ANSWERED;
         }
         if (!req->loopback) {
             http_respond_error(c, 403, "forbidden",
                                "uploads from other hosts need a token file (--token-file); only loopback peers "
                                "may upload without one",
                                NULL);
-            return -1;
+            return API_ANSWERED;
         }
         return 0;
     }
@@ -730,19 +730,19 @@ static int authorize(dilocod *d, http_conn *c, http_request *req, const char *no
     case AUTH_MISSING: {
         static const char body[] = "{\"error\":{\"code\":\"unauthorized\",\"message\":\"missing bearer token\"}}\n";
         http_respond(c, 401, "application/json", "WWW-Authenticate: Bearer\r\n", body, sizeof(body) - 1);
-        return -1;
+        return API_ANSWERED;
     }
     case AUTH_BAD_TOKEN: {
         static const char body[] = "{\"error\":{\"code\":\"unauthorized\",\"message\":\"invalid bearer token\"}}\n";
         http_respond(c, 401, "application/json", "WWW-Authenticate: Bearer error=\"invalid_token\"\r\n", body,
                      sizeof(body) - 1);
-        return -1;
+        return API_ANSWERED;
     }
     case AUTH_WRONG_NODE:
         http_respond_error(c, 403, "forbidden", "this token may not upload for this node", NULL);
-        return -1;
+        return API_ANSWERED;
     }
-    return -1;
+    return API_ANSWERED;
 }
 
 uint64_t upload_body_limit(const dilocod *d)
@@ -778,31 +778,31 @@ void upload_reject_verdict(upload *u, const delta_info *info, round_verdict v)
 int upload_admit(dilocod *d, http_conn *c, http_request *req, const char *node_id)
 {
     if (authorize(d, c, req, node_id) != 0)
-        return -1;
+        return API_ANSWERED;
     upload_recommend(d, c, node_id);
     if (uploads.in_flight >= (int)daemon_config(d)->max_uploads) {
         /* each upload holds two 1 MiB buffers and up to max_delta_header_mib of header: bounded */
         static const char body[] =
             "{\"error\":{\"code\":\"busy\",\"message\":\"too many uploads in progress; retry shortly\"}}\n";
         http_respond(c, 503, "application/json", "Retry-After: 1\r\n", body, sizeof(body) - 1);
-        return -1;
+        return API_ANSWERED;
     }
     if (daemon_config(d)->cluster_shards) {
         http_respond_error(c, 409, "cluster", "this aggregator is one of a cluster (--cluster-shards): workers "
                            "upload their deltas to the bucket's nodes/<id>/", NULL);
-        return -1;
+        return API_ANSWERED;
     }
     if (!daemon_takes_uploads(d)) {
         http_respond_error(c, 503, "no_global", "no global model yet: nothing to upload deltas against", NULL);
-        return -1;
+        return API_ANSWERED;
     }
     if (!req->has_length && !req->chunked) {
         http_respond_error(c, 411, "length_required", "a delta upload needs Content-Length or chunked encoding", NULL);
-        return -1;
+        return API_ANSWERED;
     }
     if (req->has_length && req->content_length == 0) {
         http_respond_error(c, 400, "header_too_small", "empty body", NULL);
-        return -1;
+        return API_ANSWERED;
     }
     return 0;
 }
@@ -941,14 +941,14 @@ int api_parse_node_path(const char *path, char *id, size_t id_size, char *step, 
     size_t il;
 
     if (strncmp(path, "/nodes/", 7) != 0)
-        return -1;
+        return -DL_E_INVALID_PATH;
     p = path + 7;
     slash = strchr(p, '/');
     if (slash == NULL)
-        return -1;
+        return -DL_E_INVALID_PATH;
     il = (size_t)(slash - p);
     if (il >= id_size || !delta_valid_node_id(p, il))
-        return -1;
+        return -DL_E_INVALID_PATH;
     memcpy(id, p, il);
     id[il] = '\0';
     p = slash + 1;
@@ -958,10 +958,10 @@ int api_parse_node_path(const char *path, char *id, size_t id_size, char *step, 
     }
     size_t pl = strlen(p);
     if (pl < 6 + 12 + 1 || strncmp(p, "delta_", 6) != 0 || strcmp(p + pl - 12, ".safetensors") != 0)
-        return -1;
+        return -DL_E_INVALID_PATH;
     size_t sl = pl - 6 - 12;
     if (sl >= step_size)
-        return -1;
+        return -DL_E_INVALID_PATH;
     memcpy(step, p + 6, sl);
     step[sl] = '\0';
     *is_put = 1;

@@ -11,6 +11,7 @@
 
 #include <uv.h>
 
+#include "api.h"
 #include "daemon.h"
 #include "delta.h"
 #include "delta_stream.h"
@@ -122,12 +123,12 @@ void upload_on_abort(http_conn *c, void *ctx);
 /* A number for a temporary name, unique in the process. */
 unsigned upload_next_id(void);
 
-/* What every upload must pass before its body is read.  0, or -1 when answered. */
+/* What every upload must pass before its body is read.  0, or API_ANSWERED. */
 int upload_admit(dilocod *d, http_conn *c, http_request *req, const char *node_id);
 /* The body limit of a whole delta, and of a set's shards together. */
 uint64_t upload_body_limit(const dilocod *d);
 /* Asks the round about info now (known_base 0: a set whose index has not arrived, judged as if based
- * on the open round's step): 0 when it would take it, else answers, counts and returns -1. */
+ * on the open round's step): 0 when it would take it, else answers, counts and returns API_ANSWERED. */
 int upload_peek_or_refuse(dilocod *d, http_conn *c, const delta_info *info, int known_base);
 /* upload_peek_or_refuse for an upload in progress (an abort its answer reports does not free u). */
 int upload_peek(upload *u, const delta_info *info);
@@ -142,7 +143,7 @@ void upload_refuse(http_conn *c, const char *node_id, int status, const char *co
 /* upload_refuse for u, marked failed first; _err: the status from the error's code, counted. */
 void upload_reject(upload *u, int status, const char *code, const char *msg, const char *tensor);
 void upload_reject_err(upload *u, const dl_error *err);
-/* A read of n bytes of u's body: 0, they are counted; -1 when u failed or its set was discarded
+/* A read of n bytes of u's body: 0, they are counted; API_ANSWERED when u failed or its set was discarded
  * (answered and discarded). */
 int upload_body_read(upload *u, size_t n);
 /* Sends b (taken) as u's JSON answer of status, or 500 when b ran out of memory. */
@@ -156,7 +157,7 @@ void upload_respond_created(upload *u, const delta_info *info, const char *rel, 
 void set_part_start(dilocod *d, http_conn *c, http_request *req, const delta_path *dp);
 /* A shard's header, checked on its own (on the pool). */
 int set_shard_parse_header(upload *u, dl_error *err);
-/* A shard's header is in: 0 when its data is read, else answered (-1). */
+/* A shard's header is in: 0 when its data is read, else API_ANSWERED. */
 int set_shard_verdict(upload *u);
 /* A shard's file is in its set's directory (size bytes). */
 void set_shard_in(upload *u, uint64_t size);

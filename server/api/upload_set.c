@@ -305,7 +305,7 @@ static int shard_meta(upload *u, delta_info *info, int *have_base)
         snprintf(msg, sizeof(msg), "the shard's metadata node_id does not match the path's node id \"%s\"", u->node_id);
         daemon_verdict_rejected(u->d, u->node_id, NULL, DL_E_PATH_MISMATCH, 422, msg, NULL);
         upload_reject(u, 422, "path_mismatch", msg, NULL);
-        return -1;
+        return API_ANSWERED;
     }
     if ((v = st_header_meta(h, "local_step", &len)) != NULL &&
         (delta_parse_int(v, len, &n) != 0 || n != u->local_step)) {
@@ -313,14 +313,14 @@ static int shard_meta(upload *u, delta_info *info, int *have_base)
                  u->local_step);
         daemon_verdict_rejected(u->d, u->node_id, NULL, DL_E_PATH_MISMATCH, 422, msg, NULL);
         upload_reject(u, 422, "path_mismatch", msg, NULL);
-        return -1;
+        return API_ANSWERED;
     }
     if ((v = st_header_meta(h, "base_outer_step", &len)) != NULL) {
         if (delta_parse_int(v, len, &info->base_outer_step) != 0) {
             static const char bad_base[] = "the shard's metadata base_outer_step is not a canonical integer";
             daemon_verdict_rejected(u->d, u->node_id, NULL, DL_E_METADATA_INVALID, 422, bad_base, NULL);
             upload_reject(u, 422, "metadata_invalid", bad_base, NULL);
-            return -1;
+            return API_ANSWERED;
         }
         *have_base = 1;
     }
@@ -340,15 +340,15 @@ int set_shard_verdict(upload *u)
 
     if (s->dead) {
         reject_dead(u, s);
-        return -1;
+        return API_ANSWERED;
     }
     if (u->nshards != s->nshards || u->shard >= s->nshards) {
         /* never: the shard's request fixed the count or was refused for disagreeing with it */
         upload_reject(u, 500, "internal", "the shard does not fit its set's count", NULL);
-        return -1;
+        return API_ANSWERED;
     }
     if (shard_meta(u, &info, &have_base) != 0)
-        return -1;
+        return API_ANSWERED;
     /* mis-sized against the index in: the tensor data of the shards in (an earlier copy of this one
      * excepted) and this one's, above the index's total_size */
     tdata = shard_data_bytes(u);
@@ -358,21 +358,21 @@ int set_shard_verdict(upload *u)
                  "%" PRIu64 " bytes", s->total_size);
         daemon_verdict_rejected(d, u->node_id, NULL, DL_E_METADATA_INVALID, 422, msg, NULL);
         upload_reject(u, 422, "metadata_invalid", msg, NULL);
-        return -1;
+        return API_ANSWERED;
     }
     if (s->index_bytes != 0) {
         info = s->info;
         have_base = 1;
     }
     if (have_base && upload_peek(u, &info) != 0)
-        return -1;
+        return API_ANSWERED;
     /* the shards staged (an earlier copy of this one excepted) and those streaming, plus this one */
     others = s->bytes - s->part_bytes[u->shard] + s->reserved;
     if (len > cap || others > cap - len) {
         snprintf(msg, sizeof(msg), "the set's shards would hold %" PRIu64 " bytes, more than the limit of %" PRIu64,
                  others + len, cap);
         upload_reject(u, 413, "too_large", msg, NULL);
-        return -1;
+        return API_ANSWERED;
     }
     s->reserved += len;
     u->reserved = len;
@@ -462,20 +462,20 @@ static int index_on_data(http_conn *c, const char *p, size_t n, void *ctx)
 
     (void)c;
     if (upload_body_read(u, n) != 0)
-        return -1;
+        return API_ANSWERED;
     /* the model's cap: an index lists its floating tensors */
     size_t cap = daemon_model(u->d) ? st_index_cap_for(daemon_model(u->d)) : ST_INDEX_MAX_BYTES;
     if (n > cap - u->body.len) {
         snprintf(msg, sizeof(msg), "an index for this model is at most %zu bytes", cap);
         upload_reject(u, 413, "too_large", msg, NULL);
         upload_discard(u);
-        return -1;
+        return API_ANSWERED;
     }
     sb_add(&u->body, p, n);
     if (u->body.oom) {
         upload_reject(u, 500, "out_of_memory", "out of memory buffering the index", NULL);
         upload_discard(u);
-        return -1;
+        return API_ANSWERED;
     }
     return 0;
 }

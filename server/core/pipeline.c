@@ -25,9 +25,14 @@ static const char *const state_names[STEP_NSTATES] = {
     [STEP_CLEANED] = "cleaned",
     [STEP_RETRY_WAIT] = "retry_wait",
     [STEP_FAILED] = "failed",
+    [STEP_CLUSTER_MANIFEST] = "cluster_manifest",
+    [STEP_CLUSTER_SHARDS] = "cluster_shards",
+    [STEP_CLUSTER_PUBLISH] = "cluster_publish",
 };
 
-/* legal[from] is the set of states a step may move to from `from` (bit i: state i). */
+/* legal[from] is the set of states a step computed locally may move to from `from` (bit i: state i);
+ * legal_cluster[from] the same for a cluster's step (pipeline.h, step_strategy).  Together: the one table
+ * of what happens after a state, one column per way of computing a step. */
 #define TO(s) (1u << (s))
 static const unsigned legal[STEP_NSTATES] = {
     /* the round closes */
@@ -49,6 +54,28 @@ static const unsigned legal[STEP_NSTATES] = {
     [STEP_FAILED] = 0,
 };
 
+/* Another member may publish the step at any point before this one does (the bucket's step file names it):
+ * published is reachable from every state before it. */
+#define CLUSTER_OUT (TO(STEP_PUBLISHED) | TO(STEP_FAILED))
+static const unsigned legal_cluster[STEP_NSTATES] = {
+    /* the round closes: its manifest is written or adopted */
+    [STEP_COLLECTING] = TO(STEP_CLUSTER_MANIFEST) | CLUSTER_OUT,
+    /* agreed; or not (another manifest won, the round collects again) */
+    [STEP_CLUSTER_MANIFEST] = TO(STEP_CLUSTER_SHARDS) | TO(STEP_COLLECTING) | CLUSTER_OUT,
+    /* every shard done; or a refusal reopens the round */
+    [STEP_CLUSTER_SHARDS] = TO(STEP_CLUSTER_PUBLISH) | TO(STEP_COLLECTING) | CLUSTER_OUT,
+    /* written; an overflow found at the publish sends the step to its next generation's shards */
+    [STEP_CLUSTER_PUBLISH] = TO(STEP_CLUSTER_SHARDS) | TO(STEP_COLLECTING) | CLUSTER_OUT,
+    /* this member's record of it is in rounds.jsonl */
+    [STEP_PUBLISHED] = TO(STEP_DURABLE),
+    /* the member moved on to the next step */
+    [STEP_DURABLE] = TO(STEP_CLEANED),
+    [STEP_CLEANED] = 0,
+    /* a refusal holds this member until the bucket moves on; the round may be collected again meanwhile,
+     * and the others may publish the step */
+    [STEP_FAILED] = TO(STEP_COLLECTING) | TO(STEP_CLUSTER_MANIFEST) | TO(STEP_CLUSTER_SHARDS) | TO(STEP_PUBLISHED),
+};
+
 static const char *const activity_names[STEP_NACTS] = {
     [STEP_ACT_PASS] = "pass",
     [STEP_ACT_SYNC] = "sync",
@@ -67,9 +94,15 @@ const char *step_state_name(step_state s)
     return (unsigned)s < STEP_NSTATES ? state_names[s] : "unknown";
 }
 
+int step_move_legal_as(step_strategy strategy, step_state from, step_state to)
+{
+    const unsigned *table = strategy == STEP_CLUSTER ? legal_cluster : legal;
+    return (unsigned)from < STEP_NSTATES && (unsigned)to < STEP_NSTATES && (table[from] & TO(to)) != 0;
+}
+
 int step_move_legal(step_state from, step_state to)
 {
-    return (unsigned)from < STEP_NSTATES && (unsigned)to < STEP_NSTATES && (legal[from] & TO(to)) != 0;
+    return step_move_legal_as(STEP_LOCAL, from, to);
 }
 
 static double monotonic_seconds(void)
@@ -200,6 +233,11 @@ static int make_room(pipeline *p)
 
 int pipeline_begin(pipeline *p, uint64_t step, step_state state)
 {
+    return pipeline_begin_as(p, step, state, STEP_LOCAL);
+}
+
+int pipeline_begin_as(pipeline *p, uint64_t step, step_state state, step_strategy strategy)
+{
     size_t at = 0;
 
     if (find(p, step) != NULL || (unsigned)state >= STEP_NSTATES || make_room(p) != 0) {
@@ -215,6 +253,7 @@ int pipeline_begin(pipeline *p, uint64_t step, step_state state)
     p->n++;
     memset(&p->rec[at], 0, sizeof(p->rec[at]));
     p->rec[at].step = step;
+    p->rec[at].strategy = strategy;
     p->rec[at].state = state;
     p->rec[at].since = p->clock();
     p->rec[at].since_wall = p->wall();
@@ -233,7 +272,7 @@ static void observe(state_histogram *h, double seconds)
 
 static int move(pipeline *p, step_record *r, step_state to)
 {
-    if (!step_move_legal(r->state, to)) {
+    if (!step_move_legal_as(r->strategy, r->state, to)) {
         char what[64];
         snprintf(what, sizeof(what), "from=%s to=%s", step_state_name(r->state), step_state_name(to));
         return refused(p, r->step, what);

@@ -48,8 +48,27 @@ typedef enum step_state {
     STEP_CLEANED,
     STEP_RETRY_WAIT,
     STEP_FAILED,
+    /* a cluster's step (--cluster-shards: the bucket's shards compute it, hub/s3_cluster.h) */
+    STEP_CLUSTER_MANIFEST,              /* the round closed: the members agree its manifest */
+    STEP_CLUSTER_SHARDS,                /* the manifest agreed: the shards are computed */
+    STEP_CLUSTER_PUBLISH,               /* every shard done: the index and the step file are written */
     STEP_NSTATES
 } step_state;
+
+/* How a step is computed: the local pass, or a cluster's shards.  Each has its column of the one table of
+ * moves (pipeline.c): a cluster's step is
+ *
+ *   collecting -> cluster_manifest -> cluster_shards -> cluster_publish -> published -> durable -> cleaned
+ *
+ * going back to collecting when a refusal reopens the round, from cluster_publish to cluster_shards when the
+ * publish finds an overflow, to failed while a refusal holds this member (the others may still publish
+ * it), and to published from any of these when another member published it first.  Published: the bucket's
+ * step file names it; durable: this member's round record of it is in its rounds.jsonl; cleaned: the
+ * member moved on to the next step. */
+typedef enum step_strategy {
+    STEP_LOCAL,
+    STEP_CLUSTER,
+} step_strategy;
 
 /* What runs for a step beside its state (a bit each in step_record.busy and .failed). */
 typedef enum step_activity {
@@ -66,6 +85,7 @@ typedef enum step_activity {
 
 typedef struct step_record {
     uint64_t step;                      /* the step the round makes */
+    step_strategy strategy;             /* how it is computed: which column of the table its moves obey */
     step_state state;
     double since;                       /* when it entered state (the pipeline's clock, seconds) */
     double since_wall;                  /* the same moment, Unix time (for /status) */
@@ -99,8 +119,9 @@ extern const double PIPELINE_BUCKETS[PIPELINE_NBUCKETS - 1];
 
 const char *step_state_name(step_state s);
 const char *step_activity_name(step_activity a);
-/* Whether the table allows from -> to. */
+/* Whether the table allows from -> to for a step computed locally (step_move_legal_as: by strategy). */
 int step_move_legal(step_state from, step_state to);
+int step_move_legal_as(step_strategy strategy, step_state from, step_state to);
 
 /* clock and wall NULL: the process's monotonic clock and time().  Reads DILOCOD_TEST_CRASH_AT and
  * DILOCOD_TEST_STRICT_PIPELINE. */
@@ -115,6 +136,8 @@ void pipeline_on_illegal(pipeline *p, void (*fn)(void *arg, uint64_t step, const
  * (cleaned or failed) makes room when the table is full.  0, or -1 when the step is there already or
  * no room can be made. */
 int pipeline_begin(pipeline *p, uint64_t step, step_state state);
+/* The same for a step computed by strategy (pipeline_begin: STEP_LOCAL). */
+int pipeline_begin_as(pipeline *p, uint64_t step, step_state state, step_strategy strategy);
 /* Moves step to state.  0; -1 when the step is not in the pipeline or the move is illegal (logged at
  * error level, nothing changes). */
 int pipeline_move(pipeline *p, uint64_t step, step_state to);

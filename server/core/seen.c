@@ -2,18 +2,26 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <time.h>
 
-static uint64_t hash(const char *s)
+#include <xxhash.h>
+
+/* A seed nobody outside the process knows: the kernel's, else (no entropy yet) the clock and an address. */
+static uint64_t random_seed(const void *salt)
 {
-    uint64_t h = 1469598103934665603ULL;     /* FNV-1a */
-    for (; *s; s++)
-        h = (h ^ (unsigned char)*s) * 1099511628211ULL;
-    return h;
+    uint64_t s = 0;
+    if (getrandom(&s, sizeof(s), GRND_NONBLOCK) != (ssize_t)sizeof(s) || s == 0) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        s = XXH3_64bits_withSeed(&ts, sizeof(ts), (uint64_t)(uintptr_t)salt) | 1;
+    }
+    return s;
 }
 
 static seen_entry *probe(const seen_map *m, const char *key)
 {
-    size_t i = (size_t)hash(key) & (m->cap - 1);
+    size_t i = (size_t)XXH3_64bits_withSeed(key, strlen(key), m->seed) & (m->cap - 1);
     for (;;) {
         seen_entry *e = &m->slots[i];
         if (e->key == NULL || strcmp(e->key, key) == 0)
@@ -25,7 +33,10 @@ static seen_entry *probe(const seen_map *m, const char *key)
 static int grow(seen_map *m)
 {
     size_t ncap = m->cap ? m->cap * 2 : 64;
-    seen_map n = {calloc(ncap, sizeof(seen_entry)), ncap, 0};
+
+    if (m->cap == 0 && m->seed == 0)
+        m->seed = random_seed(m);
+    seen_map n = {calloc(ncap, sizeof(seen_entry)), ncap, 0, m->seed};
 
     if (n.slots == NULL)
         return -1;
@@ -77,7 +88,7 @@ int seen_prune(seen_map *m, int (*keep)(const seen_entry *e, void *arg), void *a
     while (ncap < 2 * (kept + 1))
         ncap *= 2;
     /* open addressing cannot delete in place: the survivors go into a fresh table */
-    seen_map n = {calloc(ncap, sizeof(seen_entry)), ncap, 0};
+    seen_map n = {calloc(ncap, sizeof(seen_entry)), ncap, 0, m->seed};
     if (n.slots == NULL)
         return -1;
     for (size_t i = 0; i < m->cap; i++) {

@@ -23,9 +23,13 @@ typedef struct seen_entry {
     uint64_t listed;    /* the last scan that listed it (seen_prune) */
 } seen_entry;
 
+/* Open addressing over keys that workers choose (file names under nodes/): the hash is keyed with a
+ * random seed drawn when the map first grows, so nobody can aim names at one probe chain and make every
+ * lookup walk it (an unkeyed hash could be flooded from the listing).  A zeroed map is empty and valid. */
 typedef struct seen_map {
     seen_entry *slots;
     size_t cap, count;
+    uint64_t seed;
 } seen_map;
 
 /* Finds key, or inserts it (state SEEN_PENDING, identity zero).  NULL on allocation failure. */

@@ -385,12 +385,16 @@ static int load_metadata(store *s, const char *path, dl_error *err)
         rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s is damaged (accum_checksum)", path);
         goto out;
     }
+    if (store__view_parse(s, cJSON_GetObjectItemCaseSensitive(root, "view")) != 0) {
+        rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s is damaged (view)", path);
+        goto out;
+    }
     round = cJSON_GetObjectItemCaseSensitive(root, "round");
     if (cJSON_IsObject(round))
         s->round_json = round_text(text, round);       /* NULL on OOM: history only */
     s->committed = 1;
     if (access(s->global_path, R_OK) != 0 || (s->momentum_path && access(s->momentum_path, R_OK) != 0) ||
-        (s->accum_path && access(s->accum_path, R_OK) != 0))
+        (s->accum_path && access(s->accum_path, R_OK) != 0) || (s->view_path && access(s->view_path, R_OK) != 0))
         rc = dl_fail(err, DL_E_IO, NULL, 0, "committed step %" PRIu64 " is missing its files (%s)", s->step,
                      s->global_path);
 out:
@@ -509,6 +513,8 @@ int store_commit_write(const store *s, const store_commit_info *info, dl_error *
             sb_json_string(&b, sum, 16);
         }
     }
+    if (info->view != NULL)
+        store__view_json(&b, info->view);
     if (info->round_json != NULL) {
         sb_str(&b, ",\n  \"round\": ");
         sb_add(&b, info->round_json, strcspn(info->round_json, "\n"));
@@ -536,7 +542,7 @@ int store_commit_apply(store *s, const store_commit_info *info)
     char *a = info->accum_path ? strdup(info->accum_path) : NULL;
 
     if (g == NULL || (info->momentum_path && m == NULL) || (info->round_json && r == NULL) ||
-        (info->accum_path && a == NULL)) {
+        (info->accum_path && a == NULL) || store__view_apply(s, info) != 0) {
         free(g);
         free(m);
         free(r);
@@ -683,6 +689,10 @@ int store_redo_write(const store *s, const store_redo *r, dl_error *err)
         dn_json(&b, &r->dn, 1);
     }
     aggregate_json(&b, r);
+    if (r->downlink != 0) {
+        sb_str(&b, ",\n  \"downlink\": ");
+        sb_json_string(&b, store_redo_downlink_name(r->downlink), strlen(store_redo_downlink_name(r->downlink)));
+    }
     sb_str(&b, ",\n  \"round\": ");
     if (r->round_json != NULL)
         sb_add(&b, r->round_json, strcspn(r->round_json, "\n"));
@@ -835,6 +845,10 @@ int store_redo_read(const store *s, store_redo *r, int *present, dl_error *err)
         goto out;
     if (aggregate_parse(cJSON_GetObjectItemCaseSensitive(root, "aggregate"), r) != 0) {
         rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s is damaged (aggregate)", path);
+        goto out;
+    }
+    if (store__redo_downlink_parse(cJSON_GetObjectItemCaseSensitive(root, "downlink"), &r->downlink) != 0) {
+        rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s is damaged (downlink)", path);
         goto out;
     }
     if (cJSON_IsObject(round) && (r->round_json = round_text(text, round)) == NULL) {
@@ -1040,6 +1054,9 @@ static int sweep(const char *dir, const store *s, int (*keep)(const store *, con
 static int keep_global(const store *s, const char *name)
 {
     uint64_t step;
+    int view = store__keep_view(s, name, match_step);
+    if (view >= 0)
+        return view;
     if (match_step(name, "latest-", ".safetensors", &step) == 0 || match_step(name, "set-", "", &step) == 0)
         return s->committed && (s->startup ? step == s->step : step >= s->step);
     return !(s->startup && is_temp(name));      /* leave foreign files alone */
@@ -1165,5 +1182,6 @@ void store_free(store *s)
     free(s->accum_path);
     free(s->momentum_path);
     free(s->round_json);
+    free(s->view_path);
     memset(s, 0, sizeof(*s));
 }

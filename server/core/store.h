@@ -4,6 +4,9 @@
  *   global/set-<step>/                   the same model as published when it is above --shard-size:
  *                                        latest.safetensors.index.json + latest-0000i-of-0000N.safetensors,
  *                                        made from the file above (the index last: its presence = complete)
+ *   global/view-<step>.safetensors       --downlink: the committed step's view (store_view.c; absent when the
+ *                                        step's global is its view: the chain starts there)
+ *   global/update-<step>.safetensors     --downlink: the chain's last --updates-keep updates
  *   outer_state-<step>.safetensors       momentum buffers of that step (F32; absent for momentum 0)
  *   outer_accum-<step>.safetensors       async mode: the Delayed Nesterov accumulator after that step (F32;
  *                                        absent when its k is 0)
@@ -53,6 +56,15 @@ typedef struct store_dn {
     double weight;              /* redo record only: the update's staleness weight */
 } store_dn;
 
+/* The downlink's view of a committed step (README, "The downlink"; common/downlink.h). */
+typedef struct store_view {
+    int enc;                    /* compress.h's cz_encoding of the updates; 0: the view is the step's global */
+    uint64_t chain_from;        /* the step whose global the view started from: updates exist for the steps
+                                   after it, up to the committed one */
+    unsigned char hash[32];     /* the view file's block hash (blockhash.h), when hashed */
+    int hashed;
+} store_view;
+
 typedef struct store {
     char *dir;                  /* <state_root>/<id> */
     int committed;              /* a step is committed */
@@ -78,6 +90,9 @@ typedef struct store {
      * with our uid writing into global/latest.safetensors, which file:// links to the state's inode) */
     int global_summed, momentum_summed;
     uint64_t global_sum, momentum_sum;
+    store_view view;            /* the committed step's view (view.enc 0: its global is the view) */
+    char *view_path;            /* global/view-<step>.safetensors, NULL when view.enc is 0 */
+    unsigned updates_keep;      /* set by the caller of store_cleanup: the newest N updates of the chain stay */
     ck_key key;                 /* the state's checksum key (<dir>/checksum.key), loaded by store_open */
     int startup;                /* private to store_cleanup */
 } store;
@@ -97,6 +112,8 @@ typedef struct store_commit_info {
     const char *accum_path;             /* store_accum_path(step) or NULL */
     const uint64_t *accum_sum;
     const store_dn *dn;                 /* NULL: sync mode */
+    const store_view *view;             /* NULL: the step's view is its global (no downlink, or it starts here);
+                                           else its view is store_view_path(step) */
 } store_commit_info;
 
 /* Creates the tree and loads the committed step (if any). */
@@ -131,6 +148,7 @@ typedef struct store_redo {
     /* --signing-key: the step's signed record without its outputs (manifest.h), a JSON object's text kept
      * verbatim as a string, so that a recomputed step's record is the same bytes (NULL: not signed) */
     char *manifest;
+    int downlink;               /* the step's view and update are made too, with this cz_encoding (0: none) */
 } store_redo;
 
 /* Writes redo.json atomically and durably: from this moment the round's step is committed. */
@@ -155,7 +173,20 @@ char *store_global_path(const store *s, uint64_t step);
 char *store_momentum_path(const store *s, uint64_t step);
 char *store_accum_path(const store *s, uint64_t step);     /* outer_accum-<step>.safetensors */
 const char *store_dn_variant_name(int paper);
-char *store_set_dir(const store *s, uint64_t step);         /* global/set-<step> */
+char *store_set_dir(const store *s, uint64_t step);
+char *store_view_path(const store *s, uint64_t step);       /* global/view-<step>.safetensors */
+char *store_update_path(const store *s, uint64_t step);     /* global/update-<step>.safetensors */
+/* store_view.c, for store.c: outer_metadata.json's "view" written and read, applied at a commit, the
+ * files cleanup keeps (1, 0; -1: not a view's nor an update's name), the redo record's "downlink" */
+struct sbuf;
+struct cJSON;
+void store__view_json(struct sbuf *b, const store_view *v);
+int store__view_parse(store *s, const struct cJSON *v);
+int store__view_apply(store *s, const store_commit_info *info);
+int store__keep_view(const store *s, const char *name,
+                     int (*match)(const char *, const char *, const char *, uint64_t *));
+const char *store_redo_downlink_name(int enc);
+int store__redo_downlink_parse(const struct cJSON *v, int *enc);         /* global/set-<step> */
 char *store_cache_dir(const store *s, uint64_t step);       /* cache/deltas/s<step> */
 char *store_cache_root(const store *s);                     /* cache/deltas */
 char *store_incoming_dir(const store *s);

@@ -68,6 +68,17 @@ typedef struct hub {
     const hub_ops *ops;
 } hub;
 
+/* The downlink's files of a step to publish beside its global (README, "The downlink"): the update of
+ * step (NULL at the chain's first step, whose view is its global), the step's view (for a checkpoint
+ * every keep/2 steps), the view's block hash in hex ("" unknown: the view is the global). */
+typedef struct hub_downlink {
+    const char *update_path;
+    const char *view_path;
+    uint64_t step, chain_from;
+    unsigned keep;
+    char view_hash[65];
+} hub_downlink;
+
 /* A delta file a transport hands to the daemon. */
 typedef struct hub_delta {
     const char *rel;            /* nodes/<id>/delta_<n>.safetensors, as the transport lists it */
@@ -251,6 +262,9 @@ struct hub_ops {
      * set when a round opens (file:// reads in place and takes only the mode: async lists each node
      * directory in local-step order). */
     void (*set_limits)(hub *h, const hub_limits *lim);
+    /* Optional (NULL: the transport publishes no downlink; --downlink refuses it, config_modes.c): the
+     * downlink's files the next publish() puts beside the global, copied (dl NULL: none). */
+    int (*set_downlink)(hub *h, const hub_downlink *dl);
 };
 
 /* The scheme table: the transport for url, or NULL ("none" has no transport). */
@@ -273,6 +287,10 @@ static inline void hub_publish(hub *h, uint64_t step, const char *global_path, c
 {
     hub_publication pub = {step, global_path, optimizer, bootstrap, NULL};
     h->ops->publish(h, &pub);
+}
+static inline int hub_set_downlink(hub *h, const hub_downlink *dl)
+{
+    return h->ops->set_downlink != NULL ? h->ops->set_downlink(h, dl) : 0;
 }
 static inline int hub_mark_done(hub *h, const char *rel, hub_outcome o, const hub_version *v)
 {

@@ -14,6 +14,7 @@
 
 #include "delta.h"
 #include "dl_error.h"
+#include "hub.h"
 #include "index_parse.h"
 
 typedef struct hub_candidate {
@@ -88,12 +89,22 @@ void hub_index_memo_free(hub_index_memo *memo, size_t n);
  * not); *sharded (may be NULL) is 1 when that is global/latest.safetensors.index.json. */
 int hubfile_read_published(const char *root, int *present, uint64_t *step, int *sharded, dl_error *err);
 /* Publishes src (record: the step's signed record in the state, or NULL; first, as
- * root/global/rounds/<step>.json.sig and .json, the newest MANIFEST_KEEP kept): a plain file is copied to root/global/latest.safetensors; an index (a path ending in
- * .safetensors.index.json, base "latest") publishes the shards it lists from its directory, then
- * global/latest.safetensors.index.json.  Then step_count.json, then the other layout's files are
- * removed from root/global.  Each file atomically (temp, fsync, rename). */
+ * root/global/rounds/<step>.json.sig and .json, the newest MANIFEST_KEEP kept): a plain file is copied
+ * to root/global/latest.safetensors; an index (a path ending in .safetensors.index.json, base "latest")
+ * publishes the shards it lists from its directory, then global/latest.safetensors.index.json.  Then
+ * the downlink's files (dl, or NULL: hubfile_publish_downlink), then step_count.json (naming them),
+ * then the other layout's files are removed from root/global.  Each file atomically (temp, fsync,
+ * rename). */
 int hubfile_publish(const char *root, const char *src, uint64_t step, const char *optimizer, int bootstrap,
-                    const char *record, dl_error *err);
+                    const char *record, const hub_downlink *dl, dl_error *err);
+/* hub_file_downlink.c: the downlink's files of a step (dl) into root/global (gfd): the update as
+ * updates/<step>.safetensors (and any kept one the tree lacks), a view checkpoint views/<c>.safetensors
+ * every keep/2 steps; *view_step: the newest checkpoint the tree holds, which step_count.json names.
+ * Linked where the filesystems allow, else copied, each atomically. */
+int hubfile_publish_downlink(int gfd, const char *root, const hub_downlink *dl, uint64_t *view_step, dl_error *err);
+/* After step_count.json: the updates no longer kept and the views before the last two checkpoints go
+ * (a failure is logged: the step is published). */
+void hubfile_prune_downlink(int gfd, const char *root, const hub_downlink *dl, uint64_t view_step);
 /* Removes root/rel (a delta path, strictly parsed, reached without links) if it is still the version
  * (size, mtime, inode) that was taken in; for a set's index, the whole set (the index, then its
  * shards) if the set's identity (hub_candidate) is still that.  0 removed or already gone, 1 kept

@@ -1,5 +1,5 @@
-/* hub_file_internal.h: what the file:// tree's three files share (hub_file.c the scan, hub_file_global.c
- * the global read and copied out, hub_file_publish.c the writes), for those files only. */
+/* hub_file_internal.h: what the file:// tree's files share (hub_file.c the scan, hub_file_global.c
+ * the global read and copied out, hub_file_publish.c the writes, hub_file_downlink.c the downlink's), for those files only. */
 #ifndef HUB_FILE_INTERNAL_H
 #define HUB_FILE_INTERNAL_H
 
@@ -21,6 +21,9 @@ void hubfile__fold_shards(int dirfd, const char *base, uint32_t nshards, hub_can
 /* Copies size bytes of in (from offset 0) into out. */
 int hubfile__copy_fd(int in, int out, uint64_t size);
 /* Opens root/global as a directory of the tree, never through a link: *fd = -1 if it is missing. */
+/* Publishes src (our own state's file) as name in dirfd (a directory of root's tree) atomically: linked
+ * where the filesystems allow, else copied. */
+int hubfile__publish_one(int dirfd, const char *root, const char *src, const char *name, dl_error *err);
 int hubfile__open_global_dir(const char *root, int rootfd, int *fd, dl_error *err);
 
 #endif

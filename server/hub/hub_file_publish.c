@@ -49,7 +49,7 @@ static int publish_linked(int gfd, int in, const char *root, const char *name, d
 
 /* Publishes src (a trusted path: our own state) as root/global/name atomically (gfd: root/global):
  * linked where the filesystems allow, else copied. */
-static int publish_one(int gfd, const char *root, const char *src, const char *name, dl_error *err)
+int hubfile__publish_one(int gfd, const char *root, const char *src, const char *name, dl_error *err)
 {
     struct stat sb;
     char *tmp = NULL;
@@ -107,12 +107,12 @@ static int publish_set(int gfd, const char *root, const char *src, uint32_t *nsh
             rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
             break;
         }
-        rc = publish_one(gfd, root, path, name, err);
+        rc = hubfile__publish_one(gfd, root, path, name, err);
         free(path);
         path = NULL;
     }
     if (rc == 0)
-        rc = publish_one(gfd, root, src, "latest" ST_INDEX_SUFFIX, err);
+        rc = hubfile__publish_one(gfd, root, src, "latest" ST_INDEX_SUFFIX, err);
     *nshards = ix->nshards;
 out:
     st_index_free(ix);
@@ -218,9 +218,12 @@ out:
 }
 
 int hubfile_publish(const char *root, const char *src, uint64_t step, const char *optimizer, int bootstrap,
-                    const char *record, dl_error *err)
+                    const char *record, const hub_downlink *dl, dl_error *err)
 {
-    char *text = NULL;
+    char *text = NULL, view_file[64], update_file[64];
+    const char *kv[6];
+    size_t nkv = 0;
+    uint64_t view_step = 0;
     uint32_t nshards = 0;
     int rc, rootfd, gfd = -1, sharded = st_index_is_index_path(src);
 
@@ -241,13 +244,32 @@ int hubfile_publish(const char *root, const char *src, uint64_t step, const char
             goto out;
         }
     }
+    /* the signed record first: a reader that finds the step finds its record (hub.h) */
     if (record != NULL && (rc = publish_record(gfd, root, record, step, err)) != 0)
         goto out;
-    rc = sharded ? publish_set(gfd, root, src, &nshards, err) : publish_one(gfd, root, src, "latest.safetensors", err);
+    rc = sharded ? publish_set(gfd, root, src, &nshards, err) : hubfile__publish_one(gfd, root, src, "latest.safetensors", err);
     if (rc != 0)
         goto out;
+    /* the downlink's files before step_count.json names them (README, "The downlink") */
+    if (dl != NULL) {
+        if ((rc = hubfile_publish_downlink(gfd, root, dl, &view_step, err)) != 0)
+            goto out;
+        snprintf(view_file, sizeof(view_file), "global/views/%" PRIu64 ".safetensors", view_step);
+        snprintf(update_file, sizeof(update_file), "global/updates/%" PRIu64 ".safetensors", step);
+        kv[2 * nkv] = "view_file";
+        kv[2 * nkv++ + 1] = view_file;
+        if (dl->update_path != NULL) {
+            kv[2 * nkv] = "update_file";
+            kv[2 * nkv++ + 1] = update_file;
+        }
+        if (dl->view_hash[0] != '\0') {
+            kv[2 * nkv] = "view_hash";
+            kv[2 * nkv++ + 1] = dl->view_hash;
+        }
+    }
     /* last: a reader never sees a step whose model is not all there */
-    text = stepcount_build(step, optimizer, bootstrap, sharded, NULL);
+    text = stepcount_build_extra(step, optimizer, bootstrap, sharded ? STEPCOUNT_MODEL_INDEX : STEPCOUNT_MODEL_SINGLE,
+                                 NULL, kv, nkv);
     if (text == NULL) {
         rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
         goto out;
@@ -257,6 +279,8 @@ int hubfile_publish(const char *root, const char *src, uint64_t step, const char
         goto out;
     }
     remove_other_layout(gfd, root, nshards);
+    if (dl != NULL)
+        hubfile_prune_downlink(gfd, root, dl, view_step);
 out:
     free(text);
     if (gfd >= 0)

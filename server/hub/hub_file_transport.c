@@ -74,6 +74,8 @@ struct file_hub {
     hub_callbacks cb;
     void *app;
     char *root, *state_dir, *incoming;
+    hub_downlink dl;            /* the next publish's downlink files (dl_on), paths owned */
+    int dl_on;
     double poll_interval;
     uint64_t max_header;        /* cap on the published global's header (a delta's: max_delta_header_mib) */
     uv_timer_t poll_timer;
@@ -679,12 +681,49 @@ typedef struct publish_args {
     char *src, *optimizer, *record;
     uint64_t step;
     int bootstrap;
+    hub_downlink dl;            /* paths owned; dl_on 0: none */
+    int dl_on;
 } publish_args;
+
+static void downlink_clear(hub_downlink *dl)
+{
+    free((void *)dl->update_path);
+    free((void *)dl->view_path);
+    memset(dl, 0, sizeof(*dl));
+}
+
+/* *to = a copy of from (paths duplicated).  0, or -1 without memory (*to cleared). */
+static int downlink_copy(hub_downlink *to, const hub_downlink *from)
+{
+    *to = *from;
+    to->update_path = from->update_path != NULL ? strdup(from->update_path) : NULL;
+    to->view_path = strdup(from->view_path);
+    if ((from->update_path != NULL && to->update_path == NULL) || to->view_path == NULL) {
+        downlink_clear(to);
+        return -1;
+    }
+    return 0;
+}
+
+static int file_set_downlink(hub *h, const hub_downlink *dl)
+{
+    file_hub *fh = (file_hub *)h;
+
+    downlink_clear(&fh->dl);
+    fh->dl_on = 0;
+    if (dl == NULL)
+        return 0;
+    if (downlink_copy(&fh->dl, dl) != 0)
+        return -ENOMEM;
+    fh->dl_on = 1;
+    return 0;
+}
 
 static void publish_work(pool_job *j)
 {
     publish_args *a = j->arg;
-    j->rc = hubfile_publish(job_hub(j)->root, a->src, a->step, a->optimizer, a->bootstrap, a->record, &j->err);
+    j->rc = hubfile_publish(job_hub(j)->root, a->src, a->step, a->optimizer, a->bootstrap, a->record,
+                            a->dl_on ? &a->dl : NULL, &j->err);
 }
 
 static void publish_done(pool_job *j)
@@ -696,6 +735,7 @@ static void publish_done(pool_job *j)
     free(a->src);
     free(a->optimizer);
     free(a->record);
+    downlink_clear(&a->dl);
     free(a);
     fh->publishing = 0;
     fh->st.publishing = 0;
@@ -723,14 +763,18 @@ static void file_publish(hub *h, const hub_publication *pub)
     if ((a = calloc(1, sizeof(*a))) != NULL) {
         a->step = step;
         a->bootstrap = pub->bootstrap;
+        /* the downlink's files go with the step they were set for */
+        a->dl_on = fh->dl_on && fh->dl.step == step;
     }
     if (a == NULL || (a->src = strdup(pub->global_path)) == NULL || (a->optimizer = strdup(pub->optimizer)) == NULL ||
         (pub->record_path != NULL && (a->record = strdup(pub->record_path)) == NULL) ||
+        (a->dl_on && downlink_copy(&a->dl, &fh->dl) != 0) ||
         job_queue(&fh->jobs, publish_work, publish_done, a) != 0) {
         if (a != NULL) {
             free(a->src);
             free(a->optimizer);
             free(a->record);
+            downlink_clear(&a->dl);
         }
         free(a);
         dl_fail(&e, DL_E_NO_MEMORY, NULL, 0, "out of memory");
@@ -851,6 +895,7 @@ static void free_hub(file_hub *fh)
     hub_index_memo_free(fh->memo, fh->nmemo);
     free(fh->resume);
     free(fh->watches);
+    downlink_clear(&fh->dl);
     free(fh->root);
     free(fh->state_dir);
     free(fh->incoming);
@@ -1015,4 +1060,5 @@ const hub_ops hub_file_ops = {
     .close = file_close,
     .prune = file_prune,
     .set_limits = file_set_limits,
+    .set_downlink = file_set_downlink,
 };

@@ -76,7 +76,6 @@
 #define DEFAULT_PART_SIZE (64ull << 20)
 #define XML_CAP S3_LIST_PAGE_CAP
 #define CREDENTIALS_FILE_CAP (64u << 10)
-#define EMPTY_SHA256 "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
 /* ---- requests with retries ------------------------------------------------------------------- */
 
@@ -104,29 +103,19 @@ s3_req *s3_req_new(s3_hub *h, const char *method, const char *key, const char *q
     return r;
 }
 
-int s3_sha256_hex(const void *data, size_t len, char hex[65])
-{
-    return remote_hash_mem(data, len, REMOTE_SHA256, NULL, 0, hex, 65);
-}
-
 /* Each attempt signed with SigV4, and the payload hash it signs: libcurl takes it from this header
  * (it could not hash a body it reads through a callback); a file body is sent unsigned, as the AWS
  * SDKs do over TLS. */
 static int s3_authorize(remote *rm, remote_req *r, cuv_xfer *x)
 {
     s3_hub *h = rm->owner;
-    char hex[65], line[128];
+    char line[128];
+    int rc = s3_payload_header(r->has_body ? S3_PAYLOAD_MEMORY : r->src_fd >= 0 ? S3_PAYLOAD_FILE : S3_PAYLOAD_NONE,
+                               r->body, r->body_len, line);
 
-    if (r->has_body) {
-        if (s3_sha256_hex(r->body, r->body_len, hex) != 0)
-            return -1;
-        snprintf(line, sizeof(line), "x-amz-content-sha256: %s", hex);
-        cuv_xfer_header(x, line);
-    } else if (r->src_fd >= 0) {
-        cuv_xfer_header(x, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
-    } else {
-        cuv_xfer_header(x, "x-amz-content-sha256: " EMPTY_SHA256);
-    }
+    if (rc != 0)
+        return rc;
+    cuv_xfer_header(x, line);
     if (strcmp(r->method, "DELETE") == 0)
         cuv_xfer_method(x, "DELETE");
     cuv_xfer_aws_sigv4(x, h->region, h->key_id, h->secret);

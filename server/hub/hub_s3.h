@@ -42,6 +42,19 @@ int s3_parse_url(const char *url, char **bucket, char **prefix, dl_error *err);
  * kept, every other byte %XX in upper case); '/' is kept only when keep_slash (object paths). */
 void s3_uri_encode(sbuf *b, const char *s, int keep_slash);
 
+/* What an S3 request's body is, for the payload hash its signature covers. */
+typedef enum s3_payload {
+    S3_PAYLOAD_NONE,            /* no body: the empty string's sha256 */
+    S3_PAYLOAD_MEMORY,          /* a body in memory: its sha256 */
+    S3_PAYLOAD_FILE,            /* a body streamed from a file: UNSIGNED-PAYLOAD, as the AWS SDKs send
+                                 * over TLS (libcurl could not hash a body it reads through a callback) */
+} s3_payload;
+
+/* The x-amz-content-sha256 header line of a request (libcurl's SigV4 signs the payload hash it finds
+ * there), for both S3 clients: the loop's (hub_s3.c) and the cluster's (s3_sync.c), which sign with
+ * net/curl_uv_aws.h's aws_sigv4_setopt.  0, or -DL_E_INTERNAL when hashing failed. */
+int s3_payload_header(s3_payload kind, const void *body, size_t len, char line[128]);
+
 /* The URL of an object (key NULL: the bucket itself) with an optional query that must already be
  * canonical (s3_list_query).  malloc'd, NULL when out of memory. */
 char *s3_url(const char *endpoint, const char *bucket, int virtual_host, const char *key, const char *query);

@@ -10,6 +10,7 @@
 
 #include "curl_uv.h"
 #include "delta.h"
+#include "s3_lease.h"
 #include "hub.h"
 #include "hub_s3.h"
 #include "hub_set.h"
@@ -50,8 +51,7 @@ typedef struct pub_state {
     unsigned renewal;           /* in the body, so that each renewal is a new ETag */
     char claim_etag[160];       /* ours once we hold it: renewals are If-Match on it */
     int claim_held, claim_waiting, claim_gone, claim_lost, takeovers, warned;
-    char foreign_ver[240];      /* the foreign claim's ETag + Last-Modified, and since when (loop ms) */
-    uint64_t foreign_since;
+    s3_lease_seen foreign;      /* the foreign claim's version, and since when (loop seconds) */
     unsigned gen;               /* this publish's number: a late renewal answer of an earlier one is ignored */
 } pub_state;
 
@@ -123,8 +123,6 @@ void s3_req_go(s3_hub *h, s3_req *r, s3_req_cb cb, void *arg);
 char *s3_full_key(const s3_hub *h, const char *rel);
 /* "HTTP 403 InvalidAccessKeyId: ..." */
 void s3_describe_answer(const cuv_xfer *x, char *out, size_t size);
-/* sha256 of data, lower-case hex.  0 or -1. */
-int s3_sha256_hex(const void *data, size_t len, char hex[65]);
 
 /* A failure recorded in /status and logged when it changes (remote.h). */
 #define set_error(h, ...) remote_error(&(h)->f.rm, __VA_ARGS__)

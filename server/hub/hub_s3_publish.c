@@ -532,7 +532,8 @@ static void claim_renew_check_done(s3_hub *h, s3_req *r, int ok)
         remote_req_end(r);
         return;
     }
-    if (ok && r->x->body.len == p->claim_len && memcmp(r->x->body.p, p->claim_body, p->claim_len) == 0) {
+    if (ok && s3_lease_judge(r->x->body.p, r->x->body.len, p->claim_body, p->claim_len, 0, 0, h->claim_lease, NULL) ==
+                  S3_LEASE_OURS) {
         claim_held(h, r->x);    /* our renewal went through on an earlier attempt */
     } else if (ok || r->x == NULL || r->x->status == 404) {
         /* another's now: the publish ends before its step file (pub_stepfile) */
@@ -568,7 +569,7 @@ static void claim_renew_done(s3_hub *h, s3_req *r, int ok)
     }
     if (ok) {
         claim_held(h, r->x);
-    } else if (r->x != NULL && r->x->status == 412) {
+    } else if (s3_lease_after_put(r->x != NULL ? r->x->status : 0) == S3_LEASE_PUT_READ_BACK) {
         /* taken over (we were too late), or our retried renewal had succeeded: read it back */
         remote_req_end(r);
         claim_renew_check(h);
@@ -631,16 +632,6 @@ static void claim_wait_cb(uv_timer_t *t)
     }
 }
 
-/* Seconds since an HTTP date, by the server's own Date (-1: not known). */
-static double claim_age(const cuv_xfer *x)
-{
-    time_t lm = x->last_modified[0] ? curl_getdate(x->last_modified, NULL) : -1;
-    time_t now = x->date[0] ? curl_getdate(x->date, NULL) : -1;
-    if (lm < 0 || now < 0)
-        return -1;
-    return now >= lm ? (double)(now - lm) : 0;
-}
-
 static void pub_claim_read_done(s3_hub *h, s3_req *r, int ok)
 {
     pub_state *p = &h->pub;
@@ -672,10 +663,14 @@ static void pub_claim_read_done(s3_hub *h, s3_req *r, int ok)
     const cJSON *inst = cJSON_GetObjectItemCaseSensitive(j, "instance");
     char who[48];
     snprintf(who, sizeof(who), "%.40s", cJSON_IsString(inst) ? inst->valuestring : "unknown");
-    int ours = (p->claim_len && b->len == p->claim_len && memcmp(b->p, p->claim_body, b->len) == 0) ||
-               (cJSON_IsString(inst) && strcmp(inst->valuestring, h->instance) == 0);
+    int by_instance = cJSON_IsString(inst) && strcmp(inst->valuestring, h->instance) == 0;
     cJSON_Delete(j);
-    if (ours) {
+    /* a foreign claim's age by the server, and by how long we have seen this very version (s3_lease.h) */
+    double age = s3_lease_age(&p->foreign, r->x->etag, r->x->last_modified, r->x->date,
+                              (double)uv_now(h->loop) / 1000);
+    s3_lease_verdict v = s3_lease_judge(b->p, b->len, p->claim_body, p->claim_len, by_instance, age,
+                                        h->claim_lease, r->x->etag);
+    if (v == S3_LEASE_OURS) {
         /* ours: a publish that a stop or a crash interrupted, or our own PUT whose answer was lost;
          * the uploads are idempotent, and an interrupted multipart upload (if any) is aborted first */
         dl_log(DL_LOG_INFO, "hub", "resuming our own claimed publish", "step=%" PRIu64, p->step);
@@ -689,19 +684,9 @@ static void pub_claim_read_done(s3_hub *h, s3_req *r, int ok)
         claim_lost_to(h, who);
         return;
     }
-    /* a foreign claim: its age by the server, and by how long we have seen this very version */
-    char ver[240];
-    snprintf(ver, sizeof(ver), "%s|%s", r->x->etag, r->x->last_modified);
-    if (strcmp(ver, p->foreign_ver) != 0) {
-        snprintf(p->foreign_ver, sizeof(p->foreign_ver), "%s", ver);
-        p->foreign_since = uv_now(h->loop);
-    }
-    double age = claim_age(r->x), seen = (double)(uv_now(h->loop) - p->foreign_since) / 1000;
-    if (seen > age)
-        age = seen;
     snprintf(p->claim_etag, sizeof(p->claim_etag), "%s", r->x->etag);
     remote_req_end(r);
-    if (age >= h->claim_lease && p->claim_etag[0] && p->takeovers < 3) {
+    if (v == S3_LEASE_EXPIRED && p->takeovers < 3) {
         dl_log(DL_LOG_WARN, "hub", "taking over an expired claim", "step=%" PRIu64 " instance=%s age_s=%.0f", p->step,
                who, age);
         char cond[200];
@@ -744,7 +729,7 @@ static void pub_claim_done(s3_hub *h, s3_req *r, int ok)
 {
     long status = r->x ? r->x->status : 0;
 
-    if (status == 412 && !h->f.closing) {
+    if (s3_lease_after_put(status) == S3_LEASE_PUT_READ_BACK && !h->f.closing) {
         /* the claim exists (or changed since we read it): whose it is decides, read it back */
         remote_req_end(r);
         pub_claim_read(h);

@@ -28,7 +28,7 @@
  *     next listing has the new version (s3://'s If-Match; the Hub never answers one);
  *   - an index is read with two attempts, capped at its listed size (s3:// took three, capped at the
  *     index cap);
- *   - a set's directory is cache/incoming/<hf-|s3->[global-]<set version>.set on both (s3:// named it
+ *   - a set's directory is cache/incoming/<hf-|s3->[global-]<set version>-<key hash>.set on both (s3:// named it
  *     after the index's key);
  *   - a given-up adoption lists again at the next poll (hf:// cleared its head; s3:// has none);
  *   - downloads and download_bytes are counted on both;

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <openssl/evp.h>
+#include <xxhash.h>
 
 #include "delta.h"
 #include "dl_log.h"
@@ -721,11 +722,15 @@ static void set_shard_finished(remote_fetch *f, hub_set *set, int ok, seen_state
     hub_set_free(&f->sets, set);
 }
 
-/* The set's directory, <state>/cache/incoming/<prefix>[global-]<version>.set, with the index in it. */
+/* The set's directory, <state>/cache/incoming/<prefix>[global-]<version>-<key hash>.set, with the index
+ * in it.  The version alone is not enough: two nodes' byte-identical indexes without shards listed yet
+ * have one version, and the second set would be staged in (and dropped with) the first one's directory;
+ * the hash of the index's key keeps each node's set apart. */
 static hub_set *set_new(remote_fetch *f, const remote_cand *c, const char *text, size_t len)
 {
-    char *dir = store_path_incoming_file(f->state_dir, "%s%s%s.set", f->ops->set_prefix, c->is_global ? "global-" : "",
-                                         c->ver);
+    char *dir = store_path_incoming_file(f->state_dir, "%s%s%s-%016" PRIx64 ".set", f->ops->set_prefix,
+                                         c->is_global ? "global-" : "", c->ver,
+                                         (uint64_t)XXH3_64bits(c->rel, strlen(c->rel)));
     dl_error err = {0};
     hub_set *set;
 

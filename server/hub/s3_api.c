@@ -9,6 +9,7 @@
 #include <expat.h>
 
 #include "delta.h"
+#include "remote_fetch.h"
 
 /* ---- URLs ---------------------------------------------------------------------------------------- */
 
@@ -94,6 +95,27 @@ void s3_uri_encode(sbuf *b, const char *s, int keep_slash)
             char e[3] = {'%', hex[c >> 4], hex[c & 15]};
             sb_add(b, e, 3);
         }
+    }
+}
+
+int s3_payload_header(s3_payload kind, const void *body, size_t len, char line[128])
+{
+    static const char empty_sha256[] = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+    char hex[65];
+
+    switch (kind) {
+    case S3_PAYLOAD_MEMORY:
+        if (remote_hash_mem(len ? body : "", len, REMOTE_SHA256, NULL, 0, hex, sizeof(hex)) != 0)
+            return -DL_E_INTERNAL;
+        snprintf(line, 128, "x-amz-content-sha256: %s", hex);
+        return 0;
+    case S3_PAYLOAD_FILE:
+        snprintf(line, 128, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
+        return 0;
+    case S3_PAYLOAD_NONE:
+    default:
+        snprintf(line, 128, "x-amz-content-sha256: %s", empty_sha256);
+        return 0;
     }
 }
 

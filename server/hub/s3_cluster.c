@@ -568,27 +568,30 @@ static int publish(cluster *c, uint64_t step)
     cl_record_pending(c, step, sumsq);
     snprintf(body, sizeof(body), "{\"outer_step\": %" PRIu64 ", \"generation\": %u, \"instance\": \"%s\"}\n", step,
              c->gen, c->instance);
-    long st = cl_put_small(c, rel, body, strlen(body), NULL, 1, &r, why, sizeof(why));
-    if (st == 412) {
+    s3_lease_put put = s3_lease_after_put(cl_put_small(c, rel, body, strlen(body), NULL, 1, &r, why, sizeof(why)));
+    if (put == S3_LEASE_PUT_READ_BACK) {
         s3s_resp_free(&r);
         if (cl_get_small(c, rel, CLAIM_CAP, &r, why, sizeof(why)) != 1)
             goto out;
-        int ours = r.body.len == strlen(body) && memcmp(r.body.p, body, r.body.len) == 0;
-        double age = s3s_age(&r);
-        if (!ours && !(age >= c->cfg.lease)) {
+        /* the publish's outputs are written once and the same whoever writes them: an expired claim is
+         * completed rather than taken over, so no If-Match is needed (s3_lease.h) */
+        double age = s3_lease_server_age(r.last_modified, r.date);
+        s3_lease_verdict v = s3_lease_judge(r.body.p, r.body.len, body, strlen(body), 0, age, c->cfg.lease, r.etag);
+        if (v == S3_LEASE_LIVE) {
             /* another publishes it: wait for its step file (the caller polls the bucket's step) */
             goto out;
         }
-        if (!ours)
+        if (v == S3_LEASE_EXPIRED)
             dl_log(DL_LOG_WARN, "cluster", "completing a publish its winner did not finish", "step=%" PRIu64
                    " age_s=%.0f", step, age);
-    } else if (st != 200) {
+    } else if (put != S3_LEASE_PUT_WRITTEN) {
         goto out;
     }
     int wrote;
     if (write_index(c, step, why, sizeof(why)) != 0 || (wrote = write_stepfile(c, step, why, sizeof(why))) < 0)
         goto out;
     cl_record_hand_over(c, step);
+    cl_phase(c, step, CLUSTER_PHASE_PUBLISHED);
     if (wrote == 0) {
         rc = 0;                 /* another completed this same publish first */
         goto out;
@@ -758,6 +761,7 @@ static int aggregate(cluster *c, uint64_t step)
         int64_t now = cl_bucket_step(c, NULL, 0);
         if (now >= (int64_t)step) {
             cl_record_seen(c, step);
+            cl_phase(c, step, CLUSTER_PHASE_PUBLISHED);
             break;
         }
         if (!progressed)
@@ -769,6 +773,8 @@ static int aggregate(cluster *c, uint64_t step)
         /* a clear refusal: nothing more is done for this step until the bucket moves on */
         while (!cl_stopping(c) && cl_bucket_step(c, NULL, 0) < (int64_t)step)
             cl_nap(c, c->cfg.poll_interval > 1 ? c->cfg.poll_interval : 1);
+        if (!cl_stopping(c))
+            cl_phase(c, step, CLUSTER_PHASE_PUBLISHED);
     }
     return reopen;
 }
@@ -783,7 +789,7 @@ void cl_step_reset_view(cluster *c, uint64_t step)
         c->sv[i].epoch = 0;
         c->sv[i].lease_age = -1;
         c->sv[i].bytes_read = 0;
-        c->sv[i].foreign_etag[0] = '\0';
+        c->sv[i].foreign.version[0] = '\0';
     }
     pthread_mutex_unlock(&c->mu);
 }
@@ -807,6 +813,7 @@ static int collect(cluster *c, uint64_t step)
             pthread_mutex_lock(&c->mu);
             c->manifest = "adopted";
             pthread_mutex_unlock(&c->mu);
+            cl_phase(c, step, CLUSTER_PHASE_MANIFEST);
             dl_log(DL_LOG_INFO, "cluster", "manifest adopted", "step=%" PRIu64 " generation=%u nodes=%zu", step, c->gen,
                        c->nm);
             break;
@@ -824,8 +831,10 @@ static int collect(cluster *c, uint64_t step)
             c->m = NULL;
             c->nm = 0;
             cl_nap(c, c->cfg.poll_interval > 1 ? c->cfg.poll_interval : 1);
-            if (cl_bucket_step(c, NULL, 0) >= (int64_t)step)
+            if (cl_bucket_step(c, NULL, 0) >= (int64_t)step) {
+                cl_phase(c, step, CLUSTER_PHASE_PUBLISHED);
                 return -1;
+            }
             continue;
         }
         poll_deltas(c, step);
@@ -833,17 +842,21 @@ static int collect(cluster *c, uint64_t step)
         if (round_should_close(&c->rnd, cl_mono(), &reason)) {
             dl_log(DL_LOG_INFO, "cluster", "round closed", "step=%" PRIu64 " nodes=%zu reason=%s", step, c->rnd.n,
                    round_close_reason_name(reason));
+            cl_phase(c, step, CLUSTER_PHASE_MANIFEST);
             if (manifest_write(c, step, why, sizeof(why)) == 0)
                 break;
             dl_log(DL_LOG_WARN, "cluster", "manifest not agreed", "step=%" PRIu64 " why=%s", step, why);
+            cl_phase(c, step, CLUSTER_PHASE_COLLECTING);
             for (size_t i = 0; i < c->nm; i++)
                 cl_source_free(&c->m[i].s);
             free(c->m);
             c->m = NULL;
             c->nm = 0;
         }
-        if (cl_bucket_step(c, NULL, 0) >= (int64_t)step)
+        if (cl_bucket_step(c, NULL, 0) >= (int64_t)step) {
+            cl_phase(c, step, CLUSTER_PHASE_PUBLISHED);
             return -1;
+        }
         cl_nap(c, c->cfg.poll_interval);
     }
     return cl_stopping(c) ? -1 : 0;
@@ -866,60 +879,6 @@ static void run_step(cluster *c, uint64_t step)
         ;
 }
 
-/* An empty bucket and --init-model: step 0 is the reference's bootstrap, global/latest.safetensors and then
- * step_count.json ("bootstrap": "true"), each written once (If-None-Match), so that K aggregators starting
- * together publish one step 0.  An aggregator that finds the model written already checks that it holds
- * this file's bytes (a single PUT's ETag is its MD5): another --init-model is an operator's error, said
- * once, and the bucket's is what everyone adopts.  A crash between the two writes is mended by the next
- * try (the model is ours, the step file is then written).  0 published (by us or another), -1 not yet
- * (why; tried again), -2 never (the bucket holds another file's model: why). */
-static int bootstrap(cluster *c, char *why, size_t why_size)
-{
-    st_file *f = NULL;
-    dl_error err;
-    char md5[33];
-    uint64_t size = 0;
-    s3s_resp r;
-
-    /* the file is read as dilocod reads a global: a strict header, and data exactly as long as it says */
-    if (st_open(c->cfg.init_model, &f, &err) != 0) {
-        snprintf(why, why_size, "--init-model %.300s: %.300s", c->cfg.init_model, err.message);
-        return -1;
-    }
-    st_close(f);
-    int put = cl_put_once(c, "global/latest.safetensors", c->cfg.init_model, md5, &size, why, why_size);
-    if (put == -2) {
-        char inner[600];
-        snprintf(inner, sizeof(inner), "%.500s", why);
-        snprintf(why, why_size, "the bucket's step 0 is not --init-model %.200s (%.300s): every aggregator of a "
-                 "cluster must be given the same file", c->cfg.init_model, inner);
-        return -2;
-    }
-    if (put != 0)
-        return -1;
-    char *text = stepcount_build(0, c->cfg.optimizer, 1, 0, NULL);
-    if (text == NULL) {
-        snprintf(why, why_size, "out of memory");
-        return -1;
-    }
-    memset(&r, 0, sizeof(r));
-    long st = cl_put_small(c, "global/step_count.json", text, strlen(text), NULL, 1, &r, why, why_size);
-    free(text);
-    s3s_resp_free(&r);
-    if (st == 200)
-        dl_log(DL_LOG_INFO, "cluster", "bootstrapped: step 0 published from --init-model", "init_model=%s bytes=%" PRIu64
-               " md5=%s", c->cfg.init_model, size, md5);
-    else if (st == 412)
-        dl_log(DL_LOG_INFO, "cluster", "step 0 published by another aggregator meanwhile", "init_model=%s",
-               c->cfg.init_model);
-    else {
-        if (st != 0)
-            snprintf(why, why_size, "global/step_count.json: HTTP %ld", st);
-        return -1;
-    }
-    return 0;
-}
-
 static void *cluster_main(void *arg)
 {
     cluster *c = arg;
@@ -932,7 +891,7 @@ static void *cluster_main(void *arg)
             cl_record_hand_over(c, c->g.step);     /* another published the step this one computed a part of */
         if (g == -2 && c->cfg.init_model != NULL && !boot_failed) {
             /* an empty bucket: publish step 0, then read it as any aggregator does */
-            int b = bootstrap(c, why, sizeof(why));
+            int b = cl_bootstrap(c, why, sizeof(why));
             if (b == 0)
                 continue;
             dl_log(DL_LOG_ERROR, "cluster", "cannot bootstrap the bucket", "why=%s", why);
@@ -996,6 +955,7 @@ int cluster_start(cluster **out, uv_loop_t *loop, const cluster_config *cfg, con
     if (c == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
     c->cfg = *cfg;
+    c->last_phase_step = -1;
     c->a = *a;
     c->loop = loop;
     c->stopped = stopped;

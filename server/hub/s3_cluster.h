@@ -32,6 +32,17 @@
 #include "outer.h"
 #include "strbuf.h"
 
+/* Where a step stands on this aggregator, told to the loop in order (cluster_config.phase): the daemon moves
+ * the step's pipeline record through the table's cluster column (core/pipeline.h, step_strategy). */
+typedef enum cluster_phase {
+    CLUSTER_PHASE_COLLECTING,   /* the round collects (again, after a refusal reopened it) */
+    CLUSTER_PHASE_MANIFEST,     /* the round closed: its manifest is written or adopted */
+    CLUSTER_PHASE_SHARDS,       /* the manifest agreed: the shards are computed */
+    CLUSTER_PHASE_PUBLISH,      /* every shard done: the index and the step file are written */
+    CLUSTER_PHASE_PUBLISHED,    /* the bucket's step file names the step (this aggregator's or another's) */
+    CLUSTER_PHASE_REFUSED,      /* a refusal holds this aggregator until the bucket moves on */
+} cluster_phase;
+
 typedef struct cluster_config {
     uint32_t shards;            /* S */
     double lease;               /* seconds */
@@ -58,6 +69,8 @@ typedef struct cluster_config {
      * history_record_json writes it: the manifest's nodes, their norms); NULL: none kept */
     void (*record)(void *arg, const char *json);
     void *record_arg;
+    /* Called on the loop for each phase a step enters here, in order (with record_arg); NULL: not told */
+    void (*phase)(void *arg, uint64_t step, cluster_phase phase);
 } cluster_config;
 
 typedef struct cluster cluster;

@@ -47,11 +47,26 @@ void cl_nap(cluster *c, double seconds)
     }
 }
 
+/* The pipeline's phase of a state the view shows (s3_cluster.h, cluster_phase), -1 for none. */
+static int phase_of(const char *state)
+{
+    return strcmp(state, "collecting") == 0    ? CLUSTER_PHASE_COLLECTING
+           : strcmp(state, "aggregating") == 0 ? CLUSTER_PHASE_SHARDS
+           : strcmp(state, "publishing") == 0  ? CLUSTER_PHASE_PUBLISH
+           : strcmp(state, "refused") == 0     ? CLUSTER_PHASE_REFUSED
+                                               : -1;
+}
+
 void cl_set_state(cluster *c, const char *state)
 {
+    int phase = phase_of(state);
+
     pthread_mutex_lock(&c->mu);
     c->state = state;
     pthread_mutex_unlock(&c->mu);
+    /* c->step is the thread's to write: read here without the lock */
+    if (phase >= 0 && c->step > 0)
+        cl_phase(c, (uint64_t)c->step, (cluster_phase)phase);
 }
 
 void cl_fail_view(cluster *c, const char *fmt, ...)

@@ -1,6 +1,8 @@
-/* s3_cluster_history.c: the cluster's part of the history (README, "Scaling out": /rounds on any member).
- * The thread makes a round record of each step whose outputs it checked, keeps it until the step is seen
- * published, then hands it to the loop (record_async), which gives it to cluster_config.record. */
+/* s3_cluster_history.c: the cluster's part of the history (README, "Scaling out": /rounds on any member)
+ * and of the pipeline.  The thread makes a round record of each step whose outputs it checked, keeps it
+ * until the step is seen published, then hands it to the loop (record_async), which gives it to
+ * cluster_config.record; and it tells the loop each phase a step enters (cl_phase), which the daemon makes
+ * the step's pipeline moves. */
 #include "s3_cluster_internal.h"
 
 #include <inttypes.h>
@@ -60,10 +62,26 @@ static char *step_record_json(const cluster *c, uint64_t step, const double *sum
     return sb_take(&b);
 }
 
-/* The loop's side: each record the thread made goes to cfg.record, in order. */
+void cl_phase(cluster *c, uint64_t step, cluster_phase phase)
+{
+    if (c->cfg.phase == NULL || (c->last_phase_step == (int64_t)step && c->last_phase == phase))
+        return;
+    c->last_phase_step = (int64_t)step;
+    c->last_phase = phase;
+    pthread_mutex_lock(&c->mu);
+    /* a loop that does not take them is stopping: what it would not read anyway is not kept */
+    if (c->nphases < CL_PHASES_MAX)
+        c->phases[c->nphases++] = (struct cl_phase_event){step, phase};
+    pthread_mutex_unlock(&c->mu);
+    uv_async_send(&c->record_async);
+}
+
+/* The loop's side: the phases in order to cfg.phase, then each record the thread made to cfg.record. */
 void cl_records_cb(uv_async_t *a)
 {
     cluster *c = a->data;
+    struct cl_phase_event phases[CL_PHASES_MAX];
+    size_t nphases;
     char **recs;
     size_t n;
 
@@ -72,7 +90,12 @@ void cl_records_cb(uv_async_t *a)
     n = c->nrecords;
     c->records = NULL;
     c->nrecords = 0;
+    nphases = c->nphases;
+    memcpy(phases, c->phases, nphases * sizeof(phases[0]));
+    c->nphases = 0;
     pthread_mutex_unlock(&c->mu);
+    for (size_t i = 0; i < nphases; i++)
+        c->cfg.phase(c->cfg.record_arg, phases[i].step, phases[i].phase);
     for (size_t i = 0; i < n; i++) {
         if (c->cfg.record != NULL)
             c->cfg.record(c->cfg.record_arg, recs[i]);

@@ -15,8 +15,12 @@
 
 #include "round.h"
 #include "s3_cluster.h"
+#include "s3_lease.h"
 #include "seen.h"
 #include "s3_sync.h"
+
+/* phases waiting for the loop: far more than a step makes between two turns of the loop */
+#define CL_PHASES_MAX 64
 
 #define PEEK_BYTES 65536u
 #define STEPFILE_CAP (64u << 10)
@@ -32,8 +36,7 @@ typedef struct shard_view {
     double lease_age;           /* < 0: unknown */
     uint64_t bytes_read;
     /* the thread's own: a foreign claim's version and since when we have seen it (monotonic s) */
-    char foreign_etag[80];
-    double foreign_since;
+    s3_lease_seen foreign;
 } shard_view;
 
 /* One object a tensor is read from: the previous global's file or shard, or a delta. */
@@ -105,6 +108,14 @@ struct cluster {
     int record_async_open;
     char **records;
     size_t nrecords;
+    /* the phases the steps entered (cluster_config.phase), for the loop, in order (the same async) */
+    struct cl_phase_event {
+        uint64_t step;
+        cluster_phase phase;
+    } phases[CL_PHASES_MAX];
+    size_t nphases;
+    cluster_phase last_phase;   /* the thread's: the last one told, of last_phase_step */
+    int64_t last_phase_step;
 
     /* the thread's */
     gmodel g;
@@ -203,6 +214,10 @@ int cl_check_refusal(cluster *c, uint64_t step);
 int cl_put_once(cluster *c, const char *rel, const char *path, char md5[33], uint64_t *size, char *why,
                 size_t why_size);
 
+/* s3_cluster_bootstrap.c: step 0 from --init-model (a file or a set) into an empty bucket.  0 published (by
+ * us or another), -1 not yet (why; tried again), -2 never (the bucket holds another model: why). */
+int cl_bootstrap(cluster *c, char *why, size_t why_size);
+
 /* s3_cluster_history.c: step's record (the manifest's nodes, their norms from sumsq) kept until the step is
  * published; made from the bucket's done markers when another published it first; handed to the loop once
  * the step is published (by us or another); the loop's side of record_async. */
@@ -210,6 +225,8 @@ void cl_record_pending(cluster *c, uint64_t step, const double *sumsq);
 void cl_record_seen(cluster *c, uint64_t step);
 void cl_record_hand_over(cluster *c, uint64_t step);
 void cl_records_cb(uv_async_t *a);
+/* Step entered phase on this aggregator: told to the loop (cluster_config.phase), once per change. */
+void cl_phase(cluster *c, uint64_t step, cluster_phase phase);
 
 /* s3_cluster.c, for the verdicts: a manifest's text, and the view reset for a new generation. */
 char *cl_manifest_text(const cluster *c, uint64_t step, unsigned gen, const node_delta *const *nodes, size_t n);

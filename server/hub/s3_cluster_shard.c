@@ -57,14 +57,14 @@ claim_result cl_claim_try(cluster *c, uint64_t step, uint32_t i, unsigned *epoch
     *epoch = 1;
     if ((len = claim_body(c, step, i, 1, body, sizeof(body))) < 0)
         goto out;
-    long st = cl_put_small(c, rel, body, (size_t)len, NULL, 1, &r, why, sizeof(why));
-    if (st == 200) {
+    s3_lease_put put = s3_lease_after_put(cl_put_small(c, rel, body, (size_t)len, NULL, 1, &r, why, sizeof(why)));
+    if (put == S3_LEASE_PUT_WRITTEN) {
         snprintf(c->claim_etag, sizeof(c->claim_etag), "%s", r.etag);
         out = CLAIM_OURS;
         goto out;
     }
     s3s_resp_free(&r);
-    if (st != 412)
+    if (put != S3_LEASE_PUT_READ_BACK)
         goto out;
     /* it exists: ours (an earlier attempt whose answer was lost), live, or expired */
     int got = cl_get_small(c, rel, CLAIM_CAP, &r, why, sizeof(why));
@@ -72,7 +72,10 @@ claim_result cl_claim_try(cluster *c, uint64_t step, uint32_t i, unsigned *epoch
         out = got == 0 ? CLAIM_BUSY : CLAIM_FAILED;   /* gone meanwhile: the next sweep claims it afresh */
         goto out;
     }
-    if (r.body.len == (size_t)len && memcmp(r.body.p, body, (size_t)len) == 0) {
+    shard_view *sv = &c->sv[i];
+    double age = s3_lease_age(&sv->foreign, r.etag, r.last_modified, r.date, cl_mono());
+    s3_lease_verdict v = s3_lease_judge(r.body.p, r.body.len, body, (size_t)len, 0, age, c->cfg.lease, r.etag);
+    if (v == S3_LEASE_OURS) {
         snprintf(c->claim_etag, sizeof(c->claim_etag), "%s", r.etag);
         out = CLAIM_OURS;
         goto out;
@@ -82,16 +85,8 @@ claim_result cl_claim_try(cluster *c, uint64_t step, uint32_t i, unsigned *epoch
     if (cl_json_u64(j, "epoch", &theirs) != 0 || theirs > 1000000000u)
         theirs = 0;
     cJSON_Delete(j);
-    shard_view *sv = &c->sv[i];
-    double now = cl_mono(), age = s3s_age(&r);
-    if (strcmp(sv->foreign_etag, r.etag) != 0) {
-        snprintf(sv->foreign_etag, sizeof(sv->foreign_etag), "%s", r.etag);
-        sv->foreign_since = now;
-    }
-    if (now - sv->foreign_since > age)
-        age = now - sv->foreign_since;
     cl_shard_set(c, i, SH_FOREIGN, (unsigned)theirs, age);
-    if (age < c->cfg.lease || !r.etag[0]) {
+    if (v == S3_LEASE_LIVE) {
         out = CLAIM_BUSY;
         goto out;
     }
@@ -102,15 +97,15 @@ claim_result cl_claim_try(cluster *c, uint64_t step, uint32_t i, unsigned *epoch
     *epoch = (unsigned)theirs + 1;
     if ((len = claim_body(c, step, i, *epoch, body, sizeof(body))) < 0)
         goto out;
-    st = cl_put_small(c, rel, body, (size_t)len, stale, 0, &r, why, sizeof(why));
-    if (st == 412) {
+    put = s3_lease_after_put(cl_put_small(c, rel, body, (size_t)len, stale, 0, &r, why, sizeof(why)));
+    if (put == S3_LEASE_PUT_READ_BACK) {
         /* an ambiguous 412: a retried takeover meets its own first attempt; read back and compare */
         s3s_resp_free(&r);
-        if (cl_get_small(c, rel, CLAIM_CAP, &r, why, sizeof(why)) == 1 && r.body.len == (size_t)len &&
-            memcmp(r.body.p, body, (size_t)len) == 0)
-            st = 200;
+        if (cl_get_small(c, rel, CLAIM_CAP, &r, why, sizeof(why)) == 1 &&
+            s3_lease_judge(r.body.p, r.body.len, body, (size_t)len, 0, 0, c->cfg.lease, NULL) == S3_LEASE_OURS)
+            put = S3_LEASE_PUT_WRITTEN;
     }
-    if (st == 200) {
+    if (put == S3_LEASE_PUT_WRITTEN) {
         dl_log(DL_LOG_WARN, "cluster", "took over an expired shard claim", "step=%" PRIu64 " shard=%" PRIu32
                " epoch=%u age_s=%.1f", step, i, *epoch, age);
         snprintf(c->claim_etag, sizeof(c->claim_etag), "%s", r.etag);
@@ -139,18 +134,19 @@ static int claim_renew(cluster *c, uint64_t step, uint32_t i, unsigned epoch)
     if ((len = claim_body(c, step, i, epoch, body, sizeof(body))) < 0)
         goto out;
     long st = cl_put_small(c, rel, body, (size_t)len, c->claim_etag, 0, &r, why, sizeof(why));
-    if (st == 200) {
+    s3_lease_put put = s3_lease_after_put(st);
+    if (put == S3_LEASE_PUT_WRITTEN) {
         snprintf(c->claim_etag, sizeof(c->claim_etag), "%s", r.etag);
         c->last_renew = cl_mono();
         cl_shard_set(c, i, SH_OURS, epoch, 0);
         rc = 0;
         goto out;
     }
-    if (st == 412) {
+    if (put == S3_LEASE_PUT_READ_BACK) {
         /* an ambiguous 412: our retried renewal may have gone through; read back and compare */
         s3s_resp_free(&r);
-        if (cl_get_small(c, rel, CLAIM_CAP, &r, why, sizeof(why)) == 1 && r.body.len == (size_t)len &&
-            memcmp(r.body.p, body, (size_t)len) == 0) {
+        if (cl_get_small(c, rel, CLAIM_CAP, &r, why, sizeof(why)) == 1 &&
+            s3_lease_judge(r.body.p, r.body.len, body, (size_t)len, 0, 0, c->cfg.lease, NULL) == S3_LEASE_OURS) {
             snprintf(c->claim_etag, sizeof(c->claim_etag), "%s", r.etag);
             c->last_renew = cl_mono();
             rc = 0;

@@ -11,10 +11,10 @@
 
 #include <curl/curl.h>
 
+#include "curl_uv_aws.h"
 #include "dl_log.h"
 #include "remote_fetch.h"
 
-#define EMPTY_SHA256 "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 #define ERROR_BODY_CAP (64u << 10)
 
 int s3s_init(s3s_client *c, const s3_access *a, const atomic_int *stop)
@@ -23,7 +23,6 @@ int s3s_init(s3s_client *c, const s3_access *a, const atomic_int *stop)
     c->a = *a;
     c->stop = stop;
     c->retry_for = 120;
-    snprintf(c->sigv4, sizeof(c->sigv4), "aws:amz:%s:s3", a->region);
     if ((c->curl = curl_easy_init()) == NULL)
         return -1;
     return 0;
@@ -247,9 +246,7 @@ static int attempt(s3s_client *c, const s3s_req *q, const char *url, s3s_resp *r
     curl_easy_setopt(e, CURLOPT_NOPROGRESS, 0L);
     curl_easy_setopt(e, CURLOPT_XFERINFOFUNCTION, on_progress);
     curl_easy_setopt(e, CURLOPT_XFERINFODATA, &t);
-    curl_easy_setopt(e, CURLOPT_AWS_SIGV4, c->sigv4);
-    curl_easy_setopt(e, CURLOPT_USERNAME, c->a.key_id);
-    curl_easy_setopt(e, CURLOPT_PASSWORD, c->a.secret);
+    aws_sigv4_setopt(e, c->a.region, c->a.key_id, c->a.secret);
     if (strcmp(q->method, "PUT") == 0) {
         uint64_t len = q->src_fd >= 0 ? q->src_len : q->body_len;
         curl_easy_setopt(e, CURLOPT_UPLOAD, 1L);
@@ -258,19 +255,14 @@ static int attempt(s3s_client *c, const s3s_req *q, const char *url, s3s_resp *r
         curl_easy_setopt(e, CURLOPT_INFILESIZE_LARGE, (curl_off_t)len);
         /* libcurl's SigV4 signs the length it is given here */
         curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)len);
-        if (q->src_fd >= 0) {
-            hl = curl_slist_append(hl, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
-        } else {
-            char hex[65];
-            if (remote_hash_mem(q->body_len ? q->body : "", q->body_len, REMOTE_SHA256, NULL, 0, hex, sizeof(hex)) != 0) {
-                snprintf(why, why_size, "hashing the body failed");
-                return -1;
-            }
-            snprintf(line, sizeof(line), "x-amz-content-sha256: %s", hex);
-            hl = curl_slist_append(hl, line);
+        if (s3_payload_header(q->src_fd >= 0 ? S3_PAYLOAD_FILE : S3_PAYLOAD_MEMORY, q->body, q->body_len, line) != 0) {
+            snprintf(why, why_size, "hashing the body failed");
+            return -1;
         }
+        hl = curl_slist_append(hl, line);
     } else {
-        hl = curl_slist_append(hl, "x-amz-content-sha256: " EMPTY_SHA256);
+        s3_payload_header(S3_PAYLOAD_NONE, NULL, 0, line);
+        hl = curl_slist_append(hl, line);
         if (strcmp(q->method, "HEAD") == 0)
             curl_easy_setopt(e, CURLOPT_NOBODY, 1L);
         else if (strcmp(q->method, "DELETE") == 0)
@@ -372,13 +364,4 @@ void s3s_describe(const s3s_resp *r, char *out, size_t size)
         snprintf(out, size, "HTTP %ld %s%s%s", r->status, code, msg[0] ? ": " : "", msg);
     else
         snprintf(out, size, "HTTP %ld", r->status);
-}
-
-double s3s_age(const s3s_resp *r)
-{
-    time_t lm = r->last_modified[0] ? curl_getdate(r->last_modified, NULL) : -1;
-    time_t now = r->date[0] ? curl_getdate(r->date, NULL) : -1;
-    if (lm < 0 || now < 0)
-        return -1;
-    return now >= lm ? (double)(now - lm) : 0;
 }

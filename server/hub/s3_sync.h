@@ -21,7 +21,6 @@
 typedef struct s3s_client {
     void *curl;                 /* CURL * */
     s3_access a;                /* borrowed from the transport */
-    char sigv4[96];
     char *userpwd;
     const atomic_int *stop;     /* set: no retry starts, and a request in flight is aborted */
     double retry_for;           /* seconds a request is retried at most */
@@ -68,7 +67,5 @@ int s3s_do(s3s_client *c, const s3s_req *q, s3s_resp *r, char *why, size_t why_s
 void s3s_resp_free(s3s_resp *r);
 /* "HTTP 412 PreconditionFailed: ..." of an answer, for logs. */
 void s3s_describe(const s3s_resp *r, char *out, size_t size);
-/* Seconds from the answer's Last-Modified to its Date, by the server's clock; -1 when either is absent. */
-double s3s_age(const s3s_resp *r);
 
 #endif

@@ -43,7 +43,9 @@ def free_ports(n):
 class SeaweedS3:
     """weed mini with an S3 gateway on a free loopback port and a bucket; stop() ends it."""
 
-    def __init__(self, tmp: Path, bucket="dilocod-test"):
+    def __init__(self, tmp: Path, bucket="dilocod-test", host="127.0.0.1"):
+        """host: the one address every component binds (tests/bench/netns.py passes its bridge's, so that
+        aggregators in their own network namespaces reach the server)."""
         self.tmp = Path(tmp)
         self.bucket = bucket
         self.dir = self.tmp / "seaweedfs"
@@ -57,9 +59,9 @@ class SeaweedS3:
         (master, master_g, volume, volume_g, filer, filer_g, s3, s3_g, admin, admin_g,
          debug, s3_debug) = free_ports(12)
         self.port = s3
-        self.endpoint = f"http://127.0.0.1:{s3}"
+        self.endpoint = f"http://{host}:{s3}"
         self.cmd = [str(weed_binary()), "mini", f"-dir={self.dir}",
-                    "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false", "-admin.ui=false",
+                    f"-ip={host}", f"-ip.bind={host}", "-master.telemetry=false", "-admin.ui=false",
                     "-webdav=false", "-admin.port.legacy=0", "-s3.port.iceberg=0", "-s3.port.lance=0",
                     f"-master.port={master}", f"-master.port.grpc={master_g}",
                     f"-volume.port={volume}", f"-volume.port.grpc={volume_g}",

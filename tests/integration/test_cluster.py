@@ -605,6 +605,29 @@ def check_cluster_rounds(d, all_deltas):
         assert r["bytes"] == sum(n["bytes"] for n in r["nodes"]), r
 
 
+def check_cluster_pipeline(procs, rounds):
+    """The cluster's steps in the one pipeline (core/pipeline.h, the table's cluster column): on every member
+    /status pipeline[] holds the next step collecting and the steps before it cleaned (published, recorded,
+    left behind), and /metrics' per-state histogram counts each step's time in cluster_manifest and
+    cluster_shards on every member, in cluster_publish on whoever published it; no move was refused."""
+    publishes = 0
+    for d in procs:
+        st = d.http.get(f"{d.url}/status", timeout=10).json()
+        by_step = {p["step"]: p["state"] for p in st["pipeline"]}
+        assert by_step.get(rounds + 1) == "collecting", (d.agg_id, st["pipeline"])
+        assert all(state == "cleaned" for step, state in by_step.items() if 1 <= step <= rounds), (d.agg_id, by_step)
+        assert sum(1 for step in by_step if 1 <= step <= rounds) >= min(rounds, 3), (d.agg_id, by_step)
+        text = d.http.get(f"{d.url}/metrics", timeout=10).text
+        count = {m.group(1): int(m.group(2)) for m in
+                 re.finditer(r'^dilocod_pipeline_state_seconds_count\{state="([a-z_]+)"\} (\d+)$', text, re.M)}
+        assert count["cluster_manifest"] >= rounds and count["cluster_shards"] >= rounds, (d.agg_id, count)
+        assert count["published"] >= rounds and count["durable"] >= rounds, (d.agg_id, count)
+        assert count["computing"] == 0, (d.agg_id, count)             # no local pass ran
+        assert re.search(r"^dilocod_pipeline_illegal_transitions_total 0$", text, re.M), d.agg_id
+        publishes += count["cluster_publish"]
+    assert publishes >= rounds, publishes
+
+
 def test_k3_equals_k1_and_torch(tmp_path, s3):
     S, rounds = 6, 3
     init = cluster_model(1)
@@ -695,6 +718,7 @@ def test_k3_equals_k1_and_torch(tmp_path, s3):
         for d in cl3.procs.values():
             cl3.wait(lambda: len(d.rounds()) == rounds, f"{d.agg_id}'s /rounds holding {rounds} steps", 20)
             check_cluster_rounds(d, all_deltas)
+        check_cluster_pipeline(cl3.procs.values(), rounds)
         d = cl3.procs["agg-b"]
         d.stop()
         d.start()

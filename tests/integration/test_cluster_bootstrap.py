@@ -87,3 +87,70 @@ def test_cluster_refuses_a_different_init_model_in_a_half_bootstrapped_bucket(tm
         assert json.dumps(st)  # /status still answers
     finally:
         cl.stop()
+
+
+def test_cluster_bootstraps_an_empty_bucket_from_a_set(tmp_path, s3):
+    """--init-model INDEX.json (a sharded checkpoint, as huggingface_hub saves one): two aggregators publish
+    one step 0 as one dilocod publishes a sharded global (global/latest-0000i-of-0000N.safetensors, the
+    shards' bytes as they are, and global/latest.safetensors.index.json naming them), which
+    huggingface_hub loads as the init model; the rounds after it are bit-exact with torch, as from the
+    same model in one file."""
+    from huggingface_hub import load_torch_model
+    from test_cluster import module_for, st_header
+
+    init = cluster_model(62)
+    single = st_torch_save({k: v.contiguous() for k, v in init.items()})
+    h = st_header(single)
+    order = sorted(h, key=lambda k: h[k]["data_offsets"][0])
+    halves = [order[:len(order) // 2], order[len(order) // 2:]]
+    set_dir = tmp_path / "init"
+    set_dir.mkdir()
+    names = [f"model-{i + 1:05d}-of-00002.safetensors" for i in range(2)]
+    for name, keys in zip(names, halves):
+        (set_dir / name).write_bytes(st_torch_save({k: init[k].contiguous() for k in keys}))
+    index = set_dir / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": sum(h[k]["data_offsets"][1] - h[k]["data_offsets"][0]
+                                                                for k in order)},
+                                 "weight_map": {k: names[i] for i, keys in enumerate(halves) for k in keys}}))
+    cl = Cluster(tmp_path, s3, "bootstrap/set", S, 5)
+    watcher = StepWatcher(s3, "bootstrap/set")
+    rng = np.random.default_rng(62)
+    try:
+        for i in ("agg-a", "agg-b"):
+            d = ClusterDilocod(cl.tmp, cl.s3, cl.prefix, i, cl.shards, cl.lease, "--init-model", str(index))
+            cl.procs[i] = d
+            d.start()
+        cl.wait(lambda: isinstance(cl.bucket.step_count(), dict), "step 0 published in the bucket", 30)
+        sc = cl.bucket.step_count()
+        assert sc["outer_step"] == 0 and sc["model_file"] == "global/latest.safetensors.index.json", sc
+        assert sc.get("bootstrap") in ("true", True), sc
+        out = tmp_path / "step0"
+        out.mkdir()
+        published = json.loads(cl.bucket.get("global/latest.safetensors.index.json"))
+        shard_names = sorted(set(published["weight_map"].values()))
+        assert shard_names == ["latest-00001-of-00002.safetensors", "latest-00002-of-00002.safetensors"], published
+        for i, name in enumerate(shard_names):
+            raw = cl.bucket.get(f"global/{name}")
+            assert raw == (set_dir / names[i]).read_bytes(), name      # the shard's bytes as they are
+            (out / name).write_bytes(raw)
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({**published, "weight_map": {k: v.replace("latest", "model") for k, v in
+                                                    published["weight_map"].items()}}))
+        for i, name in enumerate(shard_names):
+            (out / name).rename(out / name.replace("latest", "model"))
+        module = module_for(init)
+        load_torch_model(module, str(out), strict=True)
+        for k, v in module.state_dict().items():
+            assert v.equal(init[k]), k
+        cl.wait_ready()
+        logs = "".join(d.log_text() for d in cl.procs.values())
+        assert logs.count("bootstrapped: step 0 published from --init-model") == 1, cl.logs()
+        plan = Plan(single, S)
+        oracle = Oracle(init, lr=0.7, momentum=0.9)
+        for step in (1, 2):
+            run_round(cl, plan, oracle, {n: random_deltas(rng, init) for n in NODES}, step)
+        watcher.stop()
+        watcher.check([0, 1, 2])
+    finally:
+        watcher.stop()
+        cl.stop()

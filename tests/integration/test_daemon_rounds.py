@@ -1,6 +1,7 @@
 """dilocod rounds end to end over a file:// hub: the torch oracle over many rounds on a mixed-dtype model,
 plain averaging with sgd/lr 1, quorum and timeout, stale/future/replaced deltas, invalid and partially
 written delta files, restarts between and during rounds, and configuration errors."""
+import json
 import re
 import struct
 import subprocess
@@ -615,3 +616,41 @@ def test_check_config_prints_effective_configuration(tmp_path):
     # a bad value still fails under --check-config
     p = run_dilocod(["--expected-nodes", "2", "--lr", "x", "--check-config"])
     assert p.returncode == 2 and "lr" in p.stderr, p.stderr
+
+
+# ---- rounds.jsonl that cannot be appended to for a while -------------------------------------------
+
+def test_history_records_kept_through_failed_appends(tmp_path):
+    """rounds.jsonl replaced by a directory (every append fails): the records of the rounds committed
+    meanwhile are kept in memory and appended, one per line, with the first append that works again; a
+    restart then reads every step once, in order."""
+    model = small_model(9)
+    rng = np.random.default_rng(19)
+    d = start(tmp_path, model, "--expected-nodes", "1")
+    jsonl = d.state_dir / "rounds.jsonl"
+    try:
+        write_delta(tmp_path / "hub", "n0", 0, 10, random_deltas(rng, model, scale=0.05))
+        d.wait_step(1)
+        d.wait_log("store: durable step=1", timeout=30)
+        kept = jsonl.read_bytes()
+        jsonl.unlink()
+        jsonl.mkdir()
+        for r in (1, 2):
+            write_delta(tmp_path / "hub", "n0", r, 10 * (r + 1), random_deltas(rng, model, scale=0.05))
+            d.wait_step(r + 1)
+            d.wait_log(f"store: durable step={r + 1}", timeout=30)
+        assert d.log_text().count("rounds.jsonl") >= 2, d.log_text()[-3000:]
+        jsonl.rmdir()
+        jsonl.write_bytes(kept)
+        write_delta(tmp_path / "hub", "n0", 3, 40, random_deltas(rng, model, scale=0.05))
+        d.wait_step(4)
+        d.wait_log("store: durable step=4", timeout=30)
+    finally:
+        assert d.stop() == 0
+    lines = jsonl.read_text().splitlines()
+    assert [json.loads(l)["step"] for l in lines] == [0, 1, 2, 3], lines
+    d.start()
+    try:
+        assert [r["step"] for r in d.rounds()] == [0, 1, 2, 3]
+    finally:
+        assert d.stop() == 0

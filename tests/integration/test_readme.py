@@ -70,6 +70,7 @@ ANCHORS = {
     "test_configuration_check": "--check-config > effective.conf",
     "test_worker_snippet": "import requests, torch",
     "test_worker_package_snippet": "worker = diloco.Worker(",
+    "test_verdicts_snippet": "doc = worker.verdicts()",
     "test_sharded_global_loader": "def load_global(d):",
 }
 
@@ -488,6 +489,33 @@ def test_worker_package_snippet(ctx):
         if proc.poll() is None:
             proc.kill()
     assert ctx.status()["outer_step"] == 2
+    ctx.stop()
+
+
+def test_verdicts_snippet(ctx):
+    """What happens to my delta: the verdict snippet, as written, after a pull, against a real dilocod
+    whose round takes one node: GET /nodes/<id> then says the delta was aggregated into step 1 (the
+    global it made)."""
+    lang, _, snippet = block("test_verdicts_snippet")
+    assert lang == "python"
+    torch.manual_seed(0)
+    torch_save_file(MLP().state_dict(), str(ctx.tmp / "init.safetensors"))
+    token_file(ctx.tmp / "tokens")
+    ctx.run("build/dilocod --state-root ./state --init-model init.safetensors --expected-nodes 1 --token-file tokens")
+    prelude = ("import diloco, torch\n" + "\n".join(
+        ["class MLP(torch.nn.Module):", "    def __init__(self):", "        super().__init__()",
+         "        self.fc = torch.nn.Linear(4, 8)", "        self.out = torch.nn.Linear(8, 2)"]) +
+        f"\nmodel = MLP()\nH = 2\nworker = diloco.Worker({ctx.url!r}, 'worker-1', token={TOKENS['worker-1']!r})\n"
+        "worker.pull(model)\nwith torch.no_grad():\n    model.fc.weight.add_(0.01)\n")
+    epilogue = ("\nworker.wait(1)\ndoc = worker.verdicts()\n"
+                "assert doc['deltas'][0]['verdict'] == 'aggregated' and doc['deltas'][0]['step'] == 1, doc\n"
+                "print('verdict', doc['deltas'][0]['verdict'])\n")
+    script = ctx.tmp / "verdicts.py"
+    script.write_text(prelude + snippet + epilogue)
+    p = subprocess.run([sys.executable, str(script)], cwd=ctx.tmp, env=ctx.env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0 and "verdict aggregated" in p.stdout, p.stdout + p.stderr
+    assert ctx.status()["outer_step"] == 1
     ctx.stop()
 
 

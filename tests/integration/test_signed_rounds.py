@@ -577,3 +577,63 @@ def test_record_parser_refuses_malformed_records():
         with pytest.raises(diloco.RecordRefused) as e:
             parse_record(raw, 3, "fp")
         assert e.value.reason == "record", raw
+
+
+def test_signed_downlink_records_name_the_view_and_update(tmp_path):
+    """--signing-key with --downlink mxfp8: each round's record names the step's view and update with the
+    block hashes of the files served (HTTP and the file:// tree), step_count.json's view_hash is the
+    record's, and a Worker(public_key=, downlink=True) checks each view it installs against its record
+    (over HTTP and over file://); verify-round still verifies the step (the view and update said not
+    recomputed)."""
+    key, fp = keygen(tmp_path / "key")
+    model = model_of(7)
+    write_model(tmp_path / "init.safetensors", model)
+    hub = tmp_path / "hub"
+    d = Dilocod(tmp_path, hub, "--init-model", str(tmp_path / "init.safetensors"), "--expected-nodes", "2",
+                "--signing-key", str(key), "--downlink", "mxfp8").start()
+    pub = str(tmp_path / "key.pub")
+    http_w, file_w = diloco.Worker(d.url, "v-http", public_key=pub, downlink=True), \
+        diloco.Worker(f"file://{hub}", "v-file", public_key=pub, downlink=True)
+    net_h, net_f = Net(model), Net(model)
+    try:
+        d.wait_step(0)
+        assert http_w.pull(net_h) == 0 and file_w.pull(net_f) == 0
+        for r in range(3):
+            for i, node in enumerate(NODES[:2]):
+                write_delta(hub, node, r, r + 1, {k: np.random.default_rng([r, i]).standard_normal(
+                    tuple(v.shape)).astype(np.float32) * np.float32(0.01) for k, v in model.items()})
+            d.wait_step(r + 1)
+            s = r + 1
+            raw = requests.get(f"{d.url}/global/rounds/{s}.json", timeout=30).content
+            sig = requests.get(f"{d.url}/global/rounds/{s}.json.sig", timeout=30).content
+            pub_of(key).verify(sig, raw)
+            rec = json.loads(raw)
+            view = requests.get(f"{d.url}/global/view.safetensors", timeout=30)
+            assert view.status_code == 200 and int(view.headers["X-Outer-Step"]) == s
+            update = requests.get(f"{d.url}/global/updates/{s}.safetensors", timeout=30)
+            assert update.status_code == 200
+            assert rec["outputs"]["view"] == {"path": None, "block_hash": block_hash_bytes(view.content),
+                                              "bytes": len(view.content)}, rec["outputs"]
+            assert rec["outputs"]["update"] == {"path": f"global/updates/{s}.safetensors",
+                                                "block_hash": block_hash_bytes(update.content),
+                                                "bytes": len(update.content)}, rec["outputs"]
+            # the tree: the same update, step_count.json's view_hash the record's, the record before the step
+            assert (hub / f"global/updates/{s}.safetensors").read_bytes() == update.content
+            sc = json.loads((hub / "global/step_count.json").read_bytes())
+            assert sc["view_hash"] == rec["outputs"]["view"]["block_hash"], sc
+            assert record_of(hub, s) == (raw, sig)
+            # verifying downlink workers: the replayed view is the one the record signs
+            assert http_w.pull(net_h) == s and file_w.pull(net_f) == s
+            assert http_w.record == rec and file_w.record == rec
+            assert block_hash_bytes(http_w.view_bytes()) == rec["outputs"]["view"]["block_hash"]
+            assert http_w.view_bytes() == file_w.view_bytes() == view.content
+        assert http_w.updates_applied == 3, http_w.updates_applied     # replayed, each checked by its record
+        d.wait_settled(3)
+        recs = check_chain(pub_of(key), fp, {s: record_of(hub, s) for s in range(4)})
+        assert "view" not in recs[0]["outputs"]         # the bootstrap: the view is the global
+        p = subprocess.run([str(BUILD / "diloco"), "verify-round", "--server", d.url, "--step", "3", "--public-key",
+                            pub], capture_output=True, text=True)
+        assert p.returncode == 0 and "step 3 verified" in p.stdout and "not recomputed" in p.stdout, \
+            (p.stdout, p.stderr)
+    finally:
+        assert d.stop() == 0

@@ -148,6 +148,9 @@ def test_metrics_reach_rounds_status_metrics_and_survive_a_restart(daemon):
     run_two_rounds(d, model)
     check_rounds(d)
     check_status_and_metrics(d)
+    # a step is served before it settles, and its record is appended at the settle: wait for it (a loaded
+    # machine read the file between the two)
+    d.wait_log("store: durable step=2", timeout=60)
     lines = (d.state_dir / "rounds.jsonl").read_text().splitlines()
     assert len(lines) == 2 and '"metrics":{"loss":2.302585092994046,' in lines[0], lines
     assert d.stop() == 0

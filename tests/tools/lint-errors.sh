@@ -9,6 +9,8 @@
 #               and a daemon that cannot go on stops through daemon__fatal (not a raise(SIGTERM) to itself)
 #   asprintf    every asprintf/vasprintf result is checked, as alloc below (the pointer is undefined
 #               on failure, so it is the int that must be tested)
+#   answered    no bare `return -1` in server/api/upload*.c: a handler that answered the request returns
+#               API_ANSWERED (api.h), anything else a negative DL_E_* code
 #   state-path  no path under the state directory (cache/, outer_metadata.json, redo.json, outer_state-,
 #               checksum.key) is built by hand outside server/core/store.c: store.h's helpers make them
 #   alloc       every malloc, calloc, realloc, reallocarray, aligned_alloc, strdup, strndup result is
@@ -281,6 +283,8 @@ lint_file() {
             if (FILE != "server/core/store.c" && text[l] ~ /(v?asprintf|snprintf|sb_str|sb_add|path_fmt)[ \t]*\(/ &&
                 raw[l] ~ /"[^"]*(cache\/incoming|cache\/deltas|outer_metadata\.json|redo\.json|outer_state-|checksum\.key)/)
                 report(l, "state-path", "a path under the state directory built by hand: store.h makes it (store_path_*)")
+            if (FILE ~ /^server\/api\/upload/ && text[l] ~ /return[ \t]+-1[ \t]*;/)
+                report(l, "answered", "a bare return -1 in an upload handler: API_ANSWERED once answered (api.h), else a negative DL_E_* code")
             s = " " text[l]
             if (match(s, /[^A-Za-z0-9_.>](exit|_exit|_Exit|quick_exit|abort|raise)[ \t]*\(/)) {
                 name = substr(s, RSTART + 1, RLENGTH - 1)

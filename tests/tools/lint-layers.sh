@@ -49,9 +49,9 @@ private_to() {  # a header private to some files of server/ -> the patterns of t
     intake_internal.h) echo "server/core/intake*.c" ;;
     upload_internal.h) echo "server/api/upload*.c" ;;
     hub_hf_internal.h) echo "server/hub/hub_hf.c server/hub/hub_hf_publish.c" ;;
-    hub_file_internal.h) echo "server/hub/hub_file.c server/hub/hub_file_global.c server/hub/hub_file_publish.c" ;;
+    hub_file_internal.h) echo "server/hub/hub_file.c server/hub/hub_file_global.c server/hub/hub_file_publish.c server/hub/hub_file_downlink.c" ;;
     hub_s3_internal.h) echo "server/hub/hub_s3.c server/hub/hub_s3_list.c server/hub/hub_s3_publish.c" ;;
-    s3_cluster_internal.h) echo "server/hub/s3_cluster.c server/hub/s3_cluster_bucket.c server/hub/s3_cluster_shard.c server/hub/s3_cluster_refusal.c server/hub/s3_cluster_history.c" ;;
+    s3_cluster_internal.h) echo "server/hub/s3_cluster.c server/hub/s3_cluster_bucket.c server/hub/s3_cluster_shard.c server/hub/s3_cluster_refusal.c server/hub/s3_cluster_history.c server/hub/s3_cluster_bootstrap.c" ;;
     *)                 echo "" ;;
     esac
 }
@@ -104,8 +104,14 @@ for f in server/*.[ch] server/*/*.[ch]; do
         fi
     done < <(grep -n '^[[:space:]]*#[[:space:]]*include[[:space:]]*"' "$f")
 done
+# One mode flag: the daemon's files ask daemon__async(d) (daemon_internal.h), never the copies the modules
+# it configures keep (round's, the pass's Delayed Nesterov parameters) nor the config field by hand.
+while IFS= read -r hit; do
+    echo "$hit: reads the async mode by hand: ask daemon__async(d) (daemon_internal.h)" >&2
+    bad=1
+done < <(grep -nE '(cfg->async|rnd\.async|agg\.dn\.on)\b' server/daemon*.c)
 if [ "$bad" != 0 ]; then
     echo "lint-layers: FAILED (see server/README.md, Layers)" >&2
     exit 1
 fi
-echo "lint-layers: $checked includes checked, every layer includes only what it may, the private headers only their own files"
+echo "lint-layers: $checked includes checked, every layer includes only what it may, the private headers only their own files, the async mode asked one way"

@@ -122,3 +122,102 @@ TEST(compress_metadata_rules)
     CHECK(!cz_is_scales_name(CZ_SCALES_SUFFIX, CZ_SCALES_SUFFIX_LEN));
     CHECK(!cz_is_scales_name("a.scales", 8));
 }
+
+/* The reference of the mx encoders' rounding: the nearest of the element values by search (ties to the
+ * even code, saturating at the last), as the encoder computed it before its exponent-and-mantissa form
+ * (compress.c, mx_code).  The two must give the same code for every value. */
+static unsigned search_code(const float *values, unsigned ncodes, double w)
+{
+    unsigned lo = 0, hi = ncodes - 1;
+    if (w >= values[hi])
+        return hi;
+    while (lo < hi) {
+        unsigned mid = (lo + hi + 1) / 2;
+        if ((double)values[mid] <= w)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    double below = w - values[lo], above = (double)values[lo + 1] - w;
+    if (below < above)
+        return lo;
+    if (below > above)
+        return lo + 1;
+    return lo % 2 == 0 ? lo : lo + 1;
+}
+
+/* Encodes 31 values a (|a| below 2^(shared + emax + 1)) in a block whose amax fixes shared; checks
+ * each code against the search. */
+static int check_block(cz_encoding enc, int shared, const float *a, const float *table, unsigned ncodes)
+{
+    const int emax = enc == CZ_MXFP4 ? 2 : 8;
+    const cz_spec s = {enc, 32};
+    float in[32];
+    unsigned char codes[32], scale;
+
+    in[0] = nextafterf(ldexpf(1.0f, shared + emax + 1), 0);      /* floor(log2 amax) = shared + emax */
+    memcpy(in + 1, a, 31 * sizeof(float));
+    cz_encode(&s, in, 32, codes, &scale);
+    if (scale != shared + 127)
+        return -1000;
+    for (int j = 1; j < 32; j++) {
+        unsigned got = enc == CZ_MXFP4 ? (codes[j / 2] >> (j & 1 ? 4 : 0)) & 15 : codes[j];
+        unsigned sign = signbit(in[j]) ? (enc == CZ_MXFP4 ? 8u : 0x80u) : 0u;
+        unsigned want = search_code(table, ncodes, ldexp(fabs((double)in[j]), -shared)) | sign;
+        if (got != want) {
+            fprintf(stderr, "  %s shared %d value %a: code %u, the search's %u\n", cz_encoding_name(enc), shared,
+                    (double)in[j], got, want);
+            return j;
+        }
+    }
+    return 0;
+}
+
+TEST(compress_mx_rounding_is_the_search_everywhere)
+{
+    static const int shareds[] = {-127, -126, -120, -20, -1, 0, 7, 100};
+    for (int fp4 = 0; fp4 < 2; fp4++) {
+        const cz_encoding enc = fp4 ? CZ_MXFP4 : CZ_MXFP8;
+        const unsigned ncodes = fp4 ? 8 : 127;
+        float table[127];
+        for (unsigned c = 0; c < ncodes; c++)
+            table[c] = fp4 ? cz_e2m1_value((uint8_t)c) : cz_e4m3_value((uint8_t)c);
+        for (size_t si = 0; si < sizeof(shareds) / sizeof(shareds[0]); si++) {
+            int shared = shareds[si];
+            float a[31];
+            int n = 0;
+            /* every midpoint between neighbouring values, and the floats around it */
+            for (unsigned c = 0; c + 1 < ncodes; c++) {
+                double mid = ((double)table[c] + table[c + 1]) / 2;
+                float m = (float)ldexp(mid, shared);
+                float around[] = {m, nextafterf(m, 0), nextafterf(m, INFINITY), nextafterf(nextafterf(m, 0), 0),
+                                  (float)ldexp(table[c], shared), (float)ldexp(table[c + 1], shared)};
+                for (size_t i = 0; i < sizeof(around) / sizeof(around[0]); i++) {
+                    a[n++] = (i & 1) ? -around[i] : around[i];
+                    if (n == 31) {
+                        CHECK_EQ(check_block(enc, shared, a, table, ncodes), 0);
+                        n = 0;
+                    }
+                }
+            }
+            /* values up to the block's top, log-uniform, and the F32 subnormals */
+            uint32_t x = 12345u + (uint32_t)si;
+            for (int k = 0; k < 20000; k++) {
+                x = x * 1664525u + 1013904223u;
+                double e = (double)(x >> 8) / (double)(1u << 24) * 40.0 - 30.0;
+                float v = (float)ldexp(exp2(fmod(e, 1.0)), shared + (int)floor(e));
+                if (k % 7 == 0) {
+                    uint32_t sub = x >> 9;           /* an F32 subnormal */
+                    memcpy(&v, &sub, 4);
+                }
+                if (!(fabsf(v) < ldexpf(1.0f, shared + (fp4 ? 3 : 9))) || !isfinite(v))
+                    continue;
+                a[n++] = (x & 1) ? -v : v;
+                if (n == 31) {
+                    CHECK_EQ(check_block(enc, shared, a, table, ncodes), 0);
+                    n = 0;
+                }
+            }
+        }
+    }
+}

@@ -77,6 +77,77 @@ TEST(pipeline_every_legal_and_illegal_move)
     CHECK_EQ(p.illegal, 3);
 }
 
+/* A cluster's step's legal moves (pipeline.h, step_strategy), written out: its own column of the table. */
+static const struct {
+    step_state from, to;
+} cluster_moves[] = {
+    {STEP_COLLECTING, STEP_CLUSTER_MANIFEST},
+    {STEP_COLLECTING, STEP_PUBLISHED},
+    {STEP_COLLECTING, STEP_FAILED},
+    {STEP_CLUSTER_MANIFEST, STEP_CLUSTER_SHARDS},
+    {STEP_CLUSTER_MANIFEST, STEP_COLLECTING},
+    {STEP_CLUSTER_MANIFEST, STEP_PUBLISHED},
+    {STEP_CLUSTER_MANIFEST, STEP_FAILED},
+    {STEP_CLUSTER_SHARDS, STEP_CLUSTER_PUBLISH},
+    {STEP_CLUSTER_SHARDS, STEP_COLLECTING},
+    {STEP_CLUSTER_SHARDS, STEP_PUBLISHED},
+    {STEP_CLUSTER_SHARDS, STEP_FAILED},
+    {STEP_CLUSTER_PUBLISH, STEP_CLUSTER_SHARDS},
+    {STEP_CLUSTER_PUBLISH, STEP_COLLECTING},
+    {STEP_CLUSTER_PUBLISH, STEP_PUBLISHED},
+    {STEP_CLUSTER_PUBLISH, STEP_FAILED},
+    {STEP_PUBLISHED, STEP_DURABLE},
+    {STEP_DURABLE, STEP_CLEANED},
+    {STEP_FAILED, STEP_COLLECTING},
+    {STEP_FAILED, STEP_CLUSTER_MANIFEST},
+    {STEP_FAILED, STEP_CLUSTER_SHARDS},
+    {STEP_FAILED, STEP_PUBLISHED},
+};
+
+TEST(pipeline_cluster_column_every_legal_and_illegal_move)
+{
+    unsigned legal = 0, n = sizeof(cluster_moves) / sizeof(cluster_moves[0]);
+
+    for (int from = 0; from < STEP_NSTATES; from++) {
+        for (int to = 0; to < STEP_NSTATES; to++) {
+            int want = 0;
+            for (size_t i = 0; i < n; i++)
+                want |= cluster_moves[i].from == (step_state)from && cluster_moves[i].to == (step_state)to;
+            CHECK_EQ(step_move_legal_as(STEP_CLUSTER, (step_state)from, (step_state)to), want);
+            legal += want;
+        }
+    }
+    CHECK_EQ(legal, n);
+    CHECK_STR(step_state_name(STEP_CLUSTER_SHARDS), "cluster_shards");
+    /* the cluster's states are not a local step's, nor the local pass's moves a cluster step's */
+    CHECK(!step_move_legal(STEP_COLLECTING, STEP_CLUSTER_MANIFEST));
+    CHECK(!step_move_legal_as(STEP_CLUSTER, STEP_COLLECTING, STEP_COMPUTING));
+
+    /* a cluster step through its column: a refusal reopens the round, an overflow at the publish goes back
+     * to the shards, then published, durable, cleaned; each state timed */
+    pipeline p;
+    fake_now = 0;
+    pipeline_init(&p, fake_clock, fake_wall);
+    CHECK_EQ(pipeline_begin_as(&p, 4, STEP_COLLECTING, STEP_CLUSTER), 0);
+    CHECK_EQ(pipeline_find(&p, 4)->strategy, STEP_CLUSTER);
+    step_state path[] = {STEP_CLUSTER_MANIFEST, STEP_CLUSTER_SHARDS, STEP_COLLECTING, STEP_CLUSTER_MANIFEST,
+                         STEP_CLUSTER_SHARDS, STEP_CLUSTER_PUBLISH, STEP_CLUSTER_SHARDS, STEP_CLUSTER_PUBLISH,
+                         STEP_PUBLISHED, STEP_DURABLE, STEP_CLEANED};
+    for (size_t i = 0; i < sizeof(path) / sizeof(path[0]); i++) {
+        fake_now += 1;
+        CHECK_EQ(pipeline_move(&p, 4, path[i]), 0);
+    }
+    CHECK_EQ(p.seconds[STEP_CLUSTER_SHARDS].count, 3);
+    CHECK_EQ(p.seconds[STEP_CLUSTER_PUBLISH].count, 2);
+    CHECK_EQ(p.illegal, 0);
+    /* a local move on a cluster step is refused, and a cluster state on a local step */
+    CHECK_EQ(pipeline_begin_as(&p, 5, STEP_COLLECTING, STEP_CLUSTER), 0);
+    CHECK_EQ(pipeline_move(&p, 5, STEP_COMPUTING), -1);
+    CHECK_EQ(pipeline_begin(&p, 6, STEP_COLLECTING), 0);
+    CHECK_EQ(pipeline_move(&p, 6, STEP_CLUSTER_MANIFEST), -1);
+    CHECK_EQ(p.illegal, 2);
+}
+
 /* Drives step 1 to served; the caller adds what follows. */
 static void to_served(pipeline *p)
 {

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "hub_s3.h"
+#include "s3_lease.h"
 
 static char *encode(const char *s, int keep_slash)
 {
@@ -315,4 +316,43 @@ TEST(s3_parse_credentials_default_profile)
     CHECK(id == NULL && secret == NULL);
     CHECK(strstr(err.message, "[default]") != NULL);
     CHECK(s3_parse_credentials("", 0, &id, &secret, &err) < 0);
+}
+
+/* The one lease primitive (s3_lease.h): what a claim's answers mean to both S3 clients. */
+TEST(s3_lease_answers)
+{
+    static const char mine[] = "{\"outer_step\": 3, \"instance\": \"a\"}\n";
+    static const char theirs[] = "{\"outer_step\": 3, \"instance\": \"b\"}\n";
+    CHECK_EQ(s3_lease_after_put(200), S3_LEASE_PUT_WRITTEN);
+    CHECK_EQ(s3_lease_after_put(412), S3_LEASE_PUT_READ_BACK);     /* ambiguous: read back */
+    CHECK_EQ(s3_lease_after_put(0), S3_LEASE_PUT_FAILED);
+    CHECK_EQ(s3_lease_after_put(503), S3_LEASE_PUT_FAILED);
+    /* our own bytes read back (an answer we lost) are ours whatever their age */
+    CHECK_EQ(s3_lease_judge(mine, strlen(mine), mine, strlen(mine), 0, 1e9, 30, "e1"), S3_LEASE_OURS);
+    CHECK_EQ(s3_lease_judge(theirs, strlen(theirs), mine, strlen(mine), 1, 0, 30, "e1"), S3_LEASE_OURS);
+    CHECK_EQ(s3_lease_judge(theirs, strlen(theirs), mine, strlen(mine), 0, 29.9, 30, "e1"), S3_LEASE_LIVE);
+    CHECK_EQ(s3_lease_judge(theirs, strlen(theirs), mine, strlen(mine), 0, 30, 30, "e1"), S3_LEASE_EXPIRED);
+    /* without an ETag to take it over by, an expired claim stays live; nothing written yet is never ours */
+    CHECK_EQ(s3_lease_judge(theirs, strlen(theirs), mine, strlen(mine), 0, 99, 30, ""), S3_LEASE_LIVE);
+    CHECK_EQ(s3_lease_judge("", 0, "", 0, 0, 0, 30, "e1"), S3_LEASE_LIVE);
+    /* a prefix of our bytes is not ours */
+    CHECK_EQ(s3_lease_judge(mine, strlen(mine) - 1, mine, strlen(mine), 0, 0, 30, "e1"), S3_LEASE_LIVE);
+}
+
+TEST(s3_lease_age_by_the_server_or_by_what_was_seen)
+{
+    s3_lease_seen seen;
+    memset(&seen, 0, sizeof(seen));
+    const char *lm = "Sun, 06 Dec 2026 03:00:00 GMT", *date = "Sun, 06 Dec 2026 03:00:45 GMT";
+    CHECK(s3_lease_server_age(lm, date) == 45);
+    CHECK(s3_lease_server_age(date, lm) == 0);                    /* a Last-Modified after the Date: 0 */
+    CHECK(s3_lease_server_age("", date) == -1);
+    CHECK(s3_lease_server_age(lm, "not a date") == -1);
+    /* the server says 45 s; seen here for 0 s: 45 */
+    CHECK(s3_lease_age(&seen, "e1", lm, date, 100) == 45);
+    /* a server without dates: the time this very version has been seen unchanged here */
+    CHECK(s3_lease_age(&seen, "e2", "", "", 200) == 0);
+    CHECK(s3_lease_age(&seen, "e2", "", "", 260) == 60);
+    /* a new version (a renewal) starts the count again */
+    CHECK(s3_lease_age(&seen, "e3", "", "", 270) == 0);
 }

@@ -33,7 +33,7 @@ TEST(api_node_paths)
         "/nodes/aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa/deltas",
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
-        CHECK_EQ(api_parse_node_path(bad[i], id, sizeof(id), step, sizeof(step), &is_put), -1);
+        CHECK_EQ(api_parse_node_path(bad[i], id, sizeof(id), step, sizeof(step), &is_put), -DL_E_INVALID_PATH);
 }
 
 TEST(api_ranges)
@@ -112,6 +112,47 @@ TEST(seen_map_finds_and_grows)
     }
     CHECK(seen_find(&m, "nodes/w1/delta_999999.safetensors") == NULL);
     seen_free(&m);
+}
+
+/* Keys are workers' file names: the map's hash is keyed by a seed of its own, drawn at its first growth,
+ * kept through growth and pruning, so two maps (two processes) place the same names differently. */
+static int keep_even(const seen_entry *e, void *arg)
+{
+    (void)arg;
+    return e->size % 2 == 0;
+}
+
+TEST(seen_map_hash_is_keyed_by_its_own_seed)
+{
+    seen_map a = {0}, b = {0};
+    char key[64];
+    int created;
+
+    CHECK(seen_find(&a, "nodes/w0/delta_1.safetensors") == NULL);  /* empty and unseeded: nothing to find */
+    for (int i = 0; i < 300; i++) {
+        snprintf(key, sizeof(key), "nodes/w%d/delta_%d.safetensors", i, i);
+        seen_entry *e = seen_get(&a, key, &created);
+        CHECK(e != NULL && created);
+        e->size = (uint64_t)i;
+        CHECK(seen_get(&b, key, &created) != NULL && created);
+    }
+    CHECK(a.seed != 0 && b.seed != 0 && a.seed != b.seed);
+    uint64_t seed = a.seed;
+    /* the same names, in other slots: the layouts differ */
+    size_t same = 0;
+    for (size_t i = 0; i < a.cap && i < b.cap; i++)
+        same += a.slots[i].key != NULL && b.slots[i].key != NULL && strcmp(a.slots[i].key, b.slots[i].key) == 0;
+    CHECK(same < 300);
+    CHECK_EQ(seen_prune(&a, keep_even, NULL), 0);
+    CHECK_EQ(a.count, 150);
+    CHECK(a.seed == seed);
+    for (int i = 0; i < 300; i++) {
+        snprintf(key, sizeof(key), "nodes/w%d/delta_%d.safetensors", i, i);
+        seen_entry *e = seen_find(&a, key);
+        CHECK(i % 2 == 0 ? e != NULL && e->size == (uint64_t)i : e == NULL);
+    }
+    seen_free(&a);
+    seen_free(&b);
 }
 
 static void touch_file(const char *path)
@@ -232,12 +273,6 @@ TEST(store_async_phase_accumulator_and_redo)
     store_free(&s);
     free(g);
     free(a);
-}
-
-static int keep_even(const seen_entry *e, void *arg)
-{
-    (void)arg;
-    return e->size % 2 == 0;
 }
 
 TEST(seen_prune_forgets_what_is_no_longer_listed)

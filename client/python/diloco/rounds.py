@@ -113,23 +113,44 @@ class RecordChain:
             raise RecordRefused("chain", step, f"the chain does not lead back to the record of step {self.last_step} "
                                 "this worker verified")
 
-    def check_global(self, step, files, weight_map):
-        """The transport's check: the global of step, its files' bytes, before they are parsed."""
+    def _record_for(self, step):
+        """The verified record of step, linked to the chain, not below the floor -> (record, its hash)."""
         floor = max(x for x in (self.last_step, self.min_step, -1) if x is not None)
         if step < floor:
             raise RecordRefused("rollback", step, f"below step {floor}, the highest verified (or min_step)")
-        if weight_map is not None or list(files) != ["latest.safetensors"]:
-            raise RecordRefused("output", step, "a sharded global's shards are not in signed records yet")
         rec, h = self.verified(step)
         if self.last_step is not None:
             if step == self.last_step and h != self.last_hash:
                 raise RecordRefused("chain", step, "another record of the step already verified")
             if step > self.last_step:
                 self._link(step, rec)
+        return rec, h
+
+    def check_global(self, step, files, weight_map):
+        """The transport's check: the global of step, its files' bytes, before they are parsed."""
+        if weight_map is not None or list(files) != ["latest.safetensors"]:
+            floor = max(x for x in (self.last_step, self.min_step, -1) if x is not None)
+            if step < floor:
+                raise RecordRefused("rollback", step, f"below step {floor}, the highest verified (or min_step)")
+            raise RecordRefused("output", step, "a sharded global's shards are not in signed records yet")
+        rec, h = self._record_for(step)
         buf = files["latest.safetensors"]
         want = rec["outputs"]["global"]
         if len(buf) != want["bytes"] or block_hash_bytes(buf) != want["block_hash"]:
             raise RecordRefused("output", step, "the global's bytes are not the ones its record signs")
+        self._pending = (step, h, rec)
+
+    def check_view(self, step, buf):
+        """Worker(downlink=True)'s check: the view of step (its bytes, replayed or downloaded) against the
+        record's outputs.view; a step whose record names no view (a bootstrap, an adoption, the step the
+        downlink starts at) serves its global as its view: outputs.global."""
+        rec, h = self._record_for(step)
+        want = rec["outputs"].get("view", rec["outputs"]["global"])
+        if not isinstance(want, dict) or not HEX64.match(str(want.get("block_hash", ""))) or \
+                not _is_u53(want.get("bytes")):
+            raise RecordRefused("record", step, "outputs.view holds no block hash and size")
+        if len(buf) != want["bytes"] or block_hash_bytes(buf) != want["block_hash"]:
+            raise RecordRefused("output", step, "the view's bytes are not the ones its record signs")
         self._pending = (step, h, rec)
 
     def accept(self):

@@ -57,6 +57,27 @@ def parse_step_count(raw: bytes, what):
     return step, mf
 
 
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+VIEW_CHECKPOINT = re.compile(r"global/views/(0|[1-9][0-9]{0,15})\.safetensors")
+
+
+def parse_downlink_info(raw: bytes, what):
+    """step_count.json's downlink names (server/README.md, "The downlink") -> (outer_step, view_hash or None,
+    view_file or None).  view_file is global/view.safetensors (HTTP) or a tree's view checkpoint
+    global/views/<c>.safetensors with c <= outer_step, nothing else."""
+    step, _ = parse_step_count(raw, what)
+    doc = json.loads(raw)
+    h, vf = doc.get("view_hash"), doc.get("view_file")
+    if h is not None and (not isinstance(h, str) or not HEX64.match(h)):
+        raise HostileAnswer(f"{what}: view_hash {h!r:.80} is not 64 hex digits")
+    if vf is not None:
+        m = VIEW_CHECKPOINT.fullmatch(vf) if isinstance(vf, str) else None
+        if vf != "global/view.safetensors" and (m is None or int(m.group(1)) > step):
+            raise HostileAnswer(f"{what}: view_file {vf!r:.80} is neither global/view.safetensors nor a view "
+                                f"checkpoint global/views/<c>.safetensors of a step up to {step}")
+    return step, h, vf
+
+
 def index_place(model_file):
     """A model_file parse_step_count accepted -> None (the single file) or (its index's directory, the
     index's base): ("global", "latest"), ("global/steps/7", "model"), ("global/steps/7", "model.g1")."""
@@ -331,6 +352,30 @@ class HttpTransport:
                 return None
             raise
         return rec, sig
+    # ---- the downlink (Worker(downlink=True)) --------------------------------------------------
+    def downlink_info(self):
+        """-> (outer_step, view_hash or None, view_file or None), from GET /global/step_count.json."""
+        return parse_downlink_info(self._json("/global/step_count.json"), "global/step_count.json")
+
+    def fetch_view(self, cap):
+        """-> (step, bytearray) of GET /global/view.safetensors."""
+        try:
+            buf, _, step = self._download("/global/view.safetensors", cap)
+        except FileNotFoundError:
+            raise ServerError(404, "no_downlink", "the server runs --downlink none: no view to pull "
+                              "(Worker(downlink=False) downloads the global)") from None
+        return step, buf
+
+    def fetch_update(self, step, cap):
+        """-> the bytes of step's update, or None when the server does not keep it (404)."""
+        path = f"/global/updates/{int(step)}.safetensors"
+        try:
+            buf, _, s = self._download(path, cap)
+        except FileNotFoundError:
+            return None
+        if s != step:
+            raise HostileAnswer(f"{path}: X-Outer-Step {s}")
+        return buf
 
     def outer_step(self):
         try:
@@ -484,6 +529,27 @@ class FileTransport:
         try:
             return self._step_count()[0]
         except (OSError, HostileAnswer):
+            return None
+
+    # ---- the downlink: global/views/<c>.safetensors checkpoints and global/updates/<s>.safetensors ----
+    def downlink_info(self):
+        raw, _ = self._read("global/step_count.json", MAX_JSON_ANSWER)
+        return parse_downlink_info(raw, "global/step_count.json")
+
+    def fetch_view(self, cap):
+        """-> (c, bytearray) of the newest view checkpoint step_count.json names (the worker replays the
+        updates after c)."""
+        _, _, vf = self.downlink_info()
+        m = VIEW_CHECKPOINT.fullmatch(vf or "")
+        if m is None:
+            raise HostileAnswer(f"global/step_count.json names no view checkpoint (view_file {vf!r:.80})")
+        buf, _ = self._read(vf, cap)
+        return int(m.group(1)), buf
+
+    def fetch_update(self, step, cap):
+        try:
+            return self._read(f"global/updates/{int(step)}.safetensors", cap)[0]
+        except FileNotFoundError:
             return None
 
     def put_delta(self, node, local_step, delta):

@@ -8,10 +8,12 @@ from typing import Optional
 import torch
 
 from . import _st
+from .blockhash import block_hash_bytes
+from .downlink import apply_update
 from .encode import check_spec, delta_metadata, encode_delta, plain_delta
 from .errors import HostileAnswer
 from .rounds import RecordChain
-from .transport import FileTransport, HfTransport, HttpTransport, S3Transport
+from .transport import FileTransport, HfTransport, HttpTransport, S3Transport, load_set
 
 METRIC_KEYS = ("inner_steps", "tokens_per_second", "weight")
 METRIC_NAME = re.compile(r"^[A-Za-z0-9_]{1,32}$")
@@ -88,7 +90,7 @@ class Worker:
 
     def __init__(self, url, node_id, *, token=None, encode=None, block=None, error_feedback=True,
                  baseline_device="cpu", max_header_bytes=_st.MAX_HEADER_BYTES, listen=None, public_key=None,
-                 min_step=None):
+                 min_step=None, downlink=False, max_replay=64):
         if not NODE_ID.match(node_id):
             raise ValueError(f"node id {node_id!r} is not [A-Za-z0-9][A-Za-z0-9._-]{{0,127}}")
         self.node_id = node_id
@@ -108,6 +110,17 @@ class Worker:
         self.residual = None        # error feedback: {name: F32 tensor} on the model's device
         self.last_local_step = None
         self._etag = None
+        # the downlink (server/README.md, "The downlink"): the view's bytes, replayed in place
+        if downlink and not hasattr(self.transport, "fetch_update"):
+            raise ValueError("downlink=True works over http(s):// and file:// (dilocod --downlink publishes there)")
+        self.downlink = downlink
+        self.max_replay = max_replay        # further behind than this: the full view, not the updates
+        self._view = None
+        self.downlink_bytes = 0             # bytes downloaded by pulls (views and updates), all pulls
+        self.last_pull_bytes = 0
+        self.updates_applied = 0
+        self.view_downloads = 0
+        self.fallbacks = 0                  # updates missing or refused: the full view instead
         # public_key: the aggregator's Ed25519 key (diloco keygen's FILE.pub): every global is checked
         # against its step's signed record before it is loaded (diloco.rounds, errors.RecordRefused)
         self._chain = None
@@ -150,11 +163,99 @@ class Worker:
             out[k] = b.pin_memory() if pin else b
         return out
 
+    # ---- the downlink ---------------------------------------------------------------------------
+    def _replay(self, target, cap):
+        """Applies the updates after self.step up to target to the view in place.  -> bytes downloaded.
+        Any failure drops the view (the caller downloads it whole)."""
+        got = 0
+        try:
+            for s in range(self.step + 1, target + 1):
+                u = self.transport.fetch_update(s, cap)
+                if u is None:
+                    raise HostileAnswer(f"update {s} is not available")
+                got += len(u)
+                step, base = apply_update(self._view, u, f"update {s}", self.max_header_bytes)
+                if step != s or base != s - 1:
+                    raise HostileAnswer(f"update {s} says step {step} on base {base}")
+                self.step = s
+                self.updates_applied += 1
+        except BaseException:
+            self._view = None
+            raise
+        finally:
+            self.downlink_bytes += got
+            self.last_pull_bytes += got
+        return got
+
+    def _fetch_view(self, target, cap):
+        step, buf = self.transport.fetch_view(cap)
+        self.downlink_bytes += len(buf)
+        self.last_pull_bytes += len(buf)
+        self.view_downloads += 1
+        _st.parse(buf, max_header=self.max_header_bytes, what="view")
+        self._view, self.step = bytearray(buf), step
+        if step < target:
+            self._replay(target, cap)       # a tree's checkpoint: the updates since
+
+    def _sync_view(self, cap):
+        """Brings the view to the newest step: its updates when it is a few steps behind, else (or when one
+        is missing or refused) the view itself.  -> whether it changed."""
+        target, want, _ = self.transport.downlink_info()
+        self.last_pull_bytes = 0
+        if self._view is not None and self.step == target:
+            return False
+        if self._view is not None:
+            if self.step < target <= self.step + self.max_replay:
+                try:
+                    self._replay(target, cap)
+                except (HostileAnswer, _st.FormatError, OSError):
+                    self.fallbacks += 1
+            else:
+                self._view = None
+        if self._view is None:
+            self._fetch_view(target, cap)
+        if want is not None and self.step == target and block_hash_bytes(self._view) != want:
+            self._view = None
+            raise HostileAnswer(f"the view of step {target} does not have step_count.json's view_hash {want}")
+        if self._chain is not None:
+            try:        # public_key=: the view's bytes are the ones its step's signed record names
+                self._chain.check_view(self.step, self._view)
+            except BaseException:
+                self._view = None
+                raise
+        return True
+
+    def _pull_view(self, model, strict):
+        model_state = model.state_dict()
+        if self._sync_view(self._cap(model_state)) or self.baseline is None:
+            state = load_set({"view": self._view}, None, "view", self.max_header_bytes)
+            if strict:
+                self._check_strict(state, model_state)
+            else:
+                state = {k: v for k, v in state.items()
+                         if k in model_state and tuple(v.shape) == tuple(model_state[k].shape)}
+            self.baseline = self._baseline_of(state, model_state)
+            if self._chain is not None:
+                self._chain.accept()
+        with torch.no_grad():
+            for k, v in self.baseline.items():
+                model_state[k].copy_(v)
+        return self.step
+
+    def view_bytes(self):
+        """The view's bytes as this worker holds them (a copy), None before the first pull."""
+        return bytes(self._view) if self._view is not None else None
+
     def pull(self, model, strict=True) -> int:
         """Loads the newest global into model (names, shapes and dtypes must match unless strict=False:
         then matching keys load) and keeps it as the baseline.  Returns its outer step.  A global that
         is refused (errors.HostileAnswer, or with public_key= errors.RecordRefused) leaves the model as it
-        was."""
+        was.  With downlink=True the model is the server's view (server/README.md, "The downlink"):
+        downloaded once, then moved on by each step's compressed update, replayed bit for bit and checked by
+        its block hash (with public_key=, by the one its step's signed record names too); the full view again
+        when more than max_replay steps behind or when an update is missing or refused."""
+        if self.downlink:
+            return self._pull_view(model, strict)
         model_state = model.state_dict()
         verify = {"check": self._chain.check_global} if self._chain is not None else {}
         got = self.transport.fetch_global(self._etag if self.baseline is not None else None, self._cap(model_state),
