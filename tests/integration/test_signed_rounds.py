@@ -363,11 +363,13 @@ def test_worker_walks_the_chain_and_refuses_a_break(tmp_path):
 COMMIT_HOOKS = ["inputs_durable", "committed", "served", "published", "durable"]
 
 
-@pytest.mark.parametrize("state", COMMIT_HOOKS)
-def test_kill9_at_commit_hooks_keeps_records(tmp_path, state):
+@pytest.mark.parametrize("state,downlink", [(s, None) for s in COMMIT_HOOKS] +
+                         [("committed", "mxfp8"), ("published", "mxfp8")])
+def test_kill9_at_commit_hooks_keeps_records(tmp_path, state, downlink):
     """SIGKILL as step 2 enters each state of the commit: the tree never names a step without its record,
     and once the restart recovered, step 2's record is the one it had before the kill (byte for byte),
-    signature included, in the state and in the tree."""
+    signature included, in the state and in the tree.  With --downlink the recovery makes the view and
+    update again, and the record names them as before."""
     key, fp = keygen(tmp_path / "key")
     model = model_of(9)
     write_model(tmp_path / "init.safetensors", model)
@@ -375,7 +377,8 @@ def test_kill9_at_commit_hooks_keeps_records(tmp_path, state):
     delta = lambda r, i: {k: np.random.default_rng([9, r, i]).standard_normal(tuple(v.shape)).astype(np.float32)
                           * np.float32(0.01) for k, v in model.items()}
     d = Dilocod(tmp_path, hub, "--init-model", str(tmp_path / "init.safetensors"), "--expected-nodes", "2",
-                "--signing-key", str(key), env={"DILOCOD_TEST_CRASH_AT": f"{state}:2"}).start()
+                "--signing-key", str(key), *(["--downlink", downlink] if downlink else []),
+                env={"DILOCOD_TEST_CRASH_AT": f"{state}:2"}).start()
     d.wait_step(0)
     for r in range(2):
         for i, node in enumerate(NODES[:2]):
@@ -402,6 +405,12 @@ def test_kill9_at_commit_hooks_keeps_records(tmp_path, state):
         check_chain(pub_of(key), fp, {s: record_of(hub, s) for s in range(3)})
         assert json.loads(after[0])["outputs"]["global"]["block_hash"] == \
             block_hash_bytes((hub / "global/latest.safetensors").read_bytes())
+        if downlink:
+            outs = json.loads(after[0])["outputs"]
+            view = requests.get(f"{d.url}/global/view.safetensors", timeout=30).content
+            assert outs["view"]["block_hash"] == block_hash_bytes(view), outs
+            assert outs["update"]["block_hash"] == \
+                block_hash_bytes((hub / "global/updates/2.safetensors").read_bytes()), outs
     finally:
         assert d.stop() == 0
 
