@@ -37,5 +37,7 @@ int cmd_push(int argc, char **argv);
 int cmd_pull(int argc, char **argv);
 int cmd_status(int argc, char **argv);
 int cmd_wait(int argc, char **argv);
+int cmd_keygen(int argc, char **argv);
+int cmd_verify_round(int argc, char **argv);
 
 #endif

@@ -26,13 +26,15 @@ static const struct {
     {"pull", cmd_pull, "download the global model and its step file when they changed"},
     {"status", cmd_status, "show dilocod's round and the last rounds"},
     {"wait", cmd_wait, "block until dilocod reaches an outer step"},
+    {"verify-round", cmd_verify_round, "check a signed step's record and recompute the step from its inputs"},
+    {"keygen", cmd_keygen, "write an Ed25519 signing key pair for --signing-key (or print a key's fingerprint)"},
 };
 
 static void usage(FILE *out)
 {
     fprintf(out, "usage: diloco <command> [options]\n\ncommands:\n");
     for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
-        fprintf(out, "  %-9s %s\n", commands[i].name, commands[i].summary);
+        fprintf(out, "  %-12s %s\n", commands[i].name, commands[i].summary);
     fprintf(out, "\n'diloco <command> --help' describes a command.\n"
                  "exit codes: 0 ok, 1 invalid input or refused by the server, 2 usage error, 3 I/O error,\n"
                  "            4 network or server error (after retries), 5 timeout (wait)\n");

@@ -51,6 +51,8 @@ static const opt options[] = {
     {"screen", T_SCREEN, OFF(screen_cosine), 0, 0, "none|cosine:MIN  two passes: drop the deltas whose cosine with the round's mean is below MIN"},
     {"listen", T_STR, OFF(listen), 0, 0, "HOST:PORT     HTTP API address (port 0: any free port); none disables it"},
     {"token_file", T_OPTSTR, OFF(token_file), 0, 0, "FILE      upload tokens, lines 'node_id token' ('*' = any node); without it uploads are loopback-only"},
+    {"signing_key", T_OPTSTR, OFF(signing_key), 0, 0, "FILE    sign every committed step's record (global/rounds/<s>.json) with this Ed25519 key (diloco keygen; mode 0600; not hf:// yet)"},
+    {"verify_keep", T_DOUBLE, OFF(verify_keep), -1, 100000, "N    keep the last N steps' global, momentum and input deltas for verifiers, served under /rounds/<s>/ (-1: 16 with signing_key, else 0)"},
     {"max_header_bytes", T_UINT, OFF(max_header_bytes), 256, 1 << 24, "N   HTTP request head size limit (431 beyond)"},
     {"max_headers", T_UINT, OFF(max_headers), 4, 10000, "N        HTTP header count limit (431 beyond)"},
     {"max_body_mib", T_UINT, OFF(max_body_mib), 0, 1 << 22, "MIB     upload size limit (413 beyond); 0 = the expected delta size + the header cap"},
@@ -670,6 +672,7 @@ static int set_defaults(config *c)
     c->retry_interval = 5.0;
     c->max_staleness = CONFIG_NO_STALENESS_BOUND;
     c->publish_interval = -1;
+    c->verify_keep = -1;
     c->cluster_lease = 30;
     c->max_header_bytes = 16384;
     c->max_headers = 100;
@@ -849,6 +852,7 @@ void config_free(config *c)
     free(c->listen);
     free(c->listen_host);
     free(c->token_file);
+    free(c->signing_key);
     free_nodes(c);
     free_transport_options(c);
     if (c->origin != NULL)

@@ -63,6 +63,8 @@ typedef struct config {
     char *listen_host;          /* parsed from listen */
     int listen_port;
     char *token_file;
+    char *signing_key;          /* NULL: steps are not signed (README "Verifiable rounds") */
+    double verify_keep;         /* steps whose files are kept for verifiers (a whole number once checked; -1: auto) */
     unsigned max_header_bytes;
     unsigned max_headers;
     unsigned max_body_mib;      /* 0: the expected delta size plus the header cap */

@@ -5,6 +5,7 @@
 #include "auth.h"
 #include "fsutil.h"
 #include "hub.h"
+#include "sign.h"
 #include "st_index.h"
 #include "store.h"
 
@@ -119,6 +120,24 @@ static int check_token_file(const config *c)
     return 0;
 }
 
+/* Loaded as the start loads it (an Ed25519 PKCS#8 key no one else can read), then dropped. */
+static int check_signing_key(const config *c)
+{
+    sign_key k;
+    dl_error err;
+    int rc;
+
+    if (c->signing_key == NULL)
+        return 0;
+    if ((rc = check_regular_file(c, "signing_key", c->signing_key)) != 0)
+        return rc;
+    dl_error_clear(&err);
+    if (sign_key_load(&k, c->signing_key, &err) != 0)
+        return config__bad_opt(c, "signing_key", "%s", err.message);
+    sign_key_free(&k);
+    return 0;
+}
+
 /* The start creates the directories below path: every part of it that exists must be a directory.
  * Writability is left to the start, which may run as another user (systemd's DynamicUser). */
 static int check_dir_path(const config *c, const char *key, const char *path)
@@ -208,6 +227,11 @@ int config__validate(config *c)
                        c->trim_k, c->expected_nodes);
     if (c->publish_interval < 0)
         c->publish_interval = c->async && strncmp(c->hub, "hf://", 5) == 0 ? 30 : 0;
+    if (c->verify_keep != -1 && (c->verify_keep < 0 || c->verify_keep != (double)(unsigned)c->verify_keep))
+        return config__bad_opt(c, "verify_keep", "%g is not a number of steps (0 to 100000, or -1 for the default)",
+                               c->verify_keep);
+    if (c->verify_keep < 0)
+        c->verify_keep = c->signing_key != NULL ? 16 : 0;
     /* what combines (config_modes.c: the table README's "What combines" is checked against) */
     if ((rc = config__check_combinations(c)) != 0)
         return rc;
@@ -219,7 +243,8 @@ int config__validate(config *c)
         return config__bad_opt(c, "momentum", "%g must be below 1", c->momentum);
     if (c->listen == NULL)
         return config__bad("", "config", "out of memory");
-    if ((rc = parse_listen(c)) != 0 || (rc = check_listen(c)) != 0 || (rc = check_token_file(c)) != 0)
+    if ((rc = parse_listen(c)) != 0 || (rc = check_listen(c)) != 0 || (rc = check_token_file(c)) != 0 ||
+        (rc = check_signing_key(c)) != 0)
         return rc;
     if ((rc = check_dir_path(c, "state_root", c->state_root)) != 0)
         return rc;

@@ -38,6 +38,8 @@ static int async_ratio(const config *c) { return c->async && c->max_norm_ratio !
 static int counts_nodes(const config *c) { return c->expected_nodes != 0; }
 static int async_activation(const config *c) { return c->async && c->dn_c != 0; }
 static int paper_variant(const config *c) { return c->dn_paper; }
+static int is_signing(const config *c) { return c->signing_key != NULL; }
+static int not_hf(const config *c) { return strncmp(c->hub, "hf://", 5) != 0; }
 static int has_downlink(const config *c) { return c->downlink != 0; }
 static int hub_local(const config *c) { return strcmp(c->hub, "none") == 0 || strncmp(c->hub, "file://", 7) == 0; }
 static int publishes_each(const config *c) { return c->publish_interval == 0; }
@@ -65,6 +67,10 @@ static const combine_row rows[] = {
      "--dn-variant paper", paper_variant, "it applies to dn_variant paper only"},
     {COMBINE_REFUSED, "expected_nodes", "--mode sync", is_sync, "--expected-nodes N, --nodes or --round-timeout S",
      rounds_close, "rounds would never close"},
+    {COMBINE_REFUSED, "signing_key", "--signing-key FILE", is_signing, "--hub file://..., s3://... or none", not_hf,
+     "signed records are not published on hf:// yet"},
+    {COMBINE_REFUSED, "signing_key", "--signing-key FILE", is_signing, "no --cluster-shards", not_cluster,
+     "a cluster's done markers are not signed yet"},
     {COMBINE_REFUSED, "downlink", "--downlink E", has_downlink, "no --cluster-shards", not_cluster,
      "a cluster's aggregators would each compute the update of their shard: not built yet"},
     {COMBINE_REFUSED, "downlink", "--downlink E", has_downlink, "--hub none or --hub file://...", hub_local,

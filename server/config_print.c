@@ -151,6 +151,7 @@ void config_print(const config *c, FILE *out)
     print_double(out, "grace_ms", c->grace_ms);
     fprintf(out, "async_queue = %u\ndylu_base_steps = %u\n", c->async_queue, c->dylu_base_steps);
     print_double(out, "publish_interval", c->publish_interval);
+    print_double(out, "verify_keep", c->verify_keep);
     if (c->aggregate == RULE_TRIMMED)
         fprintf(out, "aggregate = trimmed_mean:%u\n", c->trim_k);
     else
@@ -164,6 +165,7 @@ void config_print(const config *c, FILE *out)
         fprintf(out, "screen = none\n");
     print_str(out, "listen", c->listen, "");
     print_str(out, "token_file", c->token_file, " (uploads from loopback peers only)");
+    print_str(out, "signing_key", c->signing_key, " (steps are not signed)");
     fprintf(out, "max_header_bytes = %u\nmax_headers = %u\nmax_body_mib = %u\nmax_delta_header_mib = %u\n"
                  "max_uploads = %u\n",
             c->max_header_bytes, c->max_headers, c->max_body_mib, c->max_delta_header_mib, c->max_uploads);

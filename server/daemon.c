@@ -358,8 +358,10 @@ static int startup(dilocod *d, dl_error *err)
                      "the default, /var/lib/dilocod, is the service user's)");
         return rc;
     }
-    if ((rc = daemon__recover_redo(d, err)) != 0)
+    /* the key before the recovery: a recomputed step is signed again, the same bytes */
+    if ((rc = daemon__sign_open(d, err)) != 0 || (rc = daemon__recover_redo(d, err)) != 0)
         return rc;
+    daemon__sign_chain(d);
     d->st.async_cache = daemon__async(d);  /* async: every cached delta is one acknowledged, offered again */
     d->st.updates_keep = d->cfg->updates_keep;
     if (d->st.committed && (rc = store_cleanup(&d->st, 1, err)) != 0)
@@ -396,8 +398,10 @@ static int startup(dilocod *d, dl_error *err)
     rc = daemon__adopt_prepare(d, d->cfg->init_model, 0, 1, NULL, &r, err);
     if (rc == 0 && daemon__adopt_apply(d, &r) != 0)
         rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
-    if (rc == 0)
+    if (rc == 0) {
         daemon__log_bootstrapped(d, d->cfg->init_model, &r.mi);
+        daemon__sign_chain(d);
+    }
     daemon__adopt_result_free(&r);
     return rc;
 }
@@ -561,6 +565,7 @@ int daemon_run(config *cfg, const daemon_front *front)
     free(d->cluster_unappended.p);
     daemon__async_free(d);
     daemon__robust_free(d);
+    daemon__sign_free(d);
     history_record_free(&d->pending_record);
     free(d->pending_round);
     free(d->settle.unappended);

@@ -24,6 +24,7 @@
 #include "st_index.h"
 #include "st_reshard.h"
 #include "stepcount.h"
+#include "manifest.h"
 #include "store.h"
 
 /* max_header: the cap on the model's header (0: the format's own) */
@@ -198,9 +199,19 @@ int daemon__adopt_prepare(const dilocod *d, const char *src, uint64_t step, int 
         rc = bootstrap ? take_model(src, r->dst, &r->mi, err) : move_into_place(src, r->dst, err);
     }
     r->info.global_version = r->mi.linked ? &r->mi.version : NULL;
+    /* --signing-key: the step's record before its commit, so no committed step lacks one */
+    char hash[65];
+    if (rc == 0 && d->sign.on &&
+        (rc = daemon__sign_whole(d, step, bootstrap ? "bootstrap" : "adopted", r->dst, hash, err)) != 0)
+        unlink(r->dst);
     /* d->st is the loop's: only its directory, which never changes, is read here */
     if (rc == 0 && (rc = store_commit_write(&d->st, &r->info, err)) != 0)
         unlink(r->dst);         /* not committed: not ours to keep (and never the operator's name) */
+    /* --verify-keep: the step's global for verifiers of the next step (a failure costs them that step only) */
+    dl_error kerr;
+    if (rc == 0 && d->cfg->verify_keep > 0 &&
+        manifest_keep(d->st.dir, step, (unsigned)d->cfg->verify_keep, r->dst, NULL, NULL, NULL, NULL, 0, &kerr) != 0)
+        daemon__log_error("sign", "cannot keep the global for verifiers (--verify-keep)", &kerr);
     return rc;
 }
 
@@ -277,6 +288,7 @@ static void adopt_done(job *j)
                 "; restarting is safe (it is durable)", a->step);
         daemon__fatal(d, "store", "cannot go on", &e);
     } else if (!d->stopping) {
+        daemon__sign_chain(d);
         if (a->bootstrap) {
             daemon__log_bootstrapped(d, a->path, &a->res.mi);
         } else {

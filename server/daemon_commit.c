@@ -19,6 +19,7 @@
 #include "dl_log.h"
 #include "fsutil.h"
 #include "history.h"
+#include "manifest.h"
 #include "hub.h"
 #include "outer.h"
 #include "pipeline.h"
@@ -51,6 +52,8 @@ static store_commit_info round_commit_info(const dilocod *d, store_dn *after)
     return info;
 }
 
+#define MAX_RECORD_OUTPUTS 8
+
 /* The commit point of a round: its redo record (the step, its inputs, the optimizer and the round's
  * record) made durable.  The outputs are already written but not durable; they are served and
  * published from now on, and made durable in the background (settle_work).  A crash before that
@@ -58,7 +61,11 @@ static store_commit_info round_commit_info(const dilocod *d, store_dn *after)
 typedef struct commit_args {
     store_redo redo;            /* owned: copied from the loop's round when the commit is queued */
     char *global_path;          /* the pass's new global, opened for downloads */
+    char *momentum_path, *accum_path;   /* --signing-key: the other outputs the record names (or NULL) */
+    char *view_path, *update_path;      /* --signing-key with --downlink: the step's view and update (or NULL) */
     int download_fd;            /* result: its descriptor for downloads, or a negative errno */
+    char manifest_hash[65];     /* result: the step's record's block hash (redo.manifest set) */
+    char out_hex[3][65];        /* result: its global's, momentum's, accumulator's block hashes ("": none) */
 } commit_args;
 
 static void commit_args_free(commit_args *a)
@@ -66,8 +73,41 @@ static void commit_args_free(commit_args *a)
     if (a != NULL) {
         store_redo_free(&a->redo);
         free(a->global_path);
+        free(a->momentum_path);
+        free(a->accum_path);
+        free(a->view_path);
+        free(a->update_path);
         free(a);
     }
+}
+
+/* The files a step's record names besides its global (NULL: none). */
+typedef struct record_files {
+    const char *momentum, *accum;
+    const char *view, *update;  /* --downlink: the step's view and update (README, "The downlink") */
+} record_files;
+
+/* The outputs a step's record names, in its order: the published global, the momentum, the async
+ * accumulator, the downlink's view (no fixed tree path: served as /global/view.safetensors, a tree
+ * holds a checkpoint every keep/2 steps) and update (update_tree: its tree path's buffer).  Returns how
+ * many. */
+static size_t record_outputs(manifest_output out[MAX_RECORD_OUTPUTS], uint64_t step, const char *global,
+                             const record_files *f, char update_tree[64])
+{
+    size_t n = 0;
+
+    out[n++] = (manifest_output){"global", "global/latest.safetensors", global};
+    if (f->momentum != NULL)
+        out[n++] = (manifest_output){"momentum", NULL, f->momentum};
+    if (f->accum != NULL)
+        out[n++] = (manifest_output){"accumulator", NULL, f->accum};
+    if (f->view != NULL)
+        out[n++] = (manifest_output){"view", NULL, f->view};
+    if (f->update != NULL) {
+        snprintf(update_tree, 64, "global/updates/%" PRIu64 ".safetensors", step);
+        out[n++] = (manifest_output){"update", update_tree, f->update};
+    }
+    return n;
 }
 
 /* The redo record's inputs, copied on the loop: the job reads nothing the loop owns (d->st.dir
@@ -108,6 +148,13 @@ static commit_args *commit_args_new(dilocod *d)
             a->redo.versions[i] = d->rnd.entries[d->agg.entry[i]].ident;
         }
     }
+    /* --signing-key: the step's record without its outputs, and the outputs it names */
+    if (!bad && d->sign.on)
+        bad = (a->redo.manifest = daemon__sign_skeleton(d)) == NULL ||
+              (d->agg.pass->out_momentum_path != NULL && (a->momentum_path = strdup(d->agg.pass->out_momentum_path)) == NULL) ||
+              (d->agg.pass->out_accum_path != NULL && (a->accum_path = strdup(d->agg.pass->out_accum_path)) == NULL) ||
+              (view != NULL && ((a->view_path = store_view_path(&d->st, a->redo.step)) == NULL ||
+                                (a->update_path = store_update_path(&d->st, a->redo.step)) == NULL));
     if (bad) {
         commit_args_free(a);
         return NULL;
@@ -122,8 +169,25 @@ static commit_args *commit_args_new(dilocod *d)
 static void commit_work(job *j)
 {
     commit_args *a = j->arg;
+    const dilocod *d = daemon__of_job(j);
 
-    j->rc = store_redo_write(&daemon__of_job(j)->st, &a->redo, &j->err);
+    /* --signing-key: the step's record first, so that no committed step lacks it (one written for a step
+     * that then fails to commit is never served: its step is not, and the next commit replaces it) */
+    if (a->redo.manifest != NULL) {
+        manifest_output out[MAX_RECORD_OUTPUTS];
+        char hex[MAX_RECORD_OUTPUTS][65], update_tree[64];
+        record_files f = {a->momentum_path, a->accum_path, a->view_path, a->update_path};
+        size_t n = record_outputs(out, a->redo.step, a->global_path, &f, update_tree);
+        if ((j->rc = manifest_write_hashes(d->st.dir, a->redo.step, a->redo.manifest, out, n, &d->sign.key,
+                                           a->manifest_hash, hex, &j->err)) != 0)
+            return;
+        static const char *const base_names[3] = {"global", "momentum", "accumulator"};
+        for (size_t i = 0; i < n; i++)      /* by name: the next record's base */
+            for (int k = 0; k < 3; k++)
+                if (strcmp(out[i].name, base_names[k]) == 0)
+                    memcpy(a->out_hex[k], hex[i], sizeof(hex[i]));
+    }
+    j->rc = store_redo_write(&d->st, &a->redo, &j->err);
     /* opened here, off the loop: downloads of the new global start from this descriptor */
     a->download_fd = j->rc == 0 ? daemon__open_for_download(a->global_path) : -EINVAL;
 }
@@ -142,6 +206,12 @@ typedef struct settle_args {
                                    what is still not appended carried back (settle_done) */
     char **rels;                /* the transport's files of the round's deltas (--prune-consumed) */
     size_t nrels;
+    int signed_step;            /* --signing-key: the step's record is made durable with it */
+    unsigned keep;              /* --verify-keep: steps whose files are kept for verifiers (0: none) */
+    char **kept, **kept_nodes;  /* the round's deltas (cache paths) and their nodes, kept with the step */
+    size_t nkept;
+    int keep_failed;            /* result: the step's files could not be kept (keep_err says why) */
+    dl_error keep_err;
     store_view view;            /* the downlink's view of the step (has_view), made durable with the global */
     int has_view;
     char *view_path, *update_path;
@@ -152,6 +222,8 @@ void daemon__settle_free(settle_args *a)
     if (a != NULL) {
         daemon__free_rels(a->rels, a->nrels);
         daemon__free_rels(a->consumed, a->nconsumed);
+        daemon__free_rels(a->kept, a->nkept);
+        daemon__free_rels(a->kept_nodes, a->nkept);
         free(a->global_path);
         free(a->momentum_path);
         free(a->accum_path);
@@ -199,9 +271,15 @@ static void settle_work(job *j)
                         (j->rc = fsu_fsync_path(a->update_path, &j->err)) != 0 ||
                         (j->rc = fsu_fsync_parent(a->view_path, &j->err)) != 0))
         return;
+    if (a->signed_step && (j->rc = manifest_sync(d->st.dir, a->step, &j->err)) != 0)
+        return;
     /* 2. outer_metadata.json names the step: from here the redo record is not needed */
     if ((j->rc = store_commit_write(&d->st, &info, &j->err)) != 0)
         return;
+    /* --verify-keep: the durable step's files linked for verifiers (a failure costs verifiers this step only) */
+    if (a->keep > 0 && manifest_keep(d->st.dir, a->step, a->keep, a->global_path, a->momentum_path, a->accum_path,
+                                     a->kept, a->kept_nodes, a->nkept, &a->keep_err) != 0)
+        a->keep_failed = 1;
     /* 3. the history, in commit order: a record whose append failed last time goes first.  A kill
      * before the append is replayed at startup from outer_metadata.json (history_load). */
     if (a->unappended != NULL && history_append(d->st.dir, a->unappended, &herr) == 0) {
@@ -250,6 +328,8 @@ static void settle_done(job *j)
     if (a->history_failed)
         dl_log(DL_LOG_ERROR, "store", "could not append the round to rounds.jsonl; retried at the next commit",
                "step=%" PRIu64, a->step);
+    if (a->keep_failed)
+        daemon__log_error("sign", "cannot keep the step's files for verifiers (--verify-keep)", &a->keep_err);
     if (j->rc != 0) {
         /* the step stays committed by its redo record; its durability is retried (the next commit waits) */
         daemon__log_error("store", "cannot make the committed step durable, will retry", &j->err);
@@ -325,6 +405,26 @@ static void start_settle(dilocod *d, uint64_t step)
         return;
     }
     a->step = step;
+    a->signed_step = d->sign.on;
+    a->keep = (unsigned)d->cfg->verify_keep;
+    if (a->keep > 0) {
+        if ((a->kept = calloc(d->agg.n ? d->agg.n : 1, sizeof(char *))) == NULL ||
+            (a->kept_nodes = calloc(d->agg.n ? d->agg.n : 1, sizeof(char *))) == NULL) {
+            daemon__settle_free(a);
+            settle_out_of_memory(d, step);
+            return;
+        }
+        for (; a->nkept < d->agg.n; a->nkept++)
+            if ((a->kept[a->nkept] = strdup(d->agg.paths[a->nkept])) == NULL ||
+                (a->kept_nodes[a->nkept] = strdup(d->agg.nodes[a->nkept].node_id)) == NULL)
+                break;
+        if (a->nkept < d->agg.n) {
+            a->nkept++;         /* the one half made is freed too */
+            daemon__settle_free(a);
+            settle_out_of_memory(d, step);
+            return;
+        }
+    }
     const store_view *view = daemon__downlink_made(d, step);
     if (view != NULL) {
         a->has_view = 1;
@@ -589,9 +689,14 @@ static void log_round_stats(dilocod *d)
 static void commit_done(job *j)
 {
     dilocod *d = daemon__of_job(j);
-    int fd = ((commit_args *)j->arg)->download_fd;
+    commit_args *a = j->arg;
+    int fd = a->download_fd;
 
-    commit_args_free(j->arg);
+    if (j->rc == 0 && a->redo.manifest != NULL) {
+        daemon__sign_recorded(d, a->redo.step, a->manifest_hash, (const char (*)[65])a->out_hex);
+        daemon__sign_round_committed(d);
+    }
+    commit_args_free(a);
     if (j->rc != 0) {
         daemon__aggregation_failed(d, &j->err);
         return;
@@ -695,6 +800,7 @@ int daemon__recover_redo(dilocod *d, dl_error *err)
     outer_pass p = {0};
     uint64_t *sums = NULL;
     unsigned char *summed = NULL;
+    char *view_path = NULL, *update_path = NULL;    /* a signed step's view and update (--downlink) */
 
     if ((rc = store_redo_read(&d->st, &r, &present, err)) != 0 || !present)
         return rc;
@@ -802,6 +908,31 @@ int daemon__recover_redo(dilocod *d, dl_error *err)
             .dn = r.dn.on ? &after : NULL,
             .view = r.downlink != 0 ? &view : NULL,
         };
+        /* --signing-key: the record again, the same bytes (the outputs are), and durable before the commit */
+        manifest_output out[MAX_RECORD_OUTPUTS];
+        char hash[65], update_tree[64];
+        if (r.downlink != 0 && r.manifest != NULL && d->sign.on &&
+            ((view_path = store_view_path(&d->st, r.step)) == NULL ||
+             (update_path = store_update_path(&d->st, r.step)) == NULL)) {
+            rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+            goto out;
+        }
+        record_files f = {p.out_momentum_path, p.out_accum_path, view_path, update_path};
+        size_t nout = record_outputs(out, r.step, p.out_global_path, &f, update_tree);
+        if (r.manifest != NULL && !d->sign.on)
+            dl_log(DL_LOG_WARN, "sign", "the recovered step was signed, but --signing-key is not given: its record is "
+                   "not written again", "step=%" PRIu64, r.step);
+        if (r.manifest != NULL && d->sign.on && strstr(r.manifest, d->sign.key.fingerprint) == NULL) {
+            /* its record names the key it was committed under: another key would sign a record that says so */
+            rc = dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "step %" PRIu64 " was committed under another signing "
+                         "key than %s (fingerprint %s): restart with the key it was signed with, then change keys",
+                         r.step, d->cfg->signing_key, d->sign.key.fingerprint);
+            goto out;
+        }
+        if (r.manifest != NULL && d->sign.on &&
+            ((rc = manifest_write(d->st.dir, r.step, r.manifest, out, nout, &d->sign.key, hash, err)) != 0 ||
+             (rc = manifest_sync(d->st.dir, r.step, err)) != 0))
+            goto out;
         /* outer_finish made the outputs durable (no defer_sync here) */
         if ((rc = store_commit(&d->st, &info, err)) == 0 &&
             (rc = r.dn.on ? store_remove_consumed(r.deltas, r.ndeltas, err) : 0) == 0 &&
@@ -816,6 +947,8 @@ out:
     outer_free(&p);
     free(sums);
     free(summed);
+    free(view_path);
+    free(update_path);
     free((void *)p.out_global_path);
     free((void *)p.out_momentum_path);
     free((void *)p.out_accum_path);

@@ -145,6 +145,7 @@ static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path,
 {
     char *replaced = NULL, qn[160];
     double now = daemon__now(d);
+    const round_entry *e;
 
     if (daemon__async(d)) {
         /* a base below the applied set's floor is stale (the round's bound says so; said here why),
@@ -185,6 +186,17 @@ static round_verdict offer(dilocod *d, const delta_info *info, char *cache_path,
                    d->rnd.step, dl_log_q(qn, sizeof(qn), info->node_id), info->local_step, size, d->rnd.n,
                    d->cfg->expected_nodes);
         stats_delta_taken(&d->m, v);
+        if (d->sign.on) {       /* its block hash, for the step's record, while the round collects */
+            e = round_find(&d->rnd, info);
+            for (size_t q = 0; e == NULL && q < d->rnd.nqueue; q++) {     /* async: queued for the next update */
+                const round_entry *qe = &d->rnd.queue[q];
+                if (strcmp(qe->node_id, info->node_id) == 0 && qe->base == info->base_outer_step &&
+                    qe->local_step == info->local_step)
+                    e = qe;
+            }
+            if (e != NULL)
+                daemon__sign_hash_taken(d, e->path);
+        }
         daemon__verdict_taken(d, info, v, http ? 201 : 0, recovered, had_prev, prev_local, prev_base);
         workers_report(&d->workers, info->node_id, info->base_outer_step, info->local_step, time(NULL), &info->metrics,
                        &info->cz, size);

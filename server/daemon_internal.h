@@ -22,6 +22,7 @@
 #include "pipeline.h"
 #include "round.h"
 #include "safetensors.h"
+#include "sign.h"
 #include "stats.h"
 #include "store.h"
 #include "verdicts.h"
@@ -192,6 +193,39 @@ typedef struct daemon_verdicts {
     uint64_t write_failures;
 } daemon_verdicts;
 
+/* daemon_sign.c: --signing-key (README "Verifiable rounds"). */
+#define SIGN_REFUSED_MAX 256
+typedef struct sign_refusal {
+    char node_id[DELTA_NODE_ID_MAX + 1];
+    uint64_t local_step, base;
+    char verdict[16];           /* refused | quarantined */
+    char reason[32];
+} sign_refusal;
+
+#define SIGN_KNOWN_MAX 4096
+typedef struct sign_known {
+    char *path;
+    char hex[65];
+} sign_known;
+
+typedef struct daemon_sign {
+    int on;
+    sign_key key;
+    char prev_hash[65];         /* the block hash of the record of step prev_step (the next one's "previous") */
+    int64_t prev_step;          /* -1: none known (the next record's previous is null) */
+    char prev_out[3][65];       /* that record's outputs' block hashes: global, momentum, accumulator ("": none),
+                                   the next record's "base" */
+    char (*hash)[65];           /* [nhash]: the open round's entries' block hashes, by the job that syncs them
+                                   ("" where not computed), for step hash_step */
+    size_t nhash;
+    uint64_t hash_step;
+    sign_refusal *refused;      /* the open round's deltas refused at arrival (stale), for its record */
+    size_t nrefused;
+    /* the block hashes of deltas taken into the round, computed as each arrives (by cache path), so that
+     * only the last to arrive is hashed beside the pass */
+    struct sign_known *known;
+    size_t nknown;
+} daemon_sign;
 /* The downlink (daemon_downlink.c; README, "The downlink"): the view and update the finished pass's step
  * commits with, the committed view and the chain's last updates served, and what was sent. */
 typedef struct daemon_downlink {
@@ -236,6 +270,7 @@ typedef struct dilocod {
     daemon_aggregation agg;     /* daemon_pass.c */
     daemon_async async;         /* daemon_async.c */
     daemon_robust robust;       /* daemon_robust.c */
+    daemon_sign sign;           /* daemon_sign.c */
     daemon_warm warm;           /* daemon_pass.c */
 
     /* publish */

@@ -191,6 +191,36 @@ void daemon__schedule_cleanup(dilocod *d);
 /* At startup: recomputes and commits the step a redo record names, or removes an old record. */
 int daemon__recover_redo(dilocod *d, dl_error *err);
 
+/* daemon_sign.c: --signing-key.  The key loaded (startup), freed. */
+int daemon__sign_open(dilocod *d, dl_error *err);
+void daemon__sign_free(dilocod *d);
+/* The committed step's record (if any) becomes the next record's previous. */
+void daemon__sign_chain(dilocod *d);
+/* The record of step was written with block hash hash; out: its global's, momentum's and accumulator's
+ * block hashes ("" for none). */
+void daemon__sign_recorded(dilocod *d, uint64_t step, const char *hash, const char out[3][65]);
+/* On the pool: a delta's block hash as hex.  0 or -DL_E_*. */
+int daemon__sign_hash_delta(const char *path, char hex[65], dl_error *err);
+/* A delta taken into the round (its cache path): its block hash computed now, on the pool. */
+void daemon__sign_hash_taken(dilocod *d, const char *path);
+/* The hash computed for path when it was taken, or NULL. */
+const char *daemon__sign_known(const dilocod *d, const char *path);
+/* The open round's entries' hashes (taken over), computed beside the pass for step. */
+void daemon__sign_inputs_hashed(dilocod *d, uint64_t step, char (*hash)[65], size_t n);
+/* A delta of the open round refused at its arrival (verdict "refused", reason "stale"; or "quarantined" by the
+ * norm screen, with its reason), for the round's record. */
+void daemon__sign_refused(dilocod *d, const char *node_id, const delta_info *info, const char *verdict,
+                          const char *reason);
+/* The closing round's record without its outputs (malloc'd), or NULL when not signing (or out of memory:
+ * then d->sign.on tells). */
+char *daemon__sign_skeleton(dilocod *d);
+/* The round is committed: its refusals are in its record. */
+void daemon__sign_round_committed(dilocod *d);
+/* A step entered whole (origin "bootstrap" or "adopted"): its record written and durable, before the
+ * step's commit.  Reads only the configuration, the key and d->st.dir: any thread. */
+int daemon__sign_whole(const dilocod *d, uint64_t step, const char *origin, const char *global_path, char hash[65],
+                       dl_error *err);
+
 /* ---- daemon_publish.c: the served global, the published layout, publishing ---- */
 
 /* A descriptor for serving path, or a negative errno. */

@@ -748,22 +748,30 @@ typedef struct sync_args {
     unsigned attempt;           /* the step's attempt whose round this syncs (step_record.attempts) */
     char **paths;
     size_t n;
+    char (*hash)[65];           /* --signing-key: each delta's block hash, for the step's record (else NULL) */
 } sync_args;
 
 static void sync_args_free(sync_args *a)
 {
     for (size_t i = 0; a != NULL && i < a->n; i++)
         free(a->paths[i]);
-    if (a != NULL)
+    if (a != NULL) {
         free(a->paths);
+        free(a->hash);
+    }
     free(a);
 }
 
+/* Beside the pass: each delta made durable and, when steps are signed, its block hash computed (its
+ * bytes are in the page cache: intake or the upload just read them), off the critical path. */
 static void sync_inputs_work(job *j)
 {
     sync_args *a = j->arg;
-    for (size_t i = 0; i < a->n && j->rc == 0; i++)
+    for (size_t i = 0; i < a->n && j->rc == 0; i++) {
         j->rc = store_sync_delta(a->paths[i], &j->err);
+        if (j->rc == 0 && a->hash != NULL && a->hash[i][0] == '\0')     /* not hashed at its arrival */
+            j->rc = daemon__sign_hash_delta(a->paths[i], a->hash[i], &j->err);
+    }
 }
 
 static void sync_inputs_done(job *j)
@@ -774,6 +782,10 @@ static void sync_inputs_done(job *j)
     int recomputed = r != NULL && r->attempts != a->attempt;
 
     pipeline_end(&d->pipe, a->step, STEP_ACT_SYNC, j->rc == 0);
+    if (j->rc == 0 && !recomputed && a->hash != NULL) {
+        daemon__sign_inputs_hashed(d, a->step, a->hash, a->n);
+        a->hash = NULL;
+    }
     sync_args_free(a);
     if (recomputed && j->rc == 0 && !d->stopping) {
         /* the round changed while this ran (a pass restarted): sync what it holds now */
@@ -807,9 +819,18 @@ static int start_sync_inputs(dilocod *d)
     }
     a->step = step;
     a->attempt = r->attempts;
-    for (; a->n < d->rnd.n; a->n++)
+    if (d->sign.on && (a->hash = calloc(d->rnd.n ? d->rnd.n : 1, sizeof(*a->hash))) == NULL) {
+        sync_args_free(a);
+        pipeline_end(&d->pipe, step, STEP_ACT_SYNC, 0);
+        return -1;
+    }
+    for (; a->n < d->rnd.n; a->n++) {
         if ((a->paths[a->n] = strdup(d->rnd.entries[a->n].path)) == NULL)
             break;
+        const char *known = a->hash != NULL ? daemon__sign_known(d, a->paths[a->n]) : NULL;
+        if (known != NULL)
+            memcpy(a->hash[a->n], known, sizeof(a->hash[a->n]));
+    }
     if (a->n < d->rnd.n || daemon__queue(d, sync_inputs_work, sync_inputs_done, a) != 0) {
         sync_args_free(a);
         pipeline_end(&d->pipe, step, STEP_ACT_SYNC, 0);      /* the commit fails on it (daemon__try_commit) */

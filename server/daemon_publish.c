@@ -310,6 +310,26 @@ static void publish_started(dilocod *d)
     d->publish.last_started = daemon__now(d);
 }
 
+/* The committed step through the transport (model: its file or its set's index), with its signed record
+ * when steps are signed and it has one (a step committed before --signing-key was given has none). */
+static void publish_step(dilocod *d, const char *model)
+{
+    char *record = d->sign.on ? store_path_manifest(d->st.dir, d->st.step, 0) : NULL;
+    hub_publication pub = {
+        .step = d->st.step,
+        .global_path = model,
+        .optimizer = config_optimizer_name(d->cfg->optimizer),
+        .bootstrap = d->st.bootstrap && d->st.step == 0,
+        .record_path = record != NULL && d->sign.prev_step == (int64_t)d->st.step ? record : NULL,
+    };
+
+    d->publish.bootstrap = pub.bootstrap;
+    publish_started(d);
+    daemon__downlink_publish(d);        /* the downlink's files go with this publish (hub.h set_downlink) */
+    hub_publish_step(d->hub, &pub);
+    free(record);
+}
+
 void daemon__maybe_publish(dilocod *d)
 {
     /* published_known: the transport has told what it holds (its first poll), so a restart does not
@@ -332,18 +352,11 @@ void daemon__maybe_publish(dilocod *d)
             free(index);
             return;
         }
-        d->publish.bootstrap = d->st.bootstrap && d->st.step == 0;
-        publish_started(d);
-        daemon__downlink_publish(d);
-        hub_publish(d->hub, d->st.step, index, config_optimizer_name(d->cfg->optimizer), d->publish.bootstrap);
+        publish_step(d, index);
         free(index);
         return;
     }
     if (pipeline_start(&d->pipe, d->st.step, STEP_ACT_PUBLISH) != 0)
         return;
-    d->publish.bootstrap = d->st.bootstrap && d->st.step == 0;
-    publish_started(d);
-    daemon__downlink_publish(d);
-    hub_publish(d->hub, d->st.step, d->st.global_path, config_optimizer_name(d->cfg->optimizer),
-                d->publish.bootstrap);
+    publish_step(d, d->st.global_path);
 }

@@ -210,6 +210,13 @@ void daemon_verdict_refused(dilocod *d, const char *node_id, const delta_info *i
 
     if (stats_delta_refused(&d->m, rv) == REFUSED__COUNT)
         return;                 /* not a refusal */
+    /* the open round's record lists them: a stale delta, and one the norm screen quarantined at arrival */
+    if (rv == ROUND_STALE) {
+        daemon__sign_refused(d, node_id, info, "refused", round_verdict_name(rv));
+    } else if (rv == ROUND_OUTLIER) {
+        const robust_event *ev = daemon__robust_last(d, node_id);
+        daemon__sign_refused(d, node_id, info, "quarantined", ev != NULL ? ev->reason : "outlier");
+    }
     /* the norm screen at arrival is a quarantine (robust counts it too): reason "outlier" */
     arrive(d, &v, rv == ROUND_OUTLIER ? VERDICT_QUARANTINED : VERDICT_REFUSED, round_verdict_name(rv), status,
            message);

@@ -9,10 +9,15 @@
 #include <string.h>
 #include <strings.h>
 #include <time.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "api.h"
 #include "daemon.h"
+#include "delta.h"
 #include "stepcount.h"
+#include "store.h"
 #include "st_index.h"
 #include "strbuf.h"
 #include "util.h"
@@ -212,6 +217,90 @@ static void serve_global(dilocod *d, http_conn *c, http_request *req)
                              "and the shards it lists"
                            : "no such shard of the global: its index lists them",
                        NULL);
+}
+
+/* A file of the state served whole (a record, a kept step's file): opened without following a link. */
+static void serve_state_file(http_conn *c, char *path, const char *type, const char *missing)
+{
+    struct stat sb;
+    http_file *f;
+    int fd = path != NULL ? open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW) : -1;
+
+    free(path);
+    if (fd >= 0 && (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode))) {
+        close(fd);
+        fd = -1;
+    }
+    if (fd < 0) {
+        http_respond_error(c, 404, "not_found", missing, NULL);
+        return;
+    }
+    if ((f = http_file_new(fd)) == NULL) {      /* it closed fd */
+        http_respond_error(c, 500, "out_of_memory", "out of memory", NULL);
+        return;
+    }
+    http_respond_file(c, 200, type, "Cache-Control: max-age=3600\r\n", f, 0, (uint64_t)sb.st_size);
+    http_file_unref(f);
+}
+
+/* GET /global/rounds/<s>.json and <s>.json.sig (--signing-key): a served step's signed record and its
+ * signature, as the transports publish them.  A step above the one served has none to give yet. */
+static void serve_record(dilocod *d, http_conn *c, http_request *req)
+{
+    const served_global *g = daemon__global(d);
+    const char *name = req->path + strlen("/global/rounds/"), *dot = strchr(name, '.');
+    uint64_t step;
+    int sig = dot != NULL && strcmp(dot, ".json.sig") == 0;
+
+    if (dot == NULL || (!sig && strcmp(dot, ".json") != 0) || delta_parse_int(name, (size_t)(dot - name), &step) != 0) {
+        http_respond_error(c, 404, "not_found", "a step's record is /global/rounds/<step>.json, its signature "
+                           "/global/rounds/<step>.json.sig", NULL);
+        return;
+    }
+    if (daemon_config(d)->signing_key == NULL) {
+        http_respond_error(c, 404, "not_signed", "steps are not signed here (dilocod --signing-key)", NULL);
+        return;
+    }
+    if (!g->available || step > g->step) {
+        http_respond_error(c, 404, "not_found", "no record of that step is served", NULL);
+        return;
+    }
+    /* a record never changes once its step is served: the same bytes however often it is asked */
+    serve_state_file(c, store_path_manifest(daemon_store(d)->dir, step, sig),
+                     sig ? "application/octet-stream" : "application/json",
+                     "no record of that step (older than the records kept, or made before --signing-key was given)");
+}
+
+/* GET /rounds/<s>/global.safetensors, momentum.safetensors, accumulator.safetensors and
+ * inputs/<node_id>.safetensors: what --verify-keep kept of the last N steps, for diloco verify-round. */
+static void serve_kept(dilocod *d, http_conn *c, http_request *req)
+{
+    const char *rest = req->path + strlen("/rounds/"), *slash = strchr(rest, '/'), *name;
+    const served_global *g = daemon__global(d);
+    uint64_t step;
+    char *dir, *path = NULL;
+
+    if (slash == NULL || delta_parse_int(rest, (size_t)(slash - rest), &step) != 0) {
+        http_respond_error(c, 404, "not_found", "a kept step's files are /rounds/<step>/global.safetensors, "
+                           "momentum.safetensors, accumulator.safetensors and inputs/<node_id>.safetensors", NULL);
+        return;
+    }
+    name = slash + 1;
+    int known = strcmp(name, "global.safetensors") == 0 || strcmp(name, "momentum.safetensors") == 0 ||
+                strcmp(name, "accumulator.safetensors") == 0;
+    if (!known && strncmp(name, "inputs/", 7) == 0) {
+        const char *node = name + 7, *dot = strrchr(node, '.');
+        known = dot != NULL && strcmp(dot, ".safetensors") == 0 && delta_valid_node_id(node, (size_t)(dot - node));
+    }
+    if (!known || !g->available || step > g->step) {
+        http_respond_error(c, 404, "not_found", "no such file of a kept step", NULL);
+        return;
+    }
+    if ((dir = store_path_verify_step(daemon_store(d)->dir, step)) != NULL && asprintf(&path, "%s/%s", dir, name) < 0)
+        path = NULL;
+    free(dir);
+    serve_state_file(c, path, "application/octet-stream",
+                     "not kept: the step is older than the last --verify-keep steps, or has no such file");
 }
 
 static void serve_stepfile(dilocod *d, http_conn *c)
@@ -415,7 +504,9 @@ static const route routes[] = {
     {"/healthz", ROUTE_HEALTHZ, 1, NULL, healthz_json, JSON, NULL},
     {"/metrics", ROUTE_METRICS, 1, NULL, metrics_text, "text/plain; version=0.0.4; charset=utf-8", NULL},
     {"/rounds", ROUTE_ROUNDS, 1, NULL, rounds_json, JSON, NULL},
+    {"/rounds/", ROUTE_ROUNDS, 1, serve_kept, NULL, NULL, NULL},
     {"/global/step_count.json", ROUTE_STEPFILE, 1, get_stepfile, NULL, NULL, NULL},
+    {"/global/rounds/", ROUTE_GLOBAL, 1, serve_record, NULL, NULL, NULL},
     {"/global/view.safetensors", ROUTE_GLOBAL, 1, serve_view, NULL, NULL, NULL},
     {"/global/updates/", ROUTE_GLOBAL, 1, serve_update, NULL, NULL, NULL},
     {"/global/", ROUTE_GLOBAL, 1, serve_global, NULL, NULL, NULL},

@@ -9,6 +9,7 @@
 #include <openssl/crypto.h>
 
 #include "delta.h"
+#include "sign.h"
 
 void auth_free(auth_table *t)
 {
@@ -37,6 +38,12 @@ int auth_load(auth_table *out, const char *path, dl_error *err)
 
     if (f == NULL)
         return dl_fail_errno(err, errno, "cannot open token file %s", path);
+    /* a token anyone on the machine can read is a token anyone can upload with: refused, as ssh refuses
+     * a private key others can read (checked on the descriptor read, so a swap in between cannot pass) */
+    if ((rc = sign_check_private_fd(fileno(f), "token file", path, err)) != 0) {
+        fclose(f);
+        return rc;
+    }
     while (rc == 0 && fgets(line, sizeof(line), f) != NULL) {
         char *node, *token, *save = NULL, *extra;
         lineno++;

@@ -134,6 +134,26 @@ char *store_path_verdicts(const char *state_dir)
     return path_fmt("%s/verdicts.json", state_dir);
 }
 
+char *store_path_manifest_dir(const char *state_dir)
+{
+    return path_fmt("%s/rounds", state_dir);
+}
+
+char *store_path_manifest(const char *state_dir, uint64_t step, int sig)
+{
+    return path_fmt("%s/rounds/%" PRIu64 ".json%s", state_dir, step, sig ? ".sig" : "");
+}
+
+char *store_path_verify_dir(const char *state_dir)
+{
+    return path_fmt("%s/verify", state_dir);
+}
+
+char *store_path_verify_step(const char *state_dir, uint64_t step)
+{
+    return path_fmt("%s/verify/%" PRIu64, state_dir, step);
+}
+
 char *store_path_incoming(const char *state_dir)
 {
     return path_fmt("%s/cache/incoming", state_dir);
@@ -678,6 +698,10 @@ int store_redo_write(const store *s, const store_redo *r, dl_error *err)
         sb_add(&b, r->round_json, strcspn(r->round_json, "\n"));
     else
         sb_str(&b, "null");
+    if (r->manifest != NULL) {
+        sb_str(&b, ",\n  \"manifest\": ");
+        sb_json_string(&b, r->manifest, strlen(r->manifest));
+    }
     sb_str(&b, "\n}\n");
     size_t len = b.len;
     if ((text = sb_take(&b)) == NULL || (path = path_fmt("%s/redo.json", s->dir)) == NULL) {
@@ -827,7 +851,16 @@ int store_redo_read(const store *s, store_redo *r, int *present, dl_error *err)
         rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s is damaged (downlink)", path);
         goto out;
     }
-    if (cJSON_IsObject(round) && (r->round_json = round_text(text, round)) == NULL)
+    if (cJSON_IsObject(round) && (r->round_json = round_text(text, round)) == NULL) {
+        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        goto out;
+    }
+    const cJSON *m = cJSON_GetObjectItemCaseSensitive(root, "manifest");
+    if (m != NULL && !cJSON_IsNull(m) && (!cJSON_IsString(m) || m->valuestring[0] != '{')) {
+        rc = dl_fail(err, DL_E_METADATA_INVALID, NULL, 0, "%s is damaged (manifest)", path);
+        goto out;
+    }
+    if (cJSON_IsString(m) && (r->manifest = strdup(m->valuestring)) == NULL)
         rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
 out:
     cJSON_Delete(root);
@@ -863,6 +896,7 @@ void store_redo_free(store_redo *r)
     free(r->optimizer);
     free(r->round_json);
     free(r->scales);
+    free(r->manifest);
     memset(r, 0, sizeof(*r));
 }
 

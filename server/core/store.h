@@ -20,6 +20,10 @@
  *                                        when its step is durable, before the redo record)
  *   cache/incoming/                      deltas being received or copied (temporary)
  *   redo.json                            a round committed but not yet durable: its inputs and record
+ *   verify/<step>/                       --verify-keep: a step's global, momentum, accumulator and input deltas
+ *                                        (hard links), the newest N steps, for verifiers (manifest_keep)
+ *   rounds/<step>.json, <step>.json.sig  --signing-key: each step's signed record (manifest.h), the newest
+ *                                        MANIFEST_KEEP kept
  *
  * A bootstrap or an adoption is committed by atomically replacing outer_metadata.json (temp, fsync,
  * rename, fsync of the directory) after its global file is durable.  A round is committed by its redo
@@ -141,6 +145,9 @@ typedef struct store_redo {
     unsigned trim_k;
     float *scales;
     char *round_json;           /* the round's record (history.h) */
+    /* --signing-key: the step's signed record without its outputs (manifest.h), a JSON object's text kept
+     * verbatim as a string, so that a recomputed step's record is the same bytes (NULL: not signed) */
+    char *manifest;
     int downlink;               /* the step's view and update are made too, with this cz_encoding (0: none) */
 } store_redo;
 
@@ -189,6 +196,11 @@ char *store_incoming_dir(const store *s);
 char *store_path_state_dir(const char *state_root, const char *id);      /* <state_root>/<id> */
 char *store_path_metadata(const char *state_dir);                         /* outer_metadata.json */
 char *store_path_verdicts(const char *state_dir);                         /* verdicts.json */
+char *store_path_manifest_dir(const char *state_dir);                     /* rounds */
+/* rounds/<step>.json, or with sig its detached signature rounds/<step>.json.sig */
+char *store_path_manifest(const char *state_dir, uint64_t step, int sig);
+char *store_path_verify_dir(const char *state_dir);                       /* verify */
+char *store_path_verify_step(const char *state_dir, uint64_t step);       /* verify/<step> */
 /* <state>/verdicts.json's text (NUL-terminated, at most max bytes): 0, 1 when there is none, or -DL_E_IO
  * (not a regular file, over max, unreadable). */
 int store_read_verdicts(const char *state_dir, size_t max, char **text, size_t *len, dl_error *err);

@@ -25,6 +25,9 @@
  *     need not wait for the model's data to be durable (file:// links the daemon's own file): the
  *     daemon publishes again a step it recovered from its redo record, even where the transport
  *     reports that step.
+ *   - With a record (hub_publication.record_path: --signing-key), publish() writes the step's signed
+ *     record first, global/rounds/<s>.json.sig then global/rounds/<s>.json, then the model and the step
+ *     file as above: a reader never sees a step named without its record.
  *   - close() cancels what is in flight; done(arg) runs once every handle and job is finished.
  * Everything runs on the loop thread; blocking file work goes to the libuv pool inside the transport.
  *
@@ -219,6 +222,17 @@ typedef struct hub_status {
     char problem[32];
 } hub_status;
 
+/* What publish() publishes. */
+typedef struct hub_publication {
+    uint64_t step;
+    const char *global_path;    /* the model: a file, or a set's index */
+    const char *optimizer;
+    int bootstrap;
+    /* the step's signed record in the state (rounds/<s>.json, its signature beside it as .json.sig),
+     * published as global/rounds/<s>.json[.sig] before the model; NULL: the step is not signed */
+    const char *record_path;
+} hub_publication;
+
 struct hub_ops {
     const char *scheme;         /* "file://" */
     const char *kind;           /* "file", as /status names it */
@@ -235,7 +249,7 @@ struct hub_ops {
                 dl_error *err);
     void (*start)(hub *h);
     void (*set_step)(hub *h, uint64_t step, int waiting_for_global);
-    void (*publish)(hub *h, uint64_t step, const char *global_path, const char *optimizer, int bootstrap);
+    void (*publish)(hub *h, const hub_publication *pub);
     /* Returns 1 when an HUB_INCOMPLETE outcome is final (the file stopped changing and is still
      * short: the daemon rejects it), else 0. */
     int (*mark_done)(hub *h, const char *rel, hub_outcome outcome, const hub_version *version);
@@ -267,9 +281,12 @@ int hub_open(hub **out, uv_loop_t *loop, const hub_config *cfg, const hub_callba
 static inline void hub_start(hub *h) { h->ops->start(h); }
 static inline int hub_publish_writes_locally(const hub *h) { return h->ops->publish_writes_locally; }
 static inline void hub_set_step(hub *h, uint64_t step, int waiting) { h->ops->set_step(h, step, waiting); }
+static inline void hub_publish_step(hub *h, const hub_publication *pub) { h->ops->publish(h, pub); }
+/* A step without a record. */
 static inline void hub_publish(hub *h, uint64_t step, const char *global_path, const char *optimizer, int bootstrap)
 {
-    h->ops->publish(h, step, global_path, optimizer, bootstrap);
+    hub_publication pub = {step, global_path, optimizer, bootstrap, NULL};
+    h->ops->publish(h, &pub);
 }
 static inline int hub_set_downlink(hub *h, const hub_downlink *dl)
 {

@@ -88,12 +88,15 @@ void hub_index_memo_free(hub_index_memo *memo, size_t n);
 /* The published step, if root/global/step_count.json and the model it names exist (*present = 0 if
  * not); *sharded (may be NULL) is 1 when that is global/latest.safetensors.index.json. */
 int hubfile_read_published(const char *root, int *present, uint64_t *step, int *sharded, dl_error *err);
-/* Publishes src: a plain file is copied to root/global/latest.safetensors; an index (a path ending in
- * .safetensors.index.json, base "latest") publishes the shards it lists from its directory, then
- * global/latest.safetensors.index.json.  Then step_count.json, then the other layout's files are
- * removed from root/global.  Each file atomically (temp, fsync, rename). */
+/* Publishes src (record: the step's signed record in the state, or NULL; first, as
+ * root/global/rounds/<step>.json.sig and .json, the newest MANIFEST_KEEP kept): a plain file is copied
+ * to root/global/latest.safetensors; an index (a path ending in .safetensors.index.json, base "latest")
+ * publishes the shards it lists from its directory, then global/latest.safetensors.index.json.  Then
+ * the downlink's files (dl, or NULL: hubfile_publish_downlink), then step_count.json (naming them),
+ * then the other layout's files are removed from root/global.  Each file atomically (temp, fsync,
+ * rename). */
 int hubfile_publish(const char *root, const char *src, uint64_t step, const char *optimizer, int bootstrap,
-                    const hub_downlink *dl, dl_error *err);
+                    const char *record, const hub_downlink *dl, dl_error *err);
 /* hub_file_downlink.c: the downlink's files of a step (dl) into root/global (gfd): the update as
  * updates/<step>.safetensors (and any kept one the tree lacks), a view checkpoint views/<c>.safetensors
  * every keep/2 steps; *view_step: the newest checkpoint the tree holds, which step_count.json names.

@@ -16,6 +16,7 @@
 #include "delta.h"
 #include "dl_log.h"
 #include "fsutil.h"
+#include "manifest.h"
 #include "safetensors.h"
 #include "st_index.h"
 #include "stepcount.h"
@@ -155,8 +156,69 @@ static void remove_other_layout(int gfd, const char *root, uint32_t nshards)
     closedir(d);
 }
 
+/* Copies one of the state's record files (ours) into rounds/ of the tree as name. */
+static int publish_record_file(int rfd, const char *root, const char *src, const char *name, dl_error *err)
+{
+    char *buf = malloc(MANIFEST_MAX + 1), *dir = strdup(src), *slash = NULL;
+    size_t len = 0;
+    struct stat sb;
+    int rc, dfd = -1;
+
+    if (buf == NULL || dir == NULL || (slash = strrchr(dir, '/')) == NULL) {
+        free(buf);
+        free(dir);
+        return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+    }
+    *slash = '\0';             /* the state's rounds/ directory, then the file in it */
+    if ((dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0)
+        rc = dl_fail_errno(err, errno, "cannot open %s", dir);
+    else if ((rc = fsu_read_small_at(dfd, slash + 1, buf, MANIFEST_MAX, &len, &sb)) != 0)
+        rc = dl_fail_errno(err, -rc, "cannot read the step's record %s", src);
+    else if ((rc = fsu_write_atomic_at(rfd, name, buf, len)) != 0)
+        rc = dl_fail_errno(err, -rc, "publishing %s/global/rounds/%s", root, name);
+    if (dfd >= 0)
+        close(dfd);
+    free(buf);
+    free(dir);
+    return rc;
+}
+
+/* The step's signed record into global/rounds/ (the signature first: a reader that finds the .json finds
+ * its signature), and the record MANIFEST_KEEP steps older removed. */
+static int publish_record(int gfd, const char *root, const char *record, uint64_t step, dl_error *err)
+{
+    char name[48], *sig = NULL;
+    int rfd = -1, rc;
+
+    if (mkdirat(gfd, "rounds", 0755) != 0 && errno != EEXIST)
+        return dl_fail_errno(err, errno, "cannot create %s/global/rounds", root);
+    if ((rc = fsu_open_dir_at(gfd, "rounds", &rfd)) != 0)
+        return dl_fail_errno(err, -rc, "cannot open %s/global/rounds", root);
+    if (asprintf(&sig, "%s.sig", record) < 0) {
+        sig = NULL;
+        rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
+        goto out;
+    }
+    snprintf(name, sizeof(name), "%" PRIu64 ".json.sig", step);
+    if ((rc = publish_record_file(rfd, root, sig, name, err)) != 0)
+        goto out;
+    snprintf(name, sizeof(name), "%" PRIu64 ".json", step);
+    if ((rc = publish_record_file(rfd, root, record, name, err)) != 0)
+        goto out;
+    if (step >= MANIFEST_KEEP) {
+        snprintf(name, sizeof(name), "%" PRIu64 ".json", step - MANIFEST_KEEP);
+        (void)unlinkat(rfd, name, 0);   /* gone already, or never signed */
+        snprintf(name, sizeof(name), "%" PRIu64 ".json.sig", step - MANIFEST_KEEP);
+        (void)unlinkat(rfd, name, 0);
+    }
+out:
+    free(sig);
+    close(rfd);
+    return rc;
+}
+
 int hubfile_publish(const char *root, const char *src, uint64_t step, const char *optimizer, int bootstrap,
-                    const hub_downlink *dl, dl_error *err)
+                    const char *record, const hub_downlink *dl, dl_error *err)
 {
     char *text = NULL, view_file[64], update_file[64];
     const char *kv[6];
@@ -182,6 +244,9 @@ int hubfile_publish(const char *root, const char *src, uint64_t step, const char
             goto out;
         }
     }
+    /* the signed record first: a reader that finds the step finds its record (hub.h) */
+    if (record != NULL && (rc = publish_record(gfd, root, record, step, err)) != 0)
+        goto out;
     rc = sharded ? publish_set(gfd, root, src, &nshards, err) : hubfile__publish_one(gfd, root, src, "latest.safetensors", err);
     if (rc != 0)
         goto out;

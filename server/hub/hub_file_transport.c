@@ -678,7 +678,7 @@ static void start_adopt(file_hub *fh, uint64_t step, int sharded)
 /* ---- publishing ---------------------------------------------------------------------------------- */
 
 typedef struct publish_args {
-    char *src, *optimizer;
+    char *src, *optimizer, *record;
     uint64_t step;
     int bootstrap;
     hub_downlink dl;            /* paths owned; dl_on 0: none */
@@ -722,8 +722,8 @@ static int file_set_downlink(hub *h, const hub_downlink *dl)
 static void publish_work(pool_job *j)
 {
     publish_args *a = j->arg;
-    j->rc = hubfile_publish(job_hub(j)->root, a->src, a->step, a->optimizer, a->bootstrap, a->dl_on ? &a->dl : NULL,
-                            &j->err);
+    j->rc = hubfile_publish(job_hub(j)->root, a->src, a->step, a->optimizer, a->bootstrap, a->record,
+                            a->dl_on ? &a->dl : NULL, &j->err);
 }
 
 static void publish_done(pool_job *j)
@@ -734,6 +734,7 @@ static void publish_done(pool_job *j)
 
     free(a->src);
     free(a->optimizer);
+    free(a->record);
     downlink_clear(&a->dl);
     free(a);
     fh->publishing = 0;
@@ -750,9 +751,10 @@ static void publish_done(pool_job *j)
         fh->cb.publish_done(fh->app, step, j->rc == 0 ? NULL : j->err.message);
 }
 
-static void file_publish(hub *h, uint64_t step, const char *global_path, const char *optimizer, int bootstrap)
+static void file_publish(hub *h, const hub_publication *pub)
 {
     file_hub *fh = (file_hub *)h;
+    uint64_t step = pub->step;
     publish_args *a;
     dl_error e;
 
@@ -760,16 +762,18 @@ static void file_publish(hub *h, uint64_t step, const char *global_path, const c
         return;
     if ((a = calloc(1, sizeof(*a))) != NULL) {
         a->step = step;
-        a->bootstrap = bootstrap;
+        a->bootstrap = pub->bootstrap;
         /* the downlink's files go with the step they were set for */
         a->dl_on = fh->dl_on && fh->dl.step == step;
     }
-    if (a == NULL || (a->src = strdup(global_path)) == NULL || (a->optimizer = strdup(optimizer)) == NULL ||
+    if (a == NULL || (a->src = strdup(pub->global_path)) == NULL || (a->optimizer = strdup(pub->optimizer)) == NULL ||
+        (pub->record_path != NULL && (a->record = strdup(pub->record_path)) == NULL) ||
         (a->dl_on && downlink_copy(&a->dl, &fh->dl) != 0) ||
         job_queue(&fh->jobs, publish_work, publish_done, a) != 0) {
         if (a != NULL) {
             free(a->src);
             free(a->optimizer);
+            free(a->record);
             downlink_clear(&a->dl);
         }
         free(a);

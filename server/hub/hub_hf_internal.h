@@ -108,7 +108,7 @@ int hf_sha256_file(const char *path, char *hex, size_t hex_size);
 #define set_error(h, ...) remote_error(&(h)->f.rm, __VA_ARGS__)
 
 /* hub_hf_publish.c: hub_ops.publish, and the end of a publish (ok: committed). */
-void hf_publish(hub *base, uint64_t step, const char *global_path, const char *optimizer, int bootstrap);
+void hf_publish(hub *base, const hub_publication *pub);
 void hf_pub_finish(hf_hub *h, int ok);
 
 #endif

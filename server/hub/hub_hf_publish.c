@@ -700,8 +700,12 @@ static int pub_open_files(hf_hub *h, pub_state *p, const char *global_path)
     return 0;
 }
 
-void hf_publish(hub *base, uint64_t step, const char *global_path, const char *optimizer, int bootstrap)
+/* pub->record_path is not published here yet: --signing-key with hf:// is refused (config_modes.c). */
+void hf_publish(hub *base, const hub_publication *pub)
 {
+    uint64_t step = pub->step;
+    const char *global_path = pub->global_path, *optimizer = pub->optimizer;
+    int bootstrap = pub->bootstrap;
     hf_hub *h = (hf_hub *)base;
     pub_state *p = &h->pub;
     hash_job *j;

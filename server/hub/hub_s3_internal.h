@@ -35,8 +35,9 @@ typedef struct pub_state {
     char optimizer[32];
     int bootstrap;
     int sharded;
-    pub_file *files;            /* in upload order: the shards, then the index (or the one file) */
-    unsigned nfiles, cur;
+    pub_file *files;            /* in upload order: the step's signed record (its .sig, then the .json:
+                                   nrecords of them, --signing-key), the shards, then the index (or the one file) */
+    unsigned nfiles, cur, nrecords;
     int fd;                     /* files[cur]'s */
     uint64_t size;
     char *stepfile;
@@ -135,7 +136,7 @@ void s3_list_page(s3_hub *h, const char *token);
 
 /* hub_s3_publish.c: hub_ops.publish; the end of a publish (error NULL: published); a poll saw the
  * bucket's step (a claim waited on is over once the bucket reached its step). */
-void s3_publish(hub *base, uint64_t step, const char *global_path, const char *optimizer, int bootstrap);
+void s3_publish(hub *base, const hub_publication *pub);
 void s3_pub_finish(s3_hub *h, const char *error);
 void s3_claim_step_seen(s3_hub *h, int64_t step);
 

@@ -72,7 +72,7 @@ static void pub_fail(s3_hub *h, s3_req *r, const char *doing)
 static int pub_other_layout(const s3_hub *h, const char *name)
 {
     /* the index is the last of files[]; its shard count is files[] minus it */
-    return hub_set_other_layout(name, h->pub.sharded, (uint32_t)(h->pub.nfiles - 1));
+    return hub_set_other_layout(name, h->pub.sharded, (uint32_t)(h->pub.nfiles - 1 - h->pub.nrecords));
 }
 
 static void delete_done(s3_hub *h, s3_req *r, int ok)
@@ -386,7 +386,7 @@ static void pub_upload(s3_hub *h)
         r->src_fd = p->fd;
         r->src_off = 0;
         r->src_len = p->size;
-        remote_req_header(r, p->sharded && p->cur == p->nfiles - 1 ? "Content-Type: application/json"
+        remote_req_header(r, (p->sharded && p->cur == p->nfiles - 1) || (p->cur + 1 == p->nrecords) ? "Content-Type: application/json"
                                                              : "Content-Type: application/octet-stream");
         s3_req_go(h, r, pub_single_done, NULL);
         return;
@@ -782,8 +782,48 @@ void s3_claim_step_seen(s3_hub *h, int64_t step)
     }
 }
 
-void s3_publish(hub *base, uint64_t step, const char *global_path, const char *optimizer, int bootstrap)
+/* The step's signed record (--signing-key) before the model's files: global/rounds/<s>.json.sig, then
+ * global/rounds/<s>.json, uploaded like them, so that step_count.json (last) never names a step without
+ * its record.  0, or -1 with the reason set. */
+static int pub_add_record(s3_hub *h, const char *record)
 {
+    pub_state *p = &h->pub;
+    hub_pub_file *all = calloc(p->nfiles + 2, sizeof(*all));
+    struct stat sb;
+
+    if (all == NULL) {
+        set_error(h, "publishing step %" PRIu64 ": out of memory", p->step);
+        return -1;
+    }
+    memcpy(all + 2, p->files, p->nfiles * sizeof(*all));
+    free(p->files);             /* its descriptors and paths live on in all */
+    p->files = all;
+    p->nfiles += 2;
+    p->nrecords = 2;
+    for (int i = 0; i < 2; i++) {
+        hub_pub_file *f = &all[i];
+        f->fd = -1;
+        snprintf(f->rel, sizeof(f->rel), "global/rounds/%" PRIu64 ".json%s", p->step, i == 0 ? ".sig" : "");
+        if (asprintf(&f->path, "%s%s", record, i == 0 ? ".sig" : "") < 0) {
+            f->path = NULL;
+            set_error(h, "publishing step %" PRIu64 ": out of memory", p->step);
+            return -1;
+        }
+        if ((f->fd = open(f->path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)) < 0 || fstat(f->fd, &sb) != 0) {
+            set_error(h, "publishing step %" PRIu64 ": cannot read its record %.300s: %s", p->step, f->path,
+                      strerror(errno));
+            return -1;
+        }
+        f->size = (uint64_t)sb.st_size;
+    }
+    return 0;
+}
+
+void s3_publish(hub *base, const hub_publication *pub)
+{
+    uint64_t step = pub->step;
+    const char *global_path = pub->global_path, *optimizer = pub->optimizer;
+    int bootstrap = pub->bootstrap;
     s3_hub *h = (s3_hub *)base;
     pub_state *p = &h->pub;
     dl_error err = {0};
@@ -801,6 +841,10 @@ void s3_publish(hub *base, uint64_t step, const char *global_path, const char *o
     p->sharded = st_index_is_index_path(global_path);
     if (hub_set_publish_open(global_path, &p->files, &p->nfiles, &err) != 0) {
         set_error(h, "publishing step %" PRIu64 ": %s", step, err.message);
+        s3_pub_finish(h, h->st.last_error);
+        return;
+    }
+    if (pub->record_path != NULL && pub_add_record(h, pub->record_path) != 0) {
         s3_pub_finish(h, h->st.last_error);
         return;
     }

@@ -325,6 +325,7 @@ def start_daemon(tmp_path, model, *extra, hub=None, nodes=("w0", "w1")):
     write_model(tmp_path / "init.safetensors", model)
     tokens = tmp_path / "tokens"
     tokens.write_text("".join(f"{n} {t}\n" for n, t in TOKENS.items()))
+    tokens.chmod(0o600)         # dilocod refuses a token file others can read
     d = Dilocod(tmp_path, hub, "--init-model", str(tmp_path / "init.safetensors"), "--expected-nodes",
                 str(len(nodes)), "--token-file", str(tokens), "--header-timeout", "3", "--idle-timeout", "5",
                 "--max-connections", str(MAX_CONNECTIONS), "--threads", "2", "--log-level", "info", *extra)

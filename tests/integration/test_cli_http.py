@@ -51,6 +51,7 @@ def test_training_with_the_cli_only(tmp_path, diloco_bin):
     m = model()
     write_model(tmp_path / "init.safetensors", m)
     (tmp_path / "tokens").write_text(TOKENS)
+    (tmp_path / "tokens").chmod(0o600)      # dilocod refuses a token file others can read
     d = Dilocod(tmp_path, None, "--init-model", tmp_path / "init.safetensors", "--expected-nodes", "3",
                 "--token-file", tmp_path / "tokens").start()
     results, errors = {}, []

@@ -287,6 +287,7 @@ def test_empty_value_unsets_an_optional_path(tmp_path):
 def tokens(tmp_path, text=f"w1 {TOKEN}\n* {TOKEN}x\n"):
     path = tmp_path / "tokens"
     path.write_text(text)
+    path.chmod(0o600)           # dilocod refuses a token file others can read
     return path
 
 
@@ -554,6 +555,8 @@ def test_every_row_of_what_combines_refuses_and_accepts(tmp_path):
     sides named), the one with the need accepted; an option another mode reads is warned about, and not
     with the mode that reads it.  A row added to the table without a case here fails this test."""
     cluster = [*S3, "--expected-nodes", "4", "--cluster-shards", "4"]
+    key = tmp_path / "signing.key"
+    run([BUILD / "diloco", "keygen", "-o", key], check=0)
     refused = {   # (asks, needs): (refused args, accepted args, the option blamed)
         ("--cluster-shards S", "--hub s3://..."):
             (["--expected-nodes", "4", "--cluster-shards", "4"], cluster, "cluster-shards"),
@@ -577,6 +580,12 @@ def test_every_row_of_what_combines_refuses_and_accepts(tmp_path):
              "dn-momentum-activation"),
         ("--mode sync", "--expected-nodes N, --nodes or --round-timeout S"):
             (["--mode", "sync"], ["--mode", "sync", "--round-timeout", "5"], "expected-nodes"),
+        ("--signing-key FILE", "--hub file://..., s3://... or none"):
+            (["--hub", "hf://org/repo", "--expected-nodes", "4", "--signing-key", str(key)],
+             [*S3, "--expected-nodes", "4", "--signing-key", str(key)], "signing-key"),
+        ("--signing-key FILE", "no --cluster-shards"):
+            ([*cluster, "--signing-key", str(key)], [*S3, "--expected-nodes", "4", "--signing-key", str(key)],
+             "signing-key"),
         ("--downlink E", "no --cluster-shards"):
             ([*cluster, "--downlink", "mxfp8"], ["--expected-nodes", "4", "--downlink", "mxfp8"], "downlink"),
         ("--downlink E", "--hub none or --hub file://..."):

@@ -262,6 +262,7 @@ def non_loopback_address():
 
 def write_token_file(path, tokens):
     path.write_text("# node token\n" + "".join(f"{n} {t}\n" for n, t in tokens.items()))
+    path.chmod(0o600)           # dilocod refuses a token file others can read
 
 
 def url_of(d: Dilocod, host="127.0.0.1"):

@@ -35,7 +35,18 @@ TOKENS = {f"worker-{i}": f"token-of-worker-{i}-0123456789" for i in range(1, 5)}
 HUB_TOKEN = "hf_readme_test_token_0123456789"
 
 # Commands that are not run, and why.  Keys are the README's text (continuations joined, comments cut).
+WHY_SIGN = ("test_signed_rounds.py::test_signed_run_over_http_and_file runs the same steps (keygen, a signed dilocod, the records over HTTP, verify-round from local files and with --server) against a real dilocod")
 NOT_RUN = {
+    "diloco keygen -o /etc/dilocod/signing.key": "writes into /etc; " + WHY_SIGN,
+    "dilocod --signing-key /etc/dilocod/signing.key ...": "the rest of the command line is the reader's; " + WHY_SIGN,
+    "curl -s http://aggregator:8470/global/rounds/12.json": "step 12 of a run the reader has; " + WHY_SIGN,
+    "S=12; U=http://aggregator:8470": "part of the verify-round example; " + WHY_SIGN,
+    "curl -so m.json $U/global/rounds/$S.json; curl -so m.sig $U/global/rounds/$S.json.sig": "part of the verify-round example; " + WHY_SIGN,
+    "curl -so g.safetensors $U/rounds/$((S-1))/global.safetensors; curl -so mom.safetensors $U/rounds/$((S-1))/momentum.safetensors":
+        "part of the verify-round example; " + WHY_SIGN,
+    "diloco verify-round --manifest m.json --signature m.sig --public-key signing.key.pub --previous-global g.safetensors --previous-momentum mom.safetensors --inputs in":
+        "part of the verify-round example; " + WHY_SIGN,
+    "diloco verify-round --server $U --step $S --public-key signing.key.pub": "part of the verify-round example; " + WHY_SIGN,
     "dilocod --id agg-a --state-root /var/lib/dilocod --hub s3://runs/exp-1 --hub-endpoint https://s3.example "
     "--expected-nodes 16 --cluster-shards 64 --cluster-lease 30 --listen 0.0.0.0:8080":
         "one aggregator of a cluster of many against a bucket of 16 workers; tests/integration/test_cluster.py runs "
@@ -252,6 +263,7 @@ def delta(path, node, base, local, scale=0.01):
 
 def token_file(path):
     path.write_text("".join(f"{n} {t}\n" for n, t in TOKENS.items()))
+    path.chmod(0o600)           # dilocod refuses a token file others can read
     return path
 
 

@@ -1,9 +1,12 @@
 #include "test.h"
 
 #include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
 
 #include "auth.h"
 
+/* A token file as an operator keeps it: readable by its owner only (auth_load refuses any other mode). */
 static int write_file(const char *path, const char *text)
 {
     FILE *f = fopen(path, "w");
@@ -11,7 +14,7 @@ static int write_file(const char *path, const char *text)
         return -1;
     fputs(text, f);
     fclose(f);
-    return 0;
+    return chmod(path, 0600);
 }
 
 TEST(auth_tokens_per_node_and_admin)
@@ -49,5 +52,21 @@ TEST(auth_bad_file_keeps_previous_table)
     CHECK(auth_load(&t, test_path("missing"), &err) < 0);
     CHECK_EQ(t.n, 1);
     CHECK_EQ(auth_check(&t, "Bearer aaaaaaaaaaaaaaaa1", "w1"), AUTH_OK);
+    auth_free(&t);
+}
+
+TEST(auth_token_file_readable_by_others_is_refused)
+{
+    auth_table t = {0};
+    dl_error err;
+    CHECK_EQ(write_file(test_path("open"), "w1 aaaaaaaaaaaaaaaa1\n"), 0);
+    CHECK_EQ(chmod(test_path("open"), 0640), 0);
+    CHECK(auth_load(&t, test_path("open"), &err) < 0);
+    CHECK(strstr(err.message, "chmod 600") != NULL);
+    CHECK_EQ(chmod(test_path("open"), 0604), 0);
+    CHECK(auth_load(&t, test_path("open"), &err) < 0);
+    CHECK_EQ(chmod(test_path("open"), 0400), 0);
+    CHECK_EQ(auth_load(&t, test_path("open"), &err), 0);
+    CHECK_EQ(t.n, 1);
     auth_free(&t);
 }

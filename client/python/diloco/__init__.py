@@ -7,9 +7,9 @@
     worker.wait(step + 1)
 """
 from .encode import EncodedDelta, delta_metadata, encode_delta, plain_delta
-from .errors import DeltaRefused, DiLoCoError, HostileAnswer, ServerError
+from .errors import DeltaRefused, DiLoCoError, HostileAnswer, RecordRefused, ServerError
 from .worker import PushResult, Worker, followed_local_steps
 
 __all__ = ["Worker", "PushResult", "encode_delta", "plain_delta", "EncodedDelta", "delta_metadata",
-           "followed_local_steps", "DiLoCoError", "HostileAnswer", "ServerError", "DeltaRefused"]
+           "followed_local_steps", "DiLoCoError", "HostileAnswer", "ServerError", "DeltaRefused", "RecordRefused"]
 __version__ = "0.1.0"

@@ -23,3 +23,15 @@ class ServerError(DiLoCoError):
 
 class DeltaRefused(ServerError):
     """422: the server judged the delta and refused it (outlier, norm_ratio, shape_mismatch, ...)."""
+
+
+class RecordRefused(DiLoCoError):
+    """Worker(..., public_key=) refused a global: its step's signed record (global/rounds/<s>.json) is
+    missing, or its signature is not the key's, or it does not chain to the last record this worker
+    verified, or the global's bytes do not hash to the record's outputs, or its step is below one already
+    verified (a rollback) or below min_step.  `reason` says which ("missing", "signature", "record",
+    "chain", "output", "rollback"), `step` the step refused.  Nothing was installed into the model."""
+
+    def __init__(self, reason, step, message):
+        super().__init__(f"step {step}: {reason}: {message}")
+        self.reason, self.step = reason, step

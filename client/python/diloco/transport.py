@@ -17,6 +17,8 @@ from .errors import HostileAnswer, ServerError
 MAX_JSON_ANSWER = 1 << 20          # an answer, /status or step_count.json: far above any real one
 MAX_INDEX_BYTES = 10 << 20         # huggingface_hub's MAX_INDEX_FILE_SIZE, dilocod's cap too
 MAX_RESUMES = 5                    # a download cut this many times in a row is given up
+MAX_RECORD_BYTES = 4 << 20         # a step's signed record (dilocod's MANIFEST_MAX)
+SIGNATURE_BYTES = 64               # Ed25519
 SINGLE_FILE = "global/latest.safetensors"
 INDEX_NAME = "latest.safetensors.index.json"
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -310,13 +312,16 @@ class HttpTransport:
                 raise HostileAnswer(f"{path}: the body ended after {got} of its {total} bytes "
                                     f"(Content-Length), {cuts} times")
 
-    def fetch_global(self, etag, cap, max_header=_st.MAX_HEADER_BYTES):
-        """-> None (unchanged since etag) or (step, etag, {name: tensor})."""
+    def fetch_global(self, etag, cap, max_header=_st.MAX_HEADER_BYTES, check=None):
+        """-> None (unchanged since etag) or (step, etag, {name: tensor}).  check(step, files, weight_map),
+        when given, sees the files' bytes before they are parsed (and may raise to refuse them)."""
         try:
             got = self._download("/global/latest.safetensors", cap, etag)
             if got is None:
                 return None
             buf, tag, step = got
+            if check is not None:
+                check(step, {"latest.safetensors": buf}, None)
             return step, tag, load_set({"latest.safetensors": buf}, None, "global", max_header)
         except FileNotFoundError:
             pass
@@ -332,8 +337,21 @@ class HttpTransport:
             if s != step:
                 raise HostileAnswer(f"global shard {shard} is of step {s}, its index of {step}")
             files[shard] = buf
+        if check is not None:
+            check(step, files, wm)
         return step, tag, load_set(files, wm, "global", max_header)
 
+    def fetch_record(self, step):
+        """A step's signed record and its signature -> (json bytes, signature bytes), or None when the
+        server has none (404)."""
+        try:
+            rec = self._json(f"/global/rounds/{step}.json", MAX_RECORD_BYTES)
+            sig = self._json(f"/global/rounds/{step}.json.sig", SIGNATURE_BYTES)
+        except ServerError as e:
+            if e.status == 404:
+                return None
+            raise
+        return rec, sig
     # ---- the downlink (Worker(downlink=True)) --------------------------------------------------
     def downlink_info(self):
         """-> (outer_step, view_hash or None, view_file or None), from GET /global/step_count.json."""
@@ -471,7 +489,7 @@ class FileTransport:
         raw, _ = self._read("global/step_count.json", MAX_JSON_ANSWER)
         return parse_step_count(raw, "global/step_count.json")
 
-    def fetch_global(self, etag, cap, max_header=_st.MAX_HEADER_BYTES):
+    def fetch_global(self, etag, cap, max_header=_st.MAX_HEADER_BYTES, check=None):
         # step_count.json is written last: the same before and after reading the model means the model
         # read is that step's (or a newer one being published this instant: the next pull corrects it)
         for _ in range(10):
@@ -493,8 +511,19 @@ class FileTransport:
             if self._step_count()[0] == step:
                 if tag == etag:
                     return None
+                if check is not None:
+                    check(step, files, wm)
                 return step, tag, load_set(files, wm, "global", max_header)
         raise HostileAnswer("global/step_count.json changed under every read")
+
+    def fetch_record(self, step):
+        """global/rounds/<step>.json and its .sig -> (json bytes, signature bytes), or None if absent."""
+        try:
+            rec, _ = self._read(f"global/rounds/{step}.json", MAX_RECORD_BYTES)
+            sig, _ = self._read(f"global/rounds/{step}.json.sig", SIGNATURE_BYTES)
+        except FileNotFoundError:
+            return None
+        return bytes(rec), bytes(sig)
 
     def outer_step(self):
         try:
@@ -636,7 +665,7 @@ class S3Transport:
         raw, _ = self._get("global/step_count.json", MAX_JSON_ANSWER)
         return parse_step_count(raw, "global/step_count.json")
 
-    def fetch_global(self, etag, cap, max_header=_st.MAX_HEADER_BYTES):
+    def fetch_global(self, etag, cap, max_header=_st.MAX_HEADER_BYTES, check=None):
         for _ in range(10):
             step, mf = self._step_count()
             place = index_place(mf)
@@ -660,8 +689,19 @@ class S3Transport:
                 raise
             # step_count.json is written last: unchanged across the read, the model is that step's
             if self._step_count()[0] == step:
+                if check is not None:
+                    check(step, files, wm)
                 return step, tag, load_set(files, wm, "global", max_header)
         raise HostileAnswer("global/step_count.json changed under every read")
+
+    def fetch_record(self, step):
+        """global/rounds/<step>.json and its .sig -> (json bytes, signature bytes), or None if absent."""
+        try:
+            rec, _ = self._get(f"global/rounds/{step}.json", MAX_RECORD_BYTES)
+            sig, _ = self._get(f"global/rounds/{step}.json.sig", SIGNATURE_BYTES)
+        except FileNotFoundError:
+            return None
+        return bytes(rec), bytes(sig)
 
     def outer_step(self):
         try:

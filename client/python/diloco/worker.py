@@ -12,6 +12,7 @@ from .blockhash import block_hash_bytes
 from .downlink import apply_update
 from .encode import check_spec, delta_metadata, encode_delta, plain_delta, split_delta
 from .errors import HostileAnswer
+from .rounds import RecordChain
 from .transport import FileTransport, HfTransport, HttpTransport, S3Transport, load_set
 
 METRIC_KEYS = ("inner_steps", "tokens_per_second", "weight")
@@ -88,8 +89,8 @@ class Worker:
     """One training process's link to dilocod.  See the package docstring for the loop."""
 
     def __init__(self, url, node_id, *, token=None, encode=None, block=None, error_feedback=True,
-                 baseline_device="cpu", max_header_bytes=_st.MAX_HEADER_BYTES, listen=None, downlink=False,
-                 max_replay=64, shard_size=None):
+                 baseline_device="cpu", max_header_bytes=_st.MAX_HEADER_BYTES, listen=None, public_key=None,
+                 min_step=None, downlink=False, max_replay=64, shard_size=None):
         if not NODE_ID.match(node_id):
             raise ValueError(f"node id {node_id!r} is not [A-Za-z0-9][A-Za-z0-9._-]{{0,127}}")
         self.node_id = node_id
@@ -128,6 +129,21 @@ class Worker:
         self.updates_applied = 0
         self.view_downloads = 0
         self.fallbacks = 0                  # updates missing or refused: the full view instead
+        # public_key: the aggregator's Ed25519 key (diloco keygen's FILE.pub): every global is checked
+        # against its step's signed record before it is loaded (diloco.rounds, errors.RecordRefused)
+        self._chain = None
+        if public_key is not None:
+            if not hasattr(self.transport, "fetch_record"):
+                raise ValueError("public_key= verifies globals read over http(s)://, file:// or s3://: signed records "
+                                 "are not published on hf:// yet")
+            self._chain = RecordChain(public_key, self.transport.fetch_record, min_step=min_step)
+        elif min_step is not None:
+            raise ValueError("min_step= goes with public_key= (it is the lowest step a verified global may have)")
+
+    @property
+    def record(self):
+        """The signed record of the global installed last (public_key=), as a dict; None before."""
+        return self._chain.record if self._chain is not None else None
 
     # ---- pull -------------------------------------------------------------------------------
     def _cap(self, model_state):
@@ -209,6 +225,12 @@ class Worker:
         if want is not None and self.step == target and block_hash_bytes(self._view) != want:
             self._view = None
             raise HostileAnswer(f"the view of step {target} does not have step_count.json's view_hash {want}")
+        if self._chain is not None:
+            try:        # public_key=: the view's bytes are the ones its step's signed record names
+                self._chain.check_view(self.step, self._view)
+            except BaseException:
+                self._view = None
+                raise
         return True
 
     def _pull_view(self, model, strict):
@@ -221,6 +243,8 @@ class Worker:
                 state = {k: v for k, v in state.items()
                          if k in model_state and tuple(v.shape) == tuple(model_state[k].shape)}
             self.baseline = self._baseline_of(state, model_state)
+            if self._chain is not None:
+                self._chain.accept()
         with torch.no_grad():
             for k, v in self.baseline.items():
                 model_state[k].copy_(v)
@@ -233,15 +257,17 @@ class Worker:
     def pull(self, model, strict=True) -> int:
         """Loads the newest global into model (names, shapes and dtypes must match unless strict=False:
         then matching keys load) and keeps it as the baseline.  Returns its outer step.  A global that
-        is refused (errors.HostileAnswer) leaves the model as it was.  With downlink=True the model is the
-        server's view (server/README.md, "The downlink"): downloaded once, then moved on by each step's
-        compressed update, replayed bit for bit and checked by its block hash; the full view again when
-        more than max_replay steps behind or when an update is missing or refused."""
+        is refused (errors.HostileAnswer, or with public_key= errors.RecordRefused) leaves the model as it
+        was.  With downlink=True the model is the server's view (server/README.md, "The downlink"):
+        downloaded once, then moved on by each step's compressed update, replayed bit for bit and checked by
+        its block hash (with public_key=, by the one its step's signed record names too); the full view again
+        when more than max_replay steps behind or when an update is missing or refused."""
         if self.downlink:
             return self._pull_view(model, strict)
         model_state = model.state_dict()
+        verify = {"check": self._chain.check_global} if self._chain is not None else {}
         got = self.transport.fetch_global(self._etag if self.baseline is not None else None, self._cap(model_state),
-                                              self.max_header_bytes)
+                                          self.max_header_bytes, **verify)
         if got is not None:
             step, etag, state = got
             if strict:
@@ -250,6 +276,8 @@ class Worker:
                 state = {k: v for k, v in state.items()
                          if k in model_state and tuple(v.shape) == tuple(model_state[k].shape)}
             self.baseline, self.step, self._etag = self._baseline_of(state, model_state), step, etag
+            if self._chain is not None:
+                self._chain.accept()
         with torch.no_grad():
             for k, v in self.baseline.items():
                 model_state[k].copy_(v)
