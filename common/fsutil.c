@@ -373,39 +373,40 @@ out:
     return rc;
 }
 
-int fsu_read_small_at(int dirfd, const char *name, char *buf, size_t cap, size_t *len, struct stat *sb)
+int fsu_read_fd_capped(int fd, char *buf, size_t cap, size_t *len)
 {
     size_t got = 0;
-    int fd, rc;
 
     *len = 0;
-    if ((rc = fsu_open_file_at(dirfd, name, &fd, sb)) != 0)
-        return rc;
-    if ((uint64_t)sb->st_size > cap) {
-        close(fd);
-        return -EFBIG;
-    }
     /* read to EOF but never more than cap + 1 bytes: a file growing under us is refused, not
      * followed without end */
     while (got <= cap) {
         ssize_t r = read(fd, buf + got, cap + 1 - got);
         if (r < 0 && errno == EINTR)
             continue;
-        if (r < 0) {
-            rc = -errno;
-            close(fd);
-            return rc;
-        }
+        if (r < 0)
+            return -errno;
         if (r == 0)
             break;
         got += (size_t)r;
     }
-    close(fd);
     if (got > cap)
         return -EFBIG;
     buf[got] = '\0';
     *len = got;
     return 0;
+}
+
+int fsu_read_small_at(int dirfd, const char *name, char *buf, size_t cap, size_t *len, struct stat *sb)
+{
+    int fd, rc;
+
+    *len = 0;
+    if ((rc = fsu_open_file_at(dirfd, name, &fd, sb)) != 0)
+        return rc;
+    rc = (uint64_t)sb->st_size > cap ? -EFBIG : fsu_read_fd_capped(fd, buf, cap, len);
+    close(fd);
+    return rc;
 }
 
 int fsu_tmp_create_at(int dirfd, const char *name, char **tmp_name, int *fd)

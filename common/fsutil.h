@@ -81,6 +81,10 @@ int fsu_open_path_at(int dirfd, const char *rel, int *fd, struct stat *sb);
 /* Reads the whole regular file name under dirfd into buf (cap bytes at most, NUL-terminated, so
  * buf holds cap + 1).  -EFBIG if the file holds more than cap bytes, also if it grows while read. */
 int fsu_read_small_at(int dirfd, const char *name, char *buf, size_t cap, size_t *len, struct stat *sb);
+/* Reads fd from its offset to EOF into buf (cap bytes at most, NUL-terminated, so buf holds cap + 1):
+ * 0, -EFBIG when it holds more than cap bytes (also a file growing while read: never followed without
+ * end), or -errno.  The one capped read of a small file (fsu_read_small_at, keys, indexes). */
+int fsu_read_fd_capped(int fd, char *buf, size_t cap, size_t *len);
 /* "a FIFO", "a symbolic link", ... for a log message about a refused entry. */
 const char *fsu_kind_name(mode_t mode);
 

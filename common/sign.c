@@ -13,6 +13,8 @@
 #include <openssl/pem.h>
 #include <openssl/sha.h>
 
+#include "fsutil.h"
+
 int sign_check_private_fd(int fd, const char *what, const char *path, dl_error *err)
 {
     struct stat sb;
@@ -50,24 +52,12 @@ static int read_key_file(const char *path, int check_private, char **out, size_t
         rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
         goto out;
     }
-    for (;;) {
-        ssize_t r = read(fd, buf + n, SIGN_KEY_FILE_MAX + 1 - n);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r < 0) {
-            rc = dl_fail_errno(err, errno, "cannot read %s", path);
-            goto out;
-        }
-        if (r == 0)
-            break;
-        n += (size_t)r;
-        if (n > SIGN_KEY_FILE_MAX) {
-            rc = dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "%s is larger than a PEM key (over %d bytes)", path,
-                         SIGN_KEY_FILE_MAX);
-            goto out;
-        }
+    if ((rc = fsu_read_fd_capped(fd, buf, SIGN_KEY_FILE_MAX, &n)) != 0) {
+        rc = rc == -EFBIG ? dl_fail(err, DL_E_INVALID_ARGUMENT, NULL, 0, "%s is larger than a PEM key (over %d bytes)",
+                                    path, SIGN_KEY_FILE_MAX)
+                          : dl_fail_errno(err, -rc, "cannot read %s", path);
+        goto out;
     }
-    buf[n] = '\0';
     *out = buf;
     *len = n;
     buf = NULL;

@@ -754,21 +754,10 @@ int st_index_load_capped(const char *path, size_t cap, st_index **out, dl_error 
         rc = dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory");
         goto out;
     }
-    for (;;) {
-        ssize_t r = read(fd, text + len, cap + 1 - len);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r < 0) {
-            rc = dl_fail_errno(err, errno, "cannot read %s", path);
-            goto out;
-        }
-        if (r == 0)
-            break;
-        len += (size_t)r;
-        if (len > cap) {
-            rc = dl_fail(err, DL_E_HEADER_TOO_LARGE, NULL, 0, "%s: index over the %zu-byte cap", path, cap);
-            goto out;
-        }
+    if ((rc = fsu_read_fd_capped(fd, text, cap, &len)) != 0) {
+        rc = rc == -EFBIG ? dl_fail(err, DL_E_HEADER_TOO_LARGE, NULL, 0, "%s: index over the %zu-byte cap", path, cap)
+                          : dl_fail_errno(err, -rc, "cannot read %s", path);
+        goto out;
     }
     rc = st_index_parse_capped(text, len, base, cap, out, err);
 out:

@@ -292,6 +292,36 @@ out:
 }
 
 /* The keys under rel_prefix (each relative to the transport's prefix), every page.  0 or -1. */
+int cl_list_page(cluster *c, const char *full, const char *token, s3_listing *l, char *why, size_t why_size)
+{
+    char *query = s3_list_query(full, token, NULL, 1000);
+    s3s_req q = S3S_REQ_INIT;
+    s3s_resp r;
+    dl_error err;
+
+    memset(l, 0, sizeof(*l));
+    if (query == NULL) {
+        snprintf(why, why_size, "out of memory");
+        return -1;
+    }
+    q.method = "GET";
+    q.query = query;
+    q.body_cap = S3_LIST_PAGE_CAP;
+    int got = s3s_do(&c->s3, &q, &r, why, why_size);
+    free(query);
+    if (got != 0 || r.status != 200) {
+        if (got == 0)
+            s3s_describe(&r, why, why_size);
+        s3s_resp_free(&r);
+        return -1;
+    }
+    int rc = s3_parse_listing(r.body.p, r.body.len, l, &err);
+    if (rc != 0)
+        snprintf(why, why_size, "listing: %.300s", err.message);
+    s3s_resp_free(&r);
+    return rc != 0 ? -1 : 0;
+}
+
 int cl_list_keys(cluster *c, const char *rel_prefix, char ***keys, size_t *n, char *why, size_t why_size)
 {
     char *token = NULL, *full = NULL;
@@ -304,30 +334,9 @@ int cl_list_keys(cluster *c, const char *rel_prefix, char ***keys, size_t *n, ch
     if (full == NULL)
         return -1;
     for (unsigned page = 0; page < LIST_PAGES_MAX; page++) {
-        char *query = s3_list_query(full, token, NULL, 1000);
-        s3s_req q = S3S_REQ_INIT;
-        s3s_resp r;
-        s3_listing l = {0};
-        dl_error err;
-        if (query == NULL)
+        s3_listing l;
+        if (cl_list_page(c, full, token, &l, why, why_size) != 0)
             goto out;
-        q.method = "GET";
-        q.query = query;
-        q.body_cap = S3_LIST_PAGE_CAP;
-        int got = s3s_do(&c->s3, &q, &r, why, why_size);
-        free(query);
-        if (got != 0 || r.status != 200) {
-            if (got == 0)
-                s3s_describe(&r, why, why_size);
-            s3s_resp_free(&r);
-            goto out;
-        }
-        if (s3_parse_listing(r.body.p, r.body.len, &l, &err) != 0) {
-            snprintf(why, why_size, "listing: %.300s", err.message);
-            s3s_resp_free(&r);
-            goto out;
-        }
-        s3s_resp_free(&r);
         char **grown = realloc(*keys, (*n + l.n + 1) * sizeof(**keys));
         if (grown == NULL) {
             s3_listing_free(&l);

@@ -184,26 +184,11 @@ void cl_poll_deltas(cluster *c, uint64_t step)
         return;
     c->polls++;
     for (unsigned page = 0; page < LIST_PAGES_MAX && !cl_stopping(c); page++) {
-        char *query = s3_list_query(full, token, NULL, 1000);
-        s3s_req q = S3S_REQ_INIT;
-        s3s_resp r;
-        s3_listing l = {0};
-        dl_error err;
-        if (query == NULL)
-            break;
-        q.method = "GET";
-        q.query = query;
-        q.body_cap = S3_LIST_PAGE_CAP;
-        int got = s3s_do(&c->s3, &q, &r, why, sizeof(why));
-        free(query);
-        if (got != 0 || r.status != 200 || s3_parse_listing(r.body.p, r.body.len, &l, &err) != 0) {
-            if (got == 0 && r.status != 200)
-                s3s_describe(&r, why, sizeof(why));
+        s3_listing l;
+        if (cl_list_page(c, full, token, &l, why, sizeof(why)) != 0) {
             dl_log(DL_LOG_WARN, "cluster", "listing nodes/ failed", "why=%s", why);
-            s3s_resp_free(&r);
             break;
         }
-        s3s_resp_free(&r);
         for (size_t i = 0; i < l.n && !cl_stopping(c); i++) {
             const s3_object *o = &l.objs[i];
             const char *rel = pl ? o->key + pl + 1 : o->key;

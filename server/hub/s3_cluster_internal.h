@@ -153,6 +153,9 @@ struct cluster {
     uint64_t pending_step;
 };
 
+/* One page of ListObjectsV2 under full (a bucket key prefix), after token (NULL: the first): 0 with l
+ * (s3_listing_free it), or -1 (why).  The one listing request of the cluster's walks. */
+int cl_list_page(cluster *c, const char *full, const char *token, s3_listing *l, char *why, size_t why_size);
 double cl_mono(void);
 int cl_stopping(cluster *c);
 void cl_nap(cluster *c, double seconds);
