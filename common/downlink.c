@@ -20,7 +20,7 @@
 #include "fsutil.h"
 #include "safetensors.h"
 
-#define HASH_PLACEHOLDER "0000000000000000000000000000000000000000000000000000000000000000"
+#define HASH_RESERVED "0000000000000000000000000000000000000000000000000000000000000000"
 
 int downlink_encoding_ok(cz_encoding enc)
 {
@@ -134,13 +134,13 @@ static int plan_keys(dl_work *w, dl_error *err)
     return 0;
 }
 
-/* Opens the update's writer with a placeholder hash of the same length as the real one: the view is
+/* Opens the update's writer with a reserved hash field of the same length as the real one: the view is
  * hashed only once it is written, and the update's codes are written meanwhile, so the hash is put in
  * its place in the header at the end (patch_hash).  The header is built once more here, as the writer
- * builds it (the reference's bytes: one function makes both), to find where the placeholder lies. */
+ * builds it (the reference's bytes: one function makes both), to find where the reserved field lies. */
 static int open_update(dl_work *w, dl_error *err)
 {
-    static const char key[] = "\"view_hash\":\"" HASH_PLACEHOLDER "\"";
+    static const char key[] = "\"view_hash\":\"" HASH_RESERVED "\"";
     char step[24], base[24], block[16], *json = NULL;
     size_t json_len;
     uint64_t data_len, *offsets = malloc(2 * (w->nspecs + 1) * sizeof(uint64_t));
@@ -150,7 +150,7 @@ static int open_update(dl_work *w, dl_error *err)
     snprintf(base, sizeof(base), "%" PRIu64, w->a.base_step);
     snprintf(block, sizeof(block), "%u", w->cz.block);
     st_kv meta[] = {{"base_step", base}, {"block", block}, {"encoding", cz_encoding_name(w->cz.enc)},
-                    {"step", step}, {"view_hash", HASH_PLACEHOLDER}};
+                    {"step", step}, {"view_hash", HASH_RESERVED}};
     const size_t nmeta = sizeof(meta) / sizeof(meta[0]);
     if (offsets == NULL)
         return dl_fail(err, DL_E_NO_MEMORY, NULL, 0, "out of memory planning the update");
@@ -164,7 +164,7 @@ static int open_update(dl_work *w, dl_error *err)
     w->hash_at = at != NULL ? 8 + (uint64_t)(at - json) + strlen("\"view_hash\":\"") : 0;
     free(json);
     if (at == NULL)
-        return dl_fail(err, DL_E_INTERNAL, NULL, 0, "the update's header lacks its view_hash placeholder");
+        return dl_fail(err, DL_E_INTERNAL, NULL, 0, "the update's header lacks its reserved view_hash field");
     return st_writer_open(w->a.out_update_path, w->specs, w->nspecs, meta, nmeta, &w->w, err);
 }
 

@@ -237,14 +237,23 @@ class Worker:
         model_state = model.state_dict()
         if self._sync_view(self._cap(model_state)) or self.baseline is None:
             state = load_set({"view": self._view}, None, "view", self.max_header_bytes)
-            if strict:
-                self._check_strict(state, model_state)
-            else:
-                state = {k: v for k, v in state.items()
-                         if k in model_state and tuple(v.shape) == tuple(model_state[k].shape)}
-            self.baseline = self._baseline_of(state, model_state)
-            if self._chain is not None:
-                self._chain.accept()
+            self.baseline = self._accepted_baseline(state, model_state, strict)
+        return self._load_baseline(model_state)
+
+    def _accepted_baseline(self, state, model_state, strict):
+        """state checked against the model (strict: every key; else the keys that match), as the new
+        baseline; a verified record's step becomes the chain's last."""
+        if strict:
+            self._check_strict(state, model_state)
+        else:
+            state = {k: v for k, v in state.items()
+                     if k in model_state and tuple(v.shape) == tuple(model_state[k].shape)}
+        baseline = self._baseline_of(state, model_state)
+        if self._chain is not None:
+            self._chain.accept()
+        return baseline
+
+    def _load_baseline(self, model_state):
         with torch.no_grad():
             for k, v in self.baseline.items():
                 model_state[k].copy_(v)
@@ -270,18 +279,8 @@ class Worker:
                                           self.max_header_bytes, **verify)
         if got is not None:
             step, etag, state = got
-            if strict:
-                self._check_strict(state, model_state)
-            else:
-                state = {k: v for k, v in state.items()
-                         if k in model_state and tuple(v.shape) == tuple(model_state[k].shape)}
-            self.baseline, self.step, self._etag = self._baseline_of(state, model_state), step, etag
-            if self._chain is not None:
-                self._chain.accept()
-        with torch.no_grad():
-            for k, v in self.baseline.items():
-                model_state[k].copy_(v)
-        return self.step
+            self.baseline, self.step, self._etag = self._accepted_baseline(state, model_state, strict), step, etag
+        return self._load_baseline(model_state)
 
     # ---- push -------------------------------------------------------------------------------
     def push(self, model, *, local_step, loss=None, tokens=None, **metrics) -> PushResult:
